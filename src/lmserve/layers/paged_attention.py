@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache: write this step's K/V into their slots, then read by block table.
+
+The batch is ordered decodes first (one query token each), then prefill chunks. Decodes run as one
+batched gather + SDPA per layer, with no Python loop over sequences; prefill chunks run one SDPA per
+chunk (they are few and large, so the loop costs little).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lmserve.layers.attention import causal_sdpa
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of new tokens: rows [q_start, q_start + q_len) of the flat batch."""
+
+    q_start: int
+    q_len: int
+    context_len: int  # tokens in the cache for this sequence after this step (prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks_used] int64
+    mask: torch.Tensor | None  # [q_len, context_len] bool, None when the chunk is the whole context
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Everything attention needs for one step, built once by the model runner (not per layer)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * block_size + offset) per new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padded with block 0)
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: key within context
+    prefills: list[PrefillChunk]
+
+
+@dataclass
+class PagedAttention:
+    """AttentionContext over the engine's KV cache (one [2, blocks, block_size, kv_heads, head_dim] per layer)."""
+
+    kv_caches: list[torch.Tensor]
+    meta: PagedAttentionMetadata
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.kv_caches[layer_idx]
+        write_kv(cache, k, v, self.meta.slot_mapping)
+        m = self.meta
+        outs = []
+        if m.num_decodes:
+            outs.append(decode_attention(q[:m.num_decodes], cache, m.decode_block_tables, m.decode_mask))
+        for p in m.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.mask is None:  # no cached prefix: attend over the fresh K/V directly
+                outs.append(causal_sdpa(q[rows], k[rows], v[rows]))
+            else:
+                kc, vc = gather_context(cache, p.block_table, p.context_len)
+                outs.append(causal_sdpa(q[rows], kc, vc, p.mask))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V [T, kv_heads, head_dim] at their slots."""
+    _, _, _, h, d = cache.shape
+    cache[0].view(-1, h, d).index_copy_(0, slot_mapping, k.to(cache.dtype))
+    cache[1].view(-1, h, d).index_copy_(0, slot_mapping, v.to(cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V, each [context_len, kv_heads, head_dim]."""
+    _, _, _, h, d = cache.shape
+    k = cache[0][block_table].view(-1, h, d)[:context_len]
+    v = cache[1][block_table].view(-1, h, d)[:context_len]
+    return k, v
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """Batched single-token attention: q [B, H, D] over each sequence's blocks -> [B, H * D]."""
+    b, heads, d = q.shape
+    kv_heads = cache.shape[3]
+    k = cache[0][block_tables].view(b, -1, kv_heads, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = cache[1][block_tables].view(b, -1, kv_heads, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
+                                         enable_gqa=heads != kv_heads)  # [B, H, 1, D]
+    return out.reshape(b, heads * d)

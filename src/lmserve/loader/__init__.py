@@ -1,0 +1,94 @@
+"""Checkpoint loading: a path (GGUF file or HF directory) -> a built model with its weights in place."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmserve.layers.rotary import inv_frequencies
+from lmserve.loader.default_model import default_model_path
+from lmserve.loader.errors import CheckpointError
+from lmserve.loader.gguf_loader import gguf_config, iter_gguf, open_gguf, rope_freq_factors
+from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
+from lmserve.models.config import ModelConfig
+from lmserve.models.registry import build_model
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "LoadedModel", "default_model_path", "load_model", "resolve_model_path"]
+
+
+@dataclass
+class LoadedModel:
+    """A ready model plus what was learned while loading it."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    path: Path
+    format: str  # "gguf" | "safetensors"
+    load_seconds: float
+    peak_rss_gib: float
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None -> the embedded default; otherwise the given path, which must exist."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist (pass a .gguf file or a Hugging Face directory)")
+    return path
+
+
+def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory."""
+    path = resolve_model_path(model)
+    start = time.perf_counter()
+    if path.is_dir():
+        cfg = _config_from_dir(path)
+        net = _empty_model(cfg, dtype, device)
+        files, weight_map = weight_files(path)
+        net.load_weights(iter_safetensors(files, weight_map))
+        fmt = "safetensors"
+    elif path.suffix.lower() == ".gguf":
+        reader = open_gguf(path)
+        cfg = gguf_config(reader, path)
+        net = _empty_model(cfg, dtype, device)
+        factors = rope_freq_factors(reader)
+        if factors is not None:
+            net.inv_freq.copy_(net.inv_freq / factors.to(device))
+        net.load_weights(iter_gguf(reader, cfg, path))
+        fmt = "gguf"
+    elif path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+        raise CheckpointError(f"{path}: pickle checkpoints are not loaded (unpickling can run arbitrary code); "
+                              "convert the model to safetensors")
+    else:
+        raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face directory with config.json")
+    net.eval()
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    log.info("loaded %s (%s, %s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
+             seconds, rss)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss)
+
+
+def _config_from_dir(path: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(read_config(path))
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Allocate parameters without initialising them (the checkpoint overwrites every one)."""
+    with torch.device("meta"):
+        net = build_model(cfg)
+    net = net.to_empty(device=device).to(dtype)
+    # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
+    net.inv_freq = inv_frequencies(cfg).to(device)
+    return net

@@ -1,0 +1,107 @@
+"""Per-request sampling and stopping parameters (plain data, validated once on creation)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Bounds that keep one request from exhausting the server (checked here so the
+# offline API and the HTTP API reject the same things with the same words).
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop. Defaults are greedy-free sampling at T=1."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's context
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: chosen token plus top-k alternatives
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 means argmax; sampling filters are then irrelevant."""
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and the bound for any out-of-range value."""
+        _int_range("n", self.n, 1, MAX_N)
+        if self.max_tokens is not None:
+            _int_range("max_tokens", self.max_tokens, 1, None)
+        _int_range("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _float_range("temperature", self.temperature, 0.0, 100.0)
+        _int_range("top_k", self.top_k, 0, None)
+        _float_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _float_range("min_p", self.min_p, 0.0, 1.0)
+        _float_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        _float_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _int_range("seed", self.seed, -(2**63), 2**63 - 1)
+        if self.logprobs is not None:
+            _int_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
+                raise ValueError(f"stop: each stop string must be 1..{MAX_STOP_STRING_LEN} characters")
+        for t in self.stop_token_ids:
+            _int_range("stop_token_ids", t, 0, None)
+        for tok, bias in (self.logit_bias or {}).items():
+            _int_range("logit_bias key", tok, 0, None)
+            _float_range("logit_bias value", bias, -100.0, 100.0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids given by the caller must exist in the model's vocabulary."""
+        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+        for t in ids:
+            if t >= vocab_size:
+                raise ValueError(f"token id {t} is out of vocabulary (size {vocab_size})")
+
+
+def _int_range(name: str, value: object, low: int | None, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _float_range(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if value < low or (low_open and value == low) or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
