@@ -90,6 +90,7 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id")
             max_pos = int(cfg.get("max_position_embeddings", 2048))
+            rope_theta, rope_scaling = _rope_from_hf(cfg)
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
             if window:  # no sliding-window attention yet: never run past the window
                 max_pos = min(max_pos, int(window))
@@ -103,8 +104,8 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=int(cfg.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                rope_scaling=dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None,
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
                 max_position_embeddings=max_pos,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
@@ -158,3 +159,14 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """rope_theta and scaling from either the classic `rope_theta` + `rope_scaling` fields or
+    transformers 5's `rope_parameters` (which holds both)."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return theta, None
+    return theta, dict(scaling)

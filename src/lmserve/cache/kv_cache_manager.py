@@ -1,0 +1,115 @@
+"""Per-request block tables over the block pool: prefix lookup, allocation, freeing, usage."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from lmserve.cache.block_pool import Block, BlockPool
+
+
+def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """Content hash of a full block given its prefix's hash; `extra` separates e.g. LoRA adapters."""
+    h = hashlib.sha256(parent or b"")
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+@dataclass
+class ComputedBlocks:
+    """A prefix-cache hit: blocks whose KV is already in the cache, covering `num_tokens` tokens."""
+
+    blocks: list[Block] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class KVCacheManager:
+    """Maps each request to the list of blocks holding its KV, in token order."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[Block]] = {}
+        self._req_hashes: dict[str, list[bytes]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of each request already registered
+        self.prefix_hits = 0  # tokens served from the cache since start (for stats)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by running requests."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_computed(self, request_id: str, token_ids: Sequence[int], extra: bytes = b"") -> ComputedBlocks:
+        """Longest cached prefix of full blocks, leaving at least one token to compute (for its logits)."""
+        if not self.enable_prefix_caching:
+            return ComputedBlocks()
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hashes = self._hashes(request_id, token_ids, extra, max_blocks)
+        hit: list[Block] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hit.append(block)
+        return ComputedBlocks(hit, len(hit) * self.block_size)
+
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_computed: int, num_new: int,
+                 computed: ComputedBlocks | None = None, extra: bytes = b"") -> bool:
+        """Make room for `num_new` more tokens after `num_computed`; False (and no change) if blocks run out."""
+        blocks = self.req_blocks.get(request_id, [])
+        hit = computed.blocks if computed else []
+        need = self.blocks_needed(num_computed + num_new) - len(blocks) - len(hit)
+        reclaim = sum(1 for b in hit if b.ref_cnt == 0)  # free-queue blocks a hit would pull out
+        if need > self.pool.num_free_blocks - reclaim:
+            return False
+        self.pool.touch(hit)
+        blocks = blocks + hit + self.pool.allocate(max(need, 0))
+        self.req_blocks[request_id] = blocks
+        if computed:
+            self.prefix_hits += computed.num_tokens
+        self._cache_full(request_id, blocks, token_ids, num_computed + num_new, extra)
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks (finished, aborted or preempted)."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self.pool.free(list(reversed(blocks)))
+        self._req_hashes.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+
+    def _hashes(self, request_id: str, token_ids: Sequence[int], extra: bytes, num_blocks: int) -> list[bytes]:
+        """Hashes of the first `num_blocks` full blocks, extended incrementally as the request grows."""
+        hashes = self._req_hashes.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra))
+        return hashes
+
+    def _cache_full(self, request_id: str, blocks: list[Block], token_ids: Sequence[int], num_tokens: int,
+                    extra: bytes) -> None:
+        """Register the blocks that will be full once this step's tokens are written."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(num_tokens, len(token_ids)) // self.block_size
+        done = self._num_cached.get(request_id, 0)
+        if full <= done:
+            return
+        hashes = self._hashes(request_id, token_ids, extra, full)
+        for block, h in zip(blocks[done:full], hashes[done:full]):
+            self.pool.cache(block, h)
+        self._num_cached[request_id] = full

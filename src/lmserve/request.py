@@ -1,0 +1,93 @@
+"""A request as the engine tracks it, and the per-step deltas it produces (plain data)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> FINISHED_*."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of one generated token and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class Request:
+    """One sequence being generated. `n` > 1 completions are n Requests sharing a parent id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens, or what fits in the context
+    stop_token_ids: frozenset[int]  # ids that end generation here (eos unless ignore_eos, plus params')
+    parent_id: str = ""
+    index: int = 0  # which of the parent's n completions
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    cache_salt: bytes = b""  # mixed into prefix-cache hashes (e.g. adapter id)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """Record a sampled token."""
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion produced in one engine step: new tokens and text, and whether it ended."""
+
+    request_id: str  # the parent (client-visible) request id
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] | None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0

@@ -1,0 +1,55 @@
+"""Small shared helpers: device and dtype resolution, memory figures."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' picks CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bf16 on CUDA and on CPUs with native bf16 matmul, float32 otherwise."""
+    if name == "auto":
+        fast = device.type == "cuda" or cpu_has_fast_bf16()
+        return torch.bfloat16 if fast else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose from auto, float32, bfloat16, float16)")
+    return DTYPES[name]
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache on `device`."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def env_int(name: str) -> int | None:
+    """An integer environment variable, or None."""
+    value = os.environ.get(name)
+    return int(value) if value else None

@@ -1,0 +1,110 @@
+"""Scheduler decisions without a model: token budget, chunking, FCFS admission, preemption, finishing."""
+
+from lmserve.cache.kv_cache_manager import KVCacheManager
+from lmserve.config import SchedulerConfig
+from lmserve.request import Request, RequestStatus
+from lmserve.sampling_params import SamplingParams
+from lmserve.sched.scheduler import Scheduler
+
+
+def make(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 0) -> Request:
+    return Request(rid, list(range(base, base + n_prompt)), SamplingParams(max_tokens=max_tokens), max_tokens,
+                   frozenset({0}))
+
+
+def step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    sampled = {r.request_id: (token, None) for r in out.requests if r.sample}
+    s.update(out, sampled)
+    return out
+
+
+def test_chunked_prefill_within_token_budget_and_decodes_first():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), kv)
+    s.add(make("a", 6))
+    s.add(make("b", 9, base=100))
+    out = step(s)
+    assert [(r.request_id, r.num_tokens, r.start_pos, r.sample) for r in out.requests] == [
+        ("a", 6, 0, True), ("b", 4, 0, False)]
+    out = step(s)  # a decodes one token, b continues its prefill with the rest of the budget
+    assert [(r.request_id, r.num_tokens, r.start_pos, r.sample) for r in out.requests] == [
+        ("a", 1, 6, True), ("b", 5, 4, True)]
+    assert s.requests["b"].output_token_ids == [7]
+
+
+def test_no_chunking_waits_for_whole_prompt():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, enable_chunked_prefill=False), kv)
+    s.add(make("a", 6))
+    s.add(make("b", 9, base=100))
+    out = step(s)
+    assert [r.request_id for r in out.requests] == ["a"]
+    out = step(s)
+    assert [(r.request_id, r.num_tokens) for r in out.requests] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_limits_admission_fcfs():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), kv)
+    for i in range(3):
+        s.add(make(str(i), 3, base=10 * i))
+    out = step(s)
+    assert [r.request_id for r in out.requests] == ["0", "1"]
+    assert [r.request_id for r in s.waiting] == ["2"]
+
+
+def test_preempts_most_recent_when_blocks_run_out_and_recomputes():
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100), kv)
+    s.add(make("a", 7, max_tokens=8))
+    s.add(make("b", 7, max_tokens=8, base=50))
+    step(s)  # prefill: a gets blocks 0,1 ; b gets 2,3
+    step(s)  # decode of token 8 (position 7) still fits in two blocks each
+    assert kv.block_ids("a") == [0, 1] and kv.block_ids("b") == [2, 3]
+    out = step(s)  # position 8 needs a 3rd block: b (newest) is preempted, a continues
+    assert out.preempted_ids == ["b"]
+    assert [r.request_id for r in out.requests] == ["a"]
+    assert s.requests["b"].status == RequestStatus.PREEMPTED and s.requests["b"].num_computed_tokens == 0
+    assert kv.block_ids("a") == [0, 1, 3]
+    assert [r.request_id for r in s.waiting] == ["b"]
+    while "a" in s.requests:
+        step(s)
+    out = step(s)  # b comes back and recomputes prompt + its 2 generated tokens in one chunk
+    assert [(r.request_id, r.start_pos, r.num_tokens) for r in out.requests] == [("b", 0, 9)]
+
+
+def test_stop_token_and_length_finish_and_free():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(), kv)
+    s.add(make("a", 3, max_tokens=2))
+    s.add(make("b", 3, max_tokens=5, base=20))
+    out = s.schedule()
+    s.update(out, {"a": (5, None), "b": (0, None)})  # b samples its stop id 0
+    assert s.requests.get("b") is None
+    out = s.schedule()
+    s.update(out, {"a": (5, None)})
+    assert not s.has_unfinished() and kv.num_free_blocks == 16
+
+
+def test_min_tokens_defers_stop_token():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(), kv)
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=5, min_tokens=2), 5, frozenset({0}))
+    s.add(r)
+    step(s, token=0)
+    assert r.status == RequestStatus.RUNNING  # 1 token < min_tokens: eos does not stop it
+    step(s, token=0)
+    assert r.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_abort_while_waiting_and_running_frees_everything():
+    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1), kv)
+    s.add(make("a", 5))
+    s.add(make("b", 5))
+    step(s)
+    assert s.finish("a", RequestStatus.FINISHED_ABORTED).status == RequestStatus.FINISHED_ABORTED
+    assert s.finish("b", RequestStatus.FINISHED_ABORTED) is not None
+    assert s.finish("missing", RequestStatus.FINISHED_ABORTED) is None
+    assert kv.num_free_blocks == 16 and not s.has_unfinished()
