@@ -13,7 +13,8 @@ import torch
 from lmserve.layers.rotary import inv_frequencies
 from lmserve.loader.default_model import default_model_path
 from lmserve.loader.errors import CheckpointError
-from lmserve.loader.gguf_loader import gguf_config, iter_gguf, open_gguf, rope_freq_factors
+from lmserve.loader.gguf_file import GGUFFile, read_gguf
+from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.models.config import ModelConfig
 from lmserve.models.registry import build_model
@@ -33,6 +34,7 @@ class LoadedModel:
     format: str  # "gguf" | "safetensors"
     load_seconds: float
     peak_rss_gib: float
+    gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
@@ -49,6 +51,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory."""
     path = resolve_model_path(model)
     start = time.perf_counter()
+    gguf = None
     if path.is_dir():
         cfg = _config_from_dir(path)
         net = _empty_model(cfg, dtype, device)
@@ -56,13 +59,13 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         net.load_weights(iter_safetensors(files, weight_map))
         fmt = "safetensors"
     elif path.suffix.lower() == ".gguf":
-        reader = open_gguf(path)
-        cfg = gguf_config(reader, path)
+        gguf = read_gguf(path)
+        cfg = gguf_config(gguf)
         net = _empty_model(cfg, dtype, device)
-        factors = rope_freq_factors(reader)
+        factors = rope_freq_factors(gguf)
         if factors is not None:
             net.inv_freq.copy_(net.inv_freq / factors.to(device))
-        net.load_weights(iter_gguf(reader, cfg, path))
+        net.load_weights(iter_gguf(gguf, cfg))
         fmt = "gguf"
     elif path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
         raise CheckpointError(f"{path}: pickle checkpoints are not loaded (unpickling can run arbitrary code); "
@@ -74,7 +77,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     log.info("loaded %s (%s, %s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf if fmt == "gguf" else None)
 
 
 def _config_from_dir(path: Path) -> ModelConfig:

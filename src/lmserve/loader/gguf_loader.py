@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from lmserve.loader.errors import CheckpointError
+from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
 from lmserve.models.config import ModelConfig
 
 # GGUF tensor name -> HF name ({i} = layer index).
@@ -32,67 +33,42 @@ _NAMES = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 _PATTERNS = [(re.compile("^" + re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"), h) for g, h in _NAMES.items()]
-_BIG_ARRAYS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
 
 
-def open_gguf(path: Path) -> Any:
-    """Open (memory-map) a GGUF file; any parse failure names the file."""
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError, IndexError, struct errors... on bad files
-        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-
-
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    """Scalar and small-array metadata as Python values (the tokenizer's big arrays are left out)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key in _BIG_ARRAYS:
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # an unreadable optional field is not fatal; required ones are checked later
-            continue
-    return meta
-
-
-def gguf_config(reader: Any, path: Path) -> ModelConfig:
+def gguf_config(f: GGUFFile) -> ModelConfig:
     """ModelConfig from metadata, cross-checked against the embedding tensor and vocabulary."""
-    meta = gguf_metadata(reader)
+    meta = f.metadata
     arch = meta.get("general.architecture")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    n_tokens = len(tokens.data) if tokens is not None else None
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise CheckpointError(f"{path}: no token_embd.weight tensor")
-    vocab = int(embd.shape[1])
-    if n_tokens is not None and n_tokens != vocab:
-        raise CheckpointError(f"{path}: tokenizer has {n_tokens} tokens but token_embd.weight has {vocab} rows")
+    embd = next((t for t in f.tensors if t.name == "token_embd.weight"), None)
+    if embd is None or len(embd.shape) != 2:
+        raise CheckpointError(f"{f.path}: no 2-D token_embd.weight tensor")
+    vocab = int(embd.shape[0])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != vocab:
+        raise CheckpointError(f"{f.path}: tokenizer has {len(tokens)} tokens but token_embd.weight has {vocab} rows")
     try:
         cfg = ModelConfig.from_gguf(meta, str(arch), vocab)
     except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+        raise CheckpointError(f"{f.path}: {e}") from None
+    has_output = any(t.name == "output.weight" for t in f.tensors)
     return replace(cfg, tie_word_embeddings=not has_output)
 
 
-def rope_freq_factors(reader: Any) -> torch.Tensor | None:
+def rope_freq_factors(f: GGUFFile) -> torch.Tensor | None:
     """Llama 3.1 GGUFs carry rope scaling as a tensor of per-frequency divisors."""
-    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    return None if t is None else torch.from_numpy(np.array(t.data, dtype=np.float32)).flatten()
+    t = next((t for t in f.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else _dequantize(t, f.path).flatten()
 
 
-def iter_gguf(reader: Any, cfg: ModelConfig, path: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
+def iter_gguf(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield (hf_name, float32 tensor, file) for every weight, Q/K rows put back in HF order."""
-    for t in reader.tensors:
+    for t in f.tensors:
         if t.name == "rope_freqs.weight":
             continue
         name = _hf_name(t.name)
         if name is None:
-            raise CheckpointError(f"{path}: unexpected tensor {t.name!r}")
-        yield name, unpermute_qk(name, _dequantize(t, path), cfg), str(path)
+            raise CheckpointError(f"{f.path}: unexpected tensor {t.name!r}")
+        yield name, unpermute_qk(name, _dequantize(t, f.path), cfg), str(f.path)
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -103,23 +79,28 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _dequantize(t: Any, path: Path) -> torch.Tensor:
-    """Dequantize one tensor with the gguf package's vectorised numpy kernels; shape is HF's (rows, cols)."""
-    from gguf import GGMLQuantizationType
+def _dequantize(t: GGUFTensor, path: Path) -> torch.Tensor:
+    """Raw GGUF bytes -> float32 tensor of HF shape, with the gguf package's vectorised kernels."""
+    from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
-    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists the fastest-varying dimension first
-    try:
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            arr = np.asarray(t.data, dtype=np.float32)
-        else:
-            arr = dequantize(t.data, t.tensor_type)
-        arr = arr.reshape(shape)
-    except NotImplementedError:
-        raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from None
-    except (ValueError, IndexError, TypeError) as e:
-        raise CheckpointError(f"{path}: tensor {t.name!r} is corrupt or truncated ({e})") from None
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    kind = Q(t.ggml_type)
+    if kind == Q.F32:
+        arr = t.data.view(np.float32)
+    elif kind == Q.F16:
+        arr = t.data.view(np.float16).astype(np.float32)
+    elif kind == Q.BF16:
+        arr = (t.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+        try:
+            arr = dequantize(t.data.reshape(rows, -1), kind)
+        except NotImplementedError:
+            raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported type {kind.name}") from None
+    arr = arr.reshape(t.shape)
+    if not arr.flags.writeable:  # a float32 view straight into the read-only map: copy (they are small)
+        arr = arr.copy()
+    return torch.from_numpy(arr)
 
 
 def unpermute_qk(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

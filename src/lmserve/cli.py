@@ -1,0 +1,164 @@
+"""`lmserve serve | generate | chat`: one argparse table per command, engine flags shared."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+ENV_API_KEY = "LMSERVE_API_KEY"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that build an EngineConfig (shared by every command that loads a model)."""
+    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="schedule whole prompts only")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=float, default=0.15,
+                   help="KV cache size: bytes if > 1, else a fraction of available memory")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace):
+    """EngineConfig from parsed flags."""
+    from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, seed=args.seed,
+        num_threads=args.num_threads,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill),
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sample-seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):
+    from lmserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.sample_seed, stop=args.stop)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream one completion of a prompt to stdout."""
+    from lmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args))
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat_template \
+        else args.prompt
+    _stream(engine, "0", prompt, sampling_params(args))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive multi-turn chat that streams each reply."""
+    from lmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args))
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        reply = _stream(engine, str(turn), engine.tokenizer.encode_chat(messages), sampling_params(args))
+        messages.append({"role": "assistant", "content": reply})
+        turn += 1
+
+
+def _stream(engine, request_id: str, prompt, params) -> str:
+    engine.add_request(request_id, prompt, params)
+    text = []
+    while engine.has_unfinished():
+        for d in engine.step():
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+            text.append(d.text)
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lmserve.server.main import serve
+
+    return serve(args)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: from the file)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help=f"accepted API key (repeatable; also ${ENV_API_KEY}, comma-separated)")
+    p.add_argument("--api-key-file", default=None, help="file with one accepted API key per line")
+    p.add_argument("--cors-allowed-origins", action="append", default=[], help="origin allowed by CORS (repeatable)")
+    p.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting beyond the running batch before new ones get 503")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmserve", description="LLM inference server")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI- and TGI-compatible HTTP API")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream a completion of one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user chat message")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
