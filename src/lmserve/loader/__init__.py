@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from lmserve.layers.linear import can_pack, pack_linears
 from lmserve.layers.rotary import inv_frequencies
 from lmserve.loader.default_model import default_model_path
 from lmserve.loader.errors import CheckpointError
@@ -47,8 +48,11 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory."""
+def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True) -> LoadedModel:
+    """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
+
+    `pack` applies the fast CPU weight format (layers/linear.py); False keeps plain nn.Linear.
+    """
     path = resolve_model_path(model)
     start = time.perf_counter()
     gguf = None
@@ -73,6 +77,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     else:
         raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face directory with config.json")
     net.eval()
+    if pack and can_pack(device, dtype):
+        pack_linears(net)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     log.info("loaded %s (%s, %s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
@@ -92,6 +98,7 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
     with torch.device("meta"):
         net = build_model(cfg)
     net = net.to_empty(device=device).to(dtype)
+    net.tie_weights()  # to_empty gives each module its own tensor
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
     net.inv_freq = inv_frequencies(cfg).to(device)
     return net

