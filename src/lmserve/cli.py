@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from lmserve.bench.cli import add_bench_parser
+    add_bench_parser(sub, add_engine_args)
     return parser
 
 

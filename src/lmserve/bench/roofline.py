@@ -1,0 +1,115 @@
+"""`lmserve bench roofline`: this machine's memory bandwidth and matmul throughput, and the ceilings
+they put on a model: decode tokens/s at batch 1 (bytes read per token) and prefill tokens/s (FLOPs).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lmserve.models.config import ModelConfig
+
+
+@dataclass
+class Roofline:
+    """Measured machine limits and the model's ceilings derived from them."""
+
+    bandwidth_gbs: float  # the slower of the two read-bandwidth measurements
+    bandwidth_model_sized_gbs: float
+    bandwidth_1gib_gbs: float
+    matmul_tflops: dict[str, float]  # dtype -> TFLOP/s at the model's shapes
+    weight_bytes: int
+    flops_per_token: float
+    decode_tok_s_ceiling: float  # batch 1: every weight byte read once per token
+    prefill_tok_s_ceiling: float  # compute bound at the model's dtype
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights read per decoded token: every projection and the LM head once.
+
+    The embedding table only has rows looked up, so it counts only when it doubles as the LM head.
+    """
+    seen, total = set(), 0
+    embed = model.model.embed_tokens.weight
+    lm_head_weight = getattr(model.lm_head, "weight", None)
+    if lm_head_weight is not embed:
+        seen.add(id(embed))
+    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if n.endswith("packed")]:
+        if id(t) in seen:  # packed oneDNN buffers are opaque (no data_ptr); a tied weight is one object
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
+    """Matmul FLOPs for one token: 2 per weight of every projection and the LM head, plus attention."""
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    attn = 2 * cfg.num_heads * cfg.head_dim * context  # q.k and p.v over the context
+    return 2.0 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size) + 2.0 * cfg.num_layers * attn
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """GB/s of a full read (sum) over a buffer of `nbytes`, median of repeats after a warm-up."""
+    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * 4 / statistics.median(times) / 1e9
+
+
+def matmul_tflops(cfg: ModelConfig, dtype: torch.dtype, tokens: int = 256, repeats: int = 3) -> float:
+    """TFLOP/s of [tokens, hidden] x [hidden, intermediate] and back: the model's MLP shapes."""
+    x = torch.randn(tokens, cfg.hidden_size, dtype=dtype)
+    w1 = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+    w2 = torch.randn(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+
+    def run() -> None:
+        torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2)
+
+    run()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    flops = 2 * 2 * tokens * cfg.hidden_size * cfg.intermediate_size
+    return flops / statistics.median(times) / 1e12
+
+
+def measure(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> Roofline:
+    """Measure the machine and derive the model's ceilings."""
+    wbytes = weight_bytes(model)
+    bw_model = read_bandwidth(wbytes)
+    bw_big = read_bandwidth(2**30)
+    tflops = {str(d).removeprefix("torch."): matmul_tflops(cfg, d) for d in (torch.float32, torch.bfloat16)}
+    bandwidth = min(bw_model, bw_big)
+    fpt = flops_per_token(cfg)
+    compute = tflops.get(str(dtype).removeprefix("torch."), tflops["float32"])
+    return Roofline(bandwidth, bw_model, bw_big, tflops, wbytes, fpt,
+                    decode_tok_s_ceiling=bandwidth * 1e9 / wbytes,
+                    prefill_tok_s_ceiling=compute * 1e12 / fpt)
+
+
+def format_roofline(r: Roofline, model_name: str) -> str:
+    """Human-readable report."""
+    lines = [
+        f"model: {model_name}  weights read per token: {r.weight_bytes / 2**20:.0f} MiB  "
+        f"FLOPs per token: {r.flops_per_token / 1e9:.2f} GFLOP",
+        f"memory read bandwidth: {r.bandwidth_gbs:.1f} GB/s (model-sized buffer {r.bandwidth_model_sized_gbs:.1f}, "
+        f"1 GiB buffer {r.bandwidth_1gib_gbs:.1f}; the slower counts)",
+        "matmul at the model's shapes: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in r.matmul_tflops.items()),
+        f"ceiling, decode at batch 1: {r.decode_tok_s_ceiling:.1f} tok/s (bandwidth / weight bytes)",
+        f"ceiling, prefill: {r.prefill_tok_s_ceiling:.0f} tok/s (matmul throughput / FLOPs per token)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""AsyncEngine: runs LLMEngine on its own thread and streams deltas to asyncio callers.
+
+The HTTP server touches only this. The engine thread drains an inbox of adds and aborts between
+steps, so a request joins at the next step boundary and an abort frees its blocks within one step;
+torch releases the GIL while it computes, so the event loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from lmserve.engine.llm_engine import LLMEngine, StepStats
+from lmserve.request import CompletionDelta
+from lmserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; no request can be served any more."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    pending: int  # completions not finished yet
+
+
+class AsyncEngine:
+    """Thread-backed async front of one LLMEngine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None
+        self.step_listeners: list[Callable[[StepStats, list[CompletionDelta]], None]] = []
+        self.num_requests_in_flight = 0
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after its current step."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[CompletionDelta]:
+        """Stream the deltas of every completion of a request; closing the iterator aborts it."""
+        if self.dead is not None:
+            raise EngineDeadError("the engine has stopped")
+        self.engine.check_request(prompt_ids, params)  # fail fast, before the engine thread sees it
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self.num_requests_in_flight += 1
+        self._inbox.put(("add", request_id, prompt_ids, params))
+        try:
+            while stream.pending > 0:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    stream.pending -= 1
+                yield item
+        finally:
+            self.num_requests_in_flight -= 1
+            if stream.pending > 0:  # the caller went away (disconnect, cancel): free its blocks
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine thread to abort a request at the next step boundary."""
+        self._inbox.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid)
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    deltas = self.engine.step()
+                    self._publish(deltas)
+                    for listener in self.step_listeners:
+                        listener(self.engine.last_step, deltas)
+        except BaseException as e:  # noqa: BLE001 - any failure here must reach every waiting caller
+            log.exception("engine thread died")
+            self.dead = e
+            self._fail_all(EngineDeadError(f"the engine failed: {type(e).__name__}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        if item[0] == "add":
+            _, rid, ids, params = item
+            try:
+                self.engine.add_request(rid, ids, params)
+            except ValueError as e:
+                self._send(rid, e)
+        elif item[0] == "abort":
+            self._publish(self.engine.abort(item[1]))
+
+    def _publish(self, deltas: list[CompletionDelta]) -> None:
+        for d in deltas:
+            self._send(d.request_id, d)
+
+    def _send(self, request_id: str, item: object) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+        for rid, _ in streams:
+            self._send(rid, error)

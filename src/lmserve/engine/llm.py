@@ -1,0 +1,100 @@
+"""LLM: the offline API. `LLM().generate(prompts, params)` runs a list through the batching engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tqdm import tqdm
+
+from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from lmserve.engine.llm_engine import LLMEngine
+from lmserve.request import CompletionDelta, TokenLogprobs
+from lmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One finished completion."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class LLM:
+    """Offline batch generation over the same engine the server uses."""
+
+    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs) -> None:
+        """Load `model` (None: the embedded default) with vLLM-style keyword options, or wrap `engine`."""
+        self.engine = engine or LLMEngine(_engine_config(model, kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) with continuous batching; results in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        outs: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, plist):
+            rid = str(self._next_id)
+            self._next_id += 1
+            ids = self.engine.tokenize_prompt(prompt)
+            self.engine.add_request(rid, ids, p)
+            outs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                      [CompletionOutput(i, "", [], None, None, [] if p.logprobs is not None else None)
+                                       for i in range(p.n)])
+        self._run(outs, sum(p.n for p in plist), use_tqdm)
+        return list(outs.values())
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
+        return self.generate(ids, params, use_tqdm)
+
+    def _run(self, outs: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                _accumulate(outs[d.request_id].outputs[d.index], d)
+                if d.finished:
+                    bar.update(1)
+        bar.close()
+
+
+def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:
+    out.text += d.text
+    out.token_ids.extend(d.token_ids)
+    if out.logprobs is not None and d.logprobs:
+        out.logprobs.extend(d.logprobs)
+    if d.finished:
+        out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+
+
+def _engine_config(model: str | None, kw: dict) -> EngineConfig:
+    """Flat keyword arguments (vLLM style) -> the nested frozen config."""
+    cache_keys = {"block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching"}
+    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"}
+    cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in cache_keys})
+    sched = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in sched_keys})
+    return EngineConfig(model=model, cache=cache, scheduler=sched, **kw)

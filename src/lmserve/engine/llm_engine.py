@@ -1,0 +1,219 @@
+"""LLMEngine: the synchronous core. add_request / step / abort; each step is schedule -> run -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmserve.cache.kv_cache_manager import KVCacheManager
+from lmserve.config import EngineConfig
+from lmserve.engine.output_processor import OutputProcessor
+from lmserve.engine.tokenizer import Tokenizer
+from lmserve.loader import LoadedModel, load_model
+from lmserve.request import CompletionDelta, Request, RequestStatus
+from lmserve.sample import SamplingRow
+from lmserve.sampling_params import SamplingParams
+from lmserve.sched.scheduler import Scheduler
+from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
+from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV pool, bad token ids...)."""
+
+
+@dataclass
+class StepStats:
+    """What one engine step did (read by metrics, benchmarks and tests)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    batch_size: int = 0  # requests in the step's batch
+    num_decodes: int = 0
+    num_prefill_tokens: int = 0
+    step_seconds: float = 0.0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+
+
+class LLMEngine:
+    """Owns the model, tokenizer, KV cache, scheduler and runner of one model replica."""
+
+    def __init__(self, cfg: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        """Load the model named by cfg, or reuse `loaded` (and `tokenizer`) to build engines of other shapes."""
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device)
+        self.dtype = next(self.loaded.model.parameters()).dtype
+        self.model_config = self.loaded.config
+        self.tokenizer = tokenizer or _load_tokenizer(self.loaded)
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.block_size = cfg.cache.block_size
+        self.num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, cfg.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv)
+        self.runner = ModelRunner(self.loaded.model, self.model_config, self.num_blocks, self.block_size,
+                                  self.dtype, self.device)
+        self.outputs = OutputProcessor(self.tokenizer)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.children: dict[str, list[str]] = {}  # client request id -> its n child request ids
+        self.last_step = StepStats(num_free_blocks=self.num_blocks)
+        self.num_steps = 0
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", self.num_blocks, self.block_size,
+                 self.num_blocks * self._block_bytes() / 2**30, self.max_model_len)
+
+    def _block_bytes(self) -> int:
+        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+
+    def _num_blocks(self) -> int:
+        c = self.cfg.cache
+        if c.num_blocks:
+            return c.num_blocks
+        budget = c.kv_cache_memory if c.kv_cache_memory > 1 else c.kv_cache_memory * available_memory(self.device)
+        # Never more than the whole context of max_num_seqs sequences: more would sit unused.
+        cap = self.cfg.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(int(budget // self._block_bytes()), cap))
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Prompt text -> ids (plain text: never special tokens); a list of ids is checked and kept."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestRejected("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise RequestRejected("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise RequestRejected(f"prompt token id {t!r} is out of vocabulary (valid ids are 0..{vocab - 1})")
+        return ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Raise RequestRejected when the request could never run; return its resolved max_tokens."""
+        try:
+            params.check_vocab(self.model_config.vocab_size)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestRejected(f"prompt has {n} tokens, the model's context is {self.max_model_len} tokens")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the model's "
+                f"context of {self.max_model_len} tokens")
+        if self.kv.blocks_needed(n + max_tokens) > self.num_blocks:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs more KV cache than the whole pool "
+                f"({self.num_blocks * self.block_size} tokens)")
+        if not self.cfg.scheduler.enable_chunked_prefill and n + max_tokens > self.cfg.scheduler.max_num_batched_tokens:
+            raise RequestRejected(f"prompt + max_tokens exceeds max_num_batched_tokens "
+                                  f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks."""
+        params = params or SamplingParams()
+        if request_id in self.children:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        ids = self.tokenize_prompt(prompt)
+        max_tokens = self.check_request(ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        kids = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i,
+                          generator=_generator(params.seed, i, self.device))
+            self.scheduler.add(req)
+            self.outputs.add(req)
+            kids.append(rid)
+        self.children[request_id] = kids
+
+    def abort(self, request_id: str) -> list[CompletionDelta]:
+        """Stop a request at any point; its blocks return to the pool at once."""
+        deltas = []
+        for rid in self.children.pop(request_id, []):
+            req = self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                deltas.append(self._final_delta(req))
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[CompletionDelta]:
+        """Schedule one batch, run it, and return every completion's new tokens and text."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        rows = {s.request_id: self._sampling_row(self.scheduler.requests[s.request_id])
+                for s in out.requests if s.sample}
+        result = self.runner.execute(out, rows)
+        changed = self.scheduler.update(out, result.sampled)
+        deltas = [self._delta(req) for req in changed]
+        self.num_steps += 1
+        self.last_step = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), len(out.requests),
+                                   result.num_decodes, result.num_prefill_tokens, time.perf_counter() - start,
+                                   self.kv.usage, self.kv.num_free_blocks)
+        return deltas
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        eos_ids = req.stop_token_ids
+        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator, eos_ids)
+
+    def _delta(self, req: Request) -> CompletionDelta:
+        delta, stop = self.outputs.process(req)
+        if stop is not None:
+            req.stop_reason = stop
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if req.status.finished:
+            self._close(req, delta)
+        return delta
+
+    def _final_delta(self, req: Request) -> CompletionDelta:
+        delta = CompletionDelta(req.parent_id or req.request_id, req.index, [], "", None,
+                                num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_token_ids))
+        self._close(req, delta)
+        return delta
+
+    def _close(self, req: Request, delta: CompletionDelta) -> None:
+        delta.finished = True
+        delta.finish_reason = req.status.value
+        delta.stop_reason = req.stop_reason
+        self.outputs.remove(req.request_id)
+        kids = self.children.get(req.parent_id)
+        if kids is not None and all(k not in self.scheduler.requests for k in kids):
+            del self.children[req.parent_id]
+
+
+def _load_tokenizer(loaded: LoadedModel) -> Tokenizer:
+    if loaded.format == "gguf":
+        return Tokenizer.from_gguf(loaded.path)
+    return Tokenizer.from_pretrained(loaded.path)
+
+
+def _generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    """Completion i of a seeded request draws from seed + i, so n=1 with seed s equals completion 0."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed + index) % 2**63)
+    return gen

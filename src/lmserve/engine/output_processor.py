@@ -1,0 +1,81 @@
+"""Turns sampled tokens into client-visible deltas: incremental detokenization and stop strings.
+
+Stop strings may span token boundaries; a delta never contains any part of a stop string, so text
+that could still become the start of one is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmserve.engine.detokenizer import IncrementalDetokenizer
+from lmserve.engine.tokenizer import Tokenizer
+from lmserve.request import CompletionDelta, Request
+
+
+@dataclass
+class _State:
+    detok: IncrementalDetokenizer
+    text: str = ""  # all text decoded so far (before stop truncation)
+    emitted: int = 0  # characters of `text` already sent
+    tokens_seen: int = 0  # output tokens already turned into deltas
+    holdback: int = 0  # characters that may be the start of a stop string
+    stops: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Per-request detokenizer and stop-string state."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+
+    def add(self, req: Request) -> None:
+        stops = req.params.stop
+        self._states[req.request_id] = _State(
+            IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens, req.prompt_token_ids),
+            holdback=max((len(s) for s in stops), default=1) - 1, stops=list(stops))
+
+    def remove(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def process(self, req: Request) -> tuple[CompletionDelta, str | None]:
+        """The delta for `req`'s new tokens, and the stop string that ended it (if one did)."""
+        st = self._states[req.request_id]
+        new_ids = req.output_token_ids[st.tokens_seen:]
+        new_lp = req.output_logprobs[st.tokens_seen:] if req.params.logprobs is not None else None
+        st.tokens_seen = len(req.output_token_ids)
+        prev_len = len(st.text)
+        st.text += st.detok.add(new_ids)
+        if req.status.finished:
+            st.text += st.detok.flush()
+        matched = self._find_stop(st, prev_len, req)
+        if matched is not None:
+            cut, stop = matched
+            end = cut
+        elif req.status.finished:
+            end, stop = len(st.text), None
+        else:
+            end, stop = max(st.emitted, len(st.text) - st.holdback), None
+        delta_text = st.text[st.emitted:end]
+        st.emitted = end
+        delta = CompletionDelta(
+            request_id=req.parent_id or req.request_id, index=req.index, token_ids=list(new_ids), text=delta_text,
+            logprobs=new_lp, num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_token_ids))
+        return delta, stop
+
+    def _find_stop(self, st: _State, prev_len: int, req: Request) -> tuple[int, str] | None:
+        """Earliest stop string that the new text completes (only once min_tokens is reached)."""
+        if not st.stops or len(req.output_token_ids) < req.params.min_tokens:
+            return None
+        begin = max(st.emitted, prev_len - st.holdback)
+        best: tuple[int, str] | None = None
+        for s in st.stops:
+            i = st.text.find(s, begin)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def final_text(self, request_id: str) -> str:
+        st = self._states[request_id]
+        return st.text[:st.emitted]

@@ -1,0 +1,70 @@
+"""ModelRunner: owns the KV cache tensors; one `execute` = upload inputs, one forward, sample, one download."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmserve.layers.paged_attention import PagedAttention
+from lmserve.models.config import ModelConfig
+from lmserve.request import TokenLogprobs
+from lmserve.sample import Sampler, SamplingRow, build_sampling_metadata
+from lmserve.sched.output import SchedulerOutput
+from lmserve.worker.inputs import build_inputs, order_batch
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled token (and logprobs when asked) per request that sampled this step."""
+
+    sampled: dict[str, tuple[int, TokenLogprobs | None]]
+    num_decodes: int
+    num_prefill_tokens: int
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for `block_size` tokens in every layer."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    """Runs the model over a scheduled batch against the paged KV cache."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> RunnerOutput:
+        """One forward over the whole batch; only the rows that sample go through the LM head."""
+        reqs = order_batch(out.requests)
+        inputs = build_inputs(reqs, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
+        num_decodes = inputs.attn.num_decodes
+        prefill_tokens = int(inputs.input_ids.shape[0]) - num_decodes
+        if not inputs.sample_ids:
+            return RunnerOutput({}, num_decodes, prefill_tokens)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
+        meta = build_sampling_metadata([rows[r] for r in inputs.sample_ids], self.cfg.vocab_size, self.device)
+        result = self.sampler(logits, meta)
+        return RunnerOutput(_to_host(inputs.sample_ids, result, rows), num_decodes, prefill_tokens)
+
+
+def _to_host(ids: list[str], result, rows: dict[str, SamplingRow]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    """Download sampled ids (and logprobs) once, as Python values keyed by request id."""
+    tokens = result.sampled_token_ids.tolist()
+    if result.logprobs is None:
+        return {rid: (tok, None) for rid, tok in zip(ids, tokens)}
+    chosen = result.logprobs.tolist()
+    top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else [[]] * len(ids)
+    top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else [[]] * len(ids)
+    out: dict[str, tuple[int, TokenLogprobs | None]] = {}
+    for i, rid in enumerate(ids):
+        k = rows[rid].params.logprobs
+        lp = None if k is None else TokenLogprobs(tokens[i], chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k])))
+        out[rid] = (tokens[i], lp)
+    return out
