@@ -206,7 +206,7 @@ class LLMEngine:
 
 def _load_tokenizer(loaded: LoadedModel) -> Tokenizer:
     if loaded.format == "gguf":
-        return Tokenizer.from_gguf(loaded.path)
+        return Tokenizer.from_gguf(loaded.path, loaded.gguf.metadata if loaded.gguf else None)
     return Tokenizer.from_pretrained(loaded.path)
 
 
