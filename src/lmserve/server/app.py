@@ -1,0 +1,178 @@
+"""The FastAPI app: middlewares (body limit, auth, draining, status metrics), misc routes, error handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import lmserve
+from lmserve.server import openai_routes, tgi_routes
+from lmserve.server.errors import APIError, error_response
+from lmserve.server.openai_routes import state_of
+from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from lmserve.server.state import ServerState
+
+OPEN_PATHS = ("/health",)  # no API key needed
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app over a ServerState (whose engine may still be loading)."""
+    app = FastAPI(title="lmserve", version=lmserve.__version__, docs_url=None, redoc_url=None)
+    app.state.lm = state
+    app.include_router(openai_routes.router)
+    app.include_router(tgi_routes.router)
+    _misc_routes(app)
+    _error_handlers(app)
+    app.middleware("http")(_auth_and_status)
+    if state.config.cors_allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    return app
+
+
+async def _auth_and_status(request: Request, call_next) -> Response:
+    st: ServerState = request.app.state.lm
+    if st.config.api_keys and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
+        if not _key_ok(request.headers.get("authorization", ""), st.config.api_keys):
+            response = error_response(request.url.path, APIError(401, "missing or invalid API key",
+                                                                 code="invalid_api_key"))
+            st.metrics.status(401)
+            return response
+    response = await call_next(request)
+    st.metrics.status(response.status_code)
+    return response
+
+
+def _key_ok(header: str, keys: tuple[str, ...]) -> bool:
+    """Constant-time comparison against every accepted key (no early exit on the first match)."""
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        given = ""
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(given.encode(), key.encode())
+    return ok
+
+
+class BodyLimit:
+    """Pure ASGI: refuse bodies over `max_bytes` with 413 before reading them whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large(scope, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(scope, send)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, send) -> None:
+        err = APIError(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+        await error_response(scope.get("path", ""), err)(scope, _empty_receive, send)
+
+
+async def _empty_receive():
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def _misc_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        st = state_of(request)
+        if st.ready:
+            return JSONResponse({"status": "ok"})
+        reason = "draining" if st.draining else "loading" if st.async_engine is None and not st.load_error else "dead"
+        return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": lmserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        st = state_of(request)
+        st.check_ready()
+        req = parse_body(await request.body(), TokenizeRequest)
+        st.check_model(req.model)
+        tok = st.engine.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+        try:
+            if req.messages is not None:
+                ids = await asyncio.to_thread(tok.encode_chat, [m.model_dump(exclude_none=True) for m in req.messages])
+            else:
+                ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        st = state_of(request)
+        st.check_ready()
+        req = parse_body(await request.body(), DetokenizeRequest)
+        st.check_model(req.model)
+        vocab = st.engine.model_config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of vocabulary (valid ids are 0..{vocab - 1})", param="tokens")
+        return {"prompt": st.engine.tokenizer.decode(req.tokens)}
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        messages = {404: f"no route {request.method} {request.url.path[:100]}",
+                    405: f"method {request.method} is not allowed on {request.url.path[:100]}"}
+        message = messages.get(exc.status_code, str(exc.detail)[:200])
+        return error_response(request.url.path, APIError(exc.status_code, message, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(request.url.path, APIError(400, json.dumps(exc.errors()[:1], default=str)[:300]))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Never a traceback or a path in the body; the log has the details.
+        import logging
+
+        logging.getLogger("lmserve.server").exception("unhandled error on %s", request.url.path)
+        return error_response(request.url.path, APIError(500, f"internal error ({type(exc).__name__})"))

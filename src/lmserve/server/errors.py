@@ -1,0 +1,46 @@
+"""Error bodies: OpenAI's shape on OpenAI routes, TGI's on TGI routes. Never a traceback or a path."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+TGI_PATHS = ("/generate", "/generate_stream", "/info")
+MAX_MESSAGE = 400  # characters of an error message (inputs are only ever quoted in short excerpts)
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+                 500: "internal_error"}
+_TGI_TYPES = {400: "validation", 422: "validation", 401: "authentication", 404: "not_found", 405: "validation",
+              413: "validation", 503: "overloaded", 500: "generation"}
+
+
+class APIError(Exception):
+    """An error to answer with `status` and a clear message; `param` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message[:MAX_MESSAGE], param, code
+        self.headers = headers or {}
+
+
+def excerpt(value: object, limit: int = 40) -> str:
+    """A short, safe quotation of user input for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
+def is_tgi(path: str) -> bool:
+    return path in TGI_PATHS
+
+
+def error_response(path: str, err: APIError) -> JSONResponse:
+    """The body and status for `err` in the route family of `path`."""
+    if is_tgi(path):
+        status = 422 if err.status == 400 else err.status  # TGI answers validation errors with 422
+        body = {"error": err.message, "error_type": _TGI_TYPES.get(err.status, "generation")}
+    else:
+        status = err.status
+        body = {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "invalid_request_error"),
+                          "param": err.param, "code": err.code}}
+    return JSONResponse(body, status_code=status, headers=err.headers)

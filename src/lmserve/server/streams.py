@@ -1,0 +1,82 @@
+"""Driving engine streams from HTTP handlers: merge several, and abort them when the client leaves.
+
+A disconnect is noticed by listening on the ASGI receive channel (not only when a write fails),
+so a client that hangs up during a long prefill frees its KV blocks within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from starlette.requests import Request
+
+from lmserve.request import CompletionDelta
+
+_DONE = object()
+
+
+class MergedStreams:
+    """Interleaves the deltas of several engine streams as (stream index, delta); cancel() aborts all."""
+
+    def __init__(self, streams: list[AsyncIterator[CompletionDelta]]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+        self._open = len(streams)
+        self.cancelled = False
+
+    async def _pump(self, i: int, stream: AsyncIterator[CompletionDelta]) -> None:
+        try:
+            async for delta in stream:
+                self._queue.put_nowait((i, delta))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which answers with an error
+            self._queue.put_nowait((i, e))
+        finally:
+            await stream.aclose()  # aborts the request in the engine if it has not finished
+            self._queue.put_nowait((i, _DONE))
+
+    def cancel(self) -> None:
+        """Abort every stream (the client went away); `cancelled` tells the handler not to answer."""
+        self.cancelled = True
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the pumps (a stream that has not finished is aborted by its own cleanup)."""
+        for t in self._tasks:
+            t.cancel()
+
+    async def __aiter__(self):
+        try:
+            while self._open:
+                i, item = await self._queue.get()
+                if item is _DONE:
+                    self._open -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            self.stop()  # normal end or consumer error: stop any stream still running
+
+
+async def watch_disconnect(request: Request, merged: MergedStreams, on_disconnect) -> None:
+    """Wait for the client to go away; then abort its streams (run as a task, cancelled when done)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            if not merged.cancelled:
+                on_disconnect()
+                merged.cancel()
+            return
+
+
+class Watched:
+    """Context: a disconnect watcher running for as long as a response is being produced."""
+
+    def __init__(self, request: Request, merged: MergedStreams, on_disconnect) -> None:
+        self.task = asyncio.create_task(watch_disconnect(request, merged, on_disconnect))
+
+    def close(self) -> None:
+        self.task.cancel()
