@@ -41,3 +41,20 @@ def save_tiny_hf(tmp_path, kind: str, max_shard_size: str = "100KB"):
     path = tmp_path / kind
     model.save_pretrained(path, safe_serialization=True, max_shard_size=max_shard_size)
     return path, model
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One shared server on the embedded model for the black-box API tests."""
+    from tests.server_util import running_server
+
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def offline_llm():
+    """The offline API on the same model, for comparing HTTP results with LLM.generate."""
+    from lmserve import LLM
+
+    return LLM(num_threads=2, kv_cache_memory=128 * 2**20)

@@ -30,7 +30,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(tgi_routes.router)
     _misc_routes(app)
     _error_handlers(app)
-    app.middleware("http")(_auth_and_status)
+    app.add_middleware(AuthAndStatus, state=state)
     if state.config.cors_allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
@@ -38,17 +38,29 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _auth_and_status(request: Request, call_next) -> Response:
-    st: ServerState = request.app.state.lm
-    if st.config.api_keys and request.url.path not in OPEN_PATHS and request.method != "OPTIONS":
-        if not _key_ok(request.headers.get("authorization", ""), st.config.api_keys):
-            response = error_response(request.url.path, APIError(401, "missing or invalid API key",
-                                                                 code="invalid_api_key"))
-            st.metrics.status(401)
-            return response
-    response = await call_next(request)
-    st.metrics.status(response.status_code)
-    return response
+class AuthAndStatus:
+    """Pure ASGI (no wrapping of `receive`, so handlers see real disconnects): API keys, status metrics."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st, path = self.state, scope.get("path", "")
+        if st.config.api_keys and path not in OPEN_PATHS and scope.get("method") != "OPTIONS":
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if not _key_ok(header, st.config.api_keys):
+                st.metrics.status(401)
+                err = APIError(401, "missing or invalid API key", code="invalid_api_key")
+                return await error_response(path, err)(scope, receive, send)
+
+        async def send_counted(message) -> None:
+            if message["type"] == "http.response.start":
+                st.metrics.status(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_counted)
 
 
 def _key_ok(header: str, keys: tuple[str, ...]) -> bool:

@@ -30,6 +30,8 @@ class ServerMetrics:
         for status in STATUS_CLASSES:
             self.requests.labels(status)
         self._engine = None
+        self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
+                               registry=r)
 
     def bind_engine(self, engine) -> None:
         """Read live engine state at scrape time, and observe every step (on the engine thread: cheap)."""

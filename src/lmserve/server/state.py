@@ -75,6 +75,7 @@ class ServerState:
     def generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limit until it ends."""
         self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
         inner = self.async_engine.generate(request_id, ids, params)
 
         async def counted():
@@ -87,6 +88,7 @@ class ServerState:
             finally:
                 await inner.aclose()
                 self.in_flight -= 1
+                self.metrics.in_flight.set(self.in_flight)
 
         return counted()
 

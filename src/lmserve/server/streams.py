@@ -7,6 +7,7 @@ so a client that hangs up during a long prefill frees its KV blocks within one e
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -14,6 +15,7 @@ from starlette.requests import Request
 from lmserve.request import CompletionDelta
 
 _DONE = object()
+log = logging.getLogger(__name__)
 
 
 class MergedStreams:
@@ -66,6 +68,7 @@ async def watch_disconnect(request: Request, merged: MergedStreams, on_disconnec
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            log.debug("client disconnected: aborting %d stream(s)", len(merged._tasks))
             if not merged.cancelled:
                 on_disconnect()
                 merged.cancel()

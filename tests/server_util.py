@@ -1,0 +1,82 @@
+"""Start the real server as a subprocess on a free port and talk to it over loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+BASE_ARGS = ["--kv-cache-memory", str(256 * 2**20), "--num-threads", "2", "--log-level", "warning"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A running `lmserve serve` process."""
+
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc, self.port = proc, port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """Value of a Prometheus sample from /metrics (labels as written, e.g. 'reason="shutdown"')."""
+        text = httpx.get(self.url + "/metrics", timeout=10, headers=getattr(self, "headers", {})).text
+        pattern = re.escape(name) + (r"\{[^}]*" + re.escape(labels) + r"[^}]*\}" if labels else r"(\{[^}]*\})?")
+        m = re.search(r"^" + pattern + r" ([0-9.e+-]+)$", text, re.M)
+        if m is None:
+            raise KeyError(name)
+        return float(m.groups()[-1])
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until every KV block is free again (all requests finished or aborted)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.metric("lmserve:kv_cache_free_blocks") == self.metric("lmserve:kv_cache_total_blocks"):
+                return
+            time.sleep(0.05)
+        raise AssertionError("KV blocks were not all returned")
+
+
+@contextmanager
+def running_server(*extra: str, env: dict | None = None, headers: dict | None = None):
+    """Start a server, wait for /health 200, yield it, then stop it (SIGKILL if SIGTERM does not do)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), *BASE_ARGS, *extra]
+    log = open(os.environ.get("LMSERVE_TEST_SERVER_LOG", os.devnull), "ab")
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(proc, port)
+    server.headers = headers or {}
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} (set LMSERVE_TEST_SERVER_LOG to see why)")
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        else:
+            raise RuntimeError("server did not become healthy")
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,205 @@
+"""Bad input gets the right 4xx and error shape and never harms the server; auth; backpressure; SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_util import MODEL, running_server
+
+M = MODEL
+C, CH = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def comp(**kw):
+    return {"model": M, "prompt": "hello", "max_tokens": 2, **kw}
+
+
+def chat(**kw):
+    return {"model": M, "messages": USER, "max_tokens": 2, **kw}
+
+
+# (id, method, path, body (dict -> JSON, str/bytes -> raw), status, match in message)
+CASES = [
+    ("invalid-json", "POST", C, "{", 400, "not valid JSON"),
+    ("json-array", "POST", C, "[]", 400, "JSON object"),
+    ("nan", "POST", C, '{"model": "%s", "prompt": "x", "temperature": NaN}' % M, 400, "NaN"),
+    ("infinity", "POST", C, '{"model": "%s", "prompt": "x", "top_p": Infinity}' % M, 400, "Infinity"),
+    ("missing-model", "POST", C, {"prompt": "x"}, 400, "model"),
+    ("missing-prompt", "POST", C, {"model": M}, 400, "prompt"),
+    ("unknown-model", "POST", C, comp(model="gpt-9"), 404, "does not exist"),
+    ("empty-prompt", "POST", C, comp(prompt=""), 400, "empty"),
+    ("empty-prompt-list", "POST", C, comp(prompt=[]), 400, "empty"),
+    ("prompt-number", "POST", C, comp(prompt=5), 400, "prompt must be"),
+    ("oov-token", "POST", C, comp(prompt=[1, 999999]), 400, "out of vocabulary"),
+    ("negative-token", "POST", C, comp(prompt=[-1]), 400, "out of vocabulary"),
+    ("max-tokens-zero", "POST", C, comp(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-negative", "POST", C, comp(max_tokens=-5), 400, "max_tokens"),
+    ("max-tokens-string", "POST", C, comp(max_tokens="ten"), 400, "max_tokens"),
+    ("over-context", "POST", C, comp(max_tokens=9000), 400, "8192"),
+    ("temperature-negative", "POST", C, comp(temperature=-1), 400, "temperature"),
+    ("temperature-huge", "POST", C, comp(temperature=1000), 400, "temperature"),
+    ("top-p-zero", "POST", C, comp(top_p=0), 400, "top_p"),
+    ("top-p-big", "POST", C, comp(top_p=1.5), 400, "top_p"),
+    ("top-k-negative", "POST", C, comp(top_k=-3), 400, "top_k"),
+    ("min-p-big", "POST", C, comp(min_p=2), 400, "min_p"),
+    ("n-zero", "POST", C, comp(n=0), 400, "n must"),
+    ("n-huge", "POST", C, comp(n=100), 400, "n must"),
+    ("logprobs-huge", "POST", C, comp(logprobs=50), 400, "logprobs"),
+    ("too-many-stops", "POST", C, comp(stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    ("stop-too-long", "POST", C, comp(stop=["x" * 300]), 400, "stop"),
+    ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop"),
+    ("logit-bias-key", "POST", C, comp(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit-bias-value", "POST", C, comp(logit_bias={"5": 500}), 400, "logit_bias"),
+    ("logit-bias-oov", "POST", C, comp(logit_bias={"999999": 1}), 400, "out of vocabulary"),
+    ("presence-penalty", "POST", C, comp(presence_penalty=5), 400, "presence_penalty"),
+    ("frequency-penalty", "POST", C, comp(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("repetition-penalty", "POST", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("unsupported-field", "POST", C, comp(tools=[]), 400, "unsupported field(s): tools"),
+    ("suffix", "POST", C, comp(suffix="x"), 400, "suffix"),
+    ("best-of", "POST", C, comp(best_of=3), 400, "best_of"),
+    ("echo-logprobs", "POST", C, comp(echo=True, logprobs=1), 400, "echo"),
+    ("stop-token-oov", "POST", C, comp(stop_token_ids=[10**7]), 400, "out of vocabulary"),
+    ("seed-string", "POST", C, comp(seed="abc"), 400, "seed"),
+    ("min-tokens-over-max", "POST", C, comp(min_tokens=5, max_tokens=2), 400, "min_tokens"),
+    ("stream-not-bool", "POST", C, comp(stream="maybe"), 400, "stream"),
+    ("too-many-prompts", "POST", C, comp(prompt=["a"] * 65), 400, "at most 64"),
+    ("long-prompt-excerpt", "POST", C, comp(prompt=5, padding="y" * 5000), 400, "unsupported field"),
+    ("chat-empty-messages", "POST", CH, chat(messages=[]), 400, "messages"),
+    ("chat-bad-role", "POST", CH, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
+    ("chat-image-part", "POST", CH, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages"),
+    ("chat-missing-messages", "POST", CH, {"model": M}, 400, "messages"),
+    ("chat-top-logprobs-alone", "POST", CH, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat-top-logprobs-huge", "POST", CH, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    ("chat-tools", "POST", CH, chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("chat-response-format", "POST", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat-over-context", "POST", CH, chat(max_completion_tokens=10**6), 400, "context"),
+    ("unknown-route", "GET", "/v1/nope", None, 404, "no route"),
+    ("wrong-method-delete", "DELETE", C, None, 405, "not allowed"),
+    ("wrong-method-get", "GET", CH, None, 405, "not allowed"),
+    ("body-too-large", "POST", C, b"x" * (5 * 2**20), 413, "exceeds"),
+    ("detokenize-oov", "POST", "/detokenize", {"tokens": [10**8]}, 400, "out of vocabulary"),
+    ("tokenize-neither", "POST", "/tokenize", {}, 400, "exactly one"),
+    ("tgi-missing-inputs", "POST", "/generate", {"parameters": {}}, 422, "inputs"),
+    ("tgi-zero-tokens", "POST", "/generate", {"inputs": "x", "parameters": {"max_new_tokens": 0}}, 422, "max_tokens"),
+    ("tgi-bad-temperature", "POST", "/generate", {"inputs": "x", "parameters": {"temperature": -1}}, 422,
+     "temperature"),
+    ("tgi-unknown-parameter", "POST", "/generate", {"inputs": "x", "parameters": {"best": 1}}, 422, "unsupported"),
+    ("tgi-stream-invalid-json", "POST", "/generate_stream", "{{", 422, "not valid JSON"),
+    ("tgi-empty-inputs", "POST", "/generate", {"inputs": ""}, 422, "empty"),
+]
+
+
+def canary(server) -> None:
+    r = httpx.post(server.url + C, json={"model": M, "prompt": "The capital of France is", "max_tokens": 2,
+                                         "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " Paris."
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server, case):
+    _, method, path, body, status, match = case
+    kw = {"json": body} if isinstance(body, dict) else {"content": body} if body is not None else {}
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    r = httpx.request(method, server.url + path, headers=headers, timeout=60, **kw)
+    assert r.status_code == status, r.text[:300]
+    err = r.json()
+    if path in ("/generate", "/generate_stream"):
+        assert set(err) == {"error", "error_type"} and match in err["error"]
+        message = err["error"]
+    else:
+        assert set(err["error"]) == {"message", "type", "param", "code"}, err
+        message = err["error"]["message"]
+        assert match in message, message
+    assert len(message) <= 400 and "Traceback" not in r.text and "/site-packages/" not in r.text
+    assert "/work/" not in r.text and "yyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyy" not in r.text
+
+
+def test_server_healthy_and_correct_after_bad_inputs(server):
+    assert len(CASES) >= 40
+    canary(server)
+    server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    with running_server("--api-key", "key-one", "--api-key", "key-two", "--max-num-seqs", "1",
+                        "--max-queued-requests", "0", env={"LMSERVE_API_KEY": "key-env"},
+                        headers={"Authorization": "Bearer key-one"}) as s:
+        yield s
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", C), ("POST", CH), ("POST", "/generate"),
+                                         ("GET", "/metrics"), ("POST", "/tokenize"), ("GET", "/version"),
+                                         ("GET", "/info")])
+def test_auth_required_everywhere_but_health(guarded, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
+        r = httpx.request(method, guarded.url + path, headers=headers, json={})
+        assert r.status_code == 401
+        body = r.json()
+        if path in ("/generate", "/info"):  # TGI routes answer in TGI's shape
+            assert body["error_type"] == "authentication"
+        else:
+            assert body["error"]["code"] == "invalid_api_key"
+    assert httpx.get(guarded.url + "/health").status_code == 200
+
+
+def test_each_accepted_key_works(guarded):
+    for key in ("key-one", "key-two", "key-env"):
+        r = httpx.get(guarded.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+
+
+def test_queue_full_gets_503_with_retry_after(guarded):
+    auth = {"Authorization": "Bearer key-one"}
+    body = {"model": M, "prompt": "Tell a long story", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", guarded.url + C, json=body, headers=auth, timeout=60) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()  # kept referenced: dropping it would close the connection
+        next(lines)  # the first request holds the only slot
+        assert guarded.metric("lmserve:num_requests_in_flight") == 1
+        r = httpx.post(guarded.url + C, json={"model": M, "prompt": "x", "max_tokens": 1}, headers=auth)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert "capacity" in r.json()["error"]["message"]
+    guarded.wait_idle()
+    assert httpx.post(guarded.url + C, json={"model": M, "prompt": "x", "max_tokens": 1}, headers=auth).status_code \
+        == 200
+
+
+@pytest.mark.slow
+def test_sigterm_drains_streams_and_exits_zero():
+    with running_server("--drain-timeout", "60") as s:
+        results: list[dict] = []
+
+        def stream(i: int) -> None:
+            body = {"model": M, "prompt": f"Story {i}:", "max_tokens": 40, "ignore_eos": True, "stream": True}
+            chunks, done = [], False
+            with httpx.stream("POST", s.url + C, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunks.append(json.loads(line[6:]))
+            results.append({"done": done, "finish": chunks[-1]["choices"][0]["finish_reason"] if chunks else None,
+                            "text": "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))})
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)  # streams are running
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = httpx.post(s.url + C, json={"model": M, "prompt": "x", "max_tokens": 1}, timeout=10)
+        assert late.status_code == 503
+        for t in threads:
+            t.join(timeout=120)
+        assert s.proc.wait(timeout=60) == 0
+        assert len(results) == 3 and all(r["done"] and r["finish"] == "length" and r["text"] for r in results)
