@@ -58,7 +58,11 @@ def _write(result: dict, path: str | None) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import logging
+
     from lmserve.bench import serve as sb
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
 
     model = args.model or _first_model(args.base_url, args.api_key)
     if args.dataset == "random":

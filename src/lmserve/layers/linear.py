@@ -27,9 +27,14 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN packing is available for CPU float32 (and bf16 where the CPU supports it)."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN packing: CPU float32 anywhere; bf16 only with native bf16 (oneDNN refuses it otherwise)."""
+    from lmserve.utils import cpu_has_fast_bf16
+
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
 
 
 def pack_linears(model: nn.Module) -> nn.Module:

@@ -13,7 +13,7 @@ import torch
 from lmserve.layers.linear import can_pack, pack_linears
 from lmserve.layers.rotary import inv_frequencies
 from lmserve.loader.default_model import default_model_path
-from lmserve.loader.errors import CheckpointError
+from lmserve.errors import CheckpointError
 from lmserve.loader.gguf_file import GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from lmserve.loader.errors import CheckpointError
+from lmserve.errors import CheckpointError
 from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
 from lmserve.models.config import ModelConfig
 

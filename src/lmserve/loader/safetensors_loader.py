@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lmserve.loader.errors import CheckpointError
+from lmserve.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lmserve.loader.errors import CheckpointError
+from lmserve.errors import CheckpointError
 
 # HF `architectures` / GGUF `general.architecture` values served by models/llama.py.
 HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}

@@ -16,7 +16,7 @@ from torch import nn
 
 from lmserve.layers.attention import AttentionContext
 from lmserve.layers.rotary import apply_rotary, cos_sin, inv_frequencies
-from lmserve.loader.errors import CheckpointError
+from lmserve.errors import CheckpointError
 from lmserve.models.config import ModelConfig
 
 
