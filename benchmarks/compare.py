@@ -144,7 +144,15 @@ def main() -> None:
     ap.add_argument("--rates", default="0.25,0.5,1.0", help="request rates (req/s) for the goodput sweep")
     ap.add_argument("--goodput", default="ttft:3000 tpot:250")
     ap.add_argument("--out", default=str(ROOT / "results" / "compare.json"))
+    ap.add_argument("--render", default=None, help="only re-render the tables of a saved result JSON")
     args = ap.parse_args()
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        levels = [int(x) for x in report["config"]["levels"].split(",")]
+        table = render_tables(report, levels)
+        Path(args.render).with_suffix(".md").write_text(table)
+        print(table)
+        return
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -171,8 +179,9 @@ def main() -> None:
 
     results: dict = {name: {} for name in systems}
     for level in levels:
-        reqs = requests_for(max(level, 3) if level == 1 else level, level)
         for rep in range(args.repeats):
+            # fresh prompts every repeat: a repeated prompt would be served from the servers' prefix caches
+            reqs = requests_for(3 if level == 1 else level, level * 100 + rep)
             for name, fn in systems.items():  # interleaved: A B C A B C
                 res = fn(reqs, level)
                 results[name].setdefault(str(level), []).append(res)
@@ -219,7 +228,8 @@ def render_tables(report: dict, levels: list[int]) -> str:
     lv, m = report["levels"], report["meta"]
     lines = [f"Machine: {m['machine']['cpu']}, {m['machine']['cores']} cores, flags {m['machine']['flags']}; "
              f"torch {m['machine']['torch']}. 256 tokens in, 128 out, greedy, streaming, 2 threads. "
-             "transformers: offline static batches (it has no server).", "",
+             "transformers: offline static batches (it has no server). Values: median (min-max) of the "
+             "interleaved repeats. Ratios are ours / theirs: above 1 is better for tok/s, below 1 for latency.", "",
              "| concurrency | metric | lmserve | llama.cpp | transformers | ours/llama.cpp | ours/transformers |",
              "|---|---|---|---|---|---|---|"]
     for level in levels:
@@ -233,6 +243,10 @@ def render_tables(report: dict, levels: list[int]) -> str:
             lines.append(f"| {level} | {label} | {median_range(vals['lmserve'])} | {median_range(vals['llama.cpp'])} | "
                          f"{median_range(vals['transformers'])} | {med['lmserve'] / med['llama.cpp']:.2f} | "
                          f"{med['lmserve'] / med['transformers']:.2f} |")
+    errors = {name: sum(r["failed"] for runs in lv[name].values() for r in runs) for name in lv}
+    total = {name: sum(r["completed"] + r["failed"] for runs in lv[name].values() for r in runs) for name in lv}
+    lines.append("| all | errors | " + " | ".join(f"{errors[n]}/{total[n]}" for n in ("lmserve", "llama.cpp",
+                                                                                     "transformers")) + " | | |")
     lines += ["", "| request rate (req/s) | lmserve goodput | llama.cpp goodput | lmserve errors | llama.cpp errors |",
               "|---|---|---|---|---|"]
     for rate, res in report["rate_sweep"]["lmserve"].items():

@@ -15,8 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import lmserve
 from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
-from lmserve.server.openai_routes import state_of
-from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from lmserve.server.openai_routes import read_request, state_of
+from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.state import ServerState
 
 OPEN_PATHS = ("/health",)  # no API key needed
@@ -136,10 +136,7 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        st = state_of(request)
-        st.check_ready()
-        req = parse_body(await request.body(), TokenizeRequest)
-        st.check_model(req.model)
+        st, req = await read_request(request, TokenizeRequest)
         tok = st.engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
@@ -154,10 +151,7 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        st = state_of(request)
-        st.check_ready()
-        req = parse_body(await request.body(), DetokenizeRequest)
-        st.check_model(req.model)
+        st, req = await read_request(request, DetokenizeRequest)
         vocab = st.engine.model_config.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:

@@ -30,6 +30,7 @@ class ServerMetrics:
         for status in STATUS_CLASSES:
             self.requests.labels(status)
         self._engine = None
+        self._max_batch = 0
         self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
                                registry=r)
 
@@ -41,7 +42,8 @@ class ServerMetrics:
     def on_step(self, stats, deltas) -> None:
         self.batch_size.observe(stats.batch_size)
         self.step_seconds.observe(stats.step_seconds)
-        if stats.batch_size > self.max_batch_size._value.get():
+        if stats.batch_size > self._max_batch:
+            self._max_batch = stats.batch_size
             self.max_batch_size.set(stats.batch_size)
 
     def status(self, code: int) -> None:

@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +21,7 @@ from lmserve.server.state import ServerState
 from lmserve.server.streams import MergedStreams, Watched
 
 router = APIRouter()
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,6 +38,15 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.lm
 
 
+async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T]:
+    """Every API route's prologue: the engine is ready, the body parses strictly, the model name is ours."""
+    st = state_of(request)
+    st.check_ready()
+    req = parse_body(await request.body(), model)
+    st.check_model(getattr(req, "model", None))
+    return st, req
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     st = state_of(request)
@@ -47,10 +57,7 @@ async def list_models(request: Request) -> dict:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    st = state_of(request)
-    st.check_ready()
-    req = parse_body(await request.body(), CompletionRequest)
-    st.check_model(req.model)
+    st, req = await read_request(request, CompletionRequest)
     params = completion_params(req)
     prompts = _prompts(req.prompt)
     ids_list = [await st.tokenize(p) for p in prompts]
@@ -77,10 +84,7 @@ async def completions(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    st = state_of(request)
-    st.check_ready()
-    req = parse_body(await request.body(), ChatRequest)
-    st.check_model(req.model)
+    st, req = await read_request(request, ChatRequest)
     params = chat_params(req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     try:

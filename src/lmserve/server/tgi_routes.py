@@ -10,9 +10,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
 from lmserve.request import CompletionDelta
-from lmserve.server.openai_routes import state_of
+from lmserve.server.openai_routes import read_request, state_of
 from lmserve.server.params import tgi_params
-from lmserve.server.protocol import TGIRequest, parse_body
+from lmserve.server.protocol import TGIRequest
 from lmserve.server.state import ServerState
 from lmserve.server.streams import MergedStreams, Watched
 
@@ -32,9 +32,7 @@ async def info(request: Request) -> dict:
 
 
 async def _start(request: Request) -> tuple[ServerState, TGIRequest, list[int], MergedStreams]:
-    st = state_of(request)
-    st.check_ready()
-    req = parse_body(await request.body(), TGIRequest)
+    st, req = await read_request(request, TGIRequest)
     params = tgi_params(req.parameters)
     ids = await st.tokenize(req.inputs)
     st.admit(ids, params)
