@@ -70,11 +70,28 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def timings(self, now: float) -> RequestTimings:
+        """Queue, prefill and decode time so far (zero for phases never reached, e.g. aborted in queue)."""
+        scheduled = self.first_scheduled_time or now
+        first = self.first_token_time or now
+        return RequestTimings(max(0.0, scheduled - self.arrival_time), max(0.0, first - scheduled),
+                              max(0.0, now - first), self.num_preemptions)
+
     def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Record a sampled token."""
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+
+@dataclass
+class RequestTimings:
+    """Where a finished request's time went, from the engine's own clock (seconds)."""
+
+    queue_s: float  # arrival -> first scheduled
+    prefill_s: float  # first scheduled -> first token
+    decode_s: float  # first token -> finish
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -91,3 +108,4 @@ class CompletionDelta:
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    timings: RequestTimings | None = None  # set on the finished delta

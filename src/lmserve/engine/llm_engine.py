@@ -198,6 +198,7 @@ class LLMEngine:
         delta.finished = True
         delta.finish_reason = req.status.value
         delta.stop_reason = req.stop_reason
+        delta.timings = req.timings(time.monotonic())
         self.outputs.remove(req.request_id)
         kids = self.children.get(req.parent_id)
         if kids is not None and all(k not in self.scheduler.requests for k in kids):

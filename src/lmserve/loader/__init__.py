@@ -37,6 +37,18 @@ class LoadedModel:
     peak_rss_gib: float
     gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
 
+    @property
+    def quantization(self) -> str:
+        """The checkpoint's weight format as stored (GGUF file type, e.g. MOSTLY_Q4_1), or 'none'."""
+        if self.gguf is None or "general.file_type" not in self.gguf.metadata:
+            return "none"
+        from gguf import LlamaFileType
+
+        try:
+            return LlamaFileType(int(self.gguf.metadata["general.file_type"])).name
+        except ValueError:
+            return "unknown"
+
 
 def resolve_model_path(model: str | Path | None) -> Path:
     """None -> the embedded default; otherwise the given path, which must exist."""

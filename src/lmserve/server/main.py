@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -79,12 +80,24 @@ def _load(state: ServerState, args: argparse.Namespace) -> None:
         log.exception("model load failed")
         state.load_error = f"{type(e).__name__}: {e}"
         return
+    warmup = _warm_up(engine)
     async_engine = AsyncEngine(engine)
     async_engine.step_listeners.append(state.metrics.on_step)
-    state.metrics.bind_engine(engine)
+    state.metrics.bind_engine(engine, warmup)
     async_engine.start()
     state.async_engine = async_engine
     log.info("serving %s", state.config.served_model_name)
+
+
+def _warm_up(engine) -> float:
+    """One tiny request through every code path before the first client; returns its seconds."""
+    from lmserve.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
 
 
 async def _drain(server: uvicorn.Server, state: ServerState) -> None:

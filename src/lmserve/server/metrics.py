@@ -6,6 +6,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+FINISH_REASONS = ("stop", "length", "abort")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 
 
@@ -31,13 +36,51 @@ class ServerMetrics:
             self.requests.labels(status)
         self._engine = None
         self._max_batch = 0
+        h = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=r)  # noqa: E731
+        self.ttft = h("lmserve:time_to_first_token_seconds", "Time to first token", FIRST_TOKEN_BUCKETS)
+        self.itl = h("lmserve:inter_token_latency_seconds", "Gap between streamed tokens", TOKEN_GAP_BUCKETS)
+        self.tpot = h("lmserve:time_per_output_token_seconds", "Per request: decode time / (tokens - 1)",
+                      TOKEN_GAP_BUCKETS)
+        self.e2e = h("lmserve:e2e_request_latency_seconds", "End-to-end request latency", REQUEST_BUCKETS)
+        self.queue = h("lmserve:request_queue_time_seconds", "Waiting before first scheduled", REQUEST_BUCKETS)
+        self.prefill = h("lmserve:request_prefill_time_seconds", "First scheduled to first token", REQUEST_BUCKETS)
+        self.decode = h("lmserve:request_decode_time_seconds", "First token to finish", REQUEST_BUCKETS)
+        self.req_prompt = h("lmserve:request_prompt_tokens", "Prompt tokens per request", COUNT_BUCKETS)
+        self.req_generation = h("lmserve:request_generation_tokens", "Generated tokens per completion", COUNT_BUCKETS)
+        self.finished = Counter("lmserve:request_success", "Finished completions by finish reason",
+                                ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
+        self.model_info = Gauge("lmserve:model_info", "The served model", ["model_name", "model_version", "dtype",
+                                                                         "quantization"], registry=r)
+        self.load_seconds = Gauge("lmserve:model_load_seconds", "Weight load time", registry=r)
+        self.warmup_seconds = Gauge("lmserve:model_warmup_seconds", "Warm-up time before serving", registry=r)
         self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
                                registry=r)
 
-    def bind_engine(self, engine) -> None:
+    def bind_engine(self, engine, warmup_seconds: float) -> None:
         """Read live engine state at scrape time, and observe every step (on the engine thread: cheap)."""
         self._engine = engine
         self.registry.register(_EngineCollector(self))
+        loaded = engine.loaded
+        self.model_info.labels(self.model_name, loaded.path.name, str(engine.dtype).removeprefix("torch."),
+                               loaded.quantization).set(1)
+        self.load_seconds.set(loaded.load_seconds)
+        self.warmup_seconds.set(warmup_seconds)
+
+    def on_finished(self, delta, started: float, first_token: float | None, now: float) -> None:
+        """Per-completion latencies (server clock) and phase times (engine clock)."""
+        self.finished.labels(delta.finish_reason if delta.finish_reason in FINISH_REASONS else "abort").inc()
+        self.e2e.observe(now - started)
+        if first_token is not None and delta.num_output_tokens > 1:
+            self.tpot.observe((now - first_token) / (delta.num_output_tokens - 1))
+        if delta.index == 0:
+            self.req_prompt.observe(delta.num_prompt_tokens)
+        self.req_generation.observe(delta.num_output_tokens)
+        if delta.timings is not None:
+            self.queue.observe(delta.timings.queue_s)
+            self.prefill.observe(delta.timings.prefill_s)
+            self.decode.observe(delta.timings.decode_s)
 
     def on_step(self, stats, deltas) -> None:
         self.batch_size.observe(stats.batch_size)

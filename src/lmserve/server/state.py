@@ -79,11 +79,10 @@ class ServerState:
         inner = self.async_engine.generate(request_id, ids, params)
 
         async def counted():
+            started, first, last = time.monotonic(), {}, {}  # per completion index
             try:
                 async for d in inner:
-                    if d.finished:
-                        self.metrics.prompt_tokens.inc(d.num_prompt_tokens if d.index == 0 else 0)
-                        self.metrics.generation_tokens.inc(d.num_output_tokens)
+                    self._observe(d, started, first, last)
                     yield d
             finally:
                 await inner.aclose()
@@ -91,6 +90,22 @@ class ServerState:
                 self.metrics.in_flight.set(self.in_flight)
 
         return counted()
+
+    def _observe(self, d: CompletionDelta, started: float, first: dict, last: dict) -> None:
+        """TTFT and inter-token gaps as the client sees them; per-completion totals when one finishes."""
+        now = time.monotonic()
+        m = self.metrics
+        if d.token_ids:
+            if d.index not in first:
+                first[d.index] = now
+                m.ttft.observe(now - started)
+            else:
+                m.itl.observe((now - last[d.index]) / len(d.token_ids))
+            last[d.index] = now
+        if d.finished:
+            m.prompt_tokens.inc(d.num_prompt_tokens if d.index == 0 else 0)
+            m.generation_tokens.inc(d.num_output_tokens)
+            m.on_finished(d, started, first.get(d.index), now)
 
     async def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Tokenize off the event loop (a long prompt must not stall other requests)."""
