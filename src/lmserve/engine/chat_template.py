@@ -1,17 +1,31 @@
-"""Chat templates rendered in Jinja2's immutable sandbox: a template inside a model file is untrusted."""
+"""Chat templates, rendered as transformers renders them, inside Jinja2's immutable sandbox.
+
+A template inside a model file is untrusted input: it runs sandboxed, sees only plain JSON data,
+and any failure becomes a ValueError with a short message (never a raw Jinja traceback).
+
+This module also marks special-token strings in user-supplied text (`mark_special`) so that
+`Tokenizer.encode_chat` can tell the template's own special tokens from ones a user typed.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError
+import jinja2
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# Private-use plane-15 code points around special-token text that came from the user.
+MARK_OPEN, MARK_CLOSE = "\U000f0000", "\U000f0001"
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # aliases transformers fills in
 
-def message_text(message: dict) -> str:
+
+def message_text(message: Mapping[str, Any]) -> str:
     """A message's content as one string: a string, or OpenAI text parts joined; other parts are refused."""
     content = message.get("content")
     if content is None:
@@ -19,43 +33,178 @@ def message_text(message: dict) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"message content part of type {kind!r} is not supported (only 'text')")
-            texts.append(part["text"])
-        return "".join(texts)
+        return "".join(_text_part(part) for part in content)
     raise ValueError("message content must be a string or a list of text parts")
 
 
+def _text_part(part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise ValueError(f"message content part of type {kind!r} is not supported (only 'text')")
+
+
+def normalize_messages(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the template sees them: None fields dropped, content one string, reasoning aliased."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise ValueError(f"each message must be an object, got {type(message).__name__}")
+        # Like transformers: a None field is dropped, since many templates test presence, not value.
+        msg = {k: v for k, v in message.items() if v is not None}
+        if "content" in msg:
+            msg["content"] = message_text(msg)
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(_plain_data(msg))
+    return out
+
+
+def _plain_data(value: Any) -> Any:
+    """Rebuild `value` from plain JSON types: the sandbox cannot vet methods of arbitrary objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, str, int, float):  # subclasses (enums, numpy scalars) lose their extra methods
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, Mapping):
+        return {_plain_data(k): _plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_data(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                special_tokens: Mapping[str, str], **kwargs: Any) -> str:
+    """Render normalized `messages`; template variables are those transformers' apply_chat_template sets."""
+    variables = {"tools": None, "documents": None, **special_tokens, **_plain_data(kwargs)}
+    try:
+        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **variables)
+    except jinja2.TemplateError as e:  # syntax errors, raise_exception(), undefined values, sandbox refusals
+        raise ValueError(f"chat template error: {e}"[:500]) from None
+    except Exception as e:  # a template bug (e.g. adding a str to a list) must not escape as a traceback
+        raise ValueError(f"chat template failed: {type(e).__name__}: {e}"[:500]) from None
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, dict=_TemplateDict(),
+                       namespace=_TemplateNamespace)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template does not compile: {e}"[:500]) from None
+
+
 def _raise(message: str) -> None:
-    raise TemplateError(message)
+    raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes; chat templates expect plain JSON as transformers renders it.
+    # Jinja's own tojson HTML-escapes; templates expect plain JSON, as transformers renders it.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict:
+        return dict.fromkeys(*args)
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, bos_token: str | None,
-                eos_token: str | None, **kwargs: Any) -> str:
-    """Render `messages` (content normalised to strings) with the model's template."""
-    normalised = [{**m, "content": message_text(m)} for m in messages]
-    try:
-        return _compile(template).render(messages=normalised, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token or "", eos_token=eos_token or "", **kwargs)
-    except TemplateError as e:
-        raise ValueError(f"chat template error: {e.message or type(e).__name__}"[:300]) from None
-    except Exception as e:  # a sandbox violation or a template bug must not escape as a raw traceback
-        raise ValueError(f"chat template failed: {type(e).__name__}") from None
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """Jinja's namespace(), refusing underscore attributes so a template cannot reach Python internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: `namespace(self=...)` works
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markup some templates use) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+# -- user text that spells special tokens --------------------------------------------------------
+
+def special_pattern(special_strings: list[str]) -> re.Pattern[str] | None:
+    """A regex matching any special-token string, longest first (so a token wins over ones it contains)."""
+    if not special_strings:
+        return None
+    return re.compile("|".join(re.escape(s) for s in sorted(set(special_strings), key=len, reverse=True)))
+
+
+def mark_special(value: Any, pattern: re.Pattern[str]) -> Any:
+    """Wrap every special-token string inside user strings (recursively; dict keys untouched) in markers."""
+    if isinstance(value, str):
+        # Markers the user typed are dropped first, so they cannot forge or unbalance a marked token.
+        value = value.replace(MARK_OPEN, "").replace(MARK_CLOSE, "")
+        return pattern.sub(lambda m: MARK_OPEN + m.group(0) + MARK_CLOSE, value)
+    if isinstance(value, dict):
+        return {k: mark_special(v, pattern) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mark_special(v, pattern) for v in value]
+    return value
+
+
+def unmark(value: Any) -> Any:
+    """`value` with every marked special-token string removed (what the template writes by itself)."""
+    if isinstance(value, str):
+        return re.sub(f"{MARK_OPEN}[^{MARK_CLOSE}]*{MARK_CLOSE}", "", value)
+    if isinstance(value, dict):
+        return {k: unmark(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unmark(v) for v in value]
+    return value
+
+
+def split_marked(rendered: str, pattern: re.Pattern[str]) -> list[tuple[str, bool]]:
+    """Rendered text -> [(segment, is_user_special)], marked tokens separated from the template's text.
+
+    A template that cuts a marked token apart leaves a lone marker: it is dropped, but still ends
+    the segment, so text on either side of it cannot join into a special token.
+    """
+    marked = re.compile(f"{MARK_OPEN}({pattern.pattern}){MARK_CLOSE}|[{MARK_OPEN}{MARK_CLOSE}]")
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for m in marked.finditer(rendered):
+        segments.append((rendered[pos:m.start()], False))
+        if m.group(1) is not None:
+            segments.append((m.group(1), True))
+        pos = m.end()
+    segments.append((rendered[pos:], False))
+    return [(text, user) for text, user in segments if text]

@@ -1,81 +1,70 @@
-"""Tokenizer: text <-> ids with Hugging Face `tokenizers`, from tokenizer.json or GGUF metadata.
+"""Tokenizer: text <-> ids with Hugging Face `tokenizers`, built from tokenizer.json or GGUF metadata.
 
-User text is always encoded with special-token parsing off: a prompt containing "<|im_start|>"
-gets the ids of those characters, never the control token. Only chat-template framing (trusted
-structure around the messages) is parsed for special tokens.
+User text is plain text: `encode` never turns "<|im_start|>" typed by a user into the control
+token. Only chat-template framing (the structure around the messages) is parsed for special
+tokens; `encode_chat` keeps special-token strings inside messages plain as well.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import AddedToken
 
-from lmserve.engine.chat_template import message_text, render_chat
+from lmserve.engine import chat_template as ct
+from lmserve.engine.gguf_vocab import build_from_gguf, gguf_metadata
 
-# llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` (applied in order, each isolating its matches).
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
-    "default": [_GPT2], "gpt2": [_GPT2], "gpt-2": [_GPT2],
-    "smollm": [r"\p{N}", _GPT2], "codeshell": [r"\p{N}", _GPT2],
-    "llama-bpe": [_LLAMA3], "llama3": [_LLAMA3], "llama-v3": [_LLAMA3], "smaug-bpe": [_LLAMA3],
-    "qwen2": [_QWEN2], "deepseek-r1-qwen": [_QWEN2],
-}
-CONTROL, USER_DEFINED = 3, 4  # GGUF token_type values
+if TYPE_CHECKING:
+    import gguf
+
+# Named special tokens, as transformers exposes them to chat templates.
+NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class Tokenizer:
     """Text <-> token ids, special tokens and the chat template of one model."""
 
-    def __init__(self, tk: HFTokenizer, bos_token: str | None, eos_token: str | None, eos_token_ids: frozenset[int],
-                 chat_template: str | None, add_bos_token: bool) -> None:
-        self._framing = tk  # parses special tokens (chat-template structure only)
-        self._plain = HFTokenizer.from_str(tk.to_str())
-        self._plain.encode_special_tokens = True  # user text: special-token strings stay plain text
-        self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
-        self.bos_token, self.eos_token = bos_token, eos_token
-        self.bos_token_id = tk.token_to_id(bos_token) if bos_token else None
-        self.eos_token_id = tk.token_to_id(eos_token) if eos_token else None
-        self.eos_token_ids = frozenset(eos_token_ids | ({self.eos_token_id} if self.eos_token_id is not None else set()))
+    def __init__(self, hf: HFTokenizer, special_tokens: Mapping[str, str | None] | None = None,
+                 eos_token_ids: Iterable[int] = (), chat_template: str | None = None) -> None:
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
+        _register_named(hf, self.special_tokens.values())
+        self._hf = hf  # parses special tokens: chat-template framing, and decoding
+        self._plain = _copy(hf, plain=True)  # user text: special-token strings stay plain text
+        # Mid-text copies: a piece cut from the middle of a chat gets no SentencePiece prefix space.
+        self._hf_mid, self._plain_mid = _mid_text_copies(hf, self._plain)
+        self.bos_token, self.eos_token = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
+        self.bos_token_id = hf.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = hf.token_to_id(self.eos_token) if self.eos_token else None
+        eos = {self.eos_token_id} if self.eos_token_id is not None else set()
+        self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in eos_token_ids) | eos
+        self.add_bos_token = self.bos_token_id is not None and self._adds_bos()
         self.chat_template = chat_template
-        self.add_bos_token = add_bos_token
-        self._special_ids = frozenset(i for i, t in tk.get_added_tokens_decoder().items() if t.special)
-        self._special_strings = [t.content for t in tk.get_added_tokens_decoder().values() if t.special]
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        added = hf.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._special_re = ct.special_pattern([t.content for t in added.values() if t.special])
+
+    def _adds_bos(self) -> bool:
+        """Whether encoding with special tokens puts BOS in front (the post-processor decides)."""
+        with_bos = self._plain.encode("a", add_special_tokens=True).ids
+        return len(with_bos) > len(self._plain.encode("a", add_special_tokens=False).ids) \
+            and with_bos[0] == self.bos_token_id
 
     # -- loading ----------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike, metadata: dict[str, Any] | None = None) -> "Tokenizer":
-        """Build from GGUF metadata (pass `metadata` when the file was already parsed)."""
-        if metadata is None:
-            from lmserve.loader.gguf_file import read_gguf
-
-            metadata = read_gguf(Path(path)).metadata
-        kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported yet (supported: 'gpt2' "
-                             "byte-level BPE); serve the model's Hugging Face directory instead")
-        tk = _byte_level_bpe(metadata, str(path))
-        tokens = list(metadata["tokenizer.ggml.tokens"])
-        bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-        eot = metadata.get("tokenizer.ggml.eot_token_id")
-        extra_eos = frozenset(int(i) for i in (eos, eot) if i is not None)
-        bos_tok = tokens[int(bos)] if bos is not None else None
-        if add_bos and bos_tok is not None:
-            tk.post_processor = processors.TemplateProcessing(single=f"{bos_tok} $A", pair=f"{bos_tok} $A $B",
-                                                              special_tokens=[(bos_tok, int(bos))])
-        return cls(tk, bos_tok, tokens[int(eos)] if eos is not None else None, extra_eos,
-                   metadata.get("tokenizer.chat_template"), add_bos)
+    def from_gguf(cls, path: str | os.PathLike,
+                  reader: "gguf.GGUFReader | Mapping[str, Any] | None" = None) -> "Tokenizer":
+        """Build from a GGUF file's metadata; pass `reader` (a GGUFReader or parsed metadata) if already read."""
+        meta = gguf_metadata(Path(path), reader)
+        vocab = build_from_gguf(meta, str(path))
+        return cls(vocab.hf, vocab.special_tokens, vocab.eos_token_ids, meta.get("tokenizer.chat_template"))
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> "Tokenizer":
@@ -83,17 +72,13 @@ class Tokenizer:
         d = Path(directory)
         if not (d / "tokenizer.json").is_file():
             raise ValueError(f"{d}: no tokenizer.json (a fast tokenizer file is required)")
-        tk = HFTokenizer.from_file(str(d / "tokenizer.json"))
-        cfg = _read_json(d / "tokenizer_config.json")
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if (d / "chat_template.jinja").is_file():
-            template = (d / "chat_template.jinja").read_text()
+        hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        # With a tokenizer.json, its post-processor decides BOS/EOS (transformers ignores add_bos_token then).
+        cfg = {**_read_json(d / "special_tokens_map.json"), **_read_json(d / "tokenizer_config.json")}
+        special = {name: _token_str(cfg.get(name)) for name in NAMED_TOKENS}
         gen_eos = _read_json(d / "generation_config.json").get("eos_token_id")
-        eos_ids = frozenset(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        return cls(tk, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), eos_ids, template,
-                   bool(cfg.get("add_bos_token", False)))
+        eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
+        return cls(hf, special, eos_ids, _chat_template(d, cfg))
 
     # -- text <-> ids -----------------------------------------------------------------------------
 
@@ -102,80 +87,131 @@ class Tokenizer:
         return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._framing.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Ids -> text; ids outside the vocabulary (padded embedding rows) decode to nothing."""
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def id_to_piece(self, token_id: int) -> str:
-        """The token's text as it would be decoded alone (for logprobs)."""
-        return self._framing.decode([token_id], skip_special_tokens=False)
+        """The token's text as it would be decoded alone (for logprobs), leading space included."""
+        return self._hf_mid.decode([int(token_id)], skip_special_tokens=False)
 
     def is_special(self, token_id: int) -> bool:
+        """Whether the id is a special (control) token."""
         return token_id in self._special_ids
 
     # -- chat ------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The rendered prompt string, as transformers' apply_chat_template(tokenize=False) gives it."""
+        return self._render(ct.normalize_messages(messages), add_generation_prompt, kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Prompt ids: the template's framing tokens are special; text from the messages is plain text."""
+        messages = ct.normalize_messages(messages)
+        if self._special_re is not None:
+            marked, marked_kwargs = ct.mark_special(messages, self._special_re), ct.mark_special(kwargs, self._special_re)
+            if marked != messages or marked_kwargs != kwargs:
+                return self._encode_marked(marked, add_generation_prompt, marked_kwargs)
+        # No special-token text anywhere in the input: one encode, exactly as transformers does it.
+        return self._hf.encode(self._render(messages, add_generation_prompt, kwargs), add_special_tokens=False).ids
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API with a plain prompt")
-        return render_chat(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token, **kwargs)
+        return ct.render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Template framing parsed for special tokens; message contents encoded as plain text."""
-        contents = [message_text(m) for m in messages]
-        if not any(s in c for c in contents for s in self._special_strings):
-            text = self.apply_chat_template(messages, add_generation_prompt)
-            return self._framing.encode(text, add_special_tokens=False).ids
-        return self._encode_chat_escaped(messages, contents, add_generation_prompt)
-
-    def _encode_chat_escaped(self, messages: list[dict], contents: list[str], add_generation_prompt: bool) -> list[int]:
-        """Render with sentinels in place of contents, then encode each content as plain text."""
-        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        text = self.apply_chat_template(marked, add_generation_prompt)
-        parts = re.split(r"\ue000(\d+)\ue001", text)
-        if len(parts) != 2 * len(messages) + 1:
-            raise ValueError("the chat template alters message contents, so special-token text in a message "
-                             "cannot be kept plain; remove special-token strings from the messages")
+    def _encode_marked(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
+        """Encode a chat whose user strings spell special tokens: those spellings become plain-text ids."""
+        assert self._special_re is not None
+        segments = ct.split_marked(self._render(messages, add_generation_prompt, kwargs), self._special_re)
+        self._check_framing(segments, messages, add_generation_prompt, kwargs)
         ids: list[int] = []
-        for i, part in enumerate(parts):
-            if i % 2:
-                ids += self._plain.encode(contents[int(part)], add_special_tokens=False).ids
-            elif part:
-                ids += self._framing.encode(part, add_special_tokens=False).ids
+        for i, (text, from_user) in enumerate(segments):
+            tk = (self._plain if from_user else self._hf) if i == 0 else (self._plain_mid if from_user else self._hf_mid)
+            piece = tk.encode(text, add_special_tokens=False).ids
+            if from_user and any(t in self._special_ids for t in piece):
+                raise ValueError(f"cannot encode {text!r} as plain text: this vocabulary maps it to a special token")
+            ids += piece
         return ids
 
+    def _check_framing(self, segments: list[tuple[str, bool]], messages: list[dict], add_generation_prompt: bool,
+                       kwargs: dict[str, Any]) -> None:
+        """Fail closed if the template moved user-typed special tokens out of their markers.
 
-def _byte_level_bpe(meta: dict[str, Any], source: str) -> HFTokenizer:
-    """A byte-level BPE tokenizer from GGUF vocab, merges and pre-tokenizer name."""
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZER_REGEXES:
-        raise ValueError(f"{source}: pre-tokenizer {pre!r} is not supported "
-                         f"(supported: {', '.join(sorted(PRE_TOKENIZER_REGEXES))})")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3")))
-    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_REGEXES[pre]]
-    tk.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                   use_regex=False)])
-    tk.decoder = decoders.ByteLevel()
-    types = list(meta.get("tokenizer.ggml.token_type", []))
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
-    tk.add_special_tokens(special)
-    tk.add_tokens(user)
+        The template's framing must hold exactly the special tokens it writes when the user's
+        special-token strings are removed; a template that escapes or slices message text
+        (e.g. tojson with ensure_ascii) would otherwise turn user text into control tokens.
+        """
+        assert self._special_re is not None
+        framing = Counter(s for text, user in segments if not user for s in self._special_re.findall(text))
+        bare = self._render(ct.unmark(messages), add_generation_prompt, ct.unmark(kwargs))
+        if framing != Counter(self._special_re.findall(bare)):
+            raise ValueError("a message contains special-token text, and this chat template rewrites message text "
+                             "in a way that would turn it into control tokens; remove the special-token strings")
+
+
+def _copy(hf: HFTokenizer, plain: bool = False, spec: str | None = None) -> HFTokenizer:
+    """An independent copy (a shared one would race: the server encodes from several threads)."""
+    tk = HFTokenizer.from_str(spec if spec is not None else hf.to_str())
+    tk.encode_special_tokens = plain
     return tk
+
+
+def _mid_text_copies(hf: HFTokenizer, plain: HFTokenizer) -> tuple[HFTokenizer, HFTokenizer]:
+    """Copies of (hf, plain) that add no prefix space when encoding and strip none when decoding."""
+    spec = json.loads(hf.to_str())
+    edited = {**spec, **{k: _no_prefix_space(spec.get(k)) for k in ("normalizer", "pre_tokenizer", "decoder")}}
+    if edited == spec:  # byte-level BPE: nothing to change
+        return hf, plain
+    text = json.dumps(edited)
+    return _copy(hf, spec=text), _copy(hf, plain=True, spec=text)
+
+
+def _no_prefix_space(node: Any) -> Any:
+    """A tokenizer.json component with SentencePiece's prefix-space handling removed (None if it was only that)."""
+    if not isinstance(node, dict):
+        return node
+    kind = node.get("type")
+    if kind == "Prepend" or (kind == "Strip" and node.get("start", 0) > 0):
+        return None
+    node = dict(node)
+    if kind == "Metaspace":
+        node["prepend_scheme"] = "never"
+    if kind in ("Metaspace", "ByteLevel") and "add_prefix_space" in node:
+        node["add_prefix_space"] = False
+    for key in ("normalizers", "pretokenizers", "decoders"):
+        if isinstance(node.get(key), list):
+            node[key] = [c for c in map(_no_prefix_space, node[key]) if c is not None]
+    return node
+
+
+def _register_named(hf: HFTokenizer, tokens: Iterable[str]) -> None:
+    """Make named special tokens (bos, eos, unk, ...) special added tokens, as transformers does."""
+    added = {t.content for t in hf.get_added_tokens_decoder().values()}
+    new = [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(tokens)
+           if t not in added and hf.token_to_id(t) is not None]
+    if new:
+        hf.add_special_tokens(new)
+
+
+def _chat_template(d: Path, cfg: Mapping[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja wins over tokenizer_config.json, as in transformers."""
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
 
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
 
 
 def _token_str(tok: Any) -> str | None:
-    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+    """tokenizer_config.json stores a special token as a string or as {"content": ...}."""
     if isinstance(tok, dict):
         return tok.get("content")
     return tok if isinstance(tok, str) else None

@@ -1,0 +1,229 @@
+"""GGUF tokenizer metadata -> a Hugging Face `tokenizers.Tokenizer`, tokenizing as llama.cpp does.
+
+Two GGUF vocabularies are supported:
+- "gpt2": byte-level BPE (Llama 3, Qwen 2, SmolLM, ...): tokens, merges, and the pre-tokenizer
+  regexes named by `tokenizer.ggml.pre` (llama.cpp's table; an unknown name is an error, since a
+  wrong split silently changes every prompt).
+- "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral): merges are implied by the
+  piece scores, and the prefix space goes before every run of text, after special tokens too,
+  as llama.cpp and sentencepiece itself do.
+Token types mark control tokens (special) and user-defined ones (always matched whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # GGUF token_type values (2 unknown, 5 unused, 6 byte)
+SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
+
+# Special-token ids by template variable name (the four transformers reads from a GGUF).
+NAMED_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+             "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+# Generation ends at these ids, and at tokens spelled like an end-of-turn marker (llama.cpp's EOG set).
+EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
+                       "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
+                       "<end_of_utterance>"})
+
+
+class PreTokenizer(NamedTuple):
+    """How a byte-level vocabulary splits text before BPE (the splits apply in order)."""
+
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a split that is itself a token is taken whole (Llama 3)
+    add_bos: bool = False  # llama.cpp's default when the file has no add_bos_token key
+
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _cased_words(suffix: str) -> str:
+    """Words split at case changes (Mistral's tekken, GPT-4o), each optionally followed by `suffix`."""
+    upper, lower, lead = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]", r"[^\r\n\p{L}\p{N}]?"
+    return f"{lead}{upper}*{lower}+{suffix}|{lead}{upper}+{lower}*{suffix}"
+
+
+_TEKKEN = _cased_words("") + r"|\p{N}" + _TAIL
+_GPT4O = _cased_words(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?") + r"|\p{N}{1,3}" + _TAIL
+
+
+def _table(*groups: tuple[tuple[str, ...], PreTokenizer]) -> dict[str, PreTokenizer]:
+    return {name: pre for names, pre in groups for name in names}
+
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = _table(
+    (("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), PreTokenizer((_GPT2,))),
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+     PreTokenizer((r"\p{N}", _GPT2))),  # digits split one by one first
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+     PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)),
+    (("dbrx", "smaug-bpe"), PreTokenizer((_LLAMA3,))),
+    (("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez", "hunyuan", "grok-2"), PreTokenizer((_QWEN2,))),
+    (("tekken",), PreTokenizer((_TEKKEN,), ignore_merges=True, add_bos=True)),
+    (("gpt-4o", "llama4", "minimax-m2"), PreTokenizer((_GPT4O,))),
+)
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """A GGUF file's tokenizer, ready for `Tokenizer`."""
+
+    hf: HFTokenizer
+    special_tokens: dict[str, str]  # template variable name -> token text
+    eos_token_ids: frozenset[int]
+
+
+def gguf_metadata(path: Path, source: Any = None) -> Mapping[str, Any]:
+    """Metadata from parsed metadata, a `gguf.GGUFReader`, or (None) the file itself."""
+    if source is None:
+        # The project's header parser: gguf.GGUFReader takes seconds on a 100k-token vocabulary.
+        from lmserve.loader.gguf_file import read_gguf
+
+        return read_gguf(path).metadata
+    if isinstance(source, Mapping):
+        return source
+    if hasattr(source, "fields"):
+        return _reader_metadata(source)
+    raise TypeError(f"expected a gguf.GGUFReader or a metadata mapping, got {type(source).__name__}")
+
+
+def _reader_metadata(reader: Any) -> dict[str, Any]:
+    """The tokenizer keys of a gguf.GGUFReader as plain Python values."""
+    from gguf import GGUFValueType
+
+    meta: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if not name.startswith(("tokenizer.", "general.architecture")):
+            continue
+        is_str = field.types[-1] == GGUFValueType.STRING
+        items = [bytes(field.parts[i]).decode("utf-8", "replace") if is_str else field.parts[i][0].item()
+                 for i in field.data]
+        meta[name] = items if field.types[0] == GGUFValueType.ARRAY else items[0]
+    return meta
+
+
+def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
+    """The tokenizer a GGUF file describes; ValueError naming what is missing or unsupported."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in _BUILDERS:
+        raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level "
+                         "BPE, 'llama' SentencePiece); serve the model's Hugging Face directory instead")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError(f"{source}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
+    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    hf, add_bos_default = _BUILDERS[kind](meta, tokens, types, source)
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, k in zip(tokens, types) if k == CONTROL])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    ids = {name: _token_id(meta, key, len(tokens)) for name, key in NAMED_IDS.items()}
+    special = {name: tokens[i] for name, i in ids.items() if i is not None}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    bos, eos = ids["bos_token"], ids["eos_token"]
+    set_bos_eos(hf, (tokens[bos], bos) if add_bos and bos is not None else None,
+                (tokens[eos], eos) if add_eos and eos is not None else None)
+    eog = {i for key in EOG_KEYS if (i := _token_id(meta, key, len(tokens))) is not None}
+    eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+    return GGUFVocab(hf, special, frozenset(eog))
+
+
+def _token_id(meta: Mapping[str, Any], key: str, n_tokens: int) -> int | None:
+    """A special-token id from the metadata; an id outside the vocabulary is ignored, as llama.cpp does."""
+    value = meta.get(key)
+    return int(value) if value is not None and 0 <= int(value) < n_tokens else None
+
+
+def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                    source: str) -> tuple[HFTokenizer, bool]:
+    """A byte-level BPE tokenizer from vocab, merges and the named pre-tokenizer."""
+    name = meta.get("tokenizer.ggml.pre", "default")  # files from before the key existed: GPT-2's split
+    pre = PRE_TOKENIZERS.get(name)
+    if pre is None:
+        raise ValueError(f"{source}: GGUF pre-tokenizer {name!r} is not supported "
+                         f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+    if not merges or any(len(m) != 2 for m in merges):
+        raise ValueError(f"{source}: GGUF byte-level BPE vocabulary has missing or malformed merges")
+    hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, fuse_unk=False, byte_fallback=False,
+                                ignore_merges=pre.ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    hf.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                   use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    return hf, pre.add_bos
+
+
+def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                       source: str) -> tuple[HFTokenizer, bool]:
+    """A SentencePiece-BPE tokenizer with byte fallback from pieces, scores and types."""
+    arch = str(meta.get("general.architecture", ""))
+    if arch.startswith("gemma"):  # Gemma's scores do not follow its merge order
+        raise ValueError(f"{source}: GGUF SentencePiece vocabularies of {arch!r} models are not supported yet; "
+                         "serve the model's Hugging Face directory instead")
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError(f"{source}: GGUF SentencePiece vocabulary has no scores for its {len(tokens)} tokens")
+    unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
+    hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges_from_scores(tokens, scores, types),
+                                unk_token=tokens[0 if unk is None else unk], fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # A normalizer runs once per run of text between added tokens, so the prefix space also follows
+    # special tokens, as in llama.cpp (transformers' Metaspace "first" scheme adds it only at the start).
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE)] * prefix
+                                         + [normalizers.Replace(" ", SPIECE_SPACE)])
+    hf.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                   + [decoders.Strip(" ", 1, 0)] * prefix)
+    return hf, True
+
+
+def merges_from_scores(tokens: list[str], scores: Any, types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges that reproduce SentencePiece: any two pieces join into a piece, best-scored piece first.
+
+    Only normal pieces take part: control, byte and unknown pieces never come out of a merge.
+    """
+    normal = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k == NORMAL}
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-float(scores[i]), -cut, cut - len(piece), left, right))
+    ranked.sort(key=lambda r: r[:3])  # stable: ties keep vocabulary order
+    return [(left, right) for *_, left, right in ranked]
+
+
+def set_bos_eos(hf: HFTokenizer, bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> None:
+    """Install a post-processor that adds BOS and/or EOS (token, id) around encoded text."""
+    if bos is None and eos is None:
+        return
+
+    def sequence(part: str, type_id: int) -> str:
+        pieces = [f"{bos[0]}:{type_id}"] if bos is not None else []
+        pieces.append(f"${part}:{type_id}")
+        return " ".join(pieces + ([f"{eos[0]}:{type_id}"] if eos is not None else []))
+
+    hf.post_processor = processors.TemplateProcessing(
+        single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}",
+        special_tokens=[t for t in (bos, eos) if t is not None])
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    return {t: i for i, t in enumerate(tokens)}
+
+
+_BUILDERS: dict[str, Callable[[Mapping[str, Any], list[str], list[int], str], tuple[HFTokenizer, bool]]] = {
+    "gpt2": _byte_level_bpe,
+    "llama": _sentencepiece_bpe,
+}
