@@ -1,37 +1,37 @@
-"""The sampler on fixed logits: exact greedy/penalties/logprobs, chi-square fits for the sampling filters."""
+"""The sampler on fixed logits: chi-square fits for the sampling filters, exact greedy, seeds,
+penalties, bias, min_tokens and logprobs against hand-computed references."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from lmserve.sample import Sampler, SamplingRow, build_sampling_metadata
+from lmserve.sample.filters import top_k_only, top_k_top_p
+from lmserve.sample.sampler import process_logits
 from lmserve.sampling_params import SamplingParams
 
+CPU = torch.device("cpu")
 V = 8
-LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])  # distinct: no ties in rank order
 N = 20000
+INF = float("inf")
 
 
-def rows(params: list[SamplingParams], outputs=None, prompts=None, gens=None, stop_ids=frozenset()):
+def make_rows(params, outputs=None, prompts=None, gens=None, stop_ids=frozenset()) -> list[SamplingRow]:
     outputs = outputs or [[] for _ in params]
     prompts = prompts or [[] for _ in params]
     gens = gens or [None for _ in params]
     return [SamplingRow(p, pr, o, g, stop_ids) for p, pr, o, g in zip(params, prompts, outputs, gens)]
 
 
-def sample(params: SamplingParams, n: int = N, logits: torch.Tensor = LOGITS) -> np.ndarray:
-    torch.manual_seed(0)
-    meta = build_sampling_metadata(rows([params] * n), V, torch.device("cpu"))
-    out = Sampler()(logits.expand(n, -1), meta)
-    return np.bincount(out.sampled_token_ids.numpy(), minlength=V)
+def run(params, logits, **kw):
+    return Sampler()(logits, build_sampling_metadata(make_rows(params, **kw), logits.shape[-1], CPU))
 
 
 def expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
-    """The target distribution computed independently with numpy, in the documented order."""
+    """The target distribution, computed independently in float64: temperature -> top-k -> top-p -> min-p."""
     x = LOGITS.numpy().astype(np.float64) / temperature
     order = np.argsort(-x)
     keep = np.ones(V, bool)
@@ -41,11 +41,11 @@ def expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
     p /= p.sum()
     if top_p < 1.0:
         cum = 0.0
-        for i in order:
-            if cum >= top_p:
-                keep[i] = False
+        for i in order:  # keep the smallest prefix in rank order whose mass reaches top_p
+            keep[i] = keep[i] and cum < top_p
             cum += p[i]
-        p = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
     if min_p:
         p = np.where(p >= min_p * p.max(), p, 0.0)
         p /= p.sum()
@@ -53,115 +53,281 @@ def expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
 
 
 def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson's chi-square p-value over the categories with non-zero expected probability."""
+    """Pearson's chi-square p-value over the tokens with non-zero expected probability."""
     support = probs > 0
     assert counts[~support].sum() == 0, "sampled a token the filters removed"
     exp = probs[support] * counts.sum()
+    assert exp.min() >= 5, "too few expected samples per token for the chi-square approximation"
     stat = float(((counts[support] - exp) ** 2 / exp).sum())
     dof = int(support.sum()) - 1
     if dof == 0:
         return 1.0
-    from scipy.stats import chi2
+    # chi2.sf(stat, dof) is the regularised upper incomplete gamma Q(dof / 2, stat / 2).
+    q = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    return float(q)
 
-    return float(chi2.sf(stat, dof))
+
+def sample_counts(params: SamplingParams, n: int = N) -> np.ndarray:
+    torch.manual_seed(0)
+    out = run([params] * n, LOGITS.expand(n, -1))
+    return np.bincount(out.sampled_token_ids.numpy(), minlength=V)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=0.7), dict(temperature=1.5), dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.8),
-    dict(temperature=1.0, min_p=0.2), dict(temperature=0.8, top_k=5, top_p=0.9), dict(temperature=1.3, top_k=6,
-                                                                                        top_p=0.95, min_p=0.05)])
+CASES = [dict(temperature=0.7), dict(temperature=1.5), dict(top_k=3), dict(top_p=0.8), dict(min_p=0.2),
+         dict(temperature=0.8, top_k=5, top_p=0.9), dict(temperature=1.3, top_k=6, top_p=0.95, min_p=0.05),
+         dict(top_p=0.9, min_p=0.1)]  # keeps token 4; min-p before top-p would drop it
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_sampling_distribution_matches(kw):
-    counts = sample(SamplingParams(**kw))
-    probs = expected(**kw)
-    assert chi_square_p(counts, probs) > 1e-3, (counts, probs * N)
+    counts = sample_counts(SamplingParams(**kw))
+    assert chi_square_p(counts, expected(**kw)) > 1e-3, (counts, expected(**kw) * N)
 
 
 def test_chi_square_detects_a_wrong_distribution():
-    counts = sample(SamplingParams(temperature=0.7))
+    counts = sample_counts(SamplingParams(temperature=0.7))
     assert chi_square_p(counts, expected(temperature=1.0)) < 1e-6
 
 
-def test_greedy_is_argmax_and_mixes_with_sampling():
-    torch.manual_seed(0)
-    logits = torch.randn(6, 50)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
-    out = Sampler()(logits, build_sampling_metadata(rows(params), 50, torch.device("cpu")))
-    assert out.sampled_token_ids[::2].tolist() == logits.argmax(-1)[::2].tolist()
-    assert out.logprobs is None
+def test_mixed_batch_each_row_group_follows_its_own_distribution():
+    """Greedy, top-k-only, top-p and plain rows interleaved: the filters only touch their own rows."""
+    groups = [dict(temperature=0.0), dict(top_k=3), dict(temperature=0.8, top_p=0.8), dict(temperature=1.5)]
+    params = [SamplingParams(**groups[i % 4]) for i in range(4 * N // 2)]
+    torch.manual_seed(1)
+    ids = run(params, LOGITS.expand(len(params), -1)).sampled_token_ids.numpy()
+    assert (ids[0::4] == 0).all()
+    for g in range(1, 4):
+        kw = {k: v for k, v in groups[g].items()}
+        assert chi_square_p(np.bincount(ids[g::4], minlength=V), expected(**kw)) > 1e-3, kw
 
 
-def test_seeded_rows_ignore_their_neighbours():
-    p = SamplingParams(temperature=1.0, seed=42)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_exact_argmax_in_a_mixed_batch(dtype):
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5)] * 4
+    out = run(params, logits)
+    assert out.sampled_token_ids.dtype == torch.int64 and out.sampled_token_ids.shape == (8,)
+    assert torch.equal(out.sampled_token_ids[::2], logits.float().argmax(-1)[::2])
+    assert out.logprobs is None and out.top_logprobs is None and out.top_logprob_ids is None
+    assert out.sampled_token_ids.max() < 50
 
-    def draw(batch_params, row, steps=12):
-        gens = [torch.Generator().manual_seed(bp.seed) if bp.seed is not None else None for bp in batch_params]
-        seq = []
-        for step in range(steps):
-            torch.manual_seed(step * 31 + len(batch_params))  # the global RNG differs between runs
-            logits = torch.randn(len(batch_params), 100, generator=torch.Generator().manual_seed(step))
-            meta = build_sampling_metadata(rows(batch_params, gens=gens), 100, torch.device("cpu"))
-            seq.append(int(Sampler()(logits, meta).sampled_token_ids[row]))
-        return seq
 
-    alone = draw([p], 0)
-    crowded = draw([SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, seed=7), p,
-                    SamplingParams(temperature=0.0)], 2)
-    # Row logits differ by position, so compare against the same logits row: rebuild alone at row 2's logits.
-    gens = [torch.Generator().manual_seed(42)]
-    alone_same_logits = []
-    for step in range(12):
-        logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(step))[2:3]
-        meta = build_sampling_metadata(rows([p], gens=gens), 100, torch.device("cpu"))
-        alone_same_logits.append(int(Sampler()(logits, meta).sampled_token_ids[0]))
-    assert crowded == alone_same_logits
-    assert len(set(alone)) > 1
+def test_top_k_fast_path_equals_sort_path_with_ties():
+    x = (torch.randn(64, 300, generator=torch.Generator().manual_seed(2)) * 2).round()  # many ties
+    k = torch.randint(1, 300, (64,), generator=torch.Generator().manual_seed(3))
+    fast = top_k_only(x, k, int(k.max()))
+    assert torch.equal(fast, top_k_top_p(x, k, None))
+    kept = (fast > -INF).sum(-1)
+    assert (kept >= k).all()  # ties with the k-th logit are kept, never fewer than k
+
+
+def test_top_p_one_never_cuts_the_tail():
+    x = torch.randn(4, 50000, generator=torch.Generator().manual_seed(4))
+    out = top_k_top_p(x, None, torch.ones(4))
+    assert torch.equal(out, x)
+
+
+# -- seeds ---------------------------------------------------------------------------------------------
+
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, frequency_penalty=0.3, seed=42)
+
+
+def row_logits(step: int) -> torch.Tensor:
+    return torch.randn(200, generator=torch.Generator().manual_seed(1000 + step))
+
+
+def seeded_run(batch: list[SamplingParams], targets: list[int], global_seed: int, steps: int = 15) -> list[list[int]]:
+    """Drive `batch` for `steps` steps; rows in `targets` see row_logits(step), the rest random logits."""
+    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in batch]
+    outputs: list[list[int]] = [[] for _ in batch]
+    torch.manual_seed(global_seed)  # the global RNG state differs between runs
+    for step in range(steps):
+        logits = torch.randn(len(batch), 200)
+        logits[targets] = row_logits(step)
+        meta = build_sampling_metadata(make_rows(batch, outputs=outputs, gens=gens), 200, CPU)
+        for out, tok in zip(outputs, Sampler()(logits, meta).sampled_token_ids.tolist()):
+            out.append(tok)
+    return [outputs[t] for t in targets]
+
+
+def test_seeded_rows_ignore_the_rest_of_the_batch():
+    (alone,) = seeded_run([SEEDED], [0], global_seed=0)
+    crowd = [SamplingParams(temperature=0.5, top_p=0.5), SamplingParams(temperature=1.0, seed=7),
+             SamplingParams(temperature=0.0), SEEDED, SamplingParams(temperature=1.2, min_p=0.1)]
+    (crowded,) = seeded_run(crowd, [3], global_seed=1)
+    twins = seeded_run([SEEDED, SamplingParams(top_k=3), SEEDED], [0, 2], global_seed=2)
+    assert len(set(alone)) > 3  # really sampling, not collapsing to one token
+    assert crowded == alone
+    assert twins == [alone, alone]  # two requests with the same seed get the same tokens
+
+
+def test_different_seeds_differ():
+    (a,) = seeded_run([SEEDED], [0], global_seed=0)
+    (b,) = seeded_run([SamplingParams(temperature=0.9, top_k=40, top_p=0.95, frequency_penalty=0.3, seed=43)],
+                      [0], global_seed=0)
+    assert a != b
+
+
+def test_unseeded_rows_follow_the_global_rng():
+    p = [SamplingParams(temperature=1.0)] * 64
+    logits = torch.zeros(64, 100)
+    torch.manual_seed(5)
+    a = run(p, logits).sampled_token_ids
+    torch.manual_seed(5)
+    assert torch.equal(a, run(p, logits).sampled_token_ids)
+    assert not torch.equal(a, run(p, logits).sampled_token_ids)
+
+
+# -- penalties, bias, min_tokens, processors ------------------------------------------------------------
+
+def processed(params, outputs=None, prompts=None, stop_ids=frozenset(), logits=LOGITS) -> torch.Tensor:
+    """The logits after bias, ban, processors and penalties (the input to logprobs and sampling)."""
+    rows = make_rows(params, outputs=outputs, prompts=prompts, stop_ids=stop_ids)
+    meta = build_sampling_metadata(rows, V, CPU)
+    return process_logits(logits.expand(len(params), -1).clone(), meta)
 
 
 def test_penalties_change_exactly_the_expected_logits():
-    prompt, output = [1, 2], [2, 3, 3]
+    prompt, output = [1, 6, 6], [2, 3, 3, 7]  # 6 and 7 have negative logits: multiplied, not divided
+    params = [SamplingParams(), SamplingParams(repetition_penalty=2.0), SamplingParams(frequency_penalty=0.5),
+              SamplingParams(presence_penalty=-0.25),
+              SamplingParams(repetition_penalty=1.5, frequency_penalty=-1.0, presence_penalty=0.75)]
+    got = processed(params, outputs=[output] * 5, prompts=[prompt] * 5)
+    counts = {2: 1, 3: 2, 7: 1}  # output only
+    for row, p in enumerate(params):
+        ref = LOGITS.tolist()
+        for t in set(prompt) | set(output):
+            r = p.repetition_penalty
+            ref[t] = ref[t] / r if ref[t] > 0 else ref[t] * r
+        for t, c in counts.items():
+            ref[t] -= p.frequency_penalty * c + p.presence_penalty
+        assert torch.allclose(got[row], torch.tensor(ref), atol=1e-6, rtol=0), (row, got[row], ref)
+    assert torch.equal(got[0], LOGITS)
+    assert torch.equal(got[1][[0, 4, 5]], LOGITS[[0, 4, 5]])  # unseen tokens untouched
+
+
+def test_penalties_steer_greedy_and_logprobs():
     p = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
-                       logprobs=V - 1)
-    meta = build_sampling_metadata(rows([p], [output], [prompt]), V, torch.device("cpu"))
-    out = Sampler()(LOGITS[None].clone(), meta)
+                       logprobs=V)
+    out = run([p], LOGITS[None].clone(), outputs=[[0, 0, 2]], prompts=[[1]])
     ref = LOGITS.clone()
-    for t in {1, 2, 3}:  # seen in prompt or output: repetition penalty
-        ref[t] = ref[t] / 2.0 if ref[t] > 0 else ref[t] * 2.0
-    for t, c in {2: 1, 3: 2}.items():  # frequency and presence from the output only
-        ref[t] -= 0.5 * c + 0.25
+    ref[0], ref[1], ref[2] = 2.0 / 2 - 0.5 * 2 - 0.25, 1.5 / 2, 1.0 / 2 - 0.5 - 0.25
     lp = torch.log_softmax(ref, -1)
-    assert torch.allclose(out.top_logprobs[0], lp.sort(descending=True).values[:V - 1], atol=1e-6)
-    assert out.sampled_token_ids.item() == int(ref.argmax())
-    assert math.isclose(out.logprobs.item(), float(lp.max()), abs_tol=1e-6)
+    assert out.sampled_token_ids.tolist() == [int(ref.argmax())] == [1]  # penalties moved argmax off token 0
+    assert torch.allclose(out.top_logprobs[0], lp[out.top_logprob_ids[0]], atol=1e-6)
+    assert sorted(out.top_logprob_ids[0].tolist()) == list(range(V))
+    assert torch.allclose(out.logprobs, lp[1:2], atol=1e-6)
 
 
-def test_logit_bias_and_min_tokens_ban():
-    p = SamplingParams(temperature=0.0, logit_bias={5: 10.0})
-    meta = build_sampling_metadata(rows([p]), V, torch.device("cpu"))
-    assert Sampler()(LOGITS[None], meta).sampled_token_ids.item() == 5
+def test_logit_bias_touches_only_its_row_and_tokens():
+    params = [SamplingParams(temperature=0.0, logit_bias={5: 10.0, 0: -100.0}), SamplingParams(temperature=0.0)]
+    got = processed(params)
+    ref = LOGITS.clone()
+    ref[5] += 10.0
+    ref[0] -= 100.0
+    assert torch.equal(got[0], ref) and torch.equal(got[1], LOGITS)
+    assert run(params, LOGITS.expand(2, -1)).sampled_token_ids.tolist() == [5, 0]
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
     ban = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4)
-    for generated, expect in (([], 1), ([9], 1), ([9, 9], 0)):
-        meta = build_sampling_metadata(rows([ban], [generated], stop_ids=frozenset({0})), V, torch.device("cpu"))
-        assert Sampler()(LOGITS[None], meta).sampled_token_ids.item() == expect
+    stop = frozenset({0, 3, 10**6})  # an id past the vocabulary is ignored, not an error
+    for generated, masked in (([], True), ([9], True), ([9, 9], False), ([9, 9, 9], False)):
+        got = processed([ban, SamplingParams()], outputs=[generated, []], stop_ids=stop)
+        ref = LOGITS.clone()
+        if masked:
+            ref[[0, 3]] = -INF
+        assert torch.equal(got[0], ref) and torch.equal(got[1], LOGITS)  # the other row has no min_tokens
+        out = run([ban], LOGITS[None], outputs=[generated], stop_ids=stop)
+        assert out.sampled_token_ids.tolist() == [1 if masked else 0]
 
+
+def test_min_tokens_sampling_rows_never_draw_a_stop_id():
+    torch.manual_seed(0)
+    params = [SamplingParams(min_tokens=1, temperature=2.0)] * 4000
+    ids = run(params, LOGITS.expand(4000, -1), stop_ids=frozenset({0, 1})).sampled_token_ids
+    counts = torch.bincount(ids, minlength=V)
+    assert counts[0] == 0 and counts[1] == 0 and (counts[2:] > 0).all()
+
+
+def test_logits_processor_runs_after_bias_and_ban_before_penalties():
+    seen = []
+    only_six = torch.full((V,), -INF)
+    only_six[6] = 0.0
+
+    def hook(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.clone())
+        return x + only_six
+
+    params = [SamplingParams(logit_bias={2: 1.0}, min_tokens=1, presence_penalty=0.5), SamplingParams()]
+    rows = make_rows(params, outputs=[[], [6]], stop_ids=frozenset({0}))
+    rows[0].logits_processor = hook
+    out = Sampler()(LOGITS.expand(2, -1), build_sampling_metadata(rows, V, CPU))
+    ref = LOGITS.clone()
+    ref[2] += 1.0
+    ref[0] = -INF
+    assert len(seen) == 1 and torch.equal(seen[0], ref)
+    assert out.sampled_token_ids[0] == 6
+
+
+def test_processor_rows_alone_are_constrained():
+    only_six = torch.full((V,), -INF)
+    only_six[6] = 0.0
+    rows = make_rows([SamplingParams()] * 200)
+    for r in rows[::2]:
+        r.logits_processor = lambda x: x + only_six
+    torch.manual_seed(0)
+    ids = Sampler()(LOGITS.expand(200, -1), build_sampling_metadata(rows, V, CPU)).sampled_token_ids
+    assert (ids[::2] == 6).all() and (ids[1::2] != 6).any()
+
+
+# -- logprobs -----------------------------------------------------------------------------------------
 
 def test_logprobs_k_is_the_batch_max_and_values_exact():
-    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=0.0, logprobs=5)]
-    out = Sampler()(logits, build_sampling_metadata(rows(params), 30, torch.device("cpu")))
-    lp = torch.log_softmax(logits, -1)
-    assert out.top_logprobs.shape == (3, 5)
-    assert torch.allclose(out.top_logprobs, lp.topk(5).values)
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.5),
+              SamplingParams(temperature=1.5, top_k=3, logprobs=5, logit_bias={7: 3.0}),
+              SamplingParams(temperature=0.0, logprobs=0)]
+    torch.manual_seed(0)
+    out = run(params, logits)
+    biased = logits.clone()
+    biased[2, 7] += 3.0
+    lp = torch.log_softmax(biased, -1)  # pre-temperature, pre-filter: temperature and top-k don't change it
+    assert out.top_logprobs.shape == out.top_logprob_ids.shape == (4, 5)
+    assert out.top_logprob_ids.dtype == torch.int64 and out.top_logprobs.dtype == torch.float32
+    assert torch.allclose(out.top_logprobs, lp.topk(5).values, atol=1e-6)
     assert torch.equal(out.top_logprob_ids, lp.topk(5).indices)
-    assert torch.allclose(out.logprobs, lp.max(-1).values)
+    assert torch.allclose(out.logprobs, lp.gather(1, out.sampled_token_ids[:, None])[:, 0], atol=1e-6)
 
 
-def test_logits_processor_hook():
-    p = SamplingParams(temperature=1.0)
-    allowed = torch.full((V,), float("-inf"))
-    allowed[6] = 0.0
-    r = rows([p] * 4)
-    for row in r:
-        row.logits_processor = lambda x: x + allowed
-    out = Sampler()(LOGITS.expand(4, -1), build_sampling_metadata(r, V, torch.device("cpu")))
-    assert out.sampled_token_ids.tolist() == [6, 6, 6, 6]
+def test_logprobs_zero_gives_only_the_chosen_token():
+    out = run([SamplingParams(temperature=0.0, logprobs=0)] * 2, LOGITS.expand(2, -1))
+    assert out.top_logprobs.shape == (2, 0) and out.top_logprob_ids.shape == (2, 0)
+    assert torch.allclose(out.logprobs, torch.log_softmax(LOGITS, -1)[0].expand(2))
+
+
+def test_banned_tokens_have_minus_inf_logprob():
+    p = SamplingParams(temperature=0.0, min_tokens=1, logprobs=V)
+    out = run([p], LOGITS[None], stop_ids=frozenset({0}))
+    assert out.top_logprob_ids[0, -1] == 0 and out.top_logprobs[0, -1] == -INF
+
+
+# -- metadata flags -------------------------------------------------------------------------------------
+
+def test_metadata_flags_computed_once_from_params():
+    def meta(*params):
+        return build_sampling_metadata(make_rows(list(params)), V, CPU)
+
+    m = meta(SamplingParams(temperature=0.0, top_k=3, min_p=0.5, logprobs=1), SamplingParams(temperature=0.0))
+    assert m.all_greedy and not m.all_random
+    assert m.no_top_k and m.no_top_p and m.no_min_p and m.no_penalties  # filters are moot on greedy rows
+    assert m.max_num_logprobs == 1 and not m.writes_logits
+    m = meta(SamplingParams(top_k=3), SamplingParams(top_p=0.5, logprobs=4), SamplingParams(logprobs=2))
+    assert m.all_random and not m.all_greedy and not m.no_top_k and not m.no_top_p
+    assert m.filter_rows.tolist() == [0, 1] and m.top_k.tolist() == [3, V] and m.max_top_k == V
+    assert m.top_p.tolist() == [1.0, 0.5] and m.max_num_logprobs == 4
+    m = meta(SamplingParams(top_k=V + 5, top_p=0.9), SamplingParams(top_k=2))  # k >= V is off
+    assert m.filter_rows is None and m.top_k.tolist() == [V, 2]  # every row filters: no gather
+    assert m.top_p.tolist() == pytest.approx([0.9, 1.0]) and m.max_top_k == V
+    m = meta(SamplingParams(presence_penalty=0.1), SamplingParams(logit_bias={1: 1.0}))
+    assert not m.no_penalties and m.repetition is None and m.prompt_seen is None and m.writes_logits

@@ -1,8 +1,17 @@
-"""The batched sampler: logits -> bias -> min_tokens ban -> processors -> penalties -> (logprobs) ->
-greedy argmax | temperature -> top-k -> top-p -> min-p -> exponential-race sample.
+"""The batched sampler, called once per engine step.
 
-Logprobs are the log-softmax of the processed logits before temperature (what the model, with the
-request's biases and penalties, believes), as OpenAI and vLLM report them.
+Order: logits -> logit_bias -> min_tokens ban -> per-row logits processors -> penalties
+-> (logprobs) -> greedy rows: argmax | sampling rows: temperature -> top-k -> top-p -> min-p
+-> exponential-race sample.
+
+Logprobs are the log-softmax of the processed logits before temperature and the sampling filters.
+They reflect what shapes the request's distribution everywhere (bias, min_tokens bans at -inf, grammar
+masks, penalties) but not the sampling knobs, so a token's logprob is the same at any temperature,
+top-k, top-p or min-p, and a greedy and a sampled request report the same numbers. (vLLM v1's default
+"raw_logprobs" is taken earlier, before any processing.)
+
+Nothing here reads a tensor on the host: the only Python loops are over seeded rows and rows with a
+logits processor, both listed in the metadata.
 """
 
 from __future__ import annotations
@@ -11,7 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from lmserve.sample.filters import NEG_INF, min_p_filter, top_k_only, top_k_top_p
 from lmserve.sample.metadata import SamplingMetadata
+from lmserve.sample.penalties import apply_penalties
+
+# Smallest positive float32: Exp(1) noise is clamped to it so p / noise never becomes 0 / 0 = NaN,
+# which argmax would pick.
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -20,79 +35,82 @@ class SamplerOutput:
 
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32, logprob of the sampled token
-    top_logprob_ids: torch.Tensor | None  # [B, K] int64
-    top_logprobs: torch.Tensor | None  # [B, K] float32
+    top_logprob_ids: torch.Tensor | None  # [B, K] int64; a row that asked for k < K uses the first k
+    top_logprobs: torch.Tensor | None  # [B, K] float32, descending
 
 
 class Sampler:
     """Stateless: all per-request state lives in SamplingMetadata (and the requests' generators)."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = process_logits(logits.float().clone(), meta)  # [B, V]
-        logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
-        greedy_ids = logits.argmax(dim=-1)
-        if meta.all_greedy:
-            ids = greedy_ids
-        else:
-            sampled = sample_random(logits, meta)
-            ids = sampled if meta.all_random else torch.where(meta.greedy, greedy_ids, sampled)
-        if logprobs is None:
+        """Pick one token per row of logits [B, V] (any float dtype; computed in float32)."""
+        logits = process_logits(logits.to(torch.float32, copy=meta.writes_logits), meta)  # [B, V]
+        ids = choose_tokens(logits, meta)  # [B]
+        if meta.max_num_logprobs is None:
             return SamplerOutput(ids, None, None, None)
-        chosen = logprobs.gather(1, ids[:, None])[:, 0]
-        top, top_ids = (logprobs.topk(meta.max_num_logprobs, dim=-1) if meta.max_num_logprobs
-                        else (logprobs[:, :0], ids[:, None][:, :0]))
-        return SamplerOutput(ids, chosen, top_ids, top)
+        return with_logprobs(ids, logits, meta.max_num_logprobs)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Apply logit_bias, the min_tokens ban, per-row processors and penalties (in place)."""
+    """Apply logit_bias, the min_tokens ban, per-row processors and penalties. logits [B, V] float32."""
     if meta.bias_index is not None:
         logits.index_put_(meta.bias_index, meta.bias_values, accumulate=True)
     if meta.ban_index is not None:
-        logits[meta.ban_index] = float("-inf")
+        logits[meta.ban_index] = NEG_INF
     for row, fn in meta.processors:
         logits[row] = fn(logits[row])
-    if meta.output_counts is not None:
+    if not meta.no_penalties:
         logits = apply_penalties(logits, meta)
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition (HF/vLLM: divide positive, multiply negative logits of seen tokens), then OpenAI's
-    frequency (x count in output) and presence (once if in output) subtractions."""
-    counts = meta.output_counts
-    in_output = counts > 0
-    if meta.prompt_seen is not None:
-        seen = in_output | meta.prompt_seen
-        pen = meta.repetition.expand_as(logits)
-        logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
-    return logits - meta.frequency * counts - meta.presence * in_output
+def choose_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Exact argmax on greedy rows, a random draw on the others; [B] int64."""
+    if meta.all_greedy:
+        return logits.argmax(dim=-1)
+    sampled = sample_random(logits, meta)
+    if meta.all_random:
+        return sampled
+    return torch.where(meta.greedy, logits.argmax(dim=-1), sampled)
 
 
 def sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Temperature -> top-k -> top-p -> min-p, then sample by the exponential race (no host sync)."""
-    x = logits / meta.temperature[:, None]
-    if meta.filter_rows is not None:
-        rows = meta.filter_rows
-        x.index_copy_(0, rows, top_k_top_p(x.index_select(0, rows), meta.top_k, meta.top_p))
-    probs = torch.softmax(x, dim=-1)
-    if meta.min_p is not None:
-        keep = probs >= meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = torch.where(keep, probs, 0.0)
-    # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i / sum(p).
-    noise = torch.empty_like(probs).exponential_()
+    """Temperature -> top-k -> top-p -> min-p, then the exponential race; [B] int64."""
+    x = logits / meta.temperature[:, None]  # [B, V], a new tensor: logits stay intact for logprobs
+    if not (meta.no_top_k and meta.no_top_p):
+        x = _apply_top_k_top_p(x, meta)
+    probs = x.softmax(dim=-1)  # [B, V]
+    if not meta.no_min_p:
+        probs = min_p_filter(probs, meta.min_p)
+    return exponential_race(probs, meta)
+
+
+def _apply_top_k_top_p(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Filter only the rows that use top-k or top-p; the top-k-only batch skips the full sort."""
+    rows = meta.filter_rows
+    sub = x if rows is None else x.index_select(0, rows)  # [F, V]
+    if meta.no_top_p:
+        sub = top_k_only(sub, meta.top_k, meta.max_top_k)
+    else:
+        sub = top_k_top_p(sub, meta.top_k, meta.top_p)
+    return sub if rows is None else x.index_copy_(0, rows, sub)
+
+
+def exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) picks index i with probability p_i / sum(p): no multinomial, no sync.
+
+    Seeded rows overwrite their noise from their own generator, so their draw depends only on the
+    request's seed and its own history, never on the batch around it.
+    """
+    noise = torch.empty_like(probs).exponential_()  # [B, V]
     for row, gen in meta.generators:
         noise[row].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+    return (probs / noise.clamp_min_(_TINY)).argmax(dim=-1)
 
 
-def top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Mask all but each row's top k, then the smallest top set holding mass p (one sort, scattered back)."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    pos = torch.arange(x.shape[-1], device=x.device)[None, :]
-    sorted_x = sorted_x.masked_fill(pos >= k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_x, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    drop = (mass_before >= p[:, None]) & (pos > 0)  # the top token always stays
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+def with_logprobs(ids: torch.Tensor, logits: torch.Tensor, k: int) -> SamplerOutput:
+    """Logprob of each chosen token and the batch's top-k, from the processed (pre-temperature) logits."""
+    logprobs = logits.log_softmax(dim=-1)  # [B, V]
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1)  # [B]
+    top, top_ids = logprobs.topk(k, dim=-1)  # [B, K]
+    return SamplerOutput(ids, chosen, top_ids, top)
