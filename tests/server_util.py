@@ -29,6 +29,7 @@ class Server:
     def __init__(self, proc: subprocess.Popen, port: int) -> None:
         self.proc, self.port = proc, port
         self.url = f"http://127.0.0.1:{port}"
+        self.health_seen: list[int] = []  # /health statuses while starting (503 while the model loads)
 
     def metric(self, name: str, labels: str = "") -> float:
         """Value of a Prometheus sample from /metrics (labels as written, e.g. 'reason="shutdown"')."""
@@ -64,11 +65,12 @@ def running_server(*extra: str, env: dict | None = None, headers: dict | None = 
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode} (set LMSERVE_TEST_SERVER_LOG to see why)")
             try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                server.health_seen.append(httpx.get(server.url + "/health", timeout=2).status_code)
+                if server.health_seen[-1] == 200:
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.1)
         else:
             raise RuntimeError("server did not become healthy")
         yield server

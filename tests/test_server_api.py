@@ -82,6 +82,20 @@ def test_completion_logprobs_and_echo(client):
     echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
                                        echo=True)
     assert echoed.choices[0].text == "The capital of France is" + r.choices[0].text
+    chunks = [c.choices[0] for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=1, stream=True)]
+    assert sum((c.logprobs.tokens for c in chunks), []) == lp.tokens
+    assert sum((c.logprobs.text_offset for c in chunks), []) == lp.text_offset  # offsets run across chunks
+
+
+def test_chat_stop_and_seed(client):
+    base = dict(model=MODEL, messages=[{"role": "user", "content": "List three animals."}], max_tokens=16)
+    greedy = client.chat.completions.create(**base, temperature=0).choices[0].message.content
+    word = greedy.split()[1]
+    stopped = client.chat.completions.create(**base, temperature=0, stop=word)
+    assert stopped.choices[0].finish_reason == "stop" and word not in stopped.choices[0].message.content
+    a, b = (client.chat.completions.create(**base, temperature=1.0, seed=7, n=2) for _ in range(2))
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
 
 
 def test_chat_logprobs_parts_and_max_completion_tokens(client):
@@ -149,8 +163,29 @@ def test_tgi_generate_and_stream(server):
     assert "".join(e["token"]["text"] for e in events) == r["generated_text"]
     sampled = httpx.post(server.url + "/generate", json={"inputs": "Hi", "parameters": {
         "max_new_tokens": 4, "do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 5,
-        "repetition_penalty": 1.1, "stop": ["\n"]}}).json()
-    assert isinstance(sampled["generated_text"], str)
+        "repetition_penalty": 1.1, "stop": ["\n"], "details": True}}).json()
+    assert isinstance(sampled["generated_text"], str) and sampled["details"]["seed"] == 5
+    unseeded = httpx.post(server.url + "/generate", json={"inputs": "Hi", "parameters": {
+        "max_new_tokens": 2, "do_sample": True, "details": True}}).json()
+    assert isinstance(unseeded["details"]["seed"], int)  # TGI reports the seed a sampled request drew from
+
+
+def test_tgi_semantics_stop_sequence_greedy_and_compat_route(server):
+    greedy = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8, "details": True}}
+    first = httpx.post(server.url + "/generate", json=greedy, timeout=60).json()
+    assert first["details"]["seed"] is None  # do_sample false: greedy, as with temperature 0
+    assert first == httpx.post(server.url + "/generate", json=greedy, timeout=60).json()
+    word = first["details"]["tokens"][1]["text"]
+    body = {"inputs": greedy["inputs"], "parameters": {"max_new_tokens": 8, "stop": [word], "details": True}}
+    r = httpx.post(server.url + "/generate", json=body).json()
+    assert r["details"]["finish_reason"] == "stop_sequence" and r["generated_text"].endswith(word)  # TGI keeps it
+    events = []
+    with httpx.stream("POST", server.url + "/", json={**body, "stream": True}) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    assert events[-1]["generated_text"] == r["generated_text"]
+    assert events[-1]["details"]["finish_reason"] == "stop_sequence"
+    assert all(isinstance(e["token"]["logprob"], float) for e in events)
+    assert httpx.post(server.url + "/", json=body).json() == r
     info = httpx.get(server.url + "/info").json()
     assert info["model_id"] == MODEL and info["max_total_tokens"] == 8192
 

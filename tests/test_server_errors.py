@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -71,6 +72,21 @@ CASES = [
     ("stream-not-bool", "POST", C, comp(stream="maybe"), 400, "stream"),
     ("too-many-prompts", "POST", C, comp(prompt=["a"] * 65), 400, "at most 64"),
     ("long-prompt-excerpt", "POST", C, comp(prompt=5, padding="y" * 5000), 400, "unsupported field"),
+    ("long-field-name", "POST", C, comp(**{"z" * 5000: 1}), 400, "unsupported field"),
+    ("long-logit-bias-key", "POST", C, comp(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),
+    ("lone-surrogate", "POST", C, '{"model": "%s", "prompt": "a\\ud800b"}' % M, 400, "surrogate"),
+    ("deep-nesting", "POST", C, "[" * 100000 + "]" * 100000, 400, "nested too deeply"),
+    ("number-overflow", "POST", C, '{"model": "%s", "prompt": "x", "temperature": 1e400}' % M, 400, "out of range"),
+    ("max-tokens-numeric-string", "POST", C, comp(max_tokens="10"), 400, "max_tokens"),
+    ("max-tokens-float", "POST", C, comp(max_tokens=2.5), 400, "max_tokens"),
+    ("prompt-bool-token", "POST", C, comp(prompt=[1, True]), 400, "prompt must be"),
+    ("prompt-mixed-list", "POST", C, comp(prompt=["a", 1]), 400, "prompt must be"),
+    ("best-of-equal-n", "POST", C, comp(best_of=2, n=2), 400, "best_of"),
+    ("stream-options-without-stream", "POST", C, comp(stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("logit-bias-underscore-key", "POST", C, comp(logit_bias={"1_0": 1}), 400, "logit_bias"),
+    ("logprobs-negative", "POST", C, comp(logprobs=-1), 400, "logprobs"),
+    ("stop-token-negative", "POST", C, comp(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("chat-empty-messages", "POST", CH, chat(messages=[]), 400, "messages"),
     ("chat-bad-role", "POST", CH, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
     ("chat-image-part", "POST", CH, chat(messages=[{"role": "user", "content": [
@@ -81,6 +97,16 @@ CASES = [
     ("chat-tools", "POST", CH, chat(tools=[{"type": "function"}]), 400, "tools"),
     ("chat-response-format", "POST", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("chat-over-context", "POST", CH, chat(max_completion_tokens=10**6), 400, "context"),
+    ("chat-null-user-content", "POST", CH, chat(messages=[{"role": "user", "content": None}]), 400, "content"),
+    ("chat-tool-role", "POST", CH, chat(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
+    ("chat-part-without-text", "POST", CH, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
+     "content must be"),
+    ("chat-functions", "POST", CH, chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("chat-n-bool", "POST", CH, chat(n=True), 400, "n"),
+    ("chat-stop-ints", "POST", CH, chat(stop=[1, 2]), 400, "stop must be"),
+    ("unknown-route-post", "POST", "/v2/completions", {}, 404, "no route"),
+    ("tokenize-both", "POST", "/tokenize", {"prompt": "x", "messages": USER}, 400, "exactly one"),
+    ("detokenize-strings", "POST", "/detokenize", {"tokens": ["a"]}, 400, "tokens"),
     ("unknown-route", "GET", "/v1/nope", None, 404, "no route"),
     ("wrong-method-delete", "DELETE", C, None, 405, "not allowed"),
     ("wrong-method-get", "GET", CH, None, 405, "not allowed"),
@@ -94,7 +120,15 @@ CASES = [
     ("tgi-unknown-parameter", "POST", "/generate", {"inputs": "x", "parameters": {"best": 1}}, 422, "unsupported"),
     ("tgi-stream-invalid-json", "POST", "/generate_stream", "{{", 422, "not valid JSON"),
     ("tgi-empty-inputs", "POST", "/generate", {"inputs": ""}, 422, "empty"),
+    ("tgi-decoder-input-details", "POST", "/generate", {"inputs": "x", "parameters": {
+        "decoder_input_details": True}}, 422, "decoder_input_details"),
+    ("tgi-watermark", "POST", "/generate", {"inputs": "x", "parameters": {"watermark": True}}, 422, "watermark"),
+    ("tgi-stream-field-on-generate", "POST", "/generate", {"inputs": "x", "stream": True}, 422, "stream"),
+    ("tgi-zero-temperature", "POST", "/generate_stream", {"inputs": "x", "parameters": {
+        "do_sample": True, "temperature": 0}}, 422, "temperature"),
+    ("tgi-compat-bad-inputs", "POST", "/", {"inputs": 5}, 422, "inputs"),
 ]
+CANARY_EVERY = 10  # cases between canary requests (and once more at the end)
 
 
 def canary(server) -> None:
@@ -104,23 +138,42 @@ def canary(server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(server, case):
+@pytest.mark.parametrize("number,case", list(enumerate(CASES)), ids=[c[0] for c in CASES])
+def test_bad_input(server, number, case):
     _, method, path, body, status, match = case
     kw = {"json": body} if isinstance(body, dict) else {"content": body} if body is not None else {}
     headers = {"Content-Type": "application/json"} if body is not None else {}
     r = httpx.request(method, server.url + path, headers=headers, timeout=60, **kw)
     assert r.status_code == status, r.text[:300]
     err = r.json()
-    if path in ("/generate", "/generate_stream"):
-        assert set(err) == {"error", "error_type"} and match in err["error"]
+    if path in ("/", "/generate", "/generate_stream"):
+        assert set(err) == {"error", "error_type"} and match in err["error"], err
         message = err["error"]
     else:
         assert set(err["error"]) == {"message", "type", "param", "code"}, err
         message = err["error"]["message"]
         assert match in message, message
     assert len(message) <= 400 and "Traceback" not in r.text and "/site-packages/" not in r.text
-    assert "/work/" not in r.text and "yyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyy" not in r.text
+    assert "/work/" not in r.text and not any(c * 41 in r.text for c in "yz9")  # input only in short excerpts
+    if number % CANARY_EVERY == CANARY_EVERY - 1:
+        canary(server)
+
+
+def test_chunked_body_over_the_limit_gets_413(server):
+    """No Content-Length: the limit is enforced on the bytes as they stream in."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 2**16
+        try:
+            for _ in range(4 * 2**20 // len(chunk) + 1):  # just past the 4 MiB default, then stop sending
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        except OSError:
+            pass  # the server may answer and close while the last chunk is on its way
+        response = b""
+        while b"}}" not in response and (part := s.recv(65536)):
+            response += part
+    assert response.startswith(b"HTTP/1.1 413") and b"exceeds the limit" in response
 
 
 def test_server_healthy_and_correct_after_bad_inputs(server):
@@ -129,23 +182,33 @@ def test_server_healthy_and_correct_after_bad_inputs(server):
     server.wait_idle()
 
 
+ORIGIN = "http://app.example"
+
+
 @pytest.fixture(scope="module")
-def guarded():
-    with running_server("--api-key", "key-one", "--api-key", "key-two", "--max-num-seqs", "1",
-                        "--max-queued-requests", "0", env={"LMSERVE_API_KEY": "key-env"},
-                        headers={"Authorization": "Bearer key-one"}) as s:
+def guarded(tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text("key-file\n\n")
+    with running_server("--api-key", "key-one", "--api-key", "key-two", "--api-key-file", str(key_file),
+                        "--max-num-seqs", "1", "--max-queued-requests", "0", "--cors-allowed-origins", ORIGIN,
+                        env={"LMSERVE_API_KEY": "key-env"}, headers={"Authorization": "Bearer key-one"}) as s:
         yield s
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", C), ("POST", CH), ("POST", "/generate"),
-                                         ("GET", "/metrics"), ("POST", "/tokenize"), ("GET", "/version"),
-                                         ("GET", "/info")])
+AUTH_ROUTES = [("GET", "/v1/models"), ("POST", C), ("POST", CH), ("POST", "/generate"), ("POST", "/generate_stream"),
+               ("POST", "/"), ("GET", "/info"), ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+               ("GET", "/version"), ("GET", "/v1/no-such-route")]
+
+
+@pytest.mark.parametrize("method,path", AUTH_ROUTES)
 def test_auth_required_everywhere_but_health(guarded, method, path):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"},
+                    {"Authorization": "Bearer key-one-and-more"}, {"Authorization": "Bearer"},
+                    {"Authorization": "Token key-one"}):
         r = httpx.request(method, guarded.url + path, headers=headers, json={})
         assert r.status_code == 401
         body = r.json()
-        if path in ("/generate", "/info"):  # TGI routes answer in TGI's shape
+        if path in ("/", "/generate", "/generate_stream", "/info"):  # TGI routes answer in TGI's shape
             assert body["error_type"] == "authentication"
         else:
             assert body["error"]["code"] == "invalid_api_key"
@@ -153,9 +216,19 @@ def test_auth_required_everywhere_but_health(guarded, method, path):
 
 
 def test_each_accepted_key_works(guarded):
-    for key in ("key-one", "key-two", "key-env"):
+    for key in ("key-one", "key-two", "key-env", "key-file"):
         r = httpx.get(guarded.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200
+
+
+def test_cors_preflight_and_allowed_origin(guarded):
+    preflight = httpx.options(guarded.url + C, headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                                                         "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(guarded.url + "/v1/models", headers={"Origin": ORIGIN, **guarded.headers})
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.get(guarded.url + "/v1/models", headers={"Origin": "http://evil.example", **guarded.headers})
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_queue_full_gets_503_with_retry_after(guarded):
@@ -174,32 +247,43 @@ def test_queue_full_gets_503_with_retry_after(guarded):
         == 200
 
 
+def _stream_completion(url: str, body: dict, started: threading.Event, results: list[dict]) -> None:
+    """Read one SSE completion to its end; set `started` at the first chunk."""
+    chunks, done = [], False
+    with httpx.stream("POST", url + C, json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunks.append(json.loads(line[6:]))
+                started.set()
+    results.append({"max_tokens": body["max_tokens"], "done": done,
+                    "finish": chunks[-1]["choices"][0]["finish_reason"] if chunks else None,
+                    "text": "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))})
+
+
 @pytest.mark.slow
 def test_sigterm_drains_streams_and_exits_zero():
-    with running_server("--drain-timeout", "60") as s:
+    """Two streams finish within the drain timeout; one that cannot is aborted; the process exits 0."""
+    with running_server("--drain-timeout", "6", "--served-model-name", "storyteller") as s:
+        assert 503 in s.health_seen  # /health said 503 while the model loaded
+        assert [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]] == ["storyteller"]
         results: list[dict] = []
-
-        def stream(i: int) -> None:
-            body = {"model": M, "prompt": f"Story {i}:", "max_tokens": 40, "ignore_eos": True, "stream": True}
-            chunks, done = [], False
-            with httpx.stream("POST", s.url + C, json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line == "data: [DONE]":
-                        done = True
-                    elif line.startswith("data: "):
-                        chunks.append(json.loads(line[6:]))
-            results.append({"done": done, "finish": chunks[-1]["choices"][0]["finish_reason"] if chunks else None,
-                            "text": "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))})
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        events = [threading.Event() for _ in range(3)]
+        threads = [threading.Thread(target=_stream_completion, args=(s.url, {
+            "model": "storyteller", "prompt": f"Story {i}:", "max_tokens": (48, 48, 4000)[i], "ignore_eos": True,
+            "stream": True}, events[i], results)) for i in range(3)]
         for t in threads:
             t.start()
-        time.sleep(1.5)  # streams are running
+        assert all(e.wait(60) for e in events)  # every stream is under way
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        late = httpx.post(s.url + C, json={"model": M, "prompt": "x", "max_tokens": 1}, timeout=10)
-        assert late.status_code == 503
+        late = httpx.post(s.url + C, json={"model": "storyteller", "prompt": "x", "max_tokens": 1}, timeout=10)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 503
         for t in threads:
-            t.join(timeout=120)
-        assert s.proc.wait(timeout=60) == 0
-        assert len(results) == 3 and all(r["done"] and r["finish"] == "length" and r["text"] for r in results)
+            t.join(timeout=60)
+        assert s.proc.wait(timeout=30) == 0
+        by_length = sorted(results, key=lambda r: r["max_tokens"])
+        assert len(results) == 3 and all(r["done"] and r["text"] for r in results)
+        assert [r["finish"] for r in by_length] == ["length", "length", "abort"]

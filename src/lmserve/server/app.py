@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,11 +15,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import lmserve
 from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
-from lmserve.server.openai_routes import read_request, state_of
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from lmserve.server.state import ServerState
+from lmserve.server.state import ServerState, read_request, state_of
 
 OPEN_PATHS = ("/health",)  # no API key needed
+log = logging.getLogger("lmserve.server")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -156,7 +156,7 @@ def _misc_routes(app: FastAPI) -> None:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of vocabulary (valid ids are 0..{vocab - 1})", param="tokens")
-        return {"prompt": st.engine.tokenizer.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(st.engine.tokenizer.decode, req.tokens)}
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -173,12 +173,12 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(request.url.path, APIError(400, json.dumps(exc.errors()[:1], default=str)[:300]))
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = ".".join(str(x) for x in err.get("loc", ()))[:100]  # the message only: never the input itself
+        return error_response(request.url.path, APIError(400, f"{loc}: {err.get('msg', 'invalid')}"[:300]))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         # Never a traceback or a path in the body; the log has the details.
-        import logging
-
-        logging.getLogger("lmserve.server").exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", request.url.path[:100])
         return error_response(request.url.path, APIError(500, f"internal error ({type(exc).__name__})"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-TGI_PATHS = ("/generate", "/generate_stream", "/info")
+TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
 MAX_MESSAGE = 400  # characters of an error message (inputs are only ever quoted in short excerpts)
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -20,7 +20,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message[:MAX_MESSAGE], param, code
+        self.status, self.message, self.code = status, message[:MAX_MESSAGE], code
+        self.param = param[:100] if param else param  # a field path can hold a client's dict key
         self.headers = headers or {}
 
 

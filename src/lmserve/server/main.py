@@ -1,7 +1,8 @@
 """`lmserve serve`: build the state, load the model in the background, run uvicorn, drain on SIGTERM.
 
-/health answers 503 while the model loads. On SIGTERM (or SIGINT) new requests get 503, requests
-in flight get `--drain-timeout` seconds to finish, the rest are aborted, and the process exits 0.
+/health answers 503 while the model loads (a failed load ends the process with exit code 1). On
+SIGTERM (or SIGINT) new requests get 503, requests in flight get `--drain-timeout` seconds to
+finish, the rest are aborted, and the process exits 0. A second signal cuts the drain short.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
+import re
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ from lmserve.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("lmserve.server")
 
+# A quantization tag at the end of a GGUF file's stem: "SmolLM2-135M-Instruct.Q4_1", "Llama-3.2-1B-Q4_K_M".
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
+
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """Keys from --api-key (repeatable), $LMSERVE_API_KEY (comma-separated) and --api-key-file (one per line)."""
@@ -35,52 +39,94 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def served_name(args: argparse.Namespace) -> str:
+    """--served-model-name, else the model file's stem without its quantization tag, else the directory's name."""
     if args.served_model_name:
         return args.served_model_name
     from lmserve.loader import resolve_model_path
 
     path = resolve_model_path(args.model)
-    return path.stem.split(".")[0] if path.is_file() else path.name
+    return _QUANT_SUFFIX.sub("", path.stem) if path.is_file() else path.name
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code."""
-    config = ServerConfig(served_model_name=served_name(args), api_keys=api_keys(args),
-                          cors_allowed_origins=tuple(args.cors_allowed_origins),
+    try:
+        name, keys = served_name(args), api_keys(args)
+    except OSError as e:  # a missing model or key file: one clear line, no traceback
+        log.error("%s", e)
+        return 2
+    config = ServerConfig(served_model_name=name, api_keys=keys, cors_allowed_origins=tuple(args.cors_allowed_origins),
                           max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                           drain_timeout=args.drain_timeout)
-    state = ServerState(config, ServerMetrics(config.served_model_name))
-    app = build_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5, access_log=args.log_level == "debug"))
-    return asyncio.run(_run(server, state, args))
-
-
-async def _run(server: uvicorn.Server, state: ServerState, args: argparse.Namespace) -> int:
-    threading.Thread(target=_load, args=(state, args), name="lmserve-load", daemon=True).start()
-    serving = asyncio.create_task(server.serve())
-    await asyncio.sleep(0)  # let uvicorn install its own handlers first; ours replace them
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(_drain(server, state)))
-    await serving
+    state = ServerState(config, ServerMetrics(name))
+    uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+    server = DrainingServer(uv_config, state)
+    threading.Thread(target=_load, args=(state, server, args), name="lmserve-load", daemon=True).start()
+    asyncio.run(server.serve())
     if state.async_engine is not None:
         state.async_engine.shutdown()
-    return 0
+    return 0 if server.started and state.load_error is None else 1
 
 
-def _load(state: ServerState, args: argparse.Namespace) -> None:
-    """Load the model and start the engine thread (runs beside the already-listening server)."""
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose SIGTERM/SIGINT drain in-flight requests before it exits.
+
+    uvicorn installs handle_exit as a plain Python signal handler; overriding it also keeps uvicorn
+    from re-raising the signal at exit, so a drained server exits 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._hurry = False  # a second signal: abort what is left now
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._loop is None:
+            self.should_exit = True
+        elif self._drain_task is None:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        else:
+            self._hurry = True
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        """Stop admitting, wait for in-flight requests (up to the drain timeout), abort the rest, exit."""
+        st, loop = self.state, asyncio.get_running_loop()
+        st.draining = True
+        log.info("draining %d request(s) for up to %.0f s", st.in_flight, st.config.drain_timeout)
+        deadline = loop.time() + st.config.drain_timeout
+        while st.in_flight and loop.time() < deadline and not self._hurry:
+            await asyncio.sleep(0.05)
+        if st.in_flight and st.async_engine is not None:
+            st.metrics.aborts.labels("shutdown").inc(st.in_flight)
+            st.async_engine.abort_all()
+            await asyncio.sleep(0.5)  # let aborted streams send their last chunks
+        self.should_exit = True  # uvicorn then gives open responses timeout_graceful_shutdown to end
+
+
+def _load(state: ServerState, server: uvicorn.Server, args: argparse.Namespace) -> None:
+    """Load the model and start the engine thread (beside the already-listening server, so /health says 503)."""
     from lmserve.engine.async_engine import AsyncEngine
     from lmserve.engine.llm_engine import LLMEngine
 
     try:
         engine = LLMEngine(engine_config(args))
-    except Exception as e:  # noqa: BLE001 - /health reports it; the log has the details
+        warmup = _warm_up(engine)
+    except Exception as e:  # noqa: BLE001 - the log has the details; a server without a model exits
         log.exception("model load failed")
         state.load_error = f"{type(e).__name__}: {e}"
+        server.should_exit = True
         return
-    warmup = _warm_up(engine)
     async_engine = AsyncEngine(engine)
     async_engine.step_listeners.append(state.metrics.on_step)
     state.metrics.bind_engine(engine, warmup)
@@ -98,19 +144,3 @@ def _warm_up(engine) -> float:
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start
-
-
-async def _drain(server: uvicorn.Server, state: ServerState) -> None:
-    """Stop admitting, wait for in-flight requests (up to the drain timeout), abort the rest, exit."""
-    if state.draining:
-        return
-    state.draining = True
-    log.info("draining %d request(s) for up to %.0f s", state.in_flight, state.config.drain_timeout)
-    deadline = asyncio.get_running_loop().time() + state.config.drain_timeout
-    while state.in_flight and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    if state.in_flight and state.async_engine is not None:
-        state.metrics.aborts.labels("shutdown").inc(state.in_flight)
-        state.async_engine.abort_all()
-        await asyncio.sleep(0.5)  # let aborted streams send their last chunks
-    server.should_exit = True

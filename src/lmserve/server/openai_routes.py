@@ -7,21 +7,20 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, TypeVar
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lmserve.request import CompletionDelta, TokenLogprobs
+from lmserve.request import TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.params import chat_params, completion_params
-from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest, parse_body
-from lmserve.server.state import ServerState
+from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
+from lmserve.server.state import ServerState, read_request, state_of
 from lmserve.server.streams import MergedStreams, Watched
 
 router = APIRouter()
-T = TypeVar("T")
 
 
 @dataclass
@@ -32,19 +31,6 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
-
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.lm
-
-
-async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T]:
-    """Every API route's prologue: the engine is ready, the body parses strictly, the model name is ours."""
-    st = state_of(request)
-    st.check_ready()
-    req = parse_body(await request.body(), model)
-    st.check_model(getattr(req, "model", None))
-    return st, req
 
 
 @router.get("/v1/models")
@@ -61,10 +47,9 @@ async def completions(request: Request) -> Response:
     params = completion_params(req)
     prompts = _prompts(req.prompt)
     ids_list = [await st.tokenize(p) for p in prompts]
-    for ids in ids_list:
-        st.admit(ids, params)
+    echoes = [await _echo(st, p) if req.echo else "" for p in prompts]
+    st.admit(ids_list, params)  # nothing awaits from here until the streams are counted in flight
     rid = f"cmpl-{uuid.uuid4().hex}"
-    echoes = [st.engine.tokenizer.decode(ids) if req.echo else "" for ids in ids_list]
     merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(ids_list)])
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.config.served_model_name}
     usage_prompt = sum(len(ids) for ids in ids_list)
@@ -91,7 +76,7 @@ async def chat_completions(request: Request) -> Response:
         ids = await asyncio.to_thread(st.engine.tokenizer.encode_chat, messages)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
-    st.admit(ids, params)
+    st.admit([ids], params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(rid, ids, params)])
     meta = {"id": rid, "created": int(time.time()), "model": st.config.served_model_name}
@@ -119,6 +104,11 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     if len(prompt) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
     return list(prompt)
+
+
+async def _echo(st: ServerState, prompt: str | list[int]) -> str:
+    """The prompt as text: a string as sent, token ids decoded (off the event loop)."""
+    return prompt if isinstance(prompt, str) else await asyncio.to_thread(st.engine.tokenizer.decode, prompt)
 
 
 async def _collect(request: Request, st: ServerState, merged: MergedStreams, n: int,
@@ -166,16 +156,17 @@ def _sse(request: Request, st: ServerState, merged: MergedStreams, chunks: Async
 
 async def _completion_chunks(st: ServerState, merged: MergedStreams, meta: dict, params: SamplingParams,
                              echoes: list[str], usage_prompt: int, include_usage: bool) -> AsyncIterator[dict]:
-    n, started, outputs = params.n, set(), {}
+    n, offsets, outputs = params.n, {}, {}  # offsets: characters of each choice's text sent so far
     async for p, d in merged:
         i = p * n + d.index
-        text = d.text if i in started else echoes[p] + d.text
-        started.add(i)
+        text = d.text if i in offsets else echoes[p] + d.text
+        offset = offsets.get(i, 0)
+        offsets[i] = offset + len(text)
         outputs[i] = d.num_output_tokens
         if not text and not d.finished and not d.logprobs:
             continue
-        choice = {"index": i, "text": text, "finish_reason": d.finish_reason if d.finished else None,
-                  "logprobs": _completion_logprobs(st, d.logprobs or []) if params.logprobs is not None else None}
+        lp = _completion_logprobs(st, d.logprobs or [], offset) if params.logprobs is not None else None
+        choice = {"index": i, "text": text, "finish_reason": d.finish_reason if d.finished else None, "logprobs": lp}
         yield {**meta, "choices": [choice]}
     if include_usage:
         yield {**meta, "choices": [], "usage": _usage_counts(usage_prompt, sum(outputs.values()))}
@@ -209,11 +200,14 @@ def _usage_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(st: ServerState, lps: list[TokenLogprobs]) -> dict:
-    """The legacy completions format: parallel lists plus a dict of alternatives per position."""
+def _completion_logprobs(st: ServerState, lps: list[TokenLogprobs], start: int = 0) -> dict:
+    """The legacy completions format: parallel lists plus a dict of alternatives per position.
+
+    text_offset counts characters from the start of the choice's text (`start` for a stream chunk).
+    """
     piece = st.engine.tokenizer.id_to_piece
     tokens = [piece(t.token_id) for t in lps]
-    offsets, pos = [], 0
+    offsets, pos = [], start
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
@@ -12,17 +14,24 @@ def _build(**kw) -> SamplingParams:
         return SamplingParams(**kw)
     except ValueError as e:
         msg = str(e)
-        raise APIError(400, msg, param=msg.split(" ")[0]) from None
+        raise APIError(400, msg, param=msg.split(" ")[0].rstrip(":")) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's string keys -> token ids (plain ASCII digits only: int() would take " 5", "1_0" or "٣")."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) < 12)), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias keys must be token ids (integers as strings), got {excerpt(bad)}",
+                       param="logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _common(r: _Sampling) -> dict:
-    bias = None
-    if r.logit_bias:
-        try:
-            bias = {int(k): v for k, v in r.logit_bias.items()}
-        except ValueError:
-            raise APIError(400, "logit_bias keys must be token ids (integers as strings), got "
-                           f"{excerpt(next(iter(r.logit_bias)))}", param="logit_bias") from None
+    bias = _logit_bias(r.logit_bias)
+    if r.stream_options is not None and not r.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                 presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
@@ -31,8 +40,8 @@ def _common(r: _Sampling) -> dict:
 
 
 def completion_params(r: CompletionRequest) -> SamplingParams:
-    if r.best_of not in (None, 1) and r.best_of != r.n:
-        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if r.best_of not in (None, 1):
+        raise APIError(400, f"best_of > 1 is not supported (got {r.best_of}); use n", param="best_of")
     if r.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if r.echo and r.logprobs is not None:
@@ -49,11 +58,18 @@ def chat_params(r: ChatRequest) -> SamplingParams:
     return _build(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None, **_common(r))
 
 
-def tgi_params(p: TGIParameters) -> SamplingParams:
-    """TGI semantics: greedy unless do_sample (or a sampling knob) is set."""
-    sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p))
-    temperature = (p.temperature if p.temperature is not None else 1.0) if sampling else 0.0
-    return _build(max_tokens=p.max_new_tokens, temperature=temperature, top_k=p.top_k or 0,
-                  top_p=p.top_p if p.top_p is not None else 1.0,
+def tgi_params(p: TGIParameters, stream: bool) -> SamplingParams:
+    """TGI semantics: greedy unless do_sample or a sampling knob away from neutral; a sampled request gets a seed."""
+    for name in ("decoder_input_details", "watermark"):
+        if getattr(p, name):
+            raise APIError(400, f"{name} is not supported", param=name)
+    if p.temperature is not None and p.temperature <= 0:
+        raise APIError(400, f"temperature must be strictly positive, got {p.temperature}", param="temperature")
+    # As TGI's NextTokenChooser: any warper away from its neutral value turns sampling on.
+    warpers = p.temperature not in (None, 1.0) or p.top_k not in (None, 0) or p.top_p not in (None, 1.0)
+    sampling = p.do_sample or warpers
+    seed = p.seed if p.seed is not None or not sampling else secrets.randbits(63)  # reported in details, as TGI
+    return _build(max_tokens=p.max_new_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
+                  top_k=p.top_k or 0, top_p=p.top_p if p.top_p is not None else 1.0,
                   repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
-                  stop=p.stop, seed=p.seed, logprobs=0 if p.details else None)
+                  stop=p.stop, seed=seed, logprobs=0 if p.details or stream else None)

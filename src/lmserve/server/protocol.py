@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lmserve.server.errors import APIError, excerpt
 
@@ -14,14 +16,24 @@ MAX_MESSAGES = 256
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "10" is not an int and 2.0 is not a token id, as in OpenAI's own API.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _NullMeansDefault(_Strict):
+    """Clients send unset options as null: a null field (even an unsupported one) counts as absent."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(_NullMeansDefault):
     """Fields shared by completions and chat (OpenAI names plus vLLM's extras)."""
 
     model: str
@@ -65,6 +77,12 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content must not be null in a {self.role} message")
+        return self
+
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -73,7 +91,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-class TGIParameters(_Strict):
+class TGIParameters(_NullMeansDefault):
     max_new_tokens: int | None = 100
     temperature: float | None = None
     top_k: int | None = None
@@ -84,12 +102,18 @@ class TGIParameters(_Strict):
     do_sample: bool = False
     details: bool = False
     return_full_text: bool = False
-    decoder_input_details: bool = False
+    decoder_input_details: bool = False  # only false: prompt logprobs are not supported
+    watermark: bool = False  # only false; huggingface_hub sends it on every request
 
 
 class TGIRequest(_Strict):
     inputs: str
     parameters: TGIParameters = Field(default_factory=TGIParameters)
+
+
+class TGICompatRequest(TGIRequest):
+    """POST / (what huggingface_hub's InferenceClient calls): /generate or /generate_stream by `stream`."""
+
     stream: bool = False
 
 
@@ -116,12 +140,46 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Strict JSON (no NaN/Infinity) into `model`, with errors that name the field."""
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf without passing through parse_constant
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True if any string holds half a UTF-16 pair ("\\ud800"): no tokenizer can encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+def load_json(raw: bytes) -> Any:
+    """Strict JSON: no NaN/Infinity/overflowing numbers, no lone surrogates, bounded nesting."""
     try:
-        data = json.loads(raw, parse_constant=_no_constants)
+        data = json.loads(raw, parse_constant=_no_constants, parse_float=_finite_float)
+        # The walk runs only when an escaped surrogate appears at all (rare outside emoji).
+        lone = re.search(rb"\\u[dD][89a-fA-F]", raw) is not None and _has_lone_surrogate(data)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {str(e)[:120]}") from None
+    if lone:
+        raise APIError(400, "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string")
+    return data
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """Strict JSON into `model`, with errors that name the field."""
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     try:
@@ -131,14 +189,28 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 def _validation_error(e: ValidationError) -> APIError:
-    unknown = [".".join(map(str, err["loc"])) for err in e.errors() if err["type"] == "extra_forbidden"]
+    errors = e.errors()
+    union = _union_error(errors)
+    if union is not None:
+        return union
+    unknown = [".".join(map(str, err["loc"]))[:40] for err in errors if err["type"] == "extra_forbidden"]
     if unknown:
         return APIError(400, f"unsupported field(s): {', '.join(unknown[:5])}", param=unknown[0],
                         code="unsupported_field")
-    errors = e.errors()
     err = errors[0]
-    top = str(err["loc"][0]) if err["loc"] else "body"
-    if top in UNION_FIELDS and len({str(x["loc"][0]) for x in errors}) == 1 and len(errors) > 1:
-        return APIError(400, f"{top} must be {UNION_FIELDS[top]}", param=top)
-    loc = ".".join(str(x) for x in err["loc"])
-    return APIError(400, f"{loc}: {err['msg']} (got {excerpt(err.get('input'))})", param=loc)
+    loc = ".".join(str(x) for x in err["loc"])[:100] or "body"
+    msg = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{loc}: {msg} (got {excerpt(err.get('input'))})", param=loc)
+
+
+def _union_error(errors: list[dict]) -> APIError | None:
+    """One clear sentence when every error is a branch of the same union field failing."""
+    loc = errors[0]["loc"]
+    for k, part in enumerate(loc):
+        if part in UNION_FIELDS:
+            prefix = loc[:k + 1]
+            if len(errors) > 1 and all(err["loc"][:k + 1] == prefix for err in errors):
+                path = ".".join(map(str, prefix))
+                return APIError(400, f"{path} must be {UNION_FIELDS[part]}", param=path)
+            return None
+    return None

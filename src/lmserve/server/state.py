@@ -1,11 +1,13 @@
-"""ServerState: what routes share — the engine handle, names, limits, metrics, lifecycle flags."""
+"""ServerState: what routes share (the engine handle, names, limits, metrics, lifecycle flags) and their prologue."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
+
+from starlette.requests import Request
 
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine, RequestRejected
@@ -13,6 +15,9 @@ from lmserve.request import CompletionDelta
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
+from lmserve.server.protocol import parse_body
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,14 +65,21 @@ class ServerState:
             raise APIError(404, f"model {name[:80]!r} does not exist (this server serves "
                            f"{self.config.served_model_name!r})", param="model", code="model_not_found")
 
-    def admit(self, ids: list[int], params: SamplingParams) -> None:
-        """Validate against the engine and the queue limit before anything reaches the engine thread."""
-        try:
-            self.engine.check_request(ids, params)
-        except RequestRejected as e:
-            raise APIError(400, str(e), param="prompt") from None
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Validate against the engine and the queue limit before anything reaches the engine thread.
+
+        Queue rule: each prompt of a request is one engine request (its n completions included), and
+        engine requests count from admission until their stream ends. A request is refused with 503 +
+        Retry-After when in-flight engine requests plus its own prompts would exceed
+        max_num_seqs + max_queued_requests (the running batch plus the queue we accept to hold).
+        """
+        for ids in prompts:
+            try:
+                self.engine.check_request(ids, params)
+            except RequestRejected as e:
+                raise APIError(400, str(e), param="prompt") from None
         limit = self.engine.cfg.scheduler.max_num_seqs + self.config.max_queued_requests
-        if self.in_flight >= limit:
+        if self.in_flight + len(prompts) > limit:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
                            headers={"Retry-After": "1"})
@@ -108,10 +120,21 @@ class ServerState:
             m.on_finished(d, started, first.get(d.index), now)
 
     async def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Tokenize off the event loop (a long prompt must not stall other requests)."""
+        """Tokenize (or check ids) off the event loop: a long prompt must not stall other requests."""
         try:
-            if isinstance(prompt, str):
-                return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
-            return self.engine.tokenize_prompt(prompt)
+            return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
         except RequestRejected as e:
             raise APIError(400, str(e), param="prompt") from None
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.lm
+
+
+async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T]:
+    """Every API route's prologue: the engine is ready, the body parses strictly, the model name is ours."""
+    st = state_of(request)
+    st.check_ready()
+    req = parse_body(await request.body(), model)
+    st.check_model(getattr(req, "model", None))
+    return st, req

@@ -1,4 +1,8 @@
-"""TGI-compatible routes: /generate, /generate_stream, /info."""
+"""TGI-compatible routes: /generate, /generate_stream, /info, and POST / (TGI's compat route).
+
+As TGI does, generated text keeps a matched stop sequence (OpenAI routes cut it off), and a
+sampled request without a seed is given one, reported in `details.seed`.
+"""
 
 from __future__ import annotations
 
@@ -9,94 +13,118 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
-from lmserve.request import CompletionDelta
-from lmserve.server.openai_routes import read_request, state_of
+from lmserve.request import CompletionDelta, TokenLogprobs
+from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from lmserve.server.params import tgi_params
-from lmserve.server.protocol import TGIRequest
-from lmserve.server.state import ServerState
+from lmserve.server.protocol import TGICompatRequest, TGIRequest
+from lmserve.server.state import ServerState, read_request, state_of
 from lmserve.server.streams import MergedStreams, Watched
 
 router = APIRouter()
-_FINISH = {"length": "length", "abort": "length"}
 
 
 @router.get("/info")
 async def info(request: Request) -> dict:
     st = state_of(request)
-    eng = st.engine if st.async_engine else None
-    return {"model_id": st.config.served_model_name, "model_dtype": str(eng.dtype).removeprefix("torch.") if eng else None,
-            "model_device_type": eng.device.type if eng else None, "max_input_tokens": eng.max_model_len - 1 if eng else None,
-            "max_total_tokens": eng.max_model_len if eng else None, "max_best_of": 1, "max_stop_sequences": 16,
-            "max_concurrent_requests": (eng.cfg.scheduler.max_num_seqs + st.config.max_queued_requests) if eng else None,
+    body = {"model_id": st.config.served_model_name, "max_best_of": 1, "max_stop_sequences": MAX_STOP_STRINGS,
             "router": "lmserve", "version": lmserve.__version__}
+    if st.async_engine is None:  # still loading: what the engine decides is not known yet
+        return body
+    eng = st.engine
+    return {**body, "model_dtype": str(eng.dtype).removeprefix("torch."), "model_device_type": eng.device.type,
+            "max_input_tokens": eng.max_model_len - 1, "max_total_tokens": eng.max_model_len,
+            "max_concurrent_requests": eng.cfg.scheduler.max_num_seqs + st.config.max_queued_requests}
 
 
-async def _start(request: Request) -> tuple[ServerState, TGIRequest, list[int], MergedStreams]:
+@router.post("/generate")
+async def generate(request: Request) -> Response:
     st, req = await read_request(request, TGIRequest)
-    params = tgi_params(req.parameters)
+    return await _generate(request, st, req)
+
+
+@router.post("/generate_stream")
+async def generate_stream(request: Request) -> Response:
+    st, req = await read_request(request, TGIRequest)
+    return await _generate_stream(request, st, req)
+
+
+@router.post("/")
+async def compat_generate(request: Request) -> Response:
+    st, req = await read_request(request, TGICompatRequest)
+    return await (_generate_stream if req.stream else _generate)(request, st, req)
+
+
+async def _start(st: ServerState, req: TGIRequest, stream: bool) -> tuple[SamplingParams, int, MergedStreams]:
+    """Validate, tokenize and admit; returns the params, the prompt length and the running stream."""
+    params = tgi_params(req.parameters, stream)
     ids = await st.tokenize(req.inputs)
-    st.admit(ids, params)
-    return st, req, ids, MergedStreams([st.generate(f"tgi-{uuid.uuid4().hex}", ids, params)])
+    st.admit([ids], params)
+    return params, len(ids), MergedStreams([st.generate(f"tgi-{uuid.uuid4().hex}", ids, params)])
 
 
 def _finish_reason(d: CompletionDelta) -> str:
     if d.finish_reason == "stop":
         return "stop_sequence" if isinstance(d.stop_reason, str) else "eos_token"
-    return _FINISH.get(d.finish_reason or "length", "length")
+    return "length"  # "abort" only reaches a client when a shutdown cut it short
 
 
-def _token(st: ServerState, token_id: int, logprob: float | None) -> dict:
+def _stop_text(d: CompletionDelta) -> str:
+    """The matched stop sequence, which TGI keeps in the generated text."""
+    return d.stop_reason if d.finished and isinstance(d.stop_reason, str) else ""
+
+
+def _token(st: ServerState, token_id: int, lp: TokenLogprobs | None, text: str | None = None) -> dict:
     tok = st.engine.tokenizer
-    return {"id": token_id, "text": tok.id_to_piece(token_id), "logprob": logprob, "special": tok.is_special(token_id)}
+    return {"id": token_id, "text": tok.id_to_piece(token_id) if text is None else text,
+            "logprob": lp.logprob if lp is not None else None, "special": tok.is_special(token_id)}
 
 
-@router.post("/generate")
-async def generate(request: Request) -> Response:
-    st, req, ids, merged = await _start(request)
+async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Response:
+    params, _, merged = await _start(st, req, stream=False)
     text, tokens, last = "", [], None
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
     try:
         async for _, d in merged:
-            text += d.text
+            text += d.text + _stop_text(d)
             lps = d.logprobs or []
-            tokens += [_token(st, t, lps[k].logprob if k < len(lps) else None) for k, t in enumerate(d.token_ids)]
+            tokens += [_token(st, t, lps[k] if k < len(lps) else None) for k, t in enumerate(d.token_ids)]
             last = d
     finally:
         watch.close()
     if merged.cancelled or last is None:
         return Response(status_code=499)
-    full = req.inputs + text if req.parameters.return_full_text else text
-    body: dict = {"generated_text": full}
+    body: dict = {"generated_text": req.inputs + text if req.parameters.return_full_text else text}
     if req.parameters.details:
         body["details"] = {"finish_reason": _finish_reason(last), "generated_tokens": last.num_output_tokens,
-                           "seed": req.parameters.seed, "prefill": [], "tokens": tokens}
+                           "seed": params.seed, "prefill": [], "tokens": tokens}
     return JSONResponse(body)
 
 
-@router.post("/generate_stream")
-async def generate_stream(request: Request) -> Response:
-    st, req, ids, merged = await _start(request)
+async def _generate_stream(request: Request, st: ServerState, req: TGIRequest) -> Response:
+    params, num_prompt, merged = await _start(st, req, stream=True)
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
 
     async def events():
         text, index = "", 0
         try:
             async for _, d in merged:
-                text += d.text
+                text += d.text + _stop_text(d)
                 lps = d.logprobs or []
-                for k, t in enumerate(d.token_ids or []):
+                for k, t in enumerate(d.token_ids):
                     index += 1
-                    last_token = k == len(d.token_ids) - 1
-                    ev = {"index": index, "token": {**_token(st, t, lps[k].logprob if k < len(lps) else None),
-                                                    "text": d.text if last_token else ""},
+                    last = k == len(d.token_ids) - 1
+                    # A step's text belongs to its last token (the detokenizer may hold bytes back).
+                    token_text = d.text + _stop_text(d) if last else ""
+                    ev = {"index": index, "token": _token(st, t, lps[k] if k < len(lps) else None, token_text),
                           "generated_text": None, "details": None}
-                    if d.finished and last_token:
+                    if d.finished and last:
                         ev["generated_text"] = req.inputs + text if req.parameters.return_full_text else text
                         ev["details"] = {"finish_reason": _finish_reason(d), "generated_tokens": d.num_output_tokens,
-                                         "seed": req.parameters.seed}
+                                         "seed": params.seed, "input_length": num_prompt}
                     yield f"data:{json.dumps(ev, ensure_ascii=False)}\n\n"
-        except Exception as e:
-            yield f"data:{json.dumps({'error': f'generation failed: {type(e).__name__}', 'error_type': 'generation'})}\n\n"
+        except Exception as e:  # mid-stream failure: TGI reports it in-band
+            err = {"error": f"generation failed: {type(e).__name__}", "error_type": "generation"}
+            yield f"data:{json.dumps(err)}\n\n"
         finally:
             watch.close()
             merged.stop()

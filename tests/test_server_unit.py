@@ -1,0 +1,76 @@
+"""Server pieces that need no model: strict JSON, naming, keys, and /health through the engine's lifecycle."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from lmserve.server.app import _key_ok, build_app
+from lmserve.server.errors import APIError
+from lmserve.server.main import served_name
+from lmserve.server.metrics import ServerMetrics
+from lmserve.server.protocol import CompletionRequest, load_json, parse_body
+from lmserve.server.state import ServerConfig, ServerState
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b'{"a": NaN}', "NaN"), (b'{"a": -Infinity}', "Infinity"), (b'{"a": 1e999}', "out of range"),
+    (b'{"a": "\\udc00"}', "surrogate"), (b"[" * 50000 + b"]" * 50000, "nested too deeply"),
+    (b"\xff\xfe", "not valid JSON"), (b'{"a": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+])
+def test_strict_json_rejects(raw, match):
+    with pytest.raises(APIError) as e:
+        load_json(raw)
+    assert e.value.status == 400 and match in e.value.message
+
+
+def test_strict_json_keeps_surrogate_pairs():
+    assert load_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}
+
+
+def test_nulls_mean_defaults_and_types_are_strict():
+    req = parse_body(b'{"model": "m", "prompt": "x", "temperature": null, "n": null, "tools": null}',
+                     CompletionRequest)
+    assert req.temperature == 1.0 and req.n == 1
+    with pytest.raises(APIError, match="max_tokens"):
+        parse_body(b'{"model": "m", "prompt": "x", "max_tokens": "5"}', CompletionRequest)
+
+
+@pytest.mark.parametrize("model,name", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"), ("Llama-3.2-1B-Instruct-Q4_K_M.gguf",
+                                                                   "Llama-3.2-1B-Instruct"),
+    ("qwen2.5-0.5b-instruct-bf16.gguf", "qwen2.5-0.5b-instruct"), ("Qwen2.5-0.5B-Instruct", "Qwen2.5-0.5B-Instruct"),
+])
+def test_served_name_from_the_model_path(tmp_path, model, name):
+    path = tmp_path / model
+    path.mkdir() if not model.endswith(".gguf") else path.write_bytes(b"")
+    assert served_name(argparse.Namespace(served_model_name=None, model=str(path))) == name
+    assert served_name(argparse.Namespace(served_model_name="given", model=str(path))) == "given"
+
+
+def test_default_served_name():
+    assert served_name(argparse.Namespace(served_model_name=None, model=None)) == "SmolLM2-135M-Instruct"
+
+
+def test_api_key_check():
+    keys = ("alpha", "beta")
+    assert _key_ok("Bearer alpha", keys) and _key_ok("bearer beta", keys)
+    assert not any(_key_ok(h, keys) for h in ("", "alpha", "Bearer alph", "Bearer alphaa", "Basic alpha", "Bearer "))
+
+
+def test_health_follows_the_engine_lifecycle():
+    state = ServerState(ServerConfig("m"), ServerMetrics("m"))
+    client = TestClient(build_app(state))
+    assert client.get("/health").status_code == 503  # loading
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 503 and r.headers["Retry-After"] and "loading" in r.json()["error"]["message"]
+    state.async_engine = SimpleNamespace(alive=True)
+    assert client.get("/health").status_code == 200
+    state.async_engine = SimpleNamespace(alive=False)  # the engine thread died
+    assert client.get("/health").json() == {"status": "dead"}
+    assert client.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 503
+    state.async_engine, state.draining = SimpleNamespace(alive=True), True
+    assert client.get("/health").json() == {"status": "draining"}
