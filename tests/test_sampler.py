@@ -108,7 +108,10 @@ def test_greedy_is_exact_argmax_in_a_mixed_batch(dtype):
     out = run(params, logits)
     assert out.sampled_token_ids.dtype == torch.int64 and out.sampled_token_ids.shape == (8,)
     assert torch.equal(out.sampled_token_ids[::2], logits.float().argmax(-1)[::2])
-    assert out.logprobs is None and out.top_logprobs is None and out.top_logprob_ids is None
+    assert out.top_logprobs is None and out.top_logprob_ids is None  # nobody asked for alternatives
+    # the chosen token's logprob is always there (monitoring's mean output logprob uses it)
+    expected = logits.float().log_softmax(-1).gather(1, out.sampled_token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, expected, rtol=1e-5, atol=1e-5)
     assert out.sampled_token_ids.max() < 50
 
 

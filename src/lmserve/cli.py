@@ -107,6 +107,12 @@ def _stream(engine, request_id: str, prompt, params) -> str:
     return "".join(text)
 
 
+def cmd_monitor_profile(args: argparse.Namespace) -> int:
+    from lmserve.ops.drift import profile_command
+
+    return profile_command(args.payload_log, sys.stdout)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from lmserve.server.main import serve
 
@@ -126,6 +132,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    from lmserve.ops.hub import add_ops_args
+    add_ops_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    monitor = sub.add_parser("monitor", help="monitoring tools")
+    monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True)
+    profile = monitor_sub.add_parser("profile", help="a drift reference profile from a payload log (to stdout)")
+    profile.add_argument("payload_log", help="a --payload-log JSONL file")
+    profile.set_defaults(func=cmd_monitor_profile)
 
     from lmserve.bench.cli import add_bench_parser
     add_bench_parser(sub, add_engine_args)

@@ -57,6 +57,8 @@ class Request:
     cache_salt: bytes = b""  # mixed into prefix-cache hashes (e.g. adapter id)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs
+    detokenize_s: float = 0.0  # time spent turning this request's tokens into text
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,7 +77,7 @@ class Request:
         scheduled = self.first_scheduled_time or now
         first = self.first_token_time or now
         return RequestTimings(max(0.0, scheduled - self.arrival_time), max(0.0, first - scheduled),
-                              max(0.0, now - first), self.num_preemptions)
+                              max(0.0, now - first), self.num_preemptions, self.detokenize_s)
 
     def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Record a sampled token."""
@@ -92,6 +94,7 @@ class RequestTimings:
     prefill_s: float  # first scheduled -> first token
     decode_s: float  # first token -> finish
     num_preemptions: int = 0
+    detokenize_s: float = 0.0  # part of prefill + decode spent detokenizing
 
 
 @dataclass
@@ -109,3 +112,4 @@ class CompletionDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: RequestTimings | None = None  # set on the finished delta
+    cumulative_logprob: float | None = None  # set on the finished delta: sum of the sampled tokens' logprobs

@@ -168,6 +168,10 @@ class LLMEngine:
                 for s in out.requests if s.sample}
         result = self.runner.execute(out, rows)
         changed = self.scheduler.update(out, result.sampled)
+        for rid, lp in result.chosen_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                req.cumulative_logprob += lp
         deltas = [self._delta(req) for req in changed]
         self.num_steps += 1
         self.last_step = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), len(out.requests),
@@ -199,6 +203,7 @@ class LLMEngine:
         delta.finish_reason = req.status.value
         delta.stop_reason = req.stop_reason
         delta.timings = req.timings(time.monotonic())
+        delta.cumulative_logprob = req.cumulative_logprob
         self.outputs.remove(req.request_id)
         kids = self.children.get(req.parent_id)
         if kids is not None and all(k not in self.scheduler.requests for k in kids):

@@ -6,6 +6,7 @@ that could still become the start of one is held back until it cannot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from lmserve.engine.detokenizer import IncrementalDetokenizer
@@ -46,9 +47,11 @@ class OutputProcessor:
         new_lp = req.output_logprobs[st.tokens_seen:] if req.params.logprobs is not None else None
         st.tokens_seen = len(req.output_token_ids)
         prev_len = len(st.text)
+        t0 = time.perf_counter()
         st.text += st.detok.add(new_ids)
         if req.status.finished:
             st.text += st.detok.flush()
+        req.detokenize_s += time.perf_counter() - t0
         matched = self._find_stop(st, prev_len, req)
         if matched is not None:
             cut, stop = matched

@@ -47,7 +47,9 @@ class Sampler:
         logits = process_logits(logits.to(torch.float32, copy=meta.writes_logits), meta)  # [B, V]
         ids = choose_tokens(logits, meta)  # [B]
         if meta.max_num_logprobs is None:
-            return SamplerOutput(ids, None, None, None)
+            # The chosen token's logprob costs one logsumexp per row; monitoring (mean output logprob) uses it.
+            chosen = logits.gather(1, ids[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+            return SamplerOutput(ids, chosen, None, None)
         return with_logprobs(ids, logits, meta.max_num_logprobs)
 
 

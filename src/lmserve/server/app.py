@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,12 +15,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
+from lmserve.ops.record import RequestRecord
 from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from lmserve.server.state import ServerState, read_request, state_of
+from lmserve.server.state import RECORD_KEY, ServerState, read_request, state_of
 
 OPEN_PATHS = ("/health",)  # no API key needed
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/")
 log = logging.getLogger("lmserve.server")
 
 
@@ -30,6 +34,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(tgi_routes.router)
     _misc_routes(app)
     _error_handlers(app)
+    app.add_middleware(Observe, state=state)
     app.add_middleware(AuthAndStatus, state=state)
     if state.config.cors_allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_allowed_origins),
@@ -61,6 +66,59 @@ class AuthAndStatus:
             await send(message)
 
         await self.app(scope, receive, send_counted)
+
+
+class Observe:
+    """Pure ASGI: one RequestRecord per generation request, handed to Ops when the response has ended.
+
+    The end is the last body message sent (after [DONE] for a stream), or the app returning without
+    one: then the client left first and the record says 499. Error bodies are read back for the message.
+    """
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        ops = self.state.ops
+        record = RequestRecord(f"http-{id(scope):x}", scope["path"])
+        scope.setdefault("state", {})[RECORD_KEY] = record
+        ops.begin(record, {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []})
+        error_body: list[bytes] = []
+
+        async def send_observed(message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            elif message["type"] == "http.response.body":
+                if record.status >= 400 and sum(map(len, error_body)) < 4096:
+                    error_body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    _close(record, error_body)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_observed)
+        finally:
+            if record.e2e_s is None:  # no last body message went out: the client hung up
+                record.status, record.error = 499, "client disconnected"
+                _close(record, [])
+            ops.finish(record)
+
+
+def _close(record: RequestRecord, error_body: list[bytes]) -> None:
+    record.e2e_s = time.monotonic() - record.start
+    if record.status >= 400 and error_body:
+        record.error = _error_message(b"".join(error_body))
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI- or TGI-shaped error body."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body[:200].decode("utf-8", "replace")
+    return str(err.get("message") if isinstance(err, dict) else err)[:400]
 
 
 def _key_ok(header: str, keys: tuple[str, ...]) -> bool:
@@ -133,6 +191,14 @@ def _misc_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/monitoring/drift")
+    async def drift(request: Request) -> dict:
+        st = state_of(request)
+        if st.ops.drift is None:
+            raise APIError(404, "drift monitoring is off; start the server with --drift-reference FILE or "
+                           "--drift-capture N")
+        return st.ops.drift.report()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

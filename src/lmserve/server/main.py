@@ -19,6 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from lmserve.cli import ENV_API_KEY, engine_config
+from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState
@@ -58,7 +59,13 @@ def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_name=name, api_keys=keys, cors_allowed_origins=tuple(args.cors_allowed_origins),
                           max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                           drain_timeout=args.drain_timeout)
-    state = ServerState(config, ServerMetrics(name))
+    metrics = ServerMetrics(name)
+    try:
+        ops = build_ops(args, metrics.registry)
+    except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting: one clear line
+        log.error("%s", e)
+        return 2
+    state = ServerState(config, metrics, ops=ops)
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = DrainingServer(uv_config, state)
@@ -66,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     asyncio.run(server.serve())
     if state.async_engine is not None:
         state.async_engine.shutdown()
+    state.ops.close()  # after the drain: every finished request's payload line and span is flushed
     return 0 if server.started and state.load_error is None else 1
 
 

@@ -17,7 +17,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.params import chat_params, completion_params
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
-from lmserve.server.state import ServerState, read_request, state_of
+from lmserve.server.state import ServerState, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched
 
 router = APIRouter()
@@ -46,11 +46,13 @@ async def completions(request: Request) -> Response:
     st, req = await read_request(request, CompletionRequest)
     params = completion_params(req)
     prompts = _prompts(req.prompt)
-    ids_list = [await st.tokenize(p) for p in prompts]
+    record = record_of(request)
+    ids_list = [await st.tokenize(p, record) for p in prompts]
     echoes = [await _echo(st, p) if req.echo else "" for p in prompts]
-    st.admit(ids_list, params)  # nothing awaits from here until the streams are counted in flight
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(ids_list)])
+    st.admit(ids_list, params, record)  # nothing awaits from here until the streams are counted in flight
+    rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
+    merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, record, i * params.n)
+                            for i, ids in enumerate(ids_list)])
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.config.served_model_name}
     usage_prompt = sum(len(ids) for ids in ids_list)
     if req.stream:
@@ -72,13 +74,11 @@ async def chat_completions(request: Request) -> Response:
     st, req = await read_request(request, ChatRequest)
     params = chat_params(req)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    try:
-        ids = await asyncio.to_thread(st.engine.tokenizer.encode_chat, messages)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-    st.admit([ids], params)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(rid, ids, params)])
+    record = record_of(request)
+    ids = await st.tokenize_chat(messages, record)
+    st.admit([ids], params, record)
+    rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    merged = MergedStreams([st.generate(rid, ids, params, record)])
     meta = {"id": rid, "created": int(time.time()), "model": st.config.served_model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -11,6 +11,8 @@ from starlette.requests import Request
 
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine, RequestRejected
+from lmserve.ops.hub import Ops
+from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
@@ -42,6 +44,7 @@ class ServerState:
     load_error: str | None = None
     draining: bool = False
     in_flight: int = 0
+    ops: Ops = field(default_factory=Ops)  # tracing, payload log, rules, drift (each off unless configured)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -65,7 +68,7 @@ class ServerState:
             raise APIError(404, f"model {name[:80]!r} does not exist (this server serves "
                            f"{self.config.served_model_name!r})", param="model", code="model_not_found")
 
-    def admit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> None:
         """Validate against the engine and the queue limit before anything reaches the engine thread.
 
         Queue rule: each prompt of a request is one engine request (its n completions included), and
@@ -78,14 +81,34 @@ class ServerState:
                 self.engine.check_request(ids, params)
             except RequestRejected as e:
                 raise APIError(400, str(e), param="prompt") from None
+        record.prompt_tokens = sum(len(ids) for ids in prompts)
+        self.check_rules(record, [len(ids) for ids in prompts])
         limit = self.engine.cfg.scheduler.max_num_seqs + self.config.max_queued_requests
         if self.in_flight + len(prompts) > limit:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
                            headers={"Retry-After": "1"})
 
-    def generate(self, request_id: str, ids: list[int], params: SamplingParams) -> AsyncIterator[CompletionDelta]:
-        """An engine stream that counts toward the in-flight limit until it ends."""
+    def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
+        """The operator's validation rules (--validation-rules); a `reject` rule answers 400."""
+        if self.ops.rules is None:
+            return
+        from lmserve.ops.rules import RuleViolation
+
+        try:
+            self.ops.check(record, prompt_token_counts)
+        except RuleViolation as e:
+            self.metrics.rejected.labels("validation_rule").inc()
+            raise APIError(400, str(e), param=e.param, code="rule_violation") from None
+
+    def generate(self, request_id: str, ids: list[int], params: SamplingParams, record: RequestRecord,
+                 first_output: int = 0) -> AsyncIterator[CompletionDelta]:
+        """An engine stream that counts toward the in-flight limit until it ends.
+
+        Its completions fill record.outputs[first_output + index] (several prompts share one record).
+        """
+        if record.engine_arrival is None:
+            record.engine_arrival = time.monotonic()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         inner = self.async_engine.generate(request_id, ids, params)
@@ -95,6 +118,7 @@ class ServerState:
             try:
                 async for d in inner:
                     self._observe(d, started, first, last)
+                    _record_delta(record, first_output, d)
                     yield d
             finally:
                 await inner.aclose()
@@ -119,16 +143,56 @@ class ServerState:
             m.generation_tokens.inc(d.num_output_tokens)
             m.on_finished(d, started, first.get(d.index), now)
 
-    async def tokenize(self, prompt: str | list[int]) -> list[int]:
+    async def tokenize(self, prompt: str | list[int], record: RequestRecord) -> list[int]:
         """Tokenize (or check ids) off the event loop: a long prompt must not stall other requests."""
+        start = time.monotonic()
         try:
             return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
         except RequestRejected as e:
             raise APIError(400, str(e), param="prompt") from None
+        finally:
+            record.tokenize_s += time.monotonic() - start
+
+    async def tokenize_chat(self, messages: list[dict], record: RequestRecord) -> list[int]:
+        """Render the chat template and tokenize, off the event loop."""
+        start = time.monotonic()
+        try:
+            return await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        finally:
+            record.tokenize_s += time.monotonic() - start
+
+
+def _record_delta(record: RequestRecord, first_output: int, d: CompletionDelta) -> None:
+    """What the client got, for the payload log, tracing and drift."""
+    out = record.output(first_output + d.index)
+    out.text += d.text
+    if d.token_ids and record.ttft_s is None:
+        record.ttft_s = time.monotonic() - record.start
+    if d.finished:
+        out.tokens, out.finish_reason = d.num_output_tokens, d.finish_reason
+        out.cumulative_logprob = d.cumulative_logprob
+        if d.timings is not None:  # the slowest completion of the request sets its phases
+            t = d.timings
+            record.queue_s, record.prefill_s = max(record.queue_s, t.queue_s), max(record.prefill_s, t.prefill_s)
+            record.decode_s, record.detokenize_s = max(record.decode_s, t.decode_s), max(record.detokenize_s,
+                                                                                         t.detokenize_s)
+            record.num_preemptions += t.num_preemptions
 
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.lm
+
+
+def record_of(request: Request) -> RequestRecord:
+    """The request's record, opened by the Observe middleware (a detached one for routes it does not watch)."""
+    record = request.scope.get("state", {}).get(RECORD_KEY)
+    return record if record is not None else RequestRecord("", request.url.path)
+
+
+RECORD_KEY = "lmserve_record"
+_PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
 
 async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T]:
@@ -136,5 +200,20 @@ async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T
     st = state_of(request)
     st.check_ready()
     req = parse_body(await request.body(), model)
+    _describe(record_of(request), req, st.config.served_model_name)
     st.check_model(getattr(req, "model", None))
     return st, req
+
+
+def _describe(record: RequestRecord, req: object, served_name: str) -> None:
+    """Copy what the client asked for into the record: parameters (TGI's flattened), prompt or messages."""
+    if not hasattr(req, "model_dump"):
+        return
+    body = req.model_dump(exclude_unset=True, mode="json")
+    record.model = served_name
+    record.prompt = body.get("prompt", body.get("inputs"))
+    record.messages = body.get("messages")
+    params = {k: v for k, v in body.items() if k not in _PROMPT_FIELDS}
+    params.update(params.pop("parameters", None) or {})
+    record.params = params
+    record.stream = bool(params.get("stream", False))

@@ -17,7 +17,7 @@ from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from lmserve.server.params import tgi_params
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
-from lmserve.server.state import ServerState, read_request, state_of
+from lmserve.server.state import ServerState, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched
 
 router = APIRouter()
@@ -54,12 +54,16 @@ async def compat_generate(request: Request) -> Response:
     return await (_generate_stream if req.stream else _generate)(request, st, req)
 
 
-async def _start(st: ServerState, req: TGIRequest, stream: bool) -> tuple[SamplingParams, int, MergedStreams]:
+async def _start(request: Request, st: ServerState, req: TGIRequest,
+                 stream: bool) -> tuple[SamplingParams, int, MergedStreams]:
     """Validate, tokenize and admit; returns the params, the prompt length and the running stream."""
     params = tgi_params(req.parameters, stream)
-    ids = await st.tokenize(req.inputs)
-    st.admit([ids], params)
-    return params, len(ids), MergedStreams([st.generate(f"tgi-{uuid.uuid4().hex}", ids, params)])
+    record = record_of(request)
+    ids = await st.tokenize(req.inputs, record)
+    st.admit([ids], params, record)
+    rid = record.request_id = f"tgi-{uuid.uuid4().hex}"
+    record.stream = stream
+    return params, len(ids), MergedStreams([st.generate(rid, ids, params, record)])
 
 
 def _finish_reason(d: CompletionDelta) -> str:
@@ -80,7 +84,7 @@ def _token(st: ServerState, token_id: int, lp: TokenLogprobs | None, text: str |
 
 
 async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Response:
-    params, _, merged = await _start(st, req, stream=False)
+    params, _, merged = await _start(request, st, req, stream=False)
     text, tokens, last = "", [], None
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
     try:
@@ -101,7 +105,7 @@ async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Respo
 
 
 async def _generate_stream(request: Request, st: ServerState, req: TGIRequest) -> Response:
-    params, num_prompt, merged = await _start(st, req, stream=True)
+    params, num_prompt, merged = await _start(request, st, req, stream=True)
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
 
     async def events():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ class RunnerOutput:
     sampled: dict[str, tuple[int, TokenLogprobs | None]]
     num_decodes: int
     num_prefill_tokens: int
+    chosen_logprobs: dict[str, float] = field(default_factory=dict)  # every sampled token's logprob
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -51,13 +52,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
         meta = build_sampling_metadata([rows[r] for r in inputs.sample_ids], self.cfg.vocab_size, self.device)
         result = self.sampler(logits, meta)
-        return RunnerOutput(_to_host(inputs.sample_ids, result, rows), num_decodes, prefill_tokens)
+        chosen = dict(zip(inputs.sample_ids, result.logprobs.tolist())) if result.logprobs is not None else {}
+        return RunnerOutput(_to_host(inputs.sample_ids, result, rows), num_decodes, prefill_tokens, chosen)
 
 
 def _to_host(ids: list[str], result, rows: dict[str, SamplingRow]) -> dict[str, tuple[int, TokenLogprobs | None]]:
     """Download sampled ids (and logprobs) once, as Python values keyed by request id."""
     tokens = result.sampled_token_ids.tolist()
-    if result.logprobs is None:
+    if result.logprobs is None or result.top_logprobs is None:
         return {rid: (tok, None) for rid, tok in zip(ids, tokens)}
     chosen = result.logprobs.tolist()
     top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else [[]] * len(ids)

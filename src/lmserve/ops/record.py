@@ -1,0 +1,78 @@
+"""RequestRecord: everything known about one API request once it has ended (plain data, JSON-able)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from time import monotonic
+from time import time as wall_clock
+from typing import Any
+
+
+@dataclass
+class OutputRecord:
+    """One completion of the request (one per prompt x n)."""
+
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestRecord:
+    """Filled in as the request goes: the middleware opens it, routes and streams add to it, Ops reads it.
+
+    Times are seconds; `time` is wall-clock (for logs), the others come from monotonic clocks.
+    """
+
+    request_id: str  # set by the route once known; the middleware puts a provisional one
+    route: str  # "/v1/completions", "/v1/chat/completions", "/generate", ...
+    time: float = field(default_factory=wall_clock)
+    start: float = field(default_factory=monotonic)  # arrival, monotonic
+    model: str | None = None  # the served model name (the client's own string is never a label)
+    adapter: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # the request's parameters as sent (no prompt)
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]] as sent
+    messages: list[dict[str, Any]] | None = None  # chat requests
+    prompt_tokens: int = 0
+    outputs: list[OutputRecord] = field(default_factory=list)
+    status: int = 0  # HTTP status sent (499 when the client left first)
+    error: str | None = None  # the error message for 4xx/5xx
+    stream: bool = False
+    trace_id: str | None = None  # hex, when tracing is on
+    tokenize_s: float = 0.0
+    engine_arrival: float | None = None  # monotonic: when the first prompt entered the engine
+    ttft_s: float | None = None  # arrival -> first token, as the server sent it
+    e2e_s: float | None = None  # arrival -> response end
+    queue_s: float = 0.0  # engine timings (the longest over the request's completions)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    detokenize_s: float = 0.0
+    num_preemptions: int = 0
+    rule_violations: list[str] = field(default_factory=list)  # names of validation rules that matched
+
+    def output(self, index: int) -> OutputRecord:
+        while len(self.outputs) <= index:
+            self.outputs.append(OutputRecord())
+        return self.outputs[index]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(o.tokens for o in self.outputs)
+
+    @property
+    def mean_logprob(self) -> float | None:
+        """Mean logprob per generated token over all completions (None when nothing was generated)."""
+        total = [o.cumulative_logprob for o in self.outputs if o.cumulative_logprob is not None]
+        return sum(total) / self.output_tokens if total and self.output_tokens else None
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [o.finish_reason for o in self.outputs]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("start")
+        d["output_tokens"] = self.output_tokens
+        d["mean_logprob"] = self.mean_logprob
+        return d
