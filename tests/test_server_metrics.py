@@ -66,6 +66,7 @@ def test_metrics_move_exactly(fresh):
 def test_random_model_names_add_no_series(fresh):
     before = series(fresh)
     errors_before = fresh.metric("lmserve:requests_total", 'status="4xx"')
+    invalid_before = fresh.metric("lmserve:requests_rejected_total", 'reason="invalid_request"')
     with httpx.Client(base_url=fresh.url) as client:
         for _ in range(1000):
             r = client.post("/v1/completions", json={"model": uuid.uuid4().hex, "prompt": "x"})
@@ -75,4 +76,26 @@ def test_random_model_names_add_no_series(fresh):
     after = series(fresh)
     assert after == before
     assert fresh.metric("lmserve:requests_total", 'status="4xx"') == errors_before + 1050
+    assert fresh.metric("lmserve:requests_rejected_total", 'reason="invalid_request"') == invalid_before + 1000
     assert not any(re.search(r"[0-9a-f]{32}", s) for s in after)
+
+
+def test_rejections_and_aborts_by_reason(fresh):
+    """Each refusal and abort is counted once under its reason."""
+    m = fresh.metric
+    before = {r: m("lmserve:requests_rejected_total", f'reason="{r}"') for r in ("context_length", "invalid_request")}
+    aborts = m("lmserve:request_aborts_total", 'reason="client_disconnect"')
+    with httpx.Client(base_url=fresh.url, timeout=30) as client:
+        for _ in range(3):  # prompt + max_tokens past the context window
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 10**7})
+            assert r.status_code == 400
+        for _ in range(2):
+            assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 7}).status_code == 400
+        with pytest.raises(httpx.ReadTimeout):  # hang up while it generates
+            client.post("/v1/completions", timeout=0.5,
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True})
+    fresh.wait_idle()
+    assert m("lmserve:requests_rejected_total", 'reason="context_length"') == before["context_length"] + 3
+    assert m("lmserve:requests_rejected_total", 'reason="invalid_request"') == before["invalid_request"] + 2
+    assert m("lmserve:request_aborts_total", 'reason="client_disconnect"') == aborts + 1
+    assert m("lmserve:num_preemptions_total") == 0

@@ -57,6 +57,7 @@ class AuthAndStatus:
             header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             if not _key_ok(header, st.config.api_keys):
                 st.metrics.status(401)
+                st.metrics.rejected.labels("unauthorized").inc()
                 err = APIError(401, "missing or invalid API key", code="invalid_api_key")
                 return await error_response(path, err)(scope, receive, send)
 
@@ -228,6 +229,8 @@ def _misc_routes(app: FastAPI) -> None:
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
+        if exc.reason is not None:
+            state_of(request).metrics.rejected.labels(exc.reason).inc()
         return error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)

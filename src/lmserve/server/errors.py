@@ -18,8 +18,10 @@ class APIError(Exception):
     """An error to answer with `status` and a clear message; `param` names the offending field."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, reason: str | None = None) -> None:
         super().__init__(message)
+        # Why the request was refused, for lmserve:requests_rejected_total (a closed set; see metrics.py).
+        self.reason = reason or ("invalid_request" if 400 <= status < 500 else None)
         self.status, self.message, self.code = status, message[:MAX_MESSAGE], code
         self.param = param[:100] if param else param  # a field path can hold a client's dict key
         self.headers = headers or {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -12,6 +12,8 @@ REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FINISH_REASONS = ("stop", "length", "abort")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
+ABORT_REASONS = ("client_disconnect", "shutdown", "error")
+REJECT_REASONS = ("queue_full", "not_ready", "unauthorized", "invalid_request", "context_length", "validation_rule")
 
 
 class ServerMetrics:
@@ -30,8 +32,10 @@ class ServerMetrics:
                                     registry=r)
         self.max_batch_size = Gauge("lmserve:max_batch_size_seen", "Largest batch of any engine step", registry=r)
         self.step_seconds = Histogram("lmserve:engine_step_duration_seconds", "Engine step time", registry=r)
-        for reason in ("client_disconnect", "shutdown"):
+        for reason in ABORT_REASONS:
             self.aborts.labels(reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
         for status in STATUS_CLASSES:
             self.requests.labels(status)
         self._engine = None
@@ -113,9 +117,11 @@ class _EngineCollector:
             "lmserve:kv_cache_free_blocks": eng.kv.num_free_blocks,
             "lmserve:kv_cache_total_blocks": eng.num_blocks,
             "lmserve:kv_cache_usage_perc": eng.kv.usage,
-            "lmserve:num_preemptions_total": eng.scheduler.num_preemptions,
         }
         for name, value in values.items():
             g = GaugeMetricFamily(name, name.split(":")[1].replace("_", " "), labels=labels)
             g.add_metric([self.m.model_name], float(value))
             yield g
+        c = CounterMetricFamily("lmserve:num_preemptions", "Requests preempted (KV blocks ran out)", labels=labels)
+        c.add_metric([self.m.model_name], float(eng.scheduler.num_preemptions))
+        yield c

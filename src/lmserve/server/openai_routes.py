@@ -127,6 +127,7 @@ async def _collect(request: Request, st: ServerState, merged: MergedStreams, n: 
     except APIError:
         raise
     except Exception as e:  # the engine died under us: not the client's fault
+        st.metrics.aborts.labels("error").inc()
         raise APIError(503, f"generation failed: {type(e).__name__}") from None
     finally:
         watch.close()
@@ -142,6 +143,7 @@ def _sse(request: Request, st: ServerState, merged: MergedStreams, chunks: Async
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         except Exception as e:  # mid-stream failure: tell the client in-band, as OpenAI does
+            st.metrics.aborts.labels("error").inc()
             err = {"error": {"message": f"generation failed: {type(e).__name__}", "type": "internal_error",
                              "param": None, "code": None}}
             yield f"data: {json.dumps(err)}\n\n"

@@ -57,11 +57,11 @@ class ServerState:
 
     def check_ready(self) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"}, reason="not_ready")
         if self.async_engine is None:
-            raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+            raise APIError(503, "the model is still loading", headers={"Retry-After": "5"}, reason="not_ready")
         if not self.async_engine.alive:
-            raise APIError(503, "the engine has stopped", headers={"Retry-After": "30"})
+            raise APIError(503, "the engine has stopped", headers={"Retry-After": "30"}, reason="not_ready")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
@@ -80,14 +80,13 @@ class ServerState:
             try:
                 self.engine.check_request(ids, params)
             except RequestRejected as e:
-                raise APIError(400, str(e), param="prompt") from None
+                raise APIError(400, str(e), param="prompt", reason="context_length") from None
         record.prompt_tokens = sum(len(ids) for ids in prompts)
         self.check_rules(record, [len(ids) for ids in prompts])
         limit = self.engine.cfg.scheduler.max_num_seqs + self.config.max_queued_requests
         if self.in_flight + len(prompts) > limit:
-            self.metrics.rejected.labels("queue_full").inc()
             raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
-                           headers={"Retry-After": "1"})
+                           headers={"Retry-After": "1"}, reason="queue_full")
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
         """The operator's validation rules (--validation-rules); a `reject` rule answers 400."""
@@ -98,8 +97,7 @@ class ServerState:
         try:
             self.ops.check(record, prompt_token_counts)
         except RuleViolation as e:
-            self.metrics.rejected.labels("validation_rule").inc()
-            raise APIError(400, str(e), param=e.param, code="rule_violation") from None
+            raise APIError(400, str(e), param=e.param, code="rule_violation", reason="validation_rule") from None
 
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, record: RequestRecord,
                  first_output: int = 0) -> AsyncIterator[CompletionDelta]:

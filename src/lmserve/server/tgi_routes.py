@@ -127,6 +127,7 @@ async def _generate_stream(request: Request, st: ServerState, req: TGIRequest) -
                                          "seed": params.seed, "input_length": num_prompt}
                     yield f"data:{json.dumps(ev, ensure_ascii=False)}\n\n"
         except Exception as e:  # mid-stream failure: TGI reports it in-band
+            st.metrics.aborts.labels("error").inc()
             err = {"error": f"generation failed: {type(e).__name__}", "error_type": "generation"}
             yield f"data:{json.dumps(err)}\n\n"
         finally:
