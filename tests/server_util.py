@@ -40,6 +40,15 @@ class Server:
             raise KeyError(name)
         return float(m.groups()[-1])
 
+    def wait_for_running(self, n: int, timeout: float = 60) -> None:
+        """Until at least `n` generation requests are in flight."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.metric("lmserve:num_requests_in_flight") >= n:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{n} requests never were in flight")
+
     def wait_idle(self, timeout: float = 30) -> None:
         """Until every KV block is free again (all requests finished or aborted)."""
         deadline = time.time() + timeout
