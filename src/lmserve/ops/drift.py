@@ -31,7 +31,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
-from lmserve.ops.record import RequestRecord
+from lmserve.ops.record import RequestRecord, prompt_text
 
 NUMERIC = ("prompt_tokens", "output_tokens", "mean_logprob", "prompt_chars", "frac_letters", "frac_digits",
            "frac_whitespace", "frac_punct", "frac_non_ascii", "temperature", "max_tokens")
@@ -49,7 +49,7 @@ PROFILE_VERSION = 1
 def features(rec: Mapping[str, Any]) -> dict[str, float | str]:
     """The feature vector of one request, from a record dict (RequestRecord.to_dict() or a payload-log line)."""
     params = rec.get("params") or {}
-    text = _prompt_text(rec)
+    text = prompt_text(rec.get("prompt"), rec.get("messages"))
     outputs = rec.get("outputs") or []
     f: dict[str, float | str] = {
         "prompt_tokens": float(rec.get("prompt_tokens") or 0),
@@ -72,25 +72,6 @@ def features(rec: Mapping[str, Any]) -> dict[str, float | str]:
     if isinstance(max_tokens, (int, float)):
         f["max_tokens"] = float(max_tokens)
     return f
-
-
-def _prompt_text(rec: Mapping[str, Any]) -> str:
-    messages = rec.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
-        return "\n".join(parts)
-    prompt = rec.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return "\n".join(p for p in prompt if isinstance(p, str))
-    return ""
 
 
 def _char_classes(text: str) -> dict[str, float]:

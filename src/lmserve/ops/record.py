@@ -70,9 +70,30 @@ class RequestRecord:
     def finish_reasons(self) -> list[str | None]:
         return [o.finish_reason for o in self.outputs]
 
+    def prompt_text(self) -> str:
+        return prompt_text(self.prompt, self.messages)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("start")
         d["output_tokens"] = self.output_tokens
         d["mean_logprob"] = self.mean_logprob
         return d
+
+
+def prompt_text(prompt: Any, messages: Any) -> str:
+    """The prompt as text: a string, several strings, or the messages' text contents, joined (ids: "")."""
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "\n".join(parts)
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(p for p in prompt if isinstance(p, str))
+    return ""

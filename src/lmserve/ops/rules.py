@@ -121,7 +121,7 @@ class RuleChecker:
 
 def request_fields(record: RequestRecord, prompt_token_counts: list[int]) -> dict[str, Any]:
     """The derived fields rules can test (request parameters are looked up in record.params)."""
-    text = prompt_text(record)
+    text = record.prompt_text()
     fields: dict[str, Any] = {
         "prompt_tokens": max(prompt_token_counts, default=0), "total_prompt_tokens": sum(prompt_token_counts),
         "num_prompts": len(prompt_token_counts), "prompt_text": text, "prompt_chars": len(text),
@@ -130,25 +130,6 @@ def request_fields(record: RequestRecord, prompt_token_counts: list[int]) -> dic
     if record.messages is not None:
         fields["messages"] = len(record.messages)
     return fields
-
-
-def prompt_text(record: RequestRecord) -> str:
-    """The prompt as text: a string, several strings, or the messages' text contents, joined."""
-    if record.messages is not None:
-        parts = []
-        for m in record.messages:
-            content = m.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
-        return "\n".join(parts)
-    p = record.prompt
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and all(isinstance(x, str) for x in p):
-        return "\n".join(p)
-    return ""  # token ids: no text to look at
 
 
 # -- the file ------------------------------------------------------------------------------------
