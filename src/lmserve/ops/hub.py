@@ -28,7 +28,10 @@ class Ops:
 
     def begin(self, record: RequestRecord, headers: Mapping[str, str]) -> None:
         if self.tracer is not None:
-            self._spans[id(record)] = self.tracer.start(record, headers)
+            try:
+                self._spans[id(record)] = self.tracer.start(record, headers)
+            except Exception:  # noqa: BLE001 - a tracing fault must not fail the request
+                log.exception("starting the trace of a request failed")
 
     def check(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
         """Apply the validation rules; raises APIError(400) when a rule with policy `reject` matches."""
