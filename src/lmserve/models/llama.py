@@ -48,9 +48,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate together: one set of elementwise ops per layer instead of two
+        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.attend(self.layer_idx, q, k, v))
 
