@@ -15,6 +15,16 @@ from tests.server_util import MODEL, running_server
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
+def dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "lmserve-dashboard.json").read_text())
+
+
+def queries(d: dict) -> list[str]:
+    """Every PromQL string: panel targets and templating variable queries."""
+    exprs = [t["expr"] for p in d["panels"] for t in p["targets"]]
+    return exprs + [v["query"] for v in d["templating"]["list"] if v["type"] == "query"]
+
+
 def served_names(text: str) -> set[str]:
     """Sample names a Prometheus query can use: families from # TYPE lines, with their series suffixes."""
     names = set()
@@ -28,9 +38,7 @@ def served_names(text: str) -> set[str]:
 
 
 def test_dashboard_metrics_exist_on_a_server_with_every_ops_feature(tmp_path):
-    dashboard = json.loads((DEPLOY / "grafana" / "lmserve-dashboard.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    wanted = {m for e in exprs for m in re.findall(r"lmserve:[a-z0-9_]+", e)}
+    wanted = {m for e in queries(dashboard()) for m in re.findall(r"lmserve:[a-z0-9_]+", e)}
     assert len(wanted) > 25
     with running_server("--payload-log", str(tmp_path / "p.jsonl"), "--validation-rules",
                         str(DEPLOY / "rules.example.yaml"), "--drift-capture", "1") as s:
@@ -38,6 +46,25 @@ def test_dashboard_metrics_exist_on_a_server_with_every_ops_feature(tmp_path):
             model=MODEL, prompt="hi", max_tokens=2, user="me")
         served = served_names(httpx.get(s.url + "/metrics").text)
     assert not wanted - served, f"dashboard names metrics the server does not serve: {sorted(wanted - served)}"
+
+
+def test_dashboard_is_importable():
+    """Grafana-side shape: a Prometheus datasource variable used everywhere, unique ids, no overlapping panels."""
+    d = dashboard()
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert len({p["id"] for p in d["panels"]}) == len(d["panels"])
+    cells: set[tuple[int, int]] = set()
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        panel = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & panel, f"{p['title']} overlaps another panel"
+        cells |= panel
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+    for e in queries(d):  # a cheap syntax guard: brackets balance
+        for open_, close in ("()", "{}", "[]"):
+            assert e.count(open_) == e.count(close), e
 
 
 def test_prometheus_config_scrapes_metrics():

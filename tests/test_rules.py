@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from lmserve.ops.record import RequestRecord
-from lmserve.ops.rules import RuleChecker, RuleViolation, parse_rules
+from lmserve.ops.rules import REQUEST_PARAMS, RuleChecker, RuleViolation, parse_rules
+from lmserve.server import protocol
 from tests.server_util import MODEL, running_server
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "rules.example.yaml"
@@ -33,19 +34,32 @@ def test_example_file_loads():
 @pytest.mark.parametrize("doc, match", [
     ("rules: [", "not valid YAML"),
     ("rules: 3", "'rules' list"),
-    ("rules:\n  - {name: a, field: x, maximum: 3}", r"rule #1 \(a\): unknown key\(s\) \['maximum'\]"),
-    ("rules:\n  - {name: a, field: x, pattern: '('}", "not a valid regex"),
-    ("rules:\n  - {name: a, field: x, max: 3}\n  - {name: a, field: y, max: 3}", "rule #2: duplicate name 'a'"),
-    ("rules:\n  - {name: a, field: x, max: 3, policy: warn}", "'policy' must be one of"),
-    ("rules:\n  - {name: a, field: x, max: lots}", "'max' must be a number"),
-    ("rules:\n  - {name: a, field: x}", "give at least one of"),
-    ("rules:\n  - {name: 'bad name!', field: x, max: 1}", "'name' must be"),
+    ("rules:\n  - {name: a, field: n, maximum: 3}", r"rule #1 \(a\): unknown key\(s\) \['maximum'\]"),
+    ("rules:\n  - {name: a, field: user, pattern: '('}", "not a valid regex"),
+    ("rules:\n  - {name: a, field: n, max: 3}\n  - {name: a, field: seed, max: 3}", "rule #2: duplicate name 'a'"),
+    ("rules:\n  - {name: a, field: n, max: 3, policy: warn}", "'policy' must be one of"),
+    ("rules:\n  - {name: a, field: n, max: lots}", "'max' must be a number"),
+    ("rules:\n  - {name: a, field: n}", "give at least one of"),
+    ("rules:\n  - {name: 'bad name!', field: n, max: 1}", "'name' must be"),
+    ("rules:\n  - {name: ok, field: n, max: 1}\n  - {name: t, field: temprature, max: 1}",
+     r"rule #2 \(t\): unknown field 'temprature'"),
+    ("rules:\n  - {name: a, field: n, min: 3, max: 1}", "'min' 3 is above 'max' 1"),
+    ("rules:\n  - {name: a, field: n, max: 1, message: [x]}", "'message' must be a string"),
 ])
 def test_load_errors_name_the_rule_and_key(tmp_path, doc, match):
     path = tmp_path / "rules.yaml"
     path.write_text(doc)
     with pytest.raises(ValueError, match=match):
         RuleChecker.load(path)
+
+
+def test_request_params_match_the_protocol():
+    """Every parameter a client can send can be named by a rule (and nothing else is accepted as one)."""
+    fields = set()
+    for model in (protocol.CompletionRequest, protocol.ChatRequest, protocol.TGIRequest, protocol.TGIParameters,
+                  protocol.TGICompatRequest):
+        fields |= set(model.model_fields)
+    assert REQUEST_PARAMS == fields - {"prompt", "messages", "inputs", "parameters"}
 
 
 def test_json_file(tmp_path):

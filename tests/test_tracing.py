@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import OutputRecord, RequestRecord
-from lmserve.ops.tracing import RequestTracer
+from lmserve.ops.tracing import RequestTracer, make_tracer_provider
 from tests.server_util import BASE_ARGS, MODEL, free_port
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -79,9 +79,11 @@ def test_span_tree_and_attributes():
 def test_incoming_traceparent_is_continued_and_bad_one_ignored():
     tracer, exporter = memory_tracer()
     r = finished_record()
-    tracer.finish(tracer.start(r, {"Traceparent": TRACEPARENT}), r)
-    root, _ = tree(exporter)
+    tracer.finish(tracer.start(r, {"Traceparent": TRACEPARENT, "tracestate": "vendor=abc"}), r)
+    root, children = tree(exporter)
     assert r.trace_id == TRACE_ID and f"{root.parent.span_id:016x}" == PARENT_ID and root.parent.is_remote
+    assert root.context.trace_state.get("vendor") == "abc"  # the caller's vendor state travels on
+    assert all(c.context.trace_id == int(TRACE_ID, 16) for c in children)
     exporter.clear()
     r = finished_record()
     tracer.finish(tracer.start(r, {"traceparent": "00-zzzz-nope-01"}), r)
@@ -96,6 +98,32 @@ def test_error_status_and_refused_request():
     tracer.finish(tracer.start(r, {}), r)
     root, children = tree(exporter)
     assert root.status.status_code == StatusCode.ERROR and [c.name for c in children] == ["tokenize"]
+    assert root.attributes["error.type"] == "503"
+
+    exporter.clear()  # a 4xx is the client's fault: not an error span, but the message is kept
+    r = RequestRecord("", "/v1/completions", model=MODEL)
+    r.status, r.error, r.e2e_s = 400, "rule 'x': max_tokens 100 is above the maximum 8", 0.001
+    tracer.finish(tracer.start(r, {}), r)
+    root, _ = tree(exporter)
+    assert root.status.status_code == StatusCode.UNSET and root.attributes["lmserve.error"] == r.error
+
+
+def test_unclosed_record_ends_now_not_at_start():
+    tracer, exporter = memory_tracer()
+    r = RequestRecord("", "/v1/completions", model=MODEL)
+    handle = tracer.start(r, {})
+    time.sleep(0.01)
+    tracer.finish(handle, r)  # e2e_s still None
+    root, _ = tree(exporter)
+    assert (root.end_time - root.start_time) / 1e9 >= 0.01
+
+
+def test_make_tracer_provider():
+    assert make_tracer_provider(None, False) is None
+    provider = make_tracer_provider("http://127.0.0.1:1/v1/traces", True, service_name="svc")
+    assert provider.resource.attributes["service.name"] == "svc"
+    assert len(provider._active_span_processor._span_processors) == 2  # OTLP and console, each batched
+    provider.shutdown()  # nothing was recorded: no export is attempted
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ Fields: `prompt_tokens` (the longest prompt of the request), `total_prompt_token
 `prompt_text` (prompts or message contents joined), `prompt_chars`, `messages` (the message count),
 `model` (as sent), `route`, and any request parameter by name (`temperature`, `max_tokens`, `top_p`,
 `n`, `stop`, `user`, `logprobs`, ...; TGI's `parameters` are flattened: `max_new_tokens`, ...).
-A parameter the client left out is absent: only `required` looks at absent fields.
+A parameter the client left out is absent: only `required` looks at absent fields. A field that is
+neither of these is an error at startup (a misspelt field would otherwise never match anything).
 Rules run once the prompts are tokenized, before the request reaches the engine.
 """
 
@@ -42,6 +43,15 @@ from lmserve.ops.record import RequestRecord
 POLICIES = ("reject", "log")
 KINDS = ("min", "max", "allowed", "required", "pattern", "forbidden_pattern")
 _MISSING = object()
+DERIVED_FIELDS = frozenset({"prompt_tokens", "total_prompt_tokens", "num_prompts", "prompt_text", "prompt_chars",
+                            "messages", "model", "route"})
+# Every parameter of the OpenAI and TGI request bodies but the prompt (tests/test_rules.py keeps this in
+# step with server/protocol.py, which ops must not import).
+REQUEST_PARAMS = frozenset({
+    "best_of", "decoder_input_details", "details", "do_sample", "echo", "frequency_penalty", "ignore_eos",
+    "logit_bias", "logprobs", "max_completion_tokens", "max_new_tokens", "max_tokens", "min_p", "min_tokens",
+    "model", "n", "presence_penalty", "repetition_penalty", "return_full_text", "seed", "stop", "stop_token_ids",
+    "stream", "stream_options", "suffix", "temperature", "top_k", "top_logprobs", "top_p", "user", "watermark"})
 
 
 class RuleViolation(ValueError):
@@ -175,8 +185,12 @@ def _parse_rule(spec: Any, where: str) -> Rule:
     unknown = set(spec) - {"name", "field", "policy", "routes", "message", *KINDS}
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; rule kinds are {list(KINDS)}")
-    if not isinstance(spec.get("field"), str):
+    field = spec.get("field")
+    if not isinstance(field, str):
         raise ValueError(f"{where}: 'field' (a string) is required")
+    if field not in DERIVED_FIELDS | REQUEST_PARAMS:
+        raise ValueError(f"{where}: unknown field {field!r}; fields are {sorted(DERIVED_FIELDS)} "
+                         "or a request parameter (temperature, max_tokens, user, ...)")
     if not any(k in spec for k in KINDS):
         raise ValueError(f"{where}: give at least one of {list(KINDS)}")
     policy = spec.get("policy", "reject")
@@ -185,6 +199,10 @@ def _parse_rule(spec: Any, where: str) -> Rule:
     for key in ("min", "max"):
         if key in spec and _number(spec[key]) is None:
             raise ValueError(f"{where}: {key!r} must be a number")
+    if "min" in spec and "max" in spec and spec["min"] > spec["max"]:
+        raise ValueError(f"{where}: 'min' {spec['min']} is above 'max' {spec['max']}: nothing could pass")
+    if "message" in spec and not isinstance(spec["message"], str):
+        raise ValueError(f"{where}: 'message' must be a string")
     if "allowed" in spec and not isinstance(spec["allowed"], list):
         raise ValueError(f"{where}: 'allowed' must be a list")
     if "required" in spec and not isinstance(spec["required"], bool):
@@ -192,7 +210,7 @@ def _parse_rule(spec: Any, where: str) -> Rule:
     routes = spec.get("routes")
     if routes is not None and not (isinstance(routes, list) and all(isinstance(r, str) for r in routes)):
         raise ValueError(f"{where}: 'routes' must be a list of paths")
-    return Rule(name=name, field=spec["field"], policy=policy, min=spec.get("min"), max=spec.get("max"),
+    return Rule(name=name, field=field, policy=policy, min=spec.get("min"), max=spec.get("max"),
                 allowed=tuple(spec["allowed"]) if "allowed" in spec else None,
                 required=spec.get("required", False), pattern=_regex(spec, "pattern", where),
                 forbidden_pattern=_regex(spec, "forbidden_pattern", where),

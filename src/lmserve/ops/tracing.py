@@ -9,7 +9,7 @@ exist (gen_ai.*); prompt and output text are never attributes.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ class RequestTracer:
         self.tracer = provider.get_tracer("lmserve")
 
     def start(self, record: RequestRecord, headers: Mapping[str, str]) -> _Open:
+        """Open the request span at record.start, as a child of an incoming traceparent (tracestate kept)."""
         parent = _PROPAGATOR.extract({k.lower(): v for k, v in headers.items()})
         offset = time.time_ns() - time.monotonic_ns()
         span = self.tracer.start_span(f"POST {record.route}", context=parent, kind=SpanKind.SERVER,
@@ -66,17 +67,25 @@ class RequestTracer:
         return _Open(span, trace.set_span_in_context(span), offset)
 
     def finish(self, handle: _Open, record: RequestRecord) -> None:
-        span, ns = handle.span, lambda t: handle.offset_ns + int(t * 1e9)
-        end = record.start + (record.e2e_s or 0.0)
+        """Add the phase children and attributes, then end the request span when the response ended."""
+        span = handle.span
+
+        def ns(t: float) -> int:  # monotonic seconds -> epoch ns, with the offset taken at start
+            return handle.offset_ns + int(t * 1e9)
+
+        # e2e_s is None only if the middleware never closed the record: end now rather than at the start.
+        end = record.start + record.e2e_s if record.e2e_s is not None else time.monotonic()
         self._children(handle, record, ns)
         span.set_attributes(_attributes(record))
+        if record.status >= 400:  # semconv: error.type; a server span is an error only for 5xx
+            span.set_attribute("error.type", str(record.status))
         if record.status >= 500:
             span.set_status(Status(StatusCode.ERROR, record.error or f"HTTP {record.status}"))
         elif record.error:
             span.set_attribute("lmserve.error", record.error[:200])
         span.end(end_time=ns(end))
 
-    def _children(self, handle: _Open, record: RequestRecord, ns) -> None:
+    def _children(self, handle: _Open, record: RequestRecord, ns: Callable[[float], int]) -> None:
         def child(name: str, start: float, seconds: float, **attrs: Any) -> None:
             s = self.tracer.start_span(name, context=handle.context, start_time=ns(start), attributes=attrs or None)
             s.end(end_time=ns(start + max(seconds, 0.0)))
@@ -95,11 +104,13 @@ class RequestTracer:
               **{"lmserve.cumulative": True})
 
     def close(self) -> None:
+        """Export what is batched, then stop the exporters (once, at shutdown)."""
         self.provider.force_flush()
         self.provider.shutdown()
 
 
 def _attributes(record: RequestRecord) -> dict[str, Any]:
+    """The request span's attributes: GenAI names where they exist, lmserve.* otherwise; never text."""
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": "chat" if record.route.endswith("chat/completions") else "text_completion",
         "gen_ai.system": "lmserve", "gen_ai.request.model": record.model or "",

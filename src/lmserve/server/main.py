@@ -116,6 +116,9 @@ class DrainingServer(uvicorn.Server):
         while st.in_flight and loop.time() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if st.in_flight and st.async_engine is not None:
+            sched = st.engine.scheduler
+            log.warning("drain: aborting %d request(s) still in flight (running %d, waiting %d, free KV blocks %d)",
+                        st.in_flight, len(sched.running), len(sched.waiting), st.engine.kv.num_free_blocks)
             st.metrics.aborts.labels("shutdown").inc(st.in_flight)
             st.async_engine.abort_all()
             await asyncio.sleep(0.5)  # let aborted streams send their last chunks
