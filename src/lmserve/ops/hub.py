@@ -2,7 +2,7 @@
 
 Every part is optional (off by default). The server calls, per API request:
   begin(record, headers)  when the request arrives (tracing continues an incoming traceparent),
-  check(record, prompt_token_counts)  once the prompts are tokenized (validation rules; may raise APIError),
+  check(record, prompt_token_counts)  once the prompts are tokenized (validation rules; may raise RuleViolation),
   finish(record)  when the response has ended, whatever the outcome (never raises; all work is cheap or queued).
 """
 
@@ -34,7 +34,7 @@ class Ops:
                 log.exception("starting the trace of a request failed")
 
     def check(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
-        """Apply the validation rules; raises APIError(400) when a rule with policy `reject` matches."""
+        """Apply the validation rules; raises RuleViolation when a rule with policy `reject` matches."""
         if self.rules is not None:
             self.rules.check(record, prompt_token_counts)
 

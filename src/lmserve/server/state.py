@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from lmserve.engine.async_engine import AsyncEngine
@@ -183,14 +184,14 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.lm
 
 
+RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's record in scope["state"]
+_PROMPT_FIELDS = ("prompt", "inputs", "messages")
+
+
 def record_of(request: Request) -> RequestRecord:
     """The request's record, opened by the Observe middleware (a detached one for routes it does not watch)."""
     record = request.scope.get("state", {}).get(RECORD_KEY)
     return record if record is not None else RequestRecord("", request.url.path)
-
-
-RECORD_KEY = "lmserve_record"
-_PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
 
 async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T]:
@@ -203,10 +204,8 @@ async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T
     return st, req
 
 
-def _describe(record: RequestRecord, req: object, served_name: str) -> None:
+def _describe(record: RequestRecord, req: BaseModel, served_name: str) -> None:
     """Copy what the client asked for into the record: parameters (TGI's flattened), prompt or messages."""
-    if not hasattr(req, "model_dump"):
-        return
     body = req.model_dump(exclude_unset=True, mode="json")
     record.model = served_name
     record.prompt = body.get("prompt", body.get("inputs"))

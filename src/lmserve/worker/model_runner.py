@@ -52,16 +52,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
         meta = build_sampling_metadata([rows[r] for r in inputs.sample_ids], self.cfg.vocab_size, self.device)
         result = self.sampler(logits, meta)
-        chosen = dict(zip(inputs.sample_ids, result.logprobs.tolist())) if result.logprobs is not None else {}
-        return RunnerOutput(_to_host(inputs.sample_ids, result, rows), num_decodes, prefill_tokens, chosen)
+        sampled, chosen = _to_host(inputs.sample_ids, result, rows)
+        return RunnerOutput(sampled, num_decodes, prefill_tokens, chosen)
 
 
-def _to_host(ids: list[str], result, rows: dict[str, SamplingRow]) -> dict[str, tuple[int, TokenLogprobs | None]]:
-    """Download sampled ids (and logprobs) once, as Python values keyed by request id."""
+def _to_host(ids: list[str], result, rows: dict[str, SamplingRow]
+             ) -> tuple[dict[str, tuple[int, TokenLogprobs | None]], dict[str, float]]:
+    """Download sampled ids and logprobs once, as Python values keyed by request id.
+
+    Returns (token and asked-for logprobs per request, the chosen token's logprob per request).
+    """
     tokens = result.sampled_token_ids.tolist()
-    if result.logprobs is None or result.top_logprobs is None:
-        return {rid: (tok, None) for rid, tok in zip(ids, tokens)}
-    chosen = result.logprobs.tolist()
+    chosen = result.logprobs.tolist() if result.logprobs is not None else []
+    chosen_by_id = dict(zip(ids, chosen))
+    if result.top_logprobs is None:
+        return {rid: (tok, None) for rid, tok in zip(ids, tokens)}, chosen_by_id
     top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else [[]] * len(ids)
     top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else [[]] * len(ids)
     out: dict[str, tuple[int, TokenLogprobs | None]] = {}
@@ -69,4 +74,4 @@ def _to_host(ids: list[str], result, rows: dict[str, SamplingRow]) -> dict[str, 
         k = rows[rid].params.logprobs
         lp = None if k is None else TokenLogprobs(tokens[i], chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k])))
         out[rid] = (tokens[i], lp)
-    return out
+    return out, chosen_by_id
