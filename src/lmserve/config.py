@@ -32,6 +32,7 @@ class EngineConfig:
     model: str | None = None  # None: the embedded default model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda[:N]
+    quantization: str | None = None  # None (float weights) | int8 | int4: weight-only, applied at load
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default

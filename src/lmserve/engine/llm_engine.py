@@ -52,7 +52,8 @@ class LLMEngine:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device)
+        self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
+                                                         quantization=cfg.quantization)
         self.dtype = next(self.loaded.model.parameters()).dtype
         self.model_config = self.loaded.config
         self.tokenizer = tokenizer or _load_tokenizer(self.loaded)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from lmserve.layers.linear import can_pack, pack_linears
+from lmserve.layers.quantized import check_scheme, quantize_linears
 from lmserve.layers.rotary import inv_frequencies
 from lmserve.loader.default_model import default_model_path
 from lmserve.errors import CheckpointError
@@ -36,6 +37,7 @@ class LoadedModel:
     load_seconds: float
     peak_rss_gib: float
     gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
+    runtime_quantization: str | None = None  # weight-only int8/int4 applied at load, None: float weights
 
     @property
     def quantization(self) -> str:
@@ -60,11 +62,15 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True) -> LoadedModel:
+def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True,
+               quantization: str | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     `pack` applies the fast CPU weight format (layers/linear.py); False keeps plain nn.Linear.
+    `quantization` ("int8" | "int4") stores linear weights weight-only quantized (layers/quantized.py).
     """
+    if quantization:
+        check_scheme(quantization, device)
     path = resolve_model_path(model)
     start = time.perf_counter()
     gguf = None
@@ -89,13 +95,15 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     else:
         raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face directory with config.json")
     net.eval()
-    if pack and can_pack(device, dtype):
+    if quantization:
+        quantize_linears(net, quantization)
+    elif pack and can_pack(device, dtype):
         pack_linears(net)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    log.info("loaded %s (%s, %s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
-             seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf if fmt == "gguf" else None)
+    log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
+             f", {quantization} weights" if quantization else "", seconds, rss)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf if fmt == "gguf" else None, quantization)
 
 
 def _config_from_dir(path: Path) -> ModelConfig:
