@@ -1,6 +1,8 @@
 """lmserve vs llama.cpp's llama-server vs Hugging Face transformers, side by side in one run.
 
     python benchmarks/compare.py            (or: bash benchmarks/compare)
+    python benchmarks/compare.py --lmserve-args "--quantization int4" --levels 1,4,16 --rates "" \
+        --out benchmarks/results/compare_int4.json     (lmserve on weight-only int4 weights)
 
 Same machine, same model file (the embedded SmolLM2 GGUF), same prompts (256 tokens in, exactly
 128 out, greedy, streamed), same 2 threads. Runs alternate lmserve, llama.cpp, transformers at every
@@ -77,9 +79,9 @@ class Proc:
             self.p.kill()
 
 
-def start_lmserve(port: int) -> Proc:
+def start_lmserve(port: int, extra: list[str]) -> Proc:
     cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(THREADS),
-           "--max-num-seqs", "32", "--log-level", "warning", "--kv-cache-memory", str(2 * 2**30)]
+           "--max-num-seqs", "32", "--log-level", "warning", "--kv-cache-memory", str(2 * 2**30), *extra]
     return Proc("lmserve", cmd, f"http://127.0.0.1:{port}", env={"PYTHONPATH": str(ROOT.parent / "src")})
 
 
@@ -141,7 +143,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--levels", default="1,4,16,32")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--rates", default="0.25,0.5,1.0", help="request rates (req/s) for the goodput sweep")
+    ap.add_argument("--rates", default="0.25,0.5,1.0", help="request rates (req/s) for the goodput sweep ('' skips it)")
+    ap.add_argument("--lmserve-args", default="", help="extra `lmserve serve` flags, e.g. '--quantization int4'")
     ap.add_argument("--goodput", default="ttft:3000 tpot:250")
     ap.add_argument("--out", default=str(ROOT / "results" / "compare.json"))
     ap.add_argument("--render", default=None, help="only re-render the tables of a saved result JSON")
@@ -164,7 +167,7 @@ def main() -> None:
     slos = sb.parse_goodput(args.goodput.split())
     path = default_model_path()
 
-    ours = start_lmserve(18123)
+    ours = start_lmserve(18123, args.lmserve_args.split())
     llama = start_llama(18124, binary, max(levels))
     t0 = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -189,7 +192,7 @@ def main() -> None:
                       f"TTFT {res['ttft_ms']['median']:8.1f} ms  TPOT {res['tpot_ms']['median']:7.1f} ms", flush=True)
 
     sweep: dict = {"lmserve": {}, "llama.cpp": {}}
-    for rate in [float(x) for x in args.rates.split(",")]:
+    for rate in [float(x) for x in args.rates.split(",") if x]:
         reqs = requests_for(16, int(rate * 100))
         for name in sweep:
             res = systems[name](reqs, None, rate)
@@ -229,7 +232,9 @@ def render_tables(report: dict, levels: list[int]) -> str:
     lines = [f"Machine: {m['machine']['cpu']}, {m['machine']['cores']} cores, flags {m['machine']['flags']}; "
              f"torch {m['machine']['torch']}. 256 tokens in, 128 out, greedy, streaming, 2 threads. "
              "transformers: offline static batches (it has no server). Values: median (min-max) of the "
-             "interleaved repeats. Ratios are ours / theirs: above 1 is better for tok/s, below 1 for latency.", "",
+             "interleaved repeats. Ratios are ours / theirs: above 1 is better for tok/s, below 1 for latency."
+             + (f" lmserve flags: `{report['config']['lmserve_args']}`." if report["config"].get("lmserve_args") else ""),
+             "",
              "| concurrency | metric | lmserve | llama.cpp | transformers | ours/llama.cpp | ours/transformers |",
              "|---|---|---|---|---|---|---|"]
     for level in levels:
@@ -247,8 +252,9 @@ def render_tables(report: dict, levels: list[int]) -> str:
     total = {name: sum(r["completed"] + r["failed"] for runs in lv[name].values() for r in runs) for name in lv}
     lines.append("| all | errors | " + " | ".join(f"{errors[n]}/{total[n]}" for n in ("lmserve", "llama.cpp",
                                                                                      "transformers")) + " | | |")
-    lines += ["", "| request rate (req/s) | lmserve goodput | llama.cpp goodput | lmserve errors | llama.cpp errors |",
-              "|---|---|---|---|---|"]
+    if report["rate_sweep"]["lmserve"]:
+        lines += ["", "| request rate (req/s) | lmserve goodput | llama.cpp goodput | lmserve errors | llama.cpp errors |",
+                  "|---|---|---|---|---|"]
     for rate, res in report["rate_sweep"]["lmserve"].items():
         other = report["rate_sweep"]["llama.cpp"][rate]
         lines.append(f"| {rate} | {res['goodput']:.3f} | {other['goodput']:.3f} | {res['failed']} | {other['failed']} |")
