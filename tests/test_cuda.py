@@ -128,3 +128,32 @@ def test_cuda_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     one = run(gpu, [[5, 6, 7, 8]], params)["0"]
     many = run(gpu, [[5, 6, 7, 8], [9, 10], [11, 12, 13]], params)["0"]
     assert one == many and len(one) == 12
+
+
+def test_cuda_server_streams_the_engines_tokens(tiny):
+    """`lmserve serve --device cuda` through the official openai client: greedy text == the CUDA engine's, streamed
+    or not, and every KV block back afterwards."""
+    import openai
+
+    from tests.server_util import running_server
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 60))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    eng = engine_on(tiny, "cuda")
+    want = []
+    for i, p in enumerate(prompts):  # the engine's streamed text (continuation spacing included)
+        eng.add_request(str(i), p, params)
+        want.append("".join(d.text for _ in iter(eng.has_unfinished, False) for d in eng.step()))
+    with running_server("--model", str(tiny), "--device", "cuda", "--dtype", "float32") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        for prompt, text in zip(prompts, want):
+            got = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert got.choices[0].text == text and got.usage.completion_tokens == 10
+            chunks = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert srv.metric("lmserve:model_info", 'dtype="float32"') == 1
+        srv.wait_idle()
