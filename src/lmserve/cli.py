@@ -16,7 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantized linear layers (CPU): faster single-stream decode, less memory; "
+                   help="weight-only quantized linear layers (CPU, CUDA): faster single-stream decode, less memory; "
                    "a Q4_1 GGUF keeps its own 4-bit codes under int4 (default: float weights)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")

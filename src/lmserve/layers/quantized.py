@@ -1,11 +1,11 @@
-"""Weight-only int8 / int4 linear layers (CPU), applied as a transform to a finished model.
+"""Weight-only int8 / int4 linear layers (CPU and CUDA), applied as a transform to a finished model.
 
 Why: a batch-1 decode step reads every weight once, so fewer bytes per weight is the lever for
 single-stream speed (and it cuts resident memory ~4x/~7x). Activations stay in the model's float
-dtype outside the matmul; inside, torch's weight-only kernels (`_weight_int4pack_mm_for_cpu`,
-`_weight_int8pack_mm`) take bfloat16 activations, the only dtype they vectorise on CPU (float32 runs
-a scalar loop ~10x slower). Measured on this 2-core AMD CPU for the embedded model's 120 decoder
-GEMVs at batch 1: fp32 oneDNN 18.9 ms, int4 9.5 ms, int8 11.2 ms; from ~8 tokens per step on,
+dtype outside the matmul; inside, torch's weight-only kernels (`_weight_int4pack_mm[_for_cpu]`,
+`_weight_int8pack_mm`) take bfloat16 activations: the only dtype they vectorise on CPU (float32 runs
+a scalar loop ~10x slower) and the only one the CUDA int4 kernel takes. Measured on a 2-core AMD
+CPU for the embedded model's 120 decoder GEMVs at batch 1: fp32 oneDNN 18.9 ms, int4 9.5 ms, int8 11.2 ms; from ~8 tokens per step on,
 the fp32 path is faster again (these kernels are compute-bound), so quantization is opt-in.
 
 int4: groups of 32 input columns, asymmetric (w = q * scale + min, q in 0..15), round-to-nearest from
@@ -66,7 +66,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.group = linear.in_features, linear.out_features, group
         codes, scale, lo = quantize_int4(linear.weight.detach(), group)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+        self.register_buffer("packed", _pack_int4(codes))
         # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale; layout [K/group, N, 2]
         sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(_ACT))
@@ -74,8 +74,17 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(_ACT)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_zeros)
+        mm = torch.ops.aten._weight_int4pack_mm if flat.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        y = mm(flat, self.packed, self.group, self.scales_zeros)
         return _finish(y, x, self.out_features, self.bias)
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in 0..15 -> torch's packed int4 layout for the codes' device (CPU and CUDA differ)."""
+    if codes.is_cuda:  # CUDA (tinygemm) takes two codes per byte, even column in the high nibble
+        pairs = (codes[:, ::2].to(torch.int32) << 4 | codes[:, 1::2].to(torch.int32)).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, 2)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
 class Int8Linear(nn.Module):
@@ -113,8 +122,8 @@ def check_scheme(scheme: str, device: torch.device) -> None:
     """Refuse what this build cannot run, before anything is loaded."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r} (choose from {', '.join(SCHEMES)})")
-    if device.type != "cpu":
-        raise ValueError(f"quantization {scheme!r} runs on CPU kernels only in this version (device is {device})")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"quantization {scheme!r} runs on CPU or CUDA, not on {device}")
 
 
 def quantize_linears(model: nn.Module, scheme: str) -> nn.Module:
