@@ -5,8 +5,9 @@ single-stream speed (and it cuts resident memory ~4x/~7x). Activations stay in t
 dtype outside the matmul; inside, torch's weight-only kernels (`_weight_int4pack_mm[_for_cpu]`,
 `_weight_int8pack_mm`) take bfloat16 activations: the only dtype they vectorise on CPU (float32 runs
 a scalar loop ~10x slower) and the only one the CUDA int4 kernel takes. Measured on a 2-core AMD
-CPU for the embedded model's 120 decoder GEMVs at batch 1: fp32 oneDNN 18.9 ms, int4 9.5 ms, int8 11.2 ms; from ~8 tokens per step on,
-the fp32 path is faster again (these kernels are compute-bound), so quantization is opt-in.
+CPU for the embedded model's 120 decoder GEMVs at batch 1: fp32 oneDNN 18.9 ms, int4 9.5 ms, int8
+11.2 ms; from ~8 tokens per step on the fp32 path is faster again (these kernels are compute-bound),
+so quantization is opt-in.
 
 int4: groups of 32 input columns, asymmetric (w = q * scale + min, q in 0..15), round-to-nearest from
 the loaded float weights. A GGUF Q4_1 tensor is exactly such a grid (llama.cpp's min/max rounding),
