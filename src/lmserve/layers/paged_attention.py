@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: write this step's K/V into their slots, then read by block table.
 
 The batch is ordered decodes first (one query token each), then prefill chunks. Decodes run as one
-batched gather + SDPA per layer, with no Python loop over sequences; prefill chunks run one SDPA per
+call per layer with no Python loop over sequences: the native CPU kernel (layers/native.py) reads K/V
+in place where it is available, otherwise one batched gather + SDPA. Prefill chunks run one SDPA per
 chunk (they are few and large, so the loop costs little).
 """
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.layers.attention import causal_sdpa
+from lmserve.layers.native import paged_decode_kernel
 
 
 @dataclass
@@ -35,6 +37,7 @@ class PagedAttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padded with block 0)
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: key within context
     prefills: list[PrefillChunk]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, for the native kernel
 
 
 @dataclass
@@ -50,7 +53,7 @@ class PagedAttention:
         m = self.meta
         outs = []
         if m.num_decodes:
-            outs.append(decode_attention(q[:m.num_decodes], cache, m.decode_block_tables, m.decode_mask))
+            outs.append(self._decode(q[:m.num_decodes], cache))
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.mask is None:  # no cached prefix: attend over the fresh K/V directly
@@ -59,6 +62,23 @@ class PagedAttention:
                 kc, vc = gather_context(cache, p.block_table, p.context_len)
                 outs.append(causal_sdpa(q[rows], kc, vc, p.mask))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """The native kernel where it applies (CPU float32, head_dim 64/128), else gather + SDPA."""
+        m = self.meta
+        kernel = native_decode(cache, q)
+        if kernel is None or m.decode_context_lens is None:
+            return decode_attention(q, cache, m.decode_block_tables, m.decode_mask)
+        out = kernel.paged_decode_attention(q, cache[0], cache[1], m.decode_block_tables, m.decode_context_lens,
+                                            q.shape[-1] ** -0.5)
+        return out.reshape(q.shape[0], -1)
+
+
+def native_decode(cache: torch.Tensor, q: torch.Tensor):
+    """The compiled paged-decode module when this cache and query can use it, else None."""
+    if cache.device.type != "cpu" or cache.dtype != torch.float32 or q.shape[-1] not in (64, 128):
+        return None
+    return paged_decode_kernel()
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

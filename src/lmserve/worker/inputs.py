@@ -79,5 +79,6 @@ def _attention_metadata(reqs: list[ScheduledRequest], lens: np.ndarray, starts: 
         num_decodes=num_decodes,
         decode_block_tables=torch.from_numpy(tables[:num_decodes, :dec_blocks].copy()).to(device),
         decode_mask=torch.from_numpy(decode_mask).to(device),
+        decode_context_lens=torch.from_numpy(dec_ctx.copy()).to(device),
         prefills=prefills,
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmserve.layers.paged_attention import PagedAttention
+from lmserve.layers.paged_attention import PagedAttention, native_decode
 from lmserve.models.config import ModelConfig
 from lmserve.request import TokenLogprobs
 from lmserve.sample import Sampler, SamplingRow, build_sampling_metadata
@@ -38,6 +38,8 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
+        # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
+        native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> RunnerOutput:
