@@ -28,11 +28,16 @@ WORDS = ("lmserve serves language models over HTTP with paged attention continuo
 
 
 def make_prompts(n: int, tokenizer, length: int) -> list[list[int]]:
-    """n prompts of exactly `length` tokens each (equal lengths keep transformers' static batch honest)."""
+    """n distinct prompts of exactly `length` tokens each (equal lengths keep transformers' static batch honest).
+
+    Each starts with its own number, so no two share a first KV block: prefix caching cannot skip any
+    prefill work that transformers has to do.
+    """
     out = []
     for i in range(n):
-        text = " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(length * 2))
+        text = f"Note {i}: " + " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(length * 2))
         out.append(tokenizer.encode(text)[:length])
+    assert len({tuple(p[:16]) for p in out}) == n, "prompts must differ within their first block"
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 from lmserve.layers import native
 from lmserve.layers.paged_attention import decode_attention, native_decode
 
-kernel = native.paged_decode_kernel()
+kernel = native.native_module()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ compiler here: the PyTorch path is used")
 
 
@@ -60,7 +60,7 @@ def test_fallback_when_switched_off_or_not_applicable(monkeypatch):
     q, cache, *_ = paged_case(2, 9, 3, 64, 20, seed=5)
     assert native_decode(cache.bfloat16(), q) is None  # bf16 caches use SDPA
     assert native_decode(cache[..., :32], q[..., :32]) is None  # head_dim 32
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    monkeypatch.setattr(native, "_on", False)  # what LMSERVE_NATIVE_KERNELS=0 sets at start-up
     assert native_decode(cache, q) is None
 
 
@@ -85,5 +85,5 @@ def test_engine_tokens_equal_with_and_without_the_kernel(monkeypatch):
         return [out[str(i)] for i in range(len(prompts))]
 
     first = run()
-    monkeypatch.setenv(native.ENV_SWITCH, "0" if kernel is not None else "1")
+    monkeypatch.setattr(native, "_on", kernel is None)
     assert run() == first

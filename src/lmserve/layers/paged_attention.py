@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.layers.attention import causal_sdpa
-from lmserve.layers.native import paged_decode_kernel
+from lmserve.layers.native import native_module
 
 
 @dataclass
@@ -78,7 +78,7 @@ def native_decode(cache: torch.Tensor, q: torch.Tensor):
     """The compiled paged-decode module when this cache and query can use it, else None."""
     if cache.device.type != "cpu" or cache.dtype != torch.float32 or q.shape[-1] not in (64, 128):
         return None
-    return paged_decode_kernel()
+    return native_module()
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -11,28 +11,26 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmserve.layers.attention import AttentionContext
-from lmserve.layers.rotary import apply_rotary, cos_sin, inv_frequencies
+from lmserve.layers.fused import rms_norm, rotary, silu_and_mul
+from lmserve.layers.rotary import cos_sin, inv_frequencies
 from lmserve.errors import CheckpointError
 from lmserve.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as the reference does."""
+    """Root-mean-square norm, computed in float32 as the reference does, fused with the residual add."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the new residual stream comes back with the normed input."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -50,7 +48,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotate together: one set of elementwise ops per layer instead of two
-        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.attend(self.layer_idx, q, k, v))
@@ -61,17 +59,19 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block and pre-norm MLP block, each with a residual."""
+    """Pre-norm attention block and pre-norm MLP block, each with a residual.
+
+    The residual stream travels beside the block outputs (as in vLLM) so that each residual add
+    happens inside the next norm: (block output, residual) in, (MLP output, residual) out.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -80,9 +80,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, attn), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -120,9 +122,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (callers pass only rows they sample)."""

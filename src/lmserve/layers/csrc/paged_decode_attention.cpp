@@ -9,7 +9,7 @@
 // q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
 // context_lens [B] int64 (>= 1). Query head h uses kv head h / (H / Hkv), as HF's repeat_kv does.
 
-#include <torch/extension.h>
+#include "ops.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -105,8 +105,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     TORCH_CHECK(false, "head_dim 64 or 128 only");
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged single-token attention (float32, CPU)");
 }

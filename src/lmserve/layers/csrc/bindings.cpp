@@ -1,0 +1,10 @@
+// Python bindings of the native ops (one extension module, built by layers/native.py).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged single-token attention (float32, CPU)");
+  m.def("rms_norm", &rms_norm, "out = weight * (x / rms(x)) per row (float32, CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; returns rms_norm(residual) (float32, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
+  m.def("rotary_", &rotary_, "rotate [T, heads, D] in place by per-token cos/sin [T, 1, D] (float32, CPU)");
+}

@@ -1,0 +1,14 @@
+// lmserve's native CPU ops: declarations shared by the sources and the Python bindings (bindings.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+// paged_decode_attention.cpp
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+
+// fused_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

@@ -1,0 +1,62 @@
+"""Row-wise ops of a decoder layer: one fused native call each on CPU float32, PyTorch elsewhere.
+
+The PyTorch functions here are the reference; `layers/csrc/fused_ops.cpp` computes the same per row
+in one pass (tests/test_native_ops.py compares them). Both paths compute every row alone, so a row's
+result never depends on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmserve.layers.native import native_module
+from lmserve.layers.rotary import apply_rotary
+
+
+def _native(x: torch.Tensor):
+    """The native module when `x` can use it (CPU float32), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return native_module()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, then scale (in the weight's dtype for half models)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); with no residual, (norm(x), x).
+
+    The residual sum is the decoder's running hidden state. The native path adds into `residual` in
+    place (one pass for the add and the norm), so callers pass a residual they own.
+    """
+    mod = _native(x)
+    if residual is None:
+        return (mod.rms_norm(x, weight, eps) if mod is not None else rms_norm_ref(x, weight, eps)), x
+    if mod is not None and residual.is_contiguous():
+        return mod.add_rms_norm_(x, residual, weight, eps), residual
+    residual = residual + x
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    mod = _native(gate_up)
+    if mod is not None:
+        return mod.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] by per-token angles; the native path rotates in place and returns x."""
+    mod = _native(x)
+    if mod is None or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    mod.rotary_(x, cos, sin)
+    return x

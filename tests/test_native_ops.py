@@ -1,0 +1,95 @@
+"""The fused native row ops equal their PyTorch references, do not depend on the batch, and fall back cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmserve.layers import fused, native
+from lmserve.layers.rotary import apply_rotary
+
+mod = native.native_module()
+needs_kernel = pytest.mark.skipif(mod is None, reason="no C++ compiler here: the PyTorch path is used")
+
+
+def rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 576), (300, 64), (2049, 960), (3, 17)])
+def test_rms_norm_and_residual_add_equal_the_reference(rows, dim):
+    x, res, w = rand(rows, dim, seed=1), rand(rows, dim, seed=2), rand(dim, seed=3)
+    out, same = fused.rms_norm(x, w, 1e-5)
+    assert same is x
+    torch.testing.assert_close(out, fused.rms_norm_ref(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    expected_res = res + x
+    out, new_res = fused.rms_norm(x, w, 1e-5, res.clone())
+    assert torch.equal(new_res, expected_res)  # one float add: bit-exact
+    torch.testing.assert_close(out, fused.rms_norm_ref(expected_res, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_residual_is_updated_in_place():
+    x, res, w = rand(4, 64, seed=4), rand(4, 64, seed=5), rand(64, seed=6)
+    before = res.clone()
+    _, new_res = fused.rms_norm(x, w, 1e-6, res)
+    assert new_res.data_ptr() == res.data_ptr() and torch.equal(res, before + x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (5, 1536), (700, 96), (2, 7)])
+def test_silu_and_mul_equals_the_reference(rows, inter):
+    gu = rand(rows, 2 * inter, seed=7)
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(fused.silu_and_mul(gu), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 32, 8, 128)])
+def test_rotary_in_place_on_a_strided_qkv_view_equals_the_reference(tokens, heads, kv_heads, dim):
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim, seed=8)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)  # rows strided, as in the model
+    angles = rand(tokens, 1, dim // 2, seed=9)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    ref = apply_rotary(qk.clone(), cos, sin)
+    out = fused.rotary(qk, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_the_batch():
+    x, res, w, gu = rand(64, 576, seed=10), rand(64, 576, seed=11), rand(576, seed=12), rand(64, 3072, seed=13)
+    full_norm = mod.add_rms_norm_(x, res.clone(), w, 1e-5)
+    full_silu = mod.silu_and_mul(gu)
+    for i in (0, 17, 63):
+        assert torch.equal(mod.add_rms_norm_(x[i:i + 1], res[i:i + 1].clone(), w, 1e-5)[0], full_norm[i])
+        assert torch.equal(mod.silu_and_mul(gu[i:i + 1])[0], full_silu[i])
+
+
+@needs_kernel
+def test_native_ops_refuse_what_they_cannot_run():
+    with pytest.raises(RuntimeError, match="float32"):
+        mod.rms_norm(rand(2, 8).bfloat16(), rand(8), 1e-5)
+    with pytest.raises(RuntimeError, match="weight has 7 elements"):
+        mod.rms_norm(rand(2, 8), rand(7), 1e-5)
+    with pytest.raises(RuntimeError, match=r"\[T, 2 \* I\]"):
+        mod.silu_and_mul(rand(2, 7))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        mod.add_rms_norm_(rand(2, 8), rand(8, 2).t(), rand(8), 1e-5)
+
+
+def test_other_dtypes_and_switch_off_use_pytorch(monkeypatch):
+    x, w = rand(3, 64).bfloat16(), rand(64).bfloat16()
+    out, _ = fused.rms_norm(x, w, 1e-5)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, fused.rms_norm_ref(x, w, 1e-5))
+    monkeypatch.setattr(native, "_on", False)
+    x32, res = rand(3, 64), rand(3, 64)
+    out, new_res = fused.rms_norm(x32, rand(64), 1e-5, res)
+    assert new_res.data_ptr() != res.data_ptr()  # the reference path never writes into the caller's tensor
+    gu = rand(2, 16)
+    assert torch.equal(fused.silu_and_mul(gu), F.silu(gu[:, :8]) * gu[:, 8:])
