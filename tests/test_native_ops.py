@@ -93,3 +93,35 @@ def test_other_dtypes_and_switch_off_use_pytorch(monkeypatch):
     assert new_res.data_ptr() != res.data_ptr()  # the reference path never writes into the caller's tensor
     gu = rand(2, 16)
     assert torch.equal(fused.silu_and_mul(gu), F.silu(gu[:, :8]) * gu[:, 8:])
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (1536, 576, False), (2100, 100, True), (64, 7, True),
+                                      (576, 49152, False)])
+def test_skinny_linear_gives_onednns_bits(k, n, bias):
+    """Steps of 1-4 rows run the skinny kernel; its rows are bit-identical to oneDNN's in a batch of 64."""
+    from lmserve.layers.linear import SKINNY_MAX_ROWS, PackedLinear
+
+    torch.manual_seed(k + n)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    layer = PackedLinear(lin)
+    if layer.panels is None:
+        pytest.skip("this CPU's oneDNN sums in another order: the layer keeps oneDNN only")
+    x = rand(64, k, seed=n)
+    batch = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    assert torch.equal(layer(x), batch)  # 64 rows: oneDNN itself
+    for m in range(1, SKINNY_MAX_ROWS + 1):
+        assert torch.equal(layer(x[:m]), batch[:m]), m
+    torch.testing.assert_close(layer(x[:3]), F.linear(x[:3], lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_skinny_linear_refuses_bad_inputs():
+    from lmserve.layers.linear import to_panels
+
+    panels = to_panels(rand(20, 8))
+    assert panels.shape == (2, 8, 16) and torch.equal(panels[1, :, 4:], torch.zeros(8, 12))  # zero padded
+    with pytest.raises(RuntimeError, match="float32"):
+        mod.skinny_linear(rand(1, 8).bfloat16(), panels, 20, None)
+    with pytest.raises(RuntimeError, match="expected x"):
+        mod.skinny_linear(rand(1, 9), panels, 20, None)

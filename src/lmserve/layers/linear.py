@@ -4,26 +4,70 @@ On CPU, PyTorch's default fp32 GEMM goes through MKL, which takes slow generic p
 CPUs (measured here on AMD EPYC: 13 GB/s for a batch-1 GEMV against 27 GB/s of memory bandwidth).
 oneDNN's pre-packed weights use JIT AVX2/AVX-512 kernels on any x86 CPU: 1.7x faster at batch 1,
 3x at batch 4, 1.3x at batch 32+. The plain `nn.Linear` stays the reference path.
+
+Steps with at most SKINNY_MAX_ROWS rows (decoding one to a few sequences) read their weights from a
+second copy in panel layout through the native skinny kernel (layers/csrc/gemv.cpp), which streams
+them faster than oneDNN. It is used only for layers where it gives oneDNN's exact bits (checked at
+load), so a sequence's tokens never depend on which of the two ran its step.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from lmserve.layers.native import native_module
+
+log = logging.getLogger(__name__)
+
+SKINNY_MAX_ROWS = 4  # beyond this oneDNN's GEMM is as fast (measured on the embedded model's shapes)
+PANEL = 16  # output columns per panel, as in gemv.cpp
+
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W pre-packed by oneDNN (CPU, float32 or bfloat16)."""
+    """y = x W^T + b with W pre-packed by oneDNN (CPU, float32 or bfloat16), plus skinny-kernel panels."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
         with torch.no_grad():
-            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.register_buffer("panels", None)  # [N/16, K, 16] for the skinny kernel, where it matches oneDNN
+        if weight.dtype == torch.float32 and native_module() is not None:
+            panels = to_panels(weight)
+            if self._skinny_matches_onednn(panels):
+                self.panels = panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
+            mod = native_module()  # None when switched off after load (tests)
+            if mod is not None:
+                return mod.skinny_linear(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _skinny_matches_onednn(self, panels: torch.Tensor) -> bool:
+        """True when the skinny kernel gives oneDNN's bits for this layer (rows 1..3 vs a batch of 8)."""
+        x = torch.randn(8, self.in_features, generator=torch.Generator().manual_seed(0))
+        full = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        mod = native_module()
+        same = all(torch.equal(mod.skinny_linear(x[:m], panels, self.out_features, self.bias), full[:m])
+                   for m in (1, 3))
+        if not same:
+            log.info("skinny kernel differs from oneDNN for a [%d x %d] layer; it keeps oneDNN only",
+                     self.out_features, self.in_features)
+        return same
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: each panel's 16 output columns side by side, k-major (zero padded)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

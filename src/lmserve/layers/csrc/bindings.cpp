@@ -7,4 +7,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; returns rms_norm(residual) (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
   m.def("rotary_", &rotary_, "rotate [T, heads, D] in place by per-token cos/sin [T, 1, D] (float32, CPU)");
+  m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) for a few rows, W in [N/16, K, 16] panels (float32, CPU)");
 }

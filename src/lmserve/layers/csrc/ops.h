@@ -12,3 +12,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
+// gemv.cpp
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
+                            c10::optional<torch::Tensor> bias);
