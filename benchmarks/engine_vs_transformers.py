@@ -7,6 +7,8 @@ Both sides load the embedded SmolLM2 GGUF in the same dtype (float32 by default:
 native bf16, where bf16 matmuls run ~100x slower), use the same prompts, generate exactly
 `--output-len` tokens greedily (EOS ignored), and run on the same threads. Runs alternate
 (ours, theirs, ours, theirs) after a warm-up; the median of the repeats is reported with min-max.
+The report ends with this CPU's fp32 ceiling for the offline run (FLOPs of the work over the best
+measured fp32 matmul rate): no fp32 engine can beat transformers by more than that ratio here.
 `--quantization int4` (the default; "none" skips it) adds lmserve on weight-only quantized weights in
 the same run: for this Q4_1 file that is the file's own 4-bit codes, with bfloat16 activations inside
 the matmuls, so its numbers are not the same numerics as the float32 rows.
@@ -27,14 +29,14 @@ WORDS = ("lmserve serves language models over HTTP with paged attention continuo
          "careful numerics so every request sees the same tokens it would alone ").split()
 
 
-def make_prompts(n: int, tokenizer, length: int) -> list[list[int]]:
+def make_prompts(n: int, tokenizer, length: int, first: int = 0) -> list[list[int]]:
     """n distinct prompts of exactly `length` tokens each (equal lengths keep transformers' static batch honest).
 
-    Each starts with its own number, so no two share a first KV block: prefix caching cannot skip any
-    prefill work that transformers has to do.
+    Each starts with its own number (first, first + 1, ...), so no two share a first KV block: prefix
+    caching cannot skip any prefill work that transformers has to do. Every repeat takes new numbers.
     """
     out = []
-    for i in range(n):
+    for i in range(first, first + n):
         text = f"Note {i}: " + " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(length * 2))
         out.append(tokenizer.encode(text)[:length])
     assert len({tuple(p[:16]) for p in out}) == n, "prompts must differ within their first block"
@@ -93,6 +95,24 @@ def hf_single(model, prompt, output_len: int) -> float:
     return (output_len - 1) / ((t2 - t1) - (t1 - t0))
 
 
+def offline_ceiling(cfg, prompts: int, prompt_len: int, output_len: int, threads: int) -> dict:
+    """The most output tok/s any fp32 engine can reach on this CPU for the offline run.
+
+    Work: every prompt and output token through the decoder's matmuls, the LM head once per output
+    token (attention left out, so this bounds from above); speed: the best fp32 matmul rate measured
+    at the model's own MLP shapes (lmserve bench roofline's figure).
+    """
+    from lmserve.bench.roofline import flops_per_token, matmul_tflops
+
+    head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    decoder = flops_per_token(cfg) - head
+    work = prompts * ((prompt_len + output_len) * decoder + output_len * head)
+    torch.set_num_threads(threads)
+    tflops = max(matmul_tflops(cfg, torch.float32) for _ in range(3))
+    return {"fp32_matmul_tflops": tflops, "workload_tflop": work / 1e12,
+            "max_output_tok_s": prompts * output_len / (work / (tflops * 1e12))}
+
+
 def summarize(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
@@ -120,7 +140,7 @@ def main() -> None:
     path = default_model_path()
     llm = LLM(dtype=args.dtype, max_num_seqs=args.prompts, max_num_batched_tokens=2048)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    prompts = make_prompts(args.prompts, llm.tokenizer, args.prompt_len)
+    prompts = make_prompts(args.prompts, llm.tokenizer, args.prompt_len, first=10_000)  # for the warm-ups
     quant = None if args.quantization == "none" else LLM(dtype=args.dtype, max_num_seqs=args.prompts,
                                                           max_num_batched_tokens=2048, quantization=args.quantization)
 
@@ -131,7 +151,10 @@ def main() -> None:
     if quant is not None:
         ours_throughput(quant, prompts[:4], 8)
         res.update(quant_tput=[], quant_single=[])
-    for _ in range(args.repeats):
+    ceilings = [offline_ceiling(llm.engine.model_config, args.prompts, args.prompt_len, args.output_len,
+                                args.threads)]
+    for r in range(args.repeats):
+        prompts = make_prompts(args.prompts, llm.tokenizer, args.prompt_len, first=r * args.prompts)
         res["ours_tput"].append(ours_throughput(llm, prompts, args.output_len))
         res["hf_tput"].append(hf_throughput(hf, prompts, args.output_len, args.hf_batch))
         if quant is not None:
@@ -141,11 +164,20 @@ def main() -> None:
         if quant is not None:
             res["quant_single"].append(ours_single(quant, prompts[0], args.output_len))
     report = {k: summarize(v) for k, v in res.items()}
-    report["config"] = {**vars(args), "machine": platform.processor() or platform.machine(),
+    from compare import _cpu_name, _flags  # benchmarks/compare.py: the same machine description
+
+    report["config"] = {**vars(args), "machine": f"{_cpu_name()} ({platform.machine()}; {_flags()})",
                         "torch": torch.__version__, "cpu_count": torch.get_num_threads()}
     t_ratio = report["ours_tput"]["median"] / report["hf_tput"]["median"]
     s_ratio = report["ours_single"]["median"] / report["hf_single"]["median"]
     report["ratios"] = {"throughput": t_ratio, "single_stream": s_ratio}
+    # this CPU's speed drifts over minutes: the faster of two measurements (start, end) is the ceiling
+    ceilings.append(offline_ceiling(llm.engine.model_config, args.prompts, args.prompt_len, args.output_len,
+                                    args.threads))
+    ceiling = max(ceilings, key=lambda c: c["fp32_matmul_tflops"])
+    ceiling["max_ratio_to_transformers"] = ceiling["max_output_tok_s"] / report["hf_tput"]["median"]
+    ceiling["lmserve_fraction_of_ceiling"] = report["ours_tput"]["median"] / ceiling["max_output_tok_s"]
+    report["fp32_offline_ceiling"] = ceiling
     print(f"{'':28}{'lmserve':>12}{'transformers':>14}{'ratio':>8}")
     print(f"{'offline tok/s (%d x %d)' % (args.prompts, args.output_len):28}"
           f"{report['ours_tput']['median']:>12.1f}{report['hf_tput']['median']:>14.1f}{t_ratio:>8.2f}")
@@ -159,6 +191,9 @@ def main() -> None:
               f"{report['hf_tput']['median']:>14.1f}{qt:>8.2f}")
         print(f"{'single-stream, lmserve ' + args.quantization:28}{report['quant_single']['median']:>12.1f}"
               f"{report['hf_single']['median']:>14.1f}{qs:>8.2f}")
+    print(f"fp32 ceiling on this CPU ({ceiling['fp32_matmul_tflops'] * 1e3:.0f} GFLOP/s at the model's shapes): "
+          f"{ceiling['max_output_tok_s']:.1f} tok/s offline = {ceiling['max_ratio_to_transformers']:.2f}x "
+          f"transformers; lmserve float32 reaches {ceiling['lmserve_fraction_of_ceiling']:.0%} of it")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
 
