@@ -32,11 +32,22 @@ inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, f
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_float_cpu(x, "rms_norm");
-  check_float_cpu(weight, "rms_norm weight");
+namespace {
+
+// out = norm(x + residual) with the sum written into residual, or norm(x) when residual is null
+torch::Tensor norm_rows(torch::Tensor x, torch::Tensor* residual, torch::Tensor weight, double eps,
+                        const char* name) {
+  check_float_cpu(x, name);
+  check_float_cpu(weight, name);
   const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.numel() == D, "rms_norm: weight has ", weight.numel(), " elements, rows have ", D);
+  TORCH_CHECK(weight.numel() == D, name, ": weight has ", weight.numel(), " elements, rows have ", D);
+  float* rp = nullptr;
+  if (residual != nullptr) {
+    check_float_cpu(*residual, name);
+    TORCH_CHECK(x.sizes() == residual->sizes(), name, ": x and residual differ in shape");
+    TORCH_CHECK(residual->is_contiguous(), name, ": the residual is updated in place and must be contiguous");
+    rp = residual->data_ptr<float>();
+  }
   x = x.contiguous();
   weight = weight.contiguous();
   auto out = torch::empty_like(x);
@@ -45,36 +56,27 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, x.numel() / std::max<int64_t>(D, 1), grain(D), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * D, wp, op + t * D, D, e);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * D;
+      if (rp != nullptr) {
+        float* __restrict__ r = rp + t * D;
+        for (int64_t d = 0; d < D; ++d) r[d] += row[d];
+        row = r;
+      }
+      norm_row(row, wp, op + t * D, D, e);
+    }
   });
   return out;
 }
 
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  return norm_rows(x, nullptr, weight, eps, "rms_norm");
+}
+
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check_float_cpu(x, "add_rms_norm_");
-  check_float_cpu(residual, "add_rms_norm_ residual");
-  check_float_cpu(weight, "add_rms_norm_ weight");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm_: x and residual differ in shape");
-  TORCH_CHECK(residual.is_contiguous(), "add_rms_norm_: the residual is updated in place and must be contiguous");
-  const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.numel() == D, "add_rms_norm_: weight has ", weight.numel(), " elements, rows have ", D);
-  x = x.contiguous();
-  weight = weight.contiguous();
-  auto out = torch::empty_like(residual);
-  const float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, x.numel() / std::max<int64_t>(D, 1), grain(D), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* __restrict__ r = rp + t * D;
-      const float* __restrict__ a = xp + t * D;
-      for (int64_t d = 0; d < D; ++d) r[d] += a[d];
-      norm_row(r, wp, op + t * D, D, e);
-    }
-  });
-  return out;
+  return norm_rows(x, &residual, weight, eps, "add_rms_norm_");
 }
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
