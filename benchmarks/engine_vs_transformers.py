@@ -95,7 +95,7 @@ def hf_single(model, prompt, output_len: int) -> float:
     return (output_len - 1) / ((t2 - t1) - (t1 - t0))
 
 
-def offline_ceiling(cfg, prompts: int, prompt_len: int, output_len: int, threads: int) -> dict:
+def offline_ceiling(cfg, prompts: int, prompt_len: int, output_len: int) -> dict:
     """The most output tok/s any fp32 engine can reach on this CPU for the offline run.
 
     Work: every prompt and output token through the decoder's matmuls, the LM head once per output
@@ -107,7 +107,6 @@ def offline_ceiling(cfg, prompts: int, prompt_len: int, output_len: int, threads
     head = 2.0 * cfg.hidden_size * cfg.vocab_size
     decoder = flops_per_token(cfg) - head
     work = prompts * ((prompt_len + output_len) * decoder + output_len * head)
-    torch.set_num_threads(threads)
     tflops = max(matmul_tflops(cfg, torch.float32) for _ in range(3))
     return {"fp32_matmul_tflops": tflops, "workload_tflop": work / 1e12,
             "max_output_tok_s": prompts * output_len / (work / (tflops * 1e12))}
@@ -151,8 +150,7 @@ def main() -> None:
     if quant is not None:
         ours_throughput(quant, prompts[:4], 8)
         res.update(quant_tput=[], quant_single=[])
-    ceilings = [offline_ceiling(llm.engine.model_config, args.prompts, args.prompt_len, args.output_len,
-                                args.threads)]
+    ceilings = [offline_ceiling(llm.engine.model_config, args.prompts, args.prompt_len, args.output_len)]
     for r in range(args.repeats):
         prompts = make_prompts(args.prompts, llm.tokenizer, args.prompt_len, first=r * args.prompts)
         res["ours_tput"].append(ours_throughput(llm, prompts, args.output_len))
@@ -172,8 +170,7 @@ def main() -> None:
     s_ratio = report["ours_single"]["median"] / report["hf_single"]["median"]
     report["ratios"] = {"throughput": t_ratio, "single_stream": s_ratio}
     # this CPU's speed drifts over minutes: the faster of two measurements (start, end) is the ceiling
-    ceilings.append(offline_ceiling(llm.engine.model_config, args.prompts, args.prompt_len, args.output_len,
-                                    args.threads))
+    ceilings.append(offline_ceiling(llm.engine.model_config, args.prompts, args.prompt_len, args.output_len))
     ceiling = max(ceilings, key=lambda c: c["fp32_matmul_tflops"])
     ceiling["max_ratio_to_transformers"] = ceiling["max_output_tok_s"] / report["hf_tput"]["median"]
     ceiling["lmserve_fraction_of_ceiling"] = report["ours_tput"]["median"] / ceiling["max_output_tok_s"]

@@ -1,4 +1,5 @@
-"""The fused native row ops equal their PyTorch references, do not depend on the batch, and fall back cleanly."""
+"""The fused native row ops and the skinny matmul equal their references, do not depend on the batch,
+and fall back cleanly."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Optional C++ kernels, compiled on first use with torch's cpp_extension (g++ and ninja needed).
 
-One extension module (layers/csrc/): paged decode attention and the fused row-wise ops of a decoder
-layer (RMSNorm with the residual add, SiLU-and-mul, rotary), all CPU float32. It is built once per
+One extension module (layers/csrc/): paged decode attention, the fused row-wise ops of a decoder
+layer (RMSNorm with the residual add, SiLU-and-mul, rotary) and the skinny matmul for steps of a few
+rows, all CPU float32. It is built once per
 machine into ~/.cache/lmserve/kernels/<key> (the key covers the sources, torch version and CPU flags,
 since the code is compiled for this CPU: -march=native). Where it cannot be built — no compiler, or
 LMSERVE_NATIVE_KERNELS=0 — callers fall back to the PyTorch path, with one log line.
