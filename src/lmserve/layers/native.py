@@ -5,7 +5,8 @@ layer (RMSNorm with the residual add, SiLU-and-mul, rotary) and the skinny matmu
 rows, all CPU float32. It is built once per
 machine into ~/.cache/lmserve/kernels/<key> (the key covers the sources, torch version and CPU flags,
 since the code is compiled for this CPU: -march=native). Where it cannot be built — no compiler, or
-LMSERVE_NATIVE_KERNELS=0 — callers fall back to the PyTorch path, with one log line.
+LMSERVE_NATIVE_KERNELS=0 — callers fall back to the PyTorch path, with one log line. A build is made
+in a private directory and renamed into place, so an interrupted build never blocks a later start.
 """
 
 from __future__ import annotations
@@ -46,18 +47,65 @@ def native_module() -> ModuleType | None:
 
 
 def _build() -> ModuleType | None:
-    from torch.utils import cpp_extension
-
-    build_dir = Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "kernels" / _key()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "kernels"
+    final = root / _key()
     try:
-        module = cpp_extension.load(name="lmserve_native", sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
-                                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        if not _library(final):
+            _compile(root, final)
+        module = _import(_library(final))
     except Exception as e:  # no compiler / ninja, or a build error: the PyTorch path still works
         log.warning("native CPU kernels unavailable (%s: %s); using the PyTorch paths", type(e).__name__,
                     str(e).splitlines()[0][:200] if str(e) else "")
         return None
-    log.info("native CPU kernels loaded from %s", build_dir)
+    log.info("native CPU kernels loaded from %s", final)
+    return module
+
+
+def _compile(root: Path, final: Path) -> None:
+    """Build in a private directory, then rename it into place.
+
+    The sources are copied next to the build so its files name no checkout: every checkout and venv
+    with the same sources, torch and CPU shares one build. A build killed half-way leaves only its own
+    temporary directory (no lock that later starts would wait on forever); two processes that build at
+    once both succeed and the first rename wins.
+    """
+    import shutil
+    import tempfile
+    import time
+
+    from torch.utils import cpp_extension
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"build-{final.name}-", dir=root))
+    try:
+        for src in [*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]:
+            shutil.copy2(src, tmp / src.name)
+        log.info("compiling lmserve's native CPU kernels (once per machine, about 1-3 minutes)...")
+        t0 = time.perf_counter()
+        cpp_extension.load(name="lmserve_native", sources=[str(tmp / p.name) for p in _SOURCES],
+                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(tmp),
+                           verbose=False)
+        log.info("native CPU kernels compiled in %.0f s", time.perf_counter() - t0)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished first: keep its build
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _library(directory: Path) -> Path | None:
+    """The built extension in `directory`, if a complete build is there."""
+    found = sorted(directory.glob("lmserve_native*.so")) if directory.is_dir() else []
+    return found[0] if found else None
+
+
+def _import(path: Path) -> ModuleType:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lmserve_native", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
