@@ -6,8 +6,6 @@ The checkpoint is a tiny random Llama written here with safetensors and a WordLe
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -16,43 +14,9 @@ from lmserve.engine.llm_engine import LLMEngine
 from lmserve.layers.attention import ContiguousAttention
 from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
+from tests.conftest import VOCAB, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 128, 256, 3, 8, 2
-
-
-def write_tiny_llama(path) -> None:
-    """config.json, model.safetensors (random, seeded) and a word-level tokenizer.json."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    path.mkdir()
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
-           "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-           "num_key_value_heads": KV_HEADS, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1}
-    (path / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    head_dim = HIDDEN // HEADS
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
-              "lm_head.weight": (VOCAB, HIDDEN)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
-                   p + "self_attn.q_proj.weight": (HEADS * head_dim, HIDDEN),
-                   p + "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                   p + "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                   p + "self_attn.o_proj.weight": (HIDDEN, HEADS * head_dim),
-                   p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
-                   p + "mlp.down_proj.weight": (HIDDEN, INTER)}
-    tensors = {name: (1 + 0.1 * torch.randn(shape, generator=g)) if len(shape) == 1
-               else torch.randn(shape, generator=g) / shape[-1] ** 0.5 for name, shape in shapes.items()}
-    save_file(tensors, str(path / "model.safetensors"))
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 3)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,15 @@ from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
 from lmserve.request import Request, RequestStatus
 from lmserve.sampling_params import SamplingParams
+from lmserve.request import TokenLogprobs
 from lmserve.sched.scheduler import Scheduler
+from lmserve.worker.model_runner import RunnerOutput
+
+
+def result(out, tokens: dict[str, int]) -> RunnerOutput:
+    """The runner's output for `out`: one token for each listed request that samples this step."""
+    ids = [[tokens[r.request_id]] if r.sample and r.request_id in tokens else [] for r in out.requests]
+    return RunnerOutput(ids, [[TokenLogprobs(t, 0.0, []) for t in row] for row in ids])
 
 
 def make(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 0) -> Request:
@@ -14,8 +22,7 @@ def make(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 0) -> Request
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {r.request_id: (token, None) for r in out.requests if r.sample}
-    s.update(out, sampled)
+    s.update(out, result(out, {r.request_id: token for r in out.requests}))
     return out
 
 
@@ -80,10 +87,10 @@ def test_stop_token_and_length_finish_and_free():
     s.add(make("a", 3, max_tokens=2))
     s.add(make("b", 3, max_tokens=5, base=20))
     out = s.schedule()
-    s.update(out, {"a": (5, None), "b": (0, None)})  # b samples its stop id 0
+    s.update(out, result(out, {"a": 5, "b": 0}))  # b samples its stop id 0
     assert s.requests.get("b") is None
     out = s.schedule()
-    s.update(out, {"a": (5, None)})
+    s.update(out, result(out, {"a": 5}))
     assert not s.has_unfinished() and kv.num_free_blocks == 16
 
 

@@ -28,6 +28,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes if > 1, else a fraction of available memory")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM writes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                   '"model": PATH, "num_speculative_tokens": 4}\'')
+
+
+def speculative_config(text: str):
+    """--speculative-config JSON -> SpeculativeConfig (argparse reports a ValueError as a usage error)."""
+    import json
+
+    from lmserve.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_dict(json.loads(text))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config(args: argparse.Namespace):
@@ -37,7 +53,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
-        num_threads=args.num_threads,
+        num_threads=args.num_threads, speculative=args.speculative_config,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

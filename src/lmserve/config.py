@@ -38,3 +38,40 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: "SpeculativeConfig | None" = None
+
+
+_SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with the keys vLLM users write (`--speculative-config '{...}'`)."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up
+    prompt_lookup_min: int = 2  # ngram: shortest
+    model: str | None = None  # draft_model: a GGUF file or HF directory sharing the target's tokenizer
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(_SPEC_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs "model": the draft model\'s path')
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """Build from parsed JSON, naming any key we do not know (a misspelt key must not pass silently)."""
+        if not isinstance(d, dict) or "method" not in d:
+            raise ValueError('speculative config must be a JSON object with a "method" ("ngram" or "draft_model")')
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**d)

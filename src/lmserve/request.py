@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from lmserve.sampling_params import SamplingParams
 
 
@@ -32,7 +30,8 @@ class TokenLogprobs:
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # (token_id, logprob), best first
+    top: list[tuple[int, float]]  # (token_id, logprob), best first; empty when the request asked for none
+    rank: int | None = None  # 1-based rank of token_id in the whole vocabulary (prompt logprobs)
 
 
 @dataclass
@@ -53,7 +52,9 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None  # this completion's own seed (the request's seed + index); the runner owns its RNG
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
     cache_salt: bytes = b""  # mixed into prefix-cache hashes (e.g. adapter id)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -79,10 +80,16 @@ class Request:
         return RequestTimings(max(0.0, scheduled - self.arrival_time), max(0.0, first - scheduled),
                               max(0.0, now - first), self.num_preemptions, self.detokenize_s)
 
-    def append_output(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
-        """Record a sampled token."""
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all collected yet (a preempted request already has them)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def append_output(self, token_id: int, logprobs: TokenLogprobs) -> None:
+        """Record an accepted token; its logprob always counts, its top alternatives only when asked."""
         self.output_token_ids.append(token_id)
-        if logprobs is not None:
+        self.cumulative_logprob += logprobs.logprob
+        if self.params.logprobs is not None:
             self.output_logprobs.append(logprobs)
 
 
@@ -113,3 +120,5 @@ class CompletionDelta:
     num_output_tokens: int = 0
     timings: RequestTimings | None = None  # set on the finished delta
     cumulative_logprob: float | None = None  # set on the finished delta: sum of the sampled tokens' logprobs
+    # on a completion's first delta when asked: None for the first prompt token, then one entry per token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

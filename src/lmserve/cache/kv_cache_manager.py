@@ -54,9 +54,13 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_computed(self, request_id: str, token_ids: Sequence[int], extra: bytes = b"") -> ComputedBlocks:
-        """Longest cached prefix of full blocks, leaving at least one token to compute (for its logits)."""
-        if not self.enable_prefix_caching:
+    def find_computed(self, request_id: str, token_ids: Sequence[int], extra: bytes = b"",
+                      allow: bool = True) -> ComputedBlocks:
+        """Longest cached prefix of full blocks, leaving at least one token to compute (for its logits).
+
+        `allow=False` skips the lookup for one request (prompt logprobs need every position computed).
+        """
+        if not self.enable_prefix_caching or not allow:
             return ComputedBlocks()
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = self._hashes(request_id, token_ids, extra, max_blocks)
@@ -69,11 +73,16 @@ class KVCacheManager:
         return ComputedBlocks(hit, len(hit) * self.block_size)
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_computed: int, num_new: int,
-                 computed: ComputedBlocks | None = None, extra: bytes = b"") -> bool:
-        """Make room for `num_new` more tokens after `num_computed`; False (and no change) if blocks run out."""
+                 computed: ComputedBlocks | None = None, extra: bytes = b"", num_lookahead: int = 0) -> bool:
+        """Make room for `num_new` known tokens plus `num_lookahead` drafts after `num_computed`.
+
+        Returns False (and changes nothing) if blocks run out. Only blocks filled by known tokens get a
+        prefix hash (published for other requests to share); slots that drafts write are never hashed
+        until the tokens there are accepted and known.
+        """
         blocks = self.req_blocks.get(request_id, [])
         hit = computed.blocks if computed else []
-        need = self.blocks_needed(num_computed + num_new) - len(blocks) - len(hit)
+        need = self.blocks_needed(num_computed + num_new + num_lookahead) - len(blocks) - len(hit)
         reclaim = sum(1 for b in hit if b.ref_cnt == 0)  # free-queue blocks a hit would pull out
         if need > self.pool.num_free_blocks - reclaim:
             return False
@@ -84,6 +93,19 @@ class KVCacheManager:
             self.prefix_hits += computed.num_tokens
         self._cache_full(request_id, blocks, token_ids, num_computed + num_new, extra)
         return True
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Roll a request back to `num_tokens` slots: free the tail blocks that only rejected drafts used.
+
+        Hashed blocks are never among them: a hash covers known tokens only, all below num_tokens.
+        """
+        blocks = self.req_blocks.get(request_id)
+        if not blocks:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if keep < len(blocks):
+            self.pool.free(list(reversed(blocks[keep:])))
+            del blocks[keep:]
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (finished, aborted or preempted)."""

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
@@ -33,6 +33,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then one entry per token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -76,6 +78,8 @@ class LLM:
         bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for d in self.engine.step():
+                if d.prompt_logprobs is not None and d.index == 0:
+                    outs[d.request_id].prompt_logprobs = d.prompt_logprobs
                 _accumulate(outs[d.request_id].outputs[d.index], d)
                 if d.finished:
                     bar.update(1)
@@ -97,4 +101,7 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     sched_keys = {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"}
     cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in cache_keys})
     sched = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in sched_keys})
-    return EngineConfig(model=model, cache=cache, scheduler=sched, **kw)
+    spec = kw.pop("speculative_config", None)
+    if isinstance(spec, dict):
+        spec = SpeculativeConfig.from_dict(spec)
+    return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec, **kw)

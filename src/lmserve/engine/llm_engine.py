@@ -14,9 +14,11 @@ from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.tokenizer import Tokenizer
 from lmserve.loader import LoadedModel, load_model
 from lmserve.request import CompletionDelta, Request, RequestStatus
-from lmserve.sample import SamplingRow
 from lmserve.sampling_params import SamplingParams
 from lmserve.sched.scheduler import Scheduler
+from lmserve.sched.stop import StopChecker
+from lmserve.spec.ngram import NgramProposer
+from lmserve.spec.stats import Backoff, SpecDecodeStats
 from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
 from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -39,6 +41,11 @@ class StepStats:
     step_seconds: float = 0.0
     kv_usage: float = 0.0
     num_free_blocks: int = 0
+    # speculative decoding in this step: verify runs, drafts, accepted drafts, accepted per draft position
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_per_pos: list[int] | None = None
 
 
 class LLMEngine:
@@ -63,10 +70,14 @@ class LLMEngine:
         self.block_size = cfg.cache.block_size
         self.num_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_blocks, self.block_size, cfg.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string))
         self.runner = ModelRunner(self.loaded.model, self.model_config, self.num_blocks, self.block_size,
                                   self.dtype, self.device)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.spec = cfg.speculative
+        self.proposer = self._proposer()
+        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
+        self._backoff: dict[str, Backoff] = {}
         if self.device.type == "cpu":
             keep_freed_memory()
         self.children: dict[str, list[str]] = {}  # client request id -> its n child request ids
@@ -138,8 +149,8 @@ class LLMEngine:
         kids = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i,
-                          generator=_generator(params.seed, i, self.device))
+            seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
+            req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i, seed=seed)
             self.scheduler.add(req)
             self.outputs.add(req)
             kids.append(rid)
@@ -165,30 +176,63 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        rows = {s.request_id: self._sampling_row(self.scheduler.requests[s.request_id])
-                for s in out.requests if s.sample}
-        result = self.runner.execute(out, rows)
-        changed = self.scheduler.update(out, result.sampled)
-        for rid, lp in result.chosen_logprobs.items():
-            req = self.scheduler.requests.get(rid)
-            if req is not None:
-                req.cumulative_logprob += lp
+        result = self.runner.execute(out)
+        changed = self.scheduler.update(out, result)
+        spec = self._record_spec(out, result.sampled_token_ids) if self.proposer else None
         deltas = [self._delta(req) for req in changed]
         self.num_steps += 1
         self.last_step = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), len(out.requests),
                                    result.num_decodes, result.num_prefill_tokens, time.perf_counter() - start,
                                    self.kv.usage, self.kv.num_free_blocks)
+        if spec is not None:
+            self.last_step.num_drafts, self.last_step.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            self.last_step.num_accepted_tokens = spec.num_accepted_tokens
+            self.last_step.num_accepted_per_pos = spec.num_accepted_tokens_per_pos
+            self._propose()
         return deltas
 
-    def _sampling_row(self, req: Request) -> SamplingRow:
-        eos_ids = req.stop_token_ids
-        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.generator, eos_ids)
+    # -- speculative decoding ---------------------------------------------------------------------
+
+    def _proposer(self):
+        """The draft source named by the speculative config (None: speculation off)."""
+        if self.spec is None:
+            return None
+        if self.spec.method == "ngram":
+            return NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        from lmserve.worker.draft import DraftModelProposer  # noqa: PLC0415 - only when asked
+
+        draft = load_model(self.spec.model, self.dtype, self.device)
+        _check_same_tokenizer(self, draft)
+        return DraftModelProposer(self.spec, draft, self.num_blocks, self.block_size)
+
+    def _record_spec(self, out, sampled: list[list[int]]) -> SpecDecodeStats:
+        """Count each verify run's accepted drafts (engine totals, this step, the request's back-off)."""
+        step = SpecDecodeStats(self.spec.num_speculative_tokens)
+        for s, tokens in zip(out.requests, sampled):
+            if s.spec_token_ids:
+                accepted = max(len(tokens) - 1, 0)
+                for stats in (step, self.spec_stats):
+                    stats.record(len(s.spec_token_ids), accepted)
+                self._backoff.setdefault(s.request_id, Backoff()).record(len(s.spec_token_ids), accepted)
+        return step
+
+    def _propose(self) -> None:
+        """Give every caught-up running request its drafts for the next step (unless backing off)."""
+        k = self.spec.num_speculative_tokens
+        reqs, limits = [], []
+        for req in self.scheduler.running:
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue  # still prefilling
+            room = req.max_tokens - len(req.output_token_ids) - 1  # the verify step adds one token of its own
+            if room > 0 and self._backoff.setdefault(req.request_id, Backoff()).allows():
+                reqs.append(req)
+                limits.append(min(k, room))
+        if reqs:
+            for req, drafts in zip(reqs, self.proposer.propose(reqs, limits)):
+                req.spec_token_ids = drafts
 
     def _delta(self, req: Request) -> CompletionDelta:
-        delta, stop = self.outputs.process(req)
-        if stop is not None:
-            req.stop_reason = stop
-            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        delta = self.outputs.process(req)
         if req.status.finished:
             self._close(req, delta)
         return delta
@@ -206,6 +250,9 @@ class LLMEngine:
         delta.timings = req.timings(time.monotonic())
         delta.cumulative_logprob = req.cumulative_logprob
         self.outputs.remove(req.request_id)
+        if self.proposer is not None:
+            self._backoff.pop(req.request_id, None)
+            self.proposer.remove(req.request_id)
         kids = self.children.get(req.parent_id)
         if kids is not None and all(k not in self.scheduler.requests for k in kids):
             del self.children[req.parent_id]
@@ -217,10 +264,14 @@ def _load_tokenizer(loaded: LoadedModel) -> Tokenizer:
     return Tokenizer.from_pretrained(loaded.path)
 
 
-def _generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
-    """Completion i of a seeded request draws from seed + i, so n=1 with seed s equals completion 0."""
-    if seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed + index) % 2**63)
-    return gen
+def _check_same_tokenizer(target: LLMEngine, draft: LoadedModel) -> None:
+    """Refuse a draft model whose vocabulary differs from the target's: its ids would mean other text."""
+    tok = _load_tokenizer(draft)
+    probe = "Speculative decoding needs one vocabulary: <|im_start|> 123 ünïcödé\n\tend."
+    same = (draft.config.vocab_size == target.model_config.vocab_size
+            and tok.encode(probe) == target.tokenizer.encode(probe)
+            and tok.vocab_size == target.tokenizer.vocab_size
+            and all(tok.id_to_piece(i) == target.tokenizer.id_to_piece(i) for i in range(tok.vocab_size)))
+    if not same:
+        raise ValueError(f"draft model {draft.path} does not share the target model's tokenizer "
+                         "(vocabularies differ); speculative decoding needs the same token ids")

@@ -1,7 +1,9 @@
-"""Turns sampled tokens into client-visible deltas: incremental detokenization and stop strings.
+"""Turns accepted tokens into client-visible deltas: incremental detokenization and stop strings.
 
 Stop strings may span token boundaries; a delta never contains any part of a stop string, so text
-that could still become the start of one is held back until it cannot.
+that could still become the start of one is held back until it cannot. The scheduler's stop checker
+calls `check_stop_string` once per accepted token (so a stop string can end a request in the middle
+of a multi-token step); `process` then builds the step's delta from the text already decoded.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ class _State:
     text: str = ""  # all text decoded so far (before stop truncation)
     emitted: int = 0  # characters of `text` already sent
     tokens_seen: int = 0  # output tokens already turned into deltas
+    tokens_decoded: int = 0  # output tokens already fed to the detokenizer
     holdback: int = 0  # characters that may be the start of a stop string
     stops: list[str] = field(default_factory=list)
+    stop_at: int | None = None  # where the matched stop string begins in `text`
+    sent_prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -40,32 +45,50 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def process(self, req: Request) -> tuple[CompletionDelta, str | None]:
-        """The delta for `req`'s new tokens, and the stop string that ended it (if one did)."""
+    def check_stop_string(self, req: Request, token: int) -> str | None:
+        """Decode up to `token` (the newest output token) and return the stop string it completes, if any."""
+        st = self._states[req.request_id]
+        prev_len = len(st.text)
+        self._decode(req, st)
+        matched = self._find_stop(st, prev_len, req)
+        if matched is None:
+            return None
+        st.stop_at = matched[0]
+        return matched[1]
+
+    def process(self, req: Request) -> CompletionDelta:
+        """The delta for `req`'s tokens since the last one (its text stops before any stop string)."""
         st = self._states[req.request_id]
         new_ids = req.output_token_ids[st.tokens_seen:]
         new_lp = req.output_logprobs[st.tokens_seen:] if req.params.logprobs is not None else None
         st.tokens_seen = len(req.output_token_ids)
-        prev_len = len(st.text)
-        t0 = time.perf_counter()
-        st.text += st.detok.add(new_ids)
-        if req.status.finished:
+        self._decode(req, st)
+        if req.status.finished and st.stop_at is None:
             st.text += st.detok.flush()
-        req.detokenize_s += time.perf_counter() - t0
-        matched = self._find_stop(st, prev_len, req)
-        if matched is not None:
-            cut, stop = matched
-            end = cut
+        if st.stop_at is not None:
+            end = st.stop_at
         elif req.status.finished:
-            end, stop = len(st.text), None
+            end = len(st.text)
         else:
-            end, stop = max(st.emitted, len(st.text) - st.holdback), None
+            end = max(st.emitted, len(st.text) - st.holdback)
         delta_text = st.text[st.emitted:end]
         st.emitted = end
         delta = CompletionDelta(
             request_id=req.parent_id or req.request_id, index=req.index, token_ids=list(new_ids), text=delta_text,
             logprobs=new_lp, num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_token_ids))
-        return delta, stop
+        if req.params.prompt_logprobs is not None and not st.sent_prompt_logprobs:
+            delta.prompt_logprobs = [None, *req.prompt_logprobs]
+            st.sent_prompt_logprobs = True
+        return delta
+
+    def _decode(self, req: Request, st: _State) -> None:
+        """Feed the detokenizer the output tokens it has not seen."""
+        if st.tokens_decoded == len(req.output_token_ids):
+            return
+        t0 = time.perf_counter()
+        st.text += st.detok.add(req.output_token_ids[st.tokens_decoded:])
+        st.tokens_decoded = len(req.output_token_ids)
+        req.detokenize_s += time.perf_counter() - t0
 
     def _find_stop(self, st: _State, prev_len: int, req: Request) -> tuple[int, str] | None:
         """Earliest stop string that the new text completes (only once min_tokens is reached)."""

@@ -1,5 +1,7 @@
-"""SamplingMetadata: every per-step sampling tensor, built once per step from plain per-row data.
+"""SamplingMetadata: every per-step sampling tensor, built once per step.
 
+The engine builds it from its persistent batch (worker/input_batch.py); `build_sampling_metadata`
+here builds the same thing from plain per-row data and stays as the reference the tests compare with.
 All decisions about which rows use which feature (top-k, penalties, seeds, ...) are made here from
 Python values, so the sampler never inspects a tensor on the host. A feature no row uses is None.
 """
@@ -57,6 +59,10 @@ class SamplingMetadata:
     generators: list[tuple[int, torch.Generator]]  # sampling rows with a seed
     processors: list[tuple[int, LogitsProcessor]]
     max_num_logprobs: int | None  # K; None: no row asked for logprobs
+    # Speculative decoding: the draft each row verifies (-1: none, the row samples freely) and, for a
+    # draft model that sampled, its probabilities q ([B, V]; None: drafts are deterministic, q one-hot).
+    draft_ids: torch.Tensor | None = None  # [B] int64
+    draft_probs: torch.Tensor | None = None  # [B, V] float32
 
     @property
     def no_top_k(self) -> bool:

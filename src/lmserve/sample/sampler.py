@@ -12,6 +12,10 @@ top-k, top-p or min-p, and a greedy and a sampled request report the same number
 
 Nothing here reads a tensor on the host: the only Python loops are over seeded rows and rows with a
 logits processor, both listed in the metadata.
+
+With speculative decoding a request has 1 + k logits rows (its last known token and k drafts); rows
+that verify a draft go through `sample/rejection.py`, which keeps the output distribution exactly the
+target's (and greedy output exactly argmax).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from lmserve.sample.filters import NEG_INF, min_p_filter, top_k_only, top_k_top_p
 from lmserve.sample.metadata import SamplingMetadata
 from lmserve.sample.penalties import apply_penalties
+from lmserve.sample.rejection import accept_drafts
 
 # Smallest positive float32: Exp(1) noise is clamped to it so p / noise never becomes 0 / 0 = NaN,
 # which argmax would pick.
@@ -33,10 +38,11 @@ _TINY = torch.finfo(torch.float32).tiny
 class SamplerOutput:
     """Sampled ids and, when any row asked, logprobs (K = the largest number asked in the batch)."""
 
-    sampled_token_ids: torch.Tensor  # [B] int64
+    sampled_token_ids: torch.Tensor  # [B] int64 (with drafts: the token kept at each position)
     logprobs: torch.Tensor | None  # [B] float32, logprob of the sampled token
     top_logprob_ids: torch.Tensor | None  # [B, K] int64; a row that asked for k < K uses the first k
     top_logprobs: torch.Tensor | None  # [B, K] float32, descending
+    accepted: torch.Tensor | None = None  # [B] bool: the row's draft was accepted (None: no drafts)
 
 
 class Sampler:
@@ -45,12 +51,18 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Pick one token per row of logits [B, V] (any float dtype; computed in float32)."""
         logits = process_logits(logits.to(torch.float32, copy=meta.writes_logits), meta)  # [B, V]
-        ids = choose_tokens(logits, meta)  # [B]
+        accepted = None
+        if meta.draft_ids is None:
+            ids = choose_tokens(logits, meta)  # [B]
+        else:
+            ids, accepted = verify(logits, meta)
         if meta.max_num_logprobs is None:
             # The chosen token's logprob costs one logsumexp per row; monitoring (mean output logprob) uses it.
             chosen = logits.gather(1, ids[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
-            return SamplerOutput(ids, chosen, None, None)
-        return with_logprobs(ids, logits, meta.max_num_logprobs)
+            return SamplerOutput(ids, chosen, None, None, accepted)
+        out = with_logprobs(ids, logits, meta.max_num_logprobs)
+        out.accepted = accepted
+        return out
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -78,13 +90,19 @@ def choose_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 def sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature -> top-k -> top-p -> min-p, then the exponential race; [B] int64."""
+    return exponential_race(sampling_probs(logits, meta), meta)
+
+
+def sampling_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a sampling row draws from: temperature -> top-k -> top-p -> min-p; [B, V]
+    (unnormalised after min-p, which only zeroes entries)."""
     x = logits / meta.temperature[:, None]  # [B, V], a new tensor: logits stay intact for logprobs
     if not (meta.no_top_k and meta.no_top_p):
         x = _apply_top_k_top_p(x, meta)
     probs = x.softmax(dim=-1)  # [B, V]
     if not meta.no_min_p:
         probs = min_p_filter(probs, meta.min_p)
-    return exponential_race(probs, meta)
+    return probs
 
 
 def _apply_top_k_top_p(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -96,6 +114,33 @@ def _apply_top_k_top_p(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     else:
         sub = top_k_top_p(sub, meta.top_k, meta.top_p)
     return sub if rows is None else x.index_copy_(0, rows, sub)
+
+
+def verify(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with drafts: (the token kept at each row, whether its draft was accepted), both [B].
+
+    A kept token is the draft where it was accepted, else the row's own draw: argmax on greedy rows,
+    the residual distribution on sampling rows whose draft was rejected, p itself on rows with none.
+    """
+    drafts = meta.draft_ids
+    target = logits.argmax(dim=-1)  # [B]
+    accepted = (drafts == target) & (drafts >= 0)
+    ids = target
+    if not meta.all_greedy:
+        probs = sampling_probs(logits, meta)
+        rand_ok, residual = accept_drafts(probs, drafts, meta.draft_probs, _uniform(logits.shape[0], meta))
+        own = exponential_race(residual, meta)
+        ids = own if meta.all_random else torch.where(meta.greedy, target, own)
+        accepted = rand_ok if meta.all_random else torch.where(meta.greedy, accepted, rand_ok)
+    return torch.where(accepted, drafts, ids), accepted
+
+
+def _uniform(n: int, meta: SamplingMetadata) -> torch.Tensor:
+    """[n] U(0, 1) acceptance draws; seeded rows draw from their own generator (before their race noise)."""
+    u = torch.rand(n, device=meta.temperature.device)
+    for row, gen in meta.generators:
+        u[row] = torch.rand((), generator=gen, device=u.device)
+    return u
 
 
 def exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -1,31 +1,62 @@
-"""What the scheduler decides each step: plain, picklable data with no tensors."""
+"""What the scheduler decides each step: plain, picklable data with no tensors.
+
+The runner keeps a persistent row per request (worker/input_batch.py); a step's output tells it
+which rows to create (`new_requests`), which to drop (`finished_ids`), and what each scheduled row
+computes: some known tokens (a prefill chunk, or the one token sampled last step) followed by
+optional draft tokens to verify.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen: what its persistent sampling row is built from."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # normally empty
+    params: SamplingParams
+    stop_token_ids: frozenset[int]  # ids banned while fewer than min_tokens were generated
+    seed: int | None  # the completion's own seed; the runner creates its generator
+
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: which new tokens run, at which positions, in which blocks."""
+    """One request's share of a step: which tokens run, at which positions, in which blocks."""
 
     request_id: str
-    token_ids: list[int]  # the tokens fed this step (a prefill chunk, or the one last sampled token)
+    token_ids: list[int]  # known tokens fed this step, then spec_token_ids
     start_pos: int  # position of token_ids[0] == num_computed_tokens before this step
     block_ids: list[int]  # the request's whole block table
-    sample: bool  # True when this chunk reaches the last known token: the step samples a next one
+    sample: bool  # True when the known tokens reach the request's end: the step samples a next one
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids, to verify
+    # prompt positions in this chunk whose logits score the next prompt token (prompt logprobs): [start, end)
+    prompt_logprob_range: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed this step (num_scheduled_tokens in vLLM's words), drafts included."""
         return len(self.token_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens fed this step that are not drafts."""
+        return len(self.token_ids) - len(self.spec_token_ids)
 
 
 @dataclass
 class SchedulerOutput:
-    """The batch of one engine step."""
+    """The batch of one engine step and the changes to the set of requests since the last one."""
 
     requests: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop their rows
+    preempted_ids: list[str] = field(default_factory=list)  # blocks freed; rows kept for when they resume
 
     @property
     def num_batched_tokens(self) -> int:

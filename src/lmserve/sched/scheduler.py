@@ -2,25 +2,42 @@
 catches up to its `num_tokens` within a per-step token budget (this gives chunked prefill), waiting
 requests join FCFS while blocks and slots last, and the newest running request is preempted
 (blocks freed, recomputed later) when the KV cache runs out.
+
+A request that has caught up may carry draft tokens (`spec_token_ids`, set by a proposer): they run
+after its last known token in the same step, and `update` keeps the accepted prefix of them plus the
+one token the verifier sampled, then trims the KV blocks that only rejected drafts used.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Protocol
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
 from lmserve.request import Request, RequestStatus, TokenLogprobs
-from lmserve.sched.output import ScheduledRequest, SchedulerOutput
+from lmserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from lmserve.sched.stop import StopChecker
+
+
+class StepResult(Protocol):
+    """What update() reads from a step (the runner's output): per scheduled request, in schedule order."""
+
+    sampled_token_ids: list[list[int]]  # accepted drafts then the newly sampled token; [] when none
+    logprobs: list[list[TokenLogprobs]]  # one per sampled token
+    prompt_logprobs: dict[str, list[TokenLogprobs]]  # prompt logprobs computed this step
 
 
 class Scheduler:
     """Decides every step which requests run how many tokens, and applies what the step produced."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, stop: StopChecker | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.stop = stop or StopChecker()
+        self._seen: set[str] = set()  # requests the runner has a row for
+        self._finished: list[str] = []  # ended since the last schedule(): the runner drops their rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
@@ -36,24 +53,26 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Build one step's batch: running requests first (in admission order), then waiting ones."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_ids=self._finished)
+        self._finished = []
         budget = self.cfg.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n, out):
+            spec = req.spec_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens else []
+            if not self._allocate_or_preempt(req, n, len(spec), out):
                 break  # req itself was preempted: everything after it already was
-            out.requests.append(self._scheduled(req, n))
-            budget -= n
+            out.requests.append(self._scheduled(req, n, spec))
+            budget -= n + len(spec)
             i += 1
         if not out.preempted_ids:  # admitting now would only be preempted again
             budget = self._admit(out, budget)
         return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, n_spec: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
-                                   extra=req.cache_salt):
+                                   extra=req.cache_salt, num_lookahead=n_spec):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
@@ -65,7 +84,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
-            computed = self.kv.find_computed(req.request_id, tokens, req.cache_salt)
+            computed = self.kv.find_computed(req.request_id, tokens, req.cache_salt, allow=not req.wants_prompt_logprobs)
             n = len(tokens) - computed.num_tokens
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
@@ -79,57 +98,71 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.requests.append(self._scheduled(req, n))
+            if req.request_id not in self._seen:
+                self._seen.add(req.request_id)
+                out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids,
+                                                       list(req.output_token_ids), req.params,
+                                                       req.stop_token_ids, req.seed))
+            out.requests.append(self._scheduled(req, n, []))
             budget -= n
         return budget
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, spec: list[int]) -> ScheduledRequest:
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + n]
-        return ScheduledRequest(req.request_id, tokens, start, self.kv.block_ids(req.request_id),
-                                sample=start + n == req.num_tokens)
+        lp_range = None
+        if req.wants_prompt_logprobs:  # positions p whose logits score prompt token p + 1
+            first = max(start, len(req.prompt_logprobs))
+            lp_range = (first, min(start + n, req.num_prompt_tokens - 1))
+        return ScheduledRequest(req.request_id, tokens + spec, start, self.kv.block_ids(req.request_id),
+                                sample=start + n == req.num_tokens, spec_token_ids=list(spec),
+                                prompt_logprob_range=lp_range)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it at the front of the queue to recompute later."""
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprobs | None]]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests that hit a stop or limit.
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance computed counts, append accepted tokens one by one through the stop checker, trim KV.
 
         Returns the requests that received a token this step (finished ones included).
         """
         changed = []
         now = time.monotonic()
-        for s in out.requests:
+        for i, s in enumerate(out.requests):
             req = self.requests.get(s.request_id)
             if req is None or req.status.finished:
                 continue
-            req.num_computed_tokens += s.num_tokens
-            if s.request_id not in sampled:
+            tokens = result.sampled_token_ids[i]
+            # every known token's KV is written; of the drafts, those accepted (all sampled tokens but the last)
+            req.num_computed_tokens += s.num_known + max(len(tokens) - 1, 0)
+            req.spec_token_ids = []
+            if s.prompt_logprob_range is not None:
+                req.prompt_logprobs.extend(result.prompt_logprobs.get(s.request_id, ()))
+            if not tokens:
                 continue
-            token, logprobs = sampled[s.request_id]
-            req.append_output(token, logprobs)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.finish(req.request_id, status)
+            self._accept(req, tokens, result.logprobs[i])
+            if not req.status.finished and s.spec_token_ids:
+                self.kv.trim(req.request_id, req.num_tokens)  # blocks only rejected drafts reached
             changed.append(req)
         return changed
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        n_out = len(req.output_token_ids)
-        if n_out >= req.params.min_tokens and token in req.stop_token_ids:
-            req.stop_reason = None if token not in req.params.stop_token_ids else token
-            return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _accept(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
+        """Append tokens until one stops the request; the rest of a speculative run is dropped."""
+        for token, lp in zip(tokens, logprobs):
+            req.append_output(token, lp)
+            status = self.stop.check(req, token)
+            if status is not None:
+                self.finish(req.request_id, status)
+                return
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (stop, length or abort) at any point and free its blocks at once."""
@@ -145,4 +178,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(request_id)
+        if request_id in self._seen:
+            self._seen.discard(request_id)
+            self._finished.append(request_id)
         return req

@@ -71,6 +71,20 @@ class ServerMetrics:
                                loaded.quantization).set(1)
         self.load_seconds.set(loaded.load_seconds)
         self.warmup_seconds.set(warmup_seconds)
+        if engine.spec_stats is not None:
+            self._bind_spec(engine.spec_stats.num_speculative_tokens)
+
+    def _bind_spec(self, k: int) -> None:
+        """Speculative-decoding counters (vLLM's names), present only when speculation is on."""
+        r = self.registry
+        c = lambda name, doc, labels=(): Counter(name, doc, labels, registry=r)  # noqa: E731
+        self.spec_drafts = c("lmserve:spec_decode_num_drafts", "Verify runs (a request with drafts in a step)")
+        self.spec_draft_tokens = c("lmserve:spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted = c("lmserve:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_pos = c("lmserve:spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens accepted, by position in the run", ["position"])
+        for pos in range(k):
+            self.spec_accepted_pos.labels(str(pos))
 
     def on_finished(self, delta, started: float, first_token: float | None, now: float) -> None:
         """Per-completion latencies (server clock) and phase times (engine clock)."""
@@ -87,6 +101,13 @@ class ServerMetrics:
             self.decode.observe(delta.timings.decode_s)
 
     def on_step(self, stats, deltas) -> None:
+        if stats.num_drafts:
+            self.spec_drafts.inc(stats.num_drafts)
+            self.spec_draft_tokens.inc(stats.num_draft_tokens)
+            self.spec_accepted.inc(stats.num_accepted_tokens)
+            for pos, n in enumerate(stats.num_accepted_per_pos):
+                if n:
+                    self.spec_accepted_pos.labels(str(pos)).inc(n)
         self.batch_size.observe(stats.batch_size)
         self.step_seconds.observe(stats.step_seconds)
         if stats.batch_size > self._max_batch:

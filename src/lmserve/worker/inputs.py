@@ -1,11 +1,19 @@
-"""Pack a step's scheduled requests into flat tensors (pure functions, numpy-vectorised, no per-token Python)."""
+"""Pack a step's scheduled requests into flat arrays (pure functions, numpy-vectorised, no per-token Python).
+
+The result holds numpy arrays; `worker/upload.to_device` moves them all to the device in one copy.
+
+Row order: the decode group first (requests whose known part is one token: a plain decode, or a verify
+step of 1 + k tokens), then prefill chunks. Every token of the decode group is attended as its own
+query row with its own context length (its position + 1) over its request's block table, so a verify
+step computes each position exactly as the plain decode of that position would (same kernel, same
+summation order): this is what keeps speculative decoding token-for-token lossless in float32.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from lmserve.layers.paged_attention import PagedAttentionMetadata, PrefillChunk
 from lmserve.sched.output import ScheduledRequest
@@ -13,22 +21,37 @@ from lmserve.sched.output import ScheduledRequest
 
 @dataclass
 class StepInputs:
-    """One forward's inputs. Rows are ordered decodes first, then prefill chunks."""
+    """One forward's inputs (numpy until uploaded)."""
 
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
     attn: PagedAttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
-    sample_ids: list[str]  # request ids in logits order
+    logits_indices: np.ndarray  # [N] flat rows whose logits the sampler needs (1 + drafts per sampling request)
+    prompt_lp_indices: np.ndarray  # [P] flat rows whose logits score the next prompt token
 
 
-def order_batch(reqs: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """Single-token requests first: attention handles them as one batched decode."""
-    return [r for r in reqs if r.num_tokens == 1] + [r for r in reqs if r.num_tokens > 1]
+@dataclass
+class StepLayout:
+    """Host-side bookkeeping of the step, never uploaded."""
+
+    order: list[int]  # order[j] = index in scheduler order of the j-th request in flat order
+    sample_reqs: list[int]  # scheduler-order indices of the requests that sample, in logits order
+    num_logits: list[int]  # logits rows of each of them (1 + its drafts)
+    prompt_lp: list[tuple[int, int]]  # (scheduler-order index, number of prompt-logprob rows) in row order
+    num_decode_tokens: int
+    num_prefill_tokens: int
 
 
-def build_inputs(reqs: list[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
-    """Flat token ids, positions, slot mapping and block tables for `reqs` (already ordered)."""
+def order_batch(reqs: list[ScheduledRequest]) -> list[int]:
+    """Indices of `reqs`: the decode group (one known token, with or without drafts) first, then prefills."""
+    dec = [i for i, r in enumerate(reqs) if r.num_known == 1]
+    return dec + [i for i, r in enumerate(reqs) if r.num_known != 1]
+
+
+def build_inputs(scheduled: list[ScheduledRequest], block_size: int) -> tuple[StepInputs, StepLayout]:
+    """Flat token ids, positions, slot mapping, block tables and logits rows for the scheduled requests."""
+    order = order_batch(scheduled)
+    reqs = [scheduled[i] for i in order]
     lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
     starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=len(reqs))
     ends = np.cumsum(lens)
@@ -37,15 +60,43 @@ def build_inputs(reqs: list[ScheduledRequest], block_size: int, device: torch.de
     tables = _block_table(reqs)
     slots = tables[req_idx, positions // block_size] * block_size + positions % block_size
     input_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs])
-    sample = [i for i, r in enumerate(reqs) if r.sample]
-    attn = _attention_metadata(reqs, lens, starts, tables, slots, block_size, device)
-    return StepInputs(
-        input_ids=torch.from_numpy(input_ids).to(device),
-        positions=torch.from_numpy(positions).to(device),
-        attn=attn,
-        logits_indices=torch.from_numpy(ends[sample] - 1).to(device),
-        sample_ids=[reqs[i].request_id for i in sample],
-    )
+    num_dec_reqs = sum(1 for r in reqs if r.num_known == 1)
+    num_dec = int(ends[num_dec_reqs - 1]) if num_dec_reqs else 0
+    attn = _attention_metadata(reqs[num_dec_reqs:], lens[num_dec_reqs:], starts[num_dec_reqs:], tables,
+                               num_dec_reqs, slots, positions, req_idx, num_dec, block_size)
+    logits_idx, sample_reqs, num_logits = _logits_rows(reqs, ends, order)
+    lp_idx, prompt_lp = _prompt_lp_rows(reqs, ends, starts, order)
+    layout = StepLayout(order, sample_reqs, num_logits, prompt_lp, num_dec, int(ends[-1]) - num_dec)
+    return StepInputs(input_ids, positions, attn, logits_idx, lp_idx), layout
+
+
+def _logits_rows(reqs: list[ScheduledRequest], ends: np.ndarray, order: list[int]
+                 ) -> tuple[np.ndarray, list[int], list[int]]:
+    """The last known token's row and every draft's row, for each request that samples."""
+    rows, who, counts = [], [], []
+    for j, r in enumerate(reqs):
+        if r.sample:
+            m = 1 + len(r.spec_token_ids)
+            rows.append(np.arange(int(ends[j]) - m, int(ends[j])))
+            who.append(order[j])
+            counts.append(m)
+    idx = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    return idx.astype(np.int64), who, counts
+
+
+def _prompt_lp_rows(reqs: list[ScheduledRequest], ends: np.ndarray, starts: np.ndarray, order: list[int]
+                    ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Rows of the prompt positions whose logits score the next prompt token (prompt logprobs)."""
+    rows, who = [], []
+    for j, r in enumerate(reqs):
+        if r.prompt_logprob_range is None or r.prompt_logprob_range[1] <= r.prompt_logprob_range[0]:
+            continue
+        a, b = r.prompt_logprob_range
+        first = int(ends[j]) - r.num_tokens + (a - int(starts[j]))
+        rows.append(np.arange(first, first + b - a))
+        who.append((order[j], b - a))
+    idx = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    return idx.astype(np.int64), who
 
 
 def _block_table(reqs: list[ScheduledRequest]) -> np.ndarray:
@@ -57,28 +108,28 @@ def _block_table(reqs: list[ScheduledRequest]) -> np.ndarray:
     return table
 
 
-def _attention_metadata(reqs: list[ScheduledRequest], lens: np.ndarray, starts: np.ndarray, tables: np.ndarray,
-                        slots: np.ndarray, block_size: int, device: torch.device) -> PagedAttentionMetadata:
-    num_decodes = int(np.count_nonzero(lens == 1))
-    ctx = starts + lens  # tokens in the cache after this step
-    dec_ctx = ctx[:num_decodes]
-    dec_blocks = int(-(-dec_ctx.max() // block_size)) if num_decodes else 1
+def _attention_metadata(prefill_reqs: list[ScheduledRequest], lens: np.ndarray, starts: np.ndarray,
+                        tables: np.ndarray, num_dec_reqs: int, slots: np.ndarray, positions: np.ndarray,
+                        req_idx: np.ndarray, num_dec: int, block_size: int) -> PagedAttentionMetadata:
+    dec_ctx = positions[:num_dec] + 1  # each decode-group token sees the keys up to its own position
+    dec_blocks = int(-(-dec_ctx.max() // block_size)) if num_dec else 1
     key_pos = np.arange(dec_blocks * block_size)
     decode_mask = (key_pos[None, :] < dec_ctx[:, None])[:, None, None, :]
-    prefills, q_start = [], int(lens[:num_decodes].sum())
-    for i in range(num_decodes, len(reqs)):
-        q_len, c_len = int(lens[i]), int(ctx[i])
+    dec_tables = tables[req_idx[:num_dec], :dec_blocks]
+    prefills, q_start = [], num_dec
+    for i, r in enumerate(prefill_reqs):
+        q_len, c_len = int(lens[i]), int(starts[i] + lens[i])
         n_blocks = -(-c_len // block_size)
         mask = None
         if c_len != q_len:  # queries sit after a cached prefix: query k may see keys <= start + k
-            mask = torch.from_numpy(np.arange(c_len)[None, :] <= (starts[i] + np.arange(q_len))[:, None]).to(device)
-        prefills.append(PrefillChunk(q_start, q_len, c_len, torch.from_numpy(tables[i, :n_blocks]).to(device), mask))
+            mask = np.arange(c_len)[None, :] <= (starts[i] + np.arange(q_len))[:, None]
+        prefills.append(PrefillChunk(q_start, q_len, c_len, tables[num_dec_reqs + i, :n_blocks].copy(), mask))
         q_start += q_len
     return PagedAttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        num_decodes=num_decodes,
-        decode_block_tables=torch.from_numpy(tables[:num_decodes, :dec_blocks].copy()).to(device),
-        decode_mask=torch.from_numpy(decode_mask).to(device),
-        decode_context_lens=torch.from_numpy(dec_ctx.copy()).to(device),
+        slot_mapping=slots,
+        num_decodes=num_dec,
+        decode_block_tables=np.ascontiguousarray(dec_tables),
+        decode_mask=decode_mask,
+        decode_context_lens=dec_ctx.copy(),
         prefills=prefills,
     )

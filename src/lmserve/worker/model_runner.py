@@ -1,4 +1,5 @@
-"""ModelRunner: owns the KV cache tensors; one `execute` = upload inputs, one forward, sample, one download."""
+"""ModelRunner: owns the KV cache tensors and the persistent batch; one `execute` = update rows, upload
+inputs once, one forward, sample (and verify drafts), one download."""
 
 from __future__ import annotations
 
@@ -9,19 +10,22 @@ import torch
 from lmserve.layers.paged_attention import PagedAttention, native_decode
 from lmserve.models.config import ModelConfig
 from lmserve.request import TokenLogprobs
-from lmserve.sample import Sampler, SamplingRow, build_sampling_metadata
+from lmserve.sample import Sampler, SamplerOutput
 from lmserve.sched.output import SchedulerOutput
-from lmserve.worker.inputs import build_inputs, order_batch
+from lmserve.worker.input_batch import InputBatch
+from lmserve.worker.inputs import StepLayout, build_inputs
+from lmserve.worker.upload import to_device
 
 
 @dataclass
 class RunnerOutput:
-    """Sampled token (and logprobs when asked) per request that sampled this step."""
+    """Per scheduled request (scheduler order): the tokens it keeps and each one's logprobs."""
 
-    sampled: dict[str, tuple[int, TokenLogprobs | None]]
-    num_decodes: int
-    num_prefill_tokens: int
-    chosen_logprobs: dict[str, float] = field(default_factory=dict)  # every sampled token's logprob
+    sampled_token_ids: list[list[int]]  # accepted drafts then the newly sampled token; [] mid-prefill
+    logprobs: list[list[TokenLogprobs]]  # parallel to sampled_token_ids (top empty unless asked)
+    num_decodes: int = 0  # tokens in the decode group (plain decodes and verify runs)
+    num_prefill_tokens: int = 0
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -38,42 +42,88 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
+        self.batch = InputBatch(cfg.vocab_size, device)
         # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
         native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> RunnerOutput:
-        """One forward over the whole batch; only the rows that sample go through the LM head."""
-        reqs = order_batch(out.requests)
-        inputs = build_inputs(reqs, self.block_size, self.device)
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One forward over the whole batch; only rows that sample or score prompt tokens reach the LM head."""
+        for rid in out.finished_ids:
+            self.batch.remove(rid)
+        for new in out.new_requests:
+            self.batch.add(new)
+        host, layout = build_inputs(out.requests, self.block_size)
+        sample_ids = [out.requests[i].request_id for i in layout.sample_reqs]
+        drafts = [out.requests[i].spec_token_ids for i in layout.sample_reqs]
+        meta, gather = self.batch.metadata(sample_ids, drafts) if sample_ids else (None, None)
+        inputs, meta, gather, pending = to_device((host, meta, gather, self.batch.take_pending()), self.device)
+        self.batch.apply_pending(pending)
         hidden = self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
-        num_decodes = inputs.attn.num_decodes
-        prefill_tokens = int(inputs.input_ids.shape[0]) - num_decodes
-        if not inputs.sample_ids:
-            return RunnerOutput({}, num_decodes, prefill_tokens)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, vocab]
-        meta = build_sampling_metadata([rows[r] for r in inputs.sample_ids], self.cfg.vocab_size, self.device)
-        result = self.sampler(logits, meta)
-        sampled, chosen = _to_host(inputs.sample_ids, result, rows)
-        return RunnerOutput(sampled, num_decodes, prefill_tokens, chosen)
+        result = RunnerOutput([[] for _ in out.requests], [[] for _ in out.requests],
+                              layout.num_decode_tokens, layout.num_prefill_tokens)
+        if layout.prompt_lp:
+            result.prompt_logprobs = self._prompt_logprobs(out, hidden[inputs.prompt_lp_indices], layout)
+        if sample_ids:
+            self.batch.attach_counts(meta, gather)
+            sampled = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), meta)  # [N]
+            self._collect(out, layout, sampled, result)
+        return result
+
+    def _collect(self, out: SchedulerOutput, layout: StepLayout, s: SamplerOutput, result: RunnerOutput) -> None:
+        """Download once; per request keep the accepted drafts and the one token after them."""
+        ids = s.sampled_token_ids.tolist()
+        chosen = s.logprobs.tolist()
+        accepted = s.accepted.tolist() if s.accepted is not None else None
+        top_ids = s.top_logprob_ids.tolist() if s.top_logprob_ids is not None else None
+        top_lp = s.top_logprobs.tolist() if s.top_logprobs is not None else None
+        row = 0
+        for i, m in zip(layout.sample_reqs, layout.num_logits):
+            n_keep = 1 + _leading_true(accepted[row:row + m - 1]) if accepted is not None and m > 1 else 1
+            rid = out.requests[i].request_id
+            k = self.batch.params[self.batch.index[rid]].logprobs
+            rows = range(row, row + n_keep)
+            result.sampled_token_ids[i] = [ids[r] for r in rows]
+            result.logprobs[i] = [TokenLogprobs(ids[r], chosen[r], _top(top_ids, top_lp, r, k)) for r in rows]
+            self.batch.accept(rid, result.sampled_token_ids[i])
+            row += m
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, layout: StepLayout
+                         ) -> dict[str, list[TokenLogprobs]]:
+        """Logprob, rank and top-k of each scored prompt token, from the raw logits of the position before it."""
+        logprobs = self.model.compute_logits(hidden).to(torch.float32).log_softmax(dim=-1)  # [P, V]
+        targets, ks = [], []
+        for i, n in layout.prompt_lp:
+            s = out.requests[i]
+            a = s.prompt_logprob_range[0]
+            prompt = self.batch.prompts[self.batch.index[s.request_id]]
+            targets.extend(prompt[a + 1:a + 1 + n])
+            ks.append(self.batch.params[self.batch.index[s.request_id]].prompt_logprobs)
+        tgt = torch.as_tensor(targets, device=logprobs.device)
+        tok_lp = logprobs.gather(1, tgt[:, None])  # [P, 1]
+        ranks = (logprobs > tok_lp).sum(dim=-1) + 1  # [P]
+        top, top_ids = logprobs.topk(max(ks), dim=-1)
+        tok_lp, ranks, top, top_ids = tok_lp.squeeze(1).tolist(), ranks.tolist(), top.tolist(), top_ids.tolist()
+        res, row = {}, 0
+        for (i, n), k in zip(layout.prompt_lp, ks):
+            res[out.requests[i].request_id] = [
+                TokenLogprobs(targets[r], tok_lp[r], list(zip(top_ids[r][:k], top[r][:k])), ranks[r])
+                for r in range(row, row + n)]
+            row += n
+        return res
 
 
-def _to_host(ids: list[str], result, rows: dict[str, SamplingRow]
-             ) -> tuple[dict[str, tuple[int, TokenLogprobs | None]], dict[str, float]]:
-    """Download sampled ids and logprobs once, as Python values keyed by request id.
+def _leading_true(flags: list[bool]) -> int:
+    """How many drafts in a run were accepted: they count only up to the first rejection."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
 
-    Returns (token and asked-for logprobs per request, the chosen token's logprob per request).
-    """
-    tokens = result.sampled_token_ids.tolist()
-    chosen = result.logprobs.tolist() if result.logprobs is not None else []
-    chosen_by_id = dict(zip(ids, chosen))
-    if result.top_logprobs is None:
-        return {rid: (tok, None) for rid, tok in zip(ids, tokens)}, chosen_by_id
-    top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else [[]] * len(ids)
-    top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else [[]] * len(ids)
-    out: dict[str, tuple[int, TokenLogprobs | None]] = {}
-    for i, rid in enumerate(ids):
-        k = rows[rid].params.logprobs
-        lp = None if k is None else TokenLogprobs(tokens[i], chosen[i], list(zip(top_ids[i][:k], top_lp[i][:k])))
-        out[rid] = (tokens[i], lp)
-    return out, chosen_by_id
+
+def _top(top_ids: list | None, top_lp: list | None, row: int, k: int | None) -> list[tuple[int, float]]:
+    if top_ids is None or not k:
+        return []
+    return list(zip(top_ids[row][:k], top_lp[row][:k]))
