@@ -279,13 +279,14 @@ def test_server_streams_speculative_runs_and_exports_acceptance_metrics():
 
     with running_server("--speculative-config", json.dumps(NGRAM), "--dtype", "float32") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        model = client.models.list().data[0].id
         prompt = f"Repeat the following text exactly:\n{PASSAGE}"
         msgs = [{"role": "user", "content": prompt}]
-        whole = client.chat.completions.create(model="x", messages=msgs, max_tokens=40, temperature=0)
-        chunks = list(client.chat.completions.create(model="x", messages=msgs, max_tokens=40, temperature=0,
+        whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=40, temperature=0)
+        chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=40, temperature=0,
                                                      stream=True, logprobs=True))
         pieces = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs]
-        assert "".join(c.delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
         assert max(len(p.logprobs.content) for p in pieces) > 1, "a verify step streams several tokens at once"
         drafts = server.metric("lmserve:spec_decode_num_draft_tokens_total")
         accepted = server.metric("lmserve:spec_decode_num_accepted_tokens_total")
