@@ -1,7 +1,8 @@
 """TGI-compatible routes: /generate, /generate_stream, /info, and POST / (TGI's compat route).
 
-As TGI does, generated text keeps a matched stop sequence (OpenAI routes cut it off), and a
-sampled request without a seed is given one, reported in `details.seed`.
+As TGI does, generated text keeps a matched stop sequence (OpenAI routes cut it off), a sampled
+request without a seed is given one, reported in `details.seed`, and `inputs` is a raw prompt:
+special-token strings in it ("<|im_start|>") become control tokens.
 """
 
 from __future__ import annotations
