@@ -33,6 +33,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), best first
+    rank: int | None = None  # 1-based rank of token_id in the whole vocabulary
 
 
 @dataclass
@@ -113,3 +114,6 @@ class CompletionDelta:
     num_output_tokens: int = 0
     timings: RequestTimings | None = None  # set on the finished delta
     cumulative_logprob: float | None = None  # set on the finished delta: sum of the sampled tokens' logprobs
+    # Set on each completion's first delta when params.prompt_logprobs is set: one entry per prompt
+    # token, None for the first (nothing precedes it), then log p(prompt[i] | prompt[:i]) and the top-k.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
