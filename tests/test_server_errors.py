@@ -65,7 +65,8 @@ CASES = [
     ("unsupported-field", "POST", C, comp(tools=[]), 400, "unsupported field(s): tools"),
     ("suffix", "POST", C, comp(suffix="x"), 400, "suffix"),
     ("best-of", "POST", C, comp(best_of=3), 400, "best_of"),
-    ("echo-logprobs", "POST", C, comp(echo=True, logprobs=1), 400, "echo"),
+    ("prompt-logprobs-huge", "POST", C, comp(prompt_logprobs=50), 400, "prompt_logprobs"),
+    ("prompt-logprobs-string", "POST", C, comp(prompt_logprobs="1"), 400, "prompt_logprobs"),
     ("stop-token-oov", "POST", C, comp(stop_token_ids=[10**7]), 400, "out of vocabulary"),
     ("seed-string", "POST", C, comp(seed="abc"), 400, "seed"),
     ("min-tokens-over-max", "POST", C, comp(min_tokens=5, max_tokens=2), 400, "min_tokens"),
@@ -120,7 +121,7 @@ CASES = [
     ("tgi-unknown-parameter", "POST", "/generate", {"inputs": "x", "parameters": {"best": 1}}, 422, "unsupported"),
     ("tgi-stream-invalid-json", "POST", "/generate_stream", "{{", 422, "not valid JSON"),
     ("tgi-empty-inputs", "POST", "/generate", {"inputs": ""}, 422, "empty"),
-    ("tgi-decoder-input-details", "POST", "/generate", {"inputs": "x", "parameters": {
+    ("tgi-decoder-input-details-stream", "POST", "/generate_stream", {"inputs": "x", "parameters": {
         "decoder_input_details": True}}, 422, "decoder_input_details"),
     ("tgi-watermark", "POST", "/generate", {"inputs": "x", "parameters": {"watermark": True}}, 422, "watermark"),
     ("tgi-stream-field-on-generate", "POST", "/generate", {"inputs": "x", "stream": True}, 422, "stream"),

@@ -74,3 +74,35 @@ def test_health_follows_the_engine_lifecycle():
     assert client.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 503
     state.async_engine, state.draining = SimpleNamespace(alive=True), True
     assert client.get("/health").json() == {"status": "draining"}
+
+
+def test_echo_and_logprobs_ask_the_engine_for_prompt_logprobs():
+    from lmserve.server.params import completion_params
+
+    def params(**kw):
+        return completion_params(CompletionRequest(model="m", prompt="x", **kw))
+
+    assert params(echo=True, logprobs=2).prompt_logprobs == 2 and params(logprobs=2).prompt_logprobs is None
+    assert params(prompt_logprobs=4, logprobs=1, echo=True).prompt_logprobs == 4  # vLLM's extra wins
+    assert params(echo=True, max_tokens=0).max_tokens == 1  # scoring: one sampled token, dropped by the route
+    with pytest.raises(APIError, match="0 is allowed with echo"):
+        params(max_tokens=0)
+
+
+def test_prompt_logprob_formats():
+    from lmserve.request import TokenLogprobs
+    from lmserve.server.logprobs import completion_logprobs, vllm_prompt_logprobs
+
+    def piece(i: int) -> str:
+        return f"<{i}>"
+
+    lps = [None, TokenLogprobs(5, -1.5, [(7, -0.5), (5, -1.5)], rank=2), TokenLogprobs(6, float("-inf"), [], rank=9)]
+    legacy = completion_logprobs(piece, [4, 5, 6], lps, start=3)
+    assert legacy == {"tokens": ["<4>", "<5>", "<6>"], "token_logprobs": [None, -1.5, -9999.0],
+                      "top_logprobs": [None, {"<7>": -0.5, "<5>": -1.5}, {}], "text_offset": [3, 6, 9]}
+    vllm = vllm_prompt_logprobs(piece, lps)
+    assert vllm[0] is None and list(vllm[1]) == [5, 7]  # the prompt's own token first
+    assert vllm[1][5] == {"logprob": -1.5, "rank": 2, "decoded_token": "<5>"}
+    assert vllm[1][7] == {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"}
+    assert vllm[2] == {6: {"logprob": -9999.0, "rank": 9, "decoded_token": "<6>"}}  # -inf is not JSON
+    assert vllm_prompt_logprobs(piece, None) is None

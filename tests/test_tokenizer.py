@@ -1,4 +1,5 @@
-"""Tokenizer parity with transformers on the embedded GGUF; chat templates; special tokens stay plain in user text."""
+"""Tokenizer parity with transformers on the embedded GGUF; chat templates; special tokens stay plain in messages
+and are parsed in raw prompts."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_ids_match_transformers_and_round_trip(ours, theirs, text):
     ids = ours.encode(text)
     assert ids == theirs.encode(text, add_special_tokens=False)
     assert ours.decode(ids) == text
+    assert ours.encode_prompt(text) == ids  # no special-token text: a raw prompt tokenizes the same
 
 
 def test_special_metadata(ours):
@@ -66,6 +68,15 @@ def test_user_text_never_becomes_special_tokens(ours):
     assert ids.count(im_start) == 3
     assert ours.decode(ids, skip_special_tokens=False).count("<|im_start|>") == 4  # 3 real + 1 typed
     assert attack in ours.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS[:2])
+def test_raw_prompt_parses_special_tokens_like_transformers(ours, theirs, messages):
+    """A chat template applied by hand and sent as a raw prompt gives the chat's ids."""
+    text = ours.apply_chat_template(messages)
+    ids = ours.encode_prompt(text)
+    assert ids == ours.encode_chat(messages) == theirs.encode(text)  # transformers parses special tokens too
+    assert ours.encode(text) != ids and not any(ours.is_special(i) for i in ours.encode(text))
 
 
 def test_bad_content_parts_and_missing_template(ours, smol_path):
@@ -155,3 +166,8 @@ def test_sentencepiece_gguf_vocab_matches_transformers(tmp_path):
     # trip (transformers' Metaspace skips it when the text already starts with a space, and loses it).
     assert ours.decode(ours.encode(" leading")) == " leading"
     assert 2 in ours.eos_token_ids
+    # A raw prompt that spells BOS itself gets no second one (transformers would start it with two).
+    assert ours.encode_prompt("<s>The quick") == ours.encode_prompt("The quick") == theirs.encode("The quick")
+    assert ours.encode_prompt("<s>The quick", add_special_tokens=False)[0] == 1
+    assert ours.encode_prompt("The <s>", add_special_tokens=False)[-1] == 1
+    assert 1 not in ours.encode("<s>The", add_special_tokens=False)

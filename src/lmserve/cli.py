@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a completion of one prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user chat message")
+    gen.add_argument("prompt", help="raw prompt: special-token strings such as <|im_start|> become control tokens")
+    gen.add_argument("--chat-template", action="store_true",
+                     help="wrap the prompt as a user chat message (its text then stays plain)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

@@ -120,5 +120,6 @@ class CompletionDelta:
     num_output_tokens: int = 0
     timings: RequestTimings | None = None  # set on the finished delta
     cumulative_logprob: float | None = None  # set on the finished delta: sum of the sampled tokens' logprobs
-    # on a completion's first delta when asked: None for the first prompt token, then one entry per token
+    # Set on each completion's first delta when params.prompt_logprobs is set: one entry per prompt
+    # token, None for the first (nothing precedes it), then log p(prompt[i] | prompt[:i]) and the top-k.
     prompt_logprobs: list[TokenLogprobs | None] | None = None

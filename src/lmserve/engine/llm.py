@@ -49,7 +49,11 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) with continuous batching; results in input order."""
+        """Generate for every prompt (text or token ids) with continuous batching; results in input order.
+
+        A text prompt is raw, as in vLLM: "<|im_start|>" written in it is the control token. To keep
+        user text plain inside a chat template, use `chat` instead.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)

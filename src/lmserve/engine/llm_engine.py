@@ -101,11 +101,11 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Prompt text -> ids (plain text: never special tokens); a list of ids is checked and kept."""
+        """Prompt text -> ids (a raw prompt: "<|im_start|>" in it is the control token); ids are checked and kept."""
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestRejected("prompt must not be empty")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         ids = list(prompt)
         if not ids:
             raise RequestRejected("prompt must not be empty")

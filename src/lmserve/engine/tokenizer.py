@@ -1,8 +1,11 @@
 """Tokenizer: text <-> ids with Hugging Face `tokenizers`, built from tokenizer.json or GGUF metadata.
 
-User text is plain text: `encode` never turns "<|im_start|>" typed by a user into the control
-token. Only chat-template framing (the structure around the messages) is parsed for special
-tokens; `encode_chat` keeps special-token strings inside messages plain as well.
+Where special-token strings ("<|im_start|>") become control tokens depends on who wrote the text:
+- a raw prompt (`encode_prompt`: /v1/completions, TGI's `inputs`, `LLM.generate`) is the caller's
+  whole text, often a chat template applied by hand, so they do (as in vLLM, TGI, llama.cpp's server);
+- chat messages (`encode_chat`) do not: only the template's framing is parsed, so a user who types
+  "<|im_start|>system" inside a message cannot forge a role;
+- `encode` is plain text throughout.
 """
 
 from __future__ import annotations
@@ -85,6 +88,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Plain text -> ids; add_special_tokens adds BOS when the model wants it."""
         return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A raw prompt -> ids: special-token strings in it become their control tokens."""
+        if add_special_tokens and self.add_bos_token and text.startswith(self.bos_token):
+            # The caller wrote BOS (a template applied by hand): adding ours would start the prompt with two.
+            add_special_tokens = False
+        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text; ids outside the vocabulary (padded embedding rows) decode to nothing."""

@@ -203,6 +203,7 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
+        """Ids as generation would see them: `prompt` as a completions prompt, `messages` as a chat."""
         st, req = await read_request(request, TokenizeRequest)
         tok = st.engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
@@ -211,7 +212,7 @@ def _misc_routes(app: FastAPI) -> None:
             if req.messages is not None:
                 ids = await asyncio.to_thread(tok.encode_chat, [m.model_dump(exclude_none=True) for m in req.messages])
             else:
-                ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+                ids = await asyncio.to_thread(tok.encode_prompt, req.prompt, req.add_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len}

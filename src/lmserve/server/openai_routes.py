@@ -6,16 +6,17 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lmserve.request import TokenLogprobs
+from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
-from lmserve.server.params import chat_params, completion_params
+from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from lmserve.server.params import chat_params, completion_params, scores_prompt_only
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.state import ServerState, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched
@@ -25,12 +26,41 @@ router = APIRouter()
 
 @dataclass
 class Choice:
-    """One choice being accumulated for a non-streaming response."""
+    """One choice being accumulated for a non-streaming response (or one stream chunk's worth)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # arrives with the completion's first delta
+
+    def add(self, d: CompletionDelta) -> None:
+        """Append one delta of this choice."""
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        if d.finished:
+            self.finish_reason = d.finish_reason
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a completions request."""
+
+    ids: list[int]
+    text: str  # what echo returns: the prompt as sent, token ids decoded
+
+
+@dataclass(frozen=True)
+class CompletionShape:
+    """What a completions choice holds besides the generated text, as the request asked."""
+
+    echo: bool = False
+    logprobs: bool = False  # the legacy logprobs object; with echo, the prompt's tokens come first
+    prompt_logprobs: bool = False  # vLLM's choice-level prompt_logprobs list
+    score_only: bool = False  # echo with max_tokens 0: the one token the engine had to sample is dropped
 
 
 @router.get("/v1/models")
@@ -48,24 +78,25 @@ async def completions(request: Request) -> Response:
     prompts = _prompts(req.prompt)
     record = record_of(request)
     ids_list = [await st.tokenize(p, record) for p in prompts]
-    echoes = [await _echo(st, p) if req.echo else "" for p in prompts]
+    shape = CompletionShape(req.echo, params.logprobs is not None, req.prompt_logprobs is not None,
+                            scores_prompt_only(req))
+    texts = [await _echo(st, p) if req.echo else "" for p in prompts]
     st.admit(ids_list, params, record)  # nothing awaits from here until the streams are counted in flight
     rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, record, i * params.n)
                             for i, ids in enumerate(ids_list)])
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.config.served_model_name}
     usage_prompt = sum(len(ids) for ids in ids_list)
+    inputs = [Prompt(ids, text) for ids, text in zip(ids_list, texts)]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _completion_chunks(st, merged, meta, params, echoes, usage_prompt, include_usage)
+        chunks = _completion_chunks(st, merged, meta, params.n, inputs, shape, usage_prompt, include_usage)
         return _sse(request, st, merged, chunks)
-    choices = await _collect(request, st, merged, params.n, len(ids_list))
+    choices = await _collect(request, st, merged, params.n, len(ids_list), shape.score_only)
     if choices is None:
         return Response(status_code=499)
-    body = {**meta, "choices": [
-        {"index": i, "text": echoes[i // params.n] + c.text, "finish_reason": c.finish_reason,
-         "logprobs": _completion_logprobs(st, c.logprobs) if params.logprobs is not None else None}
-        for i, c in enumerate(choices)], "usage": _usage(usage_prompt, choices)}
+    body = {**meta, "choices": [_completion_choice(st, i, c, inputs[i // params.n], shape)
+                                for i, c in enumerate(choices)], "usage": _usage(usage_prompt, choices)}
     return JSONResponse(body)
 
 
@@ -88,7 +119,7 @@ async def chat_completions(request: Request) -> Response:
         return Response(status_code=499)
     body = {**meta, "object": "chat.completion", "choices": [
         {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-         "logprobs": {"content": _chat_logprobs(st, c.logprobs)} if req.logprobs else None}
+         "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
         for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
     return JSONResponse(body)
 
@@ -111,19 +142,20 @@ async def _echo(st: ServerState, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else await asyncio.to_thread(st.engine.tokenizer.decode, prompt)
 
 
+def _without_output(d: CompletionDelta) -> CompletionDelta:
+    """A prompt-scoring delta (echo, max_tokens 0): the token the engine had to sample is not the caller's."""
+    return replace(d, token_ids=[], text="", logprobs=None, num_output_tokens=0, stop_reason=None,
+                   finish_reason="length" if d.finished else None)
+
+
 async def _collect(request: Request, st: ServerState, merged: MergedStreams, n: int,
-                   num_prompts: int) -> list[Choice] | None:
+                   num_prompts: int, score_only: bool = False) -> list[Choice] | None:
     """Run every stream to the end; None when the client went away first (its requests were aborted)."""
     choices = [Choice() for _ in range(n * num_prompts)]
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
     try:
         async for p, d in merged:
-            c = choices[p * n + d.index]
-            c.text += d.text
-            c.token_ids += d.token_ids
-            c.logprobs += d.logprobs or []
-            if d.finished:
-                c.finish_reason = d.finish_reason
+            choices[p * n + d.index].add(_without_output(d) if score_only else d)
     except APIError:
         raise
     except Exception as e:  # the engine died under us: not the client's fault
@@ -156,20 +188,21 @@ def _sse(request: Request, st: ServerState, merged: MergedStreams, chunks: Async
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _completion_chunks(st: ServerState, merged: MergedStreams, meta: dict, params: SamplingParams,
-                             echoes: list[str], usage_prompt: int, include_usage: bool) -> AsyncIterator[dict]:
-    n, offsets, outputs = params.n, {}, {}  # offsets: characters of each choice's text sent so far
+async def _completion_chunks(st: ServerState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],
+                             shape: CompletionShape, usage_prompt: int, include_usage: bool) -> AsyncIterator[dict]:
+    """A choice's first chunk carries the echoed prompt and the prompt's logprobs, later ones only new tokens."""
+    offsets, outputs = {}, {}  # offsets: characters of each choice's text sent so far
     async for p, d in merged:
         i = p * n + d.index
-        text = d.text if i in offsets else echoes[p] + d.text
-        offset = offsets.get(i, 0)
-        offsets[i] = offset + len(text)
+        if shape.score_only:
+            d = _without_output(d)
+        first, c = i not in offsets, Choice()
+        c.add(d)
+        choice = _completion_choice(st, i, c, prompts[p] if first else None, shape, offsets.get(i, 0))
+        offsets[i] = offsets.get(i, 0) + len(choice["text"])
         outputs[i] = d.num_output_tokens
-        if not text and not d.finished and not d.logprobs:
-            continue
-        lp = _completion_logprobs(st, d.logprobs or [], offset) if params.logprobs is not None else None
-        choice = {"index": i, "text": text, "finish_reason": d.finish_reason if d.finished else None, "logprobs": lp}
-        yield {**meta, "choices": [choice]}
+        if choice["text"] or d.finished or c.logprobs or (first and (shape.echo or shape.prompt_logprobs)):
+            yield {**meta, "choices": [choice]}
     if include_usage:
         yield {**meta, "choices": [], "usage": _usage_counts(usage_prompt, sum(outputs.values()))}
 
@@ -183,7 +216,7 @@ async def _chat_chunks(st: ServerState, merged: MergedStreams, meta: dict, param
     outputs = {}
     async for _, d in merged:
         outputs[d.index] = d.num_output_tokens
-        lp = {"content": _chat_logprobs(st, d.logprobs or [])} if params.logprobs is not None else None
+        lp = {"content": chat_logprobs(_piece(st), d.logprobs or [])} if params.logprobs is not None else None
         if d.text or d.logprobs:
             yield {**base, "choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
                                         "finish_reason": None}]}
@@ -202,26 +235,25 @@ def _usage_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(st: ServerState, lps: list[TokenLogprobs], start: int = 0) -> dict:
-    """The legacy completions format: parallel lists plus a dict of alternatives per position.
+def _completion_choice(st: ServerState, index: int, c: Choice, prompt: Prompt | None, shape: CompletionShape,
+                       start: int = 0) -> dict:
+    """A completions choice, or a stream chunk of one: `prompt` is given for a whole choice or its first chunk.
 
-    text_offset counts characters from the start of the choice's text (`start` for a stream chunk).
+    `start` is the number of characters of the choice's text sent before this chunk.
     """
-    piece = st.engine.tokenizer.id_to_piece
-    tokens = [piece(t.token_id) for t in lps]
-    offsets, pos = [], start
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{piece(i): lp for i, lp in t.top} for t in lps], "text_offset": offsets}
+    echo = prompt is not None and shape.echo
+    text = prompt.text if echo else ""
+    body = {"index": index, "text": text + c.text, "finish_reason": c.finish_reason, "logprobs": None}
+    if shape.logprobs:
+        lp = completion_logprobs(_piece(st), [t.token_id for t in c.logprobs], c.logprobs, start + len(text))
+        if echo:  # no prompt logprobs when the request ended before its prefill (aborted): nulls then
+            prompt_lps = c.prompt_logprobs if c.prompt_logprobs is not None else [None] * len(prompt.ids)
+            lp = {k: v + lp[k] for k, v in completion_logprobs(_piece(st), prompt.ids, prompt_lps, start).items()}
+        body["logprobs"] = lp
+    if shape.prompt_logprobs and prompt is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(_piece(st), c.prompt_logprobs)
+    return body
 
 
-def _chat_logprobs(st: ServerState, lps: list[TokenLogprobs]) -> list[dict]:
-    piece = st.engine.tokenizer.id_to_piece
-
-    def entry(token_id: int, logprob: float) -> dict:
-        text = piece(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in lps]
+def _piece(st: ServerState) -> Callable[[int], str]:
+    return st.engine.tokenizer.id_to_piece

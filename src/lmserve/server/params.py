@@ -44,9 +44,20 @@ def completion_params(r: CompletionRequest) -> SamplingParams:
         raise APIError(400, f"best_of > 1 is not supported (got {r.best_of}); use n", param="best_of")
     if r.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if r.echo and r.logprobs is not None:
-        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
-    return _build(max_tokens=r.max_tokens, logprobs=r.logprobs, **_common(r))
+    if r.max_tokens == 0 and not r.echo:
+        raise APIError(400, "max_tokens must be >= 1 (0 is allowed with echo, to score the prompt)",
+                       param="max_tokens")
+    # The engine needs max_tokens >= 1: it samples one token that the route drops (as vLLM does). Prefill
+    # produces that token anyway, so scoring costs one sampled row and no extra forward pass.
+    max_tokens = 1 if scores_prompt_only(r) else r.max_tokens
+    # echo with logprobs covers the prompt's tokens too (OpenAI's legacy scoring); vLLM's extra asks directly.
+    prompt_logprobs = r.prompt_logprobs if r.prompt_logprobs is not None else r.logprobs if r.echo else None
+    return _build(max_tokens=max_tokens, logprobs=r.logprobs, prompt_logprobs=prompt_logprobs, **_common(r))
+
+
+def scores_prompt_only(r: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the prompt (and its logprobs) comes back, nothing is generated."""
+    return r.echo and r.max_tokens == 0
 
 
 def chat_params(r: ChatRequest) -> SamplingParams:
@@ -60,9 +71,11 @@ def chat_params(r: ChatRequest) -> SamplingParams:
 
 def tgi_params(p: TGIParameters, stream: bool) -> SamplingParams:
     """TGI semantics: greedy unless do_sample or a sampling knob away from neutral; a sampled request gets a seed."""
-    for name in ("decoder_input_details", "watermark"):
-        if getattr(p, name):
-            raise APIError(400, f"{name} is not supported", param=name)
+    if p.watermark:
+        raise APIError(400, "watermark is not supported", param="watermark")
+    if p.decoder_input_details and stream:  # TGI's own rule
+        raise APIError(400, "decoder_input_details is not supported when streaming tokens",
+                       param="decoder_input_details")
     if p.temperature is not None and p.temperature <= 0:
         raise APIError(400, f"temperature must be strictly positive, got {p.temperature}", param="temperature")
     # As TGI's NextTokenChooser: any warper away from its neutral value turns sampling on.
@@ -72,4 +85,5 @@ def tgi_params(p: TGIParameters, stream: bool) -> SamplingParams:
     return _build(max_tokens=p.max_new_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
                   top_k=p.top_k or 0, top_p=p.top_p if p.top_p is not None else 1.0,
                   repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
-                  stop=p.stop, seed=seed, logprobs=0 if p.details or stream else None)
+                  stop=p.stop, seed=seed, logprobs=0 if p.details or stream else None,
+                  prompt_logprobs=0 if p.details and p.decoder_input_details else None)

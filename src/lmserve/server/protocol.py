@@ -65,6 +65,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: a choice-level list, top-k per prompt token
 
 
 class TextPart(_Strict):
@@ -102,7 +103,7 @@ class TGIParameters(_NullMeansDefault):
     do_sample: bool = False
     details: bool = False
     return_full_text: bool = False
-    decoder_input_details: bool = False  # only false: prompt logprobs are not supported
+    decoder_input_details: bool = False  # the prompt's tokens and logprobs in details.prefill
     watermark: bool = False  # only false; huggingface_hub sends it on every request
 
 

@@ -143,7 +143,7 @@ class ServerState:
             m.on_finished(d, started, first.get(d.index), now)
 
     async def tokenize(self, prompt: str | list[int], record: RequestRecord) -> list[int]:
-        """Tokenize (or check ids) off the event loop: a long prompt must not stall other requests."""
+        """Tokenize a raw prompt (special tokens parsed) or check ids, off the event loop (long prompts stall it)."""
         start = time.monotonic()
         try:
             return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)

@@ -1,7 +1,8 @@
 """TGI-compatible routes: /generate, /generate_stream, /info, and POST / (TGI's compat route).
 
-As TGI does, generated text keeps a matched stop sequence (OpenAI routes cut it off), and a
-sampled request without a seed is given one, reported in `details.seed`.
+As TGI does, generated text keeps a matched stop sequence (OpenAI routes cut it off), a sampled
+request without a seed is given one, reported in `details.seed`, and `inputs` is a raw prompt:
+special-token strings in it ("<|im_start|>") become control tokens.
 """
 
 from __future__ import annotations
@@ -55,15 +56,15 @@ async def compat_generate(request: Request) -> Response:
 
 
 async def _start(request: Request, st: ServerState, req: TGIRequest,
-                 stream: bool) -> tuple[SamplingParams, int, MergedStreams]:
-    """Validate, tokenize and admit; returns the params, the prompt length and the running stream."""
+                 stream: bool) -> tuple[SamplingParams, list[int], MergedStreams]:
+    """Validate, tokenize and admit; returns the params, the prompt's ids and the running stream."""
     params = tgi_params(req.parameters, stream)
     record = record_of(request)
     ids = await st.tokenize(req.inputs, record)
     st.admit([ids], params, record)
     rid = record.request_id = f"tgi-{uuid.uuid4().hex}"
     record.stream = stream
-    return params, len(ids), MergedStreams([st.generate(rid, ids, params, record)])
+    return params, ids, MergedStreams([st.generate(rid, ids, params, record)])
 
 
 def _finish_reason(d: CompletionDelta) -> str:
@@ -83,12 +84,20 @@ def _token(st: ServerState, token_id: int, lp: TokenLogprobs | None, text: str |
             "logprob": lp.logprob if lp is not None else None, "special": tok.is_special(token_id)}
 
 
+def _prefill(st: ServerState, ids: list[int], lps: list[TokenLogprobs | None] | None) -> list[dict]:
+    """details.prefill: each prompt token with its logprob (null for the first, or all if the engine sent none)."""
+    piece = st.engine.tokenizer.id_to_piece
+    lps = lps if lps is not None else [None] * len(ids)
+    return [{"id": t, "text": piece(t), "logprob": lp.logprob if lp is not None else None} for t, lp in zip(ids, lps)]
+
+
 async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Response:
-    params, _, merged = await _start(request, st, req, stream=False)
-    text, tokens, last = "", [], None
+    params, ids, merged = await _start(request, st, req, stream=False)
+    text, tokens, last, prompt_lps = "", [], None, None
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
     try:
         async for _, d in merged:
+            prompt_lps = d.prompt_logprobs if d.prompt_logprobs is not None else prompt_lps
             text += d.text + _stop_text(d)
             lps = d.logprobs or []
             tokens += [_token(st, t, lps[k] if k < len(lps) else None) for k, t in enumerate(d.token_ids)]
@@ -100,12 +109,13 @@ async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Respo
     body: dict = {"generated_text": req.inputs + text if req.parameters.return_full_text else text}
     if req.parameters.details:
         body["details"] = {"finish_reason": _finish_reason(last), "generated_tokens": last.num_output_tokens,
-                           "seed": params.seed, "prefill": [], "tokens": tokens}
+                           "seed": params.seed, "tokens": tokens,
+                           "prefill": _prefill(st, ids, prompt_lps) if req.parameters.decoder_input_details else []}
     return JSONResponse(body)
 
 
 async def _generate_stream(request: Request, st: ServerState, req: TGIRequest) -> Response:
-    params, num_prompt, merged = await _start(request, st, req, stream=True)
+    params, ids, merged = await _start(request, st, req, stream=True)
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
 
     async def events():
@@ -124,7 +134,7 @@ async def _generate_stream(request: Request, st: ServerState, req: TGIRequest) -
                     if d.finished and last:
                         ev["generated_text"] = req.inputs + text if req.parameters.return_full_text else text
                         ev["details"] = {"finish_reason": _finish_reason(d), "generated_tokens": d.num_output_tokens,
-                                         "seed": params.seed, "input_length": num_prompt}
+                                         "seed": params.seed, "input_length": len(ids)}
                     yield f"data:{json.dumps(ev, ensure_ascii=False)}\n\n"
         except Exception as e:  # mid-stream failure: TGI reports it in-band
             st.metrics.aborts.labels("error").inc()
