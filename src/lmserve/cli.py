@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-ENV_API_KEY = "LMSERVE_API_KEY"
+from lmserve.config import ENV_API_KEY, engine_config
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,21 +28,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes if > 1, else a fraction of available memory")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
-
-
-def engine_config(args: argparse.Namespace):
-    """EngineConfig from parsed flags."""
-    from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        max_model_len=args.max_model_len, seed=args.seed,
-        num_threads=args.num_threads,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill),
-    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

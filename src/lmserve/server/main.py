@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from lmserve.cli import ENV_API_KEY, engine_config
+from lmserve.config import ENV_API_KEY, engine_config
 from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.metrics import ServerMetrics
