@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Union
 
 from lmserve.engine.llm_engine import LLMEngine, StepStats
 from lmserve.request import CompletionDelta
@@ -23,6 +23,30 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served any more."""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Asyncio side -> engine thread: queue this request at the next step boundary."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Asyncio side -> engine thread: abort this request and free its blocks."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Asyncio side -> engine thread: stop waiting on the inbox (shutdown sends it)."""
+
+
+EngineMessage = Union[AddRequest, AbortRequest, Wake]
 
 
 @dataclass
@@ -37,7 +61,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -45,6 +69,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.step_listeners: list[Callable[[StepStats, list[CompletionDelta]], None]] = []
         self.num_requests_in_flight = 0
+        self._handlers: dict[type, Callable] = {AddRequest: self._add, AbortRequest: self._abort, Wake: _ignore}
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -55,7 +80,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Stop the engine thread after its current step."""
         self._stop.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -74,7 +99,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self.num_requests_in_flight += 1
-        self._inbox.put(("add", request_id, prompt_ids, params))
+        self._inbox.put(AddRequest(request_id, prompt_ids, params))
         try:
             while stream.pending > 0:
                 item = await stream.queue.get()
@@ -92,7 +117,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort a request at the next step boundary."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
 
     def abort_all(self) -> None:
         with self._lock:
@@ -128,15 +153,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, item: tuple) -> None:
-        if item[0] == "add":
-            _, rid, ids, params = item
-            try:
-                self.engine.add_request(rid, ids, params)
-            except ValueError as e:
-                self._send(rid, e)
-        elif item[0] == "abort":
-            self._publish(self.engine.abort(item[1]))
+    def _handle(self, msg: EngineMessage) -> None:
+        self._handlers[type(msg)](msg)
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
+        except ValueError as e:  # e.g. a request id in use: only its own caller hears of it
+            self._send(msg.request_id, e)
+
+    def _abort(self, msg: AbortRequest) -> None:
+        self._publish(self.engine.abort(msg.request_id))
 
     def _publish(self, deltas: list[CompletionDelta]) -> None:
         for d in deltas:
@@ -153,3 +180,7 @@ class AsyncEngine:
             streams = list(self._streams.items())
         for rid, _ in streams:
             self._send(rid, error)
+
+
+def _ignore(msg: Wake) -> None:
+    """A Wake only has to end the inbox wait; the loop then sees the stop flag."""
