@@ -21,13 +21,13 @@ class FakeEngine:
         self.last_step = None
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        return params.max_tokens
+        raise AssertionError("AsyncEngine leaves checking to its caller or to add_request")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     max_tokens: int | None = None) -> None:
         if request_id == "bad":
             raise ValueError("refused on the engine thread")
-        msg = AddRequest(request_id, prompt, params)
+        msg = AddRequest(request_id, prompt, params, max_tokens)
         self.added.append(msg)
         self.queued.append(msg)
 
@@ -62,8 +62,9 @@ def test_a_bare_tuple_is_not_a_message():
         AsyncEngine(FakeEngine())._handle(("abort", "r1"))
 
 
-async def _collect(engine: AsyncEngine, request_id: str, ids: list[int]) -> list[CompletionDelta]:
-    return [d async for d in engine.generate(request_id, ids, SamplingParams(max_tokens=1))]
+async def _collect(engine: AsyncEngine, request_id: str, ids: list[int],
+                   max_tokens: int | None = None) -> list[CompletionDelta]:
+    return [d async for d in engine.generate(request_id, ids, SamplingParams(max_tokens=1), max_tokens)]
 
 
 def test_add_reaches_the_engine_thread_and_its_deltas_come_back():
@@ -87,3 +88,15 @@ def test_an_add_the_engine_refuses_fails_only_its_own_stream():
         assert len(asyncio.run(_collect(engine, "good", [1]))) == 1
     finally:
         engine.shutdown()
+
+
+def test_the_checked_max_tokens_travels_with_the_add():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    engine.start()
+    try:
+        asyncio.run(_collect(engine, "checked", [1], max_tokens=7))
+        asyncio.run(_collect(engine, "unchecked", [1]))
+    finally:
+        engine.shutdown()
+    assert [(m.request_id, m.max_tokens) for m in fake.added] == [("checked", 7), ("unchecked", None)]

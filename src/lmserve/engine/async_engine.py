@@ -32,6 +32,7 @@ class AddRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    max_tokens: int | None  # from LLMEngine.check_request; None: add_request checks it on the engine thread
 
 
 @dataclass(frozen=True)
@@ -88,18 +89,22 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[CompletionDelta]:
-        """Stream the deltas of every completion of a request; closing the iterator aborts it."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       max_tokens: int | None = None) -> AsyncIterator[CompletionDelta]:
+        """Stream the deltas of every completion of a request; closing the iterator aborts it.
+
+        `max_tokens` is what `engine.check_request` returned for this request (the server checks it
+        before admitting); None has the engine thread check it, and a rejection then ends the stream.
+        """
         if self.dead is not None:
             raise EngineDeadError("the engine has stopped")
-        self.engine.check_request(prompt_ids, params)  # fail fast, before the engine thread sees it
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self.num_requests_in_flight += 1
-        self._inbox.put(AddRequest(request_id, prompt_ids, params))
+        self._inbox.put(AddRequest(request_id, prompt_ids, params, max_tokens))
         try:
             while stream.pending > 0:
                 item = await stream.queue.get()
@@ -158,8 +163,8 @@ class AsyncEngine:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
-        except ValueError as e:  # e.g. a request id in use: only its own caller hears of it
+            self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.max_tokens)
+        except ValueError as e:  # a request id in use, or an unchecked request refused: only its caller hears
             self._send(msg.request_id, e)
 
     def _abort(self, msg: AbortRequest) -> None:
