@@ -13,7 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags that build an EngineConfig (shared by every command that loads a model)."""
     p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantized linear layers (CPU, CUDA): faster single-stream decode, less memory; "
