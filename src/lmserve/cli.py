@@ -6,14 +6,15 @@ import argparse
 import logging
 import sys
 
-ENV_API_KEY = "LMSERVE_API_KEY"
+from lmserve.config import ENV_API_KEY, engine_config
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags that build an EngineConfig (shared by every command that loads a model)."""
     p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantized linear layers (CPU, CUDA): faster single-stream decode, less memory; "
@@ -44,21 +45,6 @@ def speculative_config(text: str):
         return SpeculativeConfig.from_dict(json.loads(text))
     except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def engine_config(args: argparse.Namespace):
-    """EngineConfig from parsed flags."""
-    from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
-
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        max_model_len=args.max_model_len, seed=args.seed,
-        num_threads=args.num_threads, speculative=args.speculative_config,
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill),
-    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

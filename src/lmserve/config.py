@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
+ENV_API_KEY = "LMSERVE_API_KEY"  # accepted API keys, comma-separated (`lmserve serve`)
 
 
 @dataclass(frozen=True)
@@ -75,3 +81,16 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         return cls(**d)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the flags of `cli.add_engine_args` (serve, generate, chat and bench share them)."""
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        max_model_len=args.max_model_len, seed=args.seed,
+        num_threads=args.num_threads, speculative=args.speculative_config,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill),
+    )

@@ -21,21 +21,39 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+def cpu_flags() -> str:
+    """The `flags` line of /proc/cpuinfo ('' where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ""
+
+
+def cpu_has_fast_bf16(flags: str | None = None) -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    found = (cpu_flags() if flags is None else flags).split()
+    return "avx512_bf16" in found or "amx_bf16" in found
+
+
+def auto_dtype(device: torch.device, flags: str | None = None) -> torch.dtype:
+    """What `--dtype auto` means: bf16 on CUDA and on CPUs with AMX, float32 on every other CPU.
+
+    bf16 on CPU gives up batch invariance (a request's tokens would depend on what shares its step)
+    and the native float32 kernels; auto makes that trade only with AMX, whose bf16 tile matmul is
+    much faster than float32, and keeps float32 on AVX512-BF16 alone (Zen 4). `flags` is a cpuinfo
+    flags line (default: this machine's).
+    """
+    if device.type == "cuda":
+        return torch.bfloat16
+    found = (cpu_flags() if flags is None else flags).split()
+    return torch.bfloat16 if "amx_bf16" in found else torch.float32
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bf16 on CUDA and on CPUs with native bf16 matmul, float32 otherwise."""
+    """A --dtype name -> torch dtype; 'auto' as auto_dtype decides."""
     if name == "auto":
-        fast = device.type == "cuda" or cpu_has_fast_bf16()
-        return torch.bfloat16 if fast else torch.float32
+        return auto_dtype(device)
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r} (choose from auto, float32, bfloat16, float16)")
     return DTYPES[name]

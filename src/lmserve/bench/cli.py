@@ -97,7 +97,7 @@ def _first_model(base_url: str, api_key: str | None) -> str:
 
 
 def _engine(args: argparse.Namespace):
-    from lmserve.cli import engine_config
+    from lmserve.config import engine_config
     from lmserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config(args))

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Union
 
 from lmserve.engine.llm_engine import LLMEngine, StepStats
 from lmserve.request import CompletionDelta
@@ -23,6 +23,31 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served any more."""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Asyncio side -> engine thread: queue this request at the next step boundary."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int | None  # from LLMEngine.check_request; None: add_request checks it on the engine thread
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Asyncio side -> engine thread: abort this request and free its blocks."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Asyncio side -> engine thread: stop waiting on the inbox (shutdown sends it)."""
+
+
+EngineMessage = Union[AddRequest, AbortRequest, Wake]
 
 
 @dataclass
@@ -37,7 +62,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -45,6 +70,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.step_listeners: list[Callable[[StepStats, list[CompletionDelta]], None]] = []
         self.num_requests_in_flight = 0
+        self._handlers: dict[type, Callable] = {AddRequest: self._add, AbortRequest: self._abort, Wake: _ignore}
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -55,7 +81,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         """Stop the engine thread after its current step."""
         self._stop.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -63,18 +89,22 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[CompletionDelta]:
-        """Stream the deltas of every completion of a request; closing the iterator aborts it."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       max_tokens: int | None = None) -> AsyncIterator[CompletionDelta]:
+        """Stream the deltas of every completion of a request; closing the iterator aborts it.
+
+        `max_tokens` is what `engine.check_request` returned for this request (the server checks it
+        before admitting); None has the engine thread check it, and a rejection then ends the stream.
+        """
         if self.dead is not None:
             raise EngineDeadError("the engine has stopped")
-        self.engine.check_request(prompt_ids, params)  # fail fast, before the engine thread sees it
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self.num_requests_in_flight += 1
-        self._inbox.put(("add", request_id, prompt_ids, params))
+        self._inbox.put(AddRequest(request_id, prompt_ids, params, max_tokens))
         try:
             while stream.pending > 0:
                 item = await stream.queue.get()
@@ -92,7 +122,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to abort a request at the next step boundary."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(AbortRequest(request_id))
 
     def abort_all(self) -> None:
         with self._lock:
@@ -128,15 +158,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, item: tuple) -> None:
-        if item[0] == "add":
-            _, rid, ids, params = item
-            try:
-                self.engine.add_request(rid, ids, params)
-            except ValueError as e:
-                self._send(rid, e)
-        elif item[0] == "abort":
-            self._publish(self.engine.abort(item[1]))
+    def _handle(self, msg: EngineMessage) -> None:
+        self._handlers[type(msg)](msg)
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.max_tokens)
+        except ValueError as e:  # a request id in use, or an unchecked request refused: only its caller hears
+            self._send(msg.request_id, e)
+
+    def _abort(self, msg: AbortRequest) -> None:
+        self._publish(self.engine.abort(msg.request_id))
 
     def _publish(self, deltas: list[CompletionDelta]) -> None:
         for d in deltas:
@@ -153,3 +185,7 @@ class AsyncEngine:
             streams = list(self._streams.items())
         for rid, _ in streams:
             self._send(rid, error)
+
+
+def _ignore(msg: Wake) -> None:
+    """A Wake only has to end the inbox wait; the loop then sees the stop flag."""

@@ -138,13 +138,18 @@ class LLMEngine:
                                   f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
         return max_tokens
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    max_tokens: int | None = None) -> None:
+        """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks.
+
+        `max_tokens` is what check_request returned for this prompt and params; None: not checked yet.
+        """
         params = params or SamplingParams()
         if request_id in self.children:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         ids = self.tokenize_prompt(prompt)
-        max_tokens = self.check_request(ids, params)
+        if max_tokens is None:  # the offline path (LLM, the CLI); the server checked before admitting
+            max_tokens = self.check_request(ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         kids = []
         for i in range(params.n):

@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import math
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-from lmserve.models.config import ModelConfig
 
-
-def inv_frequencies(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2] in float32, scaled as the config says."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if cfg.rope_type == "linear":
-        inv_freq = inv_freq / float(cfg.rope_scaling["factor"])
-    elif cfg.rope_type == "llama3":
-        inv_freq = _llama3_scale(inv_freq, cfg.rope_scaling)
+def inv_frequencies(head_dim: int, rope_theta: float, rope_type: str = "default",
+                    rope_scaling: Mapping[str, Any] | None = None,
+                    freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim // 2] in float32, scaled as `rope_type` and `rope_scaling` say."""
+    # Plain values, not ModelConfig: layers sit below models and must not import them.
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(rope_scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope_scaling)
     if freq_factors is not None:  # GGUF llama3 files ship the scaling as `rope_freqs.weight`
         inv_freq = inv_freq / freq_factors.float()
     return inv_freq
 
 
-def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+def _llama3_scale(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
     """Llama 3.1's frequency-dependent scaling: long wavelengths stretched, short kept, smooth between."""
     factor = float(s["factor"])
     low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))

@@ -120,5 +120,5 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> 
     net = net.to_empty(device=device).to(dtype)
     net.tie_weights()  # to_empty gives each module its own tensor
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
-    net.inv_freq = inv_frequencies(cfg).to(device)
+    net.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling).to(device)
     return net

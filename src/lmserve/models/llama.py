@@ -111,7 +111,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         # Rotary inverse frequencies; a buffer so it follows .to(device). GGUF may refine it at load.
-        self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
+        inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def tie_weights(self) -> None:
         """Tied models share one Parameter between embedding and LM head (re-done after `to_empty`)."""

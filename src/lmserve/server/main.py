@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from lmserve.cli import ENV_API_KEY, engine_config
+from lmserve.config import ENV_API_KEY, engine_config
 from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.metrics import ServerMetrics
@@ -127,7 +127,6 @@ class DrainingServer(uvicorn.Server):
 
 def _load(state: ServerState, server: uvicorn.Server, args: argparse.Namespace) -> None:
     """Load the model and start the engine thread (beside the already-listening server, so /health says 503)."""
-    from lmserve.engine.async_engine import AsyncEngine
     from lmserve.engine.llm_engine import LLMEngine
 
     try:
@@ -138,12 +137,19 @@ def _load(state: ServerState, server: uvicorn.Server, args: argparse.Namespace) 
         state.load_error = f"{type(e).__name__}: {e}"
         server.should_exit = True
         return
+    start_engine(state, engine, warmup)
+    log.info("serving %s", state.config.served_model_name)
+
+
+def start_engine(state: ServerState, engine, warmup_seconds: float) -> None:
+    """Start the engine thread behind `state` and its metrics; the routes serve from here on."""
+    from lmserve.engine.async_engine import AsyncEngine
+
     async_engine = AsyncEngine(engine)
     async_engine.step_listeners.append(state.metrics.on_step)
-    state.metrics.bind_engine(engine, warmup)
+    state.metrics.bind_engine(engine, warmup_seconds)
     async_engine.start()
     state.async_engine = async_engine
-    log.info("serving %s", state.config.served_model_name)
 
 
 def _warm_up(engine) -> float:

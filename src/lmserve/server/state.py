@@ -69,25 +69,31 @@ class ServerState:
             raise APIError(404, f"model {name[:80]!r} does not exist (this server serves "
                            f"{self.config.served_model_name!r})", param="model", code="model_not_found")
 
-    def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> None:
+    def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.
+
+        Returns each prompt's resolved max_tokens for generate: this is the only check_request of the request.
 
         Queue rule: each prompt of a request is one engine request (its n completions included), and
         engine requests count from admission until their stream ends. A request is refused with 503 +
         Retry-After when in-flight engine requests plus its own prompts would exceed
         max_num_seqs + max_queued_requests (the running batch plus the queue we accept to hold).
         """
-        for ids in prompts:
-            try:
-                self.engine.check_request(ids, params)
-            except RequestRejected as e:
-                raise APIError(400, str(e), param="prompt", reason="context_length") from None
+        max_tokens = [self._check(ids, params) for ids in prompts]
         record.prompt_tokens = sum(len(ids) for ids in prompts)
         self.check_rules(record, [len(ids) for ids in prompts])
         limit = self.engine.cfg.scheduler.max_num_seqs + self.config.max_queued_requests
         if self.in_flight + len(prompts) > limit:
             raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
                            headers={"Retry-After": "1"}, reason="queue_full")
+        return max_tokens
+
+    def _check(self, ids: list[int], params: SamplingParams) -> int:
+        """engine.check_request as an HTTP 400; returns the prompt's resolved max_tokens."""
+        try:
+            return self.engine.check_request(ids, params)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param="prompt", reason="context_length") from None
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
         """The operator's validation rules (--validation-rules); a `reject` rule answers 400."""
@@ -100,17 +106,18 @@ class ServerState:
         except RuleViolation as e:
             raise APIError(400, str(e), param=e.param, code="rule_violation", reason="validation_rule") from None
 
-    def generate(self, request_id: str, ids: list[int], params: SamplingParams, record: RequestRecord,
-                 first_output: int = 0) -> AsyncIterator[CompletionDelta]:
+    def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
+                 record: RequestRecord, first_output: int = 0) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limit until it ends.
 
-        Its completions fill record.outputs[first_output + index] (several prompts share one record).
+        `max_tokens` is what admit returned for these ids. Its completions fill
+        record.outputs[first_output + index] (several prompts share one record).
         """
         if record.engine_arrival is None:
             record.engine_arrival = time.monotonic()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        inner = self.async_engine.generate(request_id, ids, params)
+        inner = self.async_engine.generate(request_id, ids, params, max_tokens)
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index

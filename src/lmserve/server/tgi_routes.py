@@ -61,10 +61,10 @@ async def _start(request: Request, st: ServerState, req: TGIRequest,
     params = tgi_params(req.parameters, stream)
     record = record_of(request)
     ids = await st.tokenize(req.inputs, record)
-    st.admit([ids], params, record)
+    [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"tgi-{uuid.uuid4().hex}"
     record.stream = stream
-    return params, ids, MergedStreams([st.generate(rid, ids, params, record)])
+    return params, ids, MergedStreams([st.generate(rid, ids, params, max_tokens, record)])
 
 
 def _finish_reason(d: CompletionDelta) -> str:

@@ -1,0 +1,102 @@
+"""AsyncEngine's inbox: typed messages from the asyncio side to the engine thread, on a fake engine (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lmserve.engine.async_engine import AbortRequest, AddRequest, AsyncEngine, Wake
+from lmserve.request import CompletionDelta
+from lmserve.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """Just enough of LLMEngine: a request finishes in the step after it is added, echoing its prompt."""
+
+    def __init__(self) -> None:
+        self.added: list[AddRequest] = []
+        self.aborted: list[str] = []
+        self.queued: list[AddRequest] = []
+        self.last_step = None
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        raise AssertionError("AsyncEngine leaves checking to its caller or to add_request")
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    max_tokens: int | None = None) -> None:
+        if request_id == "bad":
+            raise ValueError("refused on the engine thread")
+        msg = AddRequest(request_id, prompt, params, max_tokens)
+        self.added.append(msg)
+        self.queued.append(msg)
+
+    def abort(self, request_id: str) -> list[CompletionDelta]:
+        self.aborted.append(request_id)
+        return []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queued)
+
+    def step(self) -> list[CompletionDelta]:
+        done, self.queued = self.queued, []
+        return [CompletionDelta(m.request_id, 0, m.prompt_ids, "x", None, finished=True) for m in done]
+
+
+def inbox(engine: AsyncEngine) -> list:
+    items = []
+    while not engine._inbox.empty():
+        items.append(engine._inbox.get_nowait())
+    return items
+
+
+def test_abort_and_shutdown_send_typed_messages():
+    engine = AsyncEngine(FakeEngine())  # not started: the messages stay in the inbox
+    engine.abort("r1")
+    engine.shutdown()
+    assert inbox(engine) == [AbortRequest("r1"), Wake()]
+
+
+def test_a_bare_tuple_is_not_a_message():
+    with pytest.raises(KeyError):
+        AsyncEngine(FakeEngine())._handle(("abort", "r1"))
+
+
+async def _collect(engine: AsyncEngine, request_id: str, ids: list[int],
+                   max_tokens: int | None = None) -> list[CompletionDelta]:
+    return [d async for d in engine.generate(request_id, ids, SamplingParams(max_tokens=1), max_tokens)]
+
+
+def test_add_reaches_the_engine_thread_and_its_deltas_come_back():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    engine.start()
+    try:
+        deltas = asyncio.run(_collect(engine, "r1", [5, 6]))
+    finally:
+        engine.shutdown()
+    assert [(d.request_id, d.token_ids, d.finished) for d in deltas] == [("r1", [5, 6], True)]
+    assert [m.request_id for m in fake.added] == ["r1"] and not engine._thread.is_alive()
+
+
+def test_an_add_the_engine_refuses_fails_only_its_own_stream():
+    engine = AsyncEngine(FakeEngine())
+    engine.start()
+    try:
+        with pytest.raises(ValueError, match="refused on the engine thread"):
+            asyncio.run(_collect(engine, "bad", [1]))
+        assert len(asyncio.run(_collect(engine, "good", [1]))) == 1
+    finally:
+        engine.shutdown()
+
+
+def test_the_checked_max_tokens_travels_with_the_add():
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    engine.start()
+    try:
+        asyncio.run(_collect(engine, "checked", [1], max_tokens=7))
+        asyncio.run(_collect(engine, "unchecked", [1]))
+    finally:
+        engine.shutdown()
+    assert [(m.request_id, m.max_tokens) for m in fake.added] == [("checked", 7), ("unchecked", None)]
