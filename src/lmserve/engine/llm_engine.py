@@ -204,7 +204,7 @@ class LLMEngine:
             return None
         if self.spec.method == "ngram":
             return NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        from lmserve.worker.draft import DraftModelProposer  # noqa: PLC0415 - only when asked
+        from lmserve.engine.draft import DraftModelProposer  # noqa: PLC0415 - only when asked
 
         draft = load_model(self.spec.model, self.dtype, self.device)
         _check_same_tokenizer(self, draft)

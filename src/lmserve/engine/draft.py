@@ -1,5 +1,6 @@
 """Draft-model speculation: a second model drafts k tokens per request, batched across requests, over
-its own paged KV cache.
+its own paged KV cache. It lives beside the engine because it is a small engine of its own (a KV cache
+manager and a model runner), driven by the real one between steps.
 
 Each round first catches the draft cache up with the tokens the target accepted since the last round
 (the whole prompt the first time), then runs k - 1 more single-token steps; every step is one batched
