@@ -114,12 +114,18 @@ def test_drafts_are_scheduled_verified_and_rolled_back():
     assert kv.find_computed("b", req.all_token_ids[:9]).num_tokens == 8
 
 
-def test_trim_frees_blocks_that_only_rejected_drafts_reached():
+def _prefilled(budget: int) -> tuple[KVCacheManager, Scheduler, Request]:
+    """A scheduler over 16 blocks of 4 with request "a" (prompt 1, 2, 3) past its prefill (output: 4)."""
     kv = KVCacheManager(16, 4, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), kv)
     req = Request("a", [1, 2, 3], SamplingParams(max_tokens=20), 20, frozenset({0}))
     s.add(req)
     s.update(out := s.schedule(), _result(out, {"a": [4]}))
+    return kv, s, req
+
+
+def test_trim_frees_blocks_that_only_rejected_drafts_reached():
+    kv, s, req = _prefilled(budget=64)
     req.spec_token_ids = [5, 6, 7, 8, 9, 10]  # positions 4..9: blocks 1 and 2
     out = s.schedule()
     assert kv.block_ids("a") == [0, 1, 2]
@@ -128,11 +134,7 @@ def test_trim_frees_blocks_that_only_rejected_drafts_reached():
 
 
 def test_stop_inside_a_run_drops_the_rest_and_budget_caps_drafts():
-    kv = KVCacheManager(16, 4, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=3), kv)
-    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=20), 20, frozenset({0}))
-    s.add(req)
-    s.update(out := s.schedule(), _result(out, {"a": [4]}))
+    kv, s, req = _prefilled(budget=3)
     req.spec_token_ids = [5, 0, 7, 8]
     out = s.schedule()
     assert out.requests[0].spec_token_ids == [5, 0]  # 1 known + 2 drafts fill the budget of 3
