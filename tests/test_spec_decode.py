@@ -296,3 +296,14 @@ def test_server_streams_speculative_runs_and_exports_acceptance_metrics():
                   for i in range(4)]
         assert 0 < accepted <= drafts and sum(by_pos) == accepted and by_pos == sorted(by_pos, reverse=True)
         assert server.metric("lmserve:spec_decode_num_drafts_total") > 0
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted_for_them():
+    kv = KVCacheManager(2, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=5), 5, frozenset({0}))
+    s.add(req)
+    s.update(out := s.schedule(), _result(out, {"a": [4]}))
+    req.spec_token_ids = [5, 6, 7, 8, 9]  # positions 3..8 would need blocks 0-2: the pool has 2
+    out = s.schedule()
+    assert out.requests[0].spec_token_ids == [] and not out.preempted_ids and kv.block_ids("a") == [0]

@@ -61,7 +61,10 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             spec = req.spec_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens else []
-            if not self._allocate_or_preempt(req, n, len(spec), out):
+            if spec and not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
+                                             extra=req.cache_salt, num_lookahead=len(spec)):
+                spec = []  # drafts are optional: drop them before preempting anyone for their blocks
+            if not spec and not self._allocate_or_preempt(req, n, out):
                 break  # req itself was preempted: everything after it already was
             out.requests.append(self._scheduled(req, n, spec))
             budget -= n + len(spec)
@@ -70,9 +73,9 @@ class Scheduler:
             budget = self._admit(out, budget)
         return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, n_spec: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
-                                   extra=req.cache_salt, num_lookahead=n_spec):
+                                   extra=req.cache_salt):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
