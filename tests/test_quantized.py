@@ -21,6 +21,15 @@ TEXT = ("The quick brown fox jumps over the lazy dog while the sun sets behind d
         "stories of old towns, markets, bridges and songs to the patient sea. Paris is the capital of France, "
         "and Berlin is the capital of Germany.")
 
+MORE_TEXTS = (
+    "The history of the lighthouse begins in ancient Alexandria, where the Pharos guided ships into the harbour "
+    "for centuries. Modern lighthouses use lenses invented by Augustin Fresnel, which focus the light into a beam "
+    "visible for many miles. Keepers once lived in the towers, trimming wicks and winding clockwork; today most "
+    "lights are automated and monitored remotely.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "print([fibonacci(i) for i in range(10)])\n# The sequence grows quickly; each number is the sum of the two "
+    "before it.")
+
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(BF16).float()
@@ -118,13 +127,16 @@ def test_quantized_embedded_model_stays_close_to_float(smol_path, smol_fp32, sch
     assert quant.model.model.embed_tokens.weight.dtype == torch.float32  # lookups stay exact
     from lmserve.engine.llm_engine import _load_tokenizer
 
-    prompt = _load_tokenizer(smol_fp32).encode(TEXT)
-    ref = flat_logits(smol_fp32.model, [prompt])[0]
-    out = flat_logits(quant.model, [prompt])[0]
+    # Three texts (193 positions): on one 49-token text a single near-tie flipping moved the rate by 2%,
+    # and one more flip on a fresh machine (same torch) took int8 from 0.96 to 0.94 at the base commit.
+    tok = _load_tokenizer(smol_fp32)
+    prompts = [tok.encode(t) for t in (TEXT, *MORE_TEXTS)]
+    ref = torch.cat(flat_logits(smol_fp32.model, prompts))
+    out = torch.cat(flat_logits(quant.model, prompts))
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1).min().item()
     # int4 is the file's own grid (only bf16 activations/scales differ), int8 a re-rounding of it
-    # (measured: int4 0.98 / 0.995, int8 0.98 / 0.990)
+    # (measured on this fixed set, AMD EPYC Zen 3: int4 0.974, int8 0.959)
     assert agree >= 0.95 and cos >= 0.98, (agree, cos)
 
 
