@@ -185,6 +185,8 @@ class LLMEngine:
         changed = self.scheduler.update(out, result)
         spec = self._record_spec(out, result.sampled_token_ids) if self.proposer else None
         deltas = [self._delta(req) for req in changed]
+        if spec is not None:
+            self._propose()  # drafting is part of the step's time (a draft model runs k forwards here)
         self.num_steps += 1
         self.last_step = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), len(out.requests),
                                    result.num_decodes, result.num_prefill_tokens, time.perf_counter() - start,
@@ -193,7 +195,6 @@ class LLMEngine:
             self.last_step.num_drafts, self.last_step.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             self.last_step.num_accepted_tokens = spec.num_accepted_tokens
             self.last_step.num_accepted_per_pos = spec.num_accepted_tokens_per_pos
-            self._propose()
         return deltas
 
     # -- speculative decoding ---------------------------------------------------------------------
