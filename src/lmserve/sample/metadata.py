@@ -59,10 +59,9 @@ class SamplingMetadata:
     generators: list[tuple[int, torch.Generator]]  # sampling rows with a seed
     processors: list[tuple[int, LogitsProcessor]]
     max_num_logprobs: int | None  # K; None: no row asked for logprobs
-    # Speculative decoding: the draft each row verifies (-1: none, the row samples freely) and, for a
-    # draft model that sampled, its probabilities q ([B, V]; None: drafts are deterministic, q one-hot).
+    # Speculative decoding: the draft each row verifies (-1: none, the row samples freely). Every drafter
+    # here is deterministic (n-gram lookup, a greedy draft model), so q is one-hot and needs no tensor.
     draft_ids: torch.Tensor | None = None  # [B] int64
-    draft_probs: torch.Tensor | None = None  # [B, V] float32
 
     @property
     def no_top_k(self) -> bool:

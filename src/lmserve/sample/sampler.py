@@ -128,7 +128,7 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, 
     ids = target
     if not meta.all_greedy:
         probs = sampling_probs(logits, meta)
-        rand_ok, residual = accept_drafts(probs, drafts, meta.draft_probs, _uniform(logits.shape[0], meta))
+        rand_ok, residual = accept_drafts(probs, drafts, None, _uniform(logits.shape[0], meta))
         own = exponential_race(residual, meta)
         ids = own if meta.all_random else torch.where(meta.greedy, target, own)
         accepted = rand_ok if meta.all_random else torch.where(meta.greedy, accepted, rand_ok)
