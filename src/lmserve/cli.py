@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size: bytes if > 1, else a fraction of available memory")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM writes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '

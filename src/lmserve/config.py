@@ -32,6 +32,15 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Bounds on grammar compilation (a schema or regex is user input: it must not stall the server)."""
+
+    compile_timeout_s: float = 5.0  # longer: the request gets a 400 and the compile process is killed
+    compile_max_memory_mb: int = 2048  # growth of the compile process beyond its idle size
+    cache_size: int = 256  # compiled grammars kept (LRU)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine; derived values are resolved by the engine itself."""
 
@@ -45,6 +54,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: "SpeculativeConfig | None" = None
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
@@ -89,6 +99,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, speculative=args.speculative_config,
+        structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

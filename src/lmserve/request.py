@@ -56,6 +56,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
     cache_salt: bytes = b""  # mixed into prefix-cache hashes (e.g. adapter id)
+    # structured outputs: this sequence's structured.Grammar (its matcher state follows output_token_ids);
+    # typed loosely because plain data sits below the structured/ feature layer
+    grammar: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs

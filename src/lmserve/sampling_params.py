@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # Bounds that keep one request from exhausting the server (checked here so the
 # offline API and the HTTP API reject the same things with the same words).
@@ -11,6 +13,73 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_CHOICES = 1024
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar text beyond this is refused before compiling
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's `structured_outputs` names); exactly one kind is set.
+
+    json: a JSON schema (dict or its text); regex; choice: one of these strings exactly; grammar: EBNF
+    (GBNF-style) text; json_object: any JSON object; structural_tag: xgrammar structural-tag JSON (free
+    text with constrained regions, e.g. tool calls).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"structured_outputs: set exactly one of {', '.join(STRUCTURED_KINDS)} "
+                             f"(got {', '.join(set_kinds) or 'none'})")
+        self._check_types()
+        if len(self.spec_text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs.{self.kind}: longer than {MAX_GRAMMAR_CHARS} characters")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StructuredOutputsParams":
+        """From vLLM's `structured_outputs` object; unknown keys are named."""
+        unknown = sorted(set(d) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown key(s) {', '.join(unknown)}; "
+                             f"expected one of {', '.join(STRUCTURED_KINDS)}")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def _check_types(self) -> None:
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice: every choice must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of STRUCTURED_KINDS."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec_text(self) -> str:
+        """The constraint as one canonical string (the compile cache's key with `kind`)."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            return json.dumps(value, sort_keys=True, ensure_ascii=False)
+        if self.kind == "choice":
+            return json.dumps(value, ensure_ascii=False)
+        return "" if value is True else value
 
 
 @dataclass
@@ -35,8 +104,11 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: chosen token plus top-k alternatives
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

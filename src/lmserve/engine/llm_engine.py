@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from lmserve.sched.scheduler import Scheduler
 from lmserve.sched.stop import StopChecker
 from lmserve.spec.ngram import NgramProposer
 from lmserve.spec.stats import Backoff, SpecDecodeStats
+from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
+from lmserve.structured.grammar import Grammar
 from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
 from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -46,6 +49,7 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_per_pos: list[int] | None = None
+    grammar_mask_s: float = 0.0  # filling the step's grammar bitmask (structured outputs), seconds
 
 
 class LLMEngine:
@@ -78,6 +82,8 @@ class LLMEngine:
         self.proposer = self._proposer()
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
         self._backoff: dict[str, Backoff] = {}
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._grammars_lock = threading.Lock()
         if self.device.type == "cpu":
             keep_freed_memory()
         self.children: dict[str, list[str]] = {}  # client request id -> its n child request ids
@@ -138,11 +144,30 @@ class LLMEngine:
                                   f"({self.cfg.scheduler.max_num_batched_tokens}) with chunked prefill off")
         return max_tokens
 
+    def compile_grammar(self, params: SamplingParams) -> Compiled | None:
+        """The compiled grammar of params.structured_outputs (None without one); blocking, thread-safe.
+
+        The server calls it on a worker thread at admission; the offline path from add_request.
+        """
+        if params.structured_outputs is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                tok = self.tokenizer
+                vocab = VocabInfo(tok.vocab_tokens(), tok.vocab_type, self.model_config.vocab_size,
+                                  sorted(self.eos_token_ids))
+                self._grammars = GrammarCompiler(vocab, self.cfg.structured)
+        try:
+            return self._grammars.compile(params.structured_outputs)
+        except GrammarError as e:
+            raise RequestRejected(f"structured_outputs.{params.structured_outputs.kind}: {e}") from None
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    max_tokens: int | None = None) -> None:
+                    max_tokens: int | None = None, grammar: Compiled | None = None) -> None:
         """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks.
 
         `max_tokens` is what check_request returned for this prompt and params; None: not checked yet.
+        `grammar` is what compile_grammar returned for params; None with structured_outputs: compiled here.
         """
         params = params or SamplingParams()
         if request_id in self.children:
@@ -150,12 +175,15 @@ class LLMEngine:
         ids = self.tokenize_prompt(prompt)
         if max_tokens is None:  # the offline path (LLM, the CLI); the server checked before admitting
             max_tokens = self.check_request(ids, params)
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         kids = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
-            req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i, seed=seed)
+            req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i, seed=seed,
+                          grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids))
             self.scheduler.add(req)
             self.outputs.add(req)
             kids.append(rid)
@@ -190,7 +218,8 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), len(out.requests),
                                    result.num_decodes, result.num_prefill_tokens, time.perf_counter() - start,
-                                   self.kv.usage, self.kv.num_free_blocks)
+                                   self.kv.usage, self.kv.num_free_blocks,
+                                   grammar_mask_s=self.scheduler.last_mask_s if out.grammar_bitmask is not None else 0.0)
         if spec is not None:
             self.last_step.num_drafts, self.last_step.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             self.last_step.num_accepted_tokens = spec.num_accepted_tokens
@@ -235,6 +264,8 @@ class LLMEngine:
                 limits.append(min(k, room))
         if reqs:
             for req, drafts in zip(reqs, self.proposer.propose(reqs, limits)):
+                if req.grammar is not None:  # drafts the grammar refuses would only be rejected
+                    drafts = drafts[:req.grammar.valid_prefix(drafts)]
                 req.spec_token_ids = drafts
 
     def _delta(self, req: Request) -> CompletionDelta:

@@ -108,6 +108,20 @@ class Tokenizer:
         """Whether the id is a special (control) token."""
         return token_id in self._special_ids
 
+    def vocab_tokens(self) -> list[str]:
+        """Every id's token string as stored in the vocabulary (GPT-2 byte alphabet, "▁", "<0x0A>"...)."""
+        return [self._hf.id_to_token(i) or "" for i in range(self.vocab_size)]
+
+    @property
+    def vocab_type(self) -> str:
+        """How token strings map to bytes, from the decoder: "byte_level", "byte_fallback" (SentencePiece) or "raw"."""
+        decoder = json.dumps(json.loads(self._hf.to_str()).get("decoder") or {})
+        if '"ByteLevel"' in decoder:
+            return "byte_level"
+        if '"ByteFallback"' in decoder or '"Metaspace"' in decoder or "\u2581" in decoder:
+            return "byte_fallback"  # also reads "▁" as a space
+        return "raw"
+
     # -- chat ------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:

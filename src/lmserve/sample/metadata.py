@@ -62,6 +62,9 @@ class SamplingMetadata:
     # Speculative decoding: the draft each row verifies (-1: none, the row samples freely). Every drafter
     # here is deterministic (n-gram lookup, a greedy draft model), so q is one-hot and needs no tensor.
     draft_ids: torch.Tensor | None = None  # [B] int64
+    # Structured outputs: the allowed tokens of the constrained rows (others pay nothing).
+    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, bit t % 32 of word t // 32
+    grammar_rows: torch.Tensor | None = None  # [G] int64 logits rows the bitmask rows apply to
 
     @property
     def no_top_k(self) -> bool:
@@ -86,7 +89,8 @@ class SamplingMetadata:
     @property
     def writes_logits(self) -> bool:
         """Some step edits the logits in place, so the sampler must work on its own copy."""
-        return self.bias_index is not None or self.ban_index is not None or bool(self.processors)
+        return (self.bias_index is not None or self.ban_index is not None or bool(self.processors)
+                or self.grammar_bitmask is not None)
 
 
 def build_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:

@@ -1,6 +1,6 @@
 """The batched sampler, called once per engine step.
 
-Order: logits -> logit_bias -> min_tokens ban -> per-row logits processors -> penalties
+Order: logits -> logit_bias -> min_tokens ban -> grammar mask -> per-row logits processors -> penalties
 -> (logprobs) -> greedy rows: argmax | sampling rows: temperature -> top-k -> top-p -> min-p
 -> exponential-race sample.
 
@@ -28,6 +28,7 @@ from lmserve.sample.filters import NEG_INF, min_p_filter, top_k_only, top_k_top_
 from lmserve.sample.metadata import SamplingMetadata
 from lmserve.sample.penalties import apply_penalties
 from lmserve.sample.rejection import accept_drafts
+from lmserve.structured.mask import apply_bitmask
 
 # Smallest positive float32: Exp(1) noise is clamped to it so p / noise never becomes 0 / 0 = NaN,
 # which argmax would pick.
@@ -66,11 +67,13 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Apply logit_bias, the min_tokens ban, per-row processors and penalties. logits [B, V] float32."""
+    """Apply logit_bias, the min_tokens ban, grammar masks, per-row processors and penalties. logits [B, V] float32."""
     if meta.bias_index is not None:
         logits.index_put_(meta.bias_index, meta.bias_values, accumulate=True)
     if meta.ban_index is not None:
         logits[meta.ban_index] = NEG_INF
+    if meta.grammar_bitmask is not None:
+        apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
     for row, fn in meta.processors:
         logits[row] = fn(logits[row])
     if not meta.no_penalties:

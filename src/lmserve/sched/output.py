@@ -1,4 +1,4 @@
-"""What the scheduler decides each step: plain, picklable data with no tensors.
+"""What the scheduler decides each step: plain, picklable data with no tensors (numpy at most).
 
 The runner keeps a persistent row per request (worker/input_batch.py); a step's output tells it
 which rows to create (`new_requests`), which to drop (`finished_ids`), and what each scheduled row
@@ -9,6 +9,8 @@ optional draft tokens to verify.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from lmserve.sampling_params import SamplingParams
 
@@ -37,6 +39,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids, to verify
     # prompt positions in this chunk whose logits score the next prompt token (prompt logprobs): [start, end)
     prompt_logprob_range: tuple[int, int] | None = None
+    # structured outputs: first row of this request's mask in SchedulerOutput.grammar_bitmask (one row per
+    # logits row it samples: 1 + drafts); None when unconstrained or not sampling this step
+    grammar_row: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +62,8 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop their rows
     preempted_ids: list[str] = field(default_factory=list)  # blocks freed; rows kept for when they resume
+    # allowed tokens of every constrained sampling row, [rows, ceil(V / 32)] int32 (bit t % 32 of word t // 32)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -10,6 +10,7 @@ one token the verifier sampled, then trims the KV blocks that only rejected draf
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Protocol
@@ -19,6 +20,9 @@ from lmserve.config import SchedulerConfig
 from lmserve.request import Request, RequestStatus, TokenLogprobs
 from lmserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from lmserve.sched.stop import StopChecker
+from lmserve.structured.grammar import fill_bitmask
+
+log = logging.getLogger(__name__)
 
 
 class StepResult(Protocol):
@@ -42,6 +46,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.last_mask_s = 0.0  # time the last grammar bitmask took to fill
 
     def add(self, req: Request) -> None:
         """Queue a request (the engine has already checked that it can ever fit)."""
@@ -71,7 +76,22 @@ class Scheduler:
             i += 1
         if not out.preempted_ids:  # admitting now would only be preempted again
             budget = self._admit(out, budget)
+        self._grammar_rows(out)
         return out
+
+    def _grammar_rows(self, out: SchedulerOutput) -> None:
+        """Fill the step's bitmask: one row per logits row of each constrained request that samples."""
+        items, row = [], 0
+        for s in out.requests:
+            grammar = self.requests[s.request_id].grammar
+            if s.sample and grammar is not None:
+                s.grammar_row = row
+                items.append((grammar, s.spec_token_ids))
+                row += 1 + len(s.spec_token_ids)
+        if items:
+            start = time.perf_counter()
+            out.grammar_bitmask = fill_bitmask(items)
+            self.last_mask_s = time.perf_counter() - start
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
@@ -161,6 +181,11 @@ class Scheduler:
     def _accept(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
         """Append tokens until one stops the request; the rest of a speculative run is dropped."""
         for token, lp in zip(tokens, logprobs):
+            if req.grammar is not None and not req.grammar.accept(token):
+                # the mask allows only tokens the grammar accepts, so this is a bug; end the request, not the engine
+                log.error("request %s: grammar refused sampled token %d; aborting it", req.request_id, token)
+                self.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
+                return
             req.append_output(token, lp)
             status = self.stop.check(req, token)
             if status is not None:

@@ -1,7 +1,8 @@
 """The one stop checker: run once per accepted token, in order, so a request can end in the middle of a
 multi-token step (speculative decoding) and everything after the stopping token is dropped.
 
-Order per token, as vLLM does: a stop token id (once min_tokens is reached), then a stop string that
+Order per token, as vLLM does: a stop token id (once min_tokens is reached), the end of the request's
+grammar (structured outputs: it accepted a stop token, e.g. EOS under ignore_eos), then a stop string that
 the token's text completes, then the length limit. Stop strings need text, which the engine layer
 owns (incremental detokenization), so it is passed in as a callback and the scheduler stays below it.
 """
@@ -27,6 +28,9 @@ class StopChecker:
         n_out = len(req.output_token_ids)
         if n_out >= req.params.min_tokens and token in req.stop_token_ids:
             req.stop_reason = token if token in req.params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.terminated:
+            req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
         if self.stop_string is not None and req.params.stop:
             matched = self.stop_string(req, token)

@@ -5,9 +5,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from lmserve.sampling_params import STRUCTURED_KINDS
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+COMPILE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -59,6 +63,14 @@ class ServerMetrics:
                                                                          "quantization"], registry=r)
         self.load_seconds = Gauge("lmserve:model_load_seconds", "Weight load time", registry=r)
         self.warmup_seconds = Gauge("lmserve:model_warmup_seconds", "Warm-up time before serving", registry=r)
+        self.structured_requests = Counter("lmserve:structured_output_requests",
+                                           "Requests with structured outputs, by kind", ["kind"], registry=r)
+        for kind in STRUCTURED_KINDS:
+            self.structured_requests.labels(kind)
+        self.grammar_compile = Histogram("lmserve:grammar_compile_seconds", "Grammar compile time (cache hit or miss)",
+                                         ["cache"], buckets=COMPILE_BUCKETS, registry=r)
+        self.grammar_mask = h("lmserve:grammar_bitmask_seconds", "Per step with constrained rows: filling their "
+                              "token bitmask", MASK_BUCKETS)
         self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
                                registry=r)
 
@@ -108,6 +120,8 @@ class ServerMetrics:
             for pos, n in enumerate(stats.num_accepted_per_pos):
                 if n:
                     self.spec_accepted_pos.labels(str(pos)).inc(n)
+        if stats.grammar_mask_s:
+            self.grammar_mask.observe(stats.grammar_mask_s)
         self.batch_size.observe(stats.batch_size)
         self.step_seconds.observe(stats.step_seconds)
         if stats.batch_size > self._max_batch:

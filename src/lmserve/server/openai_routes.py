@@ -81,10 +81,11 @@ async def completions(request: Request) -> Response:
     shape = CompletionShape(req.echo, params.logprobs is not None, req.prompt_logprobs is not None,
                             scores_prompt_only(req))
     texts = [await _echo(st, p) if req.echo else "" for p in prompts]
+    grammar = await st.compile_grammar(params)
     # Nothing awaits from admission until the streams are counted in flight.
     max_tokens_each = st.admit(ids_list, params, record)
     rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n)
+    merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar)
                             for i, (ids, max_tokens) in enumerate(zip(ids_list, max_tokens_each))])
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.config.served_model_name}
     usage_prompt = sum(len(ids) for ids in ids_list)
@@ -108,9 +109,10 @@ async def chat_completions(request: Request) -> Response:
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     record = record_of(request)
     ids = await st.tokenize_chat(messages, record)
+    grammar = await st.compile_grammar(params)
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record)])
+    merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar)])
     meta = {"id": rid, "created": int(time.time()), "model": st.config.served_model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import secrets
 
-from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _build(**kw) -> SamplingParams:
@@ -28,12 +30,43 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(k): v for k, v in bias.items()}
 
 
+def structured_spec(r: _Sampling) -> dict | None:
+    """response_format / structured_outputs / guided_* -> StructuredOutputsParams fields; at most one source."""
+    sources = {}
+    fmt = r.response_format
+    if fmt is not None and fmt.type == "json_object":
+        sources["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.json_schema
+        sources["response_format"] = {"json": schema if schema is not None else {"type": "object"}}
+    if r.structured_outputs is not None:
+        body = r.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        sources["structured_outputs"] = body
+    guided = {kind: getattr(r, name) for name, kind in _GUIDED.items() if getattr(r, name) is not None}
+    if guided:
+        sources[next(name for name in _GUIDED if getattr(r, name) is not None)] = guided
+    if len(sources) > 1:
+        raise APIError(400, f"set only one of {', '.join(sources)}: each constrains the output",
+                       param=list(sources)[1])
+    return next(iter(sources.values()), None)
+
+
+def _structured(spec: dict | None, param: str) -> StructuredOutputsParams | None:
+    if spec is None:
+        return None
+    try:
+        return StructuredOutputsParams.from_dict(spec)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
 def _common(r: _Sampling) -> dict:
     bias = _logit_bias(r.logit_bias)
     if r.stream_options is not None and not r.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+    return dict(structured_outputs=_structured(structured_spec(r), "structured_outputs"),
+                n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                 presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
                 repetition_penalty=r.repetition_penalty, logit_bias=bias, seed=r.seed, stop=stop,
                 stop_token_ids=list(r.stop_token_ids or []), min_tokens=r.min_tokens, ignore_eos=r.ignore_eos)
@@ -82,8 +115,11 @@ def tgi_params(p: TGIParameters, stream: bool) -> SamplingParams:
     warpers = p.temperature not in (None, 1.0) or p.top_k not in (None, 0) or p.top_p not in (None, 1.0)
     sampling = p.do_sample or warpers
     seed = p.seed if p.seed is not None or not sampling else secrets.randbits(63)  # reported in details, as TGI
+    grammar = None
+    if p.grammar is not None:
+        grammar = _structured({"json" if p.grammar.type == "json" else "regex": p.grammar.value}, "grammar")
     return _build(max_tokens=p.max_new_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
                   top_k=p.top_k or 0, top_p=p.top_p if p.top_p is not None else 1.0,
                   repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
                   stop=p.stop, seed=seed, logprobs=0 if p.details or stream else None,
-                  prompt_logprobs=0 if p.details and p.decoder_input_details else None)
+                  prompt_logprobs=0 if p.details and p.decoder_input_details else None, structured_outputs=grammar)

@@ -33,6 +33,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaSpec(_Strict):
+    """response_format.json_schema: OpenAI's named schema ("schema" is the JSON schema itself)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only then')
+        return self
+
+
+class StructuredOutputsBody(_NullMeansDefault):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class _Sampling(_NullMeansDefault):
     """Fields shared by completions and chat (OpenAI names plus vLLM's extras)."""
 
@@ -56,6 +87,13 @@ class _Sampling(_NullMeansDefault):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's older names for structured_outputs, still sent by many clients
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -92,6 +130,13 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
+class TGIGrammar(_Strict):
+    """TGI's parameters.grammar: a JSON schema (`json`, value an object or its text) or a `regex`."""
+
+    type: Literal["json", "regex"]
+    value: dict[str, Any] | str
+
+
 class TGIParameters(_NullMeansDefault):
     max_new_tokens: int | None = 100
     temperature: float | None = None
@@ -105,6 +150,7 @@ class TGIParameters(_NullMeansDefault):
     return_full_text: bool = False
     decoder_input_details: bool = False  # the prompt's tokens and logprobs in details.prefill
     watermark: bool = False  # only false; huggingface_hub sends it on every request
+    grammar: TGIGrammar | None = None
 
 
 class TGIRequest(_Strict):

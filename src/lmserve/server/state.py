@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -106,18 +106,34 @@ class ServerState:
         except RuleViolation as e:
             raise APIError(400, str(e), param=e.param, code="rule_violation", reason="validation_rule") from None
 
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (None when unconstrained), compiled off the event loop and the engine thread.
+
+        Bounded by the engine's StructuredOutputsConfig: an invalid or too costly spec is a 400 naming it.
+        """
+        so = params.structured_outputs
+        if so is None:
+            return None
+        self.metrics.structured_requests.labels(so.kind).inc()
+        try:
+            compiled = await asyncio.to_thread(self.engine.compile_grammar, params)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param="structured_outputs", reason="invalid_request") from None
+        self.metrics.grammar_compile.labels("hit" if compiled.cached else "miss").observe(compiled.seconds)
+        return compiled
+
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
-                 record: RequestRecord, first_output: int = 0) -> AsyncIterator[CompletionDelta]:
+                 record: RequestRecord, first_output: int = 0, grammar: Any = None) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limit until it ends.
 
-        `max_tokens` is what admit returned for these ids. Its completions fill
+        `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
         record.outputs[first_output + index] (several prompts share one record).
         """
         if record.engine_arrival is None:
             record.engine_arrival = time.monotonic()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        inner = self.async_engine.generate(request_id, ids, params, max_tokens)
+        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar)
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index

@@ -61,10 +61,11 @@ async def _start(request: Request, st: ServerState, req: TGIRequest,
     params = tgi_params(req.parameters, stream)
     record = record_of(request)
     ids = await st.tokenize(req.inputs, record)
+    grammar = await st.compile_grammar(params)
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"tgi-{uuid.uuid4().hex}"
     record.stream = stream
-    return params, ids, MergedStreams([st.generate(rid, ids, params, max_tokens, record)])
+    return params, ids, MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar)])
 
 
 def _finish_reason(d: CompletionDelta) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lmserve.layers.paged_attention import PagedAttention, native_decode
@@ -57,6 +58,8 @@ class ModelRunner:
         sample_ids = [out.requests[i].request_id for i in layout.sample_reqs]
         drafts = [out.requests[i].spec_token_ids for i in layout.sample_reqs]
         meta, gather = self.batch.metadata(sample_ids, drafts) if sample_ids else (None, None)
+        if meta is not None and out.grammar_bitmask is not None:
+            meta.grammar_bitmask, meta.grammar_rows = _grammar_rows(out, layout)
         inputs, meta, gather, pending = to_device((host, meta, gather, self.batch.take_pending()), self.device)
         self.batch.apply_pending(pending)
         hidden = self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
@@ -111,6 +114,18 @@ class ModelRunner:
                 for r in range(row, row + n)]
             row += n
         return res
+
+
+def _grammar_rows(out: SchedulerOutput, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+    """The scheduler's bitmask rows reordered to the logits rows they mask: ([G, W] int32, [G] int64)."""
+    mask_rows, logit_rows, row = [], [], 0
+    for i, m in zip(layout.sample_reqs, layout.num_logits):
+        g = out.requests[i].grammar_row
+        if g is not None:
+            mask_rows.extend(range(g, g + m))
+            logit_rows.extend(range(row, row + m))
+        row += m
+    return out.grammar_bitmask[mask_rows], np.asarray(logit_rows, dtype=np.int64)
 
 
 def _leading_true(flags: list[bool]) -> int:

@@ -1,0 +1,7 @@
+"""Structured outputs: grammars compiled by xgrammar, applied as a token mask before sampling.
+
+compiler.py turns a StructuredOutputsParams into a compiled grammar (bounded in time and memory,
+cached); grammar.py holds one request's matcher (advance, roll back, fill its mask rows); schema.py
+names the JSON-schema keywords that would otherwise be ignored; tool_tag.py builds the grammar for
+OpenAI tool calls.
+"""
