@@ -99,7 +99,7 @@ CASES = [
     ("chat-response-format", "POST", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("chat-over-context", "POST", CH, chat(max_completion_tokens=10**6), 400, "context"),
     ("chat-null-user-content", "POST", CH, chat(messages=[{"role": "user", "content": None}]), 400, "content"),
-    ("chat-tool-role", "POST", CH, chat(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
+    ("chat-tool-message-without-id", "POST", CH, chat(messages=[{"role": "tool", "content": "x"}]), 400, "tool_call_id"),
     ("chat-part-without-text", "POST", CH, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
      "content must be"),
     ("chat-functions", "POST", CH, chat(functions=[{"name": "f"}]), 400, "functions"),
