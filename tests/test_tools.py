@@ -1,4 +1,4 @@
-"""Tool calling, server side: request validation, prompts with tools, and calls parsed back (whole and streamed)."""
+"""Tool calling, server side: request validation, prompts with tools, calls parsed back (tools.py, tool_stream.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from lmserve.engine.tokenizer import Tokenizer
 from lmserve.loader.default_model import default_model_path
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_body
-from lmserve.server.tools import (CALL_BEGIN, CALL_END, NAME_END, TOOL_PREAMBLE, ContentDelta, ToolArgumentsDelta,
-                                  ToolCall, ToolCallStart, ToolCallStreamer, call_begin, chat_chunk_delta,
-                                  chat_chunk_tool_calls, format_tool_call, new_call_id, parse_tool_calls,
-                                  prepare_chat, template_supports_tools)
+from lmserve.server.tool_stream import (ContentDelta, ToolArgumentsDelta, ToolCallStart, ToolCallStreamer,
+                                        chat_chunk_delta, chat_chunk_tool_calls)
+from lmserve.server.tools import (CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, TOOL_PREAMBLE, ToolCall, call_begin,
+                                  format_tool_call, new_call_id, parse_tool_calls, prepare_chat,
+                                  template_supports_tools)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -258,9 +259,8 @@ def parsed(text: str) -> tuple[str | None, list[tuple[str, str]]]:
 
 def ends_inside_call(text: str) -> bool:
     """Whether a call begins and never ends (the one case where streaming cannot agree with parsing)."""
-    begin = re.compile(re.escape(CALL_BEGIN) + r"[A-Za-z0-9_-]{1,64}" + re.escape(NAME_END))
     pos = 0
-    while (m := begin.search(text, pos)) is not None:
+    while (m := CALL_BEGIN_RE.search(text, pos)) is not None:
         end = text.find(CALL_END, m.end())
         if end < 0:
             return True
