@@ -109,7 +109,7 @@ CASES = [
      "cannot enforce: not"),
     ("chat-over-context", "POST", CH, chat(max_completion_tokens=10**6), 400, "context"),
     ("chat-null-user-content", "POST", CH, chat(messages=[{"role": "user", "content": None}]), 400, "content"),
-    ("chat-tool-role", "POST", CH, chat(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
+    ("chat-tool-message-without-id", "POST", CH, chat(messages=[{"role": "tool", "content": "x"}]), 400, "tool_call_id"),
     ("chat-part-without-text", "POST", CH, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
      "content must be"),
     ("chat-functions", "POST", CH, chat(functions=[{"name": "f"}]), 400, "functions"),

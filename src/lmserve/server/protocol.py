@@ -7,12 +7,13 @@ import math
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from lmserve.server.errors import APIError, excerpt
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_MESSAGES = 256
+TOOL_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for function names
 
 
 class _Strict(BaseModel):
@@ -111,10 +112,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallMessage(_Strict):
+    """One call in an assistant message's `tool_calls` (history sent back by the client)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None  # which call a tool message answers
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
@@ -122,12 +138,72 @@ class ChatMessage(_Strict):
             raise ValueError(f"content must not be null in a {self.role} message")
         return self
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed in assistant messages, not in a {self.role} message")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id is required in a tool message" if self.role == "tool"
+                             else f"tool_call_id is only allowed in tool messages, not in a {self.role} message")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=f"^{TOOL_NAME_PATTERN}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice that forces one function: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    function: ToolName
+
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # tools is declared before tool_choice: tool_choice's check reads the validated tools.
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[ToolDef] | None) -> list[ToolDef] | None:
+        seen: set[str] = set()
+        for tool in tools or []:
+            if tool.function.name in seen:
+                raise ValueError(f"duplicate function name {tool.function.name!r}")
+            seen.add(tool.function.name)
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, choice: str | NamedToolChoice | None, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:  # tools itself failed; that error is the one to report
+            return choice
+        names = [t.function.name for t in info.data["tools"] or []]
+        wanted = "'required'" if choice == "required" else "a named function" if isinstance(choice, NamedToolChoice) \
+            else None
+        if wanted is not None and not names:
+            raise ValueError(f"{wanted} needs a non-empty tools list")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"function {choice.function.name!r} is not in tools")
+        return choice
 
 
 class TGIGrammar(_Strict):
@@ -180,6 +256,7 @@ UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
+    "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }
 
 
