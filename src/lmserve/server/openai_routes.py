@@ -16,10 +16,12 @@ from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from lmserve.server.params import chat_params, completion_params, scores_prompt_only
+from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.state import ServerState, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched
+from lmserve.server.tool_stream import ToolCallStreamer, chat_chunk_delta
+from lmserve.server.tools import parse_tool_calls, prepare_chat, template_supports_tools
 
 router = APIRouter()
 
@@ -106,9 +108,11 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     st, req = await read_request(request, ChatRequest)
     params = chat_params(req)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
+    supports = template_supports_tools(st.engine.tokenizer.chat_template)
+    messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)
     record = record_of(request)
-    ids = await st.tokenize_chat(messages, record)
+    ids = await st.tokenize_chat(messages, record, template_kwargs)
     grammar = await st.compile_grammar(params)
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -116,15 +120,27 @@ async def chat_completions(request: Request) -> Response:
     meta = {"id": rid, "created": int(time.time()), "model": st.config.served_model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _sse(request, st, merged, _chat_chunks(st, merged, meta, params, len(ids), include_usage))
+        chunks = _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools))
+        return _sse(request, st, merged, chunks)
     choices = await _collect(request, st, merged, params.n, 1)
     if choices is None:
         return Response(status_code=499)
     body = {**meta, "object": "chat.completion", "choices": [
-        {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+        {"index": i, **_chat_message(c, bool(tools)),
          "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
         for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
     return JSONResponse(body)
+
+
+def _chat_message(c: Choice, with_tools: bool) -> dict:
+    """{"message", "finish_reason"} of a chat choice; with tools, calls are parsed out of the text."""
+    if not with_tools:
+        return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+    content, calls = parse_tool_calls(c.text)
+    if not calls:
+        return {"message": {"role": "assistant", "content": content or ""}, "finish_reason": c.finish_reason}
+    return {"message": {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]},
+            "finish_reason": "tool_calls" if c.finish_reason == "stop" else c.finish_reason}
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -211,21 +227,31 @@ async def _completion_chunks(st: ServerState, merged: MergedStreams, meta: dict,
 
 
 async def _chat_chunks(st: ServerState, merged: MergedStreams, meta: dict, params: SamplingParams,
-                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[dict]:
+                       prompt_tokens: int, include_usage: bool, with_tools: bool = False) -> AsyncIterator[dict]:
+    """Content deltas; with tools, a streamer per choice turns call text into OpenAI tool_calls deltas."""
     base = {**meta, "object": "chat.completion.chunk"}
     for i in range(params.n):  # the first delta of each choice carries the role
         yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}
     outputs = {}
+    streamers = {i: ToolCallStreamer() for i in range(params.n)} if with_tools else None
+    chunk = lambda i, delta, lp, reason: {**base, "choices": [  # noqa: E731
+        {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
     async for _, d in merged:
         outputs[d.index] = d.num_output_tokens
         lp = {"content": chat_logprobs(_piece(st), d.logprobs or [])} if params.logprobs is not None else None
-        if d.text or d.logprobs:
-            yield {**base, "choices": [{"index": d.index, "delta": {"content": d.text}, "logprobs": lp,
-                                        "finish_reason": None}]}
+        delta = {"content": d.text} if streamers is None else chat_chunk_delta(streamers[d.index].feed(d.text))
+        if (d.text and (delta or streamers is None)) or d.logprobs:
+            yield chunk(d.index, delta, lp, None)
         if d.finished:
-            yield {**base, "choices": [{"index": d.index, "delta": {}, "logprobs": None,
-                                        "finish_reason": d.finish_reason}]}
+            reason = d.finish_reason
+            if streamers is not None:
+                tail = chat_chunk_delta(streamers[d.index].finish())
+                if tail:
+                    yield chunk(d.index, tail, None, None)
+                if streamers[d.index].num_calls and reason == "stop":
+                    reason = "tool_calls"
+            yield chunk(d.index, {}, None, reason)
     if include_usage:
         yield {**base, "choices": [], "usage": _usage_counts(prompt_tokens, sum(outputs.values()))}
 

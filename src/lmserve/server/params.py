@@ -7,6 +7,8 @@ import secrets
 from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
+from lmserve.structured.compiler import GrammarError
+from lmserve.structured.tool_tag import tool_call_tag
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -60,12 +62,34 @@ def _structured(spec: dict | None, param: str) -> StructuredOutputsParams | None
         raise APIError(400, str(e), param=param) from None
 
 
-def _common(r: _Sampling) -> dict:
+def tool_dicts(r: ChatRequest) -> list[dict]:
+    """The request's tools as OpenAI dicts when the model may call them (tools given, tool_choice not "none")."""
+    if not r.tools or r.tool_choice == "none":
+        return []
+    return [t.model_dump(exclude_none=True) for t in r.tools]
+
+
+def _tool_spec(r: ChatRequest) -> dict | None:
+    """Tools make the output text with grammar-constrained calls (auto) or calls only (required, named)."""
+    tools = tool_dicts(r)
+    if not tools:
+        return None
+    choice = r.tool_choice if r.tool_choice is not None else "auto"
+    if not isinstance(choice, str):
+        choice = choice.model_dump()
+    try:
+        return {"structural_tag": tool_call_tag(tools, choice, parallel=r.parallel_tool_calls is not False)}
+    except GrammarError as e:
+        raise APIError(400, str(e), param="tools") from None
+
+
+def _common(r: _Sampling, structured: dict | None = None) -> dict:
     bias = _logit_bias(r.logit_bias)
     if r.stream_options is not None and not r.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    return dict(structured_outputs=_structured(structured_spec(r), "structured_outputs"),
+    structured = structured if structured is not None else structured_spec(r)
+    return dict(structured_outputs=_structured(structured, "structured_outputs"),
                 n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                 presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
                 repetition_penalty=r.repetition_penalty, logit_bias=bias, seed=r.seed, stop=stop,
@@ -99,7 +123,12 @@ def chat_params(r: ChatRequest) -> SamplingParams:
     if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {r.top_logprobs}", param="top_logprobs")
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-    return _build(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None, **_common(r))
+    tools, other = _tool_spec(r), structured_spec(r)
+    if tools is not None and other is not None:
+        raise APIError(400, "response_format and structured outputs cannot be combined with tools "
+                       '(unless tool_choice is "none")', param="tools")
+    return _build(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None,
+                  **_common(r, tools or other))
 
 
 def tgi_params(p: TGIParameters, stream: bool) -> SamplingParams:

@@ -175,11 +175,12 @@ class ServerState:
         finally:
             record.tokenize_s += time.monotonic() - start
 
-    async def tokenize_chat(self, messages: list[dict], record: RequestRecord) -> list[int]:
-        """Render the chat template and tokenize, off the event loop."""
+    async def tokenize_chat(self, messages: list[dict], record: RequestRecord,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """Render the chat template (with extra variables such as `tools`) and tokenize, off the event loop."""
         start = time.monotonic()
         try:
-            return await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages)
+            return await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages, True, **(template_kwargs or {}))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         finally:

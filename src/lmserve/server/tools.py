@@ -43,11 +43,13 @@ import jinja2.meta
 
 from lmserve.engine.chat_template import message_text
 from lmserve.server.protocol import TOOL_NAME_PATTERN
+from lmserve.structured.tool_tag import ARGUMENTS_PREFIX, CALL_CLOSE, CALL_END, CALL_OPEN, NAME_PREFIX
 
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-CALL_BEGIN = TOOL_CALL_OPEN + '\n{"name": "'  # then the name
-NAME_END = '", "arguments": '  # then the arguments object
-CALL_END = "}\n" + TOOL_CALL_CLOSE  # its "}" closes the {"name": ...} object
+# One definition of the format, shared with the grammar that constrains it (structured/tool_tag.py).
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = CALL_OPEN, CALL_CLOSE
+CALL_BEGIN = CALL_OPEN + NAME_PREFIX  # then the name
+NAME_END = ARGUMENTS_PREFIX  # then the arguments object
+# CALL_END: "}\n</tool_call>"; its "}" closes the {"name": ...} object
 
 TOOL_PREAMBLE = """You may call one or more functions to help with the user's request. \
 The functions are listed below, one JSON object per line, between <tools> and </tools>:
