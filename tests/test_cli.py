@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 
 SMALL = ["--kv-cache-memory", str(64 * 2**20), "--num-threads", "2", "--temperature", "0"]
@@ -33,3 +35,19 @@ def test_chat_streams_replies_until_exit():
 def test_bad_quantization_flag_is_refused_by_the_parser():
     p = lmserve("generate", "hi", "--quantization", "int3")
     assert p.returncode == 2 and "invalid choice: 'int3'" in p.stderr
+
+
+def test_generate_with_a_json_schema_file(tmp_path):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 100000000}},
+              "required": ["city", "population"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    p = lmserve("generate", "Describe Paris as JSON.", "--chat-template", "--json-schema", str(path),
+                "--max-tokens", "60", *SMALL)
+    assert p.returncode == 0, p.stderr[-2000:]
+    jsonschema.validate(json.loads(p.stdout), schema)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "objekt"}')
+    p = lmserve("generate", "hi", "--json-schema", str(bad), "--max-tokens", "4", *SMALL)
+    assert p.returncode == 2 and 'Unsupported type "objekt"' in p.stderr and "Traceback" not in p.stderr

@@ -65,17 +65,40 @@ def sampling_params(args: argparse.Namespace):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sample_seed, stop=args.stop)
+                          seed=args.sample_seed, stop=args.stop, structured_outputs=structured_outputs(args))
+
+
+def structured_outputs(args: argparse.Namespace) -> dict | None:
+    """--json-schema FILE / --regex / --choice -> a structured_outputs dict (at most one; argparse enforces it)."""
+    import json
+
+    if getattr(args, "json_schema", None):
+        with open(args.json_schema, encoding="utf-8") as f:
+            return {"json": json.load(f)}
+    if getattr(args, "regex", None):
+        return {"regex": args.regex}
+    if getattr(args, "choice", None):
+        return {"choice": args.choice}
+    return None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one completion of a prompt to stdout."""
     from lmserve.engine.llm_engine import LLMEngine
 
+    try:
+        params = sampling_params(args)
+    except (OSError, ValueError) as e:  # an unreadable schema file or a bad spec: one line, not a traceback
+        print(f"lmserve generate: {e}", file=sys.stderr)
+        return 2
     engine = LLMEngine(engine_config(args))
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat_template \
         else args.prompt
-    _stream(engine, "0", prompt, sampling_params(args))
+    try:
+        _stream(engine, "0", prompt, params)
+    except ValueError as e:  # e.g. a schema that does not compile
+        print(f"lmserve generate: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -161,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wrap the prompt as a user chat message (its text then stays plain)")
     add_engine_args(gen)
     add_sampling_args(gen)
+    constrain = gen.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema")
+    constrain.add_argument("--regex", help="the output matches this regular expression")
+    constrain.add_argument("--choice", action="append", help="the output is exactly one of these (repeatable)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
