@@ -236,7 +236,7 @@ def _serve() -> None:
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     info = xgr.TokenizerInfo.deserialize_json(_recv(stdin))
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
     _send(stdout, "ready")
     while (request := _recv(stdin)) is not None:
         method, text = request
