@@ -259,3 +259,12 @@ def test_structured_metrics(server, client):
     assert server.metric("lmserve:structured_output_requests_total", 'kind="regex"') == before + 1
     assert server.metric("lmserve:grammar_compile_seconds_count", 'cache="miss"') >= 1
     assert server.metric("lmserve:grammar_bitmask_seconds_count") >= 4
+
+
+def test_tokenize_renders_tools_as_the_chat_route_does(server, client):
+    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=40, parallel_tool_calls=False)
+    tok = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": USER, "tools": TOOLS}, timeout=60)
+    plain = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": USER}, timeout=60)
+    assert tok.status_code == 200 and tok.json()["count"] == r.usage.prompt_tokens
+    assert plain.json()["count"] < r.usage.prompt_tokens  # the tool preamble is in the prompt

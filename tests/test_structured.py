@@ -142,6 +142,18 @@ def test_a_pathological_grammar_is_cut_off_and_the_compiler_recovers(compiler, o
     assert accepts(fresh, offline_llm.tokenizer, "abcz")
 
 
+def test_compile_memory_is_bounded_too(offline_llm):
+    tok = offline_llm.tokenizer
+    vocab = VocabInfo(tok.vocab_tokens(), tok.vocab_type, offline_llm.engine.model_config.vocab_size,
+                      sorted(tok.eos_token_ids))
+    tight = GrammarCompiler(vocab, StructuredOutputsConfig(compile_timeout_s=60, compile_max_memory_mb=8))
+    try:
+        with pytest.raises(GrammarError, match="needed more than 8 MiB"):
+            tight.compile(StructuredOutputsParams(grammar=SLOW_GRAMMAR))  # grows by ~30 MB while compiling
+    finally:
+        tight.close()
+
+
 def test_drafts_fill_one_row_per_position_and_leave_the_matcher_where_it_was(compiler, offline_llm):
     tok = offline_llm.tokenizer
     compiled = compiler.compile(StructuredOutputsParams(choice=["alpha beta gamma"]))

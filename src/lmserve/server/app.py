@@ -19,6 +19,7 @@ from lmserve.ops.record import RequestRecord
 from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from lmserve.server.tools import prepare_chat, template_supports_tools
 from lmserve.server.state import RECORD_KEY, ServerState, read_request, state_of
 
 OPEN_PATHS = ("/health",)  # no API key needed
@@ -210,7 +211,10 @@ def _misc_routes(app: FastAPI) -> None:
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         try:
             if req.messages is not None:
-                ids = await asyncio.to_thread(tok.encode_chat, [m.model_dump(exclude_none=True) for m in req.messages])
+                tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+                messages, kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools,
+                                                template_supports_tools(tok.chat_template))
+                ids = await asyncio.to_thread(tok.encode_chat, messages, True, **kwargs)
             else:
                 ids = await asyncio.to_thread(tok.encode_prompt, req.prompt, req.add_special_tokens)
         except ValueError as e:

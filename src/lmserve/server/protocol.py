@@ -244,6 +244,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # with messages: rendered as a chat request with these tools would be
     add_special_tokens: bool = True
 
 
