@@ -51,7 +51,10 @@ REQUEST_PARAMS = frozenset({
     "best_of", "decoder_input_details", "details", "do_sample", "echo", "frequency_penalty", "ignore_eos",
     "logit_bias", "logprobs", "max_completion_tokens", "max_new_tokens", "max_tokens", "min_p", "min_tokens",
     "model", "n", "presence_penalty", "prompt_logprobs", "repetition_penalty", "return_full_text", "seed", "stop",
-    "stop_token_ids", "stream", "stream_options", "suffix", "temperature", "top_k", "top_logprobs", "top_p", "user", "watermark"})
+    "stop_token_ids", "stream", "stream_options", "suffix", "temperature", "top_k", "top_logprobs", "top_p", "user", "watermark",
+    # structured outputs and tools (objects: rules can require, forbid or allow-list them)
+    "grammar", "guided_choice", "guided_grammar", "guided_json", "guided_regex", "parallel_tool_calls",
+    "response_format", "structured_outputs", "tool_choice", "tools"})
 
 
 class RuleViolation(ValueError):
