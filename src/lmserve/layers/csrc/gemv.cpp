@@ -9,6 +9,12 @@
 // results are bit-identical to it and a sequence's tokens do not depend on whether its step ran here or
 // in oneDNN with a larger batch. layers/linear.py checks that equality on every layer at load and keeps
 // oneDNN alone where it does not hold (other CPUs, other oneDNN versions).
+//
+// Rows go four at a time through each weight block (8 accumulators + 2 weight registers + the broadcast:
+// 11 of AVX2's 16 registers), then the last 1-3 rows in one more pass, so a verify step of 5-8 rows makes
+// two passes over each block where pairs made three or four; the 8 independent FMA chains of a 4-row pass
+// also cover the FMA latency (4 cycles x 2 pipes on Zen 3) that 4 chains of a pair leave half idle.
+// Grouping never changes a row's arithmetic: its chain is the same in every group size.
 
 #include "ops.h"
 
@@ -63,6 +69,17 @@ inline void panel_block(const float* x, int64_t K, const float* panel, int64_t k
 }
 #endif
 
+// the last 0-3 rows in one pass over the block
+inline void rows_block(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, float* y,
+                       int64_t ldy, bool first) {
+  switch (rows) {
+    case 3: panel_block<3>(x, K, panel, k0, k1, y, ldy, first); break;
+    case 2: panel_block<2>(x, K, panel, k0, k1, y, ldy, first); break;
+    case 1: panel_block<1>(x, K, panel, k0, k1, y, ldy, first); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
@@ -86,8 +103,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
       for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
         const int64_t k1 = std::min(K, k0 + kBlock);
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2) panel_block<2>(xp + m * K, K, panel, k0, k1, yp + m * ldy + p * kPanel, ldy, k0 == 0);
-        if (m < M) panel_block<1>(xp + m * K, K, panel, k0, k1, yp + m * ldy + p * kPanel, ldy, k0 == 0);
+        for (; m + 4 <= M; m += 4) panel_block<4>(xp + m * K, K, panel, k0, k1, yp + m * ldy + p * kPanel, ldy, k0 == 0);
+        rows_block(M - m, xp + m * K, K, panel, k0, k1, yp + m * ldy + p * kPanel, ldy, k0 == 0);
       }
     }
   });
