@@ -119,9 +119,11 @@ def test_skinny_linear_gives_onednns_bits(k, n, bias):
 @needs_kernel
 @pytest.mark.parametrize("k,n,bias", [(37, 7, False), (1000, 100, True), (2100, 250, False), (3001, 33, True)])
 def test_skinny_kernel_gives_onednns_bits_for_1_to_8_rows(k, n, bias):
-    """Every row grouping (4s, then 3, 2 or 1) gives each row oneDNN's bits in a batch too big for the kernel.
+    """Every row grouping (4s, then 3, 2 or 1; slabs of 8 past 8 rows) gives each row oneDNN's bits in a
+    batch too big for the kernel.
 
-    K is not a multiple of 16 nor of the kernel's 1024-input chain blocks, and N leaves a part-filled panel.
+    K is not a multiple of 16, of the kernel's 64-input chunks nor of its 1024-input chain blocks, and N
+    leaves a part-filled panel.
     """
     from lmserve.layers.linear import PackedLinear
 
@@ -131,7 +133,7 @@ def test_skinny_kernel_gives_onednns_bits_for_1_to_8_rows(k, n, bias):
         pytest.skip("this CPU's oneDNN sums in another order: the layer keeps oneDNN only")
     x = rand(40, k, seed=k + n)
     batch = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
-    for m in range(1, 9):
+    for m in [*range(1, 9), 12, 17]:
         for start in (0, 40 - m):  # rows of another group of x give their own bits too
             rows = x[start:start + m]
             assert torch.equal(mod.skinny_linear(rows, layer.panels, n, layer.bias), batch[start:start + m]), (m, start)

@@ -22,7 +22,10 @@ from lmserve.layers.native import native_module
 
 log = logging.getLogger(__name__)
 
-SKINNY_MAX_ROWS = 4  # beyond this oneDNN's GEMM is as fast (measured on the embedded model's shapes)
+# Steps of up to 8 rows (a verify step with up to 7 drafts) run the skinny kernel: on the embedded model's
+# shapes it beats oneDNN at every M = 1..8 (1.1-1.7x per layer; all linear layers of a forward 31-40 ms
+# against 39-59 ms; benchmarks/results/skinny_rows.md). Past 8 rows it rereads each panel per 8 rows.
+SKINNY_MAX_ROWS = 8
 PANEL = 16  # output columns per panel, as in gemv.cpp
 # Row counts checked at load: gemv.cpp runs rows in groups of 4 and then one group of 3, 2 or 1, so
 # 1 (1), 3 (3), 6 (4 + 2) and 8 (4 + 4) exercise every group size.
