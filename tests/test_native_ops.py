@@ -100,7 +100,7 @@ def test_other_dtypes_and_switch_off_use_pytorch(monkeypatch):
 @pytest.mark.parametrize("k,n,bias", [(576, 960, False), (1536, 576, False), (2100, 100, True), (64, 7, True),
                                       (576, 49152, False)])
 def test_skinny_linear_gives_onednns_bits(k, n, bias):
-    """Steps of 1-4 rows run the skinny kernel; its rows are bit-identical to oneDNN's in a batch of 64."""
+    """Steps of up to SKINNY_MAX_ROWS rows run the skinny kernel; its rows are oneDNN's bits in a batch of 64."""
     from lmserve.layers.linear import SKINNY_MAX_ROWS, PackedLinear
 
     torch.manual_seed(k + n)
@@ -114,6 +114,29 @@ def test_skinny_linear_gives_onednns_bits(k, n, bias):
     for m in range(1, SKINNY_MAX_ROWS + 1):
         assert torch.equal(layer(x[:m]), batch[:m]), m
     torch.testing.assert_close(layer(x[:3]), F.linear(x[:3], lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n,bias", [(37, 7, False), (1000, 100, True), (2100, 250, False), (3001, 33, True)])
+def test_skinny_kernel_gives_onednns_bits_for_1_to_8_rows(k, n, bias):
+    """Every row grouping (4s, then 3, 2 or 1; slabs of 8 past 8 rows) gives each row oneDNN's bits in a
+    batch too big for the kernel.
+
+    K is not a multiple of 16, of the kernel's 64-input chunks nor of its 1024-input chain blocks, and N
+    leaves a part-filled panel.
+    """
+    from lmserve.layers.linear import PackedLinear
+
+    torch.manual_seed(k * n)
+    layer = PackedLinear(torch.nn.Linear(k, n, bias=bias))
+    if layer.panels is None:
+        pytest.skip("this CPU's oneDNN sums in another order: the layer keeps oneDNN only")
+    x = rand(40, k, seed=k + n)
+    batch = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    for m in [*range(1, 9), 12, 17]:
+        for start in (0, 40 - m):  # rows of another group of x give their own bits too
+            rows = x[start:start + m]
+            assert torch.equal(mod.skinny_linear(rows, layer.panels, n, layer.bias), batch[start:start + m]), (m, start)
 
 
 @needs_kernel

@@ -22,8 +22,14 @@ from lmserve.layers.native import native_module
 
 log = logging.getLogger(__name__)
 
-SKINNY_MAX_ROWS = 4  # beyond this oneDNN's GEMM is as fast (measured on the embedded model's shapes)
+# Steps of up to 8 rows (a verify step with up to 7 drafts) run the skinny kernel: on the embedded model's
+# shapes it beats oneDNN at every M = 1..8 (1.1-1.7x per layer; all linear layers of a forward 31-40 ms
+# against 39-59 ms; benchmarks/results/skinny_rows.md). Past 8 rows it rereads each panel per 8 rows.
+SKINNY_MAX_ROWS = 8
 PANEL = 16  # output columns per panel, as in gemv.cpp
+# Row counts checked at load: gemv.cpp runs rows in groups of 4 and then one group of 3, 2 or 1, so
+# 1 (1), 3 (3), 6 (4 + 2) and 8 (4 + 4) exercise every group size.
+CHECK_ROWS = (1, 3, 6, 8)
 
 
 class PackedLinear(nn.Module):
@@ -50,12 +56,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _skinny_matches_onednn(self, panels: torch.Tensor) -> bool:
-        """True when the skinny kernel gives oneDNN's bits for this layer (rows 1..3 vs a batch of 8)."""
-        x = torch.randn(8, self.in_features, generator=torch.Generator().manual_seed(0))
+        """True when the skinny kernel's rows are oneDNN's bits for this layer in a batch that oneDNN runs."""
+        # more rows than any skinny step: the bits a row gets when its step is too big for the kernel
+        x = torch.randn(SKINNY_MAX_ROWS + 8, self.in_features, generator=torch.Generator().manual_seed(0))
         full = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         mod = native_module()
         same = all(torch.equal(mod.skinny_linear(x[:m], panels, self.out_features, self.bias), full[:m])
-                   for m in (1, 3))
+                   for m in CHECK_ROWS if m <= SKINNY_MAX_ROWS)
         if not same:
             log.info("skinny kernel differs from oneDNN for a [%d x %d] layer; it keeps oneDNN only",
                      self.out_features, self.in_features)

@@ -9,11 +9,22 @@
 // results are bit-identical to it and a sequence's tokens do not depend on whether its step ran here or
 // in oneDNN with a larger batch. layers/linear.py checks that equality on every layer at load and keeps
 // oneDNN alone where it does not hold (other CPUs, other oneDNN versions).
+//
+// Rows (up to kSlab at once) go through a panel four at a time (8 accumulators + 2 weight registers + the
+// broadcast: 11 of AVX2's 16 registers; 8 independent chains cover the FMA latency, 4 cycles x 2 pipes on
+// Zen 3), then the last 1-3 rows, kChunk inputs at a time: every group runs over a 4 KB chunk of the panel
+// while it is in L1, the chains parked in a small buffer between chunks, so a verify step of 5-8 rows
+// streams each panel from memory once, with no second pass over it from L2. A chain parked and resumed
+// is the same chain: grouping and chunking never change a row's arithmetic. Measured on the embedded
+// model's layers (AMD EPYC Zen 3, 2 threads), all linear layers of one forward with M rows against rows
+// in pairs, each pair a pass over the whole panel: M = 5 45.6 -> 37.3 ms, M = 8 55.6 -> 41.2 ms, M = 1-2
+// unchanged (30 ms); oneDNN takes 49-59 ms at M = 5-8 (benchmarks/results/skinny_rows.md).
 
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -21,47 +32,78 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;   // output columns per panel: two 8-float registers
+constexpr int64_t kPanel = 16;    // output columns per panel: two 8-float registers
 constexpr int64_t kBlock = 1024;  // inputs per FMA chain before its sum is added to the output
+constexpr int64_t kChunk = 64;    // inputs per pass of a row group: 4 KB of panel, read from L1 by the next group
+constexpr int64_t kSlab = 8;      // rows whose chains share one pass over a panel (acc buffer: 512 bytes)
 
-// rows [m0, m0 + MR) of x against one panel, K-block [k0, k1): acc = chain, then y = first ? acc : y + acc
+// rows [0, MR) of x continue their chains over k in [k0, k1) of one panel; acc [MR][16] carries them
+// between chunks (fresh: start at zero)
 #if defined(__AVX2__) && defined(__FMA__)
 template <int MR>
-inline void panel_block(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, float* y,
-                        int64_t ldy, bool first) {
+inline void panel_chain(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, float* acc,
+                        bool fresh) {
   __m256 lo[MR], hi[MR];
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  // fully unrolled: GCC 12 otherwise keeps a stack copy of the 4-row accumulators, stored every k
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+    lo[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kPanel);
+    hi[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kPanel + 8);
+  }
   for (int64_t k = k0; k < k1; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    for (int r = 0; r < MR; ++r) {
+    __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    // keep w0, w1 in registers: GCC otherwise folds the loads into every row's FMA, 12 loads per k
+    // for 4 rows instead of 6 (LM head at 8 rows: 8.0 -> 7.2 ms)
+    asm("" : "+x"(w0), "+x"(w1));
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
       const __m256 a = _mm256_broadcast_ss(x + r * K + k);
       lo[r] = _mm256_fmadd_ps(a, w0, lo[r]);
       hi[r] = _mm256_fmadd_ps(a, w1, hi[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    float* out = y + r * ldy;
-    if (!first) {
-      lo[r] = _mm256_add_ps(_mm256_loadu_ps(out), lo[r]);
-      hi[r] = _mm256_add_ps(_mm256_loadu_ps(out + 8), hi[r]);
-    }
-    _mm256_storeu_ps(out, lo[r]);
-    _mm256_storeu_ps(out + 8, hi[r]);
+  _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(acc + r * kPanel, lo[r]);
+    _mm256_storeu_ps(acc + r * kPanel + 8, hi[r]);
   }
 }
 #else
 // The same arithmetic one column at a time (std::fma is the fused multiply-add the vector path uses).
 template <int MR>
-inline void panel_block(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, float* y,
-                        int64_t ldy, bool first) {
+inline void panel_chain(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, float* acc,
+                        bool fresh) {
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < kPanel; ++c) {
-      float acc = 0.f;
-      for (int64_t k = k0; k < k1; ++k) acc = std::fma(x[r * K + k], panel[k * kPanel + c], acc);
-      y[r * ldy + c] = first ? acc : y[r * ldy + c] + acc;
+      float a = fresh ? 0.f : acc[r * kPanel + c];
+      for (int64_t k = k0; k < k1; ++k) a = std::fma(x[r * K + k], panel[k * kPanel + c], a);
+      acc[r * kPanel + c] = a;
     }
 }
 #endif
+
+// one group of 1-4 rows (the template argument must be a constant)
+inline void group_chain(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1,
+                        float* acc, bool fresh) {
+  switch (rows) {
+    case 4: panel_chain<4>(x, K, panel, k0, k1, acc, fresh); break;
+    case 3: panel_chain<3>(x, K, panel, k0, k1, acc, fresh); break;
+    case 2: panel_chain<2>(x, K, panel, k0, k1, acc, fresh); break;
+    default: panel_chain<1>(x, K, panel, k0, k1, acc, fresh); break;
+  }
+}
+
+// rows [0, rows) (at most kSlab) against one panel, K-block [k0, k1): chains chunk by chunk, then
+// y = block sum (first block) or y + block sum
+inline void slab_block(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1,
+                       float* y, int64_t ldy) {
+  alignas(64) float acc[kSlab * kPanel];
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
+    const int64_t c1 = std::min(k1, c0 + kChunk);
+    for (int64_t m = 0; m < rows; m += 4)
+      group_chain(std::min<int64_t>(4, rows - m), x + m * K, K, panel, c0, c1, acc + m * kPanel, c0 == k0);
+  }
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t c = 0; c < kPanel; ++c)
+      y[m * ldy + c] = k0 == 0 ? acc[m * kPanel + c] : y[m * ldy + c] + acc[m * kPanel + c];
+}
 
 }  // namespace
 
@@ -85,9 +127,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
       const float* panel = pp + p * K * kPanel;
       for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
         const int64_t k1 = std::min(K, k0 + kBlock);
-        int64_t m = 0;
-        for (; m + 2 <= M; m += 2) panel_block<2>(xp + m * K, K, panel, k0, k1, yp + m * ldy + p * kPanel, ldy, k0 == 0);
-        if (m < M) panel_block<1>(xp + m * K, K, panel, k0, k1, yp + m * ldy + p * kPanel, ldy, k0 == 0);
+        for (int64_t m = 0; m < M; m += kSlab)
+          slab_block(std::min(kSlab, M - m), xp + m * K, K, panel, k0, k1, yp + m * ldy + p * kPanel, ldy);
       }
     }
   });
