@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,6 @@ def hub_cache(tiny, tmp_path_factory) -> Path:
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(COMMIT)
     (repo / "snapshots").mkdir()
-    import shutil
-
     shutil.copytree(tiny, repo / "snapshots" / COMMIT)
     return root
 
@@ -106,6 +105,12 @@ def test_generate_and_chat_refuse_a_file_that_is_not_a_model(tmp_path, command):
     assert_one_line_error(lmserve(*command, "--model", _junk(tmp_path, "model.gguf")), "not a GGUF file")
 
 
+def test_serve_refuses_a_directory_without_a_tokenizer(tiny, tmp_path):
+    shutil.copytree(tiny, tmp_path / "untokenized")
+    (tmp_path / "untokenized" / "tokenizer.json").unlink()
+    assert_one_line_error(lmserve("serve", "--model", str(tmp_path / "untokenized")), "no tokenizer.json")
+
+
 def test_max_model_len_above_the_context_is_capped_with_a_warning(tiny):
     p = lmserve("generate", "w1 w2", "--model", str(tiny), "--max-model-len", "100000", "--max-tokens", "2",
                 "--num-threads", "2")
@@ -121,8 +126,6 @@ def test_kv_pool_smaller_than_one_request_is_refused_then_the_named_fix_works(ti
     if 0.15 * psutil.virtual_memory().available >= 10**7 * per_token:
         pytest.skip("this machine's default KV budget holds a 10M-token context")
     big = tmp_path / "big"
-    import shutil
-
     shutil.copytree(tiny, big)
     cfg = json.loads((big / "config.json").read_text())
     (big / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 10**7}))

@@ -17,6 +17,7 @@ import torch
 
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
 from lmserve.config import CacheConfig, EngineConfig
+from lmserve.engine.tokenizer import check_tokenizer_file
 from lmserve.errors import ConfigError
 from lmserve.layers.quantized import check_scheme
 from lmserve.loader import read_model_config, resolve_model_path
@@ -48,6 +49,8 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
             raise ConfigError(f"--quantization: {e}") from None
     path = model_path(cfg.model, cfg.revision)
     model_config = read_model_config(path)
+    if path.is_dir():
+        check_tokenizer_file(path)
     cfg = replace(cfg, model=str(path), max_model_len=_max_model_len(cfg.max_model_len, model_config),
                   speculative=_draft(cfg))
     _check_prefill_budget(cfg)
