@@ -171,13 +171,11 @@ def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> N
     try:
         engine = LLMEngine(config)
         warmup = _warm_up(engine)
-    except (CheckpointError, ConfigError) as e:  # a bad weight file, a pool smaller than the check estimated
-        log.error("model load failed: %s", e)
-        state.load_error = f"{type(e).__name__}: {e}"
-        server.should_exit = True
-        return
     except Exception as e:  # noqa: BLE001 - the log has the details; a server without a model exits
-        log.exception("model load failed")
+        if isinstance(e, (CheckpointError, ConfigError)):  # a bad weight file, a pool smaller than estimated
+            log.error("model load failed: %s", e)  # the message says it all: no traceback
+        else:
+            log.exception("model load failed")
         state.load_error = f"{type(e).__name__}: {e}"
         server.should_exit = True
         return
