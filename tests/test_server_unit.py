@@ -47,12 +47,20 @@ def test_nulls_mean_defaults_and_types_are_strict():
 def test_served_name_from_the_model_path(tmp_path, model, name):
     path = tmp_path / model
     path.mkdir() if not model.endswith(".gguf") else path.write_bytes(b"")
-    assert served_name(argparse.Namespace(served_model_name=None, model=str(path))) == name
-    assert served_name(argparse.Namespace(served_model_name="given", model=str(path))) == "given"
+    assert served_name(argparse.Namespace(served_model_name=None, model=str(path)), path) == name
+    assert served_name(argparse.Namespace(served_model_name="given", model=str(path)), path) == "given"
+
+
+def test_served_name_of_a_hub_id_is_the_id(tmp_path):
+    snapshot = tmp_path / "snapshots" / "0123abcd"  # where the Hub cache keeps it: not a name for clients
+    assert served_name(argparse.Namespace(served_model_name=None, model="org/name"), snapshot) == "org/name"
 
 
 def test_default_served_name():
-    assert served_name(argparse.Namespace(served_model_name=None, model=None)) == "SmolLM2-135M-Instruct"
+    from lmserve.loader import default_model_path
+
+    args = argparse.Namespace(served_model_name=None, model=None)
+    assert served_name(args, default_model_path()) == "SmolLM2-135M-Instruct"
 
 
 def test_api_key_check():

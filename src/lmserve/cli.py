@@ -7,12 +7,15 @@ import logging
 import sys
 
 from lmserve.config import ENV_API_KEY, engine_config
+from lmserve.errors import CheckpointError, ConfigError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags that build an EngineConfig (shared by every command that loads a model)."""
-    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory "
+    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory, or a Hub id "
+                   "(org/name: from the local Hugging Face cache, else downloaded; HF_TOKEN, HF_HUB_OFFLINE apply) "
                    "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit when --model is a Hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -25,8 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true", help="schedule whole prompts only")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=float, default=0.15,
-                   help="KV cache size: bytes if > 1, else a fraction of available memory")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV cache size: bytes if > 1, else a fraction of available memory (default: 0.15); "
+                   "a size given here may be smaller than one --max-model-len request (longer ones then get 400)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache size in blocks of --block-size tokens (overrides --kv-cache-memory)")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -84,14 +90,12 @@ def structured_outputs(args: argparse.Namespace) -> dict | None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one completion of a prompt to stdout."""
-    from lmserve.engine.llm_engine import LLMEngine
-
     try:
         params = sampling_params(args)
     except (OSError, ValueError) as e:  # an unreadable schema file or a bad spec: one line, not a traceback
         print(f"lmserve generate: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(engine_config(args))
+    engine = checked_engine(args)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat_template \
         else args.prompt
     try:
@@ -104,9 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat that streams each reply."""
-    from lmserve.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(engine_config(args))
+    engine = checked_engine(args)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     turn = 0
     while True:
@@ -124,6 +126,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = _stream(engine, str(turn), engine.tokenizer.encode_chat(messages), sampling_params(args))
         messages.append({"role": "assistant", "content": reply})
         turn += 1
+
+
+def checked_engine(args: argparse.Namespace):
+    """The engine for the engine flags, after the preflight checks (a bad flag or model fails before loading)."""
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.engine.preflight import check_engine_config
+
+    return LLMEngine(check_engine_config(engine_config(args)).config)
 
 
 def _stream(engine, request_id: str, prompt, params) -> str:
@@ -163,6 +173,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="max_tokens of a request that names none (default: the API's own: 16 for completions, "
+                   "100 for TGI, the rest of the context for chat)")
+    p.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
+                   help="a request asking for more max_tokens gets 400 (one naming none is held to it too)")
     from lmserve.ops.hub import add_ops_args
     add_ops_args(p)
 
@@ -208,9 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; an ordinary mistake (a bad flag value, a file that is not a model) is one line and exit 2."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, CheckpointError) as e:  # as argparse reports a usage error: no traceback, exit 2
+        print(f"lmserve: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,15 +11,23 @@ if TYPE_CHECKING:
 ENV_API_KEY = "LMSERVE_API_KEY"  # accepted API keys, comma-separated (`lmserve serve`)
 
 
+DEFAULT_KV_CACHE_FRACTION = 0.15  # of the memory available when the engine starts, when no size is given
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache size and layout."""
 
     block_size: int = 16
-    # bytes if > 1, else a fraction of the memory available when the engine starts
-    kv_cache_memory: float = 0.15
+    # bytes if > 1, else a fraction of the memory available when the engine starts; None: the default fraction
+    kv_cache_memory: float | None = None
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
     enable_prefix_caching: bool = True
+
+    @property
+    def sized_explicitly(self) -> bool:
+        """The user chose the pool's size: one smaller than a max_model_len request is then a warning, not an error."""
+        return self.kv_cache_memory is not None or self.num_blocks is not None
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,8 @@ class StructuredOutputsConfig:
 class EngineConfig:
     """Everything needed to build an engine; derived values are resolved by the engine itself."""
 
-    model: str | None = None  # None: the embedded default model
+    model: str | None = None  # None: the embedded default model; a path, or a Hugging Face Hub id (org/name)
+    revision: str | None = None  # Hub revision (branch, tag or commit) when model is a Hub id
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda[:N]
     quantization: str | None = None  # None (float weights) | int8 | int4: weight-only, applied at load
@@ -96,12 +105,12 @@ class SpeculativeConfig:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags of `cli.add_engine_args` (serve, generate, chat and bench share them)."""
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        model=args.model, revision=args.revision, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, speculative=args.speculative_config,
         structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
     )

@@ -99,8 +99,9 @@ def _first_model(base_url: str, api_key: str | None) -> str:
 def _engine(args: argparse.Namespace):
     from lmserve.config import engine_config
     from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.engine.preflight import check_engine_config
 
-    return LLMEngine(engine_config(args))
+    return LLMEngine(check_engine_config(engine_config(args)).config)
 
 
 def cmd_bench_roofline(args: argparse.Namespace) -> int:

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
+from lmserve.cache.sizing import num_kv_blocks
 from lmserve.config import EngineConfig
 from lmserve.engine.output_processor import OutputProcessor
+from lmserve.engine.preflight import check_kv_pool
 from lmserve.engine.tokenizer import Tokenizer
 from lmserve.loader import LoadedModel, load_model
 from lmserve.request import CompletionDelta, Request, RequestStatus
@@ -64,7 +66,7 @@ class LLMEngine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
-                                                         quantization=cfg.quantization)
+                                                         quantization=cfg.quantization, revision=cfg.revision)
         self.dtype = next(self.loaded.model.parameters()).dtype
         self.model_config = self.loaded.config
         self.tokenizer = tokenizer or _load_tokenizer(self.loaded)
@@ -97,12 +99,11 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         c = self.cfg.cache
-        if c.num_blocks:
-            return c.num_blocks
-        budget = c.kv_cache_memory if c.kv_cache_memory > 1 else c.kv_cache_memory * available_memory(self.device)
-        # Never more than the whole context of max_num_seqs sequences: more would sit unused.
-        cap = self.cfg.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
-        return max(1, min(int(budget // self._block_bytes()), cap))
+        available = available_memory(self.device)
+        blocks = num_kv_blocks(c, self._block_bytes(), available, self.cfg.scheduler.max_num_seqs, self.max_model_len)
+        if not c.sized_explicitly:  # an explicit size was the user's choice (the CLI's preflight warned about it)
+            check_kv_pool(c, blocks, self._block_bytes(), self.max_model_len, available)
+        return max(1, blocks)
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import AddedToken
 
 from lmserve.engine import chat_template as ct
+from lmserve.errors import CheckpointError
 from lmserve.engine.gguf_vocab import build_from_gguf, gguf_metadata
 
 if TYPE_CHECKING:
@@ -73,8 +74,7 @@ class Tokenizer:
     def from_pretrained(cls, directory: str | os.PathLike) -> "Tokenizer":
         """Build from a Hugging Face directory: tokenizer.json, tokenizer_config.json, chat template, eos ids."""
         d = Path(directory)
-        if not (d / "tokenizer.json").is_file():
-            raise ValueError(f"{d}: no tokenizer.json (a fast tokenizer file is required)")
+        check_tokenizer_file(d)
         hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
         # With a tokenizer.json, its post-processor decides BOS/EOS (transformers ignores add_bos_token then).
         cfg = {**_read_json(d / "special_tokens_map.json"), **_read_json(d / "tokenizer_config.json")}
@@ -239,3 +239,9 @@ def _token_str(tok: Any) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok if isinstance(tok, str) else None
+
+
+def check_tokenizer_file(directory: Path) -> None:
+    """An HF directory must carry tokenizer.json (the preflight checks this before any weights load)."""
+    if not (directory / "tokenizer.json").is_file():
+        raise CheckpointError(f"{directory}: no tokenizer.json (a fast tokenizer file is required)")

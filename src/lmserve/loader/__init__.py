@@ -7,23 +7,26 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from lmserve.layers.linear import can_pack, pack_linears
 from lmserve.layers.quantized import check_scheme, quantize_linears
 from lmserve.layers.rotary import inv_frequencies
-from lmserve.loader.default_model import default_model_path
 from lmserve.errors import CheckpointError
+from lmserve.loader.default_model import default_model_path
 from lmserve.loader.gguf_file import GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
+from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.models.config import ModelConfig
 from lmserve.models.registry import build_model
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "LoadedModel", "default_model_path", "load_model", "resolve_model_path"]
+__all__ = ["CheckpointError", "LoadedModel", "default_model_path", "load_model", "read_model_config",
+           "resolve_model_path"]
 
 
 @dataclass
@@ -52,26 +55,51 @@ class LoadedModel:
             return "unknown"
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """None -> the embedded default; otherwise the given path, which must exist."""
+def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
+    """None -> the embedded default; a path that exists -> itself; `org/name` -> its Hugging Face Hub snapshot."""
     if model is None:
         return default_model_path()
+    if isinstance(model, str) and looks_like_hub_id(model):
+        return download_snapshot(model, revision)
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist (pass a .gguf file or a Hugging Face directory)")
+        raise FileNotFoundError(f"model path {path} does not exist (pass a .gguf file, a Hugging Face directory "
+                                "or a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
     return path
 
 
+def read_model_config(path: Path) -> ModelConfig:
+    """The model's hyperparameters from its header alone (GGUF metadata or config.json): no weights are read.
+
+    Raises the CheckpointError load_model would, so a bad checkpoint is refused before anything starts.
+    """
+    if path.is_dir():
+        cfg = _config_from_dir(path)
+        weight_files(path)  # a directory without weights fails here, not after the server is up
+        return cfg
+    if path.suffix.lower() == ".gguf":
+        return gguf_config(read_gguf(path))
+    _refuse_format(path)
+
+
+def _refuse_format(path: Path) -> NoReturn:
+    if path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+        raise CheckpointError(f"{path}: pickle checkpoints are not loaded (unpickling can run arbitrary code); "
+                              "convert the model to safetensors")
+    raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face directory with config.json")
+
+
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, revision: str | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     `pack` applies the fast CPU weight format (layers/linear.py); False keeps plain nn.Linear.
     `quantization` ("int8" | "int4") stores linear weights weight-only quantized (layers/quantized.py).
+    `revision` picks the Hub revision when `model` is a Hub id.
     """
     if quantization:
         check_scheme(quantization, device)
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, revision)
     start = time.perf_counter()
     gguf = None
     if path.is_dir():
@@ -89,11 +117,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
             net.inv_freq.copy_(net.inv_freq / factors.to(device))
         net.load_weights(iter_gguf(gguf, cfg))
         fmt = "gguf"
-    elif path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
-        raise CheckpointError(f"{path}: pickle checkpoints are not loaded (unpickling can run arbitrary code); "
-                              "convert the model to safetensors")
     else:
-        raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face directory with config.json")
+        _refuse_format(path)
     net.eval()
     if quantization:
         quantize_linears(net, quantization)

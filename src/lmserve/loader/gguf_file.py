@@ -87,8 +87,9 @@ def read_gguf(path: Path) -> GGUFFile:
         raise CheckpointError(f"{path}: cannot open ({e})") from None
     buf = memoryview(mm)
     cur = _Cursor(buf, path)
-    if bytes(cur.take(4)) != b"GGUF":
+    if bytes(buf[:4]) != b"GGUF":  # checked before any read, so a short text file is named for what it is
         raise CheckpointError(f"{path}: not a GGUF file (bad magic)")
+    cur.take(4)
     version = cur.scalar("<I")
     if version not in (2, 3):
         raise CheckpointError(f"{path}: GGUF version {version} is not supported (2 or 3)")

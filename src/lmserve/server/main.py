@@ -18,7 +18,9 @@ from pathlib import Path
 
 import uvicorn
 
-from lmserve.config import ENV_API_KEY, engine_config
+from lmserve.config import ENV_API_KEY, EngineConfig, engine_config
+from lmserve.engine.preflight import check_engine_config
+from lmserve.errors import CheckpointError, ConfigError
 from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.metrics import ServerMetrics
@@ -39,37 +41,74 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def served_name(args: argparse.Namespace) -> str:
-    """--served-model-name, else the model file's stem without its quantization tag, else the directory's name."""
+def served_name(args: argparse.Namespace, model_path: Path) -> str:
+    """--served-model-name; else a Hub id as given (as vLLM); else the model file's stem without its quantization
+    tag, or the directory's name."""
+    from lmserve.loader.hf_hub import looks_like_hub_id
+
     if args.served_model_name:
         return args.served_model_name
-    from lmserve.loader import resolve_model_path
+    if args.model is not None and looks_like_hub_id(args.model):
+        return args.model
+    return _QUANT_SUFFIX.sub("", model_path.stem) if model_path.is_file() else model_path.name
 
-    path = resolve_model_path(args.model)
-    return _QUANT_SUFFIX.sub("", path.stem) if path.is_file() else path.name
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The HTTP-side flags that can never work; ConfigError naming the flag."""
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
+                             ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--default-max-tokens", args.default_max_tokens, 1),
+                             ("--max-tokens-limit", args.max_tokens_limit, 1)):
+        if value is not None and value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    if not args.drain_timeout >= 0:
+        raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    default, limit = args.default_max_tokens, args.max_tokens_limit
+    if default is not None and limit is not None and default > limit:
+        raise ConfigError(f"--default-max-tokens {default} is above --max-tokens-limit {limit}")
+
+
+def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
+    """A default that fills the whole context would turn every request that names no max_tokens into a 400."""
+    if default is not None and default >= max_model_len:
+        raise ConfigError(f"--default-max-tokens {default} leaves no room for a prompt in the context of "
+                          f"{max_model_len} tokens (max_model_len)")
+
+
+def server_config(args: argparse.Namespace, name: str) -> ServerConfig:
+    """ServerConfig from the serve flags (api key files read here: a missing one is a ConfigError)."""
+    try:
+        keys = api_keys(args)
+    except OSError as e:
+        raise ConfigError(f"--api-key-file: {e}") from None
+    return ServerConfig(served_model_name=name, api_keys=keys, cors_allowed_origins=tuple(args.cors_allowed_origins),
+                        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                        drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
+                        max_tokens_limit=args.max_tokens_limit)
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/SIGINT; returns the process exit code."""
-    try:
-        name, keys = served_name(args), api_keys(args)
-    except OSError as e:  # a missing model or key file: one clear line, no traceback
-        log.error("%s", e)
-        return 2
-    config = ServerConfig(served_model_name=name, api_keys=keys, cors_allowed_origins=tuple(args.cors_allowed_origins),
-                          max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                          drain_timeout=args.drain_timeout)
-    metrics = ServerMetrics(name)
+    """Run the server until SIGTERM/SIGINT; returns the process exit code.
+
+    Everything that can be checked without weights is checked first, in the foreground: a bad flag or
+    model raises ConfigError / CheckpointError (the CLI prints one line) before uvicorn starts.
+    """
+    check_serve_args(args)
+    checked = check_engine_config(engine_config(args))
+    check_default_max_tokens(args.default_max_tokens, checked.config.max_model_len)
+    config = server_config(args, served_name(args, checked.model_path))
+    metrics = ServerMetrics(config.served_model_name)
     try:
         ops = build_ops(args, metrics.registry)
-    except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting: one clear line
-        log.error("%s", e)
-        return 2
+    except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting
+        raise ConfigError(str(e)) from None
     state = ServerState(config, metrics, ops=ops)
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     server = DrainingServer(uv_config, state)
-    threading.Thread(target=_load, args=(state, server, args), name="lmserve-load", daemon=True).start()
+    threading.Thread(target=_load, args=(state, server, checked.config), name="lmserve-load", daemon=True).start()
     asyncio.run(server.serve())
     if state.async_engine is not None:
         state.async_engine.shutdown()
@@ -125,15 +164,18 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True  # uvicorn then gives open responses timeout_graceful_shutdown to end
 
 
-def _load(state: ServerState, server: uvicorn.Server, args: argparse.Namespace) -> None:
+def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> None:
     """Load the model and start the engine thread (beside the already-listening server, so /health says 503)."""
     from lmserve.engine.llm_engine import LLMEngine
 
     try:
-        engine = LLMEngine(engine_config(args))
+        engine = LLMEngine(config)
         warmup = _warm_up(engine)
     except Exception as e:  # noqa: BLE001 - the log has the details; a server without a model exits
-        log.exception("model load failed")
+        if isinstance(e, (CheckpointError, ConfigError)):  # a bad weight file, a pool smaller than estimated
+            log.error("model load failed: %s", e)  # the message says it all: no traceback
+        else:
+            log.exception("model load failed")
         state.load_error = f"{type(e).__name__}: {e}"
         server.should_exit = True
         return

@@ -76,7 +76,7 @@ async def list_models(request: Request) -> dict:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     st, req = await read_request(request, CompletionRequest)
-    params = completion_params(req)
+    params = completion_params(req, st.config.token_limits)
     prompts = _prompts(req.prompt)
     record = record_of(request)
     ids_list = [await st.tokenize(p, record) for p in prompts]
@@ -107,7 +107,7 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     st, req = await read_request(request, ChatRequest)
-    params = chat_params(req)
+    params = chat_params(req, st.config.token_limits)
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
     supports = template_supports_tools(st.engine.tokenizer.chat_template)
     messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)

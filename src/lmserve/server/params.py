@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
+
+from pydantic import BaseModel
 
 from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from lmserve.server.errors import APIError, excerpt
@@ -11,6 +14,34 @@ from lmserve.structured.compiler import GrammarError
 from lmserve.structured.tool_tag import tool_call_tag
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    """The operator's --default-max-tokens and --max-tokens-limit (None: the API's own meaning)."""
+
+    default: int | None = None  # for a request that names no max_tokens
+    limit: int | None = None  # more is a 400; a request naming none is held to it too
+
+    def resolve(self, named: int | None, api_default: int | None, param: str) -> int | None:
+        """The max_tokens a request runs with; `named` is what it asked for (None: nothing)."""
+        if named is not None:
+            if self.limit is not None and named > self.limit:
+                raise APIError(400, f"{param} must be at most {self.limit} on this server, got {named}", param=param)
+            return named
+        value = self.default if self.default is not None else api_default
+        if self.limit is not None:  # None (chat: the rest of the context) would pass the limit by
+            value = self.limit if value is None else min(value, self.limit)
+        return value
+
+
+def _named(r: BaseModel, name: str) -> int | None:
+    """A field the request set (nulls count as unset: _NullMeansDefault drops them), else None."""
+    return getattr(r, name) if name in r.model_fields_set else None
+
+
+def _api_default(r: BaseModel, name: str) -> int | None:
+    return type(r).model_fields[name].default
 
 
 def _build(**kw) -> SamplingParams:
@@ -96,7 +127,7 @@ def _common(r: _Sampling, structured: dict | None = None) -> dict:
                 stop_token_ids=list(r.stop_token_ids or []), min_tokens=r.min_tokens, ignore_eos=r.ignore_eos)
 
 
-def completion_params(r: CompletionRequest) -> SamplingParams:
+def completion_params(r: CompletionRequest, limits: TokenLimits = TokenLimits()) -> SamplingParams:
     if r.best_of not in (None, 1):
         raise APIError(400, f"best_of > 1 is not supported (got {r.best_of}); use n", param="best_of")
     if r.suffix:
@@ -106,7 +137,8 @@ def completion_params(r: CompletionRequest) -> SamplingParams:
                        param="max_tokens")
     # The engine needs max_tokens >= 1: it samples one token that the route drops (as vLLM does). Prefill
     # produces that token anyway, so scoring costs one sampled row and no extra forward pass.
-    max_tokens = 1 if scores_prompt_only(r) else r.max_tokens
+    max_tokens = limits.resolve(_named(r, "max_tokens"), _api_default(r, "max_tokens"), "max_tokens")
+    max_tokens = 1 if scores_prompt_only(r) else max_tokens
     # echo with logprobs covers the prompt's tokens too (OpenAI's legacy scoring); vLLM's extra asks directly.
     prompt_logprobs = r.prompt_logprobs if r.prompt_logprobs is not None else r.logprobs if r.echo else None
     return _build(max_tokens=max_tokens, logprobs=r.logprobs, prompt_logprobs=prompt_logprobs, **_common(r))
@@ -117,12 +149,13 @@ def scores_prompt_only(r: CompletionRequest) -> bool:
     return r.echo and r.max_tokens == 0
 
 
-def chat_params(r: ChatRequest) -> SamplingParams:
+def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits()) -> SamplingParams:
     if r.top_logprobs is not None and not r.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {r.top_logprobs}", param="top_logprobs")
-    max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    param = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+    max_tokens = limits.resolve(_named(r, param), _api_default(r, param), param)
     tools, other = _tool_spec(r), structured_spec(r)
     if tools is not None and other is not None:
         raise APIError(400, "response_format and structured outputs cannot be combined with tools "
@@ -131,7 +164,7 @@ def chat_params(r: ChatRequest) -> SamplingParams:
                   **_common(r, tools or other))
 
 
-def tgi_params(p: TGIParameters, stream: bool) -> SamplingParams:
+def tgi_params(p: TGIParameters, stream: bool, limits: TokenLimits = TokenLimits()) -> SamplingParams:
     """TGI semantics: greedy unless do_sample or a sampling knob away from neutral; a sampled request gets a seed."""
     if p.watermark:
         raise APIError(400, "watermark is not supported", param="watermark")
@@ -147,7 +180,8 @@ def tgi_params(p: TGIParameters, stream: bool) -> SamplingParams:
     grammar = None
     if p.grammar is not None:
         grammar = _structured({"json" if p.grammar.type == "json" else "regex": p.grammar.value}, "grammar")
-    return _build(max_tokens=p.max_new_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
+    max_tokens = limits.resolve(_named(p, "max_new_tokens"), _api_default(p, "max_new_tokens"), "max_new_tokens")
+    return _build(max_tokens=max_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
                   top_k=p.top_k or 0, top_p=p.top_p if p.top_p is not None else 1.0,
                   repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
                   stop=p.stop, seed=seed, logprobs=0 if p.details or stream else None,

@@ -18,6 +18,7 @@ from lmserve.request import CompletionDelta
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
+from lmserve.server.params import TokenLimits
 from lmserve.server.protocol import parse_body
 
 T = TypeVar("T")
@@ -33,6 +34,12 @@ class ServerConfig:
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
     drain_timeout: float = 30.0
+    default_max_tokens: int | None = None  # a request naming no max_tokens gets this (None: the API's own default)
+    max_tokens_limit: int | None = None  # more is a 400; a request naming none is held to it too
+
+    @property
+    def token_limits(self) -> TokenLimits:
+        return TokenLimits(self.default_max_tokens, self.max_tokens_limit)
 
 
 @dataclass

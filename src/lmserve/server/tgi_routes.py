@@ -58,7 +58,7 @@ async def compat_generate(request: Request) -> Response:
 async def _start(request: Request, st: ServerState, req: TGIRequest,
                  stream: bool) -> tuple[SamplingParams, list[int], MergedStreams]:
     """Validate, tokenize and admit; returns the params, the prompt's ids and the running stream."""
-    params = tgi_params(req.parameters, stream)
+    params = tgi_params(req.parameters, stream, st.config.token_limits)
     record = record_of(request)
     ids = await st.tokenize(req.inputs, record)
     grammar = await st.compile_grammar(params)

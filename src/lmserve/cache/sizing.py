@@ -1,0 +1,30 @@
+"""KV pool arithmetic: how many blocks a pool gets from its CacheConfig (pure; no tensors, no devices).
+
+Shared by the engine, which builds the pool, and the preflight checks, which refuse a useless pool
+before any weights load; one formula, so both agree on the numbers they report.
+"""
+
+from __future__ import annotations
+
+from lmserve.config import DEFAULT_KV_CACHE_FRACTION, CacheConfig
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
+def kv_budget_bytes(cache: CacheConfig, available_bytes: int) -> float:
+    """--kv-cache-memory in bytes: given in bytes if > 1, else a fraction of `available_bytes`."""
+    size = DEFAULT_KV_CACHE_FRACTION if cache.kv_cache_memory is None else cache.kv_cache_memory
+    return size if size > 1 else size * available_bytes
+
+
+def num_kv_blocks(cache: CacheConfig, block_bytes: int, available_bytes: int, max_num_seqs: int,
+                  max_model_len: int) -> int:
+    """Blocks in the pool: `num_blocks` if given, else what the budget holds (0 when not even one block fits)."""
+    if cache.num_blocks:
+        return cache.num_blocks
+    # Never more than the whole context of max_num_seqs sequences: more would sit unused.
+    cap = max_num_seqs * blocks_for(max_model_len, cache.block_size)
+    return min(int(kv_budget_bytes(cache, available_bytes) // block_bytes), cap)

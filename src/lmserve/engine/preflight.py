@@ -1,0 +1,156 @@
+"""Checks that need no weights, run before anything loads or listens: each mistake is one ConfigError.
+
+`check_engine_config` resolves the model (a path or a Hub id), reads only its header (GGUF metadata or
+config.json), and checks the device, the capacities and the KV pool, so `lmserve serve` refuses a bad
+setting before uvicorn starts and `generate`, `chat` and `bench` before the weights load. It returns
+the config with its derived values filled in (model: a local path; max_model_len: within the model's
+context), which the engine then builds from. Model errors stay CheckpointError (they name the file).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
+from lmserve.config import CacheConfig, EngineConfig
+from lmserve.engine.tokenizer import check_tokenizer_file
+from lmserve.errors import ConfigError
+from lmserve.layers.quantized import check_scheme
+from lmserve.loader import read_model_config, resolve_model_path
+from lmserve.models.config import ModelConfig
+from lmserve.utils import available_memory, resolve_device, resolve_dtype
+from lmserve.worker.model_runner import kv_bytes_per_block
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    """An EngineConfig that passed the checks, with what was learned from the model's header."""
+
+    config: EngineConfig  # model: a local path; max_model_len: set and within the model's context
+    model_config: ModelConfig
+    model_path: Path
+
+
+def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
+    """Refuse what cannot work (ConfigError, CheckpointError), warn where a value is capped; see the module doc."""
+    check_ranges(cfg)
+    device = _device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.quantization:
+        try:
+            check_scheme(cfg.quantization, device)
+        except ValueError as e:
+            raise ConfigError(f"--quantization: {e}") from None
+    path = model_path(cfg.model, cfg.revision)
+    model_config = read_model_config(path)
+    if path.is_dir():
+        check_tokenizer_file(path)
+    cfg = replace(cfg, model=str(path), max_model_len=_max_model_len(cfg.max_model_len, model_config),
+                  speculative=_draft(cfg))
+    _check_prefill_budget(cfg)
+    # Before the weights load, so a fractional --kv-cache-memory sees more free memory than the engine will;
+    # the engine checks its real pool again (check_kv_pool) once it knows it.
+    block_bytes, available = kv_bytes_per_block(model_config, cfg.cache.block_size, dtype), available_memory(device)
+    blocks = num_kv_blocks(cfg.cache, block_bytes, available, cfg.scheduler.max_num_seqs, cfg.max_model_len)
+    check_kv_pool(cfg.cache, blocks, block_bytes, cfg.max_model_len, available)
+    return CheckedConfig(cfg, model_config, path)
+
+
+# (flag, value getter, lowest allowed); None values mean "not given" and are not checked.
+_AT_LEAST = (
+    ("--max-num-seqs", lambda c: c.scheduler.max_num_seqs, 1),
+    ("--max-num-batched-tokens", lambda c: c.scheduler.max_num_batched_tokens, 1),
+    ("--block-size", lambda c: c.cache.block_size, 1),
+    ("--num-kv-blocks", lambda c: c.cache.num_blocks, 1),
+    ("--max-model-len", lambda c: c.max_model_len, 1),
+    ("--num-threads", lambda c: c.num_threads, 1),
+)
+
+
+def check_ranges(cfg: EngineConfig) -> None:
+    """Numbers that can never work: a zero batch, a negative context, an empty KV cache."""
+    for flag, get, low in _AT_LEAST:
+        value = get(cfg)
+        if value is not None and value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    kv = cfg.cache.kv_cache_memory
+    if kv is not None and not kv > 0:  # `not >` also refuses NaN
+        raise ConfigError(f"--kv-cache-memory must be > 0 (bytes if > 1, else a fraction of free memory), got {kv}")
+    if not cfg.structured.compile_timeout_s > 0:
+        raise ConfigError(f"--grammar-compile-timeout must be > 0 seconds, got {cfg.structured.compile_timeout_s}")
+
+
+def _device(name: str) -> torch.device:
+    try:
+        return resolve_device(name)
+    except (ValueError, RuntimeError) as e:  # torch.device("gpu") is a RuntimeError
+        raise ConfigError(f"--device {name}: {e} (choose auto, cpu, cuda or cuda:N)") from None
+
+
+def model_path(model: str | None, revision: str | None) -> Path:
+    """A local path for --model: the embedded default, a path that exists, or a Hub id's snapshot."""
+    try:
+        return resolve_model_path(model, revision)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _max_model_len(requested: int | None, model_config: ModelConfig) -> int:
+    """The context length: the model's unless a shorter one is asked for; a longer one is capped, with a warning."""
+    limit = model_config.max_position_embeddings
+    if requested is not None and requested > limit:
+        log.warning("--max-model-len %d is more than the model's context of %d tokens; using %d",
+                    requested, limit, limit)
+    return limit if requested is None else min(requested, limit)
+
+
+def _draft(cfg: EngineConfig):
+    """The speculative config with a draft model resolved to a local path and its header checked."""
+    spec = cfg.speculative
+    if spec is None or spec.model is None:
+        return spec
+    path = model_path(spec.model, None)
+    read_model_config(path)
+    return replace(spec, model=str(path))
+
+
+def _check_prefill_budget(cfg: EngineConfig) -> None:
+    s = cfg.scheduler
+    if not s.enable_chunked_prefill and s.max_num_batched_tokens < cfg.max_model_len:
+        log.warning("--no-chunked-prefill with --max-num-batched-tokens %d < max_model_len %d: a prompt plus "
+                    "max_tokens longer than %d tokens will be refused", s.max_num_batched_tokens,
+                    cfg.max_model_len, s.max_num_batched_tokens)
+
+
+def check_kv_pool(cache: CacheConfig, num_blocks: int, block_bytes: int, max_model_len: int,
+                  available_bytes: int) -> None:
+    """Refuse a pool that cannot hold one max_model_len request, unless its size was given explicitly (then warn).
+
+    A pool without a single block is refused either way: it could serve nothing.
+    """
+    need = blocks_for(max_model_len, cache.block_size)
+    if num_blocks >= need:
+        return
+    tokens = num_blocks * cache.block_size
+    size = _mib(kv_budget_bytes(cache, available_bytes)) if cache.num_blocks is None else f"{num_blocks} blocks"
+    raise_to = f"raise --kv-cache-memory to at least {need * block_bytes} ({_mib(need * block_bytes)})"
+    if num_blocks < 1:
+        raise ConfigError(f"the KV cache ({size}) holds not even one block of {cache.block_size} tokens "
+                          f"({_mib(block_bytes)}): {raise_to}")
+    msg = (f"the KV cache ({size}) holds {tokens} tokens, fewer than one request of max_model_len "
+           f"{max_model_len}")
+    if cache.sized_explicitly:
+        log.warning("%s: a prompt plus max_tokens longer than %d tokens will be refused", msg, tokens)
+        return
+    raise ConfigError(f"{msg}: lower --max-model-len to {tokens} or {raise_to} "
+                      "(or give the size explicitly with --kv-cache-memory or --num-kv-blocks to accept it)")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n)} bytes"

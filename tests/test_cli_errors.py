@@ -1,0 +1,183 @@
+"""A newcomer's ordinary mistakes: one clear line on stderr, exit 2, no traceback, and no server started.
+
+Each case runs the real `lmserve` command. The checks run before any weights load (and before uvicorn
+starts), so these processes take about as long as the imports. Also here: Hub ids served offline from a
+hub-cache layout, the KV pool and context checks, and --default-max-tokens / --max-tokens-limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from lmserve.server.errors import APIError
+from lmserve.server.params import TokenLimits, chat_params
+from lmserve.server.protocol import ChatRequest
+from tests.conftest import write_tiny_llama
+from tests.server_util import running_server
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the snapshot's (made-up) commit hash
+STARTED = "Application startup complete"
+
+
+def lmserve(*args: str, env: dict | None = None, stdin: str = "") -> subprocess.CompletedProcess:
+    """Run `python -m lmserve.cli ARGS` offline (the Hub is never reached from a test)."""
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "lmserve.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env, input=stdin)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit 2; stderr is one line, `lmserve: error: ...`, naming the problem; nothing started."""
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("lmserve: error: "), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and STARTED not in p.stderr + p.stdout
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    write_tiny_llama(path)  # a word-level tokenizer ("w1 w2 ..."), max_position_embeddings 512
+    return path
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tiny, tmp_path_factory) -> Path:
+    """The tiny checkpoint as the Hugging Face cache holds `org/tiny` at main (snapshots + refs, no blobs)."""
+    root = tmp_path_factory.mktemp("hf") / "hub"
+    repo = root / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    (repo / "snapshots").mkdir()
+    shutil.copytree(tiny, repo / "snapshots" / COMMIT)
+    return root
+
+
+def _junk(tmp_path: Path, name: str, text: str = "this is a note, not a model\n") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+SERVE_CASES = [
+    ("not-a-model", lambda t: ["--model", _junk(t, "notes.txt")], ["notes.txt", "expected a .gguf file"]),
+    ("text-renamed-gguf", lambda t: ["--model", _junk(t, "model.gguf")], ["model.gguf", "not a GGUF file"]),
+    ("missing-path", lambda t: ["--model", str(t / "nowhere" / "m.gguf")], ["does not exist"]),
+    ("port", lambda t: ["--port", "99999"], ["--port", "99999"]),
+    ("max-model-len", lambda t: ["--max-model-len", "-5"], ["--max-model-len", "-5"]),
+    ("max-num-seqs", lambda t: ["--max-num-seqs", "0"], ["--max-num-seqs must be >= 1"]),
+    ("batched-tokens", lambda t: ["--max-num-batched-tokens", "0"], ["--max-num-batched-tokens"]),
+    ("kv-zero", lambda t: ["--kv-cache-memory", "0"], ["--kv-cache-memory must be > 0"]),
+    ("kv-no-block", lambda t: ["--kv-cache-memory", "1000"], ["not even one block", "--kv-cache-memory"]),
+    ("default-over-limit", lambda t: ["--default-max-tokens", "50", "--max-tokens-limit", "10"],
+     ["--default-max-tokens 50", "--max-tokens-limit 10"]),
+    ("limit-zero", lambda t: ["--max-tokens-limit", "0"], ["--max-tokens-limit must be >= 1"]),
+    ("hub-id-not-cached", lambda t: ["--model", "nobody/not-cached"],
+     ["nobody/not-cached", "not in the local Hugging Face cache", "hf download"]),
+]
+
+
+@pytest.mark.parametrize("make_args,words", [c[1:] for c in SERVE_CASES], ids=[c[0] for c in SERVE_CASES])
+def test_serve_refuses_an_ordinary_mistake_in_one_line(tmp_path, make_args, words):
+    assert_one_line_error(lmserve("serve", *make_args(tmp_path), env={"HF_HUB_CACHE": str(tmp_path / "hub")}),
+                          *words)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda():
+    assert_one_line_error(lmserve("serve", "--device", "cuda"), "--device cuda", "CUDA is not available")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_generate_and_chat_refuse_a_file_that_is_not_a_model(tmp_path, command):
+    assert_one_line_error(lmserve(*command, "--model", _junk(tmp_path, "model.gguf")), "not a GGUF file")
+
+
+def test_serve_refuses_a_directory_without_a_tokenizer(tiny, tmp_path):
+    shutil.copytree(tiny, tmp_path / "untokenized")
+    (tmp_path / "untokenized" / "tokenizer.json").unlink()
+    assert_one_line_error(lmserve("serve", "--model", str(tmp_path / "untokenized")), "no tokenizer.json")
+
+
+def test_max_model_len_above_the_context_is_capped_with_a_warning(tiny):
+    p = lmserve("generate", "w1 w2", "--model", str(tiny), "--max-model-len", "100000", "--max-tokens", "2",
+                "--num-threads", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "--max-model-len 100000 is more than the model's context of 512 tokens; using 512" in p.stderr
+
+
+def test_kv_pool_smaller_than_one_request_is_refused_then_the_named_fix_works(tiny, tmp_path):
+    """A 10M-token context does not fit the default KV budget: refused, naming the max_model_len that fits."""
+    import psutil
+
+    per_token = 2 * 3 * 2 * 16 * 4  # K and V, 3 layers, 2 KV heads, head_dim 16, float32
+    if 0.15 * psutil.virtual_memory().available >= 10**7 * per_token:
+        pytest.skip("this machine's default KV budget holds a 10M-token context")
+    big = tmp_path / "big"
+    shutil.copytree(tiny, big)
+    cfg = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 10**7}))
+    p = lmserve("serve", "--model", str(big))
+    assert_one_line_error(p, "fewer than one request of max_model_len 10000000", "lower --max-model-len to")
+    fits = int(p.stderr.split("lower --max-model-len to ")[1].split()[0])
+    assert 1024 < fits < 10**7
+    p = lmserve("generate", "w1 w2", "--model", str(big), "--max-model-len", "1024", "--max-tokens", "2",
+                "--num-threads", "2")  # well under `fits`, and a small pool for a shared test machine
+    assert p.returncode == 0, p.stderr[-3000:]
+    # Sizing the pool explicitly is the way to accept a small one: a warning, not an error.
+    p = lmserve("generate", "w1 w2", "--model", str(tiny), "--num-kv-blocks", "4", "--max-tokens", "2",
+                "--num-threads", "2")
+    assert p.returncode == 0 and "holds 64 tokens, fewer than one request of max_model_len 512" in p.stderr
+
+
+def test_serve_a_hub_id_from_the_offline_cache(hub_cache):
+    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    with running_server("--model", "org/tiny", "--max-tokens-limit", "5", "--default-max-tokens", "3",
+                        env=env) as s:
+        assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "org/tiny"  # the id, as vLLM
+        body = {"model": "org/tiny", "prompt": "w1 w2 w3", "ignore_eos": True, "temperature": 0}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3  # --default-max-tokens
+        r = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        r = httpx.post(s.url + "/v1/completions", json={**body, "max_tokens": 6}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_tokens" and "at most 5" in err["message"]
+        r = httpx.post(s.url + "/generate", json={"inputs": "w1 w2", "parameters": {"details": True}}, timeout=60)
+        assert r.status_code == 200 and r.json()["details"]["generated_tokens"] <= 3
+        r = httpx.post(s.url + "/generate", json={"inputs": "w1", "parameters": {"max_new_tokens": 6}}, timeout=60)
+        assert r.status_code == 422 and "max_new_tokens must be at most 5" in r.json()["error"]  # TGI's status
+
+
+def test_hub_revision(hub_cache):
+    env = {"HF_HUB_CACHE": str(hub_cache)}
+    p = lmserve("generate", "w1 w2", "--model", "org/tiny", "--revision", COMMIT, "--max-tokens", "2",
+                "--num-threads", "2", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_one_line_error(lmserve("generate", "w1", "--model", "org/tiny", "--revision", "v9", env=env),
+                          "org/tiny", "not in the local Hugging Face cache")
+
+
+def test_token_limits_resolve_as_documented():
+    none, both = TokenLimits(), TokenLimits(default=100, limit=500)
+    assert none.resolve(None, 16, "max_tokens") == 16 and none.resolve(None, None, "max_tokens") is None
+    assert both.resolve(None, 16, "max_tokens") == 100 and both.resolve(700 - 300, None, "max_tokens") == 400
+    assert TokenLimits(limit=500).resolve(None, None, "max_tokens") == 500  # chat's "rest of the context", held
+    assert TokenLimits(limit=8).resolve(None, 16, "max_tokens") == 8
+    with pytest.raises(APIError, match="max_completion_tokens must be at most 500"):
+        chat_params(ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], max_completion_tokens=501),
+                    both)
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert chat_params(chat).max_tokens is None and chat_params(chat, both).max_tokens == 100
