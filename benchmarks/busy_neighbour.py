@@ -1,11 +1,13 @@
 """Offline decode throughput on a shared CPU: idle vs one busy neighbour, for several thread settings.
 
-    PYTHONPATH=src python benchmarks/busy_neighbour.py [--output-len 24] [--streams 16]
+    PYTHONPATH=src python benchmarks/busy_neighbour.py [--output-len 16] [--streams 16]
 
 writes benchmarks/results/busy_neighbour.md and .json. Each configuration runs in its own process, since
 libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT once, when torch loads it. A configuration is measured
 idle, then with a neighbour: another process spinning one core in a tight Python loop (what a test run
-or a build next door looks like). Two numbers per run: `--streams` prompts decoded together (output
+or a build next door looks like). Each child also records how many cores other processes kept busy
+while it measured (the neighbour counts: ~1.0 when it alone runs), since colleagues' jobs on a shared
+machine disturb "idle" too. Two numbers per run: `--streams` prompts decoded together (output
 tok/s, prefill excluded) and one stream alone (ms per output token, TPOT).
 
 "libgomp default" is the policy torch had before lmserve chose one: GOMP_SPINCOUNT=300000 is what
@@ -38,6 +40,7 @@ CHILD = r"""
 import json, statistics, sys, time
 import lmserve
 from lmserve import LLM, SamplingParams
+from lmserve.bench.report import cpu_sample, others_load
 import torch
 a = json.loads(sys.argv[1])
 llm = LLM(num_threads=a["threads"], kv_cache_memory=128 * 2**20, max_num_seqs=a["streams"])
@@ -53,10 +56,12 @@ def decode_steps(batch, n):
         eng.step(); now = time.perf_counter(); times.append(now - t); t = now
     return times
 decode_steps(prompts, 4); decode_steps(prompts[:1], 4)  # warm-up: one-time costs of both shapes
+s0 = cpu_sample()
 many = decode_steps(prompts, a["output_len"])
 one = decode_steps(prompts[:1], a["output_len"])
 print(json.dumps({"threads": torch.get_num_threads(), "streams_tok_s": a["streams"] * len(many) / sum(many),
-                  "single_tpot_ms": 1e3 * statistics.median(one)}))
+                  "single_tpot_ms": 1e3 * statistics.median(one),
+                  "other_processes_cores": others_load(s0, cpu_sample())["other_processes_cores"]}))
 """
 
 SPIN = "import time\nwhile True:\n    pass\n"
@@ -110,20 +115,21 @@ def to_markdown(meta: dict, rows: dict, streams: int) -> str:
              f"Load average (1 min) before the run {meta['loadavg_start']:.2f}, after {meta['loadavg_end']:.2f}; "
              f"output length {meta['output_len']}, run took {meta['wall_s']:.0f} s.\n",
              f"| configuration | threads | {streams} streams idle (tok/s) | {streams} streams busy (tok/s) "
-             f"| busy / idle | 1 stream idle (ms/token) | 1 stream busy (ms/token) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"| busy / idle | 1 stream idle (ms/token) | 1 stream busy (ms/token) "
+             f"| other processes' cores, idle / busy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in rows.items():
         idle, busy = r["idle"], r["busy neighbour"]
         lines.append(f"| {name} | {idle['threads']} | {idle['streams_tok_s']:.1f} | {busy['streams_tok_s']:.1f} | "
                      f"{busy['streams_tok_s'] / idle['streams_tok_s']:.2f}x | {idle['single_tpot_ms']:.1f} | "
-                     f"{busy['single_tpot_ms']:.1f} |")
+                     f"{busy['single_tpot_ms']:.1f} | {idle['other_processes_cores']:.1f} / {busy['other_processes_cores']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--out", default=str(RESULTS / "busy_neighbour"), help="path without suffix: .md and .json")
     a = ap.parse_args()
     start, load0 = time.perf_counter(), os.getloadavg()[0]
