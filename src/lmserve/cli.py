@@ -27,7 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=float, default=0.15,
                    help="KV cache size: bytes if > 1, else a fraction of available memory")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: one per core; idle OpenMP threads sleep, OMP_WAIT_POLICY=PASSIVE, unless you set it or GOMP_SPINCOUNT)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
