@@ -55,9 +55,9 @@ def _add_sized(kinds, add_engine_args, name: str, helptext: str, input_len: int,
     add_engine_args(p)
     p.add_argument("--input-len", type=int, default=input_len, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=int, default=output_len, help="generated tokens per sequence")
+    meaning = "sequences run together" if name == "latency" else "most sequences per step"
     p.add_argument("--batch-sizes", type=_int_list, default=batch_sizes and _int_list(batch_sizes),
-                   help="comma-separated, one row each: " + ("sequences run together" if name == "latency" else
-                   "most sequences per step (default: --max-num-seqs)") + f" (default: {batch_sizes or '-'})")
+                   help=f"comma-separated, one table row each: {meaning} (default: {batch_sizes or '--max-num-seqs'})")
     if name == "latency":
         p.add_argument("--num-iters", type=int, default=3, help="timed runs per batch size, after one warm-up")
     else:
