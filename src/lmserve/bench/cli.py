@@ -43,7 +43,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
         p.add_argument("--output", default=None)
         p.set_defaults(func=globals()[f"cmd_bench_{name}"])
     _add_sized(kinds, add_engine_args, "latency", "batches run alone: TTFT, TPOT, prefill and decode tok/s",
-               input_len=512, output_len=64, batch_sizes="1,8")
+               input_len=256, output_len=64, batch_sizes="1,8")
     _add_sized(kinds, add_engine_args, "throughput", "offline engine throughput with continuous batching",
                input_len=256, output_len=128, batch_sizes=None)
 
