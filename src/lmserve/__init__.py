@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
-from lmserve.sampling_params import SamplingParams
+# Before anything imports torch: libgomp reads its wait policy once, when torch loads it. Its default
+# spins ~3 ms at every barrier, so on a 2-core machine with one busy neighbour a decode step went from
+# 25 ms to 1250 ms; sleeping waiters cost about the neighbour's share (benchmarks/results/busy_neighbour.md).
+# A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins; a process that imported torch first keeps libgomp's.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+from lmserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]

@@ -33,7 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "a size given here may be smaller than one --max-model-len request (longer ones then get 400)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache size in blocks of --block-size tokens (overrides --kv-cache-memory)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core; idle OpenMP threads sleep, OMP_WAIT_POLICY=PASSIVE, "
+                   "unless you set it or GOMP_SPINCOUNT)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")

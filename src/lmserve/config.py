@@ -59,7 +59,7 @@ class EngineConfig:
     quantization: str | None = None  # None (float weights) | int8 | int4: weight-only, applied at load
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
-    num_threads: int | None = None  # torch CPU threads; None: torch's default
+    num_threads: int | None = None  # torch CPU threads; None: torch's default (one per core)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: "SpeculativeConfig | None" = None

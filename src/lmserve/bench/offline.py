@@ -1,67 +1,102 @@
-"""`lmserve bench latency | throughput | startup`: the engine measured directly, as % of the roofline."""
+"""`lmserve bench latency | throughput | startup`: the engine measured directly, as % of the roofline.
+
+Every case starts with an untimed warm-up of its own shapes: the first run of a shape pays one-time costs
+(oneDNN primitives for its row counts, allocator growth) that are no part of steady-state speed.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from lmserve.bench.roofline import Roofline, flops_per_token, measure
 from lmserve.sampling_params import SamplingParams
 
 
+@dataclass
+class BatchTiming:
+    """One batch run alone: time until every sequence had its first token, then each decode step."""
+
+    ttft_s: float
+    decode_steps_s: list[float]  # one entry per step after the last prefill: one token per sequence
+
+    @property
+    def tpot_s(self) -> float:
+        return statistics.median(self.decode_steps_s) if self.decode_steps_s else float("nan")
+
+
 def _prompt(n: int, seed: int = 0) -> list[int]:
-    """A deterministic prompt of exactly n token ids (ordinary vocabulary range)."""
+    """A deterministic prompt of exactly n token ids (ordinary vocabulary range); seeds differ in the
+    first token, so no two seeds share a cached prefix block."""
     return [100 + (seed * 7919 + i * 104729) % 30000 for i in range(n)]
 
 
-def _run_one(engine, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
-    """(time to first token, time from first to last token, tokens) for one request alone."""
-    engine.add_request("bench", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    start, first, n = time.perf_counter(), None, 0
-    while engine.has_unfinished():
-        for d in engine.step():
-            n += len(d.token_ids)
-            if first is None and d.token_ids:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    return first - start, end - first, n
-
-
-def latency(engine, roof: Roofline, repeats: int = 3) -> dict:
-    """Prefill tok/s at prompts of 128 and 512 tokens; decode tok/s at batch 1 from contexts ~0 and 512."""
-    _run_one(engine, _prompt(32), 4)  # warm-up
-    out: dict = {"prefill": {}, "decode": {}}
-    for n in (128, 512):
-        ttft = min(_run_one(engine, _prompt(n, r), 1)[0] for r in range(repeats))
-        tps = n / ttft
-        ceiling = roof.prefill_tok_s_ceiling
-        out["prefill"][n] = {"ttft_ms": ttft * 1e3, "tok_s": tps, "pct_of_ceiling": 100 * tps / ceiling}
-    for ctx in (1, 512):
-        runs = [_run_one(engine, _prompt(ctx, r + 10), 65) for r in range(repeats)]
-        tps = max((n - 1) / dec for _, dec, n in runs)
-        out["decode"][ctx] = {"tok_s": tps, "ms_per_token": 1e3 / tps,
-                              "pct_of_ceiling": 100 * tps / roof.decode_tok_s_ceiling}
-    return out
-
-
-def throughput(llm, roof: Roofline, num_prompts: int, input_len: int, output_len: int) -> dict:
-    """Offline tokens/s for num_prompts prompts through the batching engine."""
-    llm.generate([_prompt(8, 99)], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    prompts = [_prompt(input_len, i) for i in range(num_prompts)]
+def run_batch(engine, prompts: list[list[int]], output_len: int, on_token=None) -> BatchTiming:
+    """Run `prompts` together to `output_len` tokens each; `on_token(n)` is told of every n new tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(f"bench-{next(_ids)}", p, params)
+    started: set[str] = set()
+    start = last = time.perf_counter()
+    ttft, steps = None, []
+    while engine.has_unfinished():
+        deltas = engine.step()
+        now = time.perf_counter()
+        if ttft is None:
+            started.update(d.request_id for d in deltas if d.token_ids)
+            ttft = now - start if len(started) == len(prompts) else None
+        else:
+            steps.append(now - last)
+        last = now
+        if on_token:
+            on_token(sum(len(d.token_ids) for d in deltas))
+    return BatchTiming(ttft if ttft is not None else last - start, steps)
+
+
+_ids = itertools.count()
+
+
+def latency_case(engine, roof: Roofline, batch: int, input_len: int, output_len: int, iters: int,
+                 bar=None) -> dict:
+    """One batch size: a warm-up run (excluded: it pays the one-time costs of this batch's shapes), then
+    `iters` timed runs of fresh prompts; TTFT is the best run's, TPOT the median decode step over all."""
+    tick = bar.update if bar is not None else None
+    seeds = itertools.count(batch * 100_000)
+    warm = run_batch(engine, [_prompt(input_len, next(seeds)) for _ in range(batch)], output_len, tick)
+    runs = [run_batch(engine, [_prompt(input_len, next(seeds)) for _ in range(batch)], output_len, tick)
+            for _ in range(iters)]
+    ttft = min(r.ttft_s for r in runs)
+    tpot = statistics.median([s for r in runs for s in r.decode_steps_s] or [float("nan")])
+    # Every weight byte is read once per step whatever the batch, up to the compute ceiling.
+    ceiling = min(batch * roof.decode_tok_s_ceiling, roof.prefill_tok_s_ceiling)
+    return {"batch_size": batch, "input_len": input_len, "output_len": output_len,
+            "ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot, "prefill_tok_s": batch * input_len / ttft,
+            "decode_tok_s": batch / tpot, "decode_ceiling_tok_s": ceiling,
+            "pct_of_decode_ceiling": 100 * batch / tpot / ceiling,
+            "warmup_ttft_ms": 1e3 * warm.ttft_s, "warmup_tpot_ms": 1e3 * warm.tpot_s}
+
+
+def throughput_case(engine, roof: Roofline, num_prompts: int, input_len: int, output_len: int, bar=None) -> dict:
+    """Offline tokens/s for num_prompts prompts through the batching engine (at most its max_num_seqs
+    at once), after an untimed warm-up at the same batch size with short prompts."""
+    batch = engine.cfg.scheduler.max_num_seqs
+    run_batch(engine, [_prompt(8, 900_000 + i) for i in range(min(batch, num_prompts))], 4)
+    tick = bar.update if bar is not None else None
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=True)
+    run_batch(engine, [_prompt(input_len, 1_000_000 + i) for i in range(num_prompts)], output_len, tick)
     seconds = time.perf_counter() - start
-    out_tps = num_prompts * output_len / seconds
-    total_tps = num_prompts * (input_len + output_len) / seconds
-    cfg = llm.engine.model_config
     # All tokens' matmul FLOPs against what the machine can compute (batched work is compute-bound).
-    flops = num_prompts * (input_len + output_len) * flops_per_token(cfg)
-    compute = roof.matmul_tflops.get(str(llm.engine.dtype).removeprefix("torch."), 0.0)
-    return {"seconds": seconds, "output_tok_s": out_tps, "total_tok_s": total_tps,
+    flops = num_prompts * (input_len + output_len) * flops_per_token(engine.model_config)
+    compute = roof.matmul_tflops.get(str(engine.dtype).removeprefix("torch."), 0.0)
+    return {"batch_size": batch, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+            "seconds": seconds, "output_tok_s": num_prompts * output_len / seconds,
+            "total_tok_s": num_prompts * (input_len + output_len) / seconds,
             "achieved_tflops": flops / seconds / 1e12,
             "pct_of_compute_ceiling": 100 * flops / seconds / 1e12 / compute if compute else None}
 
@@ -101,4 +136,5 @@ def startup(model: str | None, threads: int) -> dict:
 
 
 def roofline_for(engine) -> Roofline:
+    """The machine's measured ceilings for this engine's model and dtype."""
     return measure(engine.loaded.model, engine.model_config, engine.dtype)
