@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +64,13 @@ def readme_blocks(text: str) -> list[Block]:
     """Fenced code blocks with their language, section heading and line number."""
     blocks, section, lines, i = [], "", text.splitlines(), 0
     while i < len(lines):
-        line = lines[i]
-        if line.startswith("#"):
+        line = lines[i].strip()  # a block inside a list item is indented
+        if lines[i].startswith("#"):
             section = line.lstrip("#").strip()
         elif line.startswith("```") and len(line) > 3:
-            end = lines.index("```", i + 1)
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
             reason = NOT_RUN.search(lines[i - 1]) if i else None
-            blocks.append(Block(line[3:].strip(), "\n".join(lines[i + 1:end]), section, i + 1,
+            blocks.append(Block(line[3:].strip(), textwrap.dedent("\n".join(lines[i + 1:end])), section, i + 1,
                                 reason.group(1) if reason else None))
             i = end
         i += 1
@@ -202,7 +203,7 @@ def test_every_bash_command_runs(env):
     try:
         for block in blocks:
             for command in commands(block):
-                if command == "bash scripts/test.sh" or command.startswith(("curl ",)):
+                if command == "bash scripts/test.sh" or "127.0.0.1:8000" in command:
                     continue  # the suite itself (CI runs it); HTTP examples run in test_http_examples
                 run_bash_command(command, env, None)
                 ran += 1
@@ -213,16 +214,19 @@ def test_every_bash_command_runs(env):
 
 
 def test_http_examples_against_the_quickstart_server(env):
-    """curl and the openai-client python blocks, against the server the first set-up command starts."""
+    """curl, `lmserve bench serve` and the openai-client python blocks, against the quick-start server."""
     text = README.read_text()
     server = Serve(".venv/bin/lmserve serve", env)
     try:
         server.wait_healthy()
-        curls = [c for b in readme_blocks(text) if b.lang == "bash" for c in commands(b) if c.startswith("curl ")]
-        assert curls
-        for c in curls:
-            reply = json.loads(run(c + " --fail-with-body -sS", env, server.port))
-            assert reply["choices"][0]["message"]["content"]
+        http = [c for b in readme_blocks(text) if b.lang == "bash" for c in commands(b) if "127.0.0.1:8000" in c]
+        assert any(c.startswith("curl ") for c in http) and len(http) >= 2
+        for c in http:
+            if c.startswith("curl "):
+                reply = json.loads(run(c + " --fail-with-body -sS", env, server.port))
+                assert reply["choices"][0]["message"]["content"]
+            else:
+                assert run(c, env, server.port).strip()
         clients = [b for b in readme_blocks(text) if b.lang == "python" and "OpenAI(" in b.text]
         assert len(clients) >= 2
         for b in clients:
