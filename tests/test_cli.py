@@ -114,12 +114,13 @@ class Terminal:
         deadline = time.time() + timeout
         while text not in self.output:
             ready, _, _ = select.select([self.fd], [], [], max(deadline - time.time(), 0))
-            if not ready:
-                raise AssertionError(f"no {text!r} in time; the terminal shows: {(self.seen + self.output)[-2000:]!r}")
             try:
-                self.output += os.read(self.fd, 4096).decode(errors="replace")
+                chunk = os.read(self.fd, 4096).decode(errors="replace") if ready else ""
             except OSError:  # the child exited and closed the terminal
-                raise AssertionError(f"no {text!r}; the terminal shows: {(self.seen + self.output)[-2000:]!r}") from None
+                chunk = ""
+            if not chunk:
+                raise AssertionError(f"no {text!r}; the terminal shows: {(self.seen + self.output)[-2000:]!r}")
+            self.output += chunk
         before, _, self.output = self.output.partition(text)
         self.seen += before + text
         return before
