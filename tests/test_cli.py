@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import jsonschema
 import pytest
+
+from lmserve import cli
+from lmserve.sampling_params import SamplingParams
+from tests.conftest import write_tiny_llama
 
 SMALL = ["--kv-cache-memory", str(64 * 2**20), "--num-threads", "2", "--temperature", "0"]
 
@@ -51,3 +59,111 @@ def test_generate_with_a_json_schema_file(tmp_path):
     bad.write_text('{"type": "objekt"}')
     p = lmserve("generate", "hi", "--json-schema", str(bad), "--max-tokens", "4", *SMALL)
     assert p.returncode == 2 and 'Unsupported type "objekt"' in p.stderr and "Traceback" not in p.stderr
+
+
+def test_generate_writes_only_the_text_to_stdout(offline_llm):
+    """`lmserve generate ... > out.txt` holds the generated text and a newline; every log line is on stderr."""
+    p = lmserve("--log-level", "info", "generate", "Hello", "--max-tokens", "8", "--temperature", "0",
+                "--kv-cache-memory", str(64 * 2**20), "--num-threads", "2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    expected = offline_llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert p.stdout == expected.outputs[0].text + "\n"
+    assert "loaded SmolLM2" in p.stderr  # the logs were there, on stderr
+
+
+def test_ctrl_c_aborts_the_reply_between_steps_and_frees_its_blocks(tmp_path):
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+
+    write_tiny_llama(tmp_path / "tiny")
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "tiny"), dtype="float32", num_threads=2,
+                                    cache=CacheConfig(num_blocks=64)))
+    step, steps = engine.step, []
+
+    def step_then_ctrl_c():  # Ctrl-C lands while the third step runs
+        steps.append(1)
+        if len(steps) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return step()
+
+    engine.step = step_then_ctrl_c
+    reply = cli._stream(engine, "r", "w5 w9 w17", SamplingParams(max_tokens=200, ignore_eos=True))
+    assert reply.interrupted and len(steps) == 3  # the step that was running finished; no more ran
+    assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.num_blocks
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C raises again at the prompt
+
+
+class Terminal:
+    """`lmserve chat` on a pseudo-terminal it controls, so Ctrl-C typed there sends SIGINT as for a user."""
+
+    def __init__(self, *args: str) -> None:
+        import fcntl
+        import termios
+
+        self.fd, slave = os.openpty()
+        # a session leader (start_new_session) takes the pty as controlling terminal (TIOCSCTTY): the
+        # line discipline then turns \x03 into SIGINT for it
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", *args], stdin=slave, stdout=slave,
+                                     stderr=slave, start_new_session=True,
+                                     preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+        self.output = self.seen = ""
+
+    def expect(self, text: str, timeout: float = 240) -> str:
+        """Read until `text` appears after what earlier calls consumed; return what came before it."""
+        deadline = time.time() + timeout
+        while text not in self.output:
+            ready, _, _ = select.select([self.fd], [], [], max(deadline - time.time(), 0))
+            try:
+                chunk = os.read(self.fd, 4096).decode(errors="replace") if ready else ""
+            except OSError:  # the child exited and closed the terminal
+                chunk = ""
+            if not chunk:
+                raise AssertionError(f"no {text!r}; the terminal shows: {(self.seen + self.output)[-2000:]!r}")
+            self.output += chunk
+        before, _, self.output = self.output.partition(text)
+        self.seen += before + text
+        return before
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=60)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.fd)
+
+
+def test_chat_in_a_terminal_stops_a_reply_on_ctrl_c_and_exits_on_ctrl_d():
+    t = Terminal("chat", "--max-tokens", "1000", *SMALL)
+    try:
+        t.expect("/system TEXT")  # the hint, then the prompt
+        t.expect("you> ")
+        t.send("Write a long story about a dragon.\n")
+        t.expect("assistant> ")
+        t.expect("dragon")  # the reply is streaming
+        t.send("\x03")
+        t.expect("[interrupted")
+        t.expect("you> ")
+        t.send("What is the capital of France?\n")
+        t.expect("assistant> ")
+        assert "Paris" in t.expect("you> ")  # the next question gets its whole reply
+        t.send("/reset\n")
+        t.expect("[conversation cleared]")
+        t.expect("you> ")
+        t.send("half a question")
+        t.expect("half a question")  # echoed: readline has it
+        # CPython's readline loop sees SIGINT only while it waits in select(); one that lands while it
+        # is still echoing waits for the next key. A person's Ctrl-C comes later than this test's would.
+        time.sleep(0.5)
+        t.send("\x03")  # Ctrl-C over typed text discards it, as in a shell
+        t.expect("you> ")
+        t.send("\x04")
+        assert t.wait() == 0
+    finally:
+        t.close()
+    assert "Traceback" not in t.seen + t.output

@@ -63,6 +63,13 @@ def test_metrics_move_exactly(fresh):
     assert m("lmserve:model_info", 'quantization="MOSTLY_Q4_1"') == 1
 
 
+def test_health_while_loading_is_not_ready_not_a_server_error(fresh):
+    """The 503s /health answers during start-up are counted as not_ready; a start adds no 5xx."""
+    assert fresh.health_seen.count(503) > 0  # the start was polled while the model loaded
+    assert fresh.metric("lmserve:requests_total", 'status="not_ready"') == fresh.health_seen.count(503)
+    assert fresh.metric("lmserve:requests_total", 'status="5xx"') == 0
+
+
 def test_random_model_names_add_no_series(fresh):
     before = series(fresh)
     errors_before = fresh.metric("lmserve:requests_total", 'status="4xx"')

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 from lmserve.config import ENV_API_KEY, engine_config
 from lmserve.errors import CheckpointError, ConfigError
@@ -91,43 +95,94 @@ def structured_outputs(args: argparse.Namespace) -> dict | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Stream one completion of a prompt to stdout."""
+    """Stream one completion of a prompt to stdout (logs go to stderr, so `> out.txt` holds the text alone)."""
     try:
         params = sampling_params(args)
     except (OSError, ValueError) as e:  # an unreadable schema file or a bad spec: one line, not a traceback
         print(f"lmserve generate: {e}", file=sys.stderr)
         return 2
-    engine = checked_engine(args)
+    engine = _load_engine(args)
+    if engine is None:
+        return EXIT_INTERRUPTED
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat_template \
         else args.prompt
     try:
-        _stream(engine, "0", prompt, params)
+        reply = _stream(engine, "0", prompt, params)
     except ValueError as e:  # e.g. a schema that does not compile
         print(f"lmserve generate: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:  # Ctrl-C in the instant before _stream sets its own handler
+        return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED if reply.interrupted else 0
+
+
+# The shell's convention for a command ended by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+CHAT_HINT = ("/exit quits, /reset clears the conversation, /system TEXT sets the system prompt (and resets); "
+             "Ctrl-C stops a reply, Ctrl-D exits")
+# A turn cut short by Ctrl-C is dropped whole (question and partial reply): a truncated reply fed back
+# would condition every later reply on a sentence the model never finished, and a marker such as
+# "[interrupted]" is text it never wrote and may imitate. The question stays in readline's history (Up).
+INTERRUPTED_NOTE = "[interrupted: this turn is left out of the conversation]"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Interactive multi-turn chat that streams each reply."""
-    engine = checked_engine(args)
-    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    turn = 0
+    """Interactive multi-turn chat that streams each reply; Ctrl-C stops a reply, Ctrl-D exits."""
+    _enable_line_editing()
+    engine = _load_engine(args)
+    if engine is None:
+        return EXIT_INTERRUPTED
+    chat = _Chat(args.system)
+    print(CHAT_HINT, file=sys.stderr)
     while True:
-        try:
-            line = input("you> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
+        line = _read_line("you> ")
+        if line is None or line.strip() in ("/exit", "/quit"):
             return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
+        if line.strip().startswith("/"):
+            chat.command(line.strip())
+        elif line.strip():
+            chat.turn(engine, line, sampling_params(args))
+
+
+class _Chat:
+    """The conversation of `lmserve chat`: messages so far and the system prompt they start from."""
+
+    def __init__(self, system: str | None) -> None:
+        self.system = system
+        self.messages = self._start()
+        self.turns = 0  # request ids: one per turn, never reused
+
+    def _start(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def command(self, line: str) -> None:
+        """/reset or /system TEXT (no TEXT: no system prompt); anything else prints the hint."""
+        name, _, rest = line.partition(" ")
+        if name == "/system":
+            self.system = rest.strip() or None
+        elif name != "/reset":
+            print(f"unknown command {name}; {CHAT_HINT}", file=sys.stderr)
+            return
+        self.messages = self._start()
+        print("[conversation cleared" + ("; system prompt set]" if name == "/system" and self.system else "]"),
+              file=sys.stderr)
+
+    def turn(self, engine, line: str, params) -> None:
+        """Ask `line`, stream the reply; keep the turn only if the reply finished."""
+        messages = [*self.messages, {"role": "user", "content": line}]
+        self.turns += 1
         sys.stdout.write("assistant> ")
-        reply = _stream(engine, str(turn), engine.tokenizer.encode_chat(messages), sampling_params(args))
-        messages.append({"role": "assistant", "content": reply})
-        turn += 1
+        try:
+            reply = _stream(engine, str(self.turns), engine.tokenizer.encode_chat(messages), params)
+        except ValueError as e:  # e.g. the conversation no longer fits the context: say so, keep chatting
+            print(f"\n[{e}; /reset starts over]", file=sys.stderr)
+            return
+        except KeyboardInterrupt:  # Ctrl-C just before or after _stream's own handling: no request is left
+            reply = Reply("", True)
+        if reply.interrupted:
+            print(INTERRUPTED_NOTE, file=sys.stderr)
+            return
+        self.messages = [*messages, {"role": "assistant", "content": reply.text}]
 
 
 def checked_engine(args: argparse.Namespace):
@@ -138,16 +193,89 @@ def checked_engine(args: argparse.Namespace):
     return LLMEngine(check_engine_config(engine_config(args)).config)
 
 
-def _stream(engine, request_id: str, prompt, params) -> str:
-    engine.add_request(request_id, prompt, params)
+def _enable_line_editing() -> None:
+    """Arrow keys and history for input(): importing readline is enough (not available everywhere)."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _read_line(prompt: str) -> str | None:
+    """One line typed at the prompt; None on Ctrl-D, or Ctrl-C at an empty prompt (the user wants to leave).
+
+    Ctrl-C over typed text discards that text, as shells do ("" asks for a new prompt).
+    """
+    try:
+        return input(prompt)
+    except EOFError:
+        print()
+        return None
+    except KeyboardInterrupt:
+        print()
+        return "" if _typed_text() else None
+
+
+def _typed_text() -> str:
+    """What was on the input line when Ctrl-C came (readline keeps it); "" without readline."""
+    try:
+        import readline
+    except ImportError:
+        return ""
+    return readline.get_line_buffer()
+
+
+def _load_engine(args: argparse.Namespace):
+    """The checked engine for `args`, or None when Ctrl-C stopped the load (no traceback for that)."""
+    try:
+        return checked_engine(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return None
+
+
+class Reply(NamedTuple):
+    """What _stream wrote: the text, and whether Ctrl-C cut it short."""
+
+    text: str
+    interrupted: bool
+
+
+def _stream(engine, request_id: str, prompt, params) -> Reply:
+    """Write each delta to stdout as it is generated; Ctrl-C aborts the request (its KV blocks are freed)."""
     text = []
-    while engine.has_unfinished():
-        for d in engine.step():
-            sys.stdout.write(d.text)
-            sys.stdout.flush()
-            text.append(d.text)
+    with _sigint_flag() as stop:
+        engine.add_request(request_id, prompt, params)  # inside: a Ctrl-C cannot land half-way through it
+        while engine.has_unfinished() and not stop.is_set():
+            for d in engine.step():
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+                text.append(d.text)
+        interrupted = stop.is_set() and engine.has_unfinished()  # Ctrl-C after the last step: it finished
+        if interrupted:
+            engine.abort(request_id)
     sys.stdout.write("\n")
-    return "".join(text)
+    sys.stdout.flush()
+    return Reply("".join(text), interrupted)
+
+
+@contextmanager
+def _sigint_flag() -> Iterator[threading.Event]:
+    """While streaming, Ctrl-C sets a flag checked between engine steps instead of raising inside one.
+
+    A KeyboardInterrupt in the middle of a step would leave the scheduler's and the runner's state
+    half-updated; between steps the request can be aborted cleanly. (Signal handlers can only be set
+    from the main thread; elsewhere Ctrl-C keeps its default.)
+    """
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_monitor_profile(args: argparse.Namespace) -> int:

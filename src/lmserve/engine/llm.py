@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -68,7 +70,7 @@ class LLM:
             outs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                       [CompletionOutput(i, "", [], None, None, [] if p.logprobs is not None else None)
                                        for i in range(p.n)])
-        self._run(outs, sum(p.n for p in plist), use_tqdm)
+        self._run(outs, use_tqdm)
         return list(outs.values())
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
@@ -78,16 +80,54 @@ class LLM:
         ids = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
         return self.generate(ids, params, use_tqdm)
 
-    def _run(self, outs: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm)
+    def _run(self, outs: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        progress = _Progress(outs) if use_tqdm else None
         while self.engine.has_unfinished():
-            for d in self.engine.step():
+            deltas = self.engine.step()
+            for d in deltas:
                 if d.prompt_logprobs is not None and d.index == 0:
                     outs[d.request_id].prompt_logprobs = d.prompt_logprobs
                 _accumulate(outs[d.request_id].outputs[d.index], d)
-                if d.finished:
-                    bar.update(1)
-        bar.close()
+            if progress is not None:
+                progress.update(deltas)
+        if progress is not None:
+            progress.close()
+
+
+class _Progress:
+    """The batch's bar on stderr, as vLLM draws it: prompts done and the estimated input/output tok/s."""
+
+    REFRESH_S = 0.5  # the speed also moves between finished prompts (a batch that ends all at once)
+
+    def __init__(self, outs: dict[str, RequestOutput]) -> None:
+        self.completions_left = {rid: len(o.outputs) for rid, o in outs.items()}  # a prompt is done with its n-th
+        self.prompt_tokens = {rid: len(o.prompt_token_ids) for rid, o in outs.items()}
+        self.bar = tqdm(total=len(outs), desc="Processed prompts", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+        self.start = self.shown = time.perf_counter()
+        self.input_tokens = self.output_tokens = 0
+
+    def update(self, deltas: list[CompletionDelta]) -> None:
+        done = 0
+        for d in deltas:
+            self.output_tokens += len(d.token_ids)
+            if d.finished:
+                self.completions_left[d.request_id] -= 1
+                if self.completions_left[d.request_id] == 0:
+                    done += 1
+                    self.input_tokens += self.prompt_tokens[d.request_id]
+        now = time.perf_counter()
+        if done or now - self.shown >= self.REFRESH_S:
+            self.shown = now
+            self.bar.set_postfix_str(self._speed(now), refresh=not done)
+            self.bar.update(done)
+
+    def _speed(self, now: float) -> str:
+        elapsed = max(now - self.start, 1e-9)
+        return f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, " \
+               f"output: {self.output_tokens / elapsed:.2f} toks/s"
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:

@@ -14,6 +14,7 @@ load), so a sequence's tokens never depend on which of the two ran its step.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,7 +44,8 @@ class PackedLinear(nn.Module):
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.register_buffer("panels", None)  # [N/16, K, 16] for the skinny kernel, where it matches oneDNN
-        if weight.dtype == torch.float32 and native_module() is not None:
+        self.skinny_checked = weight.dtype == torch.float32 and native_module() is not None
+        if self.skinny_checked:
             panels = to_panels(weight)
             if self._skinny_matches_onednn(panels):
                 self.panels = panels
@@ -63,8 +65,8 @@ class PackedLinear(nn.Module):
         mod = native_module()
         same = all(torch.equal(mod.skinny_linear(x[:m], panels, self.out_features, self.bias), full[:m])
                    for m in CHECK_ROWS if m <= SKINNY_MAX_ROWS)
-        if not same:
-            log.info("skinny kernel differs from oneDNN for a [%d x %d] layer; it keeps oneDNN only",
+        if not same:  # one summary line at INFO comes from the loader (skinny_coverage)
+            log.debug("skinny kernel differs from oneDNN for a [%d x %d] layer; it keeps oneDNN only",
                      self.out_features, self.in_features)
         return same
 
@@ -75,6 +77,19 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+class SkinnyCoverage(NamedTuple):
+    """How many packed layers passed the load-time check (`used`) out of those checked (`checked`)."""
+
+    used: int
+    checked: int
+
+
+def skinny_coverage(model: nn.Module) -> SkinnyCoverage:
+    """Count the PackedLinear layers of `model` that run the skinny kernel for small steps."""
+    checked = [m for m in model.modules() if isinstance(m, PackedLinear) and m.skinny_checked]
+    return SkinnyCoverage(sum(m.panels is not None for m in checked), len(checked))
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

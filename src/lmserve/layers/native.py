@@ -57,7 +57,7 @@ def _build() -> ModuleType | None:
         log.warning("native CPU kernels unavailable (%s: %s); using the PyTorch paths", type(e).__name__,
                     str(e).splitlines()[0][:200] if str(e) else "")
         return None
-    log.info("native CPU kernels loaded from %s", final)
+    log.debug("native CPU kernels loaded from %s", final)  # the usual case: nothing to say at INFO
     return module
 
 
@@ -80,12 +80,13 @@ def _compile(root: Path, final: Path) -> None:
     try:
         for src in [*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]:
             shutil.copy2(src, tmp / src.name)
-        log.info("compiling lmserve's native CPU kernels (once per machine, about 1-3 minutes)...")
+        # a first start is otherwise minutes of silence (g++ -O3 on 2 cores: ~1-3 min)
+        log.info("compiling native kernels (first start on this CPU; about a minute) ...")
         t0 = time.perf_counter()
         cpp_extension.load(name="lmserve_native", sources=[str(tmp / p.name) for p in _SOURCES],
                            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(tmp),
                            verbose=False)
-        log.info("native CPU kernels compiled in %.0f s", time.perf_counter() - t0)
+        log.info("native kernels compiled in %.0f s", time.perf_counter() - t0)
         try:
             tmp.rename(final)
         except OSError:  # another process finished first: keep its build

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import torch
 
-from lmserve.layers.linear import can_pack, pack_linears
+from lmserve.layers.linear import can_pack, pack_linears, skinny_coverage
 from lmserve.layers.quantized import check_scheme, quantize_linears
 from lmserve.layers.rotary import inv_frequencies
 from lmserve.errors import CheckpointError
@@ -124,11 +124,21 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         quantize_linears(net, quantization)
     elif pack and can_pack(device, dtype):
         pack_linears(net)
+        _log_skinny_coverage(net)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
     return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf if fmt == "gguf" else None, quantization)
+
+
+def _log_skinny_coverage(net: torch.nn.Module) -> None:
+    """One line for the whole model instead of one per layer that failed the bit-identity check."""
+    used, checked = skinny_coverage(net)
+    if checked == 0:  # no native kernels, or weights that are not float32: nothing was checked
+        return
+    kept = f"; {checked - used} keep oneDNN (not bit-identical)" if used < checked else ""
+    log.info("skinny kernel: %d of %d layers use it%s", used, checked, kept)
 
 
 def _config_from_dir(path: Path) -> ModelConfig:

@@ -64,7 +64,7 @@ class AuthAndStatus:
 
         async def send_counted(message) -> None:
             if message["type"] == "http.response.start":
-                st.metrics.status(message["status"])
+                st.metrics.status(message["status"], st.not_ready)
             await send(message)
 
         await self.app(scope, receive, send_counted)

@@ -15,7 +15,9 @@ MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FINISH_REASONS = ("stop", "length", "abort")
-STATUS_CLASSES = ("2xx", "4xx", "5xx")
+# "not_ready": a 503 answered while the model loads or the server drains (/health's included). Every start
+# gives a few; counted as 5xx they would look like server errors to an error-rate alert.
+STATUS_CLASSES = ("2xx", "4xx", "5xx", "not_ready")
 ABORT_REASONS = ("client_disconnect", "shutdown", "error")
 REJECT_REASONS = ("queue_full", "not_ready", "unauthorized", "invalid_request", "context_length", "validation_rule")
 
@@ -26,7 +28,9 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
-        self.requests = Counter("lmserve:requests", "HTTP requests by status class", ["status"], registry=r)
+        self.requests = Counter("lmserve:requests", "HTTP requests by status class (2xx, 4xx, 5xx); "
+                                "a 503 while the model loads or the server drains is not_ready, not 5xx",
+                                ["status"], registry=r)
         self.aborts = Counter("lmserve:request_aborts", "Requests aborted, by reason", ["reason"], registry=r)
         self.rejected = Counter("lmserve:requests_rejected", "Requests refused before the engine, by reason",
                                 ["reason"], registry=r)
@@ -128,8 +132,12 @@ class ServerMetrics:
             self._max_batch = stats.batch_size
             self.max_batch_size.set(stats.batch_size)
 
-    def status(self, code: int) -> None:
-        self.requests.labels(f"{min(code // 100, 5)}xx" if code < 600 else "5xx").inc()
+    def status(self, code: int, not_ready: bool = False) -> None:
+        """Count one response; `not_ready`: the server is loading or draining (its 503s are expected)."""
+        if code == 503 and not_ready:
+            self.requests.labels("not_ready").inc()
+        else:
+            self.requests.labels(f"{min(code // 100, 5)}xx" if code < 600 else "5xx").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

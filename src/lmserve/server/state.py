@@ -63,6 +63,11 @@ class ServerState:
     def ready(self) -> bool:
         return self.async_engine is not None and self.async_engine.alive and not self.draining
 
+    @property
+    def not_ready(self) -> bool:
+        """Loading or draining: a 503 now is the expected answer, not a fault (a dead engine is one)."""
+        return self.draining or (self.async_engine is None and not self.load_error)
+
     def check_ready(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"}, reason="not_ready")

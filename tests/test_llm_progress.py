@@ -1,0 +1,32 @@
+"""LLM.generate's progress bar: on stderr for a batch, prompts done and tok/s as vLLM shows them; off with
+use_tqdm=False."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmserve import LLM, SamplingParams
+from tests.conftest import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("progress") / "tiny"
+    write_tiny_llama(path)
+    return LLM(str(path), dtype="float32", num_threads=2, num_blocks=128)
+
+
+def test_a_batch_shows_prompts_done_and_speed_on_stderr(tiny_llm, capsys):
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, n=n) for m, n in ((2, 1), (6, 2), (12, 1))]
+    outs = tiny_llm.generate(["w5 w9", "w17", "w33 w65 w7"], params)
+    assert [len(o.token_ids) for r in outs for o in r.outputs] == [2, 6, 6, 12]
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    final = captured.err.replace("\r", "\n").strip().splitlines()[-1]
+    assert final.startswith("Processed prompts: 100%") and "3/3" in final  # prompts, not completions (n=2)
+    assert "est. speed input:" in final and "output:" in final and final.endswith("toks/s]")
+
+
+def test_use_tqdm_false_draws_nothing(tiny_llm, capsys):
+    tiny_llm.generate(["w5 w9", "w17"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert capsys.readouterr() == ("", "")
