@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -44,6 +46,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **kwargs) -> None:
         """Load `model` (None: the embedded default) with vLLM-style keyword options, or wrap `engine`."""
+        show_progress_logs()
         self.engine = engine or LLMEngine(_engine_config(model, kwargs))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
@@ -128,6 +131,23 @@ class _Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def show_progress_logs() -> None:
+    """In a script that configured no logging, show lmserve's INFO lines (the first start's minute of
+    kernel compilation, the model load) on stderr, as vLLM does; Python would drop them silently.
+
+    Only when neither the root logger nor lmserve's has a handler, so an application's own logging
+    setup (and pytest's capture) is left alone.
+    """
+    root, ours = logging.getLogger(), logging.getLogger("lmserve")
+    if root.handlers or ours.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
 
 
 def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:
