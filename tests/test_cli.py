@@ -167,3 +167,23 @@ def test_chat_in_a_terminal_stops_a_reply_on_ctrl_c_and_exits_on_ctrl_d():
     finally:
         t.close()
     assert "Traceback" not in t.seen + t.output
+
+
+def test_chat_ctrl_c_at_an_empty_prompt_exits_cleanly():
+    t = Terminal("chat", "--max-tokens", "8", *SMALL)
+    try:
+        t.expect("you> ")
+        time.sleep(0.5)  # readline waits in select() by now (see the test above)
+        t.send("\x03")
+        assert t.wait() == 0
+        while select.select([t.fd], [], [], 0.5)[0]:  # whatever it wrote while exiting
+            try:
+                chunk = os.read(t.fd, 4096).decode(errors="replace")
+            except OSError:
+                break
+            if not chunk:
+                break
+            t.output += chunk
+        assert "Traceback" not in t.seen + t.output
+    finally:
+        t.close()
