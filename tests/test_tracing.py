@@ -130,6 +130,7 @@ def test_make_tracer_provider():
 def traced_server():
     """The real app and engine under uvicorn in this process, tracing into an in-memory exporter."""
     from lmserve.cli import build_parser
+    from lmserve.config import engine_config
     from lmserve.server.app import build_app
     from lmserve.server.main import _load
     from lmserve.server.metrics import ServerMetrics
@@ -142,7 +143,7 @@ def traced_server():
     class _NoServer:
         should_exit = False
 
-    _load(state, _NoServer(), args)
+    _load(state, _NoServer(), engine_config(args))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
