@@ -56,6 +56,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
     cache_salt: bytes = b""  # mixed into prefix-cache hashes (e.g. adapter id)
+    tenant: str = ""  # who asked (an API key's name): waiting requests are admitted round-robin across tenants
     # structured outputs: this sequence's structured.Grammar (its matcher state follows output_token_ids);
     # typed loosely because plain data sits below the structured/ feature layer
     grammar: object | None = None

@@ -34,6 +34,7 @@ class AddRequest:
     params: SamplingParams
     max_tokens: int | None  # from LLMEngine.check_request; None: add_request checks it on the engine thread
     grammar: Any = None  # from LLMEngine.compile_grammar (compiled off the engine thread); None: unconstrained
+    tenant: str = ""  # who asked (the API key's name): the scheduler admits round-robin across tenants
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,14 @@ class AsyncEngine:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       max_tokens: int | None = None, grammar: Any = None) -> AsyncIterator[CompletionDelta]:
+                       max_tokens: int | None = None, grammar: Any = None,
+                       tenant: str = "") -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of every completion of a request; closing the iterator aborts it.
 
         `max_tokens` is what `engine.check_request` returned for this request (the server checks it
         before admitting); None has the engine thread check it, and a rejection then ends the stream.
         `grammar` is `engine.compile_grammar(params)`, compiled by the caller off the engine thread.
+        `tenant` names who asked; waiting requests of different tenants are admitted round-robin.
         """
         if self.dead is not None:
             raise EngineDeadError("the engine has stopped")
@@ -106,7 +109,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self.num_requests_in_flight += 1
-        self._inbox.put(AddRequest(request_id, prompt_ids, params, max_tokens, grammar))
+        self._inbox.put(AddRequest(request_id, prompt_ids, params, max_tokens, grammar, tenant))
         try:
             while stream.pending > 0:
                 item = await stream.queue.get()
@@ -165,7 +168,8 @@ class AsyncEngine:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.max_tokens, msg.grammar)
+            self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.max_tokens, msg.grammar,
+                                    msg.tenant)
         except ValueError as e:  # a request id in use, or an unchecked request refused: only its caller hears
             self._send(msg.request_id, e)
 

@@ -1,7 +1,9 @@
 """Continuous batching with no prefill/decode phases: each running request's `num_computed_tokens`
 catches up to its `num_tokens` within a per-step token budget (this gives chunked prefill), waiting
 requests join FCFS while blocks and slots last, and the newest running request is preempted
-(blocks freed, recomputed later) when the KV cache runs out.
+(blocks freed, recomputed later) when the KV cache runs out. Requests of several tenants (API key
+names) join round-robin between tenants instead, and a tenant holding every slot gives one up to a
+waiting tenant (sched/fairness.py).
 
 A request that has caught up may carry draft tokens (`spec_token_ids`, set by a proposer): they run
 after its last known token in the same step, and `update` keeps the accepted prefix of them plus the
@@ -18,6 +20,7 @@ from typing import Protocol
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
 from lmserve.request import Request, RequestStatus, TokenLogprobs
+from lmserve.sched.fairness import fair_victim, next_waiting
 from lmserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from lmserve.sched.stop import StopChecker
 from lmserve.structured.grammar import fill_bitmask
@@ -47,11 +50,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.last_mask_s = 0.0  # time the last grammar bitmask took to fill
+        self._tenants: set[str] = set()  # every tenant seen; with one, admission is plain FCFS
+        self._last_admitted: dict[str, int] = {}  # tenant -> number of the admission it last got (round-robin)
+        self._num_admitted = 0
 
     def add(self, req: Request) -> None:
         """Queue a request (the engine has already checked that it can ever fit)."""
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self._tenants.add(req.tenant)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -60,6 +67,8 @@ class Scheduler:
         """Build one step's batch: running requests first (in admission order), then waiting ones."""
         out = SchedulerOutput(finished_ids=self._finished)
         self._finished = []
+        self._make_room_for_tenant(out)
+        num_fair_preempted = len(out.preempted_ids)
         budget = self.cfg.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -74,7 +83,7 @@ class Scheduler:
             out.requests.append(self._scheduled(req, n, spec))
             budget -= n + len(spec)
             i += 1
-        if not out.preempted_ids:  # admitting now would only be preempted again
+        if len(out.preempted_ids) == num_fair_preempted:  # out of KV blocks: admitting would only preempt again
             budget = self._admit(out, budget)
         self._grammar_rows(out)
         return out
@@ -103,9 +112,28 @@ class Scheduler:
                 return False
         return True
 
+    def _next_waiting(self) -> Request:
+        """FCFS with one tenant; with several, the head of the tenant admitted least recently."""
+        if len(self._tenants) <= 1:
+            return self.waiting[0]
+        return next_waiting(self.waiting, self._last_admitted)
+
+    def _make_room_for_tenant(self, out: SchedulerOutput) -> None:
+        """All slots taken and the next waiting tenant holds two fewer than the busiest: preempt the busiest's newest.
+
+        Runs before the running requests are scheduled, so the victim is not in this step's batch.
+        """
+        if len(self._tenants) <= 1 or not self.waiting or len(self.running) < self.cfg.max_num_seqs:
+            return
+        victim = fair_victim(self._next_waiting(), self.running)
+        if victim is not None:
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self._next_waiting()
             tokens = req.all_token_ids
             computed = self.kv.find_computed(req.request_id, tokens, req.cache_salt, allow=not req.wants_prompt_logprobs)
             n = len(tokens) - computed.num_tokens
@@ -115,7 +143,12 @@ class Scheduler:
                 n = budget
             if not self.kv.allocate(req.request_id, tokens, computed.num_tokens, n, computed, req.cache_salt):
                 break
-            self.waiting.popleft()
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
+            self._num_admitted += 1
+            self._last_admitted[req.tenant] = self._num_admitted
             req.num_computed_tokens = computed.num_tokens
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
