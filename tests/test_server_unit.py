@@ -8,12 +8,13 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from lmserve.server.app import _key_ok, build_app
+from lmserve.server.app import build_app
 from lmserve.server.errors import APIError
 from lmserve.server.main import served_name
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import CompletionRequest, load_json, parse_body
 from lmserve.server.state import ServerConfig, ServerState
+from lmserve.server.tenants import Tenants, key_specs
 
 
 @pytest.mark.parametrize("raw,match", [
@@ -64,9 +65,9 @@ def test_default_served_name():
 
 
 def test_api_key_check():
-    keys = ("alpha", "beta")
-    assert _key_ok("Bearer alpha", keys) and _key_ok("bearer beta", keys)
-    assert not any(_key_ok(h, keys) for h in ("", "alpha", "Bearer alph", "Bearer alphaa", "Basic alpha", "Bearer "))
+    keys = Tenants(key_specs(("alpha", "beta", ""), ()))  # an empty key is never accepted
+    assert keys.identify("Bearer alpha") == keys.identify("bearer beta") == "default"
+    assert not any(keys.identify(h) for h in ("", "alpha", "Bearer alph", "Bearer alphaa", "Basic alpha", "Bearer "))
 
 
 def test_health_follows_the_engine_lifecycle():

@@ -31,6 +31,7 @@ class RequestRecord:
     start: float = field(default_factory=monotonic)  # arrival, monotonic
     model: str | None = None  # the served model name (the client's own string is never a label)
     adapter: str | None = None
+    key_name: str | None = None  # the API key's name from the key file (never the key); "anonymous" without keys
     params: dict[str, Any] = field(default_factory=dict)  # the request's parameters as sent (no prompt)
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]] as sent
     messages: list[dict[str, Any]] | None = None  # chat requests

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -20,7 +19,8 @@ from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
-from lmserve.server.state import RECORD_KEY, ServerState, read_request, state_of
+from lmserve.server.state import KEY_NAME_KEY, RECORD_KEY, ServerState, read_request, state_of
+from lmserve.server.tenants import ANONYMOUS
 
 OPEN_PATHS = ("/health",)  # no API key needed
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/")
@@ -45,7 +45,8 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 class AuthAndStatus:
-    """Pure ASGI (no wrapping of `receive`, so handlers see real disconnects): API keys, status metrics."""
+    """Pure ASGI (no wrapping of `receive`, so handlers see real disconnects): API keys, rate-limit headers,
+    status metrics. The key's name (never the key) goes into scope["state"] for the routes and the record."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -54,17 +55,22 @@ class AuthAndStatus:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st, path = self.state, scope.get("path", "")
-        if st.config.api_keys and path not in OPEN_PATHS and scope.get("method") != "OPTIONS":
+        name = ANONYMOUS
+        if st.tenants.enabled and path not in OPEN_PATHS and scope.get("method") != "OPTIONS":
             header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-            if not _key_ok(header, st.config.api_keys):
+            name = st.tenants.identify(header)
+            if name is None:
                 st.metrics.status(401)
                 st.metrics.rejected.labels("unauthorized").inc()
                 err = APIError(401, "missing or invalid API key", code="invalid_api_key")
                 return await error_response(path, err)(scope, receive, send)
+        scope.setdefault("state", {})[KEY_NAME_KEY] = name
 
         async def send_counted(message) -> None:
             if message["type"] == "http.response.start":
                 st.metrics.status(message["status"], st.not_ready)
+                # Read at response start: after admission took its share, before a stream's first byte.
+                message = {**message, "headers": [*message.get("headers", []), *st.tenants.headers(name)]}
             await send(message)
 
         await self.app(scope, receive, send_counted)
@@ -85,7 +91,8 @@ class Observe:
             return await self.app(scope, receive, send)
         ops = self.state.ops
         record = RequestRecord(f"http-{id(scope):x}", scope["path"])
-        scope.setdefault("state", {})[RECORD_KEY] = record
+        record.key_name = scope.setdefault("state", {}).get(KEY_NAME_KEY, ANONYMOUS)
+        scope["state"][RECORD_KEY] = record
         ops.begin(record, {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []})
         error_body: list[bytes] = []
 
@@ -105,6 +112,7 @@ class Observe:
             if record.e2e_s is None:  # no last body message went out: the client hung up
                 record.status, record.error = 499, "client disconnected"
                 _close(record, [])
+            self.state.tenants.settle(record)  # frees the key's slot, returns its unused tokens
             ops.finish(record)
 
 
@@ -121,17 +129,6 @@ def _error_message(body: bytes) -> str:
     except (ValueError, AttributeError):
         return body[:200].decode("utf-8", "replace")
     return str(err.get("message") if isinstance(err, dict) else err)[:400]
-
-
-def _key_ok(header: str, keys: tuple[str, ...]) -> bool:
-    """Constant-time comparison against every accepted key (no early exit on the first match)."""
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer":
-        given = ""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given.encode(), key.encode())
-    return ok
 
 
 class BodyLimit:

@@ -25,6 +25,7 @@ from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState
+from lmserve.server.tenants import KeySpec, key_specs, read_key_file
 
 log = logging.getLogger("lmserve.server")
 
@@ -32,13 +33,17 @@ log = logging.getLogger("lmserve.server")
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
 
 
-def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """Keys from --api-key (repeatable), $LMSERVE_API_KEY (comma-separated) and --api-key-file (one per line)."""
+def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
+    """(plain keys, named keys): --api-key (repeatable), $LMSERVE_API_KEY (comma-separated), and --api-key-file:
+    a YAML/JSON file of named keys with limits, or one plain key per line."""
     keys = list(args.api_key or [])
     keys += [k.strip() for k in os.environ.get(ENV_API_KEY, "").split(",") if k.strip()]
+    named: list[KeySpec] = []
     if args.api_key_file:
-        keys += [line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip()]
-    return tuple(keys)
+        plain, named = read_key_file(args.api_key_file)
+        keys += plain
+    key_specs(tuple(keys), tuple(named))  # a name clash between the two is a ConfigError now, not at start
+    return tuple(keys), tuple(named)
 
 
 def served_name(args: argparse.Namespace, model_path: Path) -> str:
@@ -80,10 +85,10 @@ def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
 def server_config(args: argparse.Namespace, name: str) -> ServerConfig:
     """ServerConfig from the serve flags (api key files read here: a missing one is a ConfigError)."""
     try:
-        keys = api_keys(args)
-    except OSError as e:
+        keys, named = api_keys(args)
+    except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--api-key-file: {e}") from None
-    return ServerConfig(served_model_name=name, api_keys=keys, cors_allowed_origins=tuple(args.cors_allowed_origins),
+    return ServerConfig(served_model_name=name, api_keys=keys, named_keys=named, cors_allowed_origins=tuple(args.cors_allowed_origins),
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                         max_tokens_limit=args.max_tokens_limit)

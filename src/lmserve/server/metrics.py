@@ -19,7 +19,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 # gives a few; counted as 5xx they would look like server errors to an error-rate alert.
 STATUS_CLASSES = ("2xx", "4xx", "5xx", "not_ready")
 ABORT_REASONS = ("client_disconnect", "shutdown", "error")
-REJECT_REASONS = ("queue_full", "not_ready", "unauthorized", "invalid_request", "context_length", "validation_rule")
+REJECT_REASONS = ("queue_full", "not_ready", "unauthorized", "invalid_request", "context_length", "validation_rule",
+                  "rate_limited")
+TOKEN_KINDS = ("prompt", "completion")
 
 
 class ServerMetrics:
@@ -77,6 +79,22 @@ class ServerMetrics:
                               "token bitmask", MASK_BUCKETS)
         self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
                                registry=r)
+
+    def bind_keys(self, names: list[str], reasons: tuple[str, ...]) -> None:
+        """Per-key-name counters; names come from the key file (a closed set), never from a request."""
+        r = self.registry
+        self.key_requests = Counter("lmserve:key_requests", "Generation requests admitted, by API key name",
+                                    ["key_name"], registry=r)
+        self.key_tokens = Counter("lmserve:key_tokens", "Tokens of ended requests, by API key name and kind",
+                                  ["key_name", "kind"], registry=r)
+        self.key_rejections = Counter("lmserve:key_rejections", "Requests refused by a key's limits or model list, "
+                                      "by API key name and reason", ["key_name", "reason"], registry=r)
+        for name in names:
+            self.key_requests.labels(name)
+            for kind in TOKEN_KINDS:
+                self.key_tokens.labels(name, kind)
+            for reason in reasons:
+                self.key_rejections.labels(name, reason)
 
     def bind_engine(self, engine, warmup_seconds: float) -> None:
         """Read live engine state at scrape time, and observe every step (on the engine thread: cheap)."""

@@ -18,7 +18,7 @@ from lmserve.server.errors import APIError
 from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
-from lmserve.server.state import ServerState, read_request, record_of, state_of
+from lmserve.server.state import ServerState, key_name_of, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched
 from lmserve.server.tool_stream import ToolCallStreamer, chat_chunk_delta
 from lmserve.server.tools import parse_tool_calls, prepare_chat, template_supports_tools
@@ -69,7 +69,10 @@ class CompletionShape:
 async def list_models(request: Request) -> dict:
     st = state_of(request)
     max_len = st.engine.max_model_len if st.async_engine else None
-    return {"object": "list", "data": [{"id": st.config.served_model_name, "object": "model", "created": st.created,
+    name = st.config.served_model_name
+    if not st.tenants.allows(key_name_of(request), name):  # a key sees only the models it may use
+        return {"object": "list", "data": []}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": st.created,
                                         "owned_by": "lmserve", "max_model_len": max_len}]}
 
 

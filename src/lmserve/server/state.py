@@ -20,6 +20,7 @@ from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.params import TokenLimits
 from lmserve.server.protocol import parse_body
+from lmserve.server.tenants import ANONYMOUS, KeySpec, Tenants, key_specs
 
 T = TypeVar("T")
 
@@ -29,7 +30,8 @@ class ServerConfig:
     """HTTP-side settings (the engine has its own EngineConfig)."""
 
     served_model_name: str
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # plain keys: unlimited, all models, named "default"
+    named_keys: tuple[KeySpec, ...] = ()  # from a YAML/JSON --api-key-file: names and limits
     cors_allowed_origins: tuple[str, ...] = ()
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
@@ -54,6 +56,10 @@ class ServerState:
     in_flight: int = 0
     ops: Ops = field(default_factory=Ops)  # tracing, payload log, rules, drift (each off unless configured)
     created: int = field(default_factory=lambda: int(time.time()))
+    tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
+
+    def __post_init__(self) -> None:
+        self.tenants = Tenants(key_specs(self.config.api_keys, self.config.named_keys), self.metrics)
 
     @property
     def engine(self) -> LLMEngine:
@@ -98,6 +104,8 @@ class ServerState:
         if self.in_flight + len(prompts) > limit:
             raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
                            headers={"Retry-After": "1"}, reason="queue_full")
+        # The key's limits come last, so a request refused for any other reason costs the key nothing.
+        self.tenants.admit(record, record.prompt_tokens + params.n * sum(max_tokens))
         return max_tokens
 
     def _check(self, ids: list[int], params: SamplingParams) -> int:
@@ -145,7 +153,7 @@ class ServerState:
             record.engine_arrival = time.monotonic()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar)
+        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar, tenant=record.key_name or "")
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index
@@ -221,6 +229,7 @@ def state_of(request: Request) -> ServerState:
 
 
 RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's record in scope["state"]
+KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
 _PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
 
@@ -230,13 +239,19 @@ def record_of(request: Request) -> RequestRecord:
     return record if record is not None else RequestRecord("", request.url.path)
 
 
+def key_name_of(request: Request) -> str:
+    """The name of the request's API key (set by the auth middleware); "anonymous" on a server without keys."""
+    return request.scope.get("state", {}).get(KEY_NAME_KEY, ANONYMOUS)
+
+
 async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T]:
-    """Every API route's prologue: the engine is ready, the body parses strictly, the model name is ours."""
+    """Every API route's prologue: the engine is ready, the body parses strictly, the model is ours and the key's."""
     st = state_of(request)
     st.check_ready()
     req = parse_body(await request.body(), model)
     _describe(record_of(request), req, st.config.served_model_name)
     st.check_model(getattr(req, "model", None))
+    st.tenants.check_model(key_name_of(request), st.config.served_model_name)
     return st, req
 
 

@@ -1,0 +1,138 @@
+"""API key files, per-key token buckets and their headers, without a server (tests/test_server_tenants.py has one)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from lmserve.errors import ConfigError
+from lmserve.ops.record import RequestRecord
+from lmserve.server.errors import APIError
+from lmserve.server.metrics import ServerMetrics
+from lmserve.server.tenants import Tenants, duration, key_specs, parse_key_file, read_key_file
+
+YAML = """
+keys:
+  - name: team-a
+    key: sk-team-a-secret          # a comment, as a user writes it
+    requests_per_minute: 60
+    tokens_per_minute: 20000
+    max_concurrent_requests: 4
+    models: ["*"]
+  - name: team-b
+    sha256: {digest}
+    models: [other-model]
+"""
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def test_yaml_and_json_key_files_parse_the_same(tmp_path):
+    a, b = parse_key_file(YAML.format(digest=sha("sk-b")), "f")
+    assert (a.name, a.requests_per_minute, a.tokens_per_minute, a.max_concurrent_requests, a.models) == (
+        "team-a", 60, 20000, 4, ("*",))
+    assert a.digest == hashlib.sha256(b"sk-team-a-secret").digest() and "secret" not in repr(a)
+    assert (b.name, b.requests_per_minute, b.models, b.digest.hex()) == ("team-b", None, ("other-model",), sha("sk-b"))
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"name": "team-a", "key": "sk-team-a-secret", "requests_per_minute": 60,
+                                          "tokens_per_minute": 20000, "max_concurrent_requests": 4}]}))
+    assert read_key_file(path) == ([], [a])
+
+
+def test_plain_key_per_line_file_still_works(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text("key-one\n\n  key-two  \nsk-with:colon\n")
+    assert read_key_file(path) == (["key-one", "key-two", "sk-with:colon"], [])
+
+
+@pytest.mark.parametrize("text,message", [
+    ("keys: []", "non-empty list"),
+    ("kyes: [{name: a, key: k}]", "unknown field 'kyes'"),
+    ("keys: [{name: a, key: k, rpm: 3}]", "keys[0] (a): unknown field 'rpm'"),
+    ("keys: [{name: a}]", "exactly one of `key` or `sha256`"),
+    ("keys: [{name: a, key: k, sha256: " + "0" * 64 + "}]", "exactly one of"),
+    ("keys: [{name: a, sha256: abc}]", "64 hex digits"),
+    ("keys: [{name: a, sha256: " + sha("") + "}]", "empty key"),
+    ("keys: [{key: k}]", "`name` must be"),
+    ("keys: [{name: 'a b', key: k}]", "`name` must be"),
+    ("keys: [{name: a, key: k}, {name: a, key: j}]", "'a' is used twice"),
+    ("keys: [{name: a, key: k}, {name: b, key: k}]", "same key"),
+    ("keys: [{name: anonymous, key: k}]", "reserved"),
+    ("keys: [{name: a, key: k, requests_per_minute: 0}]", "positive integer"),
+    ("keys: [{name: a, key: k, tokens_per_minute: 1.5}]", "positive integer"),
+    ("keys: [{name: a, key: k, max_concurrent_requests: true}]", "positive integer"),
+    ("keys: [{name: a, key: k, models: []}]", "`models`"),
+    ('{"keys": [{"name": "a", "key": " k"}]}', "surrounding spaces"),
+])
+def test_bad_key_files_name_the_entry_and_never_the_key(text, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")) as e:
+        parse_key_file(text, "--api-key-file k.yaml")
+    assert str(e.value).startswith("--api-key-file k.yaml") and "\n" not in str(e.value)
+
+
+def test_plain_keys_share_the_name_default_which_the_file_may_not_take():
+    named = tuple(parse_key_file("keys: [{name: default, key: k}]", "f"))
+    with pytest.raises(ConfigError, match="'default' is taken"):
+        key_specs(("plain",), named)
+    assert [s.name for s in key_specs(("p1", "p2", "p1"), ())] == ["default", "default"]
+
+
+def record(name: str, prompt: int = 0, output: int = 0) -> RequestRecord:
+    r = RequestRecord("r", "/v1/completions", key_name=name, prompt_tokens=prompt)
+    r.output(0).tokens = output
+    return r
+
+
+def headers(t: Tenants, name: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in t.headers(name)}
+
+
+def test_buckets_reserve_at_admission_and_settle_to_actual_usage():
+    spec = parse_key_file("keys: [{name: a, key: k, requests_per_minute: 2, tokens_per_minute: 100, "
+                          "max_concurrent_requests: 1}]", "f")
+    t = Tenants(tuple(spec), ServerMetrics("m"))
+    first = record("a", prompt=10)
+    t.admit(first, 10 + 50)
+    h = headers(t, "a")
+    assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("2", "1")
+    assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("100", "40")
+    # full again after 60 tokens at 100 a minute: 36 s (a hair less by the time it is read)
+    assert h["x-ratelimit-reset-tokens"].startswith(("36s", "35.9")) and h["x-ratelimit-reset-requests"][:2] in ("30", "29")
+    with pytest.raises(APIError) as e:  # one in flight already
+        t.admit(record("a"), 1)
+    assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"} and "concurrent" in e.value.message
+    first.output(0).tokens = 5
+    t.settle(first)  # used 15 of the 60 reserved: 45 come back
+    assert int(headers(t, "a")["x-ratelimit-remaining-tokens"]) in (85, 86)
+    with pytest.raises(APIError, match="tokens per minute") as e:
+        t.admit(record("a"), 90)
+    assert int(e.value.headers["Retry-After"]) in (3, 4)  # 90 - 85 tokens at 100 a minute
+    with pytest.raises(APIError, match="lower max_tokens") as e:
+        t.admit(record("a"), 101)  # can never pass: no Retry-After
+    assert e.value.headers == {}
+    second = record("a")
+    t.admit(second, 1)
+    t.settle(second)
+    with pytest.raises(APIError, match="2 requests per minute") as e:
+        t.admit(record("a"), 1)
+    assert e.value.headers["Retry-After"] == "30"
+    text = ServerMetrics.render(t.metrics).decode()
+    for reason, count in (("concurrency", 1), ("tokens_per_minute", 2), ("requests_per_minute", 1), ("model", 0)):
+        assert f'lmserve:key_rejections_total{{key_name="a",reason="{reason}"}} {count:.1f}' in text
+    assert 'lmserve:key_tokens_total{key_name="a",kind="completion"} 5.0' in text
+
+
+def test_unlimited_keys_send_no_rate_limit_headers_and_anonymous_is_the_name_without_keys():
+    t = Tenants(())
+    assert not t.enabled and list(t.usage) == ["anonymous"] and t.headers("anonymous") == []
+    t.admit(record("anonymous"), 10**9)
+
+
+@pytest.mark.parametrize("seconds,text", [(0, "0s"), (0.12, "120ms"), (0.0001, "1ms"), (1, "1s"), (1.5, "1.5s"),
+                                          (59.9996, "1m0s"), (360, "6m0s"), (86.4, "1m26.4s")])
+def test_reset_durations_read_like_openai(seconds, text):
+    assert duration(seconds) == text
