@@ -169,7 +169,7 @@ class AsyncEngine:
     def _add(self, msg: AddRequest) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.max_tokens, msg.grammar,
-                                    msg.tenant)
+                                    tenant=msg.tenant)
         except ValueError as e:  # a request id in use, or an unchecked request refused: only its caller hears
             self._send(msg.request_id, e)
 

@@ -131,4 +131,6 @@ def _attributes(record: RequestRecord) -> dict[str, Any]:
         attrs["lmserve.time_to_first_token_s"] = record.ttft_s
     if record.rule_violations:
         attrs["lmserve.rule_violations"] = list(record.rule_violations)
+    if record.key_name:  # the API key's name from the key file; the key itself is never recorded
+        attrs["lmserve.key_name"] = record.key_name
     return attrs

@@ -82,12 +82,18 @@ def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
                           f"{max_model_len} tokens (max_model_len)")
 
 
-def server_config(args: argparse.Namespace, name: str) -> ServerConfig:
-    """ServerConfig from the serve flags (api key files read here: a missing one is a ConfigError)."""
+def read_api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
+    """api_keys(), with an unreadable key file as a ConfigError (a malformed one already is one)."""
     try:
-        keys, named = api_keys(args)
+        return api_keys(args)
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--api-key-file: {e}") from None
+
+
+def server_config(args: argparse.Namespace, name: str,
+                  keys: tuple[tuple[str, ...], tuple[KeySpec, ...]] | None = None) -> ServerConfig:
+    """ServerConfig from the serve flags; `keys` is what read_api_keys returned (None: read them now)."""
+    keys, named = keys if keys is not None else read_api_keys(args)
     return ServerConfig(served_model_name=name, api_keys=keys, named_keys=named, cors_allowed_origins=tuple(args.cors_allowed_origins),
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
@@ -101,9 +107,10 @@ def serve(args: argparse.Namespace) -> int:
     model raises ConfigError / CheckpointError (the CLI prints one line) before uvicorn starts.
     """
     check_serve_args(args)
+    keys = read_api_keys(args)  # a bad key file fails first, before the engine checks warn about anything
     checked = check_engine_config(engine_config(args))
     check_default_max_tokens(args.default_max_tokens, checked.config.max_model_len)
-    config = server_config(args, served_name(args, checked.model_path))
+    config = server_config(args, served_name(args, checked.model_path), keys)
     metrics = ServerMetrics(config.served_model_name)
     try:
         ops = build_ops(args, metrics.registry)

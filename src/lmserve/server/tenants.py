@@ -308,8 +308,9 @@ class Tenants:
 
     def headers(self, name: str) -> list[tuple[bytes, bytes]]:
         """OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the limits this key has."""
-        now, out = time.monotonic(), []
-        u = self.usage[name]
+        now, out, u = time.monotonic(), [], self.usage.get(name)
+        if u is None:  # an open path (/health) on a server with keys: no key, no headers
+            return out
         for kind, bucket in (("requests", u.requests), ("tokens", u.tokens)):
             if bucket is None:
                 continue

@@ -1,0 +1,231 @@
+"""Named API keys with limits against the real server: 401, 429 per limit kind with OpenAI's headers, settled
+token budgets, model allow-lists, per-key metrics, no key anywhere in /metrics or the payload log, and fairness."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_util import BASE_ARGS, MODEL, running_server
+
+C = "/v1/completions"
+KEYS = {name: f"sk-{name}-0123456789abcdef" for name in ("rpm", "tpm", "conc", "nomodel", "hashed", "open")}
+PLAIN = "plain-key-fedcba9876543210"
+KEY_FILE = f"""
+keys:
+  - name: rpm
+    key: {KEYS["rpm"]}
+    requests_per_minute: 2
+  - name: tpm
+    key: {KEYS["tpm"]}
+    tokens_per_minute: 60          # a prompt of a few tokens + max_tokens 20 fits twice, not three times
+  - name: conc
+    key: {KEYS["conc"]}
+    max_concurrent_requests: 1
+  - name: nomodel
+    key: {KEYS["nomodel"]}
+    models: [some-other-model]
+  - name: hashed
+    sha256: {hashlib.sha256(KEYS["hashed"].encode()).hexdigest()}
+  - name: open
+    key: {KEYS["open"]}
+    requests_per_minute: 1000
+    tokens_per_minute: 100000
+"""
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tenants")
+    (tmp / "keys.yaml").write_text(KEY_FILE)
+    with running_server("--api-key-file", str(tmp / "keys.yaml"), "--api-key", PLAIN, "--max-num-seqs", "2",
+                        "--payload-log", str(tmp / "payload.jsonl"), headers=auth("open")) as s:
+        s.payload_log = tmp / "payload.jsonl"
+        yield s
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+def client(server, name: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS.get(name, name), max_retries=0)
+
+
+def complete(server, name: str, max_tokens: int = 4, **kw) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens, "temperature": 0, **kw}
+    return httpx.post(server.url + C, json=body, headers=auth(name), timeout=60)
+
+
+def test_wrong_or_missing_key_is_401_and_every_key_kind_works(keyed):
+    for key in ("wrong", KEYS["rpm"] + "x", "sk-hashed", hashlib.sha256(KEYS["hashed"].encode()).hexdigest()):
+        with pytest.raises(openai.AuthenticationError):
+            client(keyed, key).models.list()
+    assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    for key in (KEYS["hashed"], PLAIN, KEYS["open"]):
+        assert [m.id for m in client(keyed, key).models.list()] == [MODEL]
+
+
+def test_requests_per_minute_429_with_retry_after_and_headers(keyed):
+    seen = []
+    for _ in range(2):
+        r = complete(keyed, "rpm")
+        assert r.status_code == 200
+        seen.append(int(r.headers["x-ratelimit-remaining-requests"]))
+        assert r.headers["x-ratelimit-limit-requests"] == "2" and "x-ratelimit-limit-tokens" not in r.headers
+    assert seen == [1, 0]  # remaining counts down (one request refills every 30 s)
+    r = complete(keyed, "rpm")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 25 <= int(r.headers["Retry-After"]) <= 30
+    assert r.headers["x-ratelimit-remaining-requests"] == "0" and r.headers["x-ratelimit-reset-requests"][-1] == "s"
+    with pytest.raises(openai.RateLimitError, match="2 requests per minute"):
+        client(keyed, "rpm").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert keyed.metric("lmserve:key_rejections_total", 'key_name="rpm",reason="requests_per_minute"') == 2
+    assert keyed.metric("lmserve:key_requests_total", 'key_name="rpm"') == 2
+
+
+def test_tokens_reserved_at_admission_and_settled_to_usage(keyed):
+    c = client(keyed, "tpm")
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=20, temperature=0,
+                                                 stop=["-", " ", "\n"])  # greedy "Hi" goes "-and-go-to-..."
+    r = raw.parse()
+    used = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.completion_tokens < 20  # a stop ended it early: the rest of the reservation comes back
+    remaining = int(raw.headers["x-ratelimit-remaining-tokens"])  # read before settling: the reservation is out
+    assert remaining <= 60 - r.usage.prompt_tokens - 20 + 1
+    after = int(httpx.get(keyed.url + "/v1/models", headers=auth("tpm")).headers["x-ratelimit-remaining-tokens"])
+    assert 60 - used <= after <= 60 - used + 2  # settled to what was used (plus a second's refill)
+    with pytest.raises(openai.RateLimitError, match="lower max_tokens") as e:
+        c.completions.create(model=MODEL, prompt="Hi", max_tokens=60)  # with the prompt, larger than the whole minute's budget
+    assert "Retry-After" not in e.value.response.headers
+    assert keyed.metric("lmserve:key_tokens_total", 'key_name="tpm",kind="completion"') == r.usage.completion_tokens
+    ok = 0
+    while (r := complete(keyed, "tpm", max_tokens=25, ignore_eos=True)).status_code == 200:
+        ok += 1
+    assert ok >= 1 and r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.headers["x-ratelimit-limit-tokens"] == "60"
+
+
+def test_concurrency_limit_counts_until_the_stream_ends(keyed):
+    body = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", keyed.url + C, json=body, headers=auth("conc"), timeout=60) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        next(lines)
+        with pytest.raises(openai.RateLimitError, match="1 concurrent"):
+            client(keyed, "conc").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        assert complete(keyed, "open").status_code == 200  # other keys are not held up
+    keyed.wait_idle()
+    assert complete(keyed, "conc").status_code == 200
+
+
+def test_model_allow_list_is_404_model_not_found(keyed):
+    c = client(keyed, "nomodel")
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert e.value.code == "model_not_found" and "do not have access" in e.value.message
+    assert c.models.list().data == []  # a key sees only its models
+    r = httpx.post(keyed.url + "/generate", json={"inputs": "Hi"}, headers=auth("nomodel"))
+    assert r.status_code == 404 and r.json()["error_type"] == "not_found"  # TGI routes too, in TGI's shape
+    assert keyed.metric("lmserve:key_rejections_total", 'key_name="nomodel",reason="model"') == 2
+
+
+def test_stream_carries_rate_limit_headers(keyed):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", keyed.url + C, json=body, headers=auth("open"), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["x-ratelimit-limit-tokens"] == "100000"
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 100000 - 3  # the reservation already taken
+        list(r.iter_lines())
+
+
+def test_keys_never_appear_in_metrics_or_payload_log_but_names_do(keyed):
+    for name in ("open", "hashed"):
+        assert complete(keyed, name).status_code == 200
+    keyed.wait_idle()
+    metrics = httpx.get(keyed.url + "/metrics", headers=auth("open")).text
+    for secret in (*KEYS.values(), PLAIN):
+        assert secret not in metrics
+    names = {line.split('key_name="')[1].split('"')[0] for line in metrics.splitlines() if 'key_name="' in line}
+    assert names == {"rpm", "tpm", "conc", "nomodel", "hashed", "open", "default"}  # the closed set from the file
+    deadline = time.time() + 10
+    while time.time() < deadline and '"key_name": "hashed"' not in keyed.payload_log.read_text():
+        time.sleep(0.1)
+    log = keyed.payload_log.read_text()
+    lines = [json.loads(line) for line in log.splitlines()]
+    assert {"open", "hashed", "rpm"} <= {line["key_name"] for line in lines}
+    for secret in (*KEYS.values(), PLAIN, "Bearer", "uthorization"):
+        assert secret not in log
+
+
+def test_bad_key_file_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n  - name: a\n    key: sk-never-printed-123\n    requests_per_minit: 3\n")
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--api-key-file", str(path), *BASE_ARGS],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1
+    assert "keys[0] (a): unknown field 'requests_per_minit'" in p.stderr and "sk-never" not in p.stderr
+
+
+# -- fairness ------------------------------------------------------------------------------------------
+
+
+def ttft(url: str, key: str) -> float:
+    """Seconds until the first streamed token of a short request."""
+    body = {"model": MODEL, "prompt": "Name a colour.", "max_tokens": 2, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", url + C, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - start
+    raise AssertionError("no token streamed")
+
+
+def flood(url: str, key: str, n: int, done: threading.Event) -> None:
+    """n concurrent long requests of one key, until they finish or `done` is set."""
+    async def run():
+        async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {key}"}) as ac:
+            body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 200,
+                    "ignore_eos": True}
+            tasks = [asyncio.ensure_future(ac.post(url + C, json=body)) for _ in range(n)]
+            while not done.is_set() and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.05)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_busy_key_does_not_starve_a_light_one(tmp_path):
+    """B's TTFT p50 with A's 20 concurrent long requests stays within 2x of B's TTFT on an idle server."""
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n  - {name: team-a, key: sk-team-a-0123456789}\n  - {name: team-b, key: sk-team-b-0123456789}\n")
+    with running_server("--api-key-file", str(path), "--max-num-seqs", "4",
+                        headers={"Authorization": "Bearer sk-team-b-0123456789"}) as s:
+        ttft(s.url, "sk-team-b-0123456789")  # first request: warm caches
+        idle = statistics.median(ttft(s.url, "sk-team-b-0123456789") for _ in range(5))
+        done = threading.Event()
+        a = threading.Thread(target=flood, args=(s.url, "sk-team-a-0123456789", 20, done))
+        a.start()
+        try:
+            s.wait_for_running(20)
+            time.sleep(0.5)  # A's first four are decoding, sixteen wait
+            busy = statistics.median(ttft(s.url, "sk-team-b-0123456789") for _ in range(5))
+            waiting = s.metric("lmserve:num_requests_waiting")
+        finally:
+            done.set()
+            a.join()
+        print(f"team-b TTFT p50: idle {idle * 1000:.0f} ms, with team-a's 20 long requests {busy * 1000:.0f} ms")
+        assert waiting >= 10  # A's requests really were queued while B was measured
+        assert busy <= 2 * idle, (idle, busy)
