@@ -171,6 +171,7 @@ def test_server_traces_requests(traced_server):
     a = root.attributes
     assert a["gen_ai.response.id"] == out.id and a["gen_ai.usage.output_tokens"] == out.usage.completion_tokens
     assert a["gen_ai.usage.input_tokens"] == out.usage.prompt_tokens
+    assert a["lmserve.key_name"] == "anonymous"  # a key's name, never the key (this server takes none)
     assert tuple(a["gen_ai.response.finish_reasons"]) == (out.choices[0].finish_reason,)
     assert all(c.end_time >= c.start_time for c in children)
 
