@@ -41,7 +41,7 @@ def test_a_build_is_announced_and_timed_and_a_cached_load_is_quiet(monkeypatch, 
         assert native._build() is not None
     assert len(builds) == 1
     lines = info_lines(caplog)
-    assert lines[0] == "compiling native kernels (first start on this CPU; about a minute) ..."
+    assert lines[0] == "compiling native kernels (first start on this CPU; 1-2 minutes on 2 cores) ..."
     assert lines[1].startswith("native kernels compiled in ") and lines[1].endswith(" s")
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="lmserve.layers.native"):

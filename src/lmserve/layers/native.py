@@ -81,7 +81,7 @@ def _compile(root: Path, final: Path) -> None:
         for src in [*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]:
             shutil.copy2(src, tmp / src.name)
         # a first start is otherwise minutes of silence (g++ -O3 on 2 cores: ~1-3 min)
-        log.info("compiling native kernels (first start on this CPU; about a minute) ...")
+        log.info("compiling native kernels (first start on this CPU; 1-2 minutes on 2 cores) ...")
         t0 = time.perf_counter()
         cpp_extension.load(name="lmserve_native", sources=[str(tmp / p.name) for p in _SOURCES],
                            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(tmp),
