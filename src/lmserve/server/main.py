@@ -85,6 +85,7 @@ def server_config(args: argparse.Namespace, name: str) -> ServerConfig:
     except OSError as e:
         raise ConfigError(f"--api-key-file: {e}") from None
     return ServerConfig(served_model_name=name, api_keys=keys, cors_allowed_origins=tuple(args.cors_allowed_origins),
+                        metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                         max_tokens_limit=args.max_tokens_limit)

@@ -30,7 +30,8 @@ class ServerConfig:
 
     served_model_name: str
     api_keys: tuple[str, ...] = ()
-    cors_allowed_origins: tuple[str, ...] = ()
+    cors_allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all (browsers refuse cross-origin calls)
+    metrics_public: bool = False  # /metrics without an API key (a scraper on a trusted network)
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
     drain_timeout: float = 30.0
