@@ -18,6 +18,7 @@ import lmserve
 from lmserve.ops.record import RequestRecord
 from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
+from lmserve.server.openapi import install_openapi
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
 from lmserve.server.state import RECORD_KEY, ServerConfig, ServerState, read_request, state_of
@@ -35,6 +36,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(tgi_routes.router)
     _misc_routes(app)
     _error_handlers(app)
+    install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
     app.add_middleware(Observe, state=state)
     app.add_middleware(AuthAndStatus, state=state)
     if state.config.cors_allowed_origins:
