@@ -216,10 +216,16 @@ def _fill(op: dict, path: str, route: RouteDoc) -> None:
         op["responses"][str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": schema}}}
 
 
+# One server-sent event (what OpenAPI 3.2's itemSchema describes; schemathesis checks each event against it):
+# `data` holds one JSON chunk, an error object, or [DONE].
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+              "required": ["data"]}
+
+
 def _answer_schema(media: str, route: RouteDoc) -> dict:
     if media == JSON and route.answer is not None:
         return _ref(route.answer)
-    return {"type": "string"}  # server-sent events or Prometheus text
+    return _SSE_EVENT if media == SSE else {"type": "string"}  # Prometheus text
 
 
 _REASONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model (or feature off)",
