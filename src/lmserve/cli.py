@@ -299,6 +299,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None,
                    help="accepted API keys: a YAML/JSON file of named keys with limits (keys: [{name, key or sha256, "
                    "requests_per_minute, tokens_per_minute, max_concurrent_requests, models}]), or one key per line")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without an API key (by default, with keys set, it needs one like every "
+                   "route but /health)")
     p.add_argument("--cors-allowed-origins", action="append", default=[], help="origin allowed by CORS (repeatable)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond the running batch before new ones get 503")

@@ -114,6 +114,10 @@ class KVCacheManager:
         self._req_hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every published prefix hash (after a failed step: its blocks were published unwritten)."""
+        self.pool.reset_prefix_cache()
+
     def _hashes(self, request_id: str, token_ids: Sequence[int], extra: bytes, num_blocks: int) -> list[bytes]:
         """Hashes of the first `num_blocks` full blocks, extended incrementally as the request grows."""
         hashes = self._req_hashes.setdefault(request_id, [])

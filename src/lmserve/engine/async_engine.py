@@ -21,8 +21,26 @@ from lmserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+# One failed step may be one bad batch; this many in a row (each failing batch already removed) means the
+# engine itself is broken, and a restart is the only repair.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served any more."""
+
+
+class StepFailedError(RuntimeError):
+    """Sent to each stream whose request was in a failed step: that request ended, the engine serves on."""
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    """Engine thread -> fault listeners (metrics, the server's exit): a failed step, or the engine's death."""
+
+    fatal: bool
+    error: str  # the exception's type name
+    request_ids: tuple[str, ...] = ()  # client request ids failed by the step (a fatal fault fails them all)
 
 
 @dataclass(frozen=True)
@@ -71,6 +89,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
         self.step_listeners: list[Callable[[StepStats, list[CompletionDelta]], None]] = []
+        self.fault_listeners: list[Callable[[EngineFault], None]] = []  # called on the engine thread
+        self._failed_in_a_row = 0
         self.num_requests_in_flight = 0
         self._handlers: dict[type, Callable] = {AddRequest: self._add, AbortRequest: self._abort, Wake: _ignore}
 
@@ -101,10 +121,10 @@ class AsyncEngine:
         `grammar` is `engine.compile_grammar(params)`, compiled by the caller off the engine thread.
         `tenant` names who asked; waiting requests of different tenants are admitted round-robin.
         """
-        if self.dead is not None:
-            raise EngineDeadError("the engine has stopped")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        with self._lock:
+        with self._lock:  # dead is set under the lock: a stream registered here is failed if the engine dies
+            if self.dead is not None:
+                raise EngineDeadError("the engine has stopped")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -142,14 +162,47 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    deltas = self.engine.step()
-                    self._publish(deltas)
-                    for listener in self.step_listeners:
-                        listener(self.engine.last_step, deltas)
+                    self._step()
         except BaseException as e:  # noqa: BLE001 - any failure here must reach every waiting caller
-            log.exception("engine thread died")
-            self.dead = e
-            self._fail_all(EngineDeadError(f"the engine failed: {type(e).__name__}"))
+            self._die(e)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one failed step fails its requests; a BaseException ends the thread
+            self._step_failed(e)
+            return
+        self._failed_in_a_row = 0
+        self._publish(deltas)
+        for listener in self.step_listeners:
+            listener(self.engine.last_step, deltas)
+
+    def _step_failed(self, error: Exception) -> None:
+        """Fail the requests of the failed step (their blocks freed) and serve on; too many in a row is fatal."""
+        log.error("engine step failed; failing the requests of that step", exc_info=error)
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise EngineDeadError(f"{self._failed_in_a_row} engine steps in a row failed") from error
+        failed = self.engine.fail_step()  # if recovery itself raises, the engine is inconsistent: the thread dies
+        for rid in failed:
+            self._send(rid, StepFailedError(f"the engine step running this request failed ({type(error).__name__})"))
+        self._notify(EngineFault(False, type(error).__name__, tuple(failed)))
+
+    def _die(self, error: BaseException) -> None:
+        """The engine is unusable: fail every stream, refuse new ones, tell the listeners (the server exits)."""
+        log.critical("engine thread died", exc_info=error)
+        with self._lock:
+            self.dead = error
+            ids = tuple(self._streams)
+        self._fail_all(EngineDeadError(f"the engine failed: {type(error).__name__}"))
+        self._notify(EngineFault(True, type(error).__name__, ids))
+
+    def _notify(self, fault: EngineFault) -> None:
+        for listener in self.fault_listeners:
+            try:
+                listener(fault)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop the others (the exit is one)
+                log.exception("engine fault listener failed")
 
     def _drain(self, block: bool) -> None:
         try:

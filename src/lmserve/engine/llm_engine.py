@@ -91,6 +91,8 @@ class LLMEngine:
         self.children: dict[str, list[str]] = {}  # client request id -> its n child request ids
         self.last_step = StepStats(num_free_blocks=self.num_blocks)
         self.num_steps = 0
+        self._step_out = None  # the running step's SchedulerOutput, until it has finished: fail_step needs it
+        self._step_parents: list[str] = []  # client request ids of the running step's requests
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", self.num_blocks, self.block_size,
                  self.num_blocks * self._block_bytes() / 2**30, self.max_model_len)
 
@@ -208,9 +210,12 @@ class LLMEngine:
     def step(self) -> list[CompletionDelta]:
         """Schedule one batch, run it, and return every completion's new tokens and text."""
         start = time.perf_counter()
+        self._step_out, self._step_parents = None, []
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        self._step_out = out
+        self._step_parents = list(dict.fromkeys(self.scheduler.requests[s.request_id].parent_id for s in out.requests))
         result = self.runner.execute(out)
         changed = self.scheduler.update(out, result)
         spec = self._record_spec(out, result.sampled_token_ids) if self.proposer else None
@@ -226,7 +231,27 @@ class LLMEngine:
             self.last_step.num_drafts, self.last_step.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             self.last_step.num_accepted_tokens = spec.num_accepted_tokens
             self.last_step.num_accepted_per_pos = spec.num_accepted_tokens_per_pos
+        self._step_out = None
         return deltas
+
+    def fail_step(self) -> list[str]:
+        """After step() raised: end the requests of that step, free their blocks; returns their client ids.
+
+        Every prefix hash is forgotten: blocks are published at schedule time, before the forward writes
+        their KV, so a failed step may leave published blocks that hold garbage; a later prompt must
+        never reuse them (losing the cache is cheap next to a wrong answer). If schedule() itself
+        failed, which requests it touched is unknown: all of them fail.
+        """
+        out, parents = self._step_out, self._step_parents or list(self.children)
+        self._step_out, self._step_parents = None, []
+        if out is not None:
+            self.scheduler.resend_finished(out.finished_ids)  # the failed step may not have dropped their rows
+        for parent in parents:
+            for rid in self.children.pop(parent, []):
+                self.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)  # frees its blocks (if still held)
+                self._forget(rid)  # also when it finished inside the failed update() and was never closed
+        self.kv.reset_prefix_cache()
+        return parents
 
     # -- speculative decoding ---------------------------------------------------------------------
 
@@ -288,13 +313,17 @@ class LLMEngine:
         delta.stop_reason = req.stop_reason
         delta.timings = req.timings(time.monotonic())
         delta.cumulative_logprob = req.cumulative_logprob
-        self.outputs.remove(req.request_id)
-        if self.proposer is not None:
-            self._backoff.pop(req.request_id, None)
-            self.proposer.remove(req.request_id)
+        self._forget(req.request_id)
         kids = self.children.get(req.parent_id)
         if kids is not None and all(k not in self.scheduler.requests for k in kids):
             del self.children[req.parent_id]
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request's per-request state outside the scheduler (detokenizer, drafts)."""
+        self.outputs.remove(request_id)
+        if self.proposer is not None:
+            self._backoff.pop(request_id, None)
+            self.proposer.remove(request_id)
 
 
 def _load_tokenizer(loaded: LoadedModel) -> Tokenizer:

@@ -225,6 +225,10 @@ class Scheduler:
                 self.finish(req.request_id, status)
                 return
 
+    def resend_finished(self, request_ids: list[str]) -> None:
+        """Tell the runner again to drop these rows: the step that carried them failed (unknown ids are ignored)."""
+        self._finished.extend(request_ids)
+
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request (stop, length or abort) at any point and free its blocks at once."""
         req = self.requests.pop(request_id, None)

@@ -17,12 +17,13 @@ import lmserve
 from lmserve.ops.record import RequestRecord
 from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
+from lmserve.server.openapi import install_openapi
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
-from lmserve.server.state import KEY_NAME_KEY, RECORD_KEY, ServerState, read_request, state_of
+from lmserve.server.state import KEY_NAME_KEY, RECORD_KEY, ServerConfig, ServerState, read_request, state_of
 from lmserve.server.tenants import ANONYMOUS
 
-OPEN_PATHS = ("/health",)  # no API key needed
+OPEN_PATHS = ("/health",)  # no API key needed; /metrics too with --metrics-public (see open_paths)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/")
 log = logging.getLogger("lmserve.server")
 
@@ -35,6 +36,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(tgi_routes.router)
     _misc_routes(app)
     _error_handlers(app)
+    install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
     app.add_middleware(Observe, state=state)
     app.add_middleware(AuthAndStatus, state=state)
     if state.config.cors_allowed_origins:
@@ -50,13 +52,15 @@ class AuthAndStatus:
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
+        self.open_paths = open_paths(state.config)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st, path = self.state, scope.get("path", "")
         name = ANONYMOUS
-        if st.tenants.enabled and path not in OPEN_PATHS and scope.get("method") != "OPTIONS":
+        # Every method, OPTIONS included: a CORS preflight is answered by CORSMiddleware before this one.
+        if st.tenants.enabled and path not in self.open_paths:
             header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             name = st.tenants.identify(header)
             if name is None:
@@ -74,6 +78,11 @@ class AuthAndStatus:
             await send(message)
 
         await self.app(scope, receive, send_counted)
+
+
+def open_paths(config: ServerConfig) -> tuple[str, ...]:
+    """Paths served without an API key: /health always (probes carry no key), /metrics only when asked."""
+    return OPEN_PATHS + (("/metrics",) if config.metrics_public else ())
 
 
 class Observe:

@@ -39,11 +39,13 @@ def is_tgi(path: str) -> bool:
 
 def error_response(path: str, err: APIError) -> JSONResponse:
     """The body and status for `err` in the route family of `path`."""
-    if is_tgi(path):
-        status = 422 if err.status == 400 else err.status  # TGI answers validation errors with 422
-        body = {"error": err.message, "error_type": _TGI_TYPES.get(err.status, "generation")}
-    else:
-        status = err.status
-        body = {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "invalid_request_error"),
-                          "param": err.param, "code": err.code}}
-    return JSONResponse(body, status_code=status, headers=err.headers)
+    status = 422 if is_tgi(path) and err.status == 400 else err.status  # TGI answers validation errors with 422
+    return JSONResponse(error_body(err, tgi=is_tgi(path)), status_code=status, headers=err.headers)
+
+
+def error_body(err: APIError, tgi: bool = False) -> dict:
+    """OpenAI's error object, or TGI's; also what an SSE error event carries."""
+    if tgi:
+        return {"error": err.message, "error_type": _TGI_TYPES.get(err.status, "generation")}
+    return {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "invalid_request_error"),
+                      "param": err.param, "code": err.code}}

@@ -15,6 +15,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import uvicorn
 
@@ -95,6 +96,7 @@ def server_config(args: argparse.Namespace, name: str,
     """ServerConfig from the serve flags; `keys` is what read_api_keys returned (None: read them now)."""
     keys, named = keys if keys is not None else read_api_keys(args)
     return ServerConfig(served_model_name=name, api_keys=keys, named_keys=named, cors_allowed_origins=tuple(args.cors_allowed_origins),
+                        metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                         max_tokens_limit=args.max_tokens_limit)
@@ -125,7 +127,18 @@ def serve(args: argparse.Namespace) -> int:
     if state.async_engine is not None:
         state.async_engine.shutdown()
     state.ops.close()  # after the drain: every finished request's payload line and span is flushed
-    return 0 if server.started and state.load_error is None else 1
+    engine_died = state.async_engine is not None and state.async_engine.dead is not None
+    return 0 if server.started and state.load_error is None and not engine_died else 1
+
+
+def _exit_on_dead_engine(server: uvicorn.Server) -> None:
+    """A dead engine never serves again: exit (code 1) so the supervisor restarts the process.
+
+    /health already answers 503 (AsyncEngine.alive is false); in-flight requests have their 500/503
+    and get uvicorn's graceful-shutdown seconds to send it.
+    """
+    log.critical("the engine has failed for good; exiting with code 1 so a supervisor restarts the server")
+    server.should_exit = True
 
 
 class DrainingServer(uvicorn.Server):
@@ -191,16 +204,24 @@ def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> N
         state.load_error = f"{type(e).__name__}: {e}"
         server.should_exit = True
         return
-    start_engine(state, engine, warmup)
+    start_engine(state, engine, warmup, on_dead=lambda: _exit_on_dead_engine(server))
     log.info("serving %s", state.config.served_model_name)
 
 
-def start_engine(state: ServerState, engine, warmup_seconds: float) -> None:
-    """Start the engine thread behind `state` and its metrics; the routes serve from here on."""
-    from lmserve.engine.async_engine import AsyncEngine
+def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None) -> None:
+    """Start the engine thread behind `state` and its metrics; the routes serve from here on.
 
+    `on_dead` runs (on the engine thread) once the engine has failed for good.
+    """
+    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.engine.faults import install_from_env
+
+    install_from_env(engine)  # test-only fault injection: nothing unless $LMSERVE_TEST_FAULT is set
     async_engine = AsyncEngine(engine)
     async_engine.step_listeners.append(state.metrics.on_step)
+    async_engine.fault_listeners.append(state.metrics.on_fault)
+    if on_dead is not None:
+        async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
     state.metrics.bind_engine(engine, warmup_seconds)
     async_engine.start()
     state.async_engine = async_engine

@@ -77,6 +77,10 @@ class ServerMetrics:
                                          ["cache"], buckets=COMPILE_BUCKETS, registry=r)
         self.grammar_mask = h("lmserve:grammar_bitmask_seconds", "Per step with constrained rows: filling their "
                               "token bitmask", MASK_BUCKETS)
+        self.step_failures = Counter("lmserve:engine_step_failures", "Engine steps that raised (their requests "
+                                     "failed with 500)", registry=r)
+        self.engine_dead = Gauge("lmserve:engine_dead", "1 once the engine has failed for good (the process exits)",
+                                 registry=r)
         self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
                                registry=r)
 
@@ -149,6 +153,13 @@ class ServerMetrics:
         if stats.batch_size > self._max_batch:
             self._max_batch = stats.batch_size
             self.max_batch_size.set(stats.batch_size)
+
+    def on_fault(self, fault) -> None:
+        """An engine fault (on the engine thread): a failed step, or the engine's death."""
+        if fault.fatal:
+            self.engine_dead.set(1)
+        else:
+            self.step_failures.inc()
 
     def status(self, code: int, not_ready: bool = False) -> None:
         """Count one response; `not_ready`: the server is loading or draining (its 503s are expected)."""

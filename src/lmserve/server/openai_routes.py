@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -14,16 +15,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.server.errors import APIError
+from lmserve.engine.async_engine import EngineDeadError, StepFailedError
+from lmserve.server.errors import APIError, error_body
 from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.state import ServerState, key_name_of, read_request, record_of, state_of
-from lmserve.server.streams import MergedStreams, Watched
+from lmserve.server.streams import MergedStreams, Watched, engine_error
 from lmserve.server.tool_stream import ToolCallStreamer, chat_chunk_delta
 from lmserve.server.tools import parse_tool_calls, prepare_chat, template_supports_tools
 
 router = APIRouter()
+log = logging.getLogger("lmserve.server")
 
 
 @dataclass
@@ -178,11 +181,9 @@ async def _collect(request: Request, st: ServerState, merged: MergedStreams, n: 
     try:
         async for p, d in merged:
             choices[p * n + d.index].add(_without_output(d) if score_only else d)
-    except APIError:
-        raise
-    except Exception as e:  # the engine died under us: not the client's fault
+    except (StepFailedError, EngineDeadError) as e:  # the engine failed under us: not the client's fault
         st.metrics.aborts.labels("error").inc()
-        raise APIError(503, f"generation failed: {type(e).__name__}") from None
+        raise engine_error(e) from None
     finally:
         watch.close()
     return None if merged.cancelled else choices
@@ -196,11 +197,13 @@ def _sse(request: Request, st: ServerState, merged: MergedStreams, chunks: Async
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        except Exception as e:  # mid-stream failure: tell the client in-band, as OpenAI does
+        except Exception as e:  # mid-stream failure: an error event, then [DONE] (as vLLM; the openai client raises)
             st.metrics.aborts.labels("error").inc()
-            err = {"error": {"message": f"generation failed: {type(e).__name__}", "type": "internal_error",
-                             "param": None, "code": None}}
-            yield f"data: {json.dumps(err)}\n\n"
+            err = engine_error(e)
+            if err is None:
+                log.exception("stream failed on %s", request.url.path)
+                err = APIError(500, f"internal error ({type(e).__name__})")
+            yield f"data: {json.dumps(error_body(err))}\n\n"
         finally:
             watch.close()
             merged.stop()

@@ -32,7 +32,8 @@ class ServerConfig:
     served_model_name: str
     api_keys: tuple[str, ...] = ()  # plain keys: unlimited, all models, named "default"
     named_keys: tuple[KeySpec, ...] = ()  # from a YAML/JSON --api-key-file: names and limits
-    cors_allowed_origins: tuple[str, ...] = ()
+    cors_allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all (browsers refuse cross-origin calls)
+    metrics_public: bool = False  # /metrics without an API key (a scraper on a trusted network)
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
     drain_timeout: float = 30.0

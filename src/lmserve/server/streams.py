@@ -12,7 +12,9 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
+from lmserve.engine.async_engine import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta
+from lmserve.server.errors import APIError
 
 _DONE = object()
 log = logging.getLogger(__name__)
@@ -61,6 +63,16 @@ class MergedStreams:
                     yield i, item
         finally:
             self.stop()  # normal end or consumer error: stop any stream still running
+
+
+def engine_error(e: Exception) -> APIError | None:
+    """The HTTP error for an engine failure under a request (None: not one; a bug, for the 500 handler)."""
+    if isinstance(e, StepFailedError):  # this request's step failed; the engine serves on
+        return APIError(500, str(e), code="engine_step_failed")
+    if isinstance(e, EngineDeadError):  # the process is exiting so its supervisor restarts it
+        return APIError(503, "the engine has stopped; the server is restarting", headers={"Retry-After": "30"},
+                        code="engine_dead")
+    return None
 
 
 async def watch_disconnect(request: Request, merged: MergedStreams, on_disconnect) -> None:

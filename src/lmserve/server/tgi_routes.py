@@ -8,20 +8,24 @@ special-token strings in it ("<|im_start|>") become control tokens.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
+from lmserve.engine.async_engine import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from lmserve.server.errors import APIError, error_body
 from lmserve.server.params import tgi_params
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
 from lmserve.server.state import ServerState, read_request, record_of, state_of
-from lmserve.server.streams import MergedStreams, Watched
+from lmserve.server.streams import MergedStreams, Watched, engine_error
 
 router = APIRouter()
+log = logging.getLogger("lmserve.server")
 
 
 @router.get("/info")
@@ -103,6 +107,9 @@ async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Respo
             lps = d.logprobs or []
             tokens += [_token(st, t, lps[k] if k < len(lps) else None) for k, t in enumerate(d.token_ids)]
             last = d
+    except (StepFailedError, EngineDeadError) as e:  # the engine failed under us: 500 (one step) or 503 (dead)
+        st.metrics.aborts.labels("error").inc()
+        raise engine_error(e) from None
     finally:
         watch.close()
     if merged.cancelled or last is None:
@@ -139,8 +146,11 @@ async def _generate_stream(request: Request, st: ServerState, req: TGIRequest) -
                     yield f"data:{json.dumps(ev, ensure_ascii=False)}\n\n"
         except Exception as e:  # mid-stream failure: TGI reports it in-band
             st.metrics.aborts.labels("error").inc()
-            err = {"error": f"generation failed: {type(e).__name__}", "error_type": "generation"}
-            yield f"data:{json.dumps(err)}\n\n"
+            err = engine_error(e)
+            if err is None:
+                log.exception("stream failed on %s", request.url.path)
+                err = APIError(500, f"internal error ({type(e).__name__})")
+            yield f"data:{json.dumps(error_body(err, tgi=True))}\n\n"
         finally:
             watch.close()
             merged.stop()

@@ -1,0 +1,75 @@
+"""Test-only fault injection: make one engine step fail, to test recovery end to end. Off in production.
+
+`LMSERVE_TEST_FAULT` is read once, when the server starts its engine thread (after warm-up):
+  unset or empty   nothing is installed (production): the runner is not wrapped, no step pays anything
+  "step:N"         the N-th forward after warm-up raises InjectedFault (an Exception): one failed step
+  "step:N:K"       forwards N .. N+K-1 raise: K failed steps in a row
+  "thread:N"       the N-th forward raises InjectedFatalFault (a BaseException): the engine thread dies
+
+Never reachable from HTTP: an environment variable of the server process is fixed when the process
+starts; no route, header or body field can set one, and it is read only before the first request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+ENV_TEST_FAULT = "LMSERVE_TEST_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """A failure of one step (as a CUDA error or a bug on one batch would be)."""
+
+
+class InjectedFatalFault(BaseException):
+    """A failure the engine thread cannot catch per step (BaseException): the thread dies."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Which forwards after warm-up fail, and how."""
+
+    fatal: bool
+    first: int  # 1-based forward count
+    count: int = 1
+
+    def hits(self, n: int) -> bool:
+        return self.first <= n < self.first + self.count
+
+
+def parse_fault(value: str) -> FaultSpec | None:
+    """'step:N[:K]' or 'thread:N' -> FaultSpec; '' -> None; anything else is a ValueError."""
+    if not value:
+        return None
+    kind, *nums = value.split(":")
+    if kind not in ("step", "thread") or not 1 <= len(nums) <= (2 if kind == "step" else 1) \
+            or not all(x.isdigit() and int(x) > 0 for x in nums):
+        raise ValueError(f"{ENV_TEST_FAULT}={value!r}: expected 'step:N', 'step:N:K' or 'thread:N' (N, K >= 1)")
+    return FaultSpec(kind == "thread", *map(int, nums))
+
+
+def install_from_env(engine) -> FaultSpec | None:
+    """Wrap `engine.runner.execute` as $LMSERVE_TEST_FAULT says (nothing when unset); returns the spec."""
+    spec = parse_fault(os.environ.get(ENV_TEST_FAULT, "").strip())
+    if spec is not None:
+        log.warning("%s is set: injecting engine faults (test only)", ENV_TEST_FAULT)
+        engine.runner.execute = _faulty(engine.runner.execute, spec)
+    return spec
+
+
+def _faulty(execute, spec: FaultSpec):
+    """`execute` that raises on the forwards `spec` names, before running them."""
+    calls = 0
+
+    def run(out):
+        nonlocal calls
+        calls += 1
+        if spec.hits(calls):
+            raise (InjectedFatalFault if spec.fatal else InjectedFault)(f"injected fault in forward {calls}")
+        return execute(out)
+
+    return run

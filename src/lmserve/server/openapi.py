@@ -1,0 +1,233 @@
+"""The served OpenAPI document: every route with its request body, its answer and its error bodies.
+
+Routes read their bodies themselves (strict parsing in protocol.parse_body) and answer plain dicts, so
+FastAPI sees neither; this module adds both to the generated document, once, on the first
+/openapi.json. The response models here describe what the routes answer (extra fields allowed:
+the document promises fields, not their absence); a fuzzer checks every answer against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+from lmserve.server import protocol as p
+from lmserve.server.errors import is_tgi
+
+JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class OpenAIErrorDetail(_Open):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(_Open):
+    """The error body of every non-TGI route."""
+
+    error: OpenAIErrorDetail
+
+
+class TGIError(_Open):
+    """The error body of the TGI routes (/, /generate, /generate_stream, /info)."""
+
+    error: str
+    error_type: str
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class Completion(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(_Open):
+    role: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(_Open):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(_Open):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    max_model_len: int | None
+
+
+class ModelList(_Open):
+    object: str
+    data: list[ModelCard]
+
+
+class TGIGenerated(_Open):
+    generated_text: str
+    details: dict[str, Any] | None = None
+
+
+class TGIInfo(_Open):
+    model_id: str
+    max_best_of: int
+    max_stop_sequences: int
+    router: str
+    version: str
+
+
+class Health(_Open):
+    status: str
+
+
+class Version(_Open):
+    version: str
+
+
+class Tokenized(_Open):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(_Open):
+    prompt: str
+
+
+class DriftReport(_Open):
+    """Per-feature drift statistics (see ops/drift.py)."""
+
+
+@dataclass(frozen=True)
+class RouteDoc:
+    """What one operation takes (`body`) and answers with 200 (`answer`, in `media`), and its error statuses."""
+
+    body: type[BaseModel] | None
+    answer: type[BaseModel] | None
+    errors: tuple[int, ...]
+    media: tuple[str, ...] = (JSON,)
+
+
+# 401 on every route but /health (API keys); 413 wherever a body is read; 429 per-key limits; 503 not ready.
+_GEN = (400, 401, 404, 413, 429, 500, 503)
+_TGI = (401, 413, 422, 429, 500, 503)
+ROUTES: dict[tuple[str, str], RouteDoc] = {
+    ("get", "/v1/models"): RouteDoc(None, ModelList, (401,)),
+    ("post", "/v1/completions"): RouteDoc(p.CompletionRequest, Completion, _GEN, (JSON, SSE)),
+    ("post", "/v1/chat/completions"): RouteDoc(p.ChatRequest, ChatCompletion, _GEN, (JSON, SSE)),
+    ("post", "/generate"): RouteDoc(p.TGIRequest, TGIGenerated, _TGI),
+    ("post", "/generate_stream"): RouteDoc(p.TGIRequest, None, _TGI, (SSE,)),
+    ("post", "/"): RouteDoc(p.TGICompatRequest, TGIGenerated, _TGI, (JSON, SSE)),
+    ("get", "/info"): RouteDoc(None, TGIInfo, (401,)),
+    ("get", "/health"): RouteDoc(None, Health, (503,)),
+    ("get", "/version"): RouteDoc(None, Version, (401,)),
+    ("get", "/metrics"): RouteDoc(None, None, (401,), (TEXT,)),
+    ("get", "/v1/monitoring/drift"): RouteDoc(None, DriftReport, (401, 404)),
+    ("post", "/tokenize"): RouteDoc(p.TokenizeRequest, Tokenized, (400, 401, 404, 413, 503)),
+    ("post", "/detokenize"): RouteDoc(p.DetokenizeRequest, Detokenized, (400, 401, 404, 413, 503)),
+}
+_ERROR_MODELS = (OpenAIError, TGIError)
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve the completed document at /openapi.json (built once, on first use)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build_document(app: FastAPI) -> dict:
+    """FastAPI's document of the routes, with each RouteDoc's body, answer and error bodies filled in."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = _component_schemas()
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+    for (method, path), route in ROUTES.items():
+        op = doc["paths"].get(path, {}).get(method)
+        if op is not None:
+            _fill(op, path, route)
+    return doc
+
+
+def _component_schemas() -> dict[str, Any]:
+    """JSON schemas of every body and answer model, referenced as #/components/schemas/<Name>."""
+    models = {m for r in ROUTES.values() for m in (r.body, r.answer) if m is not None} | set(_ERROR_MODELS)
+    bodies = {r.body for r in ROUTES.values() if r.body is not None}
+    pairs = [(m, "validation" if m in bodies else "serialization") for m in sorted(models, key=lambda m: m.__name__)]
+    top, defs = models_json_schema(pairs, ref_template="#/components/schemas/{model}")
+    return defs.get("$defs", {})
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _fill(op: dict, path: str, route: RouteDoc) -> None:
+    if route.body is not None:
+        op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(route.body)}}}
+    op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
+                                                                  for m in route.media}}}
+    error = _ref(TGIError if is_tgi(path) else OpenAIError)
+    for status in route.errors:
+        schema = _ref(Health) if path == "/health" else error
+        op["responses"][str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": schema}}}
+
+
+# One server-sent event (what OpenAPI 3.2's itemSchema describes; schemathesis checks each event against it):
+# `data` holds one JSON chunk, an error object, or [DONE].
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+              "required": ["data"]}
+
+
+def _answer_schema(media: str, route: RouteDoc) -> dict:
+    if media == JSON and route.answer is not None:
+        return _ref(route.answer)
+    return _SSE_EVENT if media == SSE else {"type": "string"}  # Prometheus text
+
+
+_REASONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model (or feature off)",
+            413: "Request body too large", 422: "Invalid request (TGI)", 429: "Rate limit of the API key",
+            500: "The engine failed while running the request", 503: "Loading, draining, at capacity or stopped"}

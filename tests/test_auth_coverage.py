@@ -1,0 +1,92 @@
+"""Every route the app has refuses a missing or wrong API key, except /health (and /metrics with --metrics-public).
+
+The test walks the app's own route table, so a route added later (playground, batch, files, adapters,
+admin) is covered without being listed here; an open route must be named in OPEN. In process, no
+model: the key check runs before any route, and an open route only has to answer something but 401.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from lmserve.server.app import build_app
+from lmserve.server.metrics import ServerMetrics
+from lmserve.server.state import ServerConfig, ServerState
+
+M = "m"
+KEY = "right-key"
+OPEN = {"/health"}
+BAD_HEADERS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}]
+
+
+def app_client(**config) -> TestClient:
+    return TestClient(build_app(ServerState(ServerConfig(M, **config), ServerMetrics(M))), raise_server_exceptions=False)
+
+
+def leaf_routes(routes, prefix: str = "") -> list[tuple[str, object]]:
+    """(full path, route) of every endpoint; FastAPI >= 0.16x keeps included routers nested (lazily merged)."""
+    leaves = []
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            leaves += leaf_routes(inner.routes, prefix + getattr(route.include_context, "prefix", ""))
+        elif hasattr(route, "routes") and not hasattr(route, "methods"):  # a Mount
+            leaves += leaf_routes(route.routes, prefix + route.path)
+        else:
+            leaves.append((prefix + route.path, route))
+    return leaves
+
+
+def route_calls(client: TestClient) -> list[tuple[str, str]]:
+    """(method, concrete path) for every method of every route; path parameters filled with a dummy value."""
+    calls = []
+    for path, route in leaf_routes(client.app.routes):
+        path = re.sub(r"\{[^}]+\}", "x", path)
+        calls += [(m, path) for m in sorted(getattr(route, "methods", None) or ())]
+    return calls
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    return app_client(api_keys=(KEY,))
+
+
+def test_the_route_table_is_walked(guarded):
+    paths = {p for _, p in route_calls(guarded)}
+    assert {"/v1/completions", "/v1/chat/completions", "/generate", "/metrics", "/openapi.json"} <= paths
+
+
+def test_every_route_but_the_open_ones_refuses_a_missing_or_wrong_key(guarded):
+    leaks = []
+    for method, path in route_calls(guarded):
+        for headers in BAD_HEADERS:
+            status = guarded.request(method, path, headers=headers, json={}).status_code
+            if (status == 401) == (path in OPEN):
+                leaks.append((method, path, headers, status))
+    assert not leaks, f"routes not in OPEN that answer without a valid key (or open ones that refuse): {leaks}"
+
+
+def test_options_and_unknown_paths_need_the_key_too(guarded):
+    assert guarded.options("/v1/completions").status_code == 401
+    assert guarded.get("/v1/no-such-route").status_code == 401
+    assert guarded.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_metrics_needs_the_key_unless_metrics_public():
+    assert app_client(api_keys=(KEY,)).get("/metrics").status_code == 401
+    public = app_client(api_keys=(KEY,), metrics_public=True)
+    assert public.get("/metrics").status_code == 200
+    assert public.get("/version").status_code == 401  # only /metrics opens
+
+
+def test_no_cors_headers_by_default():
+    c = app_client(api_keys=(KEY,))
+    origin = {"Origin": "http://evil.example"}
+    preflight = c.options("/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                       "Access-Control-Request-Headers": "authorization"})
+    simple = c.get("/health", headers=origin)
+    for r in (preflight, simple):
+        assert not any(h.startswith("access-control-") for h in r.headers), r.headers

@@ -1,0 +1,157 @@
+"""A failed engine step fails only its requests (blocks freed, prefix hashes dropped); repeated or fatal faults kill
+the engine. LLMEngine tests run the embedded model; AsyncEngine tests a fake engine (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lmserve.cache.kv_cache_manager import block_hash
+from lmserve.config import CacheConfig, EngineConfig
+from lmserve.engine.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncEngine, EngineDeadError, StepFailedError
+from lmserve.engine.faults import FaultSpec, InjectedFatalFault, InjectedFault, _faulty, install_from_env, parse_fault
+from lmserve.engine.llm_engine import LLMEngine
+from lmserve.request import CompletionDelta
+from lmserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64)))
+
+
+def run_all(eng: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    return tokens
+
+
+def test_parse_fault():
+    assert parse_fault("") is None
+    assert parse_fault("step:3") == FaultSpec(False, 3, 1)
+    assert parse_fault("step:2:4") == FaultSpec(False, 2, 4)
+    assert parse_fault("thread:1") == FaultSpec(True, 1, 1)
+    for bad in ("step", "step:0", "step:x", "thread:1:2", "boom:1", "step:1:2:3"):
+        with pytest.raises(ValueError, match="LMSERVE_TEST_FAULT"):
+            parse_fault(bad)
+
+
+def test_no_env_installs_nothing(engine, monkeypatch):
+    monkeypatch.delenv("LMSERVE_TEST_FAULT", raising=False)
+    execute = engine.runner.execute
+    assert install_from_env(engine) is None and engine.runner.execute == execute
+
+
+def test_failed_step_fails_its_requests_frees_blocks_and_forgets_prefix_hashes(engine, monkeypatch):
+    prompt = list(range(100, 100 + 3 * engine.block_size))  # full blocks: published at schedule time
+    expected = run_all_fresh(engine, prompt)
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", _faulty(execute, FaultSpec(False, 1)))
+    engine.add_request("a", prompt, GREEDY)
+    engine.add_request("b", [7, 8, 9], SamplingParams(max_tokens=4, temperature=0.0, n=2))
+    with pytest.raises(InjectedFault):
+        engine.step()
+    assert sorted(engine.fail_step()) == ["a", "b"]
+    assert not engine.has_unfinished() and not engine.children
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    assert engine.kv.pool.lookup(block_hash(None, prompt[:engine.block_size], b"")) is None
+    # The same prompt again: computed from scratch (the unwritten blocks are not reused), same greedy tokens.
+    engine.add_request("again", prompt, GREEDY)
+    assert run_all(engine) == {"again": expected}
+    assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+def run_all_fresh(engine: LLMEngine, prompt: list[int]) -> list[int]:
+    """Greedy tokens of `prompt` with an empty prefix cache."""
+    engine.kv.reset_prefix_cache()
+    engine.add_request("fresh", prompt, GREEDY)
+    tokens = run_all(engine)["fresh"]
+    engine.kv.reset_prefix_cache()
+    return tokens
+
+
+def test_failed_step_mid_decode_keeps_the_runner_rows_consistent(engine, monkeypatch):
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", _faulty(execute, FaultSpec(False, 2)))  # after the prefill
+    engine.add_request("x", [5, 6, 7], GREEDY)
+    engine.step()
+    with pytest.raises(InjectedFault):
+        engine.step()
+    assert engine.fail_step() == ["x"]
+    engine.add_request("y", [5, 6, 7], GREEDY)
+    run_all(engine)
+    assert "x" not in engine.runner.batch.index  # dropped at the next step (y's row goes at the one after)
+    assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+class FailingEngine:
+    """A fake engine: a request finishes in the step after it is added; the steps named in `fail` raise."""
+
+    def __init__(self, fail: set[int], fatal: bool = False) -> None:
+        self.queued: list[str] = []
+        self.fail, self.fatal, self.steps = fail, fatal, 0
+        self.last_step = None
+
+    def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="") -> None:
+        self.queued.append(request_id)
+
+    def abort(self, request_id: str) -> list[CompletionDelta]:
+        self.queued = [r for r in self.queued if r != request_id]
+        return []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queued)
+
+    def step(self) -> list[CompletionDelta]:
+        self.steps += 1
+        if self.steps in self.fail:
+            raise (InjectedFatalFault if self.fatal else InjectedFault)("boom")
+        done, self.queued = self.queued, []
+        return [CompletionDelta(r, 0, [1], "x", None, finished=True) for r in done]
+
+    def fail_step(self) -> list[str]:
+        failed, self.queued = self.queued, []
+        return failed
+
+
+async def outcome(engine: AsyncEngine, rid: str) -> str:
+    try:
+        return "ok" if [d async for d in engine.generate(rid, [1], SamplingParams(max_tokens=1))] else "empty"
+    except (StepFailedError, EngineDeadError) as e:
+        return type(e).__name__
+
+
+def run_engine(fake: FailingEngine, rids: list[str]) -> tuple[list[str], AsyncEngine, list]:
+    engine, faults = AsyncEngine(fake), []
+    engine.fault_listeners.append(faults.append)
+    engine.start()
+    try:
+        results = [asyncio.run(outcome(engine, rid)) for rid in rids]
+    finally:
+        engine.shutdown()
+    return results, engine, faults
+
+
+def test_one_failed_step_fails_its_request_and_the_engine_serves_on():
+    results, engine, faults = run_engine(FailingEngine({1}), ["r1", "r2"])
+    assert results == ["StepFailedError", "ok"]
+    assert engine.dead is None and [(f.fatal, f.request_ids) for f in faults] == [(False, ("r1",))]
+
+
+def test_failed_steps_in_a_row_kill_the_engine():
+    n = MAX_FAILED_STEPS_IN_A_ROW
+    results, engine, faults = run_engine(FailingEngine(set(range(1, n + 1))), [f"r{i}" for i in range(n + 1)])
+    assert results == ["StepFailedError"] * (n - 1) + ["EngineDeadError", "EngineDeadError"]
+    assert not engine.alive and [f.fatal for f in faults] == [False] * (n - 1) + [True]
+
+
+def test_a_fatal_fault_kills_the_engine_thread():
+    results, engine, faults = run_engine(FailingEngine({1}, fatal=True), ["r1", "r2"])
+    assert results == ["EngineDeadError", "EngineDeadError"]
+    assert isinstance(engine.dead, InjectedFatalFault) and not engine._thread.is_alive()
+    assert [(f.fatal, f.error) for f in faults] == [(True, "InjectedFatalFault")]

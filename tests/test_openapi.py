@@ -1,0 +1,23 @@
+"""/openapi.json describes every route of the app: request bodies, answers and error bodies (schemathesis fuzzes it)."""
+
+from __future__ import annotations
+
+from tests.test_auth_coverage import KEY, app_client, route_calls
+
+
+def test_every_route_is_documented_with_bodies_answers_and_errors():
+    client = app_client(api_keys=(KEY,))
+    doc = client.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    for method, path in route_calls(client):
+        if path == "/openapi.json" or method == "HEAD":
+            continue
+        op = doc["paths"].get(path, {}).get(method.lower())
+        assert op is not None, f"{method} {path} is not in /openapi.json"
+        assert "200" in op["responses"] and op["responses"]["200"]["content"], (method, path)
+        if method == "POST":
+            assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"], path
+            assert {"401", "413", "503"} <= set(op["responses"]), path
+        if path != "/health":
+            error = op["responses"]["401"]["content"]["application/json"]["schema"]["$ref"]
+            assert error.endswith("TGIError" if path in ("/", "/generate", "/generate_stream", "/info")
+                                  else "OpenAIError"), path

@@ -1,0 +1,60 @@
+"""Engine faults through the real server (LMSERVE_TEST_FAULT): a failed step answers its requests with 500 and the
+server serves on; a dead engine turns /health to 503 at once and the process exits 1 for its supervisor."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_util import running_server
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_failed_steps_answer_500_and_the_server_serves_on():
+    # Forwards 1 and 2 after warm-up fail: two in a row, below the limit that kills the engine.
+    with running_server(env={"LMSERVE_TEST_FAULT": "step:1:2"}) as s:
+        c = client(s)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+        assert e.value.status_code == 500 and e.value.body["code"] == "engine_step_failed"
+        with pytest.raises(openai.APIError, match="engine step running this request failed"):
+            for _ in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, stream=True):
+                pass
+        ok = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 4
+        assert httpx.get(s.url + "/health").status_code == 200
+        s.wait_idle()
+        assert s.metric("lmserve:kv_cache_free_blocks") == s.metric("lmserve:kv_cache_total_blocks")
+        assert s.metric("lmserve:engine_step_failures_total") == 2
+        assert s.metric("lmserve:engine_dead") == 0
+
+
+def test_a_dead_engine_fails_health_at_once_and_exits_nonzero():
+    with running_server(env={"LMSERVE_TEST_FAULT": "thread:1"}) as s:
+        start = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert _unhealthy_within(s.url, start, 1.0)
+        assert s.proc.wait(timeout=15) == 1
+
+
+def _unhealthy_within(url: str, start: float, seconds: float) -> bool:
+    """/health answers 503 (or the server has stopped listening) before `seconds` after `start`."""
+    while time.monotonic() - start < seconds:
+        try:
+            if httpx.get(url + "/health", timeout=0.5).status_code == 503:
+                return True
+        except httpx.HTTPError:  # already closed its socket on the way out: not healthy either
+            return True
+        time.sleep(0.02)
+    return False
