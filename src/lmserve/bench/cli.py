@@ -225,12 +225,9 @@ def _report(kind: str, rows: list[dict], engine, roof, before, args: argparse.Na
     load = others_load(before, cpu_sample())
     result = {"kind": kind, "model": str(engine.loaded.path), "dtype": str(engine.dtype).removeprefix("torch."),
               "num_threads": torch.get_num_threads(), "machine_load": load, "roofline": roof.as_dict(), "runs": rows}
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(result, indent=2))
+    _write(result, args)
     note = load_note(load)
     if args.json:
-        print(json.dumps(result, indent=2))
         if note:
             print(note, file=sys.stderr)
         return
