@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-import time
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
