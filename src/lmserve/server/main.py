@@ -92,9 +92,9 @@ def read_api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeyS
 
 
 def server_config(args: argparse.Namespace, name: str,
-                  keys: tuple[tuple[str, ...], tuple[KeySpec, ...]] | None = None) -> ServerConfig:
-    """ServerConfig from the serve flags; `keys` is what read_api_keys returned (None: read them now)."""
-    keys, named = keys if keys is not None else read_api_keys(args)
+                  keys: tuple[tuple[str, ...], tuple[KeySpec, ...]]) -> ServerConfig:
+    """ServerConfig from the serve flags; `keys` is what read_api_keys returned."""
+    keys, named = keys
     return ServerConfig(served_model_name=name, api_keys=keys, named_keys=named, cors_allowed_origins=tuple(args.cors_allowed_origins),
                         metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
