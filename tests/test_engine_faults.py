@@ -4,12 +4,15 @@ the engine. LLMEngine tests run the embedded model; AsyncEngine tests a fake eng
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from lmserve.cache.kv_cache_manager import block_hash
 from lmserve.config import CacheConfig, EngineConfig
-from lmserve.engine.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncEngine, EngineDeadError, StepFailedError
+from lmserve.engine.async_engine import (MAX_FAILED_STEPS_IN_A_ROW, AsyncEngine, EngineDeadError, EngineHungError,
+                                         StepFailedError)
 from lmserve.engine.faults import FaultSpec, InjectedFatalFault, InjectedFault, _faulty, install_from_env, parse_fault
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.request import CompletionDelta
@@ -33,10 +36,11 @@ def run_all(eng: LLMEngine) -> dict[str, list[int]]:
 
 def test_parse_fault():
     assert parse_fault("") is None
-    assert parse_fault("step:3") == FaultSpec(False, 3, 1)
-    assert parse_fault("step:2:4") == FaultSpec(False, 2, 4)
-    assert parse_fault("thread:1") == FaultSpec(True, 1, 1)
-    for bad in ("step", "step:0", "step:x", "thread:1:2", "boom:1", "step:1:2:3"):
+    assert parse_fault("step:3") == FaultSpec("step", 3, 1)
+    assert parse_fault("step:2:4") == FaultSpec("step", 2, 4)
+    assert parse_fault("thread:1") == FaultSpec("thread", 1, 1)
+    assert parse_fault("hang:2") == FaultSpec("hang", 2, 1)
+    for bad in ("step", "step:0", "step:x", "thread:1:2", "hang:1:2", "boom:1", "step:1:2:3"):
         with pytest.raises(ValueError, match="LMSERVE_TEST_FAULT"):
             parse_fault(bad)
 
@@ -51,7 +55,7 @@ def test_failed_step_fails_its_requests_frees_blocks_and_forgets_prefix_hashes(e
     prompt = list(range(100, 100 + 3 * engine.block_size))  # full blocks: published at schedule time
     expected = run_all_fresh(engine, prompt)
     execute = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", _faulty(execute, FaultSpec(False, 1)))
+    monkeypatch.setattr(engine.runner, "execute", _faulty(execute, FaultSpec("step", 1)))
     engine.add_request("a", prompt, GREEDY)
     engine.add_request("b", [7, 8, 9], SamplingParams(max_tokens=4, temperature=0.0, n=2))
     with pytest.raises(InjectedFault):
@@ -77,7 +81,7 @@ def run_all_fresh(engine: LLMEngine, prompt: list[int]) -> list[int]:
 
 def test_failed_step_mid_decode_keeps_the_runner_rows_consistent(engine, monkeypatch):
     execute = engine.runner.execute
-    monkeypatch.setattr(engine.runner, "execute", _faulty(execute, FaultSpec(False, 2)))  # after the prefill
+    monkeypatch.setattr(engine.runner, "execute", _faulty(execute, FaultSpec("step", 2)))  # after the prefill
     engine.add_request("x", [5, 6, 7], GREEDY)
     engine.step()
     with pytest.raises(InjectedFault):
@@ -92,9 +96,9 @@ def test_failed_step_mid_decode_keeps_the_runner_rows_consistent(engine, monkeyp
 class FailingEngine:
     """A fake engine: a request finishes in the step after it is added; the steps named in `fail` raise."""
 
-    def __init__(self, fail: set[int], fatal: bool = False) -> None:
+    def __init__(self, fail: set[int], fatal: bool = False, hang: set[int] = frozenset()) -> None:
         self.queued: list[str] = []
-        self.fail, self.fatal, self.steps = fail, fatal, 0
+        self.fail, self.fatal, self.hang, self.steps = fail, fatal, hang, 0
         self.last_step = None
 
     def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="") -> None:
@@ -109,6 +113,8 @@ class FailingEngine:
 
     def step(self) -> list[CompletionDelta]:
         self.steps += 1
+        if self.steps in self.hang:
+            threading.Event().wait()  # never returns
         if self.steps in self.fail:
             raise (InjectedFatalFault if self.fatal else InjectedFault)("boom")
         done, self.queued = self.queued, []
@@ -126,8 +132,9 @@ async def outcome(engine: AsyncEngine, rid: str) -> str:
         return type(e).__name__
 
 
-def run_engine(fake: FailingEngine, rids: list[str]) -> tuple[list[str], AsyncEngine, list]:
-    engine, faults = AsyncEngine(fake), []
+def run_engine(fake: FailingEngine, rids: list[str], step_timeout: float | None = None
+               ) -> tuple[list[str], AsyncEngine, list]:
+    engine, faults = AsyncEngine(fake, step_timeout), []
     engine.fault_listeners.append(faults.append)
     engine.start()
     try:
@@ -155,3 +162,18 @@ def test_a_fatal_fault_kills_the_engine_thread():
     assert results == ["EngineDeadError", "EngineDeadError"]
     assert isinstance(engine.dead, InjectedFatalFault) and not engine._thread.is_alive()
     assert [(f.fatal, f.error) for f in faults] == [(True, "InjectedFatalFault")]
+
+
+def test_a_hung_step_is_declared_dead_by_the_watchdog():
+    start = time.monotonic()
+    results, engine, faults = run_engine(FailingEngine(set(), hang={2}), ["r1", "r2", "r3"], step_timeout=0.3)
+    assert results == ["ok", "EngineDeadError", "EngineDeadError"]  # r2's step hangs; r3 is refused
+    assert time.monotonic() - start < 3  # 0.3 s timeout, checked every 0.03 s (and a 1 s join of the hung thread)
+    assert isinstance(engine.dead, EngineHungError) and not engine.alive
+    assert [(f.fatal, f.error) for f in faults] == [(True, "EngineHungError")]
+
+
+def test_no_watchdog_without_a_timeout():
+    results, engine, _ = run_engine(FailingEngine(set()), ["r1"])
+    assert results == ["ok"] and engine.dead is None
+    assert "lmserve-watchdog" not in [t.name for t in threading.enumerate()]

@@ -58,3 +58,15 @@ def _unhealthy_within(url: str, start: float, seconds: float) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_hung_engine_fails_health_within_the_step_timeout_and_exits_nonzero():
+    """The 2nd forward after warm-up never returns: the watchdog (--engine-step-timeout 1) declares the engine dead."""
+    with running_server("--engine-step-timeout", "1", env={"LMSERVE_TEST_FAULT": "hang:2"}) as s:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}
+        start = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)  # its 1st decode step hangs
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert time.monotonic() - start < 1 + 1.0  # the timeout, then at most a tenth of it to notice
+        assert _unhealthy_within(s.url, start, 2.0)
+        assert s.proc.wait(timeout=15) == 1

@@ -3,6 +3,9 @@ and are parsed in raw prompts."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 import pytest
 
 from lmserve.engine.tokenizer import Tokenizer
@@ -171,3 +174,28 @@ def test_sentencepiece_gguf_vocab_matches_transformers(tmp_path):
     assert ours.encode_prompt("<s>The quick", add_special_tokens=False)[0] == 1
     assert ours.encode_prompt("The <s>", add_special_tokens=False)[-1] == 1
     assert 1 not in ours.encode("<s>The", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("template, why", [
+    # nested loops that write nothing: only the clock can stop them (10^10 iterations)
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "longer than"),
+    # nested loops over the user's own text: no range() to cap, still stopped by the clock
+    ("{% for m in messages %}{% for a in m.content %}{% for b in m.content %}{% for c in m.content %}"
+     "{% endfor %}{% endfor %}{% endfor %}{% endfor %}", "longer than"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "characters"),  # 100 MB of output
+    ("{{ 'x' * 10**12 }}", "too large"),  # one huge string
+    ("{{ [1] * 10**9 }}", "too large"),
+    ("{{ 7 ** 100000000 }}", "too large"),  # a huge number
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "chat template"),  # unbounded recursion
+])
+def test_a_template_that_loops_or_explodes_is_stopped(ours, monkeypatch, template, why):
+    import lmserve.engine.chat_template as ct
+
+    monkeypatch.setattr(ct, "RENDER_TIMEOUT_S", 1.0)
+    bomb = Tokenizer(ours._hf, chat_template=template)
+    tracer, start = sys.gettrace(), time.monotonic()
+    with pytest.raises(ValueError, match=why):
+        bomb.apply_chat_template([{"role": "user", "content": "x" * 3000}])
+    assert time.monotonic() - start < 3
+    assert sys.gettrace() is tracer  # the render's trace function is gone
+    assert ours.apply_chat_template([{"role": "user", "content": "hi"}])  # the real template still renders

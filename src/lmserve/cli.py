@@ -308,6 +308,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a client must send a request's headers and body within this many seconds of starting it, "
+                   "or its connection is closed (slow-loris clients)")
+    p.add_argument("--engine-step-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="an engine step running longer than this means a hung engine: /health turns 503 and the "
+                   "process exits 1 for its supervisor to restart it (0: no watchdog)")
     p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="max_tokens of a request that names none (default: the API's own: 16 for completions, "
                    "100 for TGI, the rest of the context for chat)")

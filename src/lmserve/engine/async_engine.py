@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Union
 
@@ -28,6 +31,10 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served any more."""
+
+
+class EngineHungError(RuntimeError):
+    """An engine step ran past the watchdog's timeout."""
 
 
 class StepFailedError(RuntimeError):
@@ -80,8 +87,12 @@ class _Stream:
 class AsyncEngine:
     """Thread-backed async front of one LLMEngine."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, step_timeout: float | None = None) -> None:
         self.engine = engine
+        # A step running longer than this means a hung engine (a deadlock, a stuck kernel): the watchdog
+        # declares it dead. None: no watchdog. A Python thread cannot be stopped, so dead is all we can do.
+        self.step_timeout = step_timeout
+        self._step_started: float | None = None  # monotonic start of the step in progress, None between steps
         self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -99,13 +110,15 @@ class AsyncEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
             self._thread.start()
+            if self.step_timeout is not None:
+                threading.Thread(target=self._watch, name="lmserve-watchdog", daemon=True).start()
 
     def shutdown(self) -> None:
         """Stop the engine thread after its current step."""
         self._stop.set()
         self._inbox.put(Wake())
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=30 if self.dead is None else 1)  # a hung thread never joins
 
     @property
     def alive(self) -> bool:
@@ -167,11 +180,14 @@ class AsyncEngine:
             self._die(e)
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             deltas = self.engine.step()
         except Exception as e:  # noqa: BLE001 - one failed step fails its requests; a BaseException ends the thread
             self._step_failed(e)
             return
+        finally:
+            self._step_started = None
         self._failed_in_a_row = 0
         self._publish(deltas)
         for listener in self.step_listeners:
@@ -188,10 +204,22 @@ class AsyncEngine:
             self._send(rid, StepFailedError(f"the engine step running this request failed ({type(error).__name__})"))
         self._notify(EngineFault(False, type(error).__name__, tuple(failed)))
 
+    def _watch(self) -> None:
+        """Watchdog thread: a step past step_timeout is a hung engine; declare it dead (checked 10x a timeout)."""
+        while not self._stop.wait(self.step_timeout / 10) and self.dead is None:
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.step_timeout:
+                log.critical("engine step running for over %g s; the engine thread is at:\n%s", self.step_timeout,
+                             _stack_of(self._thread))
+                self._die(EngineHungError(f"an engine step has run for over {self.step_timeout:g} s"))
+                return
+
     def _die(self, error: BaseException) -> None:
         """The engine is unusable: fail every stream, refuse new ones, tell the listeners (the server exits)."""
         log.critical("engine thread died", exc_info=error)
         with self._lock:
+            if self.dead is not None:  # the watchdog and a late-dying thread: only the first one reports
+                return
             self.dead = error
             ids = tuple(self._streams)
         self._fail_all(EngineDeadError(f"the engine failed: {type(error).__name__}"))
@@ -244,6 +272,12 @@ class AsyncEngine:
             streams = list(self._streams.items())
         for rid, _ in streams:
             self._send(rid, error)
+
+
+def _stack_of(thread: threading.Thread | None) -> str:
+    """Where `thread` is now (for the hung-engine log line)."""
+    frame = sys._current_frames().get(thread.ident) if thread is not None else None
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
 
 
 def _ignore(msg: Wake) -> None:

@@ -1,7 +1,9 @@
 """Chat templates, rendered as transformers renders them, inside Jinja2's immutable sandbox.
 
 A template inside a model file is untrusted input: it runs sandboxed, sees only plain JSON data,
-and any failure becomes a ValueError with a short message (never a raw Jinja traceback).
+and any failure becomes a ValueError with a short message (never a raw Jinja traceback). A render is
+also bounded: RENDER_TIMEOUT_S of time (a template that loops, even without writing anything) and
+MAX_RENDER_CHARS of output; `*` and `**` in a template cannot build a value past that size.
 
 This module also marks special-token strings in user-supplied text (`mark_special`) so that
 `Tokenizer.encode_chat` can tell the template's own special tokens from ones a user typed.
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -23,6 +27,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # Private-use plane-15 code points around special-token text that came from the user.
 MARK_OPEN, MARK_CLOSE = "\U000f0000", "\U000f0001"
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # aliases transformers fills in
+# A real template renders a long conversation in milliseconds; these only stop templates that loop or explode.
+RENDER_TIMEOUT_S = 5.0
+MAX_RENDER_CHARS = 16 * 2**20  # far more text than any context window holds
 
 
 def message_text(message: Mapping[str, Any]) -> str:
@@ -84,18 +91,72 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
     """Render normalized `messages`; template variables are those transformers' apply_chat_template sets."""
     variables = {"tools": None, "documents": None, **special_tokens, **_plain_data(kwargs)}
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **variables)
+        return _render_bounded(_compile(template), messages=messages, add_generation_prompt=add_generation_prompt,
+                               **variables)
+    except TemplateBudgetError as e:
+        raise ValueError(f"chat template stopped: {e}") from None
     except jinja2.TemplateError as e:  # syntax errors, raise_exception(), undefined values, sandbox refusals
         raise ValueError(f"chat template error: {e}"[:500]) from None
     except Exception as e:  # a template bug (e.g. adding a str to a list) must not escape as a traceback
         raise ValueError(f"chat template failed: {type(e).__name__}: {e}"[:500]) from None
 
 
+class TemplateBudgetError(Exception):
+    """A render ran past RENDER_TIMEOUT_S or MAX_RENDER_CHARS."""
+
+
+def _render_bounded(template: jinja2.Template, **variables: Any) -> str:
+    """template.render within the time and size budget.
+
+    Time: a trace function on this thread checks the clock at every line the template's compiled code
+    runs (Jinja compiles to Python; its frames are named "<template>"), so even a loop that writes
+    nothing is stopped; the exception it raises unwinds the render. The trace is this thread's only,
+    and the one that was set before (a debugger, coverage) is put back.
+    """
+    deadline = time.monotonic() + RENDER_TIMEOUT_S
+
+    def trace_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateBudgetError(f"rendering took longer than {RENDER_TIMEOUT_S:g} s (does it loop?)")
+        return trace_line
+
+    def trace_call(frame, event, arg):
+        return trace_line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(trace_call)
+    try:
+        parts, size = [], 0
+        for chunk in template.generate(**variables):
+            size += len(chunk)
+            if size > MAX_RENDER_CHARS:
+                raise TemplateBudgetError(f"its output passed {MAX_RENDER_CHARS} characters")
+            parts.append(chunk)
+        return "".join(parts)
+    finally:
+        sys.settrace(previous)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*` and `**` unable to build huge strings, lists or numbers."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+            raise TemplateBudgetError(f"exponent {right} is too large")
+        if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+            left, right = right, left
+        if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int) \
+                and len(left) * right > MAX_RENDER_CHARS:
+            raise TemplateBudgetError(f"a value of {len(left) * right} items is too large")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, dict=_TemplateDict(),
                        namespace=_TemplateNamespace)

@@ -5,6 +5,7 @@
   "step:N"         the N-th forward after warm-up raises InjectedFault (an Exception): one failed step
   "step:N:K"       forwards N .. N+K-1 raise: K failed steps in a row
   "thread:N"       the N-th forward raises InjectedFatalFault (a BaseException): the engine thread dies
+  "hang:N"         the N-th forward never returns (a deadlock or stuck kernel): the watchdog's case
 
 Never reachable from HTTP: an environment variable of the server process is fixed when the process
 starts; no route, header or body field can set one, and it is read only before the first request.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ class InjectedFatalFault(BaseException):
 class FaultSpec:
     """Which forwards after warm-up fail, and how."""
 
-    fatal: bool
+    kind: str  # "step" (raise an Exception), "thread" (raise a BaseException) or "hang" (block forever)
     first: int  # 1-based forward count
     count: int = 1
 
@@ -42,14 +44,15 @@ class FaultSpec:
 
 
 def parse_fault(value: str) -> FaultSpec | None:
-    """'step:N[:K]' or 'thread:N' -> FaultSpec; '' -> None; anything else is a ValueError."""
+    """'step:N[:K]', 'thread:N' or 'hang:N' -> FaultSpec; '' -> None; anything else is a ValueError."""
     if not value:
         return None
     kind, *nums = value.split(":")
-    if kind not in ("step", "thread") or not 1 <= len(nums) <= (2 if kind == "step" else 1) \
+    if kind not in ("step", "thread", "hang") or not 1 <= len(nums) <= (2 if kind == "step" else 1) \
             or not all(x.isdigit() and int(x) > 0 for x in nums):
-        raise ValueError(f"{ENV_TEST_FAULT}={value!r}: expected 'step:N', 'step:N:K' or 'thread:N' (N, K >= 1)")
-    return FaultSpec(kind == "thread", *map(int, nums))
+        raise ValueError(f"{ENV_TEST_FAULT}={value!r}: expected 'step:N', 'step:N:K', 'thread:N' or 'hang:N' "
+                         "(N, K >= 1)")
+    return FaultSpec(kind, *map(int, nums))
 
 
 def install_from_env(engine) -> FaultSpec | None:
@@ -69,7 +72,9 @@ def _faulty(execute, spec: FaultSpec):
         nonlocal calls
         calls += 1
         if spec.hits(calls):
-            raise (InjectedFatalFault if spec.fatal else InjectedFault)(f"injected fault in forward {calls}")
+            if spec.kind == "hang":
+                threading.Event().wait()  # never set: this forward never returns
+            raise (InjectedFatalFault if spec.kind == "thread" else InjectedFault)(f"injected fault in forward {calls}")
         return execute(out)
 
     return run

@@ -24,6 +24,7 @@ from lmserve.engine.preflight import check_engine_config
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
+from lmserve.server.connections import with_deadline
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState
 from lmserve.server.tenants import KeySpec, key_specs, read_key_file
@@ -69,8 +70,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              ("--max-tokens-limit", args.max_tokens_limit, 1)):
         if value is not None and value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
-    if not args.drain_timeout >= 0:
-        raise ConfigError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    for flag, value in (("--drain-timeout", args.drain_timeout), ("--engine-step-timeout", args.engine_step_timeout)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
+    if not args.request_read_timeout > 0:
+        raise ConfigError(f"--request-read-timeout must be > 0 seconds, got {args.request_read_timeout}")
     default, limit = args.default_max_tokens, args.max_tokens_limit
     if default is not None and limit is not None and default > limit:
         raise ConfigError(f"--default-max-tokens {default} is above --max-tokens-limit {limit}")
@@ -99,7 +103,8 @@ def server_config(args: argparse.Namespace, name: str,
                         metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
-                        max_tokens_limit=args.max_tokens_limit)
+                        max_tokens_limit=args.max_tokens_limit, request_read_timeout=args.request_read_timeout,
+                        engine_step_timeout=args.engine_step_timeout or None)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -119,8 +124,10 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting
         raise ConfigError(str(e)) from None
     state = ServerState(config, metrics, ops=ops)
+    slow_client = metrics.rejected.labels("read_timeout").inc
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                               timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+                               timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
+                               http=with_deadline(config.request_read_timeout, slow_client))
     server = DrainingServer(uv_config, state)
     threading.Thread(target=_load, args=(state, server, checked.config), name="lmserve-load", daemon=True).start()
     asyncio.run(server.serve())
@@ -217,7 +224,7 @@ def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Cal
     from lmserve.engine.faults import install_from_env
 
     install_from_env(engine)  # test-only fault injection: nothing unless $LMSERVE_TEST_FAULT is set
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, step_timeout=state.config.engine_step_timeout)
     async_engine.step_listeners.append(state.metrics.on_step)
     async_engine.fault_listeners.append(state.metrics.on_fault)
     if on_dead is not None:

@@ -20,7 +20,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 STATUS_CLASSES = ("2xx", "4xx", "5xx", "not_ready")
 ABORT_REASONS = ("client_disconnect", "shutdown", "error")
 REJECT_REASONS = ("queue_full", "not_ready", "unauthorized", "invalid_request", "context_length", "validation_rule",
-                  "rate_limited")
+                  "rate_limited", "read_timeout")
 TOKEN_KINDS = ("prompt", "completion")
 
 

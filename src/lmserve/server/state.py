@@ -39,6 +39,8 @@ class ServerConfig:
     drain_timeout: float = 30.0
     default_max_tokens: int | None = None  # a request naming no max_tokens gets this (None: the API's own default)
     max_tokens_limit: int | None = None  # more is a 400; a request naming none is held to it too
+    request_read_timeout: float = 30.0  # seconds from a request's first byte to its last (slow-loris clients)
+    engine_step_timeout: float | None = 300.0  # the hung-engine watchdog; None: off
 
     @property
     def token_limits(self) -> TokenLimits:
