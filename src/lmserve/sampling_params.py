@@ -154,10 +154,18 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given by the caller must exist in the model's vocabulary."""
-        ids = list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
-        for t in ids:
-            if t >= vocab_size:
-                raise ValueError(f"token id {t} is out of vocabulary (size {vocab_size})")
+        for field_name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", (self.logit_bias or {}).keys())):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise VocabError(field_name, f"{field_name}: token id {bad} is out of vocabulary (size {vocab_size})")
+
+
+class VocabError(ValueError):
+    """A token id the caller gave is not in the vocabulary; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _int_range(name: str, value: object, low: int | None, high: int | None) -> None:

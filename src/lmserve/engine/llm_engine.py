@@ -17,7 +17,7 @@ from lmserve.engine.preflight import check_kv_pool
 from lmserve.engine.tokenizer import Tokenizer
 from lmserve.loader import LoadedModel, load_model
 from lmserve.request import CompletionDelta, Request, RequestStatus
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.sched.scheduler import Scheduler
 from lmserve.sched.stop import StopChecker
 from lmserve.spec.ngram import NgramProposer
@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 class RequestRejected(ValueError):
     """A request that can never run (too long for the context or the KV pool, bad token ids...)."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault
 
 
 @dataclass
@@ -128,8 +132,8 @@ class LLMEngine:
         """Raise RequestRejected when the request could never run; return its resolved max_tokens."""
         try:
             params.check_vocab(self.model_config.vocab_size)
-        except ValueError as e:
-            raise RequestRejected(str(e)) from None
+        except VocabError as e:
+            raise RequestRejected(str(e), e.param) from None
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise RequestRejected(f"prompt has {n} tokens, the model's context is {self.max_model_len} tokens")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -84,9 +86,14 @@ class ServerMetrics:
         self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
                                registry=r)
 
-    def bind_keys(self, names: list[str], reasons: tuple[str, ...]) -> None:
-        """Per-key-name counters; names come from the key file (a closed set), never from a request."""
+    def bind_keys(self, names: list[str], reasons: tuple[str, ...], in_flight: Callable[[str], int]) -> None:
+        """Per-key-name counters; names come from the key file (a closed set), never from a request.
+
+        `in_flight(name)` is read at scrape time: the key's requests between admission and response end.
+        """
         r = self.registry
+        self.key_in_flight = Gauge("lmserve:key_requests_in_flight", "Requests admitted and not ended, by API key "
+                                   "name (what max_concurrent_requests counts)", ["key_name"], registry=r)
         self.key_requests = Counter("lmserve:key_requests", "Generation requests admitted, by API key name",
                                     ["key_name"], registry=r)
         self.key_tokens = Counter("lmserve:key_tokens", "Tokens of ended requests, by API key name and kind",
@@ -94,6 +101,7 @@ class ServerMetrics:
         self.key_rejections = Counter("lmserve:key_rejections", "Requests refused by a key's limits or model list, "
                                       "by API key name and reason", ["key_name", "reason"], registry=r)
         for name in names:
+            self.key_in_flight.labels(name).set_function(lambda name=name: in_flight(name))
             self.key_requests.labels(name)
             for kind in TOKEN_KINDS:
                 self.key_tokens.labels(name, kind)
@@ -194,6 +202,11 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, name.split(":")[1].replace("_", " "), labels=labels)
             g.add_metric([self.m.model_name], float(value))
             yield g
-        c = CounterMetricFamily("lmserve:num_preemptions", "Requests preempted (KV blocks ran out)", labels=labels)
-        c.add_metric([self.m.model_name], float(eng.scheduler.num_preemptions))
-        yield c
+        counters = {
+            "lmserve:num_preemptions": ("Requests preempted (KV blocks ran out)", eng.scheduler.num_preemptions),
+            "lmserve:prefix_cache_hit_tokens": ("Prompt tokens whose KV came from the prefix cache", eng.kv.prefix_hits),
+        }
+        for name, (doc, value) in counters.items():
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.m.model_name], float(value))
+            yield c

@@ -13,6 +13,7 @@ from lmserve.server.errors import APIError, excerpt
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_MESSAGES = 256
+MAX_JSON_DEPTH = 128  # arrays/objects inside each other in a body: a JSON schema 60 levels deep still fits
 TOOL_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for function names
 
 
@@ -287,6 +288,20 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests deeper than `limit` arrays/objects (iterative: no recursion to blow)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 def load_json(raw: bytes) -> Any:
     """Strict JSON: no NaN/Infinity/overflowing numbers, no lone surrogates, bounded nesting."""
     try:
@@ -299,6 +314,9 @@ def load_json(raw: bytes) -> Any:
         raise APIError(400, f"request body is not valid JSON: {str(e)[:120]}") from None
     if lone:
         raise APIError(400, "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff) in a string")
+    # json.loads nests as deep as Python's recursion limit; pydantic and the payload log stop well before.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth_over(data, MAX_JSON_DEPTH):
+        raise APIError(400, f"request body is nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     return data
 
 

@@ -116,7 +116,8 @@ class ServerState:
         try:
             return self.engine.check_request(ids, params)
         except RequestRejected as e:
-            raise APIError(400, str(e), param="prompt", reason="context_length") from None
+            reason = "context_length" if e.param == "prompt" else "invalid_request"
+            raise APIError(400, str(e), param=e.param, reason=reason) from None
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
         """The operator's validation rules (--validation-rules); a `reject` rule answers 400."""

@@ -224,7 +224,7 @@ class Tenants:
         self.metrics = metrics
         self._open: dict[int, Reservation] = {}  # id(record) -> its reservation, until the response ends
         if metrics is not None:
-            metrics.bind_keys(names, REJECT_REASONS)
+            metrics.bind_keys(names, REJECT_REASONS, lambda name: self.usage[name].in_flight)
 
     @property
     def enabled(self) -> bool:
