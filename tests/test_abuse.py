@@ -15,6 +15,7 @@ import socket
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -200,9 +201,9 @@ def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_pat
 
 # -- resource bombs, each beside a canary ----------------------------------------------------------
 
-def canary_ttft(url: str) -> float:
+def canary_ttft(url: str, model: str = MODEL) -> float:
     """Seconds to the first token of a short streamed completion (the light key)."""
-    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "stream": True, "temperature": 0}
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 2, "stream": True, "temperature": 0}
     start = time.monotonic()
     with httpx.stream("POST", url + C, json=body, headers=LIGHT, timeout=60) as r:
         assert r.status_code == 200
@@ -283,6 +284,34 @@ def test_a_resource_bomb_is_refused_or_bounded_and_the_canary_stays_fast(keyed, 
     assert max(seconds for _, seconds, _ in results) < 10
     assert during < 3 * idle + 0.5, (idle, during)  # other clients unaffected (a 2-core box: some contention)
     assert_nothing_leaked(keyed)
+
+
+LOOPING_TEMPLATE = ("{% for m in messages %}{% for a in m.content %}{% for b in m.content %}{% for c in m.content %}"
+                    "{% endfor %}{% endfor %}{% endfor %}{% endfor %}")
+
+
+def test_a_chat_template_that_loops_is_stopped_and_others_are_served(tmp_path):
+    """A model whose chat template loops without end: each chat request is a 400 after the render's time budget."""
+    from tests.conftest import write_tiny_llama
+
+    write_tiny_llama(tmp_path / "tiny")
+    (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps({"chat_template": LOOPING_TEMPLATE}))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w1 " * 2000}], "max_tokens": 2}
+    with running_server("--model", str(tmp_path / "tiny"), "--served-model-name", "tiny") as s:
+        idle = canary_ttft(s.url, "tiny")
+        with ThreadPoolExecutor(4) as pool:  # four renders at once, each looping until its budget runs out
+            bombs = [pool.submit(httpx.post, s.url + "/v1/chat/completions", json=chat, timeout=60) for _ in range(4)]
+            time.sleep(0.5)
+            during = statistics.median(canary_ttft(s.url, "tiny") for _ in range(3))
+            answers = [b.result() for b in bombs]
+        report("bomb", name="looping_chat_template", canary_ttft_idle_s=round(idle, 3),
+               canary_ttft_during_s=round(during, 3), bomb_seconds_max=round(max(a.elapsed.total_seconds()
+                                                                                  for a in answers), 2))
+        for a in answers:
+            assert a.status_code == 400 and "chat template" in a.json()["error"]["message"], a.text
+            assert a.elapsed.total_seconds() < 5 + 5  # the render budget, plus the other renders sharing the GIL
+        assert during < 3 * idle + 0.5, (idle, during)
+        s.wait_idle()
 
 
 # -- slow-loris clients ----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # aliases tr
 # A real template renders a long conversation in milliseconds; these only stop templates that loop or explode.
 RENDER_TIMEOUT_S = 5.0
 MAX_RENDER_CHARS = 16 * 2**20  # far more text than any context window holds
+_YIELD_EVERY = 64  # template lines between GIL hand-offs and clock checks (a real render runs a few thousand)
 
 
 def message_text(message: Mapping[str, Any]) -> str:
@@ -108,16 +109,21 @@ class TemplateBudgetError(Exception):
 def _render_bounded(template: jinja2.Template, **variables: Any) -> str:
     """template.render within the time and size budget.
 
-    Time: a trace function on this thread checks the clock at every line the template's compiled code
-    runs (Jinja compiles to Python; its frames are named "<template>"), so even a loop that writes
-    nothing is stopped; the exception it raises unwinds the render. The trace is this thread's only,
-    and the one that was set before (a debugger, coverage) is put back.
+    Time: a trace function on this thread sees every line the template's compiled code runs (Jinja
+    compiles to Python; its frames are named "<template>"), so even a loop that writes nothing is
+    stopped: every _YIELD_EVERY lines it checks the clock, and first gives up the GIL for a moment, so a
+    render that loops cannot starve the engine thread and the event loop. The exception it raises unwinds
+    the render. The trace is this thread's only, and the one set before (a debugger, coverage) is put back.
     """
-    deadline = time.monotonic() + RENDER_TIMEOUT_S
+    deadline, lines = time.monotonic() + RENDER_TIMEOUT_S, 0
 
     def trace_line(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise TemplateBudgetError(f"rendering took longer than {RENDER_TIMEOUT_S:g} s (does it loop?)")
+        nonlocal lines
+        lines += 1
+        if lines % _YIELD_EVERY == 0:
+            time.sleep(0)  # let the event loop and the engine thread have the GIL (a looping render held it)
+            if time.monotonic() > deadline:
+                raise TemplateBudgetError(f"rendering took longer than {RENDER_TIMEOUT_S:g} s (does it loop?)")
         return trace_line
 
     def trace_call(frame, event, arg):
