@@ -319,6 +319,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "100 for TGI, the rest of the context for chat)")
     p.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
                    help="a request asking for more max_tokens gets 400 (one naming none is held to it too)")
+    p.add_argument("--response-cache", default=None, metavar="URL",
+                   help="cache the answers of deterministic requests (greedy or seeded): 'sqlite' (a file under "
+                   "~/.cache/lmserve), 'sqlite:PATH' or 'redis://HOST:PORT/DB'; per API key, never shared")
+    p.add_argument("--response-cache-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a cached answer is served")
+    p.add_argument("--response-cache-max-entries", type=int, default=10_000, metavar="N",
+                   help="the oldest answers are dropped past this many")
     from lmserve.ops.hub import add_ops_args
     add_ops_args(p)
 

@@ -107,6 +107,21 @@ def server_config(args: argparse.Namespace, name: str,
                         engine_step_timeout=args.engine_step_timeout or None)
 
 
+def _response_cache(args: argparse.Namespace, metrics: ServerMetrics):
+    """The --response-cache, or None; a bad URL, TTL or size is a ConfigError (a dead Redis is not: it is retried)."""
+    if args.response_cache is None:
+        return None
+    from lmserve.server.response_cache import CacheSettings, ResponseCache
+
+    if not args.response_cache_ttl > 0 or args.response_cache_max_entries < 1:
+        raise ConfigError("--response-cache-ttl must be > 0 and --response-cache-max-entries >= 1")
+    try:
+        return ResponseCache(CacheSettings(args.response_cache, args.response_cache_ttl,
+                                           args.response_cache_max_entries), metrics)
+    except (ValueError, OSError, ImportError) as e:
+        raise ConfigError(f"--response-cache: {e}") from None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code.
 
@@ -123,7 +138,7 @@ def serve(args: argparse.Namespace) -> int:
         ops = build_ops(args, metrics.registry)
     except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting
         raise ConfigError(str(e)) from None
-    state = ServerState(config, metrics, ops=ops)
+    state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics))
     slow_client = metrics.rejected.labels("read_timeout").inc
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",

@@ -108,6 +108,15 @@ class ServerMetrics:
             for reason in reasons:
                 self.key_rejections.labels(name, reason)
 
+    def bind_response_cache(self, entries: Callable[[], float]) -> None:
+        """The response cache's counters; `entries()` is read at scrape time."""
+        r = self.registry
+        self.cache_hits = Counter("lmserve:response_cache_hits", "Requests answered from the response cache",
+                                  registry=r)
+        self.cache_misses = Counter("lmserve:response_cache_misses", "Cacheable requests the cache did not hold "
+                                    "(or could not be asked: a backend fault)", registry=r)
+        Gauge("lmserve:response_cache_entries", "Entries in the response cache", registry=r).set_function(entries)
+
     def bind_engine(self, engine, warmup_seconds: float) -> None:
         """Read live engine state at scrape time, and observe every step (on the engine thread: cheap)."""
         self._engine = engine

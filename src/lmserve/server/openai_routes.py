@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.engine.async_engine import EngineDeadError, StepFailedError
+from lmserve.server import cache_replay
 from lmserve.server.errors import APIError, error_body
 from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
@@ -82,6 +83,9 @@ async def list_models(request: Request) -> dict:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     st, req = await read_request(request, CompletionRequest)
+    found, hit = await cache_replay.lookup(request, st, req)
+    if hit is not None:
+        return hit
     params = completion_params(req, st.config.token_limits)
     prompts = _prompts(req.prompt)
     record = record_of(request)
@@ -101,18 +105,21 @@ async def completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunks = _completion_chunks(st, merged, meta, params.n, inputs, shape, usage_prompt, include_usage)
-        return _sse(request, st, merged, chunks)
+        return await cache_replay.store(st, found, _sse(request, st, merged, chunks), None)
     choices = await _collect(request, st, merged, params.n, len(ids_list), shape.score_only)
     if choices is None:
         return Response(status_code=499)
     body = {**meta, "choices": [_completion_choice(st, i, c, inputs[i // params.n], shape)
                                 for i, c in enumerate(choices)], "usage": _usage(usage_prompt, choices)}
-    return JSONResponse(body)
+    return await cache_replay.store(st, found, JSONResponse(body), body)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     st, req = await read_request(request, ChatRequest)
+    found, hit = await cache_replay.lookup(request, st, req)
+    if hit is not None:
+        return hit
     params = chat_params(req, st.config.token_limits)
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
     supports = template_supports_tools(st.engine.tokenizer.chat_template)
@@ -127,7 +134,7 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunks = _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools))
-        return _sse(request, st, merged, chunks)
+        return await cache_replay.store(st, found, _sse(request, st, merged, chunks), None)
     choices = await _collect(request, st, merged, params.n, 1)
     if choices is None:
         return Response(status_code=499)
@@ -135,7 +142,7 @@ async def chat_completions(request: Request) -> Response:
         {"index": i, **_chat_message(c, bool(tools)),
          "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
         for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
-    return JSONResponse(body)
+    return await cache_replay.store(st, found, JSONResponse(body), body)
 
 
 def _chat_message(c: Choice, with_tools: bool) -> dict:

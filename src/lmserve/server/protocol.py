@@ -96,6 +96,8 @@ class _Sampling(_NullMeansDefault):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # lmserve: false skips the response cache (--response-cache) for this request
+    cache: bool | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -60,6 +60,7 @@ class ServerState:
     ops: Ops = field(default_factory=Ops)  # tracing, payload log, rules, drift (each off unless configured)
     created: int = field(default_factory=lambda: int(time.time()))
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
+    response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
 
     def __post_init__(self) -> None:
         self.tenants = Tenants(key_specs(self.config.api_keys, self.config.named_keys), self.metrics)

@@ -1,0 +1,184 @@
+"""Exact-match response cache for deterministic requests (`--response-cache`), in SQLite or Redis.
+
+A request is cached only when its answer is a function of its body: greedy (temperature 0) or seeded
+sampling. The key is a SHA-256 of the served model, the caller's API key *name* (entries are never shared
+across keys) and the body with the fields that do not change the answer (`stream`, `stream_options`,
+`user`, `cache`) left out, keys sorted. The value is the complete JSON response; a streamed request
+with a hit gets it replayed as a stream (`server/cache_replay.py`). Only non-streamed responses are
+stored: a stream's pieces are not kept.
+
+The cache never fails a request: a backend error (Redis down, a locked file) is logged, at most once a
+minute, and the request goes to the model as a miss. Backend calls run off the event loop with short
+timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("lmserve.server")
+
+IGNORED_FIELDS = ("stream", "stream_options", "user", "cache")  # they do not change the answer
+_WARN_EVERY_S = 60.0
+
+
+class Backend(Protocol):
+    """Where entries live: bytes by key, each with a time to live."""
+
+    def get(self, key: str) -> bytes | None: ...
+    def put(self, key: str, value: bytes) -> None: ...
+    def count(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """`--response-cache URL`, `--response-cache-ttl`, `--response-cache-max-entries`."""
+
+    url: str
+    ttl: float = 3600.0
+    max_entries: int = 10_000
+
+
+def default_sqlite_path() -> Path:
+    """$XDG_CACHE_HOME/lmserve/responses.sqlite (~/.cache/... when unset): a cache, safe to delete."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lmserve" / "responses.sqlite"
+
+
+def open_backend(settings: CacheSettings) -> Backend:
+    """'sqlite' / 'sqlite:PATH' / 'redis://HOST:PORT/DB' -> a backend; ValueError for anything else."""
+    url = settings.url
+    if url == "sqlite" or url.startswith("sqlite:"):
+        path = Path(url.partition(":")[2] or default_sqlite_path())
+        return SqliteBackend(path, settings.ttl, settings.max_entries)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisBackend(url, settings.ttl, settings.max_entries)
+    raise ValueError(f"--response-cache must be 'sqlite', 'sqlite:PATH' or 'redis://HOST:PORT/DB', got {url!r}")
+
+
+class SqliteBackend:
+    """One table; the oldest entries go first past `max_entries`; expired ones are skipped and swept."""
+
+    def __init__(self, path: Path, ttl: float, max_entries: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.ttl, self.max_entries = ttl, max_entries
+        self._lock = threading.Lock()  # one connection shared by the thread pool's threads
+        self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=1.0)
+        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
+                         "expires REAL NOT NULL, created REAL NOT NULL)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS by_created ON entries (created)")
+        self._db.commit()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM entries WHERE key = ? AND expires > ?",
+                                   (key, time.time())).fetchone()
+        return row[0] if row else None
+
+    def put(self, key: str, value: bytes) -> None:
+        now = time.time()
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)", (key, value, now + self.ttl, now))
+            self._db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
+            self._db.execute("DELETE FROM entries WHERE key IN (SELECT key FROM entries ORDER BY created DESC "
+                             "LIMIT -1 OFFSET ?)", (self.max_entries,))
+            self._db.commit()
+
+    def count(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM entries WHERE expires > ?", (time.time(),)).fetchone()[0]
+
+
+class RedisBackend:
+    """Entries as Redis strings with a TTL; a sorted set by insertion time trims the oldest past `max_entries`."""
+
+    PREFIX = "lmserve:response:"
+    INDEX = "lmserve:responses"
+
+    def __init__(self, url: str, ttl: float, max_entries: int) -> None:
+        import redis  # only when asked for
+
+        self.ttl, self.max_entries = ttl, max_entries
+        self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+    def get(self, key: str) -> bytes | None:
+        return self._redis.get(self.PREFIX + key)
+
+    def put(self, key: str, value: bytes) -> None:
+        now = time.time()
+        pipe = self._redis.pipeline()
+        pipe.set(self.PREFIX + key, value, px=max(1, int(self.ttl * 1000)))
+        pipe.zadd(self.INDEX, {key: now})
+        pipe.zremrangebyscore(self.INDEX, 0, now - self.ttl)  # expired: Redis has dropped their strings
+        pipe.zrange(self.INDEX, 0, -self.max_entries - 1)  # the oldest beyond the limit
+        *_, oldest = pipe.execute()
+        if oldest:
+            self._redis.delete(*(self.PREFIX + k.decode() for k in oldest))
+            self._redis.zrem(self.INDEX, *oldest)
+
+    def count(self) -> int:
+        return int(self._redis.zcount(self.INDEX, time.time() - self.ttl, "+inf"))
+
+
+def cacheable(body: dict[str, Any]) -> bool:
+    """A request whose answer is fixed by its body: greedy or seeded, and not opted out."""
+    if body.get("cache") is False:
+        return False
+    temperature = body.get("temperature", 1.0)
+    return temperature == 0 or body.get("seed") is not None
+
+
+def cache_key(model: str, key_name: str, route: str, body: dict[str, Any]) -> str:
+    """SHA-256 over the model, the API key's name, the route and the body minus IGNORED_FIELDS."""
+    kept = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
+    text = json.dumps([model, key_name, route, kept], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ResponseCache:
+    """The server's cache: lookups and stores off the event loop; faults logged, never raised."""
+
+    def __init__(self, settings: CacheSettings, metrics: Any = None) -> None:
+        self.settings = settings
+        self.backend = open_backend(settings)
+        self.metrics = metrics
+        self._warned = 0.0
+        if metrics is not None:
+            metrics.bind_response_cache(self._count_or_nan)
+
+    async def get(self, key: str) -> dict | None:
+        """The stored response, or None (a miss, counted; a backend fault counts as a miss)."""
+        value = await self._call(self.backend.get, key)
+        hit = isinstance(value, bytes)
+        if self.metrics is not None:
+            (self.metrics.cache_hits if hit else self.metrics.cache_misses).inc()
+        return json.loads(value) if hit else None
+
+    async def put(self, key: str, response: dict) -> None:
+        await self._call(self.backend.put, key, json.dumps(response).encode())
+
+    async def _call(self, fn, *args) -> Any:
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except Exception as e:  # noqa: BLE001 - a cache fault must never fail the request
+            now = time.monotonic()
+            if now - self._warned > _WARN_EVERY_S:
+                self._warned = now
+                log.warning("response cache unavailable (%s: %s); serving from the model", type(e).__name__, e)
+            return None
+
+    def _count_or_nan(self) -> float:
+        try:
+            return float(self.backend.count())
+        except Exception:  # noqa: BLE001 - a scrape must not fail because Redis is down
+            return float("nan")
