@@ -190,6 +190,14 @@ def ttft(url: str, key: str) -> float:
     raise AssertionError("no token streamed")
 
 
+def paced_ttft(url: str, key: str) -> float:
+    """TTFT of a light user's request sent after a pause, idle and busy alike. Without the pause B's next request
+    would land exactly when its last one frees a slot, i.e. in the step where A's preempted request is
+    recomputed (a prefill of its whole prompt and output so far), and measure that recompute, not fairness."""
+    time.sleep(0.4)
+    return ttft(url, key)
+
+
 def flood(url: str, key: str, n: int, done: threading.Event) -> None:
     """n concurrent long requests of one key, until they finish or `done` is set."""
     async def run():
@@ -214,14 +222,14 @@ def test_a_busy_key_does_not_starve_a_light_one(tmp_path):
     with running_server("--api-key-file", str(path), "--max-num-seqs", "2",
                         headers={"Authorization": "Bearer sk-team-b-0123456789"}) as s:
         ttft(s.url, "sk-team-b-0123456789")  # first request: warm caches
-        idle = statistics.median(ttft(s.url, "sk-team-b-0123456789") for _ in range(5))
+        idle = statistics.median(paced_ttft(s.url, "sk-team-b-0123456789") for _ in range(7))
         done = threading.Event()
         a = threading.Thread(target=flood, args=(s.url, "sk-team-a-0123456789", 20, done))
         a.start()
         try:
             s.wait_for_running(20)
             time.sleep(0.5)  # two of A's are decoding, eighteen wait
-            busy = statistics.median(ttft(s.url, "sk-team-b-0123456789") for _ in range(7))
+            busy = statistics.median(paced_ttft(s.url, "sk-team-b-0123456789") for _ in range(7))
             # FCFS would also pass on the median alone: B's first request would wait behind all of A's, and
             # the rest would find the server idle. So A must still be queueing once B is done.
             waiting = s.metric("lmserve:num_requests_waiting")
