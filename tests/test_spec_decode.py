@@ -20,7 +20,7 @@ from lmserve.request import Request, TokenLogprobs
 from lmserve.sample.rejection import accept_drafts
 from lmserve.sched.scheduler import Scheduler
 from lmserve.spec.ngram import propose_ngram
-from lmserve.spec.stats import Backoff
+from lmserve.spec.policy import REMEASURE_STEPS, Acceptance, DraftPolicy, best_plan
 from lmserve.worker.model_runner import RunnerOutput
 from tests.conftest import write_tiny_llama
 
@@ -44,16 +44,55 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert propose_ngram(np.array([1, 2, 3, 9, 2, 3]), 1, 1, 2) == [9, 2]  # n = 1 looks up the last token
 
 
-def test_backoff_pauses_low_acceptance_and_recovers():
-    b = Backoff()
-    b.record(4, 0)
-    b.record(4, 0)
-    assert not b.allows() and not b.allows() and b.allows()  # a pause of 2 steps after poor acceptance
-    b.record(4, 0)
-    assert [b.allows() for _ in range(5)] == [False] * 4 + [True]  # the next pause is twice as long
-    b.record(4, 4)
-    b.record(4, 4)
-    assert b.allows()
+def _table(**seconds_by_rows: float):
+    """T(R) from a table {R: seconds}, through StepCost's interpolation."""
+    policy = DraftPolicy()
+    for rows, t in seconds_by_rows.items():
+        policy.cost.record(int(rows[1:]), t, 0)
+    return policy.cost.estimate
+
+
+def test_plan_drafts_only_what_pays_for_its_rows():
+    # the AVX2 host's numbers: a 5-row verify costs 1.77x a 1-row decode
+    avx2 = _table(r1=10.0, r2=10.5, r5=17.7)
+    assert best_plan([0.22], [4], 1, avx2) == [1]  # sampled chat: one draft pays (1.22 tokens for 1.05x), two do not
+    assert best_plan([0.9], [4], 1, avx2) == [4]  # copying: 4.1 tokens for 1.77x
+    assert best_plan([0.22], [4], 1, _table(r1=10.0, r2=20.0)) == [0]  # a row as dear as a step: never
+    # a kernel that takes up to 8 rows at the price of one: every draft under that edge is free
+    flat = _table(r1=10.0, r8=10.0, r9=20.0, r16=21.0)
+    assert best_plan([0.5], [7], 1, flat) == [7]
+    assert best_plan([0.9, 0.3], [4, 4], 2, flat) == [4, 2]  # the likeliest rows first, within 8 rows
+    assert best_plan([0.9, 0.3], [4, 4], 2, _table(r2=10.0, r10=10.0)) == [4, 4]
+
+
+def test_acceptance_falls_with_rejections_and_returns_to_the_prior():
+    a = Acceptance()
+    prior = a.alpha
+    for _ in range(5):
+        a.record(4, 0)
+    assert a.alpha < 0.2 < prior
+    for _ in range(60):
+        a.sat_out()  # sitting out, old evidence fades: the request gets to try again
+    assert a.alpha > 0.6  # close enough to the prior to draft again where rows are cheap
+    for _ in range(5):
+        a.record(4, 4)
+    assert a.alpha > prior
+
+
+def test_policy_measures_the_base_step_before_drafting_and_again_later():
+    policy = DraftPolicy()
+    assert policy.plan(["a"], [4], 1) == [0]  # T(1) never measured: this step measures it
+    policy.record_step(1, 0.010, has_prefill=False)
+    assert policy.plan(["a"], [4], 1) == [4]  # rows above 1 are priced as T(1) until measured
+    policy.record_step(5, 0.030, has_prefill=False)  # 4 drafts made the step 3x: at alpha 0.75 that loses
+    assert policy.plan(["a"], [4], 1) in ([1], [2])
+    policy.record_step(5, 0.010, has_prefill=True)  # a step with prefill says nothing about decode rows
+    assert policy.cost.seconds[5] == 0.030
+    for _ in range(REMEASURE_STEPS):
+        policy.record_step(2, 0.012, has_prefill=False)
+    assert policy.plan(["a"], [4], 1) == [0]  # T(1) is stale: measured again before drafting on
+    # a seeded sampled request ignores measured costs (its draft counts must not depend on its batch)
+    assert policy.plan(["a", "s"], [4, 4], 2, seeded=[False, True]) == [0, 4]
 
 
 def _first_token_counts(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, trials: int,

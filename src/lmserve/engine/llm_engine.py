@@ -21,7 +21,8 @@ from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.sched.scheduler import Scheduler
 from lmserve.sched.stop import StopChecker
 from lmserve.spec.ngram import NgramProposer
-from lmserve.spec.stats import Backoff, SpecDecodeStats
+from lmserve.spec.policy import DraftPolicy
+from lmserve.spec.stats import SpecDecodeStats
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
 from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
@@ -87,7 +88,7 @@ class LLMEngine:
         self.spec = cfg.speculative
         self.proposer = self._proposer()
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
-        self._backoff: dict[str, Backoff] = {}
+        self.draft_policy = DraftPolicy()  # draft counts from acceptance and measured step costs
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._grammars_lock = threading.Lock()
         if self.device.type == "cpu":
@@ -227,6 +228,8 @@ class LLMEngine:
         if spec is not None:
             self._propose()  # drafting is part of the step's time (a draft model runs k forwards here)
         self.num_steps += 1
+        if spec is not None:
+            self.draft_policy.record_step(result.num_decodes, time.perf_counter() - start, result.num_prefill_tokens > 0)
         self.last_step = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), len(out.requests),
                                    result.num_decodes, result.num_prefill_tokens, time.perf_counter() - start,
                                    self.kv.usage, self.kv.num_free_blocks,
@@ -272,27 +275,26 @@ class LLMEngine:
         return DraftModelProposer(self.spec, draft, self.num_blocks, self.block_size)
 
     def _record_spec(self, out, sampled: list[list[int]]) -> SpecDecodeStats:
-        """Count each verify run's accepted drafts (engine totals, this step, the request's back-off)."""
+        """Count each verify run's accepted drafts (engine totals, this step, the draft policy)."""
         step = SpecDecodeStats(self.spec.num_speculative_tokens)
         for s, tokens in zip(out.requests, sampled):
             if s.spec_token_ids:
                 accepted = max(len(tokens) - 1, 0)
                 for stats in (step, self.spec_stats):
                     stats.record(len(s.spec_token_ids), accepted)
-                self._backoff.setdefault(s.request_id, Backoff()).record(len(s.spec_token_ids), accepted)
+                self.draft_policy.record_run(s.request_id, len(s.spec_token_ids), accepted)
         return step
 
     def _propose(self) -> None:
-        """Give every caught-up running request its drafts for the next step (unless backing off)."""
+        """Give every caught-up running request the drafts the policy finds worth their verify rows."""
         k = self.spec.num_speculative_tokens
-        reqs, limits = [], []
-        for req in self.scheduler.running:
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue  # still prefilling
-            room = req.max_tokens - len(req.output_token_ids) - 1  # the verify step adds one token of its own
-            if room > 0 and self._backoff.setdefault(req.request_id, Backoff()).allows():
-                reqs.append(req)
-                limits.append(min(k, room))
+        decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
+        # the verify step adds one token of its own, so a request can take max_tokens - output - 1 drafts
+        reqs = [r for r in decoding if r.max_tokens - len(r.output_token_ids) - 1 > 0]
+        limits = [min(k, r.max_tokens - len(r.output_token_ids) - 1) for r in reqs]
+        seeded = [r.seed is not None and not r.params.greedy for r in reqs]  # their tokens must not vary
+        counts = self.draft_policy.plan([r.request_id for r in reqs], limits, len(decoding), seeded)
+        reqs, limits = [r for r, n in zip(reqs, counts) if n], [n for n in counts if n]
         if reqs:
             for req, drafts in zip(reqs, self.proposer.propose(reqs, limits)):
                 if req.grammar is not None:  # drafts the grammar refuses would only be rejected
@@ -326,7 +328,7 @@ class LLMEngine:
         """Drop a finished request's per-request state outside the scheduler (detokenizer, drafts)."""
         self.outputs.remove(request_id)
         if self.proposer is not None:
-            self._backoff.pop(request_id, None)
+            self.draft_policy.remove(request_id)
             self.proposer.remove(request_id)
 
 

@@ -1,13 +1,8 @@
-"""Acceptance counting (the numbers behind the lmserve:spec_decode_* metrics) and per-request back-off."""
+"""Acceptance counting: the numbers behind the lmserve:spec_decode_* metrics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-# Below this smoothed acceptance rate a request stops drafting for a while: a rejected draft costs a
-# verify row (on CPU ~5 ms per extra row of a 135M model), so drafts that rarely land only slow it down.
-MIN_ACCEPTANCE = 0.3
-MAX_PAUSE_STEPS = 64
 
 
 @dataclass
@@ -34,27 +29,3 @@ class SpecDecodeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-
-@dataclass
-class Backoff:
-    """One request's recent acceptance; pauses its drafting (for growing spans) while acceptance is low."""
-
-    rate: float = 1.0  # exponentially smoothed accepted / drafted
-    pause: int = 0  # steps left without drafts
-    next_pause: int = 2
-
-    def allows(self) -> bool:
-        """True when the request may draft this step (counts down a pause)."""
-        if self.pause > 0:
-            self.pause -= 1
-            return False
-        return True
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        self.rate = 0.5 * self.rate + 0.5 * (num_accepted / num_draft)
-        if self.rate < MIN_ACCEPTANCE:
-            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE_STEPS)
-            self.rate = MIN_ACCEPTANCE  # after the pause, one good run lifts it again
-        elif num_accepted == num_draft:
-            self.next_pause = 2
