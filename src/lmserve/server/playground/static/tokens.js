@@ -1,0 +1,127 @@
+// The token view: each generated token is a <span> shaded by its probability; hovering, tapping or
+// focusing one shows its top alternatives. Model output only ever goes in through textContent: the
+// model can write "<script>", and it must stay text.
+"use strict";
+
+const Tokens = (() => {
+  const TOP_SHOWN = 5;
+
+  // A token as the API gives it -> {token, logprob, top: [{token, logprob}]}.
+  function fromChat(entry) {
+    return {
+      token: entry.token,
+      logprob: entry.logprob,
+      top: (entry.top_logprobs || []).map((t) => ({ token: t.token, logprob: t.logprob })),
+    };
+  }
+
+  // The completions API gives parallel lists; top_logprobs[i] is an object {token text: logprob}.
+  function fromCompletion(logprobs) {
+    return logprobs.tokens.map((token, i) => ({
+      token,
+      logprob: logprobs.token_logprobs[i],
+      top: Object.entries((logprobs.top_logprobs || [])[i] || {}).map(([t, lp]) => ({ token: t, logprob: lp })),
+    }));
+  }
+
+  function probability(logprob) {
+    return Math.exp(logprob);
+  }
+
+  function percent(p) {
+    if (p < 0.0001) return "<0.01%";
+    return (p * 100).toFixed(p >= 0.1 ? 1 : 2) + "%";
+  }
+
+  // Red (unlikely) through amber to green (certain), light enough to read dark text on.
+  function shade(p) {
+    return `hsl(${Math.round(130 * p)}, 75%, ${84 + Math.round(6 * p)}%)`;
+  }
+
+  // Whitespace made visible in the tooltip, where a bare space would show nothing.
+  function visible(text) {
+    if (text === "") return "∅";
+    return text.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥");
+  }
+
+  function span(tok, index) {
+    const el = document.createElement("span");
+    el.className = "tok";
+    el.textContent = tok.token;
+    el.tabIndex = 0;
+    el.dataset.index = String(index);
+    el.style.setProperty("--shade", shade(probability(tok.logprob)));
+    return el;
+  }
+
+  // Append tokens [from, list.length) to the output element (called as a stream's chunks arrive).
+  function append(output, list, from) {
+    const frag = document.createDocumentFragment();
+    for (let i = from; i < list.length; i++) frag.appendChild(span(list[i], i));
+    output.appendChild(frag);
+  }
+
+  function tooltipRows(tok) {
+    const alternatives = tok.top.length ? tok.top : [{ token: tok.token, logprob: tok.logprob }];
+    return alternatives.slice(0, TOP_SHOWN).map((alt) => {
+      const row = document.createElement("li");
+      const p = probability(alt.logprob);
+      if (alt.token === tok.token) row.className = "chosen";
+      const name = document.createElement("code");
+      name.textContent = visible(alt.token);
+      const bar = document.createElement("span");
+      bar.className = "bar";
+      bar.style.setProperty("--p", String(p));
+      const value = document.createElement("span");
+      value.className = "prob";
+      value.textContent = percent(p);
+      row.append(name, bar, value);
+      return row;
+    });
+  }
+
+  function fillTooltip(tooltip, tok) {
+    const head = document.createElement("div");
+    head.className = "tip-head";
+    const name = document.createElement("code");
+    name.textContent = visible(tok.token);
+    head.append(name, document.createTextNode(` ${percent(probability(tok.logprob))}`));
+    const list = document.createElement("ol");
+    list.append(...tooltipRows(tok));
+    const caption = document.createElement("div");
+    caption.className = "tip-caption";
+    caption.textContent = `Top ${Math.min(TOP_SHOWN, Math.max(tok.top.length, 1))} alternatives`;
+    tooltip.replaceChildren(head, caption, list);
+  }
+
+  // One tooltip for the whole output: shown for the token under the pointer, tapped or focused.
+  function attachTooltip(output, tooltip, getTokens) {
+    let current = null;
+    function show(el) {
+      const tok = getTokens()[Number(el.dataset.index)];
+      if (!tok) return;
+      current = el;
+      fillTooltip(tooltip, tok);
+      tooltip.hidden = false;
+      const box = el.getBoundingClientRect();
+      const width = tooltip.offsetWidth;
+      const left = Math.min(Math.max(8, box.left + window.scrollX), window.scrollX + document.documentElement.clientWidth - width - 8);
+      tooltip.style.left = `${left}px`;
+      tooltip.style.top = `${box.bottom + window.scrollY + 6}px`;
+    }
+    function hide() {
+      current = null;
+      tooltip.hidden = true;
+    }
+    const tokenOf = (event) => event.target.closest && event.target.closest(".tok");
+    output.addEventListener("mouseover", (e) => { const el = tokenOf(e); if (el) show(el); });
+    output.addEventListener("mouseleave", hide);
+    output.addEventListener("focusin", (e) => { const el = tokenOf(e); if (el) show(el); });
+    output.addEventListener("focusout", hide);
+    output.addEventListener("click", (e) => { const el = tokenOf(e); if (el && el !== current) show(el); });
+    document.addEventListener("keydown", (e) => { if (e.key === "Escape") hide(); });
+    return { hide };
+  }
+
+  return { fromChat, fromCompletion, append, attachTooltip };
+})();
