@@ -61,12 +61,15 @@ const Tokens = (() => {
     output.appendChild(frag);
   }
 
+  // The top alternatives; a sampled token outside them comes last, after a gap, so it is always shown.
   function tooltipRows(tok) {
-    const alternatives = tok.top.length ? tok.top : [{ token: tok.token, logprob: tok.logprob }];
-    return alternatives.slice(0, TOP_SHOWN).map((alt) => {
+    const shown = tok.top.slice(0, TOP_SHOWN);
+    const outside = !shown.some((alt) => alt.token === tok.token);
+    if (outside) shown.push({ token: tok.token, logprob: tok.logprob });
+    return shown.map((alt) => {
       const row = document.createElement("li");
       const p = probability(alt.logprob);
-      if (alt.token === tok.token) row.className = "chosen";
+      if (alt.token === tok.token) row.className = outside && shown.length > 1 ? "chosen apart" : "chosen";
       const name = document.createElement("code");
       name.textContent = visible(alt.token);
       const bar = document.createElement("span");
@@ -90,7 +93,7 @@ const Tokens = (() => {
     list.append(...tooltipRows(tok));
     const caption = document.createElement("div");
     caption.className = "tip-caption";
-    caption.textContent = `Top ${Math.min(TOP_SHOWN, Math.max(tok.top.length, 1))} alternatives`;
+    caption.textContent = tok.top.length ? `Top ${Math.min(TOP_SHOWN, tok.top.length)} alternatives` : "No alternatives saved";
     tooltip.replaceChildren(head, caption, list);
   }
 
