@@ -219,8 +219,12 @@ function showOutput(output) {
   state.text = output.text;
   state.tokens = output.tokens || [];
   state.finishReason = output.finish_reason ?? null;
-  if (state.tokens.length) Tokens.append($("output"), state.tokens, 0);
-  else $("output").textContent = state.text;
+  if (state.tokens.length) {
+    Tokens.append($("output"), state.tokens, 0);
+    Tokens.markTrailing($("output"), state.tokens, state.text);
+  } else {
+    $("output").textContent = state.text;
+  }
   $("output").dataset.state = "done";
 }
 
@@ -257,6 +261,7 @@ async function stream(req) {
                                            body: JSON.stringify(streamingBody(req)) });
   if (!response.ok) throw await errorOf(response);
   for await (const chunk of sseEvents(response)) addChunk(chunk);
+  Tokens.markTrailing($("output"), state.tokens, state.text);
 }
 
 function running(on) {
@@ -414,6 +419,7 @@ async function start() {
   try {
     await loadModels();
   } catch (e) {
+    if (e.status === 503) setTimeout(start, 2000);  // the model is still loading
     if (e.status !== 401) setStatus(`Could not list models: ${e.message}`, "error");
     return;
   }

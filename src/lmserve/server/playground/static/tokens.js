@@ -126,5 +126,16 @@ const Tokens = (() => {
     return { hide };
   }
 
-  return { fromChat, fromCompletion, append, attachTooltip };
+  // Tokens at the end that are not in the text (chat's end-of-turn token: its logprob is reported, its
+  // text is not content) are dimmed, so the view does not show them as words the model wrote.
+  function markTrailing(output, list, text) {
+    let joined = list.map((t) => t.token).join("");
+    for (let i = list.length - 1; i >= 0 && joined.length > text.length && joined.startsWith(text); i--) {
+      output.children[i].classList.add("extra");
+      output.children[i].title = "not part of the text (it ended the reply)";
+      joined = joined.slice(0, joined.length - list[i].token.length);
+    }
+  }
+
+  return { fromChat, fromCompletion, append, attachTooltip, markTrailing };
 })();
