@@ -134,6 +134,10 @@ def test_stream_tokens_share_permalink_and_exports(browser, server):
     assert py.returncode == 0 and py.stdout.strip(), py.stderr[-2000:]
     assert "fetch(" in exported(page, "JavaScript")
 
+    page.get_by_role("button", name=f"Delete {PROMPT}").click()  # from the saved examples
+    page.get_by_role("link", name=PROMPT).wait_for(state="detached")
+    again.reload()
+    again.get_by_text("This permalink does not exist").wait_for()
     assert not page.errors and not again.errors
 
 
