@@ -8,6 +8,7 @@ reopens the permalink in a new page, runs the curl and Python exports against th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from tests.server_util import running_server
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install -e '.[test]')")
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NODE = shutil.which("node")  # optional: the JavaScript export runs where Node is installed
 KEY = "sk-playground-secret-7f3a"
 PROMPT = "Name three colors."
 TIMEOUT_MS = 60_000
@@ -84,6 +86,14 @@ def exported(page, lang: str) -> str:
     return page.evaluate("navigator.clipboard.readText()")
 
 
+def has_node_fetch() -> bool:
+    """Node 18 or later is installed: the JavaScript export's target (it has a global fetch)."""
+    if NODE is None:
+        return False
+    version = subprocess.run([NODE, "--version"], capture_output=True, text=True).stdout.strip()
+    return int(version.lstrip("v").split(".")[0] or 0) >= 18
+
+
 def run_curl(code: str, env: dict | None = None) -> dict:
     """The exported curl command as bash runs it, with its status appended; its JSON answer."""
     out = subprocess.run(["bash", "-c", code + " -sS -w '\\n%{http_code}'"], capture_output=True, text=True,
@@ -132,7 +142,10 @@ def test_stream_tokens_share_permalink_and_exports(browser, server):
     code = exported(page, "Python")
     py = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert py.returncode == 0 and py.stdout.strip(), py.stderr[-2000:]
-    assert "fetch(" in exported(page, "JavaScript")
+    js = exported(page, "JavaScript")
+    if has_node_fetch():
+        out = subprocess.run([NODE, "-e", js], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == py.stdout.strip(), out.stderr[-2000:]
 
     page.get_by_role("button", name=f"Delete {PROMPT}").click()  # from the saved examples
     page.get_by_role("link", name=PROMPT).wait_for(state="detached")
@@ -196,6 +209,17 @@ def test_api_key_is_asked_sent_and_never_stored(browser, tmp_path):
         curl = exported(page, "curl")
         assert KEY not in curl and "$LMSERVE_API_KEY" in curl
         assert run_curl(curl, env={"PATH": "/usr/bin:/bin", "LMSERVE_API_KEY": KEY})["choices"]
+        code = exported(page, "Python")
+        assert KEY not in code
+        py = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "LMSERVE_API_KEY": KEY})
+        assert py.returncode == 0, py.stderr[-2000:]
+        js = exported(page, "JavaScript")
+        assert KEY not in js and "process.env.LMSERVE_API_KEY" in js
+        if has_node_fetch():  # without the key, body.choices is undefined and node exits 1
+            out = subprocess.run([NODE, "-e", js], capture_output=True, text=True, timeout=120,
+                                 env={"PATH": "/usr/bin:/bin", "LMSERVE_API_KEY": KEY})
+            assert out.returncode == 0, out.stderr[-2000:]
 
         shared = httpx.get(f"{s.url}/playground/api/shares/{share_id}", headers={"Authorization": f"Bearer {KEY}"})
         assert shared.status_code == 200 and KEY not in shared.text
