@@ -1,7 +1,8 @@
 """The playground in a real headless Chromium (Debian's package, driven by Playwright) against `lmserve serve`.
 
 Streams a generation and sees it grow, changes a parameter, reads a token's alternatives, shares it and
-reopens the permalink in a new page, runs the curl and Python exports against the server; and with
+reopens the permalink in a new page, runs the curl, Python and (with Node 18+) JavaScript exports against
+the server, deletes the saved example; completion mode; markup in model output stays text; and with
 --api-key: the page asks for the key, works with it, and the key is in neither the share file nor a share.
 """
 
@@ -25,7 +26,7 @@ NODE = shutil.which("node")  # optional: the JavaScript export runs where Node i
 KEY = "sk-playground-secret-7f3a"
 PROMPT = "Name three colors."
 TIMEOUT_MS = 60_000
-pytestmark = pytest.mark.slow  # two server starts and a browser: ~1 min on 2 cores
+pytestmark = pytest.mark.slow  # two server starts and a browser: 40-55 s on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ def exported(page, lang: str) -> str:
     """The export for `lang`, through the page's Copy button and the clipboard."""
     page.get_by_role("tab", name=lang).click()
     page.get_by_role("button", name="Copy code").click()
+    page.get_by_role("button", name="Copied").wait_for()  # the page's write to the clipboard has finished
     return page.evaluate("navigator.clipboard.readText()")
 
 
@@ -203,9 +205,16 @@ def test_api_key_is_asked_sent_and_never_stored(browser, tmp_path):
         assert page.locator("#output .tok").count() >= 1
         page.get_by_role("button", name="Share").click()
         page.wait_for_function("() => document.getElementById('share-url').value.includes('/p/')")
-        share_id = page.get_by_label("Permalink").input_value().rsplit("/", 1)[1]
+        link = page.get_by_label("Permalink").input_value()
+        share_id = link.rsplit("/", 1)[1]
 
-        assert page.evaluate("localStorage.length") == 0  # sessionStorage at most
+        assert page.evaluate("localStorage.length") == 0 and not page.context.cookies()  # sessionStorage at most
+        again = new_page(browser)  # another browser profile: no key yet
+        again.goto(link)
+        again.get_by_role("dialog").get_by_label("API key").fill(KEY)
+        again.get_by_role("button", name="Use key").click()
+        again.wait_for_selector('#status[data-state="loaded"]', timeout=TIMEOUT_MS)
+        assert again.locator("#output").text_content() == page.locator("#output").text_content()
         curl = exported(page, "curl")
         assert KEY not in curl and "$LMSERVE_API_KEY" in curl
         assert run_curl(curl, env={"PATH": "/usr/bin:/bin", "LMSERVE_API_KEY": KEY})["choices"]
