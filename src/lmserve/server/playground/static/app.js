@@ -261,7 +261,8 @@ async function stream(req) {
                                            body: JSON.stringify(streamingBody(req)) });
   if (!response.ok) throw await errorOf(response);
   for await (const chunk of sseEvents(response)) addChunk(chunk);
-  Tokens.markTrailing($("output"), state.tokens, state.text);
+  if (state.tokens.length) Tokens.markTrailing($("output"), state.tokens, state.text);
+  else $("output").textContent = state.text;  // an answer without logprobs: plain text
 }
 
 function running(on) {
