@@ -126,7 +126,7 @@ def test_stream_tokens_share_permalink_and_exports(browser, server):
     page.wait_for_function("() => document.getElementById('share-url').value.includes('/p/')")
     link = page.get_by_label("Permalink").input_value()
     assert page.url == link  # the address bar holds the permalink too
-    assert page.get_by_role("link", name=PROMPT).count() == 1  # listed among the saved examples
+    page.get_by_role("link", name=PROMPT).wait_for()  # listed among the saved examples (just one: strict)
 
     again = new_page(browser)
     again.goto(link)
@@ -180,6 +180,14 @@ def test_completion_mode(browser, server):
     generate(page, "The capital of France is", 8)
     assert page.locator("#output .tok").count() == 8
     assert len(token_tooltip(page, 0)) == 5
+    word = page.evaluate("() => [...document.querySelectorAll('#output .tok')].findIndex((t, i) => i && t.textContent.trim())")
+    rows = token_tooltip(page, word)
+    page.locator("#output .tok").nth(word).focus()  # by keyboard, or a tap: the focused token keeps the tooltip
+    page.mouse.move(1, 1)  # the pointer leaves the output
+    assert page.get_by_role("tooltip").is_visible()
+    assert [r.inner_text().replace("\n", " ").replace("\t", " ") for r in page.locator("#tooltip li").all()] == rows
+    page.keyboard.press("Escape")
+    assert page.get_by_role("tooltip").is_hidden()
     code = exported(page, "Python")
     assert "client.completions.create(" in code and "seed=7," in code
     py = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

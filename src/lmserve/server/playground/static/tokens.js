@@ -97,33 +97,30 @@ const Tokens = (() => {
     tooltip.replaceChildren(head, caption, list);
   }
 
-  // One tooltip for the whole output: shown for the token under the pointer, tapped or focused.
+  // One tooltip for the whole output: for the token under the pointer, else the focused (tapped) one.
+  // Touch screens send a mouseleave right after a tap: the tapped token has the focus and keeps the tooltip.
   function attachTooltip(output, tooltip, getTokens) {
-    let current = null;
     function show(el) {
       const tok = getTokens()[Number(el.dataset.index)];
       if (!tok) return;
-      current = el;
       fillTooltip(tooltip, tok);
       tooltip.hidden = false;
       const box = el.getBoundingClientRect();
-      const width = tooltip.offsetWidth;
-      const left = Math.min(Math.max(8, box.left + window.scrollX), window.scrollX + document.documentElement.clientWidth - width - 8);
-      tooltip.style.left = `${left}px`;
+      const right = window.scrollX + document.documentElement.clientWidth - tooltip.offsetWidth - 8;
+      tooltip.style.left = `${Math.max(8, Math.min(box.left + window.scrollX, right))}px`;
       tooltip.style.top = `${box.bottom + window.scrollY + 6}px`;
     }
-    function hide() {
-      current = null;
-      tooltip.hidden = true;
+    function showFocusedOrHide() {
+      const focused = output.querySelector(".tok:focus");
+      if (focused) show(focused);
+      else tooltip.hidden = true;
     }
     const tokenOf = (event) => event.target.closest && event.target.closest(".tok");
     output.addEventListener("mouseover", (e) => { const el = tokenOf(e); if (el) show(el); });
-    output.addEventListener("mouseleave", hide);
+    output.addEventListener("mouseleave", showFocusedOrHide);
     output.addEventListener("focusin", (e) => { const el = tokenOf(e); if (el) show(el); });
-    output.addEventListener("focusout", hide);
-    output.addEventListener("click", (e) => { const el = tokenOf(e); if (el && el !== current) show(el); });
-    document.addEventListener("keydown", (e) => { if (e.key === "Escape") hide(); });
-    return { hide };
+    output.addEventListener("focusout", () => { tooltip.hidden = true; });
+    document.addEventListener("keydown", (e) => { if (e.key === "Escape") tooltip.hidden = true; });
   }
 
   // Tokens at the end that are not in the text (chat's end-of-turn token: its logprob is reported, its
