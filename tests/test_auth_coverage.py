@@ -1,8 +1,9 @@
-"""Every route the app has refuses a missing or wrong API key, except /health (and /metrics with --metrics-public).
+"""Every route the app has refuses a missing or wrong API key, except /health (and /metrics with --metrics-public)
+and the playground's page files.
 
-The test walks the app's own route table, so a route added later (playground, batch, files, adapters,
-admin) is covered without being listed here; an open route must be named in OPEN. In process, no
-model: the key check runs before any route, and an open route only has to answer something but 401.
+The test walks the app's own route table, so a route added later (batch, files, adapters, admin) is
+covered without being listed here; an open route must be named in OPEN. In process, no model: the key
+check runs before any route, and an open route only has to answer something but 401.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from lmserve.server.state import ServerConfig, ServerState
 
 M = "m"
 KEY = "right-key"
-OPEN = {"/health"}
+# (method, path as route_calls fills it). The playground's page and its files are open: they hold no data,
+# and a browser cannot send a key when it navigates to a page (the page asks for the key and sends it on every
+# data call: shares, models, generation, which stay closed). "/p/x" is not here: "x" cannot be a share id, so it
+# is no page and needs the key; tests/test_playground.py checks a real permalink opens without one.
+OPEN = {("GET", "/health"), ("GET", "/"), ("GET", "/playground"), ("GET", "/playground/assets/x")}
 BAD_HEADERS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}]
 
 
@@ -40,13 +45,20 @@ def leaf_routes(routes, prefix: str = "") -> list[tuple[str, object]]:
     return leaves
 
 
+def route_templates(client: TestClient) -> list[tuple[str, str]]:
+    """(method, path template such as /p/{share_id}) for every method of every route."""
+    return [(m, path) for path, route in leaf_routes(client.app.routes)
+            for m in sorted(getattr(route, "methods", None) or ())]
+
+
+def filled(template: str) -> str:
+    """A concrete path: each path parameter filled with a dummy value."""
+    return re.sub(r"\{[^}]+\}", "x", template)
+
+
 def route_calls(client: TestClient) -> list[tuple[str, str]]:
-    """(method, concrete path) for every method of every route; path parameters filled with a dummy value."""
-    calls = []
-    for path, route in leaf_routes(client.app.routes):
-        path = re.sub(r"\{[^}]+\}", "x", path)
-        calls += [(m, path) for m in sorted(getattr(route, "methods", None) or ())]
-    return calls
+    """(method, concrete path) for every method of every route."""
+    return [(m, filled(t)) for m, t in route_templates(client)]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +76,7 @@ def test_every_route_but_the_open_ones_refuses_a_missing_or_wrong_key(guarded):
     for method, path in route_calls(guarded):
         for headers in BAD_HEADERS:
             status = guarded.request(method, path, headers=headers, json={}).status_code
-            if (status == 401) == (path in OPEN):
+            if (status == 401) == ((method, path) in OPEN):
                 leaks.append((method, path, headers, status))
     assert not leaks, f"routes not in OPEN that answer without a valid key (or open ones that refuse): {leaks}"
 

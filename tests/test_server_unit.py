@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -115,3 +116,13 @@ def test_prompt_logprob_formats():
     assert vllm[1][7] == {"logprob": -0.5, "rank": 1, "decoded_token": "<7>"}
     assert vllm[2] == {6: {"logprob": -9999.0, "rank": 9, "decoded_token": "<6>"}}  # -inf is not JSON
     assert vllm_prompt_logprobs(piece, None) is None
+
+
+def test_chat_logprobs_of_masked_alternatives_are_finite():
+    """A grammar masks alternatives to -inf: JSON has no such number, and a browser's JSON.parse refuses the chunk."""
+    from lmserve.request import TokenLogprobs
+    from lmserve.server.logprobs import chat_logprobs
+
+    [entry] = chat_logprobs(str, [TokenLogprobs(5, -0.5, [(5, -0.5), (6, float("-inf"))])])
+    assert [t["logprob"] for t in entry["top_logprobs"]] == [-0.5, -9999.0]
+    json.dumps(entry, allow_nan=False)

@@ -326,6 +326,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="how long a cached answer is served")
     p.add_argument("--response-cache-max-entries", type=int, default=10_000, metavar="N",
                    help="the oldest answers are dropped past this many")
+    p.add_argument("--playground-db", default=None, metavar="PATH",
+                   help="the SQLite file of the web playground's shared permalinks (default: "
+                   "$XDG_DATA_HOME/lmserve/playground.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
+    p.add_argument("--no-playground", action="store_true",
+                   help="no web playground: /, /playground, /p/<id> and /playground/api/... answer 404")
     from lmserve.ops.hub import add_ops_args
     add_ops_args(p)
 

@@ -18,6 +18,7 @@ from lmserve.ops.record import RequestRecord
 from lmserve.server import openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.openapi import install_openapi
+from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
 from lmserve.server.state import KEY_NAME_KEY, RECORD_KEY, ServerConfig, ServerState, read_request, state_of
@@ -34,6 +35,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.lm = state
     app.include_router(openai_routes.router)
     app.include_router(tgi_routes.router)
+    app.include_router(playground_routes.router)
     _misc_routes(app)
     _error_handlers(app)
     install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
@@ -60,7 +62,9 @@ class AuthAndStatus:
         st, path = self.state, scope.get("path", "")
         name = ANONYMOUS
         # Every method, OPTIONS included: a CORS preflight is answered by CORSMiddleware before this one.
-        if st.tenants.enabled and path not in self.open_paths:
+        # The playground's page and files are open (no data in them; the page asks for the key).
+        if st.tenants.enabled and path not in self.open_paths \
+                and not playground_routes.is_public_page(scope.get("method", ""), path):
             header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             name = st.tenants.identify(header)
             if name is None:

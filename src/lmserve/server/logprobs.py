@@ -48,11 +48,15 @@ def vllm_prompt_logprobs(piece: Piece, lps: list[TokenLogprobs | None] | None) -
 
 
 def chat_logprobs(piece: Piece, lps: list[TokenLogprobs]) -> list[dict]:
-    """The chat format: per generated token its text, logprob, UTF-8 bytes and the top alternatives."""
+    """The chat format: per generated token its text, logprob, UTF-8 bytes and the top alternatives.
+
+    Logprobs are clamped as in the completions format: a grammar masks alternatives to -inf, which JSON
+    cannot carry (json.dumps writes -Infinity, and browsers' JSON.parse refuses the whole chunk).
+    """
 
     def entry(token_id: int, logprob: float) -> dict:
         text = piece(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
     return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in lps]
 

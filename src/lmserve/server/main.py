@@ -122,6 +122,28 @@ def _response_cache(args: argparse.Namespace, metrics: ServerMetrics):
         raise ConfigError(f"--response-cache: {e}") from None
 
 
+def _playground(args: argparse.Namespace):
+    """The playground's share store, opened now, or None when off.
+
+    A --playground-db that cannot hold it is a ConfigError; an unwritable default (a read-only home) only
+    turns the playground off, with a warning: the API does not need it.
+    """
+    if args.no_playground:
+        return None
+    import sqlite3
+
+    from lmserve.server.playground.store import ShareStore, default_db_path
+
+    path = Path(args.playground_db) if args.playground_db else default_db_path()
+    try:
+        return ShareStore(path)
+    except (OSError, sqlite3.Error) as e:
+        if args.playground_db:
+            raise ConfigError(f"--playground-db {path}: {e}") from None
+        log.warning("the playground is off: cannot open %s (%s); give --playground-db PATH", path, e)
+        return None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code.
 
@@ -138,7 +160,8 @@ def serve(args: argparse.Namespace) -> int:
         ops = build_ops(args, metrics.registry)
     except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting
         raise ConfigError(str(e)) from None
-    state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics))
+    state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics),
+                        playground=_playground(args))
     slow_client = metrics.rejected.labels("read_timeout").inc
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
@@ -149,6 +172,8 @@ def serve(args: argparse.Namespace) -> int:
     if state.async_engine is not None:
         state.async_engine.shutdown()
     state.ops.close()  # after the drain: every finished request's payload line and span is flushed
+    if state.playground is not None:
+        state.playground.close()
     engine_died = state.async_engine is not None and state.async_engine.dead is not None
     return 0 if server.started and state.load_error is None and not engine_died else 1
 

@@ -18,8 +18,10 @@ from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
 from lmserve.server.errors import is_tgi
+from lmserve.server.playground.routes import SHARES, ShareRequest
 
-JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
+JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "text/html"
+CSS, JS = "text/css", "text/javascript"
 
 
 class _Open(BaseModel):
@@ -138,6 +140,38 @@ class DriftReport(_Open):
     """Per-feature drift statistics (see ops/drift.py)."""
 
 
+class ShareInfo(_Open):
+    """A saved playground share: its permalink is `url` (/p/<id>)."""
+
+    id: str
+    object: str
+    url: str
+    title: str
+    mode: str
+    created: int
+
+
+class ShareList(_Open):
+    object: str
+    data: list[ShareInfo]
+
+
+class SharedState(ShareInfo):
+    """A share with everything it saved: what the permalink's page shows again."""
+
+    model: str
+    system: str
+    prompt: str
+    params: dict[str, Any]
+    output: dict[str, Any]
+
+
+class ShareDeleted(_Open):
+    id: str
+    object: str
+    deleted: bool
+
+
 @dataclass(frozen=True)
 class RouteDoc:
     """What one operation takes (`body`) and answers with 200 (`answer`, in `media`), and its error statuses."""
@@ -165,6 +199,16 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/monitoring/drift"): RouteDoc(None, DriftReport, (401, 404)),
     ("post", "/tokenize"): RouteDoc(p.TokenizeRequest, Tokenized, (400, 401, 404, 413, 503)),
     ("post", "/detokenize"): RouteDoc(p.DetokenizeRequest, Detokenized, (400, 401, 404, 413, 503)),
+    # The playground: its page and files need no key (404: the playground is off); its data routes do.
+    ("get", "/"): RouteDoc(None, None, (404,), (HTML,)),
+    ("get", "/playground"): RouteDoc(None, None, (404,), (HTML,)),
+    # An id or name that cannot be one (wrong characters or length) is not a page: it needs the key.
+    ("get", "/p/{share_id}"): RouteDoc(None, None, (401, 404), (HTML,)),
+    ("get", "/playground/assets/{name}"): RouteDoc(None, None, (401, 404), (JS, CSS)),
+    ("post", SHARES): RouteDoc(ShareRequest, ShareInfo, (400, 401, 404, 413, 503)),
+    ("get", SHARES): RouteDoc(None, ShareList, (401, 404, 503)),
+    ("get", SHARES + "/{share_id}"): RouteDoc(None, SharedState, (401, 404, 503)),
+    ("delete", SHARES + "/{share_id}"): RouteDoc(None, ShareDeleted, (401, 404, 503)),
 }
 _ERROR_MODELS = (OpenAIError, TGIError)
 
@@ -225,9 +269,9 @@ _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "even
 def _answer_schema(media: str, route: RouteDoc) -> dict:
     if media == JSON and route.answer is not None:
         return _ref(route.answer)
-    return _SSE_EVENT if media == SSE else {"type": "string"}  # Prometheus text
+    return _SSE_EVENT if media == SSE else {"type": "string"}  # Prometheus text, the playground's files
 
 
-_REASONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model (or feature off)",
+_REASONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model or id (or feature off)",
             413: "Request body too large", 422: "Invalid request (TGI)", 429: "Rate limit of the API key",
-            500: "The engine failed while running the request", 503: "Loading, draining, at capacity or stopped"}
+            500: "The engine failed while running the request", 503: "Loading, draining, at capacity, stopped, or a store unavailable"}

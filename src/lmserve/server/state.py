@@ -61,6 +61,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
     response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
+    playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
 
     def __post_init__(self) -> None:
         self.tenants = Tenants(key_specs(self.config.api_keys, self.config.named_keys), self.metrics)
