@@ -9,17 +9,18 @@ the document promises fields, not their absence); a fuzzer checks every answer a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
 from lmserve.server.errors import is_tgi
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
+MULTIPART, OCTETS = "multipart/form-data", "application/octet-stream"
 
 
 class _Open(BaseModel):
@@ -138,6 +139,55 @@ class DriftReport(_Open):
     """Per-feature drift statistics (see ops/drift.py)."""
 
 
+class FileUpload(BaseModel):
+    """POST /v1/files, as multipart/form-data: the file's bytes and its purpose."""
+
+    file: bytes = Field(json_schema_extra={"format": "binary", "type": "string"})
+    purpose: Literal["batch"]
+
+
+class FileObject(_Open):
+    id: str
+    object: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+
+class FileDeleted(_Open):
+    id: str
+    object: str
+    deleted: bool
+
+
+class BatchRequestCounts(_Open):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(_Open):
+    id: str
+    object: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    created_at: int
+    output_file_id: str | None
+    error_file_id: str | None
+    request_counts: BatchRequestCounts
+
+
+class BatchList(_Open):
+    object: str
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 @dataclass(frozen=True)
 class RouteDoc:
     """What one operation takes (`body`) and answers with 200 (`answer`, in `media`), and its error statuses."""
@@ -146,6 +196,7 @@ class RouteDoc:
     answer: type[BaseModel] | None
     errors: tuple[int, ...]
     media: tuple[str, ...] = (JSON,)
+    body_media: str = JSON
 
 
 # 401 on every route but /health (API keys); 413 wherever a body is read; 429 per-key limits; 503 not ready.
@@ -165,6 +216,15 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/monitoring/drift"): RouteDoc(None, DriftReport, (401, 404)),
     ("post", "/tokenize"): RouteDoc(p.TokenizeRequest, Tokenized, (400, 401, 404, 413, 503)),
     ("post", "/detokenize"): RouteDoc(p.DetokenizeRequest, Detokenized, (400, 401, 404, 413, 503)),
+    # Batch jobs (server/batch_routes.py): 404 for an unknown id, another key's object, or batch jobs off.
+    ("post", "/v1/files"): RouteDoc(FileUpload, FileObject, (400, 401, 404, 413), body_media=MULTIPART),
+    ("get", "/v1/files/{file_id}"): RouteDoc(None, FileObject, (401, 404)),
+    ("delete", "/v1/files/{file_id}"): RouteDoc(None, FileDeleted, (401, 404)),
+    ("get", "/v1/files/{file_id}/content"): RouteDoc(None, None, (401, 404), (OCTETS,)),
+    ("post", "/v1/batches"): RouteDoc(p.BatchCreateRequest, BatchObject, (400, 401, 404, 413)),
+    ("get", "/v1/batches"): RouteDoc(None, BatchList, (400, 401, 404)),
+    ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
+    ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
 }
 _ERROR_MODELS = (OpenAIError, TGIError)
 
@@ -207,7 +267,7 @@ def _ref(model: type[BaseModel]) -> dict:
 
 def _fill(op: dict, path: str, route: RouteDoc) -> None:
     if route.body is not None:
-        op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(route.body)}}}
+        op["requestBody"] = {"required": True, "content": {route.body_media: {"schema": _ref(route.body)}}}
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
     error = _ref(TGIError if is_tgi(path) else OpenAIError)
@@ -228,6 +288,6 @@ def _answer_schema(media: str, route: RouteDoc) -> dict:
     return _SSE_EVENT if media == SSE else {"type": "string"}  # Prometheus text
 
 
-_REASONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model (or feature off)",
+_REASONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model or id (or feature off)",
             413: "Request body too large", 422: "Invalid request (TGI)", 429: "Rate limit of the API key",
             500: "The engine failed while running the request", 503: "Loading, draining, at capacity or stopped"}
