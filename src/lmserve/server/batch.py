@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 
 from lmserve.ops.record import RequestRecord
 from lmserve.request import BATCH_PRIORITY
-from lmserve.server.errors import APIError
+from lmserve.server.errors import APIError, error_body
 from lmserve.server.openai_routes import BATCH_ENDPOINTS, Caller, answer
 from lmserve.server.protocol import load_json
 from lmserve.server.state import ServerState
@@ -179,11 +180,16 @@ async def run_line(st: ServerState, line: Line, key_name: str) -> LineResult:
         return LineResult(result)
     record = RequestRecord(rid, line.url)
     record.key_name = key_name
-    status, body = await answer(st, line.url, line.body, Caller(record, priority=BATCH_PRIORITY))
-    usage = body.get("usage") or {} if status == 200 else {}
-    response = {"status_code": status, "request_id": record.request_id if status == 200 else rid, "body": body}
+    try:
+        status, body = await answer(st, line.url, line.body, Caller(record, priority=BATCH_PRIORITY))
+    except Exception as e:  # noqa: BLE001 - a bug: the line gets the 500 the HTTP route would, the log the traceback
+        log.exception("batch line %s failed", line.key[:80])
+        status, body = 500, error_body(APIError(500, f"internal error ({type(e).__name__})"))
+    record.status, record.e2e_s = status, time.monotonic() - record.start
     st.tenants.settle(record)  # the key's concurrency slot and unused tokens back, as the HTTP middleware does
-    st.ops.finish(record)
+    st.ops.finish(record)  # payload log, traces, drift: as for an HTTP request
+    usage = (body.get("usage") or {}) if status == 200 else {}
+    response = {"status_code": status, "request_id": record.request_id if status == 200 else rid, "body": body}
     return LineResult({"id": rid, "custom_id": line.custom_id, "response": response, "error": None},
                       usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
 
