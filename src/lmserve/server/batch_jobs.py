@@ -86,6 +86,9 @@ class BatchManager:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                     raise
+                if job.status == "cancelling":  # cancelled before any line ran (still waiting for the model)
+                    job.mark("cancelled")
+                    self.store.save_job(job)
             except Exception:  # noqa: BLE001 - a bug in one job must not stop the queue; the log has it
                 log.exception("batch %s failed", job.id)
                 job.mark("failed")
