@@ -70,10 +70,11 @@ def batch_once(a: argparse.Namespace, tmp: Path, src: Path, n: int) -> float:
 def machine() -> dict:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return {"cpu": cpu, "cores_usable": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "torch": torch.__version__}
+    info = open("/proc/cpuinfo").read().splitlines()
+    field = lambda name: next((x.split(":", 1)[1].strip() for x in info if x.startswith(name)), "")  # noqa: E731
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in field("flags").split()]
+    return {"cpu": field("model name") or platform.processor(), "cpu_flags": flags,
+            "cores_usable": len(os.sched_getaffinity(0)), "python": platform.python_version(), "torch": torch.__version__}
 
 
 def to_markdown(r: dict) -> str:
@@ -81,10 +82,12 @@ def to_markdown(r: dict) -> str:
     rows = "\n".join(f"| {i + 1} | {b:.1f} | {c:.1f} | {c / b:.2f} |"
                      for i, (b, c) in enumerate(zip(r["bench_tok_s"], r["batch_tok_s"])))
     return (f"# run-batch vs bench throughput (same prompts)\n\n"
-            f"{m['cpu']}, {m['cores_usable']} cores usable, torch {m['torch']}. Flags: `{' '.join(r['flags'])}`; "
+            f"{m['cpu']} ({', '.join(m.get('cpu_flags', [])) or 'no AVX2'}), {m['cores_usable']} cores usable, "
+            f"torch {m['torch']}. Flags: `{' '.join(r['flags'])}`; "
             f"{a['num_prompts']} prompts of {a['input_len']} tokens, {a['output_len']} output tokens each "
             f"(greedy, ignore_eos). Load average (1 min) {r['loadavg_start']:.2f} before, {r['loadavg_end']:.2f} "
-            f"after; the run took {r['wall_s']:.0f} s.\n\n"
+            f"after (other processes shared the cores: the rounds spread with it); the run took {r['wall_s']:.0f} s. "
+            f"Each side's tok/s runs from its first request to its last token.\n\n"
             f"| round | bench throughput (output tok/s) | run-batch (output tok/s) | batch / bench |\n"
             f"| --- | --- | --- | --- |\n{rows}\n"
             f"| median | {statistics.median(r['bench_tok_s']):.1f} | {statistics.median(r['batch_tok_s']):.1f} | "
