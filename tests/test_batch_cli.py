@@ -93,6 +93,7 @@ def test_missing_input_file_is_one_line(tmp_path):
                           "does not exist")
 
 
+@pytest.mark.slow  # two model loads and a real job: ~35 s on 2 shared cores
 def test_sigkill_mid_job_then_rerun_gives_every_custom_id_exactly_once(tmp_path):
     """Killed while requests run (and with a torn half line at the end), the rerun fills in only what is missing."""
     ids = [f"req-{i}" for i in range(16)]
