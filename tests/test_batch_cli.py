@@ -88,9 +88,12 @@ def test_duplicate_custom_ids_are_refused_before_anything_runs(tmp_path):
     assert not out.exists()
 
 
-def test_missing_input_file_is_one_line(tmp_path):
+def test_missing_input_file_and_bad_concurrency_are_one_line(tmp_path):
     assert_one_line_error(run_batch("-i", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o.jsonl")),
                           "does not exist")
+    src = write_jsonl(tmp_path / "in.jsonl", [chat_line("a", "hi")])
+    assert_one_line_error(run_batch("-i", str(src), "-o", str(tmp_path / "o.jsonl"), "--max-concurrency", "0"),
+                          "--max-concurrency")
 
 
 @pytest.mark.slow  # two model loads and a real job: ~35 s on 2 shared cores

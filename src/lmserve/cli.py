@@ -287,6 +287,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     from lmserve.server.main import served_name
 
     src, dst = Path(args.input), Path(args.output)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     try:
         batch_file.check_paths(src, dst)
         lines = batch.read_input(src)  # duplicate custom_ids are refused here, before the model loads
