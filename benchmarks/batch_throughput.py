@@ -3,11 +3,13 @@
     python benchmarks/batch_throughput.py [--num-prompts 32] [--input-len 128] [--output-len 64] [--max-num-seqs 16]
         [--rounds 3] [--num-threads 2] [--output benchmarks/results/batch_throughput]
 
-Both run the embedded model with the same engine flags, in alternating rounds (bench, batch, bench, batch, ...)
-so a neighbour's load lands on both alike. The batch file holds exactly bench throughput's prompts (its
+Both run the embedded model with the same engine flags, in rounds whose order flips (bench then batch, batch then
+bench, ...) so a neighbour's load lands on both alike. The batch file holds exactly bench throughput's prompts (its
 token ids, from lmserve.bench.offline), greedy, `ignore_eos`, `max_tokens` = the output length, through
 /v1/completions. Each side's tokens/s is its own measurement from its first request to its last token
-(model load and warm-up excluded on both). Writes <output>.json and <output>.md.
+(model load and warm-up excluded on both; bench throughput's warm-up also runs its batch's shapes once, run-batch's
+only one tiny request, so run-batch's clock includes the first-use cost of each batch shape). Writes <output>.json
+and <output>.md.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def to_markdown(r: dict) -> str:
             f"{a['num_prompts']} prompts of {a['input_len']} tokens, {a['output_len']} output tokens each "
             f"(greedy, ignore_eos). Load average (1 min) {r['loadavg_start']:.2f} before, {r['loadavg_end']:.2f} "
             f"after (other processes shared the cores: the rounds spread with it); the run took {r['wall_s']:.0f} s. "
-            f"Each side's tok/s runs from its first request to its last token.\n\n"
+            f"Each side's tok/s runs from its first request to its last token; round order flips each round.\n\n"
             f"| round | bench throughput (output tok/s) | run-batch (output tok/s) | batch / bench |\n"
             f"| --- | --- | --- | --- |\n{rows}\n"
             f"| median | {statistics.median(r['bench_tok_s']):.1f} | {statistics.median(r['batch_tok_s']):.1f} | "
@@ -112,9 +114,13 @@ def main() -> None:
         tmp = Path(d)
         src = tmp / "requests.jsonl"
         batch_input(a, src)
-        for n in range(a.rounds):
-            bench.append(bench_once(a, tmp))
-            batch.append(batch_once(a, tmp, src, n))
+        for n in range(a.rounds):  # the order flips every round, so a drifting neighbour favours neither
+            if n % 2:
+                batch.append(batch_once(a, tmp, src, n))
+                bench.append(bench_once(a, tmp))
+            else:
+                bench.append(bench_once(a, tmp))
+                batch.append(batch_once(a, tmp, src, n))
             print(f"round {n + 1}: bench {bench[-1]:.1f} tok/s, run-batch {batch[-1]:.1f} tok/s", file=sys.stderr)
     result = {"machine": machine(), "args": vars(a), "flags": engine_flags(a), "bench_tok_s": bench,
               "batch_tok_s": batch, "ratio": statistics.median(batch) / statistics.median(bench),
