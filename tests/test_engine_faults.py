@@ -101,7 +101,7 @@ class FailingEngine:
         self.fail, self.fatal, self.hang, self.steps = fail, fatal, hang, 0
         self.last_step = None
 
-    def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="") -> None:
+    def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="", priority=0) -> None:
         self.queued.append(request_id)
 
     def abort(self, request_id: str) -> list[CompletionDelta]:

@@ -111,7 +111,8 @@ def env(tmp_path_factory, smol_path):
     write_tiny_llama(repo / "snapshots" / SNAPSHOT)
     bindir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"], "HF_HUB_CACHE": str(cache),
-            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), "LMSERVE_TEST_SMOL": str(smol_path)}
+            "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), "LMSERVE_TEST_SMOL": str(smol_path),
+            "XDG_DATA_HOME": str(tmp_path_factory.mktemp("data"))}  # batch jobs' default --batch-dir
 
 
 def substitute(text: str, env: dict, port: int | None = None) -> str:

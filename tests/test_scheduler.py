@@ -2,7 +2,7 @@
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
-from lmserve.request import Request, RequestStatus
+from lmserve.request import BATCH_PRIORITY, Request, RequestStatus
 from lmserve.sampling_params import SamplingParams
 from lmserve.request import TokenLogprobs
 from lmserve.sched.scheduler import Scheduler
@@ -15,9 +15,9 @@ def result(out, tokens: dict[str, int]) -> RunnerOutput:
     return RunnerOutput(ids, [[TokenLogprobs(t, 0.0, []) for t in row] for row in ids])
 
 
-def make(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 0) -> Request:
+def make(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 0, priority: int = 0) -> Request:
     return Request(rid, list(range(base, base + n_prompt)), SamplingParams(max_tokens=max_tokens), max_tokens,
-                   frozenset({0}))
+                   frozenset({0}), priority=priority)
 
 
 def step(s: Scheduler, token: int = 7):
@@ -165,3 +165,28 @@ def test_tenant_holding_every_slot_gives_one_up_and_gets_it_back():
     out = step(s)  # b0's slot: round-robin gives it to a (admitted less recently than b), its preempted one first
     assert s.requests.get("b1") is not None and "a2" in [r.request_id for r in s.running]
     assert kv.num_free_blocks + sum(len(kv.block_ids(r.request_id)) for r in s.running) == 64
+
+
+def test_waiting_interactive_requests_are_admitted_before_waiting_batch_lines():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), kv)
+    for i in range(3):
+        s.add(make(f"batch{i}", 3, base=10 * i, priority=BATCH_PRIORITY))
+    assert [r.request_id for r in step(s).requests] == ["batch0", "batch1"]
+    s.add(make("chat", 3, base=50))  # arrives after batch2, and still takes the next free slot
+    s.finish("batch0", RequestStatus.FINISHED_STOPPED)
+    out = step(s)
+    assert [r.request_id for r in out.new_requests] == ["chat"]
+    assert [r.request_id for r in s.waiting] == ["batch2"]
+    s.finish("batch1", RequestStatus.FINISHED_STOPPED)
+    assert [r.request_id for r in step(s).new_requests] == ["batch2"]  # no interactive request waits: batch runs
+
+
+def test_batch_lines_alone_are_admitted_fcfs():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=100), kv)
+    s.add(make("b0", 3, priority=BATCH_PRIORITY))
+    s.add(make("b1", 3, base=10, priority=BATCH_PRIORITY))
+    assert [r.request_id for r in step(s).new_requests] == ["b0"]
+    s.finish("b0", RequestStatus.FINISHED_STOPPED)
+    assert [r.request_id for r in step(s).new_requests] == ["b1"]

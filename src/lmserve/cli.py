@@ -1,4 +1,4 @@
-"""`lmserve serve | generate | chat`: one argparse table per command, engine flags shared."""
+"""`lmserve serve | generate | chat | run-batch`: one argparse table per command, engine flags shared."""
 
 from __future__ import annotations
 
@@ -278,6 +278,69 @@ def _sigint_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    """Run an OpenAI Batch API input file into a results file; a rerun resumes where a killed run stopped."""
+    from pathlib import Path
+
+    from lmserve.engine.preflight import check_engine_config
+    from lmserve.server import batch, batch_file
+    from lmserve.server.main import served_name
+
+    src, dst = Path(args.input), Path(args.output)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    try:
+        batch_file.check_paths(src, dst)
+        lines = batch.read_input(src)  # duplicate custom_ids are refused here, before the model loads
+        results = batch.ResultsFile(dst)  # cuts a torn last line; knows the custom_ids already answered
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    todo = batch.pending_lines(lines, results.done)
+    checked = check_engine_config(engine_config(args))
+    if not todo:
+        print(f"run-batch: all {len(lines)} requests already have results in {dst}", file=sys.stderr)
+        return 0
+    window = args.max_concurrency or 2 * args.max_num_seqs  # the waiting queue stays fed as sequences end
+    state = batch_file.offline_state(checked.config, served_name(args, checked.model_path), window)
+    before = dict(results.counts)
+    with _BatchProgress(len(todo), len(lines) - len(todo)) as bar:
+        summary = batch_file.run_file(state, todo, results, window, bar.update)
+    summary.skipped = len(lines) - len(todo)
+    batch_file.count_outcomes(summary, before, results)
+    print(f"run-batch: {summary.requests} requests ({summary.skipped} already done), {summary.completed} "
+          f"completed, {summary.failed} failed; {summary.completion_tokens} output tokens in {summary.seconds:.1f} s "
+          f"({summary.output_tok_s:.1f} tok/s); results in {dst}", file=sys.stderr)
+    if args.summary:
+        import json
+
+        Path(args.summary).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    return 0
+
+
+class _BatchProgress:
+    """run-batch's bar on stderr: requests done (ETA from their rate) and output tokens/s so far."""
+
+    def __init__(self, total: int, skipped: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="Batch requests" + (f" ({skipped} done before)" if skipped else ""),
+                        unit="req", file=sys.stderr, dynamic_ncols=True)
+        self.tokens, self.failed = 0, 0
+
+    def update(self, r) -> None:
+        self.tokens += r.completion_tokens
+        self.failed += r.result["error"] is not None or r.result["response"]["status_code"] != 200
+        elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} failed", refresh=False)
+        self.bar.update(1)
+
+    def __enter__(self) -> "_BatchProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
 def cmd_monitor_profile(args: argparse.Namespace) -> int:
     from lmserve.ops.drift import profile_command
 
@@ -306,6 +369,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond the running batch before new ones get 503")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
+    p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
+                   help="largest file accepted by POST /v1/files (a batch job's input)")
+    p.add_argument("--batch-dir", default=None, metavar="DIR",
+                   help="where uploaded files and batch jobs are kept, so they survive a restart "
+                   "(default: ~/.local/share/lmserve/batches)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -363,6 +431,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    run_batch = sub.add_parser("run-batch", help="run an OpenAI Batch API input file (JSONL) into a results file")
+    run_batch.add_argument("-i", "--input", required=True, help="requests: one {custom_id, method, url, body} a line")
+    run_batch.add_argument("-o", "--output", required=True,
+                           help="results, one line per request as it finishes; rerun with the same file to resume")
+    run_batch.add_argument("--served-model-name", default=None,
+                           help="the model name the lines' bodies use (default: from the model file)")
+    run_batch.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                           help="lines in flight at once (default: twice --max-num-seqs, so the batch stays full)")
+    run_batch.add_argument("--summary", default=None, metavar="FILE", help="also write the run's summary as JSON")
+    add_engine_args(run_batch)
+    run_batch.set_defaults(func=cmd_run_batch)
 
     monitor = sub.add_parser("monitor", help="monitoring tools")
     monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True)

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from lmserve.sampling_params import SamplingParams
 
 
+# Batch-job lines (`lmserve run-batch`, /v1/batches) wait behind every interactive request for a slot.
+BATCH_PRIORITY = 1
+
+
 class RequestStatus(enum.Enum):
     """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> FINISHED_*."""
 
@@ -57,6 +61,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
     cache_salt: bytes = b""  # mixed into prefix-cache hashes (e.g. adapter id)
     tenant: str = ""  # who asked (an API key's name): waiting requests are admitted round-robin across tenants
+    priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
     # structured outputs: this sequence's structured.Grammar (its matcher state follows output_token_ids);
     # typed loosely because plain data sits below the structured/ feature layer
     grammar: object | None = None

@@ -171,12 +171,14 @@ class LLMEngine:
             raise RequestRejected(f"structured_outputs.{params.structured_outputs.kind}: {e}") from None
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    max_tokens: int | None = None, grammar: Compiled | None = None, tenant: str = "") -> None:
+                    max_tokens: int | None = None, grammar: Compiled | None = None, tenant: str = "",
+                    priority: int = 0) -> None:
         """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks.
 
         `max_tokens` is what check_request returned for this prompt and params; None: not checked yet.
         `grammar` is what compile_grammar returned for params; None with structured_outputs: compiled here.
         `tenant` names who asked (the server passes the API key's name): the scheduler is fair between tenants.
+        `priority`: waiting requests of a lower value are admitted first (batch lines use BATCH_PRIORITY).
         """
         params = params or SamplingParams()
         if request_id in self.children:
@@ -192,7 +194,8 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
             req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i, seed=seed,
-                          grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids), tenant=tenant)
+                          grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids), tenant=tenant,
+                          priority=priority)
             self.scheduler.add(req)
             self.outputs.add(req)
             kids.append(rid)

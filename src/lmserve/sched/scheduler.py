@@ -3,7 +3,8 @@ catches up to its `num_tokens` within a per-step token budget (this gives chunke
 requests join FCFS while blocks and slots last, and the newest running request is preempted
 (blocks freed, recomputed later) when the KV cache runs out. Requests of several tenants (API key
 names) join round-robin between tenants instead, and a tenant holding every slot gives one up to a
-waiting tenant (sched/fairness.py).
+waiting tenant (sched/fairness.py). Waiting requests of a lower `priority` go first (batch-job lines wait
+behind interactive requests); within one priority the rules above hold.
 
 A request that has caught up may carry draft tokens (`spec_token_ids`, set by a proposer): they run
 after its last known token in the same step, and `update` keeps the accepted prefix of them plus the
@@ -51,6 +52,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.last_mask_s = 0.0  # time the last grammar bitmask took to fill
         self._tenants: set[str] = set()  # every tenant seen; with one, admission is plain FCFS
+        self._priorities: set[int] = set()  # every priority seen; with one, no request is passed over for it
         self._last_admitted: dict[str, int] = {}  # tenant -> number of the admission it last got (round-robin)
         self._num_admitted = 0
 
@@ -59,6 +61,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self._tenants.add(req.tenant)
+        self._priorities.add(req.priority)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -113,10 +116,15 @@ class Scheduler:
         return True
 
     def _next_waiting(self) -> Request:
-        """FCFS with one tenant; with several, the head of the tenant admitted least recently."""
+        """Among the waiting requests of the best (lowest) priority: FCFS with one tenant; with several, the
+        head of the tenant admitted least recently."""
+        waiting = self.waiting
+        if len(self._priorities) > 1:  # O(waiting) per admission, only once a second priority was ever seen
+            best = min(r.priority for r in waiting)
+            waiting = [r for r in waiting if r.priority == best]
         if len(self._tenants) <= 1:
-            return self.waiting[0]
-        return next_waiting(self.waiting, self._last_admitted)
+            return waiting[0]
+        return next_waiting(waiting, self._last_admitted)
 
     def _make_room_for_tenant(self, out: SchedulerOutput) -> None:
         """All slots taken and the next waiting tenant holds two fewer than the busiest: preempt the busiest's newest.

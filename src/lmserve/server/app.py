@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server import openai_routes, tgi_routes
+from lmserve.server import batch_routes, openai_routes, tgi_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
@@ -31,9 +32,11 @@ log = logging.getLogger("lmserve.server")
 
 def build_app(state: ServerState) -> FastAPI:
     """The app over a ServerState (whose engine may still be loading)."""
-    app = FastAPI(title="lmserve", version=lmserve.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="lmserve", version=lmserve.__version__, docs_url=None, redoc_url=None,
+                  lifespan=_lifespan(state))
     app.state.lm = state
     app.include_router(openai_routes.router)
+    app.include_router(batch_routes.router)
     app.include_router(tgi_routes.router)
     app.include_router(playground_routes.router)
     _misc_routes(app)
@@ -44,8 +47,23 @@ def build_app(state: ServerState) -> FastAPI:
     if state.config.cors_allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes,
+                       upload_bytes={"/v1/files": state.config.max_upload_bytes})
     return app
+
+
+def _lifespan(state: ServerState):
+    """Start the batch-job runner on the server's event loop (it resumes jobs a previous run left)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state.batches is not None:
+            state.batches.start()
+        yield
+        if state.batches is not None:
+            state.batches.stop()
+
+    return lifespan
 
 
 class AuthAndStatus:
@@ -145,17 +163,18 @@ def _error_message(body: bytes) -> str:
 
 
 class BodyLimit:
-    """Pure ASGI: refuse bodies over `max_bytes` with 413 before reading them whole."""
+    """Pure ASGI: refuse bodies over `max_bytes` (per path in `upload_bytes`) with 413 before reading them whole."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, upload_bytes: dict[str, int] | None = None) -> None:
+        self.app, self.default_bytes, self.upload_bytes = app, max_bytes, upload_bytes or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.upload_bytes.get(scope.get("path", ""), self.default_bytes)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._too_large(scope, send)
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await self._too_large(scope, send, limit)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -163,8 +182,8 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._too_large(scope, send)
+            if size > limit:
+                return await self._too_large(scope, send, limit)
             more = message.get("more_body", False)
         body = b"".join(chunks)
         replayed = False
@@ -178,8 +197,8 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope, send) -> None:
-        err = APIError(413, f"request body exceeds the limit of {self.max_bytes} bytes")
+    async def _too_large(self, scope, send, limit: int) -> None:
+        err = APIError(413, f"request body exceeds the limit of {limit} bytes")
         await error_response(scope.get("path", ""), err)(scope, _empty_receive, send)
 
 

@@ -66,6 +66,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
                              ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-upload-bytes", args.max_upload_bytes, 1),
                              ("--default-max-tokens", args.default_max_tokens, 1),
                              ("--max-tokens-limit", args.max_tokens_limit, 1)):
         if value is not None and value < low:
@@ -102,6 +103,7 @@ def server_config(args: argparse.Namespace, name: str,
     return ServerConfig(served_model_name=name, api_keys=keys, named_keys=named, cors_allowed_origins=tuple(args.cors_allowed_origins),
                         metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                        max_upload_bytes=args.max_upload_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                         max_tokens_limit=args.max_tokens_limit, request_read_timeout=args.request_read_timeout,
                         engine_step_timeout=args.engine_step_timeout or None)
@@ -144,6 +146,18 @@ def _playground(args: argparse.Namespace):
         return None
 
 
+def _batches(args: argparse.Namespace, state: ServerState) -> None:
+    """The batch-job runner over --batch-dir (its directories appear on the first upload)."""
+    from lmserve.server.batch import default_batch_dir
+    from lmserve.server.batch_jobs import BatchManager
+    from lmserve.server.batch_store import BatchStore
+
+    root = Path(args.batch_dir) if args.batch_dir else default_batch_dir()
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--batch-dir {str(root)!r} is not a directory")
+    state.batches = BatchManager(BatchStore(root), state)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code.
 
@@ -162,6 +176,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics),
                         playground=_playground(args))
+    _batches(args, state)
     slow_client = metrics.rejected.labels("read_timeout").inc
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
@@ -222,6 +237,8 @@ class DrainingServer(uvicorn.Server):
         """Stop admitting, wait for in-flight requests (up to the drain timeout), abort the rest, exit."""
         st, loop = self.state, asyncio.get_running_loop()
         st.draining = True
+        if st.batches is not None:  # a running batch job stops here and resumes after the restart
+            st.batches.stop()
         log.info("draining %d request(s) for up to %.0f s", st.in_flight, st.config.drain_timeout)
         deadline = loop.time() + st.config.drain_timeout
         while st.in_flight and loop.time() < deadline and not self._hurry:
@@ -242,7 +259,7 @@ def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> N
 
     try:
         engine = LLMEngine(config)
-        warmup = _warm_up(engine)
+        warmup = warm_up(engine)
     except Exception as e:  # noqa: BLE001 - the log has the details; a server without a model exits
         if isinstance(e, (CheckpointError, ConfigError)):  # a bad weight file, a pool smaller than estimated
             log.error("model load failed: %s", e)  # the message says it all: no traceback
@@ -274,7 +291,7 @@ def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Cal
     state.async_engine = async_engine
 
 
-def _warm_up(engine) -> float:
+def warm_up(engine) -> float:
     """One tiny request through every code path before the first client; returns its seconds."""
     from lmserve.sampling_params import SamplingParams
 

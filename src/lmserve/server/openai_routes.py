@@ -1,4 +1,9 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE)."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE).
+
+`start_completion` / `start_chat` turn a parsed body into engine streams for a `Caller`; the routes and
+the batch jobs (`answer`, for server/batch.py) both go through them, so a batch line is validated,
+templated, sampled and refused exactly as the route would.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.engine.async_engine import EngineDeadError, StepFailedError
@@ -21,7 +27,7 @@ from lmserve.server.errors import APIError, error_body
 from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
-from lmserve.server.state import ServerState, key_name_of, read_request, record_of, state_of
+from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error
 from lmserve.server.tool_stream import ToolCallStreamer, chat_chunk_delta
 from lmserve.server.tools import parse_tool_calls, prepare_chat, template_supports_tools
@@ -69,6 +75,28 @@ class CompletionShape:
     score_only: bool = False  # echo with max_tokens 0: the one token the engine had to sample is dropped
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who a generation is for: an HTTP request, or one line of a batch job (no connection to watch)."""
+
+    record: RequestRecord  # its key_name is the tenant the scheduler is fair between
+    request: Request | None = None  # watched for a disconnect (which aborts the streams); None for a batch line
+    priority: int = 0  # Request.priority: batch lines wait behind interactive requests
+
+
+def caller_of(request: Request) -> Caller:
+    return Caller(record_of(request), request)
+
+
+@dataclass
+class Run:
+    """A request admitted and its engine streams started: answered whole (`body`) or as SSE (`chunks`)."""
+
+    merged: MergedStreams
+    body: Callable[[], Awaitable[dict | None]]  # collects every stream; None when the client went away first
+    chunks: Callable[[], AsyncIterator[dict]]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     st = state_of(request)
@@ -86,9 +114,24 @@ async def completions(request: Request) -> Response:
     found, hit = await cache_replay.lookup(request, st, req)
     if hit is not None:
         return hit
+    run = await start_completion(st, req, caller_of(request))
+    if req.stream:
+        return await cache_replay.store(st, found, _sse(request, st, run.merged, run.chunks()), None)
+    return await _json(st, found, await run.body())
+
+
+async def _json(st: ServerState, found: cache_replay.Lookup | None, body: dict | None) -> Response:
+    """A whole answer (stored in the response cache on a miss); 499 when the client left first."""
+    if body is None:
+        return Response(status_code=499)
+    return await cache_replay.store(st, found, JSONResponse(body), body)
+
+
+async def start_completion(st: ServerState, req: CompletionRequest, caller: Caller) -> Run:
+    """Tokenize, compile the grammar, admit and start every prompt's stream of a completions request."""
     params = completion_params(req, st.config.token_limits)
     prompts = _prompts(req.prompt)
-    record = record_of(request)
+    record = caller.record
     ids_list = [await st.tokenize(p, record) for p in prompts]
     shape = CompletionShape(req.echo, params.logprobs is not None, req.prompt_logprobs is not None,
                             scores_prompt_only(req))
@@ -97,21 +140,23 @@ async def completions(request: Request) -> Response:
     # Nothing awaits from admission until the streams are counted in flight.
     max_tokens_each = st.admit(ids_list, params, record)
     rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar)
+    merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar,
+                                        caller.priority)
                             for i, (ids, max_tokens) in enumerate(zip(ids_list, max_tokens_each))])
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.config.served_model_name}
     usage_prompt = sum(len(ids) for ids in ids_list)
     inputs = [Prompt(ids, text) for ids, text in zip(ids_list, texts)]
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _completion_chunks(st, merged, meta, params.n, inputs, shape, usage_prompt, include_usage)
-        return await cache_replay.store(st, found, _sse(request, st, merged, chunks), None)
-    choices = await _collect(request, st, merged, params.n, len(ids_list), shape.score_only)
-    if choices is None:
-        return Response(status_code=499)
-    body = {**meta, "choices": [_completion_choice(st, i, c, inputs[i // params.n], shape)
-                                for i, c in enumerate(choices)], "usage": _usage(usage_prompt, choices)}
-    return await cache_replay.store(st, found, JSONResponse(body), body)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def body() -> dict | None:
+        choices = await _collect(caller, st, merged, params.n, len(ids_list), shape.score_only)
+        if choices is None:
+            return None
+        return {**meta, "choices": [_completion_choice(st, i, c, inputs[i // params.n], shape)
+                                    for i, c in enumerate(choices)], "usage": _usage(usage_prompt, choices)}
+
+    return Run(merged, body, lambda: _completion_chunks(st, merged, meta, params.n, inputs, shape, usage_prompt,
+                                                        include_usage))
 
 
 @router.post("/v1/chat/completions")
@@ -120,29 +165,63 @@ async def chat_completions(request: Request) -> Response:
     found, hit = await cache_replay.lookup(request, st, req)
     if hit is not None:
         return hit
+    run = await start_chat(st, req, caller_of(request))
+    if req.stream:
+        return await cache_replay.store(st, found, _sse(request, st, run.merged, run.chunks()), None)
+    return await _json(st, found, await run.body())
+
+
+async def start_chat(st: ServerState, req: ChatRequest, caller: Caller) -> Run:
+    """Apply the chat template (tools included), compile the grammar, admit and start the request's stream."""
     params = chat_params(req, st.config.token_limits)
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
     supports = template_supports_tools(st.engine.tokenizer.chat_template)
     messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)
-    record = record_of(request)
+    record = caller.record
     ids = await st.tokenize_chat(messages, record, template_kwargs)
     grammar = await st.compile_grammar(params)
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar)])
+    merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar,
+                                        priority=caller.priority)])
     meta = {"id": rid, "created": int(time.time()), "model": st.config.served_model_name}
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools))
-        return await cache_replay.store(st, found, _sse(request, st, merged, chunks), None)
-    choices = await _collect(request, st, merged, params.n, 1)
-    if choices is None:
-        return Response(status_code=499)
-    body = {**meta, "object": "chat.completion", "choices": [
-        {"index": i, **_chat_message(c, bool(tools)),
-         "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
-        for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
-    return await cache_replay.store(st, found, JSONResponse(body), body)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def body() -> dict | None:
+        choices = await _collect(caller, st, merged, params.n, 1)
+        if choices is None:
+            return None
+        return {**meta, "object": "chat.completion", "choices": [
+            {"index": i, **_chat_message(c, bool(tools)),
+             "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
+            for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
+
+    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools)))
+
+
+# The bodies a batch job's line may hold, by its `url`: the request model and how a route starts it.
+BATCH_ENDPOINTS: dict[str, tuple[type, Callable[..., Awaitable[Run]]]] = {
+    "/v1/completions": (CompletionRequest, start_completion),
+    "/v1/chat/completions": (ChatRequest, start_chat),
+}
+
+
+async def answer(st: ServerState, url: str, data: Any, caller: Caller) -> tuple[int, dict]:
+    """(status, JSON body) that the route at `url` answers for the parsed body `data`, never streamed.
+
+    Every refusal is the route's own APIError in OpenAI's shape; only a bug escapes (the caller logs it).
+    """
+    try:
+        model, start = BATCH_ENDPOINTS[url]
+        req = read_data(st, data, model, caller.record)
+        if req.stream:
+            raise APIError(400, "stream is not supported in a batch job", param="stream")
+        run = await start(st, req, caller)
+        return 200, await run.body()
+    except APIError as e:
+        if e.reason is not None:
+            st.metrics.rejected.labels(e.reason).inc()
+        return e.status, error_body(e)
 
 
 def _chat_message(c: Choice, with_tools: bool) -> dict:
@@ -180,11 +259,11 @@ def _without_output(d: CompletionDelta) -> CompletionDelta:
                    finish_reason="length" if d.finished else None)
 
 
-async def _collect(request: Request, st: ServerState, merged: MergedStreams, n: int,
+async def _collect(caller: Caller, st: ServerState, merged: MergedStreams, n: int,
                    num_prompts: int, score_only: bool = False) -> list[Choice] | None:
     """Run every stream to the end; None when the client went away first (its requests were aborted)."""
     choices = [Choice() for _ in range(n * num_prompts)]
-    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
+    watch = Watched(caller.request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
     try:
         async for p, d in merged:
             choices[p * n + d.index].add(_without_output(d) if score_only else d)

@@ -9,11 +9,11 @@ the document promises fields, not their absence); a fuzzer checks every answer a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
@@ -22,6 +22,7 @@ from lmserve.server.playground.routes import SHARES, ShareRequest
 
 JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "text/html"
 CSS, JS = "text/css", "text/javascript"
+MULTIPART, OCTETS = "multipart/form-data", "application/octet-stream"
 
 
 class _Open(BaseModel):
@@ -172,6 +173,55 @@ class ShareDeleted(_Open):
     deleted: bool
 
 
+class FileUpload(BaseModel):
+    """POST /v1/files, as multipart/form-data: the file's bytes and its purpose."""
+
+    file: bytes = Field(json_schema_extra={"format": "binary", "type": "string"})
+    purpose: Literal["batch"]
+
+
+class FileObject(_Open):
+    id: str
+    object: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+
+class FileDeleted(_Open):
+    id: str
+    object: str
+    deleted: bool
+
+
+class BatchRequestCounts(_Open):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(_Open):
+    id: str
+    object: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    created_at: int
+    output_file_id: str | None
+    error_file_id: str | None
+    request_counts: BatchRequestCounts
+
+
+class BatchList(_Open):
+    object: str
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 @dataclass(frozen=True)
 class RouteDoc:
     """What one operation takes (`body`) and answers with 200 (`answer`, in `media`), and its error statuses."""
@@ -180,6 +230,7 @@ class RouteDoc:
     answer: type[BaseModel] | None
     errors: tuple[int, ...]
     media: tuple[str, ...] = (JSON,)
+    body_media: str = JSON
 
 
 # 401 on every route but /health (API keys); 413 wherever a body is read; 429 per-key limits; 503 not ready.
@@ -209,6 +260,15 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", SHARES): RouteDoc(None, ShareList, (401, 404, 503)),
     ("get", SHARES + "/{share_id}"): RouteDoc(None, SharedState, (401, 404, 503)),
     ("delete", SHARES + "/{share_id}"): RouteDoc(None, ShareDeleted, (401, 404, 503)),
+    # Batch jobs (server/batch_routes.py): 404 for an unknown id, another key's object, or batch jobs off.
+    ("post", "/v1/files"): RouteDoc(FileUpload, FileObject, (400, 401, 404, 413), body_media=MULTIPART),
+    ("get", "/v1/files/{file_id}"): RouteDoc(None, FileObject, (401, 404)),
+    ("delete", "/v1/files/{file_id}"): RouteDoc(None, FileDeleted, (401, 404)),
+    ("get", "/v1/files/{file_id}/content"): RouteDoc(None, None, (401, 404), (OCTETS,)),
+    ("post", "/v1/batches"): RouteDoc(p.BatchCreateRequest, BatchObject, (400, 401, 404, 413)),
+    ("get", "/v1/batches"): RouteDoc(None, BatchList, (400, 401, 404)),
+    ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
+    ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
 }
 _ERROR_MODELS = (OpenAIError, TGIError)
 
@@ -251,7 +311,7 @@ def _ref(model: type[BaseModel]) -> dict:
 
 def _fill(op: dict, path: str, route: RouteDoc) -> None:
     if route.body is not None:
-        op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(route.body)}}}
+        op["requestBody"] = {"required": True, "content": {route.body_media: {"schema": _ref(route.body)}}}
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
     error = _ref(TGIError if is_tgi(path) else OpenAIError)

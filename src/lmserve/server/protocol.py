@@ -243,6 +243,15 @@ class TGICompatRequest(TGIRequest):
     stream: bool = False
 
 
+class BatchCreateRequest(_NullMeansDefault):
+    """POST /v1/batches: run an uploaded file's lines against one endpoint."""
+
+    input_file_id: str = Field(max_length=100)
+    endpoint: str = Field(max_length=100)
+    completion_window: Literal["24h"] = "24h"  # OpenAI's only window; jobs here run as soon as the queue allows
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
@@ -324,7 +333,11 @@ def load_json(raw: bytes) -> Any:
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Strict JSON into `model`, with errors that name the field."""
-    data = load_json(raw)
+    return parse_data(load_json(raw), model)
+
+
+def parse_data(data: Any, model: type[BaseModel]) -> Any:
+    """Parsed JSON (it must be an object) into `model`, with errors that name the field."""
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     try:

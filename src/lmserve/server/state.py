@@ -19,7 +19,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.params import TokenLimits
-from lmserve.server.protocol import parse_body
+from lmserve.server.protocol import parse_body, parse_data
 from lmserve.server.tenants import ANONYMOUS, KeySpec, Tenants, key_specs
 
 T = TypeVar("T")
@@ -36,6 +36,7 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without an API key (a scraper on a trusted network)
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
+    max_upload_bytes: int = 64 * 2**20  # POST /v1/files (a batch job's input file), held in memory while it arrives
     drain_timeout: float = 30.0
     default_max_tokens: int | None = None  # a request naming no max_tokens gets this (None: the API's own default)
     max_tokens_limit: int | None = None  # more is a 400; a request naming none is held to it too
@@ -62,6 +63,7 @@ class ServerState:
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
     response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
+    batches: Any = None  # server/batch_jobs.BatchManager (serve always has one); None: /v1/batches answers 404
 
     def __post_init__(self) -> None:
         self.tenants = Tenants(key_specs(self.config.api_keys, self.config.named_keys), self.metrics)
@@ -149,17 +151,19 @@ class ServerState:
         return compiled
 
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
-                 record: RequestRecord, first_output: int = 0, grammar: Any = None) -> AsyncIterator[CompletionDelta]:
+                 record: RequestRecord, first_output: int = 0, grammar: Any = None,
+                 priority: int = 0) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limit until it ends.
 
         `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
-        record.outputs[first_output + index] (several prompts share one record).
+        record.outputs[first_output + index] (several prompts share one record). `priority`: see Request.priority.
         """
         if record.engine_arrival is None:
             record.engine_arrival = time.monotonic()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
-        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar, tenant=record.key_name or "")
+        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar, tenant=record.key_name or "",
+                                          priority=priority)
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index
@@ -255,10 +259,23 @@ async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T
     st = state_of(request)
     st.check_ready()
     req = parse_body(await request.body(), model)
-    _describe(record_of(request), req, st.config.served_model_name)
-    st.check_model(getattr(req, "model", None))
-    st.tenants.check_model(key_name_of(request), st.config.served_model_name)
+    accept(st, req, record_of(request), key_name_of(request))
     return st, req
+
+
+def read_data(st: ServerState, data: Any, model: type[T], record: RequestRecord) -> T:
+    """read_request for a body already parsed from JSON (a batch job's line); record.key_name is whose job it is."""
+    st.check_ready()
+    req = parse_data(data, model)
+    accept(st, req, record, record.key_name or ANONYMOUS)
+    return req
+
+
+def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_name: str) -> None:
+    """The body names our model and one the key may use; its parameters go into the record."""
+    _describe(record, req, st.config.served_model_name)
+    st.check_model(getattr(req, "model", None))
+    st.tenants.check_model(key_name, st.config.served_model_name)
 
 
 def _describe(record: RequestRecord, req: BaseModel, served_name: str) -> None:

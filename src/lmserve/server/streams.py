@@ -88,10 +88,11 @@ async def watch_disconnect(request: Request, merged: MergedStreams, on_disconnec
 
 
 class Watched:
-    """Context: a disconnect watcher running for as long as a response is being produced."""
+    """Context: a disconnect watcher running for as long as a response is being produced (no request: none)."""
 
-    def __init__(self, request: Request, merged: MergedStreams, on_disconnect) -> None:
-        self.task = asyncio.create_task(watch_disconnect(request, merged, on_disconnect))
+    def __init__(self, request: Request | None, merged: MergedStreams, on_disconnect) -> None:
+        self.task = None if request is None else asyncio.create_task(watch_disconnect(request, merged, on_disconnect))
 
     def close(self) -> None:
-        self.task.cancel()
+        if self.task is not None:
+            self.task.cancel()

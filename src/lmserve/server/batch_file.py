@@ -1,0 +1,87 @@
+"""`lmserve run-batch`: one input file into one results file, on an engine started in this process.
+
+The lines run through the same ServerState and route handling as `serve` (no HTTP, no event loop of
+uvicorn's): the engine thread batches them continuously while this loop writes each result as it lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from lmserve.config import EngineConfig
+from lmserve.server.batch import Line, LineResult, ResultsFile, run_lines
+from lmserve.server.metrics import ServerMetrics
+from lmserve.server.state import ServerConfig, ServerState
+from lmserve.server.tenants import ANONYMOUS
+
+
+@dataclass
+class Summary:
+    """What a run did, for the closing line and --summary."""
+
+    requests: int  # lines run this time
+    skipped: int  # lines whose results were already in the output (a resumed run)
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0  # from the first line submitted to the last result written (model load excluded)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "output_tok_s": self.output_tok_s}
+
+
+def offline_state(config: EngineConfig, served_model_name: str, window: int) -> ServerState:
+    """A ServerState with the engine loaded, warmed up and its thread started (the queue limit above `window`)."""
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.server.main import start_engine, warm_up
+
+    state = ServerState(ServerConfig(served_model_name, max_queued_requests=window, engine_step_timeout=None),
+                        ServerMetrics(served_model_name))
+    engine = LLMEngine(config)
+    start_engine(state, engine, warm_up(engine))
+    return state
+
+
+def run_file(state: ServerState, lines: list[Line], results: ResultsFile, window: int,
+             on_result: Callable[[LineResult], None]) -> Summary:
+    """Run `lines` (those not done yet) into `results`; each result is flushed before the next is awaited."""
+    summary = Summary(requests=len(lines), skipped=0)
+    start = time.perf_counter()
+
+    async def go() -> None:
+        async for r in run_lines(state, lines, ANONYMOUS, window):
+            results.append(r.result)
+            summary.prompt_tokens += r.prompt_tokens
+            summary.completion_tokens += r.completion_tokens
+            on_result(r)
+
+    try:
+        asyncio.run(go())
+    finally:
+        summary.seconds = time.perf_counter() - start
+        results.close()
+        state.async_engine.shutdown()
+    return summary
+
+
+def count_outcomes(summary: Summary, before: dict[str, int], results: ResultsFile) -> None:
+    """completed/failed of this run: the results file's counts less what it held before."""
+    summary.completed = results.counts["completed"] - before["completed"]
+    summary.failed = results.counts["failed"] - before["failed"]
+
+
+def check_paths(input_path: Path, output_path: Path) -> None:
+    """The input readable, the output not the input: a ValueError saying which."""
+    if not input_path.is_file():
+        raise ValueError(f"input file {str(input_path)!r} does not exist")
+    if output_path.exists() and output_path.resolve() == input_path.resolve():
+        raise ValueError("the output file must not be the input file")
