@@ -247,7 +247,9 @@ def test_a_pathological_grammar_gets_a_400_while_others_are_served(server, clien
     served = time.monotonic()
     t.join()
     r = result["r"]
-    assert r.status_code == 400 and "took longer than 5 s" in r.json()["error"]["message"]
+    # whichever bound it reaches first stops it: 5 s on a 2-core EPYC, 2 GiB first on a faster Xeon core
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and ("took longer than 5 s" in message or "needed more than 2048 MiB" in message)
     assert ok.choices[0].text and served < result["t"]  # answered while the compile was still running
     assert result["t"] - start < 30
 
