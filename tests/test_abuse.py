@@ -281,7 +281,9 @@ def test_a_resource_bomb_is_refused_or_bounded_and_the_canary_stays_fast(keyed, 
            canary_ttft_idle_s=round(idle, 3), canary_ttft_during_s=round(during, 3))
     assert {status for status, _, _ in results} <= expected, results[0]
     assert all("Traceback" not in text for _, _, text in results)
-    assert max(seconds for _, seconds, _ in results) < 10
+    # bounded: the slowest is a regex or schema refused at the 5 s compile bound, plus the compile process's
+    # cold start (~3 s) on the first one: 7.7 and 8.4 s measured on a 2-core Xeon, so 10 s left no margin
+    assert max(seconds for _, seconds, _ in results) < 15
     assert during < 3 * idle + 0.5, (idle, during)  # other clients unaffected (a 2-core box: some contention)
     assert_nothing_leaked(keyed)
 
