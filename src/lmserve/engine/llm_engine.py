@@ -231,13 +231,12 @@ class LLMEngine:
         if spec is not None:
             self._propose()  # drafting is part of the step's time (a draft model runs k forwards here)
         self.num_steps += 1
-        if spec is not None:
-            self.draft_policy.record_step(result.num_decodes, time.perf_counter() - start, result.num_prefill_tokens > 0)
         self.last_step = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), len(out.requests),
                                    result.num_decodes, result.num_prefill_tokens, time.perf_counter() - start,
                                    self.kv.usage, self.kv.num_free_blocks,
                                    grammar_mask_s=self.scheduler.last_mask_s if out.grammar_bitmask is not None else 0.0)
         if spec is not None:
+            self.draft_policy.record_step(result.num_decodes, self.last_step.step_seconds, result.num_prefill_tokens > 0)
             self.last_step.num_drafts, self.last_step.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
             self.last_step.num_accepted_tokens = spec.num_accepted_tokens
             self.last_step.num_accepted_per_pos = spec.num_accepted_tokens_per_pos
@@ -293,8 +292,8 @@ class LLMEngine:
         k = self.spec.num_speculative_tokens
         decoding = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]  # not prefilling
         # the verify step adds one token of its own, so a request can take max_tokens - output - 1 drafts
-        reqs = [r for r in decoding if r.max_tokens - len(r.output_token_ids) - 1 > 0]
-        limits = [min(k, r.max_tokens - len(r.output_token_ids) - 1) for r in reqs]
+        rooms = [(r, min(k, r.max_tokens - len(r.output_token_ids) - 1)) for r in decoding]
+        reqs, limits = [r for r, n in rooms if n > 0], [n for _, n in rooms if n > 0]
         seeded = [r.seed is not None and not r.params.greedy for r in reqs]  # their tokens must not vary
         counts = self.draft_policy.plan([r.request_id for r in reqs], limits, len(decoding), seeded)
         reqs, limits = [r for r, n in zip(reqs, counts) if n], [n for n in counts if n]

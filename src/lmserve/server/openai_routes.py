@@ -114,14 +114,15 @@ async def completions(request: Request) -> Response:
     found, hit = await cache_replay.lookup(request, st, req)
     if hit is not None:
         return hit
-    run = await start_completion(st, req, caller_of(request))
-    if req.stream:
+    return await _respond(request, st, found, req.stream, await start_completion(st, req, caller_of(request)))
+
+
+async def _respond(request: Request, st: ServerState, found: cache_replay.Lookup | None, stream: bool,
+                   run: Run) -> Response:
+    """A started run as SSE, or whole (stored in the response cache on a miss); 499 when the client left first."""
+    if stream:
         return await cache_replay.store(st, found, _sse(request, st, run.merged, run.chunks()), None)
-    return await _json(st, found, await run.body())
-
-
-async def _json(st: ServerState, found: cache_replay.Lookup | None, body: dict | None) -> Response:
-    """A whole answer (stored in the response cache on a miss); 499 when the client left first."""
+    body = await run.body()
     if body is None:
         return Response(status_code=499)
     return await cache_replay.store(st, found, JSONResponse(body), body)
@@ -165,10 +166,7 @@ async def chat_completions(request: Request) -> Response:
     found, hit = await cache_replay.lookup(request, st, req)
     if hit is not None:
         return hit
-    run = await start_chat(st, req, caller_of(request))
-    if req.stream:
-        return await cache_replay.store(st, found, _sse(request, st, run.merged, run.chunks()), None)
-    return await _json(st, found, await run.body())
+    return await _respond(request, st, found, req.stream, await start_chat(st, req, caller_of(request)))
 
 
 async def start_chat(st: ServerState, req: ChatRequest, caller: Caller) -> Run:
