@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 import torch
@@ -89,3 +90,9 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31))
+
+
+def user_data_dir() -> Path:
+    """lmserve's user data (playground shares, batch jobs): $XDG_DATA_HOME/lmserve, ~/.local/share/lmserve when unset."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "lmserve"

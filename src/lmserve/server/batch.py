@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from lmserve.server.errors import APIError, error_body
 from lmserve.server.openai_routes import BATCH_ENDPOINTS, Caller, answer
 from lmserve.server.protocol import load_json
 from lmserve.server.state import ServerState
+from lmserve.utils import user_data_dir
 
 log = logging.getLogger("lmserve.batch")
 
@@ -244,5 +244,4 @@ def pending_lines(lines: list[Line], done: set[str]) -> list[Line]:
 
 def default_batch_dir() -> Path:
     """Where `serve` keeps uploaded files and batch jobs unless --batch-dir says: the user's data dir."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "lmserve" / "batches"
+    return user_data_dir() / "batches"

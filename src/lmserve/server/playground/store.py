@@ -11,7 +11,6 @@ Calls are blocking and short: routes run them with asyncio.to_thread, one at a t
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sqlite3
 import threading
@@ -19,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lmserve.utils import user_data_dir
 
 MAX_SHARES_PER_OWNER = 10_000  # with MAX_SHARE_BYTES per share: a key fills at most ~10 GB, not the disk
 LIST_LIMIT = 200  # newest first
@@ -40,8 +41,7 @@ class ShareSummary:
 
 def default_db_path() -> Path:
     """$XDG_DATA_HOME/lmserve/playground.sqlite3 (~/.local/share/... when unset): user data, kept across restarts."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "lmserve" / "playground.sqlite3"
+    return user_data_dir() / "playground.sqlite3"
 
 
 def new_share_id() -> str:
