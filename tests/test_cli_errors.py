@@ -80,6 +80,7 @@ SERVE_CASES = [
     ("max-num-seqs", lambda t: ["--max-num-seqs", "0"], ["--max-num-seqs must be >= 1"]),
     ("batched-tokens", lambda t: ["--max-num-batched-tokens", "0"], ["--max-num-batched-tokens"]),
     ("kv-zero", lambda t: ["--kv-cache-memory", "0"], ["--kv-cache-memory must be > 0"]),
+    ("gpu-util", lambda t: ["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization must be in (0, 1]"]),
     ("kv-no-block", lambda t: ["--kv-cache-memory", "1000"], ["not even one block", "--kv-cache-memory"]),
     ("default-over-limit", lambda t: ["--default-max-tokens", "50", "--max-tokens-limit", "10"],
      ["--default-max-tokens 50", "--max-tokens-limit 10"]),

@@ -35,12 +35,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV cache size: bytes if > 1, else a fraction of available memory (default: 0.15); "
                    "a size given here may be smaller than one --max-model-len request (longer ones then get 400)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="CUDA: fraction of the GPU's memory for weights, activations and the KV cache, which gets "
+                   "what a profiled full step leaves (used when --kv-cache-memory and --num-kv-blocks are not given)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache size in blocks of --block-size tokens (overrides --kv-cache-memory)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads (default: one per core; idle OpenMP threads sleep, OMP_WAIT_POLICY=PASSIVE, "
                    "unless you set it or GOMP_SPINCOUNT)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: replay decode steps from CUDA graphs captured per batch size at start-up "
+                   "(experimental: not yet measured on a GPU; ignored on CPU)")
     p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",

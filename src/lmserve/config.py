@@ -22,6 +22,9 @@ class CacheConfig:
     # bytes if > 1, else a fraction of the memory available when the engine starts; None: the default fraction
     kv_cache_memory: float | None = None
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
+    # CUDA, when neither size is given: the fraction of the GPU's memory for weights + activations + KV cache;
+    # the KV cache gets what a profiled forward of a full step leaves of it (cache/sizing.gpu_kv_budget)
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     @property
@@ -60,6 +63,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (one per core)
+    cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs (worker/cuda_graphs.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: "SpeculativeConfig | None" = None
@@ -107,10 +111,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, revision=args.revision, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
-        num_threads=args.num_threads, speculative=args.speculative_config,
+        num_threads=args.num_threads, speculative=args.speculative_config, cuda_graphs=args.cuda_graphs,
         structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching),
+                          num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                          gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
     )

@@ -28,3 +28,10 @@ def num_kv_blocks(cache: CacheConfig, block_bytes: int, available_bytes: int, ma
     # Never more than the whole context of max_num_seqs sequences: more would sit unused.
     cap = max_num_seqs * blocks_for(max_model_len, cache.block_size)
     return min(int(kv_budget_bytes(cache, available_bytes) // block_bytes), cap)
+
+
+def gpu_kv_budget(total_bytes: int, utilization: float, torch_peak_bytes: int, other_bytes: int) -> int:
+    """Bytes for the KV cache on a GPU: its share (`utilization` of the device) less what this process's
+    weights and a full step's activations peaked at, and less memory outside torch's allocator (CUDA
+    context, other processes); never negative."""
+    return max(0, int(utilization * total_bytes) - torch_peak_bytes - other_bytes)

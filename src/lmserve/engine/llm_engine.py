@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
-from lmserve.cache.sizing import num_kv_blocks
+from lmserve.cache.sizing import blocks_for, gpu_kv_budget, num_kv_blocks
 from lmserve.config import EngineConfig
 from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.preflight import check_kv_pool
@@ -26,7 +26,7 @@ from lmserve.spec.stats import SpecDecodeStats
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
 from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
-from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block
+from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block, profile_forward
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string))
         self.runner = ModelRunner(self.loaded.model, self.model_config, self.num_blocks, self.block_size,
                                   self.dtype, self.device)
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
+                                             capture=True)
         self.spec = cfg.speculative
         self.proposer = self._proposer()
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
@@ -106,11 +109,25 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         c = self.cfg.cache
+        if self.device.type == "cuda" and not c.sized_explicitly:
+            c = replace(c, kv_cache_memory=self._profiled_gpu_budget())
         available = available_memory(self.device)
         blocks = num_kv_blocks(c, self._block_bytes(), available, self.cfg.scheduler.max_num_seqs, self.max_model_len)
-        if not c.sized_explicitly:  # an explicit size was the user's choice (the CLI's preflight warned about it)
-            check_kv_pool(c, blocks, self._block_bytes(), self.max_model_len, available)
+        if not self.cfg.cache.sized_explicitly:  # an explicit size was the user's choice (preflight warned about it)
+            check_kv_pool(c, blocks, self._block_bytes(), self.max_model_len, available, explicit=False)
         return max(1, blocks)
+
+    def _profiled_gpu_budget(self) -> int:
+        """KV bytes under --gpu-memory-utilization: run one full step's worth of tokens and see what it peaks at."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        profile_forward(self.loaded.model, self.cfg.scheduler.max_num_batched_tokens, self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        other = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
+        budget = gpu_kv_budget(total, self.cfg.cache.gpu_memory_utilization,
+                               torch.cuda.max_memory_allocated(self.device), other)
+        log.info("GPU memory: %.2f GiB total, %.2f GiB peak in this process's steps, %.2f GiB for the KV cache",
+                 total / 2**30, torch.cuda.max_memory_allocated(self.device) / 2**30, budget / 2**30)
+        return max(budget, 2)  # (kv_cache_memory <= 1 would read as a fraction) no block fits: check_kv_pool says so
 
     # -- requests ---------------------------------------------------------------------------------
 

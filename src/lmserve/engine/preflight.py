@@ -82,6 +82,9 @@ def check_ranges(cfg: EngineConfig) -> None:
     kv = cfg.cache.kv_cache_memory
     if kv is not None and not kv > 0:  # `not >` also refuses NaN
         raise ConfigError(f"--kv-cache-memory must be > 0 (bytes if > 1, else a fraction of free memory), got {kv}")
+    util = cfg.cache.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
     if not cfg.structured.compile_timeout_s > 0:
         raise ConfigError(f"--grammar-compile-timeout must be > 0 seconds, got {cfg.structured.compile_timeout_s}")
 
@@ -129,11 +132,13 @@ def _check_prefill_budget(cfg: EngineConfig) -> None:
 
 
 def check_kv_pool(cache: CacheConfig, num_blocks: int, block_bytes: int, max_model_len: int,
-                  available_bytes: int) -> None:
+                  available_bytes: int, explicit: bool | None = None) -> None:
     """Refuse a pool that cannot hold one max_model_len request, unless its size was given explicitly (then warn).
 
-    A pool without a single block is refused either way: it could serve nothing.
+    A pool without a single block is refused either way: it could serve nothing. `explicit` overrides
+    `cache.sized_explicitly` (a GPU budget from profiling is written into the config but was not the user's).
     """
+    explicit = cache.sized_explicitly if explicit is None else explicit
     need = blocks_for(max_model_len, cache.block_size)
     if num_blocks >= need:
         return
@@ -145,7 +150,7 @@ def check_kv_pool(cache: CacheConfig, num_blocks: int, block_bytes: int, max_mod
                           f"({_mib(block_bytes)}): {raise_to}")
     msg = (f"the KV cache ({size}) holds {tokens} tokens, fewer than one request of max_model_len "
            f"{max_model_len}")
-    if cache.sized_explicitly:
+    if explicit:
         log.warning("%s: a prompt plus max_tokens longer than %d tokens will be refused", msg, tokens)
         return
     raise ConfigError(f"{msg}: lower --max-model-len to {tokens} or {raise_to} "

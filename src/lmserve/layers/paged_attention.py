@@ -35,7 +35,9 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * block_size + offset) per new token
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padded with block 0)
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: key within context
+    # [num_decodes, 1, 1, max_blocks * block_size] bool: key within context; None: derived on the device from
+    # decode_context_lens (the fixed-shape inputs of a captured CUDA graph have no host-built mask)
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, for the native kernel
 
@@ -68,7 +70,9 @@ class PagedAttention:
         m = self.meta
         kernel = native_decode(cache, q)
         if kernel is None or m.decode_context_lens is None:
-            return decode_attention(q, cache, m.decode_block_tables, m.decode_mask)
+            mask = m.decode_mask if m.decode_mask is not None else context_mask(
+                m.decode_context_lens, m.decode_block_tables.shape[1] * cache.shape[2])
+            return decode_attention(q, cache, m.decode_block_tables, mask)
         out = kernel.paged_decode_attention(q, cache[0], cache[1], m.decode_block_tables, m.decode_context_lens,
                                             q.shape[-1] ** -0.5)
         return out.reshape(q.shape[0], -1)
@@ -79,6 +83,12 @@ def native_decode(cache: torch.Tensor, q: torch.Tensor):
     if cache.device.type != "cpu" or cache.dtype != torch.float32 or q.shape[-1] not in (64, 128):
         return None
     return native_module()
+
+
+def context_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, 1, 1, num_keys] bool: key k is within row b's context (k < context_lens[b]); no host values."""
+    keys = torch.arange(num_keys, device=context_lens.device)
+    return (keys[None, :] < context_lens[:, None])[:, None, None, :]
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

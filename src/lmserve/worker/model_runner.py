@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from lmserve.layers.attention import ContiguousAttention
 from lmserve.layers.paged_attention import PagedAttention, native_decode
 from lmserve.models.config import ModelConfig
 from lmserve.request import TokenLogprobs
 from lmserve.sample import Sampler, SamplerOutput
 from lmserve.sched.output import SchedulerOutput
+from lmserve.worker.cuda_graphs import DecodeGraphs, ScratchSlot, sampling_rows_only
 from lmserve.worker.input_batch import InputBatch
 from lmserve.worker.inputs import StepLayout, build_inputs
-from lmserve.worker.upload import to_device
+from lmserve.worker.upload import PinnedStaging, to_device
 
 
 @dataclass
@@ -34,18 +36,37 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+@torch.inference_mode()
+def profile_forward(model: torch.nn.Module, num_tokens: int, device: torch.device) -> None:
+    """One forward of a full step's tokens as a single sequence, LM head on every row: the activation peak
+    that --gpu-memory-utilization sizes the KV cache around (no cache exists yet)."""
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), ContiguousAttention([num_tokens]))
+    model.compute_logits(hidden)
+
+
 class ModelRunner:
     """Runs the model over a scheduled batch against the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to
+        shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.scratch = ScratchSlot(num_blocks, block_size)
+        self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.batch = InputBatch(cfg.vocab_size, device)
+        self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
         native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
+
+    def enable_decode_graphs(self, max_rows: int, max_blocks: int, capture: bool) -> float:
+        """Run decode-only steps of up to max_rows tokens at fixed shapes (captured as CUDA graphs when
+        `capture`); returns the capture time in seconds."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.scratch, max_rows, max_blocks, capture)
+        return self.graphs.capture_seconds
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -60,9 +81,15 @@ class ModelRunner:
         meta, gather = self.batch.metadata(sample_ids, drafts) if sample_ids else (None, None)
         if meta is not None and out.grammar_bitmask is not None:
             meta.grammar_bitmask, meta.grammar_rows = _grammar_rows(out, layout)
-        inputs, meta, gather, pending = to_device((host, meta, gather, self.batch.take_pending()), self.device)
+        graph_step = self.graphs is not None and self.graphs.fits(host, layout.num_prefill_tokens)
+        upload = sampling_rows_only(host) if graph_step else host
+        inputs, meta, gather, pending = to_device((upload, meta, gather, self.batch.take_pending()), self.device,
+                                                   self.staging)
         self.batch.apply_pending(pending)
-        hidden = self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
+        if graph_step:
+            hidden = self.graphs.run(host)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
         result = RunnerOutput([[] for _ in out.requests], [[] for _ in out.requests],
                               layout.num_decode_tokens, layout.num_prefill_tokens)
         if layout.prompt_lp:
