@@ -1,8 +1,8 @@
 """Optional C++ kernels, compiled on first use with torch's cpp_extension (g++ and ninja needed).
 
 One extension module (layers/csrc/): paged decode attention, the fused row-wise ops of a decoder
-layer (RMSNorm with the residual add, SiLU-and-mul, rotary) and the skinny matmul for steps of a few
-rows, all CPU float32. It is built once per
+layer (RMSNorm with the residual add, SiLU-and-mul, rotary), the skinny matmul for steps of a few
+rows, and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32. It is built once per
 machine into ~/.cache/lmserve/kernels/<key> (the key covers the sources, torch version and CPU flags,
 since the code is compiled for this CPU: -march=native). Where it cannot be built — no compiler, or
 LMSERVE_NATIVE_KERNELS=0 — callers fall back to the PyTorch path, with one log line. A build is made
@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LMSERVE_NATIVE_KERNELS"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp", "quant_gemm.cpp",
+                                          "bindings.cpp")]
 # fast-math lets GCC vectorise the reductions and exp; finite-math stays off (masked -inf must compare)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 _lock = threading.Lock()

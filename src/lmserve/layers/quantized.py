@@ -121,8 +121,12 @@ def int4_supported(linear: nn.Linear, group: int = INT4_GROUP) -> bool:
 
 def check_scheme(scheme: str, device: torch.device) -> None:
     """Refuse what this build cannot run, before anything is loaded."""
+    if scheme == "gguf":  # a GGUF file's own blocks (layers/gguf_linear.py): the native CPU kernel reads them
+        if device.type != "cpu":
+            raise ValueError(f"quantization 'gguf' runs on CPU, not on {device} (use int4 or int8 there)")
+        return
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization {scheme!r} (choose from {', '.join(SCHEMES)})")
+        raise ValueError(f"unknown quantization {scheme!r} (choose from {', '.join(SCHEMES)}, gguf)")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"quantization {scheme!r} runs on CPU or CUDA, not on {device}")
 

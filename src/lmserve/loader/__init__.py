@@ -18,6 +18,7 @@ from lmserve.errors import CheckpointError
 from lmserve.loader.default_model import default_model_path
 from lmserve.loader.gguf_file import GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
+from lmserve.loader.gguf_packed import keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.models.config import ModelConfig
@@ -120,7 +121,14 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     else:
         _refuse_format(path)
     net.eval()
-    if quantization:
+    if quantization == "gguf":
+        if gguf is None:
+            raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
+                                  "a safetensors checkpoint (use int8 or int4)")
+        keep_gguf_quantized(net, gguf, cfg)
+        if pack and can_pack(device, dtype):
+            pack_linears(net)  # the layers that stayed float (F32/F16 tensors)
+    elif quantization:
         quantize_linears(net, quantization)
     elif pack and can_pack(device, dtype):
         pack_linears(net)

@@ -7,5 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; returns rms_norm(residual) (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
   m.def("rotary_", &rotary_, "rotate [T, heads, D] in place by per-token cos/sin [T, 1, D] (float32, CPU)");
+  m.def("quantize_activations", &quantize_activations,
+        "[M, K] float32 -> [M, K + 8K/32] int8: codes, then per-32 scales and scale * sums as float32");
+  m.def("quant_linear", &quant_linear, "y = x W^T (+ b), W in GGUF-derived int codes (U4, U8, S8), float32 CPU");
   m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) for a few rows, W in [N/16, K, 16] panels (float32, CPU)");
 }

@@ -16,3 +16,8 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // gemv.cpp
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                             c10::optional<torch::Tensor> bias);
+
+// quant_gemm.cpp
+torch::Tensor quantize_activations(torch::Tensor x);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                           int64_t kind, c10::optional<torch::Tensor> bias);

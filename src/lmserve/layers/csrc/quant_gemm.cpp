@@ -1,0 +1,195 @@
+// y = x W^T (+ b) with W kept in a GGUF file's quantized codes, float32 CPU, any number of rows.
+//
+// Why: a decode step reads every weight once, so its time is the bytes read. The embedded model's
+// Q4_1 weights are 0.75 bytes per weight in the layout below against 4 for float32 (5.3x less to
+// stream). As llama.cpp does, the activations are quantized to int8 per block of 32 (one scale per
+// block), the block dot products are integer (AVX2 maddubs, or VNNI dpbusd where the CPU has it) and
+// they are accumulated in float32.
+//
+// Layouts (layers/gguf_linear.py repacks each GGUF type into one of three, exactly):
+//   kind 0, U4: codes uint8 [N, K/2], two 4-bit codes a byte (ggml's order: in block b, byte j holds
+//               element 32b+j in its low and 32b+j+16 in its high nibble); scales, mins float [N, K/32]:
+//               w = scale * code + min                                   (Q4_0, Q4_1, Q4_K)
+//   kind 1, U8: codes uint8 [N, K], one code 0..31 a byte; scales, mins [N, K/32] as above (Q5_0, Q5_1, Q5_K)
+//   kind 2, S8: codes int8 [N, K]; scales float [N, K/16] (one per 16 weights), no mins:
+//               w = scale * code                                         (Q8_0, Q6_K)
+// With x ~ xd * xq per block (xq int8, xs = xd * sum(xq)), a block contributes
+//   scale * xd * dot(code, xq) + min * xs.
+//
+// Numerics: every output is the same chain of per-block terms in the same order whatever the number of
+// rows or threads, so a row's result never depends on its batch (batch invariance).
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kQBlock = 32;  // activation quantization block (and U4/U8 weight block)
+constexpr int64_t kNTile = 16;   // weight rows kept hot while every input row passes over them
+
+// One row of x -> int8 codes, per-block scale, per-block scale * sum(codes).
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < K / kQBlock; ++b) {
+    const float* xb = x + b * kQBlock;
+    float amax = 0.f;
+    for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float scale = amax / 127.f;
+    const float inv = amax > 0.f ? 1.f / scale : 0.f;
+    int sum = 0;
+    for (int j = 0; j < kQBlock; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * inv));  // round half to even, as torch.round
+      q[b * kQBlock + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// unsigned x signed bytes, 4 adjacent products summed into each of 8 int32 lanes
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // maddubs cannot saturate here: |code| <= 127 and 2 * 127 * 127 < 32767 (U4/U8 codes are smaller still)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
+  if (kind == 0) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
+}
+#endif
+
+// One output: weight row n (its codes/scales/mins) against one quantized input row.
+float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
+              const float* xd, const float* xs, int64_t K) {
+  const int64_t nb = K / kQBlock;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  float acc_min = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
+    if (kind == 2) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
+      // |w| x (x with w's sign): the unsigned-by-signed product that maddubs/dpbusd take
+      const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+      // lanes 0-3 hold the first 16 weights, lanes 4-7 the second 16: one scale each
+      const __m256 scale = _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b]));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+    } else {
+      const __m256i p = dot_u8s8(load_codes(kind, codes, b), x);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[b] * xd[b]), acc);
+      acc_min += mn[b] * xs[b];
+    }
+  }
+  return hsum(acc) + acc_min;
+#else
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xb = xq + b * kQBlock;
+    if (kind == 2) {
+      const int8_t* w = reinterpret_cast<const int8_t*>(codes) + b * kQBlock;
+      int lo = 0, hi = 0;
+      for (int j = 0; j < 16; ++j) lo += w[j] * xb[j];
+      for (int j = 16; j < 32; ++j) hi += w[j] * xb[j];
+      acc += sc[2 * b] * xd[b] * lo + sc[2 * b + 1] * xd[b] * hi;
+      continue;
+    }
+    int dot = 0;
+    for (int j = 0; j < kQBlock; ++j) {
+      const int c = kind == 0 ? ((j < 16 ? codes[b * 16 + j] : codes[b * 16 + j - 16] >> 4) & 0x0F)
+                              : codes[b * kQBlock + j];
+      dot += c * xb[j];
+    }
+    acc += sc[b] * xd[b] * dot + mn[b] * xs[b];
+  }
+  return acc;
+#endif
+}
+
+int64_t code_bytes_per_row(int kind, int64_t K) { return kind == 0 ? K / 2 : K; }
+int64_t scales_per_row(int kind, int64_t K) { return kind == 2 ? K / 16 : K / kQBlock; }
+
+}  // namespace
+
+torch::Tensor quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32");
+  // [M, K] int8 codes, then [M, K/32] scales and [M, K/32] scale * sums, in one byte buffer per row
+  auto out = torch::empty({M, K + 8 * (K / kQBlock)}, x.options().dtype(torch::kInt8));
+  const float* px = x.data_ptr<float>();
+  int8_t* po = out.data_ptr<int8_t>();
+  const int64_t stride = out.size(1);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* row = po + m * stride;
+      float* d = reinterpret_cast<float*>(row + K);
+      quantize_row(px + m * K, K, row, d, d + K / kQBlock);
+    }
+  });
+  return out;
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                           int64_t kind, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == code_bytes_per_row(kind, K), "codes: [N, ",
+              code_bytes_per_row(kind, K), "] contiguous");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.size(0) == N &&
+              scales.size(1) == scales_per_row(kind, K), "scales: [N, ", scales_per_row(kind, K), "] float32");
+  TORCH_CHECK(kind == 2 || (mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous()),
+              "mins: like scales (kinds 0 and 1)");
+  auto xq = quantize_activations(x);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* ps = scales.data_ptr<float>();
+  const float* pm = kind == 2 ? nullptr : mins->data_ptr<float>();
+  const int8_t* pq = xq.data_ptr<int8_t>();
+  const float* pb = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* py = y.data_ptr<float>();
+  const int64_t cb = code_bytes_per_row(kind, K), sr = scales_per_row(kind, K), xs = xq.size(1), nb = K / kQBlock;
+  at::parallel_for(0, (N + kNTile - 1) / kNTile, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kNTile, n1 = std::min(N, n0 + kNTile);
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xr = pq + m * xs;
+        const float* xd = reinterpret_cast<const float*>(xr + K);
+        for (int64_t n = n0; n < n1; ++n) {
+          const float v = dot_row(static_cast<int>(kind), pc + n * cb, ps + n * sr, pm ? pm + n * sr : nullptr, xr,
+                                  xd, xd + nb, K);
+          py[m * N + n] = pb ? v + pb[n] : v;
+        }
+      }
+    }
+  });
+  return y;
+}

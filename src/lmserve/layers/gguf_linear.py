@@ -1,0 +1,200 @@
+"""Linear layers that keep a GGUF file's quantized weights (`--quantization gguf`).
+
+Each GGUF block type is repacked, exactly, into one of the three layouts the native kernel reads
+(layers/csrc/quant_gemm.cpp): 4-bit codes (U4: Q4_0, Q4_1, Q4_K), 5-bit codes a byte (U8: Q5_0, Q5_1,
+Q5_K), each with a float scale and min per 32 weights, or signed 8-bit codes with a float scale per 16
+weights (S8: Q8_0, Q6_K). Repacking turns the per-superblock 6-bit K-quant scales into plain floats
+(d * sc, -dmin * m): the dequantized weights are the same numbers ggml computes.
+
+The reference path (`reference_linear`) dequantizes and runs a float matmul with the activations
+quantized exactly as the kernel does; tests compare the two for every type on odd shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmserve.layers.native import native_module
+
+U4, U8, S8 = 0, 1, 2  # kernel layouts (quant_gemm.cpp `kind`)
+QK = 32  # weights per block of the simple types and per sub-block of Q4_K/Q5_K
+QK_K = 256  # weights per K-quant superblock
+
+
+@dataclass
+class Repacked:
+    """One weight matrix [N, K] in a kernel layout (numpy until the layer is built)."""
+
+    kind: int
+    codes: np.ndarray  # U4: uint8 [N, K/2]; U8: uint8 [N, K]; S8: int8 [N, K]
+    scales: np.ndarray  # float32 [N, K/32] (U4, U8) or [N, K/16] (S8)
+    mins: np.ndarray | None  # float32 like scales (U4, U8); None for S8
+
+    def rows(self, index: np.ndarray) -> "Repacked":
+        """The same weights with output rows reordered/selected (q/k row permutation, fused shards)."""
+        return Repacked(self.kind, self.codes[index], self.scales[index], None if self.mins is None else self.mins[index])
+
+
+def concat(parts: list[Repacked]) -> Repacked:
+    """Stack matrices of one layout along the output rows (fused qkv and gate_up)."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1:
+        raise ValueError("fused parts must share a quantization layout")
+    mins = None if parts[0].mins is None else np.concatenate([p.mins for p in parts])
+    return Repacked(parts[0].kind, np.concatenate([p.codes for p in parts]),
+                    np.concatenate([p.scales for p in parts]), mins)
+
+
+def _f16(raw: np.ndarray, start: int) -> np.ndarray:
+    """Little-endian float16 at byte `start` of every block -> float32 [..., 1]."""
+    return raw[..., start:start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles_to_codes(qs: np.ndarray) -> np.ndarray:
+    """ggml's 16-byte nibble block [..., 16] -> 32 codes [..., 32] (low nibbles first, then high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _codes_to_nibbles(codes: np.ndarray) -> np.ndarray:
+    """[..., 32] codes 0..15 -> ggml's nibble block [..., 16] (the U4 layout)."""
+    return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4-byte qh [..., 4] -> bit j of the little-endian word for j in 0..31 [..., 32]."""
+    word = qh.copy().view("<u4")  # [..., 1]
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _simple(raw: np.ndarray, n: int, k: int, kind: str) -> Repacked:
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 with a float16 scale (and min)."""
+    b = raw.reshape(n, k // QK, -1)
+    d = _f16(b, 0)[..., 0]
+    if kind == "Q8_0":
+        codes = b[..., 2:34].copy().view(np.int8).reshape(n, k)
+        return Repacked(S8, codes, np.repeat(d, 2, axis=1), None)
+    has_min = kind in ("Q4_1", "Q5_1")
+    m = _f16(b, 2)[..., 0] if has_min else None
+    off = 4 if has_min else 2
+    if kind.startswith("Q4"):
+        qs = b[..., off:off + 16]
+        return Repacked(U4, qs.reshape(n, -1).copy(), d, m if has_min else -8.0 * d)
+    hi = _high_bits(b[..., off:off + 4])
+    codes = _nibbles_to_codes(b[..., off + 4:off + 20]) | (hi << 4)
+    return Repacked(U8, codes.reshape(n, k), d, m if has_min else -16.0 * d)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes [..., 12] -> 6-bit scales and mins of the 8 sub-blocks, each [..., 8]."""
+    q = scales.astype(np.uint8)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_quant_4_5(raw: np.ndarray, n: int, k: int, kind: str) -> Repacked:
+    """Q4_K / Q5_K: superblocks of 256 = 8 sub-blocks of 32 with 6-bit scales and mins under f16 d, dmin."""
+    b = raw.reshape(n, k // QK_K, -1)
+    d, dmin = _f16(b, 0), _f16(b, 2)  # [n, S, 1]
+    sc, mn = _k_scales(b[..., 4:16])
+    five = kind == "Q5_K"
+    qs = b[..., 48:176] if five else b[..., 16:144]  # 128 bytes: 4 chunks of 32, each = 2 sub-blocks
+    chunks = qs.reshape(n, -1, 4, 32)
+    codes = np.stack([chunks & 0x0F, chunks >> 4], axis=3).reshape(n, -1, 8, 32)  # sub-block 2j, 2j+1
+    if five:
+        qh = b[..., 16:48]  # [n, S, 32]: bit s of byte l is the high bit of sub-block s, element l
+        bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n, S, 8, 32]
+        codes = codes | (bits << 4)
+    scales, mins = (d * sc).reshape(n, -1), (-dmin * mn).reshape(n, -1)
+    if five:
+        return Repacked(U8, codes.reshape(n, k).astype(np.uint8), scales, mins)
+    return Repacked(U4, _codes_to_nibbles(codes).reshape(n, -1), scales, mins)
+
+
+def _q6_k(raw: np.ndarray, n: int, k: int) -> Repacked:
+    """Q6_K: superblocks of 256 = 16 groups of 16 with int8 scales under an f16 d; codes 6-bit, minus 32."""
+    b = raw.reshape(n, k // QK_K, -1)
+    ql = b[..., 0:128].reshape(n, -1, 2, 64)
+    qh = b[..., 128:192].reshape(n, -1, 2, 32)
+    sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, S, 16]
+    d = _f16(b, 208)
+    lo = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)  # [n, S, 2, 128]
+    codes = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
+    return Repacked(S8, codes.reshape(n, k), (d * sc).reshape(n, -1), None)
+
+
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def repack(kind: str, raw: np.ndarray, n: int, k: int) -> Repacked:
+    """A GGUF tensor's raw blocks (uint8, N rows of K weights) -> a kernel layout, exactly."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"GGUF type {kind} cannot be kept quantized (supported: {', '.join(BLOCK_BYTES)})")
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1)
+    if kind in ("Q4_K", "Q5_K"):
+        return _k_quant_4_5(raw, n, k, kind)
+    if kind == "Q6_K":
+        return _q6_k(raw, n, k)
+    return _simple(raw, n, k, kind)
+
+
+def dequantize(w: Repacked) -> torch.Tensor:
+    """float32 [N, K] weights of a repacked matrix (the reference path's weights)."""
+    if w.kind == S8:
+        codes = torch.from_numpy(w.codes.astype(np.float32))
+        return (codes.view(codes.shape[0], -1, 16) * torch.from_numpy(w.scales)[..., None]).view(codes.shape)
+    codes = w.codes
+    if w.kind == U4:
+        codes = _nibbles_to_codes(codes.reshape(codes.shape[0], -1, 16)).reshape(codes.shape[0], -1)
+    c = torch.from_numpy(codes.astype(np.float32)).view(codes.shape[0], -1, QK)
+    out = c * torch.from_numpy(w.scales)[..., None] + torch.from_numpy(w.mins)[..., None]
+    return out.view(codes.shape[0], -1)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes as float [M, K], scales [M, K/32]) exactly as quant_gemm.cpp rounds them."""
+    b = x.float().view(x.shape[0], -1, QK)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    scale = amax / 127.0
+    inv = torch.where(amax > 0, 1.0 / scale, torch.zeros_like(scale))
+    return torch.round(b * inv).view(x.shape), scale.view(x.shape[0], -1)
+
+
+def reference_linear(x: torch.Tensor, w: Repacked, bias: torch.Tensor | None) -> torch.Tensor:
+    """Dequantize-then-matmul with the kernel's int8 activations, in float64 (the parity reference)."""
+    q, s = quantize_activations(x)
+    xd = (q.view(q.shape[0], -1, QK) * s[..., None]).view(q.shape).double()
+    y = xd @ dequantize(w).double().T
+    return (y if bias is None else y + bias.double()).float()
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T + b with W in a GGUF file's codes (CPU, float32 activations)."""
+
+    def __init__(self, w: Repacked, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.kind, self.in_features, self.out_features = w.kind, in_features, w.codes.shape[0]
+        self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(w.codes)))
+        self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(w.scales, dtype=np.float32)))
+        mins = None if w.mins is None else torch.from_numpy(np.ascontiguousarray(w.mins, dtype=np.float32))
+        self.register_buffer("mins", mins)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def repacked(self) -> Repacked:
+        mins = None if self.mins is None else self.mins.numpy()
+        return Repacked(self.kind, self.codes.numpy(), self.scales.numpy(), mins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        mod = native_module()
+        if mod is not None:
+            y = mod.quant_linear(x2, self.codes, self.scales, self.mins, self.kind, self.bias)
+        else:  # no compiler: the reference path (slow, same numbers up to summation order)
+            y = reference_linear(x2, self.repacked(), self.bias)
+        return y.view(*shape[:-1], self.out_features)

@@ -1,0 +1,113 @@
+"""GGUF blocks kept quantized (`--quantization gguf`): repacking against the gguf package's own dequantization,
+the native int8-dot kernel against the dequantize-then-matmul reference for every type on odd shapes,
+batch invariance, and the embedded model served from its Q4_1/Q8_0 blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, dequantize, reference_linear, repack
+from lmserve.layers.native import native_module
+
+# byte offsets of each type's float16 fields (ggml's block structs)
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+BLOCK_WEIGHTS = {t: (256 if t.endswith("_K") else 32) for t in BLOCK_BYTES}
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Valid random blocks: random codes and scale bytes, float16 fields set to small finite values."""
+    rng = np.random.default_rng(seed)
+    per_row = k // BLOCK_WEIGHTS[kind]
+    raw = rng.integers(0, 256, size=(n, per_row, BLOCK_BYTES[kind]), dtype=np.uint8)
+    for off in F16_FIELDS[kind]:
+        vals = rng.uniform(0.002, 0.03, size=(n, per_row)).astype(np.float16)
+        raw[..., off:off + 2] = vals[..., None].view(np.uint8).reshape(n, per_row, 2)
+    return raw.reshape(n, -1)
+
+
+def shape_for(kind: str) -> tuple[int, int]:
+    return (37, 512) if kind.endswith("_K") else (37, 96)  # odd row count; K a few blocks
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_repacked_weights_equal_the_gguf_packages_dequantization(kind):
+    n, k = shape_for(kind)
+    raw = random_blocks(kind, n, k, seed=1)
+    want = gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
+    got = dequantize(repack(kind, raw, n, k)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+needs_native = pytest.mark.skipif(native_module() is None, reason="native kernels unavailable (no compiler)")
+
+
+@needs_native
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_kernel_equals_the_dequantize_then_matmul_reference(kind):
+    n, k = shape_for(kind)
+    w = repack(kind, random_blocks(kind, n, k, seed=2), n, k)
+    layer = GGUFLinear(w, k, torch.randn(n))
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(3))
+    ref = reference_linear(x, w, layer.bias)
+    for m in (1, 3, 17):
+        out = layer(x[:m])
+        torch.testing.assert_close(out, ref[:m], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # a row's result never depends on the rows beside it
+    assert torch.equal(layer(x[:1]), layer(x)[:1]) and torch.equal(layer(x[5:6]), layer(x)[5:6])
+
+
+@needs_native
+def test_zero_rows_and_a_zero_block_of_activations():
+    w = repack("Q4_1", random_blocks("Q4_1", 16, 64, seed=4), 16, 64)
+    layer = GGUFLinear(w, 64, None)
+    x = torch.randn(2, 64)
+    x[0, :32] = 0  # a block whose scale is 0: its codes are 0, not NaN
+    torch.testing.assert_close(layer(x), reference_linear(x, w, None), rtol=1e-5, atol=1e-4)
+    assert layer(torch.zeros(0, 64)).shape == (0, 16)
+
+
+def test_refused_where_it_cannot_run(tmp_path):
+    from lmserve.loader import load_model
+    from tests.conftest import write_tiny_llama
+
+    with pytest.raises(ValueError, match="runs on CPU"):
+        load_model(None, torch.float32, torch.device("meta"), quantization="gguf")
+    write_tiny_llama(tmp_path / "tiny")
+    with pytest.raises(ValueError, match="safetensors checkpoint"):
+        load_model(tmp_path / "tiny", torch.float32, torch.device("cpu"), quantization="gguf")
+    with pytest.raises(ValueError, match="cannot be kept quantized"):
+        repack("IQ2_XS", np.zeros((1, 66), np.uint8), 1, 256)
+
+
+@needs_native
+def test_embedded_model_from_its_own_blocks():
+    """The embedded Q4_1 file with --quantization gguf: every projection and the tied LM head read the file's
+    blocks; logits stay close to the float (dequantized) model's; a request's greedy tokens are the same
+    alone and in a batch (batch invariance); no KV block leaks."""
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.layers.attention import ContiguousAttention
+    from lmserve.sampling_params import SamplingParams
+    from tests.test_engine import PROMPTS, assert_no_leak, run
+
+    eng = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=256)))
+    model = eng.loaded.model
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert len(layers) == 4 * eng.model_config.num_layers + 1 and isinstance(model.lm_head, GGUFLinear)
+    float_eng = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16)))
+    ids = eng.tokenizer.encode_prompt(" ".join(PROMPTS))[:256]
+    x, pos = torch.tensor(ids), torch.arange(len(ids))
+    with torch.inference_mode():
+        lq = model.compute_logits(model(x, pos, ContiguousAttention([len(ids)])))
+        lf = float_eng.loaded.model.compute_logits(float_eng.loaded.model(x, pos, ContiguousAttention([len(ids)])))
+    assert (lq.argmax(-1) == lf.argmax(-1)).float().mean().item() > 0.9
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = {str(i): run(eng, [p], params)["0"]["ids"] for i, p in enumerate(PROMPTS[:6])}
+    together = run(eng, PROMPTS[:6], params)
+    assert {k: v["ids"] for k, v in together.items()} == alone
+    assert_no_leak(eng)
