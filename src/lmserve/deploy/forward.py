@@ -36,6 +36,7 @@ class ForwardedRequest:
     body: bytes
     client: tuple[str, int] | None = None
     routing_key: str | None = None
+    replica: str | None = None  # the x-lmserve-replica request header: this replica if it is running
 
 
 @dataclass(frozen=True)

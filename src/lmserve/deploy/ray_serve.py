@@ -10,7 +10,8 @@ working. A replica's engine can only see the body after Serve's proxy has picked
 the ingress is a deployment of its own. Without `num_replicas` the engine deployment autoscales on
 ongoing requests per replica (`target_ongoing_requests`, between `min_replicas` and `max_replicas`).
 
-Every response carries `x-lmserve-replica`: the engine replica that answered. A replica that dies
+Every response carries `x-lmserve-replica`: the engine replica that answered (a request with that header
+goes to the replica it names while it runs, e.g. to read its /metrics). A replica that dies
 before answering turns into a 503 with Retry-After (clients retry, Serve starts a new replica); one that
 dies in the middle of a stream ends it with an error event.
 """
@@ -141,7 +142,8 @@ class Ingress:
             return body
         client = (request.client.host, request.client.port) if request.client else None
         fwd = ForwardedRequest(request.method, path, request.url.query.encode(), tuple(request.headers.raw),
-                               body, client, routing_key(path, body, self.prefix_chars))
+                               body, client, routing_key(path, body, self.prefix_chars),
+                               request.headers.get(REPLICA_HEADER.decode()))
         stream = self.engine.remote(fwd)
         try:
             start = await stream.__anext__()

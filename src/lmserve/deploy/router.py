@@ -7,6 +7,8 @@ is added only the keys it held move. Ray then takes the first rank whose replica
 `max_ongoing_requests` in flight), so an overloaded favourite spills over to the next one; a favourite
 whose cached queue is `imbalanced_threshold` requests longer than the shortest one is moved behind the
 others. A request without a key (GET /v1/models, /health) is balanced by Ray's power-of-two choice.
+A request naming a running replica (the `x-lmserve-replica` header: an operator reading one replica's
+/metrics) goes there; naming one that is gone, it is routed as if it named none.
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ class PrefixAffinityRouter(RequestRouter):
         """Ranks of replicas, most preferred first: one replica per rank for a keyed request."""
         if not candidate_replicas:
             return []
-        key = _key_of(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pinned = _arg(pending_request, "replica")
+        if pinned in by_id:
+            return [[by_id[pinned]]]
+        key = _arg(pending_request, "routing_key")
         if key is None:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = [by_id[rid] for rid in rendezvous_rank(key, list(by_id))]
         if self._overloaded(ranked):
             ranked = ranked[1:] + ranked[:1]
@@ -58,8 +63,8 @@ class PrefixAffinityRouter(RequestRouter):
         return lengths[0] - min(lengths[1:]) > self.imbalanced_threshold
 
 
-def _key_of(pending_request: PendingRequest | None) -> str | None:
-    """The routing key of a ForwardedRequest argument; None for any other call."""
+def _arg(pending_request: PendingRequest | None, name: str) -> str | None:
+    """A field of the ForwardedRequest a call carries (routing_key, replica); None for any other call."""
     if pending_request is None or not pending_request.args:
         return None
-    return getattr(pending_request.args[0], "routing_key", None)
+    return getattr(pending_request.args[0], name, None)

@@ -1,0 +1,142 @@
+"""lmserve replicas on a real local Ray cluster: 2 engine replicas of 1 thread each behind Serve's proxy.
+
+One cluster and application for the module (Ray and two model loads cost ~50 s here); the official
+openai client talks to Serve's HTTP proxy. The replica-killing test runs last: it leaves the cluster
+with a replacement replica.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_util import MODEL, free_port
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+REPLICA = "x-lmserve-replica"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Serve's URL, over a fresh local Ray cluster (2 CPUs) running the lmserve application."""
+    from lmserve.deploy.ray_serve import app
+
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"num_replicas": "2", "num_threads": "1", "health_check_period_s": "1",
+                "serve_args": f"--kv-cache-memory {64 * 2**20} --no-playground --batch-dir {tmp}/batches"}
+        serve.run(app(args), name="lmserve", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def client(url: str, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=retries, timeout=60)
+
+
+def complete(url: str, prompt: str, max_tokens: int = 2, retries: int = 0) -> tuple[str, str]:
+    """(the replica that answered, the text)."""
+    raw = client(url, retries).completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return raw.headers[REPLICA], raw.parse().choices[0].text
+
+
+def test_openai_client_plain_and_streamed(cluster):
+    c = client(cluster)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True)
+    streamed = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
+    assert len(streamed) > 2 and "".join(streamed) == whole.choices[0].message.content  # real SSE, same text
+    replica, text = complete(cluster, "The capital of France is", max_tokens=4)
+    assert replica and text
+    assert [m.id for m in c.models.list().data] == [MODEL]
+
+
+def test_errors_keep_lmserve_shape(cluster):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client(cluster).completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    r = httpx.post(cluster + "/v1/completions", content=b"x" * (4 * 2**20 + 1), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_requests_spread_across_replicas_and_a_shared_prefix_sticks(cluster):
+    spread = {complete(cluster, f"Request number {i} asks about something else entirely.")[0] for i in range(12)}
+    assert len(spread) == 2, "12 distinct prompts all went to one replica (chance 2**-11)"
+    system = "You are a terse assistant. " * 12  # 324 characters: past the router's 256-character key
+    sticky = {complete(cluster, f"{system}Question {i}: what is {i} + {i}?")[0] for i in range(6)}
+    assert len(sticky) == 1, f"prompts sharing a prefix went to several replicas: {sticky}"
+    # The prefix cache did its work on that replica: read its own /metrics through the pinning header.
+    metrics = httpx.get(cluster + "/metrics", headers={REPLICA: sticky.pop()}, timeout=30)
+    hits = [float(line.split()[-1]) for line in metrics.text.splitlines()
+            if line.startswith("lmserve:prefix_cache_hit_tokens")]
+    assert hits and hits[0] >= 5 * 64, metrics.text[:300]  # 5 requests reused >= 4 blocks of 16 tokens each
+
+
+def test_killed_replica_is_replaced_and_client_retries_succeed(cluster):
+    victim = complete(cluster, "Which replica are you?")[0]
+    before = engine_replicas()
+    assert victim in before and len(before) == 2
+    results: list[str] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def load(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:  # the openai client's own retries (with back-off) are the only retries here
+                results.append(complete(cluster, f"Load {n}.{i}: count to three.", max_tokens=8, retries=5)[0])
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+            i += 1
+
+    threads = [threading.Thread(target=load, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    while len(results) < 3:
+        time.sleep(0.05)
+    actor = ray.get_actor(f"SERVE_REPLICA::lmserve#LMServerEngine#{victim}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    killed_at = len(results)
+    replacement = _wait_for_replacement(before, victim, timeout=120)
+    time.sleep(1)
+    stop.set()
+    for t in threads:
+        t.join(timeout=90)
+    assert not errors, f"requests lost for good: {errors[:3]}"
+    assert len(results) > killed_at + 3  # traffic kept flowing while the replica was down and after
+    seen = {complete(cluster, f"After the restart {i}, a new prompt.")[0] for i in range(12)}
+    assert replacement in seen and victim not in seen
+
+
+def engine_replicas() -> set[str]:
+    """The ids of the engine replicas whose actors are alive (Serve names them after the replica id)."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    return {n.rsplit("#", 1)[1] for n in names if n.startswith("SERVE_REPLICA::lmserve#LMServerEngine#")}
+
+
+def _wait_for_replacement(before: set[str], victim: str, timeout: float) -> str:
+    """The id of the replica Serve started in place of `victim`, once Serve reports the deployment healthy."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        now = engine_replicas()
+        deployment = serve.status().applications["lmserve"].deployments["LMServerEngine"]
+        if len(now) == 2 and victim not in now and deployment.status == "HEALTHY":
+            return (now - (before - {victim})).pop()
+        time.sleep(0.5)
+    raise AssertionError("Serve did not bring the killed replica back")
