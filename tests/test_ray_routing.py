@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import yaml
 from lmserve.deploy.forward import ForwardedRequest, ResponseStart, routing_key, run_asgi
 from lmserve.errors import ConfigError
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
 
 
 def key(path: str, body: dict | bytes, chars: int = 32) -> str | None:
@@ -131,3 +133,33 @@ def test_serve_config_file_is_valid_and_builds():
     assert application["import_path"] == "lmserve.deploy.ray_serve:app"
     assert rs.app(application["args"]) is not None  # the builder accepts every argument the file gives
     assert rs.RayServeArgs.from_args(application["args"]).num_replicas is None  # the file autoscales
+
+
+def scaling_out_commands() -> list[list[str]]:
+    """The README's `sh` commands under "Scaling out" (not run by test_readme: they need Ray, Docker, a cluster)."""
+    from tests.test_readme import README, readme_blocks
+
+    blocks = [b for b in readme_blocks(README.read_text()) if b.lang == "sh"
+              and b.section in ("Replicas on Ray Serve", "Kubernetes")]
+    assert len(blocks) == 2
+    return [shlex.split(line) for b in blocks for line in b.text.splitlines() if line.strip()]
+
+
+def test_readme_scaling_out_commands_are_real():
+    """`serve run` lines go through the very functions Ray's CLI uses for their `key=value` arguments; the files
+    the other lines name exist."""
+    pytest.importorskip("ray")
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.scripts import convert_args_to_dict
+
+    from lmserve.deploy import ray_serve
+
+    commands = scaling_out_commands()
+    runs = [c for c in commands if c[:2] == ["serve", "run"]]
+    assert runs
+    for c in runs:
+        assert c[2] == "lmserve.deploy.ray_serve:app"
+        call_user_app_builder_with_args_if_necessary(ray_serve.app, convert_args_to_dict(tuple(c[3:])))
+    named = [w for c in commands for w in c[1:] if w.startswith(("deploy/", "Dockerfile"))]
+    assert named and all((ROOT / w).exists() for w in named), named
+
