@@ -45,8 +45,13 @@ def cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+STATUSES: list[int] = []  # every HTTP status the clients got, retried attempts included
+
+
 def client(url: str, retries: int = 0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=retries, timeout=60)
+    hooks = {"response": [lambda r: STATUSES.append(r.status_code)]}
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=retries, timeout=60,
+                         http_client=httpx.Client(event_hooks=hooks))
 
 
 def complete(url: str, prompt: str, max_tokens: int = 2, retries: int = 0) -> tuple[str, str]:
@@ -88,6 +93,29 @@ def test_requests_spread_across_replicas_and_a_shared_prefix_sticks(cluster):
     assert hits and hits[0] >= 5 * 64, metrics.text[:300]  # 5 requests reused >= 4 blocks of 16 tokens each
 
 
+def replica_metric(url: str, replica: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", headers={REPLICA: replica}, timeout=30).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith((name + " ", name + "{"))))
+
+
+def test_a_client_leaving_a_stream_frees_its_kv_blocks_on_the_replica(cluster):
+    body = {"model": MODEL, "prompt": "Write a very long story about a ship.", "max_tokens": 400, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=60) as r:
+        replica = r.headers[REPLICA]
+        chunks = r.iter_lines()
+        assert [next(chunks) for _ in range(3)]  # generation is under way on that replica
+    deadline = time.time() + 20  # the disconnect travels proxy -> ingress -> replica, whose route aborts
+    while time.time() < deadline:
+        free = replica_metric(cluster, replica, "lmserve:kv_cache_free_blocks")
+        if free == replica_metric(cluster, replica, "lmserve:kv_cache_total_blocks"):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the abandoned stream kept its KV blocks")
+    assert replica_metric(cluster, replica, "lmserve:num_requests_running") == 0
+
+
 def test_killed_replica_is_replaced_and_client_retries_succeed(cluster):
     victim = complete(cluster, "Which replica are you?")[0]
     before = engine_replicas()
@@ -119,6 +147,7 @@ def test_killed_replica_is_replaced_and_client_retries_succeed(cluster):
     for t in threads:
         t.join(timeout=90)
     assert not errors, f"requests lost for good: {errors[:3]}"
+    print(f"{len(results)} requests, {STATUSES.count(503)} 503s retried by the client")
     assert len(results) > killed_at + 3  # traffic kept flowing while the replica was down and after
     seen = {complete(cluster, f"After the restart {i}, a new prompt.")[0] for i in range(12)}
     assert replacement in seen and victim not in seen
