@@ -121,9 +121,14 @@ class EngineReplica:
             raise RuntimeError(f"the engine has stopped: {engine.dead if engine else 'not loaded'}")
 
     async def __del__(self) -> None:
-        await self.lifespan.stop()
-        self.state.async_engine.shutdown()
-        self.state.ops.close()
+        """Serve's graceful stop: end the batch runner and the engine thread, flush the ops outputs."""
+        if hasattr(self, "lifespan"):  # __init__ may have failed part-way (Serve then retries the replica)
+            await self.lifespan.stop()
+        state = getattr(self, "state", None)
+        if state is not None and state.async_engine is not None:
+            state.async_engine.shutdown()
+        if state is not None:
+            state.ops.close()
 
 
 class Ingress:
@@ -151,6 +156,8 @@ class Ingress:
             log.warning("engine replica unavailable for %s: %s", path, e)
             return error_response(path, APIError(503, "the engine replica serving this request is unavailable; "
                                                  "retry it", headers={"Retry-After": "1"}, reason="not_ready"))
+        except StopAsyncIteration:  # the app sent nothing (it saw the client leave first)
+            return error_response(path, APIError(500, "the engine replica sent no response"))
         return _relay(start, stream, path)
 
     @staticmethod
