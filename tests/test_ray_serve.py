@@ -160,12 +160,13 @@ def engine_replicas() -> set[str]:
 
 
 def _wait_for_replacement(before: set[str], victim: str, timeout: float) -> str:
-    """The id of the replica Serve started in place of `victim`, once Serve reports the deployment healthy."""
+    """The id of the replica Serve started in place of `victim`, once it runs and the deployment is healthy."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         now = engine_replicas()
         deployment = serve.status().applications["lmserve"].deployments["LMServerEngine"]
-        if len(now) == 2 and victim not in now and deployment.status == "HEALTHY":
+        running = deployment.replica_states.get("RUNNING", 0)  # the replacement has loaded its model
+        if len(now) == 2 and victim not in now and running == 2 and deployment.status == "HEALTHY":
             return (now - (before - {victim})).pop()
         time.sleep(0.5)
     raise AssertionError("Serve did not bring the killed replica back")
