@@ -99,21 +99,43 @@ def replica_metric(url: str, replica: str, name: str) -> float:
 
 
 def test_a_client_leaving_a_stream_frees_its_kv_blocks_on_the_replica(cluster):
-    body = {"model": MODEL, "prompt": "Write a very long story about a ship.", "max_tokens": 400, "stream": True,
+    body = {"model": MODEL, "prompt": "Write a very long story about a ship.", "max_tokens": 1200, "stream": True,
+            "ignore_eos": True,
             "temperature": 0}
     with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=60) as r:
         replica = r.headers[REPLICA]
         chunks = r.iter_lines()
         assert [next(chunks) for _ in range(3)]  # generation is under way on that replica
-    deadline = time.time() + 20  # the disconnect travels proxy -> ingress -> replica, whose route aborts
+    wait_for_free_blocks(cluster, replica)
+
+
+def wait_for_free_blocks(url: str, replica: str, timeout: float = 10) -> None:
+    """Until the replica runs nothing and every KV block is free: an abandoned request was aborted there
+    (the disconnect travels proxy -> ingress -> replica, whose route aborts the engine request). The
+    requests ask for 1,200 tokens, ~30 s of decoding here: finishing on their own would take too long."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
-        free = replica_metric(cluster, replica, "lmserve:kv_cache_free_blocks")
-        if free == replica_metric(cluster, replica, "lmserve:kv_cache_total_blocks"):
-            break
+        free = replica_metric(url, replica, "lmserve:kv_cache_free_blocks")
+        if free == replica_metric(url, replica, "lmserve:kv_cache_total_blocks"):
+            assert replica_metric(url, replica, "lmserve:num_requests_running") == 0
+            return
         time.sleep(0.2)
-    else:
-        raise AssertionError("the abandoned stream kept its KV blocks")
-    assert replica_metric(cluster, replica, "lmserve:num_requests_running") == 0
+    raise AssertionError("the abandoned request kept its KV blocks")
+
+
+def test_a_client_leaving_before_a_whole_answer_frees_its_kv_blocks(cluster):
+    replica = complete(cluster, "Which replica?")[0]
+    body = {"model": MODEL, "prompt": "Write a very long story about a ship.", "max_tokens": 1200, "temperature": 0,
+            "ignore_eos": True}
+    running: list[float] = []
+    watcher = threading.Thread(target=lambda: [running.append(
+        replica_metric(cluster, replica, "lmserve:num_requests_running")) for _ in range(10)])
+    watcher.start()
+    with pytest.raises(httpx.ReadTimeout):  # pinned to `replica`, so its metrics tell what happened to it
+        httpx.post(cluster + "/v1/completions", json=body, headers={REPLICA: replica}, timeout=4)
+    watcher.join()
+    assert 1 in running  # it did run there
+    wait_for_free_blocks(cluster, replica)
 
 
 def test_killed_replica_is_replaced_and_client_retries_succeed(cluster):

@@ -158,6 +158,9 @@ class Ingress:
                                                  "retry it", headers={"Retry-After": "1"}, reason="not_ready"))
         except StopAsyncIteration:  # the app sent nothing (it saw the client leave first)
             return error_response(path, APIError(500, "the engine replica sent no response"))
+        except asyncio.CancelledError:  # the client left before the answer began (a whole, non-stream one)
+            stream.cancel()  # the replica's app sees a disconnect and aborts the engine request
+            raise
         return _relay(start, stream, path)
 
     @staticmethod
