@@ -7,6 +7,7 @@ with a replacement replica.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import threading
@@ -155,10 +156,18 @@ def test_killed_replica_is_replaced_and_client_retries_succeed(cluster):
                 errors.append(e)
             i += 1
 
+    stream_lines: list[str] = []
+
+    def stream_on_victim() -> None:  # a stream under way on the replica that is about to die
+        body = {"model": MODEL, "prompt": "Tell a long tale.", "max_tokens": 1200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", cluster + "/v1/completions", json=body, headers={REPLICA: victim}, timeout=60) as r:
+            stream_lines.extend(line for line in r.iter_lines() if line)
+
     threads = [threading.Thread(target=load, args=(n,)) for n in range(3)]
+    threads.append(threading.Thread(target=stream_on_victim))
     for t in threads:
         t.start()
-    while len(results) < 3:
+    while len(results) < 3 or len(stream_lines) < 3:
         time.sleep(0.05)
     actor = ray.get_actor(f"SERVE_REPLICA::lmserve#LMServerEngine#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)
@@ -169,6 +178,8 @@ def test_killed_replica_is_replaced_and_client_retries_succeed(cluster):
     for t in threads:
         t.join(timeout=90)
     assert not errors, f"requests lost for good: {errors[:3]}"
+    # The stream the dead replica was sending ends with an error event, not a silent cut.
+    assert "data: [DONE]" not in stream_lines and "error" in json.loads(stream_lines[-1].removeprefix("data: "))
     print(f"{len(results)} requests, {STATUSES.count(503)} 503s retried by the client")
     assert len(results) > killed_at + 3  # traffic kept flowing while the replica was down and after
     seen = {complete(cluster, f"After the restart {i}, a new prompt.")[0] for i in range(12)}
