@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
-[ "${1:-}" = "test" ] && extras="[test]"
+# The test extras include Ray Serve (the `ray` extra) for tests/test_ray_serve.py.
+[ "${1:-}" = "test" ] && extras="[test,ray]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 # torch is pinned: the 2.13.0 CPU wheel; an unpinned torch pulls a multi-GB CUDA build.

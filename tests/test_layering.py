@@ -2,6 +2,8 @@
 
 Layers, top to bottom (a module may import its own layer and any layer below it):
 
+    deploy                   lmserve on platforms that run many replicas (Ray Serve): each replica parses
+                             `lmserve serve` flags with the CLI's parser and runs the server's app
     cli                      the `lmserve` command
     bench                    `lmserve bench`: a top-level tool like cli; cli only registers its parser
                              (cli imports bench.cli), and bench drives engines or a server over HTTP
@@ -42,6 +44,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("deploy",),
     ("cli",),
     ("bench",),
     ("server",),

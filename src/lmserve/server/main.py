@@ -158,11 +158,11 @@ def _batches(args: argparse.Namespace, state: ServerState) -> None:
     state.batches = BatchManager(BatchStore(root), state)
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/SIGINT; returns the process exit code.
+def prepare(args: argparse.Namespace) -> tuple[ServerState, EngineConfig]:
+    """The server's state (no engine yet) and the checked engine config, from the serve flags.
 
-    Everything that can be checked without weights is checked first, in the foreground: a bad flag or
-    model raises ConfigError / CheckpointError (the CLI prints one line) before uvicorn starts.
+    Everything that can be checked without weights is checked here: a bad flag or model raises
+    ConfigError / CheckpointError. `serve` and each Ray Serve replica (lmserve.deploy) start from it.
     """
     check_serve_args(args)
     keys = read_api_keys(args)  # a bad key file fails first, before the engine checks warn about anything
@@ -177,12 +177,22 @@ def serve(args: argparse.Namespace) -> int:
     state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics),
                         playground=_playground(args))
     _batches(args, state)
-    slow_client = metrics.rejected.labels("read_timeout").inc
+    return state, checked.config
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the process exit code.
+
+    prepare() checks everything it can in the foreground (the CLI prints one line), before uvicorn starts.
+    """
+    state, engine_cfg = prepare(args)
+    config = state.config
+    slow_client = state.metrics.rejected.labels("read_timeout").inc
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
                                http=with_deadline(config.request_read_timeout, slow_client))
     server = DrainingServer(uv_config, state)
-    threading.Thread(target=_load, args=(state, server, checked.config), name="lmserve-load", daemon=True).start()
+    threading.Thread(target=_load, args=(state, server, engine_cfg), name="lmserve-load", daemon=True).start()
     asyncio.run(server.serve())
     if state.async_engine is not None:
         state.async_engine.shutdown()
@@ -255,11 +265,8 @@ class DrainingServer(uvicorn.Server):
 
 def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> None:
     """Load the model and start the engine thread (beside the already-listening server, so /health says 503)."""
-    from lmserve.engine.llm_engine import LLMEngine
-
     try:
-        engine = LLMEngine(config)
-        warmup = warm_up(engine)
+        engine, warmup = load_engine(config)
     except Exception as e:  # noqa: BLE001 - the log has the details; a server without a model exits
         if isinstance(e, (CheckpointError, ConfigError)):  # a bad weight file, a pool smaller than estimated
             log.error("model load failed: %s", e)  # the message says it all: no traceback
@@ -270,6 +277,14 @@ def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> N
         return
     start_engine(state, engine, warmup, on_dead=lambda: _exit_on_dead_engine(server))
     log.info("serving %s", state.config.served_model_name)
+
+
+def load_engine(config: EngineConfig):
+    """(LLMEngine, warm-up seconds): the model loaded and run once."""
+    from lmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    return engine, warm_up(engine)
 
 
 def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None) -> None:
