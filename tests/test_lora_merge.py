@@ -211,3 +211,30 @@ def test_error_exit_code_from_the_real_command(tiny, tmp_path):
                            str(adapters["qv8"]), "--adapter", str(adapters["all8"]), "--method", "ties",
                            "--density", "2", "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == "lmserve: error: --density must be in (0, 1], got 2.0"
+
+
+@pytest.mark.slow
+def test_embedded_gguf_export(tmp_path, smol_path):
+    """The embedded Q4_1 GGUF (dequantized) + a rank-16 adapter on all projections: the export carries a config.json
+    and tokenizer written from the GGUF, and both transformers and lmserve give PEFT's unmerged logits."""
+    import transformers
+
+    from lmserve.engine.tokenizer import Tokenizer
+
+    adapter = make_peft_adapter(tmp_path / "a", smol_path, rank=16, target_modules=ALL_PROJECTIONS, seed=7)
+    out = tmp_path / "out"
+    assert main(["lora", "merge", "--adapter", str(adapter), "--dtype", "float32", "--out", str(out)]) == 0
+    with peft_reference(smol_path, adapter) as model:
+        want = [reference_logits(model, p) for p in PROMPTS]
+    assert_close(hf_logits(out), want)
+    assert_close(lmserve_logits(out), want)
+    gguf_cfg, export_cfg = read_model_config(smol_path), read_model_config(out)
+    assert export_cfg.architecture == "LlamaForCausalLM"
+    assert {**vars(export_cfg), "architecture": "llama"} == vars(gguf_cfg)
+    theirs, ours, gguf_tok = (transformers.AutoTokenizer.from_pretrained(str(out)), Tokenizer.from_pretrained(out),
+                              Tokenizer.from_gguf(smol_path))
+    chat = [{"role": "user", "content": "Merge me, then say héllo 👋\n  twice."}]
+    for text in ("Hello world, über-tokens!", gguf_tok.apply_chat_template(chat)):
+        assert ours.encode_prompt(text) == gguf_tok.encode_prompt(text) == theirs(text)["input_ids"]
+    assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert ours.eos_token_ids == gguf_tok.eos_token_ids
