@@ -29,7 +29,7 @@ from lmserve.layers.attention import ContiguousAttention
 from lmserve.loader import load_model, read_model_config, resolve_model_path
 from lmserve.lora.export import round_trip
 from lmserve.lora.merge import MergeSpec, merge_to_directory
-from lmserve.lora.peft_adapter import PROJECTIONS, read_peft_adapter
+from lmserve.lora.peft_adapter import PROJECTIONS, expected_shapes, read_peft_adapter
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
            "Low-rank adaptation adds a small trainable update to each weight matrix, so that",
@@ -40,13 +40,11 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 
 def write_random_adapter(out: Path, cfg, rank: int, seed: int, b_std: float = 0.08) -> Path:
     """A PEFT-format LoRA adapter (adapter_config.json + adapter_model.safetensors) on all seven projections."""
-    from lmserve.lora.peft_adapter import _expected_shapes  # the shapes the reader checks
-
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
         for proj, group in PROJECTIONS.items():
-            (r, k), (n, _) = _expected_shapes(proj, rank, cfg)
+            (r, k), (n, _) = expected_shapes(proj, rank, cfg)
             prefix = f"base_model.model.model.layers.{layer}.{group}.{proj}"
             tensors[prefix + ".lora_A.weight"] = (torch.rand(r, k, generator=g) * 2 - 1) / math.sqrt(k)
             tensors[prefix + ".lora_B.weight"] = torch.randn(n, r, generator=g) * b_std

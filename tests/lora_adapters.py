@@ -84,3 +84,28 @@ def reference_logits(model: torch.nn.Module, prompt: Sequence[int]) -> torch.Ten
     """[len(prompt), vocab] float32 logits of a transformers (or PEFT) model for one prompt."""
     with torch.no_grad():
         return model(torch.tensor([list(prompt)])).logits[0].float()
+
+
+def write_random_adapter(out_dir: Path, cfg, *, rank: int = 8, target_modules: Sequence[str] = ALL_PROJECTIONS,
+                         seed: int = 0, alpha: float = 16) -> Path:
+    """A PEFT-format LoRA adapter for the base `cfg` (a ModelConfig) written directly, without loading the base
+    in transformers (fast: for tests that need a valid adapter, not PEFT's numbers)."""
+    from safetensors.torch import save_file
+
+    from lmserve.lora.peft_adapter import PROJECTIONS, expected_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for proj in target_modules:
+            (r, k), (n, _) = expected_shapes(proj, rank, cfg)
+            prefix = f"base_model.model.model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+            tensors[prefix + ".lora_A.weight"] = (torch.rand(r, k, generator=g) * 2 - 1) / k**0.5  # kaiming-like
+            tensors[prefix + ".lora_B.weight"] = torch.randn(n, r, generator=g) * B_STD
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(target_modules),
+              "bias": "none", "use_rslora": False, "task_type": "CAUSAL_LM"}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out

@@ -238,3 +238,31 @@ def test_embedded_gguf_export(tmp_path, smol_path):
         assert ours.encode_prompt(text) == gguf_tok.encode_prompt(text) == theirs(text)["input_ids"]
     assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert ours.eos_token_ids == gguf_tok.eos_token_ids
+
+
+def test_rslora_first_adapter_differs_from_peft_by_sqrt_rank(tiny):
+    """The one documented difference: PEFT's combined adapter keeps the first adapter's use_rslora, so its delta is
+    sqrt(new rank) times the combination; ours keeps scaling 1 (here cat: rank 16 + 16)."""
+    base, adapters, _ = tiny
+    cfg = read_model_config(base)
+    ours = combine([read_peft_adapter(adapters[n], cfg, name=n) for n in ("rs16", "mlp16")],
+                   MergeSpec((1.0, 0.5), "cat"))
+    model = peft_with(base, adapters, ["rs16", "mlp16"])
+    try:
+        new = peft_weighted(model, ["rs16", "mlp16"], [1.0, 0.5], "cat", None, seed=0)
+        want = model.base_model.model.model.layers[0].mlp.down_proj.get_delta_weight(new)
+        assert torch.allclose(ours[(0, "down_proj")].delta() * 32**0.5, want, rtol=1e-5, atol=1e-7)
+    finally:
+        model.unload()
+
+
+def test_failed_export_leaves_nothing(tiny, tmp_path, capsys):
+    base, adapters, _ = tiny
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in base.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "model.safetensors").write_bytes((base / "model.safetensors").read_bytes()[:5000])  # truncated
+    assert merge("--base", str(broken), "--adapter", str(adapters["qv8"]), "--out", str(tmp_path / "out")) == 2
+    assert "not a valid safetensors file" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -55,7 +55,20 @@ def export_merged(base: Path, cfg: ModelConfig, modules: Mapping[tuple[int, str]
     """Write `base` with `modules` merged into `out` (weights, config.json; a directory base's tokenizer files)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out}: exists and is not an empty directory")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write(base, cfg, modules, out, dtype, quantization, max_shard_bytes)
+    except BaseException:  # no half-written model left behind: the directory was empty (or absent) before
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        if created:
+            out.rmdir()
+        raise
+
+
+def _write(base: Path, cfg: ModelConfig, modules: Mapping[tuple[int, str], LoraModule], out: Path,
+           dtype: torch.dtype, quantization: str | None, max_shard_bytes: int) -> ExportResult:
     writer = _ShardWriter(out, max_shard_bytes)
     merged: set[tuple[int, str]] = set()
     for name, tensor in _base_tensors(base, cfg):

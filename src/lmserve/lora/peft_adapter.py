@@ -204,7 +204,7 @@ def _rank_alpha(config: Mapping[str, Any], key: str) -> tuple[int, float]:
     return rank, float(alpha)
 
 
-def _expected_shapes(proj: str, rank: int, cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+def expected_shapes(proj: str, rank: int, cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
     """(A shape, B shape) of a rank-`rank` LoRA on `proj` of this base."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     in_out = {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
@@ -218,7 +218,7 @@ def _check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, layer: int, proj: 
     if layer >= cfg.num_layers:
         raise AdapterError(f"adapter tensor {key}.lora_A.weight: layer {layer} does not exist "
                            f"(the base model has {cfg.num_layers} layers)")
-    want_a, want_b = _expected_shapes(proj, rank, cfg)
+    want_a, want_b = expected_shapes(proj, rank, cfg)
     for half, t, want in (("lora_A", a, want_a), ("lora_B", b, want_b)):
         if tuple(t.shape) != want:
             raise AdapterError(f"adapter tensor {key}.{half}.weight has shape {list(t.shape)}, but the base model "
