@@ -91,6 +91,9 @@ def _factorwise(spec: MergeSpec) -> Callable[[list[tuple[LoraModule, float]]], L
     merge = _MERGERS[spec.method]
 
     def combine_one(parts: list[tuple[LoraModule, float]]) -> LoraModule:
+        if len({m.rank for m, _ in parts}) > 1:  # rank_pattern can differ per projection under one max rank
+            raise ConfigError(f"--method {spec.method} needs every adapted projection at one rank, got ranks "
+                              f"{[m.rank for m, _ in parts]} on one of them (--method cat takes any ranks)")
         ws = [w * m.scaling for m, w in parts]
         wa = torch.tensor([math.copysign(math.sqrt(abs(x)), x) if x else 0.0 for x in ws])
         wb = torch.tensor([math.sqrt(abs(x)) for x in ws])
