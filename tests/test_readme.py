@@ -10,7 +10,8 @@
   checked without running minutes of work); inline `python benchmarks/X.py ...` commands may only
   name flags the script's --help lists (running a benchmark takes minutes to hours: that is what the
   benchmarks are for).
-- Placeholders a reader replaces (`path/to/model.gguf`) become the embedded model's file. Hub ids
+- Placeholders a reader replaces (`path/to/model.gguf`) become the embedded model's file, and
+  `path/to/adapter` a random PEFT LoRA adapter for it (tests/lora_adapters.py). Hub ids
   resolve offline (HF_HUB_OFFLINE=1) from a Hugging Face cache this test writes: a tiny random
   checkpoint under the README's id, since nothing may be downloaded here.
 - A block preceded by `<!-- not run by tests/test_readme.py: why -->` is skipped; there may be at
@@ -35,7 +36,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lmserve.loader import read_model_config
 from tests.conftest import write_tiny_llama
+from tests.lora_adapters import write_random_adapter
 from tests.server_util import free_port
 
 pytestmark = pytest.mark.slow
@@ -109,15 +112,17 @@ def env(tmp_path_factory, smol_path):
     (repo / "refs" / "main").write_text(SNAPSHOT)
     (repo / "snapshots").mkdir()
     write_tiny_llama(repo / "snapshots" / SNAPSHOT)
+    adapter = write_random_adapter(tmp_path_factory.mktemp("lora") / "adapter", read_model_config(smol_path))
     bindir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"], "HF_HUB_CACHE": str(cache),
             "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), "LMSERVE_TEST_SMOL": str(smol_path),
+            "LMSERVE_TEST_ADAPTER": str(adapter),
             "XDG_DATA_HOME": str(tmp_path_factory.mktemp("data"))}  # batch jobs' default --batch-dir
 
 
 def substitute(text: str, env: dict, port: int | None = None) -> str:
     text = text.replace("path/to/model.gguf", env["LMSERVE_TEST_SMOL"]).replace(
-        "path/to/draft.gguf", env["LMSERVE_TEST_SMOL"])
+        "path/to/draft.gguf", env["LMSERVE_TEST_SMOL"]).replace("path/to/adapter", env["LMSERVE_TEST_ADAPTER"])
     return text.replace("127.0.0.1:8000", f"127.0.0.1:{port}") if port else text
 
 

@@ -1,4 +1,4 @@
-"""`lmserve serve | generate | chat | run-batch`: one argparse table per command, engine flags shared."""
+"""`lmserve serve | generate | chat | run-batch | lora merge`: one argparse table per command, engine flags shared."""
 
 from __future__ import annotations
 
@@ -410,6 +410,61 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_ops_args(p)
 
 
+def add_lora_merge_args(p: argparse.ArgumentParser) -> None:
+    """`lmserve lora merge`: flags follow PEFT's add_weighted_adapter (weights, combination type, density)."""
+    p.add_argument("--base", default=None, help="the base model: a .gguf file, a Hugging Face directory or a Hub id "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit when --base is a Hub id")
+    p.add_argument("--adapter", action="append", default=[], metavar="DIR", help="a PEFT adapter directory (repeatable)")
+    p.add_argument("--weights", default=None, metavar="W1,W2,...",
+                   help="one weight per adapter, comma-separated (default: 1 each)")
+    p.add_argument("--method", default="linear", metavar="METHOD",
+                   help="how several adapters combine, as PEFT defines it: linear, cat, ties, dare_linear, dare_ties")
+    p.add_argument("--density", type=float, default=None,
+                   help="ties/dare: the fraction of each adapter's entries kept, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="seeds DARE's random drop (the same seed, the same merge)")
+    p.add_argument("--dtype", default="auto", metavar="DTYPE",
+                   help="float32, bfloat16 or float16 (default auto: a Hugging Face base's own dtype; bfloat16 for GGUF)")
+    p.add_argument("--quantization", default=None, metavar="int4|int8",
+                   help="QLoRA: merge onto the projection weights as lmserve's int4/int8 quantizer stores them "
+                   "(dequantized); a GGUF base is always merged onto its dequantized weights")
+    p.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist, or be empty)")
+    p.set_defaults(func=cmd_lora_merge)
+
+
+def cmd_lora_merge(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lmserve.loader import read_model_config, resolve_model_path
+    from lmserve.lora.merge import MergeSpec, merge_to_directory
+
+    try:
+        base = resolve_model_path(args.base, args.revision)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    spec = MergeSpec(_weights(args.weights, len(args.adapter)), args.method, args.density, args.seed)
+    result = merge_to_directory(base, read_model_config(base), [Path(a) for a in args.adapter], spec, Path(args.out),
+                                args.dtype, args.quantization)
+    if not base.is_dir():  # a GGUF carries its tokenizer in its metadata: written out as tokenizer.json
+        from lmserve.engine.tokenizer import Tokenizer
+
+        Tokenizer.from_gguf(base).save_pretrained(args.out)
+    how = spec.method if len(result.adapters) > 1 else "one adapter"
+    print(f"merged {', '.join(result.adapters)} into {base.name} ({how}, {result.export.merged_modules} projections, "
+          f"{str(result.dtype).removeprefix('torch.')}, {result.export.nbytes / 2**20:.0f} MiB) -> {args.out}")
+    return 0
+
+
+def _weights(text: str | None, count: int) -> tuple[float, ...]:
+    """--weights "0.5,0.5" -> (0.5, 0.5); none given: 1 per adapter."""
+    if text is None:
+        return (1.0,) * count
+    try:
+        return tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--weights must be comma-separated numbers, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmserve", description="LLM inference server")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -456,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     profile = monitor_sub.add_parser("profile", help="a drift reference profile from a payload log (to stdout)")
     profile.add_argument("payload_log", help="a --payload-log JSONL file")
     profile.set_defaults(func=cmd_monitor_profile)
+
+    lora = sub.add_parser("lora", help="LoRA adapter tools")
+    lora_sub = lora.add_subparsers(dest="lora_command", required=True)
+    add_lora_merge_args(lora_sub.add_parser(
+        "merge", help="merge PEFT LoRA adapters into the base model, written as a Hugging Face safetensors directory"))
 
     from lmserve.bench.cli import add_bench_parser
     add_bench_parser(sub, add_engine_args)

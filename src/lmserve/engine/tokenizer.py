@@ -83,6 +83,19 @@ class Tokenizer:
         eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
         return cls(hf, special, eos_ids, _chat_template(d, cfg))
 
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json that transformers and
+        `from_pretrained` both read back as this tokenizer (how a GGUF's vocabulary becomes HF files)."""
+        d = Path(directory)
+        (d / "tokenizer.json").write_text(self._hf.to_str(), encoding="utf-8")
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens,
+                                  "clean_up_tokenization_spaces": False}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        generation = {"bos_token_id": self.bos_token_id, "eos_token_id": sorted(self.eos_token_ids)}
+        (d / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+
     # -- text <-> ids -----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
