@@ -202,6 +202,7 @@ def test_few_blocks_are_exempt():
     assert all(len(b.not_run) > 40 for b in exempt), "say why a block is not run"
 
 
+@pytest.mark.timeout(1500)  # every server start and merge the README shows, in turn (~3-8 min on 2 cores)
 def test_every_bash_command_runs(env):
     """Each command of each bash block (except the suite itself and exempt blocks), in README order."""
     blocks = [b for b in readme_blocks(README.read_text()) if b.lang == "bash" and not b.not_run]
