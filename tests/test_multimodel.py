@@ -100,6 +100,9 @@ def test_lru_unload_and_reload_alternating(one_at_a_time):
     assert loaded == {"a": False, "b": True}
     assert httpx.get(s.url + "/v2/models/a/ready").status_code == 503
     assert httpx.get(s.url + "/v2/models/b/ready").status_code == 200
+    # Not loaded is an expected answer (a probe of a model that loads on demand), not a server error.
+    assert s.metric("lmserve:requests_total", 'status="5xx"') == 0
+    assert s.metric("lmserve:requests_total", 'status="not_ready"') >= 1
 
 
 def test_concurrent_requests_during_a_load_all_succeed(one_at_a_time):

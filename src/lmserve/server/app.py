@@ -22,8 +22,8 @@ from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
-from lmserve.server.state import (KEY_NAME_KEY, RECORD_KEY, ServerConfig, ServerState, read_request, release_leases,
-                                  state_of)
+from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, read_request,
+                                  release_leases, state_of)
 from lmserve.server.tenants import ANONYMOUS
 
 # No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
@@ -103,7 +103,7 @@ class AuthAndStatus:
 
         async def send_counted(message) -> None:
             if message["type"] == "http.response.start":
-                st.metrics.status(message["status"], st.not_ready)
+                st.metrics.status(message["status"], st.not_ready or LOADING_KEY in scope["state"])
                 # Read at response start: after admission took its share, before a stream's first byte.
                 message = {**message, "headers": [*message.get("headers", []), *st.tenants.headers(name)]}
             await send(message)
@@ -277,6 +277,8 @@ def _error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> Response:
         if exc.reason is not None:
             state_of(request).metrics.rejected.labels(exc.reason).inc()
+        if exc.reason == "model_loading":  # expected while a model loads, as at start: not a 5xx
+            request.scope["state"][LOADING_KEY] = True
         return error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)

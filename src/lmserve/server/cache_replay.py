@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from lmserve.server.response_cache import cache_key, cacheable
 from lmserve.server.served import ModelState
-from lmserve.server.state import ServerState, key_name_of
+from lmserve.server.state import key_name_of
 
 HEADER = "x-lmserve-cache"
 

@@ -142,8 +142,8 @@ class ServerState:
         try:
             await self.models.ready(model)
         except ModelLoadError as e:
-            self.metrics.rejected.labels("model_loading").inc()
-            raise APIError(503, str(e), headers={"Retry-After": "5" if e.timed_out else "30"}) from None
+            reason = "model_loading" if e.timed_out else None  # a failed load is a fault: a 5xx
+            raise APIError(503, str(e), headers={"Retry-After": "5" if e.timed_out else "30"}, reason=reason) from None
         return ModelState(self, model)
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
@@ -164,6 +164,7 @@ def state_of(request: Request) -> ServerState:
 
 RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's record in scope["state"]
 KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
+LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
 LEASES_KEY = "lmserve_leases"  # the models a request holds (server/model_pool.py), released at its end
 _PROMPT_FIELDS = ("prompt", "inputs", "messages")
 

@@ -22,7 +22,7 @@ from lmserve.server.errors import APIError, error_body
 from lmserve.server.params import tgi_params
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
 from lmserve.server.served import ModelState
-from lmserve.server.state import ServerState, read_request, record_of, state_of
+from lmserve.server.state import read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error
 
 router = APIRouter()

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lmserve.server.errors import APIError
 from lmserve.server.openai_routes import caller_of, start_completion
 from lmserve.server.protocol import MAX_PROMPTS, CompletionRequest, parse_body, parse_data
-from lmserve.server.state import LEASES_KEY, accept, key_name_of, record_of, state_of
+from lmserve.server.state import LEASES_KEY, LOADING_KEY, accept, key_name_of, record_of, state_of
 
 router = APIRouter()
 INPUT, OUTPUT, BYTES = "text_input", "text_output", "BYTES"
@@ -99,6 +99,7 @@ async def model_ready(request: Request, name: str) -> Response:
     _known(request, name)
     if st.ready and _is_loaded(st, name):
         return JSONResponse({"name": name, "ready": True})
+    request.scope["state"][LOADING_KEY] = True  # an expected answer (it loads on demand), not a server error
     return JSONResponse({"error": f"model {name[:80]!r} is not loaded (it loads on its first inference request)"},
                         status_code=503)
 
