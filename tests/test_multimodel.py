@@ -173,3 +173,38 @@ def test_an_unloaded_engine_is_freed(pool_app):
         gc.collect()
         time.sleep(0.05)
     assert engine() is None, gc.get_referrers(engine())[:3]
+
+
+# -- flags and the split itself (no server) ---------------------------------------------------------------------
+
+
+def test_split_parsing_and_picks():
+    import random
+
+    from lmserve.server.traffic import parse_split
+
+    split = parse_split("chat=stable:90,canary:10")
+    assert split.targets == (("stable", 90), ("canary", 10)) and split.total == 100
+    picks = [split.pick(f"user-{i}", random.Random(0)) for i in range(10_000)]
+    assert 850 <= picks.count("canary") <= 1150  # Binomial(10000, 0.1): mean 1000, sd 30
+    assert all(split.pick(f"user-{i}", random.Random(i)) == picks[i] for i in range(100))  # the user decides alone
+    for bad in ("chat", "chat=a", "chat=a:0", "chat=a:x", "chat=a:1,a:2", "=a:1", "a/b=c:1"):
+        with pytest.raises(ValueError):
+            parse_split(bad)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--model", "a={tiny}", "--model", "a={tiny}"], "given twice"),
+    (["--model", "a={tiny}", "--model", "b={tiny}", "--served-model-name", "x"], "--served-model-name"),
+    (["--model", "a={tiny}", "--route", "chat=a:90,zz:10"], "'zz' is not a served model"),
+    (["--model", "a={tiny}", "--route", "a=a:1"], "already a model's"),
+    (["--model", "a={tiny}", "--route", "chat=a"], "--route"),
+    (["--model", "a={tiny}", "--max-loaded-models", "0"], "--max-loaded-models"),
+    (["--model", "a=/no/such/model"], "/no/such/model"),
+])
+def test_bad_model_flags_are_one_line_errors(tiny, capsys, flags, says):
+    from lmserve.cli import main
+
+    assert main(["serve", *[f.format(tiny=tiny) for f in flags]]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
