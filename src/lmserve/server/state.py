@@ -207,6 +207,8 @@ async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_nam
     asked = getattr(req, "model", None)
     served = st.resolve_model(asked, getattr(req, "user", None))
     _describe(record, req, served.name)
+    if asked in st.splits:
+        record.requested_model = asked
     st.tenants.check_model(key_name, asked if asked is not None else served.name)
     return await st.bind(served, leases)
 
