@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
-from lmserve.server.errors import is_tgi
+from lmserve.server.errors import is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
 from lmserve.server.v2_routes import V2InferRequest
 
@@ -366,7 +366,7 @@ def _fill(op: dict, path: str, route: RouteDoc) -> None:
         op["requestBody"] = {"required": True, "content": {route.body_media: {"schema": _ref(route.body)}}}
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
-    error = _ref(TGIError if is_tgi(path) else V2Error if path.startswith("/v2/") else OpenAIError)
+    error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else OpenAIError)
     for status in route.errors:
         schema = _ref(Health) if path == "/health" else error
         op["responses"][str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": schema}}}
