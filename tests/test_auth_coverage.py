@@ -23,7 +23,8 @@ KEY = "right-key"
 # and a browser cannot send a key when it navigates to a page (the page asks for the key and sends it on every
 # data call: shares, models, generation, which stay closed). "/p/x" is not here: "x" cannot be a share id, so it
 # is no page and needs the key; tests/test_playground.py checks a real permalink opens without one.
-OPEN = {("GET", "/health"), ("GET", "/"), ("GET", "/playground"), ("GET", "/playground/assets/x")}
+OPEN = {("GET", "/health"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"), ("GET", "/"), ("GET", "/playground"),
+        ("GET", "/playground/assets/x")}
 BAD_HEADERS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}]
 
 

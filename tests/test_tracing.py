@@ -132,18 +132,16 @@ def traced_server():
     from lmserve.cli import build_parser
     from lmserve.config import engine_config
     from lmserve.server.app import build_app
-    from lmserve.server.main import _load
+    from lmserve.server.main import load_engine
     from lmserve.server.metrics import ServerMetrics
+    from lmserve.server.model_pool import ModelSpec
     from lmserve.server.state import ServerConfig, ServerState
 
     tracer, exporter = memory_tracer()
     args = build_parser().parse_args(["serve", *BASE_ARGS])
     state = ServerState(ServerConfig(MODEL), ServerMetrics(MODEL), ops=Ops(tracer=tracer))
 
-    class _NoServer:
-        should_exit = False
-
-    _load(state, _NoServer(), engine_config(args))
+    state.async_engine = load_engine(state, ModelSpec(MODEL, engine_config(args)), on_dead=None)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -14,11 +14,18 @@ from lmserve.config import ENV_API_KEY, engine_config
 from lmserve.errors import CheckpointError, ConfigError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags that build an EngineConfig (shared by every command that loads a model)."""
-    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory, or a Hub id "
-                   "(org/name: from the local Hugging Face cache, else downloaded; HF_TOKEN, HF_HUB_OFFLINE apply) "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
+def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Flags that build an EngineConfig (shared by every command that loads a model); `several_models`: serve's
+    repeatable --model NAME=PATH."""
+    help = ("path to a .gguf file or a Hugging Face directory, or a Hub id (org/name: from the local Hugging Face "
+            "cache, else downloaded; HF_TOKEN, HF_HUB_OFFLINE apply) (default: the embedded SmolLM2-135M-Instruct)")
+    if several_models:
+        p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                       help=help + "; repeatable as NAME=PATH to serve several models, routed by the request's "
+                       "`model` (the first is the default); every engine flag applies to each model alone, "
+                       "--kv-cache-memory included")
+    else:
+        p.add_argument("--model", default=None, help=help)
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit when --model is a Hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere")
@@ -406,6 +413,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "$XDG_DATA_HOME/lmserve/playground.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
     p.add_argument("--no-playground", action="store_true",
                    help="no web playground: /, /playground, /p/<id> and /playground/api/... answer 404")
+    p.add_argument("--max-loaded-models", type=int, default=None, metavar="K",
+                   help="with several --model: at most K loaded at once; loading another unloads the least recently "
+                   "used idle one (default: all loaded at start)")
+    p.add_argument("--model-load-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request waits this long for its model to load, then gets 503 with Retry-After")
+    p.add_argument("--route", action="append", default=[], metavar="NAME=MODEL:WEIGHT,...",
+                   help="weighted traffic split (canaries): a request for model NAME goes to one of the models by "
+                   "weight, the same one for the same `user` (repeatable)")
     from lmserve.ops.hub import add_ops_args
     add_ops_args(p)
 
@@ -471,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the OpenAI- and TGI-compatible HTTP API")
-    add_engine_args(serve)
+    add_engine_args(serve, several_models=True)
     add_serve_args(serve)
     serve.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

@@ -38,7 +38,7 @@ from lmserve.deploy.router import DEFAULT_IMBALANCED_THRESHOLD, PrefixAffinityRo
 from lmserve.errors import ConfigError
 from lmserve.server.app import build_app
 from lmserve.server.errors import APIError, error_body, error_response
-from lmserve.server.main import check_serve_args, load_engine, prepare, start_engine
+from lmserve.server.main import check_serve_args, load_engine, prepare, unload_engine
 
 log = logging.getLogger("lmserve.deploy")
 REPLICA_HEADER = b"x-lmserve-replica"
@@ -101,10 +101,14 @@ class EngineReplica:
     """One lmserve engine behind lmserve's own ASGI app; Serve calls `forward` through the ingress's handle."""
 
     async def __init__(self, argv: list[str]) -> None:
-        self.state, engine_config = prepare(parse_serve_args(argv))
-        self.app = build_app(self.state)
-        engine, warmup = await asyncio.get_running_loop().run_in_executor(None, load_engine, engine_config)
-        start_engine(self.state, engine, warmup)
+        self.state = state = prepare(parse_serve_args(argv))
+        self.app = build_app(state)
+        # the default model now, any other --model in serve_args on its first request (as `lmserve serve`)
+        state.models.loader = lambda model: load_engine(state, model.spec, None)
+        state.models.unloader = lambda model, engine: unload_engine(state, model, engine)
+        default = state.models.default
+        state.async_engine = await asyncio.get_running_loop().run_in_executor(
+            None, load_engine, state, default.spec, None)
         self.lifespan = await Lifespan.start(self.app)  # the batch-job runner, as uvicorn would start it
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("replica %s serving %s", self.replica_id, self.state.config.served_model_name)
@@ -125,9 +129,9 @@ class EngineReplica:
         if hasattr(self, "lifespan"):  # __init__ may have failed part-way (Serve then retries the replica)
             await self.lifespan.stop()
         state = getattr(self, "state", None)
-        if state is not None and state.async_engine is not None:
-            state.async_engine.shutdown()
         if state is not None:
+            for engine in state.models.engines():
+                engine.shutdown()
             state.ops.close()
 
 

@@ -29,7 +29,8 @@ class RequestRecord:
     route: str  # "/v1/completions", "/v1/chat/completions", "/generate", ...
     time: float = field(default_factory=wall_clock)
     start: float = field(default_factory=monotonic)  # arrival, monotonic
-    model: str | None = None  # the served model name (the client's own string is never a label)
+    model: str | None = None  # the served model that answered (the client's own string is never a label)
+    requested_model: str | None = None  # the name the client asked for when a --route picked `model` for it
     adapter: str | None = None
     key_name: str | None = None  # the API key's name from the key file (never the key); "anonymous" without keys
     params: dict[str, Any] = field(default_factory=dict)  # the request's parameters as sent (no prompt)

@@ -113,7 +113,7 @@ def _attributes(record: RequestRecord) -> dict[str, Any]:
     """The request span's attributes: GenAI names where they exist, lmserve.* otherwise; never text."""
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": "chat" if record.route.endswith("chat/completions") else "text_completion",
-        "gen_ai.system": "lmserve", "gen_ai.request.model": record.model or "",
+        "gen_ai.system": "lmserve", "gen_ai.request.model": record.requested_model or record.model or "",
         "gen_ai.response.model": record.model or "", "gen_ai.usage.input_tokens": record.prompt_tokens,
         "gen_ai.usage.output_tokens": record.output_tokens, "http.response.status_code": record.status,
         "lmserve.stream": record.stream,

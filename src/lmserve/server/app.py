@@ -16,17 +16,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server import batch_routes, openai_routes, tgi_routes
+from lmserve.server import batch_routes, openai_routes, tgi_routes, v2_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
-from lmserve.server.state import KEY_NAME_KEY, RECORD_KEY, ServerConfig, ServerState, read_request, state_of
+from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, read_request,
+                                  release_leases, state_of)
 from lmserve.server.tenants import ANONYMOUS
 
-OPEN_PATHS = ("/health",)  # no API key needed; /metrics too with --metrics-public (see open_paths)
+# No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
+# serves; /metrics too with --metrics-public (see open_paths).
+OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/")
+
+
+def is_generation(path: str) -> bool:
+    """A route that generates: the Observe middleware keeps one record of it (and settles the key's usage)."""
+    return path in GENERATION_PATHS or v2_routes.INFER_PATH.match(path) is not None
 log = logging.getLogger("lmserve.server")
 
 
@@ -39,6 +47,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(batch_routes.router)
     app.include_router(tgi_routes.router)
     app.include_router(playground_routes.router)
+    app.include_router(v2_routes.router)
     _misc_routes(app)
     _error_handlers(app)
     install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
@@ -94,12 +103,15 @@ class AuthAndStatus:
 
         async def send_counted(message) -> None:
             if message["type"] == "http.response.start":
-                st.metrics.status(message["status"], st.not_ready)
+                st.metrics.status(message["status"], st.not_ready or LOADING_KEY in scope["state"])
                 # Read at response start: after admission took its share, before a stream's first byte.
                 message = {**message, "headers": [*message.get("headers", []), *st.tenants.headers(name)]}
             await send(message)
 
-        await self.app(scope, receive, send_counted)
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:  # the response has ended (a stream's last chunk sent): its model may be unloaded again
+            release_leases(scope)
 
 
 def open_paths(config: ServerConfig) -> tuple[str, ...]:
@@ -118,7 +130,7 @@ class Observe:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST" or not is_generation(scope.get("path", "")):
             return await self.app(scope, receive, send)
         ops = self.state.ops
         record = RequestRecord(f"http-{id(scope):x}", scope["path"])
@@ -212,7 +224,7 @@ def _misc_routes(app: FastAPI) -> None:
         st = state_of(request)
         if st.ready:
             return JSONResponse({"status": "ok"})
-        reason = "draining" if st.draining else "loading" if st.async_engine is None and not st.load_error else "dead"
+        reason = "draining" if st.draining else "loading" if not st.started and not st.load_error else "dead"
         return JSONResponse({"status": reason}, status_code=503)
 
     @app.get("/version")
@@ -265,6 +277,8 @@ def _error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> Response:
         if exc.reason is not None:
             state_of(request).metrics.rejected.labels(exc.reason).inc()
+        if exc.reason == "model_loading":  # expected while a model loads, as at start: not a 5xx
+            request.scope["state"][LOADING_KEY] = True
         return error_response(request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)

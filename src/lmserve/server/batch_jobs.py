@@ -132,7 +132,7 @@ class BatchManager:
         from lmserve.server.batch import run_lines
 
         st, saved = self.state, time.monotonic()
-        window = st.engine.cfg.scheduler.max_num_seqs  # a full batch; interactive requests still queue first
+        window = st.max_num_seqs()  # a full batch; interactive requests still queue first
         async for r in run_lines(st, todo, job.owner, window, retry=_busy):
             if st.draining:  # a result cut short by the drain is not a result: the line runs again after restart
                 return

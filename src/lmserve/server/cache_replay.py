@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from lmserve.server.response_cache import cache_key, cacheable
-from lmserve.server.state import ServerState, key_name_of
+from lmserve.server.served import ModelState
+from lmserve.server.state import key_name_of
 
 HEADER = "x-lmserve-cache"
 
@@ -30,7 +31,7 @@ class Lookup:
     status: str  # "miss" or "bypass" (a hit has already been answered)
 
 
-async def lookup(request: Request, st: ServerState, req: BaseModel) -> tuple[Lookup | None, Response | None]:
+async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Lookup | None, Response | None]:
     """(None, None) without a cache; (Lookup, None) on a miss or bypass; (None, response) on a hit."""
     cache = st.response_cache
     if cache is None:
@@ -38,7 +39,7 @@ async def lookup(request: Request, st: ServerState, req: BaseModel) -> tuple[Loo
     body = req.model_dump(exclude_unset=True, mode="json")
     if "no-cache" in request.headers.get("cache-control", "").lower() or not cacheable(body):
         return Lookup(None, "bypass"), None
-    key = cache_key(st.config.served_model_name, key_name_of(request), request.url.path, body)
+    key = cache_key(st.model_name, key_name_of(request), request.url.path, body)
     stored = await cache.get(key)
     if stored is None:
         return Lookup(key, "miss"), None
@@ -49,7 +50,7 @@ async def lookup(request: Request, st: ServerState, req: BaseModel) -> tuple[Loo
     return None, JSONResponse(fresh, headers={HEADER: "hit"})
 
 
-async def store(st: ServerState, found: Lookup | None, response: Response, body: dict | None) -> Response:
+async def store(st: ModelState, found: Lookup | None, response: Response, body: dict | None) -> Response:
     """Mark `response` with the lookup's outcome; store `body` (a complete non-streamed answer) on a miss."""
     if found is None:
         return response

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import threading
 import time
 from pathlib import Path
@@ -19,20 +18,18 @@ from typing import Callable
 
 import uvicorn
 
-from lmserve.config import ENV_API_KEY, EngineConfig, engine_config
-from lmserve.engine.preflight import check_engine_config
+from lmserve.config import ENV_API_KEY
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.connections import with_deadline
 from lmserve.server.metrics import ServerMetrics
+from lmserve.server.model_args import model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
+from lmserve.server.model_pool import ModelPool, ModelSpec, ServedModel
 from lmserve.server.state import ServerConfig, ServerState
 from lmserve.server.tenants import KeySpec, key_specs, read_key_file
 
 log = logging.getLogger("lmserve.server")
-
-# A quantization tag at the end of a GGUF file's stem: "SmolLM2-135M-Instruct.Q4_1", "Llama-3.2-1B-Q4_K_M".
-_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
@@ -46,18 +43,6 @@ def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, 
         keys += plain
     key_specs(tuple(keys), tuple(named))  # a name clash between the two is a ConfigError now, not at start
     return tuple(keys), tuple(named)
-
-
-def served_name(args: argparse.Namespace, model_path: Path) -> str:
-    """--served-model-name; else a Hub id as given (as vLLM); else the model file's stem without its quantization
-    tag, or the directory's name."""
-    from lmserve.loader.hf_hub import looks_like_hub_id
-
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model is not None and looks_like_hub_id(args.model):
-        return args.model
-    return _QUANT_SUFFIX.sub("", model_path.stem) if model_path.is_file() else model_path.name
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -158,26 +143,31 @@ def _batches(args: argparse.Namespace, state: ServerState) -> None:
     state.batches = BatchManager(BatchStore(root), state)
 
 
-def prepare(args: argparse.Namespace) -> tuple[ServerState, EngineConfig]:
-    """The server's state (no engine yet) and the checked engine config, from the serve flags.
+def prepare(args: argparse.Namespace) -> ServerState:
+    """The server's state (its models configured, none loaded yet) from the serve flags.
 
     Everything that can be checked without weights is checked here: a bad flag or model raises
     ConfigError / CheckpointError. `serve` and each Ray Serve replica (lmserve.deploy) start from it.
     """
     check_serve_args(args)
     keys = read_api_keys(args)  # a bad key file fails first, before the engine checks warn about anything
-    checked = check_engine_config(engine_config(args))
-    check_default_max_tokens(args.default_max_tokens, checked.config.max_model_len)
-    config = server_config(args, served_name(args, checked.model_path), keys)
+    specs = model_specs(args)
+    for spec in specs:
+        check_default_max_tokens(args.default_max_tokens, spec.max_model_len)
+    names = [s.name for s in specs]
+    splits = traffic_splits(args, names)
+    config = server_config(args, names[0], keys)
     metrics = ServerMetrics(config.served_model_name)
+    metrics.bind_models(names)
     try:
         ops = build_ops(args, metrics.registry)
     except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting
         raise ConfigError(str(e)) from None
+    pool = ModelPool(specs, args.max_loaded_models, args.model_load_timeout)
     state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics),
-                        playground=_playground(args))
+                        playground=_playground(args), models=pool, splits=splits)
     _batches(args, state)
-    return state, checked.config
+    return state
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -185,21 +175,25 @@ def serve(args: argparse.Namespace) -> int:
 
     prepare() checks everything it can in the foreground (the CLI prints one line), before uvicorn starts.
     """
-    state, engine_cfg = prepare(args)
-    config = state.config
-    slow_client = state.metrics.rejected.labels("read_timeout").inc
+    state = prepare(args)
+    config, metrics, pool = state.config, state.metrics, state.models
+    slow_client = metrics.rejected.labels("read_timeout").inc
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
                                http=with_deadline(config.request_read_timeout, slow_client))
     server = DrainingServer(uv_config, state)
-    threading.Thread(target=_load, args=(state, server, engine_cfg), name="lmserve-load", daemon=True).start()
+    on_dead = lambda: _exit_on_dead_engine(server)  # noqa: E731
+    pool.loader = lambda model: load_engine(state, model.spec, on_dead)
+    pool.unloader = lambda model, engine: unload_engine(state, model, engine)
+    threading.Thread(target=_load, args=(state, server, on_dead), name="lmserve-load", daemon=True).start()
     asyncio.run(server.serve())
-    if state.async_engine is not None:
-        state.async_engine.shutdown()
+    engines = pool.engines()
+    for engine in engines:
+        engine.shutdown()
     state.ops.close()  # after the drain: every finished request's payload line and span is flushed
     if state.playground is not None:
         state.playground.close()
-    engine_died = state.async_engine is not None and state.async_engine.dead is not None
+    engine_died = any(engine.dead is not None for engine in engines)
     return 0 if server.started and state.load_error is None and not engine_died else 1
 
 
@@ -253,20 +247,26 @@ class DrainingServer(uvicorn.Server):
         deadline = loop.time() + st.config.drain_timeout
         while st.in_flight and loop.time() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
-        if st.in_flight and st.async_engine is not None:
-            sched = st.engine.scheduler
-            log.warning("drain: aborting %d request(s) still in flight (running %d, waiting %d, free KV blocks %d)",
-                        st.in_flight, len(sched.running), len(sched.waiting), st.engine.kv.num_free_blocks)
+        engines = st.models.engines()
+        if st.in_flight and engines:
+            running = sum(len(e.engine.scheduler.running) for e in engines)
+            waiting = sum(len(e.engine.scheduler.waiting) for e in engines)
+            log.warning("drain: aborting %d request(s) still in flight (running %d, waiting %d)", st.in_flight,
+                        running, waiting)
             st.metrics.aborts.labels("shutdown").inc(st.in_flight)
-            st.async_engine.abort_all()
+            for engine in engines:
+                engine.abort_all()
             await asyncio.sleep(0.5)  # let aborted streams send their last chunks
         self.should_exit = True  # uvicorn then gives open responses timeout_graceful_shutdown to end
 
 
-def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> None:
-    """Load the model and start the engine thread (beside the already-listening server, so /health says 503)."""
+def _load(state: ServerState, server: uvicorn.Server, on_dead: Callable[[], None]) -> None:
+    """Load the first --max-loaded-models models and start their engines (beside the already-listening server,
+    so /health says 503 meanwhile); the others load on their first request."""
+    pool = state.models
     try:
-        engine, warmup = load_engine(config)
+        for model in list(pool.models.values())[:pool.max_loaded]:
+            model.async_engine = load_engine(state, model.spec, on_dead)
     except Exception as e:  # noqa: BLE001 - the log has the details; a server without a model exits
         if isinstance(e, (CheckpointError, ConfigError)):  # a bad weight file, a pool smaller than estimated
             log.error("model load failed: %s", e)  # the message says it all: no traceback
@@ -275,20 +275,30 @@ def _load(state: ServerState, server: uvicorn.Server, config: EngineConfig) -> N
         state.load_error = f"{type(e).__name__}: {e}"
         server.should_exit = True
         return
-    start_engine(state, engine, warmup, on_dead=lambda: _exit_on_dead_engine(server))
-    log.info("serving %s", state.config.served_model_name)
+    state.started = True
+    log.info("serving %s", ", ".join(m.name for m in pool.loaded()))
 
 
-def load_engine(config: EngineConfig):
-    """(LLMEngine, warm-up seconds): the model loaded and run once."""
+def load_engine(state: ServerState, spec: ModelSpec, on_dead: Callable[[], None]):
+    """Build, warm up and start one model's engine (blocking: a worker thread calls it); returns its AsyncEngine."""
     from lmserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(config)
-    return engine, warm_up(engine)
+    log.info("loading model %s", spec.name)
+    engine = LLMEngine(spec.config)
+    return start_engine(state, engine, warm_up(engine), on_dead, name=spec.name)
 
 
-def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None) -> None:
-    """Start the engine thread behind `state` and its metrics; the routes serve from here on.
+def unload_engine(state: ServerState, model: ServedModel, async_engine) -> None:
+    """Stop an unloaded model's engine thread and forget its metrics (its memory goes with the last reference)."""
+    async_engine.shutdown()
+    state.metrics.unbind_engine(model.name)
+    log.info("unloaded model %s", model.name)
+
+
+def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None,
+                 name: str | None = None):
+    """Start the engine thread behind `state` and its metrics, as model `name` (None: the default model, whose
+    routes serve from here on); returns the AsyncEngine.
 
     `on_dead` runs (on the engine thread) once the engine has failed for good.
     """
@@ -301,9 +311,11 @@ def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Cal
     async_engine.fault_listeners.append(state.metrics.on_fault)
     if on_dead is not None:
         async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
-    state.metrics.bind_engine(engine, warmup_seconds)
+    state.metrics.bind_engine(engine, warmup_seconds, name)
     async_engine.start()
-    state.async_engine = async_engine
+    if name is None:
+        state.async_engine = async_engine
+    return async_engine
 
 
 def warm_up(engine) -> float:

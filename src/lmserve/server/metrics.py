@@ -15,6 +15,7 @@ TOKEN_GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 COMPILE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FINISH_REASONS = ("stop", "length", "abort")
 # "not_ready": a 503 answered while the model loads or the server drains (/health's included). Every start
@@ -22,7 +23,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 STATUS_CLASSES = ("2xx", "4xx", "5xx", "not_ready")
 ABORT_REASONS = ("client_disconnect", "shutdown", "error")
 REJECT_REASONS = ("queue_full", "not_ready", "unauthorized", "invalid_request", "context_length", "validation_rule",
-                  "rate_limited", "read_timeout")
+                  "rate_limited", "read_timeout", "model_loading")
 TOKEN_KINDS = ("prompt", "completion")
 
 
@@ -50,7 +51,7 @@ class ServerMetrics:
             self.rejected.labels(reason)
         for status in STATUS_CLASSES:
             self.requests.labels(status)
-        self._engine = None
+        self._engines: dict = {}  # served name -> LLMEngine of each loaded model
         self._max_batch = 0
         h = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=r)  # noqa: E731
         self.ttft = h("lmserve:time_to_first_token_seconds", "Time to first token", FIRST_TOKEN_BUCKETS)
@@ -85,6 +86,30 @@ class ServerMetrics:
                                  registry=r)
         self.in_flight = Gauge("lmserve:num_requests_in_flight", "HTTP generation requests admitted and not finished",
                                registry=r)
+        self._bind_model_metrics()
+        r.register(_EngineCollector(self))
+
+    def _bind_model_metrics(self) -> None:
+        """Per served model (its name from --model, a closed set): requests by the model that actually answered
+        (a --route's split shows here), loads, unloads and load time."""
+        r, labels = self.registry, ["model_name"]
+        self.model_requests = Counter("lmserve:model_requests", "Generation requests admitted, by the model serving "
+                                      "them", labels, registry=r)
+        self.model_generation_tokens = Counter("lmserve:model_generation_tokens", "Generated tokens, by model",
+                                               labels, registry=r)
+        self.model_loads = Counter("lmserve:model_loads", "Times a model was loaded", labels, registry=r)
+        self.model_unloads = Counter("lmserve:model_unloads", "Times a model was unloaded (least recently used, "
+                                     "beyond --max-loaded-models)", labels, registry=r)
+        self.model_loaded = Gauge("lmserve:model_loaded", "1 while the model is loaded", labels, registry=r)
+        self.model_load_time = Histogram("lmserve:model_load_duration_seconds", "Weight load plus warm-up time of "
+                                         "each load, by model", labels, buckets=LOAD_BUCKETS, registry=r)
+
+    def bind_models(self, names: list[str]) -> None:
+        """Create every model's series at zero, so a dashboard sees a model before its first request."""
+        for name in names:
+            for metric in (self.model_requests, self.model_generation_tokens, self.model_loads, self.model_unloads,
+                           self.model_loaded):
+                metric.labels(name)
 
     def bind_keys(self, names: list[str], reasons: tuple[str, ...], in_flight: Callable[[str], int]) -> None:
         """Per-key-name counters; names come from the key file (a closed set), never from a request.
@@ -117,17 +142,31 @@ class ServerMetrics:
                                     "(or could not be asked: a backend fault)", registry=r)
         Gauge("lmserve:response_cache_entries", "Entries in the response cache", registry=r).set_function(entries)
 
-    def bind_engine(self, engine, warmup_seconds: float) -> None:
-        """Read live engine state at scrape time, and observe every step (on the engine thread: cheap)."""
-        self._engine = engine
-        self.registry.register(_EngineCollector(self))
+    def bind_engine(self, engine, warmup_seconds: float, name: str | None = None) -> None:
+        """Read live engine state at scrape time, and observe every step (on the engine thread: cheap).
+
+        `name`: the served model it belongs to (default: the server's one model name)."""
+        name = name or self.model_name
+        self._engines[name] = engine
         loaded = engine.loaded
-        self.model_info.labels(self.model_name, loaded.path.name, str(engine.dtype).removeprefix("torch."),
+        self.model_info.labels(name, loaded.path.name, str(engine.dtype).removeprefix("torch."),
                                loaded.quantization).set(1)
         self.load_seconds.set(loaded.load_seconds)
         self.warmup_seconds.set(warmup_seconds)
-        if engine.spec_stats is not None:
+        self.model_loads.labels(name).inc()
+        self.model_loaded.labels(name).set(1)
+        self.model_load_time.labels(name).observe(loaded.load_seconds + warmup_seconds)
+        if engine.spec_stats is not None and not hasattr(self, "spec_drafts"):  # shared by every model with drafts
             self._bind_spec(engine.spec_stats.num_speculative_tokens)
+
+    def unbind_engine(self, name: str) -> None:
+        """The model was unloaded: its engine gauges go, its info says 0."""
+        self._engines.pop(name, None)
+        self.model_unloads.labels(name).inc()
+        self.model_loaded.labels(name).set(0)
+        for labels in list(self.model_info._metrics):
+            if labels[0] == name:
+                self.model_info.labels(*labels).set(0)
 
     def _bind_spec(self, k: int) -> None:
         """Speculative-decoding counters (vLLM's names), present only when speculation is on."""
@@ -196,26 +235,27 @@ class _EngineCollector:
         self.m = metrics
 
     def collect(self):
-        eng = self.m._engine
-        if eng is None:
-            return
+        engines = dict(self.m._engines)  # the engine thread of a loading model may add one meanwhile
         labels = ["model_name"]
         values = {
-            "lmserve:num_requests_running": len(eng.scheduler.running),
-            "lmserve:num_requests_waiting": len(eng.scheduler.waiting),
-            "lmserve:kv_cache_free_blocks": eng.kv.num_free_blocks,
-            "lmserve:kv_cache_total_blocks": eng.num_blocks,
-            "lmserve:kv_cache_usage_perc": eng.kv.usage,
+            "lmserve:num_requests_running": lambda e: len(e.scheduler.running),
+            "lmserve:num_requests_waiting": lambda e: len(e.scheduler.waiting),
+            "lmserve:kv_cache_free_blocks": lambda e: e.kv.num_free_blocks,
+            "lmserve:kv_cache_total_blocks": lambda e: e.num_blocks,
+            "lmserve:kv_cache_usage_perc": lambda e: e.kv.usage,
         }
         for name, value in values.items():
             g = GaugeMetricFamily(name, name.split(":")[1].replace("_", " "), labels=labels)
-            g.add_metric([self.m.model_name], float(value))
+            for model, eng in engines.items():
+                g.add_metric([model], float(value(eng)))
             yield g
         counters = {
-            "lmserve:num_preemptions": ("Requests preempted (KV blocks ran out)", eng.scheduler.num_preemptions),
-            "lmserve:prefix_cache_hit_tokens": ("Prompt tokens whose KV came from the prefix cache", eng.kv.prefix_hits),
+            "lmserve:num_preemptions": ("Requests preempted (KV blocks ran out)", lambda e: e.scheduler.num_preemptions),
+            "lmserve:prefix_cache_hit_tokens": ("Prompt tokens whose KV came from the prefix cache",
+                                                lambda e: e.kv.prefix_hits),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.m.model_name], float(value))
+            for model, eng in engines.items():
+                c.add_metric([model], float(value(eng)))
             yield c

@@ -27,6 +27,7 @@ from lmserve.server.errors import APIError, error_body
 from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
+from lmserve.server.served import ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error
 from lmserve.server.tool_stream import ToolCallStreamer, chat_chunk_delta
@@ -99,13 +100,23 @@ class Run:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
+    """Every configured model, loaded or not (`loaded` says which), and every --route name; a key sees only
+    the names it may use."""
     st = state_of(request)
-    max_len = st.engine.max_model_len if st.async_engine else None
-    name = st.config.served_model_name
-    if not st.tenants.allows(key_name_of(request), name):  # a key sees only the models it may use
-        return {"object": "list", "data": []}
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": st.created,
-                                        "owned_by": "lmserve", "max_model_len": max_len}]}
+    key = key_name_of(request)
+    cards = [_model_card(st, name) for name in st.model_names() if st.tenants.allows(key, name)]
+    return {"object": "list", "data": cards}
+
+
+def _model_card(st: ServerState, name: str) -> dict:
+    model = st.models.get(name)
+    card = {"id": name, "object": "model", "created": st.created, "owned_by": "lmserve"}
+    if model is None:  # a route: its models and weights
+        split = st.splits[name]
+        return {**card, "max_model_len": None, "route": [{"model": m, "weight": w} for m, w in split.targets]}
+    engine = model.async_engine
+    max_len = engine.engine.max_model_len if engine is not None else model.spec.max_model_len
+    return {**card, "max_model_len": max_len, "loaded": engine is not None}
 
 
 @router.post("/v1/completions")
@@ -117,7 +128,7 @@ async def completions(request: Request) -> Response:
     return await _respond(request, st, found, req.stream, await start_completion(st, req, caller_of(request)))
 
 
-async def _respond(request: Request, st: ServerState, found: cache_replay.Lookup | None, stream: bool,
+async def _respond(request: Request, st: ModelState, found: cache_replay.Lookup | None, stream: bool,
                    run: Run) -> Response:
     """A started run as SSE, or whole (stored in the response cache on a miss); 499 when the client left first."""
     if stream:
@@ -128,7 +139,7 @@ async def _respond(request: Request, st: ServerState, found: cache_replay.Lookup
     return await cache_replay.store(st, found, JSONResponse(body), body)
 
 
-async def start_completion(st: ServerState, req: CompletionRequest, caller: Caller) -> Run:
+async def start_completion(st: ModelState, req: CompletionRequest, caller: Caller) -> Run:
     """Tokenize, compile the grammar, admit and start every prompt's stream of a completions request."""
     params = completion_params(req, st.config.token_limits)
     prompts = _prompts(req.prompt)
@@ -144,7 +155,7 @@ async def start_completion(st: ServerState, req: CompletionRequest, caller: Call
     merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar,
                                         caller.priority)
                             for i, (ids, max_tokens) in enumerate(zip(ids_list, max_tokens_each))])
-    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.config.served_model_name}
+    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.model_name}
     usage_prompt = sum(len(ids) for ids in ids_list)
     inputs = [Prompt(ids, text) for ids, text in zip(ids_list, texts)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -169,7 +180,7 @@ async def chat_completions(request: Request) -> Response:
     return await _respond(request, st, found, req.stream, await start_chat(st, req, caller_of(request)))
 
 
-async def start_chat(st: ServerState, req: ChatRequest, caller: Caller) -> Run:
+async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     """Apply the chat template (tools included), compile the grammar, admit and start the request's stream."""
     params = chat_params(req, st.config.token_limits)
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
@@ -182,7 +193,7 @@ async def start_chat(st: ServerState, req: ChatRequest, caller: Caller) -> Run:
     rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar,
                                         priority=caller.priority)])
-    meta = {"id": rid, "created": int(time.time()), "model": st.config.served_model_name}
+    meta = {"id": rid, "created": int(time.time()), "model": st.model_name}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body() -> dict | None:
@@ -209,17 +220,21 @@ async def answer(st: ServerState, url: str, data: Any, caller: Caller) -> tuple[
 
     Every refusal is the route's own APIError in OpenAI's shape; only a bug escapes (the caller logs it).
     """
+    leases: list = []
     try:
         model, start = BATCH_ENDPOINTS[url]
-        req = read_data(st, data, model, caller.record)
+        bound, req = await read_data(st, data, model, caller.record, leases)
         if req.stream:
             raise APIError(400, "stream is not supported in a batch job", param="stream")
-        run = await start(st, req, caller)
+        run = await start(bound, req, caller)
         return 200, await run.body()
     except APIError as e:
         if e.reason is not None:
             st.metrics.rejected.labels(e.reason).inc()
         return e.status, error_body(e)
+    finally:
+        for held in leases:
+            held.release()
 
 
 def _chat_message(c: Choice, with_tools: bool) -> dict:
@@ -246,7 +261,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def _echo(st: ServerState, prompt: str | list[int]) -> str:
+async def _echo(st: ModelState, prompt: str | list[int]) -> str:
     """The prompt as text: a string as sent, token ids decoded (off the event loop)."""
     return prompt if isinstance(prompt, str) else await asyncio.to_thread(st.engine.tokenizer.decode, prompt)
 
@@ -257,7 +272,7 @@ def _without_output(d: CompletionDelta) -> CompletionDelta:
                    finish_reason="length" if d.finished else None)
 
 
-async def _collect(caller: Caller, st: ServerState, merged: MergedStreams, n: int,
+async def _collect(caller: Caller, st: ModelState, merged: MergedStreams, n: int,
                    num_prompts: int, score_only: bool = False) -> list[Choice] | None:
     """Run every stream to the end; None when the client went away first (its requests were aborted)."""
     choices = [Choice() for _ in range(n * num_prompts)]
@@ -273,7 +288,7 @@ async def _collect(caller: Caller, st: ServerState, merged: MergedStreams, n: in
     return None if merged.cancelled else choices
 
 
-def _sse(request: Request, st: ServerState, merged: MergedStreams, chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(request: Request, st: ModelState, merged: MergedStreams, chunks: AsyncIterator[dict]) -> StreamingResponse:
     """Serve `chunks` as server-sent events ending in [DONE]; a disconnect aborts the streams."""
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
 
@@ -297,7 +312,7 @@ def _sse(request: Request, st: ServerState, merged: MergedStreams, chunks: Async
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _completion_chunks(st: ServerState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],
+async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],
                              shape: CompletionShape, usage_prompt: int, include_usage: bool) -> AsyncIterator[dict]:
     """A choice's first chunk carries the echoed prompt and the prompt's logprobs, later ones only new tokens."""
     offsets, outputs = {}, {}  # offsets: characters of each choice's text sent so far
@@ -316,7 +331,7 @@ async def _completion_chunks(st: ServerState, merged: MergedStreams, meta: dict,
         yield {**meta, "choices": [], "usage": _usage_counts(usage_prompt, sum(outputs.values()))}
 
 
-async def _chat_chunks(st: ServerState, merged: MergedStreams, meta: dict, params: SamplingParams,
+async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params: SamplingParams,
                        prompt_tokens: int, include_usage: bool, with_tools: bool = False) -> AsyncIterator[dict]:
     """Content deltas; with tools, a streamer per choice turns call text into OpenAI tool_calls deltas."""
     base = {**meta, "object": "chat.completion.chunk"}
@@ -354,7 +369,7 @@ def _usage_counts(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_choice(st: ServerState, index: int, c: Choice, prompt: Prompt | None, shape: CompletionShape,
+def _completion_choice(st: ModelState, index: int, c: Choice, prompt: Prompt | None, shape: CompletionShape,
                        start: int = 0) -> dict:
     """A completions choice, or a stream chunk of one: `prompt` is given for a whole choice or its first chunk.
 
@@ -374,5 +389,5 @@ def _completion_choice(st: ServerState, index: int, c: Choice, prompt: Prompt | 
     return body
 
 
-def _piece(st: ServerState) -> Callable[[int], str]:
+def _piece(st: ModelState) -> Callable[[int], str]:
     return st.engine.tokenizer.id_to_piece

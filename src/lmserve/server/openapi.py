@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
-from lmserve.server.errors import is_tgi
+from lmserve.server.errors import is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
+from lmserve.server.v2_routes import V2InferRequest
 
 JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "text/html"
 CSS, JS = "text/css", "text/javascript"
@@ -117,6 +118,52 @@ class TGIInfo(_Open):
     max_stop_sequences: int
     router: str
     version: str
+
+
+class V2Error(_Open):
+    """The error body of the KServe v2 routes (/v2/...)."""
+
+    error: str
+
+
+class V2Live(_Open):
+    live: bool
+
+
+class V2Ready(_Open):
+    ready: bool
+
+
+class V2ModelReady(_Open):
+    name: str
+    ready: bool
+
+
+class V2TensorMetadata(_Open):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class V2ModelMetadata(_Open):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[V2TensorMetadata]
+    outputs: list[V2TensorMetadata]
+
+
+class V2OutputTensor(_Open):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[str]
+
+
+class V2InferResponse(_Open):
+    model_name: str
+    id: str
+    outputs: list[V2OutputTensor]
 
 
 class Health(_Open):
@@ -261,6 +308,11 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", SHARES + "/{share_id}"): RouteDoc(None, SharedState, (401, 404, 503)),
     ("delete", SHARES + "/{share_id}"): RouteDoc(None, ShareDeleted, (401, 404, 503)),
     # Batch jobs (server/batch_routes.py): 404 for an unknown id, another key's object, or batch jobs off.
+    ("get", "/v2/health/live"): RouteDoc(None, V2Live, ()),
+    ("get", "/v2/health/ready"): RouteDoc(None, V2Ready, (503,)),
+    ("get", "/v2/models/{name}"): RouteDoc(None, V2ModelMetadata, (401, 404)),
+    ("get", "/v2/models/{name}/ready"): RouteDoc(None, V2ModelReady, (401, 404, 503)),
+    ("post", "/v2/models/{name}/infer"): RouteDoc(V2InferRequest, V2InferResponse, (400, 401, 404, 413, 429, 500, 503)),
     ("post", "/v1/files"): RouteDoc(FileUpload, FileObject, (400, 401, 404, 413), body_media=MULTIPART),
     ("get", "/v1/files/{file_id}"): RouteDoc(None, FileObject, (401, 404)),
     ("delete", "/v1/files/{file_id}"): RouteDoc(None, FileDeleted, (401, 404)),
@@ -270,7 +322,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
     ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
 }
-_ERROR_MODELS = (OpenAIError, TGIError)
+_ERROR_MODELS = (OpenAIError, TGIError, V2Error)
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -314,7 +366,7 @@ def _fill(op: dict, path: str, route: RouteDoc) -> None:
         op["requestBody"] = {"required": True, "content": {route.body_media: {"schema": _ref(route.body)}}}
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
-    error = _ref(TGIError if is_tgi(path) else OpenAIError)
+    error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else OpenAIError)
     for status in route.errors:
         schema = _ref(Health) if path == "/health" else error
         op["responses"][str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": schema}}}

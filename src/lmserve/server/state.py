@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
+import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
 
 from lmserve.engine.async_engine import AsyncEngine
-from lmserve.engine.llm_engine import LLMEngine, RequestRejected
+from lmserve.engine.llm_engine import LLMEngine
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
-from lmserve.request import CompletionDelta
-from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
+from lmserve.server.model_pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.params import TokenLimits
 from lmserve.server.protocol import parse_body, parse_data
+from lmserve.server.served import ModelState
 from lmserve.server.tenants import ANONYMOUS, KeySpec, Tenants, key_specs
+from lmserve.server.traffic import TrafficSplit
 
 T = TypeVar("T")
 
@@ -50,11 +51,10 @@ class ServerConfig:
 
 @dataclass
 class ServerState:
-    """Mutable per-process state; `engine` is None while the model loads."""
+    """Mutable per-process state shared by every model; a request's own model is a served.ModelState."""
 
     config: ServerConfig
     metrics: ServerMetrics
-    async_engine: AsyncEngine | None = None
     load_error: str | None = None
     draining: bool = False
     in_flight: int = 0
@@ -64,64 +64,87 @@ class ServerState:
     response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
     batches: Any = None  # server/batch_jobs.BatchManager (serve always has one); None: /v1/batches answers 404
+    models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
+    splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
+    started: bool = False  # the start-up loads are done: the server serves from here on
+    _rng: random.Random = field(default_factory=random.Random, repr=False)  # splits of requests without a user
 
     def __post_init__(self) -> None:
         self.tenants = Tenants(key_specs(self.config.api_keys, self.config.named_keys), self.metrics)
+        if self.models is None:  # one model whose engine the caller starts (start_engine): tests, run-batch
+            self.models = ModelPool([ModelSpec(self.config.served_model_name)])
+
+    @property
+    def async_engine(self) -> AsyncEngine | None:
+        """The default model's engine (None while it loads, or once unloaded)."""
+        return self.models.default.async_engine
+
+    @async_engine.setter
+    def async_engine(self, engine: AsyncEngine | None) -> None:
+        self.models.default.async_engine = engine
+        self.started = self.started or engine is not None
 
     @property
     def engine(self) -> LLMEngine:
         return self.async_engine.engine
 
     @property
+    def dead(self) -> bool:
+        """A loaded engine has failed for good (the process is on its way out)."""
+        return any(not e.alive for e in self.models.engines())
+
+    @property
     def ready(self) -> bool:
-        return self.async_engine is not None and self.async_engine.alive and not self.draining
+        return self.started and not self.dead and not self.draining
 
     @property
     def not_ready(self) -> bool:
         """Loading or draining: a 503 now is the expected answer, not a fault (a dead engine is one)."""
-        return self.draining or (self.async_engine is None and not self.load_error)
+        return self.draining or (not self.started and not self.load_error)
 
     def check_ready(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"}, reason="not_ready")
-        if self.async_engine is None:
+        if not self.started:
             raise APIError(503, "the model is still loading", headers={"Retry-After": "5"}, reason="not_ready")
-        if not self.async_engine.alive:
+        if self.dead:
             raise APIError(503, "the engine has stopped", headers={"Retry-After": "30"}, reason="not_ready")
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
+    def max_num_seqs(self) -> int:
+        """The default model's batch size limit (from its config when it is not loaded now)."""
+        model = self.models.default
+        if model.async_engine is not None:
+            return model.async_engine.engine.cfg.scheduler.max_num_seqs
+        return model.spec.config.scheduler.max_num_seqs
+
+    def resolve_model(self, name: str | None, user: str | None = None) -> ServedModel:
+        """The model serving a request's `model` field: none is the default; a --route name picks one of its
+        models by weight (sticky per `user`); anything else must be a served model's name (else 404)."""
+        if name is None:
+            return self.models.default
+        split = self.splits.get(name)
+        if split is not None:
+            name = split.pick(user, self._rng)
+        model = self.models.get(name)
+        if model is None:
             raise APIError(404, f"model {name[:80]!r} does not exist (this server serves "
-                           f"{self.config.served_model_name!r})", param="model", code="model_not_found")
+                           f"{', '.join(repr(n) for n in self.model_names())})"[:400], param="model",
+                           code="model_not_found")
+        return model
 
-    def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
-        """Validate against the engine and the queue limit before anything reaches the engine thread.
+    def model_names(self) -> list[str]:
+        """Every name a request may use: the served models, then the routes."""
+        return [*self.models.models, *self.splits]
 
-        Returns each prompt's resolved max_tokens for generate: this is the only check_request of the request.
-
-        Queue rule: each prompt of a request is one engine request (its n completions included), and
-        engine requests count from admission until their stream ends. A request is refused with 503 +
-        Retry-After when in-flight engine requests plus its own prompts would exceed
-        max_num_seqs + max_queued_requests (the running batch plus the queue we accept to hold).
-        """
-        max_tokens = [self._check(ids, params) for ids in prompts]
-        record.prompt_tokens = sum(len(ids) for ids in prompts)
-        self.check_rules(record, [len(ids) for ids in prompts])
-        limit = self.engine.cfg.scheduler.max_num_seqs + self.config.max_queued_requests
-        if self.in_flight + len(prompts) > limit:
-            raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
-                           headers={"Retry-After": "1"}, reason="queue_full")
-        # The key's limits come last, so a request refused for any other reason costs the key nothing.
-        self.tenants.admit(record, record.prompt_tokens + params.n * sum(max_tokens))
-        return max_tokens
-
-    def _check(self, ids: list[int], params: SamplingParams) -> int:
-        """engine.check_request as an HTTP 400; returns the prompt's resolved max_tokens."""
+    async def bind(self, model: ServedModel, on_release: list) -> "ModelState":
+        """Lease `model` for the request (released through `on_release`), wait for it to be loaded, bind to it."""
+        on_release.append(self.models.lease(model))
         try:
-            return self.engine.check_request(ids, params)
-        except RequestRejected as e:
-            reason = "context_length" if e.param == "prompt" else "invalid_request"
-            raise APIError(400, str(e), param=e.param, reason=reason) from None
+            await self.models.ready(model)
+        except ModelLoadError as e:
+            reason = "model_loading" if e.timed_out else None  # a failed load is a fault: a 5xx
+            raise APIError(503, str(e), headers={"Retry-After": "5" if e.timed_out else "30"}, reason=reason) from None
+        return ModelState(self, model)
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
         """The operator's validation rules (--validation-rules); a `reject` rule answers 400."""
@@ -134,105 +157,6 @@ class ServerState:
         except RuleViolation as e:
             raise APIError(400, str(e), param=e.param, code="rule_violation", reason="validation_rule") from None
 
-    async def compile_grammar(self, params: SamplingParams) -> Any:
-        """The request's compiled grammar (None when unconstrained), compiled off the event loop and the engine thread.
-
-        Bounded by the engine's StructuredOutputsConfig: an invalid or too costly spec is a 400 naming it.
-        """
-        so = params.structured_outputs
-        if so is None:
-            return None
-        self.metrics.structured_requests.labels(so.kind).inc()
-        try:
-            compiled = await asyncio.to_thread(self.engine.compile_grammar, params)
-        except RequestRejected as e:
-            raise APIError(400, str(e), param="structured_outputs", reason="invalid_request") from None
-        self.metrics.grammar_compile.labels("hit" if compiled.cached else "miss").observe(compiled.seconds)
-        return compiled
-
-    def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
-                 record: RequestRecord, first_output: int = 0, grammar: Any = None,
-                 priority: int = 0) -> AsyncIterator[CompletionDelta]:
-        """An engine stream that counts toward the in-flight limit until it ends.
-
-        `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
-        record.outputs[first_output + index] (several prompts share one record). `priority`: see Request.priority.
-        """
-        if record.engine_arrival is None:
-            record.engine_arrival = time.monotonic()
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
-        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar, tenant=record.key_name or "",
-                                          priority=priority)
-
-        async def counted():
-            started, first, last = time.monotonic(), {}, {}  # per completion index
-            try:
-                async for d in inner:
-                    self._observe(d, started, first, last)
-                    _record_delta(record, first_output, d)
-                    yield d
-            finally:
-                await inner.aclose()
-                self.in_flight -= 1
-                self.metrics.in_flight.set(self.in_flight)
-
-        return counted()
-
-    def _observe(self, d: CompletionDelta, started: float, first: dict, last: dict) -> None:
-        """TTFT and inter-token gaps as the client sees them; per-completion totals when one finishes."""
-        now = time.monotonic()
-        m = self.metrics
-        if d.token_ids:
-            if d.index not in first:
-                first[d.index] = now
-                m.ttft.observe(now - started)
-            else:
-                m.itl.observe((now - last[d.index]) / len(d.token_ids))
-            last[d.index] = now
-        if d.finished:
-            m.prompt_tokens.inc(d.num_prompt_tokens if d.index == 0 else 0)
-            m.generation_tokens.inc(d.num_output_tokens)
-            m.on_finished(d, started, first.get(d.index), now)
-
-    async def tokenize(self, prompt: str | list[int], record: RequestRecord) -> list[int]:
-        """Tokenize a raw prompt (special tokens parsed) or check ids, off the event loop (long prompts stall it)."""
-        start = time.monotonic()
-        try:
-            return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
-        except RequestRejected as e:
-            raise APIError(400, str(e), param="prompt") from None
-        finally:
-            record.tokenize_s += time.monotonic() - start
-
-    async def tokenize_chat(self, messages: list[dict], record: RequestRecord,
-                            template_kwargs: dict | None = None) -> list[int]:
-        """Render the chat template (with extra variables such as `tools`) and tokenize, off the event loop."""
-        start = time.monotonic()
-        try:
-            return await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages, True, **(template_kwargs or {}))
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        finally:
-            record.tokenize_s += time.monotonic() - start
-
-
-def _record_delta(record: RequestRecord, first_output: int, d: CompletionDelta) -> None:
-    """What the client got, for the payload log, tracing and drift."""
-    out = record.output(first_output + d.index)
-    out.text += d.text
-    if d.token_ids and record.ttft_s is None:
-        record.ttft_s = time.monotonic() - record.start
-    if d.finished:
-        out.tokens, out.finish_reason = d.num_output_tokens, d.finish_reason
-        out.cumulative_logprob = d.cumulative_logprob
-        if d.timings is not None:  # the slowest completion of the request sets its phases
-            t = d.timings
-            record.queue_s, record.prefill_s = max(record.queue_s, t.queue_s), max(record.prefill_s, t.prefill_s)
-            record.decode_s, record.detokenize_s = max(record.decode_s, t.decode_s), max(record.detokenize_s,
-                                                                                         t.detokenize_s)
-            record.num_preemptions += t.num_preemptions
-
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.lm
@@ -240,6 +164,8 @@ def state_of(request: Request) -> ServerState:
 
 RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's record in scope["state"]
 KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
+LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
+LEASES_KEY = "lmserve_leases"  # the models a request holds (server/model_pool.py), released at its end
 _PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
 
@@ -254,28 +180,43 @@ def key_name_of(request: Request) -> str:
     return request.scope.get("state", {}).get(KEY_NAME_KEY, ANONYMOUS)
 
 
-async def read_request(request: Request, model: type[T]) -> tuple[ServerState, T]:
-    """Every API route's prologue: the engine is ready, the body parses strictly, the model is ours and the key's."""
+async def read_request(request: Request, model: type[T]) -> tuple[ModelState, T]:
+    """Every API route's prologue: the server is ready, the body parses strictly, the model is one we serve and the
+    key may use, and it is loaded (waiting for its load); the model is held until the response ends."""
     st = state_of(request)
     st.check_ready()
     req = parse_body(await request.body(), model)
-    accept(st, req, record_of(request), key_name_of(request))
-    return st, req
+    leases = request.scope.setdefault("state", {}).setdefault(LEASES_KEY, [])
+    return await accept(st, req, record_of(request), key_name_of(request), leases), req
 
 
-def read_data(st: ServerState, data: Any, model: type[T], record: RequestRecord) -> T:
-    """read_request for a body already parsed from JSON (a batch job's line); record.key_name is whose job it is."""
+async def read_data(st: ServerState, data: Any, model: type[T], record: RequestRecord,
+                    leases: list) -> tuple[ModelState, T]:
+    """read_request for a body already parsed from JSON (a batch job's line); record.key_name is whose job it is.
+
+    The caller releases what `leases` holds once the line's answer is complete."""
     st.check_ready()
     req = parse_data(data, model)
-    accept(st, req, record, record.key_name or ANONYMOUS)
-    return req
+    return await accept(st, req, record, record.key_name or ANONYMOUS, leases), req
 
 
-def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_name: str) -> None:
-    """The body names our model and one the key may use; its parameters go into the record."""
-    _describe(record, req, st.config.served_model_name)
-    st.check_model(getattr(req, "model", None))
-    st.tenants.check_model(key_name, st.config.served_model_name)
+async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_name: str,
+                 leases: list) -> ModelState:
+    """The body names a model we serve and the key may use (as it asked for it, a route name included); its
+    parameters go into the record under the name of the model that answers."""
+    asked = getattr(req, "model", None)
+    served = st.resolve_model(asked, getattr(req, "user", None))
+    _describe(record, req, served.name)
+    if asked in st.splits:
+        record.requested_model = asked
+    st.tenants.check_model(key_name, asked if asked is not None else served.name)
+    return await st.bind(served, leases)
+
+
+def release_leases(scope: dict) -> None:
+    """End the request's hold on its model (the auth middleware calls it when the response has ended)."""
+    for model in scope.get("state", {}).pop(LEASES_KEY, ()):
+        model.release()
 
 
 def _describe(record: RequestRecord, req: BaseModel, served_name: str) -> None:

@@ -21,7 +21,8 @@ from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from lmserve.server.errors import APIError, error_body
 from lmserve.server.params import tgi_params
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
-from lmserve.server.state import ServerState, read_request, record_of, state_of
+from lmserve.server.served import ModelState
+from lmserve.server.state import read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error
 
 router = APIRouter()
@@ -59,7 +60,7 @@ async def compat_generate(request: Request) -> Response:
     return await (_generate_stream if req.stream else _generate)(request, st, req)
 
 
-async def _start(request: Request, st: ServerState, req: TGIRequest,
+async def _start(request: Request, st: ModelState, req: TGIRequest,
                  stream: bool) -> tuple[SamplingParams, list[int], MergedStreams]:
     """Validate, tokenize and admit; returns the params, the prompt's ids and the running stream."""
     params = tgi_params(req.parameters, stream, st.config.token_limits)
@@ -83,20 +84,20 @@ def _stop_text(d: CompletionDelta) -> str:
     return d.stop_reason if d.finished and isinstance(d.stop_reason, str) else ""
 
 
-def _token(st: ServerState, token_id: int, lp: TokenLogprobs | None, text: str | None = None) -> dict:
+def _token(st: ModelState, token_id: int, lp: TokenLogprobs | None, text: str | None = None) -> dict:
     tok = st.engine.tokenizer
     return {"id": token_id, "text": tok.id_to_piece(token_id) if text is None else text,
             "logprob": lp.logprob if lp is not None else None, "special": tok.is_special(token_id)}
 
 
-def _prefill(st: ServerState, ids: list[int], lps: list[TokenLogprobs | None] | None) -> list[dict]:
+def _prefill(st: ModelState, ids: list[int], lps: list[TokenLogprobs | None] | None) -> list[dict]:
     """details.prefill: each prompt token with its logprob (null for the first, or all if the engine sent none)."""
     piece = st.engine.tokenizer.id_to_piece
     lps = lps if lps is not None else [None] * len(ids)
     return [{"id": t, "text": piece(t), "logprob": lp.logprob if lp is not None else None} for t, lp in zip(ids, lps)]
 
 
-async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Response:
+async def _generate(request: Request, st: ModelState, req: TGIRequest) -> Response:
     params, ids, merged = await _start(request, st, req, stream=False)
     text, tokens, last, prompt_lps = "", [], None, None
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
@@ -122,7 +123,7 @@ async def _generate(request: Request, st: ServerState, req: TGIRequest) -> Respo
     return JSONResponse(body)
 
 
-async def _generate_stream(request: Request, st: ServerState, req: TGIRequest) -> Response:
+async def _generate_stream(request: Request, st: ModelState, req: TGIRequest) -> Response:
     params, ids, merged = await _start(request, st, req, stream=True)
     watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
 

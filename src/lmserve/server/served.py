@@ -1,0 +1,176 @@
+"""ModelState: the server as one request sees it, the shared ServerState plus the one model the request resolved to.
+
+Routes get it from state.read_request; everything model-specific (the engine, tokenizing, admission, the
+engine stream) goes through it, everything shared (metrics, keys, ops, config) is the ServerState's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from lmserve.engine.llm_engine import LLMEngine, RequestRejected
+from lmserve.ops.record import RequestRecord
+from lmserve.request import CompletionDelta
+from lmserve.sampling_params import SamplingParams
+from lmserve.server.errors import APIError
+from lmserve.server.model_pool import ServedModel
+
+if TYPE_CHECKING:
+    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.server.state import ServerState
+
+
+class ModelState:
+    """Shared state (read through, e.g. `st.metrics`, `st.tenants`) bound to one loaded model."""
+
+    def __init__(self, shared: "ServerState", model: ServedModel) -> None:
+        self.shared, self.model = shared, model
+        # Captured once: a request keeps its engine to the end (its lease keeps the model from unloading).
+        self.async_engine: "AsyncEngine" = model.async_engine
+
+    def __getattr__(self, name: str) -> Any:  # only called for what this class does not define itself
+        return getattr(self.shared, name)
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.async_engine.engine
+
+    @property
+    def model_name(self) -> str:
+        """The served name of the model answering: what responses' `model` field and the metrics say."""
+        return self.model.name
+
+    def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
+        """Validate against the engine and the queue limit before anything reaches the engine thread.
+
+        Returns each prompt's resolved max_tokens for generate: this is the only check_request of the request.
+
+        Queue rule: each prompt of a request is one engine request (its n completions included), and
+        engine requests count from admission until their stream ends. A request is refused with 503 +
+        Retry-After when the model's in-flight engine requests plus its own prompts would exceed
+        max_num_seqs + max_queued_requests (the running batch plus the queue we accept to hold).
+        """
+        max_tokens = [self._check(ids, params) for ids in prompts]
+        record.prompt_tokens = sum(len(ids) for ids in prompts)
+        self.shared.check_rules(record, [len(ids) for ids in prompts])
+        limit = self.engine.cfg.scheduler.max_num_seqs + self.config.max_queued_requests
+        if self.model.in_flight + len(prompts) > limit:
+            raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
+                           headers={"Retry-After": "1"}, reason="queue_full")
+        # The key's limits come last, so a request refused for any other reason costs the key nothing.
+        self.tenants.admit(record, record.prompt_tokens + params.n * sum(max_tokens))
+        self.metrics.model_requests.labels(self.model_name).inc()
+        return max_tokens
+
+    def _check(self, ids: list[int], params: SamplingParams) -> int:
+        """engine.check_request as an HTTP 400; returns the prompt's resolved max_tokens."""
+        try:
+            return self.engine.check_request(ids, params)
+        except RequestRejected as e:
+            reason = "context_length" if e.param == "prompt" else "invalid_request"
+            raise APIError(400, str(e), param=e.param, reason=reason) from None
+
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled grammar (None when unconstrained), compiled off the event loop and the engine thread.
+
+        Bounded by the engine's StructuredOutputsConfig: an invalid or too costly spec is a 400 naming it.
+        """
+        so = params.structured_outputs
+        if so is None:
+            return None
+        self.metrics.structured_requests.labels(so.kind).inc()
+        try:
+            compiled = await asyncio.to_thread(self.engine.compile_grammar, params)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param="structured_outputs", reason="invalid_request") from None
+        self.metrics.grammar_compile.labels("hit" if compiled.cached else "miss").observe(compiled.seconds)
+        return compiled
+
+    def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
+                 record: RequestRecord, first_output: int = 0, grammar: Any = None,
+                 priority: int = 0) -> AsyncIterator[CompletionDelta]:
+        """An engine stream that counts toward the in-flight limits (the server's and the model's) until it ends.
+
+        `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
+        record.outputs[first_output + index] (several prompts share one record). `priority`: see Request.priority.
+        """
+        if record.engine_arrival is None:
+            record.engine_arrival = time.monotonic()
+        shared, model = self.shared, self.model
+        shared.in_flight += 1
+        model.in_flight += 1
+        self.metrics.in_flight.set(shared.in_flight)
+        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar,
+                                           tenant=record.key_name or "", priority=priority)
+
+        async def counted():
+            started, first, last = time.monotonic(), {}, {}  # per completion index
+            try:
+                async for d in inner:
+                    self._observe(d, started, first, last)
+                    _record_delta(record, first_output, d)
+                    yield d
+            finally:
+                await inner.aclose()
+                shared.in_flight -= 1
+                model.in_flight -= 1
+                self.metrics.in_flight.set(shared.in_flight)
+
+        return counted()
+
+    def _observe(self, d: CompletionDelta, started: float, first: dict, last: dict) -> None:
+        """TTFT and inter-token gaps as the client sees them; per-completion totals when one finishes."""
+        now = time.monotonic()
+        m = self.metrics
+        if d.token_ids:
+            if d.index not in first:
+                first[d.index] = now
+                m.ttft.observe(now - started)
+            else:
+                m.itl.observe((now - last[d.index]) / len(d.token_ids))
+            last[d.index] = now
+        if d.finished:
+            m.prompt_tokens.inc(d.num_prompt_tokens if d.index == 0 else 0)
+            m.generation_tokens.inc(d.num_output_tokens)
+            m.model_generation_tokens.labels(self.model_name).inc(d.num_output_tokens)
+            m.on_finished(d, started, first.get(d.index), now)
+
+    async def tokenize(self, prompt: str | list[int], record: RequestRecord) -> list[int]:
+        """Tokenize a raw prompt (special tokens parsed) or check ids, off the event loop (long prompts stall it)."""
+        start = time.monotonic()
+        try:
+            return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param="prompt") from None
+        finally:
+            record.tokenize_s += time.monotonic() - start
+
+    async def tokenize_chat(self, messages: list[dict], record: RequestRecord,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """Render the chat template (with extra variables such as `tools`) and tokenize, off the event loop."""
+        start = time.monotonic()
+        try:
+            return await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages, True, **(template_kwargs or {}))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        finally:
+            record.tokenize_s += time.monotonic() - start
+
+
+def _record_delta(record: RequestRecord, first_output: int, d: CompletionDelta) -> None:
+    """What the client got, for the payload log, tracing and drift."""
+    out = record.output(first_output + d.index)
+    out.text += d.text
+    if d.token_ids and record.ttft_s is None:
+        record.ttft_s = time.monotonic() - record.start
+    if d.finished:
+        out.tokens, out.finish_reason = d.num_output_tokens, d.finish_reason
+        out.cumulative_logprob = d.cumulative_logprob
+        if d.timings is not None:  # the slowest completion of the request sets its phases
+            t = d.timings
+            record.queue_s, record.prefill_s = max(record.queue_s, t.queue_s), max(record.prefill_s, t.prefill_s)
+            record.decode_s, record.detokenize_s = max(record.decode_s, t.decode_s), max(record.detokenize_s,
+                                                                                         t.detokenize_s)
+            record.num_preemptions += t.num_preemptions
