@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -13,9 +14,10 @@ from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.cache.sizing import num_kv_blocks
 from lmserve.config import EngineConfig
 from lmserve.engine.output_processor import OutputProcessor
-from lmserve.engine.preflight import check_kv_pool
+from lmserve.engine.preflight import check_kv_pool, check_tensor_parallel
 from lmserve.engine.tokenizer import Tokenizer
-from lmserve.loader import LoadedModel, load_model
+from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
+from lmserve.loader.sharding import TPShard
 from lmserve.request import CompletionDelta, Request, RequestStatus
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.sched.scheduler import Scheduler
@@ -26,6 +28,7 @@ from lmserve.spec.stats import SpecDecodeStats
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
 from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
+from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
 from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -66,12 +69,21 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None) -> None:
         """Load the model named by cfg, or reuse `loaded` (and `tokenizer`) to build engines of other shapes."""
         self.cfg = cfg
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        tp = cfg.parallel.tensor_parallel_size
+        if cfg.num_threads or tp > 1:
+            torch.set_num_threads(_threads_per_rank(cfg))
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
-                                                         quantization=cfg.quantization, revision=cfg.revision)
+        self.ranks = self._start_ranks() if tp > 1 and loaded is None else None
+        shard = TPShard(0, tp) if self.ranks is not None else None
+        try:
+            self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
+                                                             quantization=cfg.quantization, revision=cfg.revision,
+                                                             shard=shard)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop()
+            raise
         self.dtype = next(self.loaded.model.parameters()).dtype
         self.model_config = self.loaded.config
         self.tokenizer = tokenizer or _load_tokenizer(self.loaded)
@@ -83,8 +95,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, cfg.cache.enable_prefix_caching)
         self.outputs = OutputProcessor(self.tokenizer)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string))
-        self.runner = ModelRunner(self.loaded.model, self.model_config, self.num_blocks, self.block_size,
+        # the runner sees this rank's model: its KV cache holds only this rank's KV heads
+        self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
                                   self.dtype, self.device)
+        self.executor = self._executor()
         self.spec = cfg.speculative
         self.proposer = self._proposer()
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
@@ -102,7 +116,23 @@ class LLMEngine:
                  self.num_blocks * self._block_bytes() / 2**30, self.max_model_len)
 
     def _block_bytes(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.loaded.model.config, self.block_size, self.dtype)  # per rank
+
+    def _start_ranks(self) -> RankProcesses:
+        """Check the model splits, then start ranks 1..N-1 (they load their shards while rank 0 loads its own)."""
+        check_tensor_parallel(self.cfg.parallel, read_model_config(resolve_model_path(self.cfg.model, self.cfg.revision)),
+                              self.device)
+        return RankProcesses(self.cfg, self.dtype, self.device, _threads_per_rank(self.cfg))
+
+    def _executor(self) -> UniProcExecutor | MultiprocExecutor:
+        if self.ranks is None:
+            return UniProcExecutor(self.runner)
+        self.ranks.send_pool(self.num_blocks, self.block_size, self.cfg.parallel.rank_timeout_s * 10)
+        return MultiprocExecutor(self.runner, self.ranks)
+
+    def close(self) -> None:
+        """Stop the executor's worker ranks (nothing to do without tensor parallelism)."""
+        self.executor.shutdown()
 
     def _num_blocks(self) -> int:
         c = self.cfg.cache
@@ -224,7 +254,7 @@ class LLMEngine:
             return []
         self._step_out = out
         self._step_parents = list(dict.fromkeys(self.scheduler.requests[s.request_id].parent_id for s in out.requests))
-        result = self.runner.execute(out)
+        result = self.executor.execute(out)
         changed = self.scheduler.update(out, result)
         spec = self._record_spec(out, result.sampled_token_ids) if self.proposer else None
         deltas = [self._delta(req) for req in changed]
@@ -332,6 +362,13 @@ class LLMEngine:
         if self.proposer is not None:
             self.draft_policy.remove(request_id)
             self.proposer.remove(request_id)
+
+
+def _threads_per_rank(cfg: EngineConfig) -> int:
+    """--num-threads, else the cores shared out between the ranks (2 cores, TP=2: one thread each)."""
+    if cfg.num_threads:
+        return cfg.num_threads
+    return max(1, len(os.sched_getaffinity(0)) // cfg.parallel.tensor_parallel_size)
 
 
 def _load_tokenizer(loaded: LoadedModel) -> Tokenizer:
