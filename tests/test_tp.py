@@ -188,21 +188,40 @@ def test_sigterm_stops_every_rank(tp_server):
     assert not _alive(ranks)
 
 
-def test_killing_a_rank_fails_health_and_exits_nonzero(tiny_llama):
+def _unhealthy_within(url: str, seconds: float) -> bool:
+    """/health answers 503 (or the server has stopped listening) within `seconds` from now."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        try:
+            if httpx.get(url + "/health", timeout=0.5).status_code == 503:
+                return True
+        except httpx.HTTPError:  # already closed its socket on the way out: not healthy either
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_killing_an_idle_rank_fails_health_and_exits_nonzero(tiny_llama):
     with running_server("--model", str(tiny_llama), *SERVE_ARGS) as s:
         ranks = _ranks(s.proc.pid)
         assert len(ranks) == 1 and httpx.get(s.url + "/health").status_code == 200
-        os.kill(ranks[0], signal.SIGKILL)
-        start = time.monotonic()
-        unhealthy = None
-        while time.monotonic() - start < 5:
-            try:
-                if httpx.get(s.url + "/health", timeout=0.5).status_code == 503:
-                    unhealthy = time.monotonic() - start
-                    break
-            except httpx.HTTPError:  # already closed its socket on the way out: not healthy either
-                unhealthy = time.monotonic() - start
-                break
-            time.sleep(0.05)
-        assert unhealthy is not None and unhealthy < 5
+        os.kill(ranks[0], signal.SIGKILL)  # no request in flight: the executor's watcher must notice
+        assert _unhealthy_within(s.url, 3)
         assert s.proc.wait(timeout=20) == 1
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_health_and_exits_nonzero_leaving_no_rank(tiny_llama):
+    with running_server("--model", str(tiny_llama), *SERVE_ARGS, "--engine-step-timeout", "2") as s:
+        ranks = _ranks(s.proc.pid)
+        os.kill(ranks[0], signal.SIGSTOP)  # alive but stuck: rank 0's all-reduce waits for it
+        try:
+            r = httpx.post(s.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "w1 w2", "max_tokens": 4},
+                           timeout=30)
+            assert r.status_code in (500, 503)
+            assert _unhealthy_within(s.url, 3)
+            assert s.proc.wait(timeout=20) == 1
+            assert not _alive(ranks)  # a stopped rank is killed, not left behind
+        finally:
+            if _alive(ranks):
+                os.kill(ranks[0], signal.SIGKILL)

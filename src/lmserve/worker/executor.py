@@ -130,7 +130,9 @@ class MultiprocExecutor:
             done = wait(list(sentinels), timeout=1.0)
             if done and not self._stopping.is_set():
                 rank = sentinels[done[0]]
-                code = self.ranks.procs[rank - 1].exitcode
+                proc = self.ranks.procs[rank - 1]
+                proc.join(1.0)  # reap it: its exit code (a negative signal number when killed) names the cause
+                code = proc.exitcode
                 error = self._fail(f"tensor-parallel rank {rank} exited (exit code {code})")
                 if self.on_fatal is not None:
                     self.on_fatal(error)
