@@ -77,13 +77,33 @@ class LLMEngine:
         self.ranks = self._start_ranks() if tp > 1 and loaded is None else None
         shard = TPShard(0, tp) if self.ranks is not None else None
         try:
-            self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
-                                                             quantization=cfg.quantization, revision=cfg.revision,
-                                                             shard=shard)
-        except BaseException:
+            self._build(loaded, tokenizer, shard)
+        except BaseException:  # the worker ranks must not outlive an engine that failed to start
             if self.ranks is not None:
                 self.ranks.stop()
             raise
+        self.spec = cfg.speculative
+        self.proposer = self._proposer()
+        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
+        self.draft_policy = DraftPolicy()  # draft counts from acceptance and measured step costs
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._grammars_lock = threading.Lock()
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.children: dict[str, list[str]] = {}  # client request id -> its n child request ids
+        self.last_step = StepStats(num_free_blocks=self.num_blocks)
+        self.num_steps = 0
+        self._step_out = None  # the running step's SchedulerOutput, until it has finished: fail_step needs it
+        self._step_parents: list[str] = []  # client request ids of the running step's requests
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB%s), max_model_len %d", self.num_blocks, self.block_size,
+                 self.num_blocks * self._block_bytes() / 2**30, " per rank" if self.ranks else "", self.max_model_len)
+
+    def _build(self, loaded: LoadedModel | None, tokenizer: Tokenizer | None, shard: TPShard | None) -> None:
+        """Load (this rank's part of) the model, then the tokenizer, KV cache, scheduler, runner and executor."""
+        cfg = self.cfg
+        self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
+                                                         quantization=cfg.quantization, revision=cfg.revision,
+                                                         shard=shard)
         self.dtype = next(self.loaded.model.parameters()).dtype
         self.model_config = self.loaded.config
         self.tokenizer = tokenizer or _load_tokenizer(self.loaded)
@@ -99,24 +119,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
                                   self.dtype, self.device)
         self.executor = self._executor()
-        self.spec = cfg.speculative
-        self.proposer = self._proposer()
-        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
-        self.draft_policy = DraftPolicy()  # draft counts from acceptance and measured step costs
-        self._grammars: GrammarCompiler | None = None  # built on the first structured request
-        self._grammars_lock = threading.Lock()
-        if self.device.type == "cpu":
-            keep_freed_memory()
-        self.children: dict[str, list[str]] = {}  # client request id -> its n child request ids
-        self.last_step = StepStats(num_free_blocks=self.num_blocks)
-        self.num_steps = 0
-        self._step_out = None  # the running step's SchedulerOutput, until it has finished: fail_step needs it
-        self._step_parents: list[str] = []  # client request ids of the running step's requests
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", self.num_blocks, self.block_size,
-                 self.num_blocks * self._block_bytes() / 2**30, self.max_model_len)
 
     def _block_bytes(self) -> int:
         return kv_bytes_per_block(self.loaded.model.config, self.block_size, self.dtype)  # per rank
+
+    def _sizing_block_bytes(self) -> int:
+        """What one block costs the memory the pool is sized against: on CPU every rank's share of it comes out
+        of the same host memory; on CUDA each rank has its own GPU."""
+        ranks = self.cfg.parallel.tensor_parallel_size if self.device.type == "cpu" else 1
+        return self._block_bytes() * ranks
 
     def _start_ranks(self) -> RankProcesses:
         """Check the model splits, then start ranks 1..N-1 (they load their shards while rank 0 loads its own)."""
@@ -137,9 +148,10 @@ class LLMEngine:
     def _num_blocks(self) -> int:
         c = self.cfg.cache
         available = available_memory(self.device)
-        blocks = num_kv_blocks(c, self._block_bytes(), available, self.cfg.scheduler.max_num_seqs, self.max_model_len)
+        block_bytes = self._sizing_block_bytes()
+        blocks = num_kv_blocks(c, block_bytes, available, self.cfg.scheduler.max_num_seqs, self.max_model_len)
         if not c.sized_explicitly:  # an explicit size was the user's choice (the CLI's preflight warned about it)
-            check_kv_pool(c, blocks, self._block_bytes(), self.max_model_len, available)
+            check_kv_pool(c, blocks, block_bytes, self.max_model_len, available)
         return max(1, blocks)
 
     # -- requests ---------------------------------------------------------------------------------

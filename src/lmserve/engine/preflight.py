@@ -58,8 +58,9 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     _check_prefill_budget(cfg)
     # Before the weights load, so a fractional --kv-cache-memory sees more free memory than the engine will;
     # the engine checks its real pool again (check_kv_pool) once it knows it.
-    block_bytes = kv_bytes_per_block(local_config(model_config, cfg.parallel.tensor_parallel_size),
-                                     cfg.cache.block_size, dtype)  # each rank holds its share of the KV heads
+    # each rank holds its share of the KV heads: on CUDA in its own GPU, on CPU all in the same host memory
+    per_rank = local_config(model_config, cfg.parallel.tensor_parallel_size) if device.type == "cuda" else model_config
+    block_bytes = kv_bytes_per_block(per_rank, cfg.cache.block_size, dtype)
     available = available_memory(device)
     blocks = num_kv_blocks(cfg.cache, block_bytes, available, cfg.scheduler.max_num_seqs, cfg.max_model_len)
     check_kv_pool(cfg.cache, blocks, block_bytes, cfg.max_model_len, available)

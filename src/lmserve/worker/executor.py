@@ -69,7 +69,11 @@ class RankProcesses:
             log.info("tensor-parallel rank %d started (pid %d)", rank, proc.pid)
             self.procs.append(proc)
             self.conns.append(parent)
-        init_group(RankSpec(0, world, init_method, cfg.parallel.rank_timeout_s, num_threads, os.getppid()), device)
+        try:
+            init_group(RankSpec(0, world, init_method, cfg.parallel.rank_timeout_s, num_threads, os.getppid()), device)
+        except BaseException:  # a rank that never joined: stop the others rather than leave them waiting
+            self.stop()
+            raise
 
     def send_pool(self, num_blocks: int, block_size: int, timeout_s: float) -> None:
         """Give every worker the KV pool size and wait until each has built its cache."""
