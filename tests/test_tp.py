@@ -262,3 +262,25 @@ def test_a_hung_rank_fails_health_and_exits_nonzero_leaving_no_rank(tiny_llama):
         finally:
             if _alive(ranks):
                 os.kill(ranks[0], signal.SIGKILL)
+
+
+def test_ranks_exit_when_their_parent_is_killed(tiny_llama):
+    # SIGKILL leaves the parent no chance to stop its ranks: they must notice on their own (no orphans)
+    script = ("import sys, time; from lmserve import LLM; "
+              "llm = LLM(sys.argv[1], tensor_parallel_size=2, num_blocks=16, num_threads=1); "
+              "print('ready', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        ranks = _ranks(proc.pid)
+        assert len(ranks) == 1
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while _alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(ranks)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
