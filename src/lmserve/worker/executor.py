@@ -29,7 +29,7 @@ from lmserve.worker.tp_worker import RankSpec, init_group, worker_main
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_S = 5.0  # a worker asked to stop that has not exited by then is killed
+STOP_GRACE_S = 2.0  # a worker asked to stop that has not exited by then is killed (an idle one exits in ms)
 
 
 class ExecutorDeadError(BaseException):
@@ -59,6 +59,7 @@ class RankProcesses:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs, self.conns = [], []
+        self._stop_lock = threading.Lock()
         for rank in range(1, world):
             parent, child = ctx.Pipe()
             spec = RankSpec(rank, world, init_method, cfg.parallel.rank_timeout_s, num_threads, os.getpid())
@@ -85,19 +86,21 @@ class RankProcesses:
                                         f"(exit code {proc.exitcode}; its log lines say why)")
 
     def stop(self) -> None:
-        """Ask each worker to stop, then kill the ones that do not."""
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self.procs:
-            proc.join(STOP_GRACE_S)
-            if proc.is_alive():
-                proc.kill()
+        """Ask each worker to stop, then kill the ones that do not (one caller at a time: the failure watcher and
+        the engine's shutdown may both get here, and two threads reaping one child would confuse its state)."""
+        with self._stop_lock:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+            for proc in self.procs:
                 proc.join(STOP_GRACE_S)
-        for conn in self.conns:
-            conn.close()
+                if proc.exitcode is None:  # hung (or stopped): SIGKILL works on a stopped process too
+                    proc.kill()
+                    proc.join(STOP_GRACE_S)
+            for conn in self.conns:
+                conn.close()
 
 
 class MultiprocExecutor:
