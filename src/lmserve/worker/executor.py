@@ -112,23 +112,34 @@ class MultiprocExecutor:
         self.error: ExecutorDeadError | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()
+        self._between_steps = threading.Event()  # clear while rank 0 is inside a step (maybe inside a collective)
+        self._between_steps.set()
         threading.Thread(target=self._watch, name="lmserve-tp-watch", daemon=True).start()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Send the step to every worker, run rank 0's part, return rank 0's sampled tokens."""
         if self.error is not None:
             raise self.error
+        self._between_steps.clear()
         try:
             for conn in self.ranks.conns:
                 conn.send(out)
             return self.runner.execute(out)
         except (BrokenPipeError, OSError, RuntimeError) as e:  # a worker gone, or gloo/NCCL: a peer closed or timed out
             raise self._fail(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._between_steps.set()
 
     def shutdown(self) -> None:
-        """Stop every worker (the engine is closing)."""
+        """Stop every worker (the engine is closing), then leave the process group."""
+        import torch.distributed as dist
+
         self._stopping.set()
         self.ranks.stop()
+        # A step stuck in a collective (a hung rank, now killed) fails within moments of its peer's socket closing;
+        # exiting while it is still inside gloo would abort the process (std::terminate) instead of exiting cleanly.
+        if self._between_steps.wait(STOP_GRACE_S * 2) and dist.is_initialized():
+            dist.destroy_process_group()  # a later engine in this process may form a new group
 
     def _watch(self) -> None:
         """Wait for any worker process to end; one that ends while we are not stopping kills the engine."""
