@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 
@@ -19,6 +20,10 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.queued: list[AddRequest] = []
         self.last_step = None
+        self.executor = types.SimpleNamespace(on_fatal=None)  # AsyncEngine hooks a rank death here
+
+    def close(self) -> None:
+        """Nothing to stop (AsyncEngine.shutdown calls it)."""
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         raise AssertionError("AsyncEngine leaves checking to its caller or to add_request")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
 
 import pytest
 
@@ -100,6 +101,10 @@ class FailingEngine:
         self.queued: list[str] = []
         self.fail, self.fatal, self.hang, self.steps = fail, fatal, hang, 0
         self.last_step = None
+        self.executor = types.SimpleNamespace(on_fatal=None)  # AsyncEngine hooks a rank death here
+
+    def close(self) -> None:
+        """Nothing to stop (AsyncEngine.shutdown calls it)."""
 
     def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="", priority=0) -> None:
         self.queued.append(request_id)

@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    "what a profiled full step leaves (used when --kv-cache-memory and --num-kv-blocks are not given)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache size in blocks of --block-size tokens (overrides --kv-cache-memory)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split each layer across N ranks, one process each (torch.distributed: gloo on CPU, NCCL on "
+                   "CUDA, one GPU per rank); the model's heads and KV heads must be divisible by N")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads (default: one per core; idle OpenMP threads sleep, OMP_WAIT_POLICY=PASSIVE, "
                    "unless you set it or GOMP_SPINCOUNT)")

@@ -52,6 +52,16 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks split each layer, and how long a rank may keep the others waiting."""
+
+    tensor_parallel_size: int = 1
+    # A collective (all-reduce) or a rank's start-up that waits longer than this means a hung rank: the step
+    # raises and the engine dies (/health 503, exit 1). It also bounds how long a rank waits for the others.
+    rank_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine; derived values are resolved by the engine itself."""
 
@@ -68,6 +78,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: "SpeculativeConfig | None" = None
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
@@ -112,6 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, revision=args.revision, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, speculative=args.speculative_config, cuda_graphs=args.cuda_graphs,
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,

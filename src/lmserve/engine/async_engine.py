@@ -105,6 +105,8 @@ class AsyncEngine:
         self._failed_in_a_row = 0
         self.num_requests_in_flight = 0
         self._handlers: dict[type, Callable] = {AddRequest: self._add, AbortRequest: self._abort, Wake: _ignore}
+        # a tensor-parallel rank that dies while the engine is idle is fatal too (worker/executor.py's watcher)
+        engine.executor.on_fatal = self._die
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -120,6 +122,7 @@ class AsyncEngine:
         self._inbox.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout=30 if self.dead is None else 1)  # a hung thread never joins
+        self.engine.close()  # tensor-parallel worker ranks end with the engine
 
     @property
     def alive(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from lmserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
@@ -74,6 +74,10 @@ class LLM:
                                        for i in range(p.n)])
         self._run(outs, use_tqdm)
         return list(outs.values())
+
+    def close(self) -> None:
+        """Stop the engine's worker ranks (tensor parallelism); the LLM cannot generate afterwards."""
+        self.engine.close()
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -167,4 +171,5 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     spec = kw.pop("speculative_config", None)
     if isinstance(spec, dict):
         spec = SpeculativeConfig.from_dict(spec)
-    return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec, **kw)
+    parallel = ParallelConfig(**{k: kw.pop(k) for k in list(kw) if k in ("tensor_parallel_size", "rank_timeout_s")})
+    return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec, parallel=parallel, **kw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -13,9 +14,10 @@ from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.cache.sizing import blocks_for, gpu_kv_budget, num_kv_blocks
 from lmserve.config import EngineConfig
 from lmserve.engine.output_processor import OutputProcessor
-from lmserve.engine.preflight import check_kv_pool
+from lmserve.engine.preflight import check_kv_pool, check_tensor_parallel
 from lmserve.engine.tokenizer import Tokenizer
-from lmserve.loader import LoadedModel, load_model
+from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
+from lmserve.loader.sharding import TPShard
 from lmserve.request import CompletionDelta, Request, RequestStatus
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.sched.scheduler import Scheduler
@@ -26,6 +28,7 @@ from lmserve.spec.stats import SpecDecodeStats
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
 from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
+from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
 from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block, profile_forward
 
 log = logging.getLogger(__name__)
@@ -66,28 +69,19 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None) -> None:
         """Load the model named by cfg, or reuse `loaded` (and `tokenizer`) to build engines of other shapes."""
         self.cfg = cfg
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        tp = cfg.parallel.tensor_parallel_size
+        if cfg.num_threads or tp > 1:
+            torch.set_num_threads(_threads_per_rank(cfg))
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
-                                                         quantization=cfg.quantization, revision=cfg.revision)
-        self.dtype = next(self.loaded.model.parameters()).dtype
-        self.model_config = self.loaded.config
-        self.tokenizer = tokenizer or _load_tokenizer(self.loaded)
-        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.block_size = cfg.cache.block_size
-        self.num_blocks = self._num_blocks()
-        self.kv = KVCacheManager(self.num_blocks, self.block_size, cfg.cache.enable_prefix_caching)
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string))
-        self.runner = ModelRunner(self.loaded.model, self.model_config, self.num_blocks, self.block_size,
-                                  self.dtype, self.device)
-        if cfg.cuda_graphs and self.device.type == "cuda":
-            self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
-                                             capture=True)
+        self.ranks = self._start_ranks() if tp > 1 and loaded is None else None
+        shard = TPShard(0, tp) if self.ranks is not None else None
+        try:
+            self._build(loaded, tokenizer, shard)
+        except BaseException:  # the worker ranks must not outlive an engine that failed to start
+            if self.ranks is not None:
+                self.ranks.stop()
+            raise
         self.spec = cfg.speculative
         self.proposer = self._proposer()
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec else None
@@ -101,20 +95,68 @@ class LLMEngine:
         self.num_steps = 0
         self._step_out = None  # the running step's SchedulerOutput, until it has finished: fail_step needs it
         self._step_parents: list[str] = []  # client request ids of the running step's requests
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d", self.num_blocks, self.block_size,
-                 self.num_blocks * self._block_bytes() / 2**30, self.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB%s), max_model_len %d", self.num_blocks, self.block_size,
+                 self.num_blocks * self._block_bytes() / 2**30, " per rank" if self.ranks else "", self.max_model_len)
+
+    def _build(self, loaded: LoadedModel | None, tokenizer: Tokenizer | None, shard: TPShard | None) -> None:
+        """Load (this rank's part of) the model, then the tokenizer, KV cache, scheduler, runner and executor."""
+        cfg = self.cfg
+        self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
+                                                         quantization=cfg.quantization, revision=cfg.revision,
+                                                         shard=shard)
+        self.dtype = next(self.loaded.model.parameters()).dtype
+        self.model_config = self.loaded.config
+        self.tokenizer = tokenizer or _load_tokenizer(self.loaded)
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.block_size = cfg.cache.block_size
+        self.num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, cfg.cache.enable_prefix_caching)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string))
+        # the runner sees this rank's model: its KV cache holds only this rank's KV heads
+        self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
+                                  self.dtype, self.device)
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
+                                             capture=True)
+        self.executor = self._executor()
 
     def _block_bytes(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.loaded.model.config, self.block_size, self.dtype)  # per rank
+
+    def _sizing_block_bytes(self) -> int:
+        """What one block costs the memory the pool is sized against: on CPU every rank's share of it comes out
+        of the same host memory; on CUDA each rank has its own GPU."""
+        ranks = self.cfg.parallel.tensor_parallel_size if self.device.type == "cpu" else 1
+        return self._block_bytes() * ranks
+
+    def _start_ranks(self) -> RankProcesses:
+        """Check the model splits, then start ranks 1..N-1 (they load their shards while rank 0 loads its own)."""
+        check_tensor_parallel(self.cfg.parallel, read_model_config(resolve_model_path(self.cfg.model, self.cfg.revision)),
+                              self.device)
+        return RankProcesses(self.cfg, self.dtype, self.device, _threads_per_rank(self.cfg))
+
+    def _executor(self) -> UniProcExecutor | MultiprocExecutor:
+        if self.ranks is None:
+            return UniProcExecutor(self.runner)
+        self.ranks.send_pool(self.num_blocks, self.block_size, self.cfg.parallel.rank_timeout_s * 10)
+        return MultiprocExecutor(self.runner, self.ranks)
+
+    def close(self) -> None:
+        """Stop the executor's worker ranks (nothing to do without tensor parallelism)."""
+        self.executor.shutdown()
 
     def _num_blocks(self) -> int:
         c = self.cfg.cache
         if self.device.type == "cuda" and not c.sized_explicitly:
             c = replace(c, kv_cache_memory=self._profiled_gpu_budget())
         available = available_memory(self.device)
-        blocks = num_kv_blocks(c, self._block_bytes(), available, self.cfg.scheduler.max_num_seqs, self.max_model_len)
+        block_bytes = self._sizing_block_bytes()
+        blocks = num_kv_blocks(c, block_bytes, available, self.cfg.scheduler.max_num_seqs, self.max_model_len)
         if not self.cfg.cache.sized_explicitly:  # an explicit size was the user's choice (preflight warned about it)
-            check_kv_pool(c, blocks, self._block_bytes(), self.max_model_len, available, explicit=False)
+            check_kv_pool(c, blocks, block_bytes, self.max_model_len, available, explicit=False)
         return max(1, blocks)
 
     def _profiled_gpu_budget(self) -> int:
@@ -241,7 +283,7 @@ class LLMEngine:
             return []
         self._step_out = out
         self._step_parents = list(dict.fromkeys(self.scheduler.requests[s.request_id].parent_id for s in out.requests))
-        result = self.runner.execute(out)
+        result = self.executor.execute(out)
         changed = self.scheduler.update(out, result)
         spec = self._record_spec(out, result.sampled_token_ids) if self.proposer else None
         deltas = [self._delta(req) for req in changed]
@@ -349,6 +391,13 @@ class LLMEngine:
         if self.proposer is not None:
             self.draft_policy.remove(request_id)
             self.proposer.remove(request_id)
+
+
+def _threads_per_rank(cfg: EngineConfig) -> int:
+    """--num-threads, else the cores shared out between the ranks (2 cores, TP=2: one thread each)."""
+    if cfg.num_threads:
+        return cfg.num_threads
+    return max(1, len(os.sched_getaffinity(0)) // cfg.parallel.tensor_parallel_size)
 
 
 def _load_tokenizer(loaded: LoadedModel) -> Tokenizer:

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
-from lmserve.config import CacheConfig, EngineConfig
+from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.engine.tokenizer import check_tokenizer_file
 from lmserve.errors import ConfigError
 from lmserve.layers.quantized import check_scheme
 from lmserve.loader import read_model_config, resolve_model_path
+from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
 from lmserve.utils import available_memory, resolve_device, resolve_dtype
 from lmserve.worker.model_runner import kv_bytes_per_block
@@ -49,6 +50,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
             raise ConfigError(f"--quantization: {e}") from None
     path = model_path(cfg.model, cfg.revision)
     model_config = read_model_config(path)
+    check_tensor_parallel(cfg.parallel, model_config, device)
     if path.is_dir():
         check_tokenizer_file(path)
     cfg = replace(cfg, model=str(path), max_model_len=_max_model_len(cfg.max_model_len, model_config),
@@ -56,7 +58,10 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     _check_prefill_budget(cfg)
     # Before the weights load, so a fractional --kv-cache-memory sees more free memory than the engine will;
     # the engine checks its real pool again (check_kv_pool) once it knows it.
-    block_bytes, available = kv_bytes_per_block(model_config, cfg.cache.block_size, dtype), available_memory(device)
+    # each rank holds its share of the KV heads: on CUDA in its own GPU, on CPU all in the same host memory
+    per_rank = local_config(model_config, cfg.parallel.tensor_parallel_size) if device.type == "cuda" else model_config
+    block_bytes = kv_bytes_per_block(per_rank, cfg.cache.block_size, dtype)
+    available = available_memory(device)
     blocks = num_kv_blocks(cfg.cache, block_bytes, available, cfg.scheduler.max_num_seqs, cfg.max_model_len)
     check_kv_pool(cfg.cache, blocks, block_bytes, cfg.max_model_len, available)
     return CheckedConfig(cfg, model_config, path)
@@ -70,6 +75,7 @@ _AT_LEAST = (
     ("--num-kv-blocks", lambda c: c.cache.num_blocks, 1),
     ("--max-model-len", lambda c: c.max_model_len, 1),
     ("--num-threads", lambda c: c.num_threads, 1),
+    ("--tensor-parallel-size", lambda c: c.parallel.tensor_parallel_size, 1),
 )
 
 
@@ -87,6 +93,26 @@ def check_ranges(cfg: EngineConfig) -> None:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
     if not cfg.structured.compile_timeout_s > 0:
         raise ConfigError(f"--grammar-compile-timeout must be > 0 seconds, got {cfg.structured.compile_timeout_s}")
+
+
+def check_tensor_parallel(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device) -> None:
+    """Refuse a tensor-parallel size the model cannot be split by (whole heads, KV heads and MLP rows per rank)."""
+    n = parallel.tensor_parallel_size
+    if n < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {n}")
+    if n == 1:
+        return
+    for what, value in (("attention heads", model_config.num_heads), ("KV heads", model_config.num_kv_heads),
+                        ("MLP intermediate size", model_config.intermediate_size)):
+        if value % n:
+            sizes = [d for d in range(2, model_config.num_kv_heads + 1) if model_config.num_heads % d == 0
+                     and model_config.num_kv_heads % d == 0 and model_config.intermediate_size % d == 0]
+            raise ConfigError(f"--tensor-parallel-size {n}: the model's {what} ({value}) are not divisible by {n}, so "
+                              f"its layers cannot be split across {n} ranks (sizes that split it: "
+                              f"{', '.join(map(str, sizes)) or 'none'}; or 1)")
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise ConfigError(f"--tensor-parallel-size {n} needs {n} GPUs (one per rank); "
+                          f"{torch.cuda.device_count()} visible")
 
 
 def _device(name: str) -> torch.device:

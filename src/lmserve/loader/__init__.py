@@ -12,6 +12,7 @@ from typing import NoReturn
 import torch
 
 from lmserve.layers.linear import can_pack, pack_linears, skinny_coverage
+from lmserve.layers.parallel import apply_tensor_parallel, drop_row_biases
 from lmserve.layers.quantized import check_scheme, quantize_linears
 from lmserve.layers.rotary import inv_frequencies
 from lmserve.errors import CheckpointError
@@ -21,6 +22,7 @@ from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
+from lmserve.loader.sharding import TPShard, local_config, take_shard
 from lmserve.models.config import ModelConfig
 from lmserve.models.registry import build_model
 
@@ -42,6 +44,7 @@ class LoadedModel:
     peak_rss_gib: float
     gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
     runtime_quantization: str | None = None  # weight-only int8/int4 applied at load, None: float weights
+    shard: TPShard | None = None  # tensor parallelism: model holds this rank's part (model.config is per rank)
 
     @property
     def quantization(self) -> str:
@@ -91,40 +94,50 @@ def _refuse_format(path: Path) -> NoReturn:
 
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True,
-               quantization: str | None = None, revision: str | None = None) -> LoadedModel:
+               quantization: str | None = None, revision: str | None = None,
+               shard: TPShard | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     `pack` applies the fast CPU weight format (layers/linear.py); False keeps plain nn.Linear.
     `quantization` ("int8" | "int4") stores linear weights weight-only quantized (layers/quantized.py).
     `revision` picks the Hub revision when `model` is a Hub id.
+    `shard` loads only this tensor-parallel rank's part and wraps the row-parallel layers (layers/parallel.py;
+    the caller has joined the process group). `config` stays the whole model's; `model.config` is the rank's.
     """
     if quantization:
         check_scheme(quantization, device)
     path = resolve_model_path(model, revision)
     start = time.perf_counter()
     gguf = None
+    world = shard.world_size if shard is not None else 1
     if path.is_dir():
         cfg = _config_from_dir(path)
-        net = _empty_model(cfg, dtype, device)
+        net = _empty_model(local_config(cfg, world), dtype, device)
         files, weight_map = weight_files(path)
-        net.load_weights(iter_safetensors(files, weight_map))
+        net.load_weights(iter_safetensors(files, weight_map, shard))
         fmt = "safetensors"
     elif path.suffix.lower() == ".gguf":
         gguf = read_gguf(path)
         cfg = gguf_config(gguf)
-        net = _empty_model(cfg, dtype, device)
+        net = _empty_model(local_config(cfg, world), dtype, device)
         factors = rope_freq_factors(gguf)
         if factors is not None:
             net.inv_freq.copy_(net.inv_freq / factors.to(device))
-        net.load_weights(iter_gguf(gguf, cfg))
+        weights = iter_gguf(gguf, cfg)  # dequantized whole (Q/K unpermuted with the whole head count), then sliced
+        net.load_weights(weights if world == 1 else ((n, take_shard(n, t, shard), s) for n, t, s in weights))
         fmt = "gguf"
     else:
         _refuse_format(path)
     net.eval()
+    if world > 1:
+        drop_row_biases(net, shard.rank)
     if quantization == "gguf":
         if gguf is None:
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
                                   "a safetensors checkpoint (use int8 or int4)")
+        if world > 1:
+            raise CheckpointError("--quantization gguf does not split across tensor-parallel ranks yet; "
+                                  "leave it out (the ranks then dequantize the file) or use one rank")
         keep_gguf_quantized(net, gguf, cfg)
         if pack and can_pack(device, dtype):
             pack_linears(net)  # the layers that stayed float (F32/F16 tensors)
@@ -133,11 +146,13 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     elif pack and can_pack(device, dtype):
         pack_linears(net)
         _log_skinny_coverage(net)
+    if world > 1:
+        apply_tensor_parallel(net)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf if fmt == "gguf" else None, quantization)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf if fmt == "gguf" else None, quantization, shard)
 
 
 def _log_skinny_coverage(net: torch.nn.Module) -> None:

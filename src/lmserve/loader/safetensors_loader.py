@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lmserve.errors import CheckpointError
+from lmserve.loader.sharding import TPShard, shard_bounds
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -70,8 +71,12 @@ def _inside(directory: Path, name: str, index: Path) -> Path:
     return path
 
 
-def iter_safetensors(files: list[Path], weight_map: dict[str, str] | None) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield (name, tensor, file) with tensors memory-mapped from disk (no copy until the model takes them)."""
+def iter_safetensors(files: list[Path], weight_map: dict[str, str] | None,
+                     shard: TPShard | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield (name, tensor, file) with tensors memory-mapped from disk (no copy until the model takes them).
+
+    With a tensor-parallel `shard`, split tensors are read as this rank's slice only (loader/sharding.py).
+    """
     seen: set[str] = set()
     for path in files:
         try:
@@ -81,10 +86,23 @@ def iter_safetensors(files: list[Path], weight_map: dict[str, str] | None) -> It
                             (directory_name := Path(weight_map[name]).name) != path.name:
                         raise CheckpointError(f"{path}: tensor {name!r} is listed in the index under {directory_name}")
                     seen.add(name)
-                    yield name, f.get_tensor(name), str(path)
+                    yield name, _read(f, name, shard), str(path)
         except SafetensorError as e:
             raise CheckpointError(f"{path}: not a valid safetensors file ({e})") from None
     if weight_map is not None:
         missing = sorted(set(weight_map) - seen)
         if missing:
             raise CheckpointError(f"{INDEX_FILE}: {len(missing)} tensor(s) listed but not found in the shards, e.g. {missing[:3]}")
+
+
+def _read(f, name: str, shard: TPShard | None) -> torch.Tensor:
+    """The whole tensor, or only this rank's rows/columns of it (safetensors reads just that slice)."""
+    if shard is None or shard.world_size == 1:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    bounds = shard_bounds(name, tuple(part.get_shape()), shard)
+    if bounds is None:
+        return f.get_tensor(name)
+    dim, start, length = bounds
+    index = tuple(slice(start, start + length) if d == dim else slice(None) for d in range(len(part.get_shape())))
+    return part[index]

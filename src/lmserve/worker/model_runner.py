@@ -100,6 +100,17 @@ class ModelRunner:
             self._collect(out, layout, sampled, result)
         return result
 
+    @torch.inference_mode()
+    def forward_only(self, out: SchedulerOutput) -> None:
+        """A tensor-parallel worker rank's step: the same forward (and collectives) as rank 0, no LM head, no sampling.
+
+        Only the flat inputs are needed: they come from the scheduler's plain data alone, so this rank keeps
+        no sampling rows (rank 0 samples for everyone).
+        """
+        host, _ = build_inputs(out.requests, self.block_size)
+        inputs = to_device(host, self.device)
+        self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
+
     def _collect(self, out: SchedulerOutput, layout: StepLayout, s: SamplerOutput, result: RunnerOutput) -> None:
         """Download once; per request keep the accepted drafts and the one token after them."""
         ids = s.sampled_token_ids.tolist()

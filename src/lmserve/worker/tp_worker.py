@@ -1,0 +1,97 @@
+"""A tensor-parallel worker rank (ranks 1..N-1), one process each; rank 0 lives in the engine's process.
+
+The worker joins the process group, loads only its shard, builds its KV cache (its KV heads only) once
+rank 0 sends the pool size, says "ready", then runs one forward per SchedulerOutput it receives over its
+pipe: the same forward as rank 0, whose all-reduces pair with rank 0's. It never samples.
+
+It dies with its parent: the pipe's EOF (the parent closed it or died) ends the loop, and a watcher
+thread exits the process once its parent process is gone even while a collective blocks. It ignores
+SIGINT (a Ctrl-C reaches the whole process group; the parent drains first, then closes the pipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from lmserve.config import EngineConfig
+from lmserve.loader import load_model
+from lmserve.loader.sharding import TPShard
+from lmserve.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5  # how often a worker checks that its parent still lives
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank needs to join the group (plain data: it crosses a process start)."""
+
+    rank: int
+    world_size: int
+    init_method: str  # tcp://127.0.0.1:PORT, the rendezvous rank 0 serves
+    timeout_s: float
+    num_threads: int
+    parent_pid: int
+
+
+def device_for(device: torch.device, rank: int) -> torch.device:
+    """One GPU per rank on CUDA; every rank on the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def init_group(spec: RankSpec, device: torch.device) -> None:
+    """Join the default process group: gloo on CPU, NCCL on CUDA."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=spec.timeout_s))
+
+
+def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: torch.device, conn) -> None:
+    """Entry point of a worker process (multiprocessing spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), name="lmserve-parent-watch",
+                     daemon=True).start()
+    torch.set_num_threads(spec.num_threads)
+    device = device_for(device, spec.rank)
+    init_group(spec, device)
+    loaded = load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
+                        shard=TPShard(spec.rank, spec.world_size))
+    num_blocks, block_size = conn.recv()
+    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device)
+    conn.send("ready")
+    _serve(runner, conn)
+
+
+def _serve(runner: ModelRunner, conn) -> None:
+    """One forward per SchedulerOutput; None (or the pipe closing) ends the worker."""
+    import torch.distributed as dist
+
+    while True:
+        try:
+            out = conn.recv()
+        except (EOFError, OSError):
+            break
+        if out is None:
+            break
+        runner.forward_only(out)
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit at once when the parent is gone (re-parented), even if the main thread is inside a collective."""
+    while os.getppid() == parent_pid:
+        threading.Event().wait(PARENT_POLL_S)
+    os._exit(1)
