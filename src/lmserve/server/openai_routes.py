@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.ops.record import RequestRecord
-from lmserve.request import CompletionDelta, TokenLogprobs
+from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.engine.async_engine import EngineDeadError, StepFailedError
 from lmserve.server import cache_replay
@@ -104,8 +104,12 @@ async def list_models(request: Request) -> dict:
     name = st.config.served_model_name
     if not st.tenants.allows(key_name_of(request), name):  # a key sees only the models it may use
         return {"object": "list", "data": []}
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": st.created,
-                                        "owned_by": "lmserve", "max_model_len": max_len}]}
+    base = {"id": name, "object": "model", "created": st.created, "owned_by": "lmserve", "max_model_len": max_len,
+            "parent": None, "root": name}
+    loras = st.engine.loras if st.async_engine is not None else None
+    adapters = [{**base, "id": reg.name, "parent": name, "root": reg.name} for reg in (loras.registrations()
+                                                                                   if loras else ())]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 @router.post("/v1/completions")
@@ -138,13 +142,14 @@ async def start_completion(st: ServerState, req: CompletionRequest, caller: Call
                             scores_prompt_only(req))
     texts = [await _echo(st, p) if req.echo else "" for p in prompts]
     grammar = await st.compile_grammar(params)
+    lora = await st.lora_for(req.model)
     # Nothing awaits from admission until the streams are counted in flight.
     max_tokens_each = st.admit(ids_list, params, record)
     rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar,
-                                        caller.priority)
+                                        caller.priority, lora)
                             for i, (ids, max_tokens) in enumerate(zip(ids_list, max_tokens_each))])
-    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.config.served_model_name}
+    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": _model_name(st, lora)}
     usage_prompt = sum(len(ids) for ids in ids_list)
     inputs = [Prompt(ids, text) for ids, text in zip(ids_list, texts)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -178,11 +183,12 @@ async def start_chat(st: ServerState, req: ChatRequest, caller: Caller) -> Run:
     record = caller.record
     ids = await st.tokenize_chat(messages, record, template_kwargs)
     grammar = await st.compile_grammar(params)
+    lora = await st.lora_for(req.model)
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar,
-                                        priority=caller.priority)])
-    meta = {"id": rid, "created": int(time.time()), "model": st.config.served_model_name}
+                                        priority=caller.priority, lora=lora)])
+    meta = {"id": rid, "created": int(time.time()), "model": _model_name(st, lora)}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body() -> dict | None:
@@ -195,6 +201,11 @@ async def start_chat(st: ServerState, req: ChatRequest, caller: Caller) -> Run:
             for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
 
     return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools)))
+
+
+def _model_name(st: ServerState, lora: LoraRequest | None) -> str:
+    """The `model` an answer names: the adapter's name when the request ran one."""
+    return lora.name if lora is not None else st.config.served_model_name
 
 
 # The bodies a batch job's line may hold, by its `url`: the request model and how a route starts it.

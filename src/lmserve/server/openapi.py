@@ -99,11 +99,26 @@ class ModelCard(_Open):
     created: int
     owned_by: str
     max_model_len: int | None
+    parent: str | None = None  # a LoRA adapter's base model; None for the base itself
+    root: str | None = None
 
 
 class ModelList(_Open):
     object: str
     data: list[ModelCard]
+
+
+class LoraLoaded(_Open):
+    object: str
+    id: str
+    parent: str
+    loaded: bool
+
+
+class LoraUnloaded(_Open):
+    object: str
+    id: str
+    deleted: bool
 
 
 class TGIGenerated(_Open):
@@ -269,6 +284,10 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/batches"): RouteDoc(None, BatchList, (400, 401, 404)),
     ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
     ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
+    # Dynamic LoRA (server/lora_routes.py): 404 when --allow-runtime-lora-updating is off or the name is unknown.
+    ("post", "/v1/load_lora_adapter"): RouteDoc(p.LoadLoraAdapterRequest, LoraLoaded, (400, 401, 404, 413, 503)),
+    ("post", "/v1/unload_lora_adapter"): RouteDoc(p.UnloadLoraAdapterRequest, LoraUnloaded,
+                                                  (400, 401, 404, 413, 503)),
 }
 _ERROR_MODELS = (OpenAIError, TGIError)
 

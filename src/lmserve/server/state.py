@@ -14,7 +14,8 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine, RequestRejected
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
-from lmserve.request import CompletionDelta
+from lmserve.lora.peft_adapter import AdapterError
+from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
@@ -42,6 +43,8 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # more is a 400; a request naming none is held to it too
     request_read_timeout: float = 30.0  # seconds from a request's first byte to its last (slow-loris clients)
     engine_step_timeout: float | None = 300.0  # the hung-engine watchdog; None: off
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_dirs: tuple[str, ...] = ()  # the only directories those routes may read adapters from
 
     @property
     def token_limits(self) -> TokenLimits:
@@ -90,9 +93,21 @@ class ServerState:
             raise APIError(503, "the engine has stopped", headers={"Retry-After": "30"}, reason="not_ready")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
-            raise APIError(404, f"model {name[:80]!r} does not exist (this server serves "
-                           f"{self.config.served_model_name!r})", param="model", code="model_not_found")
+        """404 unless `name` is None, the base model's name or a registered adapter's."""
+        resolve_adapter(self, name)
+
+    async def lora_for(self, name: str | None) -> LoraRequest | None:
+        """The request's adapter, read from disk off the event loop unless cached; None for the base model."""
+        adapter = resolve_adapter(self, name)
+        if adapter is None:
+            return None
+        try:
+            lora = await asyncio.to_thread(self.engine.loras.get, adapter)
+        except AdapterError as e:  # its directory changed on disk since it was registered
+            raise APIError(400, str(e), param="model") from None
+        if lora is None:  # unloaded between the check and the read
+            raise _unknown_model(self, name)
+        return lora
 
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.
@@ -152,18 +167,19 @@ class ServerState:
 
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
                  record: RequestRecord, first_output: int = 0, grammar: Any = None,
-                 priority: int = 0) -> AsyncIterator[CompletionDelta]:
+                 priority: int = 0, lora: LoraRequest | None = None) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limit until it ends.
 
         `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
         record.outputs[first_output + index] (several prompts share one record). `priority`: see Request.priority.
+        `lora`: what lora_for returned (None: the base model).
         """
         if record.engine_arrival is None:
             record.engine_arrival = time.monotonic()
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar, tenant=record.key_name or "",
-                                          priority=priority)
+                                          priority=priority, lora=lora)
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index
@@ -232,6 +248,24 @@ def _record_delta(record: RequestRecord, first_output: int, d: CompletionDelta) 
             record.decode_s, record.detokenize_s = max(record.decode_s, t.decode_s), max(record.detokenize_s,
                                                                                          t.detokenize_s)
             record.num_preemptions += t.num_preemptions
+
+
+def resolve_adapter(st: ServerState, name: str | None) -> str | None:
+    """A request's model name -> the LoRA adapter it picks (None: the base model); anything else is a 404.
+
+    The one place a model name is resolved (several base models per server will extend it).
+    """
+    if name is None or name == st.config.served_model_name:
+        return None
+    loras = st.engine.loras if st.async_engine is not None else None
+    if loras is not None and loras.lookup(name) is not None:
+        return name
+    raise _unknown_model(st, name)
+
+
+def _unknown_model(st: ServerState, name: str) -> APIError:
+    return APIError(404, f"model {name[:80]!r} does not exist (this server serves "
+                    f"{st.config.served_model_name!r})", param="model", code="model_not_found")
 
 
 def state_of(request: Request) -> ServerState:

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from lmserve.layers.paged_attention import PagedAttention, native_decode
+from lmserve.lora.batch import token_slots
+from lmserve.lora.slots import LoraSlots
 from lmserve.models.config import ModelConfig
 from lmserve.request import TokenLogprobs
 from lmserve.sample import Sampler, SamplerOutput
@@ -38,8 +40,9 @@ class ModelRunner:
     """Runs the model over a scheduled batch against the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        self.lora = lora  # None: LoRA off
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
@@ -60,8 +63,12 @@ class ModelRunner:
         meta, gather = self.batch.metadata(sample_ids, drafts) if sample_ids else (None, None)
         if meta is not None and out.grammar_bitmask is not None:
             meta.grammar_bitmask, meta.grammar_rows = _grammar_rows(out, layout)
-        inputs, meta, gather, pending = to_device((host, meta, gather, self.batch.take_pending()), self.device)
+        lora_meta = self._lora_meta(out, layout) if self.lora is not None else None
+        inputs, meta, gather, pending, lora_meta = to_device((host, meta, gather, self.batch.take_pending(), lora_meta),
+                                                             self.device)
         self.batch.apply_pending(pending)
+        if self.lora is not None:
+            self.lora.batch.meta = lora_meta  # has_lora for this step: None leaves every row on the base path
         hidden = self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
         result = RunnerOutput([[] for _ in out.requests], [[] for _ in out.requests],
                               layout.num_decode_tokens, layout.num_prefill_tokens)
@@ -72,6 +79,11 @@ class ModelRunner:
             sampled = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), meta)  # [N]
             self._collect(out, layout, sampled, result)
         return result
+
+    def _lora_meta(self, out: SchedulerOutput, layout: StepLayout):
+        """The step's rows grouped by adapter slot, in the flat order build_inputs laid the tokens out."""
+        reqs = [out.requests[i] for i in layout.order]
+        return self.lora.step_meta(token_slots([r.lora_slot for r in reqs], [r.num_tokens for r in reqs]))
 
     def _collect(self, out: SchedulerOutput, layout: StepLayout, s: SamplerOutput, result: RunnerOutput) -> None:
         """Download once; per request keep the accepted drafts and the one token after them."""
