@@ -1,0 +1,239 @@
+"""Multi-LoRA: the batched delta against the per-row reference, logits against transformers + PEFT, mixed
+batches against each request alone, device slots in the scheduler and per-adapter prefix caching."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lmserve.config import CacheConfig, EngineConfig, LoraConfig
+from lmserve.engine.llm_engine import LLMEngine
+from lmserve.layers.linear import PackedLinear, can_pack
+from lmserve.layers.quantized import Int4Linear, Int8Linear
+from lmserve.loader import load_model
+from lmserve.lora.layers import LoraBatch, LoraLinear, LoraSlice, lora_delta_reference
+from lmserve.lora.peft_adapter import read_peft_adapter
+from lmserve.lora.slots import LoraSlots
+from lmserve.request import LoraRequest
+from lmserve.sampling_params import SamplingParams
+from lmserve.worker.upload import to_device
+from tests.conftest import save_tiny_hf, write_tiny_llama
+from tests.test_model_parity import assert_parity, flat_logits
+
+CPU = torch.device("cpu")
+
+
+def make_adapter(hf_model: nn.Module, out, rank: int, targets: tuple[str, ...], seed: int, alpha: int = 16,
+                 use_rslora: bool = False):
+    """A PEFT adapter on a copy of `hf_model` with random non-zero B (so it changes the output); (dir, peft model)."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(hf_model), PeftLoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.05 if "lora_B" in name else 1 / p.shape[-1] ** 0.5))
+    peft_model.save_pretrained(out)
+    return out, peft_model.eval()
+
+
+def set_step(slots: LoraSlots, token_slots: list[int]) -> None:
+    slots.batch.meta = to_device(slots.step_meta(np.asarray(token_slots, dtype=np.int64)), CPU)
+
+
+# -- the batched delta against the per-row reference, on every weight format ----------------------------------
+
+def _bases(linear: nn.Linear) -> dict[str, nn.Module]:
+    bases = {"linear": linear, "int8": Int8Linear(linear), "int4": Int4Linear(linear)}
+    if can_pack(CPU, torch.float32):
+        bases["packed"] = PackedLinear(linear)
+    return bases
+
+
+@pytest.mark.parametrize("fmt", ["linear", "packed", "int8", "int4"])
+def test_batched_delta_matches_reference_and_keeps_base_rows(fmt):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96 + 32 + 32, bias=False)
+    base = _bases(linear).get(fmt)
+    if base is None:
+        pytest.skip("oneDNN packing is not available here")
+    slices = [LoraSlice("q_proj", 0, 96), LoraSlice("k_proj", 96, 32), LoraSlice("v_proj", 128, 32)]
+    layer = LoraLinear(base, slices, LoraBatch(), max_loras=3, max_rank=8, in_features=64, dtype=torch.float32,
+                       device=CPU)
+    with torch.no_grad():
+        layer.lora_a.normal_()
+        for i in range(3):
+            layer.lora_b(i).normal_()
+        layer.lora_b(1)[2].zero_()  # slot 2 has no k_proj: only q and v change
+    x = torch.randn(11, 64)
+    token_slots = [-1, 0, 2, 2, -1, 1, 0, 0, 0, 2, -1]
+    y_base = base(x)
+    from lmserve.lora.batch import lora_segments
+
+    layer.batch.meta = to_device(lora_segments(np.asarray(token_slots), [8, 8, 8]), CPU)
+    with torch.inference_mode():
+        y = layer(x)
+        ref = lora_delta_reference(layer, x, y_base, token_slots)
+    base_rows = [t for t, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(y[base_rows], y_base[base_rows]), "base rows must be the base layer's output, bit for bit"
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[[2, 3, 9], 96:128], y_base[[2, 3, 9], 96:128]), "an adapter without k_proj leaves k alone"
+    assert not torch.allclose(y[1], y_base[1])
+    layer.batch.meta = None
+    assert torch.equal(layer(x), y_base)
+
+
+# -- logits against transformers + PEFT ------------------------------------------------------------------------
+
+ADAPTERS = ((8, ("q_proj", "v_proj")), (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj")), (8, ("o_proj", "down_proj", "up_proj")))
+
+
+def _check_against_peft(model_path, hf_model, tmp_path, prompts_len=(7, 33, 19)):
+    loaded = load_model(model_path, torch.float32, CPU)
+    slots = LoraSlots(loaded.model, loaded.config, len(ADAPTERS), 16, torch.float32, CPU)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=g).tolist() for n in prompts_len]
+    prompts.append(prompts[0])  # the same prompt on the base model, in the same flat batch
+    refs = []
+    for i, (rank, targets) in enumerate(ADAPTERS):
+        path, peft_model = make_adapter(hf_model, tmp_path / f"a{i}", rank, targets, seed=i,
+                                        use_rslora=i == 2)
+        assert slots.acquire(LoraRequest(f"a{i}", i + 1, read_peft_adapter(path, loaded.config, name=f"a{i}")), set())
+        with torch.no_grad():
+            refs.append(peft_model(torch.tensor([prompts[i]])).logits[0])
+        del peft_model
+    set_step(slots, [s for i, p in enumerate(prompts) for s in [i if i < len(ADAPTERS) else -1] * len(p)])
+    ours = flat_logits(loaded.model, prompts)
+    for i, ref in enumerate(refs):
+        assert_parity(ours[i], ref)
+        assert (ours[i] - ours[-1][:len(ours[i])] if i == 0 else ours[i]).abs().max() > 1e-2  # the adapter matters
+    slots.batch.meta = None
+    alone = flat_logits(loaded.model, [prompts[-1]])[0]
+    assert torch.equal(ours[-1], alone), "the base row in a LoRA batch is the base model's, bit for bit"
+
+
+def test_tiny_safetensors_llama_matches_peft(tmp_path):
+    path, hf_model = save_tiny_hf(tmp_path, "llama")
+    _check_against_peft(path, hf_model, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smol_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_embedded_gguf_matches_peft(smol_path, smol_hf, tmp_path):
+    _check_against_peft(smol_path, smol_hf, tmp_path, prompts_len=(5, 21, 12))
+
+
+# -- the engine: mixed batches, slots, prefix caching -----------------------------------------------------------
+
+@pytest.mark.slow
+def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, smol_hf, tmp_path):
+    specs = [(8, ("q_proj", "v_proj")), (16, ("gate_proj", "up_proj", "down_proj")), (8, ("o_proj", "k_proj")),
+             (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))]
+    modules = tuple((f"a{i}", str(make_adapter(smol_hf, tmp_path / f"a{i}", r, t, seed=10 + i)[0]))
+                    for i, (r, t) in enumerate(specs))
+    engine = LLMEngine(EngineConfig(model=str(smol_path), num_threads=2, cache=CacheConfig(num_blocks=128),
+                                    lora=LoraConfig(modules, max_loras=4, max_cpu_loras=4, max_lora_rank=16)))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = "The capital of France is"
+    names = ["a0", "a1", None, "a2", "a3", None]
+
+    def run(which: list[int]) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        for i in which:
+            lora = engine.loras.get(names[i]) if names[i] else None
+            engine.add_request(f"r{i}", prompt, params, lora=lora)
+        while engine.has_unfinished():
+            for d in engine.step():
+                tokens.setdefault(d.request_id, []).extend(d.token_ids)
+        return tokens
+
+    alone = {}
+    for i in range(len(names)):
+        alone.update(run([i]))
+    together = run(list(range(len(names))))
+    assert together == alone
+    assert len({tuple(t) for t in alone.values()}) >= 4, "the adapters should change the greedy tokens"
+    assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_parts(tmp_path_factory):
+    """A tiny random Llama checkpoint (with a tokenizer) and two PEFT adapters for it."""
+    from transformers import LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny_lora")
+    write_tiny_llama(root / "tiny")
+    hf = LlamaForCausalLM.from_pretrained(str(root / "tiny"), dtype=torch.float32).eval()
+    a = make_adapter(hf, root / "a", 8, ("q_proj", "v_proj"), seed=1)[0]
+    b = make_adapter(hf, root / "b", 4, ("down_proj",), seed=2)[0]
+    return root / "tiny", (("a", str(a)), ("b", str(b)))
+
+
+def _tiny_engine(parts, max_loras: int) -> LLMEngine:
+    model, modules = parts
+    return LLMEngine(EngineConfig(model=str(model), num_threads=1, cache=CacheConfig(num_blocks=64, block_size=4),
+                                  lora=LoraConfig(modules, max_loras=max_loras, max_cpu_loras=2, max_lora_rank=8)))
+
+
+def test_request_waits_for_a_slot_while_base_and_others_go_ahead(tiny_engine_parts):
+    engine = _tiny_engine(tiny_engine_parts, max_loras=1)
+    a, b = engine.loras.get("a"), engine.loras.get("b")
+    engine.add_request("ra", "w5 w6 w7", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), lora=a)
+    engine.add_request("rb", "w5 w6 w7", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), lora=b)
+    engine.add_request("rbase", "w5 w6 w7", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    engine.step()
+    running = [r.request_id for r in engine.scheduler.running]
+    assert running == ["ra", "rbase"] and [r.request_id for r in engine.scheduler.waiting] == ["rb"]
+    assert engine.lora_slots.slot_names == ["a"]
+    while "ra" in engine.scheduler.requests:
+        engine.step()
+    engine.step()  # a's slot is free now: b takes it
+    assert engine.lora_slots.slot_names == ["b"] and "rb" in [r.request_id for r in engine.scheduler.running]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+def test_prefix_cache_blocks_never_cross_adapters(tiny_engine_parts):
+    engine = _tiny_engine(tiny_engine_parts, max_loras=2)
+    prompt = " ".join(f"w{i}" for i in range(10, 23))  # 13 tokens: three full blocks of 4
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def hits_after(rid: str, lora: LoraRequest | None) -> int:
+        before = engine.kv.prefix_hits
+        engine.add_request(rid, prompt, params, lora=lora)
+        while engine.has_unfinished():
+            engine.step()
+        return engine.kv.prefix_hits - before
+
+    a, b = engine.loras.get("a"), engine.loras.get("b")
+    assert hits_after("1", a) == 0
+    assert hits_after("2", b) == 0, "adapter b must not reuse adapter a's blocks"
+    assert hits_after("3", None) == 0, "the base model must not reuse an adapter's blocks"
+    assert hits_after("4", a) == 12
+    assert hits_after("5", None) == 12
+
+
+def test_host_cache_keeps_max_cpu_loras_and_rereads(tiny_engine_parts, tmp_path):
+    engine = _tiny_engine(tiny_engine_parts, max_loras=1)
+    reg = engine.loras
+    loads = reg.num_loads
+    c = reg.register("c", tiny_engine_parts[1][0][1])  # a third adapter: the LRU (2) drops the oldest
+    assert reg.num_evictions == 1 and len(reg.cached_ids()) == 2 and c.lora_int_id not in (1, 2)
+    first = reg.registrations()[0].name
+    assert reg.get(first) is not None and reg.num_loads == loads + 2  # evicted: read again from disk
+    assert reg.unregister("c") and reg.get("c") is None
