@@ -1,1 +1,1 @@
-""""""
+"""LoRA adapters: reading PEFT adapter directories, merging and exporting them."""

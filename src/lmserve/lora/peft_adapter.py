@@ -1,4 +1,10 @@
-"""Read and check a PEFT LoRA adapter directory into plain data (interim copy of branch lora-merge's interface)."""
+"""Read and validate a PEFT LoRA adapter directory into plain tensors, knowing nothing of the engine.
+
+An adapter directory holds `adapter_config.json` and `adapter_model.safetensors` (PEFT's
+`save_pretrained`). Every tensor's shape is checked against the base model's `ModelConfig`, so an
+adapter trained for another base is refused here, before any engine sees it. Each refusal is one
+`AdapterError` whose message names the file, field or tensor at fault.
+"""
 
 from __future__ import annotations
 
@@ -8,120 +14,212 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
 
 from lmserve.models.config import ModelConfig
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# HF projection name -> the decoder sub-module it lives in.
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# Config fields that change what the adapter computes beyond W + s * B @ A: refused when set.
+_UNSUPPORTED_FIELDS = {
+    "modules_to_save": "modules_to_save (fully trained copies of base modules)",
+    "use_dora": "use_dora (DoRA)",
+    "lora_bias": "lora_bias (a bias on lora_B)",
+    "trainable_token_indices": "trainable_token_indices (embedding updates)",
+    "layer_replication": "layer_replication",
+    "target_parameters": "target_parameters (LoRA on raw parameters)",
+    "fan_in_fan_out": "fan_in_fan_out (transposed, Conv1D-style weights)",
+}
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
+_TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be used with this base model; the message names the problem (a 400 when served)."""
 
 
 @dataclass(frozen=True)
 class LoraModule:
-    """One projection's adapter: delta W = scaling * b @ a."""
+    """One adapted projection: its output gains `scaling * (x @ a.T) @ b.T`."""
 
-    a: torch.Tensor  # [rank, in_features] float32
-    b: torch.Tensor  # [out_features, rank] float32
-    scaling: float
+    a: torch.Tensor  # [rank, in_features] float32 (PEFT's lora_A.weight)
+    b: torch.Tensor  # [out_features, rank] float32 (PEFT's lora_B.weight)
+    scaling: float  # lora_alpha / rank, or lora_alpha / sqrt(rank) with use_rslora
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    def delta(self) -> torch.Tensor:
+        """The dense weight update `scaling * b @ a`, [out_features, in_features] float32."""
+        return (self.b @ self.a) * self.scaling
 
 
 @dataclass(frozen=True)
 class PeftAdapter:
-    """A PEFT LoRA adapter read into memory and checked against a base model."""
+    """A validated adapter: float32 A/B per (decoder layer index, HF projection name)."""
 
     name: str
     path: str
-    rank: int
-    target_modules: tuple[str, ...]
+    rank: int  # the largest rank of its modules
+    target_modules: tuple[str, ...]  # HF projection names present, sorted
     modules: dict[tuple[int, str], LoraModule]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all a and b tensors."""
-        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served, with one clear message."""
-
-
-def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (cfg.q_size, h), "k_proj": (cfg.kv_size, h), "v_proj": (cfg.kv_size, h),
-            "o_proj": (h, cfg.q_size), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        """Bytes of all A and B tensors."""
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
 
 
 def read_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str, max_rank: int = 64) -> PeftAdapter:
-    """Read `path`'s adapter_config.json and adapter_model.safetensors; AdapterError names any problem."""
-    d = Path(path)
-    conf_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
-    if not conf_file.is_file():
-        raise AdapterError(f"{d}: no adapter_config.json (not a PEFT adapter directory)")
-    if not weights.is_file():
-        if (d / "adapter_model.bin").is_file():
-            raise AdapterError(f"{d}: only a pickle adapter_model.bin; convert it to adapter_model.safetensors")
-        raise AdapterError(f"{d}: no adapter_model.safetensors")
-    try:
-        conf = json.loads(conf_file.read_text())
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"{conf_file}: {e}") from None
-    _check_config(conf)
-    modules = _read_modules(weights, conf, cfg, max_rank)
-    rank = max(m.a.shape[0] for m in modules.values())
-    targets = tuple(sorted({p for _, p in modules}))
-    return PeftAdapter(name, str(d), rank, targets, modules)
-
-
-def _check_config(conf: dict) -> None:
-    if conf.get("peft_type") != "LORA":
-        raise AdapterError(f"peft_type {conf.get('peft_type')!r} is not supported (only LORA)")
-    if conf.get("modules_to_save"):
-        raise AdapterError("modules_to_save is not supported")
-    if conf.get("use_dora"):
-        raise AdapterError("DoRA (use_dora) is not supported")
-    if conf.get("bias", "none") != "none":
-        raise AdapterError(f"bias {conf.get('bias')!r} is not supported (only 'none')")
-    targets = conf.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else targets
-    bad = [t for t in targets if t not in PROJECTIONS]
-    if bad:
-        raise AdapterError(f"target modules {bad} are not supported (embedding/lm_head LoRA included); "
-                           f"supported: {', '.join(PROJECTIONS)}")
-
-
-def _scaling(conf: dict, key: str, rank: int) -> float:
-    alpha = conf.get("lora_alpha", 8)
-    for pattern, value in (conf.get("alpha_pattern") or {}).items():
-        if re.search(pattern, key):
-            alpha = value
-    return alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
-
-
-def _read_modules(weights: Path, conf: dict, cfg: ModelConfig, max_rank: int) -> dict[tuple[int, str], LoraModule]:
-    shapes = _shapes(cfg)
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(weights), framework="pt") as f:
-        for key in f.keys():
-            m = _NAME.match(key)
-            if m is None or m.group(3) not in PROJECTIONS or int(m.group(1)) >= cfg.num_layers:
-                raise AdapterError(f"{weights.name}: unexpected tensor {key!r}")
-            parts.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = f.get_tensor(key).float()
-    modules = {}
-    for (layer, proj), ab in parts.items():
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{weights.name}: layer {layer} {proj} lacks lora_A or lora_B")
-        a, b = ab["A"], ab["B"]
-        rank = a.shape[0]
+    """Read the PEFT adapter directory `path`, checked against the base `cfg`; AdapterError on any problem."""
+    root = Path(path)
+    config = _read_config(root)
+    tensors = _read_tensors(root)
+    pairs = _group_pairs(tensors)
+    modules: dict[tuple[int, str], LoraModule] = {}
+    for (layer, proj), (a, b) in sorted(pairs.items()):
+        key = f"model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+        rank, alpha = _rank_alpha(config, key)
+        _check_shapes(key, a, b, layer, proj, rank, cfg)
         if rank > max_rank:
-            raise AdapterError(f"rank {rank} exceeds --max-lora-rank {max_rank}")
-        out_f, in_f = shapes[proj]
-        for t, want, nm in ((a, (rank, in_f), "lora_A"), (b, (out_f, rank), "lora_B")):
-            if tuple(t.shape) != want:
-                raise AdapterError(f"tensor layers.{layer}.{proj}.{nm} has shape {tuple(t.shape)}, "
-                                   f"the base model needs {want}")
-        modules[(layer, proj)] = LoraModule(a.contiguous(), b.contiguous(), _scaling(conf, f"layers.{layer}.{proj}", rank))
+            raise AdapterError(f"adapter {root}: rank {rank} of {key} is above the maximum LoRA rank {max_rank} "
+                               "(raise --max-lora-rank)")
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        modules[(layer, proj)] = LoraModule(a=a, b=b, scaling=float(scale))
     if not modules:
-        raise AdapterError(f"{weights.name}: no LoRA tensors")
-    return modules
+        raise AdapterError(f"adapter {root}: {WEIGHTS_FILE} holds no LoRA tensors")
+    return PeftAdapter(name=name, path=str(root), rank=max(m.rank for m in modules.values()),
+                       target_modules=tuple(sorted({proj for _, proj in modules})), modules=modules)
+
+
+def _read_config(root: Path) -> dict[str, Any]:
+    """adapter_config.json, parsed, with every unsupported feature refused by name."""
+    if not root.is_dir():
+        raise AdapterError(f"adapter {root}: not a directory (expected a PEFT adapter directory with {CONFIG_FILE})")
+    file = root / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(f"adapter {root}: {CONFIG_FILE} is missing")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"adapter {file}: cannot be read as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter {file}: expected a JSON object")
+    if config.get("peft_type") != "LORA":
+        raise AdapterError(f"adapter {file}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    for field, what in _UNSUPPORTED_FIELDS.items():
+        if config.get(field):
+            raise AdapterError(f"adapter {file}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"adapter {file}: bias {config['bias']!r} is not supported (only 'none')")
+    _check_targets(file, config.get("target_modules"))
+    for field in ("r", "lora_alpha"):
+        value = config.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise AdapterError(f"adapter {file}: {field} must be a positive number, got {value!r}")
+    return config
+
+
+def _check_targets(file: Path, targets: Any) -> None:
+    """A list of target names must stay within the seven projections (a regex string is checked by tensor names)."""
+    if not isinstance(targets, (list, tuple)):
+        return
+    for target in targets:
+        leaf = str(target).rsplit(".", 1)[-1]
+        if leaf in ("embed_tokens", "lm_head"):
+            raise AdapterError(f"adapter {file}: LoRA on {leaf} (embedding/LM head) is not supported")
+        if leaf not in PROJECTIONS:
+            raise AdapterError(f"adapter {file}: target module {target!r} is not supported "
+                               f"(supported: {', '.join(PROJECTIONS)})")
+
+
+def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors, memory-mapped, every tensor as float32; a pickle-only adapter is refused."""
+    from safetensors import SafetensorError, safe_open
+
+    file = root / WEIGHTS_FILE
+    if not file.is_file():
+        if (root / "adapter_model.bin").exists():
+            raise AdapterError(f"adapter {root}: only a pickle adapter_model.bin is present; pickle is refused, "
+                               f"save the adapter as {WEIGHTS_FILE} (PEFT: save_pretrained(safe_serialization=True))")
+        raise AdapterError(f"adapter {root}: {WEIGHTS_FILE} is missing")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AdapterError(f"adapter {file}: cannot be read ({e})") from None
+    for key, t in tensors.items():
+        if not t.is_floating_point():
+            raise AdapterError(f"adapter {file}: tensor {key} has dtype {t.dtype}, expected a float type")
+    return {k: t.to(torch.float32).contiguous() for k, t in tensors.items()}
+
+
+def _group_pairs(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Tensor names -> {(layer, projection): (A, B)}; names outside the seven projections are refused."""
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _TENSOR_RE.match(key)
+        if m is None or PROJECTIONS.get(m.group(3)) != m.group(2):
+            raise AdapterError(f"adapter tensor {key}: {_unknown_reason(key)}")
+        halves.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
+    for (layer, proj), pair in halves.items():
+        if len(pair) != 2:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise AdapterError(f"adapter: model.layers.{layer}.{PROJECTIONS[proj]}.{proj} has no {missing}.weight")
+    return {k: (v["A"], v["B"]) for k, v in halves.items()}
+
+
+def _unknown_reason(key: str) -> str:
+    if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
+        return "LoRA on the embedding/LM head is not supported"
+    if "lora_magnitude_vector" in key:
+        return "DoRA (use_dora) is not supported"
+    if key.endswith("lora_B.bias"):
+        return "lora_bias is not supported"
+    return f"unknown tensor name (expected LoRA A/B weights of {', '.join(PROJECTIONS)})"
+
+
+def _pattern_value(patterns: Mapping[str, Any], key: str, default: Any) -> Any:
+    """PEFT's rank_pattern/alpha_pattern lookup: the first pattern that matches the end of the module name."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def _rank_alpha(config: Mapping[str, Any], key: str) -> tuple[int, float]:
+    """This module's rank and lora_alpha after rank_pattern/alpha_pattern."""
+    rank = _pattern_value(config.get("rank_pattern") or {}, key, config["r"])
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, key, config["lora_alpha"])
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise AdapterError(f"adapter: rank of {key} must be a positive integer, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise AdapterError(f"adapter: lora_alpha of {key} must be a positive number, got {alpha!r}")
+    return rank, float(alpha)
+
+
+def _expected_shapes(proj: str, rank: int, cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(A shape, B shape) of a rank-`rank` LoRA on `proj` of this base."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    in_out = {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
+              "o_proj": (cfg.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[proj]
+    return (rank, in_out[0]), (in_out[1], rank)
+
+
+def _check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, layer: int, proj: str, rank: int,
+                  cfg: ModelConfig) -> None:
+    """Both tensors' shapes against the base model; the message names the tensor and both shapes."""
+    if layer >= cfg.num_layers:
+        raise AdapterError(f"adapter tensor {key}.lora_A.weight: layer {layer} does not exist "
+                           f"(the base model has {cfg.num_layers} layers)")
+    want_a, want_b = _expected_shapes(proj, rank, cfg)
+    for half, t, want in (("lora_A", a, want_a), ("lora_B", b, want_b)):
+        if tuple(t.shape) != want:
+            raise AdapterError(f"adapter tensor {key}.{half}.weight has shape {list(t.shape)}, but the base model "
+                               f"needs {list(want)} (an adapter for another base model, or a wrong rank)")
