@@ -3,8 +3,6 @@ batches against each request alone, device slots in the scheduler and per-adapte
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -21,26 +19,11 @@ from lmserve.lora.slots import LoraSlots
 from lmserve.request import LoraRequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.upload import to_device
-from tests.conftest import save_tiny_hf, write_tiny_llama
+from tests.conftest import save_tiny_hf
+from tests.lora_adapters import make_peft_adapter, peft_reference, reference_logits, tiny_llama_checkpoint
 from tests.test_model_parity import assert_parity, flat_logits
 
 CPU = torch.device("cpu")
-
-
-def make_adapter(hf_model: nn.Module, out, rank: int, targets: tuple[str, ...], seed: int, alpha: int = 16,
-                 use_rslora: bool = False):
-    """A PEFT adapter on a copy of `hf_model` with random non-zero B (so it changes the output); (dir, peft model)."""
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
-
-    peft_model = get_peft_model(copy.deepcopy(hf_model), PeftLoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora, lora_dropout=0.0))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.05 if "lora_B" in name else 1 / p.shape[-1] ** 0.5))
-    peft_model.save_pretrained(out)
-    return out, peft_model.eval()
 
 
 def set_step(slots: LoraSlots, token_slots: list[int]) -> None:
@@ -95,7 +78,7 @@ ADAPTERS = ((8, ("q_proj", "v_proj")), (16, ("q_proj", "k_proj", "v_proj", "o_pr
                                            "down_proj")), (8, ("o_proj", "down_proj", "up_proj")))
 
 
-def _check_against_peft(model_path, hf_model, tmp_path, prompts_len=(7, 33, 19)):
+def _check_against_peft(model_path, tmp_path, prompts_len=(7, 33, 19)):
     loaded = load_model(model_path, torch.float32, CPU)
     slots = LoraSlots(loaded.model, loaded.config, len(ADAPTERS), 16, torch.float32, CPU)
     g = torch.Generator().manual_seed(2)
@@ -103,51 +86,42 @@ def _check_against_peft(model_path, hf_model, tmp_path, prompts_len=(7, 33, 19))
     prompts.append(prompts[0])  # the same prompt on the base model, in the same flat batch
     refs = []
     for i, (rank, targets) in enumerate(ADAPTERS):
-        path, peft_model = make_adapter(hf_model, tmp_path / f"a{i}", rank, targets, seed=i,
-                                        use_rslora=i == 2)
+        path = make_peft_adapter(tmp_path / f"a{i}", model_path, rank=rank, target_modules=targets, seed=i,
+                                 use_rslora=i == 2)
         assert slots.acquire(LoraRequest(f"a{i}", i + 1, read_peft_adapter(path, loaded.config, name=f"a{i}")), set())
-        with torch.no_grad():
-            refs.append(peft_model(torch.tensor([prompts[i]])).logits[0])
-        del peft_model
+        with peft_reference(model_path, path) as ref:
+            refs.append(reference_logits(ref, prompts[i]))
     set_step(slots, [s for i, p in enumerate(prompts) for s in [i if i < len(ADAPTERS) else -1] * len(p)])
     ours = flat_logits(loaded.model, prompts)
+    slots.batch.meta = None
     for i, ref in enumerate(refs):
         assert_parity(ours[i], ref)
-        assert (ours[i] - ours[-1][:len(ours[i])] if i == 0 else ours[i]).abs().max() > 1e-2  # the adapter matters
-    slots.batch.meta = None
+        assert (ours[i] - flat_logits(loaded.model, [prompts[i]])[0]).abs().max() > 1e-2, "the adapter must matter"
     alone = flat_logits(loaded.model, [prompts[-1]])[0]
     assert torch.equal(ours[-1], alone), "the base row in a LoRA batch is the base model's, bit for bit"
 
 
 def test_tiny_safetensors_llama_matches_peft(tmp_path):
-    path, hf_model = save_tiny_hf(tmp_path, "llama")
-    _check_against_peft(path, hf_model, tmp_path)
-
-
-@pytest.fixture(scope="module")
-def smol_hf(smol_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name,
-                                                dtype=torch.float32).eval()
+    path, _ = save_tiny_hf(tmp_path, "llama")
+    _check_against_peft(path, tmp_path)
 
 
 @pytest.mark.slow
-def test_embedded_gguf_matches_peft(smol_path, smol_hf, tmp_path):
-    _check_against_peft(smol_path, smol_hf, tmp_path, prompts_len=(5, 21, 12))
+def test_embedded_gguf_matches_peft(smol_path, tmp_path):
+    _check_against_peft(smol_path, tmp_path, prompts_len=(5, 21, 12))
 
 
 # -- the engine: mixed batches, slots, prefix caching -----------------------------------------------------------
 
 @pytest.mark.slow
-def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, smol_hf, tmp_path):
+def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, tmp_path):
     specs = [(8, ("q_proj", "v_proj")), (16, ("gate_proj", "up_proj", "down_proj")), (8, ("o_proj", "k_proj")),
              (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))]
-    modules = tuple((f"a{i}", str(make_adapter(smol_hf, tmp_path / f"a{i}", r, t, seed=10 + i)[0]))
-                    for i, (r, t) in enumerate(specs))
+    modules = tuple((f"a{i}", str(make_peft_adapter(tmp_path / f"a{i}", smol_path, rank=r, target_modules=t,
+                                                    seed=10 + i))) for i, (r, t) in enumerate(specs))
     engine = LLMEngine(EngineConfig(model=str(smol_path), num_threads=2, cache=CacheConfig(num_blocks=128),
                                     lora=LoraConfig(modules, max_loras=4, max_cpu_loras=4, max_lora_rank=16)))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompt = "The capital of France is"
     names = ["a0", "a1", None, "a2", "a3", None]
 
@@ -173,14 +147,11 @@ def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, smol
 @pytest.fixture(scope="module")
 def tiny_engine_parts(tmp_path_factory):
     """A tiny random Llama checkpoint (with a tokenizer) and two PEFT adapters for it."""
-    from transformers import LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("tiny_lora")
-    write_tiny_llama(root / "tiny")
-    hf = LlamaForCausalLM.from_pretrained(str(root / "tiny"), dtype=torch.float32).eval()
-    a = make_adapter(hf, root / "a", 8, ("q_proj", "v_proj"), seed=1)[0]
-    b = make_adapter(hf, root / "b", 4, ("down_proj",), seed=2)[0]
-    return root / "tiny", (("a", str(a)), ("b", str(b)))
+    model = tiny_llama_checkpoint(root)
+    a = make_peft_adapter(root / "a", model, rank=8, target_modules=("q_proj", "v_proj"), seed=1)
+    b = make_peft_adapter(root / "b", model, rank=4, target_modules=("down_proj",), seed=2)
+    return model, (("a", str(a)), ("b", str(b)))
 
 
 def _tiny_engine(parts, max_loras: int) -> LLMEngine:
