@@ -125,22 +125,30 @@ def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, tmp_
     prompt = "The capital of France is"
     names = ["a0", "a1", None, "a2", "a3", None]
 
-    def run(which: list[int]) -> dict[str, list[int]]:
+    def run(which: list[int]) -> tuple[dict[str, list[int]], dict[str, float]]:
         tokens: dict[str, list[int]] = {}
+        logprob: dict[str, float] = {}  # of the whole greedy continuation: it shows the adapter even where tokens agree
         for i in which:
             lora = engine.loras.get(names[i]) if names[i] else None
             engine.add_request(f"r{i}", prompt, params, lora=lora)
         while engine.has_unfinished():
             for d in engine.step():
                 tokens.setdefault(d.request_id, []).extend(d.token_ids)
-        return tokens
+                if d.finished:
+                    logprob[d.request_id] = d.cumulative_logprob
+        return tokens, logprob
 
-    alone = {}
+    alone_tokens, alone_lp = {}, {}
     for i in range(len(names)):
-        alone.update(run([i]))
-    together = run(list(range(len(names))))
-    assert together == alone
-    assert len({tuple(t) for t in alone.values()}) >= 4, "the adapters should change the greedy tokens"
+        t, lp = run([i])
+        alone_tokens.update(t)
+        alone_lp.update(lp)
+    together_tokens, together_lp = run(list(range(len(names))))
+    assert together_tokens == alone_tokens
+    assert together_lp == pytest.approx(alone_lp, abs=1e-3)
+    base_lp = alone_lp["r2"]
+    assert alone_lp["r5"] == base_lp
+    assert all(abs(alone_lp[f"r{i}"] - base_lp) > 1e-2 for i in (0, 1, 3, 4)), "each adapter must change the output"
     assert engine.kv.num_free_blocks == engine.num_blocks
 
 
