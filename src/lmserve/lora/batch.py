@@ -13,20 +13,22 @@ def token_slots(req_slots: list[int], req_lens: list[int]) -> np.ndarray:
 
 
 def lora_segments(slots: np.ndarray, slot_ranks: list[int]) -> LoraMeta | None:
-    """Group the rows of each used slot; None when no row uses an adapter (has_lora is false this step).
+    """Group the rows of each slot 0..highest used; None when no row uses an adapter (has_lora is false).
 
-    Segments are padded to the longest one (padding repeats the segment's first row, masked to a zero
-    delta), so the wrappers run one bmm over all segments: with 32 rows over 8 adapters that is [8, 4, in].
+    Segments are padded to the longest one, so the wrappers run one bmm over all of them: with 32 rows
+    over 8 adapters that is [8, 4, in]. Padding (and an unused slot's whole segment) points at a row that
+    carries an adapter, with mask 0: it adds an exact +0.0 there, and nothing ever reaches a base row.
     """
-    used = np.unique(slots[slots >= 0])
-    if used.size == 0:
+    lora_rows = np.flatnonzero(slots >= 0)
+    if lora_rows.size == 0:
         return None
-    groups = [np.flatnonzero(slots == s) for s in used]
+    num_segs = int(slots.max()) + 1
+    groups = [np.flatnonzero(slots == s) for s in range(num_segs)]
     width = max(len(g) for g in groups)
-    rows = np.empty((len(groups), width), dtype=np.int64)
-    mask = np.zeros((len(groups), width, 1), dtype=np.float32)
+    rows = np.full((num_segs, width), lora_rows[0], dtype=np.int64)
+    mask = np.zeros((num_segs, width, 1), dtype=np.float32)
     for i, g in enumerate(groups):
-        rows[i, :len(g)], rows[i, len(g):] = g, g[0]
+        rows[i, :len(g)] = g
         mask[i, :len(g)] = 1.0
-    rank = max(slot_ranks[s] for s in used)
-    return LoraMeta(used.astype(np.int64), rows, mask, max(rank, 1))
+    rank = max(slot_ranks[s] for s in np.unique(slots[lora_rows]))
+    return LoraMeta(rows, mask, max(rank, 1))

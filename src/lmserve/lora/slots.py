@@ -77,7 +77,7 @@ class LoraSlots:
         if lora.lora_int_id in self.slot_ids:
             self._last_used[self.slot_ids.index(lora.lora_int_id)] = next(self._clock)
             return True
-        free = [s for s in range(self.max_loras) if self.slot_ids[s] is None]
+        free = [s for s in range(self.max_loras) if self.slot_ids[s] is None]  # lowest first: segments stay few
         if not free:
             free = sorted((s for s in range(self.max_loras) if self.slot_ids[s] not in busy),
                           key=lambda s: self._last_used[s])
@@ -97,8 +97,8 @@ class LoraSlots:
             for (layer, proj), module in adapter.modules.items():
                 wrapper, i = self.targets[(layer, proj)]
                 r = module.a.shape[0]
-                wrapper.lora_a[slot, i, :r].copy_(module.a)
-                wrapper.lora_b(i)[slot, :, :r].copy_(module.b * module.scaling)
+                wrapper.lora_a[slot, :r, i].copy_(module.a)
+                wrapper.lora_b(i)[slot, :r].copy_((module.b * module.scaling).T)
         self.slot_ids[slot], self.slot_names[slot] = lora.lora_int_id, lora.name
         self.slot_ranks[slot] = adapter.rank
         self._last_used[slot] = next(self._clock)

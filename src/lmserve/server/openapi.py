@@ -250,7 +250,7 @@ class RouteDoc:
 
 # 401 on every route but /health (API keys); 413 wherever a body is read; 429 per-key limits; 503 not ready.
 _GEN = (400, 401, 404, 413, 429, 500, 503)
-_TGI = (401, 413, 422, 429, 500, 503)
+_TGI = (401, 404, 413, 422, 429, 500, 503)  # 404: an unknown parameters.adapter_id
 ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/models"): RouteDoc(None, ModelList, (401,)),
     ("post", "/v1/completions"): RouteDoc(p.CompletionRequest, Completion, _GEN, (JSON, SSE)),
