@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
 import torch
 from safetensors.torch import save_file
 

@@ -68,6 +68,11 @@ def test_batched_delta_matches_reference_and_keeps_base_rows(fmt):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[[2, 3, 9], 96:128], y_base[[2, 3, 9], 96:128]), "an adapter without k_proj leaves k alone"
     assert not torch.allclose(y[1], y_base[1])
+    even = [0, 1, 0, 1, -1, 2, 2, 1, 0, 2, -1]  # three rows per slot: no padding, no mask
+    layer.batch.meta = to_device(lora_segments(np.asarray(even), [8, 8, 8]), CPU)
+    assert not layer.batch.meta.padded
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), lora_delta_reference(layer, x, y_base, even), rtol=1e-5, atol=1e-5)
     layer.batch.meta = None
     assert torch.equal(layer(x), y_base)
 

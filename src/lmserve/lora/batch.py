@@ -31,4 +31,4 @@ def lora_segments(slots: np.ndarray, slot_ranks: list[int]) -> LoraMeta | None:
         rows[i, :len(g)] = g
         mask[i, :len(g)] = 1.0
     rank = max(slot_ranks[s] for s in np.unique(slots[lora_rows]))
-    return LoraMeta(rows, mask, max(rank, 1))
+    return LoraMeta(rows, mask, rows.reshape(-1), max(rank, 1), bool((mask == 0).any()))

@@ -42,7 +42,9 @@ class LoraMeta:
 
     seg_rows: object  # [S, L] int64: segment s holds the token rows of slot s, padded (S = highest used slot + 1)
     seg_mask: object  # [S, L, 1] float32: 1 for a real row, 0 for padding (its delta is exactly zero)
+    flat_rows: object  # [S * L] int64: seg_rows flattened (where the deltas are added)
     rank: int  # the widest rank among the step's adapters: A and B are read only up to it
+    padded: bool  # some segment has padding: the mask must be applied
 
 
 class LoraBatch:
@@ -82,11 +84,12 @@ def lora_delta_batched(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta
     num_segs = meta.seg_rows.shape[0]
     a = layer.lora_a[:num_segs, :r].reshape(num_segs, r * n, -1)  # [S, r * n, in], a view: rank-major layout
     h = torch.bmm(x[meta.seg_rows], a.transpose(1, 2))  # [S, L, r * n]; column k * n + i: slice i, rank k
-    h = h * meta.seg_mask.to(h.dtype)  # padding rows: exactly zero from here on
+    if meta.padded:
+        h = h * meta.seg_mask.to(h.dtype)  # padding rows: exactly zero from here on
     parts = [torch.bmm(h[:, :, i::n].contiguous(), layer.lora_b(i)[:num_segs, :r])  # [S, L, out_i]
              for i in range(n)]
     d = parts[0] if n == 1 else torch.cat(parts, dim=-1)  # [S, L, out]: slices are stacked in output order
-    return y.index_add_(0, meta.seg_rows.reshape(-1), d.reshape(-1, y.shape[-1]).to(y.dtype))
+    return y.index_add_(0, meta.flat_rows, d.reshape(-1, y.shape[-1]).to(y.dtype))
 
 
 def lora_delta_reference(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, token_slots: list[int]) -> torch.Tensor:
