@@ -132,3 +132,24 @@ def test_lora_requests_info_metric(lora_server):
     text = httpx.get(lora_server.url + "/metrics", headers=AUTH, timeout=10).text
     line = next(ln for ln in text.splitlines() if ln.startswith("lmserve:lora_requests_info{"))
     assert 'max_lora="1"' in line and "running_lora_adapters=" in line and "waiting_lora_adapters=" in line
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lora-modules", "x=/nonexistent/adapter"], ["--lora-modules x", "adapter_config.json"]),
+    (["--lora-modules", "x"], ["name=path"]),
+    (["--max-loras", "4", "--max-cpu-loras", "2"], ["--max-cpu-loras"]),
+    (["--allow-runtime-lora-updating"], ["--lora-dir"]),
+])
+def test_serve_refuses_bad_lora_flags_in_one_line(flags, words):
+    from tests.test_cli_errors import assert_one_line_error, lmserve
+
+    assert_one_line_error(lmserve("serve", "--enable-lora", *flags), *words)
+
+
+def test_serve_refuses_an_adapter_above_max_lora_rank(lora_server):
+    from tests.test_cli_errors import assert_one_line_error, lmserve
+
+    loras = lora_server.root / "loras"
+    p = lmserve("serve", "--model", str(lora_server.root / "tiny-llama"), "--enable-lora", "--lora-modules",
+                f"big={loras / 'big'}", "--max-lora-rank", "8")
+    assert_one_line_error(p, "--lora-modules big", "rank 16")
