@@ -73,6 +73,12 @@ def test_batched_delta_matches_reference_and_keeps_base_rows(fmt):
     assert not layer.batch.meta.padded
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), lora_delta_reference(layer, x, y_base, even), rtol=1e-5, atol=1e-5)
+    layer.batch.meta = to_device(lora_segments(np.asarray(token_slots), [8, 8, 8], max_padding=1.0), CPU)
+    assert layer.batch.meta.ragged is not None  # one slot at a time: the path long prefill chunks take
+    with torch.inference_mode():
+        y_ragged = layer(x)
+    assert torch.equal(y_ragged[base_rows], y_base[base_rows])
+    torch.testing.assert_close(y_ragged, ref, rtol=1e-5, atol=1e-5)
     layer.batch.meta = None
     assert torch.equal(layer(x), y_base)
 

@@ -12,7 +12,13 @@ def token_slots(req_slots: list[int], req_lens: list[int]) -> np.ndarray:
     return np.repeat(np.asarray(req_slots, dtype=np.int64), np.asarray(req_lens, dtype=np.int64))
 
 
-def lora_segments(slots: np.ndarray, slot_ranks: list[int]) -> LoraMeta | None:
+# Padding to the longest segment pays while it at most doubles the rows: a decode batch over several adapters
+# pads little and runs as three bmm's; a long prefill chunk beside one-row decodes would multiply its
+# adapter work by the number of slots, so such steps run one slot at a time instead.
+MAX_PADDING = 2.0
+
+
+def lora_segments(slots: np.ndarray, slot_ranks: list[int], max_padding: float = MAX_PADDING) -> LoraMeta | None:
     """Group the rows of each slot 0..highest used; None when no row uses an adapter (has_lora is false).
 
     Segments are padded to the longest one, so the wrappers run one bmm over all of them: with 32 rows
@@ -30,5 +36,8 @@ def lora_segments(slots: np.ndarray, slot_ranks: list[int]) -> LoraMeta | None:
     for i, g in enumerate(groups):
         rows[i, :len(g)] = g
         mask[i, :len(g)] = 1.0
-    rank = max(slot_ranks[s] for s in np.unique(slots[lora_rows]))
-    return LoraMeta(rows, mask, rows.reshape(-1), max(rank, 1), bool((mask == 0).any()))
+    used = np.unique(slots[lora_rows])
+    rank = max(max(slot_ranks[s] for s in used), 1)
+    if rows.size > max_padding * lora_rows.size:
+        return LoraMeta(None, None, None, rank, False, [(int(s), groups[s]) for s in used])
+    return LoraMeta(rows, mask, rows.reshape(-1), rank, bool((mask == 0).any()))

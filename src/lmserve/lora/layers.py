@@ -45,6 +45,9 @@ class LoraMeta:
     flat_rows: object  # [S * L] int64: seg_rows flattened (where the deltas are added)
     rank: int  # the widest rank among the step's adapters: A and B are read only up to it
     padded: bool  # some segment has padding: the mask must be applied
+    # Set instead of the padded segments when padding would more than double the rows (a prefill chunk
+    # beside one-row decodes): (slot, its rows [n_s] int64) per used slot, each run on its own
+    ragged: list[tuple[int, object]] | None = None
 
 
 class LoraBatch:
@@ -80,6 +83,8 @@ class LoraLinear(nn.Module):
 
 def lora_delta_batched(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> torch.Tensor:
     """Add every segment's delta into y (in place): x [T, in], y [T, out]."""
+    if meta.ragged is not None:
+        return _lora_delta_ragged(layer, x, y, meta)
     r, n = meta.rank, len(layer.slices)
     num_segs = meta.seg_rows.shape[0]
     a = layer.lora_a[:num_segs, :r].reshape(num_segs, r * n, -1)  # [S, r * n, in], a view: rank-major layout
@@ -90,6 +95,17 @@ def lora_delta_batched(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta
              for i in range(n)]
     d = parts[0] if n == 1 else torch.cat(parts, dim=-1)  # [S, L, out]: slices are stacked in output order
     return y.index_add_(0, meta.flat_rows, d.reshape(-1, y.shape[-1]).to(y.dtype))
+
+
+def _lora_delta_ragged(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> torch.Tensor:
+    """One matmul pair per used slot over its own rows: no padding rows computed."""
+    r, n = meta.rank, len(layer.slices)
+    for slot, rows in meta.ragged:
+        h = x[rows] @ layer.lora_a[slot, :r].reshape(r * n, -1).T  # [n_s, r * n]
+        parts = [h[:, i::n] @ layer.lora_b(i)[slot, :r] for i in range(n)]  # [n_s, out_i]
+        d = parts[0] if n == 1 else torch.cat(parts, dim=-1)
+        y.index_add_(0, rows, d.to(y.dtype))
+    return y
 
 
 def lora_delta_reference(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, token_slots: list[int]) -> torch.Tensor:
