@@ -7,11 +7,13 @@ its output; each is a `LoraSlice` with its own A and B, adding only into its par
 
 Weights live in device slots: A [max_loras, max_rank, n_slices, in] (rank-major, so the first r ranks of
 every slice are one contiguous [r * n_slices, in] block per slot: no copy when a step's widest rank is r),
-B transposed per slice [max_loras, max_rank, out_i] (also rank-major), zero past an adapter's rank (zero rows add nothing). A step's
-rows are grouped by slot into segments over the slots 0..S-1 (lora/batch.py; slots are handed out lowest
+B transposed per slice [max_loras, max_rank, out_i] (also rank-major), zero past an adapter's rank (zero
+rows add nothing). A step's rows are grouped by slot into segments over the slots 0..S-1 (lora/batch.py; slots are handed out lowest
 first, so that prefix is short); the batched path gathers each segment's rows and runs one bmm for the
 shrink and one per slice for the expand over all segments at once against views of the slot tensors (SGMV
 in spirit: no loop over adapters or requests, no copy of the weights), then one index_add into those rows.
+A step whose padding would more than double the rows (a long prefill chunk beside one-row decodes) runs one
+matmul pair per used slot instead (`ragged`).
 Base rows (slot -1) are in no segment: their output is the base layer's, bit for bit. Measured on one
 [32 x 576] -> 3072 gate_up layer with 8 rank-16 adapters (1 thread): gathering each segment's weights and
 adding slice by slice cost 2.4 ms over a 2.9 ms base; with these views, B rank-major (the expand bmm
