@@ -64,6 +64,14 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help='speculative decoding, as vLLM writes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
                    '"model": PATH, "num_speculative_tokens": 4}\'')
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters on the base model (a request names one as its model)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT adapter directories to serve from the start, each as name=path")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters active in one engine step (device slots)")
+    p.add_argument("--max-cpu-loras", type=int, default=16,
+                   help="adapters kept read in host memory (least recently used dropped, re-read when used)")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted; slots are sized for it")
 
 
 def speculative_config(text: str):
@@ -414,6 +422,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--playground-db", default=None, metavar="PATH",
                    help="the SQLite file of the web playground's shared permalinks (default: "
                    "$XDG_DATA_HOME/lmserve/playground.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths under --lora-dir only)")
+    p.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                   help="a directory whose subdirectories the load route may read adapters from (repeatable)")
     p.add_argument("--no-playground", action="store_true",
                    help="no web playground: /, /playground, /p/<id> and /playground/api/... answer 404")
     p.add_argument("--max-loaded-models", type=int, default=None, metavar="K",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lmserve.errors import ConfigError
+
 if TYPE_CHECKING:
     import argparse
 
@@ -62,6 +64,22 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (`--enable-lora`): adapters known at start, device slots, host cache, largest rank."""
+
+    modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter directory) registered at start
+    max_loras: int = 4  # adapters active in one step (device slots)
+    max_cpu_loras: int = 16  # adapters kept read in host memory (LRU); more are re-read from disk when used
+    max_lora_rank: int = 64  # device slots are sized for this rank; a larger adapter is refused
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError("--max-loras and --max-lora-rank must be at least 1")
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine; derived values are resolved by the engine itself."""
 
@@ -79,6 +97,7 @@ class EngineConfig:
     speculative: "SpeculativeConfig | None" = None
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig | None = None  # None: LoRA off (no wrappers, no per-step cost)
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
@@ -130,4 +149,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
+        lora=lora_config(args),
     )
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    """LoraConfig from --enable-lora and its flags (None without --enable-lora)."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return None
+    modules = []
+    for item in args.lora_modules or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules takes name=path, got {item!r}")
+        modules.append((name, path))
+    return LoraConfig(tuple(modules), args.max_loras, args.max_cpu_loras, args.max_lora_rank)

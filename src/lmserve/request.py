@@ -28,6 +28,21 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort")
 
 
+@dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA adapter a request runs with: its name, the id of this registration, its weights read from disk.
+
+    `lora_int_id` changes when a name is unloaded and loaded again, so slots and prefix-cache blocks of the
+    old weights never serve the new ones. `adapter` is a lora.peft_adapter.PeftAdapter (typed loosely:
+    plain data sits below the lora/ feature layer); holding it keeps its tensors alive while the request
+    runs, even once the host cache has evicted it.
+    """
+
+    name: str
+    lora_int_id: int
+    adapter: object = field(repr=False, compare=False, default=None)
+
+
 @dataclass
 class TokenLogprobs:
     """Logprob of one generated token and the top alternatives at its position."""
@@ -59,7 +74,8 @@ class Request:
     seed: int | None = None  # this completion's own seed (the request's seed + index); the runner owns its RNG
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
-    cache_salt: bytes = b""  # mixed into prefix-cache hashes (e.g. adapter id)
+    cache_salt: bytes = b""  # mixed into prefix-cache hashes (the LoRA adapter's id: blocks never cross adapters)
+    lora: LoraRequest | None = None  # None: the base model
     tenant: str = ""  # who asked (an API key's name): waiting requests are admitted round-robin across tenants
     priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
     # structured outputs: this sequence's structured.Grammar (its matcher state follows output_token_ids);

@@ -13,12 +13,15 @@ import torch
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.cache.sizing import blocks_for, gpu_kv_budget, num_kv_blocks
 from lmserve.config import EngineConfig
+from lmserve.errors import ConfigError
 from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.preflight import check_kv_pool, check_tensor_parallel
 from lmserve.engine.tokenizer import Tokenizer
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
-from lmserve.request import CompletionDelta, Request, RequestStatus
+from lmserve.lora.registry import LoraRegistry
+from lmserve.lora.slots import LoraSlots
+from lmserve.request import CompletionDelta, LoraRequest, Request, RequestStatus
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.sched.scheduler import Scheduler
 from lmserve.sched.stop import StopChecker
@@ -60,6 +63,9 @@ class StepStats:
     num_accepted_tokens: int = 0
     num_accepted_per_pos: list[int] | None = None
     grammar_mask_s: float = 0.0  # filling the step's grammar bitmask (structured outputs), seconds
+    # LoRA: adapter names of the running and the waiting requests after the step (None: LoRA off)
+    running_loras: tuple[str, ...] | None = None
+    waiting_loras: tuple[str, ...] | None = None
 
 
 class LLMEngine:
@@ -114,14 +120,32 @@ class LLMEngine:
         self.num_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_blocks, self.block_size, cfg.cache.enable_prefix_caching)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string))
+        self.lora_slots, self.loras = self._lora()
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string), self.lora_slots)
         # the runner sees this rank's model: its KV cache holds only this rank's KV heads
         self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
-                                  self.dtype, self.device)
-        if cfg.cuda_graphs and self.device.type == "cuda":
+                                  self.dtype, self.device, self.lora_slots)
+        # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.lora_slots is None:
             self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
                                              capture=True)
         self.executor = self._executor()
+
+    def _lora(self) -> tuple[LoraSlots | None, LoraRegistry | None]:
+        """With cfg.lora: wrap the target linears (device slots) and register the adapters named at start."""
+        c = self.cfg.lora
+        if c is None:
+            return None, None
+        if self.cfg.parallel.tensor_parallel_size > 1:
+            raise ConfigError("--enable-lora does not split adapters across tensor-parallel ranks yet; "
+                              "use --tensor-parallel-size 1")
+        slots = LoraSlots(self.loaded.model, self.model_config, c.max_loras, c.max_lora_rank, self.dtype, self.device)
+        registry = LoraRegistry(c, self.model_config)
+        for name, path in c.modules:
+            registry.register(name, path)
+        log.info("LoRA: %d adapter(s) at start, %d device slots of %.1f MiB (rank up to %d), %d kept in host memory",
+                 len(c.modules), c.max_loras, slots.bytes_per_slot / 2**20, c.max_lora_rank, c.max_cpu_loras)
+        return slots, registry
 
     def _block_bytes(self) -> int:
         return kv_bytes_per_block(self.loaded.model.config, self.block_size, self.dtype)  # per rank
@@ -231,15 +255,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     max_tokens: int | None = None, grammar: Compiled | None = None, tenant: str = "",
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora: LoraRequest | None = None) -> None:
         """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks.
 
         `max_tokens` is what check_request returned for this prompt and params; None: not checked yet.
         `grammar` is what compile_grammar returned for params; None with structured_outputs: compiled here.
         `tenant` names who asked (the server passes the API key's name): the scheduler is fair between tenants.
         `priority`: waiting requests of a lower value are admitted first (batch lines use BATCH_PRIORITY).
+        `lora`: the adapter, already read (LoraRegistry.get, off this thread); None: the base model.
         """
         params = params or SamplingParams()
+        if lora is not None and self.lora_slots is None:
+            raise RequestRejected("this engine runs without LoRA (--enable-lora)", "model")
         if request_id in self.children:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         ids = self.tokenize_prompt(prompt)
@@ -254,7 +281,8 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
             req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i, seed=seed,
                           grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids), tenant=tenant,
-                          priority=priority)
+                          priority=priority, lora=lora,
+                          cache_salt=b"" if lora is None else b"lora:%d" % lora.lora_int_id)
             self.scheduler.add(req)
             self.outputs.add(req)
             kids.append(rid)
@@ -294,6 +322,8 @@ class LLMEngine:
                                    result.num_decodes, result.num_prefill_tokens, time.perf_counter() - start,
                                    self.kv.usage, self.kv.num_free_blocks,
                                    grammar_mask_s=self.scheduler.last_mask_s if out.grammar_bitmask is not None else 0.0)
+        if self.lora_slots is not None:
+            self.last_step.running_loras, self.last_step.waiting_loras = self.scheduler.lora_names()
         if spec is not None:
             self.draft_policy.record_step(result.num_decodes, self.last_step.step_seconds, result.num_prefill_tokens > 0)
             self.last_step.num_drafts, self.last_step.num_draft_tokens = spec.num_drafts, spec.num_draft_tokens

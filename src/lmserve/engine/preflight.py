@@ -20,6 +20,7 @@ from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.engine.tokenizer import check_tokenizer_file
 from lmserve.errors import ConfigError
 from lmserve.layers.quantized import check_scheme
+from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
@@ -56,6 +57,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     cfg = replace(cfg, model=str(path), max_model_len=_max_model_len(cfg.max_model_len, model_config),
                   speculative=_draft(cfg))
     _check_prefill_budget(cfg)
+    _check_adapters(cfg, model_config)
     # Before the weights load, so a fractional --kv-cache-memory sees more free memory than the engine will;
     # the engine checks its real pool again (check_kv_pool) once it knows it.
     # each rank holds its share of the KV heads: on CUDA in its own GPU, on CPU all in the same host memory
@@ -185,3 +187,17 @@ def check_kv_pool(cache: CacheConfig, num_blocks: int, block_bytes: int, max_mod
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n)} bytes"
+
+
+def _check_adapters(cfg: EngineConfig, model_config: ModelConfig) -> None:
+    """Every --lora-modules adapter reads and fits the base model (its tensors are read again by the engine)."""
+    if cfg.lora is None:
+        return
+    names = [name for name, _ in cfg.lora.modules]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--lora-modules: a name appears twice ({', '.join(names)})")
+    for name, path in cfg.lora.modules:
+        try:
+            read_peft_adapter(path, model_config, name=name, max_rank=cfg.lora.max_lora_rank)
+        except AdapterError as e:
+            raise ConfigError(f"--lora-modules {name}: {e}") from None

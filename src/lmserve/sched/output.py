@@ -42,6 +42,7 @@ class ScheduledRequest:
     # structured outputs: first row of this request's mask in SchedulerOutput.grammar_bitmask (one row per
     # logits row it samples: 1 + drafts); None when unconstrained or not sampling this step
     grammar_row: int | None = None
+    lora_slot: int = -1  # device slot of the request's LoRA adapter; -1: the base model
 
     @property
     def num_tokens(self) -> int:

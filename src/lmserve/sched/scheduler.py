@@ -6,6 +6,10 @@ names) join round-robin between tenants instead, and a tenant holding every slot
 waiting tenant (sched/fairness.py). Waiting requests of a lower `priority` go first (batch-job lines wait
 behind interactive requests); within one priority the rules above hold.
 
+With LoRA, a waiting request is admitted only when its adapter has or can get one of the `max_loras`
+device slots this step (lora/slots.py); one that cannot waits, keeping its place, while others go ahead.
+A slot is only taken from an adapter that no running request uses.
+
 A request that has caught up may carry draft tokens (`spec_token_ids`, set by a proposer): they run
 after its last known token in the same step, and `update` keeps the accepted prefix of them plus the
 one token the verifier sampled, then trims the KV blocks that only rejected drafts used.
@@ -20,7 +24,7 @@ from typing import Protocol
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
-from lmserve.request import Request, RequestStatus, TokenLogprobs
+from lmserve.request import LoraRequest, Request, RequestStatus, TokenLogprobs
 from lmserve.sched.fairness import fair_victim, next_waiting
 from lmserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from lmserve.sched.stop import StopChecker
@@ -37,13 +41,23 @@ class StepResult(Protocol):
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # prompt logprobs computed this step
 
 
+class AdapterSlots(Protocol):
+    """The device slots of LoRA adapters (lora/slots.LoraSlots), as the scheduler uses them."""
+
+    def acquire(self, lora: LoraRequest, busy: set[int]) -> bool: ...
+
+    def slot_of(self, lora: LoraRequest | None) -> int: ...
+
+
 class Scheduler:
     """Decides every step which requests run how many tokens, and applies what the step produced."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, stop: StopChecker | None = None) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, stop: StopChecker | None = None,
+                 lora: AdapterSlots | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
         self.stop = stop or StopChecker()
+        self.lora = lora  # None: LoRA off
         self._seen: set[str] = set()  # requests the runner has a row for
         self._finished: list[str] = []  # ended since the last schedule(): the runner drops their rows
         self.waiting: deque[Request] = deque()
@@ -140,8 +154,19 @@ class Scheduler:
             out.preempted_ids.append(victim.request_id)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        skipped: list[Request] = []  # waiting for an adapter slot: set aside, put back in place at the end
+        try:
+            return self._admit_waiting(out, budget, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self._next_waiting()
+            if req.lora is not None and not self.lora.acquire(req.lora, self._busy_adapters()):
+                self.waiting.remove(req)
+                skipped.append(req)
+                continue
             tokens = req.all_token_ids
             computed = self.kv.find_computed(req.request_id, tokens, req.cache_salt, allow=not req.wants_prompt_logprobs)
             n = len(tokens) - computed.num_tokens
@@ -171,6 +196,16 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _busy_adapters(self) -> set[int]:
+        """lora_int_ids of the running requests' adapters: their slots must not be reassigned."""
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Adapter names of the running and of the waiting requests (vLLM's lora_requests_info labels)."""
+        running = dict.fromkeys(r.lora.name for r in self.running if r.lora is not None)
+        waiting = dict.fromkeys(r.lora.name for r in self.waiting if r.lora is not None)
+        return tuple(running), tuple(waiting)
+
     def _scheduled(self, req: Request, n: int, spec: list[int]) -> ScheduledRequest:
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start:start + n]
@@ -180,7 +215,8 @@ class Scheduler:
             lp_range = (first, min(start + n, req.num_prompt_tokens - 1))
         return ScheduledRequest(req.request_id, tokens + spec, start, self.kv.block_ids(req.request_id),
                                 sample=start + n == req.num_tokens, spec_token_ids=list(spec),
-                                prompt_logprob_range=lp_range)
+                                prompt_logprob_range=lp_range,
+                                lora_slot=self.lora.slot_of(req.lora) if req.lora is not None else -1)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it at the front of the queue to recompute later."""

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server import batch_routes, openai_routes, tgi_routes, v2_routes
+from lmserve.server import batch_routes, lora_routes, openai_routes, tgi_routes, v2_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
@@ -46,6 +46,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(batch_routes.router)
     app.include_router(tgi_routes.router)
+    app.include_router(lora_routes.router)
     app.include_router(playground_routes.router)
     app.include_router(v2_routes.router)
     _misc_routes(app)

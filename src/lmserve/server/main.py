@@ -64,6 +64,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
     default, limit = args.default_max_tokens, args.max_tokens_limit
     if default is not None and limit is not None and default > limit:
         raise ConfigError(f"--default-max-tokens {default} is above --max-tokens-limit {limit}")
+    if args.allow_runtime_lora_updating and not (args.enable_lora and args.lora_dir):
+        raise ConfigError("--allow-runtime-lora-updating needs --enable-lora and at least one --lora-dir")
+    for d in args.lora_dir:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--lora-dir {d}: not a directory")
 
 
 def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
@@ -91,7 +96,9 @@ def server_config(args: argparse.Namespace, name: str,
                         max_upload_bytes=args.max_upload_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                         max_tokens_limit=args.max_tokens_limit, request_read_timeout=args.request_read_timeout,
-                        engine_step_timeout=args.engine_step_timeout or None)
+                        engine_step_timeout=args.engine_step_timeout or None,
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        lora_dirs=tuple(str(Path(d).resolve()) for d in args.lora_dir))
 
 
 def _response_cache(args: argparse.Namespace, metrics: ServerMetrics):

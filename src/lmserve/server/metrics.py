@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,6 +17,7 @@ COMPILE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+LORA_LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 FINISH_REASONS = ("stop", "length", "abort")
 # "not_ready": a 503 answered while the model loads or the server drains (/health's included). Every start
@@ -158,6 +160,17 @@ class ServerMetrics:
         self.model_load_time.labels(name).observe(loaded.load_seconds + warmup_seconds)
         if engine.spec_stats is not None and not hasattr(self, "spec_drafts"):  # shared by every model with drafts
             self._bind_spec(engine.spec_stats.num_speculative_tokens)
+        if engine.loras is not None and not hasattr(self, "_lora_info"):  # one model's adapters (the first with any)
+            self._bind_lora(engine.loras, engine.cfg.lora.max_loras)
+
+    def _bind_lora(self, registry, max_loras: int) -> None:
+        """LoRA metrics: vLLM's lora_requests_info, reads from disk (count, time), host-cache evictions."""
+        r = self.registry
+        self.lora_load_seconds = Histogram("lmserve:lora_load_seconds", "Reading a LoRA adapter from disk",
+                                           buckets=LORA_LOAD_BUCKETS, registry=r)
+        registry.load_listeners.append(self.lora_load_seconds.observe)
+        self._lora_info = _LoraInfo(registry, max_loras)
+        r.register(self._lora_info)
 
     def unbind_engine(self, name: str) -> None:
         """The model was unloaded: its engine gauges go, its info says 0."""
@@ -195,6 +208,9 @@ class ServerMetrics:
             self.decode.observe(delta.timings.decode_s)
 
     def on_step(self, stats, deltas) -> None:
+        if stats.running_loras is not None:
+            self._lora_info.running, self._lora_info.waiting = stats.running_loras, stats.waiting_loras
+            self._lora_info.updated = time.time()
         if stats.num_drafts:
             self.spec_drafts.inc(stats.num_drafts)
             self.spec_draft_tokens.inc(stats.num_draft_tokens)
@@ -259,3 +275,23 @@ class _EngineCollector:
             for model, eng in engines.items():
                 c.add_metric([model], float(value(eng)))
             yield c
+
+
+class _LoraInfo:
+    """vLLM's lmserve:lora_requests_info (one sample: the adapters of the last step's running and waiting
+    requests as comma-separated labels, its value the time of that step) and the registry's counters."""
+
+    def __init__(self, registry, max_loras: int) -> None:
+        self.loras, self.max_loras = registry, max_loras
+        self.running: tuple[str, ...] = ()
+        self.waiting: tuple[str, ...] = ()
+        self.updated = time.time()
+
+    def collect(self):
+        g = GaugeMetricFamily("lmserve:lora_requests_info", "Running stats on LoRA requests",
+                              labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        g.add_metric([",".join(self.running), ",".join(self.waiting), str(self.max_loras)], self.updated)
+        yield g
+        yield CounterMetricFamily("lmserve:lora_loads", "LoRA adapters read from disk", value=self.loras.num_loads)
+        yield CounterMetricFamily("lmserve:lora_evictions", "LoRA adapters dropped from host memory (--max-cpu-loras)",
+                                  value=self.loras.num_evictions)

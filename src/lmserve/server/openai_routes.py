@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.ops.record import RequestRecord
-from lmserve.request import CompletionDelta, TokenLogprobs
+from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.engine.async_engine import EngineDeadError, StepFailedError
 from lmserve.server import cache_replay
@@ -105,7 +105,20 @@ async def list_models(request: Request) -> dict:
     st = state_of(request)
     key = key_name_of(request)
     cards = [_model_card(st, name) for name in st.model_names() if st.tenants.allows(key, name)]
-    return {"object": "list", "data": cards}
+    return {"object": "list", "data": [*cards, *_adapter_cards(st, key)]}
+
+
+def _adapter_cards(st: ServerState, key: str) -> list[dict]:
+    """Each loaded model's LoRA adapters, `parent` naming the model (a key that may use the model may use them)."""
+    cards = []
+    for model in st.models.loaded():
+        loras = model.async_engine.engine.loras
+        if loras is None or not st.tenants.allows(key, model.name):
+            continue
+        cards += [{"id": reg.name, "object": "model", "created": st.created, "owned_by": "lmserve",
+                   "max_model_len": model.async_engine.engine.max_model_len, "loaded": True, "parent": model.name,
+                   "root": reg.name} for reg in loras.registrations()]
+    return cards
 
 
 def _model_card(st: ServerState, name: str) -> dict:
@@ -116,7 +129,7 @@ def _model_card(st: ServerState, name: str) -> dict:
         return {**card, "max_model_len": None, "route": [{"model": m, "weight": w} for m, w in split.targets]}
     engine = model.async_engine
     max_len = engine.engine.max_model_len if engine is not None else model.spec.max_model_len
-    return {**card, "max_model_len": max_len, "loaded": engine is not None}
+    return {**card, "max_model_len": max_len, "loaded": engine is not None, "parent": None, "root": name}
 
 
 @router.post("/v1/completions")
@@ -149,13 +162,14 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
                             scores_prompt_only(req))
     texts = [await _echo(st, p) if req.echo else "" for p in prompts]
     grammar = await st.compile_grammar(params)
+    lora = await st.lora_for(req.model)
     # Nothing awaits from admission until the streams are counted in flight.
     max_tokens_each = st.admit(ids_list, params, record)
     rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar,
-                                        caller.priority)
+                                        caller.priority, lora)
                             for i, (ids, max_tokens) in enumerate(zip(ids_list, max_tokens_each))])
-    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": st.model_name}
+    meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": _model_name(st, lora)}
     usage_prompt = sum(len(ids) for ids in ids_list)
     inputs = [Prompt(ids, text) for ids, text in zip(ids_list, texts)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -189,11 +203,12 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     record = caller.record
     ids = await st.tokenize_chat(messages, record, template_kwargs)
     grammar = await st.compile_grammar(params)
+    lora = await st.lora_for(req.model)
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar,
-                                        priority=caller.priority)])
-    meta = {"id": rid, "created": int(time.time()), "model": st.model_name}
+                                        priority=caller.priority, lora=lora)])
+    meta = {"id": rid, "created": int(time.time()), "model": _model_name(st, lora)}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body() -> dict | None:
@@ -206,6 +221,11 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
             for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
 
     return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools)))
+
+
+def _model_name(st: ModelState, lora: LoraRequest | None) -> str:
+    """The `model` an answer names: the adapter's name when the request ran one, else the model that answered."""
+    return lora.name if lora is not None else st.model_name
 
 
 # The bodies a batch job's line may hold, by its `url`: the request model and how a route starts it.

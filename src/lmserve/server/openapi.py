@@ -100,11 +100,26 @@ class ModelCard(_Open):
     created: int
     owned_by: str
     max_model_len: int | None
+    parent: str | None = None  # a LoRA adapter's base model; None for the base itself
+    root: str | None = None
 
 
 class ModelList(_Open):
     object: str
     data: list[ModelCard]
+
+
+class LoraLoaded(_Open):
+    object: str
+    id: str
+    parent: str
+    loaded: bool
+
+
+class LoraUnloaded(_Open):
+    object: str
+    id: str
+    deleted: bool
 
 
 class TGIGenerated(_Open):
@@ -282,7 +297,7 @@ class RouteDoc:
 
 # 401 on every route but /health (API keys); 413 wherever a body is read; 429 per-key limits; 503 not ready.
 _GEN = (400, 401, 404, 413, 429, 500, 503)
-_TGI = (401, 413, 422, 429, 500, 503)
+_TGI = (401, 404, 413, 422, 429, 500, 503)  # 404: an unknown parameters.adapter_id
 ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/models"): RouteDoc(None, ModelList, (401,)),
     ("post", "/v1/completions"): RouteDoc(p.CompletionRequest, Completion, _GEN, (JSON, SSE)),
@@ -321,6 +336,10 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/batches"): RouteDoc(None, BatchList, (400, 401, 404)),
     ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
     ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
+    # Dynamic LoRA (server/lora_routes.py): 404 when --allow-runtime-lora-updating is off or the name is unknown.
+    ("post", "/v1/load_lora_adapter"): RouteDoc(p.LoadLoraAdapterRequest, LoraLoaded, (400, 401, 404, 413, 503)),
+    ("post", "/v1/unload_lora_adapter"): RouteDoc(p.UnloadLoraAdapterRequest, LoraUnloaded,
+                                                  (400, 401, 404, 413, 503)),
 }
 _ERROR_MODELS = (OpenAIError, TGIError, V2Error)
 

@@ -230,6 +230,7 @@ class TGIParameters(_NullMeansDefault):
     decoder_input_details: bool = False  # the prompt's tokens and logprobs in details.prefill
     watermark: bool = False  # only false; huggingface_hub sends it on every request
     grammar: TGIGrammar | None = None
+    adapter_id: str | None = Field(default=None, max_length=128)  # a LoRA adapter's name (TGI/LoRAX); None: base
 
 
 class TGIRequest(_Strict):
@@ -241,6 +242,23 @@ class TGICompatRequest(TGIRequest):
     """POST / (what huggingface_hub's InferenceClient calls): /generate or /generate_stream by `stream`."""
 
     stream: bool = False
+
+
+# An adapter name is what clients send as `model`: short, printable, no spaces.
+LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's body): read a PEFT adapter under --lora-dir and serve it as lora_name."""
+
+    lora_name: str = Field(pattern=LORA_NAME)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's body): stop serving lora_name (requests using it finish first)."""
+
+    lora_name: str = Field(pattern=LORA_NAME)
 
 
 class BatchCreateRequest(_NullMeansDefault):

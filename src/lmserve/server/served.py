@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from lmserve.engine.llm_engine import LLMEngine, RequestRejected
 from lmserve.ops.record import RequestRecord
-from lmserve.request import CompletionDelta
+from lmserve.lora.peft_adapter import AdapterError
+from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.model_pool import ServedModel
@@ -41,6 +42,24 @@ class ModelState:
     def model_name(self) -> str:
         """The served name of the model answering: what responses' `model` field and the metrics say."""
         return self.model.name
+
+    async def lora_for(self, name: str | None) -> LoraRequest | None:
+        """The adapter a request's model name picks on this model (read from disk off the event loop unless
+        cached); None for the model itself or a route; any other name is a 404."""
+        loras = self.engine.loras
+        if name is None or name == self.model.name or name in self.shared.splits:
+            return None
+        if loras is None or loras.lookup(name) is None:  # TGI's adapter_id: not checked by resolve_model
+            raise APIError(404, f"model {name[:80]!r} does not exist (this server serves {self.model.name!r} and "
+                           "its adapters)", param="model", code="model_not_found")
+        try:
+            lora = await asyncio.to_thread(loras.get, name)
+        except AdapterError as e:  # its directory changed on disk since it was registered
+            raise APIError(400, str(e), param="model") from None
+        if lora is None:  # unloaded between the lookup and the read
+            raise APIError(404, f"model {name[:80]!r} does not exist (its adapter was unloaded)", param="model",
+                           code="model_not_found")
+        return lora
 
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.
@@ -90,11 +109,12 @@ class ModelState:
 
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
                  record: RequestRecord, first_output: int = 0, grammar: Any = None,
-                 priority: int = 0) -> AsyncIterator[CompletionDelta]:
+                 priority: int = 0, lora: LoraRequest | None = None) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limits (the server's and the model's) until it ends.
 
         `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
         record.outputs[first_output + index] (several prompts share one record). `priority`: see Request.priority.
+        `lora`: what lora_for returned (None: the base model).
         """
         if record.engine_arrival is None:
             record.engine_arrival = time.monotonic()
@@ -103,7 +123,7 @@ class ModelState:
         model.in_flight += 1
         self.metrics.in_flight.set(shared.in_flight)
         inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar,
-                                           tenant=record.key_name or "", priority=priority)
+                                           tenant=record.key_name or "", priority=priority, lora=lora)
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index

@@ -43,6 +43,8 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # more is a 400; a request naming none is held to it too
     request_read_timeout: float = 30.0  # seconds from a request's first byte to its last (slow-loris clients)
     engine_step_timeout: float | None = 300.0  # the hung-engine watchdog; None: off
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_dirs: tuple[str, ...] = ()  # the only directories those routes may read adapters from
 
     @property
     def token_limits(self) -> TokenLimits:
@@ -125,12 +127,26 @@ class ServerState:
         split = self.splits.get(name)
         if split is not None:
             name = split.pick(user, self._rng)
-        model = self.models.get(name)
+        model = self.models.get(name) or self._adapter_base(name)
         if model is None:
             raise APIError(404, f"model {name[:80]!r} does not exist (this server serves "
                            f"{', '.join(repr(n) for n in self.model_names())})"[:400], param="model",
                            code="model_not_found")
         return model
+
+    def _adapter_base(self, name: str) -> ServedModel | None:
+        """The model with a LoRA adapter called `name`: registered on its loaded engine, or named by its
+        --lora-modules when it is not loaded now (the request then loads it)."""
+        for model in self.models.models.values():
+            engine = model.async_engine
+            if engine is not None:
+                if engine.engine.loras is not None and engine.engine.loras.lookup(name) is not None:
+                    return model
+                continue
+            lora = model.spec.config.lora if model.spec.config is not None else None
+            if lora is not None and any(n == name for n, _ in lora.modules):
+                return model
+        return None
 
     def model_names(self) -> list[str]:
         """Every name a request may use: the served models, then the routes."""
@@ -156,6 +172,7 @@ class ServerState:
             self.ops.check(record, prompt_token_counts)
         except RuleViolation as e:
             raise APIError(400, str(e), param=e.param, code="rule_violation", reason="validation_rule") from None
+
 
 
 def state_of(request: Request) -> ServerState:
@@ -209,7 +226,8 @@ async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_nam
     _describe(record, req, served.name)
     if asked in st.splits:
         record.requested_model = asked
-    st.tenants.check_model(key_name, asked if asked is not None else served.name)
+    # a route name is checked as asked; an adapter as its model (adapters share their model's key permissions)
+    st.tenants.check_model(key_name, asked if asked is not None and asked in st.splits else served.name)
     return await st.bind(served, leases)
 
 

@@ -10,6 +10,8 @@ import torch
 
 from lmserve.layers.attention import ContiguousAttention
 from lmserve.layers.paged_attention import PagedAttention, native_decode
+from lmserve.lora.batch import token_slots
+from lmserve.lora.slots import LoraSlots
 from lmserve.models.config import ModelConfig
 from lmserve.request import TokenLogprobs
 from lmserve.sample import Sampler, SamplerOutput
@@ -49,8 +51,9 @@ class ModelRunner:
     """Runs the model over a scheduled batch against the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        self.lora = lora  # None: LoRA off
         # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to
         shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
@@ -81,11 +84,14 @@ class ModelRunner:
         meta, gather = self.batch.metadata(sample_ids, drafts) if sample_ids else (None, None)
         if meta is not None and out.grammar_bitmask is not None:
             meta.grammar_bitmask, meta.grammar_rows = _grammar_rows(out, layout)
+        lora_meta = self._lora_meta(out, layout) if self.lora is not None else None
         graph_step = self.graphs is not None and self.graphs.fits(host, layout.num_prefill_tokens)
         upload = sampling_rows_only(host) if graph_step else host
-        inputs, meta, gather, pending = to_device((upload, meta, gather, self.batch.take_pending()), self.device,
-                                                   self.staging)
+        inputs, meta, gather, pending, lora_meta = to_device(
+            (upload, meta, gather, self.batch.take_pending(), lora_meta), self.device, self.staging)
         self.batch.apply_pending(pending)
+        if self.lora is not None:
+            self.lora.batch.meta = lora_meta  # has_lora for this step: None leaves every row on the base path
         if graph_step:
             hidden = self.graphs.run(host)
         else:
@@ -110,6 +116,11 @@ class ModelRunner:
         host, _ = build_inputs(out.requests, self.block_size)
         inputs = to_device(host, self.device)
         self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
+
+    def _lora_meta(self, out: SchedulerOutput, layout: StepLayout):
+        """The step's rows grouped by adapter slot, in the flat order build_inputs laid the tokens out."""
+        reqs = [out.requests[i] for i in layout.order]
+        return self.lora.step_meta(token_slots([r.lora_slot for r in reqs], [r.num_tokens for r in reqs]))
 
     def _collect(self, out: SchedulerOutput, layout: StepLayout, s: SamplerOutput, result: RunnerOutput) -> None:
         """Download once; per request keep the accepted drafts and the one token after them."""

@@ -1,0 +1,122 @@
+"""LoRA beside any linear layer: y = base(x) + per-row delta of the row's adapter, in batched form.
+
+`LoraLinear` wraps a finished linear layer of any weight format (nn.Linear, oneDNN-packed, int8/int4) and
+never touches its weights: the delta x A^T B^T (scaling folded into B when a slot is written) is added
+to the base output. A fused layer (qkv_proj, gate_up_proj) holds several HF projections stacked along
+its output; each is a `LoraSlice` with its own A and B, adding only into its part of the output.
+
+Weights live in device slots: A [max_loras, max_rank, n_slices, in] (rank-major, so the first r ranks of
+every slice are one contiguous [r * n_slices, in] block per slot: no copy when a step's widest rank is r),
+B transposed per slice [max_loras, max_rank, out_i] (also rank-major), zero past an adapter's rank (zero
+rows add nothing). A step's rows are grouped by slot into segments over the slots 0..S-1 (lora/batch.py; slots are handed out lowest
+first, so that prefix is short); the batched path gathers each segment's rows and runs one bmm for the
+shrink and one per slice for the expand over all segments at once against views of the slot tensors (SGMV
+in spirit: no loop over adapters or requests, no copy of the weights), then one index_add into those rows.
+A step whose padding would more than double the rows (a long prefill chunk beside one-row decodes) runs one
+matmul pair per used slot instead (`ragged`).
+Base rows (slot -1) are in no segment: their output is the base layer's, bit for bit. Measured on one
+[32 x 576] -> 3072 gate_up layer with 8 rank-16 adapters (1 thread): gathering each segment's weights and
+adding slice by slice cost 2.4 ms over a 2.9 ms base; with these views, B rank-major (the expand bmm
+went 186 -> 54 us) and one index_add, 0.65 ms over 2.0 ms.
+`lora_delta_reference` is the plain per-row loop the tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LoraSlice:
+    """One HF projection inside a (possibly fused) linear: its name and its columns of the output."""
+
+    name: str  # q_proj, k_proj, ... down_proj
+    offset: int
+    size: int
+
+
+@dataclass
+class LoraMeta:
+    """One step's rows grouped by adapter slot (numpy from lora/batch.py; tensors once uploaded)."""
+
+    seg_rows: object  # [S, L] int64: segment s holds the token rows of slot s, padded (S = highest used slot + 1)
+    seg_mask: object  # [S, L, 1] float32: 1 for a real row, 0 for padding (its delta is exactly zero)
+    flat_rows: object  # [S * L] int64: seg_rows flattened (where the deltas are added)
+    rank: int  # the widest rank among the step's adapters: A and B are read only up to it
+    padded: bool  # some segment has padding: the mask must be applied
+    # Set instead of the padded segments when padding would more than double the rows (a prefill chunk
+    # beside one-row decodes): (slot, its rows [n_s] int64) per used slot, each run on its own
+    ragged: list[tuple[int, object]] | None = None
+
+
+class LoraBatch:
+    """The current step's LoraMeta, shared by every wrapper; the runner sets it before each forward."""
+
+    def __init__(self) -> None:
+        self.meta: LoraMeta | None = None  # None: no row uses an adapter (the wrappers cost nothing)
+
+
+class LoraLinear(nn.Module):
+    """A linear layer of any format plus LoRA deltas for the rows that carry an adapter slot."""
+
+    def __init__(self, base: nn.Module, slices: list[LoraSlice], batch: LoraBatch, max_loras: int, max_rank: int,
+                 in_features: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base, self.slices, self.batch = base, slices, batch
+        self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, len(slices), in_features, dtype=dtype,
+                                                   device=device))
+        for i, s in enumerate(slices):  # one B^T per slice: a fused layer's parts have different heights
+            self.register_buffer(f"lora_b{i}", torch.zeros(max_loras, max_rank, s.size, dtype=dtype, device=device))
+
+    def lora_b(self, i: int) -> torch.Tensor:
+        """Slice i's B transposed (scaling folded in): [max_loras, max_rank, out_i]."""
+        return getattr(self, f"lora_b{i}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        meta = self.batch.meta
+        if meta is None:
+            return y
+        return lora_delta_batched(self, x, y, meta)
+
+
+def lora_delta_batched(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> torch.Tensor:
+    """Add every segment's delta into y (in place): x [T, in], y [T, out]."""
+    if meta.ragged is not None:
+        return _lora_delta_ragged(layer, x, y, meta)
+    r, n = meta.rank, len(layer.slices)
+    num_segs = meta.seg_rows.shape[0]
+    a = layer.lora_a[:num_segs, :r].reshape(num_segs, r * n, -1)  # [S, r * n, in], a view: rank-major layout
+    h = torch.bmm(x[meta.seg_rows], a.transpose(1, 2))  # [S, L, r * n]; column k * n + i: slice i, rank k
+    if meta.padded:
+        h = h * meta.seg_mask.to(h.dtype)  # padding rows: exactly zero from here on
+    parts = [torch.bmm(h[:, :, i::n].contiguous(), layer.lora_b(i)[:num_segs, :r])  # [S, L, out_i]
+             for i in range(n)]
+    d = parts[0] if n == 1 else torch.cat(parts, dim=-1)  # [S, L, out]: slices are stacked in output order
+    return y.index_add_(0, meta.flat_rows, d.reshape(-1, y.shape[-1]).to(y.dtype))
+
+
+def _lora_delta_ragged(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> torch.Tensor:
+    """One matmul pair per used slot over its own rows: no padding rows computed."""
+    r, n = meta.rank, len(layer.slices)
+    for slot, rows in meta.ragged:
+        h = x[rows] @ layer.lora_a[slot, :r].reshape(r * n, -1).T  # [n_s, r * n]
+        parts = [h[:, i::n] @ layer.lora_b(i)[slot, :r] for i in range(n)]  # [n_s, out_i]
+        d = parts[0] if n == 1 else torch.cat(parts, dim=-1)
+        y.index_add_(0, rows, d.to(y.dtype))
+    return y
+
+
+def lora_delta_reference(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, token_slots: list[int]) -> torch.Tensor:
+    """The plain path: row by row, y[t] += x[t] A^T B^T of row t's slot (the batched path must match it)."""
+    y = y.clone()
+    for t, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        for i, s in enumerate(layer.slices):
+            h = x[t] @ layer.lora_a[slot, :, i].T  # [max_rank]
+            y[t, s.offset:s.offset + s.size] += (h @ layer.lora_b(i)[slot]).to(y.dtype)
+    return y

@@ -1,0 +1,124 @@
+"""Which adapters a server knows (name -> directory) and an LRU of those read into host memory.
+
+Thread-safe: the server reads adapters from disk on worker threads (never on the engine thread or the
+event loop). Up to `max_cpu_loras` stay read; the least recently used is dropped past that (a request
+already holding it keeps its tensors alive; the next request re-reads it from disk). Each registration
+gets a fresh `lora_int_id`: unloading a name and loading it again never reuses the old slot or cache blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from lmserve.config import LoraConfig
+from lmserve.lora.peft_adapter import AdapterError, PeftAdapter, read_peft_adapter
+from lmserve.models.config import ModelConfig
+from lmserve.request import LoraRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A known adapter: its name, the id of this registration, its directory."""
+
+    name: str
+    lora_int_id: int
+    path: str
+
+
+class LoraRegistry:
+    """Adapter names -> directories, and the host-memory LRU of adapters read from them."""
+
+    def __init__(self, cfg: LoraConfig, model_config: ModelConfig) -> None:
+        self.cfg, self.model_config = cfg, model_config
+        self._known: dict[str, Registration] = {}
+        self._cpu: OrderedDict[int, PeftAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.num_loads = 0  # reads from disk
+        self.num_evictions = 0  # adapters dropped from host memory by the LRU
+        self.load_listeners: list[Callable[[float], None]] = []  # seconds of each read from disk (metrics)
+
+    def names(self) -> list[str]:
+        """Registered adapter names, in registration order."""
+        with self._lock:
+            return list(self._known)
+
+    def registrations(self) -> list[Registration]:
+        with self._lock:
+            return list(self._known.values())
+
+    def lookup(self, name: str) -> Registration | None:
+        with self._lock:
+            return self._known.get(name)
+
+    def register(self, name: str, path: str | Path) -> LoraRequest:
+        """Read and check the adapter (blocking: call off the engine thread), then make it known under `name`."""
+        with self._lock:
+            if name in self._known:
+                raise AdapterError(f"an adapter named {name!r} is already loaded")
+        reg = Registration(name, next(self._ids), str(path))
+        adapter = self._read(reg)
+        with self._lock:
+            if name in self._known:  # another thread registered it while this one read
+                raise AdapterError(f"an adapter named {name!r} is already loaded")
+            self._known[name] = reg
+            self._cache(reg.lora_int_id, adapter)
+        return LoraRequest(name, reg.lora_int_id, adapter)
+
+    def unregister(self, name: str) -> bool:
+        """Forget `name` (new requests cannot use it); requests holding it finish with their own copy."""
+        with self._lock:
+            reg = self._known.pop(name, None)
+            if reg is not None:
+                self._cpu.pop(reg.lora_int_id, None)
+            return reg is not None
+
+    def get(self, name: str) -> LoraRequest | None:
+        """The adapter for a request, read from disk unless cached (blocking); None for an unknown name."""
+        with self._lock:
+            reg = self._known.get(name)
+            if reg is None:
+                return None
+            adapter = self._cpu.get(reg.lora_int_id)
+            if adapter is not None:
+                self._cpu.move_to_end(reg.lora_int_id)
+                return LoraRequest(name, reg.lora_int_id, adapter)
+        adapter = self._read(reg)  # outside the lock: other adapters stay servable while this one reads
+        with self._lock:
+            if reg.lora_int_id not in self._cpu and self._known.get(name) is reg:
+                self._cache(reg.lora_int_id, adapter)
+        return LoraRequest(name, reg.lora_int_id, adapter)
+
+    def cached_ids(self) -> list[int]:
+        """lora_int_ids held in host memory, least recently used first."""
+        with self._lock:
+            return list(self._cpu)
+
+    def _read(self, reg: Registration) -> PeftAdapter:
+        start = time.perf_counter()
+        adapter = read_peft_adapter(reg.path, self.model_config, name=reg.name, max_rank=self.cfg.max_lora_rank)
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self.num_loads += 1
+        for listener in self.load_listeners:
+            listener(seconds)
+        log.info("LoRA adapter %r read from %s in %.3f s (rank %d, %s)", reg.name, reg.path, seconds, adapter.rank,
+                 ", ".join(adapter.target_modules))
+        return adapter
+
+    def _cache(self, lora_int_id: int, adapter: PeftAdapter) -> None:
+        """Insert under the lock; drop the least recently used past max_cpu_loras."""
+        self._cpu[lora_int_id] = adapter
+        self._cpu.move_to_end(lora_int_id)
+        while len(self._cpu) > self.cfg.max_cpu_loras:
+            self._cpu.popitem(last=False)
+            self.num_evictions += 1
