@@ -98,3 +98,18 @@ def running_server(*extra: str, env: dict | None = None, headers: dict | None = 
                 proc.kill()
                 proc.wait()
         data_home.cleanup()
+
+
+def unhealthy_within(url: str, seconds: float, start: float | None = None) -> bool:
+    """/health answers 503 (or the server has stopped listening) within `seconds` of `start` (default: now)."""
+    import httpx
+
+    start = time.monotonic() if start is None else start
+    while time.monotonic() - start < seconds:
+        try:
+            if httpx.get(url + "/health", timeout=0.5).status_code == 503:
+                return True
+        except httpx.HTTPError:  # already closed its socket on the way out: not healthy either
+            return True
+        time.sleep(0.02)
+    return False

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_util import running_server
+from tests.server_util import running_server, unhealthy_within
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -44,21 +44,8 @@ def test_a_dead_engine_fails_health_at_once_and_exits_nonzero():
         start = time.monotonic()
         r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-        assert _unhealthy_within(s.url, start, 1.0)
+        assert unhealthy_within(s.url, 1.0, start)
         assert s.proc.wait(timeout=15) == 1
-
-
-def _unhealthy_within(url: str, start: float, seconds: float) -> bool:
-    """/health answers 503 (or the server has stopped listening) before `seconds` after `start`."""
-    while time.monotonic() - start < seconds:
-        try:
-            if httpx.get(url + "/health", timeout=0.5).status_code == 503:
-                return True
-        except httpx.HTTPError:  # already closed its socket on the way out: not healthy either
-            return True
-        time.sleep(0.02)
-    return False
-
 
 def test_a_hung_engine_fails_health_within_the_step_timeout_and_exits_nonzero():
     """The 2nd forward after warm-up never returns: the watchdog (--engine-step-timeout 1) declares the engine dead."""
@@ -68,5 +55,5 @@ def test_a_hung_engine_fails_health_within_the_step_timeout_and_exits_nonzero():
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)  # its 1st decode step hangs
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert time.monotonic() - start < 1 + 1.0  # the timeout, then at most a tenth of it to notice
-        assert _unhealthy_within(s.url, start, 2.0)
+        assert unhealthy_within(s.url, 2.0, start)
         assert s.proc.wait(timeout=15) == 1

@@ -28,7 +28,7 @@ from lmserve.loader import load_model
 from lmserve.loader.sharding import TPShard, shard_bounds
 from lmserve.worker.tp_worker import RankSpec, init_group
 from tests.conftest import save_tiny_hf, write_tiny_llama
-from tests.server_util import free_port, running_server
+from tests.server_util import free_port, running_server, unhealthy_within
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3]]
 
@@ -224,26 +224,12 @@ def test_sigterm_stops_every_rank(tp_server):
         time.sleep(0.1)
     assert not _alive(ranks)
 
-
-def _unhealthy_within(url: str, seconds: float) -> bool:
-    """/health answers 503 (or the server has stopped listening) within `seconds` from now."""
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        try:
-            if httpx.get(url + "/health", timeout=0.5).status_code == 503:
-                return True
-        except httpx.HTTPError:  # already closed its socket on the way out: not healthy either
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_killing_an_idle_rank_fails_health_and_exits_nonzero(tiny_llama):
     with running_server("--model", str(tiny_llama), *SERVE_ARGS) as s:
         ranks = _ranks(s.proc.pid)
         assert len(ranks) == 1 and httpx.get(s.url + "/health").status_code == 200
         os.kill(ranks[0], signal.SIGKILL)  # no request in flight: the executor's watcher must notice
-        assert _unhealthy_within(s.url, 3)
+        assert unhealthy_within(s.url, 3)
         assert s.proc.wait(timeout=20) == 1
 
 
@@ -256,7 +242,7 @@ def test_a_hung_rank_fails_health_and_exits_nonzero_leaving_no_rank(tiny_llama):
             r = httpx.post(s.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "w1 w2", "max_tokens": 4},
                            timeout=30)
             assert r.status_code in (500, 503)
-            assert _unhealthy_within(s.url, 3)
+            assert unhealthy_within(s.url, 3)
             assert s.proc.wait(timeout=20) == 1
             deadline = time.monotonic() + 5  # a killed process's teardown may take a moment on a loaded machine
             while _alive(ranks) and time.monotonic() < deadline:

@@ -96,3 +96,16 @@ def user_data_dir() -> Path:
     """lmserve's user data (playground shares, batch jobs): $XDG_DATA_HOME/lmserve, ~/.local/share/lmserve when unset."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "lmserve"
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; ValueError saying what is wrong (callers add the file's role)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object")
+    return data

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from lmserve.errors import CheckpointError
 from lmserve.loader.sharding import TPShard, shard_bounds
+from lmserve.utils import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -22,12 +23,9 @@ def read_config(directory: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face model directory or a .gguf file)")
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return cfg
+        return read_json_object(path)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:

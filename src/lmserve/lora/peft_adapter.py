@@ -8,7 +8,6 @@ adapter trained for another base is refused here, before any engine sees it. Eac
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -19,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from lmserve.models.config import ModelConfig
+from lmserve.utils import read_json_object
 
 # HF projection name -> the decoder sub-module it lives in.
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -106,11 +106,9 @@ def _read_config(root: Path) -> dict[str, Any]:
     if not file.is_file():
         raise AdapterError(f"adapter {root}: {CONFIG_FILE} is missing")
     try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"adapter {file}: cannot be read as JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"adapter {file}: expected a JSON object")
+        config = read_json_object(file)
+    except ValueError as e:
+        raise AdapterError(f"adapter {file}: {e}") from None
     if config.get("peft_type") != "LORA":
         raise AdapterError(f"adapter {file}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
     for field, what in _UNSUPPORTED_FIELDS.items():
