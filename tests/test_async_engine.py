@@ -29,7 +29,7 @@ class FakeEngine:
         raise AssertionError("AsyncEngine leaves checking to its caller or to add_request")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    max_tokens: int | None = None, grammar=None, tenant: str = "", priority: int = 0) -> None:
+                    max_tokens: int | None = None, grammar=None, tenant: str = "", priority: int = 0, lora=None) -> None:
         if request_id == "bad":
             raise ValueError("refused on the engine thread")
         msg = AddRequest(request_id, prompt, params, max_tokens, grammar, tenant)

@@ -111,3 +111,36 @@ def test_embedded_model_from_its_own_blocks():
     together = run(eng, PROMPTS[:6], params)
     assert {k: v["ids"] for k, v in together.items()} == alone
     assert_no_leak(eng)
+
+
+@needs_native
+def test_lora_delta_runs_beside_the_gguf_blocks(tmp_path):
+    """--enable-lora on --quantization gguf: every adapted projection keeps its GGUF blocks (the delta is added
+    beside the quantized matmul, never merged); the adapter changes the output; a batch mixing the adapter and
+    the base gives each request's tokens alone."""
+    from lmserve.config import CacheConfig, EngineConfig, LoraConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.loader import default_model_path, read_model_config
+    from lmserve.sampling_params import SamplingParams
+    from tests.lora_adapters import write_random_adapter
+
+    adapter = write_random_adapter(tmp_path / "a", read_model_config(default_model_path()), rank=8)
+    eng = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=64),
+                                 lora=LoraConfig((("a", str(adapter)),), max_loras=1, max_cpu_loras=1, max_lora_rank=8)))
+    assert {type(w.base).__name__ for w in eng.lora_slots.wrappers} == {"GGUFLinear"}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    lora = eng.loras.get("a")
+
+    def run(requests):
+        for rid, l in requests:
+            eng.add_request(rid, "Tell me about the sea.", params, lora=l)
+        out = {rid: [] for rid, _ in requests}
+        while eng.has_unfinished():
+            for d in eng.step():
+                out[d.request_id] += d.token_ids
+        return out
+
+    alone_base, alone_lora = run([("b", None)])["b"], run([("l", lora)])["l"]
+    assert alone_lora != alone_base
+    assert run([("b", None), ("l", lora)]) == {"b": alone_base, "l": alone_lora}
+    assert eng.kv.num_free_blocks == eng.num_blocks
