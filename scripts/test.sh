@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 . .venv/bin/activate
-python -m pytest -q -rs "$@"
+python -m pytest -q -rs --durations=25 "$@"  # the slowest 25 listed: the suite must stay under 30 min
