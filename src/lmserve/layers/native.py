@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "LMSERVE_NATIVE_KERNELS"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp", "quant_gemm.cpp",
-                                          "bindings.cpp")]
+                                          "decode_stack.cpp", "bindings.cpp")]
 # fast-math lets GCC vectorise the reductions and exp; finite-math stays off (masked -inf must compare)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 _lock = threading.Lock()

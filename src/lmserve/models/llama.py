@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lmserve.layers.attention import AttentionContext
+from lmserve.layers.decode_stack import DecodeStack, LayerWeights, Shape
 from lmserve.layers.fused import rms_norm, rotary, silu_and_mul
 from lmserve.layers.rotary import cos_sin, inv_frequencies
 from lmserve.errors import CheckpointError
@@ -113,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
         # Rotary inverse frequencies; a buffer so it follows .to(device). GGUF may refine it at load.
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._decode_stack: DecodeStack | None | bool = False  # False: not built yet (weights load after init)
 
     def tie_weights(self) -> None:
         """Tied models share one Parameter between embedding and LM head (re-done after `to_empty`)."""
@@ -123,10 +125,30 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = cos_sin(positions, self.inv_freq, x.dtype)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
+        stack = self._stack() if DecodeStack.accepts(attn, x) else None
+        if stack is not None:  # the same kernels as the loop below, called from C++ (layers/decode_stack.py)
+            x, residual = stack(x, cos, sin, attn)
+        else:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, cos, sin, attn)
         return self.model.norm(x, residual)[0]
+
+    def use_decode_stack(self, on: bool) -> bool:
+        """Turn the native decode stack on (where it applies) or off; True when decode steps will use it."""
+        self._decode_stack = False if on else None
+        return not on or self._stack() is not None
+
+    def _stack(self) -> DecodeStack | None:
+        """The native decode stack over these layers, built at the first decode step (None where it does not apply)."""
+        if self._decode_stack is False:
+            cfg = self.config
+            layers = [LayerWeights(l.input_layernorm.weight, l.post_attention_layernorm.weight,
+                                   (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj))
+                      for l in self.model.layers]
+            self._decode_stack = DecodeStack.build(
+                layers, Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps))
+        return self._decode_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32 (callers pass only rows they sample)."""

@@ -1,0 +1,74 @@
+"""The native decode stack (layers/decode_stack.py): every layer of a decode-only step in one C++ call must give
+exactly the PyTorch module loop's outputs (same kernels, same order), and stand aside where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lmserve.layers.decode_stack import DecodeStack, LayerWeights, Shape
+from lmserve.layers.native import native_module
+
+needs_native = pytest.mark.skipif(native_module() is None, reason="native kernels unavailable (no compiler)")
+
+
+@pytest.fixture(scope="module")
+def gguf_engine():
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=128, block_size=16,
+                                                               enable_prefix_caching=False)))  # same cache state per run
+
+
+def generate(eng, prompts, params) -> dict:
+    """Tokens and every logprob (chosen and top-k) of each prompt, all in one continuous batch."""
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    out = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for d in eng.step():
+            out[d.request_id] += [(t.token_id, t.logprob, tuple(t.top)) for t in d.logprobs]
+    return out
+
+
+@needs_native
+def test_decode_steps_through_the_stack_equal_the_module_loop_bitwise(gguf_engine):
+    """Three prompts of different lengths, 30 sampled tokens each (block boundaries crossed, rows joining and
+    leaving the batch): tokens and logprobs (chosen and top-3) are bit-identical with the stack on and off,
+    and the stack really ran."""
+    from lmserve.sampling_params import SamplingParams
+    from tests.test_engine import PROMPTS, assert_no_leak
+
+    model = gguf_engine.loaded.model
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True, logprobs=3)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    assert model.use_decode_stack(False)
+    reference = generate(gguf_engine, prompts, params)
+    assert model.use_decode_stack(True)
+    stack = model._stack()
+    fused = generate(gguf_engine, prompts, params)
+    assert stack.steps >= 25  # every decode-only step went through it
+    assert fused == reference
+    assert_no_leak(gguf_engine)
+
+
+@needs_native
+def test_the_stack_stands_aside_for_other_layers(gguf_engine):
+    """A projection that is not exactly a GGUFLinear (float, LoRA or parallel wrapper) means no stack; so do head
+    layouts the attention kernel lacks. The float (dequantized) model never builds one."""
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+
+    cfg = gguf_engine.model_config
+    layers = [LayerWeights(l.input_layernorm.weight, l.post_attention_layernorm.weight,
+                           (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj))
+              for l in gguf_engine.loaded.model.model.layers]
+    shape = Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    assert DecodeStack.build(layers, shape) is not None
+    swapped = LayerWeights(layers[3].in_norm, layers[3].post_norm,
+                           (nn.Linear(cfg.hidden_size, 8),) + layers[3].projections[1:])
+    assert DecodeStack.build(layers[:3] + [swapped] + layers[4:], shape) is None
+    assert DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, 96, cfg.rms_norm_eps)) is None
+    float_eng = LLMEngine(EngineConfig(quantization=None, cache=CacheConfig(num_blocks=8)))
+    assert not float_eng.loaded.model.use_decode_stack(True)
