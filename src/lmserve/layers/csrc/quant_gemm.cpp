@@ -3,8 +3,9 @@
 // Why: a decode step reads every weight once, so its time is the bytes read. The embedded model's
 // Q4_1 weights are 0.75 bytes per weight in the layout below against 4 for float32 (5.3x less to
 // stream). As llama.cpp does, the activations are quantized to int8 per block of 32 (one scale per
-// block), the block dot products are integer (AVX2 maddubs, or VNNI dpbusd where the CPU has it) and
-// they are accumulated in float32.
+// block), the block dot products are integer (AVX2 maddubs, or VNNI dpbusd where the CPU has it; with
+// AVX-512 VNNI two blocks per instruction) and they are accumulated in float32. Which loop is compiled
+// follows the CPU (-march=native; the build cache is keyed by the CPU's flags, layers/native.py).
 //
 // Layouts (layers/gguf_linear.py repacks each GGUF type into one of three, exactly):
 //   kind 0, U4: codes uint8 [N, K/2], two 4-bit codes a byte (ggml's order: in block b, byte j holds
@@ -84,11 +85,98 @@ inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LMSERVE_QGEMM_AVX512 1
+// Two blocks (64 weights) per step in 512-bit registers: half the instructions of the 256-bit loop.
+// The unsigned-by-signed dpbusd lanes of a 64-byte step hold, four bytes each: lanes 0-7 block b, 8-15 b + 1.
+
+// 32 bytes of U4 codes (blocks b, b + 1) -> 64 codes in the activations' order (low nibbles first per block)
+inline __m512i unpack_u4_pair(const uint8_t* codes) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+  // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]
+  const __m512i ordered = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+  return _mm512_and_si512(ordered, _mm512_set1_epi8(0x0F));
+}
+
+// [a, b] (two floats at p and q) -> a in lanes 0-7, b in lanes 8-15
+inline __m512 pair_scale(const float* w, const float* x) {
+  const __m128 ws = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(w)));
+  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x)));
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_mul_ps(ws, xs)));
+}
+
+// S8: four scales per pair (one per 16 weights), times the pair's activation scales -> four lanes each
+inline __m512 quad_scale(const float* w, const float* x) {
+  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x)));
+  const __m128 prod = _mm_mul_ps(_mm_loadu_ps(w), _mm_unpacklo_ps(xs, xs));  // [w0 x0, w1 x0, w2 x1, w3 x1]
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(prod));
+}
+
+// sum over blocks of mins[b] * xs[b] (the U4/U8 offset term), 16 blocks at a time
+inline float offset_term(const float* mn, const float* xs, int64_t nb) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 16 <= nb; b += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mn + b), _mm512_loadu_ps(xs + b), acc);
+  if (b < nb) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (nb - b)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mn + b), _mm512_maskz_loadu_ps(m, xs + b), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+float dot_row_avx512(int kind, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
+                     const float* xd, const float* xs, int64_t K) {
+  const int64_t nb = K / kQBlock, pairs = nb / 2;
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();  // two chains hide the FMA latency
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t b = 2 * p;
+    const __m512i x = _mm512_loadu_si512(xq + b * kQBlock);
+    __m512i dot;
+    __m512 scale;
+    if (kind == 2) {
+      const __m512i w = _mm512_loadu_si512(codes + b * kQBlock);
+      const __mmask64 neg = _mm512_movepi8_mask(w);  // dpbusd wants unsigned x signed: |w| x (x with w's sign)
+      dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w),
+                                _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+      scale = quad_scale(sc + 2 * b, xd + b);
+    } else {
+      const __m512i w = kind == 0 ? unpack_u4_pair(codes + b * 16) : _mm512_loadu_si512(codes + b * kQBlock);
+      dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+      scale = pair_scale(sc + b, xd + b);
+    }
+    if (p & 1) {
+      acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc1);
+    } else {
+      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc0);
+    }
+  }
+  float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  if (nb & 1) {  // the last block alone, 256 bits wide
+    const int64_t b = nb - 1;
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
+    if (kind == 2) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
+      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
+      const __m256 s = _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b]));
+      total += hsum(_mm256_mul_ps(p, s));
+    } else {
+      total += hsum(_mm256_cvtepi32_ps(dot_u8s8(load_codes(kind, codes, b), x))) * (sc[b] * xd[b]);
+    }
+  }
+  return kind == 2 ? total : total + offset_term(mn, xs, nb);
+}
+#endif
+
 // One output: weight row n (its codes/scales/mins) against one quantized input row.
 float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
               const float* xd, const float* xs, int64_t K) {
   const int64_t nb = K / kQBlock;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(LMSERVE_QGEMM_AVX512)
+  return dot_row_avx512(kind, codes, sc, mn, xq, xd, xs, K);
+#elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   float acc_min = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
