@@ -31,6 +31,10 @@
 #include <immintrin.h>
 #endif
 
+// The extension is built with -ffast-math (for the other kernels' reductions); here it would let GCC reassociate
+// the float chain differently in each tile shape, and a row's result would depend on its batch.
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+
 namespace {
 
 constexpr int64_t kQBlock = 32;  // activation quantization block (and U4/U8 weight block)
@@ -87,32 +91,40 @@ inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define LMSERVE_QGEMM_AVX512 1
-// Two blocks (64 weights) per step in 512-bit registers: half the instructions of the 256-bit loop.
-// The unsigned-by-signed dpbusd lanes of a 64-byte step hold, four bytes each: lanes 0-7 block b, 8-15 b + 1.
+// Two blocks (64 weights) per step in 512-bit registers, over a tile of up to 4 weight rows x 4 input rows
+// held in 16 accumulators: each weight pair is unpacked once for up to 4 input rows, each input pair loaded
+// once for up to 4 weight rows. The dpbusd lanes of a step hold, four bytes each: lanes 0-7 block b, 8-15
+// block b + 1. Every (row, input) output is the same chain whatever the tile's size, so the tiling (which
+// depends on the batch) never changes a result: one fma per step into its own accumulator, a fixed
+// reduction, then the lone last block (odd block counts) and the offset term.
 
-// 32 bytes of U4 codes (blocks b, b + 1) -> 64 codes in the activations' order (low nibbles first per block)
-inline __m512i unpack_u4_pair(const uint8_t* codes) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-  // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]
-  const __m512i ordered = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-  return _mm512_and_si512(ordered, _mm512_set1_epi8(0x0F));
+// lanes 0-7 <- element 0, 8-15 <- element 1 (a pair's per-block values); and per 4 lanes (S8's per-16 scales)
+inline __m512i pair_idx() { return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); }
+inline __m512i quad_idx() { return _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); }
+
+// a pair of weight blocks as unsigned bytes in the activations' order (S8: w + 128, corrected below)
+template <int KIND>
+inline __m512i load_w(const uint8_t* codes, int64_t b) {
+  if (KIND == 0) {  // 32 bytes of nibbles -> [lo b, hi b, lo b+1, hi b+1]
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 16));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    return _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+  }
+  const __m512i w = _mm512_loadu_si512(codes + b * kQBlock);
+  return KIND == 2 ? _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))) : w;
 }
 
-// [a, b] (two floats at p and q) -> a in lanes 0-7, b in lanes 8-15
-inline __m512 pair_scale(const float* w, const float* x) {
-  const __m128 ws = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(w)));
-  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x)));
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_mul_ps(ws, xs)));
+// the weight scales of a pair, one per dpbusd lane (U4/U8: one per block; S8: one per 16 weights)
+template <int KIND>
+inline __m512 w_scale(const float* sc, int64_t b) {
+  if (KIND == 2) return _mm512_permutexvar_ps(quad_idx(), _mm512_castps128_ps512(_mm_loadu_ps(sc + 2 * b)));
+  return _mm512_permutexvar_ps(pair_idx(), _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(
+      reinterpret_cast<const double*>(sc + b)))));
 }
 
-// S8: four scales per pair (one per 16 weights), times the pair's activation scales -> four lanes each
-inline __m512 quad_scale(const float* w, const float* x) {
-  const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x)));
-  const __m128 prod = _mm_mul_ps(_mm_loadu_ps(w), _mm_unpacklo_ps(xs, xs));  // [w0 x0, w1 x0, w2 x1, w3 x1]
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(prod));
+inline __m512 x_scale(const float* xd, int64_t b) {
+  return _mm512_permutexvar_ps(pair_idx(), _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(
+      reinterpret_cast<const double*>(xd + b)))));
 }
 
 // sum over blocks of mins[b] * xs[b] (the U4/U8 offset term), 16 blocks at a time
@@ -127,46 +139,104 @@ inline float offset_term(const float* mn, const float* xs, int64_t nb) {
   return _mm512_reduce_add_ps(acc);
 }
 
-float dot_row_avx512(int kind, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
-                     const float* xd, const float* xs, int64_t K) {
-  const int64_t nb = K / kQBlock, pairs = nb / 2;
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();  // two chains hide the FMA latency
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t b = 2 * p;
-    const __m512i x = _mm512_loadu_si512(xq + b * kQBlock);
-    __m512i dot;
-    __m512 scale;
-    if (kind == 2) {
-      const __m512i w = _mm512_loadu_si512(codes + b * kQBlock);
-      const __mmask64 neg = _mm512_movepi8_mask(w);  // dpbusd wants unsigned x signed: |w| x (x with w's sign)
-      dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w),
-                                _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
-      scale = quad_scale(sc + 2 * b, xd + b);
-    } else {
-      const __m512i w = kind == 0 ? unpack_u4_pair(codes + b * 16) : _mm512_loadu_si512(codes + b * kQBlock);
-      dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-      scale = pair_scale(sc + b, xd + b);
+// the last block of an odd block count, 256 bits wide
+inline float last_block(int kind, const uint8_t* codes, const float* sc, const int8_t* xq, const float* xd,
+                        int64_t b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
+  if (kind == 2) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
+    const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
+    const __m256 s = _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b]));
+    return hsum(_mm256_mul_ps(p, s));
+  }
+  return hsum(_mm256_cvtepi32_ps(dot_u8s8(load_codes(kind, codes, b), x))) * (sc[b] * xd[b]);
+}
+
+struct QRows {  // where the quantized input rows live: codes, then per-block scales and scale * sums
+  const int8_t* q;
+  int64_t stride, K;
+  const int8_t* codes(int64_t m) const { return q + m * stride; }
+  const float* d(int64_t m) const { return reinterpret_cast<const float*>(q + m * stride + K); }
+  const float* s(int64_t m) const { return d(m) + K / kQBlock; }
+};
+
+struct WRows {  // the weight rows: codes, scales and mins per row
+  const uint8_t* codes;
+  const float *sc, *mn;
+  int64_t cb, sr;
+};
+
+// out[m * ldo + n] for n in [n0, n0 + R), m in [m0, m0 + C)
+template <int KIND, int R, int C>
+void tile(const WRows& w, const QRows& x, int64_t n0, int64_t m0, float* out, int64_t ldo) {
+  const int64_t nb = x.K / kQBlock;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    __m512i xv[C], corr[C];
+    __m512 xs[C];
+    for (int c = 0; c < C; ++c) {
+      xv[c] = _mm512_loadu_si512(x.codes(m0 + c) + b * kQBlock);
+      xs[c] = x_scale(x.d(m0 + c), b);
+      // S8 weights go in as w + 128: take 128 * (each lane's four activations) back out
+      if (KIND == 2) corr[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), xv[c]);
     }
-    if (p & 1) {
-      acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc1);
-    } else {
-      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc0);
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = load_w<KIND>(w.codes + (n0 + r) * w.cb, b);
+      const __m512 ws = w_scale<KIND>(w.sc + (n0 + r) * w.sr, b);
+      for (int c = 0; c < C; ++c) {
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[c]);
+        if (KIND == 2) d = _mm512_sub_epi32(d, corr[c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[c]), acc[r][c]);
+      }
     }
   }
-  float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  if (nb & 1) {  // the last block alone, 256 bits wide
-    const int64_t b = nb - 1;
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
-    if (kind == 2) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
-      const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
-      const __m256 s = _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b]));
-      total += hsum(_mm256_mul_ps(p, s));
-    } else {
-      total += hsum(_mm256_cvtepi32_ps(dot_u8s8(load_codes(kind, codes, b), x))) * (sc[b] * xd[b]);
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    for (int c = 0; c < C; ++c) {
+      const int64_t m = m0 + c;
+      float v = _mm512_reduce_add_ps(acc[r][c]);
+      if (nb & 1) v += last_block(KIND, w.codes + n * w.cb, w.sc + n * w.sr, x.codes(m), x.d(m), nb - 1);
+      if (KIND != 2) v += offset_term(w.mn + n * w.sr, x.s(m), nb);
+      out[m * ldo + n] = v;
     }
   }
-  return kind == 2 ? total : total + offset_term(mn, xs, nb);
+}
+
+template <int KIND, int R>
+void tile_rows(const WRows& w, const QRows& x, int64_t n0, int64_t m0, int64_t C, float* out, int64_t ldo) {
+  switch (C) {
+    case 1: return tile<KIND, R, 1>(w, x, n0, m0, out, ldo);
+    case 2: return tile<KIND, R, 2>(w, x, n0, m0, out, ldo);
+    case 3: return tile<KIND, R, 3>(w, x, n0, m0, out, ldo);
+    default: return tile<KIND, R, 4>(w, x, n0, m0, out, ldo);
+  }
+}
+
+template <int KIND>
+void tile_any(const WRows& w, const QRows& x, int64_t n0, int64_t R, int64_t m0, int64_t C, float* out,
+              int64_t ldo) {
+  switch (R) {
+    case 1: return tile_rows<KIND, 1>(w, x, n0, m0, C, out, ldo);
+    case 2: return tile_rows<KIND, 2>(w, x, n0, m0, C, out, ldo);
+    case 3: return tile_rows<KIND, 3>(w, x, n0, m0, C, out, ldo);
+    default: return tile_rows<KIND, 4>(w, x, n0, m0, C, out, ldo);
+  }
+}
+
+// rows [n0, n1) of the output for every input row, in tiles of 4 x 4
+void rows_avx512(int kind, const WRows& w, const QRows& x, int64_t M, int64_t n0, int64_t n1, float* out,
+                 int64_t ldo) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const int64_t C = std::min<int64_t>(4, M - m);
+    for (int64_t n = n0; n < n1; n += 4) {
+      const int64_t R = std::min<int64_t>(4, n1 - n);
+      if (kind == 0) tile_any<0>(w, x, n, R, m, C, out, ldo);
+      else if (kind == 1) tile_any<1>(w, x, n, R, m, C, out, ldo);
+      else tile_any<2>(w, x, n, R, m, C, out, ldo);
+    }
+  }
 }
 #endif
 
@@ -174,9 +244,7 @@ float dot_row_avx512(int kind, const uint8_t* codes, const float* sc, const floa
 float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
               const float* xd, const float* xs, int64_t K) {
   const int64_t nb = K / kQBlock;
-#if defined(LMSERVE_QGEMM_AVX512)
-  return dot_row_avx512(kind, codes, sc, mn, xq, xd, xs, K);
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   float acc_min = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -268,6 +336,13 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   at::parallel_for(0, (N + kNTile - 1) / kNTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kNTile, n1 = std::min(N, n0 + kNTile);
+#if defined(LMSERVE_QGEMM_AVX512)
+      rows_avx512(static_cast<int>(kind), WRows{pc, ps, pm, cb, sr}, QRows{pq, xs, K}, M, n0, n1, py, N);
+      if (pb)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = n0; n < n1; ++n) py[m * N + n] += pb[n];
+      continue;
+#endif
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xr = pq + m * xs;
         const float* xd = reinterpret_cast<const float*>(xr + K);
