@@ -41,9 +41,12 @@ TEXT = HERE / "data" / "fidelity_text.txt"
 LLAMA_BIN = HERE / ".cache" / "llama.cpp" / "build" / "bin" / "llama-perplexity"
 RAW_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                "Once upon a time, in a small village by the sea,", "The three primary colors are")
-# llama-perplexity as run by default, and with its attention in float32 (its default keeps K/V in f16 and runs
-# flash attention in f16): the second isolates how much of its gap to lmserve the attention precision makes
-LLAMA_VARIANTS = {"llama.cpp": (), "llama.cpp f32 KV, no flash attn": ("-fa", "off", "-ctk", "f32", "-ctv", "f32")}
+# llama-perplexity runs: (weights, extra flags). Its default keeps K/V in f16 and runs flash attention in f16; the
+# f32 rows isolate what that costs, and "f32" weights (the GGUF dequantized, as lmserve's float path reads it) run
+# float32 matmuls without the int8 activations its quantized matmuls use.
+F32_ATTN = ("-fa", "off", "-ctk", "f32", "-ctv", "f32")
+LLAMA_VARIANTS = {"llama.cpp": ("gguf", ()), "llama.cpp f32 KV, no flash attn": ("gguf", F32_ATTN),
+                  "llama.cpp float32 weights": ("f32", ()), "llama.cpp float32 weights, f32 KV": ("f32", F32_ATTN)}
 CHAT_PROMPTS = ("What is the boiling point of water at sea level?", "Write a haiku about autumn leaves.",
                 "Explain in two sentences what a hash table is.", "List three tips for a good night's sleep.")
 
@@ -105,6 +108,27 @@ def run_llama_perplexity(binary: Path, model: Path, text: Path, n_ctx: int, thre
         return {"ppl": float(found.group(1)), "ppl_error": float(found.group(2)), "seconds": seconds,
                 "command": " ".join(cmd[:1] + [Path(c).name if "/" in c else c for c in cmd[1:-2]]),
                 **read_saved_logits(saved, n_ctx)}
+
+
+def dequantized_gguf(src: Path, dst: Path) -> Path:
+    """A copy of `src` with every tensor dequantized to F32 (metadata kept), for llama.cpp's float path."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value = 0 if field.name == "general.file_type" else field.contents()  # 0: ALL_F32
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
 
 
 def read_saved_logits(path: Path, n_ctx: int) -> dict:
@@ -225,9 +249,13 @@ def summarize(systems: dict[str, dict]) -> dict:
 def markdown(r: dict) -> str:
     """The result as the tables README quotes."""
     c = r["cpu"]
-    lines = [f"Machine: {c['name']}, {c['cores']} cores, flags {','.join(c['flags'])}. Text: {r['text']['path']} "
-             f"({r['text']['tokens']} tokens, {r['text']['chunks']} windows of {r['n_ctx']}, "
-             f"{r['text']['scored_tokens']} scored). Token ids equal to llama.cpp's: {r['tokens_match_llama_cpp']}.",
+    lines = [f"Machine: {c['name']}, {c['cores']} cores, flags {','.join(c['flags'])}; load average "
+             f"{r['load_avg_before']:.1f} before, {r['load_avg_after']:.1f} after (the seconds are not a speed "
+             f"comparison). Text: {r['text']['path']} ({r['text']['tokens']} tokens, {r['text']['chunks']} windows of "
+             f"{r['n_ctx']}, {r['text']['scored_tokens']} scored). Token ids equal to llama.cpp's: "
+             f"{r['tokens_match_llama_cpp']}. lmserve: its engine's prompt logprobs (LLM, float32 activations; "
+             "gguf: the file's blocks, int8 activations); transformers: float32 on the GGUF it dequantizes.", "",
+             *[f"- {name}: `{cmd}`" for name, cmd in r["llama_perplexity_commands"].items()],
              "", "| system | PPL | vs llama.cpp | vs transformers | top-1 = llama.cpp | top-1 = transformers "
              "| mean abs dNLL vs llama.cpp | vs transformers | s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, s in r["perplexity"].items():
@@ -272,7 +300,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="greedy continuation length")
     ap.add_argument("--llama-perplexity", type=Path, default=LLAMA_BIN, help="built when missing")
     ap.add_argument("--out", type=Path, default=None, help="JSON; a .md beside it")
+    ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md beside this JSON")
     args = ap.parse_args()
+    if args.render:
+        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        return
     from gguf_decode import cpu
     from lmserve.engine.tokenizer import Tokenizer
     from lmserve.loader import default_model_path
@@ -285,8 +317,10 @@ def main() -> None:
     ids = tok.encode(read_text(args.text))
     windows = chunk_windows(ids, args.ctx, tok.bos_token_id if tok.add_bos_token else None)
     load = os.getloadavg()[0]
-    systems = {name: run_llama_perplexity(args.llama_perplexity, model, args.text, args.ctx, args.threads, extra)
-               for name, extra in LLAMA_VARIANTS.items()}
+    with tempfile.TemporaryDirectory() as tmp:  # the F32 copy: ~0.5 GB, gone after llama.cpp's runs
+        files = {"gguf": model, "f32": dequantized_gguf(model, Path(tmp) / model.name.replace(".gguf", ".F32.gguf"))}
+        systems = {name: run_llama_perplexity(args.llama_perplexity, files[w], args.text, args.ctx, args.threads, extra)
+                   for name, (w, extra) in LLAMA_VARIANTS.items()}
     systems |= {"lmserve gguf": run_lmserve(windows, "gguf", args.threads),
                "lmserve float32": run_lmserve(windows, None, args.threads),
                "transformers float32": run_transformers(model, windows)}
