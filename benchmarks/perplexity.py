@@ -1,13 +1,14 @@
 """Fidelity of the embedded GGUF: perplexity exactly as llama.cpp's `llama-perplexity -c 512` computes it, and greedy
 continuations against transformers.
 
-    python benchmarks/perplexity.py [--ctx 512] [--prompts 8] [--tokens 64] [--threads 2]
-        [--out benchmarks/results/perplexity.json]
+    python benchmarks/perplexity.py [--ctx 512] [--tokens 64] [--threads 2] [--out benchmarks/results/perplexity.json]
+    python benchmarks/perplexity.py --render benchmarks/results/perplexity.json   # only rewrite the .md
 
-Perplexity on benchmarks/data/fidelity_text.txt (CPython docstrings, ~4,600 tokens) for four systems:
-llama.cpp's own `llama-perplexity` (built by benchmarks/build_llama_server.sh), lmserve with the file's quantized
-blocks kept (`quantization="gguf"`), lmserve dequantized to float32, and transformers float32 on the same
-dequantized weights (it loads the GGUF itself). The method is llama-perplexity's (tools/perplexity/perplexity.cpp):
+Perplexity on benchmarks/data/fidelity_text.txt (CPython docstrings, ~4,600 tokens) for: llama.cpp's own
+`llama-perplexity` (built by benchmarks/build_llama_server.sh; as is, and with float32 attention and/or on the file
+dequantized to F32, to show where its gap to float32 comes from), lmserve with the file's quantized blocks kept
+(`quantization="gguf"`), lmserve dequantized to float32, and transformers float32 on the same dequantized weights
+(it loads the GGUF itself). The method is llama-perplexity's (tools/perplexity/perplexity.cpp):
 the text with one trailing newline removed is tokenized once (BOS only if the vocabulary adds it; this one does not),
 cut into len // n_ctx windows of n_ctx tokens (the rest dropped; a window's first token becomes BOS when BOS is
 added), each window is run alone from an empty KV cache, and only its second half is scored: logits at positions
