@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server from the sources inside PyPI's llama-cpp-python sdist, for the
-# side-by-side benchmark. Nothing built here is committed (benchmarks/.cache is git-ignored).
+# Build llama.cpp's llama-server (benchmarks/compare) and llama-perplexity (benchmarks/perplexity.py) from the
+# sources inside PyPI's llama-cpp-python sdist. Nothing built here is committed (benchmarks/.cache is git-ignored).
+# Prints llama-server's path last (compare.py reads it); llama-perplexity lies beside it.
 # CPU build: GGML_NATIVE=OFF with AVX2/FMA/F16C, plus AVX-512 where this CPU has it, AMX off
 # (a native build crashes on multi-token batches on the CPUs this project was planned for).
 set -euo pipefail
 cd "$(dirname "$0")"
 cache=.cache/llama.cpp
 bin="$cache/build/bin/llama-server"
-if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
+if [ -x "$bin" ] && [ -x "$cache/build/bin/llama-perplexity" ]; then echo "$bin"; exit 0; fi
 mkdir -p "$cache" .cache/sdist
 if ! ls .cache/sdist/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
   python3 -m pip download --no-binary :all: --no-deps -d .cache/sdist llama-cpp-python >&2
@@ -21,6 +22,6 @@ cmake -S "$src" -B "$cache/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
   -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_AVX512="$avx512" -DGGML_AVX512_VBMI="$avx512" -DGGML_AVX512_VNNI="$avx512" -DGGML_AVX512_BF16="$avx512" \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >&2
-cmake --build "$cache/build" --target llama-server -j "$(nproc)" >&2
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
+cmake --build "$cache/build" --target llama-server llama-perplexity -j "$(nproc)" >&2
 echo "$bin"
