@@ -1,0 +1,102 @@
+"""Where a decode step's time goes: batch 1 and batch 32, the embedded GGUF kept quantized.
+
+    python benchmarks/profile_step.py [--batches 1,32] [--tokens 48] [--out benchmarks/results/profile_step.md]
+
+Two passes per batch size in one process: with the native decode stack (the default: all decoder layers in one
+C++ call) for the step's wall time split into decoder layers / LM head / the rest, and with the stack off
+(LMSERVE_DECODE_STACK=0 path: the module loop) under cProfile for the per-kernel split inside the layers. The CPU,
+its flags and the load average are recorded: numbers from another machine, or a busy one, mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gguf_decode import cpu  # noqa: E402
+from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
+from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
+from lmserve.sampling_params import SamplingParams  # noqa: E402
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def start(engine: LLMEngine, batch: int, tokens: int) -> None:
+    """Admit `batch` greedy requests and run until every one is decoding."""
+    for i in range(batch):
+        engine.add_request(f"{time.time_ns()}-{i}", PROMPT, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                                          ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+
+
+def timed_steps(engine: LLMEngine) -> list[float]:
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def profiled_steps(engine: LLMEngine) -> tuple[int, dict[str, float], float]:
+    """(steps, seconds per native function, total seconds) of the remaining steps under cProfile."""
+    prof = cProfile.Profile()
+    steps, t = 0, time.perf_counter()
+    prof.enable()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    prof.disable()
+    total = time.perf_counter() - t
+    per = {}
+    for (_, _, name), row in pstats.Stats(prof).stats.items():
+        if "lmserve_native." in name:  # the C++ kernels (built-ins: their own time is all their time)
+            label = name.strip("<>").split("lmserve_native.")[1]
+            per[label] = per.get(label, 0.0) + row[2]
+    return steps, per, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=512)))
+    model = engine.loaded.model
+    lines = [f"# Decode step profile ({cpu()['name']}, {cpu()['cores']} cores, flags {' '.join(cpu()['flags'])}, "
+             f"load {os.getloadavg()[0]:.1f})", ""]
+    for batch in (int(b) for b in args.batches.split(",")):
+        model.use_decode_stack(True)
+        start(engine, batch, args.tokens)
+        wall = statistics.median(timed_steps(engine)) * 1000
+        model.use_decode_stack(False)
+        start(engine, batch, args.tokens)
+        steps, per, total = profiled_steps(engine)
+        lines += [f"## batch {batch}", "", f"median decode step with the native stack: {wall:.2f} ms", "",
+                  f"module loop under cProfile ({steps} steps, {total / steps * 1000:.2f} ms a step incl. profiler):",
+                  "", "| native function | ms per step | share |", "|---|---|---|"]
+        # quant_linear includes the LM head (one call a step) besides the 4 projections of every layer
+        for name, sec in sorted(per.items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {name} | {sec / steps * 1000:.2f} | {sec / total:.0%} |")
+        rest = total - sum(per.values())
+        lines += [f"| everything else (Python, sampler, scheduler) | {rest / steps * 1000:.2f} | {rest / total:.0%} |",
+                  ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
