@@ -31,6 +31,18 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+def mapped_rss(path) -> int:
+    """Bytes of `path`'s mappings resident in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = fields[-1] == str(path) if len(fields) >= 6 else False
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
 def shape_for(kind: str) -> tuple[int, int]:
     return (37, 512) if kind.endswith("_K") else (37, 96)  # odd row count; K a few blocks
 
@@ -114,6 +126,9 @@ def test_embedded_model_from_its_own_blocks():
     probe = torch.tensor([[0, 1, 17], [eng.model_config.vocab_size - 1, 500, 3]])
     with torch.inference_mode():
         assert torch.equal(emb(probe), float_eng.loaded.model.model.embed_tokens(probe))
+    # nor is the file's map: both loads read all of it, and neither keeps its pages resident afterwards
+    size = eng.loaded.path.stat().st_size
+    assert mapped_rss(eng.loaded.path) < min(16 * 2**20, size / 4), (mapped_rss(eng.loaded.path), size)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = {str(i): run(eng, [p], params)["0"]["ids"] for i, p in enumerate(PROMPTS[:6])}
     together = run(eng, PROMPTS[:6], params)
