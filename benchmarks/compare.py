@@ -1,14 +1,20 @@
-"""lmserve vs llama.cpp's llama-server vs Hugging Face transformers, side by side in one run.
+"""lmserve vs llama.cpp's llama-server (and, with --transformers, Hugging Face transformers) side by side in
+one run: every row of issue 13's target table, with ratios and targets.
 
-    python benchmarks/compare.py            (or: bash benchmarks/compare)
-    python benchmarks/compare.py --lmserve-args "--quantization int4" --levels 1,4,16 --rates "" \
-        --out benchmarks/results/compare_int4.json     (lmserve on weight-only int4 weights)
+    python benchmarks/compare.py --lmserve-args "--quantization gguf"      (or: bash benchmarks/compare ...)
+    python benchmarks/compare.py --lmserve-args "--quantization gguf" --repeats 1 --output-len 32 \
+        --prefill-repeats 1 --startup-repeats 1 --out /tmp/compare_smoke.json      (a short run, minutes)
+    python benchmarks/compare.py --render benchmarks/results/compare.json --readme   (re-render; README table)
 
-Same machine, same model file (the embedded SmolLM2 GGUF), same prompts (256 tokens in, exactly
-128 out, greedy, streamed), same 2 threads. Runs alternate lmserve, llama.cpp, transformers at every
-level after a discarded warm-up; medians are reported with min-max. transformers has no server: it
-runs offline `generate` with static batches of the same size (said so in the tables). llama-server
-is built from the llama.cpp sources in PyPI's llama-cpp-python sdist (benchmarks/build_llama_server.sh).
+Same machine, same model file (the embedded SmolLM2 GGUF), same prompts (random token ids, 256 in,
+exactly 128 out, greedy, streamed), same 2 threads. Systems alternate at every step after a discarded
+warm-up: concurrency levels 1, 16, 32 (output tok/s, TTFT, TPOT), prefill of a 512-token prompt
+(tok/s = prompt tokens / TTFT, one request at a time), peak RSS while the 32-stream level runs (sampled
+every 0.1 s, the server and its children), and start to first token: a fresh process of each server,
+from its start to the first streamed token of one request (lmserve's native extension already built
+by the first server of the run). CPU model, flags and load average are recorded. transformers has no
+server: it runs offline `generate` with static batches of the same size (said so in the tables).
+llama-server: `--llama-server PATH`, else built by benchmarks/build_llama_server.sh.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -30,45 +37,58 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
+sys.path.insert(0, str(ROOT))
 
+import compare_report  # noqa: E402
 from lmserve.bench import serve as sb  # noqa: E402
 from lmserve.loader import default_model_path  # noqa: E402
 
-INPUT_LEN, OUTPUT_LEN, THREADS = 256, 128, 2
 VOCAB = 49152
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Proc:
-    """A server process with its load time and sampled peak RSS."""
+    """A server process: time to /health 200, peak RSS (whole life, and since the last `reset_phase`)."""
 
     def __init__(self, name: str, cmd: list[str], url: str, env: dict | None = None) -> None:
         self.name, self.url = name, url
-        start = time.perf_counter()
+        self.start = time.perf_counter()
         self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   env={**os.environ, **(env or {})})
-        self.peak_rss = 0
+        self.peak_rss = self.phase_peak = 0
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
-        while time.perf_counter() - start < 300:
+        self.load_s = self.wait_healthy()
+
+    def wait_healthy(self, poll: float = 0.02, deadline: float = 300) -> float:
+        while time.perf_counter() - self.start < deadline:
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.start
             except httpx.HTTPError:
                 pass
             if self.p.poll() is not None:
-                raise RuntimeError(f"{name} exited during start")
-            time.sleep(0.2)
-        self.load_s = time.perf_counter() - start
+                raise RuntimeError(f"{self.name} exited during start")
+            time.sleep(poll)
+        raise RuntimeError(f"{self.name} not healthy after {deadline} s")
+
+    def reset_phase(self) -> None:
+        self.phase_peak = 0
 
     def _sample(self) -> None:
         proc = psutil.Process(self.p.pid)
         while not self._stop.is_set() and self.p.poll() is None:
             try:
                 rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-                self.peak_rss = max(self.peak_rss, rss)
+                self.peak_rss, self.phase_peak = max(self.peak_rss, rss), max(self.phase_peak, rss)
             except psutil.Error:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -77,23 +97,33 @@ class Proc:
             self.p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.p.kill()
+            self.p.wait()
 
 
-def start_lmserve(port: int, extra: list[str]) -> Proc:
-    cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(THREADS),
-           "--max-num-seqs", "32", "--log-level", "warning", "--kv-cache-memory", str(2 * 2**30), *extra]
-    return Proc("lmserve", cmd, f"http://127.0.0.1:{port}", env={"PYTHONPATH": str(ROOT.parent / "src")})
+def lmserve_cmd(port: int, args) -> tuple[list[str], dict]:
+    cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(args.threads),
+           "--max-num-seqs", str(args.max_level), "--log-level", "warning", "--kv-cache-memory", str(2 * 2**30),
+           *args.lmserve_args.split()]
+    return cmd, {"PYTHONPATH": str(ROOT.parent / "src")}
 
 
-def start_llama(port: int, binary: str, slots: int) -> Proc:
-    ctx = slots * (INPUT_LEN + OUTPUT_LEN + 64)
-    cmd = [binary, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
-           "-tb", str(THREADS), "-np", str(slots), "-c", str(ctx), "--cont-batching", "--no-webui"]
-    return Proc("llama.cpp", cmd, f"http://127.0.0.1:{port}")
+def llama_cmd(port: int, args) -> tuple[list[str], dict]:
+    # every slot holds the longest request of the run (the prefill prompt may be longer than the load test's)
+    per_slot = max(args.input_len + args.output_len, args.prefill_len + 1) + 64
+    cmd = [args.llama_server, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.max_level),
+           "-c", str(args.max_level * per_slot), "--cont-batching", "--no-webui"]
+    return cmd, {"LD_LIBRARY_PATH": str(Path(args.llama_server).parent)}
 
 
-def requests_for(n: int, seed: int) -> list[sb.BenchRequest]:
-    return sb.random_dataset(n, INPUT_LEN, OUTPUT_LEN, 0.0, VOCAB, seed)
+def start(name: str, args) -> Proc:
+    port = free_port()
+    cmd, env = (lmserve_cmd if name == "lmserve" else llama_cmd)(port, args)
+    return Proc(name, cmd, f"http://127.0.0.1:{port}", env)
+
+
+def requests_for(n: int, seed: int, input_len: int, output_len: int) -> list[sb.BenchRequest]:
+    return sb.random_dataset(n, input_len, output_len, 0.0, VOCAB, seed)
 
 
 def run_server(proc: Proc, model: str, reqs, concurrency: int | None, rate: float | None, slos: dict) -> dict:
@@ -102,6 +132,7 @@ def run_server(proc: Proc, model: str, reqs, concurrency: int | None, rate: floa
                                             progress=False))
     out = sb.summarize(results, wall, slos, time.process_time() - cpu)
     out["texts"] = [r.text for r in results[:4]]
+    out["ttfts_s"] = [r.ttft for r in results if r.ok]
     return out
 
 
@@ -110,7 +141,8 @@ def run_hf(model, reqs, batch: int) -> dict:
     import torch
 
     ids = [r.prompt for r in reqs]
-    start = time.perf_counter()
+    out_len = reqs[0].output_len
+    start_t = time.perf_counter()
     ttfts, tpots, texts = [], [], []
     for i in range(0, len(ids), batch):
         x = torch.tensor(ids[i:i + batch])
@@ -119,153 +151,204 @@ def run_hf(model, reqs, batch: int) -> dict:
             t0 = time.perf_counter()
             model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
             t1 = time.perf_counter()
-            out = model.generate(x, max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN, **kw)
+            out = model.generate(x, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
             t2 = time.perf_counter()
         ttfts += [t1 - t0] * x.shape[0]
-        tpots += [((t2 - t1) - (t1 - t0)) / (OUTPUT_LEN - 1)] * x.shape[0]
+        tpots += [((t2 - t1) - (t1 - t0)) / max(1, out_len - 1)] * x.shape[0]
         texts += out[:, x.shape[1]:].tolist()
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start_t
     ms = lambda xs: {"median": statistics.median(xs) * 1e3}  # noqa: E731
-    return {"completed": len(ids), "failed": 0, "duration_s": wall, "output_throughput": len(ids) * OUTPUT_LEN / wall,
-            "ttft_ms": ms(ttfts), "tpot_ms": ms(tpots), "itl_ms": ms(tpots), "e2el_ms": ms([wall / max(1, len(ids) // batch)]),
-            "token_ids": texts[:4]}
+    return {"completed": len(ids), "failed": 0, "duration_s": wall, "output_throughput": len(ids) * out_len / wall,
+            "ttft_ms": ms(ttfts), "tpot_ms": ms(tpots), "itl_ms": ms(tpots), "ttfts_s": ttfts,
+            "e2el_ms": ms([wall / max(1, len(ids) // batch)]), "token_ids": texts[:4]}
 
 
-def first_tokens_match(a: list[int], b: list[int], n: int = 32) -> bool:
-    return a[:n] == b[:n]
+def start_to_first_token(name: str, args, model: str) -> float:
+    """Seconds from a fresh server process's start to the first streamed token of one request."""
+    proc = start(name, args)
+    try:
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0.0,
+                "stream": True}
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and line.strip() != "data: [DONE]":
+                    choice = (json.loads(line[5:]).get("choices") or [{}])[0]
+                    if choice.get("text"):
+                        return time.perf_counter() - proc.start
+        raise RuntimeError(f"{name}: no token streamed (HTTP {r.status_code})")
+    finally:
+        proc.stop()
 
 
-def median_range(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--levels", default="1,4,16,32")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--rates", default="0.25,0.5,1.0", help="request rates (req/s) for the goodput sweep ('' skips it)")
-    ap.add_argument("--lmserve-args", default="", help="extra `lmserve serve` flags, e.g. '--quantization int4'")
+    ap.add_argument("--levels", default="1,16,32", help="concurrency levels; the largest also gives the peak RSS row")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every level")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill row (1 token out)")
+    ap.add_argument("--prefill-repeats", type=int, default=3)
+    ap.add_argument("--startup-repeats", type=int, default=2, help="fresh processes per server for start to first token")
+    ap.add_argument("--rates", default="", help="request rates (req/s) for a goodput sweep, e.g. 0.25,0.5,1.0")
+    ap.add_argument("--lmserve-args", default="", help="extra `lmserve serve` flags, e.g. '--quantization gguf'")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary (its libraries beside it); "
+                    "default: benchmarks/build_llama_server.sh builds or finds it")
+    ap.add_argument("--transformers", action="store_true", help="also run transformers offline (slow at c=32)")
     ap.add_argument("--goodput", default="ttft:3000 tpot:250")
     ap.add_argument("--out", default=str(ROOT / "results" / "compare.json"))
     ap.add_argument("--render", default=None, help="only re-render the tables of a saved result JSON")
+    ap.add_argument("--readme", action="store_true", help="also write the table into README.md's compare-table block")
     args = ap.parse_args()
-    if args.render:
-        report = json.loads(Path(args.render).read_text())
-        levels = [int(x) for x in report["config"]["levels"].split(",")]
-        table = render_tables(report, levels)
-        Path(args.render).with_suffix(".md").write_text(table)
-        print(table)
-        return
-    import torch
-    from transformers import AutoModelForCausalLM
+    args.max_level = max(int(x) for x in args.levels.split(","))
+    return args
 
-    torch.set_num_threads(THREADS)
-    binary = subprocess.run(["bash", str(ROOT / "build_llama_server.sh")], capture_output=True, text=True,
-                            check=True).stdout.strip().splitlines()[-1]
-    binary = str((ROOT / binary).resolve()) if not binary.startswith("/") else binary
-    levels = [int(x) for x in args.levels.split(",")]
-    slos = sb.parse_goodput(args.goodput.split())
-    path = default_model_path()
 
-    ours = start_lmserve(18123, args.lmserve_args.split())
-    llama = start_llama(18124, binary, max(levels))
-    t0 = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    hf_load = time.perf_counter() - t0
-    model_name = httpx.get(ours.url + "/v1/models").json()["data"][0]["id"]
-    llama_model = httpx.get(llama.url + "/v1/models").json()["data"][0]["id"]
-    systems = {"lmserve": lambda reqs, c, r=None: run_server(ours, model_name, reqs, c, r, slos),
-               "llama.cpp": lambda reqs, c, r=None: run_server(llama, llama_model, reqs, c, r, slos),
-               "transformers": lambda reqs, c, r=None: run_hf(hf, reqs, c)}
-    for name, fn in systems.items():  # warm-up, discarded
-        fn(requests_for(2, 99), 2)
+def llama_binary(args) -> str:
+    if args.llama_server:
+        return str(Path(args.llama_server).resolve())
+    out = subprocess.run(["bash", str(ROOT / "build_llama_server.sh")], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    return out if out.startswith("/") else str((ROOT / out).resolve())
 
+
+def load_levels(systems: dict, procs: dict, args, slos: dict) -> dict:
+    """Every level, systems interleaved (A B A B); at the largest level each server's peak RSS is kept."""
     results: dict = {name: {} for name in systems}
-    for level in levels:
+    for level in [int(x) for x in args.levels.split(",")]:
         for rep in range(args.repeats):
             # fresh prompts every repeat: a repeated prompt would be served from the servers' prefix caches
-            reqs = requests_for(3 if level == 1 else level, level * 100 + rep)
-            for name, fn in systems.items():  # interleaved: A B C A B C
+            reqs = requests_for(3 if level == 1 else level, level * 100 + rep, args.input_len, args.output_len)
+            for name, fn in systems.items():
+                if level == args.max_level and name in procs:
+                    procs[name].reset_phase()
                 res = fn(reqs, level)
+                if level == args.max_level and name in procs:
+                    res["peak_rss"] = procs[name].phase_peak
                 results[name].setdefault(str(level), []).append(res)
                 print(f"c={level} rep={rep} {name:12} {res['output_throughput']:8.1f} tok/s  "
                       f"TTFT {res['ttft_ms']['median']:8.1f} ms  TPOT {res['tpot_ms']['median']:7.1f} ms", flush=True)
+    return results
 
-    sweep: dict = {"lmserve": {}, "llama.cpp": {}}
-    for rate in [float(x) for x in args.rates.split(",") if x]:
-        reqs = requests_for(16, int(rate * 100))
-        for name in sweep:
-            res = systems[name](reqs, None, rate)
-            sweep[name][str(rate)] = res
-            print(f"rate={rate} {name:12} goodput {res['goodput']:.3f} req/s  errors {res['failed']}", flush=True)
 
-    # greedy cross-check: first 32 tokens of lmserve and llama.cpp against transformers
-    check_reqs = requests_for(4, 7)
-    hf_ids = run_hf(hf, check_reqs, 4)["token_ids"]
-    tok = httpx.post(ours.url + "/tokenize", json={"prompt": "x"})  # server alive check
-    ours_texts = run_server(ours, model_name, check_reqs, 4, None, slos)["texts"]
-    llama_texts = run_server(llama, llama_model, check_reqs, 4, None, slos)["texts"]
+def prefill(systems: dict, args, slos: dict) -> dict:
+    """Prompt tokens per second of TTFT for a prefill_len-token prompt, one request at a time."""
+    out: dict = {name: [] for name in systems}
+    for rep in range(args.prefill_repeats):
+        reqs = requests_for(1, 9000 + rep, args.prefill_len, 1)
+        for name, fn in systems.items():
+            ttft = fn(reqs, 1)["ttfts_s"][0]
+            out[name].append(args.prefill_len / ttft)
+            print(f"prefill {args.prefill_len} rep={rep} {name:12} {out[name][-1]:8.1f} tok/s", flush=True)
+    return out
+
+
+def summary_of(results: dict, pre: dict, startup: dict, args) -> dict:
+    """The numbers behind the target rows (medians over repeats), per system."""
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    s: dict = {}
+    for name, lv in results.items():
+        def metric(level, key):
+            return med([r[key] if isinstance(r[key], float) else r[key]["median"] for r in lv.get(str(level), [])])
+        for level in (1, 16, 32):
+            s.setdefault(f"out_tok_s_c{level}", {})[name] = metric(level, "output_throughput")
+        s.setdefault("ttft_p50_ms_c16", {})[name] = metric(16, "ttft_ms")
+        peaks = [r["peak_rss"] for r in lv.get(str(args.max_level), []) if r.get("peak_rss")]
+        s.setdefault("peak_rss_gib_c32", {})[name] = max(peaks) / 2**30 if peaks else None
+        s.setdefault("prefill_tok_s", {})[name] = med(pre.get(name, []))
+        s.setdefault("start_to_first_token_s", {})[name] = med(startup.get(name, []))
+    return s
+
+
+def greedy_check(systems: dict, args, slos: dict, hf) -> dict:
+    """First 32 greedy tokens (as text) of 4 prompts: lmserve and llama.cpp against the reference."""
+    reqs = requests_for(4, 7, args.input_len, 32)
+    texts = {name: systems[name](reqs, 4)["texts"] for name in ("lmserve", "llama.cpp")}
+    if hf is None:
+        return {"first_32_tokens_equal_to_llama.cpp": {
+            "lmserve": sum(a == b for a, b in zip(texts["lmserve"], texts["llama.cpp"])), "of": len(reqs)}}
     from lmserve.engine.tokenizer import Tokenizer
 
-    tk = Tokenizer.from_gguf(path)
-    hf_texts = [tk.decode(ids[:32]) for ids in hf_ids]
-    match = {"lmserve": sum(t.startswith(h) for t, h in zip(ours_texts, hf_texts)),
-             "llama.cpp": sum(t.startswith(h) for t, h in zip(llama_texts, hf_texts)), "of": len(hf_texts)}
-    meta = {"machine": {"cpu": _cpu_name(), "flags": _flags(), "cores": os.cpu_count(), "python": platform.python_version(),
-                        "torch": torch.__version__},
-            "load_s": {"lmserve": ours.load_s, "llama.cpp": llama.load_s, "transformers": hf_load},
-            "peak_rss_gib": {"lmserve": ours.peak_rss / 2**30, "llama.cpp": llama.peak_rss / 2**30,
-                             "transformers": psutil.Process().memory_info().rss / 2**30},
-            "first_32_tokens_equal_to_transformers": match, "server_check": tok.status_code}
-    ours.stop()
-    llama.stop()
-    report = {"meta": meta, "levels": results, "rate_sweep": sweep, "config": vars(args)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
-    table = render_tables(report, levels)
-    Path(args.out).with_suffix(".md").write_text(table)
+    tk = Tokenizer.from_gguf(default_model_path())
+    ref = [tk.decode(ids[:32]) for ids in run_hf(hf, reqs, 4)["token_ids"]]
+    return {"first_32_tokens_equal_to_transformers": {
+        name: sum(t.startswith(h) for t, h in zip(texts[name], ref)) for name in texts} | {"of": len(ref)}}
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpu": _cpu_name(), "flags": _flags(), "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        return write_tables(report, Path(args.render), args.readme)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    args.llama_server = llama_binary(args)
+    slos = sb.parse_goodput(args.goodput.split())
+    procs = {"lmserve": start("lmserve", args), "llama.cpp": start("llama.cpp", args)}
+    models = {name: httpx.get(p.url + "/v1/models").json()["data"][0]["id"] for name, p in procs.items()}
+    systems = {name: (lambda reqs, c, r=None, n=name: run_server(procs[n], models[n], reqs, c, r, slos))
+               for name in procs}
+    hf, hf_load = None, None
+    if args.transformers:
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        hf_load = time.perf_counter() - t0
+        systems["transformers"] = lambda reqs, c, r=None: run_hf(hf, reqs, c)
+    for fn in systems.values():  # warm-up, discarded
+        fn(requests_for(2, 99, args.input_len, 8), 2)
+
+    results = load_levels(systems, procs, args, slos)
+    pre = prefill(systems, args, slos)
+    sweep: dict = {"lmserve": {}, "llama.cpp": {}}
+    for rate in [float(x) for x in args.rates.split(",") if x]:
+        reqs = requests_for(16, int(rate * 100), args.input_len, args.output_len)
+        for name in sweep:
+            sweep[name][str(rate)] = res = systems[name](reqs, None, rate)
+            print(f"rate={rate} {name:12} goodput {res['goodput']:.3f} req/s  errors {res['failed']}", flush=True)
+    check = greedy_check(systems, args, slos, hf)
+    for p in procs.values():
+        p.stop()
+    startup: dict = {"lmserve": [], "llama.cpp": []}
+    for rep in range(args.startup_repeats):  # fresh processes, interleaved; lmserve's extension is built by now
+        for name in startup:
+            startup[name].append(start_to_first_token(name, args, models[name]))
+            print(f"start to first token rep={rep} {name:12} {startup[name][-1]:6.2f} s", flush=True)
+
+    meta = {"machine": machine(), "loadavg": {"start": load_start, "end": os.getloadavg()},
+            "llama_server": _llama_version(args.llama_server), "commit": _commit(),
+            "load_s": {n: p.load_s for n, p in procs.items()} | ({"transformers": hf_load} if hf else {}),
+            "peak_rss_gib": {n: p.peak_rss / 2**30 for n, p in procs.items()}
+            | ({"transformers": psutil.Process().memory_info().rss / 2**30} if hf else {}),
+            "startup_s": startup, "prefill_tok_s": pre, **check}
+    config = {k: v for k, v in vars(args).items() if k not in ("render", "readme")}
+    report = {"meta": meta, "summary": summary_of(results, pre, startup, args), "levels": results,
+              "rate_sweep": sweep, "config": config}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    write_tables(report, out, args.readme)
+
+
+def write_tables(report: dict, out: Path, readme: bool) -> None:
+    """The markdown beside the JSON, printed; with `readme`, also README.md's compare-table block."""
+    table = compare_report.render(report)
+    out.with_suffix(".md").write_text(table)
+    if readme:
+        path = ROOT.parent / "README.md"
+        path.write_text(compare_report.splice_readme(path.read_text(), table))
     print(table)
-
-
-def render_tables(report: dict, levels: list[int]) -> str:
-    lv, m = report["levels"], report["meta"]
-    lines = [f"Machine: {m['machine']['cpu']}, {m['machine']['cores']} cores, flags {m['machine']['flags']}; "
-             f"torch {m['machine']['torch']}. 256 tokens in, 128 out, greedy, streaming, 2 threads. "
-             "transformers: offline static batches (it has no server). Values: median (min-max) of the "
-             "interleaved repeats. Ratios are ours / theirs: above 1 is better for tok/s, below 1 for latency."
-             + (f" lmserve flags: `{report['config']['lmserve_args']}`." if report["config"].get("lmserve_args") else ""),
-             "",
-             "| concurrency | metric | lmserve | llama.cpp | transformers | ours/llama.cpp | ours/transformers |",
-             "|---|---|---|---|---|---|---|"]
-    for level in levels:
-        for key, label, higher in (("output_throughput", "output tok/s", True), ("ttft_ms", "TTFT ms (median)", False),
-                                   ("tpot_ms", "TPOT ms (median)", False)):
-            vals = {}
-            for name in ("lmserve", "llama.cpp", "transformers"):
-                xs = [r[key] if isinstance(r[key], float) else r[key]["median"] for r in lv[name][str(level)]]
-                vals[name] = xs
-            med = {k: statistics.median(v) for k, v in vals.items()}
-            lines.append(f"| {level} | {label} | {median_range(vals['lmserve'])} | {median_range(vals['llama.cpp'])} | "
-                         f"{median_range(vals['transformers'])} | {med['lmserve'] / med['llama.cpp']:.2f} | "
-                         f"{med['lmserve'] / med['transformers']:.2f} |")
-    errors = {name: sum(r["failed"] for runs in lv[name].values() for r in runs) for name in lv}
-    total = {name: sum(r["completed"] + r["failed"] for runs in lv[name].values() for r in runs) for name in lv}
-    lines.append("| all | errors | " + " | ".join(f"{errors[n]}/{total[n]}" for n in ("lmserve", "llama.cpp",
-                                                                                     "transformers")) + " | | |")
-    if report["rate_sweep"]["lmserve"]:
-        lines += ["", "| request rate (req/s) | lmserve goodput | llama.cpp goodput | lmserve errors | llama.cpp errors |",
-                  "|---|---|---|---|---|"]
-    for rate, res in report["rate_sweep"]["lmserve"].items():
-        other = report["rate_sweep"]["llama.cpp"][rate]
-        lines.append(f"| {rate} | {res['goodput']:.3f} | {other['goodput']:.3f} | {res['failed']} | {other['failed']} |")
-    lines += ["", "| | lmserve | llama.cpp | transformers |", "|---|---|---|---|",
-              "| load time s | " + " | ".join(f"{m['load_s'][k]:.1f}" for k in ("lmserve", "llama.cpp", "transformers")) + " |",
-              "| peak RSS GiB | " + " | ".join(f"{m['peak_rss_gib'][k]:.2f}" for k in ("lmserve", "llama.cpp", "transformers"))
-              + " |",
-              f"| first 32 greedy tokens = transformers | {m['first_32_tokens_equal_to_transformers']['lmserve']}/"
-              f"{m['first_32_tokens_equal_to_transformers']['of']} | {m['first_32_tokens_equal_to_transformers']['llama.cpp']}/"
-              f"{m['first_32_tokens_equal_to_transformers']['of']} | reference |"]
-    return "\n".join(lines) + "\n"
 
 
 def _cpu_name() -> str:
@@ -279,6 +362,20 @@ def _flags() -> str:
     flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split()
     keep = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
     return ",".join(sorted(keep))
+
+
+def _llama_version(binary: str) -> str:
+    try:
+        r = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30,
+                           env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
+        return (r.stdout + r.stderr).strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown version"
+
+
+def _commit() -> str:
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip()
 
 
 if __name__ == "__main__":

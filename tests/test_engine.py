@@ -173,3 +173,26 @@ def test_n_completions_share_prompt_blocks(base):
     single = run(base, [PROMPTS[10]], SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
     assert single["0"]["ids"] == out["0"]["ids"]  # completion 0 draws from the request's own seed
     assert_no_leak(base)
+
+
+def test_kv_pool_memory_is_paid_as_blocks_are_written(base):
+    """A 2.8 GiB pool costs RSS only for the blocks requests wrote; one stream at a time reuses the same blocks."""
+    import psutil
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    eng = engine_like(base, num_blocks=4096)
+    pool_bytes = eng.num_blocks * eng._block_bytes()
+    assert pool_bytes > 2.5 * 2**30
+    built = proc.memory_info().rss
+    assert built - before < 0.1 * pool_bytes  # nothing committed yet (torch.zeros wrote all of it)
+    for i in range(4):  # one stream at a time, each prompt distinct: each reuses the blocks the last one freed
+        out = run(eng, [PROMPTS[10] + f" {i}"], GREEDY)
+        assert len(out["0"]["ids"]) == 20
+    assert_no_leak(eng)
+    touched = eng.kv.pool.num_touched_blocks
+    per_request = -(-(len(eng.tokenize_prompt(PROMPTS[10] + " 0")) + 20) // eng.block_size)
+    assert touched <= per_request + 2, (touched, per_request)
+    grown = proc.memory_info().rss - before
+    # written blocks plus generous slack for activations and allocator noise; never the pool
+    assert grown < touched * eng._block_bytes() + 256 * 2**20, grown / 2**20

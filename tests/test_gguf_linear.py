@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from lmserve.layers.gguf_embedding import GGUFEmbedding
 from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, dequantize, reference_linear, repack
 from lmserve.layers.native import native_module
 
@@ -28,6 +29,18 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
         vals = rng.uniform(0.002, 0.03, size=(n, per_row)).astype(np.float16)
         raw[..., off:off + 2] = vals[..., None].view(np.uint8).reshape(n, per_row, 2)
     return raw.reshape(n, -1)
+
+
+def mapped_rss(path) -> int:
+    """Bytes of `path`'s mappings resident in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = fields[-1] == str(path) if len(fields) >= 6 else False
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
 
 
 def shape_for(kind: str) -> tuple[int, int]:
@@ -89,7 +102,7 @@ def test_refused_where_it_cannot_run(tmp_path):
 @needs_native
 def test_embedded_model_from_its_own_blocks():
     """The embedded Q4_1 file with --quantization gguf: every projection and the tied LM head read the file's
-    blocks; logits stay close to the float (dequantized) model's; a request's greedy tokens are the same
+    blocks, and so does the embedding lookup (no float32 table); logits stay close to the float (dequantized) model's; a request's greedy tokens are the same
     alone and in a batch (batch invariance); no KV block leaks."""
     from lmserve.config import CacheConfig, EngineConfig
     from lmserve.engine.llm_engine import LLMEngine
@@ -108,6 +121,16 @@ def test_embedded_model_from_its_own_blocks():
         lq = model.compute_logits(model(x, pos, ContiguousAttention([len(ids)])))
         lf = float_eng.loaded.model.compute_logits(float_eng.loaded.model(x, pos, ContiguousAttention([len(ids)])))
     assert (lq.argmax(-1) == lf.argmax(-1)).float().mean().item() > 0.9
+    # the embedding table is no second float copy: rows come from the head's blocks, the float table's exact numbers
+    emb = model.model.embed_tokens
+    assert isinstance(emb, GGUFEmbedding) and emb.codes.data_ptr() == model.lm_head.codes.data_ptr()
+    assert all(t.numel() < emb.num_embeddings * emb.embedding_dim for t in model.parameters())
+    probe = torch.tensor([[0, 1, 17], [eng.model_config.vocab_size - 1, 500, 3]])
+    with torch.inference_mode():
+        assert torch.equal(emb(probe), float_eng.loaded.model.model.embed_tokens(probe))
+    # nor is the file's map: both loads read all of it, and neither keeps its pages resident afterwards
+    size = eng.loaded.path.stat().st_size
+    assert mapped_rss(eng.loaded.path) < min(16 * 2**20, size / 4), (mapped_rss(eng.loaded.path), size)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = {str(i): run(eng, [p], params)["0"]["ids"] for i, p in enumerate(PROMPTS[:6])}
     together = run(eng, PROMPTS[:6], params)

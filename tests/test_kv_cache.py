@@ -11,8 +11,46 @@ def test_pool_hands_out_blocks_in_order_and_takes_them_back():
     assert pool.num_free_blocks == 1
     pool.free(list(reversed(a)))
     assert pool.num_free_blocks == 4
-    # freed in reverse: the tail of the sequence is reused first, after the never-used block 3
-    assert [b.block_id for b in pool.allocate(4)] == [3, 2, 1, 0]
+    # freed blocks (no hash) come back last-in first-out, before block 3, whose pages were never touched
+    assert [b.block_id for b in pool.allocate(4)] == [0, 1, 2, 3]
+
+
+def test_freed_blocks_are_reused_before_untouched_ones():
+    pool = BlockPool(100)
+    for _ in range(50):  # one stream at a time: the same few blocks serve every request
+        blocks = pool.allocate(3)
+        pool.free(list(reversed(blocks)))
+    assert pool.num_touched_blocks == 3 and pool.num_free_blocks == 100
+    a = pool.allocate(2)
+    b = pool.allocate(2)  # one recycled block left, then the first never-used block
+    assert [x.block_id for x in a + b] == [0, 1, 2, 3] and pool.num_touched_blocks == 4
+    pool.free([b[0]])
+    pool.free([a[1]])
+    assert [x.block_id for x in pool.allocate(3)] == [1, 2, 4]  # last freed first, then untouched
+
+
+def test_cached_blocks_evicted_oldest_first_before_untouched_ones():
+    pool = BlockPool(10)
+    a, b = pool.allocate(2), pool.allocate(2)  # 0 1 | 2 3
+    for blk, h in zip(a + b, (b"a0", b"a1", b"b0", b"b1")):
+        pool.cache(blk, h)
+    pool.free(list(reversed(a)))  # a's tail (1) before its prefix (0)
+    pool.free(list(reversed(b)))
+    plain = pool.allocate(1)[0]  # nothing recycled without a hash, so the LRU cached one goes
+    assert plain.block_id == 1 and pool.lookup(b"a1") is None and pool.lookup(b"a0") is not None
+    pool.touch([pool.lookup(b"b0")])  # a prefix hit pulls block 2 out of the free lists
+    assert [x.block_id for x in pool.allocate(3)] == [0, 3, 4]
+    assert pool.num_touched_blocks == 5 and pool.num_free_blocks == 5
+
+
+def test_reset_prefix_cache_turns_cached_free_blocks_into_plain_ones():
+    pool = BlockPool(4)
+    (blk,) = pool.allocate(1)
+    pool.cache(blk, b"x")
+    pool.free([blk])
+    pool.reset_prefix_cache()
+    assert pool.lookup(b"x") is None and pool.num_free_blocks == 4
+    assert [x.block_id for x in pool.allocate(2)] == [0, 1]
 
 
 def test_double_free_is_an_error():

@@ -36,7 +36,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     The embedding table only has rows looked up, so it counts only when it doubles as the LM head.
     """
     seen, total = set(), 0
-    embed = model.model.embed_tokens.weight
+    embed = getattr(model.model.embed_tokens, "weight", None)  # None: kept quantized (GGUFEmbedding)
     lm_head_weight = getattr(model.lm_head, "weight", None)
     if lm_head_weight is not embed:
         seen.add(id(embed))

@@ -1,7 +1,17 @@
-"""A pool of fixed-size KV blocks with reference counts and a free queue in eviction order.
+"""A pool of fixed-size KV blocks with reference counts and free lists in reuse order.
 
 Freed blocks that hold a full, hashed run of tokens stay findable by hash until they are reused,
 which gives prefix caching (and sharing between the `n` completions of one prompt) for free.
+
+Reuse order (the KV tensors are committed page by page as blocks are first written, see
+worker/kv_memory.py, so the order decides how much memory a server touches):
+1. freed blocks that hold nothing findable, most recently freed first (LIFO: their pages are resident
+   and likely still in cache);
+2. cached free blocks, least recently freed first (the prefix cache's eviction order: a sequence's
+   tail before its prefix);
+3. blocks never handed out, lowest id first.
+So the pages a server touches track its peak of blocks in use, not the pool's size; the prefix cache
+keeps what those touched blocks can hold beside the running requests.
 """
 
 from __future__ import annotations
@@ -26,8 +36,10 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # block_id -> None, oldest first: the head is evicted (reused) first.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._recycled: list[int] = []  # freed, no hash: a stack, the top is reused first
+        # free with a hash, block_id -> None, oldest first: the head is evicted first
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._next_fresh = 0  # blocks [_next_fresh, num_blocks) were never handed out (their pages untouched)
         self._by_hash: dict[bytes, Block] = {}
 
     @property
@@ -36,15 +48,20 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._recycled) + len(self._cached) + self.num_blocks - self._next_fresh
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks handed out at least once since start: what the KV cache's resident memory pays for."""
+        return self._next_fresh
 
     def allocate(self, n: int) -> list[Block]:
-        """Take n blocks from the head of the free queue (caller checked there are enough)."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
+        """Take n free blocks in reuse order (caller checked there are enough)."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block = self.blocks[self._free.popitem(last=False)[0]]
+            block = self.blocks[self._take()]
             if block.block_hash is not None:  # its old contents are about to be overwritten
                 if self._by_hash.get(block.block_hash) is block:
                     del self._by_hash[block.block_hash]
@@ -53,19 +70,31 @@ class BlockPool:
             out.append(block)
         return out
 
+    def _take(self) -> int:
+        """The next free block id in reuse order (see the module docstring)."""
+        if self._recycled:
+            return self._recycled.pop()
+        if self._cached:
+            return self._cached.popitem(last=False)[0]
+        self._next_fresh += 1
+        return self._next_fresh - 1
+
     def lookup(self, block_hash: bytes) -> Block | None:
         """A block already holding exactly these tokens (after this prefix), if any."""
         return self._by_hash.get(block_hash)
 
     def touch(self, blocks: list[Block]) -> None:
-        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the free queue."""
+        """Take a reference on cached blocks (a prefix hit), pulling free ones out of the free lists."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                if block.block_id in self._cached:
+                    del self._cached[block.block_id]
+                else:  # a hit always has a hash; this keeps the lists true even if one was reset since
+                    self._recycled.remove(block.block_id)
             block.ref_cnt += 1
 
     def free(self, blocks: list[Block]) -> None:
-        """Drop one reference on each block; unreferenced blocks rejoin the free queue's tail.
+        """Drop one reference on each block; unreferenced blocks rejoin a free list.
 
         Callers pass a sequence's blocks in reverse so that its tail blocks, least likely to be
         shared, are evicted before its prefix.
@@ -75,7 +104,10 @@ class BlockPool:
             if block.ref_cnt < 0:
                 raise RuntimeError(f"KV block {block.block_id} freed more often than allocated")
             if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+                if block.block_hash is not None:
+                    self._cached[block.block_id] = None
+                else:
+                    self._recycled.append(block.block_id)
 
     def cache(self, block: Block, block_hash: bytes) -> None:
         """Record that a full block holds the tokens identified by `block_hash`."""
@@ -84,7 +116,9 @@ class BlockPool:
             self._by_hash[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after weights change)."""
+        """Forget every cached hash (e.g. after weights change); cached free blocks become plain free ones."""
         for block in self._by_hash.values():
             block.block_hash = None
         self._by_hash.clear()
+        self._recycled.extend(reversed(self._cached))  # the oldest ends on top, as it would have been evicted first
+        self._cached.clear()

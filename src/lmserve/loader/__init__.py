@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 import torch
 
@@ -148,6 +149,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         _log_skinny_coverage(net)
     if world > 1:
         apply_tensor_parallel(net)
+    if gguf is not None:
+        gguf.release_pages()  # every weight is a copy by now
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
@@ -164,6 +167,23 @@ def _log_skinny_coverage(net: torch.nn.Module) -> None:
     log.info("skinny kernel: %d of %d layers use it%s", used, checked, kept)
 
 
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+          "trunc_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextmanager
+def _skip_init() -> Iterator[None]:
+    """nn.init's initialisers leave tensors as they are (empty: untouched pages) while a model is built."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITS}
+    try:
+        for name in _INITS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def _config_from_dir(path: Path) -> ModelConfig:
     try:
         return ModelConfig.from_hf(read_config(path))
@@ -173,9 +193,16 @@ def _config_from_dir(path: Path) -> ModelConfig:
 
 def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """Allocate parameters without initialising them (the checkpoint overwrites every one)."""
-    with torch.device("meta"):
-        net = build_model(cfg)
-    net = net.to_empty(device=device).to(dtype)
+    if device.type == "cpu":
+        # Built in place, not on the meta device: an op on a meta tensor (an initialiser, the rotary
+        # frequencies) imports torch._dynamo and triton, 153 MiB of RSS a CPU server never uses.
+        with _skip_init():
+            net = build_model(cfg)
+    else:
+        with torch.device("meta"):
+            net = build_model(cfg)
+        net = net.to_empty(device=device)
+    net = net.to(dtype)
     net.tie_weights()  # to_empty gives each module its own tensor
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
     net.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling).to(device)

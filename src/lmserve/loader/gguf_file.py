@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,17 @@ class GGUFFile:
     path: Path
     metadata: dict[str, Any]
     tensors: list[GGUFTensor]
+    mm: mmap.mmap | None = field(default=None, repr=False)  # the map the tensors view
+
+    def release_pages(self) -> None:
+        """Drop the mapped file pages from this process's resident memory once the weights are copied out.
+
+        The map stays valid: a later read faults its pages back in from the page cache. Dequantized or
+        repacked weights never view the map, so serving reads none of it (the embedded Q4_1 file: ~94 MiB
+        of RSS that a loaded model kept for nothing).
+        """
+        if self.mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mm.madvise(mmap.MADV_DONTNEED)
 
 
 class _Cursor:
@@ -105,7 +116,7 @@ def read_gguf(path: Path) -> GGUFFile:
     start = -(-cur.pos // alignment) * alignment
     arr = np.frombuffer(mm, dtype=np.uint8)
     tensors = [_map_tensor(arr, start, info, path) for info in infos]
-    return GGUFFile(path, metadata, tensors)
+    return GGUFFile(path, metadata, tensors, mm)
 
 
 def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:

@@ -4,7 +4,8 @@ A transform over a finished model (as `quantize_linears` is): every projection w
 are all of a type layers/gguf_linear.py can repack is replaced by a GGUFLinear built from the raw
 blocks in the memory map; fused projections (qkv, gate_up) stack their parts' rows, and the rows
 of q and k are put in Hugging Face order as the float path does (llama.cpp interleaves them).
-The LM head of a tied model reads the embedding table's blocks (Q8_0 in the embedded model).
+The LM head of a tied model reads the embedding table's blocks (Q8_0 in the embedded model), and so does the
+embedding lookup (layers/gguf_embedding.py: rows dequantized on lookup, no float32 table).
 Tensors of other types (F32, F16) keep the float layer.
 """
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from lmserve.errors import CheckpointError
+from lmserve.layers.gguf_embedding import GGUFEmbedding
 from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, Repacked, concat, repack
 from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
 from lmserve.loader.gguf_loader import unpermute_qk
@@ -54,7 +56,20 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig) -> int:
         net.lm_head = GGUFLinear(_rows(head, "lm_head.weight", cfg), cfg.hidden_size, None)
         swapped += 1
     log.info("--quantization gguf: %d linear layers read the file's quantized blocks", swapped)
+    _keep_embedding_quantized(net, tensors.get("token_embd.weight"), cfg)
     return swapped
+
+
+def _keep_embedding_quantized(net: nn.Module, t: GGUFTensor | None, cfg: ModelConfig) -> None:
+    """Drop the float32 embedding table for one reading the file's blocks (shared with a tied head's)."""
+    if t is None or type_name(t) not in BLOCK_BYTES:
+        return
+    head = net.lm_head
+    if cfg.tie_word_embeddings and isinstance(head, GGUFLinear):
+        net.model.embed_tokens = GGUFEmbedding(head.codes, head.scales, head.mins, head.kind, cfg.hidden_size)
+    else:
+        net.model.embed_tokens = GGUFEmbedding.from_repacked(_rows(t, "model.embed_tokens.weight", cfg),
+                                                             cfg.hidden_size)
 
 
 def _rows(t: GGUFTensor, hf_name: str, cfg: ModelConfig) -> Repacked:

@@ -19,6 +19,7 @@ from lmserve.sched.output import SchedulerOutput
 from lmserve.worker.cuda_graphs import DecodeGraphs, ScratchSlot, sampling_rows_only
 from lmserve.worker.input_batch import InputBatch
 from lmserve.worker.inputs import StepLayout, build_inputs
+from lmserve.worker.kv_memory import kv_zeros
 from lmserve.worker.upload import PinnedStaging, to_device
 
 
@@ -56,7 +57,8 @@ class ModelRunner:
         self.lora = lora  # None: LoRA off
         # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to
         shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # pages committed as blocks are first written (worker/kv_memory.py), not the whole pool at start
+        self.kv_caches = [kv_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.scratch = ScratchSlot(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
