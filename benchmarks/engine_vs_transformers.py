@@ -137,7 +137,7 @@ def main() -> None:
     from lmserve.loader import default_model_path
 
     path = default_model_path()
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.prompts, max_num_batched_tokens=2048)
+    llm = LLM(dtype=args.dtype, quantization="none", max_num_seqs=args.prompts, max_num_batched_tokens=2048)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
     prompts = make_prompts(args.prompts, llm.tokenizer, args.prompt_len, first=10_000)  # for the warm-ups
     quant = None if args.quantization == "none" else LLM(dtype=args.dtype, max_num_seqs=args.prompts,

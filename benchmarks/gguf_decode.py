@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engines = {"float32": LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=256))),
+    engines = {"float32": LLMEngine(EngineConfig(quantization="none", cache=CacheConfig(num_blocks=256))),
                "gguf": LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=256)))}
     load_before = os.getloadavg()[0]
     steps = {name: [] for name in engines}

@@ -25,12 +25,15 @@ def lmserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("quant", [[], ["--quantization", "int4"]], ids=["float", "int4"])
-def test_generate_streams_a_greedy_completion(quant):
+@pytest.mark.parametrize("quant,weights", [([], "gguf"), (["--quantization", "none"], None),
+                                           (["--quantization", "int4"], "int4")], ids=["auto", "none", "int4"])
+def test_generate_streams_a_greedy_completion(quant, weights):
     p = lmserve("--log-level", "info", "generate", "The capital of France is", "--max-tokens", "8", *SMALL, *quant)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Paris" in p.stdout
-    assert ("int4 weights" in p.stderr) == bool(quant)  # the load log says what runs
+    # the load log says what runs; the default (auto) says what it chose and why
+    assert (f"{weights} weights" in p.stderr) if weights else (" weights" not in p.stderr)
+    assert ("--quantization auto: gguf (210 of 210 projection tensors are Q4_1 blocks" in p.stderr) == (not quant)
 
 
 def test_chat_streams_replies_until_exit():

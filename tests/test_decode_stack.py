@@ -70,5 +70,5 @@ def test_the_stack_stands_aside_for_other_layers(gguf_engine):
                            (nn.Linear(cfg.hidden_size, 8),) + layers[3].projections[1:])
     assert DecodeStack.build(layers[:3] + [swapped] + layers[4:], shape) is None
     assert DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, 96, cfg.rms_norm_eps)) is None
-    float_eng = LLMEngine(EngineConfig(quantization=None, cache=CacheConfig(num_blocks=8)))
+    float_eng = LLMEngine(EngineConfig(quantization="none", cache=CacheConfig(num_blocks=8)))
     assert not float_eng.loaded.model.use_decode_stack(True)

@@ -13,7 +13,7 @@ from lmserve import LLM, SamplingParams
 def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(smol_path):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(dtype="float32", num_threads=2, kv_cache_memory=128 * 2**20, max_num_batched_tokens=16)
+    llm = LLM(dtype="float32", quantization="none", num_threads=2, kv_cache_memory=128 * 2**20, max_num_batched_tokens=16)
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs far away "
                                   "into the green forest where the old owl lives, "
                                   "next to a river full of silver fish and a small wooden bridge.")

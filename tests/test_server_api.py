@@ -21,6 +21,7 @@ def client(server):
 def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].object == "model"
+    assert models[0].weight_format == "gguf"  # --quantization auto (the default) kept the GGUF's blocks
 
 
 def test_greedy_completion_equals_offline(client, offline_llm):

@@ -60,7 +60,8 @@ def test_metrics_move_exactly(fresh):
     assert m("lmserve:kv_cache_usage_perc") == 0.0
     assert m("lmserve:num_requests_running") == 0 and m("lmserve:num_requests_waiting") == 0
     assert m("lmserve:model_load_seconds") > 0 and m("lmserve:model_warmup_seconds") > 0
-    assert m("lmserve:model_info", 'quantization="MOSTLY_Q4_1"') == 1
+    assert m("lmserve:model_info", 'quantization="MOSTLY_Q4_1"') == 1  # the file's own type
+    assert m("lmserve:model_info", 'weight_format="gguf"') == 1  # how it is served: --quantization auto chose gguf
 
 
 def test_health_while_loading_is_not_ready_not_a_server_error(fresh):

@@ -30,10 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
-                   help="weight-only quantized linear layers (CPU, CUDA): faster single-stream decode, less memory; "
-                   "a Q4_1 GGUF keeps its own 4-bit codes under int4; gguf (CPU): the GGUF file's own blocks "
-                   "(Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) through native int8-dot kernels (default: float weights)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
+                   help="how linear weights are held: gguf (CPU): a GGUF file's own blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, "
+                   "Q5_K, Q6_K; the embedding too, rows dequantized on lookup) through native int8-dot kernels; none: "
+                   "float weights (a GGUF dequantized; transformers parity); int8, int4 (CPU, CUDA): weight-only "
+                   "quantized at load (a Q4_1 GGUF keeps its own 4-bit codes under int4); auto (default): gguf for a "
+                   "quantized GGUF on CPU with float32 and one rank, else none")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")

@@ -87,7 +87,9 @@ class EngineConfig:
     revision: str | None = None  # Hub revision (branch, tag or commit) when model is a Hub id
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda[:N]
-    quantization: str | None = None  # None (float weights) | int8 | int4: weight-only, applied at load
+    # auto: gguf for a GGUF file with quantized projections on CPU, float32, one rank, else none (loader/gguf_packed.py);
+    # none (or None): float weights (transformers parity); int8 | int4: weight-only, applied at load; gguf: the file's blocks
+    quantization: str | None = "auto"
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (one per core)

@@ -30,22 +30,36 @@ class Roofline:
         return asdict(self)
 
 
+_WEIGHT_BUFFERS = ("packed", "codes", "scales", "mins")  # oneDNN-packed float weights; GGUF blocks kept quantized
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights read per decoded token: every projection and the LM head once.
 
-    The embedding table only has rows looked up, so it counts only when it doubles as the LM head.
+    The embedding table only has rows looked up, so it counts only when it doubles as the LM head (a tied
+    float head is the same Parameter; a tied GGUF head shares the table's storage).
     """
+    embed = model.model.embed_tokens
     seen, total = set(), 0
-    embed = getattr(model.model.embed_tokens, "weight", None)  # None: kept quantized (GGUFEmbedding)
-    lm_head_weight = getattr(model.lm_head, "weight", None)
-    if lm_head_weight is not embed:
-        seen.add(id(embed))
-    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if n.endswith("packed")]:
-        if id(t) in seen:  # packed oneDNN buffers are opaque (no data_ptr); a tied weight is one object
+    for module in model.modules():
+        if module is embed:
             continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
+        tensors = [*module.parameters(recurse=False),
+                   *(b for n, b in module.named_buffers(recurse=False) if n in _WEIGHT_BUFFERS)]
+        for t in tensors:
+            key = _storage_key(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
     return total
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per weight held in memory: tensors sharing a storage (a tied head) count once."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # oneDNN-packed buffers are opaque: the object is the weight
+        return id(t)
 
 
 def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:

@@ -361,7 +361,8 @@ class LLMEngine:
             return NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         from lmserve.engine.draft import DraftModelProposer  # noqa: PLC0415 - only when asked
 
-        draft = load_model(self.spec.model, self.dtype, self.device)
+        # the draft follows --quantization as the target does (auto: the draft file's own blocks where they run)
+        draft = load_model(self.spec.model, self.dtype, self.device, quantization=self.cfg.quantization)
         _check_same_tokenizer(self, draft)
         return DraftModelProposer(self.spec, draft, self.num_blocks, self.block_size)
 

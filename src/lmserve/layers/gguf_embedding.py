@@ -1,9 +1,11 @@
-"""An embedding table kept in a GGUF file's quantized blocks (`--quantization gguf`), rows dequantized on lookup.
+"""An embedding table kept in a GGUF file's quantized blocks: only the looked-up rows are dequantized.
 
-The float path holds the table as float32 (49152 x 576 x 4 B = 108 MiB for the embedded model) beside the
-LM head's quantized copy of the same tensor (tied models read one GGUF tensor for both). Only the rows a
-step looks up are ever needed, so the table keeps the repacked blocks and dequantizes those rows with the
-reference `dequantize`: the same float32 numbers the float path's table holds (d * q in float32).
+The table is one of layers/gguf_linear.py's repacked layouts (the embedded model's Q8_0 `token_embd` is S8).
+A row is dequantized as ggml does it: code * scale (+ min) in float32, where the repacked scale and min are
+the products ggml forms first (d * sc, -dmin * m), so a looked-up row equals the same row of the `gguf`
+package's dequantized table bit for bit. A tied LM head is a GGUFLinear over the same tensors
+(`share_blocks`), so the table is held once: 35 MiB for SmolLM2-135M's Q8_0 table instead of 108 MiB of float32
+for the embedding plus 35 MiB for the head.
 """
 
 from __future__ import annotations
@@ -12,30 +14,48 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_linear import Repacked, dequantize
+from lmserve.layers.gguf_linear import QK, S8, U4, GGUFLinear, Repacked
+
+
+def dequantize_rows(kind: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+    """Rows of one layout (codes [T, ...], scales and mins [T, blocks]) -> float32 weights [T, K]."""
+    t = codes.shape[0]
+    if kind == S8:  # signed codes, one scale per 16
+        return (codes.view(t, -1, 16).float() * scales[..., None]).view(t, -1)
+    if kind == U4:  # 16 bytes per block of 32: low nibbles are weights 0..15, high nibbles 16..31
+        b = codes.view(t, -1, QK // 2)
+        codes = torch.cat([b & 0x0F, b >> 4], dim=-1)
+    c = codes.reshape(t, -1, QK).float()
+    # two roundings (product, then sum) as numpy does in the gguf package: no fused multiply-add
+    return (c * scales[..., None] + mins[..., None]).view(t, -1)
 
 
 class GGUFEmbedding(nn.Module):
-    """input_ids [T] -> float32 [T, embedding_dim], from repacked blocks (shared with a tied LM head)."""
+    """Token ids -> rows of a quantized table, dequantized on lookup (CPU)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, kind: int,
-                 embedding_dim: int) -> None:
+    def __init__(self, w: Repacked, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.kind, self.embedding_dim = kind, embedding_dim
-        self.num_embeddings = codes.shape[0]
-        # the same tensors as a tied GGUFLinear head's buffers: one copy of the blocks for both
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
-
-    @classmethod
-    def from_repacked(cls, w: Repacked, embedding_dim: int) -> "GGUFEmbedding":
+        self.kind, self.dtype = w.kind, dtype
+        self.num_embeddings = w.codes.shape[0]
+        self.embedding_dim = w.scales.shape[1] * (16 if w.kind == S8 else QK)
+        # from_numpy shares the arrays: a GGUFLinear built from the same Repacked shares these tensors
+        self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(w.codes)))
+        self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(w.scales, dtype=np.float32)))
         mins = None if w.mins is None else torch.from_numpy(np.ascontiguousarray(w.mins, dtype=np.float32))
-        return cls(torch.from_numpy(np.ascontiguousarray(w.codes)),
-                   torch.from_numpy(np.ascontiguousarray(w.scales, dtype=np.float32)), mins, w.kind, embedding_dim)
+        self.register_buffer("mins", mins)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        rows = Repacked(self.kind, self.codes[ids].numpy(), self.scales[ids].numpy(),
-                        None if self.mins is None else self.mins[ids].numpy())
-        return dequantize(rows).view(*input_ids.shape, self.embedding_dim)
+        mins = None if self.mins is None else self.mins[ids]
+        rows = dequantize_rows(self.kind, self.codes[ids], self.scales[ids], mins)
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"
+
+
+def share_blocks(table: GGUFEmbedding) -> GGUFLinear:
+    """A tied LM head over the embedding's own tensors (no second copy of the blocks)."""
+    mins = None if table.mins is None else table.mins.numpy()
+    w = Repacked(table.kind, table.codes.numpy(), table.scales.numpy(), mins)
+    return GGUFLinear(w, table.embedding_dim, None)

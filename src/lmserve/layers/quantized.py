@@ -120,13 +120,15 @@ def int4_supported(linear: nn.Linear, group: int = INT4_GROUP) -> bool:
 
 
 def check_scheme(scheme: str, device: torch.device) -> None:
-    """Refuse what this build cannot run, before anything is loaded."""
+    """Refuse what this build cannot run, before anything is loaded (auto and none always run)."""
+    if scheme in ("auto", "none"):  # auto resolves to none wherever gguf cannot run (loader.load_model)
+        return
     if scheme == "gguf":  # a GGUF file's own blocks (layers/gguf_linear.py): the native CPU kernel reads them
         if device.type != "cpu":
             raise ValueError(f"quantization 'gguf' runs on CPU, not on {device} (use int4 or int8 there)")
         return
     if scheme not in SCHEMES:
-        raise ValueError(f"unknown quantization {scheme!r} (choose from {', '.join(SCHEMES)}, gguf)")
+        raise ValueError(f"unknown quantization {scheme!r} (choose from auto, none, {', '.join(SCHEMES)}, gguf)")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"quantization {scheme!r} runs on CPU or CUDA, not on {device}")
 

@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 import torch
 
@@ -20,7 +20,7 @@ from lmserve.errors import CheckpointError
 from lmserve.loader.default_model import default_model_path
 from lmserve.loader.gguf_file import GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
-from lmserve.loader.gguf_packed import keep_gguf_quantized
+from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.loader.sharding import TPShard, local_config, take_shard
@@ -44,7 +44,8 @@ class LoadedModel:
     load_seconds: float
     peak_rss_gib: float
     gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
-    runtime_quantization: str | None = None  # weight-only int8/int4 applied at load, None: float weights
+    # the weight format chosen at load (--quantization auto resolved): int8 | int4 | gguf; None: float weights
+    runtime_quantization: str | None = None
     shard: TPShard | None = None  # tensor parallelism: model holds this rank's part (model.config is per rank)
 
     @property
@@ -58,6 +59,11 @@ class LoadedModel:
             return LlamaFileType(int(self.gguf.metadata["general.file_type"])).name
         except ValueError:
             return "unknown"
+
+    @property
+    def weight_format(self) -> str:
+        """How the weights are held while serving: gguf | int8 | int4 | none (float, as `--quantization none`)."""
+        return self.runtime_quantization or "none"
 
 
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
@@ -100,62 +106,82 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     `pack` applies the fast CPU weight format (layers/linear.py); False keeps plain nn.Linear.
-    `quantization` ("int8" | "int4") stores linear weights weight-only quantized (layers/quantized.py).
+    `quantization`: None or "none" keeps float weights; "int8" | "int4" stores linear weights weight-only
+    quantized (layers/quantized.py); "gguf" keeps a GGUF file's blocks (loader/gguf_packed.py); "auto" is
+    "gguf" where that runs (`auto_quantization`), else "none".
     `revision` picks the Hub revision when `model` is a Hub id.
     `shard` loads only this tensor-parallel rank's part and wraps the row-parallel layers (layers/parallel.py;
     the caller has joined the process group). `config` stays the whole model's; `model.config` is the rank's.
     """
     if quantization:
         check_scheme(quantization, device)
+    quantization = None if quantization == "none" else quantization
     path = resolve_model_path(model, revision)
     start = time.perf_counter()
-    gguf = None
     world = shard.world_size if shard is not None else 1
+    gguf = read_gguf(path) if path.suffix.lower() == ".gguf" and not path.is_dir() else None
+    if quantization == "auto":
+        quantization, why = auto_quantization(gguf, device, dtype, world)
+        log.info("--quantization auto: %s (%s)", quantization or "none", why)
     if path.is_dir():
+        if quantization == "gguf":
+            raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
+                                  "a safetensors checkpoint (use int8 or int4)")
         cfg = _config_from_dir(path)
         net = _empty_model(local_config(cfg, world), dtype, device)
         files, weight_map = weight_files(path)
         net.load_weights(iter_safetensors(files, weight_map, shard))
-        fmt = "safetensors"
-    elif path.suffix.lower() == ".gguf":
-        gguf = read_gguf(path)
+    elif gguf is not None:
         cfg = gguf_config(gguf)
-        net = _empty_model(local_config(cfg, world), dtype, device)
-        factors = rope_freq_factors(gguf)
-        if factors is not None:
-            net.inv_freq.copy_(net.inv_freq / factors.to(device))
-        weights = iter_gguf(gguf, cfg)  # dequantized whole (Q/K unpermuted with the whole head count), then sliced
-        net.load_weights(weights if world == 1 else ((n, take_shard(n, t, shard), s) for n, t, s in weights))
-        fmt = "gguf"
+        net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf")
     else:
         _refuse_format(path)
     net.eval()
     if world > 1:
         drop_row_biases(net, shard.rank)
-    if quantization == "gguf":
-        if gguf is None:
-            raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
-                                  "a safetensors checkpoint (use int8 or int4)")
-        if world > 1:
-            raise CheckpointError("--quantization gguf does not split across tensor-parallel ranks yet; "
-                                  "leave it out (the ranks then dequantize the file) or use one rank")
-        keep_gguf_quantized(net, gguf, cfg)
-        if pack and can_pack(device, dtype):
-            pack_linears(net)  # the layers that stayed float (F32/F16 tensors)
-    elif quantization:
-        quantize_linears(net, quantization)
-    elif pack and can_pack(device, dtype):
-        pack_linears(net)
-        _log_skinny_coverage(net)
+    _weight_format(net, quantization, device, dtype, pack)
     if world > 1:
         apply_tensor_parallel(net)
     if gguf is not None:
         gguf.release_pages()  # every weight is a copy by now
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    fmt = "safetensors" if gguf is None else "gguf"
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf if fmt == "gguf" else None, quantization, shard)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard)
+
+
+def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               shard: TPShard | None, keep: bool) -> torch.nn.Module:
+    """Build and fill the model from a GGUF file; `keep`: its quantized tensors stay in their blocks."""
+    if keep and shard is not None and shard.world_size > 1:
+        raise CheckpointError("--quantization gguf does not split across tensor-parallel ranks yet; "
+                              "use --quantization none (the ranks then dequantize the file) or one rank")
+    world = shard.world_size if shard is not None else 1
+    kept: set[str] = set()
+
+    def keep_blocks(net: torch.nn.Module) -> None:  # on the meta device: the kept tensors are never made float
+        kept.update(keep_gguf_quantized(net, gguf, cfg, dtype))
+
+    net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    factors = rope_freq_factors(gguf)
+    if factors is not None:
+        net.inv_freq.copy_(net.inv_freq / factors.to(device))
+    weights = iter_gguf(gguf, cfg, skip=kept)  # dequantized whole (Q/K unpermuted with the whole head count)
+    net.load_weights(weights if world == 1 else ((n, take_shard(n, t, shard), s) for n, t, s in weights))
+    return net
+
+
+def _weight_format(net: torch.nn.Module, quantization: str | None, device: torch.device, dtype: torch.dtype,
+                   pack: bool) -> None:
+    """The one weight-format transform over the filled model (the GGUF blocks were kept while it was built)."""
+    if quantization in ("int8", "int4"):
+        quantize_linears(net, quantization)
+    elif pack and can_pack(device, dtype):
+        pack_linears(net)  # with gguf: the layers that stayed float (F32/F16 tensors)
+        if quantization is None:
+            _log_skinny_coverage(net)
 
 
 def _log_skinny_coverage(net: torch.nn.Module) -> None:
@@ -183,7 +209,6 @@ def _skip_init() -> Iterator[None]:
         for name, fn in saved.items():
             setattr(torch.nn.init, name, fn)
 
-
 def _config_from_dir(path: Path) -> ModelConfig:
     try:
         return ModelConfig.from_hf(read_config(path))
@@ -191,19 +216,53 @@ def _config_from_dir(path: Path) -> ModelConfig:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Allocate parameters without initialising them (the checkpoint overwrites every one)."""
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 transform: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """Allocate parameters without initialising them (the checkpoint overwrites every one).
+
+    `transform` runs before anything is written (swapping layers for ones that hold real tensors already,
+    e.g. GGUF blocks). On the CPU the model is built in place with nn.init skipped, not on the meta
+    device: an op on a meta tensor (an initialiser, the rotary frequencies) imports torch._dynamo and
+    triton, 153 MiB of RSS a CPU server never uses; the layers a transform replaces were never written,
+    so their pages were never committed. Elsewhere it is built on the meta device and only what is
+    still there afterwards is allocated.
+    """
     if device.type == "cpu":
-        # Built in place, not on the meta device: an op on a meta tensor (an initialiser, the rotary
-        # frequencies) imports torch._dynamo and triton, 153 MiB of RSS a CPU server never uses.
         with _skip_init():
             net = build_model(cfg)
+        if transform is not None:
+            transform(net)
+        net = net.to(dtype)  # in place: tied parameters stay one
     else:
         with torch.device("meta"):
             net = build_model(cfg)
-        net = net.to_empty(device=device)
-    net = net.to(dtype)
-    net.tie_weights()  # to_empty gives each module its own tensor
+        if transform is not None:
+            transform(net)
+        _materialize(net, dtype, device)
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
     net.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling).to(device)
     return net
+
+
+def _materialize(net: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter and buffer by an uninitialised one on `device` (floats in `dtype`).
+
+    One new tensor per meta tensor, so a tied embedding and LM head stay one Parameter.
+    """
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, kept alive; its new tensor)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = t, new
+        return made[id(t)][1]
+
+    for module in net.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_meta:
+                module._parameters[name] = real(p)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_meta:
+                module._buffers[name] = real(b)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 import numpy as np
 import torch
@@ -60,10 +60,11 @@ def rope_freq_factors(f: GGUFFile) -> torch.Tensor | None:
     return None if t is None else _dequantize(t, f.path).flatten()
 
 
-def iter_gguf(f: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield (hf_name, float32 tensor, file) for every weight, Q/K rows put back in HF order."""
+def iter_gguf(f: GGUFFile, cfg: ModelConfig, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield (hf_name, float32 tensor, file) for every weight but those named in `skip` (GGUF names: tensors
+    kept in their quantized blocks), Q/K rows put back in HF order."""
     for t in f.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight" or t.name in skip:
             continue
         name = _hf_name(t.name)
         if name is None:

@@ -1,12 +1,13 @@
-"""`--quantization gguf`: the model's linear layers read the GGUF file's own quantized blocks.
+"""`--quantization gguf`: the model's projections, embedding and LM head read the GGUF file's own blocks.
 
-A transform over a finished model (as `quantize_linears` is): every projection whose GGUF tensors
-are all of a type layers/gguf_linear.py can repack is replaced by a GGUFLinear built from the raw
-blocks in the memory map; fused projections (qkv, gate_up) stack their parts' rows, and the rows
-of q and k are put in Hugging Face order as the float path does (llama.cpp interleaves them).
-The LM head of a tied model reads the embedding table's blocks (Q8_0 in the embedded model), and so does the
-embedding lookup (layers/gguf_embedding.py: rows dequantized on lookup, no float32 table).
-Tensors of other types (F32, F16) keep the float layer.
+`keep_gguf_quantized` runs on the model while it is still on the meta device, before anything is
+allocated: every projection whose GGUF tensors are all of a type layers/gguf_linear.py can repack is
+replaced by a GGUFLinear built from the raw blocks in the memory map (fused qkv and gate_up stack their
+parts' rows; q and k rows are put in Hugging Face order as the float path does, llama.cpp interleaves
+them); the embedding table becomes a GGUFEmbedding (rows dequantized on lookup) and a tied LM head a
+GGUFLinear over the same tensors. The loader then allocates and fills only what is left (norms, biases,
+tensors of other types such as F32/F16), so no float copy of a kept tensor is ever made.
+`auto_quantization` decides whether `--quantization auto` (the default) does this.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.gguf_embedding import GGUFEmbedding
+from lmserve.layers.gguf_embedding import GGUFEmbedding, share_blocks
 from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, Repacked, concat, repack
 from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
 from lmserve.loader.gguf_loader import unpermute_qk
@@ -33,43 +34,72 @@ _LAYER_PARTS = {
     "mlp.gate_up_proj": (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj")),
     "mlp.down_proj": (("ffn_down", "down_proj"),),
 }
+_PROJECTIONS = tuple(g for parts in _LAYER_PARTS.values() for g, _ in parts)
 
 
 def type_name(t: GGUFTensor) -> str:
+    """The GGML type's name of a tensor (Q4_1, Q8_0, F32, ...)."""
     from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType(t.ggml_type).name
 
 
-def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig) -> int:
-    """Swap the projections of `net` for GGUFLinear layers over `f`'s blocks; returns how many were swapped."""
+def keepable_types(f: GGUFFile) -> tuple[int, int, set[str]]:
+    """(projection tensors that can stay quantized, projection tensors in all, their kept types)."""
+    proj = [t for t in f.tensors if t.name.startswith("blk.") and t.name.split(".")[-2] in _PROJECTIONS]
+    kept = [type_name(t) for t in proj if type_name(t) in BLOCK_BYTES]
+    return len(kept), len(proj), set(kept)
+
+
+def auto_quantization(f: GGUFFile | None, device: torch.device, dtype: torch.dtype, world: int) -> tuple[str | None, str]:
+    """`--quantization auto` -> ("gguf" or None, why): keep the file's blocks where the native kernels run them."""
+    if f is None:
+        return None, "not a GGUF file"
+    why_not = [what for what, bad in (("device " + str(device), device.type != "cpu"),
+                                      ("dtype " + str(dtype).removeprefix("torch."), dtype != torch.float32),
+                                      (f"tensor parallel size {world}", world > 1)) if bad]
+    if why_not:
+        return None, f"GGUF blocks are kept only on CPU, float32, one rank; here: {', '.join(why_not)}"
+    kept, total, types = keepable_types(f)
+    if kept == 0:
+        return None, f"none of the {total} projection tensors is of a type that can stay quantized"
+    return "gguf", f"{kept} of {total} projection tensors are {'/'.join(sorted(types))} blocks; CPU, float32"
+
+
+def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: torch.dtype) -> set[str]:
+    """Swap `net`'s projections, embedding and LM head for layers over `f`'s blocks; returns the GGUF names kept.
+
+    `net` may be on the meta device: a swapped layer's bias is allocated (on CPU) for the loader to fill.
+    """
     tensors = {t.name: t for t in f.tensors}
-    swapped = 0
+    kept: set[str] = set()
     for i, layer in enumerate(net.model.layers):
         for path, parts in _LAYER_PARTS.items():
-            found = [tensors.get(f"blk.{i}.{g}.weight") for g, _ in parts]
+            names = [f"blk.{i}.{g}.weight" for g, _ in parts]
+            found = [tensors.get(n) for n in names]
             if all(t is not None and type_name(t) in BLOCK_BYTES for t in found):
                 hf = [f"model.layers.{i}.{path.split('.')[0]}.{h}.weight" for _, h in parts]
-                swapped += _swap(layer, path, concat([_rows(t, h, cfg) for t, h in zip(found, hf)]))
-    head = tensors.get("output.weight") or (tensors.get("token_embd.weight") if cfg.tie_word_embeddings else None)
+                _swap(layer, path, concat([_rows(t, h, cfg) for t, h in zip(found, hf)]))
+                kept.update(names)
+    kept |= _keep_embedding(net, tensors, cfg, dtype)
+    log.info("--quantization gguf: %d GGUF tensors stay in their quantized blocks", len(kept))
+    return kept
+
+
+def _keep_embedding(net: nn.Module, tensors: dict[str, GGUFTensor], cfg: ModelConfig, dtype: torch.dtype) -> set[str]:
+    """The token table as a GGUFEmbedding, the LM head as a GGUFLinear (a tied head over the table's tensors)."""
+    kept = set()
+    embd = tensors.get("token_embd.weight")
+    if embd is not None and type_name(embd) in BLOCK_BYTES:
+        net.model.embed_tokens = GGUFEmbedding(_rows(embd, "model.embed_tokens.weight", cfg), dtype)
+        kept.add(embd.name)
+        if cfg.tie_word_embeddings:
+            net.lm_head = share_blocks(net.model.embed_tokens)
+    head = tensors.get("output.weight")
     if head is not None and type_name(head) in BLOCK_BYTES:
         net.lm_head = GGUFLinear(_rows(head, "lm_head.weight", cfg), cfg.hidden_size, None)
-        swapped += 1
-    log.info("--quantization gguf: %d linear layers read the file's quantized blocks", swapped)
-    _keep_embedding_quantized(net, tensors.get("token_embd.weight"), cfg)
-    return swapped
-
-
-def _keep_embedding_quantized(net: nn.Module, t: GGUFTensor | None, cfg: ModelConfig) -> None:
-    """Drop the float32 embedding table for one reading the file's blocks (shared with a tied head's)."""
-    if t is None or type_name(t) not in BLOCK_BYTES:
-        return
-    head = net.lm_head
-    if cfg.tie_word_embeddings and isinstance(head, GGUFLinear):
-        net.model.embed_tokens = GGUFEmbedding(head.codes, head.scales, head.mins, head.kind, cfg.hidden_size)
-    else:
-        net.model.embed_tokens = GGUFEmbedding.from_repacked(_rows(t, "model.embed_tokens.weight", cfg),
-                                                             cfg.hidden_size)
+        kept.add(head.name)
+    return kept
 
 
 def _rows(t: GGUFTensor, hf_name: str, cfg: ModelConfig) -> Repacked:
@@ -82,10 +112,11 @@ def _rows(t: GGUFTensor, hf_name: str, cfg: ModelConfig) -> Repacked:
     return w if np.array_equal(order, np.arange(n)) else w.rows(order)
 
 
-def _swap(layer: nn.Module, path: str, w: Repacked) -> int:
+def _swap(layer: nn.Module, path: str, w: Repacked) -> None:
     parent_name, attr = path.split(".")
     parent = getattr(layer, parent_name)
     old = getattr(parent, attr)
     bias = old.bias if isinstance(old, nn.Linear) else None
+    if bias is not None and bias.is_meta:  # filled by the loader with the file's bias (Qwen2's q/k/v)
+        bias = torch.empty(bias.shape)
     setattr(parent, attr, GGUFLinear(w, old.in_features, bias))
-    return 1

@@ -70,8 +70,9 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)
+        # quantization: the file's own type (MOSTLY_Q4_1); weight_format: how it is served (--quantization resolved)
         self.model_info = Gauge("lmserve:model_info", "The served model", ["model_name", "model_version", "dtype",
-                                                                         "quantization"], registry=r)
+                                                                         "quantization", "weight_format"], registry=r)
         self.load_seconds = Gauge("lmserve:model_load_seconds", "Weight load time", registry=r)
         self.warmup_seconds = Gauge("lmserve:model_warmup_seconds", "Warm-up time before serving", registry=r)
         self.structured_requests = Counter("lmserve:structured_output_requests",
@@ -152,7 +153,7 @@ class ServerMetrics:
         self._engines[name] = engine
         loaded = engine.loaded
         self.model_info.labels(name, loaded.path.name, str(engine.dtype).removeprefix("torch."),
-                               loaded.quantization).set(1)
+                               loaded.quantization, loaded.weight_format).set(1)
         self.load_seconds.set(loaded.load_seconds)
         self.warmup_seconds.set(warmup_seconds)
         self.model_loads.labels(name).inc()

@@ -128,8 +128,11 @@ def _model_card(st: ServerState, name: str) -> dict:
         split = st.splits[name]
         return {**card, "max_model_len": None, "route": [{"model": m, "weight": w} for m, w in split.targets]}
     engine = model.async_engine
-    max_len = engine.engine.max_model_len if engine is not None else model.spec.max_model_len
-    return {**card, "max_model_len": max_len, "loaded": engine is not None, "parent": None, "root": name}
+    if engine is None:
+        return {**card, "max_model_len": model.spec.max_model_len, "loaded": False, "parent": None, "root": name}
+    # weight_format: how the weights are held (--quantization resolved: gguf | int8 | int4 | none)
+    return {**card, "max_model_len": engine.engine.max_model_len, "loaded": True, "parent": None, "root": name,
+            "weight_format": engine.engine.loaded.weight_format}
 
 
 @router.post("/v1/completions")

@@ -102,6 +102,7 @@ class ModelCard(_Open):
     max_model_len: int | None
     parent: str | None = None  # a LoRA adapter's base model; None for the base itself
     root: str | None = None
+    weight_format: str | None = None  # a loaded model: gguf | int8 | int4 | none (--quantization, auto resolved)
 
 
 class ModelList(_Open):

@@ -1,0 +1,100 @@
+"""Start to first token of `lmserve serve`, and its peak RSS, for several flag sets (alternating runs).
+
+    python benchmarks/startup.py --variants "--quantization none" "" --repeats 3
+
+Each run starts a fresh `lmserve serve` process on the embedded model (the native extension must already be
+built: run any server once first), polls /health, and sends one streamed completion of one token as soon as
+the server answers; the time is from `Popen` to that token's SSE chunk, with the CPU time the server process
+had used by then (steadier than the wall clock on a shared machine). Peak RSS is the process's VmHWM read
+after the token. Variants alternate run by run, so a noisy shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.server_util import free_port  # noqa: E402
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far: on a shared machine, steadier than the wall clock."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def vm_hwm_gib(pid: int) -> float:
+    """Peak resident set size of a process (Linux /proc VmHWM), GiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def first_token(url: str, deadline: float) -> None:
+    """Poll until the server streams one completion token (503 while the model loads)."""
+    body = {"model": "default", "prompt": "Hello", "max_tokens": 1, "stream": True, "temperature": 0}
+    while time.perf_counter() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code != 200:
+                time.sleep(0.02)
+                continue
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        return
+        except httpx.TransportError:
+            time.sleep(0.02)
+    raise TimeoutError("no token before the deadline")
+
+
+def one_run(flags: list[str], threads: int) -> dict:
+    """One server start: seconds from Popen to the first streamed token, and peak RSS after it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(threads),
+           "--served-model-name", "default", "--log-level", "warning", *flags]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        first_token(f"http://127.0.0.1:{port}", start + 180)
+        seconds = time.perf_counter() - start
+        return {"first_token_s": seconds, "cpu_s": cpu_seconds(proc.pid), "peak_rss_gib": vm_hwm_gib(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=["--quantization none", ""],
+                    help="`lmserve serve` flag sets to compare, each one string ('' = the defaults)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for _ in range(args.repeats):
+        for v in args.variants:
+            runs[v].append(one_run(v.split(), args.threads))
+    result = {v or "(defaults)": {"first_token_s_median": statistics.median(r["first_token_s"] for r in rs),
+                                  "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
+                                  "peak_rss_gib_median": statistics.median(r["peak_rss_gib"] for r in rs),
+                                  "runs": rs} for v, rs in runs.items()}
+    for name, r in result.items():
+        print(f"{name:28} first token {r['first_token_s_median']:.2f} s ({r['cpu_s_median']:.2f} CPU s)   "
+              f"peak RSS {r['peak_rss_gib_median']:.2f} GiB")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
