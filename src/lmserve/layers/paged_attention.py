@@ -2,8 +2,11 @@
 
 The batch is ordered decodes first (one query token each), then prefill chunks. Decodes run as one
 call per layer with no Python loop over sequences: the native CPU kernel (layers/native.py) reads K/V
-in place where it is available, otherwise one batched gather + SDPA. Prefill chunks run one SDPA per
-chunk (they are few and large, so the loop costs little).
+in place where it is available, otherwise one batched gather + SDPA. Where the native kernel applies,
+every prefill token is attended by it too, as its own query row over its request's blocks: a token's
+output is then the same bits whether it was prefilled whole, in chunks, after a prefix-cache hit, after
+preemption, or decoded (SDPA would sum in another order, and int8-quantized activations can turn that
+last-bit difference into another token). Elsewhere prefill chunks run one SDPA per chunk.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ class PagedAttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, for the native kernel
+    # the native kernel's view of the prefill tokens, each its own query row: the prefill requests' block
+    # tables [R, max_blocks], each token's row in them [P] and its context length (position + 1) [P]
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_table_rows: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -56,6 +64,15 @@ class PagedAttention:
         outs = []
         if m.num_decodes:
             outs.append(self._decode(q[:m.num_decodes], cache))
+        rows = q[m.num_decodes:]
+        kernel = native_decode(cache, q) if m.prefills and m.prefill_context_lens is not None else None
+        if kernel is not None:
+            # each prompt token attends exactly as it would have as a decode row: a token's K/V and output
+            # never depend on whether it was prefilled, chunked, recomputed after preemption or decoded
+            out = kernel.paged_decode_attention(rows, cache[0], cache[1], m.prefill_block_tables,
+                                                m.prefill_context_lens, q.shape[-1] ** -0.5, m.prefill_table_rows)
+            outs.append(out.reshape(rows.shape[0], -1))
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.mask is None:  # no cached prefix: attend over the fresh K/V directly

@@ -132,4 +132,7 @@ def _attention_metadata(prefill_reqs: list[ScheduledRequest], lens: np.ndarray, 
         decode_mask=decode_mask,
         decode_context_lens=dec_ctx.copy(),
         prefills=prefills,
+        prefill_block_tables=np.ascontiguousarray(tables[num_dec_reqs:]) if prefills else None,
+        prefill_table_rows=req_idx[num_dec:] - num_dec_reqs if prefills else None,
+        prefill_context_lens=positions[num_dec:] + 1 if prefills else None,
     )

@@ -22,14 +22,14 @@ constexpr int kMaxGroup = 16;  // query heads per kv head handled in registers-s
 
 template <int D>
 void decode_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
-                      const int64_t* context_lens, float* out, int64_t B, int64_t H, int64_t block_size,
-                      int64_t Hkv, int64_t max_blocks, float scale) {
+                      const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
+                      int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, kv_head = item % Hkv, L = context_lens[b];
-      const int64_t* table = block_tables + b * max_blocks;
+      const int64_t* table = block_tables + (table_rows ? table_rows[b] : b) * max_blocks;
       const float* q_rows = q + (b * H + kv_head * G) * D;
       scores.resize(G * L);
       // scores[g, t] = q_g . k_t * scale
@@ -76,7 +76,8 @@ void decode_attention(const float* q, const float* k_cache, const float* v_cache
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     c10::optional<torch::Tensor> table_rows) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
               v_cache.scalar_type() == torch::kFloat, "float32 CPU tensors only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
@@ -88,7 +89,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && H / Hkv <= kMaxGroup, "unsupported head layout");
-  TORCH_CHECK(block_tables.size(0) == B && context_lens.size(0) == B);
+  TORCH_CHECK(context_lens.size(0) == B);
+  const int64_t* rows = nullptr;  // row b reads block_tables[table_rows[b]] (prefill tokens share their request's)
+  if (table_rows.has_value()) {
+    TORCH_CHECK(table_rows->scalar_type() == torch::kLong && table_rows->is_contiguous() && table_rows->size(0) == B,
+                "table_rows: [B] int64");
+    rows = table_rows->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(block_tables.size(0) == B);
+  }
   auto out = torch::empty_like(q);
   const auto args = std::make_tuple(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                     block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
@@ -97,10 +106,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t mb = block_tables.size(1);
   if (D == 64) {
     decode_attention<64>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
-                         std::get<4>(args), std::get<5>(args), B, H, block_size, Hkv, mb, s);
+                         std::get<4>(args), rows, std::get<5>(args), B, H, block_size, Hkv, mb, s);
   } else if (D == 128) {
     decode_attention<128>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
-                          std::get<4>(args), std::get<5>(args), B, H, block_size, Hkv, mb, s);
+                          std::get<4>(args), rows, std::get<5>(args), B, H, block_size, Hkv, mb, s);
   } else {
     TORCH_CHECK(false, "head_dim 64 or 128 only");
   }
