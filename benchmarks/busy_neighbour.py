@@ -32,8 +32,9 @@ RESULTS = Path(__file__).parent / "results"
 CONFIGS: dict[str, tuple[dict[str, str], int | None]] = {
     "libgomp default, torch threads": ({"GOMP_SPINCOUNT": "300000"}, None),
     "libgomp default, 1 thread": ({"GOMP_SPINCOUNT": "300000"}, 1),
-    "PASSIVE, torch threads (lmserve default)": ({}, None),
-    "PASSIVE, 1 thread": ({}, 1),
+    "PASSIVE, torch threads (lmserve default)": ({"OMP_WAIT_POLICY": "PASSIVE"}, None),
+    "PASSIVE, 1 thread": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1),
+    "GOMP_SPINCOUNT=100000, torch threads (dedicated host)": ({"GOMP_SPINCOUNT": "100000"}, None),
 }
 
 CHILD = r"""

@@ -104,7 +104,8 @@ def lmserve_cmd(port: int, args) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(args.threads),
            "--max-num-seqs", str(args.max_level), "--log-level", "warning", "--kv-cache-memory", str(2 * 2**30),
            *args.lmserve_args.split()]
-    return cmd, {"PYTHONPATH": str(ROOT.parent / "src")}
+    extra = dict(kv.split("=", 1) for kv in args.lmserve_env.split())
+    return cmd, {"PYTHONPATH": str(ROOT.parent / "src"), **extra}
 
 
 def llama_cmd(port: int, args) -> tuple[list[str], dict]:
@@ -192,6 +193,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--startup-repeats", type=int, default=2, help="fresh processes per server for start to first token")
     ap.add_argument("--rates", default="", help="request rates (req/s) for a goodput sweep, e.g. 0.25,0.5,1.0")
     ap.add_argument("--lmserve-args", default="", help="extra `lmserve serve` flags, e.g. '--quantization gguf'")
+    ap.add_argument("--lmserve-env", default="", help="KEY=VALUE ... for the lmserve process only, e.g. "
+                    "'GOMP_SPINCOUNT=100000' (idle OpenMP threads spin ~1 ms before sleeping: a dedicated host)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (its libraries beside it); "
                     "default: benchmarks/build_llama_server.sh builds or finds it")
     ap.add_argument("--transformers", action="store_true", help="also run transformers offline (slow at c=32)")

@@ -86,6 +86,8 @@ def header(report: dict) -> str:
                  "repeats. Ratios are ours / theirs: above 1 is better for tok/s, below 1 for latency and memory.")
     if cfg.get("lmserve_args"):
         parts.append(f"lmserve flags: `{cfg['lmserve_args']}`.")
+    if cfg.get("lmserve_env"):
+        parts.append(f"lmserve environment: `{cfg['lmserve_env']}`.")
     if m.get("llama_server"):
         parts.append(f"llama-server: {m['llama_server']}.")
     if m.get("commit"):
