@@ -36,7 +36,9 @@ def results(path: Path) -> list[dict]:
 
 
 def run_batch(*args: str) -> subprocess.CompletedProcess:
-    return lmserve("--log-level", "warning", "run-batch", *args, *SMALL[:4])
+    # float weights: the Q4_1 file with int8 activations (the default) does not answer "Paris" to the chat line,
+    # as llama.cpp does not on the same file
+    return lmserve("--log-level", "warning", "run-batch", "--quantization", "none", *args, *SMALL[:4])
 
 
 def test_good_and_bad_lines_each_get_their_result(tmp_path):

@@ -50,7 +50,9 @@ def test_openai_client_batch_flow(tmp_path):
             {"custom_id": "wrong-url", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL}}]
     keys = tmp_path / "keys.json"  # two named keys: objects belong to a key's name (plain keys share "default")
     keys.write_text(json.dumps({"keys": [{"name": "alice", "key": KEY}, {"name": "bob", "key": "other-key"}]}))
-    with running_server("--api-key-file", str(keys), "--batch-dir", str(tmp_path / "batches")) as s:
+    # float weights: the chat line's "Paris" (the Q4_1 file with int8 activations answers as llama.cpp does)
+    with running_server("--api-key-file", str(keys), "--batch-dir", str(tmp_path / "batches"),
+                        "--quantization", "none") as s:
         client = client_for(s)
         uploaded = client.files.create(file=("requests.jsonl", jsonl(rows)), purpose="batch")
         assert (uploaded.purpose, uploaded.bytes, uploaded.filename) == ("batch", len(jsonl(rows)), "requests.jsonl")

@@ -29,18 +29,20 @@ def test_freed_blocks_are_reused_before_untouched_ones():
     assert [x.block_id for x in pool.allocate(3)] == [1, 2, 4]  # last freed first, then untouched
 
 
-def test_cached_blocks_evicted_oldest_first_before_untouched_ones():
+def test_cached_blocks_are_kept_until_no_other_block_is_free_then_evicted_oldest_first():
     pool = BlockPool(10)
     a, b = pool.allocate(2), pool.allocate(2)  # 0 1 | 2 3
     for blk, h in zip(a + b, (b"a0", b"a1", b"b0", b"b1")):
         pool.cache(blk, h)
     pool.free(list(reversed(a)))  # a's tail (1) before its prefix (0)
     pool.free(list(reversed(b)))
-    plain = pool.allocate(1)[0]  # nothing recycled without a hash, so the LRU cached one goes
+    assert [x.block_id for x in pool.allocate(6)] == [4, 5, 6, 7, 8, 9]  # never-used blocks before any prefix
+    assert all(pool.lookup(h) is not None for h in (b"a0", b"a1", b"b0", b"b1"))
+    plain = pool.allocate(1)[0]  # nothing else is free: the least recently freed cached block goes
     assert plain.block_id == 1 and pool.lookup(b"a1") is None and pool.lookup(b"a0") is not None
     pool.touch([pool.lookup(b"b0")])  # a prefix hit pulls block 2 out of the free lists
-    assert [x.block_id for x in pool.allocate(3)] == [0, 3, 4]
-    assert pool.num_touched_blocks == 5 and pool.num_free_blocks == 5
+    assert [x.block_id for x in pool.allocate(2)] == [0, 3]
+    assert pool.num_touched_blocks == 10 and pool.num_free_blocks == 0
 
 
 def test_reset_prefix_cache_turns_cached_free_blocks_into_plain_ones():

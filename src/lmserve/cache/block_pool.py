@@ -7,11 +7,12 @@ Reuse order (the KV tensors are committed page by page as blocks are first writt
 worker/kv_memory.py, so the order decides how much memory a server touches):
 1. freed blocks that hold nothing findable, most recently freed first (LIFO: their pages are resident
    and likely still in cache);
-2. cached free blocks, least recently freed first (the prefix cache's eviction order: a sequence's
-   tail before its prefix);
-3. blocks never handed out, lowest id first.
-So the pages a server touches track its peak of blocks in use, not the pool's size; the prefix cache
-keeps what those touched blocks can hold beside the running requests.
+2. blocks never handed out, lowest id first;
+3. cached free blocks, least recently freed first (the prefix cache's eviction order: a sequence's
+   tail before its prefix).
+So a server touches pages for its peak of blocks in use plus the prefixes it keeps, not for the pool's
+size; as in vLLM, a cached prefix is evicted only when no other block is free (the pool's size,
+--kv-cache-memory, bounds what the cache may hold).
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ class BlockPool:
         """The next free block id in reuse order (see the module docstring)."""
         if self._recycled:
             return self._recycled.pop()
-        if self._cached:
-            return self._cached.popitem(last=False)[0]
-        self._next_fresh += 1
-        return self._next_fresh - 1
+        if self._next_fresh < self.num_blocks:
+            self._next_fresh += 1
+            return self._next_fresh - 1
+        return self._cached.popitem(last=False)[0]
 
     def lookup(self, block_hash: bytes) -> Block | None:
         """A block already holding exactly these tokens (after this prefix), if any."""
