@@ -45,6 +45,18 @@ def test_cached_blocks_are_kept_until_no_other_block_is_free_then_evicted_oldest
     assert pool.num_touched_blocks == 10 and pool.num_free_blocks == 0
 
 
+def test_cached_blocks_beyond_the_retention_budget_go_before_never_used_ones():
+    pool = BlockPool(100, retain=3)
+    blocks = pool.allocate(5)
+    for i, blk in enumerate(blocks):
+        pool.cache(blk, b"p%d" % i)
+    pool.free(blocks)  # 0 freed first: the oldest
+    assert [x.block_id for x in pool.allocate(2)] == [0, 1]  # 5 then 4 kept > 3: the oldest evicted
+    assert [x.block_id for x in pool.allocate(1)] == [5]  # 3 kept = the budget: a never-used block
+    assert pool.lookup(b"p0") is None and all(pool.lookup(b"p%d" % i) is not None for i in (2, 3, 4))
+    assert pool.num_touched_blocks == 6
+
+
 def test_reset_prefix_cache_turns_cached_free_blocks_into_plain_ones():
     pool = BlockPool(4)
     (blk,) = pool.allocate(1)

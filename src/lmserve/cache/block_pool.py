@@ -7,12 +7,14 @@ Reuse order (the KV tensors are committed page by page as blocks are first writt
 worker/kv_memory.py, so the order decides how much memory a server touches):
 1. freed blocks that hold nothing findable, most recently freed first (LIFO: their pages are resident
    and likely still in cache);
-2. blocks never handed out, lowest id first;
-3. cached free blocks, least recently freed first (the prefix cache's eviction order: a sequence's
-   tail before its prefix).
-So a server touches pages for its peak of blocks in use plus the prefixes it keeps, not for the pool's
-size; as in vLLM, a cached prefix is evicted only when no other block is free (the pool's size,
---kv-cache-memory, bounds what the cache may hold).
+2. cached free blocks beyond the retention budget (an eighth of the pool, at least 16 blocks), least
+   recently freed first (the prefix cache's eviction order: a sequence's tail before its prefix);
+3. blocks never handed out, lowest id first;
+4. the remaining cached free blocks, least recently freed first.
+So a server touches pages for its peak of blocks in use plus at most the budget of kept prefixes, not
+for the pool's size (streams of distinct prompts do not grow its memory to the pool), while recent
+prefixes survive other requests as they would in vLLM (a prefix evicted only when nothing else is free,
+up to the budget).
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ class Block:
 class BlockPool:
     """Owns every block; hands them out, takes them back, remembers full blocks by content hash."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, retain: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
+        # cached free blocks kept before never-used ones are taken (see the module docstring)
+        self.retain = max(16, num_blocks // 8) if retain is None else retain
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._recycled: list[int] = []  # freed, no hash: a stack, the top is reused first
         # free with a hash, block_id -> None, oldest first: the head is evicted first
@@ -75,6 +79,8 @@ class BlockPool:
         """The next free block id in reuse order (see the module docstring)."""
         if self._recycled:
             return self._recycled.pop()
+        if len(self._cached) > self.retain:
+            return self._cached.popitem(last=False)[0]
         if self._next_fresh < self.num_blocks:
             self._next_fresh += 1
             return self._next_fresh - 1
