@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from lmserve.layers.gguf_embedding import GGUFEmbedding
-from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, dequantize, reference_linear, repack
+from lmserve.layers.gguf_linear import (BLOCK_BYTES, GGUFLinear, dequantize, quantize_activations, reference_linear,
+                                        repack)
 from lmserve.layers.native import native_module
 
 # byte offsets of each type's float16 fields (ggml's block structs)
@@ -74,6 +75,25 @@ def test_kernel_equals_the_dequantize_then_matmul_reference(kind):
         torch.testing.assert_close(out, ref[:m], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     # a row's result never depends on the rows beside it
     assert torch.equal(layer(x[:1]), layer(x)[:1]) and torch.equal(layer(x[5:6]), layer(x)[5:6])
+
+
+@needs_native
+def test_native_activation_codes_equal_the_reference_bit_for_bit():
+    """The vectorized int8 quantization rounds exactly as the reference: halves to even, one scale per block."""
+    k = 1056
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5)) * 3
+    x[1, :32] = torch.tensor([127.0] + [v + 0.5 for v in range(-15, 16)])  # scale 1: every other value a tie
+    x[2, 32:64] = 0  # a zero block
+    x[3, 64:96] = -1e-30  # a block of tiny values
+    buf = native_module().quantize_activations(x)
+    nb = k // 32
+    codes = buf[:, :k].float()
+    floats = buf[:, k:].contiguous().view(torch.float32)
+    q, scale = quantize_activations(x)
+    assert torch.equal(codes, q)
+    assert torch.equal(floats[:, :nb], scale)
+    sums = q.view(9, nb, 32).sum(-1)
+    assert torch.equal(floats[:, nb:], scale * sums)
 
 
 @needs_native

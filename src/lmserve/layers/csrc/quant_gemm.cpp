@@ -35,25 +35,62 @@
 // the float chain differently in each tile shape, and a row's result would depend on its batch.
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
+#include "simd_avx512.h"
+
 namespace {
 
 constexpr int64_t kQBlock = 32;  // activation quantization block (and U4/U8 weight block)
 constexpr int64_t kNTile = 16;   // weight rows kept hot while every input row passes over them
 
-// One row of x -> int8 codes, per-block scale, per-block scale * sum(codes).
+// One row of x -> int8 codes, per-block scale, per-block scale * sum(codes). The vector loops compute the same
+// numbers as the scalar one (max of |x|, one float multiply, round half to even, an exact integer sum): the
+// scalar std::nearbyint is a libm call, which made quantizing ~20-50% of a many-row matmul's time.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < K / kQBlock; ++b) {
     const float* xb = x + b * kQBlock;
+    int8_t* qb = q + b * kQBlock;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+    for (int j = 8; j < kQBlock; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
     float amax = 0.f;
     for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+#endif
     const float scale = amax / 127.f;
     const float inv = amax > 0.f ? 1.f / scale : 0.f;
     int sum = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 vi = _mm512_set1_ps(inv);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vi), kRound));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vi), kRound));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(i1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vi = _mm256_set1_ps(inv);
+    alignas(32) int32_t iv[kQBlock];
+    for (int j = 0; j < kQBlock; j += 8)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(iv + j), _mm256_cvtps_epi32(_mm256_round_ps(
+          _mm256_mul_ps(_mm256_loadu_ps(xb + j), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    for (int j = 0; j < kQBlock; ++j) {
+      qb[j] = static_cast<int8_t>(iv[j]);
+      sum += iv[j];
+    }
+#else
     for (int j = 0; j < kQBlock; ++j) {
       const int v = static_cast<int>(std::nearbyint(xb[j] * inv));  // round half to even, as torch.round
-      q[b * kQBlock + j] = static_cast<int8_t>(v);
+      qb[j] = static_cast<int8_t>(v);
       sum += v;
     }
+#endif
     d[b] = scale;
     s[b] = scale * static_cast<float>(sum);
   }
@@ -95,8 +132,8 @@ inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
 // held in 16 accumulators: each weight pair is unpacked once for up to 4 input rows, each input pair loaded
 // once for up to 4 weight rows. The dpbusd lanes of a step hold, four bytes each: lanes 0-7 block b, 8-15
 // block b + 1. Every (row, input) output is the same chain whatever the tile's size, so the tiling (which
-// depends on the batch) never changes a result: one fma per step into its own accumulator, a fixed
-// reduction, then the lone last block (odd block counts) and the offset term.
+// depends on the batch) never changes a result: one fma per step into its own accumulator, then the lone last
+// block (odd block counts) and the offset term added lane-wise, then a fixed tree of adds over the 16 lanes.
 
 // lanes 0-7 <- element 0, 8-15 <- element 1 (a pair's per-block values); and per 4 lanes (S8's per-16 scales)
 inline __m512i pair_idx() { return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); }
@@ -127,29 +164,31 @@ inline __m512 x_scale(const float* xd, int64_t b) {
       reinterpret_cast<const double*>(xd + b)))));
 }
 
-// sum over blocks of mins[b] * xs[b] (the U4/U8 offset term), 16 blocks at a time
-inline float offset_term(const float* mn, const float* xs, int64_t nb) {
-  __m512 acc = _mm512_setzero_ps();
+// acc + mins[b] * xs[b] lane-wise over the blocks (the U4/U8 offset term), 16 blocks at a time
+inline __m512 add_offset_term(__m512 acc, const float* mn, const float* xs, int64_t nb) {
   int64_t b = 0;
   for (; b + 16 <= nb; b += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mn + b), _mm512_loadu_ps(xs + b), acc);
   if (b < nb) {
     const __mmask16 m = static_cast<__mmask16>((1u << (nb - b)) - 1);
     acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mn + b), _mm512_maskz_loadu_ps(m, xs + b), acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return acc;
 }
 
-// the last block of an odd block count, 256 bits wide
-inline float last_block(int kind, const uint8_t* codes, const float* sc, const int8_t* xq, const float* xd,
-                        int64_t b) {
+// acc + the last block of an odd block count in lanes 0-7 (256 bits wide)
+template <int KIND>
+inline __m512 add_last_block(__m512 acc, const uint8_t* codes, const float* sc, const int8_t* xq, const float* xd,
+                             int64_t b) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
-  if (kind == 2) {
+  __m256 p;
+  if (KIND == 2) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
-    const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)));
-    const __m256 s = _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b]));
-    return hsum(_mm256_mul_ps(p, s));
+    p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))),
+                      _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b])));
+  } else {
+    p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(load_codes(KIND, codes, b), x)), _mm256_set1_ps(sc[b] * xd[b]));
   }
-  return hsum(_mm256_cvtepi32_ps(dot_u8s8(load_codes(kind, codes, b), x))) * (sc[b] * xd[b]);
+  return _mm512_add_ps(acc, _mm512_zextps256_ps512(p));
 }
 
 struct QRows {  // where the quantized input rows live: codes, then per-block scales and scale * sums
@@ -192,15 +231,20 @@ void tile(const WRows& w, const QRows& x, int64_t n0, int64_t m0, float* out, in
       }
     }
   }
+  // the lone last block and the offset term go into the lanes, then one reduction per output
   for (int r = 0; r < R; ++r) {
     const int64_t n = n0 + r;
+    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int c = 0; c < C; ++c) {
       const int64_t m = m0 + c;
-      float v = _mm512_reduce_add_ps(acc[r][c]);
-      if (nb & 1) v += last_block(KIND, w.codes + n * w.cb, w.sc + n * w.sr, x.codes(m), x.d(m), nb - 1);
-      if (KIND != 2) v += offset_term(w.mn + n * w.sr, x.s(m), nb);
-      out[m * ldo + n] = v;
+      __m512 a = acc[r][c];
+      if (nb & 1) a = add_last_block<KIND>(a, w.codes + n * w.cb, w.sc + n * w.sr, x.codes(m), x.d(m), nb - 1);
+      if (KIND != 2) a = add_offset_term(a, w.mn + n * w.sr, x.s(m), nb);
+      sums[c] = a;
     }
+    alignas(16) float v[4];
+    _mm_store_ps(v, lmserve_simd::reduce4(sums[0], sums[1], sums[2], sums[3]));
+    for (int c = 0; c < C; ++c) out[(m0 + c) * ldo + n] = v[c];
   }
 }
 
