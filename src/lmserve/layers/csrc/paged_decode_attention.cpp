@@ -24,10 +24,14 @@ template <int D>
 void decode_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
                       int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale) {
-  const int64_t G = H / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t G = H / Hkv, n = B * Hkv;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t k = begin; k < end; ++k) {
+      // Items in zigzag order (first, last, second, second last, ...): a prefill's rows grow in length, and the
+      // contiguous ranges parallel_for hands each thread would otherwise give the last thread the longest ones
+      // (with 2 threads, 3/4 of a causal prefill's work).
+      const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;
       const int64_t b = item / Hkv, kv_head = item % Hkv, L = context_lens[b];
       const int64_t* table = block_tables + (table_rows ? table_rows[b] : b) * max_blocks;
       const float* q_rows = q + (b * H + kv_head * G) * D;
@@ -75,6 +79,130 @@ void decode_attention(const float* q, const float* k_cache, const float* v_cache
 
 }  // namespace
 
+#if defined(__AVX512F__)
+// The AVX-512 version of the loop above, ~2x faster: 16 keys' dot products reduced at once by a fixed tree, a
+// vector exp, and up to 4 query heads' outputs accumulated in registers while each value row is read once. It
+// opts out of fast-math and FMA contraction, and every number is a fixed chain of operations (simd_avx512.h),
+// so a row's result does not depend on which rows share the call (prefill rows and decode rows alike).
+#define LMSERVE_ATTENTION_AVX512 1
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+#include "simd_avx512.h"
+
+namespace {
+
+using lmserve_simd::exp_nonpositive;
+using lmserve_simd::reduce4;
+
+// q . k for keys[0..nk) (lane j: keys[j]; lanes from nk on: 0): one fma chain per key, then one tree of adds
+template <int D, bool FULL>
+inline __m512 dots16(const float* q, const float* const* keys, int nk) {
+  __m512 p[16];
+  for (int j = 0; j < 16; ++j) {
+    if (!FULL && j >= nk) {
+      p[j] = _mm512_setzero_ps();
+      continue;
+    }
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[j]));
+    for (int c = 16; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(keys[j] + c), acc);
+    p[j] = acc;
+  }
+  const __m512 lo = _mm512_insertf32x4(_mm512_castps128_ps512(reduce4(p[0], p[1], p[2], p[3])),
+                                       reduce4(p[4], p[5], p[6], p[7]), 1);
+  const __m512 hi = _mm512_insertf32x4(_mm512_insertf32x4(lo, reduce4(p[8], p[9], p[10], p[11]), 2),
+                                       reduce4(p[12], p[13], p[14], p[15]), 3);
+  return hi;
+}
+
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+
+// s[0..L) <- softmax(s): max, exp of the differences, their sum lane by lane in order then one tree, a multiply
+void softmax_row(float* s, int64_t L) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < L; t += 16) mx = _mm512_mask_max_ps(mx, lanes(L - t), mx, _mm512_maskz_loadu_ps(lanes(L - t), s + t));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 m = lanes(L - t);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), top));
+    _mm512_mask_storeu_ps(s + t, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 inv = _mm512_set1_ps(1.f / _mm_cvtss_f32(reduce4(sum, zero, zero, zero)));
+  for (int64_t t = 0; t < L; t += 16)
+    _mm512_mask_storeu_ps(s + t, lanes(L - t), _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(L - t), s + t), inv));
+}
+
+// out[g] = sum_t p[g, t] v_t for GB query heads, their accumulators in registers, each value row loaded once
+template <int D, int GB>
+void weighted_values(const float* p, int64_t L, const float* const* vrows, float* out) {
+  __m512 acc[GB][D / 16];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    __m512 v[D / 16];
+    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(vrows[t] + 16 * c);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * L + t]);
+      for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + g * D + 16 * c, acc[g][c]);
+}
+
+template <int D>
+void weighted_values_any(const float* p, int64_t L, const float* const* vrows, float* out, int64_t G) {
+  constexpr int kMax = D == 64 ? 4 : 2;  // 16 accumulators
+  for (int64_t g = 0; g < G; g += kMax) {
+    const float* pg = p + g * L;
+    float* og = out + g * D;
+    switch (std::min<int64_t>(kMax, G - g)) {
+      case 1: weighted_values<D, 1>(pg, L, vrows, og); break;
+      case 2: weighted_values<D, 2>(pg, L, vrows, og); break;
+      case 3: weighted_values<D, (kMax >= 3 ? 3 : 1)>(pg, L, vrows, og); break;
+      default: weighted_values<D, kMax>(pg, L, vrows, og); break;
+    }
+  }
+}
+
+template <int D>
+void attention_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
+                      const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
+                      int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale) {
+  const int64_t G = H / Hkv, n = B * Hkv;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const float*> rows;
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
+      const int64_t b = item / Hkv, kv_head = item % Hkv, L = context_lens[b];
+      const int64_t* table = block_tables + (table_rows ? table_rows[b] : b) * max_blocks;
+      const float* q_rows = q + (b * H + kv_head * G) * D;
+      scores.resize(G * L);
+      rows.resize(L);
+      for (int64_t t = 0; t < L; ++t) rows[t] = k_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * D;
+      const __m512 sc = _mm512_set1_ps(scale);
+      for (int64_t t = 0; t < L; t += 16) {
+        const int nk = static_cast<int>(std::min<int64_t>(16, L - t));
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 d = nk == 16 ? dots16<D, true>(q_rows + g * D, rows.data() + t, 16)
+                                    : dots16<D, false>(q_rows + g * D, rows.data() + t, nk);
+          _mm512_mask_storeu_ps(scores.data() + g * L + t, lanes(nk), _mm512_mul_ps(d, sc));
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * L, L);
+      for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
+      weighted_values_any<D>(scores.data(), L, rows.data(), out + (b * H + kv_head * G) * D, G);
+    }
+  });
+}
+
+}  // namespace
+#pragma GCC pop_options
+#endif
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      c10::optional<torch::Tensor> table_rows) {
@@ -104,6 +232,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                     out.data_ptr<float>());
   const float s = static_cast<float>(scale);
   const int64_t mb = block_tables.size(1);
+#if defined(LMSERVE_ATTENTION_AVX512)
+  if (D == 64 || D == 128) {
+    auto run = D == 64 ? attention_avx512<64> : attention_avx512<128>;
+    run(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args), rows,
+        std::get<5>(args), B, H, block_size, Hkv, mb, s);
+    return out;
+  }
+#endif
   if (D == 64) {
     decode_attention<64>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
                          std::get<4>(args), rows, std::get<5>(args), B, H, block_size, Hkv, mb, s);
