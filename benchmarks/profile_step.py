@@ -1,11 +1,13 @@
-"""Where a decode step's time goes: batch 1 and batch 32, the embedded GGUF kept quantized.
+"""Where a decode step's time goes: batch 1 and batch 32, the embedded GGUF kept quantized; and a prefill.
 
-    python benchmarks/profile_step.py [--batches 1,32] [--tokens 48] [--out benchmarks/results/profile_step.md]
+    python benchmarks/profile_step.py [--batches 1,32] [--tokens 48] [--prefill 512] [--out benchmarks/results/profile_step.md]
 
 Two passes per batch size in one process: with the native decode stack (the default: all decoder layers in one
 C++ call) for the step's wall time split into decoder layers / LM head / the rest, and with the stack off
 (LMSERVE_DECODE_STACK=0 path: the module loop) under cProfile for the per-kernel split inside the layers. The CPU,
 its flags and the load average are recorded: numbers from another machine, or a busy one, mean little.
+`--prefill N` adds a prompt of N tokens run alone (one step while N <= the engine's 1024 batched tokens): its
+wall time over 3 runs, and its split under cProfile.
 """
 
 from __future__ import annotations
@@ -58,25 +60,63 @@ def profiled_steps(engine: LLMEngine) -> tuple[int, dict[str, float], float]:
         steps += 1
     prof.disable()
     total = time.perf_counter() - t
+    return steps, native_split(prof), total
+
+
+def prefill_tokens(n: int, run: int) -> list[int]:
+    """n prompt tokens that no earlier run shares a prefix with (a prefix-cache hit would skip the work)."""
+    return [1 + (run * 7919 + i * 31) % 40000 for i in range(n)]
+
+
+def prefill_runs(engine: LLMEngine, n: int, runs: int, first: int) -> list[float]:
+    times = []
+    for r in range(first, first + runs):
+        engine.add_request(f"prefill-{r}", prefill_tokens(n, r), SamplingParams(temperature=0.0, max_tokens=1))
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def prefill_section(engine: LLMEngine, n: int) -> list[str]:
+    prefill_runs(engine, n, 1, 0)  # warm-up
+    wall = statistics.median(prefill_runs(engine, n, 3, 1))
+    prof = cProfile.Profile()
+    prof.enable()
+    total = sum(prefill_runs(engine, n, 1, 4))
+    prof.disable()
+    per = native_split(prof)
+    lines = [f"## prefill of {n} tokens", "", f"median wall: {wall * 1000:.1f} ms ({n / wall:.0f} tokens/s)", "",
+             f"under cProfile ({total * 1000:.1f} ms incl. profiler):", "", "| native function | ms | share |",
+             "|---|---|---|"]
+    for name, sec in sorted(per.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {name} | {sec * 1000:.1f} | {sec / total:.0%} |")
+    rest = total - sum(per.values())
+    return lines + [f"| everything else (torch ops, Python) | {rest * 1000:.1f} | {rest / total:.0%} |", ""]
+
+
+def native_split(prof: cProfile.Profile) -> dict[str, float]:
     per = {}
     for (_, _, name), row in pstats.Stats(prof).stats.items():
         if "lmserve_native." in name:  # the C++ kernels (built-ins: their own time is all their time)
             label = name.strip("<>").split("lmserve_native.")[1]
             per[label] = per.get(label, 0.0) + row[2]
-    return steps, per, total
+    return per
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prefill", type=int, default=0, help="also profile a prompt of this many tokens")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=512)))
     model = engine.loaded.model
     lines = [f"# Decode step profile ({cpu()['name']}, {cpu()['cores']} cores, flags {' '.join(cpu()['flags'])}, "
              f"load {os.getloadavg()[0]:.1f})", ""]
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):
         model.use_decode_stack(True)
         start(engine, batch, args.tokens)
         wall = statistics.median(timed_steps(engine)) * 1000
@@ -92,6 +132,9 @@ def main() -> None:
         rest = total - sum(per.values())
         lines += [f"| everything else (Python, sampler, scheduler) | {rest / steps * 1000:.2f} | {rest / total:.0%} |",
                   ""]
+    if args.prefill:
+        model.use_decode_stack(True)
+        lines += prefill_section(engine, args.prefill)
     text = "\n".join(lines)
     print(text)
     if args.out:
