@@ -1,11 +1,15 @@
-"""`--dtype auto` from a given CPU flags line: float32 on every CPU without AMX, bf16 with AMX and on CUDA."""
+"""`--dtype auto`: bf16 on CUDA; on a CPU float32 unless a measurement (made once, cached) finds bf16 clearly faster
+and batch invariant; float32 where a GGUF file's blocks are kept; no measurement on CPUs without bf16."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from lmserve.utils import auto_dtype, cpu_has_fast_bf16, resolve_dtype
+from lmserve.cpu_dtype import cache_file, decide
+from lmserve.utils import auto_dtype, cpu_has_fast_bf16, keeps_gguf, resolve_dtype
 
 ZEN3 = "flags\t\t: fpu sse sse2 avx avx2 fma f16c"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512vl avx512_bf16"  # native bf16 dot products, no AMX
@@ -13,16 +17,68 @@ SAPPHIRE_RAPIDS = ZEN4 + " amx_bf16 amx_tile amx_int8"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no CUDA to exist
 
 
-@pytest.mark.parametrize("flags,dtype", [
-    (ZEN3, torch.float32), (ZEN4, torch.float32), (SAPPHIRE_RAPIDS, torch.bfloat16), ("", torch.float32),
-], ids=["avx2", "avx512_bf16", "amx", "unreadable"])
-def test_auto_on_cpu_is_float32_unless_amx(flags, dtype):
-    assert auto_dtype(CPU, flags) == dtype
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMSERVE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def measured_files(root):
+    return sorted((root / "kernels").glob("dtype-*.json")) if (root / "kernels").exists() else []
+
+
+@pytest.mark.parametrize("flags", [ZEN3, ""], ids=["avx2", "unreadable"])
+def test_no_bf16_instructions_is_float32_without_measuring(flags, cache_dir):
+    assert auto_dtype(CPU, flags) == torch.float32
+    assert measured_files(cache_dir) == []
 
 
 @pytest.mark.parametrize("flags", [ZEN3, ZEN4, SAPPHIRE_RAPIDS])
 def test_auto_on_cuda_is_bf16_whatever_the_host_cpu(flags):
     assert auto_dtype(CUDA, flags) == torch.bfloat16
+
+
+def test_kept_gguf_blocks_take_float32_activations(cache_dir):
+    assert auto_dtype(CPU, SAPPHIRE_RAPIDS, kept_gguf=True) == torch.float32
+    assert measured_files(cache_dir) == []
+    assert keeps_gguf(None, "auto", CPU) and keeps_gguf("/m/model.Q4_1.GGUF", "gguf", CPU)
+    assert not keeps_gguf("/m/model.gguf", "none", CPU) and not keeps_gguf("/m/hf-dir", "auto", CPU)
+    assert not keeps_gguf(None, "auto", CUDA)
+
+
+def numbers(prefill_speedup: float, decode_speedup: float, invariant: bool) -> dict:
+    return {"prefill_f32": 1.0, "prefill_bf16": 1.0 / prefill_speedup, "decode_f32": 1.0,
+            "decode_bf16": 1.0 / decode_speedup, "bf16_batch_invariant": invariant}
+
+
+@pytest.mark.parametrize("m,dtype", [
+    (numbers(4.0, 1.3, True), "bfloat16"),  # an AMX-like result
+    (numbers(4.0, 1.3, False), "float32"),  # fast but a row's bits depend on its batch
+    (numbers(1.5, 1.0, True), "float32"),  # not worth the native float32 kernels it gives up
+    (numbers(0.65, 0.9, True), "float32"),  # this AVX512_BF16 Xeon without AMX
+    (numbers(3.0, 0.7, True), "float32"),  # slower single rows (decode)
+])
+def test_decision_from_the_measurement(m, dtype):
+    assert decide(m)[0] == dtype
+
+
+def test_measured_once_on_this_machine_then_read_from_the_cache(cache_dir):
+    first = auto_dtype(CPU, ZEN4)  # this machine's matmuls, under a bf16 flags line
+    [path] = measured_files(cache_dir)
+    assert path == cache_file(ZEN4)
+    record = json.loads(path.read_text())
+    assert str(first) == f"torch.{record['dtype']}" and record["why"]
+    m = record["measured"]
+    assert all(m[k] > 0 for k in ("prefill_f32", "prefill_bf16", "decode_f32", "decode_bf16"))
+    assert isinstance(m["bf16_batch_invariant"], bool)
+    assert decide(m)[0] == record["dtype"]
+    # the next start reads the file: a different cached decision is what it returns, with nothing re-measured
+    record["dtype"] = "bfloat16" if record["dtype"] == "float32" else "float32"
+    path.write_text(json.dumps(record))
+    assert str(auto_dtype(CPU, ZEN4)) == f"torch.{record['dtype']}"
+    assert measured_files(cache_dir) == [path]
+    path.write_text("{not json")  # a damaged cache is measured again, not trusted
+    assert auto_dtype(CPU, ZEN4) == first
 
 
 def test_native_bf16_still_counts_avx512_bf16_for_an_explicit_bf16():
@@ -32,6 +88,7 @@ def test_native_bf16_still_counts_avx512_bf16_for_an_explicit_bf16():
 
 def test_resolve_dtype_names():
     assert resolve_dtype("auto", CPU) == auto_dtype(CPU)  # this machine's flags
+    assert resolve_dtype("auto", CPU, kept_gguf=True) == torch.float32
     assert resolve_dtype("bf16", CPU) == torch.bfloat16 and resolve_dtype("float32", CUDA) == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int8", CPU)

@@ -20,7 +20,7 @@ Layers, top to bottom (a module may import its own layer and any layer below it)
     loader
     models
     layers, quant
-    config, request, sampling_params, utils, errors   plain data everyone may import
+    config, request, sampling_params, utils, cpu_dtype, errors   plain data and helpers everyone may import
 
 Placed by module rather than by package:
 - `lmserve.sched.output` is contract 1's plain data (SchedulerOutput: what runs how many tokens,
@@ -58,7 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loader",),
     ("models",),
     ("layers", "quant"),
-    ("config", "request", "sampling_params", "utils", "errors"),
+    ("config", "request", "sampling_params", "utils", "cpu_dtype", "errors"),
 )
 PLAIN_DATA = len(LAYERS) - 1
 BY_MODULE = {"lmserve": PLAIN_DATA, "lmserve.sched.output": PLAIN_DATA}

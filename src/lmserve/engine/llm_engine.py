@@ -30,7 +30,7 @@ from lmserve.spec.policy import DraftPolicy
 from lmserve.spec.stats import SpecDecodeStats
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
-from lmserve.utils import available_memory, keep_freed_memory, resolve_device, resolve_dtype
+from lmserve.utils import auto_dtype_why, available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_dtype
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
 from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block, profile_forward
 
@@ -79,7 +79,11 @@ class LLMEngine:
         if cfg.num_threads or tp > 1:
             torch.set_num_threads(_threads_per_rank(cfg))
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        kept_gguf = keeps_gguf(cfg.model, cfg.quantization, self.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, kept_gguf)
+        if cfg.dtype == "auto":
+            log.info("--dtype auto: %s (%s)", str(self.dtype).removeprefix("torch."),
+                     auto_dtype_why(self.device, kept_gguf=kept_gguf)[1])
         self.ranks = self._start_ranks() if tp > 1 and loaded is None else None
         shard = TPShard(0, tp) if self.ranks is not None else None
         try:

@@ -24,7 +24,7 @@ from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
-from lmserve.utils import available_memory, resolve_device, resolve_dtype
+from lmserve.utils import available_memory, keeps_gguf, resolve_device, resolve_dtype
 from lmserve.worker.model_runner import kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """Refuse what cannot work (ConfigError, CheckpointError), warn where a value is capped; see the module doc."""
     check_ranges(cfg)
     device = _device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, keeps_gguf(cfg.model, cfg.quantization, device))
     if cfg.quantization:
         try:
             check_scheme(cfg.quantization, device)

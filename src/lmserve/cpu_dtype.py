@@ -1,0 +1,121 @@
+"""What `--dtype auto` means on this CPU: bfloat16 only where a measurement says it pays and keeps batch invariance.
+
+Why measure: the CPU flags do not say it. With AMX (Sapphire Rapids) oneDNN's bf16 tile matmul can be several
+times float32's; with AVX512_BF16 alone (Zen 4) bf16 ran at float32's speed or slower, turned off the native
+float32 kernels, and a request's tokens came to depend on its batch (oneDNN's bf16 kernels block rows by batch
+size). So where the CPU has bf16 instructions, the first `auto` times a prefill-shaped and a decode-shaped
+matmul in both dtypes and checks that a bf16 row is the same bits alone and inside batches of several sizes.
+bf16 is chosen only when it is invariant and clearly faster; the decision and its numbers are cached per CPU
+flags and torch version beside the native kernels (~/.cache/lmserve/kernels), so it is measured once a machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# bf16 gives up the native float32 kernels (paged attention, fused ops), so its matmuls must win by much: on a
+# Zen 4 host serving 16-32 streams ran 1.0x llama.cpp in bf16 and 1.7-1.9x in float32, and an AVX512_BF16 Xeon
+# without AMX measures bf16 at 0.65x float32 on the prefill shape. AMX tiles are expected at 3x and more. And
+# bf16 must not lose on single rows (decode).
+MIN_PREFILL_SPEEDUP = 2.0
+MIN_DECODE_SPEEDUP = 1.0
+PREFILL, DECODE = (256, 1024, 1024), (1, 1024, 4096)  # (rows, in, out): a prefill chunk's and a decode step's matmul
+INVARIANCE_ROWS = (1, 3, 16, 64, 256)
+
+
+def cache_file(flags: str) -> Path:
+    root = Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "kernels"
+    key = hashlib.sha256(f"{flags.strip()}|{torch.__version__}".encode()).hexdigest()[:16]
+    return root / f"dtype-{key}.json"
+
+
+def _best_time(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _matmul_seconds(shape: tuple[int, int, int], dtype: torch.dtype) -> float:
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    return _best_time(lambda: torch.nn.functional.linear(x, w))
+
+
+def bf16_batch_invariant() -> bool:
+    """Is each bf16 row the same bits alone and inside every batch size of INVARIANCE_ROWS?"""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(max(INVARIANCE_ROWS), PREFILL[1], generator=g).bfloat16()
+    w = torch.randn(PREFILL[2], PREFILL[1], generator=g).bfloat16()
+    alone = torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(4)])
+    return all(torch.equal(torch.nn.functional.linear(x[:m], w)[:min(m, 4)], alone[:min(m, 4)])
+               for m in INVARIANCE_ROWS)
+
+
+def measure() -> dict:
+    """Seconds per matmul in each dtype for both shapes (on one thread: a busy neighbour then skews both dtypes
+    alike; measured on 2 threads of a loaded host, float32 lost 2x more than bf16), and bf16's batch invariance."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"prefill_f32": _matmul_seconds(PREFILL, torch.float32),
+                "prefill_bf16": _matmul_seconds(PREFILL, torch.bfloat16),
+                "decode_f32": _matmul_seconds(DECODE, torch.float32),
+                "decode_bf16": _matmul_seconds(DECODE, torch.bfloat16),
+                "bf16_batch_invariant": bf16_batch_invariant()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def decide(m: dict) -> tuple[str, str]:
+    """(dtype name, why) from measure()'s numbers."""
+    prefill = m["prefill_f32"] / m["prefill_bf16"]
+    decode = m["decode_f32"] / m["decode_bf16"]
+    speed = f"bf16 prefill matmul {prefill:.2f}x float32's, decode {decode:.2f}x"
+    if not m["bf16_batch_invariant"]:
+        return "float32", f"bf16 matmuls depend on the batch here ({speed})"
+    if prefill < MIN_PREFILL_SPEEDUP or decode < MIN_DECODE_SPEEDUP:
+        return "float32", f"{speed}; bf16 needs >= {MIN_PREFILL_SPEEDUP}x and >= {MIN_DECODE_SPEEDUP}x"
+    return "bfloat16", f"{speed}, batch invariant"
+
+
+def _write(path: Path, record: dict) -> None:
+    """Write-then-rename: a reader never sees half a file, and two processes measuring at once both succeed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+def measured_cpu_dtype(flags: str) -> tuple[torch.dtype, str]:
+    """This CPU's auto dtype and why: cached, else measured now (about a second) and cached."""
+    if not any(f in flags.split() for f in BF16_FLAGS):
+        return torch.float32, "no bf16 instructions"
+    path = cache_file(flags)
+    try:
+        record = json.loads(path.read_text())
+        name, why = record["dtype"], record["why"]
+    except (OSError, ValueError, KeyError):
+        m = measure()
+        name, why = decide(m)
+        try:
+            _write(path, {"dtype": name, "why": why, "measured": m, "torch": torch.__version__})
+        except OSError as e:  # a read-only home: measure again next start
+            log.warning("could not cache the --dtype auto measurement in %s: %s", path, e)
+    if name not in ("float32", "bfloat16"):
+        return torch.float32, f"unreadable cache {path}"
+    return getattr(torch, name), why
