@@ -72,3 +72,24 @@ def test_the_stack_stands_aside_for_other_layers(gguf_engine):
     assert DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, 96, cfg.rms_norm_eps)) is None
     float_eng = LLMEngine(EngineConfig(quantization="none", cache=CacheConfig(num_blocks=8)))
     assert not float_eng.loaded.model.use_decode_stack(True)
+
+
+def test_kept_gguf_blocks_keep_their_kv_in_float16(gguf_engine):
+    """--kv-cache-dtype auto: float16 for a GGUF file's kept blocks (as llama.cpp), half the bytes of float32;
+    float32 still on request, over the same loaded model."""
+    import torch
+
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.sampling_params import SamplingParams
+    from tests.test_engine import PROMPTS, assert_no_leak
+
+    assert gguf_engine.kv_dtype == torch.float16
+    assert all(c.dtype == torch.float16 for c in gguf_engine.runner.kv_caches)
+    wide = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=128, kv_cache_dtype="float32")),
+                     loaded=gguf_engine.loaded, tokenizer=gguf_engine.tokenizer)
+    assert wide.kv_dtype == torch.float32 and all(c.dtype == torch.float32 for c in wide.runner.kv_caches)
+    assert gguf_engine._block_bytes() * 2 == wide._block_bytes()
+    out = generate(wide, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1))
+    assert len(out["0"]) == 8
+    assert_no_leak(wide)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmserve.cpu_dtype import cache_file, decide
-from lmserve.utils import auto_dtype, cpu_has_fast_bf16, keeps_gguf, resolve_dtype
+from lmserve.utils import auto_dtype, cpu_has_fast_bf16, keeps_gguf, resolve_dtype, resolve_kv_dtype
 
 ZEN3 = "flags\t\t: fpu sse sse2 avx avx2 fma f16c"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512vl avx512_bf16"  # native bf16 dot products, no AMX
@@ -92,3 +92,14 @@ def test_resolve_dtype_names():
     assert resolve_dtype("bf16", CPU) == torch.bfloat16 and resolve_dtype("float32", CUDA) == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int8", CPU)
+
+
+def test_kv_cache_dtype():
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    assert resolve_kv_dtype("auto", f32, True, CPU) == f16  # kept GGUF blocks: llama.cpp's KV type
+    assert resolve_kv_dtype("auto", f32, False, CPU) == f32 and resolve_kv_dtype("auto", bf16, False, CUDA) == bf16
+    assert resolve_kv_dtype("float32", f32, True, CPU) == f32 and resolve_kv_dtype("float16", f32, False, CPU) == f16
+    with pytest.raises(ValueError, match="model's dtype"):
+        resolve_kv_dtype("float16", bf16, False, CUDA)
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        resolve_kv_dtype("int8", f32, False, CPU)

@@ -181,7 +181,7 @@ def test_kv_pool_memory_is_paid_as_blocks_are_written(base):
 
     proc = psutil.Process()
     before = proc.memory_info().rss
-    eng = engine_like(base, num_blocks=4096)
+    eng = engine_like(base, num_blocks=(3 * 2**30) // base._block_bytes())  # ~3 GiB whatever the KV dtype
     pool_bytes = eng.num_blocks * eng._block_bytes()
     assert pool_bytes > 2.5 * 2**30
     built = proc.memory_info().rss

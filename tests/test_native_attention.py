@@ -47,6 +47,24 @@ def test_kernel_rows_do_not_depend_on_the_batch():
 
 
 @needs_kernel
+@pytest.mark.parametrize("batch,heads,kv_heads,dim,max_len", [(5, 9, 3, 64, 70), (4, 16, 2, 128, 129)])
+def test_float16_cache_reads_exactly_as_its_float32_values(batch, heads, kv_heads, dim, max_len):
+    """--kv-cache-dtype float16: the kernel widens each element exactly, so its output is the float32 cache's
+    output for the same (rounded) values, for decode rows and for prefill rows sharing a table."""
+    q, cache, tables, lens, mask = paged_case(batch, heads, kv_heads, dim, max_len, seed=7)
+    half = cache.half()
+    widened = half.float()
+    out = kernel.paged_decode_attention(q, half[0], half[1], tables, lens, dim ** -0.5)
+    assert torch.equal(out, kernel.paged_decode_attention(q, widened[0], widened[1], tables, lens, dim ** -0.5))
+    rows = torch.tensor([0, 0, 1, 1, 1][:batch] + [0] * max(0, batch - 5))  # prefill tokens: rows into the tables
+    row_lens = torch.arange(1, batch + 1)
+    got = kernel.paged_decode_attention(q, half[0], half[1], tables, row_lens, 0.125, rows)
+    assert torch.equal(got, kernel.paged_decode_attention(q, widened[0], widened[1], tables, row_lens, 0.125, rows))
+    ref = decode_attention(q, half, tables, mask)  # the SDPA path widens the gathered blocks to the queries' dtype
+    assert torch.allclose(out.reshape(batch, -1), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_refuses_what_it_cannot_run():
     q, cache, tables, lens, _ = paged_case(2, 9, 3, 64, 20, seed=4)
     with pytest.raises(RuntimeError, match="float32"):
@@ -59,6 +77,7 @@ def test_kernel_refuses_what_it_cannot_run():
 def test_fallback_when_switched_off_or_not_applicable(monkeypatch):
     q, cache, *_ = paged_case(2, 9, 3, 64, 20, seed=5)
     assert native_decode(cache.bfloat16(), q) is None  # bf16 caches use SDPA
+    assert native_decode(cache.half(), q) is not None or kernel is None  # float16 caches under float32 queries
     assert native_decode(cache[..., :32], q[..., :32]) is None  # head_dim 32
     monkeypatch.setattr(native, "_on", False)  # what LMSERVE_NATIVE_KERNELS=0 sets at start-up
     assert native_decode(cache, q) is None

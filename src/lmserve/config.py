@@ -28,6 +28,9 @@ class CacheConfig:
     # the KV cache gets what a profiled forward of a full step leaves of it (cache/sizing.gpu_kv_budget)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # auto: float16 where the weights are a GGUF file's kept blocks on CPU (llama.cpp's default KV type: half
+    # the bytes every decode step reads), else the model's dtype; float32 | float16 force one
+    kv_cache_dtype: str = "auto"
 
     @property
     def sized_explicitly(self) -> bool:
@@ -148,7 +151,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                          gpu_memory_utilization=args.gpu_memory_utilization),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
         lora=lora_config(args),

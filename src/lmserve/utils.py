@@ -72,6 +72,19 @@ def resolve_dtype(name: str, device: torch.device, kept_gguf: bool = False) -> t
     return DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, kept_gguf: bool, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype -> torch dtype. auto: float16 where a GGUF file's blocks are kept (CPU; llama.cpp's default
+    KV type, half the bytes a decode step reads), else the model's dtype. CUDA keeps the model's dtype."""
+    if name == "auto":
+        return torch.float16 if kept_gguf else model_dtype
+    if name not in ("float32", "float16"):
+        raise ValueError(f"unknown KV cache dtype {name!r} (choose from auto, float32, float16)")
+    dtype = DTYPES[name]
+    if device.type == "cuda" and dtype != model_dtype:
+        raise ValueError(f"on CUDA the KV cache takes the model's dtype ({str(model_dtype).removeprefix('torch.')})")
+    return dtype
+
+
 def available_memory(device: torch.device) -> int:
     """Bytes free for the KV cache on `device`."""
     if device.type == "cuda":

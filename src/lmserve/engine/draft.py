@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SpeculativeConfig
 from lmserve.loader import LoadedModel
@@ -38,12 +40,15 @@ class _Draft:
 class DraftModelProposer:
     """Proposes drafts with a small model sharing the target's tokenizer."""
 
-    def __init__(self, spec: SpeculativeConfig, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
-        """`loaded` is the draft model, already checked by the engine to share the target's tokenizer."""
+    def __init__(self, spec: SpeculativeConfig, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """`loaded` is the draft model, already checked by the engine to share the target's tokenizer;
+        `kv_dtype`: its KV cache's (None: its parameters' dtype)."""
         self.loaded = loaded
         param = next(loaded.model.parameters())
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, block_size, param.dtype, param.device)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, block_size, param.dtype, param.device,
+                                  kv_dtype=kv_dtype)
         self.state: dict[str, _Draft] = {}
         self._new: list[NewRequestData] = []
         self._finished: list[str] = []

@@ -30,7 +30,8 @@ from lmserve.spec.policy import DraftPolicy
 from lmserve.spec.stats import SpecDecodeStats
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
-from lmserve.utils import auto_dtype_why, available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_dtype
+from lmserve.utils import (auto_dtype_why, available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_dtype,
+                           resolve_kv_dtype)
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
 from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block, profile_forward
 
@@ -105,8 +106,9 @@ class LLMEngine:
         self.num_steps = 0
         self._step_out = None  # the running step's SchedulerOutput, until it has finished: fail_step needs it
         self._step_parents: list[str] = []  # client request ids of the running step's requests
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB%s), max_model_len %d", self.num_blocks, self.block_size,
-                 self.num_blocks * self._block_bytes() / 2**30, " per rank" if self.ranks else "", self.max_model_len)
+        log.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB%s), max_model_len %d", self.num_blocks,
+                 self.block_size, str(self.kv_dtype).removeprefix("torch."), self.num_blocks * self._block_bytes() / 2**30,
+                 " per rank" if self.ranks else "", self.max_model_len)
 
     def _build(self, loaded: LoadedModel | None, tokenizer: Tokenizer | None, shard: TPShard | None) -> None:
         """Load (this rank's part of) the model, then the tokenizer, KV cache, scheduler, runner and executor."""
@@ -115,6 +117,7 @@ class LLMEngine:
                                                          quantization=cfg.quantization, revision=cfg.revision,
                                                          shard=shard)
         self.dtype = next(self.loaded.model.parameters()).dtype
+        self.kv_dtype = self._kv_dtype()
         self.model_config = self.loaded.config
         self.tokenizer = tokenizer or _load_tokenizer(self.loaded)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
@@ -128,7 +131,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string), self.lora_slots)
         # the runner sees this rank's model: its KV cache holds only this rank's KV heads
         self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
-                                  self.dtype, self.device, self.lora_slots)
+                                  self.dtype, self.device, self.lora_slots, kv_dtype=self.kv_dtype)
         # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
         if cfg.cuda_graphs and self.device.type == "cuda" and self.lora_slots is None:
             self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
@@ -151,8 +154,15 @@ class LLMEngine:
                  len(c.modules), c.max_loras, slots.bytes_per_slot / 2**20, c.max_lora_rank, c.max_cpu_loras)
         return slots, registry
 
+    def _kv_dtype(self) -> torch.dtype:
+        try:
+            return resolve_kv_dtype(self.cfg.cache.kv_cache_dtype, self.dtype, self.loaded.weight_format == "gguf",
+                                    self.device)
+        except ValueError as e:
+            raise ConfigError(f"--kv-cache-dtype: {e}") from None
+
     def _block_bytes(self) -> int:
-        return kv_bytes_per_block(self.loaded.model.config, self.block_size, self.dtype)  # per rank
+        return kv_bytes_per_block(self.loaded.model.config, self.block_size, self.kv_dtype)  # per rank
 
     def _sizing_block_bytes(self) -> int:
         """What one block costs the memory the pool is sized against: on CPU every rank's share of it comes out
@@ -368,7 +378,10 @@ class LLMEngine:
         # the draft follows --quantization as the target does (auto: the draft file's own blocks where they run)
         draft = load_model(self.spec.model, self.dtype, self.device, quantization=self.cfg.quantization)
         _check_same_tokenizer(self, draft)
-        return DraftModelProposer(self.spec, draft, self.num_blocks, self.block_size)
+        # and --kv-cache-dtype (auto: float16 for its kept blocks, as the target's)
+        kv_dtype = resolve_kv_dtype(self.cfg.cache.kv_cache_dtype, next(draft.model.parameters()).dtype,
+                                    draft.weight_format == "gguf", self.device)
+        return DraftModelProposer(self.spec, draft, self.num_blocks, self.block_size, kv_dtype)
 
     def _record_spec(self, out, sampled: list[list[int]]) -> SpecDecodeStats:
         """Count each verify run's accepted drafts (engine totals, this step, the draft policy)."""

@@ -24,7 +24,7 @@ from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
-from lmserve.utils import available_memory, keeps_gguf, resolve_device, resolve_dtype
+from lmserve.utils import available_memory, keeps_gguf, resolve_device, resolve_dtype, resolve_kv_dtype
 from lmserve.worker.model_runner import kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,12 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """Refuse what cannot work (ConfigError, CheckpointError), warn where a value is capped; see the module doc."""
     check_ranges(cfg)
     device = _device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, keeps_gguf(cfg.model, cfg.quantization, device))
+    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device)
+    dtype = resolve_dtype(cfg.dtype, device, kept_gguf)
+    try:
+        kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, kept_gguf, device)
+    except ValueError as e:
+        raise ConfigError(f"--kv-cache-dtype: {e}") from None
     if cfg.quantization:
         try:
             check_scheme(cfg.quantization, device)
@@ -62,7 +67,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     # the engine checks its real pool again (check_kv_pool) once it knows it.
     # each rank holds its share of the KV heads: on CUDA in its own GPU, on CPU all in the same host memory
     per_rank = local_config(model_config, cfg.parallel.tensor_parallel_size) if device.type == "cuda" else model_config
-    block_bytes = kv_bytes_per_block(per_rank, cfg.cache.block_size, dtype)
+    block_bytes = kv_bytes_per_block(per_rank, cfg.cache.block_size, kv_dtype)
     available = available_memory(device)
     blocks = num_kv_blocks(cfg.cache, block_bytes, available, cfg.scheduler.max_num_seqs, cfg.max_model_len)
     check_kv_pool(cfg.cache, blocks, block_bytes, cfg.max_model_len, available)

@@ -79,7 +79,7 @@ class PagedAttention:
                 outs.append(causal_sdpa(q[rows], k[rows], v[rows]))
             else:
                 kc, vc = gather_context(cache, p.block_table, p.context_len)
-                outs.append(causal_sdpa(q[rows], kc, vc, p.mask))
+                outs.append(causal_sdpa(q[rows], kc.to(q.dtype), vc.to(q.dtype), p.mask))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,8 @@ class PagedAttention:
 
 def native_decode(cache: torch.Tensor, q: torch.Tensor):
     """The compiled paged-decode module when this cache and query can use it, else None."""
-    if cache.device.type != "cpu" or cache.dtype != torch.float32 or q.shape[-1] not in (64, 128):
+    if cache.device.type != "cpu" or cache.dtype not in (torch.float32, torch.float16) or q.dtype != torch.float32 \
+            or q.shape[-1] not in (64, 128):
         return None
     return native_module()
 
@@ -120,7 +121,7 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     _, _, _, h, d = cache.shape
     k = cache[0].index_select(0, block_table).view(-1, h, d)[:context_len]
     v = cache[1].index_select(0, block_table).view(-1, h, d)[:context_len]
-    return k, v
+    return k, v  # in the cache's dtype: causal_sdpa's caller converts
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -130,8 +131,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     kv_heads = cache.shape[3]
     # index_select copies whole blocks (4x faster than advanced indexing on CPU)
     flat = block_tables.flatten()
-    k = cache[0].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2)  # [B, Hkv, L, D]
-    v = cache[1].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2)
+    # [B, Hkv, L, D], in the queries' dtype (a float16 cache under float32 queries)
+    k = cache[0].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
+    v = cache[1].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
                                          enable_gqa=heads != kv_heads)  # [B, H, 1, D]
     return out.reshape(b, heads * d)

@@ -52,13 +52,14 @@ class ModelRunner:
     """Runs the model over a scheduled batch against the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.lora = lora  # None: LoRA off
         # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to
         shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         # pages committed as blocks are first written (worker/kv_memory.py), not the whole pool at start
-        self.kv_caches = [kv_zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.kv_caches = [kv_zeros(shape, kv_dtype or dtype, device) for _ in range(cfg.num_layers)]
         self.scratch = ScratchSlot(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()

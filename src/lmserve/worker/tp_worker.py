@@ -23,6 +23,7 @@ import torch
 from lmserve.config import EngineConfig
 from lmserve.loader import load_model
 from lmserve.loader.sharding import TPShard
+from lmserve.utils import resolve_kv_dtype
 from lmserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
     loaded = load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
                         shard=TPShard(spec.rank, spec.world_size))
     num_blocks, block_size = conn.recv()
-    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device)
+    kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
+    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype)
     conn.send("ready")
     _serve(runner, conn)
 

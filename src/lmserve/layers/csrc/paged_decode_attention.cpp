@@ -6,7 +6,8 @@
 // 3-5x faster (measured in tests/test_native_attention.py's benchmark notes and benchmarks/). Each
 // (sequence, kv head) is computed alone in a fixed order, so results do not depend on the batch.
 //
-// q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int64;
+// q [B, H, D] float32; k_cache, v_cache [num_blocks, block_size, Hkv, D] float32 or float16 (read as float32:
+// exact); block_tables [B, max_blocks] int64;
 // context_lens [B] int64 (>= 1). Query head h uses kv head h / (H / Hkv), as HF's repeat_kv does.
 
 #include "ops.h"
@@ -14,14 +15,26 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled in registers-sized scratch
 
-template <int D>
-void decode_attention(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
+// one cached row as float32 (float16 -> float32 is exact)
+template <int D, typename KV>
+inline const float* as_float(const KV* row, float* buf) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return row;
+  } else {
+    for (int d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
+}
+
+template <int D, typename KV>
+void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
                       int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale) {
   const int64_t G = H / Hkv, n = B * Hkv;
@@ -37,8 +50,10 @@ void decode_attention(const float* q, const float* k_cache, const float* v_cache
       const float* q_rows = q + (b * H + kv_head * G) * D;
       scores.resize(G * L);
       // scores[g, t] = q_g . k_t * scale
+      float row_buf[D];
       for (int64_t t = 0; t < L; ++t) {
-        const float* __restrict__ k = k_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * D;
+        const float* __restrict__ k = as_float<D>(
+            k_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * D, row_buf);
         for (int64_t g = 0; g < G; ++g) {
           const float* __restrict__ qg = q_rows + g * D;
           float acc = 0.f;
@@ -64,7 +79,8 @@ void decode_attention(const float* q, const float* k_cache, const float* v_cache
       for (int64_t g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
       for (int64_t t = 0; t < L; ++t) {
-        const float* __restrict__ v = v_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * D;
+        const float* __restrict__ v = as_float<D>(
+            v_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * D, row_buf);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           for (int d = 0; d < D; ++d) acc[g][d] += p * v[d];
@@ -94,17 +110,20 @@ namespace {
 using lmserve_simd::exp_nonpositive;
 using lmserve_simd::reduce4;
 
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 // q . k for keys[0..nk) (lane j: keys[j]; lanes from nk on: 0): one fma chain per key, then one tree of adds
-template <int D, bool FULL>
-inline __m512 dots16(const float* q, const float* const* keys, int nk) {
+template <int D, bool FULL, typename KV>
+inline __m512 dots16(const float* q, const KV* const* keys, int nk) {
   __m512 p[16];
   for (int j = 0; j < 16; ++j) {
     if (!FULL && j >= nk) {
       p[j] = _mm512_setzero_ps();
       continue;
     }
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(keys[j]));
-    for (int c = 16; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(keys[j] + c), acc);
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), load16(keys[j]));
+    for (int c = 16; c < D; c += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load16(keys[j] + c), acc);
     p[j] = acc;
   }
   const __m512 lo = _mm512_insertf32x4(_mm512_castps128_ps512(reduce4(p[0], p[1], p[2], p[3])),
@@ -135,14 +154,17 @@ void softmax_row(float* s, int64_t L) {
 }
 
 // out[g] = sum_t p[g, t] v_t for GB query heads, their accumulators in registers, each value row loaded once
-template <int D, int GB>
-void weighted_values(const float* p, int64_t L, const float* const* vrows, float* out) {
+template <int D, int GB, typename KV>
+void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* out) {
   __m512 acc[GB][D / 16];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
+    if (t + 8 < L)  // a value row 8 ahead: the rows are scattered across blocks and heads
+      for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(KV)); c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8]) + c, _MM_HINT_T0);
     __m512 v[D / 16];
-    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(vrows[t] + 16 * c);
+    for (int c = 0; c < D / 16; ++c) v[c] = load16(vrows[t] + 16 * c);
     for (int g = 0; g < GB; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * L + t]);
       for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
@@ -152,8 +174,8 @@ void weighted_values(const float* p, int64_t L, const float* const* vrows, float
     for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + g * D + 16 * c, acc[g][c]);
 }
 
-template <int D>
-void weighted_values_any(const float* p, int64_t L, const float* const* vrows, float* out, int64_t G) {
+template <int D, typename KV>
+void weighted_values_any(const float* p, int64_t L, const KV* const* vrows, float* out, int64_t G) {
   constexpr int kMax = D == 64 ? 4 : 2;  // 16 accumulators
   for (int64_t g = 0; g < G; g += kMax) {
     const float* pg = p + g * L;
@@ -167,14 +189,14 @@ void weighted_values_any(const float* p, int64_t L, const float* const* vrows, f
   }
 }
 
-template <int D>
-void attention_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_tables,
+template <int D, typename KV>
+void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
                       int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale) {
   const int64_t G = H / Hkv, n = B * Hkv;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> rows;
+    std::vector<const KV*> rows;
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
       const int64_t b = item / Hkv, kv_head = item % Hkv, L = context_lens[b];
@@ -184,17 +206,30 @@ void attention_avx512(const float* q, const float* k_cache, const float* v_cache
       rows.resize(L);
       for (int64_t t = 0; t < L; ++t) rows[t] = k_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * D;
       const __m512 sc = _mm512_set1_ps(scale);
+      alignas(64) float widened[16 * D];  // a float16 chunk's keys, widened once for all G query heads
+      const float* keys[16];
       for (int64_t t = 0; t < L; t += 16) {
         const int nk = static_cast<int>(std::min<int64_t>(16, L - t));
+        for (int64_t j = t + 16; j < std::min<int64_t>(L, t + 32); ++j)  // the next chunk's keys: scattered rows
+          for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(KV)); c += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
+        for (int j = 0; j < nk; ++j) {
+          if constexpr (std::is_same_v<KV, float>) {
+            keys[j] = rows[t + j];
+          } else {
+            for (int c = 0; c < D; c += 16) _mm512_store_ps(widened + j * D + c, load16(rows[t + j] + c));
+            keys[j] = widened + j * D;
+          }
+        }
         for (int64_t g = 0; g < G; ++g) {
-          const __m512 d = nk == 16 ? dots16<D, true>(q_rows + g * D, rows.data() + t, 16)
-                                    : dots16<D, false>(q_rows + g * D, rows.data() + t, nk);
+          const __m512 d = nk == 16 ? dots16<D, true, float>(q_rows + g * D, keys, 16)
+                                    : dots16<D, false, float>(q_rows + g * D, keys, nk);
           _mm512_mask_storeu_ps(scores.data() + g * L + t, lanes(nk), _mm512_mul_ps(d, sc));
         }
       }
       for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * L, L);
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
-      weighted_values_any<D>(scores.data(), L, rows.data(), out + (b * H + kv_head * G) * D, G);
+      weighted_values_any<D, KV>(scores.data(), L, rows.data(), out + (b * H + kv_head * G) * D, G);
     }
   });
 }
@@ -203,11 +238,33 @@ void attention_avx512(const float* q, const float* k_cache, const float* v_cache
 #pragma GCC pop_options
 #endif
 
+// the kernel for this build (AVX-512 where compiled for it) and head size
+template <typename KV>
+void run_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, const int64_t* rows,
+                   torch::Tensor& out, int64_t B, int64_t H, int64_t D, int64_t block_size, int64_t Hkv, int64_t mb,
+                   float s) {
+  const float* pq = q.data_ptr<float>();
+  const KV* pk = k_cache.data_ptr<KV>();
+  const KV* pv = v_cache.data_ptr<KV>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  float* po = out.data_ptr<float>();
+#if defined(LMSERVE_ATTENTION_AVX512)
+  auto run = D == 64 ? attention_avx512<64, KV> : attention_avx512<128, KV>;
+#else
+  auto run = D == 64 ? decode_attention<64, KV> : decode_attention<128, KV>;
+#endif
+  run(pq, pk, pv, bt, cl, rows, po, B, H, block_size, Hkv, mb, s);
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      c10::optional<torch::Tensor> table_rows) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "float32 CPU tensors only");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv_type &&
+              (kv_type == torch::kFloat || kv_type == torch::kHalf),
+              "CPU tensors only: float32 queries over a float32 or float16 cache");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   q = q.contiguous();
@@ -227,27 +284,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     TORCH_CHECK(block_tables.size(0) == B);
   }
   auto out = torch::empty_like(q);
-  const auto args = std::make_tuple(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                    block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                                    out.data_ptr<float>());
   const float s = static_cast<float>(scale);
   const int64_t mb = block_tables.size(1);
-#if defined(LMSERVE_ATTENTION_AVX512)
-  if (D == 64 || D == 128) {
-    auto run = D == 64 ? attention_avx512<64> : attention_avx512<128>;
-    run(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args), rows,
-        std::get<5>(args), B, H, block_size, Hkv, mb, s);
-    return out;
-  }
-#endif
-  if (D == 64) {
-    decode_attention<64>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
-                         std::get<4>(args), rows, std::get<5>(args), B, H, block_size, Hkv, mb, s);
-  } else if (D == 128) {
-    decode_attention<128>(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args),
-                          std::get<4>(args), rows, std::get<5>(args), B, H, block_size, Hkv, mb, s);
+  TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128 only");
+  if (kv_type == torch::kHalf) {
+    run_attention<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s);
   } else {
-    TORCH_CHECK(false, "head_dim 64 or 128 only");
+    run_attention<float>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s);
   }
   return out;
 }
