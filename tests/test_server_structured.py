@@ -101,12 +101,17 @@ def test_parse_with_a_pydantic_model(client):
 
 
 def test_json_object_mode_and_the_no_op_forms(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give me JSON."}],
-                                       response_format={"type": "json_object"}, temperature=0.7, seed=2,
-                                       max_tokens=150)
-    # a sample that ends within max_tokens (some seeds write one string until the limit: cut, not JSON)
-    assert r.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # Some samples nest until max_tokens (cut, so not JSON), and which seeds do shifts with the
+    # numerics (KV dtype, kernels): every sample that ends by itself must be a JSON object, and
+    # at least one of four must end by itself.
+    ended = []
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give me JSON."}],
+                                           response_format={"type": "json_object"}, temperature=0.7, seed=seed,
+                                           max_tokens=150)
+        if r.choices[0].finish_reason == "stop":
+            ended.append(r.choices[0].message.content)
+    assert ended and all(isinstance(json.loads(text), dict) for text in ended)
     plain = client.chat.completions.create(model=MODEL, messages=USER, temperature=0, max_tokens=12)
     noop = client.chat.completions.create(model=MODEL, messages=USER, temperature=0, max_tokens=12,
                                           response_format={"type": "text"}, tools=[])
