@@ -14,22 +14,24 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from lmserve.layers.gguf_embedding import GGUFEmbedding
-from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, repack
+from lmserve.layers.gguf_linear import BLOCK_BYTES, S8, GGUFLinear, repack
 from lmserve.loader import load_model
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_packed import auto_quantization
-from tests.test_gguf_linear import random_blocks
+from tests.test_gguf_linear import packs_here, random_blocks
 
 CPU = torch.device("cpu")
 
 
+@pytest.mark.parametrize("n", [41, 48])  # 48: a table of whole 16-row groups, held packed where the kernel packs
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
-def test_looked_up_rows_equal_the_gguf_packages_rows(kind):
-    n, k = (41, 512) if kind.endswith("_K") else (41, 96)
+def test_looked_up_rows_equal_the_gguf_packages_rows(kind, n):
+    k = 512 if kind.endswith("_K") else 96
     raw = random_blocks(kind, n, k, seed=5)
     table = gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
     emb = GGUFEmbedding(repack(kind, raw, n, k))
-    ids = torch.tensor([[3, 0, 40], [3, 17, 1]])  # repeats, first and last row, a 2-D batch
+    assert emb.packed == (n == 48 and packs_here())
+    ids = torch.tensor([[3, 0, n - 1], [3, 17, 1]])  # repeats, first and last row, a 2-D batch
     out = emb(ids)
     assert out.shape == (2, 3, k) and out.dtype == torch.float32
     np.testing.assert_array_equal(out.numpy(), table[ids.numpy()])
@@ -47,7 +49,7 @@ def test_auto_keeps_the_embedded_models_blocks_and_one_table(smol_path, auto_loa
     assert auto_loaded.runtime_quantization == "gguf" and auto_loaded.weight_format == "gguf"
     emb, head = model.model.embed_tokens, model.lm_head
     assert isinstance(emb, GGUFEmbedding) and isinstance(head, GGUFLinear)
-    assert emb.codes.dtype == torch.int8  # Q8_0 -> the S8 layout
+    assert emb.kind == S8 and emb.packed == packs_here()  # Q8_0 -> the S8 layout, packed where the kernel packs
     # the tied head reads the table's own blocks: no second copy
     assert head.codes.data_ptr() == emb.codes.data_ptr() and head.scales.data_ptr() == emb.scales.data_ptr()
     assert all(isinstance(layer.self_attn.qkv_proj, GGUFLinear) for layer in model.model.layers)

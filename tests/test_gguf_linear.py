@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from lmserve.layers.gguf_embedding import GGUFEmbedding
-from lmserve.layers.gguf_linear import (BLOCK_BYTES, GGUFLinear, dequantize, quantize_activations, reference_linear,
-                                        repack)
+from lmserve.layers.gguf_linear import (BLOCK_BYTES, S8, GGUFLinear, dequantize, pack, quantize_activations,
+                                        reference_linear, repack, unpack)
 from lmserve.layers.native import native_module
 
 # byte offsets of each type's float16 fields (ggml's block structs)
@@ -44,10 +44,17 @@ def mapped_rss(path) -> int:
     return total
 
 
-def shape_for(kind: str) -> tuple[int, int]:
-    # odd row count; K-quants 3 superblocks; simple types 33 blocks (the AVX-512 loop's block pairs, its lone last
-    # block, and its offset sum over 16 blocks then a masked remainder)
-    return (37, 768) if kind.endswith("_K") else (37, 1056)
+def shape_for(kind: str, n: int = 37) -> tuple[int, int]:
+    # odd row count (the row layout); K-quants 3 superblocks; simple types 33 blocks (the AVX-512 loop's block
+    # pairs, its lone last block, and its offset sum over 16 blocks then a masked remainder). n = 48: whole groups
+    # of 16 rows, which an AVX-512 VNNI build reads in the packed layout.
+    return (n, 768) if kind.endswith("_K") else (n, 1056)
+
+
+def packs_here() -> bool:
+    """Whether this machine's kernel reads whole 16-row groups in the packed layout (AVX-512 VNNI builds)."""
+    mod = native_module()
+    return mod is not None and mod.quant_packed_rows() == 16
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
@@ -62,19 +69,38 @@ def test_repacked_weights_equal_the_gguf_packages_dequantization(kind):
 needs_native = pytest.mark.skipif(native_module() is None, reason="native kernels unavailable (no compiler)")
 
 
-@needs_native
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
-def test_kernel_equals_the_dequantize_then_matmul_reference(kind):
-    n, k = shape_for(kind)
+def test_packing_is_a_regrouping_that_unpack_inverts(kind):
+    n, k = shape_for(kind, 48)
+    w = repack(kind, random_blocks(kind, n, k, seed=6), n, k)
+    p = pack(w)
+    assert p.codes.nbytes == w.codes.nbytes and p.codes.shape[:2] == (3, w.scales.shape[1] // (2 if w.kind == S8 else 1))
+    # lane i of group g holds row 16 g + i's scale; the packed bytes are the row's bytes (S8: + 128)
+    assert p.scales[2, 5, 7] == w.scales[39, 5]
+    back = unpack(p)
+    assert back.codes.dtype == w.codes.dtype and np.array_equal(back.codes, w.codes)
+    assert np.array_equal(back.scales, w.scales) and (w.mins is None or np.array_equal(back.mins, w.mins))
+    assert np.array_equal(dequantize(back).numpy(), dequantize(w).numpy())
+
+
+@needs_native
+@pytest.mark.parametrize("n", [37, 48])
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_kernel_equals_the_dequantize_then_matmul_reference(kind, n):
+    n, k = shape_for(kind, n)
     w = repack(kind, random_blocks(kind, n, k, seed=2), n, k)
     layer = GGUFLinear(w, k, torch.randn(n))
+    assert layer.packed == (n == 48 and packs_here())
+    assert np.array_equal(layer.repacked().codes, w.codes)  # the row layout back, whichever is held
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(3))
     ref = reference_linear(x, w, layer.bias)
     for m in (1, 3, 17):
         out = layer(x[:m])
         torch.testing.assert_close(out, ref[:m], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    # a row's result never depends on the rows beside it
-    assert torch.equal(layer(x[:1]), layer(x)[:1]) and torch.equal(layer(x[5:6]), layer(x)[5:6])
+    # a row's result never depends on the rows beside it (nor on its place in the packed kernel's 4-row steps)
+    full = layer(x)
+    assert all(torch.equal(layer(x[m:m + 1]), full[m:m + 1]) for m in (0, 5, 16))
+    assert torch.equal(layer(x[2:9]), full[2:9])
 
 
 @needs_native

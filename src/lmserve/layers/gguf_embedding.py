@@ -5,7 +5,8 @@ A row is dequantized as ggml does it: code * scale (+ min) in float32, where the
 the products ggml forms first (d * sc, -dmin * m), so a looked-up row equals the same row of the `gguf`
 package's dequantized table bit for bit. A tied LM head is a GGUFLinear over the same tensors
 (`share_blocks`), so the table is held once: 35 MiB for SmolLM2-135M's Q8_0 table instead of 108 MiB of float32
-for the embedding plus 35 MiB for the head.
+for the embedding plus 35 MiB for the head. Where the head's kernel reads the packed layout (16 rows
+interleaved per block), the table is held packed and a lookup gathers each row's bytes back out of its group.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_linear import QK, S8, U4, GGUFLinear, Repacked
+from lmserve.layers.gguf_linear import GROUP, QK, S8, U4, GGUFLinear, Repacked, is_packed, kernel_layout, out_rows
 
 
 def dequantize_rows(kind: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
@@ -35,8 +36,9 @@ class GGUFEmbedding(nn.Module):
 
     def __init__(self, w: Repacked, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.kind, self.dtype = w.kind, dtype
-        self.num_embeddings = w.codes.shape[0]
+        w = kernel_layout(w)  # the layout a tied head's kernel reads
+        self.kind, self.dtype, self.packed = w.kind, dtype, is_packed(w)
+        self.num_embeddings = out_rows(w)
         self.embedding_dim = w.scales.shape[1] * (16 if w.kind == S8 else QK)
         # from_numpy shares the arrays: a GGUFLinear built from the same Repacked shares these tensors
         self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(w.codes)))
@@ -46,9 +48,20 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        mins = None if self.mins is None else self.mins[ids]
-        rows = dequantize_rows(self.kind, self.codes[ids], self.scales[ids], mins)
+        codes, scales, mins = self._rows(ids) if self.packed else (
+            self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids])
+        rows = dequantize_rows(self.kind, codes, scales, mins)
         return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows `ids` of the packed table in the row layout (gguf_linear.pack's regrouping, undone for them)."""
+        group, lane = ids // GROUP, ids % GROUP
+        g, nb = self.codes.shape[:2]
+        codes = self.codes.view(g, nb, -1, GROUP, 4)[group, :, :, lane].reshape(len(ids), -1)
+        if self.kind == S8:
+            codes = (codes ^ 0x80).view(torch.int8)
+        mins = None if self.mins is None else self.mins[group, :, lane]
+        return codes, self.scales[group, :, lane], mins
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"

@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations,
         "[M, K] float32 -> [M, K + 8K/32] int8: codes, then per-32 scales and scale * sums as float32");
   m.def("quant_linear", &quant_linear, "y = x W^T (+ b), W in GGUF-derived int codes (U4, U8, S8), float32 CPU");
+  m.def("quant_packed_rows", &quant_packed_rows,
+        "output rows per group of quant_linear's packed weight layout on this build (0: no packed layout)");
   bind_decode_stack(m);
   m.def("skinny_linear", &skinny_linear, "y = x W^T (+ b) for a few rows, W in [N/16, K, 16] panels (float32, CPU)");
 }

@@ -22,6 +22,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
 torch::Tensor quantize_activations(torch::Tensor x);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                            int64_t kind, c10::optional<torch::Tensor> bias);
+int64_t quant_packed_rows();
 
 // decode_stack.cpp: the DecodeStack class (every decoder layer of a decode step in one call)
 void bind_decode_stack(pybind11::module& m);
