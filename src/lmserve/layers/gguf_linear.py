@@ -157,10 +157,11 @@ def pack(w: Repacked) -> Repacked:
     as unsigned bytes (code + 128). Only a regrouping of the same bytes (and S8's sign flip): `unpack` inverts it."""
     n = w.codes.shape[0]
     g, cols = n // GROUP, _chunks(w.kind)
-    codes = w.codes.view(np.uint8).reshape(g, GROUP, -1, cols, 4).transpose(0, 2, 3, 1, 4)
-    codes = np.ascontiguousarray(codes).reshape(g, codes.shape[1], -1)
+    # moved as 4-byte words (4x fewer elements for numpy's transposing copy: ~0.1 s less of every start)
+    words = np.ascontiguousarray(w.codes).view(np.uint32).reshape(g, GROUP, -1, cols).transpose(0, 2, 3, 1)
+    codes = np.ascontiguousarray(words).view(np.uint8).reshape(g, words.shape[1], -1)
     if w.kind == S8:
-        codes = codes ^ 0x80
+        codes ^= 0x80  # a fresh array (the transposing copy)
 
     def lanes(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a.reshape(g, GROUP, -1).transpose(0, 2, 1), dtype=np.float32)
@@ -171,8 +172,8 @@ def pack(w: Repacked) -> Repacked:
 def unpack(w: Repacked) -> Repacked:
     """The packed layout -> the row layout (exactly the Repacked that `pack` was given)."""
     g, nb = w.codes.shape[:2]
-    codes = w.codes.reshape(g, nb, _chunks(w.kind), GROUP, 4).transpose(0, 3, 1, 2, 4).reshape(g * GROUP, -1)
-    codes = np.ascontiguousarray(codes)
+    words = np.ascontiguousarray(w.codes).view(np.uint32).reshape(g, nb, _chunks(w.kind), GROUP)
+    codes = np.ascontiguousarray(words.transpose(0, 3, 1, 2)).view(np.uint8).reshape(g * GROUP, -1)
     if w.kind == S8:
         codes = (codes ^ 0x80).view(np.int8)
 

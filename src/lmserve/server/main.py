@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -187,6 +188,7 @@ def serve(args: argparse.Namespace) -> int:
     slow_client = metrics.rejected.labels("read_timeout").inc
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
+                               ws="none",  # no WebSocket routes: skips importing a websockets stack at start
                                http=with_deadline(config.request_read_timeout, slow_client))
     server = DrainingServer(uv_config, state)
     on_dead = lambda: _exit_on_dead_engine(server)  # noqa: E731
@@ -282,6 +284,11 @@ def _load(state: ServerState, server: uvicorn.Server, on_dead: Callable[[], None
         state.load_error = f"{type(e).__name__}: {e}"
         server.should_exit = True
         return
+    finally:
+        # what the start made lives on: kept out of later collections (shorter pauses), and the collector that
+        # `lmserve serve` turned off for the start (cli.cmd_serve) is on again
+        gc.freeze()
+        gc.enable()
     state.started = True
     log.info("serving %s", ", ".join(m.name for m in pool.loaded()))
 
