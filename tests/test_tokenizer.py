@@ -199,3 +199,12 @@ def test_a_template_that_loops_or_explodes_is_stopped(ours, monkeypatch, templat
     assert time.monotonic() - start < 3
     assert sys.gettrace() is tracer  # the render's trace function is gone
     assert ours.apply_chat_template([{"role": "user", "content": "hi"}])  # the real template still renders
+
+
+def test_a_byte_level_vocabulary_needs_no_mid_text_copies(ours, theirs):
+    """A ByteLevel decoder never adds or strips a space, whatever its add_prefix_space says (SmolLM2's says true):
+    the embedded tokenizer makes no mid-text copies, and a piece still decodes with its own leading space."""
+    assert ours._hf_mid is ours._hf and ours._plain_mid is ours._plain
+    ids = ours.encode(" hello world, again")
+    assert ours.id_to_piece(ids[0]) == " hello" and ours.decode(ids) == " hello world, again"
+    assert [ours.id_to_piece(i) for i in ids] == [theirs.decode([i]) for i in ids]

@@ -202,7 +202,7 @@ def _mid_text_copies(hf: HFTokenizer, plain: HFTokenizer, spec: str) -> tuple[HF
     tokenizer.json (the vocabulary and merges, 1.5 MB for a 49K vocabulary) took ~0.15 s of every start.
     """
     parts = {k: _state(getattr(hf, k)) for k in _PREFIX_SPACE_PARTS}
-    edited = {k: _no_prefix_space(v) for k, v in parts.items()}
+    edited = {k: _no_prefix_space(v, decoder=k == "decoder") for k, v in parts.items()}
     if edited == parts:  # byte-level BPE without a prefix space: nothing to change
         return hf, plain
     copies = (_copy(hf, spec=spec), _copy(hf, plain=True, spec=spec))
@@ -230,8 +230,12 @@ def _with_state(component: Any, node: Any) -> Any:
     return fresh
 
 
-def _no_prefix_space(node: Any) -> Any:
-    """A tokenizer.json component with SentencePiece's prefix-space handling removed (None if it was only that)."""
+def _no_prefix_space(node: Any, decoder: bool = False) -> Any:
+    """A tokenizer.json component with SentencePiece's prefix-space handling removed (None if it was only that).
+
+    A ByteLevel *decoder* never reads its add_prefix_space (it only maps bytes back), so it is left as it is: a
+    GPT-2-style vocabulary then needs no mid-text copies at all (two fewer 1.5 MB parses per start, ~0.16 s).
+    """
     if not isinstance(node, dict):
         return node
     kind = node.get("type")
@@ -240,11 +244,11 @@ def _no_prefix_space(node: Any) -> Any:
     node = dict(node)
     if kind == "Metaspace":
         node["prepend_scheme"] = "never"
-    if kind in ("Metaspace", "ByteLevel") and "add_prefix_space" in node:
+    if (kind == "Metaspace" or (kind == "ByteLevel" and not decoder)) and "add_prefix_space" in node:
         node["add_prefix_space"] = False
     for key in ("normalizers", "pretokenizers", "decoders"):
         if isinstance(node.get(key), list):
-            node[key] = [c for c in map(_no_prefix_space, node[key]) if c is not None]
+            node[key] = [c for c in (_no_prefix_space(n, decoder) for n in node[key]) if c is not None]
     return node
 
 
