@@ -35,6 +35,12 @@ from pathlib import Path
 import httpx
 import psutil
 
+# The environment the peer servers get: taken before lmserve is imported, because importing lmserve sets
+# OMP_WAIT_POLICY=PASSIVE in this process (its own default), and llama.cpp's OpenMP threads inherited it: every
+# one of ggml's per-op barriers then slept, and llama-server decoded one stream at ~40 ms a token instead of
+# ~11 (every compare result before this fix had llama.cpp handicapped so).
+PEER_ENV = dict(os.environ)
+
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "src"))
 sys.path.insert(0, str(ROOT))
@@ -59,7 +65,7 @@ class Proc:
         self.name, self.url = name, url
         self.start = time.perf_counter()
         self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  env={**os.environ, **(env or {})})
+                                  env={**PEER_ENV, **(env or {})})
         self.peak_rss = self.phase_peak = 0
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()

@@ -36,6 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+# llama-perplexity's environment, taken before lmserve is imported (which sets OMP_WAIT_POLICY=PASSIVE here; inherited,
+# it made ggml's OpenMP barriers sleep and only the seconds column slower)
+PEER_ENV = dict(os.environ)
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 TEXT = HERE / "data" / "fidelity_text.txt"
@@ -99,7 +102,7 @@ def run_llama_perplexity(binary: Path, model: Path, text: Path, n_ctx: int, thre
         saved = Path(tmp) / "logits.bin"
         cmd = [str(binary), "-m", str(model), "-f", str(text), "-c", str(n_ctx), "-t", str(threads), *extra,
                "--save-all-logits", str(saved)]
-        env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+        env = {**PEER_ENV, "LD_LIBRARY_PATH": str(binary.parent)}
         start = time.perf_counter()
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start
