@@ -5,8 +5,9 @@ A row is dequantized as ggml does it: code * scale (+ min) in float32, where the
 the products ggml forms first (d * sc, -dmin * m), so a looked-up row equals the same row of the `gguf`
 package's dequantized table bit for bit. A tied LM head is a GGUFLinear over the same tensors
 (`share_blocks`), so the table is held once: 35 MiB for SmolLM2-135M's Q8_0 table instead of 108 MiB of float32
-for the embedding plus 35 MiB for the head. Where the head's kernel reads the packed layout (16 rows
-interleaved per block), the table is held packed and a lookup gathers each row's bytes back out of its group.
+for the embedding plus 35 MiB for the head. Where the tied head's kernel reads the packed layout (16 rows
+interleaved per block), the loader hands the table over packed, and a lookup gathers each row's bytes back
+out of its group.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_linear import GROUP, QK, S8, U4, GGUFLinear, Repacked, is_packed, kernel_layout, out_rows
+from lmserve.layers.gguf_linear import GROUP, QK, S8, U4, GGUFLinear, Repacked, is_packed, out_rows
 
 
 def dequantize_rows(kind: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
@@ -35,8 +36,8 @@ class GGUFEmbedding(nn.Module):
     """Token ids -> rows of a quantized table, dequantized on lookup (CPU)."""
 
     def __init__(self, w: Repacked, dtype: torch.dtype = torch.float32) -> None:
+        """`w` in the row layout, or packed (gguf_linear.kernel_layout) for a table a tied head reads."""
         super().__init__()
-        w = kernel_layout(w)  # the layout a tied head's kernel reads
         self.kind, self.dtype, self.packed = w.kind, dtype, is_packed(w)
         self.num_embeddings = out_rows(w)
         self.embedding_dim = w.scales.shape[1] * (16 if w.kind == S8 else QK)

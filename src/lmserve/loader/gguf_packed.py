@@ -20,7 +20,7 @@ from torch import nn
 
 from lmserve.errors import CheckpointError
 from lmserve.layers.gguf_embedding import GGUFEmbedding, share_blocks
-from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, Repacked, concat, repack
+from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, Repacked, concat, kernel_layout, repack
 from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
 from lmserve.loader.gguf_loader import unpermute_qk
 from lmserve.models.config import ModelConfig
@@ -89,14 +89,18 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
 def _keep_embedding(net: nn.Module, tensors: dict[str, GGUFTensor], cfg: ModelConfig, dtype: torch.dtype) -> set[str]:
     """The token table as a GGUFEmbedding, the LM head as a GGUFLinear (a tied head over the table's tensors)."""
     kept = set()
-    embd = tensors.get("token_embd.weight")
+    embd, head = tensors.get("token_embd.weight"), tensors.get("output.weight")
+    own_head = head is not None and type_name(head) in BLOCK_BYTES
     if embd is not None and type_name(embd) in BLOCK_BYTES:
-        net.model.embed_tokens = GGUFEmbedding(_rows(embd, "model.embed_tokens.weight", cfg), dtype)
+        table = _rows(embd, "model.embed_tokens.weight", cfg)
+        tied = cfg.tie_word_embeddings and not own_head
+        # a tied head's kernel reads the table: held once, in that kernel's layout (lookups gather rows out of it);
+        # a table only looked up stays in rows
+        net.model.embed_tokens = GGUFEmbedding(kernel_layout(table) if tied else table, dtype)
         kept.add(embd.name)
-        if cfg.tie_word_embeddings:
+        if tied:
             net.lm_head = share_blocks(net.model.embed_tokens)
-    head = tensors.get("output.weight")
-    if head is not None and type_name(head) in BLOCK_BYTES:
+    if own_head:
         net.lm_head = GGUFLinear(_rows(head, "lm_head.weight", cfg), cfg.hidden_size, None)
         kept.add(head.name)
     return kept

@@ -18,12 +18,12 @@
 //   scale * xd * dot(code, xq) + min * xs.
 //
 // Where the CPU has AVX-512 VNNI, layers/gguf_linear.py hands the kernel its weights in a fourth, packed layout
-// (pack_quant_weights below): 16 output rows interleaved per block, so that one dpbusd multiplies 4 codes of each
-// of the 16 rows by the same 4 activations (broadcast) and its 16 int32 lanes add up to 16 outputs. A block then
-// costs 8 dpbusd (4 for S8's halves) and one float multiply-add per 16 outputs, where the row layout above needs
-// a convert, a multiply and a multiply-add per 2 blocks of 1 output plus a final horizontal sum: ~3x fewer vector
-// instructions per multiply-add, which is what bounds this kernel on AVX-512 cores (4x4 tiles ran at ~45 GMAC/s
-// a core against ~150 here).
+// (gguf_linear.pack regroups them at load): 16 output rows interleaved per block, so that one dpbusd multiplies
+// 4 codes of each of the 16 rows by the same 4 activations (broadcast) and its 16 int32 lanes add up to 16
+// outputs. A block then costs 8 dpbusd (4 for S8's halves) and one float multiply-add per 16 outputs, where the
+// row layout above needs a convert, a multiply and a multiply-add per 2 blocks of 1 output plus a final
+// horizontal sum: ~3x fewer vector instructions per multiply-add, which is what bounds this kernel on AVX-512
+// cores (4x4 tiles ran at ~45 GMAC/s a core against ~150 here).
 //
 // Numerics: every output is the same chain of per-block terms in the same order whatever the number of
 // rows or threads, so a row's result never depends on its batch (batch invariance).
@@ -529,7 +529,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
   x = x.contiguous();
-  if (codes.dim() == 3) {  // the packed layout (pack_quant_weights)
+  if (codes.dim() == 3) {  // the packed layout (gguf_linear.pack)
     TORCH_CHECK(x.size(1) % kQBlock == 0, "K must be a multiple of 32, got ", x.size(1));
 #if defined(LMSERVE_QGEMM_AVX512)
     return packed_linear(x, codes, scales, mins, kind, bias);
