@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from lmserve.utils import cpu_has_fast_bf16, write_atomically
+
 log = logging.getLogger(__name__)
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # bf16 gives up the native float32 kernels (paged attention, fused ops), so its matmuls must win by much: on a
 # Zen 4 host serving 16-32 streams ran 1.0x llama.cpp in bf16 and 1.7-1.9x in float32, and an AVX512_BF16 Xeon
 # without AMX measures bf16 at 0.65x float32 on the prefill shape. AMX tiles are expected at 3x and more. And
@@ -93,17 +94,9 @@ def decide(m: dict) -> tuple[str, str]:
     return "bfloat16", f"{speed}, batch invariant"
 
 
-def _write(path: Path, record: dict) -> None:
-    """Write-then-rename: a reader never sees half a file, and two processes measuring at once both succeed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
-
-
 def measured_cpu_dtype(flags: str) -> tuple[torch.dtype, str]:
     """This CPU's auto dtype and why: cached, else measured now (about a second) and cached."""
-    if not any(f in flags.split() for f in BF16_FLAGS):
+    if not cpu_has_fast_bf16(flags):
         return torch.float32, "no bf16 instructions"
     path = cache_file(flags)
     try:
@@ -113,7 +106,9 @@ def measured_cpu_dtype(flags: str) -> tuple[torch.dtype, str]:
         m = measure()
         name, why = decide(m)
         try:
-            _write(path, {"dtype": name, "why": why, "measured": m, "torch": torch.__version__})
+            # a reader never sees half a file, and two processes measuring at once both succeed
+            record = {"dtype": name, "why": why, "measured": m, "torch": torch.__version__}
+            write_atomically(path, json.dumps(record, indent=1).encode())
         except OSError as e:  # a read-only home: measure again next start
             log.warning("could not cache the --dtype auto measurement in %s: %s", path, e)
     if name not in ("float32", "bfloat16"):

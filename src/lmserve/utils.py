@@ -31,6 +31,15 @@ def cpu_flags() -> str:
         return ""
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Whole or not at all: a temporary file beside `path` (named for this process, so two writers never share
+    one), then an atomic rename over it; a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def cpu_has_fast_bf16(flags: str | None = None) -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
     found = (cpu_flags() if flags is None else flags).split()

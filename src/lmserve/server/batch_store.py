@@ -14,13 +14,14 @@ batch leaves nothing behind.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lmserve.utils import write_atomically
 
 _ID = re.compile(r"^(file-|batch_)[0-9a-f]{32}$")  # ids name files on disk: nothing else may reach a path
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -98,12 +99,12 @@ class BatchStore:
 
     def add_file(self, data: bytes, filename: str, purpose: str, owner: str) -> StoredFile:
         f = StoredFile(self.new_id("file-"), len(data), int(time.time()), filename[:255], purpose, owner)
-        _write(self.content_path(f.id), data)
+        write_atomically(self.content_path(f.id), data)
         self.save_file(f)
         return f
 
     def save_file(self, f: StoredFile) -> None:
-        _write(self.files_dir / f"{f.id}.json", json.dumps(asdict(f)).encode())
+        write_atomically(self.files_dir / f"{f.id}.json", json.dumps(asdict(f)).encode())
 
     def get_file(self, file_id: str, owner: str) -> StoredFile | None:
         data = _read(self.files_dir, file_id)
@@ -115,7 +116,7 @@ class BatchStore:
             path.unlink(missing_ok=True)
 
     def save_job(self, job: BatchJob) -> None:
-        _write(self.jobs_dir / f"{job.id}.json", json.dumps(asdict(job)).encode())
+        write_atomically(self.jobs_dir / f"{job.id}.json", json.dumps(asdict(job)).encode())
 
     def get_job(self, job_id: str, owner: str | None) -> BatchJob | None:
         """The job, if `owner` may see it (None: any owner; the runner's own reads)."""
@@ -143,10 +144,3 @@ def _read(directory: Path, object_id: str) -> Any:
     except (OSError, ValueError):
         return None
 
-
-def _write(path: Path, data: bytes) -> None:
-    """Whole or not at all: a temporary file beside `path`, then an atomic rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
