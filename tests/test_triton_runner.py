@@ -153,3 +153,31 @@ def test_backend_choice(monkeypatch):
         resolve_attention_backend("triton", cpu, torch.float32)
     with pytest.raises(ConfigError, match="must be one of"):
         resolve_attention_backend("flash", cuda, torch.bfloat16)
+
+
+def test_flags_reach_the_config_and_a_wrong_backend_stops_before_loading(monkeypatch):
+    from lmserve.cli import build_parser
+    from lmserve.config import engine_config
+    from lmserve.engine.preflight import check_engine_config
+
+    cfg = engine_config(build_parser().parse_args(["serve", "--attention-backend", "triton", "--enforce-eager"]))
+    assert cfg.attention_backend == "triton" and cfg.enforce_eager
+    default = engine_config(build_parser().parse_args(["serve"]))
+    assert default.attention_backend == "auto" and not default.enforce_eager and not default.cuda_graphs
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="--attention-backend triton: its kernels need a CUDA GPU"):
+        check_engine_config(cfg)
+
+
+def test_gpu_benchmark_exits_2_without_a_gpu(tmp_path):
+    """benchmarks/gpu.py measures on a CUDA GPU only: here it says so, exits 2 and writes nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(script), "--output", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "no CUDA GPU here" in proc.stderr and not out.exists()

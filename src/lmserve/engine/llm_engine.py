@@ -131,7 +131,9 @@ class LLMEngine:
         self.lora_slots, self.loras = self._lora()
         self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string), self.lora_slots)
         backend = resolve_attention_backend(cfg.attention_backend, self.device, self.dtype)
-        log.info("attention backend: %s (%s)", backend.name, backend.why)
+        # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
+        say = log.info if self.device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
+        say("attention backend: %s (%s)", backend.name, backend.why)
         # the runner sees this rank's model: its KV cache holds only this rank's KV heads
         self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
                                   self.dtype, self.device, self.lora_slots, kv_dtype=self.kv_dtype,

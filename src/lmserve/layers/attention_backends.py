@@ -39,15 +39,16 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "reference":
-        return BackendChoice("reference", "asked for")
+        return BackendChoice("reference", "--attention-backend reference")
     why_not = triton_unsupported(device, dtype)
     if name == "triton":
         if why_not:
             raise ConfigError(f"--attention-backend triton: {why_not}")
-        return BackendChoice("triton", "asked for" + (" (Triton's interpreter)" if device.type == "cpu" else ""))
+        return BackendChoice("triton", "--attention-backend triton" + (", Triton's interpreter" if device.type == "cpu"
+                                                                       else ""))
     if device.type != "cuda":
-        return BackendChoice("reference", f"{device.type}: the reference path (its native kernel on CPU)")
-    return BackendChoice("reference", why_not) if why_not else BackendChoice("triton", "CUDA with Triton")
+        return BackendChoice("reference", f"auto: the Triton kernels are for CUDA, this is {device.type}")
+    return BackendChoice("reference", f"auto: {why_not}") if why_not else BackendChoice("triton", "auto: CUDA")
 
 
 def triton_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
