@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def interpreting() -> bool:
     """Whether these kernels run under Triton's interpreter (CPU tensors through numpy)."""
@@ -29,3 +31,11 @@ def triton_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """How the kernels multiply: float32 inputs in full float32 (not TF32, which would cost ~1e-3 of accuracy);
+    half-precision inputs on tensor cores, accumulating in float32. The interpreter's tl.dot reads bfloat16
+    operands' raw bits (triton 3.9), so under it every operand is widened to float32 first."""
+    return {"UPCAST": interpreting() or dtype == torch.float32,
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}

@@ -4,7 +4,8 @@ Stage 1 splits each sequence's keys into `num_splits` ranges; one program per (r
 range in tiles of BLOCK_N keys, each key's address found through the block table (any block size, blocks in
 any order), and keeps an online softmax for all the query heads of its GQA group at once (K/V read once per
 group). It leaves a normalised partial output and its log-sum-exp per split. Stage 2 merges the splits (and
-an attention sink's share of the denominator). The ranges are cut on the device from each row's context
+an attention sink's share of the denominator); with one split (short tables, or rows enough to fill the GPU)
+stage 1 finishes the output itself and stage 2 does not run. The ranges are cut on the device from each row's context
 length; the split count depends only on static shapes (rows, KV heads, block-table width), so a CUDA graph
 captured for a batch size stays valid for every context length it replays.
 """
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lmserve.layers.attention import AttnOptions
-from lmserve.layers.triton import interpreting
+from lmserve.layers.triton import dot_flags, interpreting
 
 MAX_SPLITS = 16
 MIN_KEYS_PER_SPLIT = 256  # fewer keys than this per program: the merge costs more than the parallelism gains
@@ -32,18 +33,45 @@ def num_kv_splits(rows: int, kv_heads: int, max_keys: int) -> int:
     return max(1, min(MAX_SPLITS, by_length, by_occupancy))
 
 
-def dot_flags(dtype: torch.dtype) -> dict:
-    """How the kernels multiply: float32 inputs in full float32 (not TF32, which would cost ~1e-3 of accuracy);
-    half-precision inputs on tensor cores, accumulating in float32. The interpreter's tl.dot reads bfloat16
-    operands' raw bits (triton 3.9), so under it every operand is widened to float32 first."""
-    return {"UPCAST": interpreting() or dtype == torch.float32,
-            "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+@triton.jit
+def kv_tile(K, V, table_row, t, t_ok, d, d_ok, page_size, stride_tn, stride_b, stride_t, UPCAST: tl.constexpr):
+    """Keys and values [BLOCK_N, BLOCK_D] of one sequence's tokens t, found through its block-table row (zeros where
+    not t_ok). K and V point at one KV head; the two caches share one layout (strides)."""
+    block = tl.load(table_row + (t // page_size) * stride_tn, mask=t_ok, other=0).to(tl.int64)
+    offsets = (block * stride_b + (t % page_size) * stride_t)[:, None] + d[None, :]
+    ok = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + offsets, mask=ok, other=0.0)
+    v = tl.load(V + offsets, mask=ok, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def attend_tile(q, k, v, visible, m, l, acc, scale, soft_cap, USE_CAP: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of an online softmax: the scores of q [M, D] against k [N, D] (scaled, soft-capped, -inf where
+    not `visible` [M or 1, N]) folded into each row's running max m [M], sum l [M] and output acc [M, D]."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
+    if USE_CAP:  # soft_cap * tanh(s / soft_cap), tanh written with exp (which the interpreter has too)
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (a window's edge)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+def kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, token, head) strides of the K and V caches [num_blocks, block_size, Hkv, D], which must agree."""
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K and V caches: one layout, D contiguous"
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
 @triton.jit
 def _decode_split_kernel(
         Q, K, V, BlockTables, ContextLens, PartOut, PartLse, Sinks, Out,
-        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb, stride_tn,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_tn,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
         scale, soft_cap, window, page_size,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -70,24 +98,9 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_ok = t < hi
-        block = tl.load(BlockTables + row * stride_tb + (t // page_size) * stride_tn, mask=t_ok, other=0).to(tl.int64)
-        k_off = block * stride_kb + (t % page_size) * stride_kt + kv_head * stride_kh  # [BLOCK_N]
-        v_off = block * stride_vb + (t % page_size) * stride_vt + kv_head * stride_vh
-        kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(V + v_off[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        if USE_CAP:  # soft_cap * tanh(s / soft_cap), tanh through exp (inline: a nested jit call costs the
-            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))  # interpreter ~8 ms a call)
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        k, v = kv_tile(K + kv_head * stride_kh, V + kv_head * stride_kh, BlockTables + row * stride_tb, t, t_ok, d,
+                       d_ok, page_size, stride_tn, stride_kb, stride_kt, UPCAST)  # [BLOCK_N, BLOCK_D]
+        m, l, acc = attend_tile(q, k, v, t_ok[None, :], m, l, acc, scale, soft_cap, USE_CAP, PRECISION)
     out_ok = g_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:  # the whole context in this program: finish here, no merge (l > 0: ctx >= 1)
         if USE_SINKS:
@@ -139,7 +152,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     opts = opts or AttnOptions()
     rows, heads, dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    assert q.stride(2) == 1, "head_dim must be contiguous"
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if rows == 0:
         return out
@@ -151,8 +164,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_d = max(16, triton.next_power_of_2(dim))
     _decode_split_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse, sinks, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
+        q.stride(0), q.stride(1), *kv_strides(k_cache, v_cache), block_tables.stride(0), block_tables.stride(1),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         opts.scale if opts.scale is not None else dim ** -0.5, opts.soft_cap or 1.0, opts.window or 0, page,
         GROUP=heads // kv_heads, BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)), HEAD_DIM=dim,

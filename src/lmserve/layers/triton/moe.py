@@ -18,8 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lmserve.layers.triton import interpreting
-from lmserve.layers.triton.decode import dot_flags
+from lmserve.layers.triton import dot_flags, interpreting
 
 
 class ExpertOrder(NamedTuple):

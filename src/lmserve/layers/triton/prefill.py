@@ -14,14 +14,14 @@ import triton
 import triton.language as tl
 
 from lmserve.layers.attention import AttnOptions
-from lmserve.layers.triton import interpreting
-from lmserve.layers.triton.decode import dot_flags
+from lmserve.layers.triton import dot_flags, interpreting
+from lmserve.layers.triton.decode import attend_tile, kv_strides, kv_tile
 
 
 @triton.jit
 def _prefill_kernel(
         Q, K, V, Out, BlockTables, QueryStartLoc, SeqLens, Sinks,
-        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb, stride_tn,
+        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_tn,
         stride_ot, stride_oh,
         scale, soft_cap, window, page_size,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -52,28 +52,12 @@ def _prefill_kernel(
     for start in range(first, last, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_ok = t < last
-        block = tl.load(BlockTables + seq * stride_tb + (t // page_size) * stride_tn, mask=t_ok, other=0).to(tl.int64)
-        k_off = block * stride_kb + (t % page_size) * stride_kt + kv_head * stride_kh
-        v_off = block * stride_vb + (t % page_size) * stride_vt + kv_head * stride_vh
-        kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(V + v_off[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        if USE_CAP:  # soft_cap * tanh(s / soft_cap), tanh through exp (inline: a nested jit call costs the
-            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))  # interpreter ~8 ms a call)
-        visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
+        k, v = kv_tile(K + kv_head * stride_kh, V + kv_head * stride_kh, BlockTables + seq * stride_tb, t, t_ok, d,
+                       d_ok, page_size, stride_tn, stride_kb, stride_kt, UPCAST)  # [BLOCK_N, BLOCK_D]
+        visible = t_ok[None, :] & (t[None, :] <= pos[:, None])  # [BLOCK_M, BLOCK_N]: causal
         if USE_WINDOW:
             visible = visible & (t[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padding query row sees no key at all
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = attend_tile(q, k, v, visible, m, l, acc, scale, soft_cap, USE_CAP, PRECISION)
     if USE_SINKS:
         sink = tl.load(Sinks + head).to(tl.float32)
         m_safe = tl.where(m == float("-inf"), sink, tl.maximum(m, sink))
@@ -93,7 +77,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `max_query_len` (a host int: the longest chunk) sizes the grid. Returns [T, H, D] in q's dtype."""
     opts = opts or AttnOptions()
     heads, dim = q.shape[1], q.shape[2]
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    assert q.stride(2) == 1, "head_dim must be contiguous"
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
@@ -104,8 +88,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (num_seqs, heads, triton.cdiv(max_query_len, block))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, sinks,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
+        q.stride(0), q.stride(1), *kv_strides(k_cache, v_cache), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1),
         opts.scale if opts.scale is not None else dim ** -0.5, opts.soft_cap or 1.0, opts.window or 0,
         k_cache.shape[1],
