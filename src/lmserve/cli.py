@@ -64,6 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: replay decode steps from CUDA graphs captured per batch size at start-up "
                    "(experimental: not yet measured on a GPU; ignored on CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs (overrides --cuda-graphs)")
+    p.add_argument("--attention-backend", choices=("auto", "triton", "reference"), default="auto",
+                   help="attention over the paged KV cache: triton (CUDA: kernels reading K/V in place through the "
+                   "block tables), reference (gather + SDPA; the native kernel on CPU); auto: triton on CUDA where "
+                   "Triton runs, else reference")
     p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",

@@ -17,6 +17,7 @@ from lmserve.errors import ConfigError
 from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.preflight import check_kv_pool, check_tensor_parallel
 from lmserve.engine.tokenizer import Tokenizer
+from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
@@ -129,11 +130,16 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.lora_slots, self.loras = self._lora()
         self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string), self.lora_slots)
+        backend = resolve_attention_backend(cfg.attention_backend, self.device, self.dtype)
+        # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
+        say = log.info if self.device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
+        say("attention backend: %s (%s)", backend.name, backend.why)
         # the runner sees this rank's model: its KV cache holds only this rank's KV heads
         self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
-                                  self.dtype, self.device, self.lora_slots, kv_dtype=self.kv_dtype)
+                                  self.dtype, self.device, self.lora_slots, kv_dtype=self.kv_dtype,
+                                  attention_backend=backend.name)
         # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
-        if cfg.cuda_graphs and self.device.type == "cuda" and self.lora_slots is None:
+        if cfg.cuda_graphs and not cfg.enforce_eager and self.device.type == "cuda" and self.lora_slots is None:
             self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
                                              capture=True)
         self.executor = self._executor()
