@@ -206,3 +206,27 @@ def test_digest_is_of_the_bytes_read(tiny, tmp_path):
     config = json.loads((copy / "adapter_config.json").read_text())
     (copy / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": config["lora_alpha"] + 1}))
     assert read_peft_adapter(copy, cfg, name="x").digest != first.digest
+
+
+def test_registry_keeps_the_digest_and_refuses_files_changed_since_loading(tiny, tmp_path):
+    """A re-read (after the host LRU dropped the adapter) must find the bytes it registered: other bytes under the
+    same registration would answer under the old digest, which the response cache trusts."""
+    from lmserve.config import LoraConfig
+    from lmserve.lora.registry import AdapterNameTaken, LoraRegistry
+
+    _, cfg, adapter = tiny
+    root = tmp_path / "loras"
+    shutil.copytree(adapter, root / "a")
+    shutil.copytree(adapter, root / "b")
+    registry = LoraRegistry(LoraConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=8), cfg)
+    first = registry.register("a", root / "a", root)
+    registry.register("b", root / "b", root)  # host cache of one: a is dropped
+    assert registry.lookup("a").digest == first.adapter.digest == registry.get("a").adapter.digest  # re-read, same
+    with pytest.raises(AdapterNameTaken):
+        registry.register("a", root / "b", root)
+    registry.get("b")  # a is dropped again
+    config = json.loads((root / "a" / "adapter_config.json").read_text())
+    (root / "a" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1}))
+    with pytest.raises(AdapterError, match="changed on disk since it was loaded") as e:
+        registry.get("a")
+    assert str(tmp_path) not in str(e.value)
