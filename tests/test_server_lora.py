@@ -280,6 +280,9 @@ def test_a_keys_models_list_covers_adapters(tenants):
     with pytest.raises(openai.NotFoundError) as e:
         b.completions.create(model="prod", prompt=PROMPT, max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "do not have access" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as missing:  # a name that exists is no different from one that does not
+        b.completions.create(model="prue", prompt=PROMPT, max_tokens=2)
+    assert missing.value.body == {**e.value.body, "message": e.value.body["message"].replace("prod", "prue")}
     tgi = httpx.post(tenants.url + "/generate", headers={"Authorization": f"Bearer {TENANT_KEYS['team-b']}"},
                      json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "prod"}}, timeout=30)
     assert tgi.status_code == 404 and tgi.json()["error_type"] == "not_found"

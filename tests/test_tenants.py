@@ -110,6 +110,10 @@ keys:
     assert t.prefix_salt("team-b", None) == b"key:team-b" != t.prefix_salt("ops", None)
     assert t.prefix_salt("team-a", None) == b"" == Tenants(()).prefix_salt("anonymous", None)
     assert t.prefix_salt("team-b", "sys-v1") == t.prefix_salt("ops", "sys-v1") == b"salt:sys-v1"
+    assert not t.allows("gone", "base") and not t.is_admin("gone")  # a name no longer in the file (a saved job)
+    with pytest.raises(APIError) as e:
+        t.admit(record("gone"), 1)
+    assert e.value.status == 401 and "no longer accepted" in e.value.message
     for bad, words in (("role: root", "`role` must be one of user, admin"),
                        ("prefix_cache: global", "`prefix_cache` must be one of isolated, shared")):
         with pytest.raises(ConfigError, match=words):

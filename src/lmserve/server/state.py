@@ -225,13 +225,16 @@ async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_nam
     """The body names a model we serve and the key may use (as it asked for it, a route name included); its
     parameters go into the record under the name of the model that answers."""
     asked = getattr(req, "model", None)
+    # Checked as asked, before the name is resolved, so a name the key may not use is one 404 whether it exists
+    # or not: a route by its name, an adapter by its own (an adapter does not inherit its base's permission).
+    if asked is not None:
+        st.tenants.check_model(key_name, asked)
     served = st.resolve_model(asked, getattr(req, "user", None))
+    if asked is None:
+        st.tenants.check_model(key_name, served.name)
     _describe(record, req, served.name)
     if asked in st.splits:
         record.requested_model = asked
-    # checked as asked: a route by its name, an adapter by its own (a key's `models` must cover it: an adapter
-    # does not inherit its base model's permission)
-    st.tenants.check_model(key_name, served.name if asked is None else asked)
     return await st.bind(served, leases)
 
 

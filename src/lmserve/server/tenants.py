@@ -102,17 +102,19 @@ class Tenants:
 
     def check_model(self, name: str, model: str) -> None:
         """404 model_not_found, as OpenAI answers for a model a key has no access to (it does not say which)."""
-        if not self.usage[name].spec.allows(model):
+        if not self._usage(name).spec.allows(model):
             self._rejected(name, "model")
             raise APIError(404, f"the model {model[:80]!r} does not exist or you do not have access to it",
                            param="model", code="model_not_found")
 
     def allows(self, name: str, model: str) -> bool:
-        return self.usage[name].spec.allows(model)
+        u = self.usage.get(name)
+        return u is not None and u.spec.allows(model)
 
     def is_admin(self, name: str) -> bool:
         """A `role: admin` key; on a server without keys everyone is (roles come with a key file)."""
-        return not self.enabled or self.usage[name].spec.admin
+        u = self.usage.get(name)
+        return not self.enabled or (u is not None and u.spec.admin)
 
     @property
     def metrics_need_admin(self) -> bool:
@@ -140,9 +142,16 @@ class Tenants:
         if self.metrics is not None and tokens and name in self.usage:
             self.metrics.key_prefix_hits.labels(name).inc(tokens)
 
+    def _usage(self, name: str) -> Usage:
+        """A key name's usage; 401 for a name no longer configured (a batch job saved before the key file changed)."""
+        u = self.usage.get(name)
+        if u is None:
+            raise APIError(401, f"the API key {name!r} is no longer accepted by this server", code="invalid_api_key")
+        return u
+
     def admit(self, record: RequestRecord, tokens: int) -> None:
         """Take one request, `tokens` tokens and a concurrency slot for `record`'s key, or raise 429."""
-        u, now = self.usage[record.key_name], time.monotonic()
+        u, now = self._usage(record.key_name), time.monotonic()
         for bucket in (u.requests, u.tokens):
             if bucket is not None:
                 bucket.refill(now)
