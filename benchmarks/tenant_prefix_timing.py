@@ -162,7 +162,9 @@ def report(args: argparse.Namespace, out: dict) -> str:
                         ("isolated_keys", "two isolated keys (the default)")):
         lines.append(f"| {label} | {out[name]['hit_rate']:.1%} | {out[name]['ttft_p50_s']:.2f} |")
     lines += ["", "Isolated keys lose one cold prefill of the system prompt per key (the first question of the "
-              "second key); opting in (shared keys or a common cache_salt) gives back today's hit rate."]
+              "second key); opting in (shared keys or a common cache_salt) gives back today's hit rate. The hot "
+              f"TTFTs are {args.questions} requests per setup on a shared machine: compare hit rates, and TTFTs only "
+              "as hot (a hit) against cold (a prefill)."]
     return "\n".join(lines) + "\n"
 
 
