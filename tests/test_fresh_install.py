@@ -26,7 +26,7 @@ import pytest
 from tests.lora_adapters import write_random_adapter
 from tests.server_util import default_sigint, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the fixture installs a venv: minutes
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = [["serve"], ["generate"], ["chat"], ["run-batch"], ["pull"], ["list"], ["lora", "merge"],
