@@ -310,6 +310,7 @@ def test_inline_lmserve_commands_parse():
             assert e.code == 0, f"README's `{command}` does not parse"
 
 
+@pytest.mark.timeout(1200)  # one `--help` process per benchmark script: 563 s and then over 600 s at load average ~16
 def test_inline_benchmark_commands_name_real_flags():
     text = pages_text()
     found = [c for c in inline_commands(text, "python benchmarks/")] + inline_commands(text, "bash benchmarks/")
