@@ -52,6 +52,8 @@ def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, 
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """The HTTP-side flags that can never work; ConfigError naming the flag."""
+    if not 1 <= args.port <= 65535:  # also checked at bind; here so a Ray deploy fails once, before any replica
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
                              ("--max-body-bytes", args.max_body_bytes, 1),
                              ("--max-upload-bytes", args.max_upload_bytes, 1),
