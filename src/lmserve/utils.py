@@ -102,12 +102,6 @@ def available_memory(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def env_int(name: str) -> int | None:
-    """An integer environment variable, or None."""
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
 def keep_freed_memory() -> bool:
     """Stop glibc from returning large freed blocks to the OS after every step.
 

@@ -67,9 +67,5 @@ class SchedulerOutput:
     grammar_bitmask: np.ndarray | None = None
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
-
-    @property
     def is_empty(self) -> bool:
         return not self.requests
