@@ -15,8 +15,8 @@ from lmserve.cache.sizing import blocks_for, gpu_kv_budget, num_kv_blocks
 from lmserve.config import EngineConfig
 from lmserve.errors import ConfigError
 from lmserve.engine.output_processor import OutputProcessor
-from lmserve.engine.preflight import check_kv_pool, check_tensor_parallel
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.preflight import check_kv_pool, check_tensor_parallel
+from lmserve.tokenizer import Tokenizer
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
@@ -30,7 +30,8 @@ from lmserve.spec.policy import DraftPolicy
 from lmserve.spec.stats import SpecDecodeStats
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
-from lmserve.utils import (auto_dtype_why, available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_dtype,
+from lmserve.cpu_dtype import auto_dtype_why, resolve_dtype
+from lmserve.utils import (available_memory, keep_freed_memory, keeps_gguf, resolve_device,
                            resolve_kv_dtype)
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
 from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block, profile_forward

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from lmserve.engine.detokenizer import IncrementalDetokenizer
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 from lmserve.request import CompletionDelta, Request
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from lmserve.engine.llm_engine import LLMEngine, RequestRejected
 from lmserve.ops.record import RequestRecord
@@ -20,13 +20,22 @@ from lmserve.server.model_pool import ServedModel
 
 if TYPE_CHECKING:
     from lmserve.engine.async_engine import AsyncEngine
-    from lmserve.server.state import ServerState
+
+
+class SharedState(Protocol):
+    """What a ModelState uses of the server-wide state (server/state.ServerState), typed here so that this module
+    does not import state.py, which imports it."""
+
+    in_flight: int
+    splits: dict
+
+    def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None: ...
 
 
 class ModelState:
     """Shared state (read through, e.g. `st.metrics`, `st.tenants`) bound to one loaded model."""
 
-    def __init__(self, shared: "ServerState", model: ServedModel) -> None:
+    def __init__(self, shared: SharedState, model: ServedModel) -> None:
         self.shared, self.model = shared, model
         # Captured once: a request keeps its engine to the end (its lease keeps the model from unloading).
         self.async_engine: "AsyncEngine" = model.async_engine

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import AddedToken
 
-from lmserve.engine import chat_template as ct
+from lmserve.tokenizer import chat_template as ct
 from lmserve.errors import CheckpointError
-from lmserve.engine.gguf_vocab import build_from_gguf, gguf_metadata
+from lmserve.tokenizer.gguf_vocab import build_from_gguf, gguf_metadata
 
 if TYPE_CHECKING:
     import gguf
