@@ -31,7 +31,7 @@ async def load_lora_adapter(request: Request) -> dict:
         raise APIError(400, f"lora_name {excerpt(req.lora_name)} is the base model's name", param="lora_name")
     path = confined_path(req.lora_path, st.config.lora_dirs)
     try:
-        lora = await asyncio.to_thread(st.engine.loras.register, req.lora_name, path)
+        lora = await asyncio.to_thread(st.front.loras.register, req.lora_name, path)
     except AdapterError as e:
         raise APIError(400, str(e), param="lora_path") from None
     return {"object": "model", "id": lora.name, "parent": st.config.served_model_name, "loaded": True}
@@ -42,7 +42,7 @@ async def unload_lora_adapter(request: Request) -> dict:
     """Forget an adapter: new requests naming it get 404; requests already using it finish with it."""
     st = _updating(request)
     req = parse_body(await request.body(), UnloadLoraAdapterRequest)
-    if not st.engine.loras.unregister(req.lora_name):
+    if not st.front.loras.unregister(req.lora_name):
         raise APIError(404, f"no LoRA adapter named {excerpt(req.lora_name)} is loaded", param="lora_name",
                        code="model_not_found")
     return {"object": "model", "id": req.lora_name, "deleted": True}

@@ -3,6 +3,6 @@
 Below the engine: the CLI, the server's front end, LoRA export and benchmarks use it without an engine.
 """
 
-from lmserve.tokenizer.tokenizer import Tokenizer
+from lmserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["Tokenizer"]
+__all__ = ["Tokenizer", "load_tokenizer"]

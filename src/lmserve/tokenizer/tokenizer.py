@@ -188,6 +188,14 @@ class Tokenizer:
                              "in a way that would turn it into control tokens; remove the special-token strings")
 
 
+def load_tokenizer(loaded: Any) -> Tokenizer:
+    """A loaded model's own tokenizer (a loader.LoadedModel): a GGUF's vocabulary from the metadata already parsed,
+    else the directory's tokenizer.json."""
+    if loaded.format == "gguf":
+        return Tokenizer.from_gguf(loaded.path, loaded.gguf.metadata if loaded.gguf else None)
+    return Tokenizer.from_pretrained(loaded.path)
+
+
 def _copy(hf: HFTokenizer, plain: bool = False, spec: str | None = None) -> HFTokenizer:
     """An independent copy (a shared one would race: the server encodes from several threads)."""
     tk = HFTokenizer.from_str(spec if spec is not None else hf.to_str())
