@@ -2,7 +2,8 @@
 
 The worker joins the process group, loads only its shard, builds its KV cache (its KV heads only) once
 rank 0 sends the pool size, says "ready", then runs one forward per SchedulerOutput it receives over its
-pipe: the same forward as rank 0, whose all-reduces pair with rank 0's. It never samples.
+pipe: the same forward as rank 0, whose all-reduces pair with rank 0's. It keeps the same persistent rows
+as rank 0 (token ids and block tables, updated by the same diffs) and never samples.
 
 It dies with its parent: the pipe's EOF (the parent closed it or died) ends the loop, and a watcher
 thread exits the process once its parent process is gone even while a collective blocks. It ignores
@@ -72,7 +73,8 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
                         shard=TPShard(spec.rank, spec.world_size))
     num_blocks, block_size = conn.recv()
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
-    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype)
+    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype,
+                         samples=False)
     conn.send("ready")
     _serve(runner, conn)
 
