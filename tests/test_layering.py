@@ -2,7 +2,7 @@
 
 The graph is a DAG, not a total order: siblings do not see each other unless an edge says so (the scheduler
 never imports the worker, the KV cache never imports the sampler), and the test checks the graph itself has no
-cycle. Nodes are the top-level packages and modules of `src/lmserve` (STYLE.md, "The shape we aim for"), plus
+cycle. Nodes are the top-level packages and modules of `src/lmserve` (ARCHITECTURE.md draws them), plus
 one module placed apart:
 
 - `sched.output` is contract 1's plain data (SchedulerOutput: what runs how many tokens, no tensors), the
