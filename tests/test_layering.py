@@ -34,7 +34,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "ops": set(),  # observability reads engine data handed to it; the engine never knows it exists
     "lmserve": {"engine"},  # the facade's lazy `from lmserve import LLM`
     "engine": {"sched", "sched.output", "cache", "worker", "spec", "structured", "lora", "loader", "tokenizer",
-               "preflight"},
+               "preflight", "layers"},  # layers: engine/build.py picks the attention backend the runner uses
     "preflight": {"cache", "worker", "lora", "loader", "models", "layers", "tokenizer"},  # checks before a load
     "sched": {"sched.output", "cache", "structured"},
     "sched.output": set(),

@@ -64,6 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: replay decode steps from CUDA graphs captured per batch size at start-up "
                    "(experimental: not yet measured on a GPU; ignored on CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs (overrides --cuda-graphs)")
+    p.add_argument("--attention-backend", choices=("auto", "triton", "reference"), default="auto",
+                   help="attention over the paged KV cache: triton (CUDA: kernels reading K/V in place through the "
+                   "block tables), reference (gather + SDPA; the native kernel on CPU); auto: triton on CUDA where "
+                   "Triton runs, else reference")
     p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
@@ -393,13 +398,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: from the file)")
     p.add_argument("--api-key", action="append", default=[],
-                   help=f"accepted API key (repeatable; also ${ENV_API_KEY}, comma-separated)")
+                   help=f"accepted API key (repeatable; also ${ENV_API_KEY}, comma-separated); each is its own tenant, "
+                   "named key-<first 8 hex digits of its SHA-256>")
     p.add_argument("--api-key-file", default=None,
                    help="accepted API keys: a YAML/JSON file of named keys with limits (keys: [{name, key or sha256, "
-                   "requests_per_minute, tokens_per_minute, max_concurrent_requests, models}]), or one key per line")
+                   "requests_per_minute, tokens_per_minute, max_concurrent_requests, models (names or patterns of "
+                   "models and adapters), role (user|admin), prefix_cache (isolated|shared)}]), or one key per line")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without an API key (by default, with keys set, it needs one like every "
-                   "route but /health)")
+                   "route but /health, and with --api-key-file an admin key's)")
     p.add_argument("--cors-allowed-origins", action="append", default=[], help="origin allowed by CORS (repeatable)")
     p.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond the running batch before new ones get 503")
@@ -433,7 +440,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the SQLite file of the web playground's shared permalinks (default: "
                    "$XDG_DATA_HOME/lmserve/playground.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths under --lora-dir only)")
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths under --lora-dir only; "
+                   "a key manages the adapters it loaded, an admin key every one)")
     p.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
                    help="a directory whose subdirectories the load route may read adapters from (repeatable)")
     p.add_argument("--no-playground", action="store_true",

@@ -19,6 +19,7 @@ from lmserve.config import EngineConfig
 from lmserve.cpu_dtype import auto_dtype_why, resolve_dtype
 from lmserve.engine.speculate import Proposer, make_proposer
 from lmserve.errors import ConfigError
+from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
@@ -99,11 +100,15 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     block_bytes = kv_bytes_per_block(loaded.model.config, block_size, kv_dtype)  # this rank's KV heads
     num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len)
     lora_slots, loras = _lora(cfg, loaded, dtype, device)
+    backend = resolve_attention_backend(cfg.attention_backend, device, dtype)
+    # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
+    say = log.info if device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
+    say("attention backend: %s (%s)", backend.name, backend.why)
     # the runner sees this rank's model: its KV cache holds only this rank's KV heads
     runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, lora_slots,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, attention_backend=backend.name)
     # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
-    if cfg.cuda_graphs and device.type == "cuda" and lora_slots is None:
+    if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None:
         runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(max_model_len, block_size), capture=True)
     if ranks is None:
         executor = UniProcExecutor(runner)

@@ -107,11 +107,12 @@ class EngineFront:
 
     def requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, max_tokens: int | None = None,
                  grammar: Compiled | None = None, tenant: str = "", priority: int = 0,
-                 lora: LoraRequest | None = None) -> list[Request]:
+                 lora: LoraRequest | None = None, cache_salt: bytes = b"") -> list[Request]:
         """The engine requests of one client request: its `params.n` completions, sharing the prompt.
 
         `max_tokens` is what check_request returned (None: checked here); `grammar` what compile_grammar
-        returned (None with structured_outputs: compiled here); `lora` is already read (LoraRegistry.get).
+        returned (None with structured_outputs: compiled here); `lora` is already read (LoraRegistry.get);
+        `cache_salt`: who may share the prompt's prefix-cache blocks (b"": everyone).
         """
         if lora is not None and self.loras is None:
             raise RequestRejected("this engine runs without LoRA (--enable-lora)", "model")
@@ -121,7 +122,7 @@ class EngineFront:
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        salt = b"" if lora is None else b"lora:%d" % lora.lora_int_id  # prefix-cache blocks never cross adapters
+        salt = _prefix_salt(lora, cache_salt)
         reqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
@@ -130,3 +131,10 @@ class EngineFront:
                                 grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids), lora=lora,
                                 cache_salt=salt))
         return reqs
+
+
+def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:
+    """The adapter's registration first (blocks never cross adapters), then the caller's salt after a NUL: the
+    adapter part holds no NUL, so no two (adapter, salt) pairs give the same bytes."""
+    adapter = b"" if lora is None else b"lora:%d" % lora.lora_int_id
+    return adapter + b"\0" + salt if salt else adapter

@@ -55,17 +55,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     max_tokens: int | None = None, grammar: Compiled | None = None, tenant: str = "",
-                    priority: int = 0, lora: LoraRequest | None = None) -> None:
+                    priority: int = 0, lora: LoraRequest | None = None, cache_salt: bytes = b"") -> None:
         """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks.
 
         `max_tokens`, `grammar` and `lora` are what the front end's check_request, compile_grammar and the
         adapter registry returned (None: checked or compiled here). `tenant` names who asked (the scheduler is
-        fair between tenants); waiting requests of a lower `priority` are admitted first.
+        fair between tenants); waiting requests of a lower `priority` are admitted first; `cache_salt`: who may
+        share the prompt's prefix-cache blocks (the server's per-key salt; b"": everyone).
         """
         if request_id in self.children:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         reqs = self.front.requests(request_id, prompt, params or SamplingParams(), max_tokens, grammar, tenant,
-                                   priority, lora)
+                                   priority, lora, cache_salt)
         for req in reqs:
             self.scheduler.add(req)
             self.outputs.add(req)
@@ -142,6 +143,7 @@ class LLMEngine:
     def _close(self, req: Request, delta: CompletionDelta) -> None:
         delta.finished, delta.finish_reason, delta.stop_reason = True, req.status.value, req.stop_reason
         delta.timings, delta.cumulative_logprob = req.timings(time.monotonic()), req.cumulative_logprob
+        delta.num_cached_tokens = req.num_cached_tokens
         self._forget(req.request_id)
         kids = self.children.get(req.parent_id)
         if kids is not None and all(k not in self.scheduler.requests for k in kids):

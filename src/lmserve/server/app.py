@@ -22,9 +22,9 @@ from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
-from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, read_request,
-                                  release_leases, state_of)
-from lmserve.server.tenants import ANONYMOUS
+from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, key_name_of,
+                                  read_request, release_leases, state_of)
+from lmserve.server.key_file import ANONYMOUS
 
 # No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
 # serves; /metrics too with --metrics-public (see open_paths).
@@ -234,7 +234,13 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+        """Every key's name and usage are in it: with a key file, admin keys only (unless --metrics-public)."""
+        st = state_of(request)
+        if st.tenants.metrics_need_admin and not st.config.metrics_public \
+                and not st.tenants.is_admin(key_name_of(request)):
+            raise APIError(403, "/metrics is for admin keys (role: admin in --api-key-file), or start the server "
+                           "with --metrics-public", code="permission_denied")
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/monitoring/drift")
     async def drift(request: Request) -> dict:

@@ -16,7 +16,7 @@ from lmserve.config import EngineConfig
 from lmserve.server.batch import Line, LineResult, ResultsFile, run_lines
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState
-from lmserve.server.tenants import ANONYMOUS
+from lmserve.server.key_file import ANONYMOUS
 
 
 @dataclass

@@ -28,7 +28,7 @@ from lmserve.server.metrics import ServerMetrics
 from lmserve.server.model_args import model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
 from lmserve.server.model_pool import ModelPool, ModelSpec, ServedModel
 from lmserve.server.state import ServerConfig, ServerState
-from lmserve.server.tenants import KeySpec, key_specs, read_key_file
+from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 
 log = logging.getLogger("lmserve.server")
 
@@ -326,6 +326,8 @@ def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Cal
     if on_dead is not None:
         async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
     state.metrics.bind_engine(engine.front, warmup_seconds, name)
+    if state.response_cache is not None:  # the weights as loaded, before a swap on disk could change them
+        state.response_cache.bind_engine(engine.front)
     async_engine.start()
     if name is None:
         state.async_engine = async_engine

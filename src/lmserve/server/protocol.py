@@ -98,6 +98,8 @@ class _Sampling(_NullMeansDefault):
     guided_grammar: str | None = None
     # lmserve: false skips the response cache (--response-cache) for this request
     cache: bool | None = None
+    # vLLM's: the prompt's prefix-cache blocks are shared only with requests sending the same salt (any key's)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class CompletionRequest(_Sampling):

@@ -14,13 +14,15 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.front import EngineFront
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
+from lmserve.server.adapter_owners import AdapterOwners
 from lmserve.server.errors import APIError
+from lmserve.server.key_file import ANONYMOUS, KeySpec, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.model_pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.params import TokenLimits
 from lmserve.server.protocol import parse_body, parse_data
 from lmserve.server.served import ModelState
-from lmserve.server.tenants import ANONYMOUS, KeySpec, Tenants, key_specs
+from lmserve.server.tenants import Tenants
 from lmserve.server.traffic import TrafficSplit
 
 T = TypeVar("T")
@@ -63,6 +65,7 @@ class ServerState:
     ops: Ops = field(default_factory=Ops)  # tracing, payload log, rules, drift (each off unless configured)
     created: int = field(default_factory=lambda: int(time.time()))
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
+    adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # who loaded which runtime adapter
     response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
     batches: Any = None  # server/batch_jobs.BatchManager (serve always has one); None: /v1/batches answers 404
@@ -224,12 +227,16 @@ async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_nam
     """The body names a model we serve and the key may use (as it asked for it, a route name included); its
     parameters go into the record under the name of the model that answers."""
     asked = getattr(req, "model", None)
+    # Checked as asked, before the name is resolved, so a name the key may not use is one 404 whether it exists
+    # or not: a route by its name, an adapter by its own (an adapter does not inherit its base's permission).
+    if asked is not None:
+        st.tenants.check_model(key_name, asked)
     served = st.resolve_model(asked, getattr(req, "user", None))
+    if asked is None:
+        st.tenants.check_model(key_name, served.name)
     _describe(record, req, served.name)
     if asked in st.splits:
         record.requested_model = asked
-    # a route name is checked as asked; an adapter as its model (adapters share their model's key permissions)
-    st.tenants.check_model(key_name, asked if asked is not None and asked in st.splits else served.name)
     return await st.bind(served, leases)
 
 
