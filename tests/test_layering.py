@@ -28,7 +28,8 @@ PLAIN = frozenset({"config", "request", "sampling_params", "utils", "cpu_dtype",
 
 MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "deploy": {"cli", "server"},  # each Ray Serve replica parses `lmserve serve` flags and runs the server's app
-    "cli": {"bench", "server", "ops", "engine", "preflight", "tokenizer", "loader", "lora"},
+    # lmserve: `lmserve --version` reads the facade's __version__ (cli/__init__.py; flags.py and hub.py are cli too)
+    "cli": {"lmserve", "bench", "server", "ops", "engine", "preflight", "tokenizer", "loader", "lora"},
     "bench": {"engine", "preflight", "models", "layers"},  # `lmserve bench`: cli only registers its parser
     "server": {"lmserve", "ops", "engine", "preflight", "tokenizer", "loader", "lora", "structured"},
     "ops": set(),  # observability reads engine data handed to it; the engine never knows it exists
