@@ -16,8 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server import batch_routes, lora_routes, openai_routes, tgi_routes, v2_routes
+from lmserve.server import lora_routes, openai_routes, tgi_routes, v2_routes
 from lmserve.server.access_log import AccessLog
+from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes

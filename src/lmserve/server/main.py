@@ -172,9 +172,9 @@ def _playground(args: argparse.Namespace):
 
 def _batches(args: argparse.Namespace, state: ServerState) -> None:
     """The batch-job runner over --batch-dir (its directories appear on the first upload)."""
-    from lmserve.server.batch import default_batch_dir
-    from lmserve.server.batch_jobs import BatchManager
-    from lmserve.server.batch_store import BatchStore
+    from lmserve.server.batch.lines import default_batch_dir
+    from lmserve.server.batch.jobs import BatchManager
+    from lmserve.server.batch.store import BatchStore
 
     root = Path(args.batch_dir) if args.batch_dir else default_batch_dir()
     if root.exists() and not root.is_dir():

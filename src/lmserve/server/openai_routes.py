@@ -1,7 +1,7 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE).
 
 `start_completion` / `start_chat` turn a parsed body into engine streams for a `Caller`; the routes and
-the batch jobs (`answer`, for server/batch.py) both go through them, so a batch line is validated,
+the batch jobs (`answer`, for server/batch/lines.py) both go through them, so a batch line is validated,
 templated, sampled and refused exactly as the route would.
 """
 

@@ -71,7 +71,7 @@ class ServerState:
     adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # who loaded which runtime adapter
     response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
-    batches: Any = None  # server/batch_jobs.BatchManager (serve always has one); None: /v1/batches answers 404
+    batches: Any = None  # server/batch/jobs.BatchManager (serve always has one); None: /v1/batches answers 404
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
     splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
     started: bool = False  # the start-up loads are done: the server serves from here on

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from lmserve.config import EngineConfig
-from lmserve.server.batch import Line, LineResult, ResultsFile, run_lines
+from lmserve.server.batch.lines import Line, LineResult, ResultsFile, run_lines
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState
 from lmserve.server.key_file import ANONYMOUS
