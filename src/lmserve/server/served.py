@@ -17,7 +17,7 @@ from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS
-from lmserve.server.model_pool import ServedModel
+from lmserve.server.models.pool import ServedModel
 
 if TYPE_CHECKING:
     from lmserve.engine.async_engine import AsyncEngine

@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -19,15 +19,33 @@ from lmserve.server.adapter_owners import AdapterOwners
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS, KeySpec, key_specs
 from lmserve.server.metrics import ServerMetrics
-from lmserve.server.model_pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
-from lmserve.server.params import TokenLimits
+from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.protocol import parse_body, parse_data
 from lmserve.server.served import ModelState
 from lmserve.server.tenants import Tenants
-from lmserve.server.traffic import TrafficSplit
+from lmserve.server.models.traffic import TrafficSplit
 
 T = TypeVar("T")
 log = logging.getLogger("lmserve.server")
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    """The operator's --default-max-tokens and --max-tokens-limit (None: the API's own meaning)."""
+
+    default: int | None = None  # for a request that names no max_tokens
+    limit: int | None = None  # more is a 400; a request naming none is held to it too
+
+    def resolve(self, named: int | None, api_default: int | None, param: str) -> int | None:
+        """The max_tokens a request runs with; `named` is what it asked for (None: nothing)."""
+        if named is not None:
+            if self.limit is not None and named > self.limit:
+                raise APIError(400, f"{param} must be at most {self.limit} on this server, got {named}", param=param)
+            return named
+        value = self.default if self.default is not None else api_default
+        if self.limit is not None:  # None (chat: the rest of the context) would pass the limit by
+            value = self.limit if value is None else min(value, self.limit)
+        return value
 
 
 @dataclass(frozen=True)
@@ -190,7 +208,7 @@ def state_of(request: Request) -> ServerState:
 RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's record in scope["state"]
 KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
 LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
-LEASES_KEY = "lmserve_leases"  # the models a request holds (server/model_pool.py), released at its end
+LEASES_KEY = "lmserve_leases"  # the models a request holds (server/models/pool.py), released at its end
 IGNORED_FIELDS_KEY = "lmserve_ignored_fields"  # unknown body fields dropped by parsing (server/access_log.py)
 _PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
@@ -269,3 +287,39 @@ def _describe(record: RequestRecord, req: BaseModel, served_name: str) -> None:
     params.update(params.pop("parameters", None) or {})
     record.params = params
     record.stream = bool(params.get("stream", False))
+
+
+def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None,
+                 name: str | None = None):
+    """Start the engine thread behind `state` and its metrics, as model `name` (None: the default model, whose
+    routes serve from here on); returns the AsyncEngine.
+
+    `on_dead` runs (on the engine thread) once the engine has failed for good.
+    """
+    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.engine.faults import install_from_env
+
+    install_from_env(engine)  # test-only fault injection: nothing unless $LMSERVE_TEST_FAULT is set
+    async_engine = AsyncEngine(engine, step_timeout=state.config.engine_step_timeout)
+    async_engine.step_listeners.append(state.metrics.on_step)
+    async_engine.fault_listeners.append(state.metrics.on_fault)
+    if on_dead is not None:
+        async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
+    state.metrics.bind_engine(engine.front, warmup_seconds, name)
+    if state.response_cache is not None:  # the weights as loaded, before a swap on disk could change them
+        state.response_cache.bind_engine(engine.front)
+    async_engine.start()
+    if name is None:
+        state.async_engine = async_engine
+    return async_engine
+
+
+def warm_up(engine) -> float:
+    """One tiny request through every code path before the first client; returns its seconds."""
+    from lmserve.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start

@@ -15,7 +15,7 @@ from typing import Callable
 from lmserve.config import EngineConfig
 from lmserve.server.batch.lines import Line, LineResult, ResultsFile, run_lines
 from lmserve.server.metrics import ServerMetrics
-from lmserve.server.state import ServerConfig, ServerState
+from lmserve.server.state import ServerConfig, ServerState, start_engine, warm_up
 from lmserve.server.key_file import ANONYMOUS
 
 
@@ -43,7 +43,6 @@ def offline_state(config: EngineConfig, served_model_name: str, window: int, str
     """A ServerState with the engine loaded, warmed up and its thread started (the queue limit above `window`;
     `strict_fields`: a line's unknown body field is a 400, as `serve --strict-fields` answers it)."""
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.server.main import start_engine, warm_up
 
     state = ServerState(ServerConfig(served_model_name, max_queued_requests=window, engine_step_timeout=None,
                                      strict_fields=strict_fields),

@@ -17,7 +17,7 @@ from starlette.formparsers import MultiPartException
 from lmserve.server.batch.jobs import BatchManager
 from lmserve.server.batch.store import BatchJob, BatchStore, StoredFile
 from lmserve.server.errors import APIError
-from lmserve.server.openai_routes import BATCH_ENDPOINTS
+from lmserve.server.api.openai import BATCH_ENDPOINTS
 from lmserve.server.protocol import BatchCreateRequest, parse_body
 from lmserve.server.state import key_name_of, state_of
 

@@ -19,7 +19,7 @@ from lmserve.engine.async_engine import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from lmserve.server.errors import APIError, error_body
-from lmserve.server.params import tgi_params
+from lmserve.server.api.params import tgi_params
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of, state_of

@@ -22,16 +22,16 @@ from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.engine.async_engine import EngineDeadError, StepFailedError
-from lmserve.server import cache_replay
+from lmserve.server.api import cache_replay
 from lmserve.server.errors import APIError, error_body
-from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
+from lmserve.server.api.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from lmserve.server.api.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.served import ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error
-from lmserve.server.tool_stream import ToolCallStreamer, chat_chunk_delta
-from lmserve.server.tools import parse_tool_calls, prepare_chat, template_supports_tools
+from lmserve.server.api.tool_stream import ToolCallStreamer, chat_chunk_delta
+from lmserve.server.api.tools import parse_tool_calls, prepare_chat, template_supports_tools
 
 router = APIRouter()
 log = logging.getLogger("lmserve.server")
