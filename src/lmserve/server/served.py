@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Union
 
 from lmserve.engine.front import EngineFront, RequestRejected
 from lmserve.ops.record import RequestRecord
@@ -18,6 +20,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS
 from lmserve.server.models.pool import ServedModel
+from lmserve.server.streams import MergedStreams
 
 if TYPE_CHECKING:
     from lmserve.engine.async_engine import AsyncEngine
@@ -31,6 +34,27 @@ class SharedState(Protocol):
     splits: dict
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat prompt: messages rendered by the model's chat template (extra variables such as `tools`)."""
+
+    messages: list[dict]
+    template_kwargs: dict | None = None
+
+
+Prompt = Union[str, list[int], Chat]  # a raw prompt (special tokens parsed), token ids, or a chat
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request admitted and its engine streams running: one per prompt, merged."""
+
+    request_id: str
+    ids: list[list[int]]  # each prompt's token ids
+    merged: MergedStreams
+    lora: LoraRequest | None  # the adapter that runs (None: the model itself)
 
 
 class ModelState:
@@ -73,6 +97,28 @@ class ModelState:
             raise APIError(404, f"model {name[:80]!r} does not exist (its adapter was unloaded)", param="model",
                            code="model_not_found")
         return lora
+
+    async def start(self, prompts: list[Prompt], params: SamplingParams, record: RequestRecord, *, model: str | None,
+                    id_prefix: str, numbered: bool = False, priority: int = 0,
+                    cache_salt: str | None = None) -> Started:
+        """The one admission path of every API family: tokenize -> compile the grammar -> resolve the adapter
+        (`model`: the name the request asked for) -> admit -> start each prompt's engine stream.
+
+        Each step's refusal is an APIError before anything reaches the engine; the request id is
+        `{id_prefix}-{hex}` and lands in `record`; stream i runs as `{id}-{i}` when `numbered` (completions, whose
+        prompt list may hold several) and as the id itself otherwise (one prompt).
+        """
+        ids = [await (self.tokenize_chat(p.messages, record, p.template_kwargs) if isinstance(p, Chat)
+                      else self.tokenize(p, record)) for p in prompts]
+        grammar = await self.compile_grammar(params)
+        lora = await self.lora_for(model, record)
+        # Nothing awaits from admission until the streams are counted in flight.
+        max_tokens = self.admit(ids, params, record)
+        rid = record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        names = [f"{rid}-{i}" for i in range(len(ids))] if numbered else [rid]
+        merged = MergedStreams([self.generate(name, p, params, n, record, i * params.n, grammar, priority, lora,
+                                              cache_salt) for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
+        return Started(rid, ids, merged, lora)
 
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.

@@ -75,6 +75,17 @@ def engine_error(e: Exception) -> APIError | None:
     return None
 
 
+def stream_failure(e: Exception, metrics, path: str) -> APIError:
+    """The error a stream that failed part-way reports in-band (each API family in its own body), counted as an
+    error abort; anything but an engine failure is a bug, logged with its traceback (call it from `except`)."""
+    metrics.aborts.labels("error").inc()
+    err = engine_error(e)
+    if err is None:
+        log.exception("stream failed on %s", path)
+        err = APIError(500, f"internal error ({type(e).__name__})")
+    return err
+
+
 async def watch_disconnect(request: Request, merged: MergedStreams, on_disconnect) -> None:
     """Wait for the client to go away; then abort its streams (run as a task, cancelled when done)."""
     while True:
