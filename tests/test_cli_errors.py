@@ -20,7 +20,7 @@ import torch
 
 from lmserve.server.errors import APIError
 from lmserve.server.api.params import chat_params
-from lmserve.server.state import TokenLimits
+from lmserve.server.config import TokenLimits
 from lmserve.server.protocol import ChatRequest
 from tests.conftest import write_tiny_llama
 from tests.server_util import running_server

@@ -30,7 +30,7 @@ from lmserve.server.connections import with_deadline
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.args import model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
 from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel
-from lmserve.server.state import ServerConfig, ServerState, start_engine, warm_up
+from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 
 log = logging.getLogger("lmserve.server")
@@ -354,11 +354,8 @@ def _load(state: ServerState, server: uvicorn.Server, on_dead: Callable[[], None
 
 def load_engine(state: ServerState, spec: ModelSpec, on_dead: Callable[[], None]):
     """Build, warm up and start one model's engine (blocking: a worker thread calls it); returns its AsyncEngine."""
-    from lmserve.engine.llm_engine import LLMEngine
-
     log.info("loading model %s", spec.name)
-    engine = LLMEngine(spec.config)
-    return start_engine(state, engine, warm_up(engine), on_dead, name=spec.name)
+    return launch_engine(state, spec.config, on_dead, name=spec.name)
 
 
 def unload_engine(state: ServerState, model: ServedModel, async_engine) -> None:

@@ -10,28 +10,35 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Union
+from typing import AsyncIterator, Protocol, Union
 
-from lmserve.engine.front import EngineFront, RequestRejected
+from lmserve.engine.front import EngineFront
+from lmserve.errors import RequestRejected
 from lmserve.ops.record import RequestRecord
 from lmserve.lora.peft_adapter import AdapterError
 from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
+from lmserve.server.config import ServerConfig
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS
+from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ServedModel
+from lmserve.server.models.traffic import TrafficSplit
+from lmserve.server.response_cache import ResponseCache
 from lmserve.server.streams import MergedStreams
-
-if TYPE_CHECKING:
-    from lmserve.engine.async_engine import AsyncEngine
-
+from lmserve.server.tenants import Tenants
+from lmserve.structured.compiler import Compiled
 
 class SharedState(Protocol):
     """What a ModelState uses of the server-wide state (server/state.ServerState), typed here so that this module
     does not import state.py, which imports it."""
 
+    config: ServerConfig
+    metrics: ServerMetrics
+    tenants: Tenants
+    response_cache: ResponseCache | None
     in_flight: int
-    splits: dict
+    splits: dict[str, TrafficSplit]
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None: ...
 
@@ -58,15 +65,33 @@ class Started:
 
 
 class ModelState:
-    """Shared state (read through, e.g. `st.metrics`, `st.tenants`) bound to one loaded model."""
+    """The server-wide state (config, metrics, tenants, response cache, routes) bound to one loaded model."""
 
     def __init__(self, shared: SharedState, model: ServedModel) -> None:
         self.shared, self.model = shared, model
         # Captured once: a request keeps its engine to the end (its lease keeps the model from unloading).
-        self.async_engine: "AsyncEngine" = model.async_engine
+        self.async_engine = model.async_engine
 
-    def __getattr__(self, name: str) -> Any:  # only called for what this class does not define itself
-        return getattr(self.shared, name)
+    # The server-wide parts a route reads through its ModelState.
+    @property
+    def config(self) -> ServerConfig:
+        return self.shared.config
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.shared.metrics
+
+    @property
+    def tenants(self) -> Tenants:
+        return self.shared.tenants
+
+    @property
+    def response_cache(self) -> ResponseCache | None:
+        return self.shared.response_cache
+
+    @property
+    def splits(self) -> dict[str, TrafficSplit]:
+        return self.shared.splits
 
     @property
     def front(self) -> EngineFront:
@@ -150,7 +175,7 @@ class ModelState:
             reason = "context_length" if e.param == "prompt" else "invalid_request"
             raise APIError(400, str(e), param=e.param, reason=reason) from None
 
-    async def compile_grammar(self, params: SamplingParams) -> Any:
+    async def compile_grammar(self, params: SamplingParams) -> Compiled | None:
         """The request's compiled grammar (None when unconstrained), compiled off the event loop and the engine thread.
 
         Bounded by the engine's StructuredOutputsConfig: an invalid or too costly spec is a 400 naming it.
@@ -167,7 +192,7 @@ class ModelState:
         return compiled
 
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
-                 record: RequestRecord, first_output: int = 0, grammar: Any = None,
+                 record: RequestRecord, first_output: int = 0, grammar: Compiled | None = None,
                  priority: int = 0, lora: LoraRequest | None = None,
                  cache_salt: str | None = None) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limits (the server's and the model's) until it ends.

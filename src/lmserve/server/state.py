@@ -11,67 +11,25 @@ from typing import Any, Callable, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from lmserve.config import EngineConfig
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.front import EngineFront
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
 from lmserve.server.adapter_owners import AdapterOwners
+from lmserve.server.config import ServerConfig
 from lmserve.server.errors import APIError
-from lmserve.server.key_file import ANONYMOUS, KeySpec, key_specs
+from lmserve.server.key_file import ANONYMOUS, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.protocol import parse_body, parse_data
+from lmserve.server.response_cache import ResponseCache
 from lmserve.server.served import ModelState
 from lmserve.server.tenants import Tenants
 from lmserve.server.models.traffic import TrafficSplit
 
 T = TypeVar("T")
 log = logging.getLogger("lmserve.server")
-
-
-@dataclass(frozen=True)
-class TokenLimits:
-    """The operator's --default-max-tokens and --max-tokens-limit (None: the API's own meaning)."""
-
-    default: int | None = None  # for a request that names no max_tokens
-    limit: int | None = None  # more is a 400; a request naming none is held to it too
-
-    def resolve(self, named: int | None, api_default: int | None, param: str) -> int | None:
-        """The max_tokens a request runs with; `named` is what it asked for (None: nothing)."""
-        if named is not None:
-            if self.limit is not None and named > self.limit:
-                raise APIError(400, f"{param} must be at most {self.limit} on this server, got {named}", param=param)
-            return named
-        value = self.default if self.default is not None else api_default
-        if self.limit is not None:  # None (chat: the rest of the context) would pass the limit by
-            value = self.limit if value is None else min(value, self.limit)
-        return value
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """HTTP-side settings (the engine has its own EngineConfig)."""
-
-    served_model_name: str
-    api_keys: tuple[str, ...] = ()  # plain keys: unlimited, all models, named "default"
-    named_keys: tuple[KeySpec, ...] = ()  # from a YAML/JSON --api-key-file: names and limits
-    cors_allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all (browsers refuse cross-origin calls)
-    metrics_public: bool = False  # /metrics without an API key (a scraper on a trusted network)
-    max_queued_requests: int = 256
-    max_body_bytes: int = 4 * 2**20
-    max_upload_bytes: int = 64 * 2**20  # POST /v1/files (a batch job's input file), held in memory while it arrives
-    drain_timeout: float = 30.0
-    default_max_tokens: int | None = None  # a request naming no max_tokens gets this (None: the API's own default)
-    max_tokens_limit: int | None = None  # more is a 400; a request naming none is held to it too
-    request_read_timeout: float = 30.0  # seconds from a request's first byte to its last (slow-loris clients)
-    engine_step_timeout: float | None = 300.0  # the hung-engine watchdog; None: off
-    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    lora_dirs: tuple[str, ...] = ()  # the only directories those routes may read adapters from
-    strict_fields: bool = False  # an unknown request field is a 400 (else ignored, logged, named in X-Ignored-Fields)
-
-    @property
-    def token_limits(self) -> TokenLimits:
-        return TokenLimits(self.default_max_tokens, self.max_tokens_limit)
 
 
 @dataclass
@@ -87,7 +45,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
     adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # who loaded which runtime adapter
-    response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
+    response_cache: ResponseCache | None = None  # with --response-cache
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
     batches: Any = None  # server/batch/jobs.BatchManager (serve always has one); None: /v1/batches answers 404
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
@@ -289,6 +247,16 @@ def _describe(record: RequestRecord, req: BaseModel, served_name: str) -> None:
     record.stream = bool(params.get("stream", False))
 
 
+def launch_engine(state: ServerState, config: EngineConfig, on_dead: Callable[[], None] | None = None,
+                  name: str | None = None) -> AsyncEngine:
+    """Build a model's engine from `config`, warm it up and start it behind `state` (blocking: a worker thread or
+    the offline runner calls it); the server's one place that constructs an engine."""
+    from lmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    return start_engine(state, engine, warm_up(engine), on_dead, name)
+
+
 def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None,
                  name: str | None = None):
     """Start the engine thread behind `state` and its metrics, as model `name` (None: the default model, whose
@@ -296,7 +264,6 @@ def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Cal
 
     `on_dead` runs (on the engine thread) once the engine has failed for good.
     """
-    from lmserve.engine.async_engine import AsyncEngine
     from lmserve.engine.faults import install_from_env
 
     install_from_env(engine)  # test-only fault injection: nothing unless $LMSERVE_TEST_FAULT is set

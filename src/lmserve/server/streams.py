@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from lmserve.engine.async_engine import EngineDeadError, StepFailedError
+from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta
 from lmserve.server.errors import APIError
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.engine.async_engine import EngineDeadError, StepFailedError
+from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.server.api import cache_replay
 from lmserve.server.api import chunks as sse
 from lmserve.server.errors import APIError, error_body

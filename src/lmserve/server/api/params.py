@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
-from lmserve.server.state import TokenLimits
+from lmserve.server.config import TokenLimits
 from lmserve.structured.compiler import GrammarError
 from lmserve.structured.tool_tag import tool_call_tag
 

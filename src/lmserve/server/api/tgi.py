@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
-from lmserve.engine.async_engine import EngineDeadError, StepFailedError
+from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from lmserve.server.errors import error_body
