@@ -71,27 +71,12 @@ class ModelState:
         self.shared, self.model = shared, model
         # Captured once: a request keeps its engine to the end (its lease keeps the model from unloading).
         self.async_engine = model.async_engine
-
-    # The server-wide parts a route reads through its ModelState.
-    @property
-    def config(self) -> ServerConfig:
-        return self.shared.config
-
-    @property
-    def metrics(self) -> ServerMetrics:
-        return self.shared.metrics
-
-    @property
-    def tenants(self) -> Tenants:
-        return self.shared.tenants
-
-    @property
-    def response_cache(self) -> ResponseCache | None:
-        return self.shared.response_cache
-
-    @property
-    def splits(self) -> dict[str, TrafficSplit]:
-        return self.shared.splits
+        # The server-wide parts a route reads (all set at start-up, before any request binds a model).
+        self.config: ServerConfig = shared.config
+        self.metrics: ServerMetrics = shared.metrics
+        self.tenants: Tenants = shared.tenants
+        self.response_cache: ResponseCache | None = shared.response_cache
+        self.splits: dict[str, TrafficSplit] = shared.splits
 
     @property
     def front(self) -> EngineFront:

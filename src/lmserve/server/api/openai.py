@@ -136,11 +136,16 @@ def _model_card(st: ServerState, name: str) -> dict:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    st, req = await read_request(request, CompletionRequest)
+    return await _serve(request, CompletionRequest, start_completion)
+
+
+async def _serve(request: Request, body: type, start: Callable[..., Awaitable[Run]]) -> Response:
+    """Read the body, answer from the response cache on a hit, else start the run and respond."""
+    st, req = await read_request(request, body)
     found, hit = await cache_replay.lookup(request, st, req)
     if hit is not None:
         return hit
-    return await _respond(request, st, found, req.stream, await start_completion(st, req, caller_of(request)))
+    return await _respond(request, st, found, req.stream, await start(st, req, caller_of(request)))
 
 
 async def _respond(request: Request, st: ModelState, found: cache_replay.Lookup | None, stream: bool,
@@ -182,11 +187,7 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    st, req = await read_request(request, ChatRequest)
-    found, hit = await cache_replay.lookup(request, st, req)
-    if hit is not None:
-        return hit
-    return await _respond(request, st, found, req.stream, await start_chat(st, req, caller_of(request)))
+    return await _serve(request, ChatRequest, start_chat)
 
 
 async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
