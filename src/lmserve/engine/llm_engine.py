@@ -115,7 +115,7 @@ class LLMEngine:
         cfg = self.cfg
         self.loaded: LoadedModel = loaded or load_model(cfg.model, self.dtype, self.device,
                                                          quantization=cfg.quantization, revision=cfg.revision,
-                                                         shard=shard)
+                                                         shard=shard, max_model_len=cfg.max_model_len)
         self.dtype = next(self.loaded.model.parameters()).dtype
         self.kv_dtype = self._kv_dtype()
         self.model_config = self.loaded.config

@@ -1,8 +1,13 @@
-"""Every decoder layer of a decode-only step in one native call (layers/csrc/decode_stack.cpp).
+"""Every decoder layer of a decode-only step in one native call (layers/csrc/decode_stack.cpp), as a transform.
 
-The model's PyTorch modules stay the reference path and serve every step this cannot: prefill chunks,
-LoRA wrappers, float or int8/int4 weights, devices other than the CPU. The native stack calls the same
-kernels in the same order, so a step's outputs are bit-identical either way (tests/test_decode_stack.py);
+`apply_decode_stack(model)` replaces a finished model's `layer_loop` (models/decoder.LayerLoop, the reference)
+by a `NativeDecodeLoop` where every layer is one the native stack runs: plain pre-norm layers (SwiGLU,
+whole-head rotary from one table, plain causal attention) whose projections all keep GGUF blocks on the CPU.
+The loop it replaces stays inside it and serves every step the stack cannot: prefill chunks, and any step
+whose attention is not the paged cache's decode-only step. Models with other layers (LoRA wrappers, float
+or int8/int4 weights, sandwich norms, QK-norm, GeGLU, windows, soft-caps, NoPE: Gemma, Qwen3, Mistral's
+window, SmolLM3, Phi-3's partial rotary) keep the module loop. The native stack calls the same kernels in
+the same order, so a step's outputs are bit-identical either way (tests/test_decode_stack.py);
 $LMSERVE_DECODE_STACK=0 turns it off (benchmarks compare the two).
 """
 
@@ -12,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from lmserve.layers.gguf_linear import GGUFLinear
 from lmserve.layers.native import native_module
@@ -73,6 +79,53 @@ class DecodeStack:
         self.steps += 1
         return self.native.forward(x.contiguous(), cos, sin, attn.kv_caches, m.slot_mapping,
                                    m.decode_block_tables, m.decode_context_lens)
+
+
+class NativeDecodeLoop(nn.Module):
+    """A model's layer loop with decode-only steps through the native stack; every other step through
+    `reference`, the loop it replaced."""
+
+    def __init__(self, stack: DecodeStack, reference: nn.Module) -> None:
+        super().__init__()
+        self.stack, self.reference = stack, reference
+
+    def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                attn) -> tuple[torch.Tensor, torch.Tensor]:
+        if not DecodeStack.accepts(attn, x):
+            return self.reference(layers, x, rope, attn)
+        return self.stack(x, *rope["full"], attn)
+
+
+def apply_decode_stack(model: nn.Module) -> DecodeStack | None:
+    """Run `model`'s decode-only steps through the native stack where it applies (returns it), else leave the
+    model as it is (None). Call it on a finished model: after weight formats, LoRA and parallel wrappers."""
+    remove_decode_stack(model)
+    cfg = model.config
+    if cfg.rotated_dim != cfg.head_dim or not all(_plain_layer(layer) for layer in model.model.layers):
+        return None
+    layers = [LayerWeights(l.input_layernorm.weight, l.post_attention_layernorm.weight,
+                           (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj))
+              for l in model.model.layers]
+    stack = DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps))
+    if stack is not None:
+        model.layer_loop = NativeDecodeLoop(stack, model.layer_loop)
+    return stack
+
+
+def remove_decode_stack(model: nn.Module) -> None:
+    """Put the reference loop back (benchmarks and tests compare the two)."""
+    if isinstance(model.layer_loop, NativeDecodeLoop):
+        model.layer_loop = model.layer_loop.reference
+
+
+def _plain_layer(layer: nn.Module) -> bool:
+    """A layer exactly as the native stack computes it: pre-norm (weights as they are), SwiGLU, whole-head rotary
+    from the "full" table, no QK-norm, plain causal attention with the default scale."""
+    spec = layer.self_attn.spec
+    plain_norms = not hasattr(layer, "pre_feedforward_layernorm") and \
+        layer.input_layernorm.offset == 0 and layer.post_attention_layernorm.offset == 0
+    return plain_norms and layer.mlp.act == "silu" and spec.qk_norm_eps is None and spec.rope == "full" \
+        and spec.opts.plain and spec.opts.scale is None
 
 
 def _fits(layers: list[LayerWeights], shape: Shape) -> bool:

@@ -107,7 +107,7 @@ class DecodeStack {
                   "DecodeStack: float32 or float16 caches");
       write_kv(cache, base + q_size, base + q_size + kv_size, row, slot_mapping.data_ptr<int64_t>(), B, kv_size);
       torch::Tensor attn = paged_decode_attention(qkv.narrow(1, 0, q_size).view({B, heads_, dim_}), cache[0], cache[1],
-                                                  block_tables, context_lens, scale, c10::nullopt);
+                                                  block_tables, context_lens, scale, c10::nullopt, 0, 0.0);
       h = add_rms_norm_(l.o(attn.view({B, q_size})), residual, l.post_norm, eps_);
       h = l.down(silu_and_mul(l.gate_up(h)));
     }
