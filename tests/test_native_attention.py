@@ -86,7 +86,7 @@ def test_window_softcap_and_scale_equal_the_reference(dim, window, softcap, scal
 
     q, cache, tables, lens, mask = paged_case(6, 8, 2, dim, 70, seed=dim + (window or 0))
     cache = cache.half().float() if half else cache
-    opts = AttnOptions(scale=scale, window=window, softcap=softcap)
+    opts = AttnOptions(scale=scale, window=window, soft_cap=softcap)
     if window is not None:
         mask = mask & ~context_mask(lens - window, mask.shape[-1])
     ref = decode_attention(q, cache, tables, mask, opts)
@@ -97,7 +97,7 @@ def test_window_softcap_and_scale_equal_the_reference(dim, window, softcap, scal
 
 
 @pytest.mark.parametrize("dim", [32, 64])  # 32: the PyTorch paths; 64: the native kernel where it is built
-@pytest.mark.parametrize("opts", [dict(window=6), dict(window=9, softcap=2.5, scale=0.1), dict(softcap=1.5),
+@pytest.mark.parametrize("opts", [dict(window=6), dict(window=9, soft_cap=2.5, scale=0.1), dict(soft_cap=1.5),
                                   dict(window=5, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))])
 def test_paged_attention_honours_the_options_on_every_path(dim, opts):
     """Two sequences through the paged cache, as chunks after a cached prefix and then as decode rows: each token's

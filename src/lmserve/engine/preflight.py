@@ -19,6 +19,7 @@ from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
 from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.engine.tokenizer import check_tokenizer_file
 from lmserve.errors import ConfigError
+from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.layers.quantized import check_scheme
 from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
@@ -49,6 +50,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
         kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, kept_gguf, device)
     except ValueError as e:
         raise ConfigError(f"--kv-cache-dtype: {e}") from None
+    resolve_attention_backend(cfg.attention_backend, device, dtype)  # `triton` where it cannot run: ConfigError
     if cfg.quantization:
         try:
             check_scheme(cfg.quantization, device)

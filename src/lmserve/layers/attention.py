@@ -17,17 +17,24 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, eq=False)
 class AttnOptions:
-    """How one layer attends. The defaults are plain causal attention with scale head_dim ** -0.5."""
+    """How one layer attends, beyond plain causal softmax attention; one object per layer, built once.
 
-    scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
-    window: int | None = None  # a query sees only the last `window` keys, itself included (sliding window)
-    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)
-    sinks: torch.Tensor | None = None  # [num_heads] a per-head logit that joins the softmax denominator
+    Every attention backend takes the same object, so a model states its options once (Gemma 2's soft-cap and
+    sliding window, gpt-oss's sinks) and each backend either honours all of them or refuses the model.
+    """
+
+    scale: float | None = None  # logits = q.k * scale; None: head_dim ** -0.5
+    # sliding window in tokens, as Hugging Face counts it: a query at position p sees keys p - window < j <= p
+    window: int | None = None
+    soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap) (Gemma 2), after the scale
+    # per query head, a learned logit that joins the softmax's denominator and carries no value (gpt-oss);
+    # [num_heads] float32, on the model's device
+    sinks: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
         """True when only the scale differs from plain causal attention (SDPA's fast paths apply)."""
-        return self.window is None and self.softcap is None and self.sinks is None
+        return self.window is None and self.soft_cap is None and self.sinks is None
 
 
 DEFAULT = AttnOptions()
@@ -61,8 +68,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         kf, vf = kf.repeat_interleave(heads // kv_heads, dim=-2), vf.repeat_interleave(heads // kv_heads, dim=-2)
     scale = opts.scale if opts.scale is not None else d ** -0.5
     scores = torch.einsum("...qhd,...khd->...hqk", qf, kf) * scale  # [..., H, Tq, Tk]
-    if opts.softcap is not None:
-        scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    if opts.soft_cap is not None:
+        scores = torch.tanh(scores / opts.soft_cap) * opts.soft_cap
     scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
     if opts.sinks is not None:  # one extra column per head, dropped after the softmax
         sink = opts.sinks.float().view(heads, 1, 1).expand(*scores.shape[:-1], 1)
@@ -82,7 +89,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     """
     if not opts.plain:
         mask = visible(q.shape[0], k.shape[0], opts.window, q.device)
-        if opts.softcap is not None or opts.sinks is not None:  # SDPA has neither
+        if opts.soft_cap is not None or opts.sinks is not None:  # SDPA has neither
             return attention_ref(q, k, v, mask, opts)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),

@@ -50,6 +50,10 @@ class PagedAttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None
     prefill_table_rows: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
+    # the same prefill requests per sequence, for kernels that tile a chunk's queries (Triton's prefill): each
+    # request's first row counted from the first prefill row [R + 1], and its context after this step [R]
+    prefill_query_start_loc: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,7 +78,7 @@ class PagedAttention:
             # never depend on whether it was prefilled, chunked, recomputed after preemption or decoded
             out = kernel.paged_decode_attention(rows, cache[0], cache[1], m.prefill_block_tables,
                                                 m.prefill_context_lens, _scale(q, opts), m.prefill_table_rows,
-                                                opts.window or 0, opts.softcap or 0.0)
+                                                opts.window or 0, opts.soft_cap or 0.0)
             outs.append(out.reshape(rows.shape[0], -1))
             return torch.cat(outs) if len(outs) > 1 else outs[0]
         for p in m.prefills:
@@ -97,7 +101,7 @@ class PagedAttention:
                 mask = mask & ~context_mask(m.decode_context_lens - opts.window, num_keys)
             return decode_attention(q, cache, m.decode_block_tables, mask, opts)
         out = kernel.paged_decode_attention(q, cache[0], cache[1], m.decode_block_tables, m.decode_context_lens,
-                                            _scale(q, opts), None, opts.window or 0, opts.softcap or 0.0)
+                                            _scale(q, opts), None, opts.window or 0, opts.soft_cap or 0.0)
         return out.reshape(q.shape[0], -1)
 
 
@@ -144,7 +148,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     # [B, Hkv, L, D], in the queries' dtype (a float16 cache under float32 queries)
     k = cache[0].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
     v = cache[1].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
-    if opts.softcap is not None or opts.sinks is not None:  # SDPA has neither: the plain definition
+    if opts.soft_cap is not None or opts.sinks is not None:  # SDPA has neither: the plain definition
         return attention_ref(q[:, None], k.transpose(1, 2), v.transpose(1, 2), mask.view(b, 1, -1),
                              opts).view(b, heads * d)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,

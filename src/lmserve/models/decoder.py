@@ -36,7 +36,7 @@ def attention_spec(cfg: ModelConfig, i: int) -> AttentionSpec:
     scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar is not None else None
     return AttentionSpec(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, cfg.o_bias,
                          cfg.rms_norm_eps if cfg.qk_norm else None, cfg.norm_offset, cfg.rope_kind(i),
-                         AttnOptions(scale=scale, window=cfg.window(i), softcap=cfg.attn_softcap))
+                         AttnOptions(scale=scale, window=cfg.window(i), soft_cap=cfg.attn_softcap))
 
 
 class DecoderLayer(nn.Module):
