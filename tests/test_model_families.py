@@ -157,3 +157,36 @@ def test_packed_gguf_keeps_mixed_layouts_quantized(tiny, tmp_path):
     batch = prompts((5, 30))
     for ours, theirs in zip(flat_logits(packed, batch), flat_logits(plain, batch)):
         assert_close(ours, theirs, tol=0.03)  # int8 activations, as llama.cpp quantizes them
+
+
+@pytest.mark.parametrize("name", [n for n, a in ARCHS.items() if a.gguf and n != "phi3"])
+def test_native_decode_stack_is_the_module_loop_bitwise(tiny, tmp_path, name):
+    """Quantized GGUFs of every family whose layers the native decode stack runs (sandwich norms, QK-norm, GeGLU,
+    NoPE layers, per-kind rotary tables, windows, soft-caps; q/k and v in different block layouts): the runner
+    applies it, and tokens and logprobs are bit-identical with it removed (Phi-3's partial rotary keeps the loop)."""
+    from lmserve.layers.decode_stack import apply_decode_stack, remove_decode_stack
+
+    _, _, ref = tiny(name)
+    kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0"}
+    path = write_gguf(name, ref, tmp_path / "q.gguf", lambda n: kinds.get(n.split(".")[-2], "Q8_0"))
+    cache = CacheConfig(num_blocks=64, enable_prefix_caching=False)  # the same cache state in both runs
+    eng = LLMEngine(EngineConfig(model=str(path), quantization="gguf", cache=cache,
+                                 scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)),
+                    tokenizer=Tokenizer.from_pretrained(tiny(name)[0]))
+    assert eng.runner.decode_stack is not None
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run() -> dict:
+        out: dict = {}
+        for i, p in enumerate(GREEDY_BATCH[:3]):
+            eng.add_request(str(i), p, params)
+        while eng.has_unfinished():
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend((t.token_id, t.logprob, tuple(t.top)) for t in d.logprobs)
+        return out
+
+    fused = run()
+    model = eng.loaded.model
+    remove_decode_stack(model)
+    assert run() == fused
+    assert apply_decode_stack(model).steps == 0 and eng.runner.decode_stack.steps >= 20
