@@ -207,15 +207,14 @@ def _gemma_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
 def merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Merges of every piece that two pieces join into, the piece earlier in the vocabulary first (then the longer
     left part), as transformers derives them for a vocabulary whose order is its merge order."""
-    ranked = []
     last = {piece: index for index, piece in enumerate(tokens)}  # a piece spelled twice ranks by its last place
-    for piece, index in last.items():
-        for cut in range(1, len(piece)):
+    merges = []
+    for piece in sorted(last, key=last.__getitem__):  # emitted in rank order: no sort of the merges themselves
+        for cut in range(len(piece) - 1, 0, -1):
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
-                ranked.append((index, -cut, cut - len(piece), left, right))
-    ranked.sort(key=lambda r: r[:3])
-    return [(left, right) for *_, left, right in ranked]
+                merges.append((left, right))
+    return merges
 
 
 def merges_from_scores(tokens: list[str], scores: Any, types: list[int]) -> list[tuple[str, str]]:
