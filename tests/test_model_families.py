@@ -12,10 +12,10 @@ import torch
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.tokenizer import Tokenizer
-from lmserve.layers.attention import ContiguousAttention
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
+from tests.test_model_parity import flat_logits
 from tests.tiny_models import ARCHS, VOCAB, build_gemma3_multimodal, build_hf, write_gguf
 
 TOL = 1e-4
@@ -56,15 +56,6 @@ def prompts(lengths, seed: int = 1) -> list[list[int]]:
 
 
 GREEDY_BATCH = [prompts([40], seed=7)[0] + p for p in prompts([3, 9, 17, 5, 12, 1, 14, 7], seed=3)]
-
-
-def flat_logits(model, batch: list[list[int]]) -> list[torch.Tensor]:
-    """All prompts in one flat forward (no padding), split back per prompt."""
-    ids = torch.tensor([t for p in batch for t in p])
-    pos = torch.cat([torch.arange(len(p)) for p in batch])
-    with torch.inference_mode():
-        logits = model.compute_logits(model(ids, pos, ContiguousAttention([len(p) for p in batch])))
-    return list(logits.split([len(p) for p in batch]))
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:
