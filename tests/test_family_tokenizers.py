@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 
 TEXTS = ["def f(x):\n    return x ** 2  # square\n\n\tprint(f'{x}')",
          "emoji 🎉🚀👩‍💻 and 🇫🇷 flags", "Привет, мир! Ελληνικά עברית العربية हिन्दी 日本語のテキスト 中文 한국어",
@@ -48,7 +48,7 @@ def write_qwen_vocab(path) -> None:
     from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HFTokenizer
 
-    from lmserve.engine.gguf_vocab import _QWEN2
+    from lmserve.tokenizer.gguf_vocab import _QWEN2
 
     bpe = HFTokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2), behavior="isolated"),

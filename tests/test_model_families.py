@@ -11,7 +11,7 @@ import torch
 
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams

@@ -130,7 +130,7 @@ def test_concurrent_requests_during_a_load_all_succeed(one_at_a_time):
 @pytest.fixture(scope="module")
 def pool_app(tiny):
     from lmserve.config import CacheConfig, EngineConfig
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
     from lmserve.server.app import build_app
     from lmserve.server.main import load_engine, unload_engine
     from lmserve.server.metrics import ServerMetrics

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import logging
 import time
+from urllib.parse import quote
 
 from lmserve.server.state import IGNORED_FIELDS_KEY, RECORD_KEY
 
 log = logging.getLogger("lmserve.access")
 IGNORED_HEADER = b"x-ignored-fields"
+
+
+# A header value allows visible ASCII and spaces only (h11 refuses the response otherwise, and the client sees the
+# connection drop): a field name is the client's text, so anything else in it is percent-encoded.
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in "%,")
+
+
+def ignored_header(names: list[str]) -> bytes:
+    """The X-Ignored-Fields value: the dotted names, comma-separated, percent-encoded, at most 1 KiB."""
+    return ", ".join(quote(n, safe=_HEADER_SAFE) for n in names).encode("ascii")[:1024]
 
 
 class AccessLog:
@@ -33,7 +44,7 @@ class AccessLog:
                 status[0] = message["status"]
                 ignored = scope.get("state", {}).get(IGNORED_FIELDS_KEY)
                 if ignored:  # the body parsed before any response starts, so the names are known here
-                    header = ", ".join(ignored).encode("latin-1", "replace")[:1024]
+                    header = ignored_header(ignored)
                     message = {**message, "headers": [*message.get("headers", []), (IGNORED_HEADER, header)]}
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
