@@ -90,7 +90,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     """(This rank's part of) the model, then the tokenizer, KV pool, LoRA slots, runner and executor."""
     shard = TPShard(0, cfg.parallel.tensor_parallel_size) if ranks is not None else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
-                                  shard=shard)
+                                  shard=shard, max_model_len=cfg.max_model_len)
     dtype = next(loaded.model.parameters()).dtype
     kv_dtype = _kv_dtype(cfg, dtype, loaded, device)
     tokenizer = tokenizer or load_tokenizer(loaded)

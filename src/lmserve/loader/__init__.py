@@ -6,7 +6,7 @@ import logging
 import resource
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -16,7 +16,6 @@ from lmserve.layers.linear import can_pack, pack_linears, skinny_coverage
 from lmserve.layers.native import native_module
 from lmserve.layers.parallel import apply_tensor_parallel, drop_row_biases
 from lmserve.layers.quantized import check_scheme, quantize_linears
-from lmserve.layers.rotary import inv_frequencies
 from lmserve.errors import CheckpointError
 from lmserve.loader.default_model import default_model_path
 from lmserve.loader.gguf_file import GGUFFile, read_gguf
@@ -24,9 +23,11 @@ from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
-from lmserve.loader.sharding import TPShard, local_config, take_shard
+from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
 from lmserve.models.config import ModelConfig
-from lmserve.models.registry import build_model
+from lmserve.models.config_hf import config_from_hf
+from lmserve.models.registry import build_model, family_of
+from lmserve.models.rope import rope_specs
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def _refuse_format(path: Path) -> NoReturn:
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True,
                quantization: str | None = None, revision: str | None = None,
-               shard: TPShard | None = None) -> LoadedModel:
+               shard: TPShard | None = None, max_model_len: int | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     `pack` applies the fast CPU weight format (layers/linear.py); False keeps plain nn.Linear.
@@ -113,6 +114,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     `revision` picks the Hub revision when `model` is a Hub id.
     `shard` loads only this tensor-parallel rank's part and wraps the row-parallel layers (layers/parallel.py;
     the caller has joined the process group). `config` stays the whole model's; `model.config` is the rank's.
+    `max_model_len`, the context the engine will serve, picks LongRoPE's factors (models/rope.py).
     """
     if quantization:
         check_scheme(quantization, device)
@@ -130,12 +132,12 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         if quantization == "gguf":
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
                                   "a safetensors checkpoint (use int8 or int4)")
-        cfg = _config_from_dir(path)
+        cfg = replace(_config_from_dir(path), max_model_len=max_model_len)
         net = _empty_model(local_config(cfg, world), dtype, device)
         files, weight_map = weight_files(path)
-        net.load_weights(iter_safetensors(files, weight_map, shard))
+        net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard))
     elif gguf is not None:
-        cfg = gguf_config(gguf)
+        cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
         net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf")
     else:
         _refuse_format(path)
@@ -170,10 +172,23 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
     net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
     factors = rope_freq_factors(gguf)
     if factors is not None:
-        net.inv_freq.copy_(net.inv_freq / factors.to(device))
+        net.rotary.reset(rope_specs(net.config, factors), device)
     weights = iter_gguf(gguf, cfg, skip=kept)  # dequantized whole (Q/K unpermuted with the whole head count)
-    net.load_weights(weights if world == 1 else ((n, take_shard(n, t, shard), s) for n, t, s in weights))
+    net.load_weights(_family_tensors(weights, cfg, shard, whole=True))
     return net
+
+
+def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: ModelConfig, shard: TPShard | None,
+                    whole: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Checkpoint tensors as the family's hook gives them (renamed, fused ones split: models/<family>.py), each cut
+    to this rank's part where it came whole (`whole`: every tensor; else the parts of a fused tensor, which the
+    safetensors reader could not slice by its name)."""
+    hook = family_of(cfg).checkpoint_tensors
+    split = shard is not None and shard.world_size > 1
+    for name, tensor, source in weights:
+        for new, part in hook(name, tensor, cfg):
+            cut = split and (whole or (split_dim(name) is None and new != name))
+            yield new, take_shard(new, part, shard) if cut else part, source
 
 
 def _weight_format(net: torch.nn.Module, quantization: str | None, device: torch.device, dtype: torch.dtype,
@@ -215,7 +230,7 @@ def _skip_init() -> Iterator[None]:
 def _config_from_dir(path: Path) -> ModelConfig:
     raw = read_config(path)  # its errors name the file already
     try:
-        return ModelConfig.from_hf(raw)
+        return config_from_hf(raw)
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
 
@@ -244,7 +259,7 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             transform(net)
         _materialize(net, dtype, device)
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
-    net.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling).to(device)
+    net.rotary.reset(rope_specs(cfg), device)
     return net
 
 

@@ -10,6 +10,7 @@ import torch
 
 from lmserve.layers.attention import ContiguousAttention
 from lmserve.layers.attention_backends import attention_factory
+from lmserve.layers.decode_stack import apply_decode_stack
 from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
 from lmserve.lora.slots import LoraSlots
@@ -72,6 +73,9 @@ class ModelRunner:
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
         native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
+        # a transform of the finished model (after weight formats, LoRA, parallel wrappers): decode-only steps run
+        # every layer in one native call where the layers are ones it runs; the module loop stays the reference
+        self.decode_stack = apply_decode_stack(model)
 
     def enable_decode_graphs(self, max_rows: int, max_blocks: int, capture: bool) -> float:
         """Run decode-only steps of up to max_rows tokens at fixed shapes (captured as CUDA graphs when
