@@ -11,7 +11,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple
 
-from lmserve.config import ENV_API_KEY, engine_config
+from lmserve.config import DEFAULT_KV_OFFLOAD_DISK_BYTES, ENV_API_KEY, engine_config
 from lmserve.errors import CheckpointError, ConfigError
 
 
@@ -54,6 +54,16 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    "what a profiled full step leaves (used when --kv-cache-memory and --num-kv-blocks are not given)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache size in blocks of --block-size tokens (overrides --kv-cache-memory)")
+    p.add_argument("--kv-offload-memory", type=size_arg, default=0, metavar="SIZE",
+                   help="host memory for prefix-cache blocks the KV pool evicts (an LRU, e.g. 2GiB); a later prompt "
+                   "with that prefix copies them back instead of recomputing them (default: 0, off)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="a directory for every full prefix-cache block (written off the engine thread, checked on "
+                   "read, kept across restarts): a repeated long prompt is answered from it after a restart; keyed "
+                   "by the model's weights, tokenizer, KV layout and block size, and by each API key's prefix salt")
+    p.add_argument("--kv-offload-disk-size", type=size_arg, default=DEFAULT_KV_OFFLOAD_DISK_BYTES, metavar="SIZE",
+                   help="most bytes --kv-offload-dir holds for this model; the least recently used blocks are "
+                   "deleted beyond it (default: 8GiB)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split each layer across N ranks, one process each (torch.distributed: gloo on CPU, NCCL on "
                    "CUDA, one GPU per rank); the model's heads and KV heads must be divisible by N")
@@ -83,6 +93,16 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--max-cpu-loras", type=int, default=16,
                    help="adapters kept read in host memory (least recently used dropped, re-read when used)")
     p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted; slots are sized for it")
+
+
+def size_arg(text: str) -> int:
+    """A size flag (2GiB, 512MiB, bytes) -> bytes (argparse reports a ValueError as a usage error)."""
+    from lmserve.utils import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def speculative_config(text: str):

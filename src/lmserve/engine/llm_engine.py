@@ -14,6 +14,7 @@ from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.cache.sizing import blocks_for, gpu_kv_budget, num_kv_blocks
 from lmserve.config import EngineConfig
 from lmserve.errors import ConfigError
+from lmserve.engine.kv_offload import attach_kv_tier
 from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.preflight import check_kv_pool, check_tensor_parallel
 from lmserve.engine.tokenizer import Tokenizer
@@ -142,6 +143,7 @@ class LLMEngine:
         if cfg.cuda_graphs and not cfg.enforce_eager and self.device.type == "cuda" and self.lora_slots is None:
             self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
                                              capture=True)
+        self.kv_tier = attach_kv_tier(self)  # host memory and disk below the pool (None: off)
         self.executor = self._executor()
 
     def _lora(self) -> tuple[LoraSlots | None, LoraRegistry | None]:
@@ -189,8 +191,10 @@ class LLMEngine:
         return MultiprocExecutor(self.runner, self.ranks)
 
     def close(self) -> None:
-        """Stop the executor's worker ranks (nothing to do without tensor parallelism)."""
+        """Stop the executor's worker ranks (nothing to do without tensor parallelism); finish the KV tier's writes."""
         self.executor.shutdown()
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def _num_blocks(self) -> int:
         c = self.cfg.cache
@@ -450,10 +454,23 @@ class LLMEngine:
 
 
 def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:
-    """The adapter's registration first (blocks never cross adapters), then the caller's salt after a NUL: the
-    adapter part holds no NUL, so no two (adapter, salt) pairs give the same bytes."""
-    adapter = b"" if lora is None else b"lora:%d" % lora.lora_int_id
+    """The adapter first (blocks never cross adapters), then the caller's salt after a NUL: the adapter part holds
+    no NUL, so no two (adapter, salt) pairs give the same bytes.
+
+    An adapter is named by the digest of its files (the same in every process, so the KV tier's disk files of one
+    adapter serve that adapter alone after a restart); one read without a digest by its registration id and this
+    process's nonce (ids restart at every start: such blocks must never outlive the process).
+    """
+    if lora is None:
+        adapter = b""
+    elif getattr(lora.adapter, "digest", ""):
+        adapter = b"lora:" + lora.adapter.digest.encode()
+    else:
+        adapter = b"lora-id:%d:%s" % (lora.lora_int_id, _PROCESS_NONCE)
     return adapter + b"\0" + salt if salt else adapter
+
+
+_PROCESS_NONCE = os.urandom(8).hex().encode()
 
 
 def _threads_per_rank(cfg: EngineConfig) -> int:

@@ -120,3 +120,9 @@ def _key() -> str:
     sources = b"".join(p.read_bytes() for p in sorted([*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]))
     h = hashlib.sha256(sources + torch.__version__.encode() + flags.encode() + " ".join(_CFLAGS).encode())
     return h.hexdigest()[:16]
+
+
+def build_key() -> str | None:
+    """What the loaded kernels were built from (sources, torch version, CPU flags), or None where they are off:
+    bytes they computed are reproduced only by the same build (the KV tier keys its blocks by it)."""
+    return _key() if native_module() is not None else None

@@ -103,6 +103,7 @@ class Scheduler:
         if len(out.preempted_ids) == num_fair_preempted:  # out of KV blocks: admitting would only preempt again
             budget = self._admit(out, budget)
         self._grammar_rows(out)
+        out.kv_transfers = self.kv.take_transfers()
         return out
 
     def _grammar_rows(self, out: SchedulerOutput) -> None:
