@@ -180,3 +180,22 @@ def test_sizes_parse_as_people_write_them():
     for bad in ("", "GiB", "2XB", "-1G", "nan", "inf"):
         with pytest.raises(ValueError, match="not a size"):
             parse_bytes(bad)
+
+
+def test_close_writes_what_is_queued_once_and_later_blocks_are_ignored(tmp_path):
+    tier = DiskTier(tmp_path, NS, BLOCK, 2**20)
+    tier.submit([(h(i), block(i)) for i in range(3)])
+    tier.close()
+    assert tier.stats.stores == 3 and all(tier.has(h(i)) for i in range(3))
+    tier.close()  # a second close, and a flush after it, return at once
+    tier.flush()
+    tier.submit([(h(9), block(9))])
+    assert not tier.has(h(9)) and tier.stats.dropped == 0
+
+
+def test_the_offline_api_takes_the_tier_flags_as_keywords(tmp_path):
+    from lmserve.engine.llm import _engine_config
+
+    cfg = _engine_config(None, {"kv_offload_memory": "2GiB", "kv_offload_dir": str(tmp_path),
+                                "kv_offload_disk_size": 10**9}).kv_offload
+    assert (cfg.memory_bytes, cfg.directory, cfg.disk_bytes) == (2 * 2**30, str(tmp_path), 10**9)

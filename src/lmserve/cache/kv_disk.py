@@ -79,6 +79,7 @@ class DiskTier:
         self._pending: set[bytes] = set()  # queued, not yet written
         self._queue: queue.Queue = queue.Queue()
         self._queue_limit, self._queued_bytes = queue_bytes, 0
+        self._closed = False
         self._scan()
         self._thread = threading.Thread(target=self._run, name="lmserve-kv-disk", daemon=True)
         self._thread.start()
@@ -125,7 +126,7 @@ class DiskTier:
         """Queue blocks ([block_bytes] uint8 CPU tensors, not written to afterwards) for writing; never blocks."""
         for block_hash, data in items:
             with self._lock:
-                if block_hash in self._index or block_hash in self._pending:
+                if self._closed or block_hash in self._index or block_hash in self._pending:
                     continue
                 if self._queued_bytes + self.block_bytes > self._queue_limit:
                     self.stats.dropped += 1
@@ -136,10 +137,15 @@ class DiskTier:
 
     def flush(self) -> None:
         """Wait until every queued block is written (tests, and a clean stop)."""
-        self._queue.join()
+        if not self._closed:
+            self._queue.join()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued (for at most `timeout_s`), then stop the writer."""
+        """Write what is queued (for at most `timeout_s`), then stop the writer; later blocks are not written."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -185,10 +191,17 @@ class DiskTier:
                 if job is None:
                     return
                 kind, block_hash, data = job
-                if kind == "write":
-                    self._write(block_hash, data, dirty)
-                else:
-                    _touch(self._path(block_hash))
+                try:
+                    if kind == "write":
+                        self._write(block_hash, data, dirty)
+                    else:
+                        _touch(self._path(block_hash))
+                except Exception:  # a bug must not end the writer (its queue would then fill and never drain)
+                    log.exception("KV disk tier: %s of %s failed", kind, block_hash.hex()[:16])
+                    with self._lock:
+                        if kind == "write" and block_hash in self._pending:
+                            self._pending.discard(block_hash)
+                            self._queued_bytes -= self.block_bytes
                 if self._queue.empty():
                     for d in dirty:
                         _sync_dir(d)
