@@ -59,7 +59,7 @@ class Client:
             for name in ("lmserve:prefix_cache_hit_tokens_total", "lmserve:kv_offload_hit_tokens_total"):
                 if line.startswith(name):
                     label = line[len(name):].split(" ")[0]
-                    tier = "pool" if not label else label.split('tier="')[1].split('"')[0]
+                    tier = label.split('tier="')[1].split('"')[0] if 'tier="' in label else "pool"
                     out[tier] = out.get(tier, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
