@@ -129,6 +129,8 @@ def test_overload_answers_only_200_429_503_and_holds_memory_flat(keyed):
 
 # -- cancellation soak -----------------------------------------------------------------------------
 
+SOAK_ROUNDS = 5
+SOAK_GROWTH_MB = 4  # median RSS growth per round of 200 streams (after the first round)
 SHARED = "You are a careful assistant. Answer briefly and precisely. " * 12  # ~130 tokens: prefix-cache hits
 MODES = ("before_admission", "prefill", "mid_decode", "at_finish", "complete")
 
@@ -188,19 +190,25 @@ def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_pat
                         headers=OPS, env=pinned) as s:
         asyncio.run(_soak(s.url, 100, seed=1))  # warm-up: allocator pools, caches, connection buffers
         assert_nothing_leaked(s)
-        before = psutil.Process(s.proc.pid).memory_info().rss / MB
+        rss = [psutil.Process(s.proc.pid).memory_info().rss / MB]
         hits_before = s.metric("lmserve:prefix_cache_hit_tokens_total")
-        start = time.monotonic()
-        seen = asyncio.run(_soak(s.url, 1000, seed=2))
+        start, seen = time.monotonic(), {}
+        for k in range(SOAK_ROUNDS):  # 1,000 streams in rounds, RSS read after each
+            for mode, count in asyncio.run(_soak(s.url, 1000 // SOAK_ROUNDS, seed=2 + k)).items():
+                seen[mode] = seen.get(mode, 0) + count
+            assert_nothing_leaked(s)
+            rss.append(psutil.Process(s.proc.pid).memory_info().rss / MB)
         seconds = time.monotonic() - start
-        assert_nothing_leaked(s)
-        after = psutil.Process(s.proc.pid).memory_info().rss / MB
         hits = s.metric("lmserve:prefix_cache_hit_tokens_total") - hits_before
         aborted = sum(s.metric("lmserve:request_aborts_total", f'reason="{r}"') for r in ("client_disconnect",))
-    report("cancellation_soak", requests=1000, modes=seen, seconds=round(seconds, 1), rss_before_mb=round(before, 1),
-           rss_after_mb=round(after, 1), prefix_hit_tokens=hits, aborted=aborted)
+    # A leak grows RSS in every round; a busy neighbour (more requests in flight at once, a larger allocator pool)
+    # moves it once. So the judge is the median growth per round after the first (which settles pools sized by
+    # this load), not one bound on the total: 4 MB a round is 20 KB per request, the old bound's 24 MB / 1,000.
+    growth = [b - a for a, b in zip(rss[1:], rss[2:])]
+    report("cancellation_soak", requests=1000, modes=seen, seconds=round(seconds, 1), rss_mb=[round(r, 1) for r in rss],
+           growth_per_round_mb=[round(g, 1) for g in growth], prefix_hit_tokens=hits, aborted=aborted)
     assert min(seen.values()) >= 150 and hits > 10_000 and aborted >= 300
-    assert after - before < 24, (before, after)
+    assert statistics.median(growth) < SOAK_GROWTH_MB, rss
 
 
 # -- resource bombs, each beside a canary ----------------------------------------------------------

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import lmserve
 from lmserve.ops.record import RequestRecord
 from lmserve.server import batch_routes, lora_routes, openai_routes, tgi_routes, v2_routes
+from lmserve.server.access_log import AccessLog
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
@@ -38,8 +39,8 @@ def is_generation(path: str) -> bool:
 log = logging.getLogger("lmserve.server")
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The app over a ServerState (whose engine may still be loading)."""
+def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
+    """The app over a ServerState (whose engine may still be loading); `access_log`: a log line per request."""
     app = FastAPI(title="lmserve", version=lmserve.__version__, docs_url=None, redoc_url=None,
                   lifespan=_lifespan(state))
     app.state.lm = state
@@ -59,6 +60,7 @@ def build_app(state: ServerState) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes,
                        upload_bytes={"/v1/files": state.config.max_upload_bytes})
+    app.add_middleware(AccessLog, enabled=access_log)  # outermost: its latency is the whole request's
     return app
 
 

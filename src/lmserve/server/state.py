@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from lmserve.server.tenants import Tenants
 from lmserve.server.traffic import TrafficSplit
 
 T = TypeVar("T")
+log = logging.getLogger("lmserve.server")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class ServerConfig:
     engine_step_timeout: float | None = 300.0  # the hung-engine watchdog; None: off
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_dirs: tuple[str, ...] = ()  # the only directories those routes may read adapters from
+    strict_fields: bool = False  # an unknown request field is a 400 (else ignored, logged, named in X-Ignored-Fields)
 
     @property
     def token_limits(self) -> TokenLimits:
@@ -186,6 +189,7 @@ RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's
 KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
 LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
 LEASES_KEY = "lmserve_leases"  # the models a request holds (server/model_pool.py), released at its end
+IGNORED_FIELDS_KEY = "lmserve_ignored_fields"  # unknown body fields dropped by parsing (server/access_log.py)
 _PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
 
@@ -205,8 +209,10 @@ async def read_request(request: Request, model: type[T]) -> tuple[ModelState, T]
     key may use, and it is loaded (waiting for its load); the model is held until the response ends."""
     st = state_of(request)
     st.check_ready()
-    req = parse_body(await request.body(), model)
-    leases = request.scope.setdefault("state", {}).setdefault(LEASES_KEY, [])
+    ignored = request.scope.setdefault("state", {}).setdefault(IGNORED_FIELDS_KEY, [])  # access_log names them
+    req = parse_body(await request.body(), model, st.config.strict_fields, ignored)
+    _log_ignored(ignored, request.url.path)
+    leases = request.scope["state"].setdefault(LEASES_KEY, [])
     return await accept(st, req, record_of(request), key_name_of(request), leases), req
 
 
@@ -216,8 +222,15 @@ async def read_data(st: ServerState, data: Any, model: type[T], record: RequestR
 
     The caller releases what `leases` holds once the line's answer is complete."""
     st.check_ready()
-    req = parse_data(data, model)
+    ignored: list[str] = []
+    req = parse_data(data, model, st.config.strict_fields, ignored)
+    _log_ignored(ignored, record.route)
     return await accept(st, req, record, record.key_name or ANONYMOUS, leases), req
+
+
+def _log_ignored(ignored: list[str], route: str) -> None:
+    if ignored:
+        log.info("%s: ignored unknown field(s) %s (--strict-fields refuses them)", route[:100], ", ".join(ignored))
 
 
 async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_name: str,
