@@ -58,12 +58,12 @@ def assert_no_leak(eng: LLMEngine) -> None:
 
 def full_blocks(eng: LLMEngine, prompt: str) -> int:
     """Blocks a prefix hit can cover: all full ones, one token left to compute."""
-    return (len(eng.tokenize_prompt(prompt)) - 1) // eng.block_size
+    return (len(eng.front.tokenize_prompt(prompt)) - 1) // eng.block_size
 
 
 def leading_in_pool(eng: LLMEngine, prompt: str, salt: bytes = b"") -> int:
     """How many of the prompt's leading full blocks the pool itself still holds."""
-    ids, parent, n, bs = eng.tokenize_prompt(prompt), None, 0, eng.block_size
+    ids, parent, n, bs = eng.front.tokenize_prompt(prompt), None, 0, eng.block_size
     for i in range(full_blocks(eng, prompt)):
         parent = block_hash(parent, ids[i * bs:(i + 1) * bs], salt)
         if eng.kv.pool.lookup(parent) is None:
@@ -150,7 +150,7 @@ def test_a_corrupt_file_is_recomputed_and_rewritten(tiny, cold, tmp_path):
     first = engine(tiny, directory=str(tmp_path))
     run(first, PROMPT, "a")
     first.close()
-    ids = first.tokenize_prompt(PROMPT)
+    ids = first.front.tokenize_prompt(PROMPT)
     hashes = [None]
     for i in range(full_blocks(first, PROMPT)):
         hashes.append(block_hash(hashes[-1], ids[i * BS:(i + 1) * BS]))
@@ -286,7 +286,7 @@ def test_the_embedded_gguf_model_loads_blocks_back_bit_identical(smol_engine, tm
             break
     assert leading_in_pool(eng, prompt) == 0
     again = run(eng, prompt, "a2", params=params)
-    full = (len(eng.tokenize_prompt(prompt)) - 1) // eng.block_size * eng.block_size
+    full = (len(eng.front.tokenize_prompt(prompt)) - 1) // eng.block_size * eng.block_size
     assert again["cached"] == full and eng.kv_tier.stats("host")["hit_tokens"] == full
     assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
     assert_no_leak(eng)

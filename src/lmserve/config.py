@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from lmserve.errors import ConfigError
 
+VERSION = "0.1.0"  # lmserve.__version__; kept here, plain data, so that packages below the facade may read it
+
 if TYPE_CHECKING:
     import argparse
 

@@ -1,8 +1,9 @@
 """Per-request block tables over the block pool: prefix lookup, allocation, freeing, usage.
 
 With a KV tier below the pool (cache/kv_tier.py), a prefix lookup goes on into the tier where the pool's
-blocks end, and the manager also lists each step's copies for the runner (sched/output.KVTransfers): blocks the
-pool evicts (to host memory), blocks loaded from the tier, blocks newly filled (to disk).
+blocks end, and the manager also lists each step's copies for the runner (take_transfers; the scheduler hands
+them on as sched/output.KVTransfers): blocks the pool evicts (to host memory), blocks loaded from the tier,
+blocks newly filled (to disk).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import numpy as np
 
 from lmserve.cache.block_pool import Block, BlockPool
 from lmserve.cache.kv_tier import KVTier
-from lmserve.sched.output import KVTransfers
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
@@ -47,7 +47,9 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # leading blocks of each request already registered
         self.prefix_hits = 0  # tokens served from the cache since start (for stats), the tier's included
         self.tier: KVTier | None = None
-        self._transfers = KVTransfers()  # this step's copies between the pool and the tier
+        # this step's copies between the pool and the tier, as (block id, prefix hash)
+        self._loads: list[tuple[int, bytes]] = []  # fresh blocks to fill from the tier
+        self._persists: list[tuple[int, bytes]] = []  # blocks this step fills: to disk
 
     def attach_tier(self, tier: KVTier) -> None:
         """Look up prefixes in `tier` beyond the pool, and list the copies it needs each step."""
@@ -63,8 +65,12 @@ class KVCacheManager:
         """Fraction of blocks referenced by running requests."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its `start`-th block on (its whole table by default)."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -122,7 +128,7 @@ class KVCacheManager:
         fresh = self.pool.allocate(max(need, 0))
         for block, h in zip(fresh, tier):
             self.pool.cache(block, h)
-            self._transfers.loads.append((block.block_id, h))
+            self._loads.append((block.block_id, h))
         blocks = blocks + hit + fresh
         self.req_blocks[request_id] = blocks
         if computed:
@@ -159,17 +165,17 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
         if self.tier is not None:
             self.tier.unstage_all()
-            self.pool.evicted = []
-            self._transfers = KVTransfers()
+            self.pool.evicted, self._loads, self._persists = [], [], []
 
-    def take_transfers(self) -> KVTransfers | None:
-        """The copies this step needs between the pool and the tier (None: none), in the order the runner runs them."""
+    def take_transfers(self) -> tuple[list[tuple[int, bytes]], ...] | None:
+        """The copies this step needs between the pool and the tier, (saves, loads, persists) as sched/output.
+        KVTransfers holds them (None: none)."""
         if self.tier is None:
             return None
-        t, self._transfers = self._transfers, KVTransfers()
-        t.saves = [(b, h) for b, h in self.pool.evicted if self.tier.wants_save(h)]
-        self.pool.evicted = []
-        return t if t.saves or t.loads or t.persists else None
+        saves = [(b, h) for b, h in self.pool.evicted if self.tier.wants_save(h)]
+        copies = (saves, self._loads, self._persists)
+        self.pool.evicted, self._loads, self._persists = [], [], []
+        return copies if any(copies) else None
 
     def _hashes(self, request_id: str, token_ids: Sequence[int], extra: bytes, num_blocks: int) -> list[bytes]:
         """Hashes of the first `num_blocks` full blocks, extended incrementally as the request grows."""
@@ -191,5 +197,5 @@ class KVCacheManager:
         hashes = self._hashes(request_id, token_ids, extra, full)
         for block, h in zip(blocks[done:full], hashes[done:full]):
             if self.pool.cache(block, h) and self.tier is not None and self.tier.wants_persist(h):
-                self._transfers.persists.append((block.block_id, h))  # written by this step: to disk after it
+                self._persists.append((block.block_id, h))  # written by this step: to disk after it
         self._num_cached[request_id] = full

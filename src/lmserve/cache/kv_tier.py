@@ -179,6 +179,14 @@ class KVTier:
         return out | {"stores": d.stores if d else 0, "store_bytes": d.store_bytes if d else 0,
                       "used_bytes": d.used_bytes if d else 0}
 
+    def summary(self) -> dict[str, dict[str, int]]:
+        """stats() of each tier this has (host, disk); the disk's with the files it refused, dropped and failed."""
+        out = {"host": self.stats("host")} if self.host is not None else {}
+        if self.disk is not None:
+            d = self.disk.stats
+            out["disk"] = self.stats("disk") | {"rejected": d.rejected, "dropped": d.dropped, "failed": d.failed}
+        return out
+
     def flush(self) -> None:
         """Wait until the disk writer has written everything queued."""
         if self.disk is not None:

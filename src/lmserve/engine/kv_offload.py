@@ -8,21 +8,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import lmserve
 from lmserve.cache.kv_tier import KVTier, open_kv_tier
-from lmserve.engine.preflight import check_kv_offload
+from lmserve.config import VERSION
 from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.layers.native import build_key
 from lmserve.loader.fingerprint import weights_fingerprint
+from lmserve.preflight import check_kv_offload
 from lmserve.worker.kv_transfer import BlockCopier, KVTransfer
 
 if TYPE_CHECKING:
-    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.engine.build import EngineParts
 
 log = logging.getLogger(__name__)
 
 
-def attach_kv_tier(engine: LLMEngine) -> KVTier | None:
+def attach_kv_tier(engine: EngineParts) -> KVTier | None:
     """Build the tier the engine's config asks for (None: off) and hook it to the KV cache manager and the runner."""
     cfg = engine.cfg.kv_offload
     if not cfg.enabled:
@@ -40,7 +40,7 @@ def attach_kv_tier(engine: LLMEngine) -> KVTier | None:
     return tier
 
 
-def kv_identity(engine: LLMEngine, layout: str) -> dict[str, str]:
+def kv_identity(engine: EngineParts, layout: str) -> dict[str, str]:
     """Everything a KV block's bytes depend on besides its tokens and salt: blocks are found only under the same.
 
     The weights (fingerprint, format, dtype), the code that computed the KV (lmserve's version, the native kernels'
@@ -55,7 +55,7 @@ def kv_identity(engine: LLMEngine, layout: str) -> dict[str, str]:
     vocab = hashlib.sha256("\0".join(engine.tokenizer.vocab_tokens()).encode("utf-8", "surrogatepass")).hexdigest()
     return {
         "weights": weights_fingerprint(loaded.path), "weight_format": loaded.weight_format,
-        "dtype": str(engine.dtype).removeprefix("torch."), "lmserve": lmserve.__version__,
+        "dtype": str(engine.dtype).removeprefix("torch."), "lmserve": VERSION,
         "kernels": build_key() or "torch", "torch": torch.__version__, "attention": backend, "device": device,
         "threads": str(torch.get_num_threads()), "tokenizer": vocab[:16], "kv_layout": layout,
         "block_size": str(engine.block_size), "tensor_parallel": str(engine.cfg.parallel.tensor_parallel_size),
