@@ -40,6 +40,24 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as people write it: `2GiB`, `512MiB`, `1.5G` (SI: 10**9), `4096` (bytes); ValueError otherwise."""
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or not 0 <= value < float("inf"):  # also refuses NaN
+        raise ValueError(f"{text!r} is not a size (write e.g. 2GiB, 512MiB, 10GB or a number of bytes)")
+    return int(value * _SIZE_UNITS[unit])
+
+
 def cpu_has_fast_bf16(flags: str | None = None) -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
     found = (cpu_flags() if flags is None else flags).split()
