@@ -40,14 +40,14 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
         raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "reference":
         return BackendChoice("reference", "--attention-backend reference")
+    if name == "auto" and device.type != "cuda":
+        return BackendChoice("reference", f"auto: the Triton kernels are for CUDA, this is {device.type}")
     why_not = triton_unsupported(device, dtype)
     if name == "triton":
         if why_not:
             raise ConfigError(f"--attention-backend triton: {why_not}")
         return BackendChoice("triton", "--attention-backend triton" + (", Triton's interpreter" if device.type == "cpu"
                                                                        else ""))
-    if device.type != "cuda":
-        return BackendChoice("reference", f"auto: the Triton kernels are for CUDA, this is {device.type}")
     return BackendChoice("reference", f"auto: {why_not}") if why_not else BackendChoice("triton", "auto: CUDA")
 
 
