@@ -310,7 +310,7 @@ def main() -> None:
         args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
         return
     from gguf_decode import cpu
-    from lmserve.engine.tokenizer import Tokenizer
+    from lmserve.tokenizer import Tokenizer
     from lmserve.loader import default_model_path
 
     if not args.llama_perplexity.exists():  # builds llama-server and llama-perplexity once (minutes)
