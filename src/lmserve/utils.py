@@ -65,10 +65,21 @@ def cpu_has_fast_bf16(flags: str | None = None) -> bool:
 
 
 def keeps_gguf(model: str | Path | None, quantization: str | None, device: torch.device) -> bool:
-    """Would this model's GGUF blocks be kept (the embedded default is a quantized GGUF)? Decided by name: the
-    dtype is needed before the file is read; `auto_quantization` still checks the file's types."""
+    """Would this model's quantized blocks be kept: a GGUF file (the embedded default is a quantized GGUF) or a local
+    GPTQ / AWQ / compressed-tensors directory? Decided by name and config.json: the dtype is needed before the
+    weights are read; `auto_quantization` / `auto_prequant` still check the file's types."""
     named_gguf = model is None or str(model).lower().endswith(".gguf")
-    return device.type == "cpu" and quantization in ("auto", "gguf") and named_gguf
+    return device.type == "cpu" and quantization in ("auto", "gguf") and (named_gguf or _prequantized_dir(model))
+
+
+def _prequantized_dir(model: str | Path) -> bool:
+    """A local Hugging Face directory whose config.json names a pre-quantized method the int kernels can run."""
+    config = Path(model).expanduser() / "config.json"
+    try:
+        q = read_json_object(config).get("quantization_config") if config.is_file() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(q, dict) and str(q.get("quant_method", "")).lower() in ("gptq", "awq", "compressed-tensors")
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype, kept_gguf: bool, device: torch.device) -> torch.dtype:

@@ -136,7 +136,7 @@ def _start_ranks(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) ->
 
 def _kv_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: LoadedModel, device: torch.device) -> torch.dtype:
     try:
-        return resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
+        return resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
     except ValueError as e:
         raise ConfigError(f"--kv-cache-dtype: {e}") from None
 

@@ -22,6 +22,8 @@ from lmserve.loader.gguf_file import GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
+from lmserve.loader.prequant import (METHODS as PREQUANT_METHODS, CheckpointTensors, PrequantScheme, auto_prequant,
+                                     dequantized_rest, keep_prequantized, read_scheme)
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
 from lmserve.models.config import ModelConfig
@@ -46,13 +48,18 @@ class LoadedModel:
     load_seconds: float
     peak_rss_gib: float
     gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
-    # the weight format chosen at load (--quantization auto resolved): int8 | int4 | gguf; None: float weights
+    # the weight format chosen at load (--quantization auto resolved): int8 | int4 | gguf, or a pre-quantized
+    # checkpoint's method (gptq | awq | compressed-tensors) on the int kernels; None: float weights
     runtime_quantization: str | None = None
     shard: TPShard | None = None  # tensor parallelism: model holds this rank's part (model.config is per rank)
+    prequant: PrequantScheme | None = None  # a GPTQ / AWQ / compressed-tensors checkpoint's checked scheme
 
     @property
     def quantization(self) -> str:
-        """The checkpoint's weight format as stored (GGUF file type, e.g. MOSTLY_Q4_1), or 'none'."""
+        """The checkpoint's weight format as stored (GGUF file type, e.g. MOSTLY_Q4_1; a pre-quantized checkpoint's
+        scheme, e.g. gptq 4-bit g128 sym), or 'none'."""
+        if self.prequant is not None:
+            return self.prequant.summary
         if self.gguf is None or "general.file_type" not in self.gguf.metadata:
             return "none"
         from gguf import LlamaFileType
@@ -64,8 +71,14 @@ class LoadedModel:
 
     @property
     def weight_format(self) -> str:
-        """How the weights are held while serving: gguf | int8 | int4 | none (float, as `--quantization none`)."""
+        """How the weights are held while serving: gguf | gptq | awq | compressed-tensors (the int kernels' blocks) |
+        int8 | int4 | none (float, as `--quantization none`)."""
         return self.runtime_quantization or "none"
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Do the projections run on the native int kernels' blocks (a GGUF file's or a pre-quantized checkpoint's)?"""
+        return self.runtime_quantization in ("gguf",) + PREQUANT_METHODS
 
 
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
@@ -88,6 +101,7 @@ def read_model_config(path: Path) -> ModelConfig:
     """
     if path.is_dir():
         cfg = _config_from_dir(path)
+        _scheme_of(path)  # a refused quantization_config fails here too
         weight_files(path)  # a directory without weights fails here, not after the server is up
         return cfg
     if path.suffix.lower() == ".gguf":
@@ -125,17 +139,22 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     start = time.perf_counter()
     world = shard.world_size if shard is not None else 1
     gguf = read_gguf(path) if path.suffix.lower() == ".gguf" and not path.is_dir() else None
+    prequant = _scheme_of(path) if path.is_dir() else None
     if quantization == "auto":
-        quantization, why = auto_quantization(gguf, device, dtype, world)
+        quantization, why = (auto_quantization(gguf, device, dtype, world) if prequant is None
+                             else auto_prequant(prequant, device, dtype, world))
         log.info("--quantization auto: %s (%s)", quantization or "none", why)
     if path.is_dir():
         if quantization == "gguf":
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
-                                  "a safetensors checkpoint (use int8 or int4)")
+                                  "a safetensors checkpoint (use auto, int8 or int4)")
         cfg = replace(_config_from_dir(path), max_model_len=max_model_len)
-        net = _empty_model(local_config(cfg, world), dtype, device)
         files, weight_map = weight_files(path)
-        net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard))
+        if prequant is not None:
+            net = _load_prequantized(files, prequant, cfg, dtype, device, shard, keep=quantization == prequant.method)
+        else:
+            net = _empty_model(local_config(cfg, world), dtype, device)
+            net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard))
     elif gguf is not None:
         cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
         net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf")
@@ -154,7 +173,30 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     fmt = "safetensors" if gguf is None else "gguf"
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant)
+
+
+def _scheme_of(path: Path) -> PrequantScheme | None:
+    """A directory's checked quantization_config (None: float weights), refusals naming config.json."""
+    try:
+        return read_scheme(read_config(path))
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+
+
+def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConfig, dtype: torch.dtype,
+                       device: torch.device, shard: TPShard | None, keep: bool) -> torch.nn.Module:
+    """Build and fill the model from a pre-quantized checkpoint; `keep`: layers that fit stay in int kernel blocks."""
+    tensors = CheckpointTensors(files)
+    consumed: set[str] = set()
+
+    def keep_blocks(net: torch.nn.Module) -> None:  # before anything is written: no float copy of a kept layer
+        consumed.update(keep_prequantized(net, tensors, scheme))
+
+    world = shard.world_size if shard is not None else 1
+    net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard))
+    return net
 
 
 def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
