@@ -5,7 +5,7 @@ after a prompt past its 512-token window); the default packed path keeps the fil
 steps through the native stack and generates; its vocabulary tokenizes as transformers'; `lmserve serve`
 answers the official openai client.
 
-Kept quick: transformers parses the file once (its GGUFReader takes about a minute on the 262K-token vocabulary
+Kept quick: transformers parses the file once (its GGUFReader takes 1-3 minutes over the 262K-token vocabulary
 on 2 busy cores; from_pretrained and AutoTokenizer would each parse it again), a few prompts, few tokens."""
 
 from __future__ import annotations
