@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_decode import cpu  # noqa: E402
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
+from lmserve.layers.decode_stack import apply_decode_stack, remove_decode_stack  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -117,10 +118,10 @@ def main() -> None:
     lines = [f"# Decode step profile ({cpu()['name']}, {cpu()['cores']} cores, flags {' '.join(cpu()['flags'])}, "
              f"load {os.getloadavg()[0]:.1f})", ""]
     for batch in (int(b) for b in args.batches.split(",") if b):
-        model.use_decode_stack(True)
+        apply_decode_stack(model)
         start(engine, batch, args.tokens)
         wall = statistics.median(timed_steps(engine)) * 1000
-        model.use_decode_stack(False)
+        remove_decode_stack(model)
         start(engine, batch, args.tokens)
         steps, per, total = profiled_steps(engine)
         lines += [f"## batch {batch}", "", f"median decode step with the native stack: {wall:.2f} ms", "",
@@ -133,7 +134,7 @@ def main() -> None:
         lines += [f"| everything else (Python, sampler, scheduler) | {rest / steps * 1000:.2f} | {rest / total:.0%} |",
                   ""]
     if args.prefill:
-        model.use_decode_stack(True)
+        apply_decode_stack(model)
         lines += prefill_section(engine, args.prefill)
     text = "\n".join(lines)
     print(text)

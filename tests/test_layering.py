@@ -39,7 +39,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "server.batch": {"server", "server.api", "engine", "ops"},
     "server.api": {"server", "server.playground", "lmserve", "ops", "engine", "tokenizer", "lora", "structured"},
     "server.playground": {"server"},  # api/openapi.py (above) documents the playground's share routes
-    "server": {"server.models", "ops", "engine", "lora", "structured"},  # structured: a compiled grammar's type
+    # structured: a compiled grammar's type; loader: the response cache fingerprints the weights
+    "server": {"server.models", "ops", "engine", "lora", "loader", "structured"},
     "server.models": {"preflight", "loader", "engine"},  # flags checked as the CLI checks them; hub names resolved
     "ops": set(),  # observability reads engine data handed to it; the engine never knows it exists
     "lmserve": {"engine"},  # the facade's lazy `from lmserve import LLM`

@@ -90,7 +90,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     """(This rank's part of) the model, then the tokenizer, KV pool, LoRA slots, runner and executor."""
     shard = TPShard(0, cfg.parallel.tensor_parallel_size) if ranks is not None else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
-                                  shard=shard)
+                                  shard=shard, max_model_len=cfg.max_model_len)
     dtype = next(loaded.model.parameters()).dtype
     kv_dtype = _kv_dtype(cfg, dtype, loaded, device)
     tokenizer = tokenizer or load_tokenizer(loaded)
@@ -136,7 +136,7 @@ def _start_ranks(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) ->
 
 def _kv_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: LoadedModel, device: torch.device) -> torch.dtype:
     try:
-        return resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
+        return resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
     except ValueError as e:
         raise ConfigError(f"--kv-cache-dtype: {e}") from None
 

@@ -4,7 +4,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged single-token attention (float32, CPU)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("table_rows") = pybind11::none());
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("table_rows") = pybind11::none(),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "out = weight * (x / rms(x)) per row (float32, CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; returns rms_norm(residual) (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] per row (float32, CPU)");

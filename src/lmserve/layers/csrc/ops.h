@@ -6,7 +6,7 @@
 // paged_decode_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> table_rows);
+                                     c10::optional<torch::Tensor> table_rows, int64_t window, double softcap);
 
 // fused_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

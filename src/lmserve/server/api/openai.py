@@ -196,6 +196,7 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
     supports = template_supports_tools(st.front.tokenizer.chat_template)
     messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)
+    template_kwargs = {**(req.chat_template_kwargs or {}), **template_kwargs}
     run = await st.start([Chat(messages, template_kwargs)], params, caller.record, model=req.model,
                          id_prefix="chatcmpl", priority=caller.priority, cache_salt=req.cache_salt)
     rid, [ids], merged, lora = run.request_id, run.ids, run.merged, run.lora
