@@ -29,6 +29,8 @@ from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
+import torch  # noqa: E402
+
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
@@ -41,13 +43,18 @@ def start(engine: LLMEngine, batch: int, tokens: int) -> None:
         engine.step()
 
 
-def timed_steps(engine: LLMEngine) -> list[float]:
-    times = []
+def timed_steps(engine: LLMEngine) -> tuple[list[float], dict[str, float]]:
+    """Wall seconds of each remaining step, and the native worker pool's counters per step (thread_pool.h)."""
+    from lmserve.layers.native import native_module
+
+    mod = native_module()
+    before, times = mod.pool_stats(), []
     while engine.has_unfinished():
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    return times
+    after = mod.pool_stats()
+    return times, {k: (after[k] - before[k]) / len(times) for k in after}
 
 
 def profiled_steps(engine: LLMEngine) -> tuple[int, dict[str, float], float]:
@@ -114,16 +121,23 @@ def main() -> None:
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=512)))
     model = engine.loaded.model
+    policy = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     lines = [f"# Decode step profile ({cpu()['name']}, {cpu()['cores']} cores, flags {' '.join(cpu()['flags'])}, "
-             f"load {os.getloadavg()[0]:.1f})", ""]
+             f"load {os.getloadavg()[0]:.1f}; {torch.get_num_threads()} threads, thread policy {policy or 'libgomp default'})",
+             ""]
     for batch in (int(b) for b in args.batches.split(",") if b):
         model.use_decode_stack(True)
         start(engine, batch, args.tokens)
-        wall = statistics.median(timed_steps(engine)) * 1000
+        times, pool = timed_steps(engine)
+        wall = statistics.median(times) * 1000
         model.use_decode_stack(False)
         start(engine, batch, args.tokens)
         steps, per, total = profiled_steps(engine)
         lines += [f"## batch {batch}", "", f"median decode step with the native stack: {wall:.2f} ms", "",
+                  f"per step, the kernels' worker pool ran {pool['jobs']:.0f} jobs on its threads and "
+                  f"{pool['inline_jobs']:.0f} on the caller alone; it woke parked workers {pool['wakeups']:.2f} times, "
+                  f"the caller parked {pool['caller_parks']:.2f} times ({pool['stalls']:.2f} stalls, "
+                  f"{pool['backoffs']:.2f} back-offs)", "",
                   f"module loop under cProfile ({steps} steps, {total / steps * 1000:.2f} ms a step incl. profiler):",
                   "", "| native function | ms per step | share |", "|---|---|---|"]
         # quant_linear includes the LM head (one call a step) besides the 4 projections of every layer

@@ -16,10 +16,7 @@
 
 #include "ops.h"
 
-#include <type_traits>
-
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -36,33 +33,6 @@ struct Layer {
   torch::Tensor in_norm, post_norm;
   QuantProj qkv, o, gate_up, down;
 };
-
-// Store this step's K and V rows [B, Hkv * D] (strided views into the qkv output) at their cache slots; a float16
-// cache gets them rounded to nearest even, as torch's .to(float16) in layers/paged_attention.write_kv.
-template <typename KV>
-void write_kv_as(const torch::Tensor& cache, const float* k, const float* v, int64_t row_stride, const int64_t* slots,
-                 int64_t B, int64_t width) {
-  // cache [2, blocks, block_size, Hkv, D]: K then V, each a flat [slots, Hkv * D]
-  KV* kc = cache.data_ptr<KV>();
-  KV* vc = kc + cache.numel() / 2;
-  for (int64_t b = 0; b < B; ++b) {
-    if constexpr (std::is_same_v<KV, float>) {
-      std::memcpy(kc + slots[b] * width, k + b * row_stride, width * sizeof(float));
-      std::memcpy(vc + slots[b] * width, v + b * row_stride, width * sizeof(float));
-    } else {
-      for (int64_t j = 0; j < width; ++j) {
-        kc[slots[b] * width + j] = static_cast<KV>(k[b * row_stride + j]);
-        vc[slots[b] * width + j] = static_cast<KV>(v[b * row_stride + j]);
-      }
-    }
-  }
-}
-
-void write_kv(const torch::Tensor& cache, const float* k, const float* v, int64_t row_stride, const int64_t* slots,
-              int64_t B, int64_t width) {
-  if (cache.scalar_type() == torch::kHalf) return write_kv_as<c10::Half>(cache, k, v, row_stride, slots, B, width);
-  write_kv_as<float>(cache, k, v, row_stride, slots, B, width);
-}
 
 }  // namespace
 
@@ -103,9 +73,8 @@ class DecodeStack {
       rotary_(qkv.narrow(1, 0, q_size + kv_size).view({B, heads_ + kv_heads_, dim_}), cos, sin);
       const float* base = qkv.data_ptr<float>();
       const torch::Tensor& cache = kv_caches[i];
-      TORCH_CHECK(cache.is_contiguous() && (cache.scalar_type() == torch::kFloat || cache.scalar_type() == torch::kHalf),
-                  "DecodeStack: float32 or float16 caches");
-      write_kv(cache, base + q_size, base + q_size + kv_size, row, slot_mapping.data_ptr<int64_t>(), B, kv_size);
+      write_kv_rows(cache, base + q_size, base + q_size + kv_size, row, slot_mapping.data_ptr<int64_t>(), B, kv_heads_,
+                    dim_);
       torch::Tensor attn = paged_decode_attention(qkv.narrow(1, 0, q_size).view({B, heads_, dim_}), cache[0], cache[1],
                                                   block_tables, context_lens, scale, c10::nullopt);
       h = add_rms_norm_(l.o(attn.view({B, q_size})), residual, l.post_norm, eps_);
@@ -124,5 +93,7 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&, int64_t,
                           int64_t, int64_t, double>())
-      .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step (see decode_stack.cpp)");
+      // without the GIL: the server's event loop runs while a step computes
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "every decoder layer of a decode-only step (see decode_stack.cpp)");
 }
