@@ -23,8 +23,8 @@ def empty_cache(blocks: int, kv_heads: int, dim: int, dtype: torch.dtype) -> tor
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_codec_round_trip_error_is_bounded_per_row(dtype):
-    """Each (token, head) row is its own block: the error is within half a step of that row's own scale, a row of
-    zeros reads back as zeros, and a row's codes do not depend on the rows beside it."""
+    """Each 32 values of a (token, head) row are a block: the error is within half a step of the row's largest scale
+    (float16-rounded), a row of zeros reads back as zeros, and a row's codes do not depend on the rows beside it."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 3, 64, generator=g) * torch.tensor([0.01, 1.0, 300.0])[None, :, None]
     x[2, 1] = 0.0
@@ -34,7 +34,7 @@ def test_codec_round_trip_error_is_bounded_per_row(dtype):
     amax = x.abs().amax(-1, keepdim=True)
     # int8: half a code step; e4m3: 3 mantissa bits, so half an ulp of the largest power of two below a value
     bound = amax / 127 / 2 if dtype == torch.int8 else x.abs() / 16 + amax / 448 * 2.0 ** -9
-    assert ((back - x).abs() <= bound * (1 + 1e-5)).all()
+    assert ((back - x).abs() <= bound * (1 + 1e-3)).all()
     assert torch.equal(back[2, 1], torch.zeros(64))
     assert torch.equal(kv_quant.quantize(x[3:4, 2:3], dtype).view(torch.uint8), rows[3:4, 2:3].view(torch.uint8))
 
@@ -151,7 +151,7 @@ def test_int8_cache_bytes_and_the_decode_stack_over_it(int8_engine):
 
 def test_reference_gather_reads_back_what_the_reference_writer_stored():
     """The PyTorch path (no compiler, other devices): rows written by write_kv_reference and gathered for a prefix hit
-    are the codec's values; an int8 slot costs D + 4 bytes per head."""
+    are the codec's values; an int8 slot costs D + D / 16 bytes per head."""
     from lmserve.layers.paged_attention import gather_context
 
     g = torch.Generator().manual_seed(11)
@@ -165,20 +165,29 @@ def test_reference_gather_reads_back_what_the_reference_writer_stored():
         assert torch.equal(kv_quant.as_values(vc, torch.float32), kv_quant.dequantize(kv_quant.quantize(v, dtype)))
 
 
-def test_int8_cache_through_the_pytorch_path(int8_engine, monkeypatch):
-    """With the native kernels off, an int8 cache is written and read by the reference codec: the engine gives the
-    native path's greedy tokens. (Their logprobs differ by up to ~0.2 here: that path also runs the GGUF projections
-    as dequantize-then-matmul on float activations, not int8 ones.)"""
+def test_int8_cache_through_the_pytorch_path(monkeypatch):
+    """With the native kernels off, an int8 cache is written and read by the reference codec (prompts attend over
+    the quantized cache too, as in the native path): float weights give the native path's greedy tokens, for
+    whole prompts and after a prefix-cache hit."""
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
     from lmserve.layers import native
     from lmserve.sampling_params import SamplingParams
     from tests.test_decode_stack import generate
     from tests.test_engine import PROMPTS, assert_no_leak
 
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    fast = generate(int8_engine, [PROMPTS[2]], params)["0"]
+    eng = LLMEngine(EngineConfig(quantization="none", cache=CacheConfig(num_blocks=64, kv_cache_dtype="int8")))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [PROMPTS[3], PROMPTS[3] + " And then"]  # the second hits the first's cached blocks
+
+    def tokens() -> list[list[int]]:
+        eng.kv.reset_prefix_cache()
+        before = eng.kv.prefix_hits
+        out = [[t for t, *_ in generate(eng, [p], params)["0"]] for p in prompts]
+        assert eng.kv.prefix_hits - before >= 128  # the second prompt really attended over cached int8 blocks
+        return out
+
+    fast = tokens()
     monkeypatch.setattr(native, "_on", False)
-    int8_engine.loaded.model.use_decode_stack(False)
-    plain = generate(int8_engine, [PROMPTS[2]], params)["0"]
-    assert [t for t, *_ in plain] == [t for t, *_ in fast]
-    assert max(abs(a[1] - b[1]) for a, b in zip(plain, fast)) < 0.5
-    assert_no_leak(int8_engine)
+    assert tokens() == fast
+    assert_no_leak(eng)

@@ -45,7 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "int8", "fp8_e4m3"), default="auto",
                    help="KV cache element type; auto: float16 for a GGUF file's kept blocks on CPU (as llama.cpp), "
-                   "else the model's dtype; int8 / fp8_e4m3 (CPU): one-byte codes with a scale per token and head, "
+                   "else the model's dtype; int8 / fp8_e4m3 (CPU): one-byte codes with a float16 scale per 32 values, "
                    "0.53x the bytes of float16")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV cache size: bytes if > 1, else a fraction of available memory (default: 0.15); "

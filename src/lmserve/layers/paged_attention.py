@@ -77,9 +77,9 @@ class PagedAttention:
             return torch.cat(outs) if len(outs) > 1 else outs[0]
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            if p.mask is None:  # no cached prefix: attend over the fresh K/V directly
+            if p.mask is None and not is_quantized(cache.dtype):  # no cached prefix: attend over the fresh K/V
                 outs.append(causal_sdpa(q[rows], k[rows], v[rows]))
-            else:
+            else:  # after a prefix, or over a quantized cache (prompt tokens see the values decode steps read)
                 kc, vc = gather_context(cache, p.block_table, p.context_len)
                 outs.append(causal_sdpa(q[rows], as_values(kc, q.dtype), as_values(vc, q.dtype), p.mask))
         return torch.cat(outs) if len(outs) > 1 else outs[0]

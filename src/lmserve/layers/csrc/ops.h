@@ -8,7 +8,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      c10::optional<torch::Tensor> table_rows);
 // this step's K/V rows into their cache slots, in the cache's format (kv_cache.h: float32, float16, or quantized
-// with a per-row scale); k, v: T rows of Hkv * D floats, row_stride apart (views into a qkv output)
+// with a float16 scale per 32 values); k, v: T rows of Hkv * D floats, row_stride apart (views into a qkv output)
 void write_kv_rows(const torch::Tensor& cache, const float* k, const float* v, int64_t row_stride,
                    const int64_t* slots, int64_t T, int64_t Hkv, int64_t D);
 void write_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);

@@ -7,7 +7,7 @@
 // (sequence, kv head) is computed alone in a fixed order, so results do not depend on the batch.
 //
 // q [B, H, D] float32; k_cache, v_cache [num_blocks, block_size, Hkv, W] in one of kv_cache.h's formats (float32,
-// float16, int8 or e4m3 codes with a per-row scale), each row read as its float32 values (code * scale) with no
+// float16, or int8 / e4m3 codes with a scale per 32), each row read as its float32 values (code * scale) with no
 // dequantized copy of the cache; block_tables [B, max_blocks] int64; context_lens [B] int64 (>= 1). Query head h
 // uses kv head h / (H / Hkv), as HF's repeat_kv does. write_kv_rows (below) is the one writer of those formats.
 
@@ -33,8 +33,7 @@ inline const float* as_float(const KV* row, float* buf) {
   if constexpr (std::is_same_v<KV, float>) {
     return row;
   } else if constexpr (kQuantized<KV>) {
-    const float s = lmserve_kv::row_scale(row, D);
-    for (int d = 0; d < D; ++d) buf[d] = lmserve_kv::code_value(row[d]) * s;
+    for (int d = 0; d < D; ++d) buf[d] = lmserve_kv::code_value(row[d]) * lmserve_kv::block_scale(row, D, d);
     return buf;
   } else {
     for (int d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
@@ -138,17 +137,12 @@ inline __m512 load16(const lmserve_kv::Fp8* p) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
 }
 
-// 16 values of a cached row from element c on: quantized rows are scaled (code * scale, as as_float)
-template <typename KV>
-inline __m512 values16(const KV* row, int c, __m512 scale) {
-  if constexpr (kQuantized<KV>) return _mm512_mul_ps(load16(row + c), scale);
-  return load16(row + c);
-}
-
+// 16 values of a cached row from element c on: quantized rows are scaled by their block's scale (code * d, as
+// as_float)
 template <int D, typename KV>
-inline __m512 scale_of(const KV* row) {
-  if constexpr (kQuantized<KV>) return _mm512_set1_ps(lmserve_kv::row_scale(row, D));
-  return _mm512_set1_ps(1.f);
+inline __m512 values16(const KV* row, int c) {
+  if constexpr (kQuantized<KV>) return _mm512_mul_ps(load16(row + c), _mm512_set1_ps(lmserve_kv::block_scale(row, D, c)));
+  return load16(row + c);
 }
 
 // q . k for keys[0..nk) (lane j: keys[j]; lanes from nk on: 0): one fma chain per key, then one tree of adds
@@ -202,8 +196,7 @@ void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* o
       for (int64_t c = 0; c < row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)); c += 64)
         _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8]) + c, _MM_HINT_T0);
     __m512 v[D / 16];
-    const __m512 s = scale_of<D>(vrows[t]);
-    for (int c = 0; c < D / 16; ++c) v[c] = values16(vrows[t], 16 * c, s);
+    for (int c = 0; c < D / 16; ++c) v[c] = values16<D>(vrows[t], 16 * c);
     for (int g = 0; g < GB; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * L + t]);
       for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
@@ -256,8 +249,7 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
           if constexpr (std::is_same_v<KV, float>) {
             keys[j] = rows[t + j];
           } else {
-            const __m512 s = scale_of<D>(rows[t + j]);
-            for (int c = 0; c < D; c += 16) _mm512_store_ps(widened + j * D + c, values16(rows[t + j], c, s));
+            for (int c = 0; c < D; c += 16) _mm512_store_ps(widened + j * D + c, values16<D>(rows[t + j], c));
             keys[j] = widened + j * D;
           }
         }
