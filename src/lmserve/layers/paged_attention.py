@@ -54,7 +54,7 @@ class PagedAttentionMetadata:
 @dataclass
 class PagedAttention:
     """AttentionContext over the engine's KV cache (one [2, blocks, block_size, kv_heads, W] per layer: W = head_dim,
-    or head_dim + 4 for a quantized cache's codes and scale, layers/kv_quant.py)."""
+    or head_dim + head_dim / 16 for a quantized cache's codes and scales, layers/kv_quant.py)."""
 
     kv_caches: list[torch.Tensor]
     meta: PagedAttentionMetadata
@@ -122,7 +122,7 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping
 
 
 def write_kv_reference(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The PyTorch writer: converted (float caches) or quantized per row (kv_quant.quantize) into the slots."""
+    """The PyTorch writer: converted (float caches) or quantized (kv_quant.quantize) into the slots."""
     _, _, _, h, w = cache.shape
     if is_quantized(cache.dtype):  # copied as bytes: torch has no index_copy_ for float8
         raw, encode = cache.view(torch.uint8), lambda x: quantize(x, cache.dtype).view(torch.uint8)

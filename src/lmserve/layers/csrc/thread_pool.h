@@ -28,11 +28,13 @@
 
 #include <ATen/Parallel.h>
 
-#include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
+#if defined(__linux__)
+#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#include <pthread.h>
+#endif
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -65,14 +67,23 @@ struct PoolStats {  // counters since the pool started (for tests and profiles)
 
 namespace pool_detail {
 
-inline int futex_wait(std::atomic<int32_t>* addr, int32_t expected) {
-  return static_cast<int>(syscall(SYS_futex, reinterpret_cast<int32_t*>(addr), FUTEX_WAIT_PRIVATE, expected, nullptr,
-                                  nullptr, 0));
+#if defined(__linux__)
+// Sleep while *addr == expected (returns at once if it differs); wake every sleeper on addr.
+inline void futex_wait(std::atomic<int32_t>* addr, int32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<int32_t*>(addr), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
 }
 
 inline void futex_wake_all(std::atomic<int32_t>* addr) {
   syscall(SYS_futex, reinterpret_cast<int32_t*>(addr), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
 }
+#else
+// Elsewhere a parked thread naps and looks again (callers re-check their condition in a loop).
+inline void futex_wait(std::atomic<int32_t>* addr, int32_t expected) {
+  if (addr->load(std::memory_order_acquire) == expected) std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+inline void futex_wake_all(std::atomic<int32_t>*) {}
+#endif
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
