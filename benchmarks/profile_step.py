@@ -43,18 +43,50 @@ def start(engine: LLMEngine, batch: int, tokens: int) -> None:
         engine.step()
 
 
-def timed_steps(engine: LLMEngine) -> tuple[list[float], dict[str, float]]:
-    """Wall seconds of each remaining step, and the native worker pool's counters per step (thread_pool.h)."""
+class PhaseClock:
+    """Seconds inside the decode stack's call and the LM head, wrapped around one engine's model until restore()."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.model = model = engine.loaded.model
+        self.seconds = {"decoder layers (native stack)": 0.0, "LM head": 0.0}
+        self.saved = model._decode_stack
+        stack = model._stack()
+        if stack is not None:  # None: the stack does not apply to this model; its layers are not timed apart
+            model._decode_stack = self._timed(stack, "decoder layers (native stack)")
+        model.compute_logits = self._timed(model.compute_logits, "LM head")  # an instance attribute over the method
+
+    def _timed(self, fn, name: str):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+        return call
+
+    def restore(self) -> None:
+        self.model._decode_stack = self.saved
+        del self.model.compute_logits
+
+
+def timed_steps(engine: LLMEngine) -> tuple[list[float], dict[str, float], dict[str, float]]:
+    """Wall seconds of each remaining step, the mean seconds per step in the decoder layers and the LM head, and the
+    native worker pool's counters per step (thread_pool.h)."""
     from lmserve.layers.native import native_module
 
     mod = native_module()
+    clock = PhaseClock(engine)
     before, times = mod.pool_stats(), []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
+    try:
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+    finally:
+        clock.restore()
     after = mod.pool_stats()
-    return times, {k: (after[k] - before[k]) / len(times) for k in after}
+    phases = {k: v / len(times) for k, v in clock.seconds.items()}
+    return times, phases, {k: (after[k] - before[k]) / len(times) for k in after}
 
 
 def profiled_steps(engine: LLMEngine) -> tuple[int, dict[str, float], float]:
@@ -128,12 +160,17 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",") if b):
         model.use_decode_stack(True)
         start(engine, batch, args.tokens)
-        times, pool = timed_steps(engine)
+        times, phases, pool = timed_steps(engine)
         wall = statistics.median(times) * 1000
+        mean = sum(times) / len(times)
         model.use_decode_stack(False)
         start(engine, batch, args.tokens)
         steps, per, total = profiled_steps(engine)
         lines += [f"## batch {batch}", "", f"median decode step with the native stack: {wall:.2f} ms", "",
+                  "| phase (native stack on) | ms per step (mean) | share |", "|---|---|---|",
+                  *[f"| {k} | {v * 1000:.2f} | {v / mean:.0%} |" for k, v in phases.items()],
+                  f"| everything else (embedding, sampler, scheduler, Python) | {(mean - sum(phases.values())) * 1000:.2f} "
+                  f"| {(mean - sum(phases.values())) / mean:.0%} |", "",
                   f"per step, the kernels' worker pool ran {pool['jobs']:.0f} jobs on its threads and "
                   f"{pool['inline_jobs']:.0f} on the caller alone; it woke parked workers {pool['wakeups']:.2f} times, "
                   f"the caller parked {pool['caller_parks']:.2f} times ({pool['stalls']:.2f} stalls, "

@@ -5,7 +5,9 @@ wake-ups while the workers poll (what made one stream slow under OMP_WAIT_POLICY
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
+import time
 
 import pytest
 import torch
@@ -39,8 +41,11 @@ def attention_case(batch: int):
 
 @pytest.fixture
 def threads():
-    before = torch.get_num_threads()
+    """torch.set_num_threads, with the pool held to that count (its machine-driven policy off) until the test ends."""
+    before, tuning = torch.get_num_threads(), mod.pool_tuning()
+    mod.set_pool_tuning(**{**tuning, "adaptive": 0})
     yield torch.set_num_threads
+    mod.set_pool_tuning(**tuning)
     torch.set_num_threads(before)
 
 
@@ -103,6 +108,27 @@ def test_errors_inside_a_job_reach_the_caller(threads):
     with pytest.raises(RuntimeError, match="kind"):
         mod.quant_linear(x, codes, scales, None, 7, None)
     assert torch.equal(mod.quant_linear(x, codes, scales, None, 2, None), mod.quant_linear(x, codes, scales, None, 2, None))
+
+
+@pytest.mark.parametrize("cpus,others,requested,plan", [
+    (2, 0.0, 2, (2, True)), (2, 0.3, 2, (2, True)),    # idle, or a client taking a little: every thread, polling
+    (2, 1.0, 2, (1, False)), (2, 0.7, 2, (1, False)),  # one busy neighbour: the caller alone, as one sleeping thread
+    (2, 1.9, 2, (1, False)), (16, 12.2, 16, (4, False)), (16, 0.2, 8, (8, True)),
+    (2, 0.0, 5, (5, True)), (2, 1.2, 5, (1, False))])  # more threads than cores: the user's choice on an idle machine
+def test_the_thread_plan_follows_the_cores_others_keep_busy(cpus, others, requested, plan):
+    assert mod.pool_plan(cpus, others, requested) == plan
+
+
+def test_the_machine_watch_reads_this_machine():
+    """The watch's view after a few jobs: this process's usable CPUs, others' busy cores within them."""
+    x, codes, scales = linear_case(200)
+    for _ in range(3):
+        mod.quant_linear(x, codes, scales, None, 2, None)
+        time.sleep(0.3)
+    view = mod.pool_machine()
+    assert view["cpus"] == len(os.sched_getaffinity(0)) and 0.0 <= view["others_cores"] <= view["cpus"] + 0.5
+    expected = mod.pool_plan(view["cpus"], view["others_cores"], torch.get_num_threads())
+    assert (view["threads"], view["poll"]) == expected
 
 
 def test_a_decode_step_costs_no_wake_ups_while_workers_poll(threads):

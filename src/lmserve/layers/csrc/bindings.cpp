@@ -28,6 +28,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                           {"caller_parks", s.caller_parks}, {"stalls", s.stalls},
                                           {"backoffs", s.backoffs}};
   }, "counters of the kernels' worker pool since it started (thread_pool.h)");
+  m.def("pool_machine", [] {
+    const lmserve::MachineView v = lmserve::pool_machine();
+    return pybind11::dict(pybind11::arg("cpus") = v.cpus, pybind11::arg("others_cores") = v.others,
+                          pybind11::arg("threads") = v.threads, pybind11::arg("poll") = v.poll);
+  }, "what the pool last saw of the machine (cores other processes keep busy) and the plan it gives");
+  m.def("pool_plan", [](int cpus, double others_cores, int requested) {
+    const lmserve::Plan p = lmserve::plan_for(cpus, others_cores, requested);
+    return pybind11::make_tuple(p.threads, p.poll);
+  }, "(threads, workers poll) for `cpus` usable cores of which others keep `others_cores` busy (thread_pool.h)");
   m.def("pool_tuning", [] {
     const lmserve::PoolTuning& t = lmserve::pool_tuning();
     return std::map<std::string, int64_t>{{"worker_poll_us", t.worker_poll_us}, {"pure_spin_us", t.pure_spin_us},

@@ -16,12 +16,18 @@
 // every chunk is done. Which thread computes a chunk never changes a result: the kernels compute each output by the
 // same chain whatever the split (their batch-invariance comments).
 //
-// Run time policy: the pool uses torch's thread count (torch.set_num_threads, --num-threads) while the machine lets
-// those threads run. When the caller, done with its own chunks, waits for another thread's chunk far longer than a
-// chunk takes (more than twice its own longest plus its spin), that thread was descheduled mid-chunk: its core is
-// wanted by another process, or the hypervisor took it (steal time). kStallBudget such stalls in a 100 ms window
-// and jobs run on the caller alone for a back-off period (50 ms, doubling while stalls recur, up to 2 s), then all
-// threads are tried again. An idle machine never stalls, so it keeps every thread.
+// Run time policy, from what the machine shows rather than from an environment variable:
+// - What other processes take. Every 250 ms the caller of a job reads /proc/stat for the CPUs this process may run
+//   on and subtracts its own CPU time: the cores others kept busy (steal time, the hypervisor's, counts as busy).
+//   Where that rounds to none, the pool uses torch's thread count (torch.set_num_threads, --num-threads) and its
+//   workers poll for the next job; where others keep k cores busy, it uses at most the cores they leave free (at
+//   least the caller) and its workers poll only briefly (plan_for). On 2 cores beside one busy process that is the caller alone, which
+//   is what one sleeping thread gave there (benchmarks/results/busy_neighbour.md), and an idle machine gets the
+//   polling threads' speed.
+// - Threads descheduled anyway. When the caller, done with its own chunks, waits for another thread's chunk far
+//   longer than a chunk takes (more than twice its own longest plus its spin), that thread lost its core mid-chunk.
+//   kStallBudget such stalls in a 100 ms window and jobs run on the caller alone for a back-off period (50 ms,
+//   doubling while stalls recur, up to 2 s), then all threads are tried again.
 //
 // Nested or concurrent callers (a kernel inside a job, two Python threads) run their range inline, serially.
 #pragma once
@@ -44,6 +50,8 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
+#include <ctime>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -58,11 +66,30 @@ struct PoolTuning {
   int64_t pure_spin_us = 20;      // ... of which the first part spins without yielding
   int64_t caller_spin_us = 100;   // the caller waits this long for other threads' chunks, then parks
   int64_t chunks_per_thread = 4;  // a job is cut into about threads x this many chunks
-  bool adaptive = true;           // fall back to the caller alone while workers are descheduled mid-chunk
+  bool adaptive = true;           // follow the machine (plan_for) and back off from stalls; false: fixed threads
 };
+
+// How many threads and how long idle workers poll, given the cores others keep busy (MachineWatch).
+struct Plan {
+  int threads;
+  bool poll;  // false: workers poll only kBusyPollUs before they park
+};
+
+inline Plan plan_for(int cpus, double others, int requested) {
+  const int busy = static_cast<int>(others + 0.5);
+  if (busy <= 0) return {requested, true};
+  return {std::max(1, std::min(requested, cpus - busy)), false};
+}
 
 struct PoolStats {  // counters since the pool started (for tests and profiles)
   int64_t jobs, inline_jobs, worker_parks, wakeups, caller_parks, stalls, backoffs;
+};
+
+struct MachineView {  // the watch's latest reading and the plan it gave
+  int cpus;
+  double others;
+  int threads;
+  bool poll;
 };
 
 namespace pool_detail {
@@ -100,6 +127,77 @@ inline thread_local bool in_job = false;  // this thread is running a chunk (nes
 
 using ChunkFn = void (*)(void* ctx, int64_t begin, int64_t end);
 
+// The cores other processes keep busy on the CPUs this process may run on, from /proc/stat (busy jiffies, steal
+// included) minus this process's own CPU time, smoothed over the last samples. Zero where /proc/stat is absent.
+class MachineWatch {
+ public:
+  MachineWatch() {
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) mine_.push_back(c);
+    }
+    const long hz = sysconf(_SC_CLK_TCK);
+    hz_ = hz > 0 ? static_cast<double>(hz) : 100.0;
+#else  // no affinity mask or /proc/stat: every core, and busy_jiffies() reads nothing (others stay 0)
+    for (unsigned c = 0; c < std::max(1u, std::thread::hardware_concurrency()); ++c) mine_.push_back(static_cast<int>(c));
+#endif
+    if (mine_.empty()) mine_.push_back(0);
+  }
+
+  int cpus() const { return static_cast<int>(mine_.size()); }
+  double others() const { return others_.load(std::memory_order_relaxed); }
+
+  // Take a sample if the last is kSampleUs old (at time t, microseconds).
+  void maybe_sample(int64_t t) {
+    if (t - last_us_ < kSampleUs) return;
+    const double busy = busy_jiffies();
+    timespec own{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &own);
+    const double own_s = own.tv_sec + own.tv_nsec * 1e-9;
+    if (last_us_ != 0 && busy >= 0 && last_busy_ >= 0) {
+      const double wall = (t - last_us_) * 1e-6;
+      const double now = std::max(0.0, (busy - last_busy_) / hz_ / wall - (own_s - last_own_s_) / wall);
+      // after a long pause the old value says nothing
+      others_.store(wall > 1.0 ? now : 0.5 * others() + 0.5 * now, std::memory_order_relaxed);
+    }
+    last_us_ = t;
+    last_busy_ = busy;
+    last_own_s_ = own_s;
+  }
+
+ private:
+  // user + nice + system + irq + softirq + steal of our CPUs (USER_HZ ticks), or -1 where /proc/stat is unreadable
+  double busy_jiffies() const {
+#if !defined(__linux__)
+    return -1;
+#endif
+    std::FILE* f = std::fopen("/proc/stat", "r");
+    if (!f) return -1;
+    char line[512];
+    double total = 0;
+    while (std::fgets(line, sizeof(line), f)) {
+      int cpu = -1;
+      unsigned long long v[8] = {};
+      if (std::sscanf(line, "cpu%d %llu %llu %llu %llu %llu %llu %llu %llu", &cpu, &v[0], &v[1], &v[2], &v[3], &v[4],
+                      &v[5], &v[6], &v[7]) != 9)
+        continue;  // the aggregate "cpu " line and the rest of the file
+      if (std::find(mine_.begin(), mine_.end(), cpu) != mine_.end())
+        total += static_cast<double>(v[0] + v[1] + v[2] + v[5] + v[6] + v[7]);  // not idle (3), iowait (4)
+    }
+    std::fclose(f);
+    return total;
+  }
+
+  static constexpr int64_t kSampleUs = 250000;
+  std::vector<int> mine_;
+  double hz_ = 100.0, last_busy_ = -1, last_own_s_ = 0;
+  std::atomic<double> others_{0.0};  // read by machine() from any thread
+  int64_t last_us_ = 0;
+};
+
 class Pool {
  public:
   static Pool& get() {
@@ -118,9 +216,19 @@ class Pool {
     const int64_t n = end - begin;
     threads = static_cast<int>(std::min<int64_t>(threads, (n + grain - 1) / grain));
     if (threads <= 1 || in_job || busy_.exchange(true, std::memory_order_acquire)) return run_inline(begin, end, fn, ctx);
-    if (backoff_until_us_ != 0 && now_us() < backoff_until_us_) {  // the machine wants our other cores now
-      busy_.store(false, std::memory_order_release);
-      return run_inline(begin, end, fn, ctx);
+    if (tuning.adaptive) {
+      const int64_t t = now_us();
+      watch_.maybe_sample(t);
+      const Plan plan = plan_for(watch_.cpus(), watch_.others(), threads);
+      poll_us_.store(plan.poll ? tuning.worker_poll_us : std::min(tuning.worker_poll_us, kBusyPollUs),
+                     std::memory_order_relaxed);
+      threads = t < backoff_until_us_ ? 1 : plan.threads;  // a back-off: threads lost their cores mid-chunk
+      if (threads <= 1) {
+        busy_.store(false, std::memory_order_release);
+        return run_inline(begin, end, fn, ctx);
+      }
+    } else {
+      poll_us_.store(tuning.worker_poll_us, std::memory_order_relaxed);
     }
     ensure_workers(threads - 1);
     jobs_.fetch_add(1, std::memory_order_relaxed);
@@ -147,6 +255,11 @@ class Pool {
     std::exception_ptr error = error_;
     busy_.store(false, std::memory_order_release);
     if (error) std::rethrow_exception(error);
+  }
+
+  MachineView machine() const {
+    const Plan plan = plan_for(watch_.cpus(), watch_.others(), at::get_num_threads());
+    return {watch_.cpus(), watch_.others(), plan.threads, plan.poll};
   }
 
   PoolStats stats() const {
@@ -262,7 +375,7 @@ class Pool {
       }
       const int64_t waited = now_us() - t0;
       if (waited < tuning.pure_spin_us) continue;
-      if (waited < tuning.worker_poll_us) {
+      if (waited < poll_us_.load(std::memory_order_relaxed)) {
         sched_yield();
         continue;
       }
@@ -292,6 +405,7 @@ class Pool {
   }
 
   static constexpr int64_t kMaxChunks = 0xFFFF;
+  static constexpr int64_t kBusyPollUs = 50;  // a worker's poll while others keep cores busy: a step's own gaps
   static constexpr int64_t kWindowUs = 100000;  // stalls are counted per 100 ms
   static constexpr int kStallBudget = 8;        // this many in a window: back off
   static constexpr int64_t kMinBackoffMs = 50, kMaxBackoffMs = 2000;
@@ -304,6 +418,8 @@ class Pool {
   alignas(64) std::atomic<int32_t> sleepers_{0};  // workers parked on epoch_
   std::atomic<bool> caller_waiting_{false};
   std::atomic<int> participants_{0};
+  std::atomic<int64_t> poll_us_{1000};  // the workers' poll budget now (the plan's)
+  MachineWatch watch_;                  // the caller's, under busy_
   std::atomic<int64_t> jobs_{0}, inline_jobs_{0}, worker_parks_{0}, wakeups_{0}, caller_parks_{0}, stalls_{0}, backoffs_{0};
   // the live job (written by the caller before it publishes claim_, read by a thread after a successful claim)
   uint32_t job_id_ = 0;
@@ -333,5 +449,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 
 inline PoolTuning& pool_tuning() { return pool_detail::Pool::get().tuning; }
 inline PoolStats pool_stats() { return pool_detail::Pool::get().stats(); }
+inline MachineView pool_machine() { return pool_detail::Pool::get().machine(); }
 
 }  // namespace lmserve
