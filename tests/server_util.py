@@ -18,6 +18,15 @@ MODEL = "SmolLM2-135M-Instruct"
 BASE_ARGS = ["--kv-cache-memory", str(256 * 2**20), "--num-threads", "2", "--log-level", "warning"]
 
 
+def default_sigint() -> None:
+    """preexec_fn for a child that a test sends Ctrl-C: SIGINT's default handling, whatever this process has.
+
+    A non-interactive shell starts background jobs (`bash .ci/run &`) with SIGINT ignored, every child inherits
+    that, and Python installs no KeyboardInterrupt handler where SIGINT is ignored at start.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

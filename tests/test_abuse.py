@@ -1,4 +1,5 @@
-"""Hold under abuse, through the real server: overload, a cancellation soak, resource bombs, slow-loris clients.
+"""Hold under abuse, through the real server: overload, a cancellation soak, resource bombs, slow-loris clients, and
+a second key probing another's prompts through the prefix cache.
 
 Every test ends by checking that nothing leaked: all KV blocks free, no request in flight (server-wide and per
 key), no request running or waiting. The numbers (peak RSS, canary TTFT) are printed, and with
@@ -30,8 +31,11 @@ KEY_FILE = """keys:
     max_concurrent_requests: 3
   - name: light
     key: sk-light
+  - name: ops
+    key: sk-ops
+    role: admin
 """
-HEAVY, LIGHT = {"Authorization": "Bearer sk-heavy"}, {"Authorization": "Bearer sk-light"}
+HEAVY, LIGHT, OPS = ({"Authorization": f"Bearer sk-{k}"} for k in ("heavy", "light", "ops"))  # ops reads /metrics
 MB = 2**20
 
 
@@ -85,7 +89,7 @@ def keyed(tmp_path_factory):
     path = tmp_path_factory.mktemp("abuse") / "keys.yaml"
     path.write_text(KEY_FILE)
     with running_server("--api-key-file", str(path), "--max-num-seqs", "4", "--max-queued-requests", "8",
-                        "--request-read-timeout", "2", headers=LIGHT) as s:
+                        "--request-read-timeout", "2", headers=OPS) as s:
         yield s
 
 
@@ -125,6 +129,8 @@ def test_overload_answers_only_200_429_503_and_holds_memory_flat(keyed):
 
 # -- cancellation soak -----------------------------------------------------------------------------
 
+SOAK_ROUNDS = 5
+SOAK_GROWTH_MB = 4  # median RSS growth per round of 200 streams (after the first round)
 SHARED = "You are a careful assistant. Answer briefly and precisely. " * 12  # ~130 tokens: prefix-cache hits
 MODES = ("before_admission", "prefill", "mid_decode", "at_finish", "complete")
 
@@ -181,22 +187,28 @@ def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_pat
     # bounded, but they would hide a leak of lmserve's own. With one entry each, growth is lmserve's alone.
     pinned = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1", "LRU_CACHE_CAPACITY": "1"}
     with running_server("--api-key-file", str(path), "--max-num-seqs", "16", "--max-queued-requests", "48",
-                        headers=LIGHT, env=pinned) as s:
+                        headers=OPS, env=pinned) as s:
         asyncio.run(_soak(s.url, 100, seed=1))  # warm-up: allocator pools, caches, connection buffers
         assert_nothing_leaked(s)
-        before = psutil.Process(s.proc.pid).memory_info().rss / MB
+        rss = [psutil.Process(s.proc.pid).memory_info().rss / MB]
         hits_before = s.metric("lmserve:prefix_cache_hit_tokens_total")
-        start = time.monotonic()
-        seen = asyncio.run(_soak(s.url, 1000, seed=2))
+        start, seen = time.monotonic(), {}
+        for k in range(SOAK_ROUNDS):  # 1,000 streams in rounds, RSS read after each
+            for mode, count in asyncio.run(_soak(s.url, 1000 // SOAK_ROUNDS, seed=2 + k)).items():
+                seen[mode] = seen.get(mode, 0) + count
+            assert_nothing_leaked(s)
+            rss.append(psutil.Process(s.proc.pid).memory_info().rss / MB)
         seconds = time.monotonic() - start
-        assert_nothing_leaked(s)
-        after = psutil.Process(s.proc.pid).memory_info().rss / MB
         hits = s.metric("lmserve:prefix_cache_hit_tokens_total") - hits_before
         aborted = sum(s.metric("lmserve:request_aborts_total", f'reason="{r}"') for r in ("client_disconnect",))
-    report("cancellation_soak", requests=1000, modes=seen, seconds=round(seconds, 1), rss_before_mb=round(before, 1),
-           rss_after_mb=round(after, 1), prefix_hit_tokens=hits, aborted=aborted)
+    # A leak grows RSS in every round; a busy neighbour (more requests in flight at once, a larger allocator pool)
+    # moves it once. So the judge is the median growth per round after the first (which settles pools sized by
+    # this load), not one bound on the total: 4 MB a round is 20 KB per request, the old bound's 24 MB / 1,000.
+    growth = [b - a for a, b in zip(rss[1:], rss[2:])]
+    report("cancellation_soak", requests=1000, modes=seen, seconds=round(seconds, 1), rss_mb=[round(r, 1) for r in rss],
+           growth_per_round_mb=[round(g, 1) for g in growth], prefix_hit_tokens=hits, aborted=aborted)
     assert min(seen.values()) >= 150 and hits > 10_000 and aborted >= 300
-    assert after - before < 24, (before, after)
+    assert statistics.median(growth) < SOAK_GROWTH_MB, rss
 
 
 # -- resource bombs, each beside a canary ----------------------------------------------------------
@@ -356,4 +368,47 @@ def test_slow_loris_connections_are_closed_and_others_served(keyed):
     assert len(closed) == 100 and max(closed) < 2 + 1.5  # closed at the deadline, long before they would finish
     assert keyed.metric("lmserve:requests_rejected_total", 'reason="read_timeout"') - timed_out == 100
     assert during < 3 * idle + 0.5
+    assert_nothing_leaked(keyed)
+
+
+# -- a second key probing another's prompts ---------------------------------------------------------------------
+
+SECRET_PROMPT = ("Internal memo for the heavy team only: the launch code word is PELICAN-7 and the budget is "
+                 "4.2 million; do not share. ") * 8  # ~230 tokens: many KV blocks
+
+
+async def _probes(url: str, prompts_and_salts: list[tuple[str, str | None]]) -> list[int]:
+    """The light key's completions of each prompt at once (never from the response cache); their statuses."""
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(prompts_and_salts))) as client:
+        async def one(prompt: str, salt: str | None) -> int:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "cache": False,
+                    **({"cache_salt": salt} if salt else {})}
+            return (await client.post(url + C, json=body, headers=LIGHT)).status_code
+        return await asyncio.gather(*(one(p, s) for p, s in prompts_and_salts))
+
+
+def test_a_second_key_probing_anothers_prompts_hits_none_of_its_blocks(keyed):
+    """The light key replays the heavy key's prompt, guessed prefixes of it, and the salts it might guess for the
+    heavy key's blocks, all at once: not one of its prompt tokens comes from the heavy key's KV blocks (each probe
+    has its own salt or is sent once, so it cannot hit its own either), while the heavy key's resend still hits."""
+    def hits(name: str) -> float:
+        return keyed.metric("lmserve:key_prefix_cache_hit_tokens_total", f'key_name="{name}"')
+
+    r = httpx.post(keyed.url + C, json={"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 1, "cache": False},
+                   headers=HEAVY, timeout=120)
+    assert r.status_code == 200
+    light_before, heavy_before = hits("light"), hits("heavy")
+    forged = ["heavy", "key:heavy", "salt:", " ", "\u0000", "default", "anonymous"]  # each used once, on the whole prompt
+    cuts = [len(SECRET_PROMPT) * k // 12 for k in range(2, 12)]
+    probes = [(SECRET_PROMPT, None)] + [(SECRET_PROMPT, s) for s in forged] + \
+             [(SECRET_PROMPT[:cut], f"guess-{cut}") for cut in cuts]
+    statuses = asyncio.run(_probes(keyed.url, probes))
+    assert set(statuses) <= {200, 503}, statuses  # 503: the queue was full at that instant (nothing learned either)
+    assert statuses.count(200) >= len(probes) // 2
+    assert hits("light") == light_before, "a probe of the light key was served from the heavy key's blocks"
+    assert httpx.get(keyed.url + "/metrics", headers=LIGHT).status_code == 403  # nor may it read the counts
+    r = httpx.post(keyed.url + C, json={"model": MODEL, "prompt": SECRET_PROMPT, "max_tokens": 1, "cache": False},
+                   headers=HEAVY, timeout=120)
+    assert r.status_code == 200 and hits("heavy") - heavy_before >= 128  # the cache works within the key
+    report("prefix_probe", probes=len(probes), answered=statuses.count(200), light_hit_tokens=hits("light") - light_before)
     assert_nothing_leaked(keyed)

@@ -29,7 +29,8 @@ class FakeEngine:
         raise AssertionError("AsyncEngine leaves checking to its caller or to add_request")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    max_tokens: int | None = None, grammar=None, tenant: str = "", priority: int = 0, lora=None) -> None:
+                    max_tokens: int | None = None, grammar=None, tenant: str = "", priority: int = 0, lora=None,
+                    cache_salt: bytes = b"") -> None:
         if request_id == "bad":
             raise ValueError("refused on the engine thread")
         msg = AddRequest(request_id, prompt, params, max_tokens, grammar, tenant)

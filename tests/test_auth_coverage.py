@@ -1,5 +1,5 @@
 """Every route the app has refuses a missing or wrong API key, except /health (and /metrics with --metrics-public)
-and the playground's page files.
+and the playground's page files; with a key file, /metrics is the one route a valid key needs the admin role for.
 
 The test walks the app's own route table, so a route added later (batch, files, adapters, admin) is
 covered without being listed here; an open route must be named in OPEN. In process, no model: the key
@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from lmserve.server.app import build_app
+from lmserve.server.key_file import parse_key_file
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState
 
@@ -93,6 +94,24 @@ def test_metrics_needs_the_key_unless_metrics_public():
     public = app_client(api_keys=(KEY,), metrics_public=True)
     assert public.get("/metrics").status_code == 200
     assert public.get("/version").status_code == 401  # only /metrics opens
+
+
+def test_with_a_key_file_metrics_is_the_only_admin_route():
+    """The walk again with valid keys from a key file: a user key is refused (403, OpenAI's shape) on /metrics and
+    on no other route; an admin key reads it; --metrics-public opens it to all. A plain key has no role (it is
+    a user beside a key file)."""
+    named = tuple(parse_key_file("keys: [{name: user, key: user-key}, {name: ops, key: admin-key, role: admin}]", "f"))
+    c = app_client(named_keys=named, api_keys=("plain-key",))
+    forbidden = {}
+    for key in ("user-key", "plain-key", "admin-key"):
+        for method, path in route_calls(c):
+            r = c.request(method, path, headers={"Authorization": f"Bearer {key}"}, json={})
+            if r.status_code == 403:
+                forbidden.setdefault(key, []).append((method, path, r.json()["error"]["type"]))
+    assert forbidden == {k: [("GET", "/metrics", "permission_error")] for k in ("user-key", "plain-key")}, forbidden
+    public = app_client(named_keys=named, metrics_public=True)
+    assert public.get("/metrics").status_code == 200
+    assert public.get("/metrics", headers={"Authorization": "Bearer user-key"}).status_code == 200
 
 
 def test_no_cors_headers_by_default():

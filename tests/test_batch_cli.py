@@ -56,7 +56,8 @@ def test_good_and_bad_lines_each_get_their_result(tmp_path):
         "{not json",
     ])
     out = tmp_path / "out.jsonl"
-    p = run_batch("-i", str(src), "-o", str(out), "--summary", str(tmp_path / "summary.json"))
+    # --strict-fields: the unknown field is refused as `serve --strict-fields` refuses it (ignored by default)
+    p = run_batch("-i", str(src), "-o", str(out), "--summary", str(tmp_path / "summary.json"), "--strict-fields")
     assert p.returncode == 0, p.stderr[-3000:]
     by_id = {r["custom_id"]: r for r in results(out)}
     assert len(by_id) == 7

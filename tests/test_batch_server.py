@@ -48,7 +48,7 @@ def test_openai_client_batch_flow(tmp_path):
     rows = [chat_line("paris", "What is the capital of France?"), chat_line("two", "What is 1 + 1?"),
             {**chat_line("zero", "hi"), "body": {**chat_line("zero", "hi")["body"], "max_tokens": 0}},
             {"custom_id": "wrong-url", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL}}]
-    keys = tmp_path / "keys.json"  # two named keys: objects belong to a key's name (plain keys share "default")
+    keys = tmp_path / "keys.json"  # two named keys: objects belong to a key's name (each plain key has its own)
     keys.write_text(json.dumps({"keys": [{"name": "alice", "key": KEY}, {"name": "bob", "key": "other-key"}]}))
     # float weights: the chat line's "Paris" (the Q4_1 file with int8 activations answers as llama.cpp does)
     with running_server("--api-key-file", str(keys), "--batch-dir", str(tmp_path / "batches"),

@@ -100,16 +100,21 @@ def test_ctrl_c_aborts_the_reply_between_steps_and_frees_its_blocks(tmp_path):
 class Terminal:
     """`lmserve chat` on a pseudo-terminal it controls, so Ctrl-C typed there sends SIGINT as for a user."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, sigint=signal.SIG_DFL) -> None:
         import fcntl
         import termios
 
         self.fd, slave = os.openpty()
-        # a session leader (start_new_session) takes the pty as controlling terminal (TIOCSCTTY): the
-        # line discipline then turns \x03 into SIGINT for it
+
+        def setup() -> None:
+            # a session leader (start_new_session) takes the pty as controlling terminal (TIOCSCTTY): the
+            # line discipline then turns \x03 into SIGINT for it. SIGINT's handling as given (default: the
+            # default, whatever this test process inherited; SIG_IGN: as a background job of a script)
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            signal.signal(signal.SIGINT, sigint)
+
         self.proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", *args], stdin=slave, stdout=slave,
-                                     stderr=slave, start_new_session=True,
-                                     preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                                     stderr=slave, start_new_session=True, preexec_fn=setup)
         os.close(slave)
         self.output = self.seen = ""
 
@@ -173,8 +178,10 @@ def test_chat_in_a_terminal_stops_a_reply_on_ctrl_c_and_exits_on_ctrl_d():
     assert "Traceback" not in t.seen + t.output
 
 
-def test_chat_ctrl_c_at_an_empty_prompt_exits_cleanly():
-    t = Terminal("chat", "--max-tokens", "8", *SMALL)
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_chat_ctrl_c_at_an_empty_prompt_exits_cleanly(inherited):
+    """Also where SIGINT came ignored (a script's background job): chat installs its own handling."""
+    t = Terminal("chat", "--max-tokens", "8", *SMALL, sigint=inherited)
     try:
         t.expect("you> ")
         time.sleep(0.5)  # readline waits in select() by now (see the test above)

@@ -175,6 +175,28 @@ def test_n_completions_share_prompt_blocks(base):
     assert_no_leak(base)
 
 
+def test_cache_salt_separates_prefix_blocks_and_the_finished_delta_counts_hits(base):
+    """Prompt blocks are shared only between requests of the same cache_salt (the server salts per API key);
+    the finished delta's num_cached_tokens is what the prefix cache served (the per-key metric counts it)."""
+    def cached_tokens(salt: bytes, rid: str) -> int:
+        base.add_request(rid, PROMPTS[10], SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
+        return next(d for d in _drain(base) if d.finished).num_cached_tokens
+
+    hits = base.kv.prefix_hits
+    assert cached_tokens(b"key:team-a", "s1") == 0  # this prompt's unsalted blocks (earlier tests) are not a's
+    assert cached_tokens(b"key:team-b", "s2") == 0  # nor are a's b's
+    again = cached_tokens(b"key:team-a", "s3")
+    assert again >= 128 and base.kv.prefix_hits - hits == again  # a's own blocks; the engine's total agrees
+    assert_no_leak(base)
+
+
+def _drain(engine: LLMEngine) -> list:
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    return deltas
+
+
 def test_kv_pool_memory_is_paid_as_blocks_are_written(base):
     """A 2.8 GiB pool costs RSS only for the blocks requests wrote; one stream at a time reuses the same blocks."""
     import psutil

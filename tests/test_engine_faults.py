@@ -106,7 +106,8 @@ class FailingEngine:
     def close(self) -> None:
         """Nothing to stop (AsyncEngine.shutdown calls it)."""
 
-    def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="", priority=0, lora=None) -> None:
+    def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="", priority=0, lora=None,
+                    cache_salt=b"") -> None:
         self.queued.append(request_id)
 
     def abort(self, request_id: str) -> list[CompletionDelta]:

@@ -114,6 +114,20 @@ def test_kv_dtype_names_and_where_they_run():
         resolve_kv_dtype("int4", torch.float32, False, cpu)
 
 
+def test_the_triton_backend_refuses_a_quantized_cache(monkeypatch):
+    """The Triton kernels read float K/V: an int8 cache with them is one clear start-up error (on CPU they run only
+    under Triton's interpreter, as the tests run them)."""
+    pytest.importorskip("triton")
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.preflight import check_engine_config
+    from lmserve.errors import ConfigError
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = EngineConfig(attention_backend="triton", cache=CacheConfig(kv_cache_dtype="int8"))
+    with pytest.raises(ConfigError, match="--kv-cache-dtype int8: the Triton attention kernels read float K/V only"):
+        check_engine_config(cfg)
+
+
 @pytest.fixture(scope="module")
 def int8_engine():
     from lmserve.config import CacheConfig, EngineConfig

@@ -81,23 +81,26 @@ def test_rslora_and_patterns(tiny, tmp_path):
     assert adapter.modules[(0, "o_proj")].scaling == 8 / 16 and adapter.modules[(1, "o_proj")].scaling == 32 / 16
 
 
+# (case, edit, words the message has, the config value it must never quote: a config may be someone's secret)
 REFUSALS = [
-    ("peft_type", lambda c: c.update(peft_type="IA3"), "peft_type 'IA3'"),
-    ("modules_to_save", lambda c: c.update(modules_to_save=["lm_head"]), "modules_to_save"),
-    ("dora", lambda c: c.update(use_dora=True), "DoRA"),
-    ("bias", lambda c: c.update(bias="all"), "bias 'all'"),
-    ("embedding", lambda c: c.update(target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
-    ("lm_head", lambda c: c.update(target_modules=["lm_head"]), "lm_head"),
-    ("other target", lambda c: c.update(target_modules=["q_proj", "input_layernorm"]), "'input_layernorm'"),
-    ("rank", lambda c: c.update(r="eight"), "r must be"),
+    ("peft_type", lambda c: c.update(peft_type="IA3-SECRET"), "peft_type is not supported", "IA3-SECRET"),
+    ("modules_to_save", lambda c: c.update(modules_to_save=["lm_head"]), "modules_to_save", None),
+    ("dora", lambda c: c.update(use_dora=True), "DoRA", None),
+    ("bias", lambda c: c.update(bias="all-SECRET"), "bias is not supported", "all-SECRET"),
+    ("embedding", lambda c: c.update(target_modules=["q_proj", "embed_tokens"]), "embed_tokens", None),
+    ("lm_head", lambda c: c.update(target_modules=["lm_head"]), "lm_head", None),
+    ("other target", lambda c: c.update(target_modules=["q_proj", "input_layernorm"]), r"target_modules\[1\] is not",
+     "input_layernorm"),
+    ("rank", lambda c: c.update(r="eight-SECRET"), "r must be", "eight-SECRET"),
 ]
 
 
-@pytest.mark.parametrize("case, edit, words", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_config_refusals(tiny, tmp_path, case, edit, words):
+@pytest.mark.parametrize("case, edit, words, secret", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_config_refusals(tiny, tmp_path, case, edit, words, secret):
     _, cfg, adapter = tiny
-    with pytest.raises(AdapterError, match=words):
+    with pytest.raises(AdapterError, match=words) as e:
         read_peft_adapter(edited(tmp_path, adapter, config_edit=edit), cfg, name="x")
+    assert secret is None or secret not in str(e.value)
 
 
 def test_file_refusals(tiny, tmp_path):
@@ -152,3 +155,78 @@ def test_adapter_for_another_base_is_refused(tiny, tmp_path, smol_path):
     with pytest.raises(AdapterError, match=r"layers.0.mlp.down_proj.lora_A.weight has shape \[8, 256\], "
                                            r"but the base model needs \[8, 1536\]"):
         read_peft_adapter(adapter, read_model_config(smol_path), name="x")
+
+
+def test_files_confined_to_the_root_and_never_echoed(tiny, tmp_path):
+    """With a root (--lora-dir), every file is resolved once opened: a weight file or config that is a symlink out
+    is refused, the message names the path relative to the root, and nothing from the outside file is quoted."""
+    _, cfg, adapter = tiny
+    root, outside = tmp_path / "loras", tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.json"
+    secret.write_text('{"peft_type": "SECRET-TOKEN-123"}')
+    shutil.copy(adapter / "adapter_model.safetensors", outside / "weights.safetensors")
+    for filename, target in (("adapter_config.json", secret), ("adapter_model.safetensors",
+                                                                outside / "weights.safetensors")):
+        d = root / f"via-{filename}"
+        shutil.copytree(adapter, d)
+        (d / filename).unlink()
+        (d / filename).symlink_to(target)
+        if filename == "adapter_model.safetensors":  # an operator's path (no root) may hold links: HF snapshots do
+            read_peft_adapter(d, cfg, name="x")
+        with pytest.raises(AdapterError) as e:
+            read_peft_adapter(d, cfg, name="x", root=root)
+        message = str(e.value)
+        assert f"adapter via-{filename}: {filename} leads outside --lora-dir" in message, message
+        assert str(tmp_path) not in message and "SECRET" not in message
+    inside = root / "linked-inside"  # links that stay inside the root are fine (a snapshot kept in --lora-dir)
+    shutil.copytree(adapter, inside)
+    (inside / "adapter_model.safetensors").rename(root / "blob")
+    (inside / "adapter_model.safetensors").symlink_to(root / "blob")
+    assert read_peft_adapter(inside, cfg, name="x", root=root).digest
+    with pytest.raises(AdapterError) as e:
+        read_peft_adapter(root / "missing", cfg, name="x", root=root)
+    assert str(e.value).startswith("adapter missing: not a directory") and str(tmp_path) not in str(e.value)
+
+
+def test_digest_is_of_the_bytes_read(tiny, tmp_path):
+    """The digest names the content: the same bytes anywhere give the same digest, one changed byte another."""
+    import hashlib
+
+    _, cfg, adapter = tiny
+    first = read_peft_adapter(adapter, cfg, name="x")
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter, copy)
+    assert read_peft_adapter(copy, cfg, name="other-name").digest == first.digest
+    expected = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        data = (adapter / name).read_bytes()
+        expected.update(b"%s %d\n" % (name.encode(), len(data)) + data)
+    assert first.digest == expected.hexdigest()
+    config = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": config["lora_alpha"] + 1}))
+    assert read_peft_adapter(copy, cfg, name="x").digest != first.digest
+
+
+def test_registry_keeps_the_digest_and_refuses_files_changed_since_loading(tiny, tmp_path):
+    """A re-read (after the host LRU dropped the adapter) must find the bytes it registered: other bytes under the
+    same registration would answer under the old digest, which the response cache trusts."""
+    from lmserve.config import LoraConfig
+    from lmserve.lora.registry import AdapterNameTaken, LoraRegistry
+
+    _, cfg, adapter = tiny
+    root = tmp_path / "loras"
+    shutil.copytree(adapter, root / "a")
+    shutil.copytree(adapter, root / "b")
+    registry = LoraRegistry(LoraConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=8), cfg)
+    first = registry.register("a", root / "a", root)
+    registry.register("b", root / "b", root)  # host cache of one: a is dropped
+    assert registry.lookup("a").digest == first.adapter.digest == registry.get("a").adapter.digest  # re-read, same
+    with pytest.raises(AdapterNameTaken):
+        registry.register("a", root / "b", root)
+    registry.get("b")  # a is dropped again
+    config = json.loads((root / "a" / "adapter_config.json").read_text())
+    (root / "a" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 1}))
+    with pytest.raises(AdapterError, match="changed on disk since it was loaded") as e:
+        registry.get("a")
+    assert str(tmp_path) not in str(e.value)

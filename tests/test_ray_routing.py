@@ -136,10 +136,12 @@ def test_serve_config_file_is_valid_and_builds():
 
 
 def scaling_out_commands() -> list[list[str]]:
-    """The README's `sh` commands under "Scaling out" (not run by test_readme: they need Ray, Docker, a cluster)."""
-    from tests.test_readme import README, readme_blocks
+    """docs/deployment.md's `sh` commands under "Scaling out" (not run by test_readme: they need Ray, Docker, a
+    cluster)."""
+    from tests.test_readme import readme_blocks
 
-    blocks = [b for b in readme_blocks(README.read_text()) if b.lang == "sh"
+    page = ROOT / "docs" / "deployment.md"
+    blocks = [b for b in readme_blocks(page.read_text()) if b.lang == "sh"
               and b.section in ("Replicas on Ray Serve", "Kubernetes")]
     assert len(blocks) == 2
     return [shlex.split(line) for b in blocks for line in b.text.splitlines() if line.strip()]

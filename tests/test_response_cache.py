@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from lmserve.server.response_cache import CacheSettings, cache_key, cacheable, open_backend
+from lmserve.server.response_cache import CacheSettings, cache_key, cacheable, open_backend, weights_fingerprint
 from tests.server_util import MODEL, free_port, running_server
 
 KEYS = """keys:
@@ -19,6 +19,9 @@ KEYS = """keys:
     key: sk-alice
   - name: bob
     key: sk-bob
+  - name: ops
+    key: sk-ops
+    role: admin
 """
 
 
@@ -60,6 +63,28 @@ def test_key_ignores_delivery_fields_and_separates_keys_models_and_routes():
                 cache_key("m", "alice", "/v1/completions", {**body, "max_tokens": 5})}) == 5
 
 
+def test_weights_fingerprint_follows_the_weights(tmp_path):
+    """What answers is part of the key: the same bytes give the same fingerprint (a restart hits), other weights
+    under the same file name or directory another (a swapped checkpoint never answers from the old one's entries)."""
+    import os
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 8000)
+    first = weights_fingerprint(gguf)
+    assert weights_fingerprint(gguf) == first
+    os.utime(gguf, ns=(1, 1))  # touched (a copy, a re-download): another file as far as the cache can tell
+    assert weights_fingerprint(gguf) != first
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"\0" * 4096)
+    before = weights_fingerprint(d)
+    stat = (d / "model.safetensors").stat()
+    (d / "model.safetensors").write_bytes(b"\1" * 4096)  # same size, same mtime: only the bytes differ
+    os.utime(d / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights_fingerprint(d) != before
+
+
 def _backends(tmp_path, redis_url, ttl=60.0, max_entries=3):
     return [open_backend(CacheSettings(f"sqlite:{tmp_path / 'c.sqlite'}", ttl, max_entries)),
             open_backend(CacheSettings(redis_url[0], ttl, max_entries))]
@@ -97,7 +122,7 @@ def cached(tmp_path_factory, redis_url):
     tmp = tmp_path_factory.mktemp("cache")
     (tmp / "keys.yaml").write_text(KEYS)
     with running_server("--api-key-file", str(tmp / "keys.yaml"), "--response-cache", redis_url[0],
-                        "--response-cache-ttl", "30", headers={"Authorization": "Bearer sk-alice"}) as s:
+                        "--response-cache-ttl", "30", headers={"Authorization": "Bearer sk-ops"}) as s:
         yield s
 
 

@@ -1,5 +1,7 @@
 """Named API keys with limits against the real server: 401, 429 per limit kind with OpenAI's headers, settled
-token budgets, model allow-lists, per-key metrics, no key anywhere in /metrics or the payload log, and fairness."""
+token budgets, model allow-lists, per-key metrics, no key anywhere in /metrics or the payload log, and fairness;
+and isolation between keys as the holder of a second key would probe it: plain keys each their own identity,
+no prefix-cache hits on another key's prompt blocks (unless opted in), /metrics for admin keys only."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from lmserve.server.key_file import plain_name
 from tests.server_util import BASE_ARGS, MODEL, running_server
 
 C = "/v1/completions"
@@ -41,6 +44,7 @@ keys:
     key: {KEYS["open"]}
     requests_per_minute: 1000
     tokens_per_minute: 100000
+    role: admin                    # reads /metrics
 """
 
 
@@ -141,11 +145,15 @@ def test_model_allow_list_is_404_model_not_found(keyed):
 
 
 def test_stream_carries_rate_limit_headers(keyed):
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True}
+    # a reservation far above the bucket's refill between admission and the headers (100000 a minute is 1.7 a
+    # millisecond: a reservation of 3 tokens was refilled before the headers went out on a loaded machine)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3000, "stream": True}
     with httpx.stream("POST", keyed.url + C, json=body, headers=auth("open"), timeout=60) as r:
         assert r.status_code == 200 and r.headers["x-ratelimit-limit-tokens"] == "100000"
-        assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 100000 - 3  # the reservation already taken
-        list(r.iter_lines())
+        # the reservation already taken (less what refilled since: 1500 tokens would take 0.9 s)
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) <= 100000 - 1500
+        next(r.iter_lines())  # leaving now aborts the rest
+    keyed.wait_idle()
 
 
 def test_keys_never_appear_in_metrics_or_payload_log_but_names_do(keyed):
@@ -156,7 +164,8 @@ def test_keys_never_appear_in_metrics_or_payload_log_but_names_do(keyed):
     for secret in (*KEYS.values(), PLAIN):
         assert secret not in metrics
     names = {line.split('key_name="')[1].split('"')[0] for line in metrics.splitlines() if 'key_name="' in line}
-    assert names == {"rpm", "tpm", "conc", "nomodel", "hashed", "open", "default"}  # the closed set from the file
+    # the closed set from the file, and the plain key's own name (never the key)
+    assert names == {"rpm", "tpm", "conc", "nomodel", "hashed", "open", plain_name(PLAIN)}
     deadline = time.time() + 10
     while time.time() < deadline and '"key_name": "hashed"' not in keyed.payload_log.read_text():
         time.sleep(0.1)
@@ -174,6 +183,113 @@ def test_bad_key_file_is_one_line_and_exit_2(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1
     assert "keys[0] (a): unknown field 'requests_per_minit'" in p.stderr and "sk-never" not in p.stderr
+
+
+# -- isolation between keys, probed with a second key --------------------------------------------------------
+
+ISO_KEYS = {name: f"sk-iso-{name}-0123456789" for name in ("team-a", "team-b", "shared-1", "shared-2", "ops")}
+P1, P2 = "plain-one-0123456789", "plain-two-0123456789"
+# ~200 tokens: several full KV blocks, so a hit (or its absence) is many tokens, not a rounding
+DOCUMENT = "The quarterly report of {who} lists revenue, costs and the plans for next year in detail. " * 12
+
+
+@pytest.fixture(scope="module")
+def isolated(tmp_path_factory):
+    """Two isolated keys (the default), two that opt in to a shared prefix cache, an admin, and two plain keys;
+    a response cache, the playground and batch jobs on, each in this test's own files."""
+    tmp = tmp_path_factory.mktemp("isolation")
+    (tmp / "keys.yaml").write_text("keys:\n" + "".join(
+        f"  - {{name: {name}, key: {key}{', prefix_cache: shared' if name.startswith('shared') else ''}"
+        f"{', role: admin' if name == 'ops' else ''}}}\n" for name, key in ISO_KEYS.items()))
+    with running_server("--api-key-file", str(tmp / "keys.yaml"), "--api-key", P1, "--api-key", P2,
+                        "--response-cache", f"sqlite:{tmp / 'responses.sqlite'}", "--batch-dir", str(tmp / "batches"),
+                        "--playground-db", str(tmp / "shares.db"),
+                        headers={"Authorization": f"Bearer {ISO_KEYS['ops']}"}) as s:
+        yield s
+
+
+def iso(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=ISO_KEYS.get(key, key), max_retries=0, timeout=120)
+
+
+def prefix_hits(server, key: str) -> float:
+    name = key if key in ISO_KEYS else plain_name(key)
+    return server.metric("lmserve:key_prefix_cache_hit_tokens_total", f'key_name="{name}"')
+
+
+def send(server, key: str, prompt: str, **extra) -> float:
+    """One completion of `prompt` (never from the response cache); returns the prefix-cache tokens it hit."""
+    before = prefix_hits(server, key)
+    iso(server, key).completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                        extra_body={"cache": False, **extra})
+    return prefix_hits(server, key) - before
+
+
+def test_one_keys_prompt_never_hits_another_keys_prefix_blocks(isolated):
+    """The issue's fifth finding: B resent A's 1,400-word prompt and was answered from A's KV blocks (0.05 s
+    against 2.4 s), so B could confirm A's prompts or guessed prefixes of them. Asserted by hit tokens, not time."""
+    doc = DOCUMENT.format(who="ACME Corp (confidential)")
+    assert send(isolated, "team-a", doc) == 0
+    assert send(isolated, "team-b", doc) == 0  # A's blocks are there, but not B's to hit
+    assert send(isolated, P1, doc[: len(doc) // 2]) == 0  # nor a guessed prefix's (a plain key is a tenant too)
+    a_again = send(isolated, "team-a", doc)
+    assert a_again >= 128  # A's own prompt hits A's own blocks: the cache still works within a key
+    assert send(isolated, "team-b", doc) >= 128  # and B's blocks, from its own first send, are B's
+
+
+def test_sharing_prefix_blocks_is_opt_in_by_key_or_cache_salt(isolated):
+    """`prefix_cache: shared` keys share one pool (a common system prompt); a request's `cache_salt` shares with
+    requests sending the same salt, whatever their key; an isolated key reaches neither."""
+    doc = DOCUMENT.format(who="the shared system prompt")
+    assert send(isolated, "shared-1", doc) == 0
+    assert send(isolated, "shared-2", doc) >= 128  # opted in: the other shared key's blocks
+    assert send(isolated, "team-a", doc) == 0  # not opted in: the shared pool is not its
+    salted = DOCUMENT.format(who="the team's common preamble")
+    assert send(isolated, "team-a", salted, cache_salt="preamble-v1") == 0
+    assert send(isolated, "team-b", salted, cache_salt="preamble-v1") >= 128  # the same salt: shared
+    assert send(isolated, "team-b", salted, cache_salt="preamble-v2") == 0  # another salt: not
+    assert send(isolated, "shared-1", salted) == 0  # without the salt, nothing salted is reachable
+    total = isolated.metric("lmserve:prefix_cache_hit_tokens_total")
+    assert total >= sum(prefix_hits(isolated, k) for k in ISO_KEYS)  # the per-key counts add up under the total
+
+
+def test_every_plain_key_is_its_own_identity(isolated):
+    """The issue's fourth finding: with --api-key K1 --api-key K2, K2 got K1's cached answers and listed, read and
+    deleted K1's shares, batches and files."""
+    one, two = iso(isolated, P1), iso(isolated, P2)
+    ask = dict(model=MODEL, prompt="Plain keys are tenants too:", max_tokens=4, temperature=0)
+    assert one.completions.with_raw_response.create(**ask).headers["x-lmserve-cache"] == "miss"
+    assert two.completions.with_raw_response.create(**ask).headers["x-lmserve-cache"] == "miss"  # not K1's entry
+    assert two.completions.with_raw_response.create(**ask).headers["x-lmserve-cache"] == "hit"  # its own
+    share = {"mode": "completion", "model": MODEL, "prompt": "K1's private prompt", "params": {},
+             "output": {"text": "K1's private answer"}}
+    h1, h2 = ({"Authorization": f"Bearer {k}"} for k in (P1, P2))
+    made = httpx.post(isolated.url + "/playground/api/shares", json=share, headers=h1, timeout=30).json()
+    assert httpx.get(isolated.url + "/playground/api/shares", headers=h2, timeout=30).json()["data"] == []
+    assert httpx.delete(isolated.url + f"/playground/api/shares/{made['id']}", headers=h2, timeout=30).status_code == 404
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "hi",
+                                                                                     "max_tokens": 1}}
+    uploaded = one.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    batch = one.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    assert list(two.batches.list()) == []
+    for attempt in (lambda: two.files.retrieve(uploaded.id), lambda: two.files.content(uploaded.id),
+                    lambda: two.files.delete(uploaded.id), lambda: two.batches.retrieve(batch.id)):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert one.files.retrieve(uploaded.id).id == uploaded.id  # still there for its owner
+    for key in (P1, P2):  # each counted under its own name (a cache hit is not admitted: not counted)
+        assert isolated.metric("lmserve:key_requests_total", f'key_name="{plain_name(key)}"') >= 1
+
+
+def test_metrics_is_for_admin_keys_only(isolated):
+    """The issue's seventh finding: /metrics, which lists every key name and its usage, was readable with any key."""
+    for key in ("team-a", "shared-1", P1):
+        r = httpx.get(isolated.url + "/metrics", headers={"Authorization": f"Bearer {ISO_KEYS.get(key, key)}"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", (key, r.text)
+        assert "key_name" not in r.text
+    assert httpx.get(isolated.url + "/metrics").status_code == 401
+    ok = httpx.get(isolated.url + "/metrics", headers={"Authorization": f"Bearer {ISO_KEYS['ops']}"})
+    assert ok.status_code == 200 and 'key_name="team-a"' in ok.text
 
 
 # -- fairness ------------------------------------------------------------------------------------------
@@ -218,9 +334,10 @@ def flood(url: str, key: str, n: int, done: threading.Event) -> None:
 def test_a_busy_key_does_not_starve_a_light_one(tmp_path):
     """B's TTFT p50 with A's 20 concurrent long requests stays within 2x of B's TTFT on an idle server."""
     path = tmp_path / "keys.yaml"
-    path.write_text("keys:\n  - {name: team-a, key: sk-team-a-0123456789}\n  - {name: team-b, key: sk-team-b-0123456789}\n")
+    path.write_text("keys:\n  - {name: team-a, key: sk-team-a-0123456789}\n  - {name: team-b, key: sk-team-b-0123456789}\n"
+                    "  - {name: ops, key: sk-ops-0123456789, role: admin}\n")  # ops reads /metrics
     with running_server("--api-key-file", str(path), "--max-num-seqs", "2",
-                        headers={"Authorization": "Bearer sk-team-b-0123456789"}) as s:
+                        headers={"Authorization": "Bearer sk-ops-0123456789"}) as s:
         ttft(s.url, "sk-team-b-0123456789")  # first request: warm caches
         idle = statistics.median(paced_ttft(s.url, "sk-team-b-0123456789") for _ in range(7))
         done = threading.Event()

@@ -15,7 +15,8 @@ from lmserve.server.main import served_name
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import CompletionRequest, load_json, parse_body
 from lmserve.server.state import ServerConfig, ServerState
-from lmserve.server.tenants import Tenants, key_specs
+from lmserve.server.key_file import key_specs, plain_name
+from lmserve.server.tenants import Tenants
 
 
 @pytest.mark.parametrize("raw,match", [
@@ -67,7 +68,7 @@ def test_default_served_name():
 
 def test_api_key_check():
     keys = Tenants(key_specs(("alpha", "beta", ""), ()))  # an empty key is never accepted
-    assert keys.identify("Bearer alpha") == keys.identify("bearer beta") == "default"
+    assert (keys.identify("Bearer alpha"), keys.identify("bearer beta")) == (plain_name("alpha"), plain_name("beta"))
     assert not any(keys.identify(h) for h in ("", "alpha", "Bearer alph", "Bearer alphaa", "Basic alpha", "Bearer "))
 
 

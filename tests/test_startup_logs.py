@@ -12,6 +12,7 @@ import torch
 
 from lmserve.layers import linear, native
 from lmserve.loader import load_model
+from lmserve.utils import cpu_flags
 from tests.conftest import LAYERS, write_tiny_llama
 
 
@@ -26,6 +27,7 @@ def fake_build(monkeypatch, tmp_path) -> list[str]:
         (Path(build_directory) / "lmserve_native.so").write_bytes(b"")
 
     monkeypatch.setenv("LMSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "BUILD_STAMP", tmp_path / "no-package-build.json")  # no build from pip install
     monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setattr(native, "_import", lambda path: SimpleNamespace(path=path))
     return builds
@@ -41,7 +43,9 @@ def test_a_build_is_announced_and_timed_and_a_cached_load_is_quiet(monkeypatch, 
         assert native._build() is not None
     assert len(builds) == 1
     lines = info_lines(caplog)
-    assert lines[0] == "compiling native kernels (first start on this CPU; 1-2 minutes on 2 cores) ..."
+    level = native.pick_level(cpu_flags())  # the fallback build is the level this CPU picks, as pip would ship it
+    assert lines[0] == (f"compiling native kernels for {level.name} (no prebuilt build for these sources and torch "
+                        f"{torch.__version__}; 1-2 minutes on 2 cores, once) ...")
     assert lines[1].startswith("native kernels compiled in ") and lines[1].endswith(" s")
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="lmserve.layers.native"):

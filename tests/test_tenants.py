@@ -11,7 +11,8 @@ from lmserve.errors import ConfigError
 from lmserve.ops.record import RequestRecord
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
-from lmserve.server.tenants import Tenants, duration, key_specs, parse_key_file, read_key_file
+from lmserve.server.key_file import key_specs, parse_key_file, plain_name, read_key_file
+from lmserve.server.tenants import Tenants, duration
 
 YAML = """
 keys:
@@ -74,11 +75,49 @@ def test_bad_key_files_name_the_entry_and_never_the_key(text, message):
     assert str(e.value).startswith("--api-key-file k.yaml") and "\n" not in str(e.value)
 
 
-def test_plain_keys_share_the_name_default_which_the_file_may_not_take():
-    named = tuple(parse_key_file("keys: [{name: default, key: k}]", "f"))
-    with pytest.raises(ConfigError, match="'default' is taken"):
-        key_specs(("plain",), named)
-    assert [s.name for s in key_specs(("p1", "p2", "p1"), ())] == ["default", "default"]
+def test_every_plain_key_is_its_own_identity_whose_name_the_file_may_not_take():
+    """Plain keys are named key-<8 hex of their SHA-256>: one identity each (cache, shares, files, batches,
+    limits, prefix blocks), a label that is never the key, and a form no key-file entry may take."""
+    p1, p2 = key_specs(("p1", "p2", "p1", ""), ())  # a repeated key is one identity, an empty one none
+    assert (p1.name, p2.name) == ("key-" + sha("p1")[:8], "key-" + sha("p2")[:8]) == (plain_name("p1"), plain_name("p2"))
+    assert p1.plain and not p1.admin and p1.models == ("*",) and "p1" not in repr(p1)
+    with pytest.raises(ConfigError, match="reserved"):
+        parse_key_file(f"keys: [{{name: {plain_name('p1')}, key: other}}]", "f")
+    assert parse_key_file("keys: [{name: key-12345678x, key: k}, {name: default, key: j}]", "f")  # other forms are fine
+    named = tuple(parse_key_file("keys: [{name: a, key: p1}]", "f"))
+    with pytest.raises(ConfigError, match="also the key of a named entry"):
+        key_specs(("p1",), named)
+    t = Tenants(key_specs(("p1", "p2"), ()))
+    assert t.identify("Bearer p1") == p1.name and t.identify("Bearer p2") == p2.name
+    assert not t.is_admin(p1.name) and not t.metrics_need_admin  # plain keys have no roles; /metrics as before
+
+
+def test_roles_prefix_cache_and_model_patterns_from_the_key_file():
+    specs = parse_key_file("""
+keys:
+  - {name: ops, key: k-ops, role: admin}
+  - {name: team-a, key: k-a, models: [base, "base/*"], prefix_cache: shared}
+  - {name: team-b, key: k-b, models: [base, ada]}
+""", "f")
+    ops, a, b = specs
+    assert (ops.role, ops.admin, ops.prefix_cache, a.role, a.prefix_cache) == ("admin", True, "isolated", "user", "shared")
+    assert a.allows("base") and a.allows("base/prod") and not a.allows("prod") and not a.allows("base2")
+    assert b.allows("ada") and not b.allows("prod") and not b.allows("ada2")  # an adapter is not its base
+    t = Tenants(tuple(specs))
+    assert t.is_admin("ops") and not t.is_admin("team-a") and t.metrics_need_admin
+    assert Tenants(()).is_admin("anonymous")  # no keys: an open server, everyone manages everything
+    # prompt blocks: each key's own unless it shares; a request's cache_salt shares with the same salt, any key's
+    assert t.prefix_salt("team-b", None) == b"key:team-b" != t.prefix_salt("ops", None)
+    assert t.prefix_salt("team-a", None) == b"" == Tenants(()).prefix_salt("anonymous", None)
+    assert t.prefix_salt("team-b", "sys-v1") == t.prefix_salt("ops", "sys-v1") == b"salt:sys-v1"
+    assert not t.allows("gone", "base") and not t.is_admin("gone")  # a name no longer in the file (a saved job)
+    with pytest.raises(APIError) as e:
+        t.admit(record("gone"), 1)
+    assert e.value.status == 401 and "no longer accepted" in e.value.message
+    for bad, words in (("role: root", "`role` must be one of user, admin"),
+                       ("prefix_cache: global", "`prefix_cache` must be one of isolated, shared")):
+        with pytest.raises(ConfigError, match=words):
+            parse_key_file(f"keys: [{{name: a, key: k, {bad}}}]", "f")
 
 
 def record(name: str, prompt: int = 0, output: int = 0) -> RequestRecord:

@@ -200,15 +200,19 @@ def test_call_ids_and_openai_shape():
 
 
 NESTED = '{"q": "a}\\n</tool_call> <tool_call>", "deep": {"x": [{"y": {}}]}}'
+NESTED_COMPACT = '{"q":"a}\\n</tool_call> <tool_call>","deep":{"x":[{"y":{}}]}}'  # strings keep their spaces
+# Arguments come back compact, as OpenAI sends them (whatever whitespace the model wrote between tokens).
 PARSE_CASES = [
     ("plain answer", "plain answer", []),
     ("  \n spaced answer \n", "spaced answer", []),
     ("", None, []),
-    (call("get_weather", '{"city": "Paris"}'), None, [("get_weather", '{"city": "Paris"}')]),
+    (call("get_weather", '{"city": "Paris"}'), None, [("get_weather", '{"city":"Paris"}')]),
+    (call("get_weather", '{\n "city": "Paris"\n}'), None, [("get_weather", '{"city":"Paris"}')]),
+    (call("f", '{"s": "a \\" b", "t": "\\\\"}'), None, [("f", '{"s":"a \\" b","t":"\\\\"}')]),  # escapes
     ("Let me check.\n\n" + call("f", "{}"), "Let me check.", [("f", "{}")]),
     (call("f", '{"a": 1}') + "\n" + call("g", '{ "b" : [1, 2] }\n'), None,
-     [("f", '{"a": 1}'), ("g", '{ "b" : [1, 2] }\n')]),
-    (call("f", NESTED), None, [("f", NESTED)]),  # end markers inside JSON strings cannot hold a raw newline
+     [("f", '{"a":1}'), ("g", '{"b":[1,2]}')]),
+    (call("f", NESTED), None, [("f", NESTED_COMPACT)]),  # end markers inside JSON strings cannot hold a raw newline
     (call("f", "{}") + " trailing text " + call("g", "{}") + "after", None, [("f", "{}"), ("g", "{}")]),
     # cut off (max_tokens): not a call, so the text stays content
     ("Sure. " + call_begin("f") + '{"city": "Pa', "Sure. " + call_begin("f") + '{"city": "Pa', []),
@@ -322,7 +326,7 @@ def test_streaming_holds_back_only_what_is_undecided():
     assert streamer.feed("\n" + CALL_BEGIN + "get_wea") == []  # the name is not complete yet
     [start] = streamer.feed('ther", "arguments": ')
     assert isinstance(start, ToolCallStart) and (start.index, start.name) == (0, "get_weather")
-    assert streamer.feed('{"city": "Pa') == [ToolArgumentsDelta(0, '{"city": "Pa')]  # at once
+    assert streamer.feed('{"city": "Pa') == [ToolArgumentsDelta(0, '{"city":"Pa')]  # at once, compacted
     assert streamer.feed('ris"}') == [ToolArgumentsDelta(0, 'ris"')]  # "}" may start the end string
     assert streamer.feed("}") == [ToolArgumentsDelta(0, "}")]  # the second "}" does instead
     assert streamer.feed("\n</tool_call>\n") == []
@@ -332,7 +336,7 @@ def test_streaming_holds_back_only_what_is_undecided():
 
 def test_streaming_a_call_cut_off_keeps_what_was_generated():
     text = "Sure. " + call_begin("f") + '{"city": "Pa"}\n</tool'
-    assert streamed(list(text)) == ("Sure.", [("f", '{"city": "Pa"}\n</tool')])
+    assert streamed(list(text)) == ("Sure.", [("f", '{"city":"Pa"}</tool')])  # compacted as generated
     assert parsed(text) == (text, [])  # unlike the whole-text parse, which cannot have sent the call already
 
 

@@ -97,6 +97,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (one per core)
     cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs (worker/cuda_graphs.py)
+    enforce_eager: bool = False  # never replay graphs, whatever cuda_graphs says (vLLM's flag)
+    # auto | triton | reference: who attends over the paged KV cache (layers/attention_backends.py)
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: "SpeculativeConfig | None" = None
@@ -147,6 +150,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, revision=args.revision, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, speculative=args.speculative_config, cuda_graphs=args.cuda_graphs,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

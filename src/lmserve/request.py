@@ -74,7 +74,10 @@ class Request:
     seed: int | None = None  # this completion's own seed (the request's seed + index); the runner owns its RNG
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
-    cache_salt: bytes = b""  # mixed into prefix-cache hashes (the LoRA adapter's id: blocks never cross adapters)
+    # mixed into prefix-cache hashes: blocks are shared only between requests of the same salt (the LoRA
+    # adapter's id, then who may share: see LLMEngine.add_request)
+    cache_salt: bytes = b""
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, summed over admissions
     lora: LoraRequest | None = None  # None: the base model
     tenant: str = ""  # who asked (an API key's name): waiting requests are admitted round-robin across tenants
     priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
@@ -144,6 +147,7 @@ class CompletionDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: RequestTimings | None = None  # set on the finished delta
+    num_cached_tokens: int = 0  # set on the finished delta: prompt tokens served from the prefix cache
     cumulative_logprob: float | None = None  # set on the finished delta: sum of the sampled tokens' logprobs
     # Set on each completion's first delta when params.prompt_logprobs is set: one entry per prompt
     # token, None for the first (nothing precedes it), then log p(prompt[i] | prompt[:i]) and the top-k.

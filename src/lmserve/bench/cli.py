@@ -96,6 +96,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
 
+    if args.plot:  # before minutes of load, not after: matplotlib is in the `bench` extra, not the base install
+        _require("matplotlib", "--plot", "bench")
     model = args.model or _first_model(args.base_url, args.api_key)
     if args.dataset == "random":
         reqs = sb.random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
@@ -118,6 +120,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         sb.plot_sweep(rows, args.plot)
     _write({"model": model, "endpoint": args.endpoint, "runs": rows}, args)
     return 0
+
+
+def _require(module: str, flag: str, extra: str) -> None:
+    """A flag whose package is an optional extra: without it, one line naming the install, exit 2."""
+    import importlib.util
+
+    from lmserve.errors import ConfigError
+
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{flag} needs {module}, which the serve-only install leaves out: "
+                          f"pip install 'lmserve[{extra}]' (or pip install {module})")
 
 
 def _first_model(base_url: str, api_key: str | None) -> str:

@@ -31,7 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from lmserve.cli import build_parser
+from lmserve.cli import parse_args
 from lmserve.deploy.forward import ForwardedRequest, ResponseStart, routing_key, run_asgi
 from lmserve.deploy.lifespan import Lifespan
 from lmserve.deploy.router import DEFAULT_IMBALANCED_THRESHOLD, PrefixAffinityRouter
@@ -90,7 +90,7 @@ class RayServeArgs:
 def parse_serve_args(argv: list[str]):
     """`lmserve serve` flags parsed and checked; a mistake is a ConfigError, never argparse's sys.exit."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
     except SystemExit:
         raise ConfigError(f"bad lmserve serve flags: {shlex.join(argv[1:])} (see lmserve serve --help)") from None
     check_serve_args(args)

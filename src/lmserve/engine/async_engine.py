@@ -62,6 +62,7 @@ class AddRequest:
     tenant: str = ""  # who asked (the API key's name): the scheduler admits round-robin across tenants
     priority: int = 0  # lower is admitted first (batch-job lines wait behind interactive requests)
     lora: LoraRequest | None = None  # the adapter, read from disk before this message was sent; None: base
+    cache_salt: bytes = b""  # who may share its prompt's prefix-cache blocks (b"": everyone)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        max_tokens: int | None = None, grammar: Any = None,
                        tenant: str = "", priority: int = 0,
-                       lora: LoraRequest | None = None) -> AsyncIterator[CompletionDelta]:
+                       lora: LoraRequest | None = None, cache_salt: bytes = b"") -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of every completion of a request; closing the iterator aborts it.
 
         `max_tokens` is what `engine.check_request` returned for this request (the server checks it
@@ -141,6 +142,7 @@ class AsyncEngine:
         `tenant` names who asked; waiting requests of different tenants are admitted round-robin.
         `priority`: waiting requests of a lower value are admitted first (batch-job lines use BATCH_PRIORITY).
         `lora`: the request's adapter from `engine.loras.get` (read off the engine thread); None: the base model.
+        `cache_salt`: prefix-cache blocks are shared only with requests of the same salt (b"": everyone).
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         with self._lock:  # dead is set under the lock: a stream registered here is failed if the engine dies
@@ -150,7 +152,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self.num_requests_in_flight += 1
-        self._inbox.put(AddRequest(request_id, prompt_ids, params, max_tokens, grammar, tenant, priority, lora))
+        self._inbox.put(AddRequest(request_id, prompt_ids, params, max_tokens, grammar, tenant, priority, lora,
+                                   cache_salt))
         try:
             while stream.pending > 0:
                 item = await stream.queue.get()
@@ -258,7 +261,7 @@ class AsyncEngine:
     def _add(self, msg: AddRequest) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.max_tokens, msg.grammar,
-                                    tenant=msg.tenant, priority=msg.priority, lora=msg.lora)
+                                    tenant=msg.tenant, priority=msg.priority, lora=msg.lora, cache_salt=msg.cache_salt)
         except ValueError as e:  # a request id in use, or an unchecked request refused: only its caller hears
             self._send(msg.request_id, e)
 

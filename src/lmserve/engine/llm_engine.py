@@ -17,6 +17,7 @@ from lmserve.errors import ConfigError
 from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.preflight import check_kv_pool, check_tensor_parallel
 from lmserve.engine.tokenizer import Tokenizer
+from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
@@ -129,11 +130,16 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.lora_slots, self.loras = self._lora()
         self.scheduler = Scheduler(cfg.scheduler, self.kv, StopChecker(self.outputs.check_stop_string), self.lora_slots)
+        backend = resolve_attention_backend(cfg.attention_backend, self.device, self.dtype)
+        # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
+        say = log.info if self.device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
+        say("attention backend: %s (%s)", backend.name, backend.why)
         # the runner sees this rank's model: its KV cache holds only this rank's KV heads
         self.runner = ModelRunner(self.loaded.model, self.loaded.model.config, self.num_blocks, self.block_size,
-                                  self.dtype, self.device, self.lora_slots, kv_dtype=self.kv_dtype)
+                                  self.dtype, self.device, self.lora_slots, kv_dtype=self.kv_dtype,
+                                  attention_backend=backend.name)
         # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
-        if cfg.cuda_graphs and self.device.type == "cuda" and self.lora_slots is None:
+        if cfg.cuda_graphs and not cfg.enforce_eager and self.device.type == "cuda" and self.lora_slots is None:
             self.runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(self.max_model_len, self.block_size),
                                              capture=True)
         self.executor = self._executor()
@@ -269,7 +275,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     max_tokens: int | None = None, grammar: Compiled | None = None, tenant: str = "",
-                    priority: int = 0, lora: LoraRequest | None = None) -> None:
+                    priority: int = 0, lora: LoraRequest | None = None, cache_salt: bytes = b"") -> None:
         """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks.
 
         `max_tokens` is what check_request returned for this prompt and params; None: not checked yet.
@@ -277,6 +283,7 @@ class LLMEngine:
         `tenant` names who asked (the server passes the API key's name): the scheduler is fair between tenants.
         `priority`: waiting requests of a lower value are admitted first (batch lines use BATCH_PRIORITY).
         `lora`: the adapter, already read (LoraRegistry.get, off this thread); None: the base model.
+        `cache_salt`: who may share this prompt's prefix-cache blocks (the server's per-key salt); b"": everyone.
         """
         params = params or SamplingParams()
         if lora is not None and self.lora_slots is None:
@@ -296,7 +303,7 @@ class LLMEngine:
             req = Request(rid, list(ids), params, max_tokens, stop_ids, parent_id=request_id, index=i, seed=seed,
                           grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids), tenant=tenant,
                           priority=priority, lora=lora,
-                          cache_salt=b"" if lora is None else b"lora:%d" % lora.lora_int_id)
+                          cache_salt=_prefix_salt(lora, cache_salt))
             self.scheduler.add(req)
             self.outputs.add(req)
             kids.append(rid)
@@ -428,6 +435,7 @@ class LLMEngine:
         delta.stop_reason = req.stop_reason
         delta.timings = req.timings(time.monotonic())
         delta.cumulative_logprob = req.cumulative_logprob
+        delta.num_cached_tokens = req.num_cached_tokens
         self._forget(req.request_id)
         kids = self.children.get(req.parent_id)
         if kids is not None and all(k not in self.scheduler.requests for k in kids):
@@ -439,6 +447,13 @@ class LLMEngine:
         if self.proposer is not None:
             self.draft_policy.remove(request_id)
             self.proposer.remove(request_id)
+
+
+def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:
+    """The adapter's registration first (blocks never cross adapters), then the caller's salt after a NUL: the
+    adapter part holds no NUL, so no two (adapter, salt) pairs give the same bytes."""
+    adapter = b"" if lora is None else b"lora:%d" % lora.lora_int_id
+    return adapter + b"\0" + salt if salt else adapter
 
 
 def _threads_per_rank(cfg: EngineConfig) -> int:

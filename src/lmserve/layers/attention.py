@@ -13,6 +13,23 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class AttnOptions:
+    """How one layer attends, beyond plain causal softmax attention; one object per layer, built once.
+
+    Every attention backend takes the same object, so a model states its options once (Gemma 2's soft-cap and
+    sliding window, gpt-oss's sinks) and each backend either honours all of them or refuses the model.
+    """
+
+    scale: float | None = None  # logits = q.k * scale; None: head_dim ** -0.5
+    # sliding window in tokens, as Hugging Face counts it: a query at position p sees keys p - window < j <= p
+    window: int | None = None
+    soft_cap: float | None = None  # logits -> soft_cap * tanh(logits / soft_cap) (Gemma 2), after the scale
+    # per query head, a learned logit that joins the softmax's denominator and carries no value (gpt-oss);
+    # [num_heads] float32, on the model's device
+    sinks: torch.Tensor | None = None
+
+
 class AttentionContext(Protocol):
     """What a model layer calls to attend; one object per forward pass, shared by all layers."""
 

@@ -1,33 +1,73 @@
-"""Optional C++ kernels, compiled on first use with torch's cpp_extension (g++ and ninja needed).
+"""Optional C++ kernels: built at install time for each x86-64 instruction-set level, picked at run time.
 
 One extension module (layers/csrc/): paged decode attention, the fused row-wise ops of a decoder
 layer (RMSNorm with the residual add, SiLU-and-mul, rotary), the skinny matmul for steps of a few
-rows, and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32. It is built once per
-machine into ~/.cache/lmserve/kernels/<key> (the key covers the sources, torch version and CPU flags,
-since the code is compiled for this CPU: -march=native). Where it cannot be built — no compiler, or
-LMSERVE_NATIVE_KERNELS=0 — callers fall back to the PyTorch path, with one log line. A build is made
-in a private directory and renamed into place, so an interrupted build never blocks a later start.
+rows, and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32.
+
+`pip install` / `pip wheel` compile it once per level in LEVELS (setup.py), so a wheel runs on any x86-64
+machine without a compiler. At run time the best level this CPU's flags allow is loaded, from:
+1. the builds inside the package, if they were made from these sources for this torch (`_native_build.json`);
+2. else ~/.cache/lmserve/kernels/<level>-<key>, where an earlier build of the same level, sources and torch
+   lies (setup.py fills it too, so reinstalling compiles nothing);
+3. else it is compiled there now, with torch's cpp_extension: the fallback (a checkout whose kernels were
+   edited, another torch, a non-x86 CPU), logged as such and timed apart from the model's load.
+Where none works (no compiler, or LMSERVE_NATIVE_KERNELS=0), callers use the PyTorch paths, with one log
+line. A build is made in a private directory and renamed into place, so an interrupted one never blocks a
+later start. Each level's code differs where csrc/ tests the compiler's macros (__AVX2__, __AVX512VNNI__...):
+the packed GGUF layout exists only in the AVX-512 VNNI build, and gguf_linear asks the loaded build for it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import threading
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LMSERVE_NATIVE_KERNELS"
+ENV_LEVEL = "LMSERVE_NATIVE_LEVEL"  # a level's name: load that build instead of the best (each build's parity tests)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp", "quant_gemm.cpp",
                                           "decode_stack.cpp", "bindings.cpp")]
 # fast-math lets GCC vectorise the reductions and exp; finite-math stays off (masked -inf must compare)
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+CFLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
+BUILD_STAMP = Path(__file__).parent / "_native_build.json"  # written by setup.py beside the builds it made
+
+
+class Level(NamedTuple):
+    """One build: the compiler's target flags, and the /proc/cpuinfo flags a CPU needs to run its code."""
+
+    name: str
+    march: tuple[str, ...]
+    needs: frozenset[str]
+
+    @property
+    def module(self) -> str:
+        """The extension's module name (its PyInit symbol): one per level, so two never clash."""
+        return "_native_" + self.name.replace("-", "_")
+
+
+_V2 = frozenset("sse4_2 popcnt ssse3 cx16".split())
+_V3 = _V2 | {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}  # abm: LZCNT
+# Best first. No AMX level: no kernel here has AMX code, so such a build would be the AVX-512 one under
+# another name (and -march=sapphirerapids would switch the 256-bit dots to AVX-VNNI, untested on this CPU).
+LEVELS = (
+    Level("avx512-vnni", ("-march=x86-64-v4", "-mavx512vnni"),
+          _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"}),
+    Level("x86-64-v3", ("-march=x86-64-v3",), _V3),  # AVX2 + FMA
+    Level("x86-64-v2", ("-march=x86-64-v2",), _V2),  # SSE4.2: every x86-64 CPU since ~2009
+)
+# Only compiled at run time, never shipped: a CPU below every level (or not x86-64) gets a build for itself.
+HOST = Level("host", ("-march=native",), frozenset())
+
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -36,7 +76,7 @@ _on = os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 def native_module() -> ModuleType | None:
-    """The compiled module (ops in csrc/bindings.cpp), or None where it is off or cannot be built."""
+    """The loaded module (ops in csrc/bindings.cpp), or None where it is off or cannot be had."""
     global _module, _tried
     if _tried or not _on:
         return _module if _on else None
@@ -47,26 +87,72 @@ def native_module() -> ModuleType | None:
     return _module
 
 
+def pick_level(flags: str, forced: str | None = None) -> Level:
+    """The best level whose instructions the CPU (a cpuinfo flags line) has; HOST below them all.
+
+    `forced` names a level (LMSERVE_NATIVE_LEVEL); one this CPU cannot run is refused, never loaded.
+    """
+    have = set(flags.split())
+    if forced:
+        level = next((lv for lv in (*LEVELS, HOST) if lv.name == forced), None)
+        if level is None or not level.needs <= have:
+            why = "unknown" if level is None else "needs " + ", ".join(sorted(level.needs - have))
+            raise ValueError(f"{ENV_LEVEL}={forced}: {why} (levels: {', '.join(lv.name for lv in LEVELS)}, host)")
+        return level
+    return next((lv for lv in LEVELS if lv.needs <= have), HOST)
+
+
+def level_key(level: Level, torch_version: str | None = None) -> str:
+    """What a build depends on: the sources, torch's version (its ABI) and the compiler flags."""
+    sources = b"".join(p.read_bytes() for p in sorted([*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]))
+    flags = " ".join(CFLAGS + level.march).encode()
+    digest = hashlib.sha256(sources + (torch_version or torch.__version__).encode() + flags).hexdigest()[:16]
+    return f"{level.name}-{digest}"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "kernels"
+
+
 def _build() -> ModuleType | None:
-    root = Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "kernels"
-    final = root / _key()
+    from lmserve.utils import cpu_flags
+
     try:
-        if not _library(final):
-            _compile(root, final)
-        module = _import(_library(final))
+        level = pick_level(cpu_flags(), os.environ.get(ENV_LEVEL))
+        key = level_key(level)
+        path = _bundled(level, key) or _library(cache_root() / key)
+        where = "prebuilt" if path is not None and path.parent == BUILD_STAMP.parent else "cached"
+        if path is None:
+            _compile(level, cache_root(), cache_root() / key)
+            path, where = _library(cache_root() / key), "compiled"
+        module = _import(path)
     except Exception as e:  # no compiler / ninja, or a build error: the PyTorch path still works
         log.warning("native CPU kernels unavailable (%s: %s); using the PyTorch paths", type(e).__name__,
                     str(e).splitlines()[0][:200] if str(e) else "")
         return None
-    log.debug("native CPU kernels loaded from %s", final)  # the usual case: nothing to say at INFO
+    log.debug("native CPU kernels loaded from %s (%s build, %s)", path, level.name, where)  # nothing to say at INFO
     return module
 
 
-def _compile(root: Path, final: Path) -> None:
+def _bundled(level: Level, key: str) -> Path | None:
+    """The package's own build of `level`, if setup.py made it from these sources for this torch."""
+    try:
+        stamp = json.loads(BUILD_STAMP.read_text())
+    except (OSError, ValueError):
+        return None
+    if stamp.get(level.name) != key:
+        log.info("the native kernels in the package were built from other sources or for another torch; "
+                 "using a cached or new build")
+        return None
+    found = sorted(BUILD_STAMP.parent.glob(level.module + ".*so"))
+    return found[0] if found else None
+
+
+def _compile(level: Level, root: Path, final: Path) -> None:
     """Build in a private directory, then rename it into place.
 
     The sources are copied next to the build so its files name no checkout: every checkout and venv
-    with the same sources, torch and CPU shares one build. A build killed half-way leaves only its own
+    with the same sources, torch and level shares one build. A build killed half-way leaves only its own
     temporary directory (no lock that later starts would wait on forever); two processes that build at
     once both succeed and the first rename wins.
     """
@@ -81,12 +167,13 @@ def _compile(root: Path, final: Path) -> None:
     try:
         for src in [*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]:
             shutil.copy2(src, tmp / src.name)
-        # a first start is otherwise minutes of silence (g++ -O3 on 2 cores: ~1-3 min)
-        log.info("compiling native kernels (first start on this CPU; 1-2 minutes on 2 cores) ...")
+        # minutes of silence otherwise (g++ -O3 on 2 cores: ~1-3 min)
+        log.info("compiling native kernels for %s (no prebuilt build for these sources and torch %s; 1-2 minutes "
+                 "on 2 cores, once) ...", level.name, torch.__version__)
         t0 = time.perf_counter()
-        cpp_extension.load(name="lmserve_native", sources=[str(tmp / p.name) for p in _SOURCES],
-                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(tmp),
-                           verbose=False)
+        cpp_extension.load(name=level.module, sources=[str(tmp / p.name) for p in _SOURCES],
+                           extra_cflags=[*CFLAGS, *level.march], extra_ldflags=["-fopenmp"],
+                           build_directory=str(tmp), verbose=False)
         log.info("native kernels compiled in %.0f s", time.perf_counter() - t0)
         try:
             tmp.rename(final)
@@ -98,25 +185,14 @@ def _compile(root: Path, final: Path) -> None:
 
 def _library(directory: Path) -> Path | None:
     """The built extension in `directory`, if a complete build is there."""
-    found = sorted(directory.glob("lmserve_native*.so")) if directory.is_dir() else []
+    found = sorted(directory.glob("*.so")) if directory.is_dir() else []
     return found[0] if found else None
 
 
 def _import(path: Path) -> ModuleType:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("lmserve_native", path)
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _key() -> str:
-    flags = ""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    sources = b"".join(p.read_bytes() for p in sorted([*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]))
-    h = hashlib.sha256(sources + torch.__version__.encode() + flags.encode() + " ".join(_CFLAGS).encode())
-    return h.hexdigest()[:16]

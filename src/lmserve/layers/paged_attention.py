@@ -49,6 +49,10 @@ class PagedAttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None
     prefill_table_rows: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
+    # the same prefill requests per sequence, for kernels that tile a chunk's queries (Triton's prefill): each
+    # request's first row counted from the first prefill row [R + 1], and its context after this step [R]
+    prefill_query_start_loc: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, NoReturn
 import torch
 
 from lmserve.layers.linear import can_pack, pack_linears, skinny_coverage
+from lmserve.layers.native import native_module
 from lmserve.layers.parallel import apply_tensor_parallel, drop_row_biases
 from lmserve.layers.quantized import check_scheme, quantize_linears
 from lmserve.layers.rotary import inv_frequencies
@@ -117,6 +118,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         check_scheme(quantization, device)
     quantization = None if quantization == "none" else quantization
     path = resolve_model_path(model, revision)
+    if device.type == "cpu":  # the native kernels first: a fallback compile is logged and timed apart from the load
+        native_module()
     start = time.perf_counter()
     world = shard.world_size if shard is not None else 1
     gguf = read_gguf(path) if path.suffix.lower() == ".gguf" and not path.is_dir() else None
@@ -210,8 +213,9 @@ def _skip_init() -> Iterator[None]:
             setattr(torch.nn.init, name, fn)
 
 def _config_from_dir(path: Path) -> ModelConfig:
+    raw = read_config(path)  # its errors name the file already
     try:
-        return ModelConfig.from_hf(read_config(path))
+        return ModelConfig.from_hf(raw)
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
 

@@ -8,9 +8,13 @@ adapter trained for another base is refused here, before any engine sees it. Eac
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,7 +22,8 @@ from typing import Any, Mapping
 import torch
 
 from lmserve.models.config import ModelConfig
-from lmserve.utils import read_json_object
+
+log = logging.getLogger(__name__)
 
 # HF projection name -> the decoder sub-module it lives in.
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -69,6 +74,7 @@ class PeftAdapter:
     rank: int  # the largest rank of its modules
     target_modules: tuple[str, ...]  # HF projection names present, sorted
     modules: dict[tuple[int, str], LoraModule]
+    digest: str = ""  # SHA-256 of the files' bytes as read (AdapterFiles.digest): what answers, not its name
 
     @property
     def nbytes(self) -> int:
@@ -76,11 +82,17 @@ class PeftAdapter:
         return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
 
 
-def read_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str, max_rank: int = 64) -> PeftAdapter:
-    """Read the PEFT adapter directory `path`, checked against the base `cfg`; AdapterError on any problem."""
-    root = Path(path)
-    config = _read_config(root)
-    tensors = _read_tensors(root)
+def read_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str, max_rank: int = 64,
+                      root: str | os.PathLike | None = None) -> PeftAdapter:
+    """Read the PEFT adapter directory `path`, checked against the base `cfg`; AdapterError on any problem.
+
+    `root`: the --lora-dir the adapter must stay inside (a runtime load). Every file read is then resolved after
+    it is opened and must lie inside `root` (a symlink out is refused), and errors name paths relative to it.
+    Errors never quote a file's contents or a config value, only field and tensor names this code built.
+    """
+    files = AdapterFiles(Path(path), None if root is None else Path(root))
+    config = _read_config(files)
+    tensors = _read_tensors(files)
     pairs = _group_pairs(tensors)
     modules: dict[tuple[int, str], LoraModule] = {}
     for (layer, proj), (a, b) in sorted(pairs.items()):
@@ -88,73 +100,141 @@ def read_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str, m
         rank, alpha = _rank_alpha(config, key)
         _check_shapes(key, a, b, layer, proj, rank, cfg)
         if rank > max_rank:
-            raise AdapterError(f"adapter {root}: rank {rank} of {key} is above the maximum LoRA rank {max_rank} "
-                               "(raise --max-lora-rank)")
+            raise AdapterError(f"adapter {files.shown}: rank {rank} of {key} is above the maximum LoRA rank "
+                               f"{max_rank} (raise --max-lora-rank)")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         modules[(layer, proj)] = LoraModule(a=a, b=b, scaling=float(scale))
     if not modules:
-        raise AdapterError(f"adapter {root}: {WEIGHTS_FILE} holds no LoRA tensors")
-    return PeftAdapter(name=name, path=str(root), rank=max(m.rank for m in modules.values()),
-                       target_modules=tuple(sorted({proj for _, proj in modules})), modules=modules)
+        raise AdapterError(f"adapter {files.shown}: {WEIGHTS_FILE} holds no LoRA tensors")
+    return PeftAdapter(name=name, path=str(files.dir), rank=max(m.rank for m in modules.values()),
+                       target_modules=tuple(sorted({proj for _, proj in modules})), modules=modules,
+                       digest=files.digest())
 
 
-def _read_config(root: Path) -> dict[str, Any]:
-    """adapter_config.json, parsed, with every unsupported feature refused by name."""
-    if not root.is_dir():
-        raise AdapterError(f"adapter {root}: not a directory (expected a PEFT adapter directory with {CONFIG_FILE})")
-    file = root / CONFIG_FILE
-    if not file.is_file():
-        raise AdapterError(f"adapter {root}: {CONFIG_FILE} is missing")
+class AdapterFiles:
+    """The files of one adapter directory, read whole (each once) and hashed as read.
+
+    The digest is of exactly the bytes parsed, so it names what will answer: two reads with one digest hold
+    the same weights, and a file changed between a check and its read cannot slip past.
+    """
+
+    def __init__(self, directory: Path, root: Path | None) -> None:
+        self.dir, self.root = directory, root
+        self.shown = _relative(directory, root) if root is not None else str(directory)  # for messages
+        self._hash = hashlib.sha256()
+
+    def read(self, filename: str) -> bytes:
+        """The bytes of `filename` in the directory; outside `root` once resolved is an AdapterError."""
+        file = self.dir / filename
+        if self.root is not None and not _inside(file.resolve(), self.root):  # refused before it is opened
+            raise self._outside(filename)
+        try:  # NONBLOCK: a FIFO planted here must not hang the read
+            fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as e:
+            raise AdapterError(f"adapter {self.shown}: {filename} cannot be opened ({e.strerror})") from None
+        try:
+            if self.root is not None and not _inside(_opened_path(fd, file), self.root):  # swapped meanwhile
+                raise self._outside(filename)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise AdapterError(f"adapter {self.shown}: {filename} is not a regular file")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        self._hash.update(b"%s %d\n" % (filename.encode(), len(data)))
+        self._hash.update(data)
+        return data
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of every file read, in order, each with its name and length."""
+        return self._hash.hexdigest()
+
+    def _outside(self, filename: str) -> AdapterError:
+        return AdapterError(f"adapter {self.shown}: {filename} leads outside --lora-dir (a symlink out); refused")
+
+
+def _relative(path: Path, root: Path) -> str:
+    """`path` as the --lora-dir-relative name errors show (never the server's absolute path)."""
     try:
-        config = read_json_object(file)
-    except ValueError as e:
-        raise AdapterError(f"adapter {file}: {e}") from None
+        return str(path.relative_to(root)) or "."
+    except ValueError:
+        return path.name
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or path.is_relative_to(root)
+
+
+def _opened_path(fd: int, file: Path) -> Path:
+    """Where an open file really is: Linux names it in /proc; elsewhere resolve the path again."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return file.resolve()
+
+
+def _read_config(files: AdapterFiles) -> dict[str, Any]:
+    """adapter_config.json, parsed, with every unsupported feature refused by name (never by its value)."""
+    shown, where = files.shown, f"adapter {files.shown}: {CONFIG_FILE}"
+    if not files.dir.is_dir():
+        raise AdapterError(f"adapter {shown}: not a directory (expected a PEFT adapter directory with {CONFIG_FILE})")
+    if not (files.dir / CONFIG_FILE).is_file():
+        raise AdapterError(f"adapter {shown}: {CONFIG_FILE} is missing")
+    try:
+        config = json.loads(files.read(CONFIG_FILE))
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{where} is not valid JSON (line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise AdapterError(f"{where} is not UTF-8 text") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{where} must hold a JSON object")
     if config.get("peft_type") != "LORA":
-        raise AdapterError(f"adapter {file}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+        raise AdapterError(f"{where}: this peft_type is not supported (only LORA)")
     for field, what in _UNSUPPORTED_FIELDS.items():
         if config.get(field):
-            raise AdapterError(f"adapter {file}: {what} is not supported")
+            raise AdapterError(f"{where}: {what} is not supported")
     if config.get("bias", "none") != "none":
-        raise AdapterError(f"adapter {file}: bias {config['bias']!r} is not supported (only 'none')")
-    _check_targets(file, config.get("target_modules"))
+        raise AdapterError(f"{where}: this bias is not supported (only 'none')")
+    _check_targets(where, config.get("target_modules"))
     for field in ("r", "lora_alpha"):
         value = config.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise AdapterError(f"adapter {file}: {field} must be a positive number, got {value!r}")
+            raise AdapterError(f"{where}: {field} must be a positive number")
     return config
 
 
-def _check_targets(file: Path, targets: Any) -> None:
+def _check_targets(where: str, targets: Any) -> None:
     """A list of target names must stay within the seven projections (a regex string is checked by tensor names)."""
     if not isinstance(targets, (list, tuple)):
         return
-    for target in targets:
+    for i, target in enumerate(targets):
         leaf = str(target).rsplit(".", 1)[-1]
-        if leaf in ("embed_tokens", "lm_head"):
-            raise AdapterError(f"adapter {file}: LoRA on {leaf} (embedding/LM head) is not supported")
+        if leaf in ("embed_tokens", "lm_head"):  # one of two known names: safe to say which
+            raise AdapterError(f"{where}: LoRA on {leaf} (embedding/LM head) is not supported")
         if leaf not in PROJECTIONS:
-            raise AdapterError(f"adapter {file}: target module {target!r} is not supported "
-                               f"(supported: {', '.join(PROJECTIONS)})")
+            raise AdapterError(f"{where}: target_modules[{i}] is not supported (supported: {', '.join(PROJECTIONS)})")
 
 
-def _read_tensors(root: Path) -> dict[str, torch.Tensor]:
-    """adapter_model.safetensors, memory-mapped, every tensor as float32; a pickle-only adapter is refused."""
-    from safetensors import SafetensorError, safe_open
+def _read_tensors(files: AdapterFiles) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors, every tensor as float32; a pickle-only adapter is refused."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
 
-    file = root / WEIGHTS_FILE
-    if not file.is_file():
-        if (root / "adapter_model.bin").exists():
-            raise AdapterError(f"adapter {root}: only a pickle adapter_model.bin is present; pickle is refused, "
+    where = f"adapter {files.shown}: {WEIGHTS_FILE}"
+    if not (files.dir / WEIGHTS_FILE).is_file():
+        if (files.dir / "adapter_model.bin").exists():
+            raise AdapterError(f"adapter {files.shown}: only a pickle adapter_model.bin is present; pickle is refused, "
                                f"save the adapter as {WEIGHTS_FILE} (PEFT: save_pretrained(safe_serialization=True))")
-        raise AdapterError(f"adapter {root}: {WEIGHTS_FILE} is missing")
+        raise AdapterError(f"adapter {files.shown}: {WEIGHTS_FILE} is missing")
+    data = files.read(WEIGHTS_FILE)
     try:
-        with safe_open(str(file), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise AdapterError(f"adapter {file}: cannot be read ({e})") from None
+        tensors = load(data)
+    except (SafetensorError, ValueError) as e:
+        log.warning("%s: %s", where, e)  # the details for the operator; the client hears only that it failed
+        raise AdapterError(f"{where} cannot be read as safetensors") from None
     for key, t in tensors.items():
         if not t.is_floating_point():
-            raise AdapterError(f"adapter {file}: tensor {key} has dtype {t.dtype}, expected a float type")
+            raise AdapterError(f"{where}: a tensor has dtype {t.dtype}, expected a float type")
     return {k: t.to(torch.float32).contiguous() for k, t in tensors.items()}
 
 
@@ -163,8 +243,9 @@ def _group_pairs(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], t
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _TENSOR_RE.match(key)
-        if m is None or PROJECTIONS.get(m.group(3)) != m.group(2):
-            raise AdapterError(f"adapter tensor {key}: {_unknown_reason(key)}")
+        if m is None or PROJECTIONS.get(m.group(3)) != m.group(2):  # its name is file content: logged, not quoted
+            log.warning("adapter %s: refused tensor %r", WEIGHTS_FILE, key[:200])
+            raise AdapterError(f"adapter {WEIGHTS_FILE}: a tensor is refused: {_unknown_reason(key)}")
         halves.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t
     for (layer, proj), pair in halves.items():
         if len(pair) != 2:
@@ -196,9 +277,9 @@ def _rank_alpha(config: Mapping[str, Any], key: str) -> tuple[int, float]:
     rank = _pattern_value(config.get("rank_pattern") or {}, key, config["r"])
     alpha = _pattern_value(config.get("alpha_pattern") or {}, key, config["lora_alpha"])
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise AdapterError(f"adapter: rank of {key} must be a positive integer, got {rank!r}")
+        raise AdapterError(f"adapter: rank of {key} (rank_pattern) must be a positive integer")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise AdapterError(f"adapter: lora_alpha of {key} must be a positive number, got {alpha!r}")
+        raise AdapterError(f"adapter: lora_alpha of {key} (alpha_pattern) must be a positive number")
     return rank, float(alpha)
 
 

@@ -4,10 +4,13 @@ Thread-safe: the server reads adapters from disk on worker threads (never on the
 event loop). Up to `max_cpu_loras` stay read; the least recently used is dropped past that (a request
 already holding it keeps its tensors alive; the next request re-reads it from disk). Each registration
 gets a fresh `lora_int_id`: unloading a name and loading it again never reuses the old slot or cache blocks.
+A registration also keeps the digest of the bytes it read: a re-read (after the LRU dropped the adapter) that
+finds other bytes is refused, so the digest always names what answers under that registration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,13 +28,19 @@ from lmserve.request import LoraRequest
 log = logging.getLogger(__name__)
 
 
+class AdapterNameTaken(AdapterError):
+    """register() of a name that is already registered."""
+
+
 @dataclass(frozen=True)
 class Registration:
-    """A known adapter: its name, the id of this registration, its directory."""
+    """A known adapter: its name, the id of this registration, its directory and the digest of its files."""
 
     name: str
     lora_int_id: int
     path: str
+    digest: str  # PeftAdapter.digest of the bytes read at registration
+    root: str | None = None  # the --lora-dir it must stay inside (a runtime load); None: the operator's path
 
 
 class LoraRegistry:
@@ -60,16 +69,19 @@ class LoraRegistry:
         with self._lock:
             return self._known.get(name)
 
-    def register(self, name: str, path: str | Path) -> LoraRequest:
-        """Read and check the adapter (blocking: call off the engine thread), then make it known under `name`."""
+    def register(self, name: str, path: str | Path, root: str | Path | None = None) -> LoraRequest:
+        """Read and check the adapter (blocking: call off the engine thread), then make it known under `name`.
+
+        `root`: the --lora-dir every file it reads must stay inside (read_peft_adapter), now and on re-reads."""
         with self._lock:
             if name in self._known:
-                raise AdapterError(f"an adapter named {name!r} is already loaded")
-        reg = Registration(name, next(self._ids), str(path))
+                raise AdapterNameTaken(f"an adapter named {name!r} is already loaded")
+        reg = Registration(name, next(self._ids), str(path), "", None if root is None else str(root))
         adapter = self._read(reg)
+        reg = dataclasses.replace(reg, digest=adapter.digest)
         with self._lock:
             if name in self._known:  # another thread registered it while this one read
-                raise AdapterError(f"an adapter named {name!r} is already loaded")
+                raise AdapterNameTaken(f"an adapter named {name!r} is already loaded")
             self._known[name] = reg
             self._cache(reg.lora_int_id, adapter)
         return LoraRequest(name, reg.lora_int_id, adapter)
@@ -93,6 +105,10 @@ class LoraRegistry:
                 self._cpu.move_to_end(reg.lora_int_id)
                 return LoraRequest(name, reg.lora_int_id, adapter)
         adapter = self._read(reg)  # outside the lock: other adapters stay servable while this one reads
+        if adapter.digest != reg.digest:
+            log.warning("LoRA adapter %r: the files in %s changed since it was loaded (digest %s, now %s); refused",
+                        name, reg.path, reg.digest[:12], adapter.digest[:12])
+            raise AdapterError(f"adapter {name!r}: its files changed on disk since it was loaded; load it again")
         with self._lock:
             if reg.lora_int_id not in self._cpu and self._known.get(name) is reg:
                 self._cache(reg.lora_int_id, adapter)
@@ -105,7 +121,8 @@ class LoraRegistry:
 
     def _read(self, reg: Registration) -> PeftAdapter:
         start = time.perf_counter()
-        adapter = read_peft_adapter(reg.path, self.model_config, name=reg.name, max_rank=self.cfg.max_lora_rank)
+        adapter = read_peft_adapter(reg.path, self.model_config, name=reg.name, max_rank=self.cfg.max_lora_rank,
+                                    root=reg.root)
         seconds = time.perf_counter() - start
         with self._lock:
             self.num_loads += 1

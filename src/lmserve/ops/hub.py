@@ -93,25 +93,26 @@ def build_ops(args: Any, registry: Any) -> Ops:
     return ops
 
 
-def add_ops_args(p: Any) -> None:
-    """`lmserve serve` flags for tracing, payload logging, validation rules and drift detection."""
-    g = p.add_argument_group("observability (all off by default)")
+def add_ops_args(g: Any) -> None:
+    """`lmserve serve` flags for tracing, payload logging, validation rules and drift detection (into group `g`)."""
     g.add_argument("--otlp-traces-endpoint", default=None,
-                   help="send OpenTelemetry traces over OTLP/HTTP, e.g. http://localhost:4318/v1/traces")
+                   help="send OpenTelemetry traces over OTLP/HTTP, e.g. http://localhost:4318/v1/traces (default: none)")
     g.add_argument("--otel-console-traces", action="store_true", help="print OpenTelemetry spans to stdout")
-    g.add_argument("--payload-log", default=None, metavar="PATH", help="one JSON line per finished request")
+    g.add_argument("--payload-log", default=None, metavar="PATH",
+                   help="one JSON line per finished request (default: none)")
     g.add_argument("--payload-log-sample-rate", type=float, default=1.0, help="fraction of requests logged")
     g.add_argument("--payload-log-redact", action="append", default=[], metavar="REGEX",
                    help="also redact matches of REGEX (repeatable; e-mail addresses and keys are redacted by default)")
-    g.add_argument("--payload-log-no-default-redactions", action="store_true")
+    g.add_argument("--payload-log-no-default-redactions", action="store_true",
+                   help="do not redact e-mail addresses and API keys/bearer tokens (only --payload-log-redact's)")
     g.add_argument("--payload-log-max-field-chars", type=int, default=10_000, help="longer strings are cut")
     g.add_argument("--payload-log-max-bytes", type=int, default=100 * 2**20, help="rotate the file at this size")
     g.add_argument("--payload-log-backups", type=int, default=5, help="rotated files kept (PATH.1 .. PATH.N)")
     g.add_argument("--validation-rules", default=None, metavar="FILE",
-                   help="YAML or JSON constraints on requests, each rejecting (400) or logging and counting")
+                   help="YAML or JSON constraints on requests, each rejecting (400) or logging and counting (default: none)")
     g.add_argument("--drift-reference", default=None, metavar="FILE",
-                   help="reference profile from `lmserve monitor profile payload.jsonl`")
+                   help="reference profile from `lmserve monitor profile payload.jsonl` (default: none)")
     g.add_argument("--drift-capture", type=int, default=0, metavar="N",
-                   help="without a reference file: the first N requests become the reference")
+                   help="without a reference file: the first N requests become the reference (default: 0, off)")
     g.add_argument("--drift-window", type=int, default=500, help="requests in the rolling window compared")
     g.add_argument("--drift-threshold", type=float, default=0.2, help="PSI above which a feature has drifted")

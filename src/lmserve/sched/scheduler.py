@@ -183,6 +183,7 @@ class Scheduler:
             self._num_admitted += 1
             self._last_admitted[req.tenant] = self._num_admitted
             req.num_computed_tokens = computed.num_tokens
+            req.num_cached_tokens += computed.num_tokens
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()

@@ -17,14 +17,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import lmserve
 from lmserve.ops.record import RequestRecord
 from lmserve.server import batch_routes, lora_routes, openai_routes, tgi_routes, v2_routes
+from lmserve.server.access_log import AccessLog
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.tools import prepare_chat, template_supports_tools
-from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, read_request,
-                                  release_leases, state_of)
-from lmserve.server.tenants import ANONYMOUS
+from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, key_name_of,
+                                  read_request, release_leases, state_of)
+from lmserve.server.key_file import ANONYMOUS
 
 # No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
 # serves; /metrics too with --metrics-public (see open_paths).
@@ -38,8 +39,8 @@ def is_generation(path: str) -> bool:
 log = logging.getLogger("lmserve.server")
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The app over a ServerState (whose engine may still be loading)."""
+def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
+    """The app over a ServerState (whose engine may still be loading); `access_log`: a log line per request."""
     app = FastAPI(title="lmserve", version=lmserve.__version__, docs_url=None, redoc_url=None,
                   lifespan=_lifespan(state))
     app.state.lm = state
@@ -59,6 +60,7 @@ def build_app(state: ServerState) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(BodyLimit, max_bytes=state.config.max_body_bytes,
                        upload_bytes={"/v1/files": state.config.max_upload_bytes})
+    app.add_middleware(AccessLog, enabled=access_log)  # outermost: its latency is the whole request's
     return app
 
 
@@ -234,7 +236,13 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+        """Every key's name and usage are in it: with a key file, admin keys only (unless --metrics-public)."""
+        st = state_of(request)
+        if st.tenants.metrics_need_admin and not st.config.metrics_public \
+                and not st.tenants.is_admin(key_name_of(request)):
+            raise APIError(403, "/metrics is for admin keys (role: admin in --api-key-file), or start the server "
+                           "with --metrics-public", code="permission_denied")
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/monitoring/drift")
     async def drift(request: Request) -> dict:

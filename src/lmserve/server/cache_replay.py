@@ -3,6 +3,10 @@
 A hit answers with the stored response under a fresh `id` and `created` (a new response to the caller;
 usage keeps the original token counts) and `x-lmserve-cache: hit`. A cacheable miss says `miss`; a request
 that is not cacheable (sampled without a seed, `"cache": false`, `Cache-Control: no-cache`) says `bypass`.
+
+The key names what answers (the weights' fingerprint, the adapter's content digest), and an answer is stored
+only if the adapter that ran is the one the key was made for: an adapter unloaded and loaded again with other
+weights between the lookup and the run never files its answer under its predecessor's key.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from lmserve.request import LoraRequest
 from lmserve.server.response_cache import cache_key, cacheable
 from lmserve.server.served import ModelState
 from lmserve.server.state import key_name_of
@@ -29,6 +34,7 @@ class Lookup:
 
     key: str | None
     status: str  # "miss" or "bypass" (a hit has already been answered)
+    lora_digest: str = ""  # the content digest of the adapter the key names ("": the base model)
 
 
 async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Lookup | None, Response | None]:
@@ -39,10 +45,14 @@ async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Look
     body = req.model_dump(exclude_unset=True, mode="json")
     if "no-cache" in request.headers.get("cache-control", "").lower() or not cacheable(body):
         return Lookup(None, "bypass"), None
-    key = cache_key(st.model_name, key_name_of(request), request.url.path, body)
+    digest = _lora_digest(st, body.get("model"))
+    answerer = None if digest is None else await cache.answerer(st.model_name, st.engine, digest)
+    if answerer is None:  # an adapter not loaded (now: the route answers 404), or weights that cannot be read
+        return Lookup(None, "bypass"), None
+    key = cache_key(answerer, key_name_of(request), request.url.path, body)
     stored = await cache.get(key)
     if stored is None:
-        return Lookup(key, "miss"), None
+        return Lookup(key, "miss", digest), None
     fresh = {**stored, "id": stored["id"].split("-", 1)[0] + "-" + uuid.uuid4().hex, "created": int(time.time())}
     stream_options = body.get("stream_options") or {}
     if body.get("stream"):
@@ -50,14 +60,26 @@ async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Look
     return None, JSONResponse(fresh, headers={HEADER: "hit"})
 
 
-async def store(st: ModelState, found: Lookup | None, response: Response, body: dict | None) -> Response:
-    """Mark `response` with the lookup's outcome; store `body` (a complete non-streamed answer) on a miss."""
+async def store(st: ModelState, found: Lookup | None, response: Response, body: dict | None,
+                ran: LoraRequest | None = None) -> Response:
+    """Mark `response` with the lookup's outcome; store `body` (a complete non-streamed answer) on a miss, if the
+    adapter that ran (`ran`) is the one the lookup's key names."""
     if found is None:
         return response
     response.headers[HEADER] = found.status
-    if found.key is not None and body is not None and response.status_code == 200:
+    ran_digest = "" if ran is None else getattr(ran.adapter, "digest", None)
+    if found.key is not None and body is not None and response.status_code == 200 and ran_digest == found.lora_digest:
         await st.response_cache.put(found.key, body)
     return response
+
+
+def _lora_digest(st: ModelState, name: str | None) -> str | None:
+    """The content digest of the adapter `name` picks ("" for the model itself or a route; None: none loaded)."""
+    if name is None or name == st.model_name or name in st.splits:
+        return ""
+    loras = st.engine.loras
+    reg = loras.lookup(name) if loras is not None else None
+    return None if reg is None else reg.digest
 
 
 def _replay(response: dict, include_usage: bool) -> StreamingResponse:

@@ -7,11 +7,12 @@ from fastapi.responses import JSONResponse
 TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
 MAX_MESSAGE = 400  # characters of an error message (inputs are only ever quoted in short excerpts)
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
                  500: "internal_error"}
-_TGI_TYPES = {400: "validation", 422: "validation", 401: "authentication", 404: "not_found", 405: "validation",
-              413: "validation", 429: "overloaded", 503: "overloaded", 500: "generation"}
+_TGI_TYPES = {400: "validation", 422: "validation", 401: "authentication", 403: "authentication", 404: "not_found",
+              405: "validation", 413: "validation", 429: "overloaded", 503: "overloaded", 500: "generation"}
 
 
 class APIError(Exception):

@@ -1,9 +1,10 @@
 """vLLM's dynamic LoRA routes: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Off unless the server runs with --allow-runtime-lora-updating (404 then), behind the API key like every
-route. A path is read only when it resolves (symlinks followed, `..` collapsed) inside one of the
---lora-dir directories; anything else is a 400 before the disk is touched. Reading happens on a worker
-thread: the event loop and the engine keep serving while an adapter loads.
+route; who may load and unload what is server/adapter_owners.py. A path is read only when it resolves
+(symlinks followed, `..` collapsed) inside one of the --lora-dir directories, and every file read from it
+must too (lora/peft_adapter.py); anything else is a 400 that names paths relative to the --lora-dir. Reading
+happens on a worker thread: the event loop and the engine keep serving while an adapter loads.
 """
 
 from __future__ import annotations
@@ -15,36 +16,45 @@ from fastapi import APIRouter
 from starlette.requests import Request
 
 from lmserve.lora.peft_adapter import AdapterError
+from lmserve.lora.registry import AdapterNameTaken
+from lmserve.server.adapter_owners import taken
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, parse_body
-from lmserve.server.state import ServerState, state_of
+from lmserve.server.state import ServerState, key_name_of, state_of
 
 router = APIRouter()
 
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> dict:
-    """Read, check and register an adapter; it is usable as `model` once this answers."""
-    st = _updating(request)
+    """Read, check and register an adapter, owned by the key that loads it; usable as `model` once this answers."""
+    st, key = _updating(request), key_name_of(request)
     req = parse_body(await request.body(), LoadLoraAdapterRequest)
-    if req.lora_name == st.config.served_model_name:
-        raise APIError(400, f"lora_name {excerpt(req.lora_name)} is the base model's name", param="lora_name")
-    path = confined_path(req.lora_path, st.config.lora_dirs)
+    if req.lora_name in st.model_names():
+        raise APIError(400, f"lora_name {excerpt(req.lora_name)} is a served model's name", param="lora_name")
+    loras = st.engine.loras
+    st.adapter_owners.check_load(st.tenants, key, req.lora_name, loras)
+    path, root = confined_path(req.lora_path, st.config.lora_dirs)
     try:
-        lora = await asyncio.to_thread(st.engine.loras.register, req.lora_name, path)
+        lora = await asyncio.to_thread(loras.register, req.lora_name, path, root)
+    except AdapterNameTaken:  # loaded by another request while this one read
+        raise taken(req.lora_name) from None
     except AdapterError as e:
         raise APIError(400, str(e), param="lora_path") from None
+    reg = loras.lookup(lora.name)
+    if reg is not None and reg.lora_int_id == lora.lora_int_id:
+        st.adapter_owners.loaded(key, reg)
     return {"object": "model", "id": lora.name, "parent": st.config.served_model_name, "loaded": True}
 
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> dict:
     """Forget an adapter: new requests naming it get 404; requests already using it finish with it."""
-    st = _updating(request)
+    st, key = _updating(request), key_name_of(request)
     req = parse_body(await request.body(), UnloadLoraAdapterRequest)
-    if not st.engine.loras.unregister(req.lora_name):
-        raise APIError(404, f"no LoRA adapter named {excerpt(req.lora_name)} is loaded", param="lora_name",
-                       code="model_not_found")
+    reg = st.adapter_owners.check_unload(st.tenants, key, req.lora_name, st.engine.loras)
+    st.engine.loras.unregister(reg.name)
+    st.adapter_owners.unloaded(reg)
     return {"object": "model", "id": req.lora_name, "deleted": True}
 
 
@@ -56,8 +66,8 @@ def _updating(request: Request) -> ServerState:
     return st
 
 
-def confined_path(path: str, roots: tuple[str, ...]) -> Path:
-    """`path` resolved (symlinks, `..`) if it lies inside one of `roots` (already resolved); else a 400."""
+def confined_path(path: str, roots: tuple[str, ...]) -> tuple[Path, Path]:
+    """(`path` resolved (symlinks, `..`), the root it lies inside) for one of `roots` (already resolved); else 400."""
     try:
         resolved = Path(path).expanduser().resolve()
     except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
@@ -65,5 +75,5 @@ def confined_path(path: str, roots: tuple[str, ...]) -> Path:
     if resolved is not None:
         for root in roots:
             if resolved.is_relative_to(root) and resolved != Path(root):
-                return resolved
+                return resolved, Path(root)
     raise APIError(400, f"lora_path {excerpt(path)} is not inside a --lora-dir directory", param="lora_path")

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import gc
 import logging
 import os
+import signal
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +32,7 @@ from lmserve.server.metrics import ServerMetrics
 from lmserve.server.model_args import model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
 from lmserve.server.model_pool import ModelPool, ModelSpec, ServedModel
 from lmserve.server.state import ServerConfig, ServerState
-from lmserve.server.tenants import KeySpec, key_specs, read_key_file
+from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 
 log = logging.getLogger("lmserve.server")
 
@@ -48,7 +52,7 @@ def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, 
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """The HTTP-side flags that can never work; ConfigError naming the flag."""
-    if not 1 <= args.port <= 65535:
+    if not 1 <= args.port <= 65535:  # also checked at bind; here so a Ray deploy fails once, before any replica
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
                              ("--max-body-bytes", args.max_body_bytes, 1),
@@ -70,6 +74,32 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for d in args.lora_dir:
         if not Path(d).is_dir():
             raise ConfigError(f"--lora-dir {d}: not a directory")
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use or a host that is not this machine's is a ConfigError before
+    the model loads (uvicorn would find out only after it, and exit with a traceback)."""
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} is in use ({host}:{port}: {e.strerror}); stop what holds it or choose "
+                              "another with --port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
@@ -99,7 +129,8 @@ def server_config(args: argparse.Namespace, name: str,
                         max_tokens_limit=args.max_tokens_limit, request_read_timeout=args.request_read_timeout,
                         engine_step_timeout=args.engine_step_timeout or None,
                         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                        lora_dirs=tuple(str(Path(d).resolve()) for d in args.lora_dir))
+                        lora_dirs=tuple(str(Path(d).resolve()) for d in args.lora_dir),
+                        strict_fields=args.strict_fields)
 
 
 def _response_cache(args: argparse.Namespace, metrics: ServerMetrics):
@@ -181,21 +212,26 @@ def prepare(args: argparse.Namespace) -> ServerState:
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code.
 
-    prepare() checks everything it can in the foreground (the CLI prints one line), before uvicorn starts.
+    prepare() and the listening socket check everything they can in the foreground (the CLI prints one line), before
+    any model loads.
     """
     state = prepare(args)
+    listener = bind_listener(args.host, args.port)
     config, metrics, pool = state.config, state.metrics, state.models
     slow_client = metrics.rejected.labels("read_timeout").inc
-    uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                               timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
+    uv_config = uvicorn.Config(build_app(state, access_log=not args.no_access_log), host=args.host, port=args.port, log_level=args.log_level,
+                               timeout_graceful_shutdown=5, access_log=False,  # server/access_log.py writes one
                                ws="none",  # no WebSocket routes: skips importing a websockets stack at start
                                http=with_deadline(config.request_read_timeout, slow_client))
     server = DrainingServer(uv_config, state)
     on_dead = lambda: _exit_on_dead_engine(server)  # noqa: E731
     pool.loader = lambda model: load_engine(state, model.spec, on_dead)
     pool.unloader = lambda model, engine: unload_engine(state, model, engine)
-    threading.Thread(target=_load, args=(state, server, on_dead), name="lmserve-load", daemon=True).start()
-    asyncio.run(server.serve())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a stop before uvicorn takes the signals over: it exits at once
+        signal.signal(sig, server.handle_exit)
+    loader = threading.Thread(target=_load, args=(state, server, on_dead), name="lmserve-load", daemon=True)
+    loader.start()
+    asyncio.run(server.serve(sockets=[listener]))
     engines = pool.engines()
     for engine in engines:
         engine.shutdown()
@@ -203,7 +239,31 @@ def serve(args: argparse.Namespace) -> int:
     if state.playground is not None:
         state.playground.close()
     engine_died = any(engine.dead is not None for engine in engines)
-    return 0 if server.started and state.load_error is None and not engine_died else 1
+    code = 0 if server.started and state.load_error is None and not engine_died else 1
+    if loader.is_alive():
+        _exit_during_load(code)
+    return code
+
+
+def _exit_during_load(code: int) -> None:
+    """A signal came while the model was loading: leave now, without the interpreter's teardown.
+
+    The load thread is inside torch; a normal exit would run C++ static destructors beneath it, and libstdc++
+    aborts ("terminate called without an active exception", exit code 134). Nothing is left to flush but logs;
+    a compile of the native kernels the load started (its compiler processes) is stopped with it.
+    """
+    import psutil
+
+    log.info("stopped while the model was loading")
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_on_dead_engine(server: uvicorn.Server) -> None:
@@ -326,6 +386,8 @@ def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Cal
     if on_dead is not None:
         async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
     state.metrics.bind_engine(engine, warmup_seconds, name)
+    if state.response_cache is not None:  # the weights as loaded, before a swap on disk could change them
+        state.response_cache.bind_engine(engine)
     async_engine.start()
     if name is None:
         state.async_engine = async_engine

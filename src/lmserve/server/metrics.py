@@ -128,9 +128,13 @@ class ServerMetrics:
                                   ["key_name", "kind"], registry=r)
         self.key_rejections = Counter("lmserve:key_rejections", "Requests refused by a key's limits or model list, "
                                       "by API key name and reason", ["key_name", "reason"], registry=r)
+        self.key_prefix_hits = Counter("lmserve:key_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the "
+                                       "prefix cache, by API key name (a key's blocks are its own unless it opts in "
+                                       "to sharing)", ["key_name"], registry=r)
         for name in names:
             self.key_in_flight.labels(name).set_function(lambda name=name: in_flight(name))
             self.key_requests.labels(name)
+            self.key_prefix_hits.labels(name)
             for kind in TOKEN_KINDS:
                 self.key_tokens.labels(name, kind)
             for reason in reasons:

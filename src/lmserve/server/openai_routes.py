@@ -96,6 +96,7 @@ class Run:
     merged: MergedStreams
     body: Callable[[], Awaitable[dict | None]]  # collects every stream; None when the client went away first
     chunks: Callable[[], AsyncIterator[dict]]
+    lora: LoraRequest | None = None  # the adapter that runs (what the response cache may file its answer under)
 
 
 @router.get("/v1/models")
@@ -109,15 +110,15 @@ async def list_models(request: Request) -> dict:
 
 
 def _adapter_cards(st: ServerState, key: str) -> list[dict]:
-    """Each loaded model's LoRA adapters, `parent` naming the model (a key that may use the model may use them)."""
+    """Each loaded model's LoRA adapters that the key's `models` cover, `parent` naming the model."""
     cards = []
     for model in st.models.loaded():
         loras = model.async_engine.engine.loras
-        if loras is None or not st.tenants.allows(key, model.name):
+        if loras is None:
             continue
         cards += [{"id": reg.name, "object": "model", "created": st.created, "owned_by": "lmserve",
                    "max_model_len": model.async_engine.engine.max_model_len, "loaded": True, "parent": model.name,
-                   "root": reg.name} for reg in loras.registrations()]
+                   "root": reg.name} for reg in loras.registrations() if st.tenants.allows(key, reg.name)]
     return cards
 
 
@@ -152,7 +153,7 @@ async def _respond(request: Request, st: ModelState, found: cache_replay.Lookup 
     body = await run.body()
     if body is None:
         return Response(status_code=499)
-    return await cache_replay.store(st, found, JSONResponse(body), body)
+    return await cache_replay.store(st, found, JSONResponse(body), body, run.lora)
 
 
 async def start_completion(st: ModelState, req: CompletionRequest, caller: Caller) -> Run:
@@ -165,12 +166,12 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
                             scores_prompt_only(req))
     texts = [await _echo(st, p) if req.echo else "" for p in prompts]
     grammar = await st.compile_grammar(params)
-    lora = await st.lora_for(req.model)
+    lora = await st.lora_for(req.model, record)
     # Nothing awaits from admission until the streams are counted in flight.
     max_tokens_each = st.admit(ids_list, params, record)
     rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar,
-                                        caller.priority, lora)
+                                        caller.priority, lora, req.cache_salt)
                             for i, (ids, max_tokens) in enumerate(zip(ids_list, max_tokens_each))])
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": _model_name(st, lora)}
     usage_prompt = sum(len(ids) for ids in ids_list)
@@ -185,7 +186,7 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
                                     for i, c in enumerate(choices)], "usage": _usage(usage_prompt, choices)}
 
     return Run(merged, body, lambda: _completion_chunks(st, merged, meta, params.n, inputs, shape, usage_prompt,
-                                                        include_usage))
+                                                        include_usage), lora)
 
 
 @router.post("/v1/chat/completions")
@@ -206,11 +207,11 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     record = caller.record
     ids = await st.tokenize_chat(messages, record, template_kwargs)
     grammar = await st.compile_grammar(params)
-    lora = await st.lora_for(req.model)
+    lora = await st.lora_for(req.model, record)
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar,
-                                        priority=caller.priority, lora=lora)])
+                                        priority=caller.priority, lora=lora, cache_salt=req.cache_salt)])
     meta = {"id": rid, "created": int(time.time()), "model": _model_name(st, lora)}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -223,7 +224,8 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
              "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
             for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
 
-    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools)))
+    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools)),
+               lora)
 
 
 def _model_name(st: ModelState, lora: LoraRequest | None) -> str:

@@ -309,7 +309,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/info"): RouteDoc(None, TGIInfo, (401,)),
     ("get", "/health"): RouteDoc(None, Health, (503,)),
     ("get", "/version"): RouteDoc(None, Version, (401,)),
-    ("get", "/metrics"): RouteDoc(None, None, (401,), (TEXT,)),
+    ("get", "/metrics"): RouteDoc(None, None, (401, 403), (TEXT,)),  # 403: a non-admin key beside a key file
     ("get", "/v1/monitoring/drift"): RouteDoc(None, DriftReport, (401, 404)),
     ("post", "/tokenize"): RouteDoc(p.TokenizeRequest, Tokenized, (400, 401, 404, 413, 503)),
     ("post", "/detokenize"): RouteDoc(p.DetokenizeRequest, Detokenized, (400, 401, 404, 413, 503)),
@@ -337,10 +337,12 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/batches"): RouteDoc(None, BatchList, (400, 401, 404)),
     ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
     ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
-    # Dynamic LoRA (server/lora_routes.py): 404 when --allow-runtime-lora-updating is off or the name is unknown.
-    ("post", "/v1/load_lora_adapter"): RouteDoc(p.LoadLoraAdapterRequest, LoraLoaded, (400, 401, 404, 413, 503)),
+    # Dynamic LoRA (server/lora_routes.py): 404 when --allow-runtime-lora-updating is off or the name is unknown;
+    # 403 a name outside the key's models, or another key's adapter; 409 a name already loaded.
+    ("post", "/v1/load_lora_adapter"): RouteDoc(p.LoadLoraAdapterRequest, LoraLoaded,
+                                                (400, 401, 403, 404, 409, 413, 503)),
     ("post", "/v1/unload_lora_adapter"): RouteDoc(p.UnloadLoraAdapterRequest, LoraUnloaded,
-                                                  (400, 401, 404, 413, 503)),
+                                                  (400, 401, 403, 404, 413, 503)),
 }
 _ERROR_MODELS = (OpenAIError, TGIError, V2Error)
 
@@ -404,6 +406,8 @@ def _answer_schema(media: str, route: RouteDoc) -> dict:
     return _SSE_EVENT if media == SSE else {"type": "string"}  # Prometheus text, the playground's files
 
 
-_REASONS = {400: "Invalid request", 401: "Missing or invalid API key", 404: "Unknown model or id (or feature off)",
+_REASONS = {400: "Invalid request", 401: "Missing or invalid API key",
+            403: "The key may not do this (another key's adapter, a name outside its models, not an admin key)",
+            404: "Unknown model or id (or feature off)", 409: "The name is taken (unload it first)",
             413: "Request body too large", 422: "Invalid request (TGI)", 429: "Rate limit of the API key",
             500: "The engine failed while running the request", 503: "Loading, draining, at capacity, stopped, or a store unavailable"}

@@ -1,4 +1,10 @@
-"""Request models for the OpenAI and TGI APIs. Unknown fields are rejected, never silently ignored."""
+"""Request models for the OpenAI and TGI APIs.
+
+A field no model here declares is ignored, as vLLM does (clients and SDKs of a newer API version send fields
+this server does not know): it is logged and named in the response's X-Ignored-Fields header; with
+`--strict-fields` it is a 400 instead. A field that is declared but unsupported (`suffix`, `best_of` > 1, ...)
+is always a 400 naming it: it would change the answer.
+"""
 
 from __future__ import annotations
 
@@ -69,7 +75,7 @@ class StructuredOutputsBody(_NullMeansDefault):
 class _Sampling(_NullMeansDefault):
     """Fields shared by completions and chat (OpenAI names plus vLLM's extras)."""
 
-    model: str
+    model: str | None = None  # none: the default (first) served model, as vLLM serves its one model
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -98,6 +104,8 @@ class _Sampling(_NullMeansDefault):
     guided_grammar: str | None = None
     # lmserve: false skips the response cache (--response-cache) for this request
     cache: bool | None = None
+    # vLLM's: the prompt's prefix-cache blocks are shared only with requests sending the same salt (any key's)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class CompletionRequest(_Sampling):
@@ -349,19 +357,43 @@ def load_json(raw: bytes) -> Any:
     return data
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Strict JSON into `model`, with errors that name the field."""
-    return parse_data(load_json(raw), model)
+def parse_body(raw: bytes, model: type[BaseModel], strict: bool = True, ignored: list[str] | None = None) -> Any:
+    """Strict JSON into `model`, with errors that name the field (see parse_data for `strict` and `ignored`)."""
+    return parse_data(load_json(raw), model, strict, ignored)
 
 
-def parse_data(data: Any, model: type[BaseModel]) -> Any:
-    """Parsed JSON (it must be an object) into `model`, with errors that name the field."""
+def parse_data(data: Any, model: type[BaseModel], strict: bool = True, ignored: list[str] | None = None) -> Any:
+    """Parsed JSON (it must be an object) into `model`, with errors that name the field.
+
+    strict: an unknown field is a 400. Otherwise unknown fields (top-level, or inside a plain nested object such as
+    stream_options) are dropped and their dotted names appended to `ignored`; one inside a union's branch (a
+    message of some role) still fails, since which branch it belongs to is not known.
+    """
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise _validation_error(e) from None
+    while True:
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            unknown = [err["loc"] for err in e.errors() if err["type"] == "extra_forbidden"]
+            if strict or not unknown or not all(_drop(data, loc) for loc in unknown):
+                raise _validation_error(e) from None
+            if ignored is not None:
+                ignored += [".".join(map(str, loc))[:40] for loc in unknown]
+
+
+def _drop(data: Any, loc: tuple) -> bool:
+    """Delete the field at `loc` (keys and list indices) from the parsed body; False where the path is not there."""
+    for part in loc[:-1]:
+        ok = isinstance(data, dict) and part in data or isinstance(data, list) and isinstance(part, int) \
+            and 0 <= part < len(data)
+        if not ok:
+            return False
+        data = data[part]
+    if not isinstance(data, dict) or loc[-1] not in data:
+        return False
+    del data[loc[-1]]
+    return True
 
 
 def _validation_error(e: ValidationError) -> APIError:

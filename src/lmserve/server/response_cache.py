@@ -1,9 +1,11 @@
 """Exact-match response cache for deterministic requests (`--response-cache`), in SQLite or Redis.
 
 A request is cached only when its answer is a function of its body: greedy (temperature 0) or seeded
-sampling. The key is a SHA-256 of the served model, the caller's API key *name* (entries are never shared
-across keys) and the body with the fields that do not change the answer (`stream`, `stream_options`,
-`user`, `cache`) left out, keys sorted. The value is the complete JSON response; a streamed request
+sampling. The key is a SHA-256 of what answers (the served model's name and a fingerprint of its weights as
+loaded; a LoRA adapter's content digest, never just its name, so a replaced or reloaded adapter never answers
+from its predecessor's entries), the caller's API key *name* (entries are never shared across keys) and the
+body with the fields that do not change the answer (`stream`, `stream_options`, `user`, `cache`,
+`cache_salt`) left out, keys sorted. The value is the complete JSON response; a streamed request
 with a hit gets it replayed as a stream (`server/cache_replay.py`). Only non-streamed responses are
 stored: a stream's pieces are not kept.
 
@@ -22,14 +24,17 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger("lmserve.server")
 
-IGNORED_FIELDS = ("stream", "stream_options", "user", "cache")  # they do not change the answer
+IGNORED_FIELDS = ("stream", "stream_options", "user", "cache", "cache_salt")  # they do not change the answer
 _WARN_EVERY_S = 60.0
+_HEAD_BYTES = 2**20  # of each weight file, hashed into the fingerprint
+_WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 
 
 class Backend(Protocol):
@@ -138,8 +143,23 @@ def cacheable(body: dict[str, Any]) -> bool:
     return temperature == 0 or body.get("seed") is not None
 
 
+def weights_fingerprint(path: Path) -> str:
+    """A short digest of a checkpoint file or directory: each file's name, size and mtime, and the first MiB of
+    each weight file. Not a full hash (a start reads no more than a few MiB); any re-export changes it."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        if f.suffix in _WEIGHT_SUFFIXES or f is path:
+            with open(f, "rb") as fh:
+                h.update(fh.read(_HEAD_BYTES))
+    return h.hexdigest()[:16]
+
+
 def cache_key(model: str, key_name: str, route: str, body: dict[str, Any]) -> str:
-    """SHA-256 over the model, the API key's name, the route and the body minus IGNORED_FIELDS."""
+    """SHA-256 over what answers (`model`: see ResponseCache.answerer), the API key's name, the route and the body
+    minus IGNORED_FIELDS."""
     kept = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
     text = json.dumps([model, key_name, route, kept], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -153,8 +173,29 @@ class ResponseCache:
         self.backend = open_backend(settings)
         self.metrics = metrics
         self._warned = 0.0
+        self._fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its weights'
         if metrics is not None:
             metrics.bind_response_cache(self._count_or_nan)
+
+    def bind_engine(self, engine: Any) -> str | None:
+        """Fingerprint an engine's weights as it loaded them (blocking: call where it loads, or off the loop);
+        None when its files cannot be read now (its requests then bypass the cache)."""
+        fp = self._fingerprints.get(engine)
+        if fp is None:
+            loaded = engine.loaded
+            try:
+                fp = f"{weights_fingerprint(Path(loaded.path))}:{loaded.weight_format}:{engine.dtype}"
+            except OSError as e:
+                log.warning("response cache: cannot fingerprint %s (%s); its requests bypass the cache", loaded.path, e)
+                return None
+            self._fingerprints[engine] = fp
+        return fp
+
+    async def answerer(self, model_name: str, engine: Any, lora_digest: str) -> str | None:
+        """What answers, as the cache key names it: the model and its weights' fingerprint, and the adapter's
+        content digest ("" for none); None: unknown (do not cache)."""
+        fp = self._fingerprints.get(engine) or await asyncio.to_thread(self.bind_engine, engine)
+        return None if fp is None else f"{model_name}@{fp}" + (f"+lora:{lora_digest}" if lora_digest else "")
 
     async def get(self, key: str) -> dict | None:
         """The stored response, or None (a miss, counted; a backend fault counts as a miss)."""

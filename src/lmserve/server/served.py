@@ -16,6 +16,7 @@ from lmserve.lora.peft_adapter import AdapterError
 from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
+from lmserve.server.key_file import ANONYMOUS
 from lmserve.server.model_pool import ServedModel
 
 if TYPE_CHECKING:
@@ -43,12 +44,14 @@ class ModelState:
         """The served name of the model answering: what responses' `model` field and the metrics say."""
         return self.model.name
 
-    async def lora_for(self, name: str | None) -> LoraRequest | None:
+    async def lora_for(self, name: str | None, record: RequestRecord) -> LoraRequest | None:
         """The adapter a request's model name picks on this model (read from disk off the event loop unless
-        cached); None for the model itself or a route; any other name is a 404."""
+        cached); None for the model itself or a route; any other name is a 404, as is an adapter the record's
+        key may not use (TGI's adapter_id arrives here unchecked)."""
         loras = self.engine.loras
         if name is None or name == self.model.name or name in self.shared.splits:
             return None
+        self.tenants.check_model(record.key_name or ANONYMOUS, name)
         if loras is None or loras.lookup(name) is None:  # TGI's adapter_id: not checked by resolve_model
             raise APIError(404, f"model {name[:80]!r} does not exist (this server serves {self.model.name!r} and "
                            "its adapters)", param="model", code="model_not_found")
@@ -109,12 +112,14 @@ class ModelState:
 
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
                  record: RequestRecord, first_output: int = 0, grammar: Any = None,
-                 priority: int = 0, lora: LoraRequest | None = None) -> AsyncIterator[CompletionDelta]:
+                 priority: int = 0, lora: LoraRequest | None = None,
+                 cache_salt: str | None = None) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limits (the server's and the model's) until it ends.
 
         `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
         record.outputs[first_output + index] (several prompts share one record). `priority`: see Request.priority.
-        `lora`: what lora_for returned (None: the base model).
+        `lora`: what lora_for returned (None: the base model). `cache_salt`: the request's own (vLLM's field); the
+        prompt's prefix-cache blocks are salted per key unless it, or the key's `prefix_cache: shared`, opts in.
         """
         if record.engine_arrival is None:
             record.engine_arrival = time.monotonic()
@@ -122,14 +127,18 @@ class ModelState:
         shared.in_flight += 1
         model.in_flight += 1
         self.metrics.in_flight.set(shared.in_flight)
-        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar,
-                                           tenant=record.key_name or "", priority=priority, lora=lora)
+        key = record.key_name or ANONYMOUS
+        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar, tenant=record.key_name or "",
+                                           priority=priority, lora=lora,
+                                           cache_salt=self.tenants.prefix_salt(key, cache_salt))
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index
             try:
                 async for d in inner:
                     self._observe(d, started, first, last)
+                    if d.finished:
+                        self.tenants.count_prefix_hits(key, d.num_cached_tokens)
                     _record_delta(record, first_output, d)
                     yield d
             finally:

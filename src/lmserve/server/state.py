@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -14,16 +15,19 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
+from lmserve.server.adapter_owners import AdapterOwners
 from lmserve.server.errors import APIError
+from lmserve.server.key_file import ANONYMOUS, KeySpec, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.model_pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.params import TokenLimits
 from lmserve.server.protocol import parse_body, parse_data
 from lmserve.server.served import ModelState
-from lmserve.server.tenants import ANONYMOUS, KeySpec, Tenants, key_specs
+from lmserve.server.tenants import Tenants
 from lmserve.server.traffic import TrafficSplit
 
 T = TypeVar("T")
+log = logging.getLogger("lmserve.server")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class ServerConfig:
     engine_step_timeout: float | None = 300.0  # the hung-engine watchdog; None: off
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_dirs: tuple[str, ...] = ()  # the only directories those routes may read adapters from
+    strict_fields: bool = False  # an unknown request field is a 400 (else ignored, logged, named in X-Ignored-Fields)
 
     @property
     def token_limits(self) -> TokenLimits:
@@ -63,6 +68,7 @@ class ServerState:
     ops: Ops = field(default_factory=Ops)  # tracing, payload log, rules, drift (each off unless configured)
     created: int = field(default_factory=lambda: int(time.time()))
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
+    adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # who loaded which runtime adapter
     response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
     batches: Any = None  # server/batch_jobs.BatchManager (serve always has one); None: /v1/batches answers 404
@@ -183,6 +189,7 @@ RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's
 KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
 LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
 LEASES_KEY = "lmserve_leases"  # the models a request holds (server/model_pool.py), released at its end
+IGNORED_FIELDS_KEY = "lmserve_ignored_fields"  # unknown body fields dropped by parsing (server/access_log.py)
 _PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
 
@@ -202,8 +209,10 @@ async def read_request(request: Request, model: type[T]) -> tuple[ModelState, T]
     key may use, and it is loaded (waiting for its load); the model is held until the response ends."""
     st = state_of(request)
     st.check_ready()
-    req = parse_body(await request.body(), model)
-    leases = request.scope.setdefault("state", {}).setdefault(LEASES_KEY, [])
+    ignored = request.scope.setdefault("state", {}).setdefault(IGNORED_FIELDS_KEY, [])  # access_log names them
+    req = parse_body(await request.body(), model, st.config.strict_fields, ignored)
+    _log_ignored(ignored, request.url.path)
+    leases = request.scope["state"].setdefault(LEASES_KEY, [])
     return await accept(st, req, record_of(request), key_name_of(request), leases), req
 
 
@@ -213,8 +222,15 @@ async def read_data(st: ServerState, data: Any, model: type[T], record: RequestR
 
     The caller releases what `leases` holds once the line's answer is complete."""
     st.check_ready()
-    req = parse_data(data, model)
+    ignored: list[str] = []
+    req = parse_data(data, model, st.config.strict_fields, ignored)
+    _log_ignored(ignored, record.route)
     return await accept(st, req, record, record.key_name or ANONYMOUS, leases), req
+
+
+def _log_ignored(ignored: list[str], route: str) -> None:
+    if ignored:
+        log.info("%s: ignored unknown field(s) %s (--strict-fields refuses them)", route[:100], ", ".join(ignored))
 
 
 async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_name: str,
@@ -222,12 +238,16 @@ async def accept(st: ServerState, req: BaseModel, record: RequestRecord, key_nam
     """The body names a model we serve and the key may use (as it asked for it, a route name included); its
     parameters go into the record under the name of the model that answers."""
     asked = getattr(req, "model", None)
+    # Checked as asked, before the name is resolved, so a name the key may not use is one 404 whether it exists
+    # or not: a route by its name, an adapter by its own (an adapter does not inherit its base's permission).
+    if asked is not None:
+        st.tenants.check_model(key_name, asked)
     served = st.resolve_model(asked, getattr(req, "user", None))
+    if asked is None:
+        st.tenants.check_model(key_name, served.name)
     _describe(record, req, served.name)
     if asked in st.splits:
         record.requested_model = asked
-    # a route name is checked as asked; an adapter as its model (adapters share their model's key permissions)
-    st.tenants.check_model(key_name, asked if asked is not None and asked in st.splits else served.name)
     return await st.bind(served, leases)
 
 

@@ -1,168 +1,28 @@
-"""API keys with names and per-key limits: requests and tokens per minute, concurrency, allowed models.
-
-The key file (`--api-key-file`) is either a YAML or JSON mapping with a `keys:` list, or one plain key per
-line (the older format). Keys are kept only as SHA-256 digests: a presented key is hashed, and its digest
-compared in constant time with every entry's (no early exit), so neither the key nor which entry matched
-shows in the timing.
+"""Per-key limits and identities at run time: which key a request holds, its token buckets, its role, the
+salt of its prompt blocks. The keys themselves come from server/key_file.py.
 
 Limits are token buckets whose capacity is the per-minute limit, refilled continuously (60 requests per
 minute: a burst of 60, then one a second). At admission a request takes one request and prompt + max_tokens
 tokens (its worst case) and one concurrency slot; when its response ends, whatever the outcome, the unused
 tokens go back and the slot is freed. All of this runs on the event loop thread only, so no locks.
+
+A presented key is hashed and its digest compared in constant time with every entry's (no early exit), so
+neither the key nor which entry matched shows in the timing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 import math
-import re
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from lmserve.errors import ConfigError
 from lmserve.ops.record import RequestRecord
 from lmserve.server.errors import APIError
+from lmserve.server.key_file import ANONYMOUS, KeySpec, key_digest
 
-ANONYMOUS = "anonymous"  # the key name of every request when the server takes no keys
-PLAIN = "default"  # the name shared by keys given plainly (--api-key, $LMSERVE_API_KEY, a one-key-per-line file)
-LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
-FIELDS = ("name", "key", "sha256", "models", *LIMITS)
 REJECT_REASONS = ("requests_per_minute", "tokens_per_minute", "concurrency", "model")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a metric label and a log field: keep it plain
-_HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
-
-
-def key_digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
-
-
-_EMPTY_DIGEST = key_digest("")
-
-
-@dataclass(frozen=True)
-class KeySpec:
-    """One accepted key: its name, its digest and its limits (None: unlimited)."""
-
-    name: str
-    digest: bytes = field(repr=False)  # SHA-256 of the key (the key itself is never kept)
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    max_concurrent_requests: int | None = None
-    models: tuple[str, ...] = ("*",)
-
-    def allows(self, model: str) -> bool:
-        return "*" in self.models or model in self.models
-
-
-# -- the key file ------------------------------------------------------------------------------------
-
-
-def read_key_file(path: str | Path) -> tuple[list[str], list[KeySpec]]:
-    """(plain keys, named keys) from a key file; a malformed named-key file is a ConfigError naming the entry."""
-    text = Path(path).read_text(encoding="utf-8")
-    specs = parse_key_file(text, f"--api-key-file {path}")
-    if specs is not None:
-        return [], specs
-    return [line.strip() for line in text.splitlines() if line.strip()], []
-
-
-def parse_key_file(text: str, source: str) -> list[KeySpec] | None:
-    """The named keys of a YAML/JSON key file; None when the text is not a mapping (then it is one key per line).
-
-    Any mapping counts as the named format, so a misspelt `keys:` is an error rather than a silently accepted key.
-    """
-    doc = _load_mapping(text)
-    if doc is None:
-        return None
-    unknown = sorted(set(doc) - {"keys"})
-    if unknown or not isinstance(doc.get("keys"), list) or not doc["keys"]:
-        raise ConfigError(f"{source}: expected a mapping with one field, `keys:`, a non-empty list of keys"
-                          + (f" (unknown field {unknown[0]!r})" if unknown else ""))
-    specs = [_spec(entry, f"{source}: keys[{i}]") for i, entry in enumerate(doc["keys"])]
-    _check_unique(specs, source)
-    return specs
-
-
-def _load_mapping(text: str) -> dict | None:
-    """The text as a JSON or YAML mapping, else None (a plain key list is neither, or parses as a string)."""
-    import yaml
-
-    try:
-        doc = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _spec(entry: Any, where: str) -> KeySpec:
-    """One `keys:` entry, checked field by field; errors name the entry (and its name, never its key)."""
-    if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: expected a mapping with name, key or sha256, and limits")
-    name = entry.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError(f"{where}: `name` must be 1-64 letters, digits, '.', '_' or '-' (starting with a letter "
-                          f"or digit)")
-    where = f"{where} ({name})"
-    unknown = sorted(set(entry) - set(FIELDS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(FIELDS)})")
-    limits = {k: _limit(entry.get(k), f"{where}: {k}") for k in LIMITS}
-    return KeySpec(name, _entry_digest(entry, where), models=_models(entry.get("models", ["*"]), where), **limits)
-
-
-def _entry_digest(entry: dict, where: str) -> bytes:
-    if ("key" in entry) == ("sha256" in entry):
-        raise ConfigError(f"{where}: give exactly one of `key` or `sha256`")
-    if "key" in entry:
-        key = entry["key"]
-        if not isinstance(key, str) or not key.strip() or key != key.strip():
-            raise ConfigError(f"{where}: `key` must be a non-empty string without surrounding spaces")
-        return key_digest(key)
-    digest = entry["sha256"]
-    if not isinstance(digest, str) or not _HEX_DIGEST.match(digest):
-        raise ConfigError(f"{where}: `sha256` must be 64 hex digits (the SHA-256 of the key, e.g. from "
-                          f"`printf %s KEY | sha256sum`)")
-    if bytes.fromhex(digest) == _EMPTY_DIGEST:
-        raise ConfigError(f"{where}: `sha256` is the digest of an empty key")
-    return bytes.fromhex(digest)
-
-
-def _limit(value: Any, where: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where} must be a positive integer (or absent: unlimited), got {value!r}")
-    return value
-
-
-def _models(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value or not all(isinstance(m, str) and m for m in value):
-        raise ConfigError(f"{where}: `models` must be a non-empty list of model names, or [\"*\"] for all")
-    return tuple(value)
-
-
-def _check_unique(specs: list[KeySpec], source: str) -> None:
-    names, digests = set(), set()
-    for s in specs:
-        if s.name in names or s.name == ANONYMOUS:
-            raise ConfigError(f"{source}: key name {s.name!r} is used twice" if s.name in names else
-                              f"{source}: key name {ANONYMOUS!r} is reserved (requests on a server without keys)")
-        if s.digest in digests:
-            raise ConfigError(f"{source}: key {s.name!r} has the same key as an earlier entry")
-        names.add(s.name)
-        digests.add(s.digest)
-
-
-def key_specs(plain_keys: tuple[str, ...], named: tuple[KeySpec, ...]) -> tuple[KeySpec, ...]:
-    """All accepted keys: the named ones, then plain keys (unlimited, all models) under the name "default"."""
-    if plain_keys and any(s.name == PLAIN for s in named):
-        raise ConfigError(f"--api-key-file: key name {PLAIN!r} is taken by the plain keys of --api-key / "
-                          f"$LMSERVE_API_KEY; rename the file's entry")
-    return named + tuple(KeySpec(PLAIN, key_digest(k)) for k in dict.fromkeys(plain_keys) if k)
 
 
 # -- limits ------------------------------------------------------------------------------------------
@@ -242,17 +102,56 @@ class Tenants:
 
     def check_model(self, name: str, model: str) -> None:
         """404 model_not_found, as OpenAI answers for a model a key has no access to (it does not say which)."""
-        if not self.usage[name].spec.allows(model):
+        if not self._usage(name).spec.allows(model):
             self._rejected(name, "model")
             raise APIError(404, f"the model {model[:80]!r} does not exist or you do not have access to it",
                            param="model", code="model_not_found")
 
     def allows(self, name: str, model: str) -> bool:
-        return self.usage[name].spec.allows(model)
+        u = self.usage.get(name)
+        return u is not None and u.spec.allows(model)
+
+    def is_admin(self, name: str) -> bool:
+        """A `role: admin` key; on a server without keys everyone is (roles come with a key file)."""
+        u = self.usage.get(name)
+        return not self.enabled or (u is not None and u.spec.admin)
+
+    @property
+    def metrics_need_admin(self) -> bool:
+        """With a key file, /metrics (every key's name and usage) is for admin keys; plain keys have no roles."""
+        return any(not s.plain for s in self.specs)
+
+    def prefix_salt(self, name: str, cache_salt: str | None) -> bytes:
+        """What a request's prompt blocks are salted with (Request.cache_salt): blocks are shared only between
+        requests of the same salt.
+
+        A request's own `cache_salt` (vLLM's field) shares with every request that sends the same one, whatever
+        its key. Otherwise each key's blocks are its own when keys are configured, so no key can time another's
+        prompts; a `prefix_cache: shared` key, or a server without keys, uses the common pool (no salt).
+        The three forms cannot collide: key names hold no ':', and a request's salt is never empty.
+        """
+        if cache_salt:
+            return b"salt:" + cache_salt.encode("utf-8")
+        u = self.usage.get(name)
+        if not self.enabled or (u is not None and u.spec.prefix_cache == "shared"):
+            return b""
+        return b"key:" + name.encode("utf-8")
+
+    def count_prefix_hits(self, name: str, tokens: int) -> None:
+        """Prompt tokens of a finished completion whose KV came from the prefix cache, by key."""
+        if self.metrics is not None and tokens and name in self.usage:
+            self.metrics.key_prefix_hits.labels(name).inc(tokens)
+
+    def _usage(self, name: str) -> Usage:
+        """A key name's usage; 401 for a name no longer configured (a batch job saved before the key file changed)."""
+        u = self.usage.get(name)
+        if u is None:
+            raise APIError(401, f"the API key {name!r} is no longer accepted by this server", code="invalid_api_key")
+        return u
 
     def admit(self, record: RequestRecord, tokens: int) -> None:
         """Take one request, `tokens` tokens and a concurrency slot for `record`'s key, or raise 429."""
-        u, now = self.usage[record.key_name], time.monotonic()
+        u, now = self._usage(record.key_name), time.monotonic()
         for bucket in (u.requests, u.tokens):
             if bucket is not None:
                 bucket.refill(now)

@@ -67,7 +67,7 @@ async def _start(request: Request, st: ModelState, req: TGIRequest,
     record = record_of(request)
     ids = await st.tokenize(req.inputs, record)
     grammar = await st.compile_grammar(params)
-    lora = await st.lora_for(req.parameters.adapter_id)  # TGI/LoRAX name the adapter in the parameters
+    lora = await st.lora_for(req.parameters.adapter_id, record)  # TGI/LoRAX name the adapter in the parameters
     [max_tokens] = st.admit([ids], params, record)
     rid = record.request_id = f"tgi-{uuid.uuid4().hex}"
     record.stream = stream

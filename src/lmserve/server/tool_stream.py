@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Union
 
-from lmserve.server.tools import CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, new_call_id
+from lmserve.server.tools import CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, CompactJSON, new_call_id
 
 _MAX_NAME = 64  # as protocol.TOOL_NAME_PATTERN
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]{0,%d}" % (_MAX_NAME + 1))  # one more: enough to see a name is too long
@@ -56,6 +56,7 @@ class ToolCallStreamer:
         self._pending = ""  # text not yet turned into events
         self._in_call = False
         self._content_started = False  # until then, whitespace is leading and dropped
+        self._compact = CompactJSON()
         self.num_calls = 0
 
     def feed(self, delta_text: str) -> list[StreamEvent]:
@@ -89,6 +90,7 @@ class ToolCallStreamer:
             return False
         events.append(ToolCallStart(self.num_calls, new_call_id(), begin.group(1)))
         self.num_calls += 1
+        self._compact = CompactJSON()  # this call's arguments, compacted as parse_tool_calls compacts them
         self._in_call = True
         self._pending = self._pending[begin.end():]
         return True
@@ -119,6 +121,7 @@ class ToolCallStreamer:
         return text[len(body):] if more_follows else ""
 
     def _emit_arguments(self, events: list[StreamEvent], text: str) -> None:
+        text = self._compact.feed(text)
         if text:
             events.append(ToolArgumentsDelta(self.num_calls - 1, text))
 

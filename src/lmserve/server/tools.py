@@ -171,9 +171,35 @@ def _with_preamble(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 # -- parsing ---------------------------------------------------------------------------------------
 
+class CompactJSON:
+    """Drops the whitespace between JSON tokens, fed in pieces: `{\n "city": "Paris"\n}` -> `{"city":"Paris"}`.
+
+    Tool-call arguments come back compact, as OpenAI sends them, whatever whitespace the grammar let the model
+    write. Strings are kept as they are (escapes included); the state carries across pieces, so a stream's
+    fragments join to exactly what the whole text gives.
+    """
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> str:
+        out = []
+        for ch in text:
+            if self.in_string:
+                self.in_string = self.escaped or ch != '"'
+                self.escaped = not self.escaped and ch == "\\"
+            elif ch in " \t\r\n":
+                continue
+            else:
+                self.in_string = ch == '"'
+            out.append(ch)
+        return "".join(out)
+
+
 @dataclass
 class ToolCall:
-    """One call the model made; `arguments` is the JSON text exactly as generated."""
+    """One call the model made; `arguments` is its JSON text as generated, compacted (CompactJSON)."""
 
     id: str
     name: str
@@ -198,6 +224,6 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         if end < 0:  # cut off: neither this nor any later block is complete
             break
         first = min(first, begin.start())
-        calls.append(ToolCall(new_call_id(), begin.group(1), text[begin.end():end]))
+        calls.append(ToolCall(new_call_id(), begin.group(1), CompactJSON().feed(text[begin.end():end])))
         pos = end + len(CALL_END)
     return text[:first].strip() or None, calls

@@ -144,9 +144,9 @@ def _prompts(req: V2InferRequest) -> list[str]:
 def _known(request: Request, name: str) -> None:
     """404 for a name that is neither a served model nor a route, or one the key may not use."""
     st = state_of(request)
+    st.tenants.check_model(key_name_of(request), name)  # first: the same 404 whether the name exists or not
     if st.models.get(name) is None and name not in st.splits:
         raise APIError(404, f"model {name[:80]!r} does not exist", code="model_not_found")
-    st.tenants.check_model(key_name_of(request), name)
 
 
 def _is_loaded(st, name: str) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lmserve.layers.attention_backends import AttentionFactory
 from lmserve.layers.paged_attention import PagedAttention, PagedAttentionMetadata
 from lmserve.worker.inputs import StepInputs
 
@@ -119,8 +120,8 @@ class DecodeGraphs:
     """Runs decode-only steps at fixed shapes: captured CUDA graphs per bucket, or eagerly with capture=False."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], scratch: ScratchSlot,
-                 max_rows: int, max_blocks: int, capture: bool) -> None:
-        self.model, self.kv_caches = model, kv_caches
+                 max_rows: int, max_blocks: int, capture: bool, attention: AttentionFactory = PagedAttention) -> None:
+        self.model, self.kv_caches, self.attention = model, kv_caches, attention
         self.buckets = decode_buckets(max_rows)
         device = kv_caches[0].device
         self.inputs = StaticDecodeInputs(max_rows, max_blocks, scratch, device)
@@ -148,7 +149,7 @@ class DecodeGraphs:
 
     def _forward(self, rows: int) -> torch.Tensor:
         ids, pos, meta = self.inputs.views(rows)
-        return self.model(ids, pos, PagedAttention(self.kv_caches, meta))
+        return self.model(ids, pos, self.attention(self.kv_caches, meta))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -135,4 +135,6 @@ def _attention_metadata(prefill_reqs: list[ScheduledRequest], lens: np.ndarray, 
         prefill_block_tables=np.ascontiguousarray(tables[num_dec_reqs:]) if prefills else None,
         prefill_table_rows=req_idx[num_dec:] - num_dec_reqs if prefills else None,
         prefill_context_lens=positions[num_dec:] + 1 if prefills else None,
+        prefill_query_start_loc=np.concatenate([np.zeros(1, np.int64), np.cumsum(lens)]) if prefills else None,
+        prefill_seq_lens=starts + lens if prefills else None,
     )

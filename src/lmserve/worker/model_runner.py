@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from lmserve.layers.attention import ContiguousAttention
+from lmserve.layers.attention_backends import attention_factory
 from lmserve.layers.kv_quant import row_width
-from lmserve.layers.paged_attention import PagedAttention, native_decode
+from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
 from lmserve.lora.slots import LoraSlots
 from lmserve.models.config import ModelConfig
@@ -54,8 +55,10 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, attention_backend: str = "reference") -> None:
+        """`attention_backend`: a resolved name (layers/attention_backends.py: triton | reference)."""
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        self.attention = attention_factory(attention_backend)  # one AttentionContext per forward
         self.lora = lora  # None: LoRA off
         # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to
         shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, row_width(cfg.head_dim, kv_dtype or dtype))
@@ -72,7 +75,8 @@ class ModelRunner:
     def enable_decode_graphs(self, max_rows: int, max_blocks: int, capture: bool) -> float:
         """Run decode-only steps of up to max_rows tokens at fixed shapes (captured as CUDA graphs when
         `capture`); returns the capture time in seconds."""
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.scratch, max_rows, max_blocks, capture)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.scratch, max_rows, max_blocks, capture,
+                                  self.attention)
         return self.graphs.capture_seconds
 
     @torch.inference_mode()
@@ -99,7 +103,7 @@ class ModelRunner:
         if graph_step:
             hidden = self.graphs.run(host)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
+            hidden = self.model(inputs.input_ids, inputs.positions, self.attention(self.kv_caches, inputs.attn))
         result = RunnerOutput([[] for _ in out.requests], [[] for _ in out.requests],
                               layout.num_decode_tokens, layout.num_prefill_tokens)
         if layout.prompt_lp:
@@ -119,7 +123,7 @@ class ModelRunner:
         """
         host, _ = build_inputs(out.requests, self.block_size)
         inputs = to_device(host, self.device)
-        self.model(inputs.input_ids, inputs.positions, PagedAttention(self.kv_caches, inputs.attn))
+        self.model(inputs.input_ids, inputs.positions, self.attention(self.kv_caches, inputs.attn))
 
     def _lora_meta(self, out: SchedulerOutput, layout: StepLayout):
         """The step's rows grouped by adapter slot, in the flat order build_inputs laid the tokens out."""

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 
 from lmserve.config import EngineConfig
+from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.loader import load_model
 from lmserve.loader.sharding import TPShard
 from lmserve.utils import resolve_kv_dtype
@@ -72,7 +73,9 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
                         shard=TPShard(spec.rank, spec.world_size))
     num_blocks, block_size = conn.recv()
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
-    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype)
+    backend = resolve_attention_backend(cfg.attention_backend, device, dtype).name  # as rank 0 resolved it
+    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype,
+                         attention_backend=backend)
     conn.send("ready")
     _serve(runner, conn)
 

@@ -1,4 +1,7 @@
-"""`lmserve serve | generate | chat | run-batch | lora merge`: one argparse table per command, engine flags shared."""
+"""The `lmserve` command: serve, generate, chat, run-batch, pull, list, lora merge, monitor, bench.
+
+The flag tables live in cli/flags.py (help groups, defaults shown); this module wires each command to its function.
+"""
 
 from __future__ import annotations
 
@@ -11,97 +14,11 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple
 
-from lmserve.config import ENV_API_KEY, engine_config
+import lmserve
+from lmserve.cli.flags import (LOG_LEVELS, Parser, add_engine_args, add_lora_merge_args, add_sampling_args,
+                               add_serve_args)
+from lmserve.config import engine_config
 from lmserve.errors import CheckpointError, ConfigError
-
-
-def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
-    """Flags that build an EngineConfig (shared by every command that loads a model); `several_models`: serve's
-    repeatable --model NAME=PATH."""
-    help = ("path to a .gguf file or a Hugging Face directory, or a Hub id (org/name: from the local Hugging Face "
-            "cache, else downloaded; HF_TOKEN, HF_HUB_OFFLINE apply) (default: the embedded SmolLM2-135M-Instruct)")
-    if several_models:
-        p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
-                       help=help + "; repeatable as NAME=PATH to serve several models, routed by the request's "
-                       "`model` (the first is the default); every engine flag applies to each model alone, "
-                       "--kv-cache-memory included")
-    else:
-        p.add_argument("--model", default=None, help=help)
-    p.add_argument("--revision", default=None, help="Hub branch, tag or commit when --model is a Hub id")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA and on CPUs with AMX, float32 elsewhere")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
-                   help="how linear weights are held: gguf (CPU): a GGUF file's own blocks (Q4_0/1, Q5_0/1, Q8_0, Q4_K, "
-                   "Q5_K, Q6_K; the embedding too, rows dequantized on lookup) through native int8-dot kernels; none: "
-                   "float weights (a GGUF dequantized; transformers parity); int8, int4 (CPU, CUDA): weight-only "
-                   "quantized at load (a Q4_1 GGUF keeps its own 4-bit codes under int4); auto (default): gguf for a "
-                   "quantized GGUF on CPU with float32 and one rank, else none")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
-    p.add_argument("--no-chunked-prefill", action="store_true", help="schedule whole prompts only")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "int8", "fp8_e4m3"), default="auto",
-                   help="KV cache element type; auto: float16 for a GGUF file's kept blocks on CPU (as llama.cpp), "
-                   "else the model's dtype; int8 / fp8_e4m3 (CPU): one-byte codes with a float16 scale per 32 values, "
-                   "0.53x the bytes of float16")
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV cache size: bytes if > 1, else a fraction of available memory (default: 0.15); "
-                   "a size given here may be smaller than one --max-model-len request (longer ones then get 400)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
-                   help="CUDA: fraction of the GPU's memory for weights, activations and the KV cache, which gets "
-                   "what a profiled full step leaves (used when --kv-cache-memory and --num-kv-blocks are not given)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV cache size in blocks of --block-size tokens (overrides --kv-cache-memory)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split each layer across N ranks, one process each (torch.distributed: gloo on CPU, NCCL on "
-                   "CUDA, one GPU per rank); the model's heads and KV heads must be divisible by N")
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="torch CPU threads (default: one per core; idle OpenMP threads sleep, OMP_WAIT_POLICY=PASSIVE, "
-                   "unless you set it or GOMP_SPINCOUNT)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA: replay decode steps from CUDA graphs captured per batch size at start-up "
-                   "(experimental: not yet measured on a GPU; ignored on CPU)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
-    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM writes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
-                   '"model": PATH, "num_speculative_tokens": 4}\'')
-    p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters on the base model (a request names one as its model)")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="PEFT adapter directories to serve from the start, each as name=path")
-    p.add_argument("--max-loras", type=int, default=4, help="adapters active in one engine step (device slots)")
-    p.add_argument("--max-cpu-loras", type=int, default=16,
-                   help="adapters kept read in host memory (least recently used dropped, re-read when used)")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted; slots are sized for it")
-
-
-def speculative_config(text: str):
-    """--speculative-config JSON -> SpeculativeConfig (argparse reports a ValueError as a usage error)."""
-    import json
-
-    from lmserve.config import SpeculativeConfig
-
-    try:
-        return SpeculativeConfig.from_dict(json.loads(text))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--sample-seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace):
@@ -133,6 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # an unreadable schema file or a bad spec: one line, not a traceback
         print(f"lmserve generate: {e}", file=sys.stderr)
         return 2
+    _own_sigint()
     engine = _load_engine(args)
     if engine is None:
         return EXIT_INTERRUPTED
@@ -160,6 +78,7 @@ INTERRUPTED_NOTE = "[interrupted: this turn is left out of the conversation]"
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat that streams each reply; Ctrl-C stops a reply, Ctrl-D exits."""
+    _own_sigint()
     _enable_line_editing()
     engine = _load_engine(args)
     if engine is None:
@@ -223,6 +142,16 @@ def checked_engine(args: argparse.Namespace):
     from lmserve.engine.preflight import check_engine_config
 
     return LLMEngine(check_engine_config(engine_config(args)).config)
+
+
+def _own_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt, whatever handling this process inherited.
+
+    A script's background job (`bash .ci/run &`) starts with SIGINT ignored; Python then installs no handler, and
+    the terminal's Ctrl-C would do nothing: the chat would wait on.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _enable_line_editing() -> None:
@@ -333,7 +262,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         print(f"run-batch: all {len(lines)} requests already have results in {dst}", file=sys.stderr)
         return 0
     window = args.max_concurrency or 2 * args.max_num_seqs  # the waiting queue stays fed as sequences end
-    state = batch_file.offline_state(checked.config, served_name(args, checked.model_path), window)
+    state = batch_file.offline_state(checked.config, served_name(args, checked.model_path), window, args.strict_fields)
     before = dict(results.counts)
     with _BatchProgress(len(todo), len(lines) - len(todo)) as bar:
         summary = batch_file.run_file(state, todo, results, window, bar.update)
@@ -389,90 +318,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model name clients use (default: from the file)")
-    p.add_argument("--api-key", action="append", default=[],
-                   help=f"accepted API key (repeatable; also ${ENV_API_KEY}, comma-separated)")
-    p.add_argument("--api-key-file", default=None,
-                   help="accepted API keys: a YAML/JSON file of named keys with limits (keys: [{name, key or sha256, "
-                   "requests_per_minute, tokens_per_minute, max_concurrent_requests, models}]), or one key per line")
-    p.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without an API key (by default, with keys set, it needs one like every "
-                   "route but /health)")
-    p.add_argument("--cors-allowed-origins", action="append", default=[], help="origin allowed by CORS (repeatable)")
-    p.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests waiting beyond the running batch before new ones get 503")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
-    p.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
-                   help="largest file accepted by POST /v1/files (a batch job's input)")
-    p.add_argument("--batch-dir", default=None, metavar="DIR",
-                   help="where uploaded files and batch jobs are kept, so they survive a restart "
-                   "(default: ~/.local/share/lmserve/batches)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
-    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="a client must send a request's headers and body within this many seconds of starting it, "
-                   "or its connection is closed (slow-loris clients)")
-    p.add_argument("--engine-step-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="an engine step running longer than this means a hung engine: /health turns 503 and the "
-                   "process exits 1 for its supervisor to restart it (0: no watchdog)")
-    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
-                   help="max_tokens of a request that names none (default: the API's own: 16 for completions, "
-                   "100 for TGI, the rest of the context for chat)")
-    p.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
-                   help="a request asking for more max_tokens gets 400 (one naming none is held to it too)")
-    p.add_argument("--response-cache", default=None, metavar="URL",
-                   help="cache the answers of deterministic requests (greedy or seeded): 'sqlite' (a file under "
-                   "~/.cache/lmserve), 'sqlite:PATH' or 'redis://HOST:PORT/DB'; per API key, never shared")
-    p.add_argument("--response-cache-ttl", type=float, default=3600.0, metavar="SECONDS",
-                   help="how long a cached answer is served")
-    p.add_argument("--response-cache-max-entries", type=int, default=10_000, metavar="N",
-                   help="the oldest answers are dropped past this many")
-    p.add_argument("--playground-db", default=None, metavar="PATH",
-                   help="the SQLite file of the web playground's shared permalinks (default: "
-                   "$XDG_DATA_HOME/lmserve/playground.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
-    p.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths under --lora-dir only)")
-    p.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
-                   help="a directory whose subdirectories the load route may read adapters from (repeatable)")
-    p.add_argument("--no-playground", action="store_true",
-                   help="no web playground: /, /playground, /p/<id> and /playground/api/... answer 404")
-    p.add_argument("--max-loaded-models", type=int, default=None, metavar="K",
-                   help="with several --model: at most K loaded at once; loading another unloads the least recently "
-                   "used idle one (default: all loaded at start)")
-    p.add_argument("--model-load-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="a request waits this long for its model to load, then gets 503 with Retry-After")
-    p.add_argument("--route", action="append", default=[], metavar="NAME=MODEL:WEIGHT,...",
-                   help="weighted traffic split (canaries): a request for model NAME goes to one of the models by "
-                   "weight, the same one for the same `user` (repeatable)")
-    from lmserve.ops.hub import add_ops_args
-    add_ops_args(p)
-
-
-def add_lora_merge_args(p: argparse.ArgumentParser) -> None:
-    """`lmserve lora merge`: flags follow PEFT's add_weighted_adapter (weights, combination type, density)."""
-    p.add_argument("--base", default=None, help="the base model: a .gguf file, a Hugging Face directory or a Hub id "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--revision", default=None, help="Hub branch, tag or commit when --base is a Hub id")
-    p.add_argument("--adapter", action="append", default=[], metavar="DIR", help="a PEFT adapter directory (repeatable)")
-    p.add_argument("--weights", default=None, metavar="W1,W2,...",
-                   help="one weight per adapter, comma-separated (default: 1 each)")
-    p.add_argument("--method", default="linear", metavar="METHOD",
-                   help="how several adapters combine, as PEFT defines it: linear, cat, ties, dare_linear, dare_ties")
-    p.add_argument("--density", type=float, default=None,
-                   help="ties/dare: the fraction of each adapter's entries kept, in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="seeds DARE's random drop (the same seed, the same merge)")
-    p.add_argument("--dtype", default="auto", metavar="DTYPE",
-                   help="float32, bfloat16 or float16 (default auto: a Hugging Face base's own dtype; bfloat16 for GGUF)")
-    p.add_argument("--quantization", default=None, metavar="int4|int8",
-                   help="QLoRA: merge onto the projection weights as lmserve's int4/int8 quantizer stores them "
-                   "(dequantized); a GGUF base is always merged onto its dequantized weights")
-    p.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist, or be empty)")
-    p.set_defaults(func=cmd_lora_merge)
-
-
 def cmd_lora_merge(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -507,14 +352,18 @@ def _weights(text: str | None, count: int) -> tuple[float, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmserve", description="LLM inference server")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="lmserve", description="LLM inference server")
+    parser.add_argument("--version", action="version", version=f"lmserve {lmserve.__version__}")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="serve the OpenAI- and TGI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve the OpenAI- and TGI-compatible HTTP API",
+                           usage="%(prog)s [MODEL] [options]", description="Serve the OpenAI-, TGI- and KServe-"
+                           "compatible HTTP API (and the web playground) for one model, or several.")
+    serve.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as vLLM takes it: `lmserve serve ORG/NAME` is `--model ORG/NAME`")
     add_engine_args(serve, several_models=True)
     add_serve_args(serve)
-    serve.add_argument("--log-level", default=argparse.SUPPRESS, choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a completion of one prompt")
@@ -529,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     constrain.add_argument("--choice", action="append", help="the output is exactly one of these (repeatable)")
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat = sub.add_parser("chat", help="interactive chat in the terminal (/exit quits)")
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
@@ -544,28 +393,49 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                            help="lines in flight at once (default: twice --max-num-seqs, so the batch stays full)")
     run_batch.add_argument("--summary", default=None, metavar="FILE", help="also write the run's summary as JSON")
+    run_batch.add_argument("--strict-fields", action="store_true",
+                           help="a line whose body has a field this server does not know gets 400, as `serve "
+                           "--strict-fields` answers it (by default the field is ignored)")
     add_engine_args(run_batch)
     run_batch.set_defaults(func=cmd_run_batch)
 
+    from lmserve.cli import hub
+
+    hub.add_parsers(sub)
+
     monitor = sub.add_parser("monitor", help="monitoring tools")
-    monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True)
+    monitor_sub = monitor.add_subparsers(dest="monitor_command", required=True, metavar="COMMAND")
     profile = monitor_sub.add_parser("profile", help="a drift reference profile from a payload log (to stdout)")
     profile.add_argument("payload_log", help="a --payload-log JSONL file")
     profile.set_defaults(func=cmd_monitor_profile)
 
     lora = sub.add_parser("lora", help="LoRA adapter tools")
-    lora_sub = lora.add_subparsers(dest="lora_command", required=True)
-    add_lora_merge_args(lora_sub.add_parser(
-        "merge", help="merge PEFT LoRA adapters into the base model, written as a Hugging Face safetensors directory"))
+    lora_sub = lora.add_subparsers(dest="lora_command", required=True, metavar="COMMAND")
+    merge = lora_sub.add_parser(
+        "merge", help="merge PEFT LoRA adapters into the base model, written as a Hugging Face safetensors directory")
+    add_lora_merge_args(merge)
+    merge.set_defaults(func=cmd_lora_merge)
 
     from lmserve.bench.cli import add_bench_parser
     add_bench_parser(sub, add_engine_args)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed; `serve MODEL` becomes `serve --model MODEL` (given once, one way or the other)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    positional = getattr(args, "model_arg", None)
+    if positional is not None:
+        if args.model:
+            parser.error(f"the model is given twice: as MODEL ({positional}) and as --model; give it once")
+        args.model = [positional]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; an ordinary mistake (a bad flag value, a file that is not a model) is one line and exit 2."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)

@@ -1,0 +1,113 @@
+"""The native CPU kernels, compiled at install time once per instruction-set level (lmserve/layers/native.py).
+
+Everything else about the package is in pyproject.toml. Each level in native.LEVELS becomes an extension
+module `lmserve.layers._native_<level>`; `_native_build.json` beside them records which sources and torch each
+was built from, so a checkout whose kernels changed since falls back to a build at run time. Builds are also
+kept in ~/.cache/lmserve/kernels (the run-time cache, same keys): a reinstall, a new venv or `pip wheel .`
+copies them instead of compiling again.
+
+Without torch in the build environment (`pip install --no-build-isolation` in a venv that lacks it), no
+extension is built and lmserve compiles at first use instead. LMSERVE_NATIVE_LEVELS=avx512-vnni,x86-64-v3 builds
+only those levels (a faster install for one machine); LMSERVE_NATIVE_LEVELS=none builds none.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+PACKAGE = "lmserve.layers"
+
+
+def load_native():
+    """lmserve/layers/native.py alone (it needs torch, not the rest of lmserve), or None without torch."""
+    if importlib.util.find_spec("torch") is None:
+        print("setup.py: torch is not installed here: no native kernels built (lmserve compiles them at first "
+              "use)", file=sys.stderr)
+        return None
+    spec = importlib.util.spec_from_file_location("_lmserve_native_build", ROOT / "src/lmserve/layers/native.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def chosen_levels(native) -> list:
+    wanted = os.environ.get("LMSERVE_NATIVE_LEVELS", "").strip()
+    if not wanted:
+        return list(native.LEVELS)
+    names = {n.strip() for n in wanted.split(",")} - {"none"}
+    unknown = names - {lv.name for lv in native.LEVELS}
+    if unknown:
+        raise SystemExit(f"LMSERVE_NATIVE_LEVELS: unknown level(s) {sorted(unknown)}")
+    return [lv for lv in native.LEVELS if lv.name in names]
+
+
+def extensions_and_commands() -> tuple[list, dict]:
+    native = load_native()
+    if native is None:
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    levels = {f"{PACKAGE}.{lv.module}": lv for lv in chosen_levels(native)}
+    sources = [str(p.relative_to(ROOT)) for p in native._SOURCES]
+    # -g0: python's own CFLAGS ask for debug info, 10x the library's size
+    exts = [CppExtension(name, sources, extra_compile_args=[*native.CFLAGS, *lv.march, "-g0"],
+                         extra_link_args=["-fopenmp"]) for name, lv in levels.items()]
+
+    class BuildLevels(BuildExtension):
+        """BuildExtension that reuses a build of the same key from the kernel cache, fills it, and stamps."""
+
+        def build_extension(self, ext) -> None:
+            level = levels[ext.name]
+            cached = native.cache_root() / native.level_key(level)
+            target = Path(self.get_ext_fullpath(ext.name))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            found = native._library(cached)
+            if found is not None:
+                print(f"setup.py: native kernels {level.name}: from the cache {cached}", file=sys.stderr)
+                shutil.copy2(found, target)
+            else:
+                print(f"setup.py: compiling native kernels for {level.name} (1-2 minutes on 2 cores)", file=sys.stderr)
+                try:
+                    super().build_extension(ext)
+                except Exception as e:  # noqa: BLE001 - no compiler (a CUDA image): install all the same
+                    print(f"setup.py: native kernels for {level.name} not built ({type(e).__name__}: {e}); lmserve "
+                          "compiles them at first use where it can, else uses the PyTorch paths", file=sys.stderr)
+                    return
+                _keep(target, cached)
+            self.built.append(level)
+
+        def run(self) -> None:
+            self.built = []  # the levels built or copied from the cache (a failed one is left out)
+            super().run()
+            stamp = Path(self.get_ext_fullpath(next(iter(levels)))).parent / "_native_build.json"
+            stamp.write_text(json.dumps({lv.name: native.level_key(lv) for lv in self.built}, indent=1) + "\n")
+
+        def get_outputs(self) -> list[str]:  # the built libraries and the stamp go into the wheel
+            built = {f"{PACKAGE}.{lv.module}" for lv in self.built}
+            outputs = [self.get_ext_fullpath(e.name) for e in self.extensions if e.name in built]
+            return outputs + [str(Path(outputs[0]).parent / "_native_build.json")] if outputs else outputs
+
+    return exts, {"build_ext": BuildLevels.with_options(no_python_abi_suffix=False)}
+
+
+def _keep(built: Path, cached: Path) -> None:
+    """Copy a new build into the run-time cache (renamed into place whole, as native._compile does)."""
+    try:
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, tmp / built.name)
+        tmp.rename(cached)
+    except OSError:  # a read-only home, or another build won: the package has its copy either way
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+ext_modules, cmdclass = extensions_and_commands()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,264 @@
+"""The flag tables of `lmserve` commands, in help groups, each flag with its help and its default shown.
+
+`Parser` answers a bad value with two lines (a short usage and the error), not the whole flag list; the
+formatter appends "(default: X)" to a flag whose help does not already say what its default is.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lmserve.config import ENV_API_KEY
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default, unless the help already names it or there is none to show (an off switch)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=36, width=110)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default == [] \
+                or action.default == argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a two-line answer to a mistake: `usage: PROG [options] ARGS` and the error itself."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.short_usage()} (see {self.prog} --help)\n{self.prog}: error: {message}\n")
+
+    def short_usage(self) -> str:
+        if self.usage:
+            return self.usage % {"prog": self.prog}
+        names = [a.metavar if isinstance(a.metavar, str) else a.dest.upper() for a in self._get_positional_actions()]
+        return " ".join([self.prog, "[options]", *names])
+
+
+def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Flags that build an EngineConfig (shared by every command that loads a model), in groups; `several_models`:
+    serve's repeatable --model NAME=PATH."""
+    _add_model_args(p.add_argument_group("model"), several_models)
+    _add_runtime_args(p.add_argument_group("engine"))
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                      help='as vLLM writes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                      '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                      '"model": PATH, "num_speculative_tokens": 4}\' (default: none)')
+    lora = p.add_argument_group("LoRA")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters on the base model (a request names one as its model)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="PEFT adapter directories to serve from the start, each as name=path (default: none)")
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters active in one engine step (device slots)")
+    lora.add_argument("--max-cpu-loras", type=int, default=16,
+                      help="adapters kept read in host memory (least recently used dropped, re-read when used)")
+    lora.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted; slots are sized for it")
+    scale = p.add_argument_group("scale-out")
+    scale.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="split each layer across N ranks, one process each (torch.distributed: gloo on CPU, NCCL "
+                       "on CUDA, one GPU per rank); the model's heads and KV heads must be divisible by N")
+
+
+def _add_model_args(g, several_models: bool) -> None:
+    what = ("a .gguf file, a Hugging Face directory, or a Hub id (org/name: from the local Hugging Face cache, else "
+            "downloaded; HF_TOKEN, HF_HUB_OFFLINE apply) (default: the embedded SmolLM2-135M-Instruct)")
+    if several_models:
+        g.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                       help=what + "; repeatable as NAME=PATH to serve several models, routed by the request's "
+                       "`model` (the first is the default); every engine flag applies to each model alone, "
+                       "--kv-cache-memory included")
+    else:
+        g.add_argument("--model", default=None, help=what)
+    g.add_argument("--revision", default=None, help="Hub branch, tag or commit when --model is a Hub id "
+                   "(default: main)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA; on a CPU float32, unless a measurement made once on the machine "
+                   "finds bfloat16 batch invariant and clearly faster (AMX-class CPUs)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
+                   help="how linear weights are held: gguf (CPU): a GGUF file's own blocks through native int8-dot "
+                   "kernels; none: float weights (a GGUF dequantized; transformers parity); int8, int4: weight-only "
+                   "quantized at load; auto: gguf for a quantized GGUF on CPU with float32 and one rank, else none")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def _add_runtime_args(g) -> None:
+    g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="schedule whole prompts only (on by default)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="never reuse KV blocks of a prompt prefix seen before (reused by default)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "int8", "fp8_e4m3"), default="auto",
+                   help="KV cache element type; auto: float16 for a GGUF file's kept blocks on CPU (as llama.cpp), "
+                   "else the model's dtype; int8 / fp8_e4m3 (CPU): one-byte codes with a float16 scale per 32 values, "
+                   "0.53x the bytes of float16")
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV cache size: bytes if > 1, else a fraction of available memory (default: 0.15); a size "
+                   "given here may be smaller than one --max-model-len request (longer ones then get 400)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="CUDA: fraction of the GPU's memory for weights, activations and the KV cache, which gets "
+                   "what a profiled full step leaves (used when --kv-cache-memory and --num-kv-blocks are not given)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache size in blocks of --block-size tokens, overriding --kv-cache-memory (default: "
+                   "from --kv-cache-memory)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: one per core; idle OpenMP threads sleep, OMP_WAIT_POLICY=PASSIVE, "
+                   "unless you set it or GOMP_SPINCOUNT)")
+    g.add_argument("--seed", type=int, default=0, help="the engine's random seed (requests without a seed of their "
+                   "own draw from it)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: replay decode steps from CUDA graphs captured per batch size at start-up "
+                   "(experimental: not yet measured on a GPU; ignored on CPU)")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: never replay CUDA graphs (overrides --cuda-graphs)")
+    g.add_argument("--attention-backend", choices=("auto", "triton", "reference"), default="auto",
+                   help="attention over the paged KV cache: triton (CUDA: kernels reading K/V in place through the "
+                   "block tables), reference (gather + SDPA; the native kernel on CPU); auto: triton on CUDA where "
+                   "Triton runs, else reference")
+    g.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
+
+
+def speculative_config(text: str):
+    """--speculative-config JSON -> SpeculativeConfig (argparse reports a ValueError as a usage error)."""
+    import json
+
+    from lmserve.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_dict(json.loads(text))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens generated per reply")
+    g.add_argument("--temperature", type=float, default=0.7, help="0: greedy (the same answer every time)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens this likely")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min_p times the likeliest")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens")
+    g.add_argument("--sample-seed", dest="sample_seed", type=int, default=None,
+                   help="per-request sampling seed: the same seed, the same text (default: none)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """`lmserve serve`'s own flags, in the groups that add_engine_args started."""
+    groups = {g.title: g for g in p._action_groups}
+    _add_server_args(p.add_argument_group("server"))
+    _add_security_args(p.add_argument_group("security"))
+    lora = groups["LoRA"]
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths under --lora-dir only; "
+                      "a key manages the adapters it loaded, an admin key every one)")
+    lora.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                      help="a directory whose subdirectories the load route may read adapters from (repeatable; "
+                      "default: none)")
+    scale = groups["scale-out"]
+    scale.add_argument("--max-loaded-models", type=int, default=None, metavar="K",
+                       help="with several --model: at most K loaded at once; loading another unloads the least "
+                       "recently used idle one (default: all loaded at start)")
+    scale.add_argument("--model-load-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a request waits this long for its model to load, then gets 503 with Retry-After")
+    scale.add_argument("--route", action="append", default=[], metavar="NAME=MODEL:WEIGHT,...",
+                       help="weighted traffic split (canaries): a request for model NAME goes to one of the models by "
+                       "weight, the same one for the same `user` (repeatable; default: none)")
+    from lmserve.ops.hub import add_ops_args
+
+    observability = p.add_argument_group("observability (all off by default but the access log)")
+    observability.add_argument("--no-access-log", action="store_true",
+                               help="no log line per request (method, route, status, latency, tokens, request id)")
+    add_ops_args(observability)
+
+
+def _add_server_args(g) -> None:
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: from the file)")
+    g.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help="log level (default: info)")
+    g.add_argument("--strict-fields", action="store_true",
+                   help="answer a request field this server does not know with 400 (by default it is ignored, "
+                   "logged and named in the X-Ignored-Fields header, as vLLM does)")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests waiting beyond the running batch before new ones get 503")
+    g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
+    g.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
+                   help="largest file accepted by POST /v1/files (a batch job's input)")
+    g.add_argument("--batch-dir", default=None, metavar="DIR",
+                   help="where uploaded files and batch jobs are kept, so they survive a restart "
+                   "(default: ~/.local/share/lmserve/batches)")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish "
+                   "after SIGTERM")
+    g.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a client must send a request's headers and body within this many seconds of starting it, "
+                   "or its connection is closed (slow-loris clients)")
+    g.add_argument("--engine-step-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="an engine step running longer than this means a hung engine: /health turns 503 and the "
+                   "process exits 1 for its supervisor to restart it (0: no watchdog)")
+    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="max_tokens of a request that names none (default: the API's own: 16 for completions, "
+                   "100 for TGI, the rest of the context for chat)")
+    g.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
+                   help="a request asking for more max_tokens gets 400; one naming none is held to it too "
+                   "(default: no limit)")
+    g.add_argument("--response-cache", default=None, metavar="URL",
+                   help="cache the answers of deterministic requests (greedy or seeded): 'sqlite' (a file under "
+                   "~/.cache/lmserve), 'sqlite:PATH' or 'redis://HOST:PORT/DB'; per API key (default: off)")
+    g.add_argument("--response-cache-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a cached answer is served")
+    g.add_argument("--response-cache-max-entries", type=int, default=10_000, metavar="N",
+                   help="the oldest answers are dropped past this many")
+    g.add_argument("--playground-db", default=None, metavar="PATH",
+                   help="the SQLite file of the web playground's shared permalinks (default: "
+                   "$XDG_DATA_HOME/lmserve/playground.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
+    g.add_argument("--no-playground", action="store_true",
+                   help="no web playground: /, /playground, /p/<id> and /playground/api/... answer 404")
+
+
+def _add_security_args(g) -> None:
+    g.add_argument("--api-key", action="append", default=[],
+                   help=f"accepted API key (repeatable; also ${ENV_API_KEY}, comma-separated; default: none, the "
+                   "server is open); each is its own tenant, named key-<first 8 hex digits of its SHA-256>")
+    g.add_argument("--api-key-file", default=None,
+                   help="accepted API keys: a YAML/JSON file of named keys with limits (keys: [{name, key or sha256, "
+                   "requests_per_minute, tokens_per_minute, max_concurrent_requests, models (names or patterns of "
+                   "models and adapters), role (user|admin), prefix_cache (isolated|shared)}]), or one key per line "
+                   "(default: none)")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without an API key (by default, with keys set, it needs one like every "
+                   "route but /health, and with --api-key-file an admin key's)")
+    g.add_argument("--cors-allowed-origins", action="append", default=[],
+                   help="origin allowed by CORS (repeatable; default: none, no CORS headers)")
+
+
+def add_lora_merge_args(p: argparse.ArgumentParser) -> None:
+    """`lmserve lora merge`: flags follow PEFT's add_weighted_adapter (weights, combination type, density)."""
+    p.add_argument("--base", default=None, help="the base model: a .gguf file, a Hugging Face directory or a Hub id "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit when --base is a Hub id (default: main)")
+    p.add_argument("--adapter", action="append", default=[], metavar="DIR", help="a PEFT adapter directory (repeatable)")
+    p.add_argument("--weights", default=None, metavar="W1,W2,...",
+                   help="one weight per adapter, comma-separated (default: 1 each)")
+    p.add_argument("--method", default="linear", metavar="METHOD",
+                   help="how several adapters combine, as PEFT defines it: linear, cat, ties, dare_linear, dare_ties")
+    p.add_argument("--density", type=float, default=None,
+                   help="ties/dare: the fraction of each adapter's entries kept, in (0, 1] (default: none)")
+    p.add_argument("--seed", type=int, default=0, help="seeds DARE's random drop (the same seed, the same merge)")
+    p.add_argument("--dtype", default="auto", metavar="DTYPE",
+                   help="float32, bfloat16 or float16 (default auto: a Hugging Face base's own dtype; bfloat16 for GGUF)")
+    p.add_argument("--quantization", default=None, metavar="int4|int8",
+                   help="QLoRA: merge onto the projection weights as lmserve's int4/int8 quantizer stores them "
+                   "(dequantized); a GGUF base is always merged onto its dequantized weights (default: none)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the new model directory (must not exist, or be empty)")

@@ -1,0 +1,90 @@
+"""The native kernels' instruction-set levels: which build a CPU picks, and each build this CPU can run equals
+the references (the same parity tests the best build passes, run again with that build forced)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmserve.layers import native
+from lmserve.utils import cpu_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+V2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt cx16"
+V3 = V2 + " avx avx2 fma bmi1 bmi2 f16c movbe abm xsave"
+V4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
+# The kernels' parity tests against their plain references (attention, fused ops, skinny matmul, GGUF int8 dots)
+PARITY = ["tests/test_native_ops.py", "tests/test_native_attention.py", "tests/test_gguf_linear.py"]
+
+
+@pytest.mark.parametrize("flags,level", [
+    (V4 + " avx512_vnni", "avx512-vnni"),
+    (V4, "x86-64-v3"),  # AVX-512 without VNNI: the AVX2 build (its int8 dots need VNNI to pay)
+    (V3, "x86-64-v3"),
+    (V3.replace(" fma", ""), "x86-64-v2"),
+    (V2, "x86-64-v2"),
+    ("fpu sse sse2", "host"),  # below every level (or not x86): compiled for itself at run time
+    ("", "host"),
+])
+def test_the_best_level_the_cpu_flags_allow(flags, level):
+    assert native.pick_level(flags).name == level
+
+
+def test_a_forced_level_must_exist_and_run_here():
+    assert native.pick_level(V4 + " avx512_vnni", "x86-64-v2").name == "x86-64-v2"
+    with pytest.raises(ValueError, match="needs avx512_vnni"):
+        native.pick_level(V4, "avx512-vnni")
+    with pytest.raises(ValueError, match="unknown"):
+        native.pick_level(V4, "x86-64-v9")
+
+
+def test_each_level_has_its_own_key_module_and_flags():
+    keys = {native.level_key(lv) for lv in native.LEVELS}
+    assert len(keys) == len(native.LEVELS)
+    assert len({lv.module for lv in native.LEVELS}) == len(native.LEVELS)
+    assert native.level_key(native.LEVELS[0], "2.13.0") != native.level_key(native.LEVELS[0], "2.14.0")
+    assert all("-march=native" not in lv.march for lv in native.LEVELS)  # shipped builds run on other CPUs
+
+
+def test_a_stale_package_build_is_not_loaded(monkeypatch, tmp_path):
+    """A checkout whose kernels changed after `pip install -e .` built them: its stamp no longer matches."""
+    stamp = tmp_path / "_native_build.json"
+    level = native.LEVELS[-1]
+    (tmp_path / f"{level.module}.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    monkeypatch.setattr(native, "BUILD_STAMP", stamp)
+    stamp.write_text('{"%s": "other-key"}' % level.name)
+    assert native._bundled(level, native.level_key(level)) is None
+    stamp.write_text('{"%s": "%s"}' % (level.name, native.level_key(level)))
+    assert native._bundled(level, native.level_key(level)).parent == tmp_path
+
+
+RUNNABLE = [lv.name for lv in native.LEVELS if lv.needs <= set(cpu_flags().split())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # three parity files in a child process; ~7 min a level at load average ~15
+@pytest.mark.skipif(os.environ.get(native.ENV_SWITCH) == "0", reason="native kernels switched off")
+@pytest.mark.parametrize("level", RUNNABLE or ["none"])
+def test_each_build_this_cpu_runs_equals_the_references(level):
+    """The parity tests again, in a process that loads this level's build (cached, or compiled once); the build
+    the suite itself runs on is only probed."""
+    if level == "none":
+        pytest.skip("this CPU runs no shipped level (below x86-64-v2, or not x86)")
+    env = {**os.environ, native.ENV_LEVEL: level}
+    probe = ("from lmserve.layers import native\nm = native.native_module()\n"
+             "print(m.__name__, m.quant_packed_rows())")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=1200,
+                         cwd=ROOT)
+    module, rows = out.stdout.split()
+    assert module == native.pick_level(cpu_flags(), level).module, out.stderr[-2000:]
+    assert int(rows) == (16 if level == "avx512-vnni" else 0)  # the packed GGUF layout: VNNI builds only
+    if level == native.pick_level(cpu_flags(), os.environ.get(native.ENV_LEVEL)).name:
+        return  # the build this process loads: the suite's own run of PARITY already tests it (saves ~1/3 here)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PARITY],
+                       env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-4000:]
+    assert " passed" in p.stdout, p.stdout[-1000:]
