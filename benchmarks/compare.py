@@ -276,7 +276,7 @@ def greedy_check(systems: dict, args, slos: dict, hf) -> dict:
     if hf is None:
         return {"first_32_tokens_equal_to_llama.cpp": {
             "lmserve": sum(a == b for a, b in zip(texts["lmserve"], texts["llama.cpp"])), "of": len(reqs)}}
-    from lmserve.engine.tokenizer import Tokenizer
+    from lmserve.tokenizer import Tokenizer
 
     tk = Tokenizer.from_gguf(default_model_path())
     ref = [tk.decode(ids[:32]) for ids in run_hf(hf, reqs, 4)["token_ids"]]

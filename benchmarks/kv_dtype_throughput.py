@@ -49,7 +49,7 @@ def one_run(kv: str, streams: int, input_len: int, output_len: int) -> dict:
             steps.append(time.perf_counter() - t)  # a pure decode step of every stream
     total = time.perf_counter() - start
     decode_s = sum(steps)
-    result = {"kv_bytes_per_token": engine._block_bytes() // engine.block_size, "total_s": total,
+    result = {"kv_bytes_per_token": engine.block_bytes // engine.block_size, "total_s": total,
               "prefill_s": total - decode_s, "decode_steps": len(steps),
               "decode_tok_s": streams * len(steps) / decode_s if steps else 0.0,
               "median_step_ms": 1e3 * statistics.median(steps) if steps else 0.0}

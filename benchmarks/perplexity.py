@@ -192,7 +192,7 @@ def run_kv_cache_dtypes(windows: list[list[int]], threads: int, dtypes: list[str
     for name in dtypes:
         r = run_lmserve(windows, "gguf", threads, kv_cache_dtype=name)
         eng = r.pop("llm").engine
-        r["kv_bytes_per_token"] = eng._block_bytes() // eng.block_size
+        r["kv_bytes_per_token"] = eng.block_bytes // eng.block_size
         runs[name] = r
         del eng
     base = runs[dtypes[0]]
@@ -346,7 +346,7 @@ def main() -> None:
         args.render.with_suffix(".md").write_text(kv_markdown(r) if "kv_cache" in r else markdown(r))
         return
     from gguf_decode import cpu
-    from lmserve.engine.tokenizer import Tokenizer
+    from lmserve.tokenizer import Tokenizer
     from lmserve.loader import default_model_path
 
     if args.kv_cache_dtypes:

@@ -89,7 +89,7 @@ def test_kept_gguf_blocks_keep_their_kv_in_float16(gguf_engine):
     wide = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=128, kv_cache_dtype="float32")),
                      loaded=gguf_engine.loaded, tokenizer=gguf_engine.tokenizer)
     assert wide.kv_dtype == torch.float32 and all(c.dtype == torch.float32 for c in wide.runner.kv_caches)
-    assert gguf_engine._block_bytes() * 2 == wide._block_bytes()
+    assert gguf_engine.block_bytes * 2 == wide.block_bytes
     out = generate(wide, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1))
     assert len(out["0"]) == 8
     assert_no_leak(wide)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from lmserve.engine.detokenizer import IncrementalDetokenizer
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 
 TEXTS = ["日本語のテキストと中文字符が混ざる文章です。", "emoji 🎉🚀👩‍💻 and flags 🇫🇷🇯🇵 in a row",
          "Café déjà vu — naïve façade", "plain ascii words with spaces  and\ttabs\n"]

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from lmserve.cpu_dtype import cache_file, decide
-from lmserve.utils import auto_dtype, cpu_has_fast_bf16, keeps_gguf, resolve_dtype, resolve_kv_dtype
+from lmserve.cpu_dtype import auto_dtype, cache_file, decide, resolve_dtype
+from lmserve.utils import cpu_has_fast_bf16, keeps_gguf, resolve_kv_dtype
 
 ZEN3 = "flags\t\t: fpu sse sse2 avx avx2 fma f16c"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512vl avx512_bf16"  # native bf16 dot products, no AMX

@@ -203,8 +203,8 @@ def test_kv_pool_memory_is_paid_as_blocks_are_written(base):
 
     proc = psutil.Process()
     before = proc.memory_info().rss
-    eng = engine_like(base, num_blocks=(3 * 2**30) // base._block_bytes())  # ~3 GiB whatever the KV dtype
-    pool_bytes = eng.num_blocks * eng._block_bytes()
+    eng = engine_like(base, num_blocks=(3 * 2**30) // base.block_bytes)  # ~3 GiB whatever the KV dtype
+    pool_bytes = eng.num_blocks * eng.block_bytes
     assert pool_bytes > 2.5 * 2**30
     built = proc.memory_info().rss
     assert built - before < 0.1 * pool_bytes  # nothing committed yet (torch.zeros wrote all of it)
@@ -213,8 +213,8 @@ def test_kv_pool_memory_is_paid_as_blocks_are_written(base):
         assert len(out["0"]["ids"]) == 20
     assert_no_leak(eng)
     touched = eng.kv.pool.num_touched_blocks
-    per_request = -(-(len(eng.tokenize_prompt(PROMPTS[10])) + 20) // eng.block_size)
+    per_request = -(-(len(eng.front.tokenize_prompt(PROMPTS[10])) + 20) // eng.block_size)
     assert touched <= per_request + 2, (touched, per_request)
     grown = proc.memory_info().rss - before
     # written blocks plus generous slack for activations and allocator noise; never the pool
-    assert grown < touched * eng._block_bytes() + 256 * 2**20, grown / 2**20
+    assert grown < touched * eng.block_bytes + 256 * 2**20, grown / 2**20

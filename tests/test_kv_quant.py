@@ -119,7 +119,7 @@ def test_the_triton_backend_refuses_a_quantized_cache(monkeypatch):
     under Triton's interpreter, as the tests run them)."""
     pytest.importorskip("triton")
     from lmserve.config import CacheConfig, EngineConfig
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
     from lmserve.errors import ConfigError
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -150,7 +150,7 @@ def test_int8_cache_bytes_and_the_decode_stack_over_it(int8_engine):
     assert eng.kv_dtype == torch.int8 and all(c.dtype == torch.int8 for c in eng.runner.kv_caches)
     cfg = eng.loaded.model.config
     ratio = kv_bytes_per_block(cfg, 16, torch.int8) / kv_bytes_per_block(cfg, 16, torch.float16)
-    assert ratio <= 0.55 and eng._block_bytes() == kv_bytes_per_block(cfg, 16, torch.int8)
+    assert ratio <= 0.55 and eng.block_bytes == kv_bytes_per_block(cfg, 16, torch.int8)
     model = eng.loaded.model
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = [PROMPTS[1], PROMPTS[3]]

@@ -1,36 +1,16 @@
-"""Imports only go down STYLE.md's list of layers; this test parses every module and keeps it so.
+"""Imports follow a graph: each package lists what it may import (MAY_IMPORT), and no modules import in a cycle.
 
-Layers, top to bottom (a module may import its own layer and any layer below it):
+The graph is a DAG, not a total order: siblings do not see each other unless an edge says so (the scheduler
+never imports the worker, the KV cache never imports the sampler), and the test checks the graph itself has no
+cycle. Nodes are the top-level packages and modules of `src/lmserve` (ARCHITECTURE.md draws them), plus
+one module placed apart:
 
-    deploy                   lmserve on platforms that run many replicas (Ray Serve): each replica parses
-                             `lmserve serve` flags with the CLI's parser and runs the server's app
-    cli                      the `lmserve` command
-    bench                    `lmserve bench`: a top-level tool like cli; cli only registers its parser
-                             (cli imports bench.cli), and bench drives engines or a server over HTTP
-    server                   the FastAPI app
-    ops                      server-side observability (tracing, payload log, rules, drift): server and
-                             cli import it, it imports nothing of ours but itself, so it sits just
-                             under server; it may read engine data, and engine must not know it exists
-    engine
-    sched
-    cache
-    worker
-    sample
-    spec, structured, lora   features behind one seam each
-    loader
-    models
-    layers, quant
-    config, request, sampling_params, utils, cpu_dtype, errors   plain data and helpers everyone may import
+- `sched.output` is contract 1's plain data (SchedulerOutput: what runs how many tokens, no tensors), the
+  message the scheduler hands the worker; the worker may import it and nothing else of `sched`.
+- `lmserve` (the package root) is the public facade: it imports SamplingParams eagerly and `LLM` lazily.
 
-Placed by module rather than by package:
-- `lmserve.sched.output` is contract 1's plain data (SchedulerOutput: what runs how many tokens,
-  no tensors), the message the scheduler hands the worker, so it sits with the plain-data modules;
-  the worker reads it without importing the scheduler, and this test keeps it plain.
-- `lmserve` (the package root) eagerly imports only SamplingParams and holds `__version__`, and it
-  runs before any lmserve module anyway, so importing it is like importing plain data. Its lazy
-  `LLM` re-export is the public facade, allowed by name in ALLOWED below.
-
-Every import counts: module level, inside functions (the CLI imports lazily) and under TYPE_CHECKING.
+Every import counts: module level, inside functions (the CLI imports lazily) and under TYPE_CHECKING, both for
+the allowed edges and for cycles between modules (a lazy import in a cycle still ties the two modules together).
 """
 
 from __future__ import annotations
@@ -43,30 +23,35 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-LAYERS: tuple[tuple[str, ...], ...] = (
-    ("deploy",),
-    ("cli",),
-    ("bench",),
-    ("server",),
-    ("ops",),
-    ("engine",),
-    ("sched",),
-    ("cache",),
-    ("worker",),
-    ("sample",),
-    ("spec", "structured", "lora"),
-    ("loader",),
-    ("models",),
-    ("layers", "quant"),
-    ("config", "request", "sampling_params", "utils", "cpu_dtype", "errors"),
-)
-PLAIN_DATA = len(LAYERS) - 1
-BY_MODULE = {"lmserve": PLAIN_DATA, "lmserve.sched.output": PLAIN_DATA}
+# Plain data and helpers that every node may import; they import only each other (no cycle among them either).
+PLAIN = frozenset({"config", "request", "sampling_params", "utils", "cpu_dtype", "errors"})
 
-# (importer, imported): why this upward import is right.
-ALLOWED = {
-    ("lmserve", "lmserve.engine.llm"): "the package root re-exports LLM lazily: `from lmserve import LLM`",
-}
+MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
+    "deploy": {"cli", "server"},  # each Ray Serve replica parses `lmserve serve` flags and runs the server's app
+    # lmserve: `lmserve --version` reads the facade's __version__ (cli/__init__.py; flags.py and hub.py are cli too)
+    "cli": {"lmserve", "bench", "server", "ops", "engine", "preflight", "tokenizer", "loader", "lora"},
+    "bench": {"engine", "preflight", "models", "layers"},  # `lmserve bench`: cli only registers its parser
+    "server": {"lmserve", "ops", "engine", "preflight", "tokenizer", "loader", "lora", "structured"},
+    "ops": set(),  # observability reads engine data handed to it; the engine never knows it exists
+    "lmserve": {"engine"},  # the facade's lazy `from lmserve import LLM`
+    "engine": {"sched", "sched.output", "cache", "worker", "spec", "structured", "lora", "loader", "tokenizer",
+               "preflight", "layers"},  # layers: engine/build.py picks the attention backend the runner uses
+    "preflight": {"cache", "worker", "lora", "loader", "models", "layers", "tokenizer"},  # checks before a load
+    "sched": {"sched.output", "cache", "structured"},
+    "sched.output": set(),
+    "cache": set(),
+    "worker": {"sched.output", "sample", "lora", "loader", "models", "layers"},
+    "sample": {"structured"},
+    "spec": set(),
+    "structured": set(),
+    "lora": {"loader", "models", "layers"},
+    "tokenizer": {"loader"},  # a GGUF's vocabulary is read from its metadata
+    "loader": {"models", "layers"},
+    "models": {"layers"},
+    "layers": set(),
+    **{name: set() for name in PLAIN},
+}.items()}
+BY_MODULE = {"lmserve.sched.output": "sched.output"}
 
 
 @dataclass(frozen=True)
@@ -78,16 +63,20 @@ class Import:
     line: int
 
 
-def layer_of(module: str) -> int:
-    """Index into LAYERS (0 is the top); a module of a package no layer names fails the test."""
+def node_of(module: str) -> str:
+    """The graph node a module belongs to; a module of a package the graph does not name fails the test."""
     for name in (module, *_parents(module)):
         if name in BY_MODULE:
             return BY_MODULE[name]
-    top = module.split(".")[1]
-    for i, names in enumerate(LAYERS):
-        if top in names:
-            return i
-    raise AssertionError(f"{module} belongs to no layer: add {top!r} to LAYERS in {__file__}")
+    top = "lmserve" if module == "lmserve" else module.split(".")[1]
+    if top not in MAY_IMPORT:
+        raise AssertionError(f"{module} belongs to no node: add {top!r} to MAY_IMPORT in {__file__}")
+    return top
+
+
+def may_import(importer: str, target: str) -> bool:
+    a, b = node_of(importer), node_of(target)
+    return a == b or b in PLAIN or b in MAY_IMPORT[a]
 
 
 def _parents(module: str) -> list[str]:
@@ -119,10 +108,59 @@ def _absolute(module: str, is_package: bool, name: str | None, level: int) -> st
     return ".".join(base + ([name] if name else []))
 
 
-def upward(imports: list[Import]) -> list[Import]:
-    """The imports that go up the list and are not in ALLOWED."""
-    return [i for i in imports
-            if layer_of(i.target) < layer_of(i.importer) and (i.importer, i.target) not in ALLOWED]
+def forbidden(imports: list[Import]) -> list[Import]:
+    """The imports the graph does not allow."""
+    return [i for i in imports if not may_import(i.importer, i.target)]
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def module_graph(imports: list[Import]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for i in imports:
+        if i.importer != i.target:
+            graph.setdefault(i.importer, set()).add(i.target)
+    return graph
 
 
 def source_modules() -> dict[str, tuple[Path, bool]]:
@@ -142,30 +180,42 @@ def all_imports() -> list[Import]:
             for i in imports_of(name, path.read_text(), is_package, known)]
 
 
-def test_no_import_goes_up_the_layers():
-    bad = upward(all_imports())
-    assert not bad, "imports that go up STYLE.md's layers:\n" + "\n".join(
+def test_every_import_follows_the_graph():
+    bad = forbidden(all_imports())
+    assert not bad, "imports the graph (MAY_IMPORT) does not allow:\n" + "\n".join(
         f"  {i.importer} (line {i.line}) imports {i.target}" for i in bad)
 
 
-def test_every_allowed_upward_import_still_exists():
-    edges = {(i.importer, i.target) for i in all_imports()}
-    assert set(ALLOWED) <= edges, f"stale ALLOWED entries: {set(ALLOWED) - edges}"
+def test_no_modules_import_each_other_in_a_cycle():
+    found = cycles(module_graph(all_imports()))
+    assert not found, "module import cycles:\n" + "\n".join("  " + " <-> ".join(c) for c in found)
 
 
-def test_every_module_has_a_layer():
+def test_the_graph_is_a_dag():
+    edges = {a: set(b) | (set() if a in PLAIN else set(PLAIN)) for a, b in MAY_IMPORT.items()}
+    assert not cycles(edges)
+    assert all(b in MAY_IMPORT for targets in MAY_IMPORT.values() for b in targets)  # no dead names
+
+
+def test_every_module_has_a_node():
     for name in source_modules():
-        layer_of(name)
+        node_of(name)
+
+
+def test_the_runner_sees_only_the_schedulers_output():
+    sched = {i.target for i in all_imports() if node_of(i.importer) == "worker" and i.target.startswith("lmserve.sched")}
+    assert sched <= {"lmserve.sched.output"}, sched
 
 
 # -- the checker itself must be able to fail --------------------------------------------------------
 
 KNOWN = {"lmserve.models.config", "lmserve.layers.fused", "lmserve.layers.rotary", "lmserve.server",
-         "lmserve.server.app", "lmserve.cli", "lmserve.sched.output", "lmserve.sched.scheduler"}
+         "lmserve.server.app", "lmserve.cli", "lmserve.sched.output", "lmserve.sched.scheduler",
+         "lmserve.worker.model_runner", "lmserve.sample.sampler"}
 
 
 def _flagged(module: str, source: str, is_package: bool = False) -> list[str]:
-    return [i.target for i in upward(imports_of(module, source, is_package, KNOWN))]
+    return [i.target for i in forbidden(imports_of(module, source, is_package, KNOWN))]
 
 
 @pytest.mark.parametrize("module,source,target", [
@@ -175,24 +225,34 @@ def _flagged(module: str, source: str, is_package: bool = False) -> list[str]:
     ("lmserve.layers.rotary", "from ..models import config", "lmserve.models.config"),
     ("lmserve.request", "from lmserve import server", "lmserve.server"),
     ("lmserve.sched.output", "from lmserve.sched.scheduler import Scheduler", "lmserve.sched.scheduler"),
+    # siblings the graph keeps apart (a total order of tiers let these pass)
+    ("lmserve.sched.scheduler", "from lmserve.worker.model_runner import ModelRunner", "lmserve.worker.model_runner"),
+    ("lmserve.cache.block_pool", "from lmserve.sample.sampler import Sampler", "lmserve.sample.sampler"),
+    ("lmserve.worker.inputs", "from lmserve.sched.scheduler import Scheduler", "lmserve.sched.scheduler"),
 ])
-def test_checker_flags_a_synthetic_upward_import(module, source, target):
+def test_checker_flags_an_import_the_graph_forbids(module, source, target):
     assert _flagged(module, source) == [target]
 
 
 @pytest.mark.parametrize("module,source", [
     ("lmserve.models.llama", "from lmserve.layers.rotary import cos_sin"),  # down
-    ("lmserve.layers.fused", "from lmserve.layers.rotary import apply_rotary"),  # same layer
+    ("lmserve.layers.fused", "from lmserve.layers.rotary import apply_rotary"),  # same package
     ("lmserve.layers.fused", "from . import rotary"),
     ("lmserve.layers.linear", "from lmserve.utils import cpu_has_fast_bf16"),  # plain data
     ("lmserve.worker.inputs", "from lmserve.sched.output import ScheduledRequest"),  # plain data by module
     ("lmserve.server.tgi_routes", "import lmserve"),
     ("lmserve.cli", "import argparse\nfrom torch import nn"),  # not ours
 ])
-def test_checker_passes_downward_and_sideways_imports(module, source):
+def test_checker_passes_allowed_imports(module, source):
     assert _flagged(module, source) == []
 
 
-def test_a_package_without_a_layer_fails():
-    with pytest.raises(AssertionError, match="belongs to no layer"):
-        layer_of("lmserve.newthing.x")
+def test_a_package_without_a_node_fails():
+    with pytest.raises(AssertionError, match="belongs to no node"):
+        node_of("lmserve.newthing.x")
+
+
+def test_cycle_finder_sees_a_cycle_through_several_modules():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}}) == []

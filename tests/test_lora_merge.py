@@ -219,7 +219,7 @@ def test_embedded_gguf_export(tmp_path, smol_path):
     and tokenizer written from the GGUF, and both transformers and lmserve give PEFT's unmerged logits."""
     import transformers
 
-    from lmserve.engine.tokenizer import Tokenizer
+    from lmserve.tokenizer import Tokenizer
 
     adapter = make_peft_adapter(tmp_path / "a", smol_path, rank=16, target_modules=ALL_PROJECTIONS, seed=7)
     out = tmp_path / "out"

@@ -107,6 +107,7 @@ def test_lru_unload_and_reload_alternating(one_at_a_time):
 
 def test_concurrent_requests_during_a_load_all_succeed(one_at_a_time):
     s, c = one_at_a_time, client(one_at_a_time)
+    c.completions.create(model="b", prompt=PROMPT, max_tokens=1)  # b in, so a is out (also when run alone)
     loads = s.metric("lmserve:model_loads_total", 'model_name="a"')
     errors = s.metric("lmserve:requests_total", 'status="5xx"')
     names = ["a", "b"] * 6  # while one model loads, requests for both keep coming
@@ -130,7 +131,7 @@ def test_concurrent_requests_during_a_load_all_succeed(one_at_a_time):
 @pytest.fixture(scope="module")
 def pool_app(tiny):
     from lmserve.config import CacheConfig, EngineConfig
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
     from lmserve.server.app import build_app
     from lmserve.server.main import load_engine, unload_engine
     from lmserve.server.metrics import ServerMetrics

@@ -97,7 +97,7 @@ def test_engine_tokens_equal_with_and_without_the_kernel(monkeypatch):
 
     def run() -> list[list[int]]:
         for i, p in enumerate(prompts):
-            eng.add_request(str(i), eng.tokenize_prompt(p), params)
+            eng.add_request(str(i), eng.front.tokenize_prompt(p), params)
         out: dict[str, list[int]] = {}
         while eng.has_unfinished():
             for d in eng.step():

@@ -125,11 +125,11 @@ def test_quantized_embedded_model_stays_close_to_float(smol_path, smol_fp32, sch
     assert isinstance(layer.self_attn.qkv_proj, expected) and isinstance(layer.mlp.down_proj, expected)
     assert isinstance(quant.model.lm_head, Int8Linear)
     assert quant.model.model.embed_tokens.weight.dtype == torch.float32  # lookups stay exact
-    from lmserve.engine.llm_engine import _load_tokenizer
+    from lmserve.tokenizer import load_tokenizer
 
     # Three texts (193 positions): on one 49-token text a single near-tie flipping moved the rate by 2%,
     # and one more flip on a fresh machine (same torch) took int8 from 0.96 to 0.94 at the base commit.
-    tok = _load_tokenizer(smol_fp32)
+    tok = load_tokenizer(smol_fp32)
     prompts = [tok.encode(t) for t in (TEXT, *MORE_TEXTS)]
     ref = torch.cat(flat_logits(smol_fp32.model, prompts))
     out = torch.cat(flat_logits(quant.model, prompts))
@@ -168,7 +168,7 @@ def test_int4_engine_batch_equals_alone_and_frees_blocks():
 
     def run(ps):
         for i, p in enumerate(ps):
-            eng.add_request(str(i), eng.tokenize_prompt(p), params)
+            eng.add_request(str(i), eng.front.tokenize_prompt(p), params)
         out: dict[str, list[int]] = {}
         while eng.has_unfinished():
             for d in eng.step():

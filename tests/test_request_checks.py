@@ -1,4 +1,4 @@
-"""LLMEngine.check_request runs once per engine request: on the HTTP path (the real app in-process,
+"""EngineFront.check_request runs once per engine request: on the HTTP path (the real app in-process,
 on the embedded model) and on the offline path (LLM.generate -> add_request)."""
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ M = "m"
 
 
 class CountedChecks:
-    """Wraps an engine's check_request (every caller goes through the instance attribute) and counts calls."""
+    """Wraps an engine's check_request (every caller goes through its front end's instance attribute) and counts
+    calls."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.calls = 0
-        self._check = engine.check_request
-        engine.check_request = self
+        self._check = engine.front.check_request
+        engine.front.check_request = self
 
     def __call__(self, prompt_ids: list[int], params: SamplingParams) -> int:
         self.calls += 1

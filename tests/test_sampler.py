@@ -1,5 +1,7 @@
 """The sampler on fixed logits: chi-square fits for the sampling filters, exact greedy, seeds,
-penalties, bias, min_tokens and logprobs against hand-computed references."""
+penalties, bias, min_tokens, grammar masks and logprobs against hand-computed references.
+
+Metadata comes from the runner's persistent batch (tests/sampling_rows.py), the engine's one builder."""
 
 from __future__ import annotations
 
@@ -7,27 +9,21 @@ import numpy as np
 import pytest
 import torch
 
-from lmserve.sample import Sampler, SamplingRow, build_sampling_metadata
+import lmserve.sample.sampler as sampler_module
+from lmserve.sample import Sampler
 from lmserve.sample.filters import top_k_only, top_k_top_p
 from lmserve.sample.sampler import process_logits
 from lmserve.sampling_params import SamplingParams
+from tests.sampling_rows import Rows, metadata
 
-CPU = torch.device("cpu")
 V = 8
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])  # distinct: no ties in rank order
 N = 20000
 INF = float("inf")
 
 
-def make_rows(params, outputs=None, prompts=None, gens=None, stop_ids=frozenset()) -> list[SamplingRow]:
-    outputs = outputs or [[] for _ in params]
-    prompts = prompts or [[] for _ in params]
-    gens = gens or [None for _ in params]
-    return [SamplingRow(p, pr, o, g, stop_ids) for p, pr, o, g in zip(params, prompts, outputs, gens)]
-
-
 def run(params, logits, **kw):
-    return Sampler()(logits, build_sampling_metadata(make_rows(params, **kw), logits.shape[-1], CPU))
+    return Sampler()(logits, metadata(params, logits.shape[-1], **kw))
 
 
 def expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
@@ -140,15 +136,18 @@ def row_logits(step: int) -> torch.Tensor:
 
 
 def seeded_run(batch: list[SamplingParams], targets: list[int], global_seed: int, steps: int = 15) -> list[list[int]]:
-    """Drive `batch` for `steps` steps; rows in `targets` see row_logits(step), the rest random logits."""
-    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in batch]
+    """Drive `batch` for `steps` steps; rows in `targets` see row_logits(step), the rest random logits.
+
+    The rows persist across steps as the runner keeps them: each keeps its own seeded RNG and its counts."""
+    rows = Rows(batch, 200)
     outputs: list[list[int]] = [[] for _ in batch]
     torch.manual_seed(global_seed)  # the global RNG state differs between runs
     for step in range(steps):
         logits = torch.randn(len(batch), 200)
         logits[targets] = row_logits(step)
-        meta = build_sampling_metadata(make_rows(batch, outputs=outputs, gens=gens), 200, CPU)
-        for out, tok in zip(outputs, Sampler()(logits, meta).sampled_token_ids.tolist()):
+        sampled = Sampler()(logits, rows.metadata()).sampled_token_ids.tolist()
+        rows.accept([[tok] for tok in sampled])
+        for out, tok in zip(outputs, sampled):
             out.append(tok)
     return [outputs[t] for t in targets]
 
@@ -181,13 +180,20 @@ def test_unseeded_rows_follow_the_global_rng():
     assert not torch.equal(a, run(p, logits).sampled_token_ids)
 
 
-# -- penalties, bias, min_tokens, processors ------------------------------------------------------------
+# -- penalties, bias, min_tokens, grammar masks ---------------------------------------------------------
 
 def processed(params, outputs=None, prompts=None, stop_ids=frozenset(), logits=LOGITS) -> torch.Tensor:
-    """The logits after bias, ban, processors and penalties (the input to logprobs and sampling)."""
-    rows = make_rows(params, outputs=outputs, prompts=prompts, stop_ids=stop_ids)
-    meta = build_sampling_metadata(rows, V, CPU)
+    """The logits after bias, ban, grammar masks and penalties (the input to logprobs and sampling)."""
+    meta = metadata(params, V, outputs=outputs, prompts=prompts, stop_ids=stop_ids)
     return process_logits(logits.expand(len(params), -1).clone(), meta)
+
+
+def only_token(token: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A grammar bitmask allowing just `token` on logits rows `rows`, as the runner hands it to the sampler:
+    ([G, ceil(V / 32)] int32, bit t % 32 of word t // 32; [G] int64 rows)."""
+    mask = torch.zeros(len(rows), -(-V // 32), dtype=torch.int32)
+    mask[:, token // 32] = 1 << (token % 32)
+    return mask, torch.tensor(rows, dtype=torch.int64)
 
 
 def test_penalties_change_exactly_the_expected_logits():
@@ -253,19 +259,19 @@ def test_min_tokens_sampling_rows_never_draw_a_stop_id():
     assert counts[0] == 0 and counts[1] == 0 and (counts[2:] > 0).all()
 
 
-def test_logits_processor_runs_after_bias_and_ban_before_penalties():
+def test_grammar_mask_runs_after_bias_and_ban_before_penalties(monkeypatch):
     seen = []
-    only_six = torch.full((V,), -INF)
-    only_six[6] = 0.0
+    apply_bitmask = sampler_module.apply_bitmask
 
-    def hook(x: torch.Tensor) -> torch.Tensor:
-        seen.append(x.clone())
-        return x + only_six
+    def spy(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        seen.append(logits[0].clone())  # what the mask step is given
+        apply_bitmask(logits, bitmask, rows)
 
+    monkeypatch.setattr(sampler_module, "apply_bitmask", spy)
     params = [SamplingParams(logit_bias={2: 1.0}, min_tokens=1, presence_penalty=0.5), SamplingParams()]
-    rows = make_rows(params, outputs=[[], [6]], stop_ids=frozenset({0}))
-    rows[0].logits_processor = hook
-    out = Sampler()(LOGITS.expand(2, -1), build_sampling_metadata(rows, V, CPU))
+    meta = metadata(params, V, outputs=[[], [6]], stop_ids=frozenset({0}))
+    meta.grammar_bitmask, meta.grammar_rows = only_token(6, [0])
+    out = Sampler()(LOGITS.expand(2, -1), meta)
     ref = LOGITS.clone()
     ref[2] += 1.0
     ref[0] = -INF
@@ -273,14 +279,11 @@ def test_logits_processor_runs_after_bias_and_ban_before_penalties():
     assert out.sampled_token_ids[0] == 6
 
 
-def test_processor_rows_alone_are_constrained():
-    only_six = torch.full((V,), -INF)
-    only_six[6] = 0.0
-    rows = make_rows([SamplingParams()] * 200)
-    for r in rows[::2]:
-        r.logits_processor = lambda x: x + only_six
+def test_grammar_mask_rows_alone_are_constrained():
+    meta = metadata([SamplingParams()] * 200, V)
+    meta.grammar_bitmask, meta.grammar_rows = only_token(6, list(range(0, 200, 2)))
     torch.manual_seed(0)
-    ids = Sampler()(LOGITS.expand(200, -1), build_sampling_metadata(rows, V, CPU)).sampled_token_ids
+    ids = Sampler()(LOGITS.expand(200, -1), meta).sampled_token_ids
     assert (ids[::2] == 6).all() and (ids[1::2] != 6).any()
 
 
@@ -319,7 +322,7 @@ def test_banned_tokens_have_minus_inf_logprob():
 
 def test_metadata_flags_computed_once_from_params():
     def meta(*params):
-        return build_sampling_metadata(make_rows(list(params)), V, CPU)
+        return metadata(list(params), V)
 
     m = meta(SamplingParams(temperature=0.0, top_k=3, min_p=0.5, logprobs=1), SamplingParams(temperature=0.0))
     assert m.all_greedy and not m.all_random

@@ -49,7 +49,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tok(smol_path):
-    from lmserve.engine.tokenizer import Tokenizer
+    from lmserve.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smol_path)
 

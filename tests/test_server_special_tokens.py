@@ -34,7 +34,7 @@ def _im_start(server) -> int:
 
 
 def test_hand_applied_template_tokenizes_like_chat(server, smol_path):
-    from lmserve.engine.tokenizer import Tokenizer
+    from lmserve.tokenizer import Tokenizer
 
     assert Tokenizer.from_gguf(smol_path).apply_chat_template(MESSAGES) == HAND_TEMPLATE
     raw, chat = _tokenize(server, prompt=HAND_TEMPLATE), _tokenize(server, messages=MESSAGES)

@@ -142,7 +142,8 @@ def test_drafts_are_scheduled_verified_and_rolled_back():
     req.spec_token_ids = [8, 9, 10, 11]
     out = s.schedule()
     r = out.requests[0]
-    assert (r.token_ids, r.start_pos, r.spec_token_ids, r.num_known) == ([7, 8, 9, 10, 11], 6, [8, 9, 10, 11], 1)
+    # runs 7 (sampled last step: the one token the runner's row lacks, at position 6), then the four drafts
+    assert (r.new_token_ids, r.token_start, r.start_pos, r.spec_token_ids, r.num_known) == ([7], 6, 6, [8, 9, 10, 11], 1)
     assert kv.block_ids("a") == [0, 1, 2]  # room for positions 6..10
     s.update(out, _result(out, {"a": [8, 42]}))  # draft 8 accepted, 9 rejected: the verifier sampled 42
     assert req.output_token_ids == [7, 8, 42] and req.num_computed_tokens == 8

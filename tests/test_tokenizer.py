@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 
 CORPUS = [
     "Hello world!", "The quick brown fox jumps over the lazy dog.",
@@ -189,7 +189,7 @@ def test_sentencepiece_gguf_vocab_matches_transformers(tmp_path):
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "chat template"),  # unbounded recursion
 ])
 def test_a_template_that_loops_or_explodes_is_stopped(ours, monkeypatch, template, why):
-    import lmserve.engine.chat_template as ct
+    import lmserve.tokenizer.chat_template as ct
 
     monkeypatch.setattr(ct, "RENDER_TIMEOUT_S", 1.0)
     bomb = Tokenizer(ours._hf, chat_template=template)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 from lmserve.loader.default_model import default_model_path
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_body

@@ -158,7 +158,7 @@ def test_backend_choice(monkeypatch):
 def test_flags_reach_the_config_and_a_wrong_backend_stops_before_loading(monkeypatch):
     from lmserve.cli import build_parser
     from lmserve.config import engine_config
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
 
     cfg = engine_config(build_parser().parse_args(["serve", "--attention-backend", "triton", "--enforce-eager"]))
     assert cfg.attention_backend == "triton" and cfg.enforce_eager

@@ -1,4 +1,5 @@
-"""What `--dtype auto` means on this CPU: bfloat16 only where a measurement says it pays and keeps batch invariance.
+"""What `--dtype auto` means (bf16 on CUDA; on a CPU bfloat16 only where a measurement says it pays and keeps batch
+invariance), and --dtype names resolved to torch dtypes.
 
 Why measure: the CPU flags do not say it. With AMX (Sapphire Rapids) oneDNN's bf16 tile matmul can be several
 times float32's; with AVX512_BF16 alone (Zen 4) bf16 ran at float32's speed or slower, turned off the native
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lmserve.utils import cpu_has_fast_bf16, write_atomically
+from lmserve.utils import DTYPES, cpu_flags, cpu_has_fast_bf16, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,32 @@ MIN_PREFILL_SPEEDUP = 2.0
 MIN_DECODE_SPEEDUP = 1.0
 PREFILL, DECODE = (256, 1024, 1024), (1, 1024, 4096)  # (rows, in, out): a prefill chunk's and a decode step's matmul
 INVARIANCE_ROWS = (1, 3, 16, 64, 256)
+
+
+def auto_dtype(device: torch.device, flags: str | None = None, kept_gguf: bool = False) -> torch.dtype:
+    """What `--dtype auto` means: bf16 on CUDA; on a CPU float32 unless a measurement made once on this machine
+    found bf16 clearly faster and batch invariant (measured_cpu_dtype, below). `kept_gguf`: the weights stay in a GGUF file's
+    blocks, whose int8 kernels take float32 activations. `flags` is a cpuinfo flags line (default: this machine's).
+    """
+    return auto_dtype_why(device, flags, kept_gguf)[0]
+
+
+def auto_dtype_why(device: torch.device, flags: str | None = None, kept_gguf: bool = False) -> tuple[torch.dtype, str]:
+    """auto_dtype's answer and its reason (for the start-up log)."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA"
+    if kept_gguf:
+        return torch.float32, "the GGUF blocks are kept: their int8 kernels take float32 activations"
+    return measured_cpu_dtype(cpu_flags() if flags is None else flags)
+
+
+def resolve_dtype(name: str, device: torch.device, kept_gguf: bool = False) -> torch.dtype:
+    """A --dtype name -> torch dtype; 'auto' as auto_dtype decides."""
+    if name == "auto":
+        return auto_dtype(device, kept_gguf=kept_gguf)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose from auto, float32, bfloat16, float16)")
+    return DTYPES[name]
 
 
 def cache_file(flags: str) -> Path:

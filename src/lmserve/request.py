@@ -101,6 +101,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """all_token_ids[start:] without building the whole list (a decode step sends its one new token)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
     def timings(self, now: float) -> RequestTimings:
         """Queue, prefill and decode time so far (zero for phases never reached, e.g. aborted in queue)."""
         scheduled = self.first_scheduled_time or now

@@ -50,39 +50,11 @@ def cpu_has_fast_bf16(flags: str | None = None) -> bool:
     return "avx512_bf16" in found or "amx_bf16" in found
 
 
-def auto_dtype(device: torch.device, flags: str | None = None, kept_gguf: bool = False) -> torch.dtype:
-    """What `--dtype auto` means: bf16 on CUDA; on a CPU float32 unless a measurement made once on this machine
-    found bf16 clearly faster and batch invariant (cpu_dtype.py). `kept_gguf`: the weights stay in a GGUF file's
-    blocks, whose int8 kernels take float32 activations. `flags` is a cpuinfo flags line (default: this machine's).
-    """
-    return auto_dtype_why(device, flags, kept_gguf)[0]
-
-
-def auto_dtype_why(device: torch.device, flags: str | None = None, kept_gguf: bool = False) -> tuple[torch.dtype, str]:
-    """auto_dtype's answer and its reason (for the start-up log)."""
-    if device.type == "cuda":
-        return torch.bfloat16, "CUDA"
-    if kept_gguf:
-        return torch.float32, "the GGUF blocks are kept: their int8 kernels take float32 activations"
-    from lmserve.cpu_dtype import measured_cpu_dtype
-
-    return measured_cpu_dtype(cpu_flags() if flags is None else flags)
-
-
 def keeps_gguf(model: str | Path | None, quantization: str | None, device: torch.device) -> bool:
     """Would this model's GGUF blocks be kept (the embedded default is a quantized GGUF)? Decided by name: the
     dtype is needed before the file is read; `auto_quantization` still checks the file's types."""
     named_gguf = model is None or str(model).lower().endswith(".gguf")
     return device.type == "cpu" and quantization in ("auto", "gguf") and named_gguf
-
-
-def resolve_dtype(name: str, device: torch.device, kept_gguf: bool = False) -> torch.dtype:
-    """A --dtype name -> torch dtype; 'auto' as auto_dtype decides."""
-    if name == "auto":
-        return auto_dtype(device, kept_gguf=kept_gguf)
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (choose from auto, float32, bfloat16, float16)")
-    return DTYPES[name]
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype, kept_gguf: bool, device: torch.device) -> torch.dtype:
@@ -109,12 +81,6 @@ def available_memory(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     return int(psutil.virtual_memory().available)
-
-
-def env_int(name: str) -> int | None:
-    """An integer environment variable, or None."""
-    value = os.environ.get(name)
-    return int(value) if value else None
 
 
 def keep_freed_memory() -> bool:

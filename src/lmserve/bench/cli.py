@@ -145,7 +145,7 @@ def _first_model(base_url: str, api_key: str | None) -> str:
 def _engine(args: argparse.Namespace):
     from lmserve.config import engine_config
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
 
     return LLMEngine(check_engine_config(engine_config(args)).config)
 
@@ -206,7 +206,7 @@ def _prepare(args: argparse.Namespace, max_batch: int):
     from lmserve.bench.report import cpu_sample
     from lmserve.config import engine_config
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
 
     before = cpu_sample()
     _status("loading the model")

@@ -11,7 +11,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -220,7 +220,3 @@ def plot_sweep(rows: list[dict], path: str) -> None:
         ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def asdict_results(results: list[RequestResult]) -> list[dict]:
-    return [asdict(r) for r in results]

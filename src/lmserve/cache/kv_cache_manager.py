@@ -48,8 +48,12 @@ class KVCacheManager:
         """Fraction of blocks referenced by running requests."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its `start`-th block on (its whole table by default)."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -139,7 +139,7 @@ class _Chat:
 def checked_engine(args: argparse.Namespace):
     """The engine for the engine flags, after the preflight checks (a bad flag or model fails before loading)."""
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
 
     return LLMEngine(check_engine_config(engine_config(args)).config)
 
@@ -243,7 +243,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     """Run an OpenAI Batch API input file into a results file; a rerun resumes where a killed run stopped."""
     from pathlib import Path
 
-    from lmserve.engine.preflight import check_engine_config
+    from lmserve.preflight import check_engine_config
     from lmserve.server import batch, batch_file
     from lmserve.server.main import served_name
 
@@ -332,7 +332,7 @@ def cmd_lora_merge(args: argparse.Namespace) -> int:
     result = merge_to_directory(base, read_model_config(base), [Path(a) for a in args.adapter], spec, Path(args.out),
                                 args.dtype, args.quantization)
     if not base.is_dir():  # a GGUF carries its tokenizer in its metadata: written out as tokenizer.json
-        from lmserve.engine.tokenizer import Tokenizer
+        from lmserve.tokenizer import Tokenizer
 
         Tokenizer.from_gguf(base).save_pretrained(args.out)
     how = spec.method if len(result.adapters) > 1 else "one adapter"

@@ -17,7 +17,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Union
 
-from lmserve.engine.llm_engine import LLMEngine, StepStats
+from lmserve.engine.front import EngineFront
+from lmserve.engine.llm_engine import LLMEngine
+from lmserve.engine.stats import StepStats
 from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
 
@@ -57,8 +59,8 @@ class AddRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    max_tokens: int | None  # from LLMEngine.check_request; None: add_request checks it on the engine thread
-    grammar: Any = None  # from LLMEngine.compile_grammar (compiled off the engine thread); None: unconstrained
+    max_tokens: int | None  # from EngineFront.check_request; None: add_request checks it on the engine thread
+    grammar: Any = None  # from EngineFront.compile_grammar (compiled off the engine thread); None: unconstrained
     tenant: str = ""  # who asked (the API key's name): the scheduler admits round-robin across tenants
     priority: int = 0  # lower is admitted first (batch-job lines wait behind interactive requests)
     lora: LoraRequest | None = None  # the adapter, read from disk before this message was sent; None: base
@@ -127,6 +129,11 @@ class AsyncEngine:
         self.engine.close()  # tensor-parallel worker ranks end with the engine
 
     @property
+    def front(self) -> EngineFront:
+        """What callers use before a request enters the engine: tokenizer, checks, grammars, adapters, load."""
+        return self.engine.front
+
+    @property
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
@@ -136,12 +143,12 @@ class AsyncEngine:
                        lora: LoraRequest | None = None, cache_salt: bytes = b"") -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of every completion of a request; closing the iterator aborts it.
 
-        `max_tokens` is what `engine.check_request` returned for this request (the server checks it
+        `max_tokens` is what `front.check_request` returned for this request (the server checks it
         before admitting); None has the engine thread check it, and a rejection then ends the stream.
-        `grammar` is `engine.compile_grammar(params)`, compiled by the caller off the engine thread.
+        `grammar` is `front.compile_grammar(params)`, compiled by the caller off the engine thread.
         `tenant` names who asked; waiting requests of different tenants are admitted round-robin.
         `priority`: waiting requests of a lower value are admitted first (batch-job lines use BATCH_PRIORITY).
-        `lora`: the request's adapter from `engine.loras.get` (read off the engine thread); None: the base model.
+        `lora`: the request's adapter from `front.loras.get` (read off the engine thread); None: the base model.
         `cache_salt`: prefix-cache blocks are shared only with requests of the same salt (b"": everyone).
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)

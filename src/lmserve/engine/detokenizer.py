@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 
 PROMPT_CONTEXT = 5  # prompt tokens kept as leading context for the first output token
 

@@ -35,6 +35,7 @@ class _Draft:
     """One request's state in the draft cache."""
 
     num_computed: int = 0  # leading tokens of the request whose KV the draft cache holds
+    num_blocks_sent: int = 0  # leading block ids of its draft-cache table the draft runner's row holds
 
 
 class DraftModelProposer:
@@ -84,6 +85,7 @@ class DraftModelProposer:
             self._new.append(NewRequestData(req.request_id, req.prompt_token_ids, [], _GREEDY, frozenset(), None))
         st.num_computed = min(st.num_computed, req.num_tokens - 1)
         self.kv.trim(req.request_id, st.num_computed)
+        st.num_blocks_sent = min(st.num_blocks_sent, self.kv.num_blocks_of(req.request_id))
 
     def _step_output(self, reqs: list, drafts: list[list[int]], active: list[int], first: bool
                      ) -> tuple[SchedulerOutput, list[int]]:
@@ -96,11 +98,14 @@ class DraftModelProposer:
         kept = []
         for i in active:
             req, st = reqs[i], self.state[reqs[i].request_id]
-            tokens = req.all_token_ids[st.num_computed:] if first else drafts[i][-1:]
+            tokens = req.token_ids_from(st.num_computed) if first else drafts[i][-1:]
             if not self.kv.allocate(req.request_id, req.all_token_ids + drafts[i], st.num_computed, len(tokens)):
                 continue
-            out.requests.append(ScheduledRequest(req.request_id, list(tokens), st.num_computed,
-                                                 self.kv.block_ids(req.request_id), sample=True))
+            # the runner's row gets the tokens it computes (written at their positions) and its new block ids
+            rid, sent = req.request_id, st.num_blocks_sent
+            st.num_blocks_sent = self.kv.num_blocks_of(rid)
+            out.requests.append(ScheduledRequest(rid, st.num_computed, len(tokens), True, list(tokens), st.num_computed,
+                                                 self.kv.block_ids(rid, sent), sent))
             st.num_computed += len(tokens)
             kept.append(i)
         return out, kept

@@ -67,7 +67,7 @@ class LLM:
         for prompt, p in zip(prompts, plist):
             rid = str(self._next_id)
             self._next_id += 1
-            ids = self.engine.tokenize_prompt(prompt)
+            ids = self.engine.front.tokenize_prompt(prompt)
             self.engine.add_request(rid, ids, p)
             outs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                       [CompletionOutput(i, "", [], None, None, [] if p.logprobs is not None else None)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from lmserve.engine.detokenizer import IncrementalDetokenizer
-from lmserve.engine.tokenizer import Tokenizer
+from lmserve.tokenizer import Tokenizer
 from lmserve.request import CompletionDelta, Request
 
 
@@ -101,7 +101,3 @@ class OutputProcessor:
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         return best
-
-    def final_text(self, request_id: str) -> str:
-        st = self._states[request_id]
-        return st.text[:st.emitted]

@@ -6,7 +6,7 @@ result is cast to the export dtype and written in shards. QLoRA path: with `quan
 projection weight first goes through lmserve's own weight-only quantizer and back (the 4-bit codes a
 `--quantization int4` server would use), so the delta lands on the weights that quantized serving
 sees; embeddings, norms and the LM head stay as stored. A GGUF base needs a config.json written from
-its metadata (here) and a tokenizer (engine/tokenizer.py, called by the CLI).
+its metadata (here) and a tokenizer (tokenizer/tokenizer.py, called by the CLI).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Sampling: per-step metadata built once, and the batched sampler."""
+"""Sampling: the per-step metadata (built by the runner's persistent batch) and the batched sampler."""
 
-from lmserve.sample.metadata import SamplingMetadata, SamplingRow, build_sampling_metadata
+from lmserve.sample.metadata import SamplingMetadata
 from lmserve.sample.sampler import Sampler, SamplerOutput
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "build_sampling_metadata"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata"]

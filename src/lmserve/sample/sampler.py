@@ -1,6 +1,6 @@
 """The batched sampler, called once per engine step.
 
-Order: logits -> logit_bias -> min_tokens ban -> grammar mask -> per-row logits processors -> penalties
+Order: logits -> logit_bias -> min_tokens ban -> grammar mask -> penalties
 -> (logprobs) -> greedy rows: argmax | sampling rows: temperature -> top-k -> top-p -> min-p
 -> exponential-race sample.
 
@@ -10,8 +10,7 @@ masks, penalties) but not the sampling knobs, so a token's logprob is the same a
 top-k, top-p or min-p, and a greedy and a sampled request report the same numbers. (vLLM v1's default
 "raw_logprobs" is taken earlier, before any processing.)
 
-Nothing here reads a tensor on the host: the only Python loops are over seeded rows and rows with a
-logits processor, both listed in the metadata.
+Nothing here reads a tensor on the host: the only Python loop is over seeded rows, listed in the metadata.
 
 With speculative decoding a request has 1 + k logits rows (its last known token and k drafts); rows
 that verify a draft go through `sample/rejection.py`, which keeps the output distribution exactly the
@@ -67,15 +66,13 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Apply logit_bias, the min_tokens ban, grammar masks, per-row processors and penalties. logits [B, V] float32."""
+    """Apply logit_bias, the min_tokens ban, grammar masks and penalties. logits [B, V] float32."""
     if meta.bias_index is not None:
         logits.index_put_(meta.bias_index, meta.bias_values, accumulate=True)
     if meta.ban_index is not None:
         logits[meta.ban_index] = NEG_INF
     if meta.grammar_bitmask is not None:
         apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
-    for row, fn in meta.processors:
-        logits[row] = fn(logits[row])
     if not meta.no_penalties:
         logits = apply_penalties(logits, meta)
     return logits

@@ -1,14 +1,17 @@
 """What the scheduler decides each step: plain, picklable data with no tensors (numpy at most).
 
-The runner keeps a persistent row per request (worker/input_batch.py); a step's output tells it
-which rows to create (`new_requests`), which to drop (`finished_ids`), and what each scheduled row
-computes: some known tokens (a prefill chunk, or the one token sampled last step) followed by
-optional draft tokens to verify.
+The runner keeps a persistent row per request (worker/input_batch.py: sampling state, token ids and block
+table); a step's output tells it which rows to create (`new_requests`, sent whole once), which to drop
+(`finished_ids`), and for each scheduled request what it computes (some known tokens, a prefill chunk or the
+one token sampled last step, then optional draft tokens to verify) and only what its row lacks: the token
+ids and block ids appended since the runner last saw it (vLLM v1's cached-request diffs). So a decode step
+of a long request costs a few ints, not its whole history, also when it is pickled to every
+tensor-parallel rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -17,11 +20,11 @@ from lmserve.sampling_params import SamplingParams
 
 @dataclass
 class NewRequestData:
-    """A request the runner has not seen: what its persistent sampling row is built from."""
+    """A request the runner has not seen: its persistent row (tokens and sampling state) is built from this."""
 
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # normally empty
+    output_token_ids: list[int]  # normally empty; the row holds prompt + output tokens
     params: SamplingParams
     stop_token_ids: frozenset[int]  # ids banned while fewer than min_tokens were generated
     seed: int | None  # the completion's own seed; the runner creates its generator
@@ -29,14 +32,23 @@ class NewRequestData:
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: which tokens run, at which positions, in which blocks."""
+    """One request's share of a step: which tokens run at which positions, and what its row lacks.
+
+    The runner first writes `new_token_ids` into the row's tokens at `token_start` and `new_block_ids` into its
+    block table at `block_start` (each cut there first: a resumed request's table starts over at 0, blocks that
+    only rejected drafts used are gone), then computes the known tokens at positions
+    [start_pos, start_pos + num_known) and the drafts after them.
+    """
 
     request_id: str
-    token_ids: list[int]  # known tokens fed this step, then spec_token_ids
-    start_pos: int  # position of token_ids[0] == num_computed_tokens before this step
-    block_ids: list[int]  # the request's whole block table
+    start_pos: int  # position of the first token computed == num_computed_tokens before this step
+    num_known: int  # tokens fed this step that are not drafts (num_scheduled_tokens without the drafts)
     sample: bool  # True when the known tokens reach the request's end: the step samples a next one
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of token_ids, to verify
+    new_token_ids: list[int] = field(default_factory=list)  # the request's tokens the runner's row lacks
+    token_start: int = 0  # where new_token_ids go in the row
+    new_block_ids: list[int] = field(default_factory=list)  # block ids the row's table lacks
+    block_start: int = 0  # where new_block_ids go in the table (its length afterwards: + len(new_block_ids))
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts after the known tokens, to verify
     # prompt positions in this chunk whose logits score the next prompt token (prompt logprobs): [start, end)
     prompt_logprob_range: tuple[int, int] | None = None
     # structured outputs: first row of this request's mask in SchedulerOutput.grammar_bitmask (one row per
@@ -47,12 +59,11 @@ class ScheduledRequest:
     @property
     def num_tokens(self) -> int:
         """Tokens computed this step (num_scheduled_tokens in vLLM's words), drafts included."""
-        return len(self.token_ids)
+        return self.num_known + len(self.spec_token_ids)
 
-    @property
-    def num_known(self) -> int:
-        """Tokens fed this step that are not drafts."""
-        return len(self.token_ids) - len(self.spec_token_ids)
+    def __reduce__(self) -> tuple:
+        """Pickled (to every tensor-parallel rank, every step) as its values alone, without the field names."""
+        return ScheduledRequest, tuple(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass
@@ -65,10 +76,6 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)  # blocks freed; rows kept for when they resume
     # allowed tokens of every constrained sampling row, [rows, ceil(V / 32)] int32 (bit t % 32 of word t // 32)
     grammar_bitmask: np.ndarray | None = None
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
 
     @property
     def is_empty(self) -> bool:

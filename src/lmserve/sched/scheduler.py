@@ -58,7 +58,9 @@ class Scheduler:
         self.kv = kv
         self.stop = stop or StopChecker()
         self.lora = lora  # None: LoRA off
-        self._seen: set[str] = set()  # requests the runner has a row for
+        # requests the runner has a row for -> [token ids, block ids] of the request its row holds: a step sends
+        # only the rest (a preempted request's blocks were freed: its table is sent again from 0 when it resumes)
+        self._sent: dict[str, list[int]] = {}
         self._finished: list[str] = []  # ended since the last schedule(): the runner drops their rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -188,8 +190,8 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            if req.request_id not in self._seen:
-                self._seen.add(req.request_id)
+            if req.request_id not in self._sent:
+                self._sent[req.request_id] = [req.num_tokens, 0]
                 out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids,
                                                        list(req.output_token_ids), req.params,
                                                        req.stop_token_ids, req.seed))
@@ -208,20 +210,25 @@ class Scheduler:
         return tuple(running), tuple(waiting)
 
     def _scheduled(self, req: Request, n: int, spec: list[int]) -> ScheduledRequest:
+        """`n` known tokens and the drafts `spec` of `req` (its blocks allocated), with what its row lacks."""
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start:start + n]
         lp_range = None
         if req.wants_prompt_logprobs:  # positions p whose logits score prompt token p + 1
             first = max(start, len(req.prompt_logprobs))
             lp_range = (first, min(start + n, req.num_prompt_tokens - 1))
-        return ScheduledRequest(req.request_id, tokens + spec, start, self.kv.block_ids(req.request_id),
-                                sample=start + n == req.num_tokens, spec_token_ids=list(spec),
+        sent = self._sent[req.request_id]
+        token_start, block_start = sent
+        sent[0], sent[1] = req.num_tokens, self.kv.num_blocks_of(req.request_id)
+        return ScheduledRequest(req.request_id, start, n, start + n == req.num_tokens,
+                                req.token_ids_from(token_start), token_start,
+                                self.kv.block_ids(req.request_id, block_start), block_start, list(spec),
                                 prompt_logprob_range=lp_range,
                                 lora_slot=self.lora.slot_of(req.lora) if req.lora is not None else -1)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it at the front of the queue to recompute later."""
         self.kv.free(req.request_id)
+        self._sent[req.request_id][1] = 0  # its row's table starts over when it resumes
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -253,6 +260,8 @@ class Scheduler:
             self._accept(req, tokens, result.logprobs[i])
             if not req.status.finished and s.spec_token_ids:
                 self.kv.trim(req.request_id, req.num_tokens)  # blocks only rejected drafts reached
+                sent = self._sent[req.request_id]  # the runner's table is cut there: its next blocks may differ
+                sent[1] = min(sent[1], self.kv.num_blocks_of(req.request_id))
             changed.append(req)
         return changed
 
@@ -288,7 +297,6 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(request_id)
-        if request_id in self._seen:
-            self._seen.discard(request_id)
+        if self._sent.pop(request_id, None) is not None:
             self._finished.append(request_id)
         return req

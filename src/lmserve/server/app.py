@@ -256,7 +256,7 @@ def _misc_routes(app: FastAPI) -> None:
     async def tokenize(request: Request) -> dict:
         """Ids as generation would see them: `prompt` as a completions prompt, `messages` as a chat."""
         st, req = await read_request(request, TokenizeRequest)
-        tok = st.engine.tokenizer
+        tok = st.front.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         try:
@@ -269,16 +269,16 @@ def _misc_routes(app: FastAPI) -> None:
                 ids = await asyncio.to_thread(tok.encode_prompt, req.prompt, req.add_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": st.front.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         st, req = await read_request(request, DetokenizeRequest)
-        vocab = st.engine.model_config.vocab_size
+        vocab = st.front.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of vocabulary (valid ids are 0..{vocab - 1})", param="tokens")
-        return {"prompt": await asyncio.to_thread(st.engine.tokenizer.decode, req.tokens)}
+        return {"prompt": await asyncio.to_thread(st.front.tokenizer.decode, req.tokens)}
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -46,7 +46,7 @@ async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Look
     if "no-cache" in request.headers.get("cache-control", "").lower() or not cacheable(body):
         return Lookup(None, "bypass"), None
     digest = _lora_digest(st, body.get("model"))
-    answerer = None if digest is None else await cache.answerer(st.model_name, st.engine, digest)
+    answerer = None if digest is None else await cache.answerer(st.model_name, st.front, digest)
     if answerer is None:  # an adapter not loaded (now: the route answers 404), or weights that cannot be read
         return Lookup(None, "bypass"), None
     key = cache_key(answerer, key_name_of(request), request.url.path, body)
@@ -77,7 +77,7 @@ def _lora_digest(st: ModelState, name: str | None) -> str | None:
     """The content digest of the adapter `name` picks ("" for the model itself or a route; None: none loaded)."""
     if name is None or name == st.model_name or name in st.splits:
         return ""
-    loras = st.engine.loras
+    loras = st.front.loras
     reg = loras.lookup(name) if loras is not None else None
     return None if reg is None else reg.digest
 

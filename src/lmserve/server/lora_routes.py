@@ -32,7 +32,7 @@ async def load_lora_adapter(request: Request) -> dict:
     req = parse_body(await request.body(), LoadLoraAdapterRequest)
     if req.lora_name in st.model_names():
         raise APIError(400, f"lora_name {excerpt(req.lora_name)} is a served model's name", param="lora_name")
-    loras = st.engine.loras
+    loras = st.front.loras
     st.adapter_owners.check_load(st.tenants, key, req.lora_name, loras)
     path, root = confined_path(req.lora_path, st.config.lora_dirs)
     try:
@@ -52,8 +52,9 @@ async def unload_lora_adapter(request: Request) -> dict:
     """Forget an adapter: new requests naming it get 404; requests already using it finish with it."""
     st, key = _updating(request), key_name_of(request)
     req = parse_body(await request.body(), UnloadLoraAdapterRequest)
-    reg = st.adapter_owners.check_unload(st.tenants, key, req.lora_name, st.engine.loras)
-    st.engine.loras.unregister(reg.name)
+    loras = st.front.loras
+    reg = st.adapter_owners.check_unload(st.tenants, key, req.lora_name, loras)
+    loras.unregister(reg.name)
     st.adapter_owners.unloaded(reg)
     return {"object": "model", "id": req.lora_name, "deleted": True}
 

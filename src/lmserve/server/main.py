@@ -318,8 +318,8 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         engines = st.models.engines()
         if st.in_flight and engines:
-            running = sum(len(e.engine.scheduler.running) for e in engines)
-            waiting = sum(len(e.engine.scheduler.waiting) for e in engines)
+            loads = [e.front.load() for e in engines]
+            running, waiting = sum(x.num_running for x in loads), sum(x.num_waiting for x in loads)
             log.warning("drain: aborting %d request(s) still in flight (running %d, waiting %d)", st.in_flight,
                         running, waiting)
             st.metrics.aborts.labels("shutdown").inc(st.in_flight)
@@ -385,9 +385,9 @@ def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Cal
     async_engine.fault_listeners.append(state.metrics.on_fault)
     if on_dead is not None:
         async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
-    state.metrics.bind_engine(engine, warmup_seconds, name)
+    state.metrics.bind_engine(engine.front, warmup_seconds, name)
     if state.response_cache is not None:  # the weights as loaded, before a swap on disk could change them
-        state.response_cache.bind_engine(engine)
+        state.response_cache.bind_engine(engine.front)
     async_engine.start()
     if name is None:
         state.async_engine = async_engine

@@ -53,7 +53,7 @@ class ServerMetrics:
             self.rejected.labels(reason)
         for status in STATUS_CLASSES:
             self.requests.labels(status)
-        self._engines: dict = {}  # served name -> LLMEngine of each loaded model
+        self._engines: dict = {}  # served name -> the EngineFront of each loaded model
         self._max_batch = 0
         h = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=r)  # noqa: E731
         self.ttft = h("lmserve:time_to_first_token_seconds", "Time to first token", FIRST_TOKEN_BUCKETS)
@@ -149,24 +149,24 @@ class ServerMetrics:
                                     "(or could not be asked: a backend fault)", registry=r)
         Gauge("lmserve:response_cache_entries", "Entries in the response cache", registry=r).set_function(entries)
 
-    def bind_engine(self, engine, warmup_seconds: float, name: str | None = None) -> None:
-        """Read live engine state at scrape time, and observe every step (on the engine thread: cheap).
+    def bind_engine(self, front, warmup_seconds: float, name: str | None = None) -> None:
+        """Read the engine's load at scrape time through its front end (engine/front.EngineFront).
 
         `name`: the served model it belongs to (default: the server's one model name)."""
         name = name or self.model_name
-        self._engines[name] = engine
-        loaded = engine.loaded
-        self.model_info.labels(name, loaded.path.name, str(engine.dtype).removeprefix("torch."),
+        self._engines[name] = front
+        loaded = front.loaded
+        self.model_info.labels(name, loaded.path.name, str(front.dtype).removeprefix("torch."),
                                loaded.quantization, loaded.weight_format).set(1)
         self.load_seconds.set(loaded.load_seconds)
         self.warmup_seconds.set(warmup_seconds)
         self.model_loads.labels(name).inc()
         self.model_loaded.labels(name).set(1)
         self.model_load_time.labels(name).observe(loaded.load_seconds + warmup_seconds)
-        if engine.spec_stats is not None and not hasattr(self, "spec_drafts"):  # shared by every model with drafts
-            self._bind_spec(engine.spec_stats.num_speculative_tokens)
-        if engine.loras is not None and not hasattr(self, "_lora_info"):  # one model's adapters (the first with any)
-            self._bind_lora(engine.loras, engine.cfg.lora.max_loras)
+        if front.num_speculative_tokens is not None and not hasattr(self, "spec_drafts"):  # shared by every model
+            self._bind_spec(front.num_speculative_tokens)
+        if front.loras is not None and not hasattr(self, "_lora_info"):  # one model's adapters (the first with any)
+            self._bind_lora(front.loras, front.cfg.lora.max_loras)
 
     def _bind_lora(self, registry, max_loras: int) -> None:
         """LoRA metrics: vLLM's lora_requests_info, reads from disk (count, time), host-cache evictions."""
@@ -256,14 +256,15 @@ class _EngineCollector:
         self.m = metrics
 
     def collect(self):
-        engines = dict(self.m._engines)  # the engine thread of a loading model may add one meanwhile
+        # the engine thread of a loading model may add one meanwhile
+        engines = {model: front.load() for model, front in list(self.m._engines.items())}
         labels = ["model_name"]
         values = {
-            "lmserve:num_requests_running": lambda e: len(e.scheduler.running),
-            "lmserve:num_requests_waiting": lambda e: len(e.scheduler.waiting),
-            "lmserve:kv_cache_free_blocks": lambda e: e.kv.num_free_blocks,
-            "lmserve:kv_cache_total_blocks": lambda e: e.num_blocks,
-            "lmserve:kv_cache_usage_perc": lambda e: e.kv.usage,
+            "lmserve:num_requests_running": lambda e: e.num_running,
+            "lmserve:num_requests_waiting": lambda e: e.num_waiting,
+            "lmserve:kv_cache_free_blocks": lambda e: e.kv_free_blocks,
+            "lmserve:kv_cache_total_blocks": lambda e: e.kv_total_blocks,
+            "lmserve:kv_cache_usage_perc": lambda e: e.kv_usage,
         }
         for name, value in values.items():
             g = GaugeMetricFamily(name, name.split(":")[1].replace("_", " "), labels=labels)
@@ -271,9 +272,9 @@ class _EngineCollector:
                 g.add_metric([model], float(value(eng)))
             yield g
         counters = {
-            "lmserve:num_preemptions": ("Requests preempted (KV blocks ran out)", lambda e: e.scheduler.num_preemptions),
+            "lmserve:num_preemptions": ("Requests preempted (KV blocks ran out)", lambda e: e.num_preemptions),
             "lmserve:prefix_cache_hit_tokens": ("Prompt tokens whose KV came from the prefix cache",
-                                                lambda e: e.kv.prefix_hits),
+                                                lambda e: e.prefix_hit_tokens),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=labels)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from lmserve.config import engine_config
-from lmserve.engine.preflight import check_engine_config
+from lmserve.preflight import check_engine_config
 from lmserve.errors import ConfigError
 from lmserve.server.model_pool import ModelSpec
 from lmserve.server.traffic import TrafficSplit, parse_split, valid_name

@@ -113,11 +113,12 @@ def _adapter_cards(st: ServerState, key: str) -> list[dict]:
     """Each loaded model's LoRA adapters that the key's `models` cover, `parent` naming the model."""
     cards = []
     for model in st.models.loaded():
-        loras = model.async_engine.engine.loras
+        front = model.async_engine.front
+        loras = front.loras
         if loras is None:
             continue
         cards += [{"id": reg.name, "object": "model", "created": st.created, "owned_by": "lmserve",
-                   "max_model_len": model.async_engine.engine.max_model_len, "loaded": True, "parent": model.name,
+                   "max_model_len": front.max_model_len, "loaded": True, "parent": model.name,
                    "root": reg.name} for reg in loras.registrations() if st.tenants.allows(key, reg.name)]
     return cards
 
@@ -132,8 +133,8 @@ def _model_card(st: ServerState, name: str) -> dict:
     if engine is None:
         return {**card, "max_model_len": model.spec.max_model_len, "loaded": False, "parent": None, "root": name}
     # weight_format: how the weights are held (--quantization resolved: gguf | int8 | int4 | none)
-    return {**card, "max_model_len": engine.engine.max_model_len, "loaded": True, "parent": None, "root": name,
-            "weight_format": engine.engine.loaded.weight_format}
+    return {**card, "max_model_len": engine.front.max_model_len, "loaded": True, "parent": None, "root": name,
+            "weight_format": engine.front.loaded.weight_format}
 
 
 @router.post("/v1/completions")
@@ -202,7 +203,7 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     """Apply the chat template (tools included), compile the grammar, admit and start the request's stream."""
     params = chat_params(req, st.config.token_limits)
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
-    supports = template_supports_tools(st.engine.tokenizer.chat_template)
+    supports = template_supports_tools(st.front.tokenizer.chat_template)
     messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)
     record = caller.record
     ids = await st.tokenize_chat(messages, record, template_kwargs)
@@ -288,7 +289,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 
 async def _echo(st: ModelState, prompt: str | list[int]) -> str:
     """The prompt as text: a string as sent, token ids decoded (off the event loop)."""
-    return prompt if isinstance(prompt, str) else await asyncio.to_thread(st.engine.tokenizer.decode, prompt)
+    return prompt if isinstance(prompt, str) else await asyncio.to_thread(st.front.tokenizer.decode, prompt)
 
 
 def _without_output(d: CompletionDelta) -> CompletionDelta:
@@ -415,4 +416,4 @@ def _completion_choice(st: ModelState, index: int, c: Choice, prompt: Prompt | N
 
 
 def _piece(st: ModelState) -> Callable[[int], str]:
-    return st.engine.tokenizer.id_to_piece
+    return st.front.tokenizer.id_to_piece

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
-from lmserve.engine.llm_engine import LLMEngine, RequestRejected
+from lmserve.engine.front import EngineFront, RequestRejected
 from lmserve.ops.record import RequestRecord
 from lmserve.lora.peft_adapter import AdapterError
 from lmserve.request import CompletionDelta, LoraRequest
@@ -21,13 +21,22 @@ from lmserve.server.model_pool import ServedModel
 
 if TYPE_CHECKING:
     from lmserve.engine.async_engine import AsyncEngine
-    from lmserve.server.state import ServerState
+
+
+class SharedState(Protocol):
+    """What a ModelState uses of the server-wide state (server/state.ServerState), typed here so that this module
+    does not import state.py, which imports it."""
+
+    in_flight: int
+    splits: dict
+
+    def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None: ...
 
 
 class ModelState:
     """Shared state (read through, e.g. `st.metrics`, `st.tenants`) bound to one loaded model."""
 
-    def __init__(self, shared: "ServerState", model: ServedModel) -> None:
+    def __init__(self, shared: SharedState, model: ServedModel) -> None:
         self.shared, self.model = shared, model
         # Captured once: a request keeps its engine to the end (its lease keeps the model from unloading).
         self.async_engine: "AsyncEngine" = model.async_engine
@@ -36,8 +45,9 @@ class ModelState:
         return getattr(self.shared, name)
 
     @property
-    def engine(self) -> LLMEngine:
-        return self.async_engine.engine
+    def front(self) -> EngineFront:
+        """The model's front end: tokenizer, limits, checks, grammars, adapters (never the engine's internals)."""
+        return self.async_engine.front
 
     @property
     def model_name(self) -> str:
@@ -48,7 +58,7 @@ class ModelState:
         """The adapter a request's model name picks on this model (read from disk off the event loop unless
         cached); None for the model itself or a route; any other name is a 404, as is an adapter the record's
         key may not use (TGI's adapter_id arrives here unchecked)."""
-        loras = self.engine.loras
+        loras = self.front.loras
         if name is None or name == self.model.name or name in self.shared.splits:
             return None
         self.tenants.check_model(record.key_name or ANONYMOUS, name)
@@ -77,7 +87,7 @@ class ModelState:
         max_tokens = [self._check(ids, params) for ids in prompts]
         record.prompt_tokens = sum(len(ids) for ids in prompts)
         self.shared.check_rules(record, [len(ids) for ids in prompts])
-        limit = self.engine.cfg.scheduler.max_num_seqs + self.config.max_queued_requests
+        limit = self.front.max_num_seqs + self.config.max_queued_requests
         if self.model.in_flight + len(prompts) > limit:
             raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
                            headers={"Retry-After": "1"}, reason="queue_full")
@@ -87,9 +97,9 @@ class ModelState:
         return max_tokens
 
     def _check(self, ids: list[int], params: SamplingParams) -> int:
-        """engine.check_request as an HTTP 400; returns the prompt's resolved max_tokens."""
+        """front.check_request as an HTTP 400; returns the prompt's resolved max_tokens."""
         try:
-            return self.engine.check_request(ids, params)
+            return self.front.check_request(ids, params)
         except RequestRejected as e:
             reason = "context_length" if e.param == "prompt" else "invalid_request"
             raise APIError(400, str(e), param=e.param, reason=reason) from None
@@ -104,7 +114,7 @@ class ModelState:
             return None
         self.metrics.structured_requests.labels(so.kind).inc()
         try:
-            compiled = await asyncio.to_thread(self.engine.compile_grammar, params)
+            compiled = await asyncio.to_thread(self.front.compile_grammar, params)
         except RequestRejected as e:
             raise APIError(400, str(e), param="structured_outputs", reason="invalid_request") from None
         self.metrics.grammar_compile.labels("hit" if compiled.cached else "miss").observe(compiled.seconds)
@@ -170,7 +180,7 @@ class ModelState:
         """Tokenize a raw prompt (special tokens parsed) or check ids, off the event loop (long prompts stall it)."""
         start = time.monotonic()
         try:
-            return await asyncio.to_thread(self.engine.tokenize_prompt, prompt)
+            return await asyncio.to_thread(self.front.tokenize_prompt, prompt)
         except RequestRejected as e:
             raise APIError(400, str(e), param="prompt") from None
         finally:
@@ -181,7 +191,7 @@ class ModelState:
         """Render the chat template (with extra variables such as `tools`) and tokenize, off the event loop."""
         start = time.monotonic()
         try:
-            return await asyncio.to_thread(self.engine.tokenizer.encode_chat, messages, True, **(template_kwargs or {}))
+            return await asyncio.to_thread(self.front.tokenizer.encode_chat, messages, True, **(template_kwargs or {}))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         finally:

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from lmserve.engine.async_engine import AsyncEngine
-from lmserve.engine.llm_engine import LLMEngine
+from lmserve.engine.front import EngineFront
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
 from lmserve.server.adapter_owners import AdapterOwners
@@ -93,8 +93,9 @@ class ServerState:
         self.started = self.started or engine is not None
 
     @property
-    def engine(self) -> LLMEngine:
-        return self.async_engine.engine
+    def front(self) -> EngineFront:
+        """The default model's front end (its tokenizer, limits, checks)."""
+        return self.async_engine.front
 
     @property
     def dead(self) -> bool:
@@ -122,7 +123,7 @@ class ServerState:
         """The default model's batch size limit (from its config when it is not loaded now)."""
         model = self.models.default
         if model.async_engine is not None:
-            return model.async_engine.engine.cfg.scheduler.max_num_seqs
+            return model.async_engine.front.max_num_seqs
         return model.spec.config.scheduler.max_num_seqs
 
     def resolve_model(self, name: str | None, user: str | None = None) -> ServedModel:
@@ -146,7 +147,8 @@ class ServerState:
         for model in self.models.models.values():
             engine = model.async_engine
             if engine is not None:
-                if engine.engine.loras is not None and engine.engine.loras.lookup(name) is not None:
+                loras = engine.front.loras
+                if loras is not None and loras.lookup(name) is not None:
                     return model
                 continue
             lora = model.spec.config.lora if model.spec.config is not None else None

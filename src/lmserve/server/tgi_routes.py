@@ -36,10 +36,10 @@ async def info(request: Request) -> dict:
             "router": "lmserve", "version": lmserve.__version__}
     if st.async_engine is None:  # still loading: what the engine decides is not known yet
         return body
-    eng = st.engine
-    return {**body, "model_dtype": str(eng.dtype).removeprefix("torch."), "model_device_type": eng.device.type,
-            "max_input_tokens": eng.max_model_len - 1, "max_total_tokens": eng.max_model_len,
-            "max_concurrent_requests": eng.cfg.scheduler.max_num_seqs + st.config.max_queued_requests}
+    front = st.front
+    return {**body, "model_dtype": str(front.dtype).removeprefix("torch."), "model_device_type": front.device.type,
+            "max_input_tokens": front.max_model_len - 1, "max_total_tokens": front.max_model_len,
+            "max_concurrent_requests": front.max_num_seqs + st.config.max_queued_requests}
 
 
 @router.post("/generate")
@@ -87,14 +87,14 @@ def _stop_text(d: CompletionDelta) -> str:
 
 
 def _token(st: ModelState, token_id: int, lp: TokenLogprobs | None, text: str | None = None) -> dict:
-    tok = st.engine.tokenizer
+    tok = st.front.tokenizer
     return {"id": token_id, "text": tok.id_to_piece(token_id) if text is None else text,
             "logprob": lp.logprob if lp is not None else None, "special": tok.is_special(token_id)}
 
 
 def _prefill(st: ModelState, ids: list[int], lps: list[TokenLogprobs | None] | None) -> list[dict]:
     """details.prefill: each prompt token with its logprob (null for the first, or all if the engine sent none)."""
-    piece = st.engine.tokenizer.id_to_piece
+    piece = st.front.tokenizer.id_to_piece
     lps = lps if lps is not None else [None] * len(ids)
     return [{"id": t, "text": piece(t), "logprob": lp.logprob if lp is not None else None} for t, lp in zip(ids, lps)]
 

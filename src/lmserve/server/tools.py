@@ -41,7 +41,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from lmserve.engine.chat_template import message_text
+from lmserve.tokenizer.chat_template import message_text
 from lmserve.server.protocol import TOOL_NAME_PATTERN
 from lmserve.structured.tool_tag import ARGUMENTS_PREFIX, CALL_CLOSE, CALL_END, CALL_OPEN, NAME_PREFIX
 

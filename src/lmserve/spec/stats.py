@@ -25,7 +25,3 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

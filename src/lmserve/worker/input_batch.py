@@ -1,12 +1,18 @@
-"""The persistent batch: one row of sampling state per live request, kept across steps.
+"""The persistent batch: one row per live request, kept across steps: its token ids, its KV block table and
+its sampling state.
 
-A row is made when the scheduler first sends a request (`NewRequestData`) and dropped when it reports
-the request finished; a preempted request keeps its row (its counts and RNG stay valid while it
-waits). Per-row parameters live in numpy columns; the output-token counts that penalties need live in
-one [rows, V] device tensor that only grows by the tokens each step accepts (never rebuilt from a
-request's history). Each step gathers the columns of the rows it samples, expanded to one entry per
-logits row (a verify step has 1 + k), into a SamplingMetadata of numpy arrays that travels to the
-device with the step's other inputs.
+A row is made when the scheduler first sends a request (`NewRequestData`, whole) and dropped when it reports
+the request finished; a preempted request keeps its row (its tokens, counts and RNG stay valid while it
+waits; its block table is sent again from 0 when it resumes). Every step `apply` writes what each scheduled
+request's row lacks (its new token ids, its new block ids: worker/block_table.py) and its drafts after its
+known tokens; the step's flat inputs are then gathered from the rows (worker/inputs.py).
+
+Per-row sampling parameters live in numpy columns; the output-token counts that penalties need live in one
+[rows, V] device tensor that only grows by the tokens each step accepts (never rebuilt from a request's
+history). `metadata` is the one builder of SamplingMetadata: it gathers the columns of the rows a step
+samples, expanded to one entry per logits row (a verify step has 1 + k), as numpy arrays that travel to the
+device with the step's other inputs. A tensor-parallel worker rank keeps the rows without sampling state
+(`samples=False`): rank 0 samples for everyone.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import torch
 
 from lmserve.sample.metadata import SamplingMetadata
 from lmserve.sampling_params import SamplingParams
-from lmserve.sched.output import NewRequestData
+from lmserve.sched.output import NewRequestData, ScheduledRequest
+from lmserve.worker.block_table import RowTable
 
 _FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
 _INT_COLUMNS = ("top_k", "logprobs", "min_tokens", "num_output")
@@ -42,11 +49,13 @@ class CountsGather:
 
 
 class InputBatch:
-    """Sampling rows of the live requests, indexed by request id."""
+    """Rows of the live requests (tokens, block table, sampling state), indexed by request id."""
 
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64) -> None:
-        self.vocab, self.device = vocab_size, torch.device(device)
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64, samples: bool = True) -> None:
+        self.vocab, self.device, self.samples = vocab_size, torch.device(device), samples
         self.index: dict[str, int] = {}
+        self.tokens = RowTable(0)  # [rows, >= tokens] prompt + output ids (+ this step's drafts past them)
+        self.blocks = RowTable(0)  # [rows, >= blocks] the KV block table
         self._free: list[int] = []
         self.capacity = 0
         self.cols: dict[str, np.ndarray] = {}
@@ -54,7 +63,6 @@ class InputBatch:
         self.params: list[SamplingParams | None] = []
         self.stop_ids: list[frozenset[int]] = []
         self.generators: list[torch.Generator | None] = []
-        self.prompts: list[list[int]] = []
         self.counts: torch.Tensor | None = None  # [capacity, V] float32, rows that use penalties only
         self.prompt_seen: torch.Tensor | None = None  # [capacity, V] bool, rows with a repetition penalty
         self._pending: list[tuple[int, int]] = []
@@ -80,18 +88,31 @@ class InputBatch:
         c["logprobs"][row] = -1 if p.logprobs is None else p.logprobs
         c["min_tokens"][row], c["num_output"][row] = p.min_tokens, len(new.output_token_ids)
         self.params[row], self.stop_ids[row] = p, new.stop_token_ids
-        self.generators[row] = _generator(new.seed, self.device)
-        self.prompts[row] = new.prompt_token_ids
-        self._init_counts(row, p, new)
+        self.tokens.write(row, 0, new.prompt_token_ids + new.output_token_ids)
+        self.blocks.clear(row)
+        if self.samples:
+            self.generators[row] = _generator(new.seed, self.device)
+            self._init_counts(row, p, new)
 
     def remove(self, request_id: str) -> None:
         """Drop a finished request's row (unknown ids are ignored: it may never have been scheduled)."""
         row = self.index.pop(request_id, None)
         if row is None:
             return
-        self.params[row], self.generators[row], self.prompts[row] = None, None, []
+        self.params[row], self.generators[row] = None, None
         self._pending = [(r, t) for r, t in self._pending if r != row]
         self._free.append(row)
+
+    def apply(self, scheduled: list[ScheduledRequest]) -> None:
+        """Write what each scheduled request's row lacks: new token ids, new block ids, this step's drafts."""
+        for s in scheduled:
+            row = self.index[s.request_id]
+            if s.new_token_ids:
+                self.tokens.write(row, s.token_start, s.new_token_ids)
+            if s.new_block_ids or s.block_start < self.blocks.lens[row]:
+                self.blocks.write(row, s.block_start, s.new_block_ids)
+            if s.spec_token_ids:  # read as input ids at their positions; cut by the next step's new tokens
+                self.tokens.write(row, s.start_pos + s.num_known, s.spec_token_ids)
 
     def accept(self, request_id: str, tokens: list[int]) -> None:
         """Record tokens the step sampled for a row (min_tokens progress and penalty counts)."""
@@ -122,8 +143,9 @@ class InputBatch:
         for name in _INT_COLUMNS:
             self.cols[name] = np.resize(self.cols.get(name, np.zeros(0, np.int64)), capacity).astype(np.int64)
         self.greedy = np.resize(self.greedy, capacity)
-        for lst, fill in ((self.params, None), (self.stop_ids, frozenset()), (self.generators, None),
-                          (self.prompts, [])):
+        self.tokens.grow_rows(capacity)
+        self.blocks.grow_rows(capacity)
+        for lst, fill in ((self.params, None), (self.stop_ids, frozenset()), (self.generators, None)):
             lst.extend([fill] * (capacity - old))
         for name in ("counts", "prompt_seen"):
             t = getattr(self, name)
@@ -163,7 +185,7 @@ class InputBatch:
             **self._bias(idx), ban_index=self._min_tokens_ban(idx, c, step),
             generators=[(i, self.generators[r]) for i, r in enumerate(idx.tolist())
                         if self.generators[r] is not None and not self.greedy[r]],
-            processors=[], max_num_logprobs=int(c["logprobs"].max()) if (c["logprobs"] >= 0).any() else None,
+            max_num_logprobs=int(c["logprobs"].max()) if (c["logprobs"] >= 0).any() else None,
             draft_ids=_draft_ids(drafts, m) if any(drafts) else None)
         uses = any(_uses_penalty(self.params[r]) for r in rows.tolist())
         return meta, (_counts_gather(idx, drafts, m) if uses else None)

@@ -1,6 +1,8 @@
 """Pack a step's scheduled requests into flat arrays (pure functions, numpy-vectorised, no per-token Python).
 
-The result holds numpy arrays; `worker/upload.to_device` moves them all to the device in one copy.
+Token ids and block tables are gathered from the persistent rows (worker/input_batch.py, after `apply`
+wrote this step's diffs and drafts into them). The result holds numpy arrays; `worker/upload.to_device`
+moves them all to the device in one copy.
 
 Row order: the decode group first (requests whose known part is one token: a plain decode, or a verify
 step of 1 + k tokens), then prefill chunks. Every token of the decode group is attended as its own
@@ -17,6 +19,7 @@ import numpy as np
 
 from lmserve.layers.paged_attention import PagedAttentionMetadata, PrefillChunk
 from lmserve.sched.output import ScheduledRequest
+from lmserve.worker.block_table import RowTable
 
 
 @dataclass
@@ -48,18 +51,25 @@ def order_batch(reqs: list[ScheduledRequest]) -> list[int]:
     return dec + [i for i, r in enumerate(reqs) if r.num_known != 1]
 
 
-def build_inputs(scheduled: list[ScheduledRequest], block_size: int) -> tuple[StepInputs, StepLayout]:
-    """Flat token ids, positions, slot mapping, block tables and logits rows for the scheduled requests."""
+def build_inputs(scheduled: list[ScheduledRequest], index: dict[str, int], tokens: RowTable, blocks: RowTable,
+                 block_size: int) -> tuple[StepInputs, StepLayout]:
+    """Flat token ids, positions, slot mapping, block tables and logits rows for the scheduled requests.
+
+    `index` maps a request id to its row in `tokens` (its ids, drafts after the known ones) and `blocks`.
+    """
     order = order_batch(scheduled)
     reqs = [scheduled[i] for i in order]
+    rows = np.fromiter((index[r.request_id] for r in reqs), dtype=np.int64, count=len(reqs))
     lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
     starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=len(reqs))
     ends = np.cumsum(lens)
     req_idx = np.repeat(np.arange(len(reqs)), lens)  # [T] which request each token belongs to
     positions = starts[req_idx] + np.arange(int(ends[-1])) - (ends - lens)[req_idx]
-    tables = _block_table(reqs)
+    num_blocks = blocks.lens[rows]
+    tables = blocks.array[rows, :int(num_blocks.max())]  # [B, max_blocks] a copy (fancy indexing)
+    tables[np.arange(tables.shape[1])[None, :] >= num_blocks[:, None]] = 0  # padded with block 0: never read unmasked
     slots = tables[req_idx, positions // block_size] * block_size + positions % block_size
-    input_ids = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in reqs])
+    input_ids = tokens.array[rows[req_idx], positions]  # [T] known tokens, then each request's drafts
     num_dec_reqs = sum(1 for r in reqs if r.num_known == 1)
     num_dec = int(ends[num_dec_reqs - 1]) if num_dec_reqs else 0
     attn = _attention_metadata(reqs[num_dec_reqs:], lens[num_dec_reqs:], starts[num_dec_reqs:], tables,
@@ -97,15 +107,6 @@ def _prompt_lp_rows(reqs: list[ScheduledRequest], ends: np.ndarray, starts: np.n
         who.append((order[j], b - a))
     idx = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     return idx.astype(np.int64), who
-
-
-def _block_table(reqs: list[ScheduledRequest]) -> np.ndarray:
-    """[B, max_blocks] int64, rows padded with block 0 (never read unmasked, never written)."""
-    width = max(len(r.block_ids) for r in reqs)
-    table = np.zeros((len(reqs), width), dtype=np.int64)
-    for i, r in enumerate(reqs):
-        table[i, :len(r.block_ids)] = r.block_ids
-    return table
 
 
 def _attention_metadata(prefill_reqs: list[ScheduledRequest], lens: np.ndarray, starts: np.ndarray,

@@ -1,5 +1,5 @@
-"""ModelRunner: owns the KV cache tensors and the persistent batch; one `execute` = update rows, upload
-inputs once, one forward, sample (and verify drafts), one download."""
+"""ModelRunner: owns the KV cache tensors and the persistent batch; one `execute` = apply the step's diffs to the
+rows, upload inputs once, one forward, sample (and verify drafts), one download."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from lmserve.sample import Sampler, SamplerOutput
 from lmserve.sched.output import SchedulerOutput
 from lmserve.worker.cuda_graphs import DecodeGraphs, ScratchSlot, sampling_rows_only
 from lmserve.worker.input_batch import InputBatch
-from lmserve.worker.inputs import StepLayout, build_inputs
+from lmserve.worker.inputs import StepInputs, StepLayout, build_inputs
 from lmserve.worker.kv_memory import kv_zeros
 from lmserve.worker.upload import PinnedStaging, to_device
 
@@ -55,8 +55,10 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None,
-                 kv_dtype: torch.dtype | None = None, attention_backend: str = "reference") -> None:
-        """`attention_backend`: a resolved name (layers/attention_backends.py: triton | reference)."""
+                 kv_dtype: torch.dtype | None = None, attention_backend: str = "reference",
+                 samples: bool = True) -> None:
+        """`attention_backend`: a resolved name (layers/attention_backends.py: triton | reference).
+        `samples=False`: a tensor-parallel worker rank (forward_only), whose rows keep no sampling state."""
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.attention = attention_factory(attention_backend)  # one AttentionContext per forward
         self.lora = lora  # None: LoRA off
@@ -67,7 +69,7 @@ class ModelRunner:
         self.scratch = ScratchSlot(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
-        self.batch = InputBatch(cfg.vocab_size, device)
+        self.batch = InputBatch(cfg.vocab_size, device, samples=samples)
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
         native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
@@ -82,11 +84,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One forward over the whole batch; only rows that sample or score prompt tokens reach the LM head."""
-        for rid in out.finished_ids:
-            self.batch.remove(rid)
-        for new in out.new_requests:
-            self.batch.add(new)
-        host, layout = build_inputs(out.requests, self.block_size)
+        host, layout = self._inputs(out)
         sample_ids = [out.requests[i].request_id for i in layout.sample_reqs]
         drafts = [out.requests[i].spec_token_ids for i in layout.sample_reqs]
         meta, gather = self.batch.metadata(sample_ids, drafts) if sample_ids else (None, None)
@@ -118,12 +116,21 @@ class ModelRunner:
     def forward_only(self, out: SchedulerOutput) -> None:
         """A tensor-parallel worker rank's step: the same forward (and collectives) as rank 0, no LM head, no sampling.
 
-        Only the flat inputs are needed: they come from the scheduler's plain data alone, so this rank keeps
-        no sampling rows (rank 0 samples for everyone).
+        Its rows hold the same tokens and block tables as rank 0's (the same diffs applied), no sampling state.
         """
-        host, _ = build_inputs(out.requests, self.block_size)
+        host, _ = self._inputs(out)
         inputs = to_device(host, self.device)
         self.model(inputs.input_ids, inputs.positions, self.attention(self.kv_caches, inputs.attn))
+
+    def _inputs(self, out: SchedulerOutput) -> tuple[StepInputs, StepLayout]:
+        """Apply the step's changes to the persistent rows, then gather its flat inputs from them (numpy)."""
+        b = self.batch
+        for rid in out.finished_ids:
+            b.remove(rid)
+        for new in out.new_requests:
+            b.add(new)
+        b.apply(out.requests)
+        return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size)
 
     def _lora_meta(self, out: SchedulerOutput, layout: StepLayout):
         """The step's rows grouped by adapter slot, in the flat order build_inputs laid the tokens out."""
@@ -155,9 +162,8 @@ class ModelRunner:
         targets, ks = [], []
         for i, n in layout.prompt_lp:
             s = out.requests[i]
-            a = s.prompt_logprob_range[0]
-            prompt = self.batch.prompts[self.batch.index[s.request_id]]
-            targets.extend(prompt[a + 1:a + 1 + n])
+            a, row = s.prompt_logprob_range[0], self.batch.index[s.request_id]
+            targets.extend(self.batch.tokens.array[row, a + 1:a + 1 + n].tolist())  # the row starts with the prompt
             ks.append(self.batch.params[self.batch.index[s.request_id]].prompt_logprobs)
         tgt = torch.as_tensor(targets, device=logprobs.device)
         tok_lp = logprobs.gather(1, tgt[:, None])  # [P, 1]

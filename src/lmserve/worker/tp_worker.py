@@ -2,7 +2,8 @@
 
 The worker joins the process group, loads only its shard, builds its KV cache (its KV heads only) once
 rank 0 sends the pool size, says "ready", then runs one forward per SchedulerOutput it receives over its
-pipe: the same forward as rank 0, whose all-reduces pair with rank 0's. It never samples.
+pipe: the same forward as rank 0, whose all-reduces pair with rank 0's. It keeps the same persistent rows
+as rank 0 (token ids and block tables, updated by the same diffs) and never samples.
 
 It dies with its parent: the pipe's EOF (the parent closed it or died) ends the loop, and a watcher
 thread exits the process once its parent process is gone even while a collective blocks. It ignores
@@ -75,7 +76,7 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype).name  # as rank 0 resolved it
     runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype,
-                         attention_backend=backend)
+                         attention_backend=backend, samples=False)
     conn.send("ready")
     _serve(runner, conn)
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import AddedToken
 
-from lmserve.engine import chat_template as ct
+from lmserve.tokenizer import chat_template as ct
 from lmserve.errors import CheckpointError
-from lmserve.engine.gguf_vocab import build_from_gguf, gguf_metadata
+from lmserve.tokenizer.gguf_vocab import build_from_gguf, gguf_metadata
 
 if TYPE_CHECKING:
     import gguf
@@ -186,6 +186,14 @@ class Tokenizer:
         if framing != Counter(self._special_re.findall(bare)):
             raise ValueError("a message contains special-token text, and this chat template rewrites message text "
                              "in a way that would turn it into control tokens; remove the special-token strings")
+
+
+def load_tokenizer(loaded: Any) -> Tokenizer:
+    """A loaded model's own tokenizer (a loader.LoadedModel): a GGUF's vocabulary from the metadata already parsed,
+    else the directory's tokenizer.json."""
+    if loaded.format == "gguf":
+        return Tokenizer.from_gguf(loaded.path, loaded.gguf.metadata if loaded.gguf else None)
+    return Tokenizer.from_pretrained(loaded.path)
 
 
 def _copy(hf: HFTokenizer, plain: bool = False, spec: str | None = None) -> HFTokenizer:

@@ -17,7 +17,7 @@ import torch
 
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
 from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
-from lmserve.engine.tokenizer import check_tokenizer_file
+from lmserve.tokenizer.tokenizer import check_tokenizer_file
 from lmserve.errors import ConfigError
 from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.layers.quantized import check_scheme
@@ -25,8 +25,8 @@ from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
-from lmserve.utils import (KV_QUANT_DTYPES, available_memory, keeps_gguf, resolve_device, resolve_dtype,
-                           resolve_kv_dtype)
+from lmserve.cpu_dtype import resolve_dtype
+from lmserve.utils import KV_QUANT_DTYPES, available_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.model_runner import kv_bytes_per_block
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,187 @@
+"""Building one model replica: the model (this rank's shard), its tokenizer, the KV pool's size, LoRA slots, the
+runner and the executor (with tensor parallelism, the worker ranks first, so they load while rank 0 does).
+
+`build_engine(cfg)` returns the parts as one `EngineParts` (the draft proposer of speculative decoding among
+them); LLMEngine runs steps over them and EngineFront checks requests against them. Nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from lmserve.cache.kv_cache_manager import KVCacheManager
+from lmserve.cache.sizing import blocks_for, gpu_kv_budget, num_kv_blocks
+from lmserve.config import EngineConfig
+from lmserve.cpu_dtype import auto_dtype_why, resolve_dtype
+from lmserve.engine.speculate import Proposer, make_proposer
+from lmserve.errors import ConfigError
+from lmserve.layers.attention_backends import resolve_attention_backend
+from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
+from lmserve.loader.sharding import TPShard
+from lmserve.lora.registry import LoraRegistry
+from lmserve.lora.slots import LoraSlots
+from lmserve.preflight import check_kv_pool, check_tensor_parallel
+from lmserve.tokenizer import Tokenizer, load_tokenizer
+from lmserve.utils import available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_kv_dtype
+from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
+from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block, profile_forward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What one replica is made of, built once."""
+
+    cfg: EngineConfig
+    device: torch.device
+    dtype: torch.dtype  # the model's parameters
+    kv_dtype: torch.dtype
+    loaded: LoadedModel  # this rank's model (tensor parallelism: its shard)
+    tokenizer: Tokenizer
+    max_model_len: int  # --max-model-len within the model's context
+    eos_token_ids: frozenset[int]  # the tokenizer's and the model config's
+    block_size: int
+    num_blocks: int
+    block_bytes: int  # K and V of one block in every layer, on this rank
+    kv: KVCacheManager
+    lora_slots: LoraSlots | None  # None: LoRA off
+    loras: LoraRegistry | None
+    runner: ModelRunner
+    executor: UniProcExecutor | MultiprocExecutor
+    proposer: Proposer | None = None  # the draft source (None: speculative decoding off)
+
+
+def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
+                 tokenizer: Tokenizer | None = None) -> EngineParts:
+    """Load the model named by cfg, or reuse `loaded` (and `tokenizer`) to build engines of other shapes."""
+    tp = cfg.parallel.tensor_parallel_size
+    if cfg.num_threads or tp > 1:
+        torch.set_num_threads(_threads_per_rank(cfg))
+    device = resolve_device(cfg.device)
+    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device)
+    dtype = resolve_dtype(cfg.dtype, device, kept_gguf)
+    if cfg.dtype == "auto":
+        log.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
+                 auto_dtype_why(device, kept_gguf=kept_gguf)[1])
+    ranks = _start_ranks(cfg, dtype, device) if tp > 1 and loaded is None else None
+    try:
+        parts = _build(cfg, device, dtype, loaded, tokenizer, ranks)
+        parts.proposer = make_proposer(cfg, parts.tokenizer, parts.loaded.config.vocab_size, parts.num_blocks,
+                                       parts.block_size, parts.dtype, device)
+    except BaseException:  # the worker ranks must not outlive an engine that failed to start
+        if ranks is not None:
+            ranks.stop()
+        raise
+    if device.type == "cpu":  # after every weight (a draft model's too) is loaded
+        keep_freed_memory()
+    log.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB%s), max_model_len %d", parts.num_blocks,
+             parts.block_size, str(parts.kv_dtype).removeprefix("torch."),
+             parts.num_blocks * parts.block_bytes / 2**30, " per rank" if ranks else "", parts.max_model_len)
+    return parts
+
+
+def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: LoadedModel | None,
+           tokenizer: Tokenizer | None, ranks: RankProcesses | None) -> EngineParts:
+    """(This rank's part of) the model, then the tokenizer, KV pool, LoRA slots, runner and executor."""
+    shard = TPShard(0, cfg.parallel.tensor_parallel_size) if ranks is not None else None
+    loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
+                                  shard=shard)
+    dtype = next(loaded.model.parameters()).dtype
+    kv_dtype = _kv_dtype(cfg, dtype, loaded, device)
+    tokenizer = tokenizer or load_tokenizer(loaded)
+    model_cfg = loaded.config
+    max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    block_size = cfg.cache.block_size
+    block_bytes = kv_bytes_per_block(loaded.model.config, block_size, kv_dtype)  # this rank's KV heads
+    num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len)
+    lora_slots, loras = _lora(cfg, loaded, dtype, device)
+    backend = resolve_attention_backend(cfg.attention_backend, device, dtype)
+    # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
+    say = log.info if device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
+    say("attention backend: %s (%s)", backend.name, backend.why)
+    # the runner sees this rank's model: its KV cache holds only this rank's KV heads
+    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, lora_slots,
+                         kv_dtype=kv_dtype, attention_backend=backend.name)
+    # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
+    if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None:
+        runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(max_model_len, block_size), capture=True)
+    if ranks is None:
+        executor = UniProcExecutor(runner)
+    else:
+        ranks.send_pool(num_blocks, block_size, cfg.parallel.rank_timeout_s * 10)
+        executor = MultiprocExecutor(runner, ranks)
+    eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_cfg.eos_token_ids)
+    kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
+    return EngineParts(cfg, device, dtype, kv_dtype, loaded, tokenizer, max_model_len, eos, block_size, num_blocks,
+                       block_bytes, kv, lora_slots, loras, runner, executor)
+
+
+def _threads_per_rank(cfg: EngineConfig) -> int:
+    """--num-threads, else the cores shared out between the ranks (2 cores, TP=2: one thread each)."""
+    if cfg.num_threads:
+        return cfg.num_threads
+    return max(1, len(os.sched_getaffinity(0)) // cfg.parallel.tensor_parallel_size)
+
+
+def _start_ranks(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> RankProcesses:
+    """Check the model splits, then start ranks 1..N-1 (they load their shards while rank 0 loads its own)."""
+    check_tensor_parallel(cfg.parallel, read_model_config(resolve_model_path(cfg.model, cfg.revision)), device)
+    return RankProcesses(cfg, dtype, device, _threads_per_rank(cfg))
+
+
+def _kv_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: LoadedModel, device: torch.device) -> torch.dtype:
+    try:
+        return resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
+    except ValueError as e:
+        raise ConfigError(f"--kv-cache-dtype: {e}") from None
+
+
+def _lora(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+          ) -> tuple[LoraSlots | None, LoraRegistry | None]:
+    """With cfg.lora: wrap the target linears (device slots) and register the adapters named at start."""
+    c = cfg.lora
+    if c is None:
+        return None, None
+    if cfg.parallel.tensor_parallel_size > 1:
+        raise ConfigError("--enable-lora does not split adapters across tensor-parallel ranks yet; "
+                          "use --tensor-parallel-size 1")
+    slots = LoraSlots(loaded.model, loaded.config, c.max_loras, c.max_lora_rank, dtype, device)
+    registry = LoraRegistry(c, loaded.config)
+    for name, path in c.modules:
+        registry.register(name, path)
+    log.info("LoRA: %d adapter(s) at start, %d device slots of %.1f MiB (rank up to %d), %d kept in host memory",
+             len(c.modules), c.max_loras, slots.bytes_per_slot / 2**20, c.max_lora_rank, c.max_cpu_loras)
+    return slots, registry
+
+
+def _num_blocks(cfg: EngineConfig, device: torch.device, loaded: LoadedModel, block_bytes: int,
+                max_model_len: int) -> int:
+    """The KV pool's size in blocks: as given, or what the memory budget holds."""
+    c = cfg.cache
+    if device.type == "cuda" and not c.sized_explicitly:
+        c = replace(c, kv_cache_memory=_profiled_gpu_budget(cfg, loaded, device))
+    available = available_memory(device)
+    # what one block costs the memory the pool is sized against: on CPU every rank's share of it comes out of the
+    # same host memory; on CUDA each rank has its own GPU
+    sizing_bytes = block_bytes * (cfg.parallel.tensor_parallel_size if device.type == "cpu" else 1)
+    blocks = num_kv_blocks(c, sizing_bytes, available, cfg.scheduler.max_num_seqs, max_model_len)
+    if not cfg.cache.sized_explicitly:  # an explicit size was the user's choice (preflight warned about it)
+        check_kv_pool(c, blocks, sizing_bytes, max_model_len, available, explicit=False)
+    return max(1, blocks)
+
+
+def _profiled_gpu_budget(cfg: EngineConfig, loaded: LoadedModel, device: torch.device) -> int:
+    """KV bytes under --gpu-memory-utilization: run one full step's worth of tokens and see what it peaks at."""
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_forward(loaded.model, cfg.scheduler.max_num_batched_tokens, device)
+    free, total = torch.cuda.mem_get_info(device)
+    other = (total - free) - torch.cuda.memory_reserved(device)  # CUDA context, other processes
+    budget = gpu_kv_budget(total, cfg.cache.gpu_memory_utilization, torch.cuda.max_memory_allocated(device), other)
+    log.info("GPU memory: %.2f GiB total, %.2f GiB peak in this process's steps, %.2f GiB for the KV cache",
+             total / 2**30, torch.cuda.max_memory_allocated(device) / 2**30, budget / 2**30)
+    return max(budget, 2)  # (kv_cache_memory <= 1 would read as a fraction) no block fits: check_kv_pool says so

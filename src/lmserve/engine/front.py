@@ -1,0 +1,140 @@
+"""EngineFront: everything a request needs before it enters the engine, and what the server may know of it.
+
+Tokenizing, the chat template, validation against the context and the KV pool, grammar compilation and
+LoRA adapter lookup all happen here, on the caller's thread (the server's worker threads), never on the
+engine thread; `requests()` then turns a checked prompt into the engine's Request objects (n completions
+each). The server holds the front end, not the engine: it reads the model's limits and the engine's
+load (`load()`) through it and never touches the scheduler or the KV pool. Every method is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from lmserve.engine.build import EngineParts
+from lmserve.engine.stats import EngineLoad
+from lmserve.lora.registry import LoraRegistry
+from lmserve.request import LoraRequest, Request
+from lmserve.sampling_params import SamplingParams, VocabError
+from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
+from lmserve.structured.grammar import Grammar
+from lmserve.tokenizer import Tokenizer
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV pool, bad token ids...)."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault
+
+
+class EngineFront:
+    """The model's tokenizer, limits and adapters, and the checks a request passes before it is queued."""
+
+    def __init__(self, parts: EngineParts, load: Callable[[], EngineLoad]) -> None:
+        self.cfg = parts.cfg
+        self.tokenizer: Tokenizer = parts.tokenizer  # thread-safe: encode_chat, decode, id_to_piece...
+        self.loras: LoraRegistry | None = parts.loras  # None: LoRA off
+        self.loaded = parts.loaded  # path, load time, quantization and weight format (the model card, metrics)
+        self.dtype, self.device = parts.dtype, parts.device
+        self.vocab_size = parts.loaded.config.vocab_size
+        self.max_model_len = parts.max_model_len
+        self.max_num_seqs = parts.cfg.scheduler.max_num_seqs
+        self.eos_token_ids = parts.eos_token_ids
+        self.num_speculative_tokens = parts.cfg.speculative.num_speculative_tokens if parts.proposer else None
+        self.load = load  # () -> EngineLoad: running and waiting requests, KV blocks, now
+        self._pool_tokens = parts.num_blocks * parts.block_size
+        self._blocks_needed = parts.kv.blocks_needed
+        self._num_blocks = parts.num_blocks
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._grammars_lock = threading.Lock()
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Prompt text -> ids (a raw prompt: "<|im_start|>" in it is the control token); ids are checked and kept."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestRejected("prompt must not be empty")
+            return self.tokenizer.encode_prompt(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise RequestRejected("prompt must not be empty")
+        vocab = self.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise RequestRejected(f"prompt token id {t!r} is out of vocabulary (valid ids are 0..{vocab - 1})")
+        return ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Raise RequestRejected when the request could never run; return its resolved max_tokens."""
+        try:
+            params.check_vocab(self.vocab_size)
+        except VocabError as e:
+            raise RequestRejected(str(e), e.param) from None
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise RequestRejected(f"prompt has {n} tokens, the model's context is {limit} tokens")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise RequestRejected(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
+                                  f"model's context of {limit} tokens")
+        if self._blocks_needed(n + max_tokens) > self._num_blocks:
+            raise RequestRejected(f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs more KV cache than the "
+                                  f"whole pool ({self._pool_tokens} tokens)")
+        sched = self.cfg.scheduler
+        if not sched.enable_chunked_prefill and n + max_tokens > sched.max_num_batched_tokens:
+            raise RequestRejected(f"prompt + max_tokens exceeds max_num_batched_tokens "
+                                  f"({sched.max_num_batched_tokens}) with chunked prefill off")
+        return max_tokens
+
+    def compile_grammar(self, params: SamplingParams) -> Compiled | None:
+        """The compiled grammar of params.structured_outputs (None without one); blocking, thread-safe.
+
+        The server calls it on a worker thread at admission; the offline path from add_request.
+        """
+        if params.structured_outputs is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                tok = self.tokenizer
+                vocab = VocabInfo(tok.vocab_tokens(), tok.vocab_type, self.vocab_size, sorted(self.eos_token_ids))
+                self._grammars = GrammarCompiler(vocab, self.cfg.structured)
+        try:
+            return self._grammars.compile(params.structured_outputs)
+        except GrammarError as e:
+            raise RequestRejected(f"structured_outputs.{params.structured_outputs.kind}: {e}") from None
+
+    def requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, max_tokens: int | None = None,
+                 grammar: Compiled | None = None, tenant: str = "", priority: int = 0,
+                 lora: LoraRequest | None = None, cache_salt: bytes = b"") -> list[Request]:
+        """The engine requests of one client request: its `params.n` completions, sharing the prompt.
+
+        `max_tokens` is what check_request returned (None: checked here); `grammar` what compile_grammar
+        returned (None with structured_outputs: compiled here); `lora` is already read (LoraRegistry.get);
+        `cache_salt`: who may share the prompt's prefix-cache blocks (b"": everyone).
+        """
+        if lora is not None and self.loras is None:
+            raise RequestRejected("this engine runs without LoRA (--enable-lora)", "model")
+        ids = self.tokenize_prompt(prompt)
+        if max_tokens is None:  # the offline path (LLM, the CLI); the server checked before admitting
+            max_tokens = self.check_request(ids, params)
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.compile_grammar(params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        salt = _prefix_salt(lora, cache_salt)
+        reqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
+            reqs.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", list(ids), params, max_tokens,
+                                stop_ids, parent_id=request_id, index=i, seed=seed, tenant=tenant, priority=priority,
+                                grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids), lora=lora,
+                                cache_salt=salt))
+        return reqs
+
+
+def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:
+    """The adapter's registration first (blocks never cross adapters), then the caller's salt after a NUL: the
+    adapter part holds no NUL, so no two (adapter, salt) pairs give the same bytes."""
+    adapter = b"" if lora is None else b"lora:%d" % lora.lora_int_id
+    return adapter + b"\0" + salt if salt else adapter
