@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_decode import cpu  # noqa: E402
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
+from lmserve.layers.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
 import torch  # noqa: E402
@@ -49,10 +50,11 @@ class PhaseClock:
     def __init__(self, engine: LLMEngine) -> None:
         self.model = model = engine.loaded.model
         self.seconds = {"decoder layers (native stack)": 0.0, "LM head": 0.0}
-        self.saved = model._decode_stack
-        stack = model._stack()
-        if stack is not None:  # None: the stack does not apply to this model; its layers are not timed apart
-            model._decode_stack = self._timed(stack, "decoder layers (native stack)")
+        # None: the stack does not apply to this model; its layers are not timed apart
+        self.loop = model.layer_loop if isinstance(model.layer_loop, NativeDecodeLoop) else None
+        if self.loop is not None:
+            self.saved = self.loop.stack
+            self.loop.stack = self._timed(self.saved, "decoder layers (native stack)")
         model.compute_logits = self._timed(model.compute_logits, "LM head")  # an instance attribute over the method
 
     def _timed(self, fn, name: str):
@@ -65,7 +67,8 @@ class PhaseClock:
         return call
 
     def restore(self) -> None:
-        self.model._decode_stack = self.saved
+        if self.loop is not None:
+            self.loop.stack = self.saved
         del self.model.compute_logits
 
 
@@ -158,12 +161,12 @@ def main() -> None:
              f"load {os.getloadavg()[0]:.1f}; {torch.get_num_threads()} threads, thread policy {policy or 'libgomp default'})",
              ""]
     for batch in (int(b) for b in args.batches.split(",") if b):
-        model.use_decode_stack(True)
+        apply_decode_stack(model)
         start(engine, batch, args.tokens)
         times, phases, pool = timed_steps(engine)
         wall = statistics.median(times) * 1000
         mean = sum(times) / len(times)
-        model.use_decode_stack(False)
+        remove_decode_stack(model)
         start(engine, batch, args.tokens)
         steps, per, total = profiled_steps(engine)
         lines += [f"## batch {batch}", "", f"median decode step with the native stack: {wall:.2f} ms", "",
@@ -184,7 +187,7 @@ def main() -> None:
         lines += [f"| everything else (Python, sampler, scheduler) | {rest / steps * 1000:.2f} | {rest / total:.0%} |",
                   ""]
     if args.prefill:
-        model.use_decode_stack(True)
+        apply_decode_stack(model)
         lines += prefill_section(engine, args.prefill)
     text = "\n".join(lines)
     print(text)

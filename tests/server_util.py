@@ -70,7 +70,7 @@ class Server:
 
 
 @contextmanager
-def running_server(*extra: str, env: dict | None = None, headers: dict | None = None):
+def running_server(*extra: str, env: dict | None = None, headers: dict | None = None, start_timeout: float = 120):
     """Start a server, wait for /health 200, yield it, then stop it (SIGKILL if SIGTERM does not do).
 
     Its user data dir (the playground's default share file) is a fresh temporary one unless `env` names one.
@@ -84,7 +84,7 @@ def running_server(*extra: str, env: dict | None = None, headers: dict | None = 
     server = Server(proc, port)
     server.headers = headers or {}
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + start_timeout
         while time.time() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode} (set LMSERVE_TEST_SERVER_LOG to see why)")

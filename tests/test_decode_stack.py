@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lmserve.layers.decode_stack import DecodeStack, LayerWeights, Shape
+from lmserve.layers.decode_stack import (DecodeStack, LayerWeights, NativeDecodeLoop, Shape, apply_decode_stack,
+                                         remove_decode_stack)
 from lmserve.layers.native import native_module
 
 needs_native = pytest.mark.skipif(native_module() is None, reason="native kernels unavailable (no compiler)")
@@ -43,10 +44,11 @@ def test_decode_steps_through_the_stack_equal_the_module_loop_bitwise(gguf_engin
     model = gguf_engine.loaded.model
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True, logprobs=3)
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
-    assert model.use_decode_stack(False)
+    assert isinstance(model.layer_loop, NativeDecodeLoop)  # the runner applied the transform
+    remove_decode_stack(model)
     reference = generate(gguf_engine, prompts, params)
-    assert model.use_decode_stack(True)
-    stack = model._stack()
+    stack = apply_decode_stack(model)
+    assert stack is not None
     fused = generate(gguf_engine, prompts, params)
     assert stack.steps >= 25  # every decode-only step went through it
     assert fused == reference
@@ -71,7 +73,7 @@ def test_the_stack_stands_aside_for_other_layers(gguf_engine):
     assert DecodeStack.build(layers[:3] + [swapped] + layers[4:], shape) is None
     assert DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, 96, cfg.rms_norm_eps)) is None
     float_eng = LLMEngine(EngineConfig(quantization="none", cache=CacheConfig(num_blocks=8)))
-    assert not float_eng.loaded.model.use_decode_stack(True)
+    assert float_eng.runner.decode_stack is None and apply_decode_stack(float_eng.loaded.model) is None
 
 
 def test_kept_gguf_blocks_keep_their_kv_in_float16(gguf_engine):

@@ -95,6 +95,58 @@ def test_attention_reads_quantized_rows_as_their_dequantized_values(dtype, batch
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("dim,window,softcap,scale", [(64, 5, None, None), (128, 20, 3.0, 0.05), (256, 16, 2.0, 0.0625)])
+def test_window_softcap_scale_and_head_dim_256_over_a_quantized_cache(dtype, dim, window, softcap, scale):
+    """The model families' options over a quantized cache (a sliding window ending mid-block, a soft-cap, a custom
+    scale, head_dim 256): bit for bit the kernel over the dequantized values, and close to the PyTorch reference
+    (as_values over the gathered blocks; attention_ref for the soft-cap)."""
+    from lmserve.layers.attention import AttnOptions
+    from lmserve.layers.paged_attention import context_mask
+
+    q, cache, tables, lens, mask = paged_case(dtype, 6, 8, 2, dim, 70, seed=dim)
+    values = kv_quant.dequantize(cache)
+    args = (tables, lens, scale or dim ** -0.5, None, window, softcap or 0.0)
+    out = kernel.paged_decode_attention(q, cache[0], cache[1], *args)
+    assert torch.equal(out, kernel.paged_decode_attention(q, values[0], values[1], *args))
+    mask = mask & ~context_mask(lens - window, mask.shape[-1])
+    ref = decode_attention(q, cache, tables, mask, AttnOptions(scale=scale, window=window, soft_cap=softcap))
+    assert torch.allclose(out.reshape(6, -1), ref, atol=2e-5, rtol=1e-4), (out.reshape(6, -1) - ref).abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("opts", [dict(window=6), dict(window=9, soft_cap=2.5, scale=0.1)])
+def test_paged_attention_with_options_over_an_int8_cache_native_equals_pytorch(opts, monkeypatch):
+    """A prompt, then a chunk after its cached prefix, then a decode row, with a window (and a soft-cap and scale)
+    over an int8 cache: the native path equals the PyTorch one (reference writer, as_values over gathered blocks)."""
+    from lmserve.layers import native
+    from lmserve.layers.attention import AttnOptions
+    from lmserve.layers.paged_attention import PagedAttention, PagedAttentionMetadata, PrefillChunk
+
+    options, g = AttnOptions(**opts), torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(30, h, 64, generator=g) for h in (4, 2, 2))
+    table = torch.tensor([3, 1])  # 16-token blocks
+
+    def meta(a: int, n: int) -> PagedAttentionMetadata:
+        slots = table[torch.arange(a, a + n) // 16] * 16 + torch.arange(a, a + n) % 16
+        if n == 1:  # a decode row
+            return PagedAttentionMetadata(slots, 1, table[None], None, [], torch.tensor([a + 1]))
+        mask = None if a == 0 else torch.arange(a + n)[None, :] <= torch.arange(a, a + n)[:, None]
+        return PagedAttentionMetadata(slots, 0, torch.zeros(0, 2, dtype=torch.long), None,
+                                      [PrefillChunk(0, n, a + n, table, mask)], None, table[None],
+                                      torch.zeros(n, dtype=torch.long), torch.arange(a + 1, a + n + 1))
+
+    def run() -> torch.Tensor:
+        cache = empty_cache(4, 2, 64, torch.int8)
+        return torch.cat([PagedAttention([cache], meta(a, n)).attend(0, q[a:a + n], k[a:a + n], v[a:a + n], options)
+                          for a, n in ((0, 12), (12, 17), (29, 1))])
+
+    fast = run()
+    monkeypatch.setattr(native, "_on", False)
+    assert torch.allclose(run(), fast, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
 def test_attention_rows_over_a_quantized_cache_do_not_depend_on_the_batch():
     q, cache, tables, lens, _ = paged_case(torch.int8, 12, 9, 3, 64, 100, seed=3)
     full = kernel.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125)
@@ -141,6 +193,7 @@ def int8_engine():
 def test_int8_cache_bytes_and_the_decode_stack_over_it(int8_engine):
     """A token's K/V take 0.53x the bytes of float16, and decode steps through the native stack give exactly the
     module loop's tokens and logprobs over the int8 cache (the same writer and reader in both)."""
+    from lmserve.layers.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack
     from lmserve.sampling_params import SamplingParams
     from lmserve.worker.model_runner import kv_bytes_per_block
     from tests.test_decode_stack import generate
@@ -154,10 +207,11 @@ def test_int8_cache_bytes_and_the_decode_stack_over_it(int8_engine):
     model = eng.loaded.model
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = [PROMPTS[1], PROMPTS[3]]
-    assert model.use_decode_stack(False)
+    assert isinstance(model.layer_loop, NativeDecodeLoop)  # the runner applied the stack over the int8 cache
+    remove_decode_stack(model)
     reference = generate(eng, prompts, params)
-    assert model.use_decode_stack(True)
-    stack = model._stack()
+    stack = apply_decode_stack(model)
+    assert stack is not None
     fused = generate(eng, prompts, params)
     assert stack.steps >= 20 and fused == reference
     assert_no_leak(eng)
@@ -205,3 +259,16 @@ def test_int8_cache_through_the_pytorch_path(monkeypatch):
     monkeypatch.setattr(native, "_on", False)
     assert tokens() == fast
     assert_no_leak(eng)
+
+
+def test_a_head_dim_that_is_not_blocks_of_32_is_refused(tmp_path):
+    """A quantized row is blocks of 32 values with a scale each: head_dim 16 (the tiny Llama's) is refused up front
+    with the flag's name, not failed on inside a step."""
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.errors import ConfigError
+    from tests.conftest import write_tiny_llama
+
+    write_tiny_llama(tmp_path / "llama")
+    with pytest.raises(ConfigError, match="--kv-cache-dtype int8: .*head_dim is 16"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "llama"), cache=CacheConfig(num_blocks=8, kv_cache_dtype="int8")))

@@ -119,6 +119,23 @@ def test_unsupported_architecture_in_config(tiny, tmp_path):
         load(path)
 
 
+@pytest.mark.parametrize("q,message", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act = True: act-order"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method = 'bitsandbytes': not loaded"),
+])
+def test_refused_quantization_config_names_the_field(tiny, tmp_path, q, message):
+    """A pre-quantized checkpoint the int kernels cannot run exactly is refused before any weight is read."""
+    path = copy_of(tiny, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = q
+    (path / "config.json").write_text(json.dumps(cfg))
+    from lmserve.loader import read_model_config
+
+    for check in (read_model_config, load):
+        with pytest.raises(CheckpointError, match=f"config.json: quantization_config.{message}"):
+            check(path)
+
+
 def write_gguf(path, arch: str, tensors: dict[str, np.ndarray]):
     import gguf
 

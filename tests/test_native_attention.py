@@ -69,9 +69,72 @@ def test_kernel_refuses_what_it_cannot_run():
     q, cache, tables, lens, _ = paged_case(2, 9, 3, 64, 20, seed=4)
     with pytest.raises(RuntimeError, match="float32"):
         kernel.paged_decode_attention(q.bfloat16(), cache[0], cache[1], tables, lens, 0.125)
-    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+    with pytest.raises(RuntimeError, match="head_dim 64, 128 or 256"):
         kernel.paged_decode_attention(q[..., :32], cache[0][..., :32].contiguous(), cache[1][..., :32].contiguous(),
                                       tables, lens, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim,window,softcap,scale", [(64, 5, None, None), (128, 20, 3.0, 0.05), (256, 16, 2.0, 0.0625),
+                                                      (256, None, None, None), (64, 200, 4.0, None)])
+@pytest.mark.parametrize("half", [False, True])
+def test_window_softcap_and_scale_equal_the_reference(dim, window, softcap, scale, half):
+    """A sliding window (the last W keys, windows ending mid-block), a soft-cap and a custom scale: the kernel equals
+    the plain definition (attention_ref through the gather path), head dims 64/128/256, float32 or float16 cache."""
+    from lmserve.layers.attention import AttnOptions
+    from lmserve.layers.paged_attention import context_mask
+
+    q, cache, tables, lens, mask = paged_case(6, 8, 2, dim, 70, seed=dim + (window or 0))
+    cache = cache.half().float() if half else cache
+    opts = AttnOptions(scale=scale, window=window, soft_cap=softcap)
+    if window is not None:
+        mask = mask & ~context_mask(lens - window, mask.shape[-1])
+    ref = decode_attention(q, cache, tables, mask, opts)
+    store = cache.half() if half else cache
+    out = kernel.paged_decode_attention(q, store[0], store[1], tables, lens, scale or dim ** -0.5, None, window or 0,
+                                        softcap or 0.0).reshape(6, -1)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("dim", [32, 64])  # 32: the PyTorch paths; 64: the native kernel where it is built
+@pytest.mark.parametrize("opts", [dict(window=6), dict(window=9, soft_cap=2.5, scale=0.1), dict(soft_cap=1.5),
+                                  dict(window=5, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))])
+def test_paged_attention_honours_the_options_on_every_path(dim, opts):
+    """Two sequences through the paged cache, as chunks after a cached prefix and then as decode rows: each token's
+    output equals ContiguousAttention over the whole sequence with the same options."""
+    from lmserve.layers.attention import AttnOptions, ContiguousAttention
+    from lmserve.layers.paged_attention import PagedAttention, PagedAttentionMetadata, PrefillChunk
+
+    options = AttnOptions(**opts)
+    g = torch.Generator().manual_seed(dim)
+    lens, heads, kv_heads, bs = [23, 30], 4, 2, 8
+    q, k, v = (torch.randn(sum(lens), h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    want = ContiguousAttention(lens).attend(0, q, k, v, options)
+    cache = torch.zeros(2, 16, bs, kv_heads, dim)
+    tables = [torch.tensor([0, 1, 2, 3]), torch.tensor([7, 5, 9, 11])]
+    starts = [0, lens[0]]
+
+    def step(rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """rows: (sequence, first position, count); sequences of count 1 go first as decode rows."""
+        pos = [(s, p) for s, a, n in rows for p in range(a, a + n)]
+        idx = torch.tensor([starts[s] + p for s, p in pos])
+        slots = torch.tensor([int(tables[s][p // bs]) * bs + p % bs for s, p in pos])
+        dec = [r for r in rows if r[2] == 1]
+        chunks, at = [], len(dec)
+        for s, a, n in rows[len(dec):]:
+            chunks.append(PrefillChunk(at, n, a + n, tables[s], torch.arange(a + n)[None, :] <= torch.arange(a, a + n)[:, None]))
+            at += n
+        pre = [(s, p) for s, a, n in rows[len(dec):] for p in range(a, a + n)]
+        meta = PagedAttentionMetadata(
+            slots, len(dec), torch.stack([tables[s] for s, _, _ in dec]) if dec else torch.zeros(0, 4, dtype=torch.long),
+            None, chunks, torch.tensor([a + 1 for _, a, _ in dec], dtype=torch.long),
+            torch.stack(tables) if chunks else None,
+            torch.tensor([s for s, _ in pre]) if chunks else None, torch.tensor([p + 1 for _, p in pre]) if chunks else None)
+        return PagedAttention([cache], meta).attend(0, q[idx], k[idx], v[idx], options), idx
+
+    for rows in ([(0, 0, 10), (1, 0, 12)], [(0, 10, 12), (1, 12, 17)], [(0, 22, 1), (1, 29, 1)]):
+        out, idx = step(rows)
+        assert torch.allclose(out, want[idx], atol=2e-5, rtol=1e-4), (rows, (out - want[idx]).abs().max())
 
 
 def test_fallback_when_switched_off_or_not_applicable(monkeypatch):
@@ -108,3 +171,18 @@ def test_engine_tokens_equal_with_and_without_the_kernel(monkeypatch):
     first = run()
     monkeypatch.setattr(native, "_on", kernel is None)
     assert run() == first
+
+
+def test_sinks_join_the_softmax_denominator():
+    """attention_ref with sinks: each head's sink logit takes its share of the softmax and carries no value."""
+    from lmserve.layers.attention import AttnOptions, attention_ref, visible
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 1, 8, generator=g), torch.randn(5, 1, 8, generator=g)
+    sinks = torch.tensor([1.0, -0.5])
+    out = attention_ref(q, k, v, visible(5, 5, None), AttnOptions(sinks=sinks)).view(5, 2, 8)
+    for t in range(5):
+        for h in range(2):
+            scores = (q[t, h] @ k[:t + 1, 0].T) * 8 ** -0.5
+            weights = torch.cat([scores, sinks[h:h + 1]]).softmax(0)[:-1]
+            assert torch.allclose(out[t, h], weights @ v[:t + 1, 0], atol=1e-6)

@@ -19,9 +19,10 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, "256")
 
+from lmserve.config import VERSION  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = VERSION
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:

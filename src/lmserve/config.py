@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from lmserve.errors import ConfigError
 
+VERSION = "0.1.0"  # lmserve.__version__; kept here, plain data, so that packages below the facade may read it
+
 if TYPE_CHECKING:
     import argparse
 
@@ -36,6 +38,23 @@ class CacheConfig:
     def sized_explicitly(self) -> bool:
         """The user chose the pool's size: one smaller than a max_model_len request is then a warning, not an error."""
         return self.kv_cache_memory is not None or self.num_blocks is not None
+
+
+DEFAULT_KV_OFFLOAD_DISK_BYTES = 8 * 2**30
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """The KV tier below the pool (cache/kv_tier.py): prefix blocks the pool evicts kept in host memory, and every
+    full prefix block written to a directory that outlives the process. Both off by default."""
+
+    memory_bytes: int = 0  # --kv-offload-memory: the host tier's size (an LRU of evicted blocks); 0: off
+    directory: str | None = None  # --kv-offload-dir: the disk tier (None: off)
+    disk_bytes: int = DEFAULT_KV_OFFLOAD_DISK_BYTES  # --kv-offload-disk-size: the disk tier's size (oldest use dropped)
+
+    @property
+    def enabled(self) -> bool:
+        return self.memory_bytes > 0 or self.directory is not None
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,7 @@ class EngineConfig:
     # auto | triton | reference: who attends over the paged KV cache (layers/attention_backends.py)
     attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
+    kv_offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: "SpeculativeConfig | None" = None
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
@@ -157,6 +177,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype),
+        kv_offload=KVOffloadConfig(args.kv_offload_memory, args.kv_offload_dir, args.kv_offload_disk_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
         lora=lora_config(args),

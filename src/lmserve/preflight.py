@@ -10,6 +10,7 @@ context), which the engine then builds from. Model errors stay CheckpointError (
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.tokenizer.tokenizer import check_tokenizer_file
 from lmserve.errors import ConfigError
 from lmserve.layers.attention_backends import resolve_attention_backend
+from lmserve.layers.kv_quant import check_head_dim
 from lmserve.layers.quantized import check_scheme
 from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
@@ -62,6 +64,10 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
             raise ConfigError(f"--quantization: {e}") from None
     path = model_path(cfg.model, cfg.revision)
     model_config = read_model_config(path)
+    try:
+        check_head_dim(model_config.head_dim, kv_dtype)
+    except ValueError as e:
+        raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: {e}") from None
     check_tensor_parallel(cfg.parallel, model_config, device)
     if path.is_dir():
         check_tokenizer_file(path)
@@ -69,6 +75,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
                   speculative=_draft(cfg))
     _check_prefill_budget(cfg)
     _check_adapters(cfg, model_config)
+    check_kv_offload(cfg)
     # Before the weights load, so a fractional --kv-cache-memory sees more free memory than the engine will;
     # the engine checks its real pool again (check_kv_pool) once it knows it.
     # each rank holds its share of the KV heads: on CUDA in its own GPU, on CPU all in the same host memory
@@ -198,6 +205,29 @@ def check_kv_pool(cache: CacheConfig, num_blocks: int, block_bytes: int, max_mod
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n)} bytes"
+
+
+def check_kv_offload(cfg: EngineConfig) -> None:
+    """The KV tier holds prefix-cache blocks of one rank's whole KV: it needs prefix caching, one rank, and a
+    directory it can write."""
+    c = cfg.kv_offload
+    if not c.enabled:
+        return
+    flag = "--kv-offload-dir" if c.memory_bytes == 0 else "--kv-offload-memory"
+    if not cfg.cache.enable_prefix_caching:
+        raise ConfigError(f"{flag} keeps prefix-cache blocks: it cannot be used with --no-prefix-caching")
+    if cfg.parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"{flag} does not yet copy the KV of tensor-parallel ranks; use --tensor-parallel-size 1")
+    if c.directory is None:
+        return
+    d = Path(c.directory).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe = d / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--kv-offload-dir {c.directory}: cannot write there ({e.strerror})") from None
 
 
 def _check_adapters(cfg: EngineConfig, model_config: ModelConfig) -> None:

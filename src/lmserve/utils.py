@@ -44,6 +44,24 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as people write it: `2GiB`, `512MiB`, `1.5G` (SI: 10**9), `4096` (bytes); ValueError otherwise."""
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("kmgtib")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or not 0 <= value < float("inf"):  # also refuses NaN
+        raise ValueError(f"{text!r} is not a size (write e.g. 2GiB, 512MiB, 10GB or a number of bytes)")
+    return int(value * _SIZE_UNITS[unit])
+
+
 def cpu_has_fast_bf16(flags: str | None = None) -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
     found = (cpu_flags() if flags is None else flags).split()
@@ -51,10 +69,21 @@ def cpu_has_fast_bf16(flags: str | None = None) -> bool:
 
 
 def keeps_gguf(model: str | Path | None, quantization: str | None, device: torch.device) -> bool:
-    """Would this model's GGUF blocks be kept (the embedded default is a quantized GGUF)? Decided by name: the
-    dtype is needed before the file is read; `auto_quantization` still checks the file's types."""
+    """Would this model's quantized blocks be kept: a GGUF file (the embedded default is a quantized GGUF) or a local
+    GPTQ / AWQ / compressed-tensors directory? Decided by name and config.json: the dtype is needed before the
+    weights are read; `auto_quantization` / `auto_prequant` still check the file's types."""
     named_gguf = model is None or str(model).lower().endswith(".gguf")
-    return device.type == "cpu" and quantization in ("auto", "gguf") and named_gguf
+    return device.type == "cpu" and quantization in ("auto", "gguf") and (named_gguf or _prequantized_dir(model))
+
+
+def _prequantized_dir(model: str | Path) -> bool:
+    """A local Hugging Face directory whose config.json names a pre-quantized method the int kernels can run."""
+    config = Path(model).expanduser() / "config.json"
+    try:
+        q = read_json_object(config).get("quantization_config") if config.is_file() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(q, dict) and str(q.get("quant_method", "")).lower() in ("gptq", "awq", "compressed-tensors")
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype, kept_gguf: bool, device: torch.device) -> torch.dtype:

@@ -46,6 +46,8 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._next_fresh = 0  # blocks [_next_fresh, num_blocks) were never handed out (their pages untouched)
         self._by_hash: dict[bytes, Block] = {}
+        # (block id, old hash) of each cached block handed out for new tokens, when a KV tier listens (else None)
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -70,6 +72,8 @@ class BlockPool:
             if block.block_hash is not None:  # its old contents are about to be overwritten
                 if self._by_hash.get(block.block_hash) is block:
                     del self._by_hash[block.block_hash]
+                    if self.evicted is not None:
+                        self.evicted.append((block.block_id, block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -116,11 +120,14 @@ class BlockPool:
                 else:
                     self._recycled.append(block.block_id)
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
-        """Record that a full block holds the tokens identified by `block_hash`."""
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Record that a full block holds the tokens identified by `block_hash`; False when it was already
+        published, or another block holds those tokens."""
         if block.block_hash is None and block_hash not in self._by_hash:
             block.block_hash = block_hash
             self._by_hash[block_hash] = block
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change); cached free blocks become plain free ones."""

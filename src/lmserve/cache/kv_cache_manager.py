@@ -1,4 +1,10 @@
-"""Per-request block tables over the block pool: prefix lookup, allocation, freeing, usage."""
+"""Per-request block tables over the block pool: prefix lookup, allocation, freeing, usage.
+
+With a KV tier below the pool (cache/kv_tier.py), a prefix lookup goes on into the tier where the pool's
+blocks end, and the manager also lists each step's copies for the runner (take_transfers; the scheduler hands
+them on as sched/output.KVTransfers): blocks the pool evicts (to host memory), blocks loaded from the tier,
+blocks newly filled (to disk).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from lmserve.cache.block_pool import Block, BlockPool
+from lmserve.cache.kv_tier import KVTier
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
@@ -24,7 +31,8 @@ class ComputedBlocks:
     """A prefix-cache hit: blocks whose KV is already in the cache, covering `num_tokens` tokens."""
 
     blocks: list[Block] = field(default_factory=list)
-    num_tokens: int = 0
+    num_tokens: int = 0  # the pool's blocks and the tier's together
+    tier: list[bytes] = field(default_factory=list)  # hashes of the blocks after `blocks` that the KV tier holds
 
 
 class KVCacheManager:
@@ -37,7 +45,16 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[bytes]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of each request already registered
-        self.prefix_hits = 0  # tokens served from the cache since start (for stats)
+        self.prefix_hits = 0  # tokens served from the cache since start (for stats), the tier's included
+        self.tier: KVTier | None = None
+        # this step's copies between the pool and the tier, as (block id, prefix hash)
+        self._loads: list[tuple[int, bytes]] = []  # fresh blocks to fill from the tier
+        self._persists: list[tuple[int, bytes]] = []  # blocks this step fills: to disk
+
+    def attach_tier(self, tier: KVTier) -> None:
+        """Look up prefixes in `tier` beyond the pool, and list the copies it needs each step."""
+        self.tier = tier
+        self.pool.evicted = []  # the pool now reports the cached blocks it reuses
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,24 +91,45 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        return ComputedBlocks(hit, len(hit) * self.block_size)
+        tier = self._tier_hits(hashes[len(hit):max_blocks])
+        return ComputedBlocks(hit, (len(hit) + len(tier)) * self.block_size, tier)
+
+    def _tier_hits(self, hashes: list[bytes]) -> list[bytes]:
+        """The leading hashes the tier holds, stopping where the pool holds one again (never the case in practice:
+        the pool evicts a prefix's tail before its head) or the tier does not."""
+        hits = []
+        if self.tier is not None:
+            for h in hashes:
+                if self.pool.lookup(h) is not None or not self.tier.contains(h):
+                    break
+                hits.append(h)
+        return hits
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_computed: int, num_new: int,
                  computed: ComputedBlocks | None = None, extra: bytes = b"", num_lookahead: int = 0) -> bool:
         """Make room for `num_new` known tokens plus `num_lookahead` drafts after `num_computed`.
 
-        Returns False (and changes nothing) if blocks run out. Only blocks filled by known tokens get a
-        prefix hash (published for other requests to share); slots that drafts write are never hashed
-        until the tokens there are accepted and known.
+        Returns False (and changes nothing) if blocks run out, or if a tier block of `computed` cannot be
+        read (its file failed a check: the next lookup stops before it). Only blocks filled by known tokens get
+        a prefix hash (published for other requests to share); slots that drafts write are never hashed
+        until the tokens there are accepted and known. Blocks from the tier get fresh pool blocks, published at
+        once: the runner loads their bytes before this step's forward.
         """
         blocks = self.req_blocks.get(request_id, [])
         hit = computed.blocks if computed else []
+        tier = computed.tier if computed else []
         need = self.blocks_needed(num_computed + num_new + num_lookahead) - len(blocks) - len(hit)
         reclaim = sum(1 for b in hit if b.ref_cnt == 0)  # free-queue blocks a hit would pull out
         if need > self.pool.num_free_blocks - reclaim:
             return False
+        if tier and not self.tier.stage(tier):
+            return False
         self.pool.touch(hit)
-        blocks = blocks + hit + self.pool.allocate(max(need, 0))
+        fresh = self.pool.allocate(max(need, 0))
+        for block, h in zip(fresh, tier):
+            self.pool.cache(block, h)
+            self._loads.append((block.block_id, h))
+        blocks = blocks + hit + fresh
         self.req_blocks[request_id] = blocks
         if computed:
             self.prefix_hits += computed.num_tokens
@@ -119,8 +157,25 @@ class KVCacheManager:
         self._num_cached.pop(request_id, None)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every published prefix hash (after a failed step: its blocks were published unwritten)."""
+        """Forget every published prefix hash (after a failed step: its blocks were published unwritten).
+
+        The tier keeps its blocks (each was copied from a block a finished step had written) but forgets the
+        failed step's copies, which never ran or may have run half-way.
+        """
         self.pool.reset_prefix_cache()
+        if self.tier is not None:
+            self.tier.unstage_all()
+            self.pool.evicted, self._loads, self._persists = [], [], []
+
+    def take_transfers(self) -> tuple[list[tuple[int, bytes]], ...] | None:
+        """The copies this step needs between the pool and the tier, (saves, loads, persists) as sched/output.
+        KVTransfers holds them (None: none)."""
+        if self.tier is None:
+            return None
+        saves = [(b, h) for b, h in self.pool.evicted if self.tier.wants_save(h)]
+        copies = (saves, self._loads, self._persists)
+        self.pool.evicted, self._loads, self._persists = [], [], []
+        return copies if any(copies) else None
 
     def _hashes(self, request_id: str, token_ids: Sequence[int], extra: bytes, num_blocks: int) -> list[bytes]:
         """Hashes of the first `num_blocks` full blocks, extended incrementally as the request grows."""
@@ -141,5 +196,6 @@ class KVCacheManager:
             return
         hashes = self._hashes(request_id, token_ids, extra, full)
         for block, h in zip(blocks[done:full], hashes[done:full]):
-            self.pool.cache(block, h)
+            if self.pool.cache(block, h) and self.tier is not None and self.tier.wants_persist(h):
+                self._persists.append((block.block_id, h))  # written by this step: to disk after it
         self._num_cached[request_id] = full

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmserve.config import ENV_API_KEY
+from lmserve.config import DEFAULT_KV_OFFLOAD_DISK_BYTES, ENV_API_KEY
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -49,6 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     serve's repeatable --model NAME=PATH."""
     _add_model_args(p.add_argument_group("model"), several_models)
     _add_runtime_args(p.add_argument_group("engine"))
+    _add_kv_tier_args(p.add_argument_group("KV tier (prefix-cache blocks below the pool)"))
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                       help='as vLLM writes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -127,6 +128,30 @@ def _add_runtime_args(g) -> None:
                    "Triton runs, else reference")
     g.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="structured outputs: a schema, regex or grammar that takes longer to compile gets a 400")
+
+
+def _add_kv_tier_args(g) -> None:
+    g.add_argument("--kv-offload-memory", type=size_arg, default=0, metavar="SIZE",
+                   help="host memory for prefix-cache blocks the KV pool evicts (an LRU, e.g. 2GiB); a later prompt "
+                   "with that prefix copies them back instead of recomputing them (default: 0, off)")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="a directory for every full prefix-cache block (written off the engine thread, checked on "
+                   "read, kept across restarts): a repeated long prompt is answered from it after a restart; keyed "
+                   "by the model's weights, tokenizer, KV layout and block size, and by each API key's prefix salt "
+                   "(default: none, off)")
+    g.add_argument("--kv-offload-disk-size", type=size_arg, default=DEFAULT_KV_OFFLOAD_DISK_BYTES, metavar="SIZE",
+                   help="most bytes --kv-offload-dir holds for this model; the least recently used blocks are "
+                   "deleted beyond it (default: 8GiB)")
+
+
+def size_arg(text: str) -> int:
+    """A size flag (2GiB, 512MiB, bytes) -> bytes (argparse reports a ValueError as a usage error)."""
+    from lmserve.utils import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def speculative_config(text: str):

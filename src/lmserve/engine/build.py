@@ -20,6 +20,7 @@ from lmserve.cpu_dtype import auto_dtype_why, resolve_dtype
 from lmserve.engine.speculate import Proposer, make_proposer
 from lmserve.errors import ConfigError
 from lmserve.layers.attention_backends import resolve_attention_backend
+from lmserve.layers.kv_quant import check_head_dim
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
@@ -90,7 +91,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     """(This rank's part of) the model, then the tokenizer, KV pool, LoRA slots, runner and executor."""
     shard = TPShard(0, cfg.parallel.tensor_parallel_size) if ranks is not None else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
-                                  shard=shard)
+                                  shard=shard, max_model_len=cfg.max_model_len)
     dtype = next(loaded.model.parameters()).dtype
     kv_dtype = _kv_dtype(cfg, dtype, loaded, device)
     tokenizer = tokenizer or load_tokenizer(loaded)
@@ -136,9 +137,11 @@ def _start_ranks(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) ->
 
 def _kv_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: LoadedModel, device: torch.device) -> torch.dtype:
     try:
-        return resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.weight_format == "gguf", device)
+        kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
+        check_head_dim(loaded.model.config.head_dim, kv_dtype)
     except ValueError as e:
-        raise ConfigError(f"--kv-cache-dtype: {e}") from None
+        raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: {e}") from None
+    return kv_dtype
 
 
 def _lora(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device

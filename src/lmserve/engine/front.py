@@ -9,6 +9,7 @@ load (`load()`) through it and never touches the scheduler or the KV pool. Every
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable
 
@@ -134,7 +135,20 @@ class EngineFront:
 
 
 def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:
-    """The adapter's registration first (blocks never cross adapters), then the caller's salt after a NUL: the
-    adapter part holds no NUL, so no two (adapter, salt) pairs give the same bytes."""
-    adapter = b"" if lora is None else b"lora:%d" % lora.lora_int_id
+    """The adapter first (blocks never cross adapters), then the caller's salt after a NUL: the adapter part holds
+    no NUL, so no two (adapter, salt) pairs give the same bytes.
+
+    An adapter is named by the digest of its files (the same in every process, so the KV tier's disk files of one
+    adapter serve that adapter alone after a restart); one read without a digest by its registration id and this
+    process's nonce (ids restart at every start: such blocks must never outlive the process).
+    """
+    if lora is None:
+        adapter = b""
+    elif getattr(lora.adapter, "digest", ""):
+        adapter = b"lora:" + lora.adapter.digest.encode()
+    else:
+        adapter = b"lora-id:%d:%s" % (lora.lora_int_id, _PROCESS_NONCE)
     return adapter + b"\0" + salt if salt else adapter
+
+
+_PROCESS_NONCE = os.urandom(8).hex().encode()

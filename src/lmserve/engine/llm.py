@@ -10,10 +10,12 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from lmserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from lmserve.config import (CacheConfig, EngineConfig, KVOffloadConfig, ParallelConfig, SchedulerConfig,
+                            SpeculativeConfig)
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
+from lmserve.utils import parse_bytes
 
 
 @dataclass
@@ -172,4 +174,15 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     if isinstance(spec, dict):
         spec = SpeculativeConfig.from_dict(spec)
     parallel = ParallelConfig(**{k: kw.pop(k) for k in list(kw) if k in ("tensor_parallel_size", "rank_timeout_s")})
-    return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec, parallel=parallel, **kw)
+    offload = KVOffloadConfig(**{field: _size(kw.pop(k)) if field != "directory" else kw.pop(k)
+                                 for k, field in _OFFLOAD_KEYS.items() if k in kw})
+    return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec, parallel=parallel,
+                        kv_offload=offload, **kw)
+
+
+# the KV tier's flags as keyword arguments: sizes as bytes or text ("2GiB")
+_OFFLOAD_KEYS = {"kv_offload_memory": "memory_bytes", "kv_offload_dir": "directory", "kv_offload_disk_size": "disk_bytes"}
+
+
+def _size(value: int | str) -> int:
+    return parse_bytes(value) if isinstance(value, str) else int(value)

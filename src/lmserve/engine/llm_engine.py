@@ -12,6 +12,7 @@ from functools import partial
 from lmserve.config import EngineConfig
 from lmserve.engine.build import build_engine
 from lmserve.engine.front import EngineFront, RequestRejected
+from lmserve.engine.kv_offload import attach_kv_tier
 from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.speculate import Speculator
 from lmserve.engine.stats import StepStats, engine_load, step_stats
@@ -38,6 +39,7 @@ class LLMEngine:
             p.eos_token_ids
         self.num_blocks, self.block_size, self.block_bytes, self.kv = p.num_blocks, p.block_size, p.block_bytes, p.kv
         self.lora_slots, self.loras, self.runner, self.executor = p.lora_slots, p.loras, p.runner, p.executor
+        self.kv_tier = attach_kv_tier(p)  # host memory and disk below the pool (None: off)
         self.outputs = OutputProcessor(p.tokenizer)
         self.scheduler = Scheduler(cfg.scheduler, p.kv, StopChecker(self.outputs.check_stop_string), p.lora_slots)
         self.front = EngineFront(p, partial(engine_load, self.scheduler, p.kv))
@@ -50,8 +52,10 @@ class LLMEngine:
         self._step_parents: list[str] = []  # client request ids of the running step's requests
 
     def close(self) -> None:
-        """Stop the executor's worker ranks (nothing to do without tensor parallelism)."""
+        """Stop the executor's worker ranks (nothing to do without tensor parallelism); finish the KV tier's writes."""
         self.executor.shutdown()
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     max_tokens: int | None = None, grammar: Compiled | None = None, tenant: str = "",

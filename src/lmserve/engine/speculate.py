@@ -90,7 +90,7 @@ def make_proposer(cfg: EngineConfig, tokenizer: Tokenizer, vocab_size: int, num_
     _check_same_tokenizer(tokenizer, vocab_size, draft)
     # and --kv-cache-dtype (auto: float16 for its kept blocks, as the target's)
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, next(draft.model.parameters()).dtype,
-                                draft.weight_format == "gguf", device)
+                                draft.keeps_blocks, device)
     return DraftModelProposer(spec, draft, num_blocks, block_size, kv_dtype)
 
 

@@ -59,9 +59,10 @@ class EngineLoad:
     kv_total_blocks: int
     kv_usage: float
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache since start
+    kv_tier: dict[str, dict[str, int]]  # the KV tier's figures by tier, host | disk (KVTier.summary; {}: no tier)
 
 
 def engine_load(sched: Scheduler, kv: KVCacheManager) -> EngineLoad:
     """Read the scheduler's and the KV pool's counters (from any thread)."""
     return EngineLoad(len(sched.running), len(sched.waiting), sched.num_preemptions, kv.num_free_blocks,
-                      kv.pool.num_blocks, kv.usage, kv.prefix_hits)
+                      kv.pool.num_blocks, kv.usage, kv.prefix_hits, kv.tier.summary() if kv.tier is not None else {})

@@ -2,6 +2,8 @@
 
 `ContiguousAttention` attends within each sequence of the flat batch with no cache (model tests,
 one-shot scoring). The engine's paged KV cache implements the same protocol in `paged_attention.py`.
+Each layer passes its `AttnOptions` (softmax scale, sliding window, logit soft-cap, sinks); every
+backend honours all of them, and `attention_ref` is the plain definition they are tested against.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttnOptions:
     """How one layer attends, beyond plain causal softmax attention; one object per layer, built once.
 
@@ -29,25 +31,69 @@ class AttnOptions:
     # [num_heads] float32, on the model's device
     sinks: torch.Tensor | None = None
 
+    @property
+    def plain(self) -> bool:
+        """True when only the scale differs from plain causal attention (SDPA's fast paths apply)."""
+        return self.window is None and self.soft_cap is None and self.sinks is None
+
+
+DEFAULT = AttnOptions()
+
 
 class AttentionContext(Protocol):
     """What a model layer calls to attend; one object per forward pass, shared by all layers."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               opts: AttnOptions = DEFAULT) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]."""
         ...
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention for one sequence: q [Tq, H, D], k/v [Tk, Hkv, D] -> [Tq, H * D].
+def visible(num_queries: int, num_keys: int, window: int | None, device: torch.device | None = None) -> torch.Tensor:
+    """[Tq, Tk] bool: the queries are the last Tq of Tk positions; key j is seen by query i's position p
+    when j <= p and, with a window, j > p - window (HF's sliding-window mask and llama.cpp's agree)."""
+    pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    keys = torch.arange(num_keys, device=device)[None, :]
+    mask = keys <= pos
+    return mask if window is None else mask & (keys > pos - window)
 
-    Without a mask, Tq == Tk and attention is plainly causal; with one, `mask` [Tq, Tk] (bool,
-    True = may attend) places the queries after a cached prefix.
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  opts: AttnOptions = DEFAULT) -> torch.Tensor:
+    """The plain definition, in float32: q [..., Tq, H, D], k/v [..., Tk, Hkv, D], mask [..., Tq, Tk] (True = may
+    attend; rows may be all False only where sinks absorb them) -> [..., Tq, H * D] in q's dtype."""
+    heads, kv_heads, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if heads != kv_heads:  # query head h reads kv head h // (H / Hkv), as HF's repeat_kv
+        kf, vf = kf.repeat_interleave(heads // kv_heads, dim=-2), vf.repeat_interleave(heads // kv_heads, dim=-2)
+    scale = opts.scale if opts.scale is not None else d ** -0.5
+    scores = torch.einsum("...qhd,...khd->...hqk", qf, kf) * scale  # [..., H, Tq, Tk]
+    if opts.soft_cap is not None:
+        scores = torch.tanh(scores / opts.soft_cap) * opts.soft_cap
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    if opts.sinks is not None:  # one extra column per head, dropped after the softmax
+        sink = opts.sinks.float().view(heads, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    out = torch.einsum("...hqk,...khd->...qhd", probs, vf)
+    return out.reshape(*q.shape[:-2], heads * d).to(q.dtype)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                opts: AttnOptions = DEFAULT) -> torch.Tensor:
+    """Attention for one sequence: q [Tq, H, D] (the last Tq positions), k/v [Tk, Hkv, D] -> [Tq, H * D].
+
+    Without a mask, Tq == Tk and attention is plainly causal; with one, `mask` [Tq, Tk] (bool, True = may
+    attend) places the queries after a cached prefix. A window or soft-cap builds its own mask from the shapes.
     """
+    if not opts.plain:
+        mask = visible(q.shape[0], k.shape[0], opts.window, q.device)
+        if opts.soft_cap is not None or opts.sinks is not None:  # SDPA has neither
+            return attention_ref(q, k, v, mask, opts)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1],
+        attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1], scale=opts.scale,
     )  # [H, Tq, D]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
@@ -58,9 +104,10 @@ class ContiguousAttention:
 
     seq_lens: Sequence[int]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               opts: AttnOptions = DEFAULT) -> torch.Tensor:
         outs, start = [], 0
         for n in self.seq_lens:
-            outs.append(causal_sdpa(q[start:start + n], k[start:start + n], v[start:start + n]))
+            outs.append(causal_sdpa(q[start:start + n], k[start:start + n], v[start:start + n], opts=opts))
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]

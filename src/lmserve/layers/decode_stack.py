@@ -1,9 +1,15 @@
-"""Every decoder layer of a decode-only step in one native call (layers/csrc/decode_stack.cpp).
+"""Every decoder layer of a decode-only step in one native call (layers/csrc/decode_stack.cpp), as a transform.
 
-The model's PyTorch modules stay the reference path and serve every step this cannot: prefill chunks,
-LoRA wrappers, float or int8/int4 weights, devices other than the CPU. The native stack calls the same
-kernels in the same order, so a step's outputs are bit-identical either way (tests/test_decode_stack.py);
-$LMSERVE_DECODE_STACK=0 turns it off (benchmarks compare the two).
+`apply_decode_stack(model)` replaces a finished model's `layer_loop` (models/decoder.LayerLoop, the reference) by a
+`NativeDecodeLoop` where every layer is one the native stack runs: plain or sandwich layers (Llama, Qwen, Mistral,
+SmolLM3, Gemma), QK-norm, any rotary table or none, each layer's scale, window and soft-cap, SwiGLU or GeGLU, every
+projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of parts in different layouts), head
+dims 64/128/256, over float32, float16 or quantized (int8 / fp8_e4m3) KV caches (one C++ writer and reader for all
+of them, as the module path's). The loop it replaces stays inside it and serves every step the stack cannot: prefill
+chunks, and any step whose attention is not the paged cache's decode-only step. Models with other layers (LoRA or
+parallel wrappers, float or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks) keep the module loop. The
+native stack calls the same kernels in the same order, so a step's outputs are bit-identical either way
+(tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -12,21 +18,32 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from lmserve.layers.gguf_linear import GGUFLinear
+from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.layers.native import native_module
 from lmserve.layers.paged_attention import PagedAttention
 
 ENV_SWITCH = "LMSERVE_DECODE_STACK"
+_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer as the stack needs it: two norm weights and four projections."""
+    """One decoder layer as the stack needs it: its norms' scales (offset + w), four projections, its attention."""
 
     in_norm: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # plain layers: the pre-MLP norm; sandwich layers: the post-attention norm
     projections: tuple  # qkv, o, gate_up, down modules
+    pre_ff_norm: torch.Tensor | None = None  # sandwich layers (Gemma)
+    post_ff_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # QK-norm (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    rope: int = 0  # index of its cos/sin table; -1: no rotary
+    window: int = 0  # 0: the whole context
+    softcap: float = 0.0  # 0: none
+    scale: float | None = None  # None: head_dim ** -0.5
+    act: str = "silu"
 
 
 @dataclass
@@ -50,13 +67,21 @@ class DecodeStack:
         mod = native_module() if os.environ.get(ENV_SWITCH, "1") != "0" else None
         if mod is None or not _fits(layers, shape):
             return None
-        tensors, kinds = [], []
+        tensors, ints, floats = [], [], []
         for lw in layers:
-            tensors += [lw.in_norm.detach().contiguous(), lw.post_norm.detach().contiguous()]
-            for p in lw.projections:
-                tensors += [p.codes, p.scales, p.mins, None if p.bias is None else p.bias.detach()]
-                kinds.append(p.kind)
-        return cls(mod.DecodeStack(tensors, kinds, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps))
+            tensors += [None if t is None else t.detach().contiguous()
+                        for t in (lw.in_norm, lw.post_norm, lw.pre_ff_norm, lw.post_ff_norm, lw.q_norm, lw.k_norm)]
+            ints += [lw.rope, lw.window, _ACTS[lw.act]]
+            for proj in lw.projections:
+                parts = list(proj.parts) if isinstance(proj, FusedGGUFLinear) else [proj]
+                tensors.append(None if proj.bias is None else proj.bias.detach())
+                for p in parts:
+                    tensors += [p.codes, p.scales, p.mins]
+                ints += [len(parts)] + [p.kind for p in parts]
+            # the module path's scale: opts.scale, else head_dim ** -0.5 (layers/paged_attention._scale)
+            floats += [lw.scale if lw.scale is not None else shape.head_dim ** -0.5, lw.softcap]
+        return cls(mod.DecodeStack(tensors, ints, floats, len(layers), shape.num_heads, shape.num_kv_heads,
+                                   shape.head_dim, shape.eps))
 
     @staticmethod
     def accepts(attn, x: torch.Tensor) -> bool:
@@ -66,23 +91,86 @@ class DecodeStack:
         m = attn.meta
         return not m.prefills and m.num_decodes == x.shape[0] and m.decode_context_lens is not None
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def __call__(self, x: torch.Tensor, cos: list[torch.Tensor], sin: list[torch.Tensor],
                  attn: PagedAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last MLP output, residual stream) after every layer; `x` becomes the residual stream."""
+        """(last layer's output, residual stream) after every layer; `x` becomes the residual stream."""
         m = attn.meta
         self.steps += 1
         return self.native.forward(x.contiguous(), cos, sin, attn.kv_caches, m.slot_mapping,
                                    m.decode_block_tables, m.decode_context_lens)
 
 
+class NativeDecodeLoop(nn.Module):
+    """A model's layer loop with decode-only steps through the native stack; every other step through
+    `reference`, the loop it replaced."""
+
+    def __init__(self, stack: DecodeStack, kinds: tuple[str, ...], reference: nn.Module) -> None:
+        super().__init__()
+        self.stack, self.kinds, self.reference = stack, kinds, reference
+
+    def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                attn) -> tuple[torch.Tensor, torch.Tensor]:
+        if not DecodeStack.accepts(attn, x):
+            return self.reference(layers, x, rope, attn)
+        return self.stack(x, [rope[k][0] for k in self.kinds], [rope[k][1] for k in self.kinds], attn)
+
+
+def apply_decode_stack(model: nn.Module) -> DecodeStack | None:
+    """Run `model`'s decode-only steps through the native stack where it applies (returns it), else leave the
+    model as it is (None). Call it on a finished model: after weight formats, LoRA and parallel wrappers."""
+    remove_decode_stack(model)
+    cfg, kinds = model.config, tuple(model.rotary.kinds)
+    if cfg.rotated_dim != cfg.head_dim:  # partial rotary: the native rotary rotates whole heads
+        return None
+    layers = [layer_weights(layer, kinds) for layer in model.model.layers]
+    if any(lw is None for lw in layers):
+        return None
+    stack = DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps))
+    if stack is not None:
+        model.layer_loop = NativeDecodeLoop(stack, kinds, model.layer_loop)
+    return stack
+
+
+def remove_decode_stack(model: nn.Module) -> None:
+    """Put the reference loop back (benchmarks and tests compare the two)."""
+    if isinstance(model.layer_loop, NativeDecodeLoop):
+        model.layer_loop = model.layer_loop.reference
+
+
+def layer_weights(layer: nn.Module, kinds: tuple[str, ...]) -> LayerWeights | None:
+    """A decoder layer (models/decoder.py) as the stack reads it, or None where it has something the stack lacks."""
+    attn, spec = layer.self_attn, layer.self_attn.spec
+    if spec.opts.sinks is not None or layer.mlp.act not in _ACTS:
+        return None
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    qk = spec.qk_norm_eps is not None
+    return LayerWeights(
+        layer.input_layernorm.scale(), layer.post_attention_layernorm.scale(),
+        (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj),
+        layer.pre_feedforward_layernorm.scale() if sandwich else None,
+        layer.post_feedforward_layernorm.scale() if sandwich else None,
+        attn.q_norm.scale() if qk else None, attn.k_norm.scale() if qk else None,
+        kinds.index(spec.rope) if spec.rope is not None else -1, spec.opts.window or 0, spec.opts.soft_cap or 0.0,
+        spec.opts.scale, layer.mlp.act)
+
+
+def _gguf(proj: nn.Module) -> bool:
+    """Exactly GGUF block layers (no LoRA or parallel wrappers)."""
+    if type(proj) is FusedGGUFLinear:
+        return all(type(p) is GGUFLinear for p in proj.parts)
+    return type(proj) is GGUFLinear
+
+
 def _fits(layers: list[LayerWeights], shape: Shape) -> bool:
-    """Exactly GGUFLinear projections (no LoRA or parallel wrappers), float32 CPU norms, a kernel head layout."""
-    if shape.head_dim not in (64, 128) or shape.num_heads % shape.num_kv_heads or \
+    """GGUF projections, float32 CPU norms, a head layout the attention kernel has."""
+    if shape.head_dim not in (64, 128, 256) or shape.num_heads % shape.num_kv_heads or \
             shape.num_heads // shape.num_kv_heads > 16:
         return False
     for lw in layers:
-        if any(type(p) is not GGUFLinear for p in lw.projections):
+        if not all(_gguf(p) for p in lw.projections):
             return False
-        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (lw.in_norm, lw.post_norm)):
+        norms = [t for t in (lw.in_norm, lw.post_norm, lw.pre_ff_norm, lw.post_ff_norm, lw.q_norm, lw.k_norm)
+                 if t is not None]
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in norms):
             return False
     return True

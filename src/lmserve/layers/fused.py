@@ -53,10 +53,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (GeGLU: Gemma's MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] by per-token angles; the native path rotates in place and returns x."""
+    """Rotate x [T, heads, D] by per-token angles; the native path rotates in place and returns x.
+
+    cos/sin narrower than D rotate only the first dims of each head (partial rotary; PyTorch path)."""
     mod = _native(x)
-    if mod is None or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+    if mod is None or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or cos.shape[-1] != x.shape[-1]:
         return apply_rotary(x, cos, sin)
     mod.rotary_(x, cos, sin)
     return x

@@ -260,3 +260,19 @@ class GGUFLinear(nn.Module):
         else:  # no compiler: the reference path (slow, same numbers up to summation order)
             y = reference_linear(x2, self.repacked(), self.bias)
         return y.view(*shape[:-1], self.out_features)
+
+
+class FusedGGUFLinear(nn.Module):
+    """A fused projection (qkv, gate_up) whose parts a GGUF file keeps in different kernel layouts, as Q4_K_M files
+    do (v in Q6_K or Q8_0 beside Q4_K or Q5_0 q and k): one GGUFLinear per run of parts in one layout, outputs side
+    by side, then the fused bias. Each part's rows are computed exactly as a GGUFLinear alone would."""
+
+    def __init__(self, parts: list[GGUFLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)  # [..., out_features]
+        return y if self.bias is None else y + self.bias

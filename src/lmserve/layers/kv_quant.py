@@ -35,6 +35,12 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + head_dim // BLOCK * 2 if is_quantized(dtype) else head_dim
 
 
+def check_head_dim(head_dim: int, dtype: torch.dtype) -> None:
+    """ValueError where a cache of `dtype` cannot hold rows of `head_dim` (quantized rows are whole blocks of 32)."""
+    if is_quantized(dtype) and head_dim % BLOCK:
+        raise ValueError(f"quantized KV rows are blocks of {BLOCK} values; this model's head_dim is {head_dim}")
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., D] float32 -> [..., D + D / 16] of `dtype`: each row's codes, then its blocks' float16 scales."""
     top = _MAX_CODE[dtype]

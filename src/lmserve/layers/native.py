@@ -71,6 +71,7 @@ HOST = Level("host", ("-march=native",), frozenset())
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
+_loaded_key: str | None = None  # level_key() of the build native_module() loaded
 # Read once: the switch is a start-up setting, and this function runs ~100 times per decode step.
 _on = os.environ.get(ENV_SWITCH, "1") != "0"
 
@@ -115,6 +116,7 @@ def cache_root() -> Path:
 
 
 def _build() -> ModuleType | None:
+    global _loaded_key
     from lmserve.utils import cpu_flags
 
     try:
@@ -126,6 +128,7 @@ def _build() -> ModuleType | None:
             _compile(level, cache_root(), cache_root() / key)
             path, where = _library(cache_root() / key), "compiled"
         module = _import(path)
+        _loaded_key = key
     except Exception as e:  # no compiler / ninja, or a build error: the PyTorch path still works
         log.warning("native CPU kernels unavailable (%s: %s); using the PyTorch paths", type(e).__name__,
                     str(e).splitlines()[0][:200] if str(e) else "")
@@ -196,3 +199,9 @@ def _import(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def build_key() -> str | None:
+    """The loaded build's level and key (sources, torch version, compiler flags), or None where the kernels are off:
+    bytes they computed are reproduced only by the same build (the KV tier keys its blocks by it)."""
+    return _loaded_key if native_module() is not None else None

@@ -7,6 +7,8 @@ every prefill token is attended by it too, as its own query row over its request
 output is then the same bits whether it was prefilled whole, in chunks, after a prefix-cache hit, after
 preemption, or decoded (SDPA would sum in another order, and int8-quantized activations can turn that
 last-bit difference into another token). Elsewhere prefill chunks run one SDPA per chunk.
+A layer's `AttnOptions` (scale, sliding window, soft-cap) reach every one of these paths; sinks only the
+PyTorch ones (the native kernel stands aside for them).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lmserve.layers.attention import causal_sdpa
+from lmserve.layers.attention import DEFAULT, AttnOptions, attention_ref, causal_sdpa
 from lmserve.layers.kv_quant import as_values, is_quantized, quantize
 from lmserve.layers.native import native_module
 
@@ -63,48 +65,57 @@ class PagedAttention:
     kv_caches: list[torch.Tensor]
     meta: PagedAttentionMetadata
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               opts: AttnOptions = DEFAULT) -> torch.Tensor:
         cache = self.kv_caches[layer_idx]
         write_kv(cache, k, v, self.meta.slot_mapping)
         m = self.meta
         outs = []
         if m.num_decodes:
-            outs.append(self._decode(q[:m.num_decodes], cache))
+            outs.append(self._decode(q[:m.num_decodes], cache, opts))
         rows = q[m.num_decodes:]
-        kernel = native_decode(cache, q) if m.prefills and m.prefill_context_lens is not None else None
+        kernel = native_decode(cache, q, opts) if m.prefills and m.prefill_context_lens is not None else None
         if kernel is not None:
             # each prompt token attends exactly as it would have as a decode row: a token's K/V and output
             # never depend on whether it was prefilled, chunked, recomputed after preemption or decoded
             out = kernel.paged_decode_attention(rows, cache[0], cache[1], m.prefill_block_tables,
-                                                m.prefill_context_lens, q.shape[-1] ** -0.5, m.prefill_table_rows)
+                                                m.prefill_context_lens, _scale(q, opts), m.prefill_table_rows,
+                                                opts.window or 0, opts.soft_cap or 0.0)
             outs.append(out.reshape(rows.shape[0], -1))
             return torch.cat(outs) if len(outs) > 1 else outs[0]
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.mask is None and not is_quantized(cache.dtype):  # no cached prefix: attend over the fresh K/V
-                outs.append(causal_sdpa(q[rows], k[rows], v[rows]))
+                outs.append(causal_sdpa(q[rows], k[rows], v[rows], opts=opts))
             else:  # after a prefix, or over a quantized cache (prompt tokens see the values decode steps read)
                 kc, vc = gather_context(cache, p.block_table, p.context_len)
-                outs.append(causal_sdpa(q[rows], as_values(kc, q.dtype), as_values(vc, q.dtype), p.mask))
+                outs.append(causal_sdpa(q[rows], as_values(kc, q.dtype), as_values(vc, q.dtype), p.mask, opts))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _decode(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """The native kernel where it applies (CPU float32, head_dim 64/128), else gather + SDPA."""
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor, opts: AttnOptions) -> torch.Tensor:
+        """The native kernel where it applies (CPU float32, head_dim 64/128/256), else gather + SDPA."""
         m = self.meta
-        kernel = native_decode(cache, q)
+        kernel = native_decode(cache, q, opts)
         if kernel is None or m.decode_context_lens is None:
-            mask = m.decode_mask if m.decode_mask is not None else context_mask(
-                m.decode_context_lens, m.decode_block_tables.shape[1] * cache.shape[2])
-            return decode_attention(q, cache, m.decode_block_tables, mask)
+            num_keys = m.decode_block_tables.shape[1] * cache.shape[2]
+            mask = m.decode_mask if m.decode_mask is not None else context_mask(m.decode_context_lens, num_keys)
+            if opts.window is not None:  # keys older than the window: positions < context_len - window
+                mask = mask & ~context_mask(m.decode_context_lens - opts.window, num_keys)
+            return decode_attention(q, cache, m.decode_block_tables, mask, opts)
         out = kernel.paged_decode_attention(q, cache[0], cache[1], m.decode_block_tables, m.decode_context_lens,
-                                            q.shape[-1] ** -0.5)
+                                            _scale(q, opts), None, opts.window or 0, opts.soft_cap or 0.0)
         return out.reshape(q.shape[0], -1)
 
 
-def native_decode(cache: torch.Tensor, q: torch.Tensor):
-    """The compiled paged-decode module when this cache and query can use it, else None."""
+def _scale(q: torch.Tensor, opts: AttnOptions) -> float:
+    return opts.scale if opts.scale is not None else q.shape[-1] ** -0.5
+
+
+def native_decode(cache: torch.Tensor, q: torch.Tensor, opts: AttnOptions = DEFAULT):
+    """The compiled paged-decode module when this cache, query and layer can use it (float32, float16 or quantized
+    cache; any scale, window or soft-cap; no sinks), else None."""
     if cache.device.type != "cpu" or not (cache.dtype in (torch.float32, torch.float16) or is_quantized(cache.dtype)) \
-            or q.dtype != torch.float32 or q.shape[-1] not in (64, 128):
+            or q.dtype != torch.float32 or q.shape[-1] not in (64, 128, 256) or opts.sinks is not None:
         return None
     return native_module()
 
@@ -153,7 +164,7 @@ def select_blocks(part: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
+                     mask: torch.Tensor, opts: AttnOptions = DEFAULT) -> torch.Tensor:
     """Batched single-token attention: q [B, H, D] over each sequence's blocks -> [B, H * D]."""
     b, heads, d = q.shape
     kv_heads, w = cache.shape[3], cache.shape[4]
@@ -161,6 +172,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     # [B, Hkv, L, D], as values in the queries' dtype (a float16 or quantized cache under float32 queries)
     k = as_values(select_blocks(cache[0], flat).view(b, -1, kv_heads, w), q.dtype).transpose(1, 2)
     v = as_values(select_blocks(cache[1], flat).view(b, -1, kv_heads, w), q.dtype).transpose(1, 2)
+    if opts.soft_cap is not None or opts.sinks is not None:  # SDPA has neither: the plain definition
+        return attention_ref(q[:, None], k.transpose(1, 2), v.transpose(1, 2), mask.view(b, 1, -1),
+                             opts).view(b, heads * d)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
-                                         enable_gqa=heads != kv_heads)  # [B, H, 1, D]
+                                         enable_gqa=heads != kv_heads, scale=opts.scale)  # [B, H, 1, D]
     return out.reshape(b, heads * d)

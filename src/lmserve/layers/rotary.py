@@ -1,4 +1,6 @@
-"""Rotary position embeddings (HF's non-interleaved layout) with default, linear and llama3 scaling."""
+"""Rotary position embeddings (HF's non-interleaved layout): default, linear, llama3 and LongRoPE scaling,
+partial rotary (the first `rotary_dim` of each head), and one table per kind of layer (Gemma 3's local
+layers rotate with their own base)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def inv_frequencies(head_dim: int, rope_theta: float, rope_type: str = "default",
                     rope_scaling: Mapping[str, Any] | None = None,
                     freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2] in float32, scaled as `rope_type` and `rope_scaling` say."""
+    """Per-pair inverse frequencies [head_dim // 2] in float32, scaled as `rope_type` and `rope_scaling` say.
+
+    `head_dim` is the rotated width (the whole head, or its first part with partial rotary). LongRoPE's
+    `rope_scaling` carries "ext_factors", the short or long factor list the model chose (models/rope.py).
+    """
     # Plain values, not ModelConfig: layers sit below models and must not import them.
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope_type == "longrope":  # transformers' order: 1 / (factor * base ** (2i / d))
+        ext = torch.tensor(rope_scaling["ext_factors"], dtype=torch.float32)
+        return 1.0 / (ext * rope_theta ** exponents)
+    inv_freq = 1.0 / (rope_theta ** exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / float(rope_scaling["factor"])
     elif rope_type == "llama3":
@@ -39,15 +50,50 @@ def _llama3_scale(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [num_tokens, 1, head_dim], computed once per forward and shared by all layers."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+            attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [num_tokens, 1, rotary_dim], computed once per forward and shared by all layers.
+
+    LongRoPE scales both by its attention factor (in float32, before the cast, as transformers does)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rotary_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by the per-token angles."""
+    """Rotate x [num_tokens, num_heads, head_dim] by the per-token angles (the first cos.shape[-1] dims only:
+    partial rotary leaves the rest of each head as it is)."""
+    rot = cos.shape[-1]
+    if rot != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class RotaryTables(nn.Module):
+    """One cos/sin table per kind of layer ("full", "sliding"), computed once per forward for all layers.
+
+    `specs` maps a kind to (inverse frequencies [rotary_dim // 2], attention factor). The frequencies are
+    buffers: they follow `.to(device)`, and `reset` recomputes them where a model was built on the meta device.
+    """
+
+    def __init__(self, specs: Mapping[str, tuple[torch.Tensor, float]]) -> None:
+        super().__init__()
+        self.kinds = tuple(specs)
+        self.factors = {kind: factor for kind, (_, factor) in specs.items()}
+        for kind, (inv_freq, _) in specs.items():
+            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+
+    def reset(self, specs: Mapping[str, tuple[torch.Tensor, float]], device: torch.device) -> None:
+        """Put freshly computed frequencies in place (float32, on `device`)."""
+        for kind, (inv_freq, _) in specs.items():
+            setattr(self, f"inv_freq_{kind}", inv_freq.to(device))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """kind -> (cos, sin), each [T, 1, rotary_dim]."""
+        return {kind: cos_sin(positions, getattr(self, f"inv_freq_{kind}"), dtype, self.factors[kind])
+                for kind in self.kinds}

@@ -6,7 +6,7 @@ import logging
 import resource
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
@@ -16,17 +16,20 @@ from lmserve.layers.linear import can_pack, pack_linears, skinny_coverage
 from lmserve.layers.native import native_module
 from lmserve.layers.parallel import apply_tensor_parallel, drop_row_biases
 from lmserve.layers.quantized import check_scheme, quantize_linears
-from lmserve.layers.rotary import inv_frequencies
 from lmserve.errors import CheckpointError
 from lmserve.loader.default_model import default_model_path
 from lmserve.loader.gguf_file import GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
+from lmserve.loader.prequant import (METHODS as PREQUANT_METHODS, CheckpointTensors, PrequantScheme, auto_prequant,
+                                     dequantized_rest, keep_prequantized, read_scheme)
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
-from lmserve.loader.sharding import TPShard, local_config, take_shard
+from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
 from lmserve.models.config import ModelConfig
-from lmserve.models.registry import build_model
+from lmserve.models.config_hf import config_from_hf
+from lmserve.models.registry import build_model, family_of
+from lmserve.models.rope import rope_specs
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +48,18 @@ class LoadedModel:
     load_seconds: float
     peak_rss_gib: float
     gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
-    # the weight format chosen at load (--quantization auto resolved): int8 | int4 | gguf; None: float weights
+    # the weight format chosen at load (--quantization auto resolved): int8 | int4 | gguf, or a pre-quantized
+    # checkpoint's method (gptq | awq | compressed-tensors) on the int kernels; None: float weights
     runtime_quantization: str | None = None
     shard: TPShard | None = None  # tensor parallelism: model holds this rank's part (model.config is per rank)
+    prequant: PrequantScheme | None = None  # a GPTQ / AWQ / compressed-tensors checkpoint's checked scheme
 
     @property
     def quantization(self) -> str:
-        """The checkpoint's weight format as stored (GGUF file type, e.g. MOSTLY_Q4_1), or 'none'."""
+        """The checkpoint's weight format as stored (GGUF file type, e.g. MOSTLY_Q4_1; a pre-quantized checkpoint's
+        scheme, e.g. gptq 4-bit g128 sym), or 'none'."""
+        if self.prequant is not None:
+            return self.prequant.summary
         if self.gguf is None or "general.file_type" not in self.gguf.metadata:
             return "none"
         from gguf import LlamaFileType
@@ -63,8 +71,14 @@ class LoadedModel:
 
     @property
     def weight_format(self) -> str:
-        """How the weights are held while serving: gguf | int8 | int4 | none (float, as `--quantization none`)."""
+        """How the weights are held while serving: gguf | gptq | awq | compressed-tensors (the int kernels' blocks) |
+        int8 | int4 | none (float, as `--quantization none`)."""
         return self.runtime_quantization or "none"
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Do the projections run on the native int kernels' blocks (a GGUF file's or a pre-quantized checkpoint's)?"""
+        return self.runtime_quantization in ("gguf",) + PREQUANT_METHODS
 
 
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
@@ -87,6 +101,7 @@ def read_model_config(path: Path) -> ModelConfig:
     """
     if path.is_dir():
         cfg = _config_from_dir(path)
+        _scheme_of(path)  # a refused quantization_config fails here too
         weight_files(path)  # a directory without weights fails here, not after the server is up
         return cfg
     if path.suffix.lower() == ".gguf":
@@ -103,7 +118,7 @@ def _refuse_format(path: Path) -> NoReturn:
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True,
                quantization: str | None = None, revision: str | None = None,
-               shard: TPShard | None = None) -> LoadedModel:
+               shard: TPShard | None = None, max_model_len: int | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     `pack` applies the fast CPU weight format (layers/linear.py); False keeps plain nn.Linear.
@@ -113,6 +128,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     `revision` picks the Hub revision when `model` is a Hub id.
     `shard` loads only this tensor-parallel rank's part and wraps the row-parallel layers (layers/parallel.py;
     the caller has joined the process group). `config` stays the whole model's; `model.config` is the rank's.
+    `max_model_len`, the context the engine will serve, picks LongRoPE's factors (models/rope.py).
     """
     if quantization:
         check_scheme(quantization, device)
@@ -123,19 +139,24 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     start = time.perf_counter()
     world = shard.world_size if shard is not None else 1
     gguf = read_gguf(path) if path.suffix.lower() == ".gguf" and not path.is_dir() else None
+    prequant = _scheme_of(path) if path.is_dir() else None
     if quantization == "auto":
-        quantization, why = auto_quantization(gguf, device, dtype, world)
+        quantization, why = (auto_quantization(gguf, device, dtype, world) if prequant is None
+                             else auto_prequant(prequant, device, dtype, world))
         log.info("--quantization auto: %s (%s)", quantization or "none", why)
     if path.is_dir():
         if quantization == "gguf":
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
-                                  "a safetensors checkpoint (use int8 or int4)")
-        cfg = _config_from_dir(path)
-        net = _empty_model(local_config(cfg, world), dtype, device)
+                                  "a safetensors checkpoint (use auto, int8 or int4)")
+        cfg = replace(_config_from_dir(path), max_model_len=max_model_len)
         files, weight_map = weight_files(path)
-        net.load_weights(iter_safetensors(files, weight_map, shard))
+        if prequant is not None:
+            net = _load_prequantized(files, prequant, cfg, dtype, device, shard, keep=quantization == prequant.method)
+        else:
+            net = _empty_model(local_config(cfg, world), dtype, device)
+            net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard))
     elif gguf is not None:
-        cfg = gguf_config(gguf)
+        cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
         net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf")
     else:
         _refuse_format(path)
@@ -152,7 +173,30 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     fmt = "safetensors" if gguf is None else "gguf"
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant)
+
+
+def _scheme_of(path: Path) -> PrequantScheme | None:
+    """A directory's checked quantization_config (None: float weights), refusals naming config.json."""
+    try:
+        return read_scheme(read_config(path))
+    except CheckpointError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+
+
+def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConfig, dtype: torch.dtype,
+                       device: torch.device, shard: TPShard | None, keep: bool) -> torch.nn.Module:
+    """Build and fill the model from a pre-quantized checkpoint; `keep`: layers that fit stay in int kernel blocks."""
+    tensors = CheckpointTensors(files)
+    consumed: set[str] = set()
+
+    def keep_blocks(net: torch.nn.Module) -> None:  # before anything is written: no float copy of a kept layer
+        consumed.update(keep_prequantized(net, tensors, scheme))
+
+    world = shard.world_size if shard is not None else 1
+    net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard))
+    return net
 
 
 def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -170,10 +214,23 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
     net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
     factors = rope_freq_factors(gguf)
     if factors is not None:
-        net.inv_freq.copy_(net.inv_freq / factors.to(device))
+        net.rotary.reset(rope_specs(net.config, factors), device)
     weights = iter_gguf(gguf, cfg, skip=kept)  # dequantized whole (Q/K unpermuted with the whole head count)
-    net.load_weights(weights if world == 1 else ((n, take_shard(n, t, shard), s) for n, t, s in weights))
+    net.load_weights(_family_tensors(weights, cfg, shard, whole=True))
     return net
+
+
+def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: ModelConfig, shard: TPShard | None,
+                    whole: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Checkpoint tensors as the family's hook gives them (renamed, fused ones split: models/<family>.py), each cut
+    to this rank's part where it came whole (`whole`: every tensor; else the parts of a fused tensor, which the
+    safetensors reader could not slice by its name)."""
+    hook = family_of(cfg).checkpoint_tensors
+    split = shard is not None and shard.world_size > 1
+    for name, tensor, source in weights:
+        for new, part in hook(name, tensor, cfg):
+            cut = split and (whole or (split_dim(name) is None and new != name))
+            yield new, take_shard(new, part, shard) if cut else part, source
 
 
 def _weight_format(net: torch.nn.Module, quantization: str | None, device: torch.device, dtype: torch.dtype,
@@ -215,7 +272,7 @@ def _skip_init() -> Iterator[None]:
 def _config_from_dir(path: Path) -> ModelConfig:
     raw = read_config(path)  # its errors name the file already
     try:
-        return ModelConfig.from_hf(raw)
+        return config_from_hf(raw)
     except CheckpointError as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
 
@@ -244,7 +301,7 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             transform(net)
         _materialize(net, dtype, device)
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
-    net.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling).to(device)
+    net.rotary.reset(rope_specs(cfg), device)
     return net
 
 

@@ -1,4 +1,8 @@
-"""GGUF files (llama.cpp): hyperparameters from metadata, tensors dequantized (vectorised) to float."""
+"""GGUF files (llama.cpp): hyperparameters from metadata, tensors dequantized (vectorised) to float.
+
+Tensor names follow llama.cpp's Llama names below; a family's own (models/<family>.py `gguf_names`) take
+precedence, and its `checkpoint_tensors` hook then sees HF names as from a safetensors checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import torch
 from lmserve.errors import CheckpointError
 from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
 from lmserve.models.config import ModelConfig
+from lmserve.models.config_gguf import config_from_gguf
+from lmserve.models.registry import family_of
 
 # GGUF tensor name -> HF name ({i} = layer index).
 _NAMES = {
@@ -27,12 +33,19 @@ _NAMES = {
     "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
     "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-_PATTERNS = [(re.compile("^" + re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"), h) for g, h in _NAMES.items()]
+# rope tensors are read into the config (models/rope.py, phi3.py), not loaded as weights
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _patterns(names: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    return [(re.compile("^" + re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"), h) for g, h in names.items()]
 
 
 def gguf_config(f: GGUFFile) -> ModelConfig:
@@ -46,8 +59,13 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != vocab:
         raise CheckpointError(f"{f.path}: tokenizer has {len(tokens)} tokens but token_embd.weight has {vocab} rows")
+    tensors = {t.name: t for t in f.tensors}
+
+    def small_tensor(name: str) -> torch.Tensor | None:
+        return _dequantize(tensors[name], f.path) if name in tensors else None
+
     try:
-        cfg = ModelConfig.from_gguf(meta, str(arch), vocab)
+        cfg = config_from_gguf(meta, str(arch), vocab, small_tensor)
     except CheckpointError as e:
         raise CheckpointError(f"{f.path}: {e}") from None
     has_output = any(t.name == "output.weight" for t in f.tensors)
@@ -63,17 +81,19 @@ def rope_freq_factors(f: GGUFFile) -> torch.Tensor | None:
 def iter_gguf(f: GGUFFile, cfg: ModelConfig, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield (hf_name, float32 tensor, file) for every weight but those named in `skip` (GGUF names: tensors
     kept in their quantized blocks), Q/K rows put back in HF order."""
+    patterns = _patterns(_NAMES | dict(family_of(cfg).gguf_names))
     for t in f.tensors:
-        if t.name == "rope_freqs.weight" or t.name in skip:
+        if t.name in _ROPE_TENSORS or t.name in skip:
             continue
-        name = _hf_name(t.name)
+        name = hf_name(t.name, patterns)
         if name is None:
             raise CheckpointError(f"{f.path}: unexpected tensor {t.name!r}")
         yield name, unpermute_qk(name, _dequantize(t, f.path), cfg), str(f.path)
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    for pattern, hf in _PATTERNS:
+def hf_name(gguf_name: str, patterns: list[tuple[re.Pattern[str], str]]) -> str | None:
+    """The HF name of a GGUF tensor, or None."""
+    for pattern, hf in patterns:
         m = pattern.match(gguf_name)
         if m:
             return hf.format(i=m.group(1)) if m.groups() else hf
@@ -105,8 +125,9 @@ def _dequantize(t: GGUFTensor, path: Path) -> torch.Tensor:
 
 
 def unpermute_qk(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row interleave so rotary halves are laid out as in HF checkpoints."""
-    if cfg.architecture != "llama":
+    """Undo llama.cpp's Q/K row interleave so rotary halves are laid out as in HF checkpoints (the families whose
+    converter interleaves them: those llama.cpp rotates in its "normal" style)."""
+    if not family_of(cfg).gguf_permuted_qk:
         return tensor
     if ".q_proj." in name:
         heads = cfg.num_heads

@@ -1,10 +1,12 @@
 """`--quantization gguf`: the model's projections, embedding and LM head read the GGUF file's own blocks.
 
 `keep_gguf_quantized` runs on the model while it is still on the meta device, before anything is
-allocated: every projection whose GGUF tensors are all of a type layers/gguf_linear.py can repack is
-replaced by a GGUFLinear built from the raw blocks in the memory map (fused qkv and gate_up stack their
-parts' rows; q and k rows are put in Hugging Face order as the float path does, llama.cpp interleaves
-them); the embedding table becomes a GGUFEmbedding (rows dequantized on lookup) and a tied LM head a
+allocated: every projection whose GGUF tensors are all of a type layers/gguf_linear.py can repack, in
+one kernel layout, is replaced by a GGUFLinear built from the raw blocks in the memory map (fused qkv and
+gate_up stack their parts' rows, or take a tensor the file stores fused, as Phi-3's; q and k rows are put in
+Hugging Face order as the float path does, llama.cpp interleaves them for some families). A fused
+projection whose parts are in different layouts (Q4_K_M files often give v a Q6_K or Q8_0 tensor beside
+Q4_K/Q5_0 q and k) becomes a FusedGGUFLinear, one GGUFLinear per run of parts in one layout; the embedding table becomes a GGUFEmbedding (rows dequantized on lookup) and a tied LM head a
 GGUFLinear over the same tensors. The loader then allocates and fills only what is left (norms, biases,
 tensors of other types such as F32/F16), so no float copy of a kept tensor is ever made.
 `auto_quantization` decides whether `--quantization auto` (the default) does this.
@@ -20,7 +22,7 @@ from torch import nn
 
 from lmserve.errors import CheckpointError
 from lmserve.layers.gguf_embedding import GGUFEmbedding, share_blocks
-from lmserve.layers.gguf_linear import BLOCK_BYTES, GGUFLinear, Repacked, concat, kernel_layout, repack
+from lmserve.layers.gguf_linear import BLOCK_BYTES, FusedGGUFLinear, GGUFLinear, Repacked, concat, kernel_layout, repack
 from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
 from lmserve.loader.gguf_loader import unpermute_qk
 from lmserve.models.config import ModelConfig
@@ -34,7 +36,9 @@ _LAYER_PARTS = {
     "mlp.gate_up_proj": (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj")),
     "mlp.down_proj": (("ffn_down", "down_proj"),),
 }
-_PROJECTIONS = tuple(g for parts in _LAYER_PARTS.values() for g, _ in parts)
+# the same projections where the file stores them fused (Phi-3: attn_qkv; ffn_up holding gate then up)
+_FUSED_PARTS = {"self_attn.qkv_proj": (("attn_qkv", "qkv_proj"),), "mlp.gate_up_proj": (("ffn_up", "gate_up_proj"),)}
+_PROJECTIONS = tuple(g for parts in _LAYER_PARTS.values() for g, _ in parts) + ("attn_qkv",)
 
 
 def type_name(t: GGUFTensor) -> str:
@@ -74,16 +78,26 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
     tensors = {t.name: t for t in f.tensors}
     kept: set[str] = set()
     for i, layer in enumerate(net.model.layers):
-        for path, parts in _LAYER_PARTS.items():
+        for path in _LAYER_PARTS:
+            parts = _parts(tensors, i, path)
             names = [f"blk.{i}.{g}.weight" for g, _ in parts]
             found = [tensors.get(n) for n in names]
             if all(t is not None and type_name(t) in BLOCK_BYTES for t in found):
                 hf = [f"model.layers.{i}.{path.split('.')[0]}.{h}.weight" for _, h in parts]
-                _swap(layer, path, concat([_rows(t, h, cfg) for t, h in zip(found, hf)]))
+                _swap(layer, path, [_rows(t, h, cfg) for t, h in zip(found, hf)])
                 kept.update(names)
     kept |= _keep_embedding(net, tensors, cfg, dtype)
     log.info("--quantization gguf: %d GGUF tensors stay in their quantized blocks", len(kept))
     return kept
+
+
+def _parts(tensors: dict[str, GGUFTensor], i: int, path: str) -> tuple[tuple[str, str], ...]:
+    """The GGUF tensors (and HF names) of layer i's projection `path`: separate parts, or the file's fused one."""
+    fused = _FUSED_PARTS.get(path)
+    separate = _LAYER_PARTS[path]
+    if fused is not None and f"blk.{i}.{separate[0][0]}.weight" not in tensors:
+        return fused
+    return separate
 
 
 def _keep_embedding(net: nn.Module, tensors: dict[str, GGUFTensor], cfg: ModelConfig, dtype: torch.dtype) -> set[str]:
@@ -116,11 +130,22 @@ def _rows(t: GGUFTensor, hf_name: str, cfg: ModelConfig) -> Repacked:
     return w if np.array_equal(order, np.arange(n)) else w.rows(order)
 
 
-def _swap(layer: nn.Module, path: str, w: Repacked) -> None:
+def _swap(layer: nn.Module, path: str, parts: list[Repacked]) -> None:
+    """Replace the projection at `path` by a GGUFLinear over `parts` (stacked), or a FusedGGUFLinear where their
+    layouts differ (one GGUFLinear per run of one layout)."""
     parent_name, attr = path.split(".")
     parent = getattr(layer, parent_name)
     old = getattr(parent, attr)
     bias = old.bias if isinstance(old, nn.Linear) else None
     if bias is not None and bias.is_meta:  # filled by the loader with the file's bias (Qwen2's q/k/v)
         bias = torch.empty(bias.shape)
-    setattr(parent, attr, GGUFLinear(w, old.in_features, bias))
+    runs: list[list[Repacked]] = []
+    for w in parts:
+        if runs and runs[-1][0].kind == w.kind:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    if len(runs) == 1:
+        setattr(parent, attr, GGUFLinear(concat(parts), old.in_features, bias))
+    else:
+        setattr(parent, attr, FusedGGUFLinear([GGUFLinear(concat(r), old.in_features, None) for r in runs], bias))

@@ -142,6 +142,9 @@ def hf_config(base: Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any
 
 def _config_from_model(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
     """A transformers config.json for a GGUF's ModelConfig (so transformers and lmserve read the same model)."""
+    if cfg.architecture not in _HF_ARCH:
+        raise CheckpointError(f"writing a config.json for a {cfg.architecture!r} GGUF is not supported yet; merge onto "
+                              "the model's Hugging Face checkpoint instead")
     arch, model_type = _HF_ARCH[cfg.architecture]
     config: dict[str, Any] = {
         "architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,

@@ -21,7 +21,7 @@ from lmserve.request import LoraRequest
 
 
 def target_slices(cfg: ModelConfig) -> dict[str, list[LoraSlice]]:
-    """Model attribute path (within a decoder layer) -> the HF projections it holds, as stacked in models/llama.py."""
+    """Model attribute path (within a decoder layer) -> the HF projections it holds, as stacked in models/decoder.py."""
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     return {
         "self_attn.qkv_proj": [LoraSlice("q_proj", 0, q), LoraSlice("k_proj", q, kv), LoraSlice("v_proj", q + kv, kv)],

@@ -1,4 +1,9 @@
-"""ModelConfig: one normalised description of a Llama-family model, from a HF config.json or GGUF metadata."""
+"""ModelConfig: one normalised description of a decoder-only model, whichever family and file it came from.
+
+`config_hf.config_from_hf` builds it from a Hugging Face config.json, `config_gguf.config_from_gguf` from GGUF
+metadata; the family files (models/llama.py, gemma.py, phi3.py) say what their family sets. Nothing here
+knows the families: every field is a plain property of the network, with the Llama value as its default.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +13,16 @@ from typing import Any, Mapping
 
 from lmserve.errors import CheckpointError
 
-# HF `architectures` / GGUF `general.architecture` values served by models/llama.py.
-HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-GGUF_ARCHITECTURES = {"llama", "qwen2"}
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
+ACTIVATIONS = {"silu", "gelu_tanh"}  # the gated MLP's activation: SwiGLU, GeGLU
+LAYER_TYPES = {"full", "sliding"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
+    """Hyperparameters of a decoder: the shared shape, then what sets families apart (defaults: Llama)."""
 
-    architecture: str
+    architecture: str  # the HF `architectures` entry or GGUF `general.architecture` it was read as
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,7 +32,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Mapping[str, Any] | None = None
+    rope_scaling: Mapping[str, Any] | None = None  # the table of full-attention layers (of every layer without a local one)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
@@ -36,6 +40,20 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"  # gated MLP activation: silu (SwiGLU) or gelu_tanh (GeGLU: Gemma)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
+    sandwich_norm: bool = False  # norms before and after both attention and MLP (Gemma 2/3)
+    norm_offset: float = 0.0  # every norm scales by (norm_offset + w): 1.0 for Gemma's HF weights
+    embed_scale: float | None = None  # embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (Gemma); None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention scores soft-capped by tanh (Gemma 2)
+    final_softcap: float | None = None  # logits soft-capped by tanh (Gemma 2)
+    sliding_window: int | None = None  # what "sliding" layers see: the last W tokens, the current one included
+    layer_types: tuple[str, ...] = ()  # "full" or "sliding" per layer; (): every layer full
+    local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3); None: one table
+    rotary_dim: int | None = None  # rotated width of each head (partial rotary: Phi-3.5/4-mini); None: head_dim
+    no_rope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3's NoPE layers)
+    max_model_len: int | None = None  # the served context when known at load: LongRoPE picks its factors by it
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +72,25 @@ class ModelConfig:
             return "default"
         return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
 
+    @property
+    def rotated_dim(self) -> int:
+        """How many dims of each head rotate."""
+        return self.rotary_dim or self.head_dim
+
+    def layer_type(self, i: int) -> str:
+        """"full" or "sliding" for layer i."""
+        return self.layer_types[i] if self.layer_types else "full"
+
+    def window(self, i: int) -> int | None:
+        """The attention window of layer i (None: the whole context)."""
+        return self.sliding_window if self.layer_type(i) == "sliding" else None
+
+    def rope_kind(self, i: int) -> str | None:
+        """Which rotary table layer i reads: "full", "sliding" (its own base), or None (no rotary)."""
+        if i in self.no_rope_layers:
+            return None
+        return "sliding" if self.local_rope_theta is not None and self.layer_type(i) == "sliding" else "full"
+
     def validate(self) -> None:
         """Reject impossible or unsupported hyperparameters with a readable message."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -65,8 +102,9 @@ class ModelConfig:
             raise CheckpointError(
                 f"config: num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise CheckpointError(f"config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotated_dim % 2 or self.rotated_dim > self.head_dim:
+            raise CheckpointError(f"config: the rotated width must be even and at most head_dim ({self.head_dim}), "
+                                  f"got {self.rotated_dim}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise CheckpointError(f"config: rope_theta must be positive, got {self.rope_theta}")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
@@ -75,98 +113,20 @@ class ModelConfig:
             raise CheckpointError(
                 f"config: rope scaling type {self.rope_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})")
+        if self.hidden_act not in ACTIVATIONS:
+            raise CheckpointError(f"config: activation {self.hidden_act!r} is not supported "
+                                  f"(supported: {', '.join(sorted(ACTIVATIONS))})")
+        self._validate_layers()
 
-    @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Normalise a Hugging Face config.json dict."""
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
-        if arch is None:
-            raise CheckpointError(
-                f"config.json: architectures {archs} not supported "
-                f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
-        try:
-            num_heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            eos = cfg.get("eos_token_id")
-            max_pos = int(cfg.get("max_position_embeddings", 2048))
-            rope_theta, rope_scaling = _rope_from_hf(cfg)
-            window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
-            if window:  # no sliding-window attention yet: never run past the window
-                max_pos = min(max_pos, int(window))
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                max_position_embeddings=max_pos,
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-                o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"config.json: missing or malformed field: {e}") from None
-
-    @classmethod
-    def from_gguf(cls, meta: Mapping[str, Any], arch: str, vocab_size: int) -> "ModelConfig":
-        """Normalise GGUF metadata (`meta` maps key -> python value, `arch` = general.architecture)."""
-        if arch not in GGUF_ARCHITECTURES:
-            raise CheckpointError(
-                f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
-
-        def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise CheckpointError(f"GGUF metadata: missing {arch}.{key}")
-            return value
-
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-                       or hidden // num_heads)
-        scaling = None
-        scale_type = meta.get(f"{arch}.rope.scaling.type")
-        if scale_type == "linear":
-            scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-        elif scale_type not in (None, "none"):
-            raise CheckpointError(f"GGUF metadata: rope scaling type {scale_type!r} is not supported")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls(
-            architecture=arch,
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length")),
-            tie_word_embeddings=False,  # decided by the loader from the presence of output.weight
-            qkv_bias=arch == "qwen2",
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
-        )
-
-
-def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
-    """rope_theta and scaling from either the classic `rope_theta` + `rope_scaling` fields or
-    transformers 5's `rope_parameters` (which holds both)."""
-    params = cfg.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        return theta, None
-    return theta, dict(scaling)
+    def _validate_layers(self) -> None:
+        if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - LAYER_TYPES):
+            raise CheckpointError(f"config: layer_types must name 'full' or 'sliding' for each of the "
+                                  f"{self.num_layers} layers, got {list(self.layer_types)}")
+        if "sliding" in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise CheckpointError(f"config: sliding layers need a positive sliding_window, got {self.sliding_window!r}")
+        if any(not 0 <= i < self.num_layers for i in self.no_rope_layers):
+            raise CheckpointError(f"config: no_rope_layers {list(self.no_rope_layers)} outside 0..{self.num_layers - 1}")
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar", "embed_scale", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise CheckpointError(f"config: {name} must be positive, got {value}")

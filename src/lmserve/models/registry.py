@@ -1,21 +1,42 @@
-"""Architecture name -> model class. One Llama-family implementation serves them all."""
+"""Architecture name -> model family. A name is a config.json `architectures` entry or a GGUF
+`general.architecture`; the family says how to read that file (models/family.py), and every family builds
+the shared CausalLM (models/decoder.py)."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from lmserve.models import gemma, llama, phi3
 from lmserve.models.config import ModelConfig
-from lmserve.models.llama import LlamaForCausalLM
+from lmserve.models.family import Family
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "llama": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
+HF_ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": llama.LLAMA,
+    "MistralForCausalLM": llama.MISTRAL,
+    "Qwen2ForCausalLM": llama.QWEN2,
+    "Qwen3ForCausalLM": llama.QWEN3,
+    "SmolLM3ForCausalLM": llama.SMOLLM3,
+    "Gemma2ForCausalLM": gemma.GEMMA2,
+    "Gemma3ForCausalLM": gemma.GEMMA3,
+    "Gemma3ForConditionalGeneration": gemma.GEMMA3_MULTIMODAL,  # its language model (no vision tower)
+    "Phi3ForCausalLM": phi3.PHI3,
+}
+GGUF_ARCHITECTURES: dict[str, Family] = {
+    "llama": llama.LLAMA,  # also Mistral's files
+    "qwen2": llama.QWEN2,
+    "qwen3": llama.QWEN3,
+    "smollm3": llama.SMOLLM3,
+    "gemma2": gemma.GEMMA2,
+    "gemma3": gemma.GEMMA3,
+    "phi3": phi3.PHI3,
 }
 
 
+def family_of(cfg: ModelConfig) -> Family:
+    """The family a config was read as."""
+    return HF_ARCHITECTURES.get(cfg.architecture) or GGUF_ARCHITECTURES[cfg.architecture]
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """Instantiate the class registered for the config's architecture."""
-    return MODEL_REGISTRY[cfg.architecture](cfg)
+    """Instantiate the model of the config's family."""
+    return family_of(cfg).model(cfg)

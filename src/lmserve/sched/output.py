@@ -67,6 +67,19 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVTransfers:
+    """One step's copies between the KV pool and the tier below it (cache/kv_tier.py), as (block id, prefix hash).
+
+    The runner (worker/kv_transfer.py) does `saves` and then `loads` before the forward (a block evicted this
+    step may be the one a load fills), and `persists` after it (the forward writes those blocks).
+    """
+
+    saves: list[tuple[int, bytes]] = field(default_factory=list)  # evicted cached blocks: their old KV to host memory
+    loads: list[tuple[int, bytes]] = field(default_factory=list)  # fresh blocks to fill from the tier
+    persists: list[tuple[int, bytes]] = field(default_factory=list)  # blocks this step fills: to disk
+
+
+@dataclass
 class SchedulerOutput:
     """The batch of one engine step and the changes to the set of requests since the last one."""
 
@@ -76,6 +89,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)  # blocks freed; rows kept for when they resume
     # allowed tokens of every constrained sampling row, [rows, ceil(V / 32)] int32 (bit t % 32 of word t // 32)
     grammar_bitmask: np.ndarray | None = None
+    kv_transfers: KVTransfers | None = None  # with a KV tier: the copies this step needs (None: none)
 
     @property
     def is_empty(self) -> bool:

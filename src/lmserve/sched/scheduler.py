@@ -26,7 +26,7 @@ from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
 from lmserve.request import LoraRequest, Request, RequestStatus, TokenLogprobs
 from lmserve.sched.fairness import fair_victim, next_waiting
-from lmserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from lmserve.sched.output import KVTransfers, NewRequestData, ScheduledRequest, SchedulerOutput
 from lmserve.sched.stop import StopChecker
 from lmserve.structured.grammar import fill_bitmask
 
@@ -105,6 +105,8 @@ class Scheduler:
         if len(out.preempted_ids) == num_fair_preempted:  # out of KV blocks: admitting would only preempt again
             budget = self._admit(out, budget)
         self._grammar_rows(out)
+        copies = self.kv.take_transfers()
+        out.kv_transfers = KVTransfers(*copies) if copies is not None else None
         return out
 
     def _grammar_rows(self, out: SchedulerOutput) -> None:

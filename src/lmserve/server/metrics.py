@@ -281,6 +281,45 @@ class _EngineCollector:
             for model, eng in engines.items():
                 c.add_metric([model], float(value(eng)))
             yield c
+        yield from _kv_tier_metrics(engines)
+
+
+# The KV tier below the pool (cache/kv_tier.py), per model and tier (host | disk); engines without one export none.
+_TIER_COUNTERS = {
+    "lmserve:kv_offload_hit_tokens": ("hit_tokens", "Prompt tokens whose KV was loaded from the KV tier, not computed"),
+    "lmserve:kv_offload_loads": ("loads", "KV blocks copied from the tier into the pool"),
+    "lmserve:kv_offload_load_bytes": ("load_bytes", "Bytes copied from the tier into the pool"),
+    "lmserve:kv_offload_stores": ("stores", "KV blocks copied into the tier (host: evicted from the pool; disk: written)"),
+    "lmserve:kv_offload_store_bytes": ("store_bytes", "Bytes copied into the tier"),
+}
+_DISK_COUNTERS = {
+    "lmserve:kv_offload_disk_rejected_files": ("rejected", "Block files refused on read (corrupt, truncated or "
+                                                           "foreign) and deleted"),
+    "lmserve:kv_offload_disk_dropped_blocks": ("dropped", "Blocks not written: the disk writer's queue was full"),
+    "lmserve:kv_offload_disk_failed_writes": ("failed", "Block writes that failed (disk full, permissions)"),
+}
+
+
+def _kv_tier_metrics(engines: dict):
+    """The tiers' counters and sizes, from each engine's load (EngineLoad.kv_tier: plain ints)."""
+    stats = [(model, tier, st) for model, load in engines.items() for tier, st in load.kv_tier.items()]
+    if not stats:
+        return
+    for name, (key, doc) in _TIER_COUNTERS.items():
+        c = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+        for model, tier, st in stats:
+            c.add_metric([model, tier], float(st[key]))
+        yield c
+    g = GaugeMetricFamily("lmserve:kv_offload_usage_bytes", "Bytes the KV tier holds", labels=["model_name", "tier"])
+    for model, tier, st in stats:
+        g.add_metric([model, tier], float(st["used_bytes"]))
+    yield g
+    for name, (key, doc) in _DISK_COUNTERS.items():
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        for model, tier, st in stats:
+            if tier == "disk":
+                c.add_metric([model], float(st[key]))
+        yield c
 
 
 class _LoraInfo:

@@ -206,7 +206,7 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     supports = template_supports_tools(st.front.tokenizer.chat_template)
     messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)
     record = caller.record
-    ids = await st.tokenize_chat(messages, record, template_kwargs)
+    ids = await st.tokenize_chat(messages, record, {**(req.chat_template_kwargs or {}), **template_kwargs})
     grammar = await st.compile_grammar(params)
     lora = await st.lora_for(req.model, record)
     [max_tokens] = st.admit([ids], params, record)

@@ -191,6 +191,16 @@ class ChatRequest(_Sampling):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extension: extra variables for the chat template (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & {"messages", "add_generation_prompt", "tools"})
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields do)")
+        return kwargs
 
     @field_validator("tools")
     @classmethod

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from lmserve.loader.fingerprint import weights_fingerprint
+
 log = logging.getLogger("lmserve.server")
 
 IGNORED_FIELDS = ("stream", "stream_options", "user", "cache", "cache_salt")  # they do not change the answer
 _WARN_EVERY_S = 60.0
-_HEAD_BYTES = 2**20  # of each weight file, hashed into the fingerprint
-_WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 
 
 class Backend(Protocol):
@@ -141,20 +141,6 @@ def cacheable(body: dict[str, Any]) -> bool:
         return False
     temperature = body.get("temperature", 1.0)
     return temperature == 0 or body.get("seed") is not None
-
-
-def weights_fingerprint(path: Path) -> str:
-    """A short digest of a checkpoint file or directory: each file's name, size and mtime, and the first MiB of
-    each weight file. Not a full hash (a start reads no more than a few MiB); any re-export changes it."""
-    h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        if f.suffix in _WEIGHT_SUFFIXES or f is path:
-            with open(f, "rb") as fh:
-                h.update(fh.read(_HEAD_BYTES))
-    return h.hexdigest()[:16]
 
 
 def cache_key(model: str, key_name: str, route: str, body: dict[str, Any]) -> str:

@@ -33,6 +33,29 @@ MAX_RENDER_CHARS = 16 * 2**20  # far more text than any context window holds
 _YIELD_EVERY = 64  # template lines between GIL hand-offs and clock checks (a real render runs a few thousand)
 
 
+# The turn format of a family whose GGUF files often come without a template (`tokenizer.chat_template`), keyed by
+# general.architecture prefix: what its own template renders. Gemma has no system role: a system message opens the
+# first user turn, as Gemma 3's template and llama.cpp's built-in "gemma" format do it.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first = messages[0]['content'] | trim + '\n\n' -%}{%- set messages = messages[1:] -%}"
+    "{%- else -%}{%- set first = '' -%}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n'"
+    " + (first if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+BUILT_IN_TEMPLATES = {"gemma": GEMMA_TEMPLATE}
+
+
+def built_in_template(architecture: str) -> str | None:
+    """The turn format for a GGUF architecture whose file carries no chat template (None: none known)."""
+    return next((t for prefix, t in BUILT_IN_TEMPLATES.items() if architecture.startswith(prefix)), None)
+
+
 def message_text(message: Mapping[str, Any]) -> str:
     """A message's content as one string: a string, or OpenAI text parts joined; other parts are refused."""
     content = message.get("content")

@@ -6,7 +6,9 @@ Two GGUF vocabularies are supported:
   wrong split silently changes every prompt).
 - "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral): merges are implied by the
   piece scores, and the prefix space goes before every run of text, after special tokens too,
-  as llama.cpp and sentencepiece itself do.
+  as llama.cpp and sentencepiece itself do. Gemma's files use the same model name, but their
+  scores do not follow the merge order (the pieces' order in the file does), multi-space pieces
+  are stored as real spaces, and there is no prefix space: built as transformers rebuilds them.
 Token types mark control tokens (special) and user-defined ones (always matched whole).
 """
 
@@ -123,10 +125,13 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
         raise ValueError(f"{source}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
     tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
     types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
-    hf, add_bos_default = _BUILDERS[kind](meta, tokens, types, source)
+    gemma = kind == "llama" and str(meta.get("general.architecture", "")).startswith("gemma")
+    hf, add_bos_default = (_gemma_bpe if gemma else _BUILDERS[kind])(meta, tokens, types, source)
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, k in zip(tokens, types) if k == CONTROL])
-    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    # user-defined pieces are matched whole, where the vocabulary spells them as the file does (not Gemma's spaces)
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                   if k == USER_DEFINED and hf.token_to_id(t) is not None])
     ids = {name: _token_id(meta, key, len(tokens)) for name, key in NAMED_IDS.items()}
     special = {name: tokens[i] for name, i in ids.items() if i is not None}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
@@ -168,10 +173,6 @@ def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int]
 def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
                        source: str) -> tuple[HFTokenizer, bool]:
     """A SentencePiece-BPE tokenizer with byte fallback from pieces, scores and types."""
-    arch = str(meta.get("general.architecture", ""))
-    if arch.startswith("gemma"):  # Gemma's scores do not follow its merge order
-        raise ValueError(f"{source}: GGUF SentencePiece vocabularies of {arch!r} models are not supported yet; "
-                         "serve the model's Hugging Face directory instead")
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise ValueError(f"{source}: GGUF SentencePiece vocabulary has no scores for its {len(tokens)} tokens")
@@ -186,6 +187,34 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[i
     hf.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
                                    + [decoders.Strip(" ", 1, 0)] * prefix)
     return hf, True
+
+
+def _gemma_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                source: str) -> tuple[HFTokenizer, bool]:
+    """Gemma's SentencePiece BPE: byte fallback, spaces spelled "▁" with no prefix space, merges in file order."""
+    # a piece of spaces is stored as real spaces ("  "), but text reaches the model spelled "▁▁"
+    spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = _vocab(spelled)
+    unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges_by_position(spelled, vocab), fuse_unk=True,
+                                unk_token=spelled[3 if unk is None else unk], byte_fallback=True))
+    hf.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    hf.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return hf, True
+
+
+def merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Merges of every piece that two pieces join into, the piece earlier in the vocabulary first (then the longer
+    left part), as transformers derives them for a vocabulary whose order is its merge order."""
+    last = {piece: index for index, piece in enumerate(tokens)}  # a piece spelled twice ranks by its last place
+    merges = []
+    for piece in sorted(last, key=last.__getitem__):  # emitted in rank order: no sort of the merges themselves
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
 
 
 def merges_from_scores(tokens: list[str], scores: Any, types: list[int]) -> list[tuple[str, str]]:

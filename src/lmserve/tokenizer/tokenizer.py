@@ -70,7 +70,8 @@ class Tokenizer:
         """Build from a GGUF file's metadata; pass `reader` (a GGUFReader or parsed metadata) if already read."""
         meta = gguf_metadata(Path(path), reader)
         vocab = build_from_gguf(meta, str(path))
-        return cls(vocab.hf, vocab.special_tokens, vocab.eos_token_ids, meta.get("tokenizer.chat_template"))
+        template = meta.get("tokenizer.chat_template") or ct.built_in_template(str(meta.get("general.architecture", "")))
+        return cls(vocab.hf, vocab.special_tokens, vocab.eos_token_ids, template)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> "Tokenizer":

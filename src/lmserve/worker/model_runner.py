@@ -10,6 +10,7 @@ import torch
 
 from lmserve.layers.attention import ContiguousAttention
 from lmserve.layers.attention_backends import attention_factory
+from lmserve.layers.decode_stack import apply_decode_stack
 from lmserve.layers.kv_quant import row_width
 from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
@@ -22,6 +23,7 @@ from lmserve.worker.cuda_graphs import DecodeGraphs, ScratchSlot, sampling_rows_
 from lmserve.worker.input_batch import InputBatch
 from lmserve.worker.inputs import StepInputs, StepLayout, build_inputs
 from lmserve.worker.kv_memory import kv_zeros
+from lmserve.worker.kv_transfer import KVTransfer
 from lmserve.worker.upload import PinnedStaging, to_device
 
 
@@ -71,8 +73,17 @@ class ModelRunner:
         self.sampler = Sampler()
         self.batch = InputBatch(cfg.vocab_size, device, samples=samples)
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
+        self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)
         # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
         native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
+        # a transform of the finished model (after weight formats, LoRA, parallel wrappers): decode-only steps run
+        # every layer in one native call where the layers are ones it runs; the module loop stays the reference
+        self.decode_stack = apply_decode_stack(model)
+
+    def kv_block_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor indexed by KV block, with the dimension of that index: what a block's bytes are (the KV
+        tier copies all of them; a cache with per-block scales lists those too)."""
+        return [(kv, 1) for kv in self.kv_caches]
 
     def enable_decode_graphs(self, max_rows: int, max_blocks: int, capture: bool) -> float:
         """Run decode-only steps of up to max_rows tokens at fixed shapes (captured as CUDA graphs when
@@ -96,6 +107,8 @@ class ModelRunner:
         inputs, meta, gather, pending, lora_meta = to_device(
             (upload, meta, gather, self.batch.take_pending(), lora_meta), self.device, self.staging)
         self.batch.apply_pending(pending)
+        if out.kv_transfers is not None:
+            self.kv_transfer.before_forward(out.kv_transfers)
         if self.lora is not None:
             self.lora.batch.meta = lora_meta  # has_lora for this step: None leaves every row on the base path
         if graph_step:
@@ -110,6 +123,8 @@ class ModelRunner:
             self.batch.attach_counts(meta, gather)
             sampled = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), meta)  # [N]
             self._collect(out, layout, sampled, result)
+        if out.kv_transfers is not None:
+            self.kv_transfer.after_forward(out.kv_transfers)
         return result
 
     @torch.inference_mode()

@@ -8,7 +8,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, no_gil(), "paged single-token attention (float32, CPU)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("table_rows") = pybind11::none());
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("table_rows") = pybind11::none(),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
   m.def("write_kv", &write_kv, "store K/V [T, kv_heads, D] float32 at their slots of a [2, blocks, block_size, "
         "kv_heads, W] cache, quantizing where its format does (float32, float16, int8, float8_e4m3fn)");
   m.def("rms_norm", &rms_norm, "out = weight * (x / rms(x)) per row (float32, CPU)");

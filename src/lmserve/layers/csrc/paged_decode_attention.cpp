@@ -6,10 +6,13 @@
 // 3-5x faster (measured in tests/test_native_attention.py's benchmark notes and benchmarks/). Each
 // (sequence, kv head) is computed alone in a fixed order, so results do not depend on the batch.
 //
-// q [B, H, D] float32; k_cache, v_cache [num_blocks, block_size, Hkv, W] in one of kv_cache.h's formats (float32,
-// float16, or int8 / e4m3 codes with a scale per 32), each row read as its float32 values (code * scale) with no
-// dequantized copy of the cache; block_tables [B, max_blocks] int64; context_lens [B] int64 (>= 1). Query head h
-// uses kv head h / (H / Hkv), as HF's repeat_kv does. write_kv_rows (below) is the one writer of those formats.
+// q [B, H, D] float32 (D = 64, 128 or 256); k_cache, v_cache [num_blocks, block_size, Hkv, W] in one of kv_cache.h's
+// formats (float32, float16, or int8 / e4m3 codes with a scale per 32), each row read as its float32 values
+// (code * scale) with no dequantized copy of the cache; block_tables [B, max_blocks] int64; context_lens [B] int64
+// (>= 1). Query head h uses kv head h / (H / Hkv), as HF's repeat_kv does. write_kv_rows (below) is the one writer
+// of those formats.
+// window > 0: row b attends only to its last `window` keys (sliding-window layers); softcap > 0: each score s
+// becomes softcap * tanh(s / softcap) after the scale (Gemma 2), as transformers computes them.
 
 #include "kv_cache.h"
 #include "ops.h"
@@ -41,10 +44,20 @@ inline const float* as_float(const KV* row, float* buf) {
   }
 }
 
+// the first key a row of context length L sees: L - window for a sliding-window layer, else 0
+inline int64_t first_key(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
+
+// s <- softcap * tanh(s / softcap) for n scores (no-op when softcap <= 0)
+inline void soft_cap(float* s, int64_t n, float softcap) {
+  if (softcap <= 0.f) return;
+  for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+}
+
 template <int D, typename KV>
 void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
-                      int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale) {
+                      int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale, int64_t window,
+                      float softcap) {
   const int64_t G = H / Hkv, n = B * Hkv, W = row_width<KV>(D);
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -53,15 +66,17 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       // contiguous chunks parallel_for hands out would otherwise leave the longest ones for last (with 2 threads
       // and static halves, 3/4 of a causal prefill's work went to one thread).
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;
-      const int64_t b = item / Hkv, kv_head = item % Hkv, L = context_lens[b];
+      const int64_t b = item / Hkv, kv_head = item % Hkv, t0 = first_key(context_lens[b], window);
+      const int64_t L = context_lens[b] - t0;  // keys seen, from position t0
       const int64_t* table = block_tables + (table_rows ? table_rows[b] : b) * max_blocks;
       const float* q_rows = q + (b * H + kv_head * G) * D;
       scores.resize(G * L);
-      // scores[g, t] = q_g . k_t * scale
+      // scores[g, t] = q_g . k_(t0 + t) * scale
       float row_buf[D];
       for (int64_t t = 0; t < L; ++t) {
+        const int64_t p = t0 + t;
         const float* __restrict__ k = as_float<D>(
-            k_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * W, row_buf);
+            k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W, row_buf);
         for (int64_t g = 0; g < G; ++g) {
           const float* __restrict__ qg = q_rows + g * D;
           float acc = 0.f;
@@ -72,6 +87,7 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       // softmax over t, per query head
       for (int64_t g = 0; g < G; ++g) {
         float* __restrict__ s = scores.data() + g * L;
+        soft_cap(s, L, softcap);
         float top = s[0];
         for (int64_t t = 1; t < L; ++t) top = std::max(top, s[t]);
         float sum = 0.f;
@@ -87,8 +103,9 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       for (int64_t g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
       for (int64_t t = 0; t < L; ++t) {
+        const int64_t p = t0 + t;
         const float* __restrict__ v = as_float<D>(
-            v_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * W, row_buf);
+            v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W, row_buf);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           for (int d = 0; d < D; ++d) acc[g][d] += p * v[d];
@@ -208,7 +225,7 @@ void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* o
 
 template <int D, typename KV>
 void weighted_values_any(const float* p, int64_t L, const KV* const* vrows, float* out, int64_t G) {
-  constexpr int kMax = D == 64 ? 4 : 2;  // 16 accumulators
+  constexpr int kMax = D == 64 ? 4 : D == 128 ? 2 : 1;  // 16 accumulators (D = 256: one head's 16 already)
   for (int64_t g = 0; g < G; g += kMax) {
     const float* pg = p + g * L;
     float* og = out + g * D;
@@ -224,7 +241,8 @@ void weighted_values_any(const float* p, int64_t L, const KV* const* vrows, floa
 template <int D, typename KV>
 void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
-                      int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale) {
+                      int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale, int64_t window,
+                      float softcap) {
   const int64_t G = H / Hkv, n = B * Hkv, W = row_width<KV>(D);
   constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV));
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
@@ -232,12 +250,16 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
     std::vector<const KV*> rows;
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
-      const int64_t b = item / Hkv, kv_head = item % Hkv, L = context_lens[b];
+      const int64_t b = item / Hkv, kv_head = item % Hkv, t0 = first_key(context_lens[b], window);
+      const int64_t L = context_lens[b] - t0;  // keys seen, from position t0
       const int64_t* table = block_tables + (table_rows ? table_rows[b] : b) * max_blocks;
       const float* q_rows = q + (b * H + kv_head * G) * D;
       scores.resize(G * L);
       rows.resize(L);
-      for (int64_t t = 0; t < L; ++t) rows[t] = k_cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + kv_head) * W;
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t p = t0 + t;
+        rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
+      }
       const __m512 sc = _mm512_set1_ps(scale);
       alignas(64) float widened[16 * D];  // a chunk's keys as float32 values, widened once for all G query heads
       const float* keys[16];
@@ -259,7 +281,10 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
           _mm512_mask_storeu_ps(scores.data() + g * L + t, lanes(nk), _mm512_mul_ps(d, sc));
         }
       }
-      for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * L, L);
+      for (int64_t g = 0; g < G; ++g) {
+        soft_cap(scores.data() + g * L, L, softcap);
+        softmax_row(scores.data() + g * L, L);
+      }
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
       weighted_values_any<D, KV>(scores.data(), L, rows.data(), out + (b * H + kv_head * G) * D, G);
     }
@@ -275,7 +300,7 @@ template <typename KV>
 void run_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, const int64_t* rows,
                    torch::Tensor& out, int64_t B, int64_t H, int64_t D, int64_t block_size, int64_t Hkv, int64_t mb,
-                   float s) {
+                   float s, int64_t window, float softcap) {
   const float* pq = q.data_ptr<float>();
   const KV* pk = static_cast<const KV*>(k_cache.data_ptr());
   const KV* pv = static_cast<const KV*>(v_cache.data_ptr());
@@ -283,11 +308,11 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   float* po = out.data_ptr<float>();
 #if defined(LMSERVE_ATTENTION_AVX512)
-  auto run = D == 64 ? attention_avx512<64, KV> : attention_avx512<128, KV>;
+  auto run = D == 64 ? attention_avx512<64, KV> : D == 128 ? attention_avx512<128, KV> : attention_avx512<256, KV>;
 #else
-  auto run = D == 64 ? decode_attention<64, KV> : decode_attention<128, KV>;
+  auto run = D == 64 ? decode_attention<64, KV> : D == 128 ? decode_attention<128, KV> : decode_attention<256, KV>;
 #endif
-  run(pq, pk, pv, bt, cl, rows, po, B, H, block_size, Hkv, mb, s);
+  run(pq, pk, pv, bt, cl, rows, po, B, H, block_size, Hkv, mb, s, window, softcap);
 }
 
 namespace {
@@ -314,7 +339,7 @@ int64_t row_width_of(c10::ScalarType type, int64_t D) {
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> table_rows) {
+                                     c10::optional<torch::Tensor> table_rows, int64_t window, double softcap) {
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv_type,
               "CPU tensors only: float32 queries over a float32, float16, int8 or float8_e4m3fn cache");
@@ -326,7 +351,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(D == 64 || D == 128, "head_dim 64 or 128 only");
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256 only");
   TORCH_CHECK(k_cache.size(3) == row_width_of(kv_type, D) && H % Hkv == 0 && H / Hkv <= kMaxGroup,
               "unsupported head layout");
   TORCH_CHECK(context_lens.size(0) == B);
@@ -341,14 +366,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
   const int64_t mb = block_tables.size(1);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
+  const float cap = static_cast<float>(softcap);
   with_kv_type(kv_type, [&](auto* tag) {
     using KV = std::remove_pointer_t<decltype(tag)>;
-    run_attention<KV>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s);
+    run_attention<KV>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s,
+                      window, cap);
   });
   return out;
 }
 
-void write_kv_rows(const torch::Tensor& cache, const float* k, const float* v, int64_t row_stride,
+void write_kv_rows(const torch::Tensor& cache, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
                    const int64_t* slots, int64_t T, int64_t Hkv, int64_t D) {
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == Hkv &&
               cache.size(4) == row_width_of(cache.scalar_type(), D), "KV cache: contiguous [2, blocks, block_size, ",
@@ -365,8 +393,8 @@ void write_kv_rows(const torch::Tensor& cache, const float* k, const float* v, i
     lmserve::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t h = 0; h < Hkv; ++h) {
-          lmserve_kv::encode_row(k + t * row_stride + h * D, kc + (slots[t] * Hkv + h) * W, D);
-          lmserve_kv::encode_row(v + t * row_stride + h * D, vc + (slots[t] * Hkv + h) * W, D);
+          lmserve_kv::encode_row(k + t * k_stride + h * D, kc + (slots[t] * Hkv + h) * W, D);
+          lmserve_kv::encode_row(v + t * v_stride + h * D, vc + (slots[t] * Hkv + h) * W, D);
         }
     });
   });
@@ -380,5 +408,6 @@ void write_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tens
   v = v.contiguous();
   slot_mapping = slot_mapping.contiguous();
   const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
-  write_kv_rows(cache, k.data_ptr<float>(), v.data_ptr<float>(), Hkv * D, slot_mapping.data_ptr<int64_t>(), T, Hkv, D);
+  write_kv_rows(cache, k.data_ptr<float>(), Hkv * D, v.data_ptr<float>(), Hkv * D, slot_mapping.data_ptr<int64_t>(), T,
+                Hkv, D);
 }

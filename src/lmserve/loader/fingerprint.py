@@ -1,0 +1,23 @@
+"""What identifies a checkpoint's weights cheaply: the response cache and the KV tier key their entries by it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+_HEAD_BYTES = 2**20  # of each weight file, hashed into the fingerprint
+_WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
+
+
+def weights_fingerprint(path: Path) -> str:
+    """A short digest of a checkpoint file or directory: each file's name, size and mtime, and the first MiB of
+    each weight file. Not a full hash (a start reads no more than a few MiB); any re-export changes it."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        if f.suffix in _WEIGHT_SUFFIXES or f is path:
+            with open(f, "rb") as fh:
+                h.update(fh.read(_HEAD_BYTES))
+    return h.hexdigest()[:16]

@@ -1,0 +1,64 @@
+"""What a model family file declares: how its config.json and GGUF metadata set ModelConfig's fields, and
+how its checkpoints name and store tensors. The network itself is the shared `CausalLM` (models/decoder.py).
+
+A family file (models/llama.py, gemma.py, phi3.py) defines one `Family` per architecture and
+models/registry.py maps architecture names to them: adding the next family is one file and a registry line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from lmserve.errors import CheckpointError
+from lmserve.models.config import ModelConfig
+from lmserve.models.decoder import CausalLM
+
+Fields = dict[str, Any]  # ModelConfig field -> value
+Tensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class GGUFMeta:
+    """A GGUF file's metadata, read as `{arch}.key`; `tensor(name)` reads a small tensor (rope factors)."""
+
+    def __init__(self, meta: Mapping[str, Any], arch: str,
+                 tensor: Callable[[str], torch.Tensor | None] = lambda name: None) -> None:
+        self.meta, self.arch, self.tensor = meta, arch, tensor
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`{arch}.{key}`, or `default` when absent."""
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"GGUF metadata: missing {self.arch}.{key}")
+        return value
+
+
+def _no_fields(_: Any) -> Fields:
+    return {}
+
+
+def _as_is(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Tensors:
+    yield name, tensor
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture's differences from a Llama; every hook's default is Llama's."""
+
+    name: str
+    hf_fields: Callable[[Mapping[str, Any]], Fields] = _no_fields  # config.json -> fields it sets
+    gguf_fields: Callable[[GGUFMeta], Fields] = _no_fields  # GGUF metadata -> fields it sets
+    # GGUF tensor name -> HF name where llama.cpp's names for this family differ from Llama's ({i}: layer)
+    gguf_names: Mapping[str, str] = field(default_factory=dict)
+    gguf_permuted_qk: bool = False  # llama.cpp's converter interleaved q/k rows (it rotates them "normal" style)
+    # a multimodal wrapper's config.json -> the language model's (top-level token ids kept)
+    text_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda cfg: cfg
+    # one checkpoint tensor (HF name) -> the tensors load_weights takes: renamed, split (fused qkv) or dropped
+    checkpoint_tensors: Callable[[str, torch.Tensor, ModelConfig], Tensors] = _as_is
+    model: Callable[[ModelConfig], nn.Module] = CausalLM
