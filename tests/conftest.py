@@ -55,6 +55,17 @@ def save_tiny_hf(tmp_path, kind: str, max_shard_size: str = "100KB"):
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 128, 256, 3, 8, 2
 
 
+def write_hub_snapshot(cache, hub_id: str, snapshot: str):
+    """A Hugging Face cache entry for `hub_id` as `hf download` leaves one (refs/main naming the snapshot), holding a
+    tiny Llama; returns the repo's folder in the cache."""
+    repo = cache / ("models--" + hub_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(snapshot)
+    (repo / "snapshots").mkdir()
+    write_tiny_llama(repo / "snapshots" / snapshot)
+    return repo
+
+
 def write_tiny_llama(path) -> None:
     """config.json, model.safetensors (random, seeded) and a word-level tokenizer.json."""
     from safetensors.torch import save_file

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.server.batch import DuplicateCustomId, ResultsFile, read_lines
+from lmserve.server.batch.lines import DuplicateCustomId, ResultsFile, read_lines
 from tests.test_cli_errors import assert_one_line_error, lmserve
 
 MODEL = "SmolLM2-135M-Instruct"

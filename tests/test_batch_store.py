@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmserve.server.batch_store import BatchJob, BatchStore
+from lmserve.server.batch.store import BatchJob, BatchStore
 
 
 def test_files_and_jobs_round_trip_per_owner(tmp_path):

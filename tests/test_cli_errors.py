@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from lmserve.server.errors import APIError
-from lmserve.server.params import TokenLimits, chat_params
+from lmserve.server.api.params import chat_params
+from lmserve.server.config import TokenLimits
 from lmserve.server.protocol import ChatRequest
 from tests.conftest import write_tiny_llama
 from tests.server_util import running_server

@@ -13,7 +13,7 @@ import pytest
 
 from lmserve import __version__
 from lmserve.cli import build_parser, parse_args
-from tests.conftest import write_tiny_llama
+from tests.conftest import write_hub_snapshot
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
@@ -75,11 +75,7 @@ def test_serve_takes_the_model_as_a_positional_argument():
 def hub_cache(tmp_path_factory):
     """A Hugging Face cache holding a tiny checkpoint under HUB_ID, as `hf download` leaves one."""
     cache = tmp_path_factory.mktemp("hub")
-    repo = cache / ("models--" + HUB_ID.replace("/", "--"))
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(SNAPSHOT)
-    (repo / "snapshots").mkdir()
-    write_tiny_llama(repo / "snapshots" / SNAPSHOT)
+    write_hub_snapshot(cache, HUB_ID, SNAPSHOT)
     (cache / "models--org--gguf-only" / "snapshots" / SNAPSHOT).mkdir(parents=True)  # a repo lmserve cannot serve
     (cache / "models--org--gguf-only" / "snapshots" / SNAPSHOT / "notes.txt").write_text("x")
     return cache

@@ -135,7 +135,7 @@ def pool_app(tiny):
     from lmserve.server.app import build_app
     from lmserve.server.main import load_engine, unload_engine
     from lmserve.server.metrics import ServerMetrics
-    from lmserve.server.model_pool import ModelPool, ModelSpec
+    from lmserve.server.models.pool import ModelPool, ModelSpec
     from lmserve.server.state import ServerConfig, ServerState
 
     config = check_engine_config(EngineConfig(model=str(tiny), num_threads=2, cache=CacheConfig(num_blocks=64))).config
@@ -182,7 +182,7 @@ def test_an_unloaded_engine_is_freed(pool_app):
 def test_split_parsing_and_picks():
     import random
 
-    from lmserve.server.traffic import parse_split
+    from lmserve.server.models.traffic import parse_split
 
     split = parse_split("chat=stable:90,canary:10")
     assert split.targets == (("stable", 90), ("canary", 10)) and split.total == 100

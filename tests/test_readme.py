@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from lmserve.loader import read_model_config
-from tests.conftest import write_tiny_llama
+from tests.conftest import write_hub_snapshot
 from tests.lora_adapters import write_random_adapter
 from tests.server_util import free_port
 
@@ -120,11 +120,7 @@ def argv_of(command: str) -> list[str]:
 def env(tmp_path_factory, smol_path):
     """PATH with the venv first, an offline Hub cache holding the README's Hub id, and the substitutions."""
     cache = tmp_path_factory.mktemp("hub")
-    repo = cache / ("models--" + HUB_ID.replace("/", "--"))
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(SNAPSHOT)
-    (repo / "snapshots").mkdir()
-    write_tiny_llama(repo / "snapshots" / SNAPSHOT)
+    write_hub_snapshot(cache, HUB_ID, SNAPSHOT)
     adapter = write_random_adapter(tmp_path_factory.mktemp("lora") / "adapter", read_model_config(smol_path))
     bindir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"], "HF_HUB_CACHE": str(cache),

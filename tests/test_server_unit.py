@@ -88,7 +88,7 @@ def test_health_follows_the_engine_lifecycle():
 
 
 def test_echo_and_logprobs_ask_the_engine_for_prompt_logprobs():
-    from lmserve.server.params import completion_params
+    from lmserve.server.api.params import completion_params
 
     def params(**kw):
         return completion_params(CompletionRequest(model="m", prompt="x", **kw))
@@ -102,7 +102,7 @@ def test_echo_and_logprobs_ask_the_engine_for_prompt_logprobs():
 
 def test_prompt_logprob_formats():
     from lmserve.request import TokenLogprobs
-    from lmserve.server.logprobs import completion_logprobs, vllm_prompt_logprobs
+    from lmserve.server.api.logprobs import completion_logprobs, vllm_prompt_logprobs
 
     def piece(i: int) -> str:
         return f"<{i}>"
@@ -122,7 +122,7 @@ def test_prompt_logprob_formats():
 def test_chat_logprobs_of_masked_alternatives_are_finite():
     """A grammar masks alternatives to -inf: JSON has no such number, and a browser's JSON.parse refuses the chunk."""
     from lmserve.request import TokenLogprobs
-    from lmserve.server.logprobs import chat_logprobs
+    from lmserve.server.api.logprobs import chat_logprobs
 
     [entry] = chat_logprobs(str, [TokenLogprobs(5, -0.5, [(5, -0.5), (6, float("-inf"))])])
     assert [t["logprob"] for t in entry["top_logprobs"]] == [-0.5, -9999.0]

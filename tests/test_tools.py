@@ -12,9 +12,9 @@ from lmserve.tokenizer import Tokenizer
 from lmserve.loader.default_model import default_model_path
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_body
-from lmserve.server.tool_stream import (ContentDelta, ToolArgumentsDelta, ToolCallStart, ToolCallStreamer,
+from lmserve.server.api.tool_stream import (ContentDelta, ToolArgumentsDelta, ToolCallStart, ToolCallStreamer,
                                         chat_chunk_delta, chat_chunk_tool_calls)
-from lmserve.server.tools import (CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, TOOL_PREAMBLE, ToolCall, call_begin,
+from lmserve.server.api.tools import (CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, TOOL_PREAMBLE, ToolCall, call_begin,
                                   format_tool_call, new_call_id, parse_tool_calls, prepare_chat,
                                   template_supports_tools)
 

@@ -134,7 +134,7 @@ def traced_server():
     from lmserve.server.app import build_app
     from lmserve.server.main import load_engine
     from lmserve.server.metrics import ServerMetrics
-    from lmserve.server.model_pool import ModelSpec
+    from lmserve.server.models.pool import ModelSpec
     from lmserve.server.state import ServerConfig, ServerState
 
     tracer, exporter = memory_tracer()

@@ -244,7 +244,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lmserve.preflight import check_engine_config
-    from lmserve.server import batch, batch_file
+    from lmserve.server.batch import file as batch_file
+    from lmserve.server.batch import lines as batch
     from lmserve.server.main import served_name
 
     src, dst = Path(args.input), Path(args.output)

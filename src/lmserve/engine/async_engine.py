@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable, Union
 from lmserve.engine.front import EngineFront
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.stats import StepStats
+from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
 
@@ -31,16 +32,8 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; no request can be served any more."""
-
-
 class EngineHungError(RuntimeError):
     """An engine step ran past the watchdog's timeout."""
-
-
-class StepFailedError(RuntimeError):
-    """Sent to each stream whose request was in a failed step: that request ended, the engine serves on."""
 
 
 @dataclass(frozen=True)

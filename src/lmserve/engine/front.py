@@ -15,20 +15,13 @@ from typing import Callable
 
 from lmserve.engine.build import EngineParts
 from lmserve.engine.stats import EngineLoad
+from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
 from lmserve.request import LoraRequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar
 from lmserve.tokenizer import Tokenizer
-
-
-class RequestRejected(ValueError):
-    """A request that can never run (too long for the context or the KV pool, bad token ids...)."""
-
-    def __init__(self, message: str, param: str = "prompt") -> None:
-        super().__init__(message)
-        self.param = param  # the request field at fault
 
 
 class EngineFront:

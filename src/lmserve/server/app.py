@@ -16,13 +16,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server import batch_routes, lora_routes, openai_routes, tgi_routes, v2_routes
+from lmserve.server.api import kserve, lora, openai, tgi
 from lmserve.server.access_log import AccessLog
+from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
-from lmserve.server.openapi import install_openapi
+from lmserve.server.api.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from lmserve.server.tools import prepare_chat, template_supports_tools
+from lmserve.server.api.tools import prepare_chat, template_supports_tools
 from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, key_name_of,
                                   read_request, release_leases, state_of)
 from lmserve.server.key_file import ANONYMOUS
@@ -35,7 +36,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/ge
 
 def is_generation(path: str) -> bool:
     """A route that generates: the Observe middleware keeps one record of it (and settles the key's usage)."""
-    return path in GENERATION_PATHS or v2_routes.INFER_PATH.match(path) is not None
+    return path in GENERATION_PATHS or kserve.INFER_PATH.match(path) is not None
 log = logging.getLogger("lmserve.server")
 
 
@@ -44,12 +45,12 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
     app = FastAPI(title="lmserve", version=lmserve.__version__, docs_url=None, redoc_url=None,
                   lifespan=_lifespan(state))
     app.state.lm = state
-    app.include_router(openai_routes.router)
+    app.include_router(openai.router)
     app.include_router(batch_routes.router)
-    app.include_router(tgi_routes.router)
-    app.include_router(lora_routes.router)
+    app.include_router(tgi.router)
+    app.include_router(lora.router)
     app.include_router(playground_routes.router)
-    app.include_router(v2_routes.router)
+    app.include_router(kserve.router)
     _misc_routes(app)
     _error_handlers(app)
     install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON

@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -29,9 +28,9 @@ from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.connections import with_deadline
 from lmserve.server.metrics import ServerMetrics
-from lmserve.server.model_args import model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
-from lmserve.server.model_pool import ModelPool, ModelSpec, ServedModel
-from lmserve.server.state import ServerConfig, ServerState
+from lmserve.server.models.args import model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
+from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel
+from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 
 log = logging.getLogger("lmserve.server")
@@ -172,9 +171,9 @@ def _playground(args: argparse.Namespace):
 
 def _batches(args: argparse.Namespace, state: ServerState) -> None:
     """The batch-job runner over --batch-dir (its directories appear on the first upload)."""
-    from lmserve.server.batch import default_batch_dir
-    from lmserve.server.batch_jobs import BatchManager
-    from lmserve.server.batch_store import BatchStore
+    from lmserve.server.batch.lines import default_batch_dir
+    from lmserve.server.batch.jobs import BatchManager
+    from lmserve.server.batch.store import BatchStore
 
     root = Path(args.batch_dir) if args.batch_dir else default_batch_dir()
     if root.exists() and not root.is_dir():
@@ -355,11 +354,8 @@ def _load(state: ServerState, server: uvicorn.Server, on_dead: Callable[[], None
 
 def load_engine(state: ServerState, spec: ModelSpec, on_dead: Callable[[], None]):
     """Build, warm up and start one model's engine (blocking: a worker thread calls it); returns its AsyncEngine."""
-    from lmserve.engine.llm_engine import LLMEngine
-
     log.info("loading model %s", spec.name)
-    engine = LLMEngine(spec.config)
-    return start_engine(state, engine, warm_up(engine), on_dead, name=spec.name)
+    return launch_engine(state, spec.config, on_dead, name=spec.name)
 
 
 def unload_engine(state: ServerState, model: ServedModel, async_engine) -> None:
@@ -367,39 +363,3 @@ def unload_engine(state: ServerState, model: ServedModel, async_engine) -> None:
     async_engine.shutdown()
     state.metrics.unbind_engine(model.name)
     log.info("unloaded model %s", model.name)
-
-
-def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None,
-                 name: str | None = None):
-    """Start the engine thread behind `state` and its metrics, as model `name` (None: the default model, whose
-    routes serve from here on); returns the AsyncEngine.
-
-    `on_dead` runs (on the engine thread) once the engine has failed for good.
-    """
-    from lmserve.engine.async_engine import AsyncEngine
-    from lmserve.engine.faults import install_from_env
-
-    install_from_env(engine)  # test-only fault injection: nothing unless $LMSERVE_TEST_FAULT is set
-    async_engine = AsyncEngine(engine, step_timeout=state.config.engine_step_timeout)
-    async_engine.step_listeners.append(state.metrics.on_step)
-    async_engine.fault_listeners.append(state.metrics.on_fault)
-    if on_dead is not None:
-        async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
-    state.metrics.bind_engine(engine.front, warmup_seconds, name)
-    if state.response_cache is not None:  # the weights as loaded, before a swap on disk could change them
-        state.response_cache.bind_engine(engine.front)
-    async_engine.start()
-    if name is None:
-        state.async_engine = async_engine
-    return async_engine
-
-
-def warm_up(engine) -> float:
-    """One tiny request through every code path before the first client; returns its seconds."""
-    from lmserve.sampling_params import SamplingParams
-
-    start = time.perf_counter()
-    engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start

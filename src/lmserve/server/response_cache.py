@@ -6,7 +6,7 @@ loaded; a LoRA adapter's content digest, never just its name, so a replaced or r
 from its predecessor's entries), the caller's API key *name* (entries are never shared across keys) and the
 body with the fields that do not change the answer (`stream`, `stream_options`, `user`, `cache`,
 `cache_salt`) left out, keys sorted. The value is the complete JSON response; a streamed request
-with a hit gets it replayed as a stream (`server/cache_replay.py`). Only non-streamed responses are
+with a hit gets it replayed as a stream (`server/api/cache_replay.py`). Only non-streamed responses are
 stored: a stream's pieces are not kept.
 
 The cache never fails a request: a backend error (Redis down, a locked file) is logged, at most once a

@@ -8,41 +8,75 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Union
 
-from lmserve.engine.front import EngineFront, RequestRejected
+from lmserve.engine.front import EngineFront
+from lmserve.errors import RequestRejected
 from lmserve.ops.record import RequestRecord
 from lmserve.lora.peft_adapter import AdapterError
 from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
+from lmserve.server.config import ServerConfig
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS
-from lmserve.server.model_pool import ServedModel
-
-if TYPE_CHECKING:
-    from lmserve.engine.async_engine import AsyncEngine
-
+from lmserve.server.metrics import ServerMetrics
+from lmserve.server.models.pool import ServedModel
+from lmserve.server.models.traffic import TrafficSplit
+from lmserve.server.response_cache import ResponseCache
+from lmserve.server.streams import MergedStreams
+from lmserve.server.tenants import Tenants
+from lmserve.structured.compiler import Compiled
 
 class SharedState(Protocol):
     """What a ModelState uses of the server-wide state (server/state.ServerState), typed here so that this module
     does not import state.py, which imports it."""
 
+    config: ServerConfig
+    metrics: ServerMetrics
+    tenants: Tenants
+    response_cache: ResponseCache | None
     in_flight: int
-    splits: dict
+    splits: dict[str, TrafficSplit]
 
     def check_rules(self, record: RequestRecord, prompt_token_counts: list[int]) -> None: ...
 
 
+@dataclass(frozen=True)
+class Chat:
+    """A chat prompt: messages rendered by the model's chat template (extra variables such as `tools`)."""
+
+    messages: list[dict]
+    template_kwargs: dict | None = None
+
+
+Prompt = Union[str, list[int], Chat]  # a raw prompt (special tokens parsed), token ids, or a chat
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request admitted and its engine streams running: one per prompt, merged."""
+
+    request_id: str
+    ids: list[list[int]]  # each prompt's token ids
+    merged: MergedStreams
+    lora: LoraRequest | None  # the adapter that runs (None: the model itself)
+
+
 class ModelState:
-    """Shared state (read through, e.g. `st.metrics`, `st.tenants`) bound to one loaded model."""
+    """The server-wide state (config, metrics, tenants, response cache, routes) bound to one loaded model."""
 
     def __init__(self, shared: SharedState, model: ServedModel) -> None:
         self.shared, self.model = shared, model
         # Captured once: a request keeps its engine to the end (its lease keeps the model from unloading).
-        self.async_engine: "AsyncEngine" = model.async_engine
-
-    def __getattr__(self, name: str) -> Any:  # only called for what this class does not define itself
-        return getattr(self.shared, name)
+        self.async_engine = model.async_engine
+        # The server-wide parts a route reads (all set at start-up, before any request binds a model).
+        self.config: ServerConfig = shared.config
+        self.metrics: ServerMetrics = shared.metrics
+        self.tenants: Tenants = shared.tenants
+        self.response_cache: ResponseCache | None = shared.response_cache
+        self.splits: dict[str, TrafficSplit] = shared.splits
 
     @property
     def front(self) -> EngineFront:
@@ -74,6 +108,28 @@ class ModelState:
                            code="model_not_found")
         return lora
 
+    async def start(self, prompts: list[Prompt], params: SamplingParams, record: RequestRecord, *, model: str | None,
+                    id_prefix: str, numbered: bool = False, priority: int = 0,
+                    cache_salt: str | None = None) -> Started:
+        """The one admission path of every API family: tokenize -> compile the grammar -> resolve the adapter
+        (`model`: the name the request asked for) -> admit -> start each prompt's engine stream.
+
+        Each step's refusal is an APIError before anything reaches the engine; the request id is
+        `{id_prefix}-{hex}` and lands in `record`; stream i runs as `{id}-{i}` when `numbered` (completions, whose
+        prompt list may hold several) and as the id itself otherwise (one prompt).
+        """
+        ids = [await (self.tokenize_chat(p.messages, record, p.template_kwargs) if isinstance(p, Chat)
+                      else self.tokenize(p, record)) for p in prompts]
+        grammar = await self.compile_grammar(params)
+        lora = await self.lora_for(model, record)
+        # Nothing awaits from admission until the streams are counted in flight.
+        max_tokens = self.admit(ids, params, record)
+        rid = record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        names = [f"{rid}-{i}" for i in range(len(ids))] if numbered else [rid]
+        merged = MergedStreams([self.generate(name, p, params, n, record, i * params.n, grammar, priority, lora,
+                                              cache_salt) for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
+        return Started(rid, ids, merged, lora)
+
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.
 
@@ -104,7 +160,7 @@ class ModelState:
             reason = "context_length" if e.param == "prompt" else "invalid_request"
             raise APIError(400, str(e), param=e.param, reason=reason) from None
 
-    async def compile_grammar(self, params: SamplingParams) -> Any:
+    async def compile_grammar(self, params: SamplingParams) -> Compiled | None:
         """The request's compiled grammar (None when unconstrained), compiled off the event loop and the engine thread.
 
         Bounded by the engine's StructuredOutputsConfig: an invalid or too costly spec is a 400 naming it.
@@ -121,7 +177,7 @@ class ModelState:
         return compiled
 
     def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
-                 record: RequestRecord, first_output: int = 0, grammar: Any = None,
+                 record: RequestRecord, first_output: int = 0, grammar: Compiled | None = None,
                  priority: int = 0, lora: LoraRequest | None = None,
                  cache_salt: str | None = None) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limits (the server's and the model's) until it ends.

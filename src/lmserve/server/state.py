@@ -6,54 +6,30 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
 
+from lmserve.config import EngineConfig
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.front import EngineFront
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
 from lmserve.server.adapter_owners import AdapterOwners
+from lmserve.server.config import ServerConfig
 from lmserve.server.errors import APIError
-from lmserve.server.key_file import ANONYMOUS, KeySpec, key_specs
+from lmserve.server.key_file import ANONYMOUS, key_specs
 from lmserve.server.metrics import ServerMetrics
-from lmserve.server.model_pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
-from lmserve.server.params import TokenLimits
+from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.protocol import parse_body, parse_data
+from lmserve.server.response_cache import ResponseCache
 from lmserve.server.served import ModelState
 from lmserve.server.tenants import Tenants
-from lmserve.server.traffic import TrafficSplit
+from lmserve.server.models.traffic import TrafficSplit
 
 T = TypeVar("T")
 log = logging.getLogger("lmserve.server")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """HTTP-side settings (the engine has its own EngineConfig)."""
-
-    served_model_name: str
-    api_keys: tuple[str, ...] = ()  # plain keys: unlimited, all models, named "default"
-    named_keys: tuple[KeySpec, ...] = ()  # from a YAML/JSON --api-key-file: names and limits
-    cors_allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all (browsers refuse cross-origin calls)
-    metrics_public: bool = False  # /metrics without an API key (a scraper on a trusted network)
-    max_queued_requests: int = 256
-    max_body_bytes: int = 4 * 2**20
-    max_upload_bytes: int = 64 * 2**20  # POST /v1/files (a batch job's input file), held in memory while it arrives
-    drain_timeout: float = 30.0
-    default_max_tokens: int | None = None  # a request naming no max_tokens gets this (None: the API's own default)
-    max_tokens_limit: int | None = None  # more is a 400; a request naming none is held to it too
-    request_read_timeout: float = 30.0  # seconds from a request's first byte to its last (slow-loris clients)
-    engine_step_timeout: float | None = 300.0  # the hung-engine watchdog; None: off
-    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    lora_dirs: tuple[str, ...] = ()  # the only directories those routes may read adapters from
-    strict_fields: bool = False  # an unknown request field is a 400 (else ignored, logged, named in X-Ignored-Fields)
-
-    @property
-    def token_limits(self) -> TokenLimits:
-        return TokenLimits(self.default_max_tokens, self.max_tokens_limit)
 
 
 @dataclass
@@ -69,9 +45,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
     adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # who loaded which runtime adapter
-    response_cache: Any = None  # server/response_cache.ResponseCache with --response-cache, else None
+    response_cache: ResponseCache | None = None  # with --response-cache
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
-    batches: Any = None  # server/batch_jobs.BatchManager (serve always has one); None: /v1/batches answers 404
+    batches: Any = None  # server/batch/jobs.BatchManager (serve always has one); None: /v1/batches answers 404
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
     splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
     started: bool = False  # the start-up loads are done: the server serves from here on
@@ -190,7 +166,7 @@ def state_of(request: Request) -> ServerState:
 RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's record in scope["state"]
 KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
 LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
-LEASES_KEY = "lmserve_leases"  # the models a request holds (server/model_pool.py), released at its end
+LEASES_KEY = "lmserve_leases"  # the models a request holds (server/models/pool.py), released at its end
 IGNORED_FIELDS_KEY = "lmserve_ignored_fields"  # unknown body fields dropped by parsing (server/access_log.py)
 _PROMPT_FIELDS = ("prompt", "inputs", "messages")
 
@@ -269,3 +245,48 @@ def _describe(record: RequestRecord, req: BaseModel, served_name: str) -> None:
     params.update(params.pop("parameters", None) or {})
     record.params = params
     record.stream = bool(params.get("stream", False))
+
+
+def launch_engine(state: ServerState, config: EngineConfig, on_dead: Callable[[], None] | None = None,
+                  name: str | None = None) -> AsyncEngine:
+    """Build a model's engine from `config`, warm it up and start it behind `state` (blocking: a worker thread or
+    the offline runner calls it); the server's one place that constructs an engine."""
+    from lmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    return start_engine(state, engine, warm_up(engine), on_dead, name)
+
+
+def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None,
+                 name: str | None = None):
+    """Start the engine thread behind `state` and its metrics, as model `name` (None: the default model, whose
+    routes serve from here on); returns the AsyncEngine.
+
+    `on_dead` runs (on the engine thread) once the engine has failed for good.
+    """
+    from lmserve.engine.faults import install_from_env
+
+    install_from_env(engine)  # test-only fault injection: nothing unless $LMSERVE_TEST_FAULT is set
+    async_engine = AsyncEngine(engine, step_timeout=state.config.engine_step_timeout)
+    async_engine.step_listeners.append(state.metrics.on_step)
+    async_engine.fault_listeners.append(state.metrics.on_fault)
+    if on_dead is not None:
+        async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
+    state.metrics.bind_engine(engine.front, warmup_seconds, name)
+    if state.response_cache is not None:  # the weights as loaded, before a swap on disk could change them
+        state.response_cache.bind_engine(engine.front)
+    async_engine.start()
+    if name is None:
+        state.async_engine = async_engine
+    return async_engine
+
+
+def warm_up(engine) -> float:
+    """One tiny request through every code path before the first client; returns its seconds."""
+    from lmserve.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from lmserve.engine.async_engine import EngineDeadError, StepFailedError
+from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta
 from lmserve.server.errors import APIError
 
@@ -73,6 +73,17 @@ def engine_error(e: Exception) -> APIError | None:
         return APIError(503, "the engine has stopped; the server is restarting", headers={"Retry-After": "30"},
                         code="engine_dead")
     return None
+
+
+def stream_failure(e: Exception, metrics, path: str) -> APIError:
+    """The error a stream that failed part-way reports in-band (each API family in its own body), counted as an
+    error abort; anything but an engine failure is a bug, logged with its traceback (call it from `except`)."""
+    metrics.aborts.labels("error").inc()
+    err = engine_error(e)
+    if err is None:
+        log.exception("stream failed on %s", path)
+        err = APIError(500, f"internal error ({type(e).__name__})")
+    return err
 
 
 async def watch_disconnect(request: Request, merged: MergedStreams, on_disconnect) -> None:

@@ -1,7 +1,7 @@
 """Batch jobs in OpenAI's Batch API format: input lines, a resumable results file, and the runner.
 
 One input line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}`.
-Each line's body goes through the route's own handling (`openai_routes.answer`), at BATCH_PRIORITY so
+Each line's body goes through the route's own handling (`api/openai.answer`), at BATCH_PRIORITY so
 interactive requests are admitted first. One output line per input line:
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"} | null, "error": {"code", "message"} | null}`:
 a refusal by the route is a response with the route's status and error body; a line that is not a request
@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 from lmserve.ops.record import RequestRecord
 from lmserve.request import BATCH_PRIORITY
 from lmserve.server.errors import APIError, error_body
-from lmserve.server.openai_routes import BATCH_ENDPOINTS, Caller, answer
+from lmserve.server.api.openai import BATCH_ENDPOINTS, Caller, answer
 from lmserve.server.protocol import load_json
 from lmserve.server.state import ServerState
 from lmserve.utils import user_data_dir

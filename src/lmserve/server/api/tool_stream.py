@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Union
 
-from lmserve.server.tools import CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, CompactJSON, new_call_id
+from lmserve.server.api.tools import CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, CompactJSON, new_call_id
 
 _MAX_NAME = 64  # as protocol.TOOL_NAME_PATTERN
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_-]{0,%d}" % (_MAX_NAME + 1))  # one more: enough to see a name is too long

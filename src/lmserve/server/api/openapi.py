@@ -19,7 +19,7 @@ from pydantic.json_schema import models_json_schema
 from lmserve.server import protocol as p
 from lmserve.server.errors import is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
-from lmserve.server.v2_routes import V2InferRequest
+from lmserve.server.api.kserve import V2InferRequest
 
 JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "text/html"
 CSS, JS = "text/css", "text/javascript"
@@ -323,7 +323,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", SHARES): RouteDoc(None, ShareList, (401, 404, 503)),
     ("get", SHARES + "/{share_id}"): RouteDoc(None, SharedState, (401, 404, 503)),
     ("delete", SHARES + "/{share_id}"): RouteDoc(None, ShareDeleted, (401, 404, 503)),
-    # Batch jobs (server/batch_routes.py): 404 for an unknown id, another key's object, or batch jobs off.
+    # Batch jobs (server/batch/routes.py): 404 for an unknown id, another key's object, or batch jobs off.
     ("get", "/v2/health/live"): RouteDoc(None, V2Live, ()),
     ("get", "/v2/health/ready"): RouteDoc(None, V2Ready, (503,)),
     ("get", "/v2/models/{name}"): RouteDoc(None, V2ModelMetadata, (401, 404)),
@@ -337,7 +337,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/batches"): RouteDoc(None, BatchList, (400, 401, 404)),
     ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
     ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
-    # Dynamic LoRA (server/lora_routes.py): 404 when --allow-runtime-lora-updating is off or the name is unknown;
+    # Dynamic LoRA (server/api/lora.py): 404 when --allow-runtime-lora-updating is off or the name is unknown;
     # 403 a name outside the key's models, or another key's adapter; 409 a name already loaded.
     ("post", "/v1/load_lora_adapter"): RouteDoc(p.LoadLoraAdapterRequest, LoraLoaded,
                                                 (400, 401, 403, 404, 409, 413, 503)),

@@ -16,8 +16,8 @@ import asyncio
 import logging
 import time
 
-from lmserve.server.batch import DuplicateCustomId, LineResult, ResultsFile, pending_lines, read_input, succeeded
-from lmserve.server.batch_store import BatchJob, BatchStore, StoredFile
+from lmserve.server.batch.lines import DuplicateCustomId, LineResult, ResultsFile, pending_lines, read_input, succeeded
+from lmserve.server.batch.store import BatchJob, BatchStore, StoredFile
 from lmserve.server.state import ServerState
 
 log = logging.getLogger("lmserve.batch")
@@ -129,7 +129,7 @@ class BatchManager:
         self._finish(job, out, err, "completed")
 
     async def _run_lines(self, job: BatchJob, todo: list, out: ResultsFile, err: ResultsFile) -> None:
-        from lmserve.server.batch import run_lines
+        from lmserve.server.batch.lines import run_lines
 
         st, saved = self.state, time.monotonic()
         window = st.max_num_seqs()  # a full batch; interactive requests still queue first

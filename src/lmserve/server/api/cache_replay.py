@@ -11,7 +11,6 @@ weights between the lookup and the run never files its answer under its predeces
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from lmserve.request import LoraRequest
+from lmserve.server.api import chunks
 from lmserve.server.response_cache import cache_key, cacheable
 from lmserve.server.served import ModelState
 from lmserve.server.state import key_name_of
@@ -82,36 +82,5 @@ def _lora_digest(st: ModelState, name: str | None) -> str | None:
     return None if reg is None else reg.digest
 
 
-def _replay(response: dict, include_usage: bool) -> StreamingResponse:
-    chunks = _chat_chunks(response) if response.get("object") == "chat.completion" else _completion_chunks(response)
-    if include_usage:
-        chunks.append({**_meta(response), "choices": [], "usage": response["usage"]})
-    lines = [f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
-    return StreamingResponse(iter(lines), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", HEADER: "hit"})
-
-
-def _meta(response: dict) -> dict:
-    kind = "chat.completion.chunk" if response.get("object") == "chat.completion" else "text_completion"
-    return {"id": response["id"], "object": kind, "created": response["created"], "model": response["model"]}
-
-
-def _completion_chunks(response: dict) -> list[dict]:
-    """One chunk per choice: its whole text, logprobs and finish reason."""
-    return [{**_meta(response), "choices": [choice]} for choice in response["choices"]]
-
-
-def _chat_chunks(response: dict) -> list[dict]:
-    """Per choice: the role, the content or tool calls, then the finish reason (as a live stream sends them)."""
-    meta, chunks = _meta(response), []
-    for c in response["choices"]:
-        chunk = lambda delta, logprobs=None, reason=None: {**meta, "choices": [  # noqa: E731
-            {"index": c["index"], "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-        message = c["message"]
-        chunks.append(chunk({"role": "assistant", "content": ""}))
-        if message.get("content"):
-            chunks.append(chunk({"content": message["content"]}, c.get("logprobs")))
-        if message.get("tool_calls"):
-            chunks.append(chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}))
-        chunks.append(chunk({}, None, c["finish_reason"]))
-    return chunks
+def _replay(answer: dict, include_usage: bool) -> StreamingResponse:
+    return chunks.response(iter(chunks.replay(answer, include_usage)), {HEADER: "hit"})

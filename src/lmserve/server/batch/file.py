@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from lmserve.config import EngineConfig
-from lmserve.server.batch import Line, LineResult, ResultsFile, run_lines
+from lmserve.server.batch.lines import Line, LineResult, ResultsFile, run_lines
 from lmserve.server.metrics import ServerMetrics
-from lmserve.server.state import ServerConfig, ServerState
+from lmserve.server.state import ServerConfig, ServerState, launch_engine
 from lmserve.server.key_file import ANONYMOUS
 
 
@@ -42,14 +42,10 @@ class Summary:
 def offline_state(config: EngineConfig, served_model_name: str, window: int, strict_fields: bool = False) -> ServerState:
     """A ServerState with the engine loaded, warmed up and its thread started (the queue limit above `window`;
     `strict_fields`: a line's unknown body field is a 400, as `serve --strict-fields` answers it)."""
-    from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.server.main import start_engine, warm_up
-
     state = ServerState(ServerConfig(served_model_name, max_queued_requests=window, engine_step_timeout=None,
                                      strict_fields=strict_fields),
                         ServerMetrics(served_model_name))
-    engine = LLMEngine(config)
-    start_engine(state, engine, warm_up(engine))
+    launch_engine(state, config)
     return state
 
 

@@ -1,17 +1,14 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE).
 
 `start_completion` / `start_chat` turn a parsed body into engine streams for a `Caller`; the routes and
-the batch jobs (`answer`, for server/batch.py) both go through them, so a batch line is validated,
+the batch jobs (`answer`, for server/batch/lines.py) both go through them, so a batch line is validated,
 templated, sampled and refused exactly as the route would.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -21,20 +18,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.engine.async_engine import EngineDeadError, StepFailedError
-from lmserve.server import cache_replay
+from lmserve.errors import EngineDeadError, StepFailedError
+from lmserve.server.api import cache_replay
+from lmserve.server.api import chunks as sse
 from lmserve.server.errors import APIError, error_body
-from lmserve.server.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from lmserve.server.params import chat_params, completion_params, scores_prompt_only, tool_dicts
+from lmserve.server.api.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from lmserve.server.api.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
-from lmserve.server.served import ModelState
+from lmserve.server.served import Chat, ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
-from lmserve.server.streams import MergedStreams, Watched, engine_error
-from lmserve.server.tool_stream import ToolCallStreamer, chat_chunk_delta
-from lmserve.server.tools import parse_tool_calls, prepare_chat, template_supports_tools
+from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
+from lmserve.server.api.tool_stream import ToolCallStreamer, chat_chunk_delta
+from lmserve.server.api.tools import parse_tool_calls, prepare_chat, template_supports_tools
 
 router = APIRouter()
-log = logging.getLogger("lmserve.server")
 
 
 @dataclass
@@ -139,11 +136,16 @@ def _model_card(st: ServerState, name: str) -> dict:
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    st, req = await read_request(request, CompletionRequest)
+    return await _serve(request, CompletionRequest, start_completion)
+
+
+async def _serve(request: Request, body: type, start: Callable[..., Awaitable[Run]]) -> Response:
+    """Read the body, answer from the response cache on a hit, else start the run and respond."""
+    st, req = await read_request(request, body)
     found, hit = await cache_replay.lookup(request, st, req)
     if hit is not None:
         return hit
-    return await _respond(request, st, found, req.stream, await start_completion(st, req, caller_of(request)))
+    return await _respond(request, st, found, req.stream, await start(st, req, caller_of(request)))
 
 
 async def _respond(request: Request, st: ModelState, found: cache_replay.Lookup | None, stream: bool,
@@ -158,22 +160,15 @@ async def _respond(request: Request, st: ModelState, found: cache_replay.Lookup 
 
 
 async def start_completion(st: ModelState, req: CompletionRequest, caller: Caller) -> Run:
-    """Tokenize, compile the grammar, admit and start every prompt's stream of a completions request."""
+    """Start every prompt's stream of a completions request through ModelState.start, the one admission path."""
     params = completion_params(req, st.config.token_limits)
     prompts = _prompts(req.prompt)
-    record = caller.record
-    ids_list = [await st.tokenize(p, record) for p in prompts]
+    run = await st.start(prompts, params, caller.record, model=req.model, id_prefix="cmpl", numbered=True,
+                         priority=caller.priority, cache_salt=req.cache_salt)
+    rid, ids_list, merged, lora = run.request_id, run.ids, run.merged, run.lora
     shape = CompletionShape(req.echo, params.logprobs is not None, req.prompt_logprobs is not None,
                             scores_prompt_only(req))
     texts = [await _echo(st, p) if req.echo else "" for p in prompts]
-    grammar = await st.compile_grammar(params)
-    lora = await st.lora_for(req.model, record)
-    # Nothing awaits from admission until the streams are counted in flight.
-    max_tokens_each = st.admit(ids_list, params, record)
-    rid = record.request_id = f"cmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(f"{rid}-{i}", ids, params, max_tokens, record, i * params.n, grammar,
-                                        caller.priority, lora, req.cache_salt)
-                            for i, (ids, max_tokens) in enumerate(zip(ids_list, max_tokens_each))])
     meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": _model_name(st, lora)}
     usage_prompt = sum(len(ids) for ids in ids_list)
     inputs = [Prompt(ids, text) for ids, text in zip(ids_list, texts)]
@@ -192,27 +187,19 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    st, req = await read_request(request, ChatRequest)
-    found, hit = await cache_replay.lookup(request, st, req)
-    if hit is not None:
-        return hit
-    return await _respond(request, st, found, req.stream, await start_chat(st, req, caller_of(request)))
+    return await _serve(request, ChatRequest, start_chat)
 
 
 async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
-    """Apply the chat template (tools included), compile the grammar, admit and start the request's stream."""
+    """The chat template's inputs (tools included), then ModelState.start, the one admission path."""
     params = chat_params(req, st.config.token_limits)
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
     supports = template_supports_tools(st.front.tokenizer.chat_template)
     messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)
-    record = caller.record
-    ids = await st.tokenize_chat(messages, record, {**(req.chat_template_kwargs or {}), **template_kwargs})
-    grammar = await st.compile_grammar(params)
-    lora = await st.lora_for(req.model, record)
-    [max_tokens] = st.admit([ids], params, record)
-    rid = record.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar,
-                                        priority=caller.priority, lora=lora, cache_salt=req.cache_salt)])
+    template_kwargs = {**(req.chat_template_kwargs or {}), **template_kwargs}
+    run = await st.start([Chat(messages, template_kwargs)], params, caller.record, model=req.model,
+                         id_prefix="chatcmpl", priority=caller.priority, cache_salt=req.cache_salt)
+    rid, [ids], merged, lora = run.request_id, run.ids, run.merged, run.lora
     meta = {"id": rid, "created": int(time.time()), "model": _model_name(st, lora)}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -321,21 +308,15 @@ def _sse(request: Request, st: ModelState, merged: MergedStreams, chunks: AsyncI
     async def body():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield sse.event(chunk)
         except Exception as e:  # mid-stream failure: an error event, then [DONE] (as vLLM; the openai client raises)
-            st.metrics.aborts.labels("error").inc()
-            err = engine_error(e)
-            if err is None:
-                log.exception("stream failed on %s", request.url.path)
-                err = APIError(500, f"internal error ({type(e).__name__})")
-            yield f"data: {json.dumps(error_body(err))}\n\n"
+            yield sse.event(error_body(stream_failure(e, st.metrics, request.url.path)))
         finally:
             watch.close()
             merged.stop()
-        yield "data: [DONE]\n\n"
+        yield sse.DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse.response(body())
 
 
 async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],
@@ -352,9 +333,9 @@ async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, 
         offsets[i] = offsets.get(i, 0) + len(choice["text"])
         outputs[i] = d.num_output_tokens
         if choice["text"] or d.finished or c.logprobs or (first and (shape.echo or shape.prompt_logprobs)):
-            yield {**meta, "choices": [choice]}
+            yield sse.completion_chunk(meta, choice)
     if include_usage:
-        yield {**meta, "choices": [], "usage": _usage_counts(usage_prompt, sum(outputs.values()))}
+        yield sse.usage_chunk(meta, _usage_counts(usage_prompt, sum(outputs.values())))
 
 
 async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params: SamplingParams,
@@ -362,29 +343,26 @@ async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params
     """Content deltas; with tools, a streamer per choice turns call text into OpenAI tool_calls deltas."""
     base = {**meta, "object": "chat.completion.chunk"}
     for i in range(params.n):  # the first delta of each choice carries the role
-        yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}]}
+        yield sse.role_chunk(base, i)
     outputs = {}
     streamers = {i: ToolCallStreamer() for i in range(params.n)} if with_tools else None
-    chunk = lambda i, delta, lp, reason: {**base, "choices": [  # noqa: E731
-        {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
     async for _, d in merged:
         outputs[d.index] = d.num_output_tokens
         lp = {"content": chat_logprobs(_piece(st), d.logprobs or [])} if params.logprobs is not None else None
         delta = {"content": d.text} if streamers is None else chat_chunk_delta(streamers[d.index].feed(d.text))
         if (d.text and (delta or streamers is None)) or d.logprobs:
-            yield chunk(d.index, delta, lp, None)
+            yield sse.chat_chunk(base, d.index, delta, lp)
         if d.finished:
             reason = d.finish_reason
             if streamers is not None:
                 tail = chat_chunk_delta(streamers[d.index].finish())
                 if tail:
-                    yield chunk(d.index, tail, None, None)
+                    yield sse.chat_chunk(base, d.index, tail)
                 if streamers[d.index].num_calls and reason == "stop":
                     reason = "tool_calls"
-            yield chunk(d.index, {}, None, reason)
+            yield sse.chat_chunk(base, d.index, {}, None, reason)
     if include_usage:
-        yield {**base, "choices": [], "usage": _usage_counts(prompt_tokens, sum(outputs.values()))}
+        yield sse.usage_chunk(base, _usage_counts(prompt_tokens, sum(outputs.values())))
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:

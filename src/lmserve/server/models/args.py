@@ -13,8 +13,8 @@ from pathlib import Path
 from lmserve.config import engine_config
 from lmserve.preflight import check_engine_config
 from lmserve.errors import ConfigError
-from lmserve.server.model_pool import ModelSpec
-from lmserve.server.traffic import TrafficSplit, parse_split, valid_name
+from lmserve.server.models.pool import ModelSpec
+from lmserve.server.models.traffic import TrafficSplit, parse_split, valid_name
 
 # A quantization tag at the end of a GGUF file's stem: "SmolLM2-135M-Instruct.Q4_1", "Llama-3.2-1B-Q4_K_M".
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32)$", re.IGNORECASE)

@@ -1,7 +1,7 @@
 """OpenAI's Files and Batch routes, thin: /v1/files (upload, get, content, delete) and /v1/batches.
 
 Every object belongs to the API key that created it: another key gets 404, as for an id that does not
-exist. The work is in batch_store.py (disk) and batch_jobs.py (running jobs).
+exist. The work is in store.py (disk) and jobs.py (running jobs).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
-from lmserve.server.batch_jobs import BatchManager
-from lmserve.server.batch_store import BatchJob, BatchStore, StoredFile
+from lmserve.server.batch.jobs import BatchManager
+from lmserve.server.batch.store import BatchJob, BatchStore, StoredFile
 from lmserve.server.errors import APIError
-from lmserve.server.openai_routes import BATCH_ENDPOINTS
+from lmserve.server.api.openai import BATCH_ENDPOINTS
 from lmserve.server.protocol import BatchCreateRequest, parse_body
 from lmserve.server.state import key_name_of, state_of
 

@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 from pydantic import BaseModel
 
 from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
+from lmserve.server.config import TokenLimits
 from lmserve.structured.compiler import GrammarError
 from lmserve.structured.tool_tag import tool_call_tag
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-
-
-@dataclass(frozen=True)
-class TokenLimits:
-    """The operator's --default-max-tokens and --max-tokens-limit (None: the API's own meaning)."""
-
-    default: int | None = None  # for a request that names no max_tokens
-    limit: int | None = None  # more is a 400; a request naming none is held to it too
-
-    def resolve(self, named: int | None, api_default: int | None, param: str) -> int | None:
-        """The max_tokens a request runs with; `named` is what it asked for (None: nothing)."""
-        if named is not None:
-            if self.limit is not None and named > self.limit:
-                raise APIError(400, f"{param} must be at most {self.limit} on this server, got {named}", param=param)
-            return named
-        value = self.default if self.default is not None else api_default
-        if self.limit is not None:  # None (chat: the rest of the context) would pass the limit by
-            value = self.limit if value is None else min(value, self.limit)
-        return value
 
 
 def _named(r: BaseModel, name: str) -> int | None:

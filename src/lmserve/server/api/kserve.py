@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.server.errors import APIError
-from lmserve.server.openai_routes import caller_of, start_completion
+from lmserve.server.api.openai import caller_of, start_completion
 from lmserve.server.protocol import MAX_PROMPTS, CompletionRequest, parse_body, parse_data
 from lmserve.server.state import LEASES_KEY, LOADING_KEY, accept, key_name_of, record_of, state_of
 

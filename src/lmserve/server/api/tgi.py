@@ -8,25 +8,22 @@ special-token strings in it ("<|im_start|>") become control tokens.
 from __future__ import annotations
 
 import json
-import logging
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
-from lmserve.engine.async_engine import EngineDeadError, StepFailedError
+from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
-from lmserve.server.errors import APIError, error_body
-from lmserve.server.params import tgi_params
+from lmserve.server.errors import error_body
+from lmserve.server.api.params import tgi_params
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of, state_of
-from lmserve.server.streams import MergedStreams, Watched, engine_error
+from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
 
 router = APIRouter()
-log = logging.getLogger("lmserve.server")
 
 
 @router.get("/info")
@@ -62,17 +59,13 @@ async def compat_generate(request: Request) -> Response:
 
 async def _start(request: Request, st: ModelState, req: TGIRequest,
                  stream: bool) -> tuple[SamplingParams, list[int], MergedStreams]:
-    """Validate, tokenize and admit; returns the params, the prompt's ids and the running stream."""
+    """Admit through the one admission path; returns the params, the prompt's ids and the running stream."""
     params = tgi_params(req.parameters, stream, st.config.token_limits)
     record = record_of(request)
-    ids = await st.tokenize(req.inputs, record)
-    grammar = await st.compile_grammar(params)
-    lora = await st.lora_for(req.parameters.adapter_id, record)  # TGI/LoRAX name the adapter in the parameters
-    [max_tokens] = st.admit([ids], params, record)
-    rid = record.request_id = f"tgi-{uuid.uuid4().hex}"
+    # TGI/LoRAX name the adapter in the parameters
+    run = await st.start([req.inputs], params, record, model=req.parameters.adapter_id, id_prefix="tgi")
     record.stream = stream
-    return params, ids, MergedStreams([st.generate(rid, ids, params, max_tokens, record, grammar=grammar,
-                                                   lora=lora)])
+    return params, run.ids[0], run.merged
 
 
 def _finish_reason(d: CompletionDelta) -> str:
@@ -148,12 +141,7 @@ async def _generate_stream(request: Request, st: ModelState, req: TGIRequest) ->
                                          "seed": params.seed, "input_length": len(ids)}
                     yield f"data:{json.dumps(ev, ensure_ascii=False)}\n\n"
         except Exception as e:  # mid-stream failure: TGI reports it in-band
-            st.metrics.aborts.labels("error").inc()
-            err = engine_error(e)
-            if err is None:
-                log.exception("stream failed on %s", request.url.path)
-                err = APIError(500, f"internal error ({type(e).__name__})")
-            yield f"data:{json.dumps(error_body(err, tgi=True))}\n\n"
+            yield f"data:{json.dumps(error_body(stream_failure(e, st.metrics, request.url.path), tgi=True))}\n\n"
         finally:
             watch.close()
             merged.stop()
