@@ -51,7 +51,7 @@ def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, 
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """The HTTP-side flags that can never work; ConfigError naming the flag."""
-    if not 1 <= args.port <= 65535:  # also checked at bind; here so a Ray deploy fails once, before any replica
+    if not 1 <= args.port <= 65535:  # here, not at bind: a Ray deploy checks these flags once, before any replica
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
                              ("--max-body-bytes", args.max_body_bytes, 1),
@@ -77,9 +77,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 def bind_listener(host: str, port: int) -> socket.socket:
     """The server's socket, bound now: a port in use or a host that is not this machine's is a ConfigError before
-    the model loads (uvicorn would find out only after it, and exit with a traceback)."""
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    the model loads (uvicorn would find out only after it, and exit with a traceback). The port's range was
+    checked with the other flags (check_serve_args, from prepare)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
