@@ -16,11 +16,12 @@ fi
 sdist=$(ls .cache/sdist/llama_cpp_python-*.tar.gz | head -n 1)
 tar -xzf "$sdist" -C .cache/sdist
 src=$(ls -d .cache/sdist/llama_cpp_python-*/vendor/llama.cpp | head -n 1)
-avx512=OFF
-grep -qw avx512f /proc/cpuinfo && avx512=ON
+# each AVX-512 extension only where this CPU has it (a Xeon may have AVX-512 F/BW/VNNI without VBMI or BF16)
+has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
 cmake -S "$src" -B "$cache/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
   -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512="$avx512" -DGGML_AVX512_VBMI="$avx512" -DGGML_AVX512_VNNI="$avx512" -DGGML_AVX512_BF16="$avx512" \
+  -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)" \
+  -DGGML_AVX512_BF16="$(has avx512_bf16)" \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
 cmake --build "$cache/build" --target llama-server llama-perplexity -j "$(nproc)" >&2

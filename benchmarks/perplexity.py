@@ -154,11 +154,12 @@ def read_saved_logits(path: Path, n_ctx: int) -> dict:
             "top1": q.argmax(axis=1).tolist()}
 
 
-def run_lmserve(windows: list[list[int]], quantization: str | None, threads: int) -> dict:
+def run_lmserve(windows: list[list[int]], quantization: str | None, threads: int, kv_cache_dtype: str = "auto") -> dict:
     """Scored NLL and top-1 of each window through lmserve's engine (prompt logprobs), one request per window."""
     from lmserve import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", quantization=quantization, num_threads=threads, kv_cache_memory=512 * 2**20)
+    llm = LLM(dtype="float32", quantization=quantization, num_threads=threads, kv_cache_memory=512 * 2**20,
+              kv_cache_dtype=kv_cache_dtype)
     start = time.perf_counter()
     outs = llm.generate(windows, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -182,6 +183,38 @@ def run_transformers(model_path: Path, windows: list[list[int]]) -> dict:
             nll.append(window_nll(logits, w))
             top1.extend(logits[targets.start - 1:targets.stop - 1].argmax(axis=1).tolist())
     return {"nll": np.concatenate(nll), "top1": top1, "seconds": time.perf_counter() - start, "model": hf}
+
+
+def run_kv_cache_dtypes(windows: list[list[int]], threads: int, dtypes: list[str]) -> dict:
+    """lmserve gguf's perplexity with each KV cache element type, against the first (float16: auto's choice for kept
+    blocks), and each one's K/V bytes per token (every layer)."""
+    runs = {}
+    for name in dtypes:
+        r = run_lmserve(windows, "gguf", threads, kv_cache_dtype=name)
+        eng = r.pop("llm").engine
+        r["kv_bytes_per_token"] = eng.block_bytes // eng.block_size
+        runs[name] = r
+        del eng
+    base = runs[dtypes[0]]
+    return {name: {"ppl": perplexity(r["nll"]), "vs_base_pct": 100 * (perplexity(r["nll"]) / perplexity(base["nll"]) - 1),
+                   "kv_bytes_per_token": r["kv_bytes_per_token"],
+                   "bytes_vs_base": r["kv_bytes_per_token"] / base["kv_bytes_per_token"],
+                   "tokens_vs_base": compare(r, base), "seconds": round(r["seconds"], 1)} for name, r in runs.items()}
+
+
+def kv_markdown(r: dict) -> str:
+    c, names = r["cpu"], list(r["kv_cache"])
+    lines = [f"lmserve gguf (the embedded Q4_1 file's blocks kept), perplexity by KV cache element type. Machine: "
+             f"{c['name']}, {c['cores']} cores, flags {','.join(c['flags'])}; load average {r['load_avg_before']:.1f} "
+             f"before, {r['load_avg_after']:.1f} after. Text: {r['text']['path']} ({r['text']['scored_tokens']} scored "
+             f"tokens, windows of {r['n_ctx']}, llama-perplexity's method).", "",
+             f"| KV cache | PPL | vs {names[0]} | K/V bytes per token | vs {names[0]} | top-1 = {names[0]} "
+             f"| mean abs dNLL vs {names[0]} | s |", "|---|---|---|---|---|---|---|---|"]
+    for name, s in r["kv_cache"].items():
+        lines.append(f"| {name} | {s['ppl']:.4f} | {s['vs_base_pct']:+.3f}% | {s['kv_bytes_per_token']} | "
+                     f"{s['bytes_vs_base']:.3f}x | {100 * s['tokens_vs_base']['top1_agreement']:.1f}% | "
+                     f"{s['tokens_vs_base']['mean_abs_dnll']:.2e} | {s['seconds']} |")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- greedy continuations
@@ -305,13 +338,19 @@ def main() -> None:
     ap.add_argument("--llama-perplexity", type=Path, default=LLAMA_BIN, help="built when missing")
     ap.add_argument("--out", type=Path, default=None, help="JSON; a .md beside it")
     ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md beside this JSON")
+    ap.add_argument("--kv-cache-dtypes", default=None, metavar="LIST",
+                    help="only lmserve gguf, once per KV cache type (e.g. float16,int8,fp8_e4m3; the first is the base)")
     args = ap.parse_args()
     if args.render:
-        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        r = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(kv_markdown(r) if "kv_cache" in r else markdown(r))
         return
     from gguf_decode import cpu
     from lmserve.tokenizer import Tokenizer
     from lmserve.loader import default_model_path
+
+    if args.kv_cache_dtypes:
+        return kv_main(args, cpu())
 
     if not args.llama_perplexity.exists():  # builds llama-server and llama-perplexity once (minutes)
         subprocess.run(["bash", str(HERE / "build_llama_server.sh")], check=True, stdout=subprocess.DEVNULL)
@@ -345,6 +384,26 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         args.out.with_suffix(".md").write_text(markdown(result))
+
+
+def kv_main(args, machine: dict) -> None:
+    """--kv-cache-dtypes: lmserve gguf's perplexity once per KV cache element type; no peers run."""
+    from lmserve.engine.tokenizer import Tokenizer
+    from lmserve.loader import default_model_path
+
+    tok = Tokenizer.from_gguf(default_model_path())
+    ids = tok.encode(read_text(args.text))
+    windows = chunk_windows(ids, args.ctx, tok.bos_token_id if tok.add_bos_token else None)
+    load = os.getloadavg()[0]
+    result = {"cpu": machine, "load_avg_before": load, "n_ctx": args.ctx, "threads": args.threads,
+              "text": {"path": str(args.text.relative_to(HERE.parent)) if args.text.is_relative_to(HERE.parent)
+                       else str(args.text), "scored_tokens": len(windows) * len(scored_targets(args.ctx))},
+              "kv_cache": run_kv_cache_dtypes(windows, args.threads, args.kv_cache_dtypes.split(","))}
+    result["load_avg_after"] = os.getloadavg()[0]
+    print(kv_markdown(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(kv_markdown(result))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_decode import cpu  # noqa: E402
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
-from lmserve.layers.decode_stack import apply_decode_stack, remove_decode_stack  # noqa: E402
+from lmserve.layers.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
+
+import torch  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -42,13 +44,52 @@ def start(engine: LLMEngine, batch: int, tokens: int) -> None:
         engine.step()
 
 
-def timed_steps(engine: LLMEngine) -> list[float]:
-    times = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return times
+class PhaseClock:
+    """Seconds inside the decode stack's call and the LM head, wrapped around one engine's model until restore()."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.model = model = engine.loaded.model
+        self.seconds = {"decoder layers (native stack)": 0.0, "LM head": 0.0}
+        # None: the stack does not apply to this model; its layers are not timed apart
+        self.loop = model.layer_loop if isinstance(model.layer_loop, NativeDecodeLoop) else None
+        if self.loop is not None:
+            self.saved = self.loop.stack
+            self.loop.stack = self._timed(self.saved, "decoder layers (native stack)")
+        model.compute_logits = self._timed(model.compute_logits, "LM head")  # an instance attribute over the method
+
+    def _timed(self, fn, name: str):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+        return call
+
+    def restore(self) -> None:
+        if self.loop is not None:
+            self.loop.stack = self.saved
+        del self.model.compute_logits
+
+
+def timed_steps(engine: LLMEngine) -> tuple[list[float], dict[str, float], dict[str, float]]:
+    """Wall seconds of each remaining step, the mean seconds per step in the decoder layers and the LM head, and the
+    native worker pool's counters per step (thread_pool.h)."""
+    from lmserve.layers.native import native_module
+
+    mod = native_module()
+    clock = PhaseClock(engine)
+    before, times = mod.pool_stats(), []
+    try:
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+    finally:
+        clock.restore()
+    after = mod.pool_stats()
+    phases = {k: v / len(times) for k, v in clock.seconds.items()}
+    return times, phases, {k: (after[k] - before[k]) / len(times) for k in after}
 
 
 def profiled_steps(engine: LLMEngine) -> tuple[int, dict[str, float], float]:
@@ -115,16 +156,28 @@ def main() -> None:
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(quantization="gguf", cache=CacheConfig(num_blocks=512)))
     model = engine.loaded.model
+    policy = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     lines = [f"# Decode step profile ({cpu()['name']}, {cpu()['cores']} cores, flags {' '.join(cpu()['flags'])}, "
-             f"load {os.getloadavg()[0]:.1f})", ""]
+             f"load {os.getloadavg()[0]:.1f}; {torch.get_num_threads()} threads, thread policy {policy or 'libgomp default'})",
+             ""]
     for batch in (int(b) for b in args.batches.split(",") if b):
         apply_decode_stack(model)
         start(engine, batch, args.tokens)
-        wall = statistics.median(timed_steps(engine)) * 1000
+        times, phases, pool = timed_steps(engine)
+        wall = statistics.median(times) * 1000
+        mean = sum(times) / len(times)
         remove_decode_stack(model)
         start(engine, batch, args.tokens)
         steps, per, total = profiled_steps(engine)
         lines += [f"## batch {batch}", "", f"median decode step with the native stack: {wall:.2f} ms", "",
+                  "| phase (native stack on) | ms per step (mean) | share |", "|---|---|---|",
+                  *[f"| {k} | {v * 1000:.2f} | {v / mean:.0%} |" for k, v in phases.items()],
+                  f"| everything else (embedding, sampler, scheduler, Python) | {(mean - sum(phases.values())) * 1000:.2f} "
+                  f"| {(mean - sum(phases.values())) / mean:.0%} |", "",
+                  f"per step, the kernels' worker pool ran {pool['jobs']:.0f} jobs on its threads and "
+                  f"{pool['inline_jobs']:.0f} on the caller alone; it woke parked workers {pool['wakeups']:.2f} times, "
+                  f"the caller parked {pool['caller_parks']:.2f} times ({pool['stalls']:.2f} stalls, "
+                  f"{pool['backoffs']:.2f} back-offs)", "",
                   f"module loop under cProfile ({steps} steps, {total / steps * 1000:.2f} ms a step incl. profiler):",
                   "", "| native function | ms per step | share |", "|---|---|---|"]
         # quant_linear includes the LM head (one call a step) besides the 4 projections of every layer

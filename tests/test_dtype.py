@@ -101,5 +101,6 @@ def test_kv_cache_dtype():
     assert resolve_kv_dtype("float32", f32, True, CPU) == f32 and resolve_kv_dtype("float16", f32, False, CPU) == f16
     with pytest.raises(ValueError, match="model's dtype"):
         resolve_kv_dtype("float16", bf16, False, CUDA)
+    assert resolve_kv_dtype("int8", f32, True, CPU) == torch.int8  # issue 32: a quantized cache (test_kv_quant.py)
     with pytest.raises(ValueError, match="unknown KV cache dtype"):
-        resolve_kv_dtype("int8", f32, False, CPU)
+        resolve_kv_dtype("int4", f32, False, CPU)

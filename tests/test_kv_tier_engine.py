@@ -10,12 +10,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmserve.cache.kv_cache_manager import block_hash
 from lmserve.config import CacheConfig, EngineConfig, KVOffloadConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
+from lmserve.utils import KV_QUANT_DTYPES
 from tests.conftest import write_tiny_llama
+from tests.tiny_models import build_hf
 
 BS = 4  # tokens per block: prompts of a few dozen words span many blocks
 PROMPT = " ".join(f"w{i}" for i in range(10, 58))  # 48 tokens: 11 full blocks leave one token to compute
@@ -103,6 +106,41 @@ def test_blocks_evicted_to_host_memory_load_back_bit_identical(tiny, cold):
     assert eng.kv_tier.stats("host")["hit_tokens"] - hits == again["cached"]
     assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]  # bit for bit: logprobs as floats
     assert eng.kv.prefix_hits >= again["cached"]
+    assert_no_leak(eng)
+
+
+def prompt_block_bytes(eng: LLMEngine, prompt: str) -> list[torch.Tensor]:
+    """Each of the prompt's full blocks as the pool holds it now: its raw bytes in every layer's cache."""
+    ids, parent, out, bs = eng.front.tokenize_prompt(prompt), None, [], eng.block_size
+    for i in range(full_blocks(eng, prompt)):
+        parent = block_hash(parent, ids[i * bs:(i + 1) * bs])
+        b = eng.kv.pool.lookup(parent).block_id
+        out.append(torch.cat([kv[:, b].reshape(-1).view(torch.uint8) for kv in eng.runner.kv_caches]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory) -> Path:
+    """A tiny Llama with head_dim 64 (a quantized KV row is blocks of 32 values; the other tiny Llama's is 16)."""
+    return build_hf("llama", tmp_path_factory.mktemp("tiny64"))[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_blocks_come_back_from_host_memory_byte_for_byte(tiny64, kv_dtype):
+    """--kv-cache-dtype int8 / fp8_e4m3 with the host tier: each evicted block's codes and scales are reloaded into
+    a new pool block byte for byte, and the reloaded prompt gives the cold run's tokens and logprobs."""
+    cold = run(engine(tiny64, kv_dtype=kv_dtype), PROMPT, "cold")
+    eng = engine(tiny64, kv_dtype=kv_dtype, memory_bytes=2**20)
+    assert all(kv.dtype == KV_QUANT_DTYPES[kv_dtype] for kv in eng.runner.kv_caches)
+    first = run(eng, PROMPT, "a")
+    assert first["ids"] == cold["ids"] and first["logprobs"] == cold["logprobs"]
+    saved = prompt_block_bytes(eng, PROMPT)
+    evict(eng)
+    again = run(eng, PROMPT, "a2")
+    assert again["cached"] == full_blocks(eng, PROMPT) * BS == eng.kv_tier.stats("host")["hit_tokens"]
+    reloaded = prompt_block_bytes(eng, PROMPT)
+    assert len(reloaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(reloaded, saved))
+    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
     assert_no_leak(eng)
 
 

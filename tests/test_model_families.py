@@ -15,6 +15,7 @@ from lmserve.tokenizer import Tokenizer
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
+from lmserve.utils import KV_QUANT_DTYPES
 from tests.test_model_parity import flat_logits
 from tests.tiny_models import ARCHS, VOCAB, build_gemma3_multimodal, build_hf, write_gguf
 
@@ -150,21 +151,25 @@ def test_packed_gguf_keeps_mixed_layouts_quantized(tiny, tmp_path):
         assert_close(ours, theirs, tol=0.03)  # int8 activations, as llama.cpp quantizes them
 
 
-@pytest.mark.parametrize("name", [n for n, a in ARCHS.items() if a.gguf and n != "phi3"])
-def test_native_decode_stack_is_the_module_loop_bitwise(tiny, tmp_path, name):
+@pytest.mark.parametrize("name,kv_dtype", [(n, "auto") for n, a in ARCHS.items() if a.gguf and n != "phi3"] +
+                         [("gemma2", "int8"), ("gemma3", "fp8_e4m3")])
+def test_native_decode_stack_is_the_module_loop_bitwise(tiny, tmp_path, name, kv_dtype):
     """Quantized GGUFs of every family whose layers the native decode stack runs (sandwich norms, QK-norm, GeGLU,
     NoPE layers, per-kind rotary tables, windows, soft-caps; q/k and v in different block layouts): the runner
-    applies it, and tokens and logprobs are bit-identical with it removed (Phi-3's partial rotary keeps the loop)."""
+    applies it, and tokens and logprobs are bit-identical with it removed (Phi-3's partial rotary keeps the loop);
+    also over quantized KV caches (Gemma 2's windows and soft-caps, Gemma 3's QK-norm and per-kind rotary)."""
     from lmserve.layers.decode_stack import apply_decode_stack, remove_decode_stack
 
     _, _, ref = tiny(name)
     kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0"}
     path = write_gguf(name, ref, tmp_path / "q.gguf", lambda n: kinds.get(n.split(".")[-2], "Q8_0"))
-    cache = CacheConfig(num_blocks=64, enable_prefix_caching=False)  # the same cache state in both runs
+    # the same cache state in both runs
+    cache = CacheConfig(num_blocks=64, enable_prefix_caching=False, kv_cache_dtype=kv_dtype)
     eng = LLMEngine(EngineConfig(model=str(path), quantization="gguf", cache=cache,
                                  scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)),
                     tokenizer=Tokenizer.from_pretrained(tiny(name)[0]))
     assert eng.runner.decode_stack is not None
+    assert kv_dtype == "auto" or eng.runner.kv_caches[0].dtype == KV_QUANT_DTYPES[kv_dtype]
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)
 
     def run() -> dict:

@@ -21,13 +21,14 @@ from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.tokenizer.tokenizer import check_tokenizer_file
 from lmserve.errors import ConfigError
 from lmserve.layers.attention_backends import resolve_attention_backend
+from lmserve.layers.kv_quant import check_head_dim
 from lmserve.layers.quantized import check_scheme
 from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
 from lmserve.cpu_dtype import resolve_dtype
-from lmserve.utils import available_memory, keeps_gguf, resolve_device, resolve_kv_dtype
+from lmserve.utils import KV_QUANT_DTYPES, available_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.model_runner import kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,10 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
         kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, kept_gguf, device)
     except ValueError as e:
         raise ConfigError(f"--kv-cache-dtype: {e}") from None
-    resolve_attention_backend(cfg.attention_backend, device, dtype)  # `triton` where it cannot run: ConfigError
+    backend = resolve_attention_backend(cfg.attention_backend, device, dtype)  # `triton` where it cannot run: ConfigError
+    if backend.name == "triton" and kv_dtype in KV_QUANT_DTYPES.values():
+        raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: the Triton attention kernels read float K/V "
+                          "only; use --attention-backend reference")
     if cfg.quantization:
         try:
             check_scheme(cfg.quantization, device)
@@ -60,6 +64,10 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
             raise ConfigError(f"--quantization: {e}") from None
     path = model_path(cfg.model, cfg.revision)
     model_config = read_model_config(path)
+    try:
+        check_head_dim(model_config.head_dim, kv_dtype)
+    except ValueError as e:
+        raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: {e}") from None
     check_tensor_parallel(cfg.parallel, model_config, device)
     if path.is_dir():
         check_tokenizer_file(path)

@@ -10,6 +10,10 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
+# --kv-cache-dtype's one-byte formats (codes + a scale per token and head: layers/kv_quant.py); fp8 where torch has it
+KV_QUANT_DTYPES = {"int8": torch.int8}
+if hasattr(torch, "float8_e4m3fn"):
+    KV_QUANT_DTYPES["fp8_e4m3"] = torch.float8_e4m3fn
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -87,8 +91,13 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, kept_gguf: bool, devic
     KV type, half the bytes a decode step reads), else the model's dtype. CUDA keeps the model's dtype."""
     if name == "auto":
         return torch.float16 if kept_gguf else model_dtype
+    if name in KV_QUANT_DTYPES:
+        if device.type != "cpu":
+            raise ValueError(f"{name} KV caches run on the CPU kernels only")
+        return KV_QUANT_DTYPES[name]
     if name not in ("float32", "float16"):
-        raise ValueError(f"unknown KV cache dtype {name!r} (choose from auto, float32, float16)")
+        raise ValueError(f"unknown KV cache dtype {name!r} (choose from auto, float32, float16, "
+                         f"{', '.join(KV_QUANT_DTYPES)})")
     dtype = DTYPES[name]
     if device.type == "cuda" and dtype != model_dtype:
         raise ValueError(f"on CUDA the KV cache takes the model's dtype ({str(model_dtype).removeprefix('torch.')})")

@@ -20,6 +20,7 @@ from lmserve.cpu_dtype import auto_dtype_why, resolve_dtype
 from lmserve.engine.speculate import Proposer, make_proposer
 from lmserve.errors import ConfigError
 from lmserve.layers.attention_backends import resolve_attention_backend
+from lmserve.layers.kv_quant import check_head_dim
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
@@ -136,9 +137,11 @@ def _start_ranks(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) ->
 
 def _kv_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: LoadedModel, device: torch.device) -> torch.dtype:
     try:
-        return resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
+        kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
+        check_head_dim(loaded.model.config.head_dim, kv_dtype)
     except ValueError as e:
-        raise ConfigError(f"--kv-cache-dtype: {e}") from None
+        raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: {e}") from None
+    return kv_dtype
 
 
 def _lora(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device

@@ -166,7 +166,7 @@ def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:
 
 def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     """Flat keyword arguments (vLLM style) -> the nested frozen config."""
-    cache_keys = {"block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching"}
+    cache_keys = {"block_size", "kv_cache_memory", "num_blocks", "enable_prefix_caching", "kv_cache_dtype"}
     sched_keys = {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"}
     cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in cache_keys})
     sched = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in sched_keys})

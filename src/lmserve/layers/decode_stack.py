@@ -1,14 +1,15 @@
 """Every decoder layer of a decode-only step in one native call (layers/csrc/decode_stack.cpp), as a transform.
 
-`apply_decode_stack(model)` replaces a finished model's `layer_loop` (models/decoder.LayerLoop, the reference)
-by a `NativeDecodeLoop` where every layer is one the native stack runs: plain or sandwich layers (Llama, Qwen,
-Mistral, SmolLM3, Gemma), QK-norm, any rotary table or none, each layer's scale, window and soft-cap, SwiGLU or
-GeGLU, every projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of parts in different
-layouts), head dims 64/128/256. The loop it replaces stays inside it and serves every step the stack cannot:
-prefill chunks, and any step whose attention is not the paged cache's decode-only step. Models with other
-layers (LoRA or parallel wrappers, float or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks) keep the
-module loop. The native stack calls the same kernels in the same order, so a step's outputs are bit-identical
-either way (tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it off.
+`apply_decode_stack(model)` replaces a finished model's `layer_loop` (models/decoder.LayerLoop, the reference) by a
+`NativeDecodeLoop` where every layer is one the native stack runs: plain or sandwich layers (Llama, Qwen, Mistral,
+SmolLM3, Gemma), QK-norm, any rotary table or none, each layer's scale, window and soft-cap, SwiGLU or GeGLU, every
+projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of parts in different layouts), head
+dims 64/128/256, over float32, float16 or quantized (int8 / fp8_e4m3) KV caches (one C++ writer and reader for all
+of them, as the module path's). The loop it replaces stays inside it and serves every step the stack cannot: prefill
+chunks, and any step whose attention is not the paged cache's decode-only step. Models with other layers (LoRA or
+parallel wrappers, float or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks) keep the module loop. The
+native stack calls the same kernels in the same order, so a step's outputs are bit-identical either way
+(tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.layers.attention import DEFAULT, AttnOptions, attention_ref, causal_sdpa
+from lmserve.layers.kv_quant import as_values, is_quantized, quantize
 from lmserve.layers.native import native_module
 
 
@@ -58,7 +59,8 @@ class PagedAttentionMetadata:
 
 @dataclass
 class PagedAttention:
-    """AttentionContext over the engine's KV cache (one [2, blocks, block_size, kv_heads, head_dim] per layer)."""
+    """AttentionContext over the engine's KV cache (one [2, blocks, block_size, kv_heads, W] per layer: W = head_dim,
+    or head_dim + head_dim / 16 for a quantized cache's codes and scales, layers/kv_quant.py)."""
 
     kv_caches: list[torch.Tensor]
     meta: PagedAttentionMetadata
@@ -83,11 +85,11 @@ class PagedAttention:
             return torch.cat(outs) if len(outs) > 1 else outs[0]
         for p in m.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            if p.mask is None:  # no cached prefix: attend over the fresh K/V directly
+            if p.mask is None and not is_quantized(cache.dtype):  # no cached prefix: attend over the fresh K/V
                 outs.append(causal_sdpa(q[rows], k[rows], v[rows], opts=opts))
-            else:
+            else:  # after a prefix, or over a quantized cache (prompt tokens see the values decode steps read)
                 kc, vc = gather_context(cache, p.block_table, p.context_len)
-                outs.append(causal_sdpa(q[rows], kc.to(q.dtype), vc.to(q.dtype), p.mask, opts))
+                outs.append(causal_sdpa(q[rows], as_values(kc, q.dtype), as_values(vc, q.dtype), p.mask, opts))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, opts: AttnOptions) -> torch.Tensor:
@@ -110,9 +112,10 @@ def _scale(q: torch.Tensor, opts: AttnOptions) -> float:
 
 
 def native_decode(cache: torch.Tensor, q: torch.Tensor, opts: AttnOptions = DEFAULT):
-    """The compiled paged-decode module when this cache, query and layer can use it, else None."""
-    if cache.device.type != "cpu" or cache.dtype not in (torch.float32, torch.float16) or q.dtype != torch.float32 \
-            or q.shape[-1] not in (64, 128, 256) or opts.sinks is not None:
+    """The compiled paged-decode module when this cache, query and layer can use it (float32, float16 or quantized
+    cache; any scale, window or soft-cap; no sinks), else None."""
+    if cache.device.type != "cpu" or not (cache.dtype in (torch.float32, torch.float16) or is_quantized(cache.dtype)) \
+            or q.dtype != torch.float32 or q.shape[-1] not in (64, 128, 256) or opts.sinks is not None:
         return None
     return native_module()
 
@@ -124,30 +127,51 @@ def context_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V [T, kv_heads, head_dim] at their slots."""
-    _, _, _, h, d = cache.shape
-    cache[0].view(-1, h, d).index_copy_(0, slot_mapping, k.to(cache.dtype))
-    cache[1].view(-1, h, d).index_copy_(0, slot_mapping, v.to(cache.dtype))
+    """Store new K/V [T, kv_heads, head_dim] at their slots, in the cache's format: on CPU the native writer (the
+    decode stack's own, so both paths leave the same bytes), else write_kv_reference."""
+    mod = native_decode(cache, k) if k.dtype == torch.float32 else None
+    if mod is not None:
+        mod.write_kv(cache, k, v, slot_mapping)
+    else:
+        write_kv_reference(cache, k, v, slot_mapping)
+
+
+def write_kv_reference(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The PyTorch writer: converted (float caches) or quantized (kv_quant.quantize) into the slots."""
+    _, _, _, h, w = cache.shape
+    if is_quantized(cache.dtype):  # copied as bytes: torch has no index_copy_ for float8
+        raw, encode = cache.view(torch.uint8), lambda x: quantize(x, cache.dtype).view(torch.uint8)
+    else:
+        raw, encode = cache, lambda x: x.to(cache.dtype)
+    raw[0].view(-1, h, w).index_copy_(0, slot_mapping, encode(k))
+    raw[1].view(-1, h, w).index_copy_(0, slot_mapping, encode(v))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V, each [context_len, kv_heads, head_dim]."""
-    _, _, _, h, d = cache.shape
-    k = cache[0].index_select(0, block_table).view(-1, h, d)[:context_len]
-    v = cache[1].index_select(0, block_table).view(-1, h, d)[:context_len]
-    return k, v  # in the cache's dtype: causal_sdpa's caller converts
+    """One sequence's cached K and V rows, each [context_len, kv_heads, W]."""
+    _, _, _, h, w = cache.shape
+    k = select_blocks(cache[0], block_table).view(-1, h, w)[:context_len]
+    v = select_blocks(cache[1], block_table).view(-1, h, w)[:context_len]
+    return k, v  # in the cache's format: the caller takes their values (kv_quant.as_values)
+
+
+def select_blocks(part: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """part[blocks] (index_select copies whole blocks, 4x faster than advanced indexing on CPU); one-byte formats as
+    bytes (torch has no index_select for float8)."""
+    if is_quantized(part.dtype):
+        return part.view(torch.uint8).index_select(0, blocks).view(part.dtype)
+    return part.index_select(0, blocks)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      mask: torch.Tensor, opts: AttnOptions = DEFAULT) -> torch.Tensor:
     """Batched single-token attention: q [B, H, D] over each sequence's blocks -> [B, H * D]."""
     b, heads, d = q.shape
-    kv_heads = cache.shape[3]
-    # index_select copies whole blocks (4x faster than advanced indexing on CPU)
+    kv_heads, w = cache.shape[3], cache.shape[4]
     flat = block_tables.flatten()
-    # [B, Hkv, L, D], in the queries' dtype (a float16 cache under float32 queries)
-    k = cache[0].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
-    v = cache[1].index_select(0, flat).view(b, -1, kv_heads, d).transpose(1, 2).to(q.dtype)
+    # [B, Hkv, L, D], as values in the queries' dtype (a float16 or quantized cache under float32 queries)
+    k = as_values(select_blocks(cache[0], flat).view(b, -1, kv_heads, w), q.dtype).transpose(1, 2)
+    v = as_values(select_blocks(cache[1], flat).view(b, -1, kv_heads, w), q.dtype).transpose(1, 2)
     if opts.soft_cap is not None or opts.sinks is not None:  # SDPA has neither: the plain definition
         return attention_ref(q[:, None], k.transpose(1, 2), v.transpose(1, 2), mask.view(b, 1, -1),
                              opts).view(b, heads * d)

@@ -30,7 +30,10 @@ class BlockCopier:
 
     def __init__(self, tensors: list[tuple[torch.Tensor, int]]) -> None:
         """`tensors`: (tensor, the dimension its block index runs along)."""
-        self.tensors = tensors
+        # one-byte element types as raw bytes: the same bytes and shapes, and torch has no index_copy_ for float8
+        # (a --kv-cache-dtype fp8_e4m3 cache)
+        self.tensors = [(t.view(torch.uint8) if t.element_size() == 1 else t, d) for t, d in tensors]
+        self.dtypes = [t.dtype for t, _ in tensors]  # the element types the layout names
         self.sizes = [t.select(d, 0).numel() * t.element_size() for t, d in tensors]  # bytes of one block in each
         self.block_bytes = sum(self.sizes)
         self.pin = any(t.device.type == "cuda" for t, _ in tensors)  # host buffers a DMA can read
@@ -38,9 +41,9 @@ class BlockCopier:
     def layout(self) -> str:
         """Element type and per-block shape of every tensor: part of what the tier keys blocks by."""
         parts = []
-        for t, d in self.tensors:
+        for (t, d), dtype in zip(self.tensors, self.dtypes):
             shape = [n for i, n in enumerate(t.shape) if i != d]
-            parts.append(f"{str(t.dtype).removeprefix('torch.')}{shape}@{d}")
+            parts.append(f"{str(dtype).removeprefix('torch.')}{shape}@{d}")
         return ";".join(parts)
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:

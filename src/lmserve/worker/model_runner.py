@@ -11,6 +11,7 @@ import torch
 from lmserve.layers.attention import ContiguousAttention
 from lmserve.layers.attention_backends import attention_factory
 from lmserve.layers.decode_stack import apply_decode_stack
+from lmserve.layers.kv_quant import row_width
 from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
 from lmserve.lora.slots import LoraSlots
@@ -38,8 +39,8 @@ class RunnerOutput:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for `block_size` tokens in every layer."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """K and V for `block_size` tokens in every layer (a quantized cache's rows carry their scales)."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row_width(cfg.head_dim, dtype) * dtype.itemsize
 
 
 @torch.inference_mode()
@@ -64,7 +65,7 @@ class ModelRunner:
         self.attention = attention_factory(attention_backend)  # one AttentionContext per forward
         self.lora = lora  # None: LoRA off
         # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to
-        shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, row_width(cfg.head_dim, kv_dtype or dtype))
         # pages committed as blocks are first written (worker/kv_memory.py), not the whole pool at start
         self.kv_caches = [kv_zeros(shape, kv_dtype or dtype, device) for _ in range(cfg.num_layers)]
         self.scratch = ScratchSlot(num_blocks, block_size)

@@ -7,7 +7,8 @@
 // layer costs a few kernel launches and no interpreter.
 //
 // Numerics: each step calls exactly the kernels the PyTorch module path calls, on the same values in the
-// same order (the K/V writes are copies; GeGLU is ATen's tanh GELU, as the module path), so its outputs are
+// same order (the K/V writes go through the same writer, write_kv_rows, in any of kv_cache.h's formats; GeGLU is
+// ATen's tanh GELU, as the module path), so its outputs are
 // bit-identical to that path's (tests/test_decode_stack.py, tests/test_model_families.py), which stays the
 // reference and serves every step this cannot (prefill, LoRA, float weights, other devices).
 //
@@ -24,10 +25,7 @@
 
 #include "ops.h"
 
-#include <type_traits>
-
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -92,34 +90,6 @@ struct Cursor {
     return p;
   }
 };
-
-// Store this step's K and V rows [B, Hkv * D] (K and V each with its own row stride: views into the qkv output,
-// or normed K rows) at their cache slots; a float16 cache gets them rounded to nearest even, as torch's
-// .to(float16) in layers/paged_attention.write_kv.
-template <typename KV>
-void write_kv_as(const torch::Tensor& cache, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                 const int64_t* slots, int64_t B, int64_t width) {
-  // cache [2, blocks, block_size, Hkv, D]: K then V, each a flat [slots, Hkv * D]
-  KV* kc = cache.data_ptr<KV>();
-  KV* vc = kc + cache.numel() / 2;
-  for (int64_t b = 0; b < B; ++b) {
-    if constexpr (std::is_same_v<KV, float>) {
-      std::memcpy(kc + slots[b] * width, k + b * k_stride, width * sizeof(float));
-      std::memcpy(vc + slots[b] * width, v + b * v_stride, width * sizeof(float));
-    } else {
-      for (int64_t j = 0; j < width; ++j) {
-        kc[slots[b] * width + j] = static_cast<KV>(k[b * k_stride + j]);
-        vc[slots[b] * width + j] = static_cast<KV>(v[b * v_stride + j]);
-      }
-    }
-  }
-}
-
-void write_kv(const torch::Tensor& cache, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-              const int64_t* slots, int64_t B, int64_t width) {
-  if (cache.scalar_type() == torch::kHalf) return write_kv_as<c10::Half>(cache, k, k_stride, v, v_stride, slots, B, width);
-  write_kv_as<float>(cache, k, k_stride, v, v_stride, slots, B, width);
-}
 
 // [B, 2I] = [gate | up] -> act(gate) * up: the native SiLU-and-mul, or ATen's tanh GELU (layers/fused.py)
 torch::Tensor act_and_mul(const torch::Tensor& gate_up, int64_t act) {
@@ -206,9 +176,10 @@ class DecodeStack {
         k_stride = kv_size;
       }
       const torch::Tensor& cache = kv_caches[i];
-      TORCH_CHECK(cache.is_contiguous() && (cache.scalar_type() == torch::kFloat || cache.scalar_type() == torch::kHalf),
-                  "DecodeStack: float32 or float16 caches");
-      write_kv(cache, k_rows, k_stride, base + q_size + kv_size, row, slot_mapping.data_ptr<int64_t>(), B, kv_size);
+      // K rows (views into the qkv output, or normed K rows) and V rows, each with its own stride, into their slots
+      // in the cache's format (float32, float16 or quantized: the one writer, paged_decode_attention.cpp)
+      write_kv_rows(cache, k_rows, k_stride, base + q_size + kv_size, row, slot_mapping.data_ptr<int64_t>(), B,
+                    kv_heads_, dim_);
       torch::Tensor attn = paged_decode_attention(q, cache[0], cache[1], block_tables, context_lens, l.scale,
                                                   c10::nullopt, l.window, l.softcap);
       torch::Tensor o = l.o(attn.view({B, q_size}));
@@ -233,5 +204,7 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&,
                           const std::vector<double>&, int64_t, int64_t, int64_t, int64_t, double>())
-      .def("forward", &DecodeStack::forward, "every decoder layer of a decode-only step (see decode_stack.cpp)");
+      // without the GIL: the server's event loop runs while a step computes
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "every decoder layer of a decode-only step (see decode_stack.cpp)");
 }

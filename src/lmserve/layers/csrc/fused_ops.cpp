@@ -8,7 +8,7 @@
 
 #include "ops.h"
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <cmath>
 
@@ -55,7 +55,7 @@ torch::Tensor norm_rows(torch::Tensor x, torch::Tensor* residual, torch::Tensor 
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, x.numel() / std::max<int64_t>(D, 1), grain(D), [&](int64_t begin, int64_t end) {
+  lmserve::parallel_for(0, x.numel() / std::max<int64_t>(D, 1), grain(D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * D;
       if (rp != nullptr) {
@@ -87,7 +87,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({T, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+  lmserve::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict__ g = gp + t * 2 * I;
       const float* __restrict__ u = g + I;
@@ -112,7 +112,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t row_stride = x.stride(0);
-  at::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
+  lmserve::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict__ c = cp + t * D;
       const float* __restrict__ s = sp + t * D;

@@ -22,7 +22,7 @@
 
 #include "ops.h"
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -122,7 +122,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = P * kPanel;
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  lmserve::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = pp + p * K * kPanel;
       for (int64_t k0 = 0; k0 < K; k0 += kBlock) {

@@ -7,6 +7,12 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      c10::optional<torch::Tensor> table_rows, int64_t window, double softcap);
+// this step's K/V rows into their cache slots, in the cache's format (kv_cache.h: float32, float16, or quantized
+// with a float16 scale per 32 values); k, v: T rows of Hkv * D floats, k_stride and v_stride apart (views into a
+// qkv output, or normed K rows)
+void write_kv_rows(const torch::Tensor& cache, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                   const int64_t* slots, int64_t T, int64_t Hkv, int64_t D);
+void write_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
 
 // fused_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -1,4 +1,4 @@
-// Decode attention over the paged KV cache, reading K/V where they lie (CPU, float32).
+// Decode attention over the paged KV cache, reading K/V where they lie (CPU, float32 queries).
 //
 // Why: PyTorch has no paged attention on CPU, so the portable path gathers every sequence's blocks into
 // a padded copy and runs SDPA on it; at batch 64 x 256 keys that costs 3.5 ms per layer, 30% of an
@@ -6,14 +6,17 @@
 // 3-5x faster (measured in tests/test_native_attention.py's benchmark notes and benchmarks/). Each
 // (sequence, kv head) is computed alone in a fixed order, so results do not depend on the batch.
 //
-// q [B, H, D] float32 (D = 64, 128 or 256); k_cache, v_cache [num_blocks, block_size, Hkv, D] float32 or float16
-// (read as float32: exact); block_tables [B, max_blocks] int64;
-// context_lens [B] int64 (>= 1). Query head h uses kv head h / (H / Hkv), as HF's repeat_kv does.
+// q [B, H, D] float32 (D = 64, 128 or 256); k_cache, v_cache [num_blocks, block_size, Hkv, W] in one of kv_cache.h's
+// formats (float32, float16, or int8 / e4m3 codes with a scale per 32), each row read as its float32 values
+// (code * scale) with no dequantized copy of the cache; block_tables [B, max_blocks] int64; context_lens [B] int64
+// (>= 1). Query head h uses kv head h / (H / Hkv), as HF's repeat_kv does. write_kv_rows (below) is the one writer
+// of those formats.
 // window > 0: row b attends only to its last `window` keys (sliding-window layers); softcap > 0: each score s
 // becomes softcap * tanh(s / softcap) after the scale (Gemma 2), as transformers computes them.
 
+#include "kv_cache.h"
 #include "ops.h"
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,11 +27,17 @@ namespace {
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled in registers-sized scratch
 
-// one cached row as float32 (float16 -> float32 is exact)
+using lmserve_kv::kQuantized;
+using lmserve_kv::row_width;
+
+// one cached row as float32 values (float16 -> float32 is exact; quantized rows: code * scale)
 template <int D, typename KV>
 inline const float* as_float(const KV* row, float* buf) {
   if constexpr (std::is_same_v<KV, float>) {
     return row;
+  } else if constexpr (kQuantized<KV>) {
+    for (int d = 0; d < D; ++d) buf[d] = lmserve_kv::code_value(row[d]) * lmserve_kv::block_scale(row, D, d);
+    return buf;
   } else {
     for (int d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
     return buf;
@@ -49,13 +58,13 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
                       const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
                       int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale, int64_t window,
                       float softcap) {
-  const int64_t G = H / Hkv, n = B * Hkv;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  const int64_t G = H / Hkv, n = B * Hkv, W = row_width<KV>(D);
+  lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t k = begin; k < end; ++k) {
       // Items in zigzag order (first, last, second, second last, ...): a prefill's rows grow in length, and the
-      // contiguous ranges parallel_for hands each thread would otherwise give the last thread the longest ones
-      // (with 2 threads, 3/4 of a causal prefill's work).
+      // contiguous chunks parallel_for hands out would otherwise leave the longest ones for last (with 2 threads
+      // and static halves, 3/4 of a causal prefill's work went to one thread).
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;
       const int64_t b = item / Hkv, kv_head = item % Hkv, t0 = first_key(context_lens[b], window);
       const int64_t L = context_lens[b] - t0;  // keys seen, from position t0
@@ -67,7 +76,7 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       for (int64_t t = 0; t < L; ++t) {
         const int64_t p = t0 + t;
         const float* __restrict__ k = as_float<D>(
-            k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * D, row_buf);
+            k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W, row_buf);
         for (int64_t g = 0; g < G; ++g) {
           const float* __restrict__ qg = q_rows + g * D;
           float acc = 0.f;
@@ -96,7 +105,7 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       for (int64_t t = 0; t < L; ++t) {
         const int64_t p = t0 + t;
         const float* __restrict__ v = as_float<D>(
-            v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * D, row_buf);
+            v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W, row_buf);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           for (int d = 0; d < D; ++d) acc[g][d] += p * v[d];
@@ -128,6 +137,30 @@ using lmserve_simd::reduce4;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// 16 e4m3 codes as floats, exactly: (8 + m) * 2^(e - 10) for a normal code, m * 2^-9 for a subnormal one (no float
+// denormals involved), then the sign. The all-ones NaN code is never written (kv_cache.h saturates at 448).
+inline __m512 load16(const lmserve_kv::Fp8* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(15));
+  const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
+  const __mmask16 normal = _mm512_test_epi32_mask(e, e);
+  const __m512i mant = _mm512_mask_or_epi32(m, normal, m, _mm512_set1_epi32(8));
+  const __m512i pow = _mm512_mask_sub_epi32(_mm512_set1_epi32(-9), normal, e, _mm512_set1_epi32(10));
+  const __m512 mag = _mm512_scalef_ps(_mm512_cvtepi32_ps(mant), _mm512_cvtepi32_ps(pow));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+
+// 16 values of a cached row from element c on: quantized rows are scaled by their block's scale (code * d, as
+// as_float)
+template <int D, typename KV>
+inline __m512 values16(const KV* row, int c) {
+  if constexpr (kQuantized<KV>) return _mm512_mul_ps(load16(row + c), _mm512_set1_ps(lmserve_kv::block_scale(row, D, c)));
+  return load16(row + c);
+}
 
 // q . k for keys[0..nk) (lane j: keys[j]; lanes from nk on: 0): one fma chain per key, then one tree of adds
 template <int D, bool FULL, typename KV>
@@ -177,10 +210,10 @@ void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* o
     for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
     if (t + 8 < L)  // a value row 8 ahead: the rows are scattered across blocks and heads
-      for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(KV)); c += 64)
+      for (int64_t c = 0; c < row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)); c += 64)
         _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8]) + c, _MM_HINT_T0);
     __m512 v[D / 16];
-    for (int c = 0; c < D / 16; ++c) v[c] = load16(vrows[t] + 16 * c);
+    for (int c = 0; c < D / 16; ++c) v[c] = values16<D>(vrows[t], 16 * c);
     for (int g = 0; g < GB; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * L + t]);
       for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
@@ -210,8 +243,9 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
                       const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
                       int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale, int64_t window,
                       float softcap) {
-  const int64_t G = H / Hkv, n = B * Hkv;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  const int64_t G = H / Hkv, n = B * Hkv, W = row_width<KV>(D);
+  constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV));
+  lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const KV*> rows;
     for (int64_t k = begin; k < end; ++k) {
@@ -224,21 +258,20 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
       rows.resize(L);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t p = t0 + t;
-        rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * D;
+        rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
       }
       const __m512 sc = _mm512_set1_ps(scale);
-      alignas(64) float widened[16 * D];  // a float16 chunk's keys, widened once for all G query heads
+      alignas(64) float widened[16 * D];  // a chunk's keys as float32 values, widened once for all G query heads
       const float* keys[16];
       for (int64_t t = 0; t < L; t += 16) {
         const int nk = static_cast<int>(std::min<int64_t>(16, L - t));
         for (int64_t j = t + 16; j < std::min<int64_t>(L, t + 32); ++j)  // the next chunk's keys: scattered rows
-          for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(KV)); c += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
+          for (int64_t c = 0; c < kRowBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
         for (int j = 0; j < nk; ++j) {
           if constexpr (std::is_same_v<KV, float>) {
             keys[j] = rows[t + j];
           } else {
-            for (int c = 0; c < D; c += 16) _mm512_store_ps(widened + j * D + c, load16(rows[t + j] + c));
+            for (int c = 0; c < D; c += 16) _mm512_store_ps(widened + j * D + c, values16<D>(rows[t + j], c));
             keys[j] = widened + j * D;
           }
         }
@@ -269,8 +302,8 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const t
                    torch::Tensor& out, int64_t B, int64_t H, int64_t D, int64_t block_size, int64_t Hkv, int64_t mb,
                    float s, int64_t window, float softcap) {
   const float* pq = q.data_ptr<float>();
-  const KV* pk = k_cache.data_ptr<KV>();
-  const KV* pv = v_cache.data_ptr<KV>();
+  const KV* pk = static_cast<const KV*>(k_cache.data_ptr());
+  const KV* pv = static_cast<const KV*>(v_cache.data_ptr());
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   float* po = out.data_ptr<float>();
@@ -282,13 +315,34 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   run(pq, pk, pv, bt, cl, rows, po, B, H, block_size, Hkv, mb, s, window, softcap);
 }
 
+namespace {
+
+// f(KV*{}) with the element type of a cache of `type` (kv_cache.h's formats)
+template <typename F>
+void with_kv_type(c10::ScalarType type, const F& f) {
+  switch (type) {
+    case torch::kFloat: return f(static_cast<float*>(nullptr));
+    case torch::kHalf: return f(static_cast<c10::Half*>(nullptr));
+    case torch::kChar: return f(static_cast<int8_t*>(nullptr));
+    case torch::kFloat8_e4m3fn: return f(static_cast<lmserve_kv::Fp8*>(nullptr));
+    default: TORCH_CHECK(false, "KV cache: float32, float16, int8 or float8_e4m3fn elements, got ", type);
+  }
+}
+
+int64_t row_width_of(c10::ScalarType type, int64_t D) {
+  int64_t w = 0;
+  with_kv_type(type, [&](auto* tag) { w = row_width<std::remove_pointer_t<decltype(tag)>>(D); });
+  return w;
+}
+
+}  // namespace
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      c10::optional<torch::Tensor> table_rows, int64_t window, double softcap) {
   const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv_type &&
-              (kv_type == torch::kFloat || kv_type == torch::kHalf),
-              "CPU tensors only: float32 queries over a float32 or float16 cache");
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv_type,
+              "CPU tensors only: float32 queries over a float32, float16, int8 or float8_e4m3fn cache");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   q = q.contiguous();
@@ -297,7 +351,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && H / Hkv <= kMaxGroup, "unsupported head layout");
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256 only");
+  TORCH_CHECK(k_cache.size(3) == row_width_of(kv_type, D) && H % Hkv == 0 && H / Hkv <= kMaxGroup,
+              "unsupported head layout");
   TORCH_CHECK(context_lens.size(0) == B);
   const int64_t* rows = nullptr;  // row b reads block_tables[table_rows[b]] (prefill tokens share their request's)
   if (table_rows.has_value()) {
@@ -310,15 +366,48 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
   const int64_t mb = block_tables.size(1);
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256 only");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
   const float cap = static_cast<float>(softcap);
-  if (kv_type == torch::kHalf) {
-    run_attention<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s,
-                             window, cap);
-  } else {
-    run_attention<float>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s,
-                         window, cap);
-  }
+  with_kv_type(kv_type, [&](auto* tag) {
+    using KV = std::remove_pointer_t<decltype(tag)>;
+    run_attention<KV>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s,
+                      window, cap);
+  });
   return out;
+}
+
+void write_kv_rows(const torch::Tensor& cache, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                   const int64_t* slots, int64_t T, int64_t Hkv, int64_t D) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == Hkv &&
+              cache.size(4) == row_width_of(cache.scalar_type(), D), "KV cache: contiguous [2, blocks, block_size, ",
+              Hkv, ", ", row_width_of(cache.scalar_type(), D), "]");
+  const int64_t num_slots = cache.size(1) * cache.size(2);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache's ", num_slots);
+  with_kv_type(cache.scalar_type(), [&](auto* tag) {
+    using KV = std::remove_pointer_t<decltype(tag)>;
+    const int64_t W = row_width<KV>(D);
+    KV* kc = static_cast<KV*>(cache.data_ptr());
+    KV* vc = kc + cache.numel() / 2;
+    // tokens in parallel only for a prefill's many rows: a decode step's few are cheaper than a wake-up
+    lmserve::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          lmserve_kv::encode_row(k + t * k_stride + h * D, kc + (slots[t] * Hkv + h) * W, D);
+          lmserve_kv::encode_row(v + t * v_stride + h * D, vc + (slots[t] * Hkv + h) * W, D);
+        }
+    });
+  });
+}
+
+void write_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.device().is_cpu() && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
+              k.dim() == 3 && v.sizes() == k.sizes(), "write_kv: float32 CPU k, v [T, kv_heads, head_dim]");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == k.size(0), "write_kv: [T] int64 slots");
+  k = k.contiguous();
+  v = v.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  write_kv_rows(cache, k.data_ptr<float>(), Hkv * D, v.data_ptr<float>(), Hkv * D, slot_mapping.data_ptr<int64_t>(), T,
+                Hkv, D);
 }

@@ -30,7 +30,7 @@
 
 #include "ops.h"
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -447,7 +447,7 @@ torch::Tensor quantize_activations(torch::Tensor x) {
   const float* px = x.data_ptr<float>();
   int8_t* po = out.data_ptr<int8_t>();
   const int64_t stride = out.size(1);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  lmserve::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       int8_t* row = po + m * stride;
       float* d = reinterpret_cast<float*>(row + K);
@@ -474,7 +474,7 @@ torch::Tensor half_block_sums(const torch::Tensor& xq, int64_t K) {
   auto out = torch::empty({M, K / 16}, xq.options().dtype(torch::kInt32));
   const int8_t* pq = xq.data_ptr<int8_t>();
   int32_t* po = out.data_ptr<int32_t>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  lmserve::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t h = 0; h < K / 16; ++h) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pq + m * stride + 16 * h));
@@ -506,7 +506,7 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
   float* py = y.data_ptr<float>();
   const QRows xr{xq.data_ptr<int8_t>(), xq.size(1), K};
   const int64_t code_bytes = codes.size(1) * codes.size(2), scale_count = scales.size(1) * kGroup;
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+  lmserve::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const PackedW w{pc + g * code_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
       float* out = py + g * kGroup;
@@ -554,7 +554,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const float* pb = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
   const int64_t cb = code_bytes_per_row(kind, K), sr = scales_per_row(kind, K), xs = xq.size(1), nb = K / kQBlock;
-  at::parallel_for(0, (N + kNTile - 1) / kNTile, 1, [&](int64_t t0, int64_t t1) {
+  lmserve::parallel_for(0, (N + kNTile - 1) / kNTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kNTile, n1 = std::min(N, n0 + kNTile);
 #if defined(LMSERVE_QGEMM_AVX512)
