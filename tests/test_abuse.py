@@ -24,6 +24,10 @@ import pytest
 
 from tests.server_util import MODEL, running_server
 
+# The canaries compare a light client's latency during a bomb with its idle latency, and the soak reads RSS growth:
+# a test running beside them in the other worker would move both (scripts/test.sh runs `serial` tests alone)
+pytestmark = pytest.mark.serial
+
 C = "/v1/completions"
 KEY_FILE = """keys:
   - name: heavy
