@@ -17,7 +17,8 @@ from lmserve.layers import native
 mod = native.native_module()
 # serial: the pool's wake-up and park counts are read under a quiet machine's scheduling; a test running beside it
 # in the other xdist worker moves them (scripts/test.sh runs `serial` tests alone)
-pytestmark = [pytest.mark.skipif(mod is None, reason="no C++ compiler here: the PyTorch path is used"), pytest.mark.serial]
+pytestmark = [pytest.mark.skipif(mod is None, reason="no C++ compiler here: the PyTorch path is used"),
+              pytest.mark.serial]
 
 
 def linear_case(rows: int, seed: int = 0):
