@@ -26,7 +26,8 @@ KEY = "right-key"
 # is no page and needs the key; tests/test_playground.py checks a real permalink opens without one.
 OPEN = {("GET", "/health"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"), ("GET", "/"), ("GET", "/playground"),
         ("GET", "/playground/assets/x")}
-BAD_HEADERS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}]
+BAD_HEADERS = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"},
+               {"x-api-key": "wrong"}, {"x-api-key": f"Bearer {KEY}"}, {"x-api-key": ""}]
 
 
 def app_client(**config) -> TestClient:
@@ -81,6 +82,13 @@ def test_every_route_but_the_open_ones_refuses_a_missing_or_wrong_key(guarded):
             if (status == 401) == ((method, path) in OPEN):
                 leaks.append((method, path, headers, status))
     assert not leaks, f"routes not in OPEN that answer without a valid key (or open ones that refuse): {leaks}"
+
+
+def test_x_api_key_is_a_key_as_bearer_is(guarded):
+    """Anthropic's clients send the key as `x-api-key`: every route takes it as it takes `Authorization: Bearer`."""
+    for method, path in route_calls(guarded):
+        for headers in ({"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}):
+            assert guarded.request(method, path, headers=headers, json={}).status_code != 401, (method, path, headers)
 
 
 def test_options_and_unknown_paths_need_the_key_too(guarded):

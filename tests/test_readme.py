@@ -2,10 +2,11 @@
 
 - Fenced ```bash blocks run for real from the repository root, with `.venv/bin` (this interpreter's
   bin) first on PATH. An `lmserve serve` command starts on a free port instead of 8000, must answer
-  /health 200, and must exit 0 on SIGTERM. The README's HTTP examples (curl, and python with openai)
+  /health 200, and must exit 0 on SIGTERM. The README's HTTP examples (curl, and python with an official client)
   run against the first one.
 - Fenced ```python blocks run for real; consecutive python blocks of one section run as one script,
-  as a reader pastes them one after the other. ```json blocks must parse.
+  as a reader pastes them one after the other; a block that makes an official client (CLIENTS: openai,
+  anthropic) runs against the quick-start server instead. ```json blocks must parse.
 - Inline `lmserve ...` commands are parsed by lmserve's own argument parser (flags and values
   checked without running minutes of work); inline `python benchmarks/X.py ...` commands may only
   name flags the script's --help lists (running a benchmark takes minutes to hours: that is what the
@@ -56,6 +57,8 @@ SERVE = re.compile(r"(^|[\s/])lmserve serve\b")
 # Words the README's prose uses for what a reader fills in.
 PLACEHOLDERS = {"PROMPT": "hello", "JSON": '{"method": "ngram"}', "URL": "http://127.0.0.1:8000"}
 NOT_RUN = re.compile(r"<!-- not run by tests/test_readme.py: (.+?) -->\s*$")
+# A python block that makes one of these official clients talks to the quick-start server (the others run offline).
+CLIENTS = ("OpenAI(", "Anthropic(")
 
 
 @dataclass
@@ -92,6 +95,10 @@ def readme_blocks(text: str, page: str = "README") -> list[Block]:
             i = end
         i += 1
     return blocks
+
+
+def is_client(block: Block) -> bool:
+    return any(c in block.text for c in CLIENTS)
 
 
 def commands(block: Block) -> list[str]:
@@ -248,7 +255,7 @@ def test_every_bash_command_runs(env):
 
 
 def test_http_examples_against_the_quickstart_server(env):
-    """curl, `lmserve bench serve` and the openai-client python blocks, against the quick-start server."""
+    """curl, `lmserve bench serve` and the official clients' python blocks, against the quick-start server."""
     server = Serve(".venv/bin/lmserve serve", env)
     try:
         server.wait_healthy()
@@ -260,8 +267,8 @@ def test_http_examples_against_the_quickstart_server(env):
                 assert reply["choices"][0]["message"]["content"]
             else:
                 assert run(c, env, server.port).strip()
-        clients = [b for b in page_blocks() if b.lang == "python" and "OpenAI(" in b.text]
-        assert len(clients) >= 2
+        clients = [b for b in page_blocks() if b.lang == "python" and is_client(b)]
+        assert len(clients) >= 2 and all(any(c in b.text for b in clients) for c in CLIENTS)
         for b in clients:
             script = substitute(b.text, env, server.port)
             r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -276,7 +283,7 @@ def test_offline_python_blocks(env):
     """Python blocks that need no server run as one script per section, in order."""
     by_section: dict[str, list[Block]] = {}
     for b in page_blocks():
-        if b.lang == "python" and "OpenAI(" not in b.text:
+        if b.lang == "python" and not is_client(b):
             by_section.setdefault(f"{b.page}: {b.section}", []).append(b)
     assert by_section
     for section, blocks in by_section.items():

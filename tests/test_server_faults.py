@@ -4,7 +4,9 @@ server serves on; a dead engine turns /health to 503 at once and the process exi
 from __future__ import annotations
 
 import time
+from unittest.mock import ANY
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -37,6 +39,24 @@ def test_failed_steps_answer_500_and_the_server_serves_on():
         assert s.metric("lmserve:kv_cache_free_blocks") == s.metric("lmserve:kv_cache_total_blocks")
         assert s.metric("lmserve:engine_step_failures_total") == 2
         assert s.metric("lmserve:engine_dead") == 0
+
+
+def test_engine_failures_in_anthropic_shape():
+    """The same faults through Anthropic's Messages API: a whole answer is a 500 api_error, a stream an `error` event
+    (which the official client raises); then the server answers again, every block free."""
+    hi = [{"role": "user", "content": "hi"}]
+    with running_server(env={"LMSERVE_TEST_FAULT": "step:1:2"}) as s:
+        c = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.InternalServerError) as e:
+            c.messages.create(model=MODEL, max_tokens=4, messages=hi)
+        assert e.value.body == {"type": "error", "error": {"type": "api_error", "message": ANY}}
+        with pytest.raises(anthropic.APIStatusError, match="engine step running this request failed"):
+            with c.messages.stream(model=MODEL, max_tokens=4, messages=hi) as stream:
+                stream.until_done()
+        ok = c.messages.create(model=MODEL, max_tokens=4, messages=hi, extra_body={"temperature": 0})
+        assert ok.stop_reason == "max_tokens" and ok.usage.output_tokens == 4
+        s.wait_idle()
+        assert s.metric("lmserve:engine_step_failures_total") == 2
 
 
 def test_a_dead_engine_fails_health_at_once_and_exits_nonzero():

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server.api import kserve, lora, openai, tgi
+from lmserve.server.api import anthropic, kserve, lora, openai, tgi
 from lmserve.server.access_log import AccessLog
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
@@ -31,7 +31,7 @@ from lmserve.server.key_file import ANONYMOUS
 # No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
 # serves; /metrics too with --metrics-public (see open_paths).
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/generate", "/generate_stream", "/")
 
 
 def is_generation(path: str) -> bool:
@@ -46,6 +46,7 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
                   lifespan=_lifespan(state))
     app.state.lm = state
     app.include_router(openai.router)
+    app.include_router(anthropic.router)
     app.include_router(batch_routes.router)
     app.include_router(tgi.router)
     app.include_router(lora.router)
@@ -96,8 +97,9 @@ class AuthAndStatus:
         # The playground's page and files are open (no data in them; the page asks for the key).
         if st.tenants.enabled and path not in self.open_paths \
                 and not playground_routes.is_public_page(scope.get("method", ""), path):
-            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-            name = st.tenants.identify(header)
+            headers = dict(scope.get("headers") or [])
+            name = st.tenants.identify(headers.get(b"authorization", b"").decode("latin-1"),
+                                       headers.get(b"x-api-key", b"").decode("latin-1"))
             if name is None:
                 st.metrics.status(401)
                 st.metrics.rejected.labels("unauthorized").inc()
@@ -170,7 +172,7 @@ def _close(record: RequestRecord, error_body: list[bytes]) -> None:
 
 
 def _error_message(body: bytes) -> str:
-    """The message of an OpenAI- or TGI-shaped error body."""
+    """The message of an OpenAI-, Anthropic- or TGI-shaped error body."""
     try:
         err = json.loads(body).get("error")
     except (ValueError, AttributeError):

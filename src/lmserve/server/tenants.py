@@ -90,14 +90,16 @@ class Tenants:
     def enabled(self) -> bool:
         return bool(self.specs)
 
-    def identify(self, authorization: str) -> str | None:
-        """The key name of an `Authorization: Bearer KEY` header, or None; constant time over every entry."""
+    def identify(self, authorization: str, api_key: str = "") -> str | None:
+        """The key name of an `Authorization: Bearer KEY` header or of an `x-api-key: KEY` header (what Anthropic's
+        clients send), or None; constant time over every entry, both headers always checked."""
         scheme, _, given = authorization.partition(" ")
-        digest = key_digest(given if scheme.lower() == "bearer" else "")
         found = None
-        for spec in self.specs:
-            if hmac.compare_digest(digest, spec.digest) and found is None:  # compare first: no short circuit
-                found = spec.name
+        for key in (given if scheme.lower() == "bearer" else "", api_key):
+            digest = key_digest(key)
+            for spec in self.specs:
+                if hmac.compare_digest(digest, spec.digest) and found is None:  # compare first: no short circuit
+                    found = spec.name
         return found
 
     def check_model(self, name: str, model: str) -> None:

@@ -1,5 +1,5 @@
-"""OpenAI's stream chunks and their SSE framing: the one encoder, used by live streams and by the response
-cache's replay of a stored answer (so a replayed stream is shaped exactly as a live one)."""
+"""OpenAI's stream chunks and the SSE framing of every API family's streams: the one encoder, used by live streams
+and by the response cache's replay of a stored answer (so a replayed stream is shaped exactly as a live one)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ DONE = "data: [DONE]\n\n"
 def event(chunk: dict) -> str:
     """One server-sent event carrying `chunk` as JSON."""
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def named_event(name: str, data: dict) -> str:
+    """One server-sent event with an `event:` name (Anthropic's stream: the name repeats data's `type`)."""
+    return f"event: {name}\n" + event(data)
 
 
 def response(events: AsyncIterator[str] | Iterable[str], headers: dict[str, str] | None = None) -> StreamingResponse:

@@ -43,6 +43,7 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # arrives with the completion's first delta
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def add(self, d: CompletionDelta) -> None:
         """Append one delta of this choice."""
@@ -52,7 +53,7 @@ class Choice:
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
         if d.finished:
-            self.finish_reason = d.finish_reason
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body() -> dict | None:
-        choices = await _collect(caller, st, merged, params.n, len(ids_list), shape.score_only)
+        choices = await collect(caller, st, merged, params.n, len(ids_list), shape.score_only)
         if choices is None:
             return None
         return {**meta, "choices": [_completion_choice(st, i, c, inputs[i // params.n], shape)
@@ -204,7 +205,7 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def body() -> dict | None:
-        choices = await _collect(caller, st, merged, params.n, 1)
+        choices = await collect(caller, st, merged, params.n, 1)
         if choices is None:
             return None
         return {**meta, "object": "chat.completion", "choices": [
@@ -285,7 +286,7 @@ def _without_output(d: CompletionDelta) -> CompletionDelta:
                    finish_reason="length" if d.finished else None)
 
 
-async def _collect(caller: Caller, st: ModelState, merged: MergedStreams, n: int,
+async def collect(caller: Caller, st: ModelState, merged: MergedStreams, n: int,
                    num_prompts: int, score_only: bool = False) -> list[Choice] | None:
     """Run every stream to the end; None when the client went away first (its requests were aborted)."""
     choices = [Choice() for _ in range(n * num_prompts)]

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
-from lmserve.server.errors import is_tgi, is_v2
+from lmserve.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
+from lmserve.server.errors import is_anthropic, is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
 from lmserve.server.api.kserve import V2InferRequest
 
@@ -48,6 +49,38 @@ class TGIError(_Open):
 
     error: str
     error_type: str
+
+
+class AnthropicErrorDetail(_Open):
+    type: str
+    message: str
+
+
+class AnthropicError(_Open):
+    """The error body of the Anthropic Messages routes (/v1/messages, /v1/messages/count_tokens)."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(_Open):
+    input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessage(_Open):
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]  # text and tool_use blocks
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class TokenCount(_Open):
+    input_tokens: int
 
 
 class Usage(_Open):
@@ -303,6 +336,8 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/models"): RouteDoc(None, ModelList, (401,)),
     ("post", "/v1/completions"): RouteDoc(p.CompletionRequest, Completion, _GEN, (JSON, SSE)),
     ("post", "/v1/chat/completions"): RouteDoc(p.ChatRequest, ChatCompletion, _GEN, (JSON, SSE)),
+    ("post", "/v1/messages"): RouteDoc(MessagesRequest, AnthropicMessage, _GEN, (JSON, SSE)),
+    ("post", "/v1/messages/count_tokens"): RouteDoc(CountTokensRequest, TokenCount, (400, 401, 404, 413, 503)),
     ("post", "/generate"): RouteDoc(p.TGIRequest, TGIGenerated, _TGI),
     ("post", "/generate_stream"): RouteDoc(p.TGIRequest, None, _TGI, (SSE,)),
     ("post", "/"): RouteDoc(p.TGICompatRequest, TGIGenerated, _TGI, (JSON, SSE)),
@@ -344,7 +379,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/unload_lora_adapter"): RouteDoc(p.UnloadLoraAdapterRequest, LoraUnloaded,
                                                   (400, 401, 403, 404, 413, 503)),
 }
-_ERROR_MODELS = (OpenAIError, TGIError, V2Error)
+_ERROR_MODELS = (OpenAIError, TGIError, V2Error, AnthropicError)
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -388,7 +423,8 @@ def _fill(op: dict, path: str, route: RouteDoc) -> None:
         op["requestBody"] = {"required": True, "content": {route.body_media: {"schema": _ref(route.body)}}}
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
-    error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else OpenAIError)
+    error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else AnthropicError if is_anthropic(path)
+                 else OpenAIError)
     for status in route.errors:
         schema = _ref(Health) if path == "/health" else error
         op["responses"][str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": schema}}}

@@ -25,7 +25,8 @@ def _api_default(r: BaseModel, name: str) -> int | None:
     return type(r).model_fields[name].default
 
 
-def _build(**kw) -> SamplingParams:
+def build_params(**kw) -> SamplingParams:
+    """SamplingParams, its ValueError a 400 naming the field."""
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -65,7 +66,7 @@ def structured_spec(r: _Sampling) -> dict | None:
     return next(iter(sources.values()), None)
 
 
-def _structured(spec: dict | None, param: str) -> StructuredOutputsParams | None:
+def structured_params(spec: dict | None, param: str) -> StructuredOutputsParams | None:
     if spec is None:
         return None
     try:
@@ -89,8 +90,14 @@ def _tool_spec(r: ChatRequest) -> dict | None:
     choice = r.tool_choice if r.tool_choice is not None else "auto"
     if not isinstance(choice, str):
         choice = choice.model_dump()
+    return tool_structure(tools, choice, parallel=r.parallel_tool_calls is not False)
+
+
+def tool_structure(tools: list[dict], choice: str | dict, parallel: bool) -> dict:
+    """The structured-output spec that constrains calls to OpenAI `tools` under an OpenAI `tool_choice` ("auto",
+    "required" or a named function); 400 naming `tools` when a tool's schema cannot be enforced."""
     try:
-        return {"structural_tag": tool_call_tag(tools, choice, parallel=r.parallel_tool_calls is not False)}
+        return {"structural_tag": tool_call_tag(tools, choice, parallel=parallel)}
     except GrammarError as e:
         raise APIError(400, str(e), param="tools") from None
 
@@ -101,7 +108,7 @@ def _common(r: _Sampling, structured: dict | None = None) -> dict:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     structured = structured if structured is not None else structured_spec(r)
-    return dict(structured_outputs=_structured(structured, "structured_outputs"),
+    return dict(structured_outputs=structured_params(structured, "structured_outputs"),
                 n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                 presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
                 repetition_penalty=r.repetition_penalty, logit_bias=bias, seed=r.seed, stop=stop,
@@ -122,7 +129,7 @@ def completion_params(r: CompletionRequest, limits: TokenLimits = TokenLimits())
     max_tokens = 1 if scores_prompt_only(r) else max_tokens
     # echo with logprobs covers the prompt's tokens too (OpenAI's legacy scoring); vLLM's extra asks directly.
     prompt_logprobs = r.prompt_logprobs if r.prompt_logprobs is not None else r.logprobs if r.echo else None
-    return _build(max_tokens=max_tokens, logprobs=r.logprobs, prompt_logprobs=prompt_logprobs, **_common(r))
+    return build_params(max_tokens=max_tokens, logprobs=r.logprobs, prompt_logprobs=prompt_logprobs, **_common(r))
 
 
 def scores_prompt_only(r: CompletionRequest) -> bool:
@@ -141,7 +148,7 @@ def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits()) -> Sampling
     if tools is not None and other is not None:
         raise APIError(400, "response_format and structured outputs cannot be combined with tools "
                        '(unless tool_choice is "none")', param="tools")
-    return _build(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None,
+    return build_params(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None,
                   **_common(r, tools or other))
 
 
@@ -160,9 +167,9 @@ def tgi_params(p: TGIParameters, stream: bool, limits: TokenLimits = TokenLimits
     seed = p.seed if p.seed is not None or not sampling else secrets.randbits(63)  # reported in details, as TGI
     grammar = None
     if p.grammar is not None:
-        grammar = _structured({"json" if p.grammar.type == "json" else "regex": p.grammar.value}, "grammar")
+        grammar = structured_params({"json" if p.grammar.type == "json" else "regex": p.grammar.value}, "grammar")
     max_tokens = limits.resolve(_named(p, "max_new_tokens"), _api_default(p, "max_new_tokens"), "max_new_tokens")
-    return _build(max_tokens=max_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
+    return build_params(max_tokens=max_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
                   top_k=p.top_k or 0, top_p=p.top_p if p.top_p is not None else 1.0,
                   repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
                   stop=p.stop, seed=seed, logprobs=0 if p.details or stream else None,

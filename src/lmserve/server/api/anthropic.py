@@ -1,0 +1,203 @@
+"""Anthropic's Messages API: POST /v1/messages (JSON and its typed SSE events), POST /v1/messages/count_tokens.
+
+The request becomes the OpenAI chat the rest of the server knows (api/anthropic_protocol.py), is admitted through
+ModelState.start, the one admission path, and the answer is translated back: text and tool_use content blocks,
+stop_reason end_turn / max_tokens / stop_sequence / tool_use, usage. Tool calls use the OpenAI path's machinery
+(api/tools.py: the prompt, the grammar that constrains calls, parsing; api/tool_stream.py while streaming), so
+tool_choice any / tool generate schema-valid `input`. Errors are Anthropic's shape (server/errors.py by path), a
+failure mid-stream an `error` event.
+
+Usage: `input_tokens` counts the whole prompt (count_tokens gives the same number); the automatic prefix cache is
+not reported as `cache_read_input_tokens`, which Anthropic bills apart and only for explicit cache_control.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lmserve.sampling_params import SamplingParams
+from lmserve.server.api import chunks as sse
+from lmserve.server.api.anthropic_protocol import (CountTokensRequest, MessagesRequest, chat_messages,
+                                                   openai_tool_choice, openai_tools)
+from lmserve.server.api.openai import caller_of, collect
+from lmserve.server.api.params import build_params, structured_params, tool_structure
+from lmserve.server.api.tool_stream import ContentDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart, \
+    ToolCallStreamer
+from lmserve.server.api.tools import parse_tool_calls, prepare_chat, template_supports_tools
+from lmserve.server.config import TokenLimits
+from lmserve.server.errors import anthropic_error_body
+from lmserve.server.served import Chat, ModelState
+from lmserve.server.state import read_request, record_of
+from lmserve.server.streams import MergedStreams, Watched, stream_failure
+
+router = APIRouter()
+Event = tuple[str, dict]  # (SSE event name, its data); the name is the data's `type`
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    st, req = await read_request(request, MessagesRequest)
+    caller = caller_of(request)
+    tools = openai_tools(req)
+    params = _params(req, tools, st.config.token_limits)
+    run = await st.start([_chat(st, req, tools)], params, caller.record, model=req.model, id_prefix="msg",
+                         priority=caller.priority)
+    message = {"id": "msg_" + run.request_id.split("-", 1)[1], "type": "message", "role": "assistant",
+               "model": run.lora.name if run.lora is not None else st.model_name}
+    input_tokens = len(run.ids[0])
+    if req.stream:
+        return _sse(request, st, run.merged, _events(run.merged, message, input_tokens, bool(tools)))
+    choices = await collect(caller, st, run.merged, 1, 1)
+    if choices is None:
+        return Response(status_code=499)  # the client went away first
+    c = choices[0]
+    content, calls = _content(c.text, bool(tools))
+    stop_reason, stop_sequence = _stop(c.finish_reason, c.stop_reason, calls)
+    return JSONResponse({**message, "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                         "usage": {"input_tokens": input_tokens, "output_tokens": len(c.token_ids)}})
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict:
+    """The prompt's tokens as /v1/messages would render them (system, messages, tools)."""
+    st, req = await read_request(request, CountTokensRequest)
+    chat = _chat(st, req, openai_tools(req))
+    return {"input_tokens": len(await st.tokenize_chat(chat.messages, record_of(request), chat.template_kwargs))}
+
+
+def _chat(st: ModelState, req: CountTokensRequest, tools: list[dict]) -> Chat:
+    """The chat template's inputs: messages (tool history included) and the tools, as the OpenAI path builds them."""
+    supports = template_supports_tools(st.front.tokenizer.chat_template)
+    messages, kwargs = prepare_chat(chat_messages(req), tools, supports)
+    if req.thinking is not None:  # reasoning templates (Qwen3's) read enable_thinking; others ignore it
+        kwargs = {**kwargs, "enable_thinking": req.thinking.type == "enabled"}
+    return Chat(messages, kwargs)
+
+
+def _params(req: MessagesRequest, tools: list[dict], limits: TokenLimits) -> SamplingParams:
+    structured = None
+    if tools:
+        parallel = not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use)
+        spec = tool_structure(tools, openai_tool_choice(req.tool_choice), parallel)
+        structured = structured_params(spec, "tools")
+    return build_params(max_tokens=limits.resolve(req.max_tokens, None, "max_tokens"), temperature=req.temperature,
+                        top_p=req.top_p if req.top_p is not None else 1.0, top_k=req.top_k or 0,
+                        stop=list(req.stop_sequences or []), structured_outputs=structured)
+
+
+def _content(text: str, with_tools: bool) -> tuple[list[dict], bool]:
+    """The answer's content blocks (a text block when there is text, then a tool_use block per call) and whether
+    it called a tool."""
+    if not with_tools:
+        return ([{"type": "text", "text": text}] if text else []), False
+    content, calls = parse_tool_calls(text)
+    blocks = [{"type": "text", "text": content}] if content else []
+    blocks += [{"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
+               for call in calls]  # the grammar made the arguments a JSON object of the tool's schema
+    return blocks, bool(calls)
+
+
+def _tool_use_id(call_id: str) -> str:
+    """Anthropic's "toolu_" ids, from the OpenAI path's "call_" ones (same random part)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _stop(finish_reason: str | None, stop_reason: int | str | None, called: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence); a shutdown's abort reads as end_turn (Anthropic has no word for it)."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if isinstance(stop_reason, str):  # a stop string (the engine cut it from the text, as Anthropic does)
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+@dataclass
+class Blocks:
+    """Turns text / tool-call stream events into content_block_start / _delta / _stop events, one block at a time."""
+
+    index: int = -1
+    open: str | None = None  # the type of the block now open
+    out: list[Event] = field(default_factory=list)
+
+    def feed(self, events: list[StreamEvent]) -> list[Event]:
+        for e in events:
+            if isinstance(e, ContentDelta):
+                if self.open != "text":
+                    self._start({"type": "text", "text": ""})
+                self._delta({"type": "text_delta", "text": e.text})
+            elif isinstance(e, ToolCallStart):
+                self._start({"type": "tool_use", "id": _tool_use_id(e.id), "name": e.name, "input": {}})
+            elif isinstance(e, ToolArgumentsDelta):
+                self._delta({"type": "input_json_delta", "partial_json": e.text})
+        out, self.out = self.out, []
+        return out
+
+    def close(self) -> list[Event]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _start(self, block: dict) -> None:
+        self.out += self.close()
+        self.index += 1
+        self.open = block["type"]
+        self.out.append(("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                 "content_block": block}))
+
+    def _delta(self, delta: dict) -> None:
+        self.out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}))
+
+
+async def _events(merged: MergedStreams, message: dict, input_tokens: int, with_tools: bool) -> AsyncIterator[Event]:
+    """message_start, ping, the content blocks' events, message_delta (stop_reason, usage), message_stop.
+
+    Seam for reasoning models: a reasoning parser (--reasoning-parser) splits each delta's text into thinking and
+    answer text before the tool streamer; the thinking text goes out as a `thinking` block of thinking_delta events.
+    """
+    yield "message_start", {"type": "message_start", "message": {
+        **message, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0}}}
+    yield "ping", {"type": "ping"}
+    blocks, streamer = Blocks(), ToolCallStreamer() if with_tools else None
+    last = None
+    async for _, d in merged:
+        events = streamer.feed(d.text) if streamer is not None else [ContentDelta(d.text)] if d.text else []
+        if d.finished and streamer is not None:
+            events += streamer.finish()
+        for event in blocks.feed(events):
+            yield event
+        last = d if d.finished else last
+    if last is None:  # cancelled: the client has gone
+        return
+    for event in blocks.close():
+        yield event
+    stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_reason, bool(streamer and streamer.num_calls))
+    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason,
+                                                               "stop_sequence": stop_sequence},
+                            "usage": {"output_tokens": last.num_output_tokens}}
+    yield "message_stop", {"type": "message_stop"}
+
+
+def _sse(request: Request, st: ModelState, merged: MergedStreams, events: AsyncIterator[Event]) -> StreamingResponse:
+    """Serve `events` as named server-sent events; a failure part-way is an `error` event; a disconnect aborts."""
+    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
+
+    async def body():
+        try:
+            async for name, data in events:
+                yield sse.named_event(name, data)
+        except Exception as e:  # noqa: BLE001 - reported in-band, as Anthropic does; the client raises it
+            yield sse.named_event("error", anthropic_error_body(stream_failure(e, st.metrics, request.url.path)))
+        finally:
+            watch.close()
+            merged.stop()
+
+    return sse.response(body())
