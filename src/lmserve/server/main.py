@@ -168,6 +168,23 @@ def _playground(args: argparse.Namespace):
         return None
 
 
+def _responses(args: argparse.Namespace):
+    """The store of /v1/responses answers (store: true), opened now; None (nothing stored) when the default file
+    cannot be opened, with a warning; a --responses-db that cannot be is a ConfigError."""
+    import sqlite3
+
+    from lmserve.server.api.responses_store import ResponseStore, default_db_path
+
+    path = Path(args.responses_db) if args.responses_db else default_db_path()
+    try:
+        return ResponseStore(path)
+    except (OSError, sqlite3.Error) as e:
+        if args.responses_db:
+            raise ConfigError(f"--responses-db {path}: {e}") from None
+        log.warning("responses are not stored: cannot open %s (%s); give --responses-db PATH", path, e)
+        return None
+
+
 def _batches(args: argparse.Namespace, state: ServerState) -> None:
     """The batch-job runner over --batch-dir (its directories appear on the first upload)."""
     from lmserve.server.batch.lines import default_batch_dir
@@ -204,6 +221,7 @@ def prepare(args: argparse.Namespace) -> ServerState:
     state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics),
                         playground=_playground(args), models=pool, splits=splits)
     _batches(args, state)
+    state.responses = _responses(args)
     return state
 
 
@@ -234,8 +252,9 @@ def serve(args: argparse.Namespace) -> int:
     for engine in engines:
         engine.shutdown()
     state.ops.close()  # after the drain: every finished request's payload line and span is flushed
-    if state.playground is not None:
-        state.playground.close()
+    for store in (state.playground, state.responses):
+        if store is not None:
+            store.close()
     engine_died = any(engine.dead is not None for engine in engines)
     code = 0 if server.started and state.load_error is None and not engine_died else 1
     if loader.is_alive():

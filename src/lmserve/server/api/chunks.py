@@ -16,6 +16,11 @@ def event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
+def typed_event(chunk: dict) -> str:
+    """One server-sent event named by its chunk's `type` (`event: response.created`), as typed streams send them."""
+    return f"event: {chunk['type']}\n" + event(chunk)
+
+
 def response(events: AsyncIterator[str] | Iterable[str], headers: dict[str, str] | None = None) -> StreamingResponse:
     """An SSE response (no caching or proxy buffering: each event reaches the client as it is made)."""
     return StreamingResponse(events, media_type="text/event-stream",
