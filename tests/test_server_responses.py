@@ -2,7 +2,8 @@
 Agents SDK: text, typed streams, forced function calls and their results, json_schema output, stored responses
 with previous_response_id, retrieve / delete / input_items, per-key isolation, and refusals.
 
-One server for the module (two API keys), greedy decoding, short outputs.
+One server for the module (two API keys), greedy decoding, short outputs. Its second engine forward after warm-up
+fails (LMSERVE_TEST_FAULT): the fixture's first request, a stream, meets it mid-stream; the server serves on.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ ASK = "What is the capital of France? Answer in one short sentence."
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--api-key", KEY_A, "--api-key", KEY_B) as s:
+    with running_server("--api-key", KEY_A, "--api-key", KEY_B, env={"LMSERVE_TEST_FAULT": "step:2"}) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY_A)
+        # Forward 1 prefills and streams a first token; forward 2 fails. Sent here, before any test, so that no
+        # other request meets the fault whichever tests run.
+        s.failed_events = list(c.responses.create(model=MODEL, temperature=0, input="Tell me a story.",
+                                                  max_output_tokens=8, stream=True))
         yield s
 
 
@@ -89,6 +95,19 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete(client):
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-2].type == "response.output_item.done" and events[-2].item.status == "incomplete"
+
+
+def test_an_engine_failure_mid_stream_ends_it_with_error_and_response_failed(server, client):
+    events = server.failed_events
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == ["error", "response.failed"]
+    assert "response.output_text.delta" in kinds  # it failed part-way, after the first token went out
+    assert events[-2].code == "engine_step_failed" and events[-2].message
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error" and failed.error.message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with pytest.raises(openai.NotFoundError):  # a failed response is not stored
+        client.responses.retrieve(failed.id)
 
 
 def test_forced_function_call_streamed_and_whole_then_its_result_is_used(client):
