@@ -12,14 +12,13 @@ Calls are blocking and short: routes run them with asyncio.to_thread, one at a t
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmserve.utils import user_data_dir
+from lmserve.utils import open_sqlite, user_data_dir
 
 MAX_PER_OWNER = 10_000
 
@@ -41,14 +40,12 @@ class ResponseStore:
     """Put, get and delete responses per owner; OSError / sqlite3.Error when the file cannot be opened."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()  # one connection, used from the thread pool's threads
-        self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=2.0)
-        self._db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
-                         "created REAL NOT NULL, response TEXT NOT NULL, context TEXT NOT NULL)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_owner ON responses (owner, created)")
-        self._db.commit()
+        self._db = open_sqlite(path, (
+            "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL, "
+            "response TEXT NOT NULL, context TEXT NOT NULL)",
+            "CREATE INDEX IF NOT EXISTS responses_by_owner ON responses (owner, created)"))
 
     def put(self, owner: str, stored: StoredResponse) -> None:
         """Save a response (replacing one of the same id); drops the owner's oldest past MAX_PER_OWNER."""
