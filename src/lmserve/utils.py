@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from pathlib import Path
 
 import psutil
@@ -134,6 +135,17 @@ def user_data_dir() -> Path:
     """lmserve's user data (playground shares, batch jobs): $XDG_DATA_HOME/lmserve, ~/.local/share/lmserve when unset."""
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "lmserve"
+
+
+def open_sqlite(path: Path, schema: tuple[str, ...]) -> sqlite3.Connection:
+    """A SQLite file's one connection, shared by worker threads (callers serialise their use with a lock), with
+    `schema`'s statements run (CREATE ... IF NOT EXISTS); its directory is made. OSError / sqlite3.Error."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(str(path), check_same_thread=False, timeout=2.0)
+    for statement in schema:
+        db.execute(statement)
+    db.commit()
+    return db
 
 
 def read_json_object(path: Path) -> dict:

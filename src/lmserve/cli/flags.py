@@ -249,6 +249,10 @@ def _add_server_args(g) -> None:
     g.add_argument("--playground-db", default=None, metavar="PATH",
                    help="the SQLite file of the web playground's shared permalinks (default: "
                    "$XDG_DATA_HOME/lmserve/playground.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
+    g.add_argument("--responses-db", default=None, metavar="PATH",
+                   help="the SQLite file of stored /v1/responses answers (store: true), per API key, for "
+                   "previous_response_id and GET /v1/responses/ID (default: $XDG_DATA_HOME/lmserve/"
+                   "responses.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
     g.add_argument("--no-playground", action="store_true",
                    help="no web playground: /, /playground, /p/<id> and /playground/api/... answer 404")
 

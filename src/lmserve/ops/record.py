@@ -37,6 +37,7 @@ class RequestRecord:
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]] as sent
     messages: list[dict[str, Any]] | None = None  # chat requests
     prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of prompt_tokens, those found in the prefix cache (set as each prompt finishes)
     outputs: list[OutputRecord] = field(default_factory=list)
     status: int = 0  # HTTP status sent (499 when the client left first)
     error: str | None = None  # the error message for 4xx/5xx

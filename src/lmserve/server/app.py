@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server.api import anthropic, kserve, lora, openai, tgi
+from lmserve.server.api import anthropic, kserve, lora, openai, responses, tgi
 from lmserve.server.access_log import AccessLog
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
@@ -31,7 +31,8 @@ from lmserve.server.key_file import ANONYMOUS
 # No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
 # serves; /metrics too with --metrics-public (see open_paths).
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/generate", "/generate_stream", "/")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/generate",
+                    "/generate_stream", "/")
 
 
 def is_generation(path: str) -> bool:
@@ -47,6 +48,7 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
     app.state.lm = state
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(responses.router)
     app.include_router(batch_routes.router)
     app.include_router(tgi.router)
     app.include_router(lora.router)

@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import uvicorn
 
@@ -154,17 +154,32 @@ def _playground(args: argparse.Namespace):
     """
     if args.no_playground:
         return None
-    import sqlite3
-
     from lmserve.server.playground.store import ShareStore, default_db_path
 
-    path = Path(args.playground_db) if args.playground_db else default_db_path()
+    return _sqlite_store(ShareStore, "--playground-db", args.playground_db, default_db_path(), "the playground is off")
+
+
+def _responses(args: argparse.Namespace):
+    """The store of /v1/responses answers (store: true), opened now, or None: nothing is stored (as for the
+    playground, an unwritable default only warns)."""
+    from lmserve.server.api.responses_store import ResponseStore, default_db_path
+
+    return _sqlite_store(ResponseStore, "--responses-db", args.responses_db, default_db_path(),
+                         "responses are not stored")
+
+
+def _sqlite_store(store: Callable[[Path], Any], flag: str, given: str | None, default: Path, off: str):
+    """`store` over the SQLite file `flag` names (else `default`), opened now: a given file that cannot hold it is a
+    ConfigError; an unusable default logs that the feature is `off` and gives None."""
+    import sqlite3
+
+    path = Path(given) if given else default
     try:
-        return ShareStore(path)
+        return store(path)
     except (OSError, sqlite3.Error) as e:
-        if args.playground_db:
-            raise ConfigError(f"--playground-db {path}: {e}") from None
-        log.warning("the playground is off: cannot open %s (%s); give --playground-db PATH", path, e)
+        if given:
+            raise ConfigError(f"{flag} {path}: {e}") from None
+        log.warning("%s: cannot open %s (%s); give %s PATH", off, path, e, flag)
         return None
 
 
@@ -204,6 +219,7 @@ def prepare(args: argparse.Namespace) -> ServerState:
     state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics),
                         playground=_playground(args), models=pool, splits=splits)
     _batches(args, state)
+    state.responses = _responses(args)
     return state
 
 
@@ -234,8 +250,9 @@ def serve(args: argparse.Namespace) -> int:
     for engine in engines:
         engine.shutdown()
     state.ops.close()  # after the drain: every finished request's payload line and span is flushed
-    if state.playground is not None:
-        state.playground.close()
+    for store in (state.playground, state.responses):
+        if store is not None:
+            store.close()
     engine_died = any(engine.dead is not None for engine in engines)
     code = 0 if server.started and state.load_error is None and not engine_died else 1
     if loader.is_alive():

@@ -262,6 +262,8 @@ def _record_delta(record: RequestRecord, first_output: int, d: CompletionDelta) 
         record.ttft_s = time.monotonic() - record.start
     if d.finished:
         out.tokens, out.finish_reason = d.num_output_tokens, d.finish_reason
+        if d.index == 0:  # a prompt's n completions share its cached blocks: counted once
+            record.num_cached_tokens += d.num_cached_tokens
         out.cumulative_logprob = d.cumulative_logprob
         if d.timings is not None:  # the slowest completion of the request sets its phases
             t = d.timings

@@ -48,6 +48,7 @@ class ServerState:
     response_cache: ResponseCache | None = None  # with --response-cache
     playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
     batches: Any = None  # server/batch/jobs.BatchManager (serve always has one); None: /v1/batches answers 404
+    responses: Any = None  # server/api/responses_store.ResponseStore; None: no response is stored (GET answers 404)
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
     splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
     started: bool = False  # the start-up loads are done: the server serves from here on
@@ -168,7 +169,7 @@ KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key'
 LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
 LEASES_KEY = "lmserve_leases"  # the models a request holds (server/models/pool.py), released at its end
 IGNORED_FIELDS_KEY = "lmserve_ignored_fields"  # unknown body fields dropped by parsing (server/access_log.py)
-_PROMPT_FIELDS = ("prompt", "inputs", "messages")
+_PROMPT_FIELDS = ("prompt", "inputs", "messages", "input")  # "input": the Responses API's
 
 
 def record_of(request: Request) -> RequestRecord:

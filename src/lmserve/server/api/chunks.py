@@ -21,6 +21,11 @@ def named_event(name: str, data: dict) -> str:
     return f"event: {name}\n" + event(data)
 
 
+def typed_event(chunk: dict) -> str:
+    """One server-sent event named by its chunk's `type` (`event: response.created`), as typed streams send them."""
+    return named_event(chunk["type"], chunk)
+
+
 def response(events: AsyncIterator[str] | Iterable[str], headers: dict[str, str] | None = None) -> StreamingResponse:
     """An SSE response (no caching or proxy buffering: each event reaches the client as it is made)."""
     return StreamingResponse(events, media_type="text/event-stream",

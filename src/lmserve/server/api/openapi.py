@@ -21,6 +21,7 @@ from lmserve.server.api.anthropic_protocol import CountTokensRequest, MessagesRe
 from lmserve.server.errors import is_anthropic, is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
 from lmserve.server.api.kserve import V2InferRequest
+from lmserve.server.api.responses_input import ResponsesRequest
 
 JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "text/html"
 CSS, JS = "text/css", "text/javascript"
@@ -125,6 +126,34 @@ class ChatCompletion(_Open):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class ResponseObject(_Open):
+    """OpenAI's Response object (POST /v1/responses, GET /v1/responses/{id}); streamed as typed events."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    error: dict[str, Any] | None
+
+
+class ResponseDeleted(_Open):
+    id: str
+    object: str
+    deleted: bool
+
+
+class InputItemList(_Open):
+    object: str
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class ModelCard(_Open):
@@ -338,6 +367,11 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/chat/completions"): RouteDoc(p.ChatRequest, ChatCompletion, _GEN, (JSON, SSE)),
     ("post", "/v1/messages"): RouteDoc(MessagesRequest, AnthropicMessage, _GEN, (JSON, SSE)),
     ("post", "/v1/messages/count_tokens"): RouteDoc(CountTokensRequest, TokenCount, (400, 401, 404, 413, 503)),
+    # The Responses API (server/api/responses.py): 404 also for another key's response id.
+    ("post", "/v1/responses"): RouteDoc(ResponsesRequest, ResponseObject, _GEN, (JSON, SSE)),
+    ("get", "/v1/responses/{response_id}"): RouteDoc(None, ResponseObject, (401, 404)),
+    ("delete", "/v1/responses/{response_id}"): RouteDoc(None, ResponseDeleted, (401, 404)),
+    ("get", "/v1/responses/{response_id}/input_items"): RouteDoc(None, InputItemList, (400, 401, 404)),
     ("post", "/generate"): RouteDoc(p.TGIRequest, TGIGenerated, _TGI),
     ("post", "/generate_stream"): RouteDoc(p.TGIRequest, None, _TGI, (SSE,)),
     ("post", "/"): RouteDoc(p.TGICompatRequest, TGIGenerated, _TGI, (JSON, SSE)),

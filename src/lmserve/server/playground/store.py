@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmserve.utils import user_data_dir
+from lmserve.utils import open_sqlite, user_data_dir
 
 MAX_SHARES_PER_OWNER = 10_000  # with MAX_SHARE_BYTES per share: a key fills at most ~10 GB, not the disk
 LIST_LIMIT = 200  # newest first
@@ -53,14 +52,12 @@ class ShareStore:
     """Create, read, list and delete shares; OSError / sqlite3.Error when the file cannot be opened."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()  # one connection, used from the thread pool's threads
-        self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=2.0)
-        self._db.execute("CREATE TABLE IF NOT EXISTS shares (id TEXT PRIMARY KEY, owner TEXT NOT NULL, "
-                         "title TEXT NOT NULL, mode TEXT NOT NULL, created REAL NOT NULL, body TEXT NOT NULL)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS by_owner ON shares (owner, created)")
-        self._db.commit()
+        self._db = open_sqlite(path, (
+            "CREATE TABLE IF NOT EXISTS shares (id TEXT PRIMARY KEY, owner TEXT NOT NULL, title TEXT NOT NULL, "
+            "mode TEXT NOT NULL, created REAL NOT NULL, body TEXT NOT NULL)",
+            "CREATE INDEX IF NOT EXISTS by_owner ON shares (owner, created)"))
 
     def create(self, owner: str, title: str, mode: str, body: dict[str, Any]) -> ShareSummary:
         """Save `body` (plain JSON data) under a new id; StoreFull past the owner's limit."""
