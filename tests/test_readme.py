@@ -246,8 +246,14 @@ def test_every_bash_command_runs(env):
     assert ran >= 8
 
 
+def needs_server(block: Block) -> bool:
+    """A python block that talks to the quick-start server: an openai client, or any client given its URL."""
+    return "OpenAI(" in block.text or "127.0.0.1:8000" in block.text
+
+
 def test_http_examples_against_the_quickstart_server(env):
-    """curl, `lmserve bench serve` and the openai-client python blocks, against the quick-start server."""
+    """curl, `lmserve bench serve` and the client python blocks (openai, ollama, ...), against the quick-start
+    server."""
     server = Serve(".venv/bin/lmserve serve", env)
     try:
         server.wait_healthy()
@@ -259,7 +265,7 @@ def test_http_examples_against_the_quickstart_server(env):
                 assert reply["choices"][0]["message"]["content"]
             else:
                 assert run(c, env, server.port).strip()
-        clients = [b for b in page_blocks() if b.lang == "python" and "OpenAI(" in b.text]
+        clients = [b for b in page_blocks() if b.lang == "python" and needs_server(b)]
         assert len(clients) >= 2
         for b in clients:
             script = substitute(b.text, env, server.port)
@@ -275,7 +281,7 @@ def test_offline_python_blocks(env):
     """Python blocks that need no server run as one script per section, in order."""
     by_section: dict[str, list[Block]] = {}
     for b in page_blocks():
-        if b.lang == "python" and "OpenAI(" not in b.text:
+        if b.lang == "python" and not needs_server(b):
             by_section.setdefault(f"{b.page}: {b.section}", []).append(b)
     assert by_section
     for section, blocks in by_section.items():

@@ -1,4 +1,5 @@
-"""Error bodies: OpenAI's shape on OpenAI routes, TGI's on TGI routes. Never a traceback or a path."""
+"""Error bodies: OpenAI's shape on OpenAI routes, TGI's on TGI routes, Ollama's ({"error": message}) under /api/.
+Never a traceback or a path."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def is_tgi(path: str) -> bool:
     return path in TGI_PATHS
 
 
+def is_ollama(path: str) -> bool:
+    """An Ollama API path (/api/chat, /api/generate, /api/tags, ...): errors are {"error": message}."""
+    return path.startswith("/api/")
+
+
 def is_v2(path: str) -> bool:
     """A KServe v2 (Open Inference Protocol) path; other unknown /v2 paths keep OpenAI's shape."""
     return path.startswith(("/v2/models/", "/v2/health/"))
@@ -45,7 +51,7 @@ def is_v2(path: str) -> bool:
 
 def error_response(path: str, err: APIError) -> JSONResponse:
     """The body and status for `err` in the route family of `path`."""
-    if is_v2(path):  # KServe's Open Inference Protocol: {"error": message}
+    if is_v2(path) or is_ollama(path):  # KServe's Open Inference Protocol and Ollama: {"error": message}
         return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
     status = 422 if is_tgi(path) and err.status == 400 else err.status  # TGI answers validation errors with 422
     return JSONResponse(error_body(err, tgi=is_tgi(path)), status_code=status, headers=err.headers)
