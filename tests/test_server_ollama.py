@@ -242,3 +242,48 @@ def test_parse_duration():
     for bad in ("", "m", "5x", "5m3", "nan", "inf", float("nan"), True, None, "1e400"):
         with pytest.raises(ValueError):
             parse_duration(bad)
+
+
+def test_the_pool_unloads_only_idle_models_past_their_keep_alive():
+    """ModelPool.expire_idle's decisions, in process: a leased model stays, an idle one goes when its keep-alive
+    runs out (0: at once), None keeps it, a model loaded at start counts as idle from when the task first sees it."""
+    import asyncio
+
+    from lmserve.server.models.pool import ModelPool, ModelSpec
+
+    unloaded: list[str] = []
+
+    async def until(condition) -> None:
+        for _ in range(1000):  # up to 10 s: an unload collects garbage (gc.collect), slow on a busy machine
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"unloaded: {unloaded}")
+
+    async def scenario() -> None:
+        pool = ModelPool([ModelSpec(n, config=object()) for n in ("a", "b", "c")], keep_alive=None)
+        pool.unloader = lambda model, engine: unloaded.append(model.name)
+        for m in pool.models.values():
+            m.async_engine = object()  # stands for a loaded engine: the pool only holds and drops it
+        task = asyncio.ensure_future(pool.expire_idle())
+        a, b, c = (pool.lease(pool.get(n)) for n in "abc")
+        a.keep_for(0)
+        b.keep_for(3600)
+        c.keep_for(None)
+        await asyncio.sleep(0.05)
+        assert unloaded == []  # every one is leased
+        for m in (a, b, c):
+            m.release()
+        await until(lambda: unloaded == ["a"])
+        assert not a.loaded and b.loaded and c.loaded
+        pool.lease(b)  # a request: b's keep-alive becomes the pool's default (None) while it runs
+        b.keep_for(0.1)  # ... and then the request's own
+        await asyncio.sleep(0.3)
+        assert unloaded == ["a"]  # leased: never unloaded, whatever its keep-alive
+        b.release()
+        await until(lambda: unloaded == ["a", "b"])
+        await asyncio.sleep(0.1)
+        assert c.loaded and unloaded == ["a", "b"]  # None: kept loaded
+        task.cancel()
+
+    asyncio.run(scenario())
