@@ -169,7 +169,9 @@ def test_errors_keep_ollama_shape_below_the_client(server):
     for method, path, body, status in (("POST", "/api/chat", b"{not json", 400), ("POST", "/api/chat", b"{}", 400),
                                        ("POST", "/api/generate", b'{"model": ""}', 400),
                                        ("GET", "/api/chat", None, 405), ("GET", "/api/nothing", None, 404),
-                                       ("POST", "/api/show", b"{}", 400)):
+                                       ("POST", "/api/show", b"{}", 400),
+                                       ("POST", "/api/chat", json.dumps({"model": MODEL, "format": "yaml"}).encode(),
+                                        400)):
         r = httpx.request(method, server.url + path, content=body)
         assert r.status_code == status and set(r.json()) == {"error"} and r.json()["error"], (path, r.text)
     assert httpx.get(server.url + "/health").status_code == 200
@@ -226,9 +228,14 @@ def test_a_keep_alive_duration_expires_and_overrides_forever(client, server):
 
 
 def test_a_bad_keep_alive_flag_is_one_line(capsys):
+    import gc
+
     from lmserve.cli import main
 
-    assert main(["serve", "--keep-alive", "5 parsecs"]) == 2
+    try:
+        assert main(["serve", "--keep-alive", "5 parsecs"]) == 2
+    finally:
+        gc.enable()  # serve turns the collector off for its start
     err = capsys.readouterr().err
     assert "--keep-alive" in err and err.count("\n") == 1, err
 
