@@ -425,6 +425,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/api/tags"): RouteDoc(None, OllamaTags, (401,)),
     ("get", "/api/ps"): RouteDoc(None, OllamaPs, (401,)),
     ("get", "/api/version"): RouteDoc(None, Version, (401,)),
+    ("head", "/"): RouteDoc(None, None, (401,), (TEXT,)),  # Ollama's "Ollama is running" (no body: HEAD)
 }
 _ERROR_MODELS = (OpenAIError, TGIError, V2Error, OllamaError)
 
