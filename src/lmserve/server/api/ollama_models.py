@@ -22,6 +22,11 @@ from lmserve.server.protocol import parse_body
 from lmserve.server.state import key_name_of, state_of
 
 router = APIRouter()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
 _FOREVER = timedelta(microseconds=2**63 // 1000)  # Ollama's expiry for a model kept loaded (a max Go duration)
 
 
@@ -61,21 +66,26 @@ async def show(request: Request) -> dict:
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict:
-    """The loaded models, with when each unloads if it stays idle (`expires_at`)."""
+    """The loaded models, with when each unloads if it stays idle (`expires_at`); one being unloaded is listed
+    until its memory is given back (as Ollama lists a runner until it has stopped)."""
     st = state_of(request)
     key = key_name_of(request)
     out = []
-    for m in st.models.loaded():
-        front = m.async_engine.front  # now: an unload may detach the engine while the card is read
-        if not st.tenants.allows(key, m.name):
+    for m in st.models.models.values():
+        engine = m.async_engine  # now: an unload may detach it while the card is read
+        if not (engine is not None or m.unloading) or not st.tenants.allows(key, m.name):
             continue
         card = await asyncio.to_thread(_card, m)
-        out.append({**card, "expires_at": _expires_at(m), "size_vram": card["size"] if front.device.type == "cuda"
-                    else 0, "context_length": front.max_model_len})
+        on_gpu = engine is not None and engine.front.device.type == "cuda"
+        context = engine.front.max_model_len if engine is not None else m.spec.max_model_len
+        out.append({**card, "expires_at": _expires_at(m), "size_vram": card["size"] if on_gpu else 0,
+                    "context_length": context})
     return {"models": out}
 
 
 def _expires_at(model) -> str:
+    if model.unloading:
+        return _now()
     if model.keep_alive is None:
         at = datetime.now(timezone.utc) + _FOREVER
     else:

@@ -53,6 +53,7 @@ class ServedModel:
     in_flight: int = 0  # engine requests admitted and not finished (the model's own queue limit)
     last_used: float = 0.0  # monotonic; the LRU order
     loading: bool = False
+    unloading: bool = False  # detached from requests, its engine stopping and its memory not yet given back
     keep_alive: float | None = None  # seconds idle before it is unloaded; None: kept loaded
     idle_since: float | None = None  # monotonic; when its last lease ended (None: leased, or not seen idle yet)
     on_idle: Callable[[], None] | None = field(default=None, repr=False)  # the pool's wake-up: a lease ended
@@ -173,10 +174,13 @@ class ModelPool:
     async def _unload(self, victim: ServedModel) -> None:
         """Unload an idle model (the caller holds the load lock and checked it has no lease)."""
         engine, victim.async_engine = victim.async_engine, None  # no new request can take it from here on
-        victim.idle_since = None
-        await asyncio.to_thread(self.unloader, victim, engine)
-        del engine  # the last reference: its weights and KV pool are freed now, not at some later collection
-        await asyncio.to_thread(release_memory)
+        victim.idle_since, victim.unloading = None, True
+        try:
+            await asyncio.to_thread(self.unloader, victim, engine)
+            del engine  # the last reference: its weights and KV pool are freed now, not at some later collection
+            await asyncio.to_thread(release_memory)
+        finally:
+            victim.unloading = False
 
     def _expiry(self, model: ServedModel) -> float | None:
         """When (monotonic) a loaded model's keep-alive runs out; None: it is leased, kept, or cannot be reloaded."""
