@@ -119,7 +119,7 @@ def test_tools_a_call_history_and_calls_as_objects(client):
     from lmserve.server.api.tools import format_tool_call
 
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    opts = {"temperature": 0, "num_predict": 32}
+    opts = {"temperature": 0, "num_predict": 16}
     r = client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=opts)
     parts = list(client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=opts, stream=True))
     assert "".join(p.message.content for p in parts) == r.message.content
