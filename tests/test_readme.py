@@ -98,7 +98,8 @@ def readme_blocks(text: str, page: str = "README") -> list[Block]:
 
 
 def is_client(block: Block) -> bool:
-    return any(c in block.text for c in CLIENTS)
+    """A python block that talks to the quick-start server: an official client, or any client given its URL."""
+    return any(c in block.text for c in CLIENTS) or "127.0.0.1:8000" in block.text
 
 
 def commands(block: Block) -> list[str]:

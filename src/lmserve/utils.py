@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sqlite3
 from pathlib import Path
 
@@ -159,3 +161,38 @@ def read_json_object(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError("expected a JSON object")
     return data
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def parse_duration(value: str | float) -> float | None:
+    """A keep-alive as Ollama takes it -> seconds, or None for "forever" (any negative value).
+
+    A number is seconds; a string is a Go duration ("5m", "1h30m", "250ms", "-1m") or a plain number of seconds
+    ("300"). ValueError otherwise (also for NaN and infinities).
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{value!r} is not a duration (write e.g. 5m, 30s, 1h or a number of seconds)")
+    if isinstance(value, str):
+        value = _duration_seconds(value.strip())
+    if not math.isfinite(value):
+        raise ValueError(f"{value!r} is not a duration (write e.g. 5m, 30s, 1h or a number of seconds)")
+    return None if value < 0 else float(value)
+
+
+def _duration_seconds(text: str) -> float:
+    sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
+    try:
+        return sign * float(body) if body and not body[-1].isalpha() else sign * _go_duration(body)
+    except ValueError:
+        raise ValueError(f"{text[:40]!r} is not a duration (write e.g. 5m, 30s, 1h or a number of "
+                         "seconds)") from None
+
+
+def _go_duration(body: str) -> float:
+    parts = list(_DURATION_PART.finditer(body))
+    if not parts or "".join(p.group(0) for p in parts) != body:
+        raise ValueError(body)
+    return sum(float(p.group(1)) * _DURATION_UNITS[p.group(2)] for p in parts)

@@ -198,6 +198,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                        "recently used idle one (default: all loaded at start)")
     scale.add_argument("--model-load-timeout", type=float, default=60.0, metavar="SECONDS",
                        help="a request waits this long for its model to load, then gets 503 with Retry-After")
+    scale.add_argument("--keep-alive", default=None, metavar="DURATION",
+                       help="unload a model once idle this long, to load it again on its next request (scale to zero): "
+                       "5m, 30s, 1h30m or seconds; 0 unloads after every request; negative never. An Ollama "
+                       "request's keep_alive overrides it for its model (default: never; Ollama's own is 5m)")
     scale.add_argument("--route", action="append", default=[], metavar="NAME=MODEL:WEIGHT,...",
                        help="weighted traffic split (canaries): a request for model NAME goes to one of the models by "
                        "weight, the same one for the same `user` (repeatable; default: none)")

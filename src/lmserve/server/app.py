@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server.api import anthropic, kserve, lora, openai, responses, tgi
+from lmserve.server.api import anthropic, kserve, lora, ollama, openai, responses, tgi
 from lmserve.server.access_log import AccessLog
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
@@ -32,7 +32,7 @@ from lmserve.server.key_file import ANONYMOUS
 # serves; /metrics too with --metrics-public (see open_paths).
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/generate",
-                    "/generate_stream", "/")
+                    "/generate_stream", "/", *ollama.GENERATION_PATHS)
 
 
 def is_generation(path: str) -> bool:
@@ -54,6 +54,7 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
     app.include_router(lora.router)
     app.include_router(playground_routes.router)
     app.include_router(kserve.router)
+    app.include_router(ollama.router)
     _misc_routes(app)
     _error_handlers(app)
     install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
@@ -69,13 +70,16 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
 
 
 def _lifespan(state: ServerState):
-    """Start the batch-job runner on the server's event loop (it resumes jobs a previous run left)."""
+    """Start the batch-job runner on the server's event loop (it resumes jobs a previous run left), and the pool's
+    keep-alive expiry (server/models/pool.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if state.batches is not None:
             state.batches.start()
+        expiry = asyncio.ensure_future(state.models.expire_idle())
         yield
+        expiry.cancel()
         if state.batches is not None:
             state.batches.stop()
 

@@ -1,4 +1,5 @@
-"""Error bodies: OpenAI's shape on OpenAI routes, TGI's on TGI routes, Anthropic's on the Messages routes.
+"""Error bodies: OpenAI's shape on OpenAI routes, TGI's on TGI routes, Anthropic's on the Messages routes,
+Ollama's ({"error": message}) under /api/.
 
 Never a traceback or a path."""
 
@@ -49,6 +50,11 @@ def is_anthropic(path: str) -> bool:
     return path in ANTHROPIC_PATHS
 
 
+def is_ollama(path: str) -> bool:
+    """An Ollama API path (/api/chat, /api/generate, /api/tags, ...): errors are {"error": message}."""
+    return path.startswith("/api/")
+
+
 def is_v2(path: str) -> bool:
     """A KServe v2 (Open Inference Protocol) path; other unknown /v2 paths keep OpenAI's shape."""
     return path.startswith(("/v2/models/", "/v2/health/"))
@@ -56,7 +62,7 @@ def is_v2(path: str) -> bool:
 
 def error_response(path: str, err: APIError) -> JSONResponse:
     """The body and status for `err` in the route family of `path`."""
-    if is_v2(path):  # KServe's Open Inference Protocol: {"error": message}
+    if is_v2(path) or is_ollama(path):  # KServe's Open Inference Protocol and Ollama: {"error": message}
         return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
     if is_anthropic(path):
         return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)

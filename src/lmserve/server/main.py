@@ -28,7 +28,7 @@ from lmserve.ops.hub import build_ops
 from lmserve.server.app import build_app
 from lmserve.server.connections import with_deadline
 from lmserve.server.metrics import ServerMetrics
-from lmserve.server.models.args import model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
+from lmserve.server.models.args import keep_alive, model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
 from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel
 from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
@@ -215,7 +215,7 @@ def prepare(args: argparse.Namespace) -> ServerState:
         ops = build_ops(args, metrics.registry)
     except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting
         raise ConfigError(str(e)) from None
-    pool = ModelPool(specs, args.max_loaded_models, args.model_load_timeout)
+    pool = ModelPool(specs, args.max_loaded_models, args.model_load_timeout, keep_alive(args))
     state = ServerState(config, metrics, ops=ops, response_cache=_response_cache(args, metrics),
                         playground=_playground(args), models=pool, splits=splits)
     _batches(args, state)

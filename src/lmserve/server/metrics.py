@@ -101,8 +101,8 @@ class ServerMetrics:
         self.model_generation_tokens = Counter("lmserve:model_generation_tokens", "Generated tokens, by model",
                                                labels, registry=r)
         self.model_loads = Counter("lmserve:model_loads", "Times a model was loaded", labels, registry=r)
-        self.model_unloads = Counter("lmserve:model_unloads", "Times a model was unloaded (least recently used, "
-                                     "beyond --max-loaded-models)", labels, registry=r)
+        self.model_unloads = Counter("lmserve:model_unloads", "Times a model was unloaded (least recently used "
+                                     "beyond --max-loaded-models, or idle past its keep-alive)", labels, registry=r)
         self.model_loaded = Gauge("lmserve:model_loaded", "1 while the model is loaded", labels, registry=r)
         self.model_load_time = Histogram("lmserve:model_load_duration_seconds", "Weight load plus warm-up time of "
                                          "each load, by model", labels, buckets=LOAD_BUCKETS, registry=r)

@@ -64,6 +64,9 @@ def _updating(request: Request) -> ServerState:
     if not st.config.allow_runtime_lora_updating:
         raise APIError(404, "runtime LoRA updating is off (start the server with --allow-runtime-lora-updating)")
     st.check_ready()
+    if st.async_engine is None:  # unloaded (--max-loaded-models, keep-alive): its adapters went with its engine
+        raise APIError(503, f"model {st.config.served_model_name!r} is not loaded now; any request to it loads it "
+                       "again", headers={"Retry-After": "1"}, reason="not_ready")
     return st
 
 

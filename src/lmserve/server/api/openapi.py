@@ -17,13 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
+from lmserve.server.api import ollama_protocol as ol
 from lmserve.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
-from lmserve.server.errors import is_anthropic, is_tgi, is_v2
+from lmserve.server.errors import is_anthropic, is_ollama, is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
 from lmserve.server.api.kserve import V2InferRequest
 from lmserve.server.api.responses_input import ResponsesRequest
 
-JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "text/html"
+JSON, SSE, TEXT, HTML, NDJSON = "application/json", "text/event-stream", "text/plain", "text/html", "application/x-ndjson"
 CSS, JS = "text/css", "text/javascript"
 MULTIPART, OCTETS = "multipart/form-data", "application/octet-stream"
 
@@ -202,6 +203,79 @@ class V2Error(_Open):
     """The error body of the KServe v2 routes (/v2/...)."""
 
     error: str
+
+
+class OllamaError(_Open):
+    """The error body of the Ollama routes (/api/...), also a stream's in-band error line."""
+
+    error: str
+
+
+class OllamaMessage(_Open):
+    role: str
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None  # each {"function": {"name", "arguments": {...}}}
+
+
+class _OllamaFinal(_Open):
+    """What the last object of an Ollama answer carries (durations in nanoseconds)."""
+
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = None  # stop | length | load | unload
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class OllamaChatResponse(_OllamaFinal):
+    message: OllamaMessage
+
+
+class OllamaGenerateResponse(_OllamaFinal):
+    response: str
+    context: list[int] | None = None
+
+
+class OllamaDetails(_Open):
+    format: str
+    family: str
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaModel(_Open):
+    name: str
+    model: str
+    size: int
+    digest: str
+    modified_at: str
+    details: OllamaDetails
+
+
+class OllamaTags(_Open):
+    models: list[OllamaModel]
+
+
+class OllamaLoadedModel(OllamaModel):
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class OllamaPs(_Open):
+    models: list[OllamaLoadedModel]
+
+
+class OllamaShow(_Open):
+    details: OllamaDetails
+    model_info: dict[str, Any]
+    template: str
+    capabilities: list[str]
 
 
 class V2Live(_Open):
@@ -412,8 +486,17 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
                                                 (400, 401, 403, 404, 409, 413, 503)),
     ("post", "/v1/unload_lora_adapter"): RouteDoc(p.UnloadLoraAdapterRequest, LoraUnloaded,
                                                   (400, 401, 403, 404, 413, 503)),
+    # Ollama (server/api/ollama.py): NDJSON unless "stream": false; errors {"error": message}. HEAD / is Ollama's
+    # liveness check (GET / stays the playground's page).
+    ("post", "/api/chat"): RouteDoc(ol.ChatRequest, OllamaChatResponse, _GEN, (JSON, NDJSON)),
+    ("post", "/api/generate"): RouteDoc(ol.GenerateRequest, OllamaGenerateResponse, _GEN, (JSON, NDJSON)),
+    ("post", "/api/show"): RouteDoc(ol.ShowRequest, OllamaShow, (400, 401, 404, 413, 503)),
+    ("get", "/api/tags"): RouteDoc(None, OllamaTags, (401,)),
+    ("get", "/api/ps"): RouteDoc(None, OllamaPs, (401,)),
+    ("get", "/api/version"): RouteDoc(None, Version, (401,)),
+    ("head", "/"): RouteDoc(None, None, (401,), (TEXT,)),  # Ollama's "Ollama is running" (no body: HEAD)
 }
-_ERROR_MODELS = (OpenAIError, TGIError, V2Error, AnthropicError)
+_ERROR_MODELS = (OpenAIError, TGIError, V2Error, AnthropicError, OllamaError)
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -458,6 +541,7 @@ def _fill(op: dict, path: str, route: RouteDoc) -> None:
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
     error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else AnthropicError if is_anthropic(path)
+                 else OllamaError if is_ollama(path)
                  else OpenAIError)
     for status in route.errors:
         schema = _ref(Health) if path == "/health" else error

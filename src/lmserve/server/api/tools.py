@@ -80,16 +80,21 @@ def format_tool_call(name: str, arguments: str) -> str:
     return call_begin(name) + arguments + CALL_END
 
 
-@lru_cache(maxsize=16)  # asked per request, about the one template the server has
 def template_supports_tools(template: str | None) -> bool:
     """Whether a chat template's Jinja source reads a `tools` variable."""
+    return "tools" in template_variables(template)
+
+
+@lru_cache(maxsize=16)  # asked per request, about the few templates the server has
+def template_variables(template: str | None) -> frozenset[str]:
+    """The variables a chat template's Jinja source reads from its caller (`tools`, `enable_thinking`, ...)."""
     if not template:
-        return False
+        return frozenset()
     try:
         parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(_GENERATION_TAG.sub("", template))
     except jinja2.TemplateSyntaxError:
-        return False  # such a template cannot render anything; the chat reports that error
-    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+        return frozenset()  # such a template cannot render anything; the chat reports that error
+    return frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
 
 # -- prompts ---------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The serve flags that name models: `--model [NAME=]PATH` (repeatable), `--route`, `--max-loaded-models`.
+"""The serve flags that name models: `--model [NAME=]PATH` (repeatable), `--route`, `--max-loaded-models`,
+`--keep-alive`.
 
 Every model is checked at start (its header read, its KV pool sized by the same arithmetic as the engine) before
 anything loads; a mistake is one ConfigError naming the flag.
@@ -56,7 +57,7 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
         one = argparse.Namespace(**{**vars(args), "model": path})
         checked = check_engine_config(engine_config(one))
         specs.append(ModelSpec(name or served_name(one, checked.model_path), checked.config,
-                               checked.config.max_model_len))
+                               checked.config.max_model_len, checked.model_config))
     names = [s.name for s in specs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -66,6 +67,19 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     if not args.model_load_timeout > 0:
         raise ConfigError(f"--model-load-timeout must be > 0 seconds, got {args.model_load_timeout}")
     return specs
+
+
+def keep_alive(args: argparse.Namespace) -> float | None:
+    """--keep-alive in seconds (None: never unload an idle model); ConfigError naming the flag."""
+    from lmserve.utils import parse_duration
+
+    text = getattr(args, "keep_alive", None)  # a Namespace built by hand (Ray, tests) may lack it
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise ConfigError(f"--keep-alive: {e}") from None
 
 
 def traffic_splits(args: argparse.Namespace, model_names: list[str]) -> dict[str, TrafficSplit]:

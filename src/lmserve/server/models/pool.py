@@ -1,5 +1,6 @@
 """The server's models by name (`--model NAME=PATH`, repeatable): loaded on demand, the least recently used one
-unloaded when a load would pass `--max-loaded-models`.
+unloaded when a load would pass `--max-loaded-models`, and any one unloaded once idle past its keep-alive
+(`--keep-alive`, or the last request's own: Ollama's `keep_alive`), so an idle server scales to zero.
 
 Invariants:
 - Loads run one at a time (two checkpoints never load at once: memory is bounded by K loaded models plus none).
@@ -7,16 +8,20 @@ Invariants:
   the pool's load timeout: the caller answers 503 + Retry-After then, and the load goes on for the next request.
 - A model is unloaded only when no request holds a lease on it (`leases`: from the request's model resolution
   to its response's end), so a request never sees its engine go away; a load that needs room waits for one.
+- Keep-alive: a model idle (no lease) for its `keep_alive` seconds is unloaded by `expire_idle`, the pool's one
+  background task; None keeps it loaded. Each request sets it (its own, else the pool's default) and the
+  clock starts when the last lease ends, as Ollama counts it; 0 unloads as soon as the last response ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from lmserve.config import EngineConfig
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from lmserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("lmserve.server")
+_LOOK_S = 5.0  # with --keep-alive, expire_idle looks at least this often (for models it was not woken about)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class ModelSpec:
     name: str
     config: EngineConfig | None = None  # None: its engine is started by the caller and never unloaded
     max_model_len: int | None = None  # from the start-up checks: /v1/models tells it before the model loads
+    model_config: object | None = None  # the checkpoint's models.config.ModelConfig: /api/tags describes it unloaded
 
 
 @dataclass
@@ -46,6 +53,10 @@ class ServedModel:
     in_flight: int = 0  # engine requests admitted and not finished (the model's own queue limit)
     last_used: float = 0.0  # monotonic; the LRU order
     loading: bool = False
+    unloading: bool = False  # detached from requests, its engine stopping and its memory not yet given back
+    keep_alive: float | None = None  # seconds idle before it is unloaded; None: kept loaded
+    idle_since: float | None = None  # monotonic; when its last lease ended (None: leased, or not seen idle yet)
+    on_idle: Callable[[], None] | None = field(default=None, repr=False)  # the pool's wake-up: a lease ended
 
     @property
     def name(self) -> str:
@@ -56,8 +67,17 @@ class ServedModel:
         return self.async_engine is not None
 
     def release(self) -> None:
-        """End one lease (a request's response has ended)."""
+        """End one lease (a request's response has ended); the last one starts the keep-alive clock."""
         self.leases -= 1
+        if self.leases == 0:
+            self.idle_since = time.monotonic()
+            if self.on_idle is not None:
+                self.on_idle()
+
+    def keep_for(self, seconds: float | None) -> None:
+        """Unload this model once idle `seconds` (None: never); the request holding it sets it (Ollama's
+        keep_alive), and it holds until a later request sets another."""
+        self.keep_alive = seconds
 
 
 class ModelLoadError(Exception):
@@ -76,10 +96,12 @@ Unloader = Callable[[ServedModel, "AsyncEngine"], None]
 class ModelPool:
     """The configured models; the first one is the default (requests that name none, TGI routes)."""
 
-    def __init__(self, specs: list[ModelSpec], max_loaded: int | None = None, load_timeout: float = 60.0) -> None:
+    def __init__(self, specs: list[ModelSpec], max_loaded: int | None = None, load_timeout: float = 60.0,
+                 keep_alive: float | None = None) -> None:
         if not specs:
             raise ValueError("a model pool needs at least one model")
-        self.models = {s.name: ServedModel(s) for s in specs}
+        self.keep_alive = keep_alive  # --keep-alive: what a request that names none gets (None: kept loaded)
+        self.models = {s.name: ServedModel(s, keep_alive=keep_alive, on_idle=self._wake_expiry) for s in specs}
         self.default = self.models[specs[0].name]
         self.max_loaded = max_loaded or len(specs)
         self.load_timeout = load_timeout
@@ -87,6 +109,7 @@ class ModelPool:
         self.unloader: Unloader | None = None
         self._loads: dict[str, asyncio.Future] = {}
         self._one_load: asyncio.Lock | None = None  # made on the event loop, at the first load
+        self._expiry_wake: asyncio.Event | None = None  # made by expire_idle, on the event loop
 
     def get(self, name: str) -> ServedModel | None:
         return self.models.get(name)
@@ -98,6 +121,8 @@ class ModelPool:
         """Hold `model` for one request (release() when its response ends): it is not unloaded meanwhile."""
         model.leases += 1
         model.last_used = time.monotonic()
+        model.idle_since = None
+        model.keep_alive = self.keep_alive  # the request's own keep_alive (Ollama's) replaces it after this
         return model
 
     async def ready(self, model: ServedModel) -> None:
@@ -116,10 +141,13 @@ class ModelPool:
             raise ModelLoadError(f"model {model.name!r} is still loading after {self.load_timeout:g} s; retry "
                                  "shortly", timed_out=True) from None
 
-    async def _load(self, model: ServedModel) -> None:
+    def _lock(self) -> asyncio.Lock:
         if self._one_load is None:
             self._one_load = asyncio.Lock()
-        async with self._one_load:
+        return self._one_load
+
+    async def _load(self, model: ServedModel) -> None:
+        async with self._lock():
             if model.loaded:
                 return
             await self._make_room()
@@ -139,12 +167,73 @@ class ModelPool:
             if victim is None:
                 await asyncio.sleep(0.02)
                 continue
-            engine, victim.async_engine = victim.async_engine, None  # no new request can take it from here on
             log.info("unloading model %s (least recently used; %d loaded, limit %d)", victim.name,
-                     len(self.loaded()) + 1, self.max_loaded)
+                     len(self.loaded()), self.max_loaded)
+            await self._unload(victim)
+
+    async def _unload(self, victim: ServedModel) -> None:
+        """Unload an idle model (the caller holds the load lock and checked it has no lease)."""
+        engine, victim.async_engine = victim.async_engine, None  # no new request can take it from here on
+        victim.idle_since, victim.unloading = None, True
+        try:
             await asyncio.to_thread(self.unloader, victim, engine)
             del engine  # the last reference: its weights and KV pool are freed now, not at some later collection
             await asyncio.to_thread(release_memory)
+        finally:
+            victim.unloading = False
+
+    def _expiry(self, model: ServedModel) -> float | None:
+        """When (monotonic) a loaded model's keep-alive runs out; None: it is leased, kept, or cannot be reloaded."""
+        if model.leases or model.keep_alive is None or model.idle_since is None or model.spec.config is None:
+            return None
+        return model.idle_since + model.keep_alive
+
+    def expired(self, now: float) -> list[ServedModel]:
+        """Loaded models idle past their keep-alive."""
+        return [m for m in self.loaded() if (at := self._expiry(m)) is not None and at <= now]
+
+    def _next_expiry(self, now: float) -> float | None:
+        """Seconds until the next model's keep-alive runs out (None: none will without a request)."""
+        times = [at for m in self.loaded() if (at := self._expiry(m)) is not None]
+        return max(0.0, min(times) - now) if times else None
+
+    async def _expire(self, model: ServedModel) -> None:
+        async with self._lock():
+            if not any(m is model for m in self.expired(time.monotonic())):  # a request took it meanwhile
+                return
+            log.info("unloading model %s (idle past its keep-alive of %g s)", model.name, model.keep_alive)
+            try:
+                await self._unload(model)
+            except Exception:  # noqa: BLE001 - the task serves the server's life; the next expiry tries others
+                log.exception("unloading model %s failed", model.name)
+
+    def _wake_expiry(self) -> None:
+        if self._expiry_wake is not None:
+            self._expiry_wake.set()
+
+    async def expire_idle(self) -> None:
+        """Run for the server's life (a task on its event loop): unload each model idle past its keep-alive.
+
+        It sleeps until the next expiry or until a lease ends; a model loaded at start that no request has
+        used counts as idle from the first time this task sees it (with --keep-alive it looks every few seconds,
+        so a start-up load that ends while it sleeps is seen).
+        """
+        self._expiry_wake = asyncio.Event()
+        while True:
+            now = time.monotonic()
+            for model in self.loaded():
+                if model.leases == 0 and model.idle_since is None:
+                    model.idle_since = now
+            for model in self.expired(now):
+                await self._expire(model)
+            self._expiry_wake.clear()
+            wait = self._next_expiry(time.monotonic())
+            if self.keep_alive is not None:
+                wait = min(wait if wait is not None else _LOOK_S, _LOOK_S)
+            try:
+                await asyncio.wait_for(self._expiry_wake.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
 
     def lru_idle(self) -> ServedModel | None:
         """The loaded model used least recently that no request holds and that can be loaded again."""
@@ -157,8 +246,29 @@ class ModelPool:
 
 
 def release_memory() -> None:
-    """Collect the unloaded engine's reference cycles and hand CUDA's cached blocks back to the device."""
+    """Collect the unloaded engine's reference cycles and give its memory back: CUDA's cached blocks to the device,
+    the C heap's free pages to the system.
+
+    `serve` freezes what the start made (gc.freeze: shorter collections), the first model's engine included; a
+    frozen cycle is never collected, so the frozen objects are thawed for this one collection and the
+    survivors frozen again. glibc keeps freed heap memory for reuse (RSS would not drop): malloc_trim returns it.
+    """
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
+    _malloc_trim()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): free heap pages back to the system (a no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -1,0 +1,286 @@
+"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams by default), /api/tags, /api/show, /api/ps,
+/api/version, and HEAD / ("Ollama is running"); the model routes (/api/tags, /api/show, /api/ps) are in
+ollama_models.py, included here.
+
+Shapes only: a request is admitted through ModelState.start like every other family's, and its body's meaning
+is in ollama_protocol.py. As Ollama does it: a chat with no messages (a generate with no prompt) only loads the
+model, or unloads it with `keep_alive: 0`; `keep_alive` sets how long the model stays loaded once idle
+(server/models/pool.py unloads it then, and the next request loads it again); the last object of an answer
+has `done: true` and the durations in nanoseconds; errors are `{"error": message}` (errors.py), in-band on a
+stream. GET / stays the playground's page (server/playground); only HEAD / answers as Ollama's root does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import lmserve
+from lmserve.errors import EngineDeadError, StepFailedError
+from lmserve.ops.record import RequestRecord
+from lmserve.request import CompletionDelta, TokenLogprobs
+from lmserve.sampling_params import SamplingParams
+from lmserve.server.api import ollama_models
+from lmserve.server.api.ollama_protocol import (ChatRequest, GenerateRequest, chat_messages, keep_alive_seconds,
+                                                sampling_params, think_kwargs)
+from lmserve.server.api.tools import parse_tool_calls, prepare_chat, template_variables
+from lmserve.server.api.tool_stream import ContentDelta, ToolCallStreamer
+from lmserve.server.errors import APIError
+from lmserve.server.served import Chat, ModelState, Prompt
+from lmserve.server.state import read_request, record_of
+from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
+
+router = APIRouter()
+router.include_router(ollama_models.router)
+GENERATION_PATHS = ("/api/chat", "/api/generate")
+# The Ollama API level these routes follow (clients gate features on it: tools, think, logprobs).
+OLLAMA_VERSION = "0.12.0"
+NDJSON = "application/x-ndjson"
+
+
+@dataclass
+class Turn:
+    """One answer being produced: what the final object reports, and where its time went."""
+
+    model: str
+    start: float  # monotonic, at the route's entry
+    load_s: float  # reading the body and waiting for the model to be loaded
+    prompt_ids: list[int]
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    last: CompletionDelta | None = None
+
+    def add(self, d: CompletionDelta) -> None:
+        self.text += d.text
+        self.output_ids += d.token_ids
+        self.logprobs += d.logprobs or []
+        self.last = d
+
+    def final(self) -> dict:
+        """done, done_reason and the counts and durations (nanoseconds) of the final object."""
+        d = self.last
+        timings = d.timings if d is not None else None
+        return {"done": True, "done_reason": "length" if d is not None and d.finish_reason == "length" else "stop",
+                "total_duration": _ns(time.monotonic() - self.start), "load_duration": _ns(self.load_s),
+                "prompt_eval_count": len(self.prompt_ids),
+                "prompt_eval_duration": _ns(timings.prefill_s if timings else 0.0),
+                "eval_count": d.num_output_tokens if d is not None else 0,
+                "eval_duration": _ns(timings.decode_s if timings else 0.0)}
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _now() -> str:
+    """RFC 3339 in UTC, as Ollama writes created_at."""
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@router.head("/")
+async def root() -> Response:
+    """Ollama's liveness check (the CLI's heartbeat): 200, "Ollama is running" (a HEAD answer sends no body)."""
+    return Response("Ollama is running", media_type="text/plain; charset=utf-8")
+
+
+@router.get("/api/version")
+async def version() -> dict:
+    return {"version": OLLAMA_VERSION, "lmserve_version": lmserve.__version__}
+
+
+@router.post("/api/chat")
+async def chat(request: Request) -> Response:
+    start = time.monotonic()
+    st, req = await read_request(request, ChatRequest)
+    keep = _keep_alive(st, req)
+    if not req.messages:
+        return _loaded(st, keep, {"message": {"role": "assistant", "content": ""}})
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    params = sampling_params(req, st.config.token_limits, tools)
+    variables = template_variables(st.front.tokenizer.chat_template)
+    messages, kwargs = prepare_chat(chat_messages(req.messages), tools, "tools" in variables)
+    turn, merged = await _start(request, st, req, Chat(messages, {**kwargs, **think_kwargs(req.think, variables)}),
+                                params, start)
+    if not req.stream:
+        if not await _collect(request, st, turn, merged):
+            return Response(status_code=499)
+        return JSONResponse({**_head(turn), "message": _message(turn.text, bool(tools)), **_logprobs(st, req, turn),
+                             **turn.final()})
+    return _ndjson(request, st, merged, _chat_lines(st, req, turn, merged, bool(tools)))
+
+
+@router.post("/api/generate")
+async def generate(request: Request) -> Response:
+    start = time.monotonic()
+    st, req = await read_request(request, GenerateRequest)
+    keep = _keep_alive(st, req)
+    if req.images:
+        raise APIError(400, "images are not supported: the served models read text only", param="images")
+    if req.suffix:
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+    if req.template:
+        raise APIError(400, "template is not supported: the model's own chat template renders the prompt",
+                       param="template")
+    if not req.prompt and not req.context:
+        return _loaded(st, keep, {"response": ""})
+    params = sampling_params(req, st.config.token_limits)
+    turn, merged = await _start(request, st, req, await _generate_prompt(st, req, record_of(request)), params,
+                                start)
+    context = {} if req.raw else {"context": turn.prompt_ids}  # with the answer's ids appended at the end
+    if not req.stream:
+        if not await _collect(request, st, turn, merged):
+            return Response(status_code=499)
+        if context:
+            context["context"] = turn.prompt_ids + turn.output_ids
+        return JSONResponse({**_head(turn), "response": turn.text, **_logprobs(st, req, turn), **turn.final(),
+                             **context})
+    return _ndjson(request, st, merged, _generate_lines(st, req, turn, merged, context))
+
+
+async def _generate_prompt(st: ModelState, req: GenerateRequest, record: RequestRecord) -> Prompt:
+    """The prompt as written (raw), or rendered by the chat template (`system` first); after `context`'s ids."""
+    if req.raw:
+        prompt: Prompt = req.prompt
+    else:
+        system = [{"role": "system", "content": req.system}] if req.system else []
+        variables = template_variables(st.front.tokenizer.chat_template)
+        prompt = Chat([*system, {"role": "user", "content": req.prompt}], think_kwargs(req.think, variables))
+    if not req.context:
+        return prompt
+    ids = await (st.tokenize_chat(prompt.messages, record, prompt.template_kwargs) if isinstance(prompt, Chat)
+                 else st.tokenize(prompt, record))
+    return [*req.context, *ids]
+
+
+def _keep_alive(st: ModelState, req) -> float | None:
+    """Apply the request's keep_alive to its model (the pool unloads it once idle that long); returns it."""
+    seconds = keep_alive_seconds(req)
+    if seconds is not False:
+        st.model.keep_for(seconds)
+    return st.model.keep_alive
+
+
+def _loaded(st: ModelState, keep: float | None, body: dict) -> JSONResponse:
+    """The answer to a request that only loads the model (it is, by now) or unloads it (keep_alive 0: once this
+    response has ended, the pool unloads it)."""
+    reason = "unload" if keep == 0 else "load"
+    return JSONResponse({"model": st.model_name, "created_at": _now(), **body, "done": True, "done_reason": reason})
+
+
+async def _start(request: Request, st: ModelState, req: ChatRequest | GenerateRequest, prompt: Prompt,
+                 params: SamplingParams, start: float) -> tuple[Turn, MergedStreams]:
+    """Admit through the one admission path (`req.model` may name a LoRA adapter); the time until now counts as
+    the model's load."""
+    load_s = time.monotonic() - start
+    record = record_of(request)
+    run = await st.start([prompt], params, record, model=req.model, id_prefix="ollama")
+    record.stream = req.stream
+    name = run.lora.name if run.lora is not None else st.model_name
+    return Turn(name, start, load_s, run.ids[0]), run.merged
+
+
+def _head(turn: Turn) -> dict:
+    return {"model": turn.model, "created_at": _now()}
+
+
+async def _collect(request: Request, st: ModelState, turn: Turn, merged: MergedStreams) -> bool:
+    """Run the stream to its end into `turn`; False when the client went away first (its request was aborted)."""
+    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
+    try:
+        async for _, d in merged:
+            turn.add(d)
+    except (StepFailedError, EngineDeadError) as e:
+        st.metrics.aborts.labels("error").inc()
+        raise engine_error(e) from None
+    finally:
+        watch.close()
+    return not merged.cancelled
+
+
+def _message(text: str, with_tools: bool) -> dict:
+    """The assistant message of a whole answer: with tools, calls parsed out (arguments as objects)."""
+    if not with_tools:
+        return {"role": "assistant", "content": text}
+    content, calls = parse_tool_calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if calls:
+        message["tool_calls"] = [{"function": {"name": c.name, "arguments": _object(c.arguments)}} for c in calls]
+    return message
+
+
+def _object(arguments: str) -> dict:
+    """A call's arguments as the object Ollama sends (the grammar makes them one; {} if a bug ever did not)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _logprobs(st: ModelState, req, turn: Turn, lps: list[TokenLogprobs] | None = None) -> dict:
+    """Ollama's `logprobs` list when asked for: each token's text, logprob, bytes and top alternatives."""
+    if not (req.logprobs or req.top_logprobs):
+        return {}
+    decode = st.front.tokenizer.decode
+
+    def one(token_id: int, logprob: float) -> dict:
+        text = decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"logprobs": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
+                         for lp in (turn.logprobs if lps is None else lps)]}
+
+
+def _ndjson(request: Request, st: ModelState, merged: MergedStreams, lines: AsyncIterator[dict]) -> StreamingResponse:
+    """One JSON object per line; a failure part-way is an `{"error": ...}` line (the client raises it)."""
+    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
+
+    async def body():
+        try:
+            async for line in lines:
+                yield json.dumps(line, ensure_ascii=False) + "\n"
+        except Exception as e:  # noqa: BLE001 - reported in-band; stream_failure logs a bug's traceback
+            yield json.dumps({"error": stream_failure(e, st.metrics, request.url.path).message}) + "\n"
+        finally:
+            watch.close()
+            merged.stop()
+
+    return StreamingResponse(body(), media_type=NDJSON)
+
+
+async def _chat_lines(st: ModelState, req: ChatRequest, turn: Turn, merged: MergedStreams,
+                      with_tools: bool) -> AsyncIterator[dict]:
+    """A line per step's text; with tools, content as it comes and the calls, whole, before the final line."""
+    streamer = ToolCallStreamer() if with_tools else None
+    async for _, d in merged:
+        turn.add(d)
+        text = d.text if streamer is None else "".join(e.text for e in streamer.feed(d.text)
+                                                       if isinstance(e, ContentDelta))
+        if text or d.logprobs:
+            yield {**_head(turn), "message": {"role": "assistant", "content": text},
+                   **_logprobs(st, req, turn, d.logprobs or []), "done": False}
+    if streamer is not None:
+        tail = "".join(e.text for e in streamer.finish() if isinstance(e, ContentDelta))
+        calls = _message(turn.text, True).get("tool_calls")
+        if tail or calls:
+            yield {**_head(turn), "message": {"role": "assistant", "content": tail,
+                                              **({"tool_calls": calls} if calls else {})}, "done": False}
+    yield {**_head(turn), "message": {"role": "assistant", "content": ""}, **turn.final()}
+
+
+async def _generate_lines(st: ModelState, req: GenerateRequest, turn: Turn, merged: MergedStreams,
+                          context: dict) -> AsyncIterator[dict]:
+    async for _, d in merged:
+        turn.add(d)
+        if d.text or d.logprobs:
+            yield {**_head(turn), "response": d.text, **_logprobs(st, req, turn, d.logprobs or []), "done": False}
+    if context:
+        context["context"] = turn.prompt_ids + turn.output_ids
+    yield {**_head(turn), "response": "", **turn.final(), **context}

@@ -1,0 +1,303 @@
+"""The Ollama API against a real `lmserve serve` on the embedded model, with the official `ollama` client: chat and
+generate (whole and streamed), format, a tool-call round trip, list / show / ps / version, keep_alive (0 unloads and
+frees the memory, a duration expires, the next request loads the model again) and errors in Ollama's shape.
+
+The keep-alive tests come last: they unload the module's model (the next request reloads it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from tests.server_util import MODEL, running_server
+
+GREEDY = {"temperature": 0, "num_predict": 24}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server.url, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oa(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_answers_as_the_openai_route_does(client, oa):
+    r = client.chat(model=MODEL, messages=QUESTION, options=GREEDY)
+    same = oa.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert r.message.role == "assistant" and r.message.content == same.choices[0].message.content
+    assert r.model == MODEL and r.done and r.done_reason == same.choices[0].finish_reason
+    assert (r.prompt_eval_count, r.eval_count) == (same.usage.prompt_tokens, same.usage.completion_tokens)
+    assert r.total_duration >= r.prompt_eval_duration + r.eval_duration > 0 and r.load_duration >= 0
+    assert datetime.fromisoformat(r.created_at.replace("Z", "+00:00")).tzinfo is not None
+    tagged = client.chat(model=MODEL + ":latest", messages=QUESTION, options=GREEDY)  # Ollama's default tag
+    assert tagged.message.content == r.message.content
+
+
+def test_streamed_chunks_join_to_the_whole_answer(client, server):
+    whole = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, stream=False)
+    parts = list(client.chat(model=MODEL, messages=QUESTION, options=GREEDY, stream=True))
+    assert len(parts) > 2 and [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].eval_count == whole.eval_count and parts[-1].done_reason == whole.done_reason
+    one = client.generate(model=MODEL, prompt="Once upon a time", options=GREEDY)
+    streamed = list(client.generate(model=MODEL, prompt="Once upon a time", options=GREEDY, stream=True))
+    assert "".join(p.response for p in streamed) == one.response and streamed[-1].context == one.context
+    # The wire format is NDJSON: one object a line.
+    with httpx.stream("POST", server.url + "/api/generate",
+                      json={"model": MODEL, "prompt": "Hi", "options": GREEDY}) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1]["done"] is True and all(not x["done"] for x in lines[:-1])
+
+
+def test_generate_templates_the_prompt_unless_raw_and_carries_context(client, oa):
+    r = client.generate(model=MODEL, prompt="Name a colour.", system="Answer in one word.", options=GREEDY)
+    chat = oa.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, messages=[
+        {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}])
+    assert r.response == chat.choices[0].message.content
+    assert len(r.context) == r.prompt_eval_count + r.eval_count  # the prompt's ids, then the answer's
+    follow = client.generate(model=MODEL, prompt="Another one.", context=r.context, options=GREEDY)
+    assert follow.prompt_eval_count > len(r.context) and follow.response
+    raw_prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    raw = client.generate(model=MODEL, prompt=raw_prompt, raw=True, options=GREEDY)
+    completion = oa.completions.create(model=MODEL, prompt=raw_prompt, max_tokens=24, temperature=0)
+    assert raw.response == completion.choices[0].text and raw.context is None
+
+
+def test_options_reach_the_sampler(client):
+    base = dict(model=MODEL, prompt="Write a list of fruits:")
+    a = client.generate(**base, options={"temperature": 0.9, "seed": 7, "num_predict": 12})
+    b = client.generate(**base, options={"temperature": 0.9, "seed": 7, "num_predict": 12, "num_ctx": 4096,
+                                         "num_thread": 3, "mirostat": 0})  # accepted, logged, no effect
+    assert a.response == b.response and a.eval_count == 12 and a.done_reason == "length"
+    greedy = client.generate(**base, options=GREEDY).response
+    stop = greedy.strip()[:3]
+    cut = client.generate(**base, options={**GREEDY, "stop": [stop]})
+    assert stop not in cut.response and cut.done_reason == "stop"
+
+
+def test_format_json_and_a_json_schema(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+    r = client.chat(model=MODEL, messages=ask, format=schema, options={"temperature": 0, "num_predict": 80})
+    jsonschema.validate(json.loads(r.message.content), schema)
+    any_json = client.generate(model=MODEL, prompt='Reply with a JSON object with one key, "colour".', format="json",
+                               options={"temperature": 0, "num_predict": 40})
+    assert isinstance(json.loads(any_json.response), dict)
+
+
+def test_tools_a_call_history_and_calls_as_objects(client):
+    """Tools are offered (Ollama has no tool_choice: the model may answer in text, and the 135M model here does,
+    at any seed tried); a client's call history (arguments as objects, results by tool_name) renders and is
+    answered; a call the model writes comes back with its arguments as an object, whole and streamed alike."""
+    from lmserve.server.api.ollama import _message
+    from lmserve.server.api.tools import format_tool_call
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    opts = {"temperature": 0, "num_predict": 16}
+    r = client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=opts)
+    parts = list(client.chat(model=MODEL, messages=ask, tools=[WEATHER], options=opts, stream=True))
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert [c for p in parts for c in p.message.tool_calls or []] == list(r.message.tool_calls or [])
+    history = [*ask, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": '{"sky": "sunny"}'}]
+    answer = client.chat(model=MODEL, messages=history, tools=[WEATHER], options=opts)
+    assert answer.done and answer.message.content
+    text = "Let me look.\n" + format_tool_call("get_weather", '{"city": "Paris"}')
+    assert _message(text, True) == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+
+
+def test_list_show_ps_and_version(client, server, smol_path):
+    [listed] = client.list().models
+    assert listed.model == MODEL and listed.size == Path(smol_path).stat().st_size and len(listed.digest) == 64
+    d = listed.details
+    assert (d.format, d.family, d.quantization_level) == ("gguf", "llama", "Q4_1") and d.parameter_size.endswith("M")
+    show = client.show(MODEL)
+    context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    assert show.modelinfo["llama.context_length"] == context and show.modelinfo["general.architecture"] == "llama"
+    assert {"completion", "tools"} <= set(show.capabilities) and "<|im_start|>" in show.template
+    [running] = client.ps().models
+    assert running.model == MODEL and running.context_length == context
+    assert running.expires_at.year > 2200  # no --keep-alive: kept loaded
+    assert re.fullmatch(r"\d+\.\d+\.\d+", httpx.get(server.url + "/api/version").json()["version"])
+    head = httpx.head(server.url + "/")
+    assert head.status_code == 200 and head.headers["content-type"].startswith("text/plain")
+    assert httpx.get(server.url + "/").headers["content-type"].startswith("text/html")  # GET / is the playground
+
+
+@pytest.mark.parametrize("call, status, says", [
+    (lambda c: c.chat(model="nope", messages=QUESTION), 404, "nope"),
+    (lambda c: c.show("nope"), 404, "nope"),
+    (lambda c: c.generate(model=MODEL, prompt="Hi", images=[b"\x89PNG"]), 400, "images"),
+    (lambda c: c.chat(model=MODEL, messages=[{"role": "user", "content": "Hi", "images": [b"\x89PNG"]}]), 400,
+     "images"),
+    (lambda c: c.chat(model=MODEL, messages=QUESTION, options={"temperature": "hot"}), 400, "temperature"),
+    (lambda c: c.chat(model=MODEL, messages=QUESTION, options={"num_predict": 0}), 400, "num_predict"),
+    (lambda c: c.chat(model=MODEL, messages=QUESTION, keep_alive="5 parsecs"), 400, "keep_alive"),
+    (lambda c: c.generate(model=MODEL, prompt="Hi", suffix="end"), 400, "suffix"),
+    (lambda c: c.generate(model=MODEL, prompt="Hi", template="{{ .Prompt }}"), 400, "template"),
+    (lambda c: c.chat(model=MODEL, messages=QUESTION, format={"type": "nonsense"}), 400, "nonsense"),
+    (lambda c: c.chat(model=MODEL, messages=QUESTION, tools=[WEATHER], format="json"), 400, "format"),
+])
+def test_bad_requests_are_ollama_errors(client, call, status, says):
+    with pytest.raises(ollama.ResponseError) as e:
+        call(client)
+    assert e.value.status_code == status and says in e.value.error, e.value.error
+
+
+def test_errors_keep_ollama_shape_below_the_client(server):
+    for method, path, body, status in (("POST", "/api/chat", b"{not json", 400), ("POST", "/api/chat", b"{}", 400),
+                                       ("POST", "/api/generate", b'{"model": ""}', 400),
+                                       ("GET", "/api/chat", None, 405), ("GET", "/api/nothing", None, 404),
+                                       ("POST", "/api/show", b"{}", 400),
+                                       ("POST", "/api/chat", json.dumps({"model": MODEL, "format": "yaml"}).encode(),
+                                        400)):
+        r = httpx.request(method, server.url + path, content=body)
+        assert r.status_code == status and set(r.json()) == {"error"} and r.json()["error"], (path, r.text)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# -- keep_alive: last, since they unload the model ------------------------------------------------------------
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of the server process (/proc/PID/status)."""
+    return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) * 1024
+
+
+def _wait_unloaded(client: ollama.Client, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while client.ps().models:
+        assert time.monotonic() < deadline, "the model was never unloaded"
+        time.sleep(0.1)
+
+
+def test_keep_alive_zero_unloads_frees_the_memory_and_the_next_request_loads_again(client, server, smol_path):
+    metric = lambda name: server.metric(name, f'model_name="{MODEL}"')  # noqa: E731
+    first = client.chat(model=MODEL, messages=QUESTION, options=GREEDY)
+    gone = client.generate(model=MODEL, keep_alive=0)  # no prompt: only the keep-alive, as `ollama stop` sends
+    assert gone.done and gone.done_reason == "unload"
+    _wait_unloaded(client)
+    unloaded, unloads, loads = _rss(server.proc.pid), metric("lmserve:model_unloads_total"), \
+        metric("lmserve:model_loads_total")
+    load_s = metric("lmserve:model_load_duration_seconds_sum")
+    again = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, keep_alive=0)  # loads, answers, unloads
+    assert again.message.content == first.message.content
+    assert metric("lmserve:model_loads_total") == loads + 1
+    # The answer's load_duration spans the whole wait for the load the metrics timed (weights and warm-up).
+    assert again.load_duration >= (metric("lmserve:model_load_duration_seconds_sum") - load_s) * 1e9 > 0
+    _wait_unloaded(client)
+    after = _rss(server.proc.pid)
+    assert metric("lmserve:model_unloads_total") == unloads + 1
+    assert abs(after - unloaded) <= 0.10 * unloaded, (unloaded, after)  # the model's memory went back
+    assert httpx.get(server.url + "/health").status_code == 200  # unloaded is not unhealthy
+    loaded = client.generate(model=MODEL)  # no prompt: load it, as `ollama run` preloads
+    assert loaded.done_reason == "load" and [m.model for m in client.ps().models] == [MODEL]
+    # Loaded, the process holds at least half the weight file more: the 10% check above can fail.
+    assert _rss(server.proc.pid) - after > 0.5 * Path(smol_path).stat().st_size
+
+
+def test_a_keep_alive_duration_expires_and_overrides_forever(client, server):
+    r = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, keep_alive="1s")
+    [running] = client.ps().models
+    assert running.expires_at < datetime.now(timezone.utc).replace(year=2200)  # no longer kept forever
+    _wait_unloaded(client, timeout=30)
+    back = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, keep_alive=-1)  # negative: forever
+    assert back.message.content == r.message.content
+    assert client.ps().models[0].expires_at.year > 2200
+
+
+def test_a_bad_keep_alive_flag_is_one_line(capsys):
+    import gc
+
+    from lmserve.cli import main
+
+    try:
+        assert main(["serve", "--keep-alive", "5 parsecs"]) == 2
+    finally:
+        gc.enable()  # serve turns the collector off for its start
+    err = capsys.readouterr().err
+    assert "--keep-alive" in err and err.count("\n") == 1, err
+
+
+def test_parse_duration():
+    from lmserve.utils import parse_duration
+
+    assert [parse_duration(v) for v in ("5m", "1h30m", "250ms", "300", "0", 0, 2.5, "+5s")] == \
+        [300, 5400, 0.25, 300, 0, 0, 2.5, 5]
+    assert [parse_duration(v) for v in ("-1m", -1, "-1")] == [None, None, None]  # negative: forever
+    for bad in ("", "m", "5x", "5m3", "nan", "inf", float("nan"), True, None, "1e400"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+def test_the_pool_unloads_only_idle_models_past_their_keep_alive():
+    """ModelPool.expire_idle's decisions, in process: a leased model stays, an idle one goes when its keep-alive
+    runs out (0: at once), None keeps it, a model loaded at start counts as idle from when the task first sees it."""
+    import asyncio
+
+    from lmserve.server.models.pool import ModelPool, ModelSpec
+
+    unloaded: list[str] = []
+
+    async def until(condition) -> None:
+        for _ in range(1000):  # up to 10 s: an unload collects garbage (gc.collect), slow on a busy machine
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"unloaded: {unloaded}")
+
+    async def scenario() -> None:
+        pool = ModelPool([ModelSpec(n, config=object()) for n in ("a", "b", "c")], keep_alive=None)
+        pool.unloader = lambda model, engine: unloaded.append(model.name)
+        for m in pool.models.values():
+            m.async_engine = object()  # stands for a loaded engine: the pool only holds and drops it
+        task = asyncio.ensure_future(pool.expire_idle())
+        a, b, c = (pool.lease(pool.get(n)) for n in "abc")
+        a.keep_for(0)
+        b.keep_for(3600)
+        c.keep_for(None)
+        await asyncio.sleep(0.05)
+        assert unloaded == []  # every one is leased
+        for m in (a, b, c):
+            m.release()
+        await until(lambda: unloaded == ["a"])
+        assert not a.loaded and b.loaded and c.loaded
+        pool.lease(b)  # a request: b's keep-alive becomes the pool's default (None) while it runs
+        b.keep_for(0.1)  # ... and then the request's own
+        await asyncio.sleep(0.3)
+        assert unloaded == ["a"]  # leased: never unloaded, whatever its keep-alive
+        b.release()
+        await until(lambda: unloaded == ["a", "b"])
+        await asyncio.sleep(0.1)
+        assert c.loaded and unloaded == ["a", "b"]  # None: kept loaded
+        task.cancel()
+
+    asyncio.run(scenario())
