@@ -15,21 +15,13 @@ from lmserve.parsers.reasoning import REASONING_PARSERS, ReasoningStreamer, pars
 from lmserve.parsers.tool_calls import ToolCallStreamer, parse_tool_calls
 from lmserve.parsers.tool_formats import TOOL_FORMATS, detect_format
 from lmserve.structured.grammar import ReasoningGate
+from tests.test_tools import random_splits
 
 R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer"},
                                      "metric": {"type": "boolean"}}, "required": ["city"]}}}
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"]}
-
-
-def random_splits(text: str, rng: random.Random, count: int) -> list[list[str]]:
-    out = []
-    for _ in range(count):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
-        bounds = [0, *cuts, len(text)]
-        out.append([text[a:b] for a, b in zip(bounds, bounds[1:])])
-    return out
 
 
 # -- reasoning ----------------------------------------------------------------------------------------------------

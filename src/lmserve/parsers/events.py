@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Union
 
 
 @dataclass
@@ -46,3 +46,11 @@ def partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+def drain(step: Callable[[list, bool], bool], final: bool) -> list[StreamEvent]:
+    """The events of a streaming machine's `step(events, final)`, called until it makes no more progress."""
+    events: list[StreamEvent] = []
+    while step(events, final):
+        pass
+    return events

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent, partial_suffix
+from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent, drain, partial_suffix
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -92,17 +92,11 @@ class ReasoningStreamer:
     def feed(self, delta: str) -> list[StreamEvent]:
         """Events for the next piece of generated text."""
         self._pending += delta
-        events: list[StreamEvent] = []
-        while self._step(events, final=False):
-            pass
-        return events
+        return drain(self._step, False)
 
     def finish(self) -> list[StreamEvent]:
         """Events for what was held back, once the text is complete."""
-        events: list[StreamEvent] = []
-        while self._step(events, final=True):
-            pass
-        return events
+        return drain(self._step, True)
 
     def _step(self, events: list[StreamEvent], final: bool) -> bool:
         """Emit what is decided; True if the state changed (then step again)."""

@@ -22,7 +22,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lmserve.parsers.events import ContentDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart
+from lmserve.parsers.events import ContentDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart, drain
 
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -98,16 +98,11 @@ class ToolCallStreamer:
     def feed(self, delta_text: str) -> list[StreamEvent]:
         """Events for the next piece of generated text."""
         self._pending += delta_text
-        events: list[StreamEvent] = []
-        while self._step(events, final=False):
-            pass
-        return events
+        return drain(self._step, False)
 
     def finish(self) -> list[StreamEvent]:
         """Events for what was held back, once the text is complete."""
-        events: list[StreamEvent] = []
-        while self._step(events, final=True):
-            pass
+        events = drain(self._step, True)
         self._pending = ""
         return events
 
