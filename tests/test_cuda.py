@@ -57,8 +57,9 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
     return out
 
 
-def engine_on(tiny, device: str, num_blocks: int = 256) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny), device=device, dtype="float32",
+def engine_on(tiny, device: str, num_blocks: int = 256, eager: bool = False) -> LLMEngine:
+    """The engine with its defaults (CUDA graphs on for decode on CUDA), or `eager` (--enforce-eager)."""
+    return LLMEngine(EngineConfig(model=str(tiny), device=device, dtype="float32", enforce_eager=eager,
                                   cache=CacheConfig(num_blocks=num_blocks),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=64)))
 
@@ -175,7 +176,7 @@ def test_cuda_graph_replay_equals_eager(tiny):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 14, 15, 31, 1, 47, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    eager = run(engine_on(tiny, "cuda"), prompts, params)
+    eager = run(engine_on(tiny, "cuda", eager=True), prompts, params)
     eng = LLMEngine(EngineConfig(model=str(tiny), device="cuda", dtype="float32", cuda_graphs=True,
                                  cache=CacheConfig(num_blocks=256),
                                  scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)))

@@ -115,7 +115,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None: torch's default (one per core)
-    cuda_graphs: bool = False  # CUDA only: decode steps replayed from graphs (worker/cuda_graphs.py)
+    # CUDA only: decode steps replayed from graphs (worker/cuda_graphs.py). On by default since measured on an H100
+    # (benchmarks/results/gpu.json: 5-10x eager decode); --enforce-eager turns them off
+    cuda_graphs: bool = True
     enforce_eager: bool = False  # never replay graphs, whatever cuda_graphs says (vLLM's flag)
     # auto | triton | reference: who attends over the paged KV cache (layers/attention_backends.py)
     attention_backend: str = "auto"
