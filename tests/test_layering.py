@@ -29,7 +29,8 @@ PLAIN = frozenset({"config", "request", "sampling_params", "utils", "cpu_dtype",
 MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "deploy": {"cli", "server.app", "server"},  # each Ray Serve replica parses `lmserve serve` flags and runs the server's app
     # lmserve: `lmserve --version` reads the facade's __version__ (cli/__init__.py; flags.py and hub.py are cli too)
-    "cli": {"lmserve", "bench", "server.app", "server.batch", "ops", "engine", "preflight", "tokenizer", "loader", "lora"},
+    "cli": {"lmserve", "bench", "server.app", "server.batch", "ops", "engine", "preflight", "tokenizer", "loader", "lora",
+            "parsers"},  # parsers: the --reasoning-parser / --tool-call-parser names
     "bench": {"engine", "preflight", "models", "layers"},  # `lmserve bench`: cli only registers its parser
     # server/ by concern: app.py and main.py assemble the app (server.app); each API family in server/api/ only
     # translates its shapes onto the shared middle (server: admission, streaming, errors, auth, metrics, state);
@@ -37,7 +38,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "server.app": {"server", "server.api", "server.batch", "server.playground", "server.models", "lmserve", "ops",
                    "engine"},
     "server.batch": {"server", "server.api", "engine", "ops"},
-    "server.api": {"server", "server.playground", "lmserve", "ops", "engine", "tokenizer", "lora", "structured"},
+    "server.api": {"server", "server.playground", "lmserve", "ops", "engine", "tokenizer", "lora", "structured",
+                   "parsers"},
     "server.playground": {"server"},  # api/openapi.py (above) documents the playground's share routes
     # structured: a compiled grammar's type; loader: the response cache fingerprints the weights
     "server": {"server.models", "ops", "engine", "lora", "loader", "structured"},
@@ -54,6 +56,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "sample": {"structured"},
     "spec": set(),
     "structured": set(),
+    "parsers": {"structured"},  # text -> reasoning, content, tool calls; each tool format's grammar (a structural tag)
     "lora": {"loader", "models", "layers"},
     "tokenizer": {"loader"},  # a GGUF's vocabulary is read from its metadata
     "loader": {"models", "layers"},

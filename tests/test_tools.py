@@ -1,4 +1,5 @@
-"""Tool calling, server side: request validation, prompts with tools, calls parsed back (tools.py, tool_stream.py)."""
+"""Tool calling, server side: request validation, prompts with tools (server/api/tools.py), hermes calls parsed back
+(parsers/tool_calls.py with parsers/tool_formats.HERMES), OpenAI chunk entries (server/api/tool_stream.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,33 @@ from lmserve.tokenizer import Tokenizer
 from lmserve.loader.default_model import default_model_path
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_body
-from lmserve.server.api.tool_stream import (ContentDelta, ToolArgumentsDelta, ToolCallStart, ToolCallStreamer,
-                                        chat_chunk_delta, chat_chunk_tool_calls)
-from lmserve.server.api.tools import (CALL_BEGIN, CALL_BEGIN_RE, CALL_END, NAME_END, TOOL_PREAMBLE, ToolCall, call_begin,
-                                  format_tool_call, new_call_id, parse_tool_calls, prepare_chat,
-                                  template_supports_tools)
+from lmserve.parsers.events import ContentDelta, ToolArgumentsDelta, ToolCallStart
+from lmserve.parsers.tool_calls import ToolCall, new_call_id
+from lmserve.parsers.tool_calls import ToolCallStreamer as _Streamer
+from lmserve.parsers.tool_calls import parse_tool_calls as _parse
+from lmserve.parsers.tool_formats import HERMES, HERMES_BEGIN as CALL_BEGIN, HERMES_END as CALL_END
+from lmserve.parsers.tool_formats import HERMES_NAME_END as NAME_END
+from lmserve.server.api.tool_stream import chat_chunk_delta, chat_chunk_tool_calls
+from lmserve.server.api.tools import prepare_chat, template_supports_tools, tool_preamble
+
+# The hermes format's begin string, complete (group 1: the name)
+CALL_BEGIN_RE = re.compile(re.escape(CALL_BEGIN) + "([A-Za-z0-9_-]{1,64})" + re.escape(NAME_END))
+
+
+def ToolCallStreamer() -> _Streamer:
+    return _Streamer(HERMES)
+
+
+def parse_tool_calls(text: str):
+    return _parse(text, HERMES)
+
+
+def call_begin(name: str) -> str:
+    return CALL_BEGIN + name + NAME_END
+
+
+def format_tool_call(name: str, arguments: str) -> str:
+    return call_begin(name) + arguments + CALL_END
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -113,7 +136,7 @@ def test_no_tools_leaves_a_plain_chat_alone(tools):
 
 def test_preamble_joins_the_system_message_or_comes_first():
     listed = "<tools>\n" + json.dumps(WEATHER) + "\n" + json.dumps(TIME) + "\n</tools>"
-    preamble = TOOL_PREAMBLE.format(tools=json.dumps(WEATHER) + "\n" + json.dumps(TIME))
+    preamble = tool_preamble([WEATHER, TIME])
     assert listed in preamble and format_tool_call("<function name>", "<the arguments as a JSON object>") \
         .replace(CALL_END, "}\n</tool_call>") in preamble
     system = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *USER]
@@ -150,7 +173,7 @@ def test_history_text_keeps_content_and_falls_back_for_unknown_ids():
 def test_smollm_renders_a_tool_history(smol):
     messages, kwargs = prepare_chat(HISTORY, [WEATHER, TIME], template_supports_tools(smol.chat_template))
     text = smol.apply_chat_template(messages, **kwargs)
-    preamble = TOOL_PREAMBLE.format(tools=json.dumps(WEATHER) + "\n" + json.dumps(TIME))
+    preamble = tool_preamble([WEATHER, TIME])
     assert text == (
         f"<|im_start|>system\n{preamble}<|im_end|>\n"
         "<|im_start|>user\nWeather and time in Paris?<|im_end|>\n"

@@ -105,6 +105,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # (start, end) reasoning tags, e.g. ("<think>", "</think>"): the structured output applies only after the
+    # output's end tag, unless the prompt already closed the reasoning (a reasoning parser's requests, as vLLM)
+    reasoning_tags: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -151,6 +154,9 @@ class SamplingParams:
         for tok, bias in (self.logit_bias or {}).items():
             _int_range("logit_bias key", tok, 0, None)
             _float_range("logit_bias value", bias, -100.0, 100.0)
+        if self.reasoning_tags is not None and (len(self.reasoning_tags) != 2 or not all(
+                isinstance(t, str) and t for t in self.reasoning_tags)):
+            raise ValueError("reasoning_tags must be two non-empty strings (start, end)")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given by the caller must exist in the model's vocabulary."""

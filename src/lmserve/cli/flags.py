@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 
 from lmserve.config import DEFAULT_KV_OFFLOAD_DISK_BYTES, ENV_API_KEY
+from lmserve.parsers.reasoning import REASONING_PARSERS
+from lmserve.parsers.tool_formats import TOOL_FORMATS as TOOL_CALL_PARSERS
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -218,6 +220,16 @@ def _add_server_args(g) -> None:
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: from the file)")
     g.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help="log level (default: info)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a thinking model's <think>...</think> from its answer: chat replies get "
+                   "reasoning_content (streamed as delta.reasoning_content), and response_format / forced tools "
+                   "apply only after the reasoning ends (deepseek_r1: all text before </think>; qwen3: only what "
+                   "follows <think>; none with chat_template_kwargs enable_thinking false) (default: none)")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the tool-call format a model writes, reads back and is constrained to (tool_choice "
+                   "required / named): hermes <tool_call>{json}</tool_call>, llama3_json {\"name\", \"parameters\"}, "
+                   "mistral [TOOL_CALLS][...], pythonic [f(a=1)], qwen3_xml <function=f><parameter=a>... "
+                   "(default: from the chat template's markers; hermes when it has none)")
     g.add_argument("--strict-fields", action="store_true",
                    help="answer a request field this server does not know with 400 (by default it is ignored, "
                    "logged and named in the X-Ignored-Fields header, as vLLM does)")

@@ -20,7 +20,7 @@ from lmserve.lora.registry import LoraRegistry
 from lmserve.request import LoraRequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
-from lmserve.structured.grammar import Grammar
+from lmserve.structured.grammar import Grammar, ReasoningGate
 from lmserve.tokenizer import Tokenizer
 
 
@@ -117,14 +117,23 @@ class EngineFront:
             grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         salt = _prefix_salt(lora, cache_salt)
+        gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
             reqs.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", list(ids), params, max_tokens,
                                 stop_ids, parent_id=request_id, index=i, seed=seed, tenant=tenant, priority=priority,
-                                grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids), lora=lora,
+                                grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate), lora=lora,
                                 cache_salt=salt))
         return reqs
+
+
+    def _reasoning_gate(self, prompt_ids: list[int], params: SamplingParams) -> ReasoningGate | None:
+        """What holds a grammar back until the reasoning ends (None: it applies from the first token)."""
+        if params.reasoning_tags is None:
+            return None
+        start, end = (self.tokenizer.encode(tag, add_special_tokens=False) for tag in params.reasoning_tags)
+        return ReasoningGate.for_prompt(prompt_ids, start, end)
 
 
 def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:

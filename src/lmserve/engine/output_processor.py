@@ -82,11 +82,17 @@ class OutputProcessor:
         return delta
 
     def _decode(self, req: Request, st: _State) -> None:
-        """Feed the detokenizer the output tokens it has not seen."""
+        """Feed the detokenizer the output tokens it has not seen.
+
+        A special stop token that ended the request (EOS) is not text, even with skip_special_tokens off (as
+        vLLM); with it on, decoding skips it anyway."""
         if st.tokens_decoded == len(req.output_token_ids):
             return
         t0 = time.perf_counter()
-        st.text += st.detok.add(req.output_token_ids[st.tokens_decoded:])
+        ids = req.output_token_ids[st.tokens_decoded:]
+        if req.status.finished and ids[-1] in req.stop_token_ids and self.tokenizer.is_special(ids[-1]):
+            ids = ids[:-1]
+        st.text += st.detok.add(ids)
         st.tokens_decoded = len(req.output_token_ids)
         req.detokenize_s += time.perf_counter() - t0
 

@@ -47,6 +47,8 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_dirs: tuple[str, ...] = ()  # the only directories those routes may read adapters from
     strict_fields: bool = False  # an unknown request field is a 400 (else ignored, logged, named in X-Ignored-Fields)
+    reasoning_parser: str | None = None  # --reasoning-parser: qwen3 | deepseek_r1 (None: replies are not split)
+    tool_call_parser: str | None = None  # --tool-call-parser (None: each model's chat template's family)
 
     @property
     def token_limits(self) -> TokenLimits:

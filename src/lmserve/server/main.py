@@ -128,7 +128,8 @@ def server_config(args: argparse.Namespace, name: str,
                         engine_step_timeout=args.engine_step_timeout or None,
                         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         lora_dirs=tuple(str(Path(d).resolve()) for d in args.lora_dir),
-                        strict_fields=args.strict_fields)
+                        strict_fields=args.strict_fields, reasoning_parser=args.reasoning_parser,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def _response_cache(args: argparse.Namespace, metrics: ServerMetrics):

@@ -2,6 +2,6 @@
 
 compiler.py turns a StructuredOutputsParams into a compiled grammar (bounded in time and memory,
 cached); grammar.py holds one request's matcher (advance, roll back, fill its mask rows); schema.py
-names the JSON-schema keywords that would otherwise be ignored; tool_tag.py builds the grammar for
-OpenAI tool calls.
+names the JSON-schema keywords that would otherwise be ignored. Tool-call grammars are built by
+parsers/tool_grammar.py, one per tool-call format.
 """

@@ -26,9 +26,10 @@ from lmserve.server.api.anthropic_protocol import (CountTokensRequest, MessagesR
                                                    openai_tool_choice, openai_tools)
 from lmserve.server.api.openai import caller_of, collect
 from lmserve.server.api.params import build_params, structured_params, tool_structure
-from lmserve.server.api.tool_stream import ContentDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart, \
-    ToolCallStreamer
-from lmserve.server.api.tools import parse_tool_calls, prepare_chat, template_supports_tools
+from lmserve.parsers.events import ContentDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart
+from lmserve.parsers.output import OutputParser
+from lmserve.parsers.tool_formats import ToolFormat
+from lmserve.server.api.tools import output_parser, prepare_chat, template_supports_tools, tool_format
 from lmserve.server.config import TokenLimits
 from lmserve.server.errors import anthropic_error_body
 from lmserve.server.served import Chat, ModelState
@@ -43,20 +44,20 @@ Event = tuple[str, dict]  # (SSE event name, its data); the name is the data's `
 async def messages(request: Request) -> Response:
     st, req = await read_request(request, MessagesRequest)
     caller = caller_of(request)
-    tools = openai_tools(req)
-    params = _params(req, tools, st.config.token_limits)
-    run = await st.start([_chat(st, req, tools)], params, caller.record, model=req.model, id_prefix="msg",
+    tools, fmt = openai_tools(req), tool_format(st)
+    params, parser = _params(req, tools, st.config.token_limits, fmt), output_parser(tools, fmt, None)
+    run = await st.start([_chat(st, req, tools, fmt)], params, caller.record, model=req.model, id_prefix="msg",
                          priority=caller.priority)
     message = {"id": "msg_" + run.request_id.split("-", 1)[1], "type": "message", "role": "assistant",
                "model": run.lora.name if run.lora is not None else st.model_name}
     input_tokens = len(run.ids[0])
     if req.stream:
-        return _sse(request, st, run.merged, _events(run.merged, message, input_tokens, bool(tools)))
+        return _sse(request, st, run.merged, _events(run.merged, message, input_tokens, parser))
     choices = await collect(caller, st, run.merged, 1, 1)
     if choices is None:
         return Response(status_code=499)  # the client went away first
     c = choices[0]
-    content, calls = _content(c.text, bool(tools))
+    content, calls = _content(c.text, parser)
     stop_reason, stop_sequence = _stop(c.finish_reason, c.stop_reason, calls)
     return JSONResponse({**message, "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                          "usage": {"input_tokens": input_tokens, "output_tokens": len(c.token_ids)}})
@@ -66,36 +67,37 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> dict:
     """The prompt's tokens as /v1/messages would render them (system, messages, tools)."""
     st, req = await read_request(request, CountTokensRequest)
-    chat = _chat(st, req, openai_tools(req))
+    chat = _chat(st, req, openai_tools(req), tool_format(st))
     return {"input_tokens": len(await st.tokenize_chat(chat.messages, record_of(request), chat.template_kwargs))}
 
 
-def _chat(st: ModelState, req: CountTokensRequest, tools: list[dict]) -> Chat:
+def _chat(st: ModelState, req: CountTokensRequest, tools: list[dict], fmt: ToolFormat) -> Chat:
     """The chat template's inputs: messages (tool history included) and the tools, as the OpenAI path builds them."""
     supports = template_supports_tools(st.front.tokenizer.chat_template)
-    messages, kwargs = prepare_chat(chat_messages(req), tools, supports)
+    messages, kwargs = prepare_chat(chat_messages(req), tools, supports, fmt)
     if req.thinking is not None:  # reasoning templates (Qwen3's) read enable_thinking; others ignore it
         kwargs = {**kwargs, "enable_thinking": req.thinking.type == "enabled"}
     return Chat(messages, kwargs)
 
 
-def _params(req: MessagesRequest, tools: list[dict], limits: TokenLimits) -> SamplingParams:
+def _params(req: MessagesRequest, tools: list[dict], limits: TokenLimits, fmt: ToolFormat) -> SamplingParams:
     structured = None
     if tools:
         parallel = not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use)
-        spec = tool_structure(tools, openai_tool_choice(req.tool_choice), parallel)
+        spec = tool_structure(tools, openai_tool_choice(req.tool_choice), parallel, fmt.name)
         structured = structured_params(spec, "tools")
     return build_params(max_tokens=limits.resolve(req.max_tokens, None, "max_tokens"), temperature=req.temperature,
                         top_p=req.top_p if req.top_p is not None else 1.0, top_k=req.top_k or 0,
                         stop=list(req.stop_sequences or []), structured_outputs=structured)
 
 
-def _content(text: str, with_tools: bool) -> tuple[list[dict], bool]:
+def _content(text: str, parser: OutputParser | None) -> tuple[list[dict], bool]:
     """The answer's content blocks (a text block when there is text, then a tool_use block per call) and whether
     it called a tool."""
-    if not with_tools:
+    if parser is None:
         return ([{"type": "text", "text": text}] if text else []), False
-    content, calls = parse_tool_calls(text)
+    parsed = parser.parse(text)
+    content, calls = parsed.content, parsed.calls
     blocks = [{"type": "text", "text": content}] if content else []
     blocks += [{"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
                for call in calls]  # the grammar made the arguments a JSON object of the tool's schema
@@ -156,7 +158,8 @@ class Blocks:
         self.out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}))
 
 
-async def _events(merged: MergedStreams, message: dict, input_tokens: int, with_tools: bool) -> AsyncIterator[Event]:
+async def _events(merged: MergedStreams, message: dict, input_tokens: int,
+                  parser: OutputParser | None) -> AsyncIterator[Event]:
     """message_start, ping, the content blocks' events, message_delta (stop_reason, usage), message_stop.
 
     Seam for reasoning models: a reasoning parser (--reasoning-parser) splits each delta's text into thinking and
@@ -166,7 +169,7 @@ async def _events(merged: MergedStreams, message: dict, input_tokens: int, with_
         **message, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": input_tokens, "output_tokens": 0}}}
     yield "ping", {"type": "ping"}
-    blocks, streamer = Blocks(), ToolCallStreamer() if with_tools else None
+    blocks, streamer = Blocks(), parser.streamer() if parser is not None else None
     last = None
     async for _, d in merged:
         events = streamer.feed(d.text) if streamer is not None else [ContentDelta(d.text)] if d.text else []

@@ -54,7 +54,7 @@ def usage_chunk(meta: dict, usage: dict) -> dict:
 
 def replay(answer: dict, include_usage: bool) -> list[str]:
     """A stored whole answer as the events a live stream sends: per choice its text (chat: the role first, the
-    content or tool calls, then the finish reason), the usage if asked, then [DONE]."""
+    reasoning, the content or tool calls, then the finish reason), the usage if asked, then [DONE]."""
     chat = answer.get("object") == "chat.completion"
     meta = {"id": answer["id"], "object": "chat.completion.chunk" if chat else "text_completion",
             "created": answer["created"], "model": answer["model"]}
@@ -68,6 +68,8 @@ def replay(answer: dict, include_usage: bool) -> list[str]:
 def _chat_choice(meta: dict, c: dict) -> list[dict]:
     message, i = c["message"], c["index"]
     chunks = [role_chunk(meta, i)]
+    if message.get("reasoning_content"):
+        chunks.append(chat_chunk(meta, i, {"reasoning_content": message["reasoning_content"]}))
     if message.get("content"):
         chunks.append(chat_chunk(meta, i, {"content": message["content"]}, c.get("logprobs")))
     if message.get("tool_calls"):

@@ -29,8 +29,9 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import ollama_models
 from lmserve.server.api.ollama_protocol import (ChatRequest, GenerateRequest, chat_messages, keep_alive_seconds,
                                                 sampling_params, think_kwargs)
-from lmserve.server.api.tools import parse_tool_calls, prepare_chat, template_variables
-from lmserve.server.api.tool_stream import ContentDelta, ToolCallStreamer
+from lmserve.parsers.events import ContentDelta
+from lmserve.parsers.output import OutputParser
+from lmserve.server.api.tools import output_parser, prepare_chat, template_variables, tool_format
 from lmserve.server.errors import APIError
 from lmserve.server.served import Chat, ModelState, Prompt
 from lmserve.server.state import read_request, record_of
@@ -102,18 +103,18 @@ async def chat(request: Request) -> Response:
     keep = _keep_alive(st, req)
     if not req.messages:
         return _loaded(st, keep, {"message": {"role": "assistant", "content": ""}})
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    params = sampling_params(req, st.config.token_limits, tools)
+    tools, fmt = [t.model_dump(exclude_none=True) for t in req.tools or []], tool_format(st)
+    params, parser = sampling_params(req, st.config.token_limits, tools, fmt.name), output_parser(tools, fmt, None)
     variables = template_variables(st.front.tokenizer.chat_template)
-    messages, kwargs = prepare_chat(chat_messages(req.messages), tools, "tools" in variables)
+    messages, kwargs = prepare_chat(chat_messages(req.messages), tools, "tools" in variables, fmt)
     turn, merged = await _start(request, st, req, Chat(messages, {**kwargs, **think_kwargs(req.think, variables)}),
                                 params, start)
     if not req.stream:
         if not await _collect(request, st, turn, merged):
             return Response(status_code=499)
-        return JSONResponse({**_head(turn), "message": _message(turn.text, bool(tools)), **_logprobs(st, req, turn),
+        return JSONResponse({**_head(turn), "message": _message(turn.text, parser), **_logprobs(st, req, turn),
                              **turn.final()})
-    return _ndjson(request, st, merged, _chat_lines(st, req, turn, merged, bool(tools)))
+    return _ndjson(request, st, merged, _chat_lines(st, req, turn, merged, parser))
 
 
 @router.post("/api/generate")
@@ -204,11 +205,12 @@ async def _collect(request: Request, st: ModelState, turn: Turn, merged: MergedS
     return not merged.cancelled
 
 
-def _message(text: str, with_tools: bool) -> dict:
+def _message(text: str, parser: OutputParser | None) -> dict:
     """The assistant message of a whole answer: with tools, calls parsed out (arguments as objects)."""
-    if not with_tools:
+    if parser is None:
         return {"role": "assistant", "content": text}
-    content, calls = parse_tool_calls(text)
+    parsed = parser.parse(text)
+    content, calls = parsed.content, parsed.calls
     message: dict[str, Any] = {"role": "assistant", "content": content or ""}
     if calls:
         message["tool_calls"] = [{"function": {"name": c.name, "arguments": _object(c.arguments)}} for c in calls]
@@ -256,9 +258,9 @@ def _ndjson(request: Request, st: ModelState, merged: MergedStreams, lines: Asyn
 
 
 async def _chat_lines(st: ModelState, req: ChatRequest, turn: Turn, merged: MergedStreams,
-                      with_tools: bool) -> AsyncIterator[dict]:
+                      parser: OutputParser | None) -> AsyncIterator[dict]:
     """A line per step's text; with tools, content as it comes and the calls, whole, before the final line."""
-    streamer = ToolCallStreamer() if with_tools else None
+    streamer = parser.streamer() if parser is not None else None
     async for _, d in merged:
         turn.add(d)
         text = d.text if streamer is None else "".join(e.text for e in streamer.feed(d.text)
@@ -268,7 +270,7 @@ async def _chat_lines(st: ModelState, req: ChatRequest, turn: Turn, merged: Merg
                    **_logprobs(st, req, turn, d.logprobs or []), "done": False}
     if streamer is not None:
         tail = "".join(e.text for e in streamer.finish() if isinstance(e, ContentDelta))
-        calls = _message(turn.text, True).get("tool_calls")
+        calls = _message(turn.text, parser).get("tool_calls")
         if tail or calls:
             yield {**_head(turn), "message": {"role": "assistant", "content": tail,
                                               **({"tool_calls": calls} if calls else {})}, "done": False}

@@ -17,12 +17,10 @@ from typing import Any, Literal, Union
 from pydantic import Field, field_validator
 
 from lmserve.sampling_params import SamplingParams
-from lmserve.server.api.params import build_params, structured_params
+from lmserve.server.api.params import build_params, structured_params, tool_structure
 from lmserve.server.config import TokenLimits
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import MAX_MESSAGES, ToolDef, _NullMeansDefault, _Strict
-from lmserve.structured.compiler import GrammarError
-from lmserve.structured.tool_tag import tool_call_tag
 from lmserve.utils import parse_duration
 
 log = logging.getLogger("lmserve.server")
@@ -154,7 +152,8 @@ def keep_alive_seconds(req: _Request) -> float | None | Literal[False]:
         raise APIError(400, f"keep_alive: {e}", param="keep_alive") from None
 
 
-def sampling_params(req: _Request, limits: TokenLimits, tools: list[dict] | None = None) -> SamplingParams:
+def sampling_params(req: _Request, limits: TokenLimits, tools: list[dict] | None = None,
+                    fmt: str = "hermes") -> SamplingParams:
     """Options, format, tools and logprobs -> SamplingParams, Ollama's defaults where the request is silent."""
     o = req.options or Options()
     ignored = sorted(k for k in o.model_fields_set if k in IGNORED_OPTIONS)
@@ -174,22 +173,19 @@ def sampling_params(req: _Request, limits: TokenLimits, tools: list[dict] | None
                         frequency_penalty=_or(o.frequency_penalty, 0.0),
                         seed=o.seed if o.seed is not None and o.seed >= 0 else None, stop=stop,
                         logprobs=(req.top_logprobs or 0) if req.logprobs or req.top_logprobs else None,
-                        structured_outputs=structured_params(_constraint(req.format, tools), "format"))
+                        structured_outputs=structured_params(_constraint(req.format, tools, fmt), "format"))
 
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _constraint(fmt: Format | None, tools: list[dict] | None) -> dict | None:
+def _constraint(fmt: Format | None, tools: list[dict] | None, call_format: str = "hermes") -> dict | None:
     """`format` ("json" or a JSON schema) or the tools' call grammar (text with calls, as tool_choice "auto")."""
     if tools and fmt:
         raise APIError(400, "format cannot be combined with tools (each constrains the output)", param="format")
     if tools:
-        try:
-            return {"structural_tag": tool_call_tag(tools, "auto", parallel=True)}
-        except GrammarError as e:
-            raise APIError(400, str(e), param="tools") from None
+        return tool_structure(tools, "auto", True, call_format)
     if fmt == "json":
         return {"json_object": True}
     return {"json": fmt} if fmt else None

@@ -28,8 +28,9 @@ from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.served import Chat, ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
-from lmserve.server.api.tool_stream import ToolCallStreamer, chat_chunk_delta
-from lmserve.server.api.tools import parse_tool_calls, prepare_chat, template_supports_tools
+from lmserve.parsers.output import OutputParser
+from lmserve.server.api.tool_stream import chat_chunk_delta
+from lmserve.server.api.tools import output_parser, prepare_chat, reasoning_parser, template_supports_tools, tool_format
 
 router = APIRouter()
 
@@ -193,28 +194,30 @@ async def chat_completions(request: Request) -> Response:
 
 async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     """The chat template's inputs (tools included), then ModelState.start, the one admission path."""
-    params = chat_params(req, st.config.token_limits)
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
+    fmt, reasoning = tool_format(st), reasoning_parser(st, req.chat_template_kwargs)
+    params = chat_params(req, st.config.token_limits, fmt, reasoning)
     supports = template_supports_tools(st.front.tokenizer.chat_template)
-    messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports)
+    messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports,
+                                             fmt)
     template_kwargs = {**(req.chat_template_kwargs or {}), **template_kwargs}
     run = await st.start([Chat(messages, template_kwargs)], params, caller.record, model=req.model,
                          id_prefix="chatcmpl", priority=caller.priority, cache_salt=req.cache_salt)
     rid, [ids], merged, lora = run.request_id, run.ids, run.merged, run.lora
     meta = {"id": rid, "created": int(time.time()), "model": _model_name(st, lora)}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    parser = output_parser(tools, fmt, reasoning)
 
     async def body() -> dict | None:
         choices = await collect(caller, st, merged, params.n, 1)
         if choices is None:
             return None
         return {**meta, "object": "chat.completion", "choices": [
-            {"index": i, **_chat_message(c, bool(tools)),
+            {"index": i, **_chat_message(c, parser),
              "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
             for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
 
-    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, bool(tools)),
-               lora)
+    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser), lora)
 
 
 def _model_name(st: ModelState, lora: LoraRequest | None) -> str:
@@ -251,15 +254,20 @@ async def answer(st: ServerState, url: str, data: Any, caller: Caller) -> tuple[
             held.release()
 
 
-def _chat_message(c: Choice, with_tools: bool) -> dict:
-    """{"message", "finish_reason"} of a chat choice; with tools, calls are parsed out of the text."""
-    if not with_tools:
+def _chat_message(c: Choice, parser: OutputParser | None) -> dict:
+    """{"message", "finish_reason"} of a chat choice; with a parser, reasoning and calls are parsed out of the text."""
+    if parser is None:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-    content, calls = parse_tool_calls(c.text)
-    if not calls:
-        return {"message": {"role": "assistant", "content": content or ""}, "finish_reason": c.finish_reason}
-    return {"message": {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]},
-            "finish_reason": "tool_calls" if c.finish_reason == "stop" else c.finish_reason}
+    parsed = parser.parse(c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parser.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    elif not parsed.calls:
+        message["content"] = parsed.content or ""  # as without tools: a string
+    if not parsed.calls:
+        return {"message": message, "finish_reason": c.finish_reason}
+    message["tool_calls"] = [call.to_openai() for call in parsed.calls]
+    return {"message": message, "finish_reason": "tool_calls" if c.finish_reason == "stop" else c.finish_reason}
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -340,13 +348,13 @@ async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, 
 
 
 async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params: SamplingParams,
-                       prompt_tokens: int, include_usage: bool, with_tools: bool = False) -> AsyncIterator[dict]:
-    """Content deltas; with tools, a streamer per choice turns call text into OpenAI tool_calls deltas."""
+                       prompt_tokens: int, include_usage: bool, parser: OutputParser | None) -> AsyncIterator[dict]:
+    """Content deltas; with a parser, a streamer per choice turns reasoning and call text into OpenAI deltas."""
     base = {**meta, "object": "chat.completion.chunk"}
     for i in range(params.n):  # the first delta of each choice carries the role
         yield sse.role_chunk(base, i)
     outputs = {}
-    streamers = {i: ToolCallStreamer() for i in range(params.n)} if with_tools else None
+    streamers = {i: parser.streamer() for i in range(params.n)} if parser is not None else None
     async for _, d in merged:
         outputs[d.index] = d.num_output_tokens
         lp = {"content": chat_logprobs(_piece(st), d.logprobs or [])} if params.logprobs is not None else None

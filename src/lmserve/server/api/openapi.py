@@ -110,6 +110,7 @@ class Completion(_Open):
 class AssistantMessage(_Open):
     role: str
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser
     tool_calls: list[dict[str, Any]] | None = None
 
 

@@ -10,8 +10,10 @@ from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutp
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
 from lmserve.server.config import TokenLimits
+from lmserve.parsers.reasoning import ReasoningParser
+from lmserve.parsers.tool_formats import HERMES, ToolFormat
+from lmserve.parsers.tool_grammar import tool_call_tag
 from lmserve.structured.compiler import GrammarError
-from lmserve.structured.tool_tag import tool_call_tag
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -82,22 +84,23 @@ def tool_dicts(r: ChatRequest) -> list[dict]:
     return [t.model_dump(exclude_none=True) for t in r.tools]
 
 
-def _tool_spec(r: ChatRequest) -> dict | None:
-    """Tools make the output text with grammar-constrained calls (auto) or calls only (required, named)."""
+def _tool_spec(r: ChatRequest, fmt: ToolFormat) -> dict | None:
+    """Tools make the output text with grammar-constrained calls (auto) or calls only (required, named), in `fmt`."""
     tools = tool_dicts(r)
     if not tools:
         return None
     choice = r.tool_choice if r.tool_choice is not None else "auto"
     if not isinstance(choice, str):
         choice = choice.model_dump()
-    return tool_structure(tools, choice, parallel=r.parallel_tool_calls is not False)
+    return tool_structure(tools, choice, parallel=r.parallel_tool_calls is not False, fmt=fmt.name)
 
 
-def tool_structure(tools: list[dict], choice: str | dict, parallel: bool) -> dict:
+def tool_structure(tools: list[dict], choice: str | dict, parallel: bool, fmt: str = HERMES.name) -> dict:
     """The structured-output spec that constrains calls to OpenAI `tools` under an OpenAI `tool_choice` ("auto",
-    "required" or a named function); 400 naming `tools` when a tool's schema cannot be enforced."""
+    "required" or a named function) in tool-call format `fmt`; 400 naming `tools` when a tool's schema cannot be
+    enforced."""
     try:
-        return {"structural_tag": tool_call_tag(tools, choice, parallel=parallel)}
+        return {"structural_tag": tool_call_tag(tools, choice, parallel, fmt)}
     except GrammarError as e:
         raise APIError(400, str(e), param="tools") from None
 
@@ -137,19 +140,24 @@ def scores_prompt_only(r: CompletionRequest) -> bool:
     return r.echo and r.max_tokens == 0
 
 
-def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits()) -> SamplingParams:
+def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFormat = HERMES,
+                reasoning: ReasoningParser | None = None) -> SamplingParams:
+    """A chat request's SamplingParams: tools constrained in `fmt`; with a reasoning parser, any grammar waits
+    for the reasoning's end tag (as vLLM), and a format whose marker is a special token keeps special tokens."""
     if r.top_logprobs is not None and not r.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {r.top_logprobs}", param="top_logprobs")
     param = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
     max_tokens = limits.resolve(_named(r, param), _api_default(r, param), param)
-    tools, other = _tool_spec(r), structured_spec(r)
+    tools, other = _tool_spec(r, fmt), structured_spec(r)
     if tools is not None and other is not None:
         raise APIError(400, "response_format and structured outputs cannot be combined with tools "
                        '(unless tool_choice is "none")', param="tools")
     return build_params(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None,
-                  **_common(r, tools or other))
+                        reasoning_tags=None if reasoning is None else (reasoning.start, reasoning.end),
+                        skip_special_tokens=not (tools is not None and fmt.keeps_special_tokens),
+                        **_common(r, tools or other))
 
 
 def tgi_params(p: TGIParameters, stream: bool, limits: TokenLimits = TokenLimits()) -> SamplingParams:

@@ -1,0 +1,133 @@
+"""Reasoning parsers (`--reasoning-parser`): a thinking model's `<think>…</think>` text split from its answer.
+
+Two families, as vLLM names and splits them:
+- deepseek_r1: the opening tag is usually in the prompt (R1 distills' templates end with "<think>\\n"), so all
+  text before the first "</think>" is reasoning (a "<think>" the model writes itself, at the very start, is
+  dropped); without "</think>" (cut off, or still thinking) all of it is reasoning.
+- qwen3: reasoning only where the model writes "<think>": text before it is content, text between it and the
+  first "</think>" reasoning (all the rest when "</think>" never comes), text after content.
+Tags are matched as text (a tokenizer with `<think>` as one token decodes it to the same text). Later tags are
+plain text of the part they fall in. Nothing is stripped: "\\n\\nThe answer" after "</think>" stays as is, as
+vLLM returns it. With `enable_thinking: false` (or `thinking: false`) in chat_template_kwargs there is no
+reasoning (`parser_for` gives None): the template wrote an empty think block into the prompt, all output is the
+answer, and a grammar applies from the first token.
+
+`ReasoningStreamer` turns deltas into ReasoningDelta / ContentDelta events, holding back only a tail that may
+still become a tag; `split()` is that same machine run over the whole text, so the two agree on every split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent, drain, partial_suffix
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """One family's rule; `starts_in_prompt`: reasoning from the first token (deepseek_r1) or from "<think>"."""
+
+    name: str
+    starts_in_prompt: bool
+    start: str = THINK_START
+    end: str = THINK_END
+
+    def split(self, text: str) -> "Split":
+        """(reasoning, content) of a whole generated text; each None when empty."""
+        streamer = ReasoningStreamer(self)
+        events = streamer.feed(text) + streamer.finish()
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        return Split(reasoning or None, content or None)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A generated text's reasoning and answer."""
+
+    reasoning: str | None
+    content: str | None
+
+
+REASONING_PARSERS: dict[str, ReasoningParser] = {
+    "deepseek_r1": ReasoningParser("deepseek_r1", starts_in_prompt=True),
+    "qwen3": ReasoningParser("qwen3", starts_in_prompt=False),
+}
+
+
+def thinking_disabled(template_kwargs: dict[str, Any] | None) -> bool:
+    """Whether the request turned thinking off (Qwen3's `enable_thinking`, DeepSeek V3.1's `thinking`)."""
+    kwargs = template_kwargs or {}
+    return kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+
+
+def parser_for(name: str | None, template_kwargs: dict[str, Any] | None = None) -> ReasoningParser | None:
+    """The server's reasoning parser for one request: None without one, or when the request turned thinking off."""
+    if name is None or thinking_disabled(template_kwargs):
+        return None
+    return REASONING_PARSERS[name]
+
+
+# The machine's states: before "<think>" (qwen3), at the start where "<think>" may still be written
+# (deepseek_r1), inside the reasoning, after it.
+_BEFORE, _OPENING, _REASONING, _AFTER = "before", "opening", "reasoning", "after"
+
+
+class ReasoningStreamer:
+    """Deltas of generated text in, ReasoningDelta / ContentDelta events out, as `ReasoningParser.split` splits."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self._state = _OPENING if parser.starts_in_prompt else _BEFORE
+        self._pending = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text so far ends inside the reasoning (or may still be)."""
+        return self._state in (_OPENING, _REASONING)
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        """Events for the next piece of generated text."""
+        self._pending += delta
+        return drain(self._step, False)
+
+    def finish(self) -> list[StreamEvent]:
+        """Events for what was held back, once the text is complete."""
+        return drain(self._step, True)
+
+    def _step(self, events: list[StreamEvent], final: bool) -> bool:
+        """Emit what is decided; True if the state changed (then step again)."""
+        p, text = self.parser, self._pending
+        if self._state == _OPENING:
+            if text.startswith(p.start):
+                self._pending, self._state = text[len(p.start):], _REASONING
+                return True
+            if p.start.startswith(text) and not final:
+                return False  # may still become "<think>"
+            self._state = _REASONING
+            return True
+        if self._state == _AFTER:
+            self._emit(events, ContentDelta, len(text))
+            return False
+        tag, kind, next_state = ((p.start, ContentDelta, _REASONING) if self._state == _BEFORE
+                                 else (p.end, ReasoningDelta, _AFTER))
+        at = text.find(tag)
+        if at < 0:
+            self._emit(events, kind, len(text) if final else len(text) - partial_suffix(text, tag))
+            return False
+        self._emit(events, kind, at)
+        self._pending, self._state = self._pending[len(tag):], next_state
+        return True
+
+    def _emit(self, events: list[StreamEvent], kind: type, n: int) -> None:
+        """The first n pending characters as one event of `kind` (joined to the previous one of that kind)."""
+        text, self._pending = self._pending[:n], self._pending[n:]
+        if not text:
+            return
+        if events and type(events[-1]) is kind:
+            events[-1].text += text
+        else:
+            events.append(kind(text))
