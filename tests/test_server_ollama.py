@@ -115,8 +115,9 @@ def test_tools_a_call_history_and_calls_as_objects(client):
     """Tools are offered (Ollama has no tool_choice: the model may answer in text, and the 135M model here does,
     at any seed tried); a client's call history (arguments as objects, results by tool_name) renders and is
     answered; a call the model writes comes back with its arguments as an object, whole and streamed alike."""
+    from lmserve.parsers.tool_formats import HERMES
     from lmserve.server.api.ollama import _message
-    from lmserve.server.api.tools import format_tool_call
+    from lmserve.server.api.tools import output_parser
 
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     opts = {"temperature": 0, "num_predict": 16}
@@ -129,8 +130,8 @@ def test_tools_a_call_history_and_calls_as_objects(client):
         {"role": "tool", "tool_name": "get_weather", "content": '{"sky": "sunny"}'}]
     answer = client.chat(model=MODEL, messages=history, tools=[WEATHER], options=opts)
     assert answer.done and answer.message.content
-    text = "Let me look.\n" + format_tool_call("get_weather", '{"city": "Paris"}')
-    assert _message(text, True) == {"role": "assistant", "content": "Let me look.", "tool_calls": [
+    text = "Let me look.\n" + HERMES.format_call("get_weather", '{"city": "Paris"}')
+    assert _message(text, output_parser([WEATHER], HERMES, None)) == {"role": "assistant", "content": "Let me look.", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
 
 
