@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from lmserve.config import EngineConfig
 
 if TYPE_CHECKING:
-    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.engine.serving import AsyncEngine
 
 log = logging.getLogger("lmserve.server")
 
