@@ -3,10 +3,12 @@
 The graph is a DAG, not a total order: siblings do not see each other unless an edge says so (the scheduler
 never imports the worker, the KV cache never imports the sampler), and the test checks the graph itself has no
 cycle. Nodes are the top-level packages and modules of `src/lmserve` (ARCHITECTURE.md draws them), plus
-one module placed apart:
+two modules placed apart:
 
 - `sched.output` is contract 1's plain data (SchedulerOutput: what runs how many tokens, no tensors), the
   message the scheduler hands the worker; the worker may import it and nothing else of `sched`.
+- `engine.serving` is the engine as the server sees it (AsyncEngine, EngineFront, what their listeners get,
+  how an engine is opened); `server/` may import it and nothing else of `engine`.
 - `lmserve` (the package root) is the public facade: it imports SamplingParams eagerly and `LLM` lazily.
 
 Every import counts: module level, inside functions (the CLI imports lazily) and under TYPE_CHECKING, both for
@@ -16,6 +18,7 @@ the allowed edges and for cycles between modules (a lazy import in a cycle still
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,17 +38,18 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     # server/ by concern: app.py and main.py assemble the app (server.app); each API family in server/api/ only
     # translates its shapes onto the shared middle (server: admission, streaming, errors, auth, metrics, state);
     # server/batch/ runs lines through the OpenAI API's handling; server/models/ is the pool of served models.
-    "server.app": {"server", "server.api", "server.batch", "server.playground", "server.models", "lmserve", "ops",
-                   "engine"},
-    "server.batch": {"server", "server.api", "engine", "ops"},
-    "server.api": {"server", "server.playground", "lmserve", "ops", "engine", "tokenizer", "lora", "structured",
+    "server.app": {"server", "server.api", "server.batch", "server.playground", "server.models", "lmserve", "ops"},
+    "server.batch": {"server", "server.api", "ops"},
+    "server.api": {"server", "server.playground", "lmserve", "ops", "tokenizer", "lora", "structured",
                    "parsers"},
     "server.playground": {"server"},  # api/openapi.py (above) documents the playground's share routes
     # structured: a compiled grammar's type; loader: the response cache fingerprints the weights
-    "server": {"server.models", "ops", "engine", "lora", "loader", "structured"},
-    "server.models": {"preflight", "loader", "engine"},  # flags checked as the CLI checks them; hub names resolved
+    "server": {"server.models", "ops", "engine.serving", "lora", "loader", "structured"},
+    # flags checked as the CLI checks them; hub names resolved; the engine type of a loaded model
+    "server.models": {"preflight", "loader", "engine.serving"},
     "ops": set(),  # observability reads engine data handed to it; the engine never knows it exists
     "lmserve": {"engine"},  # the facade's lazy `from lmserve import LLM`
+    "engine.serving": {"engine"},  # the seam: what server/ may know of the engine (engine/serving.py)
     "engine": {"sched", "sched.output", "cache", "worker", "spec", "structured", "lora", "loader", "tokenizer",
                "preflight", "layers"},  # layers: engine/build.py picks the attention backend the runner uses
     "preflight": {"cache", "worker", "lora", "loader", "models", "layers", "tokenizer"},  # checks before a load
@@ -64,7 +68,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "layers": set(),
     **{name: set() for name in PLAIN},
 }.items()}
-BY_MODULE = {"lmserve.sched.output": "sched.output", "lmserve.server.app": "server.app", "lmserve.server.main": "server.app",
+BY_MODULE = {"lmserve.sched.output": "sched.output", "lmserve.engine.serving": "engine.serving",
+             "lmserve.server.app": "server.app", "lmserve.server.main": "server.app",
              **{f"lmserve.server.{sub}": f"server.{sub}" for sub in ("api", "batch", "playground", "models")}}
 
 
@@ -221,11 +226,68 @@ def test_the_runner_sees_only_the_schedulers_output():
     assert sched <= {"lmserve.sched.output"}, sched
 
 
+# Server code reaching into the engine (issue 29's count): `.engine.<attr>` other than `.engine.generate` /
+# `.engine.abort`, and `.scheduler.`, anywhere in server/'s source, as `grep` finds them. Routes hold the front end
+# (engine/front.EngineFront, through the seam engine/serving.py), never the engine's parts. The 3 today: the two
+# imports of engine/serving.py (server/state.py, server/models/pool.py) and the read of a model's configured batch
+# size while it is not loaded (`spec.config.scheduler.max_num_seqs`, server/state.py).
+ENGINE_REACH = re.compile(r"\.engine\.(?!(?:generate|abort)\b)[A-Za-z_]\w*|\.scheduler\.")
+MAX_ENGINE_REACHES = 3
+
+
+def engine_reaches(root: Path) -> list[str]:
+    """Every occurrence of ENGINE_REACH in the .py files under `root`, as `path:line: text`."""
+    return [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in sorted(root.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) for _ in ENGINE_REACH.finditer(line)]
+
+
+def test_server_code_reaches_into_the_engine_at_most_three_times():
+    found = engine_reaches(SRC / "lmserve" / "server")
+    assert len(found) <= MAX_ENGINE_REACHES, "server code reaching into the engine (hold the front end instead):\n" \
+        + "\n".join("  " + f for f in found)
+
+
+def test_the_reach_count_sees_what_grep_sees(tmp_path):
+    (tmp_path / "a.py").write_text("x = st.engine.tokenizer\nst.engine.generate(1); st.engine.abort(2)\n"
+                                   "from lmserve.engine.front import EngineFront\nn = e.scheduler.running  # .engine.x\n")
+    assert [f.split(":")[1] for f in engine_reaches(tmp_path)] == ["1", "3", "4", "4"]
+
+
+def floors(edges: dict[str, set[str]]) -> dict[str, int]:
+    """Each node's floor in an acyclic import graph: 0 when it imports nothing, else 1 + its highest import's."""
+    floor: dict[str, int] = {}
+
+    def of(node: str) -> int:
+        if node not in floor:
+            floor[node] = 1 + max((of(t) for t in edges.get(node, ()) if t != node), default=-1)
+        return floor[node]
+
+    for node in edges:
+        of(node)
+    return floor
+
+
+def condensed(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`edges` with each cycle merged into one node (its first module), so that floors exist for any graph."""
+    first = {m: c[0] for c in cycles(edges) for m in c}
+    out: dict[str, set[str]] = {}
+    for a, targets in edges.items():
+        node = first.get(a, a)
+        out.setdefault(node, set()).update(first.get(b, b) for b in targets if first.get(b, b) != node)
+    return out
+
+
+def test_floors_of_a_small_graph():
+    assert floors({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == {"a": 2, "b": 1, "c": 0}
+    assert floors(condensed({"a": {"b"}, "b": {"a", "c"}, "c": set()})) == {"a": 1, "c": 0}
+
+
 # -- the checker itself must be able to fail --------------------------------------------------------
 
 KNOWN = {"lmserve.models.config", "lmserve.layers.fused", "lmserve.layers.rotary", "lmserve.server",
          "lmserve.server.app", "lmserve.cli", "lmserve.sched.output", "lmserve.sched.scheduler",
-         "lmserve.worker.model_runner", "lmserve.sample.sampler"}
+         "lmserve.worker.model_runner", "lmserve.sample.sampler", "lmserve.engine.llm_engine",
+         "lmserve.engine.serving"}
 
 
 def _flagged(module: str, source: str, is_package: bool = False) -> list[str]:
@@ -243,6 +305,9 @@ def _flagged(module: str, source: str, is_package: bool = False) -> list[str]:
     ("lmserve.sched.scheduler", "from lmserve.worker.model_runner import ModelRunner", "lmserve.worker.model_runner"),
     ("lmserve.cache.block_pool", "from lmserve.sample.sampler import Sampler", "lmserve.sample.sampler"),
     ("lmserve.worker.inputs", "from lmserve.sched.scheduler import Scheduler", "lmserve.sched.scheduler"),
+    # the server sees the engine only through its seam, engine/serving.py
+    ("lmserve.server.state", "from lmserve.engine.llm_engine import LLMEngine", "lmserve.engine.llm_engine"),
+    ("lmserve.server.api.openai", "from lmserve.engine.serving import EngineFront", "lmserve.engine.serving"),
 ])
 def test_checker_flags_an_import_the_graph_forbids(module, source, target):
     assert _flagged(module, source) == [target]
@@ -255,6 +320,7 @@ def test_checker_flags_an_import_the_graph_forbids(module, source, target):
     ("lmserve.layers.linear", "from lmserve.utils import cpu_has_fast_bf16"),  # plain data
     ("lmserve.worker.inputs", "from lmserve.sched.output import ScheduledRequest"),  # plain data by module
     ("lmserve.server.api.tgi", "import lmserve"),
+    ("lmserve.server.state", "from lmserve.engine.serving import AsyncEngine"),  # the middle holds the engine
     ("lmserve.cli", "import argparse\nfrom torch import nn"),  # not ours
 ])
 def test_checker_passes_allowed_imports(module, source):
@@ -270,3 +336,25 @@ def test_cycle_finder_sees_a_cycle_through_several_modules():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
     assert cycles(edges) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+def numbers() -> list[str]:
+    """The house's floors and cycles as this test sees them (`python tests/test_layering.py [SRC]`: another tree's)."""
+    modules = module_graph(all_imports())
+    node_floor = floors({a: set(b) | (set() if a in PLAIN else set(PLAIN)) for a, b in MAY_IMPORT.items()})
+    server = {m: {t for t in ts if t.startswith("lmserve.server")} for m, ts in modules.items()
+              if m.startswith("lmserve.server")}
+    return [f"this file's graph: {len(MAY_IMPORT)} nodes, {max(node_floor.values()) + 1} tiers "
+            f"(longest path: {max(node_floor.values())} edges)",
+            f"modules: {len(source_modules())}; module cycles: {len(cycles(modules))} {cycles(modules)}",
+            f"module import floors: {max(floors(condensed(modules)).values()) + 1}; "
+            f"server/ module floors: {max(floors(condensed(server)).values()) + 1}",
+            f"server code reaching into the engine: {len(engine_reaches(SRC / 'lmserve' / 'server'))}"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1:
+        SRC = Path(sys.argv[1]).resolve()
+    print("\n".join(numbers()))

@@ -27,9 +27,15 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmserve.loader.fingerprint import weights_fingerprint
+from lmserve.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    import torch
+
+    from lmserve.loader import LoadedModel
 
 log = logging.getLogger("lmserve.server")
 
@@ -151,19 +157,27 @@ def cache_key(model: str, key_name: str, route: str, body: dict[str, Any]) -> st
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+class Weights(Protocol):
+    """What the cache fingerprints of a model: its weights as loaded (a model's engine/front.EngineFront)."""
+
+    loaded: LoadedModel  # path and weight format
+    dtype: torch.dtype
+
+
 class ResponseCache:
     """The server's cache: lookups and stores off the event loop; faults logged, never raised."""
 
-    def __init__(self, settings: CacheSettings, metrics: Any = None) -> None:
+    def __init__(self, settings: CacheSettings, metrics: ServerMetrics | None = None) -> None:
         self.settings = settings
         self.backend = open_backend(settings)
         self.metrics = metrics
         self._warned = 0.0
-        self._fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its weights'
+        # a model's front end -> its weights' fingerprint (forgotten with the model when it unloads)
+        self._fingerprints: weakref.WeakKeyDictionary[Weights, str] = weakref.WeakKeyDictionary()
         if metrics is not None:
             metrics.bind_response_cache(self._count_or_nan)
 
-    def bind_engine(self, engine: Any) -> str | None:
+    def bind_engine(self, engine: Weights) -> str | None:
         """Fingerprint an engine's weights as it loaded them (blocking: call where it loads, or off the loop);
         None when its files cannot be read now (its requests then bypass the cache)."""
         fp = self._fingerprints.get(engine)
@@ -177,7 +191,7 @@ class ResponseCache:
             self._fingerprints[engine] = fp
         return fp
 
-    async def answerer(self, model_name: str, engine: Any, lora_digest: str) -> str | None:
+    async def answerer(self, model_name: str, engine: Weights, lora_digest: str) -> str | None:
         """What answers, as the cache key names it: the model and its weights' fingerprint, and the adapter's
         content digest ("" for none); None: unknown (do not cache)."""
         fp = self._fingerprints.get(engine) or await asyncio.to_thread(self.bind_engine, engine)

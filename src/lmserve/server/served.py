@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, Union
 
-from lmserve.engine.front import EngineFront
 from lmserve.errors import RequestRejected
 from lmserve.ops.record import RequestRecord
 from lmserve.lora.peft_adapter import AdapterError
@@ -71,17 +70,14 @@ class ModelState:
         self.shared, self.model = shared, model
         # Captured once: a request keeps its engine to the end (its lease keeps the model from unloading).
         self.async_engine = model.async_engine
+        # The model's front end: tokenizer, limits, checks, grammars, adapters (never the engine's internals).
+        self.front = self.async_engine.front
         # The server-wide parts a route reads (all set at start-up, before any request binds a model).
         self.config: ServerConfig = shared.config
         self.metrics: ServerMetrics = shared.metrics
         self.tenants: Tenants = shared.tenants
         self.response_cache: ResponseCache | None = shared.response_cache
         self.splits: dict[str, TrafficSplit] = shared.splits
-
-    @property
-    def front(self) -> EngineFront:
-        """The model's front end: tokenizer, limits, checks, grammars, adapters (never the engine's internals)."""
-        return self.async_engine.front
 
     @property
     def model_name(self) -> str:

@@ -6,14 +6,13 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
 
 from lmserve.config import EngineConfig
-from lmserve.engine.async_engine import AsyncEngine
-from lmserve.engine.front import EngineFront
+from lmserve.engine.serving import AsyncEngine, EngineFront, LLMEngine, open_engine, serve_engine
 from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
 from lmserve.server.adapter_owners import AdapterOwners
@@ -32,6 +31,30 @@ T = TypeVar("T")
 log = logging.getLogger("lmserve.server")
 
 
+class Shares(Protocol):
+    """The playground's share store (server/playground/store.ShareStore) as the middle uses it: closed at exit.
+
+    Typed by what the middle calls because the playground sits above the middle and imports it."""
+
+    def close(self) -> None: ...
+
+
+class StoredResponses(Protocol):
+    """The Responses API's store (server/api/responses_store.ResponseStore) as the middle uses it: closed at exit.
+    Typed so because the API modules sit above the middle."""
+
+    def close(self) -> None: ...
+
+
+class BatchRunner(Protocol):
+    """The batch jobs' runner (server/batch/jobs.BatchManager) as the middle uses it: started with the app,
+    stopped at its end or when a drain begins. Typed so because the batch jobs sit above the middle."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class ServerState:
     """Mutable per-process state shared by every model; a request's own model is a served.ModelState."""
@@ -46,9 +69,9 @@ class ServerState:
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
     adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # who loaded which runtime adapter
     response_cache: ResponseCache | None = None  # with --response-cache
-    playground: Any = None  # server/playground/store.ShareStore; None: the playground is off (--no-playground)
-    batches: Any = None  # server/batch/jobs.BatchManager (serve always has one); None: /v1/batches answers 404
-    responses: Any = None  # server/api/responses_store.ResponseStore; None: no response is stored (GET answers 404)
+    playground: Shares | None = None  # a playground/store.ShareStore; None: the playground is off (--no-playground)
+    batches: BatchRunner | None = None  # a batch/jobs.BatchManager (serve has one); None: /v1/batches answers 404
+    responses: StoredResponses | None = None  # an api/responses_store.ResponseStore; None: nothing is stored
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
     splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
     started: bool = False  # the start-up loads are done: the server serves from here on
@@ -252,42 +275,26 @@ def launch_engine(state: ServerState, config: EngineConfig, on_dead: Callable[[]
                   name: str | None = None) -> AsyncEngine:
     """Build a model's engine from `config`, warm it up and start it behind `state` (blocking: a worker thread or
     the offline runner calls it); the server's one place that constructs an engine."""
-    from lmserve.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(config)
-    return start_engine(state, engine, warm_up(engine), on_dead, name)
+    opened = open_engine(config)
+    return start_engine(state, opened.engine, opened.warmup_seconds, on_dead, name)
 
 
-def start_engine(state: ServerState, engine, warmup_seconds: float, on_dead: Callable[[], None] | None = None,
-                 name: str | None = None):
+def start_engine(state: ServerState, engine: LLMEngine, warmup_seconds: float,
+                 on_dead: Callable[[], None] | None = None, name: str | None = None) -> AsyncEngine:
     """Start the engine thread behind `state` and its metrics, as model `name` (None: the default model, whose
     routes serve from here on); returns the AsyncEngine.
 
     `on_dead` runs (on the engine thread) once the engine has failed for good.
     """
-    from lmserve.engine.faults import install_from_env
-
-    install_from_env(engine)  # test-only fault injection: nothing unless $LMSERVE_TEST_FAULT is set
-    async_engine = AsyncEngine(engine, step_timeout=state.config.engine_step_timeout)
+    async_engine = serve_engine(engine, state.config.engine_step_timeout)
     async_engine.step_listeners.append(state.metrics.on_step)
     async_engine.fault_listeners.append(state.metrics.on_fault)
     if on_dead is not None:
         async_engine.fault_listeners.append(lambda fault: on_dead() if fault.fatal else None)
-    state.metrics.bind_engine(engine.front, warmup_seconds, name)
+    state.metrics.bind_engine(async_engine.front, warmup_seconds, name)
     if state.response_cache is not None:  # the weights as loaded, before a swap on disk could change them
-        state.response_cache.bind_engine(engine.front)
+        state.response_cache.bind_engine(async_engine.front)
     async_engine.start()
     if name is None:
         state.async_engine = async_engine
     return async_engine
-
-
-def warm_up(engine) -> float:
-    """One tiny request through every code path before the first client; returns its seconds."""
-    from lmserve.sampling_params import SamplingParams
-
-    start = time.perf_counter()
-    engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start

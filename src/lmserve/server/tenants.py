@@ -16,11 +16,10 @@ import hmac
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
-
 from lmserve.ops.record import RequestRecord
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS, KeySpec, key_digest
+from lmserve.server.metrics import ServerMetrics
 
 REJECT_REASONS = ("requests_per_minute", "tokens_per_minute", "concurrency", "model")
 
@@ -76,7 +75,7 @@ class Reservation:
 class Tenants:
     """The accepted keys (none: the server is open) and each key name's limits and usage."""
 
-    def __init__(self, specs: tuple[KeySpec, ...], metrics: Any = None) -> None:
+    def __init__(self, specs: tuple[KeySpec, ...], metrics: ServerMetrics | None = None) -> None:
         self.specs = specs
         names = list(dict.fromkeys(s.name for s in specs)) or [ANONYMOUS]
         by_name = {s.name: s for s in specs} or {ANONYMOUS: KeySpec(ANONYMOUS, b"")}

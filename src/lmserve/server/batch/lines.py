@@ -47,7 +47,7 @@ class Line:
     number: int  # 1-based line number in the input
     custom_id: str | None  # None only when the line has no usable custom_id
     url: str = ""
-    body: Any = None
+    body: dict[str, Any] | None = None  # the request's JSON object (None with a problem that is not the body)
     problem: str | None = None
 
     @property
@@ -76,7 +76,7 @@ def parse_line(number: int, raw: bytes, endpoint: str | None = None) -> Line:
         problem = f"url must be {' or '.join(allowed)}, got {str(url)[:60]!r}"
     elif not isinstance(body, dict):
         problem = "body must be a JSON object"
-    return Line(number, cid, url, body, problem and f"line {number}: {problem}")
+    return Line(number, cid, url, body if isinstance(body, dict) else None, problem and f"line {number}: {problem}")
 
 
 def read_lines(raw_lines: Iterable[bytes], endpoint: str | None = None) -> list[Line]:

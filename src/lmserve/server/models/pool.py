@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 from lmserve.config import EngineConfig
 
 if TYPE_CHECKING:
-    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.engine.serving import AsyncEngine
 
 log = logging.getLogger("lmserve.server")
 _LOOK_S = 5.0  # with --keep-alive, expire_idle looks at least this often (for models it was not woken about)
