@@ -73,10 +73,14 @@ def test_a_rows_result_does_not_depend_on_its_batch(qwen3_moe):
     assert rows_alone_equal_rows_in_batch(layer, x)
 
 
-def test_gguf_experts_stay_in_their_blocks_and_follow_the_dequantized_model(qwen3_moe):
+def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(qwen3_moe, monkeypatch):
     """`--quantization gguf` (and `auto`): every expert's gate_up and down read its slice of the 3-D `*_exps` blocks
-    (their dequantized weights are the float path's, exactly), the router stays float, and the logits follow the
-    dequantized float model's (int8 activations, as llama.cpp)."""
+    (their dequantized weights are the float path's, exactly) and the router stays float. Each MoE layer equals its
+    reference path (every expert dequantized and multiplied in float64 with the kernel's int8 activations,
+    `gguf_linear.reference_linear`) on the same input, and the model's greedy choices follow the float model's
+    (int8 activations, as llama.cpp: a whole model's outputs drift apart by rounding, not by a wrong expert)."""
+    from lmserve.layers import native
+
     _, _, gguf = qwen3_moe
     packed = load_model(gguf, torch.float32, CPU, quantization="gguf")
     plain = load_model(gguf, torch.float32, CPU, quantization="none", pack=False).model
@@ -89,9 +93,17 @@ def test_gguf_experts_stay_in_their_blocks_and_follow_the_dequantized_model(qwen
                 kept = getattr(ours, proj)
                 assert isinstance(kept, GGUFLinear)
                 assert torch.equal(dequantize(kept.repacked()), getattr(theirs, proj).weight.detach())
-    batch = prompts((5, 30))
-    for ours, theirs in zip(flat_logits(packed.model, batch), flat_logits(plain, batch)):
-        assert_close(ours, theirs, tol=0.03)
+    batch = prompts((5, 30, 19))
+    agree = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(flat_logits(packed.model, batch),
+                                                                      flat_logits(plain, batch))])
+    assert agree.float().mean().item() > 0.9
+    x = torch.randn(24, 128, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        fast = [layer.mlp(x) for layer in packed.model.model.layers]
+        monkeypatch.setattr(native, "_on", False)  # every layer's reference path (LMSERVE_NATIVE_KERNELS=0)
+        for layer, out in zip(packed.model.model.layers, fast):
+            ref = layer.mlp(x)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_qwen_dense_layers_follow_sparse_step_and_mlp_only_layers(tmp_path):
@@ -128,9 +140,8 @@ def test_tensor_parallel_splits_every_experts_width(tmp_path):
 
 def test_lora_on_experts_is_refused_with_a_clear_error(qwen3_moe, tmp_path):
     """A PEFT adapter that targets an MoE layer's MLP names the layer and what to target instead."""
-    from lmserve.errors import AdapterError
-    from lmserve.lora.peft_adapter import read_peft_adapter
     from lmserve.loader import read_model_config
+    from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
     from tests.lora_adapters import write_random_adapter
 
     cfg = read_model_config(qwen3_moe[0])
@@ -161,4 +172,5 @@ def test_served_to_the_openai_client(qwen3_moe):
         done = client.completions.create(model="moe", prompt=prompt, max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True})
     assert done.usage.completion_tokens == 12
-    assert done.choices[0].text == tok.decode(want[0])
+    # the same 12 words (the streaming detokenizer puts the space after the prompt's last word in front)
+    assert done.choices[0].text.split() == tok.decode(want[0]).split()
