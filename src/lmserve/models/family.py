@@ -47,9 +47,9 @@ def gguf_expert_fields(m: GGUFMeta, renormalize: bool) -> Fields:
     count = int(m.get("expert_count") or 0)
     if count == 0:
         return {}
-    n = int(m.require("block_count"))
+    n, size = int(m.require("block_count")), m.get("expert_feed_forward_length")
     return {"num_experts": count, "num_experts_per_tok": int(m.require("expert_used_count")),
-            "moe_intermediate_size": m.get("expert_feed_forward_length"),
+            "moe_intermediate_size": int(size) if size else None,
             "norm_topk_prob": bool(m.get("expert_weights_norm", renormalize)),
             "dense_layers": tuple(i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in m.names)}
 
