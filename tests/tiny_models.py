@@ -33,6 +33,7 @@ class Arch:
     gguf_meta: Callable[[Any, Any], None] = lambda writer, cfg: None  # arch-specific keys convert_hf_to_gguf writes
     norm_shift: float = 0.0  # Gemma: llama.cpp stores 1 + w
     permute_qk: bool = False  # the converters that interleave q/k rows (LlamaModel and its subclasses)
+    moe: bool = False  # a mixture of experts (8 experts, top-2): the native decode stack does not run it
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -69,6 +70,23 @@ def _head_dim_meta(w, cfg) -> None:
     w.add_rope_dimension_count(cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads)
 
 
+def _moe_meta(w, cfg) -> None:
+    """llama.cpp's expert keys (Qwen2/3-MoE write the experts' width; Mixtral's is feed_forward_length)."""
+    w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _mixtral_meta(w, cfg) -> None:
+    _head_dim_meta(w, cfg)
+    _moe_meta(w, cfg)
+
+
+EXPERTS = dict(num_experts_per_tok=2, router_jitter_noise=0.0)  # 8 experts, top-2 (the count's name differs)
+
 ARCHS: dict[str, Arch] = {
     "llama": Arch("LlamaConfig", "LlamaForCausalLM", dict(head_dim=64), "llama", _head_dim_meta, permute_qk=True),
     "qwen3": Arch("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=64), "qwen3"),
@@ -86,18 +104,31 @@ ARCHS: dict[str, Arch] = {
                       partial_rotary_factor=0.75, rope_scaling=LONGROPE), "phi3", _phi3_meta),
     "smollm3": Arch("SmolLM3Config", "SmolLM3ForCausalLM",
                     dict(num_hidden_layers=4, no_rope_layer_interval=4), "smollm3", _head_dim_meta, permute_qk=True),
+    # every layer sparse (llama.cpp's qwen3moe has no dense layers; tests/test_moe.py covers mlp_only_layers);
+    # renormalised top-k, as the released Qwen3-MoE configs and llama.cpp
+    "qwen3_moe": Arch("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                      dict(EXPERTS, head_dim=64, num_experts=8, moe_intermediate_size=64, norm_topk_prob=True),
+                      "qwen3moe", _moe_meta, moe=True),
+    "mixtral": Arch("MixtralConfig", "MixtralForCausalLM", dict(EXPERTS, head_dim=64, num_local_experts=8,
+                    intermediate_size=64), "llama", _mixtral_meta, permute_qk=True, moe=True),
+    # the shared expert and its sigmoid gate; top-k weights not renormalised (llama.cpp's qwen2moe never does)
+    "qwen2_moe": Arch("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                      dict(EXPERTS, num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                           norm_topk_prob=False), "qwen2moe", _moe_meta, moe=True),
 }
 
 
-def build_hf(name: str, root: Path) -> tuple[Path, torch.nn.Module]:
-    """The tiny model (random weights, norms and biases randomised so each matters) saved under root/name."""
+def build_hf(name: str, root: Path, **overrides: Any) -> tuple[Path, torch.nn.Module]:
+    """The tiny model (random weights, norms and biases randomised so each matters) saved under root/name;
+    `overrides` change its config (a variant of the architecture)."""
     import transformers
 
     arch = ARCHS[name]
     torch.manual_seed(0)
-    cfg = getattr(transformers, arch.config)(**copy.deepcopy(COMMON | arch.kwargs))
+    cfg = getattr(transformers, arch.config)(**copy.deepcopy(COMMON | arch.kwargs | overrides))
     model = getattr(transformers, arch.model)(cfg).float().eval()
     randomize_norms(model, arch.norm_shift)
+    randomize_routers(model)
     path = root / name
     model.save_pretrained(path, safe_serialization=True)
     write_word_tokenizer(path)
@@ -132,6 +163,15 @@ def randomize_norms(model: torch.nn.Module, shift: float) -> None:
                 p.copy_((1.0 - shift) + 0.3 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def randomize_routers(model: torch.nn.Module) -> None:
+    """Router weights that spread each token's choice over the experts (some initialise them to zeros)."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".mlp.gate.weight", "shared_expert_gate.weight")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
 
 
 def write_word_tokenizer(path: Path) -> None:
@@ -169,6 +209,12 @@ def write_gguf(name: str, model: torch.nn.Module, path: Path, quantize: Callable
     for hf, tensor in model.state_dict().items():
         if "rotary_emb" in hf or (hf == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        moe = _moe_tensors(hf, tensor.float())
+        if moe is not None:
+            for gname, t in moe:
+                router = ".ffn_gate_inp" in gname  # kept F32, as llama.cpp's converters keep it
+                _add_tensor(w, gname, t.numpy(), quantize(gname) if quantize and not router else "F32")
+            continue
         t = tensor.float()
         if arch.permute_qk and (".q_proj." in hf or ".k_proj." in hf):
             heads = cfg.num_attention_heads if ".q_proj." in hf else cfg.num_key_value_heads
@@ -183,6 +229,32 @@ def write_gguf(name: str, model: torch.nn.Module, path: Path, quantize: Callable
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+_SHEXP = {"shared_expert.gate_proj.weight": "ffn_gate_shexp", "shared_expert.up_proj.weight": "ffn_up_shexp",
+          "shared_expert.down_proj.weight": "ffn_down_shexp", "shared_expert_gate.weight": "ffn_gate_inp_shexp"}
+
+
+def _moe_tensors(hf: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """An expert layer's tensors under llama.cpp's names: experts stacked [E, rows, cols] (transformers 5 keeps them
+    stacked, gate and up in one), the router F32 (llama.cpp's converters never quantize it) and Qwen2-MoE's shared
+    expert, its gate a vector; None for any other tensor."""
+    import re
+
+    m = re.match(r"model\.layers\.(\d+)\.mlp\.(.+)$", hf)
+    if m is None:
+        return None
+    blk, rest = f"blk.{m.group(1)}", m.group(2)
+    if rest == "experts.gate_up_proj":
+        gate, up = t.chunk(2, dim=1)
+        return [(f"{blk}.ffn_gate_exps.weight", gate), (f"{blk}.ffn_up_exps.weight", up)]
+    if rest == "experts.down_proj":
+        return [(f"{blk}.ffn_down_exps.weight", t)]
+    if rest == "gate.weight":
+        return [(f"{blk}.ffn_gate_inp.weight", t)]
+    if rest in _SHEXP:
+        return [(f"{blk}.{_SHEXP[rest]}.weight", t[0] if rest == "shared_expert_gate.weight" else t)]
+    return None
 
 
 def _add_tensor(w, name: str, arr: np.ndarray, kind: str) -> None:

@@ -122,11 +122,15 @@ def check_tensor_parallel(parallel: ParallelConfig, model_config: ModelConfig, d
         raise ConfigError(f"--tensor-parallel-size must be >= 1, got {n}")
     if n == 1:
         return
-    for what, value in (("attention heads", model_config.num_heads), ("KV heads", model_config.num_kv_heads),
-                        ("MLP intermediate size", model_config.intermediate_size)):
+    c = model_config
+    widths = [("MLP intermediate size", c.intermediate_size)]
+    if c.num_experts:  # every expert (and a shared one) splits its width like the dense MLP
+        widths += [("experts' intermediate size", c.expert_size),
+                   ("shared expert's intermediate size", c.shared_expert_intermediate_size)]
+    for what, value in [("attention heads", c.num_heads), ("KV heads", c.num_kv_heads), *widths]:
         if value % n:
-            sizes = [d for d in range(2, model_config.num_kv_heads + 1) if model_config.num_heads % d == 0
-                     and model_config.num_kv_heads % d == 0 and model_config.intermediate_size % d == 0]
+            sizes = [d for d in range(2, c.num_kv_heads + 1)
+                     if all(v % d == 0 for v in (c.num_heads, c.num_kv_heads, *(w for _, w in widths)))]
             raise ConfigError(f"--tensor-parallel-size {n}: the model's {what} ({value}) are not divisible by {n}, so "
                               f"its layers cannot be split across {n} ranks (sizes that split it: "
                               f"{', '.join(map(str, sizes)) or 'none'}; or 1)")

@@ -7,9 +7,10 @@ projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of p
 dims 64/128/256, over float32, float16 or quantized (int8 / fp8_e4m3) KV caches (one C++ writer and reader for all
 of them, as the module path's). The loop it replaces stays inside it and serves every step the stack cannot: prefill
 chunks, and any step whose attention is not the paged cache's decode-only step. Models with other layers (LoRA or
-parallel wrappers, float or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks) keep the module loop. The
-native stack calls the same kernels in the same order, so a step's outputs are bit-identical either way
-(tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it off.
+parallel wrappers, float or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks, a mixture of experts:
+layers/moe.py) keep the module loop. The native stack calls the same kernels in the same order, so a step's outputs
+are bit-identical either way (tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it
+off.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
+from lmserve.layers.mlp import GatedMLP
 from lmserve.layers.native import native_module
 from lmserve.layers.paged_attention import PagedAttention
 
@@ -140,8 +142,8 @@ def remove_decode_stack(model: nn.Module) -> None:
 def layer_weights(layer: nn.Module, kinds: tuple[str, ...]) -> LayerWeights | None:
     """A decoder layer (models/decoder.py) as the stack reads it, or None where it has something the stack lacks."""
     attn, spec = layer.self_attn, layer.self_attn.spec
-    if spec.opts.sinks is not None or layer.mlp.act not in _ACTS:
-        return None
+    if spec.opts.sinks is not None or not isinstance(layer.mlp, GatedMLP) or layer.mlp.act not in _ACTS:
+        return None  # sinks; a mixture of experts (layers/moe.py) or a wrapped MLP
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
     qk = spec.qk_norm_eps is not None
     return LayerWeights(

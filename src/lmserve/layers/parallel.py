@@ -5,7 +5,10 @@ column-parallel simply by holding this rank's rows, and need no communication (e
 own heads and its own slice of the MLP). o_proj and down_proj hold this rank's input columns, so each
 produces a partial sum of the full output: `RowParallel` wraps them (whatever weight format they were
 packed or quantized into) with one all-reduce each, two per layer in all. Their bias is kept on rank 0
-only, so the sum adds it once.
+only, so the sum adds it once. An MoE layer's experts hold their slices of the intermediate width, so each
+expert's down projection is a partial sum too; the router's weights and the shared expert's sigmoid gate are
+the same on every rank, so the layer's weighted sum of partial sums is itself a partial sum: the whole
+`SparseMoE` is wrapped, one all-reduce per layer as for a dense MLP (not one per expert).
 
 The LM head (and the embedding) stay whole on every rank, and only rank 0 runs the LM head: a
 vocab-parallel head would save vocab x hidden / N of memory per rank but cost an all-gather of the
@@ -18,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lmserve.layers.moe import SparseMoE
 
 
 class RowParallel(nn.Module):
@@ -40,14 +45,19 @@ def drop_row_biases(model: nn.Module, rank: int) -> None:
         return
     with torch.no_grad():
         for layer in model.model.layers:
-            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            down = [] if isinstance(layer.mlp, SparseMoE) else [layer.mlp.down_proj]  # experts have no biases
+            for proj in [layer.self_attn.o_proj, *down]:
                 if proj.bias is not None:
                     proj.bias.zero_()
 
 
 def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Wrap every layer's o_proj and down_proj in RowParallel (after any weight-format transform)."""
+    """Wrap every layer's o_proj and down_proj (an MoE layer: the whole layer) in RowParallel (after any weight-format
+    transform)."""
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp = RowParallel(layer.mlp, group)
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
     return model

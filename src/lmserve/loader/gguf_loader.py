@@ -39,6 +39,16 @@ _NAMES = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    # mixture of experts (layers/moe.py): the router, the stacked experts [E, rows, cols] (`*`: split per expert
+    # by `expert_slices`), Qwen2-MoE's shared expert and its gate
+    "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
+    "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.*.gate_proj.weight",
+    "blk.{i}.ffn_up_exps.weight": "model.layers.{i}.mlp.experts.*.up_proj.weight",
+    "blk.{i}.ffn_down_exps.weight": "model.layers.{i}.mlp.experts.*.down_proj.weight",
+    "blk.{i}.ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+    "blk.{i}.ffn_gate_shexp.weight": "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    "blk.{i}.ffn_up_shexp.weight": "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    "blk.{i}.ffn_down_shexp.weight": "model.layers.{i}.mlp.shared_expert.down_proj.weight",
 }
 # rope tensors are read into the config (models/rope.py, phi3.py), not loaded as weights
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -65,7 +75,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         return _dequantize(tensors[name], f.path) if name in tensors else None
 
     try:
-        cfg = config_from_gguf(meta, str(arch), vocab, small_tensor)
+        cfg = config_from_gguf(meta, str(arch), vocab, small_tensor, tensors.keys())
     except CheckpointError as e:
         raise CheckpointError(f"{f.path}: {e}") from None
     has_output = any(t.name == "output.weight" for t in f.tensors)
@@ -88,7 +98,19 @@ def iter_gguf(f: GGUFFile, cfg: ModelConfig, skip: Collection[str] = ()) -> Iter
         name = hf_name(t.name, patterns)
         if name is None:
             raise CheckpointError(f"{f.path}: unexpected tensor {t.name!r}")
-        yield name, unpermute_qk(name, _dequantize(t, f.path), cfg), str(f.path)
+        for part, tensor in expert_slices(name, _dequantize(t, f.path)):
+            yield part, unpermute_qk(part, tensor, cfg), str(f.path)
+
+
+def expert_slices(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked expert tensor (HF name with `*` for the expert) -> one (name, [rows, cols]) per expert; else as is."""
+    if ".experts.*." not in name:
+        yield name, tensor
+        return
+    if tensor.dim() != 3:
+        raise CheckpointError(f"expert tensor {name!r} has shape {tuple(tensor.shape)}, expected [experts, rows, cols]")
+    for e in range(tensor.shape[0]):
+        yield name.replace("*", str(e)), tensor[e]
 
 
 def hf_name(gguf_name: str, patterns: list[tuple[re.Pattern[str], str]]) -> str | None:

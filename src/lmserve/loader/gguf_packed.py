@@ -38,7 +38,13 @@ _LAYER_PARTS = {
 }
 # the same projections where the file stores them fused (Phi-3: attn_qkv; ffn_up holding gate then up)
 _FUSED_PARTS = {"self_attn.qkv_proj": (("attn_qkv", "qkv_proj"),), "mlp.gate_up_proj": (("ffn_up", "gate_up_proj"),)}
-_PROJECTIONS = tuple(g for parts in _LAYER_PARTS.values() for g, _ in parts) + ("attn_qkv",)
+# a mixture-of-experts layer's projections (layers/moe.py): experts stacked in one 3-D tensor each, kept one expert
+# slice at a time; Qwen2-MoE's shared expert as a dense MLP's (the router stays float: routing is exact)
+_EXPERT_PARTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+_SHARED_PARTS = {"mlp.shared_expert.gate_up_proj": (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj")),
+                 "mlp.shared_expert.down_proj": (("ffn_down_shexp", "down_proj"),)}
+_PROJECTIONS = tuple(g for parts in (*_LAYER_PARTS.values(), *_SHARED_PARTS.values()) for g, _ in parts) + \
+    ("attn_qkv",) + tuple(g for parts in _EXPERT_PARTS.values() for g in parts)
 
 
 def type_name(t: GGUFTensor) -> str:
@@ -78,23 +84,50 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
     tensors = {t.name: t for t in f.tensors}
     kept: set[str] = set()
     for i, layer in enumerate(net.model.layers):
-        for path in _LAYER_PARTS:
+        for path in (*_LAYER_PARTS, *_SHARED_PARTS):
             parts = _parts(tensors, i, path)
             names = [f"blk.{i}.{g}.weight" for g, _ in parts]
             found = [tensors.get(n) for n in names]
             if all(t is not None and type_name(t) in BLOCK_BYTES for t in found):
-                hf = [f"model.layers.{i}.{path.split('.')[0]}.{h}.weight" for _, h in parts]
+                hf = [f"model.layers.{i}.{path.rsplit('.', 1)[0]}.{h}.weight" for _, h in parts]
                 _swap(layer, path, [_rows(t, h, cfg) for t, h in zip(found, hf)])
                 kept.update(names)
+        kept |= _keep_experts(layer, tensors, i)
     kept |= _keep_embedding(net, tensors, cfg, dtype)
     log.info("--quantization gguf: %d GGUF tensors stay in their quantized blocks", len(kept))
     return kept
 
 
+def _keep_experts(layer: nn.Module, tensors: dict[str, GGUFTensor], i: int) -> set[str]:
+    """Layer i's stacked experts as one GGUFLinear per expert and projection, over that expert's slice of the blocks."""
+    kept: set[str] = set()
+    for attr, gguf_names in _EXPERT_PARTS.items():
+        names = [f"blk.{i}.{g}.weight" for g in gguf_names]
+        found = [tensors.get(n) for n in names]
+        if not all(t is not None and type_name(t) in BLOCK_BYTES for t in found):
+            continue
+        slices = [_expert_rows(t) for t in found]  # per part: one Repacked per expert
+        for e in range(len(slices[0])):
+            _swap(layer, f"mlp.experts.{e}.{attr}", [part[e] for part in slices])
+        kept.update(names)
+    return kept
+
+
+def _expert_rows(t: GGUFTensor) -> list[Repacked]:
+    """A stacked [E, N, K] tensor's blocks repacked, one [N, K] matrix per expert (no expert's rows are permuted)."""
+    if len(t.shape) != 3:
+        raise CheckpointError(f"{t.name}: expected [experts, rows, cols], got shape {tuple(t.shape)}")
+    e, n, k = t.shape
+    if k % 32:
+        raise CheckpointError(f"{t.name}: {k} columns is not a whole number of quantization blocks")
+    w = repack(type_name(t), t.data, e * n, k)
+    return [w.rows(np.arange(j * n, (j + 1) * n)) for j in range(e)]
+
+
 def _parts(tensors: dict[str, GGUFTensor], i: int, path: str) -> tuple[tuple[str, str], ...]:
     """The GGUF tensors (and HF names) of layer i's projection `path`: separate parts, or the file's fused one."""
     fused = _FUSED_PARTS.get(path)
-    separate = _LAYER_PARTS[path]
+    separate = _LAYER_PARTS.get(path) or _SHARED_PARTS[path]
     if fused is not None and f"blk.{i}.{separate[0][0]}.weight" not in tensors:
         return fused
     return separate
@@ -133,8 +166,8 @@ def _rows(t: GGUFTensor, hf_name: str, cfg: ModelConfig) -> Repacked:
 def _swap(layer: nn.Module, path: str, parts: list[Repacked]) -> None:
     """Replace the projection at `path` by a GGUFLinear over `parts` (stacked), or a FusedGGUFLinear where their
     layouts differ (one GGUFLinear per run of one layout)."""
-    parent_name, attr = path.split(".")
-    parent = getattr(layer, parent_name)
+    parent_name, attr = path.rsplit(".", 1)
+    parent = layer.get_submodule(parent_name)
     old = getattr(parent, attr)
     bias = old.bias if isinstance(old, nn.Linear) else None
     if bias is not None and bias.is_meta:  # filled by the loader with the file's bias (Qwen2's q/k/v)

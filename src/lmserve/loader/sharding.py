@@ -7,7 +7,9 @@ straddle ranks). Its fused qkv_proj is then a smaller Linear holding [q_r; k_r; 
 each of q, k and v, stacked in the same order as the unsharded fused matrix.
 Row-parallel (split the input columns): o and down projections; their biases stay whole (added once,
 by rank 0, after the all-reduce: layers/parallel.py).
-Everything else (embedding, norms, LM head) is replicated.
+Everything else (embedding, norms, LM head, an MoE layer's router) is replicated. Experts split like the dense
+MLP: every rank holds every expert's slice of the intermediate width (column gate/up, row down), so routing needs no
+communication and each rank's experts see the same tokens; the layer's combined output is all-reduced once.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """The per-rank model: its share of the query heads, KV heads and MLP width (hidden size and vocab unchanged)."""
     if world_size == 1:
         return cfg
+    moe = cfg.moe_intermediate_size
     return replace(cfg, num_heads=cfg.num_heads // world_size, num_kv_heads=cfg.num_kv_heads // world_size,
-                   intermediate_size=cfg.intermediate_size // world_size)
+                   intermediate_size=cfg.intermediate_size // world_size,
+                   moe_intermediate_size=None if moe is None else moe // world_size,
+                   shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // world_size)
 
 
 def split_dim(name: str) -> int | None:

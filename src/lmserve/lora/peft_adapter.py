@@ -297,6 +297,9 @@ def _check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, layer: int, proj: 
     if layer >= cfg.num_layers:
         raise AdapterError(f"adapter tensor {key}.lora_A.weight: layer {layer} does not exist "
                            f"(the base model has {cfg.num_layers} layers)")
+    if PROJECTIONS[proj] == "mlp" and cfg.is_moe_layer(layer):
+        raise AdapterError(f"adapter tensor {key}.lora_A.weight: layer {layer} is a mixture of experts; LoRA on "
+                           "experts is not supported (target the attention projections)")
     want_a, want_b = expected_shapes(proj, rank, cfg)
     for half, t, want in (("lora_A", a, want_a), ("lora_B", b, want_b)):
         if tuple(t.shape) != want:

@@ -42,6 +42,8 @@ class LoraSlots:
         self.targets: dict[tuple[int, str], tuple[LoraLinear, int]] = {}
         for idx, layer in enumerate(model.model.layers):
             for path, slices in target_slices(cfg).items():
+                if path.startswith("mlp.") and cfg.is_moe_layer(idx):
+                    continue  # experts take no adapters (lora/peft_adapter.py refuses them)
                 parent_path, attr = path.rsplit(".", 1)
                 parent = layer.get_submodule(parent_path)
                 in_features = cfg.intermediate_size if attr == "down_proj" else (

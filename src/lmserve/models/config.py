@@ -54,6 +54,13 @@ class ModelConfig:
     rotary_dim: int | None = None  # rotated width of each head (partial rotary: Phi-3.5/4-mini); None: head_dim
     no_rope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3's NoPE layers)
     max_model_len: int | None = None  # the served context when known at load: LongRoPE picks its factors by it
+    # mixture of experts (Mixtral, Qwen2/3-MoE); num_experts 0: every layer has the dense gated MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int | None = None  # each expert's width; None: intermediate_size (Mixtral)
+    norm_topk_prob: bool = True  # renormalise the top-k softmax weights to sum to 1 (Mixtral, Qwen3-MoE configs)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert scaled by sigmoid(gate(x)); 0: none
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP (Qwen's mlp_only_layers)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +83,15 @@ class ModelConfig:
     def rotated_dim(self) -> int:
         """How many dims of each head rotate."""
         return self.rotary_dim or self.head_dim
+
+    @property
+    def expert_size(self) -> int:
+        """Each expert's intermediate width."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Does layer i route its tokens to experts (else: the dense gated MLP)?"""
+        return self.num_experts > 0 and i not in self.dense_layers
 
     def layer_type(self, i: int) -> str:
         """"full" or "sliding" for layer i."""
@@ -117,6 +133,7 @@ class ModelConfig:
             raise CheckpointError(f"config: activation {self.hidden_act!r} is not supported "
                                   f"(supported: {', '.join(sorted(ACTIVATIONS))})")
         self._validate_layers()
+        self._validate_experts()
 
     def _validate_layers(self) -> None:
         if self.layer_types and (len(self.layer_types) != self.num_layers or set(self.layer_types) - LAYER_TYPES):
@@ -130,3 +147,19 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise CheckpointError(f"config: {name} must be positive, got {value}")
+
+    def _validate_experts(self) -> None:
+        if self.num_experts == 0:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts or self.num_experts > 4096:
+            raise CheckpointError(f"config: num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                                  f"got {self.num_experts_per_tok}")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0 or value > 10_000_000):
+                raise CheckpointError(f"config: {name} must be a non-negative integer, got {value!r}")
+        if self.expert_size <= 0:
+            raise CheckpointError(f"config: the experts' intermediate size must be positive, got {self.expert_size}")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise CheckpointError(f"config: dense (mlp_only) layers {list(self.dense_layers)} outside "
+                                  f"0..{self.num_layers - 1}")

@@ -4,7 +4,7 @@ instead of writing them (Gemma's window patterns, SmolLM3's NoPE layers); the fa
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -17,14 +17,15 @@ _SCALING = {None: None, "none": None, "longrope": None}  # LongRoPE comes from i
 
 
 def config_from_gguf(meta: Mapping[str, Any], arch: str, vocab_size: int,
-                     tensor: Callable[[str], torch.Tensor | None] = lambda name: None) -> ModelConfig:
+                     tensor: Callable[[str], torch.Tensor | None] = lambda name: None,
+                     tensor_names: Collection[str] = ()) -> ModelConfig:
     """Normalise GGUF metadata (`meta` maps key -> python value, `arch` = general.architecture); `tensor`
-    reads a small tensor by name (rope factors)."""
+    reads a small tensor by name (rope factors); `tensor_names`: the file's (which layers have experts)."""
     family = GGUF_ARCHITECTURES.get(arch)
     if family is None:
         raise CheckpointError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
-    m = GGUFMeta(meta, arch, tensor)
+    m = GGUFMeta(meta, arch, tensor, tensor_names)
     try:
         fields = common_fields(m, vocab_size) | family.gguf_fields(m)
     except (TypeError, ValueError) as e:

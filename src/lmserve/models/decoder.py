@@ -22,6 +22,7 @@ from torch import nn
 from lmserve.errors import CheckpointError
 from lmserve.layers.attention import AttentionContext, AttnOptions
 from lmserve.layers.mlp import GatedMLP
+from lmserve.layers.moe import SparseMoE
 from lmserve.layers.norm import RMSNorm
 from lmserve.layers.rotary import RotaryTables
 from lmserve.layers.self_attention import AttentionSpec, SelfAttention
@@ -39,6 +40,14 @@ def attention_spec(cfg: ModelConfig, i: int) -> AttentionSpec:
                          AttnOptions(scale=scale, window=cfg.window(i), soft_cap=cfg.attn_softcap))
 
 
+def mlp_of(cfg: ModelConfig, i: int) -> nn.Module:
+    """Layer i's MLP: the gated MLP, or a mixture of gated experts (Mixtral, Qwen2/3-MoE) in an MoE layer."""
+    if cfg.is_moe_layer(i):
+        return SparseMoE(cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention block and pre-norm MLP block, each with a residual (Llama, Qwen, Mistral, Phi-3).
 
@@ -51,7 +60,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.self_attn = SelfAttention(attention_spec(cfg, layer_idx), layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.mlp = mlp_of(cfg, layer_idx)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +84,7 @@ class SandwichDecoderLayer(nn.Module):
         self.self_attn = SelfAttention(attention_spec(cfg, layer_idx), layer_idx)
         self.post_attention_layernorm = RMSNorm(*norm)
         self.pre_feedforward_layernorm = RMSNorm(*norm)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.mlp = mlp_of(cfg, layer_idx)
         self.post_feedforward_layernorm = RMSNorm(*norm)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
@@ -194,8 +203,8 @@ def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: int | None, cf
     """Copy a checkpoint tensor into its (slice of the) parameter, converting dtype in the copy."""
     dest = param.data
     if shard is not None:
-        sizes = ([cfg.q_size, cfg.kv_size, cfg.kv_size] if shard_of_qkv(name)
-                 else [cfg.intermediate_size, cfg.intermediate_size])
+        # gate_up: two halves of whatever width this MLP has (dense, expert or shared expert)
+        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size] if shard_of_qkv(name) else [dest.shape[0] // 2] * 2
         dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
     if tuple(tensor.shape) != tuple(dest.shape):
         raise CheckpointError(

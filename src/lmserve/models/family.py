@@ -8,7 +8,7 @@ models/registry.py maps architecture names to them: adding the next family is on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -22,11 +22,13 @@ Tensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class GGUFMeta:
-    """A GGUF file's metadata, read as `{arch}.key`; `tensor(name)` reads a small tensor (rope factors)."""
+    """A GGUF file's metadata, read as `{arch}.key`; `tensor(name)` reads a small tensor (rope factors); `names`
+    are the file's tensor names."""
 
     def __init__(self, meta: Mapping[str, Any], arch: str,
-                 tensor: Callable[[str], torch.Tensor | None] = lambda name: None) -> None:
-        self.meta, self.arch, self.tensor = meta, arch, tensor
+                 tensor: Callable[[str], torch.Tensor | None] = lambda name: None,
+                 names: Collection[str] = ()) -> None:
+        self.meta, self.arch, self.tensor, self.names = meta, arch, tensor, frozenset(names)
 
     def get(self, key: str, default: Any = None) -> Any:
         """`{arch}.{key}`, or `default` when absent."""
@@ -37,6 +39,19 @@ class GGUFMeta:
         if value is None:
             raise CheckpointError(f"GGUF metadata: missing {self.arch}.{key}")
         return value
+
+
+def gguf_expert_fields(m: GGUFMeta, renormalize: bool) -> Fields:
+    """llama.cpp's expert keys; a layer is sparse where the file has its router (`blk.{i}.ffn_gate_inp`). llama.cpp
+    hard-codes per architecture whether the top-k weights are renormalised (`renormalize`) unless the file says."""
+    count = int(m.get("expert_count") or 0)
+    if count == 0:
+        return {}
+    n, size = int(m.require("block_count")), m.get("expert_feed_forward_length")
+    return {"num_experts": count, "num_experts_per_tok": int(m.require("expert_used_count")),
+            "moe_intermediate_size": int(size) if size else None,
+            "norm_topk_prob": bool(m.get("expert_weights_norm", renormalize)),
+            "dense_layers": tuple(i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in m.names)}
 
 
 def _no_fields(_: Any) -> Fields:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from lmserve.models.family import Family, Fields, GGUFMeta
+from lmserve.models.family import Family, Fields, GGUFMeta, gguf_expert_fields
 
 
 def _every_layer_slides(cfg: Mapping[str, Any]) -> Fields:
@@ -49,7 +49,8 @@ def _smollm3_gguf(m: GGUFMeta) -> Fields:
     return {"no_rope_layers": tuple(i for i in range(n) if (i + 1) % 4 == 0)}
 
 
-LLAMA = Family("llama", gguf_permuted_qk=True)
+# a "llama" GGUF with expert tensors is Mixtral: llama.cpp always renormalises its top-k weights
+LLAMA = Family("llama", gguf_fields=lambda m: gguf_expert_fields(m, renormalize=True), gguf_permuted_qk=True)
 MISTRAL = Family("mistral", hf_fields=_every_layer_slides)  # its GGUF is a "llama" file (no window key)
 QWEN2 = Family("qwen2", hf_fields=_qwen2_hf, gguf_fields=lambda m: {"qkv_bias": True})
 QWEN3 = Family("qwen3", hf_fields=_qwen3_hf, gguf_fields=lambda m: {"qk_norm": True})

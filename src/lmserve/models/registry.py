@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import gemma, llama, phi3
+from lmserve.models import gemma, llama, moe, phi3
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -20,15 +20,20 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Gemma3ForCausalLM": gemma.GEMMA3,
     "Gemma3ForConditionalGeneration": gemma.GEMMA3_MULTIMODAL,  # its language model (no vision tower)
     "Phi3ForCausalLM": phi3.PHI3,
+    "MixtralForCausalLM": moe.MIXTRAL,
+    "Qwen2MoeForCausalLM": moe.QWEN2_MOE,
+    "Qwen3MoeForCausalLM": moe.QWEN3_MOE,
 }
 GGUF_ARCHITECTURES: dict[str, Family] = {
-    "llama": llama.LLAMA,  # also Mistral's files
+    "llama": llama.LLAMA,  # also Mistral's and Mixtral's files
     "qwen2": llama.QWEN2,
     "qwen3": llama.QWEN3,
     "smollm3": llama.SMOLLM3,
     "gemma2": gemma.GEMMA2,
     "gemma3": gemma.GEMMA3,
     "phi3": phi3.PHI3,
+    "qwen2moe": moe.QWEN2_MOE,
+    "qwen3moe": moe.QWEN3_MOE,
 }
 
 

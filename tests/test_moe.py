@@ -1,0 +1,176 @@
+"""Mixture of experts (layers/moe.py): the sorted-by-expert layer against a token-by-token reference, batch invariance
+on the float (oneDNN-packed) and GGUF-block paths, GGUF `*_exps` experts kept in their blocks one slice at a time
+against the dequantized float model, Qwen's dense layers (`decoder_sparse_step`, `mlp_only_layers`), tensor
+parallelism, and a Qwen3-MoE served to the openai client. The per-family parity (logits and greedy tokens against
+transformers, both formats, chunked prefill and prefix caching) is in tests/test_model_families.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lmserve.layers.gguf_linear import GGUFLinear, dequantize
+from lmserve.layers.linear import pack_linears
+from lmserve.layers.moe import SparseMoE, reference_moe
+from lmserve.loader import load_model
+from tests.test_model_families import assert_close, prompts
+from tests.test_model_parity import flat_logits
+from tests.tiny_models import build_hf, write_gguf
+
+CPU = torch.device("cpu")
+# experts in two block layouts (gate/up 4-bit with a min, down 8-bit), the router left F32 as llama.cpp's converters do
+EXPERT_KINDS = {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """(HF directory, transformers model, GGUF with quantized experts) of the tiny Qwen3-MoE (8 experts, top-2)."""
+    root = tmp_path_factory.mktemp("moe")
+    path, ref = build_hf("qwen3_moe", root)
+    gguf = write_gguf("qwen3_moe", ref, root / "q.gguf", lambda n: EXPERT_KINDS.get(n.split(".")[-2], "Q8_0"))
+    return path, ref, gguf
+
+
+def random_moe(shared: int = 0, seed: int = 0) -> SparseMoE:
+    torch.manual_seed(seed)
+    moe = SparseMoE(64, 48, num_experts=8, top_k=2, renormalize=shared == 0, shared_size=shared).eval()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+def test_sorted_experts_match_the_token_by_token_reference(shared):
+    """Grouping by expert, one call per active expert and the per-token weighted sum give the reference's numbers
+    (with and without Qwen2-MoE's shared expert), and every expert is used by some token."""
+    moe = random_moe(shared)
+    x = torch.randn(40, 64)
+    with torch.no_grad():
+        assert torch.allclose(moe(x), reference_moe(x, moe), rtol=1e-5, atol=1e-5)
+        used = torch.topk(moe.gate(x), 2).indices.unique()
+    assert len(used) == 8
+
+
+def rows_alone_equal_rows_in_batch(layer: nn.Module, x: torch.Tensor) -> bool:
+    with torch.inference_mode():
+        full = layer(x)
+        return torch.equal(full, torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])]))
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(qwen3_moe):
+    """A row alone and in a batch of 16, bit for bit (as tests/test_quantized.py asks of the linears): the float
+    layer as the engine packs it (oneDNN, the skinny kernel for a few rows) and the GGUF-block layer."""
+    moe = pack_linears(random_moe(32))
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    assert rows_alone_equal_rows_in_batch(moe, x)
+    packed = load_model(qwen3_moe[2], torch.float32, CPU, quantization="gguf").model
+    layer = packed.model.layers[0].mlp
+    assert isinstance(layer.experts[0].gate_up_proj, GGUFLinear)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
+    assert rows_alone_equal_rows_in_batch(layer, x)
+
+
+def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(qwen3_moe, monkeypatch):
+    """`--quantization gguf` (and `auto`): every expert's gate_up and down read its slice of the 3-D `*_exps` blocks
+    (their dequantized weights are the float path's, exactly) and the router stays float. Each MoE layer equals its
+    reference path (every expert dequantized and multiplied in float64 with the kernel's int8 activations,
+    `gguf_linear.reference_linear`) on the same input, and the model's greedy choices follow the float model's
+    (int8 activations, as llama.cpp: a whole model's outputs drift apart by rounding, not by a wrong expert)."""
+    from lmserve.layers import native
+
+    _, _, gguf = qwen3_moe
+    packed = load_model(gguf, torch.float32, CPU, quantization="gguf")
+    plain = load_model(gguf, torch.float32, CPU, quantization="none", pack=False).model
+    assert packed.weight_format == "gguf"
+    assert load_model(gguf, torch.float32, CPU, quantization="auto").weight_format == "gguf"
+    for layer, ref in zip(packed.model.model.layers, plain.model.layers):
+        assert not isinstance(layer.mlp.gate, GGUFLinear)
+        for ours, theirs in zip(layer.mlp.experts, ref.mlp.experts):
+            for proj in ("gate_up_proj", "down_proj"):
+                kept = getattr(ours, proj)
+                assert isinstance(kept, GGUFLinear)
+                assert torch.equal(dequantize(kept.repacked()), getattr(theirs, proj).weight.detach())
+    batch = prompts((5, 30, 19))
+    agree = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(flat_logits(packed.model, batch),
+                                                                      flat_logits(plain, batch))])
+    assert agree.float().mean().item() > 0.9
+    x = torch.randn(24, 128, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        fast = [layer.mlp(x) for layer in packed.model.model.layers]
+        monkeypatch.setattr(native, "_on", False)  # every layer's reference path (LMSERVE_NATIVE_KERNELS=0)
+        for layer, out in zip(packed.model.model.layers, fast):
+            ref = layer.mlp(x)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_qwen_dense_layers_follow_sparse_step_and_mlp_only_layers(tmp_path):
+    """decoder_sparse_step 2 and mlp_only_layers [3] over 4 layers: only layer 1 routes to experts; logits match."""
+    path, ref = build_hf("qwen3_moe", tmp_path, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    loaded = load_model(path, torch.float32, CPU)
+    assert [isinstance(layer.mlp, SparseMoE) for layer in loaded.model.model.layers] == [False, True, False, False]
+    assert loaded.config.dense_layers == (0, 2, 3)
+    batch = prompts((7, 19))
+    for prompt, ours in zip(batch, flat_logits(loaded.model, batch)):
+        with torch.no_grad():
+            assert_close(ours, ref(torch.tensor([prompt])).logits[0])
+
+
+def test_tensor_parallel_splits_every_experts_width(tmp_path):
+    """TP=2 on Qwen2-MoE (a shared expert beside the routed ones): each rank holds half of every expert's
+    intermediate width, the layer is all-reduced once, and rank 0's logits equal one rank's."""
+    from lmserve.layers.attention import ContiguousAttention
+    from lmserve.loader.sharding import local_config
+    from tests.test_tp import PROMPTS, tp_logits
+
+    path, _ = build_hf("qwen2_moe", tmp_path, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    whole = load_model(path, torch.float32, CPU)
+    half = local_config(whole.config, 2)
+    assert (half.expert_size, half.shared_expert_intermediate_size) == (32, 48)
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    with torch.inference_mode():
+        ref = whole.model.compute_logits(whole.model(ids, pos, ContiguousAttention([len(p) for p in PROMPTS])))
+    got = tp_logits(path, 2)
+    assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_lora_on_experts_is_refused_with_a_clear_error(qwen3_moe, tmp_path):
+    """A PEFT adapter that targets an MoE layer's MLP names the layer and what to target instead."""
+    from lmserve.loader import read_model_config
+    from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
+    from tests.lora_adapters import write_random_adapter
+
+    cfg = read_model_config(qwen3_moe[0])
+    attention_only = write_random_adapter(tmp_path / "attn", cfg, target_modules=["q_proj", "o_proj"])
+    assert read_peft_adapter(attention_only, cfg, name="attn").target_modules == ("o_proj", "q_proj")
+    experts = write_random_adapter(tmp_path / "mlp", cfg, target_modules=["q_proj", "gate_proj"])
+    with pytest.raises(AdapterError, match="layer 0 is a mixture of experts"):
+        read_peft_adapter(experts, cfg, name="mlp")
+
+
+def test_served_to_the_openai_client(qwen3_moe):
+    """`lmserve serve --model <Qwen3-MoE directory>` answers a completion with the engine's greedy tokens."""
+    from openai import OpenAI
+
+    from lmserve.config import CacheConfig, EngineConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.tokenizer import Tokenizer
+    from tests.server_util import running_server
+    from tests.test_gemma3_real import generate
+
+    path = qwen3_moe[0]
+    tok = Tokenizer.from_pretrained(path)
+    prompt = " ".join(f"w{i}" for i in np.random.default_rng(3).integers(0, 200, 24))
+    eng = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=32)), tokenizer=tok)
+    want = generate(eng, [tok.encode_prompt(prompt)], 12)
+    with running_server("--model", str(path), "--served-model-name", "moe") as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused")
+        done = client.completions.create(model="moe", prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 12
+    # the same 12 words (the streaming detokenizer puts the space after the prompt's last word in front)
+    assert done.choices[0].text.split() == tok.decode(want[0]).split()
