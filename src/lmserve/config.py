@@ -33,6 +33,9 @@ class CacheConfig:
     # auto: float16 where the weights are a GGUF file's kept blocks on CPU (llama.cpp's default KV type: half
     # the bytes every decode step reads), else the model's dtype; float32 | float16 force one
     kv_cache_dtype: str = "auto"
+    # sliding-window layers in KV groups of their own that release the blocks their window left (cache/kv_groups.py);
+    # False: every layer keeps every block (vLLM's --disable-hybrid-kv-cache-manager; the tests' reference)
+    hybrid_kv_cache: bool = True
 
     @property
     def sized_explicitly(self) -> bool:
@@ -178,7 +181,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_dtype=args.kv_cache_dtype),
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager),
         kv_offload=KVOffloadConfig(args.kv_offload_memory, args.kv_offload_dir, args.kv_offload_disk_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),

@@ -13,9 +13,11 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from lmserve.cache.kv_groups import KVGroup, engine_groups, peak_blocks
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
 from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.tokenizer.tokenizer import check_tokenizer_file
@@ -80,10 +82,11 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     # the engine checks its real pool again (check_kv_pool) once it knows it.
     # each rank holds its share of the KV heads: on CUDA in its own GPU, on CPU all in the same host memory
     per_rank = local_config(model_config, cfg.parallel.tensor_parallel_size) if device.type == "cuda" else model_config
-    block_bytes = kv_bytes_per_block(per_rank, cfg.cache.block_size, kv_dtype)
+    shape = kv_pool_shape(per_rank, cfg, kv_dtype, cfg.max_model_len)
     available = available_memory(device)
-    blocks = num_kv_blocks(cfg.cache, block_bytes, available, cfg.scheduler.max_num_seqs, cfg.max_model_len)
-    check_kv_pool(cfg.cache, blocks, block_bytes, cfg.max_model_len, available)
+    blocks = num_kv_blocks(cfg.cache, shape.block_bytes, available, cfg.scheduler.max_num_seqs, cfg.max_model_len,
+                           shape.blocks_per_seq)
+    check_kv_pool(cfg.cache, blocks, shape.block_bytes, cfg.max_model_len, available, need=shape.blocks_per_seq)
     return CheckedConfig(cfg, model_config, path)
 
 
@@ -181,15 +184,32 @@ def _check_prefill_budget(cfg: EngineConfig) -> None:
                     cfg.max_model_len, s.max_num_batched_tokens)
 
 
+class KVPoolShape(NamedTuple):
+    """What one KV block is and how many a request needs: the same numbers for the engine and the checks before it."""
+
+    groups: tuple[KVGroup, ...]  # layers that share a block table (cache/kv_groups.py)
+    block_bytes: int  # block_size slots in one group's layers (this rank's KV heads)
+    blocks_per_seq: int  # the most blocks one max_model_len request holds at once, over every group
+
+
+def kv_pool_shape(model: ModelConfig, cfg: EngineConfig, kv_dtype: torch.dtype, max_model_len: int) -> KVPoolShape:
+    """The KV groups of `model`'s layers, the bytes of a block and the blocks a max_model_len request holds."""
+    groups = engine_groups(list(map(model.window, range(model.num_layers))), max_model_len, cfg.cache.hybrid_kv_cache)
+    block_bytes = kv_bytes_per_block(model, cfg.cache.block_size, kv_dtype, len(groups[0].layers))
+    per_seq = peak_blocks(groups, max_model_len, cfg.cache.block_size, cfg.scheduler.max_num_batched_tokens)
+    return KVPoolShape(groups, block_bytes, per_seq)
+
+
 def check_kv_pool(cache: CacheConfig, num_blocks: int, block_bytes: int, max_model_len: int,
-                  available_bytes: int, explicit: bool | None = None) -> None:
+                  available_bytes: int, explicit: bool | None = None, need: int | None = None) -> None:
     """Refuse a pool that cannot hold one max_model_len request, unless its size was given explicitly (then warn).
 
     A pool without a single block is refused either way: it could serve nothing. `explicit` overrides
     `cache.sized_explicitly` (a GPU budget from profiling is written into the config but was not the user's).
     """
     explicit = cache.sized_explicitly if explicit is None else explicit
-    need = blocks_for(max_model_len, cache.block_size)
+    if need is None:  # blocks one max_model_len request holds (over every KV group: cache/kv_groups.peak_blocks)
+        need = blocks_for(max_model_len, cache.block_size)
     if num_blocks >= need:
         return
     tokens = num_blocks * cache.block_size

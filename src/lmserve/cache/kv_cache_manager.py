@@ -15,7 +15,10 @@ from typing import Sequence
 import numpy as np
 
 from lmserve.cache.block_pool import Block, BlockPool
+from lmserve.cache.kv_groups import KVGroup, first_needed_block, peak_blocks
 from lmserve.cache.kv_tier import KVTier
+from lmserve.cache.sizing import blocks_for
+from lmserve.errors import ConfigError
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
@@ -28,21 +31,41 @@ def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") 
 
 @dataclass
 class ComputedBlocks:
-    """A prefix-cache hit: blocks whose KV is already in the cache, covering `num_tokens` tokens."""
+    """A prefix-cache hit: per KV group, the blocks whose KV is already in the cache, covering `num_tokens` tokens
+    (None where a window group needs no block: its window starts after it)."""
 
-    blocks: list[Block] = field(default_factory=list)
+    tables: list[list[Block | None]] = field(default_factory=list)
     num_tokens: int = 0  # the pool's blocks and the tier's together
-    tier: list[bytes] = field(default_factory=list)  # hashes of the blocks after `blocks` that the KV tier holds
+    tier: list[bytes] = field(default_factory=list)  # hashes of the blocks after the hit that the KV tier holds
+
+    @property
+    def blocks(self) -> list[Block | None]:
+        """The first group's hit (the only one for a model without window groups)."""
+        return self.tables[0] if self.tables else []
 
 
 class KVCacheManager:
-    """Maps each request to the list of blocks holding its KV, in token order."""
+    """Maps each request to its block table per KV group (cache/kv_groups.py), in token order.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    Every group of a request has a table of the same length (one entry per `block_size` tokens); a window group
+    releases the blocks its window left (cache/kv_groups.first_needed_block) before each allocation, and its
+    table holds None there. The runner reads those entries as `null_block`, never unmasked.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 groups: Sequence[KVGroup] | None = None, max_step_tokens: int | None = None) -> None:
+        """`groups`: the model's KV groups (None: one that keeps every block); `max_step_tokens`: the most tokens a
+        request computes in one step (the scheduler's token budget), which bounds what a window group holds."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.groups = tuple(groups) if groups else (KVGroup(()),)
+        self.max_step_tokens = max_step_tokens
+        # what a table says where a window group released its block: one past the pool's ids (the runner's scratch
+        # block), read only under a window mask
+        self.null_block = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_blocks: dict[str, list[list[Block | None]]] = {}  # per request, per group
+        self._released: dict[str, list[int]] = {}  # per request, per group: entries below were released (None)
         self._req_hashes: dict[str, list[bytes]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of each request already registered
         self.prefix_hits = 0  # tokens served from the cache since start (for stats), the tier's included
@@ -53,6 +76,9 @@ class KVCacheManager:
 
     def attach_tier(self, tier: KVTier) -> None:
         """Look up prefixes in `tier` beyond the pool, and list the copies it needs each step."""
+        if len(self.groups) > 1:
+            raise ConfigError("the KV offload tier does not keep the blocks of models with sliding-window layer "
+                              "groups yet (Gemma 2/3, gpt-oss); drop --kv-offload-memory/--kv-offload-dir")
         self.tier = tier
         self.pool.evicted = []  # the pool now reports the cached blocks it reuses
 
@@ -65,34 +91,70 @@ class KVCacheManager:
         """Fraction of blocks referenced by running requests."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
-    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        """The request's block ids from its `start`-th block on (its whole table by default)."""
-        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+    def block_ids(self, request_id: str, start: int = 0, group: int = 0) -> list[int]:
+        """One group's block ids of the request from its `start`-th block on (its whole table by default)."""
+        tables = self.req_blocks.get(request_id)
+        if not tables:
+            return []
+        return [self.null_block if b is None else b.block_id for b in tables[group][start:]]
+
+    def table_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """Every group's block ids from the `start`-th on, group after group (each group has as many)."""
+        return [i for g in range(len(self.groups)) for i in self.block_ids(request_id, start, g)]
+
+    def held_blocks(self, request_id: str) -> int:
+        """Blocks the request references now, over every group (released ones not counted)."""
+        return sum(b is not None for t in self.req_blocks.get(request_id, ()) for b in t)
 
     def num_blocks_of(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ()))
+        """Length of the request's table (the same in every group)."""
+        tables = self.req_blocks.get(request_id)
+        return len(tables[0]) if tables else 0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """The most blocks a request of `num_tokens` tokens holds at once, over every group."""
+        return peak_blocks(self.groups, num_tokens, self.block_size, self.max_step_tokens)
 
     def find_computed(self, request_id: str, token_ids: Sequence[int], extra: bytes = b"",
                       allow: bool = True) -> ComputedBlocks:
         """Longest cached prefix of full blocks, leaving at least one token to compute (for its logits).
 
+        A full-attention group needs every block of the prefix; a window group only those its window reaches
+        from the first token to compute (vLLM's rule): the hit is the longest prefix every group can serve.
         `allow=False` skips the lookup for one request (prompt logprobs need every position computed).
         """
         if not self.enable_prefix_caching or not allow:
             return ComputedBlocks()
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hashes = self._hashes(request_id, token_ids, extra, max_blocks)
-        hit: list[Block] = []
-        for h in hashes[:max_blocks]:
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            hit.append(block)
-        tier = self._tier_hits(hashes[len(hit):max_blocks])
-        return ComputedBlocks(hit, (len(hit) + len(tier)) * self.block_size, tier)
+        hashes = self._hashes(request_id, token_ids, extra, max_blocks)[:max_blocks]
+        n = len(hashes)
+        for g, group in enumerate(self.groups):
+            if group.window is None:  # every block of the prefix, up to the first miss
+                n = next((i for i, h in enumerate(hashes[:n]) if self.pool.lookup(_group_key(h, g)) is None), n)
+        n = self._window_hit(hashes, n)
+        tables = []
+        for g in range(len(self.groups)):
+            first = self._first_needed(g, n * self.block_size)
+            tables.append([None] * first + [self.pool.lookup(_group_key(h, g)) for h in hashes[first:n]])
+        tier = self._tier_hits(hashes[n:])
+        return ComputedBlocks(tables, (n + len(tier)) * self.block_size, tier)
+
+    def _window_hit(self, hashes: list[bytes], n: int) -> int:
+        """The longest hit of at most n blocks for which every window group holds the blocks its window reaches:
+        where a needed block is missing, no longer hit can use it, so the hit ends before it; until all agree."""
+        present = {g: [self.pool.lookup(_group_key(h, g)) is not None for h in hashes[:n]]
+                   for g, group in enumerate(self.groups) if group.window is not None}
+        changed = True
+        while changed and n > 0:
+            changed = False
+            for g, have in present.items():
+                missing = [i for i in range(self._first_needed(g, n * self.block_size), n) if not have[i]]
+                if missing:
+                    n, changed = missing[-1], True
+        return n
+
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        return first_needed_block(num_computed, self.groups[group].window, self.block_size)
 
     def _tier_hits(self, hashes: list[bytes]) -> list[bytes]:
         """The leading hashes the tier holds, stopping where the pool holds one again (never the case in practice:
@@ -109,50 +171,68 @@ class KVCacheManager:
                  computed: ComputedBlocks | None = None, extra: bytes = b"", num_lookahead: int = 0) -> bool:
         """Make room for `num_new` known tokens plus `num_lookahead` drafts after `num_computed`.
 
-        Returns False (and changes nothing) if blocks run out, or if a tier block of `computed` cannot be
-        read (its file failed a check: the next lookup stops before it). Only blocks filled by known tokens get
-        a prefix hash (published for other requests to share); slots that drafts write are never hashed
-        until the tokens there are accepted and known. Blocks from the tier get fresh pool blocks, published at
-        once: the runner loads their bytes before this step's forward.
+        First a window group releases the blocks its window left. Returns False (and changes nothing else) if
+        blocks run out, or if a tier block of `computed` cannot be read (its file failed a check: the next lookup
+        stops before it). Only blocks filled by known tokens get a prefix hash (published for other requests to
+        share); slots that drafts write are never hashed until the tokens there are accepted and known. Blocks
+        from the tier get fresh pool blocks, published at once: the runner loads their bytes before this step's
+        forward.
         """
-        blocks = self.req_blocks.get(request_id, [])
-        hit = computed.blocks if computed else []
+        tables = self.req_blocks.get(request_id)
+        if tables is not None:
+            self._release(request_id, tables, num_computed)
+        hit = computed.tables if computed and computed.tables else [[] for _ in self.groups]
         tier = computed.tier if computed else []
-        need = self.blocks_needed(num_computed + num_new + num_lookahead) - len(blocks) - len(hit)
-        reclaim = sum(1 for b in hit if b.ref_cnt == 0)  # free-queue blocks a hit would pull out
-        if need > self.pool.num_free_blocks - reclaim:
+        have = (len(tables[0]) if tables else 0) + len(hit[0])
+        need = max(blocks_for(num_computed + num_new + num_lookahead, self.block_size) - have, 0)
+        reclaim = sum(1 for t in hit for b in t if b is not None and b.ref_cnt == 0)  # free blocks a hit pulls out
+        if need * len(self.groups) > self.pool.num_free_blocks - reclaim:
             return False
         if tier and not self.tier.stage(tier):
             return False
-        self.pool.touch(hit)
-        fresh = self.pool.allocate(max(need, 0))
-        for block, h in zip(fresh, tier):
-            self.pool.cache(block, h)
-            self._loads.append((block.block_id, h))
-        blocks = blocks + hit + fresh
-        self.req_blocks[request_id] = blocks
+        if tables is None:
+            tables = self.req_blocks[request_id] = [[] for _ in self.groups]
+            # a window group's hit starts with the entries its window no longer reaches (None)
+            self._released[request_id] = [next((i for i, b in enumerate(t) if b is not None), len(t)) for t in hit]
+        for g, table in enumerate(tables):
+            self.pool.touch([b for b in hit[g] if b is not None])
+            fresh = self.pool.allocate(need)
+            for block, h in zip(fresh, tier if g == 0 else ()):  # a tier serves one-group models only
+                self.pool.cache(block, h)
+                self._loads.append((block.block_id, h))
+            table.extend(hit[g] + fresh)
         if computed:
             self.prefix_hits += computed.num_tokens
-        self._cache_full(request_id, blocks, token_ids, num_computed + num_new, extra)
+        self._cache_full(request_id, tables, token_ids, num_computed + num_new, extra)
         return True
+
+    def _release(self, request_id: str, tables: list[list[Block | None]], num_computed: int) -> None:
+        """Free each window group's blocks that no query from position `num_computed` on can see."""
+        released = self._released[request_id]
+        for g, table in enumerate(tables):
+            first = self._first_needed(g, num_computed)
+            if first > released[g]:
+                self.pool.free([b for b in reversed(table[released[g]:first]) if b is not None])
+                table[released[g]:first] = [None] * (first - released[g])
+                released[g] = first
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Roll a request back to `num_tokens` slots: free the tail blocks that only rejected drafts used.
 
-        Hashed blocks are never among them: a hash covers known tokens only, all below num_tokens.
+        Hashed blocks are never among them: a hash covers known tokens only, all below num_tokens. Nor are released
+        ones: a window group releases only blocks below the computed tokens.
         """
-        blocks = self.req_blocks.get(request_id)
-        if not blocks:
-            return
-        keep = self.blocks_needed(num_tokens)
-        if keep < len(blocks):
-            self.pool.free(list(reversed(blocks[keep:])))
-            del blocks[keep:]
+        keep = blocks_for(num_tokens, self.block_size)
+        for table in self.req_blocks.get(request_id, ()):
+            if keep < len(table):
+                self.pool.free(list(reversed(table[keep:])))
+                del table[keep:]
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (finished, aborted or preempted)."""
-        blocks = self.req_blocks.pop(request_id, [])
-        self.pool.free(list(reversed(blocks)))
+        for table in self.req_blocks.pop(request_id, ()):
+            self.pool.free([b for b in reversed(table) if b is not None])
+        self._released.pop(request_id, None)
         self._req_hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
 
@@ -185,9 +265,9 @@ class KVCacheManager:
             hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra))
         return hashes
 
-    def _cache_full(self, request_id: str, blocks: list[Block], token_ids: Sequence[int], num_tokens: int,
-                    extra: bytes) -> None:
-        """Register the blocks that will be full once this step's tokens are written."""
+    def _cache_full(self, request_id: str, tables: list[list[Block | None]], token_ids: Sequence[int],
+                    num_tokens: int, extra: bytes) -> None:
+        """Register each group's blocks that will be full once this step's tokens are written."""
         if not self.enable_prefix_caching:
             return
         full = min(num_tokens, len(token_ids)) // self.block_size
@@ -195,7 +275,14 @@ class KVCacheManager:
         if full <= done:
             return
         hashes = self._hashes(request_id, token_ids, extra, full)
-        for block, h in zip(blocks[done:full], hashes[done:full]):
-            if self.pool.cache(block, h) and self.tier is not None and self.tier.wants_persist(h):
-                self._persists.append((block.block_id, h))  # written by this step: to disk after it
+        for g, table in enumerate(tables):
+            for block, h in zip(table[done:full], hashes[done:full]):
+                if block is not None and self.pool.cache(block, _group_key(h, g)) and self.tier is not None \
+                        and self.tier.wants_persist(h):
+                    self._persists.append((block.block_id, h))  # written by this step: to disk after it
         self._num_cached[request_id] = full
+
+
+def _group_key(block_hash: bytes, group: int) -> bytes:
+    """A block's key in the pool for one group: the same tokens hold other layers' KV in another group."""
+    return block_hash if group == 0 else hashlib.sha256(block_hash + group.to_bytes(2, "little")).digest()

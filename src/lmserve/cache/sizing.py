@@ -21,12 +21,17 @@ def kv_budget_bytes(cache: CacheConfig, available_bytes: int) -> float:
 
 
 def num_kv_blocks(cache: CacheConfig, block_bytes: int, available_bytes: int, max_num_seqs: int,
-                  max_model_len: int) -> int:
-    """Blocks in the pool: `num_blocks` if given, else what the budget holds (0 when not even one block fits)."""
+                  max_model_len: int, blocks_per_seq: int | None = None) -> int:
+    """Blocks in the pool: `num_blocks` if given, else what the budget holds (0 when not even one block fits).
+
+    `blocks_per_seq`: the most blocks one max_model_len request holds over every KV group (cache/kv_groups.
+    peak_blocks; None: one group, blocks_for(max_model_len)).
+    """
     if cache.num_blocks:
         return cache.num_blocks
     # Never more than the whole context of max_num_seqs sequences: more would sit unused.
-    cap = max_num_seqs * blocks_for(max_model_len, cache.block_size)
+    per_seq = blocks_per_seq if blocks_per_seq is not None else blocks_for(max_model_len, cache.block_size)
+    cap = max_num_seqs * per_seq
     return min(int(kv_budget_bytes(cache, available_bytes) // block_bytes), cap)
 
 

@@ -101,6 +101,9 @@ def _add_runtime_args(g) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true", help="schedule whole prompts only (on by default)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse KV blocks of a prompt prefix seen before (reused by default)")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="sliding-window layers keep every KV block, as full-attention layers do (by default they "
+                   "release the blocks their window left: Gemma 2/3, Mistral)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "int8", "fp8_e4m3"), default="auto",
                    help="KV cache element type; auto: float16 for a GGUF file's kept blocks on CPU (as llama.cpp), "

@@ -25,11 +25,11 @@ from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_m
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
 from lmserve.lora.slots import LoraSlots
-from lmserve.preflight import check_kv_pool, check_tensor_parallel
+from lmserve.preflight import check_kv_pool, check_tensor_parallel, kv_pool_shape
 from lmserve.tokenizer import Tokenizer, load_tokenizer
 from lmserve.utils import available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
-from lmserve.worker.model_runner import ModelRunner, kv_bytes_per_block, profile_forward
+from lmserve.worker.model_runner import ModelRunner, profile_forward
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,9 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     model_cfg = loaded.config
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     block_size = cfg.cache.block_size
-    block_bytes = kv_bytes_per_block(loaded.model.config, block_size, kv_dtype)  # this rank's KV heads
-    num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len)
+    # which layers share a block table, and a block's bytes in one group's layers of this rank's KV heads
+    groups, block_bytes, per_seq = kv_pool_shape(loaded.model.config, cfg, kv_dtype, max_model_len)
+    num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len, per_seq)
     lora_slots, loras = _lora(cfg, loaded, dtype, device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype)
     # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
@@ -107,17 +108,18 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     say("attention backend: %s (%s)", backend.name, backend.why)
     # the runner sees this rank's model: its KV cache holds only this rank's KV heads
     runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, lora_slots,
-                         kv_dtype=kv_dtype, attention_backend=backend.name)
+                         kv_dtype=kv_dtype, attention_backend=backend.name, kv_groups=[g.layers for g in groups])
     # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
     if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None:
         runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(max_model_len, block_size), capture=True)
     if ranks is None:
         executor = UniProcExecutor(runner)
     else:
-        ranks.send_pool(num_blocks, block_size, cfg.parallel.rank_timeout_s * 10)
+        ranks.send_pool(num_blocks, block_size, [g.layers for g in groups], cfg.parallel.rank_timeout_s * 10)
         executor = MultiprocExecutor(runner, ranks)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_cfg.eos_token_ids)
-    kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching)
+    kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching, groups,
+                        cfg.scheduler.max_num_batched_tokens)
     return EngineParts(cfg, device, dtype, kv_dtype, loaded, tokenizer, max_model_len, eos, block_size, num_blocks,
                        block_bytes, kv, lora_slots, loras, runner, executor)
 
@@ -163,7 +165,7 @@ def _lora(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: to
 
 
 def _num_blocks(cfg: EngineConfig, device: torch.device, loaded: LoadedModel, block_bytes: int,
-                max_model_len: int) -> int:
+                max_model_len: int, per_seq: int) -> int:
     """The KV pool's size in blocks: as given, or what the memory budget holds."""
     c = cfg.cache
     if device.type == "cuda" and not c.sized_explicitly:
@@ -172,9 +174,9 @@ def _num_blocks(cfg: EngineConfig, device: torch.device, loaded: LoadedModel, bl
     # what one block costs the memory the pool is sized against: on CPU every rank's share of it comes out of the
     # same host memory; on CUDA each rank has its own GPU
     sizing_bytes = block_bytes * (cfg.parallel.tensor_parallel_size if device.type == "cpu" else 1)
-    blocks = num_kv_blocks(c, sizing_bytes, available, cfg.scheduler.max_num_seqs, max_model_len)
+    blocks = num_kv_blocks(c, sizing_bytes, available, cfg.scheduler.max_num_seqs, max_model_len, per_seq)
     if not cfg.cache.sized_explicitly:  # an explicit size was the user's choice (preflight warned about it)
-        check_kv_pool(c, blocks, sizing_bytes, max_model_len, available, explicit=False)
+        check_kv_pool(c, blocks, sizing_bytes, max_model_len, available, explicit=False, need=per_seq)
     return max(1, blocks)
 
 

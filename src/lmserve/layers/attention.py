@@ -111,3 +111,16 @@ class ContiguousAttention:
             outs.append(causal_sdpa(q[start:start + n], k[start:start + n], v[start:start + n], opts=opts))
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+@dataclass
+class GroupedAttention:
+    """Layers in several KV cache groups (cache/kv_groups.py): each layer attends through its group's context,
+    which holds that group's block tables and slots."""
+
+    contexts: Sequence[AttentionContext]
+    layer_group: Sequence[int]  # [num_layers] the group of each layer
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               opts: AttnOptions = DEFAULT) -> torch.Tensor:
+        return self.contexts[self.layer_group[layer_idx]].attend(layer_idx, q, k, v, opts)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lmserve.layers.attention import GroupedAttention
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.layers.mlp import GatedMLP
 from lmserve.layers.native import native_module
@@ -87,19 +88,26 @@ class DecodeStack:
 
     @staticmethod
     def accepts(attn, x: torch.Tensor) -> bool:
-        """True for a decode-only step on the paged cache (every row one query token), CPU float32."""
-        if not isinstance(attn, PagedAttention) or x.device.type != "cpu" or x.dtype != torch.float32:
+        """True for a decode-only step on the paged cache (every row one query token), CPU float32; with several
+        KV groups (GroupedAttention), each group's context on the paged cache."""
+        contexts = attn.contexts if isinstance(attn, GroupedAttention) else [attn]
+        if not all(isinstance(c, PagedAttention) for c in contexts) or x.device.type != "cpu" \
+                or x.dtype != torch.float32:
             return False
-        m = attn.meta
+        m = contexts[0].meta
         return not m.prefills and m.num_decodes == x.shape[0] and m.decode_context_lens is not None
 
     def __call__(self, x: torch.Tensor, cos: list[torch.Tensor], sin: list[torch.Tensor],
-                 attn: PagedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+                 attn: PagedAttention | GroupedAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's output, residual stream) after every layer; `x` becomes the residual stream."""
-        m = attn.meta
+        if isinstance(attn, GroupedAttention):  # each layer its group's slots and block tables
+            metas = [attn.contexts[g].meta for g in attn.layer_group]
+            kv_caches = attn.contexts[0].kv_caches
+        else:
+            metas, kv_caches = [attn.meta], attn.kv_caches
         self.steps += 1
-        return self.native.forward(x.contiguous(), cos, sin, attn.kv_caches, m.slot_mapping,
-                                   m.decode_block_tables, m.decode_context_lens)
+        return self.native.forward(x.contiguous(), cos, sin, kv_caches, [m.slot_mapping for m in metas],
+                                   [m.decode_block_tables for m in metas], metas[0].decode_context_lens)
 
 
 class NativeDecodeLoop(nn.Module):

@@ -46,7 +46,8 @@ class ScheduledRequest:
     sample: bool  # True when the known tokens reach the request's end: the step samples a next one
     new_token_ids: list[int] = field(default_factory=list)  # the request's tokens the runner's row lacks
     token_start: int = 0  # where new_token_ids go in the row
-    new_block_ids: list[int] = field(default_factory=list)  # block ids the row's table lacks
+    # block ids the row's tables lack: as many for each KV group (cache/kv_groups.py), group after group
+    new_block_ids: list[int] = field(default_factory=list)
     block_start: int = 0  # where new_block_ids go in the table (its length afterwards: + len(new_block_ids))
     spec_token_ids: list[int] = field(default_factory=list)  # drafts after the known tokens, to verify
     # prompt positions in this chunk whose logits score the next prompt token (prompt logprobs): [start, end)

@@ -223,7 +223,7 @@ class Scheduler:
         sent[0], sent[1] = req.num_tokens, self.kv.num_blocks_of(req.request_id)
         return ScheduledRequest(req.request_id, start, n, start + n == req.num_tokens,
                                 req.token_ids_from(token_start), token_start,
-                                self.kv.block_ids(req.request_id, block_start), block_start, list(spec),
+                                self.kv.table_ids(req.request_id, block_start), block_start, list(spec),
                                 prompt_logprob_range=lp_range,
                                 lora_slot=self.lora.slot_of(req.lora) if req.lora is not None else -1)
 

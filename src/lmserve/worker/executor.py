@@ -76,10 +76,10 @@ class RankProcesses:
             self.stop()
             raise
 
-    def send_pool(self, num_blocks: int, block_size: int, timeout_s: float) -> None:
-        """Give every worker the KV pool size and wait until each has built its cache."""
+    def send_pool(self, num_blocks: int, block_size: int, kv_groups: list[tuple[int, ...]], timeout_s: float) -> None:
+        """Give every worker the KV pool size and its groups' layers, and wait until each has built its cache."""
         for conn in self.conns:
-            conn.send((num_blocks, block_size))
+            conn.send((num_blocks, block_size, kv_groups))
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             if not conn.poll(timeout_s) or conn.recv() != "ready":
                 raise ExecutorDeadError(f"tensor-parallel rank {rank} did not start "

@@ -51,11 +51,14 @@ class CountsGather:
 class InputBatch:
     """Rows of the live requests (tokens, block table, sampling state), indexed by request id."""
 
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64, samples: bool = True) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64, samples: bool = True,
+                 num_kv_groups: int = 1) -> None:
         self.vocab, self.device, self.samples = vocab_size, torch.device(device), samples
         self.index: dict[str, int] = {}
         self.tokens = RowTable(0)  # [rows, >= tokens] prompt + output ids (+ this step's drafts past them)
-        self.blocks = RowTable(0)  # [rows, >= blocks] the KV block table
+        # [rows, >= blocks] the KV block table of each KV group (cache/kv_groups.py); `blocks` is the first's
+        self.group_blocks = [RowTable(0) for _ in range(num_kv_groups)]
+        self.blocks = self.group_blocks[0]
         self._free: list[int] = []
         self.capacity = 0
         self.cols: dict[str, np.ndarray] = {}
@@ -89,7 +92,8 @@ class InputBatch:
         c["min_tokens"][row], c["num_output"][row] = p.min_tokens, len(new.output_token_ids)
         self.params[row], self.stop_ids[row] = p, new.stop_token_ids
         self.tokens.write(row, 0, new.prompt_token_ids + new.output_token_ids)
-        self.blocks.clear(row)
+        for table in self.group_blocks:
+            table.clear(row)
         if self.samples:
             self.generators[row] = _generator(new.seed, self.device)
             self._init_counts(row, p, new)
@@ -110,7 +114,9 @@ class InputBatch:
             if s.new_token_ids:
                 self.tokens.write(row, s.token_start, s.new_token_ids)
             if s.new_block_ids or s.block_start < self.blocks.lens[row]:
-                self.blocks.write(row, s.block_start, s.new_block_ids)
+                n = len(s.new_block_ids) // len(self.group_blocks)  # as many for each group, group after group
+                for g, table in enumerate(self.group_blocks):
+                    table.write(row, s.block_start, s.new_block_ids[g * n:(g + 1) * n])
             if s.spec_token_ids:  # read as input ids at their positions; cut by the next step's new tokens
                 self.tokens.write(row, s.start_pos + s.num_known, s.spec_token_ids)
 
@@ -144,7 +150,8 @@ class InputBatch:
             self.cols[name] = np.resize(self.cols.get(name, np.zeros(0, np.int64)), capacity).astype(np.int64)
         self.greedy = np.resize(self.greedy, capacity)
         self.tokens.grow_rows(capacity)
-        self.blocks.grow_rows(capacity)
+        for table in self.group_blocks:
+            table.grow_rows(capacity)
         for lst, fill in ((self.params, None), (self.stop_ids, frozenset()), (self.generators, None)):
             lst.extend([fill] * (capacity - old))
         for name in ("counts", "prompt_seen"):

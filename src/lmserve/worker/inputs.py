@@ -13,7 +13,9 @@ summation order): this is what keeps speculative decoding token-for-token lossle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -28,9 +30,11 @@ class StepInputs:
 
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
-    attn: PagedAttentionMetadata
+    attn: PagedAttentionMetadata  # the first KV group's (every layer's, in a model with one group)
     logits_indices: np.ndarray  # [N] flat rows whose logits the sampler needs (1 + drafts per sampling request)
     prompt_lp_indices: np.ndarray  # [P] flat rows whose logits score the next prompt token
+    # the other KV groups' metadata (cache/kv_groups.py): `attn` with their own slots and block tables
+    group_attn: list[PagedAttentionMetadata] = field(default_factory=list)
 
 
 @dataclass
@@ -52,10 +56,11 @@ def order_batch(reqs: list[ScheduledRequest]) -> list[int]:
 
 
 def build_inputs(scheduled: list[ScheduledRequest], index: dict[str, int], tokens: RowTable, blocks: RowTable,
-                 block_size: int) -> tuple[StepInputs, StepLayout]:
+                 block_size: int, group_blocks: Sequence[RowTable] = ()) -> tuple[StepInputs, StepLayout]:
     """Flat token ids, positions, slot mapping, block tables and logits rows for the scheduled requests.
 
-    `index` maps a request id to its row in `tokens` (its ids, drafts after the known ones) and `blocks`.
+    `index` maps a request id to its row in `tokens` (its ids, drafts after the known ones) and `blocks`;
+    `group_blocks` are the tables of the other KV groups, each with its own slots and tables in `group_attn`.
     """
     order = order_batch(scheduled)
     reqs = [scheduled[i] for i in order]
@@ -65,19 +70,41 @@ def build_inputs(scheduled: list[ScheduledRequest], index: dict[str, int], token
     ends = np.cumsum(lens)
     req_idx = np.repeat(np.arange(len(reqs)), lens)  # [T] which request each token belongs to
     positions = starts[req_idx] + np.arange(int(ends[-1])) - (ends - lens)[req_idx]
-    num_blocks = blocks.lens[rows]
-    tables = blocks.array[rows, :int(num_blocks.max())]  # [B, max_blocks] a copy (fancy indexing)
-    tables[np.arange(tables.shape[1])[None, :] >= num_blocks[:, None]] = 0  # padded with block 0: never read unmasked
+    tables = _tables(blocks, rows)
     slots = tables[req_idx, positions // block_size] * block_size + positions % block_size
     input_ids = tokens.array[rows[req_idx], positions]  # [T] known tokens, then each request's drafts
     num_dec_reqs = sum(1 for r in reqs if r.num_known == 1)
     num_dec = int(ends[num_dec_reqs - 1]) if num_dec_reqs else 0
     attn = _attention_metadata(reqs[num_dec_reqs:], lens[num_dec_reqs:], starts[num_dec_reqs:], tables,
                                num_dec_reqs, slots, positions, req_idx, num_dec, block_size)
+    group_attn = []
+    for table in group_blocks:  # the same steps over another group's blocks: only slots and tables differ
+        t = _tables(table, rows)
+        group_attn.append(_group_metadata(attn, t, t[req_idx, positions // block_size] * block_size
+                                          + positions % block_size, req_idx[:num_dec], num_dec_reqs))
     logits_idx, sample_reqs, num_logits = _logits_rows(reqs, ends, order)
     lp_idx, prompt_lp = _prompt_lp_rows(reqs, ends, starts, order)
     layout = StepLayout(order, sample_reqs, num_logits, prompt_lp, num_dec, int(ends[-1]) - num_dec)
-    return StepInputs(input_ids, positions, attn, logits_idx, lp_idx), layout
+    return StepInputs(input_ids, positions, attn, logits_idx, lp_idx, group_attn), layout
+
+
+def _tables(blocks: RowTable, rows: np.ndarray) -> np.ndarray:
+    """[B, max_blocks] the rows' block tables, a copy (fancy indexing) padded with block 0: never read unmasked."""
+    num_blocks = blocks.lens[rows]
+    tables = blocks.array[rows, :int(num_blocks.max())]
+    tables[np.arange(tables.shape[1])[None, :] >= num_blocks[:, None]] = 0
+    return tables
+
+
+def _group_metadata(base: PagedAttentionMetadata, tables: np.ndarray, slots: np.ndarray, dec_rows: np.ndarray,
+                    num_dec_reqs: int) -> PagedAttentionMetadata:
+    """`base` (another group's metadata) over this group's block tables and slots; masks and lengths are shared."""
+    prefills = [dataclasses.replace(p, block_table=tables[num_dec_reqs + i, :len(p.block_table)].copy())
+                for i, p in enumerate(base.prefills)]
+    return dataclasses.replace(
+        base, slot_mapping=slots, prefills=prefills,
+        decode_block_tables=np.ascontiguousarray(tables[dec_rows, :base.decode_block_tables.shape[1]]),
+        prefill_block_tables=np.ascontiguousarray(tables[num_dec_reqs:]) if prefills else None)
 
 
 def _logits_rows(reqs: list[ScheduledRequest], ends: np.ndarray, order: list[int]

@@ -4,11 +4,12 @@ rows, upload inputs once, one forward, sample (and verify drafts), one download.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from lmserve.layers.attention import ContiguousAttention
+from lmserve.layers.attention import AttentionContext, ContiguousAttention, GroupedAttention
 from lmserve.layers.attention_backends import attention_factory
 from lmserve.layers.decode_stack import apply_decode_stack
 from lmserve.layers.kv_quant import row_width
@@ -38,9 +39,11 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for `block_size` tokens in every layer (a quantized cache's rows carry their scales)."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row_width(cfg.head_dim, dtype) * dtype.itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """K and V for `block_size` tokens in `num_layers` layers (a KV group's; None: every layer); a quantized
+    cache's rows carry their scales."""
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * cfg.num_kv_heads * row_width(cfg.head_dim, dtype) * dtype.itemsize
 
 
 @torch.inference_mode()
@@ -58,20 +61,28 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None,
                  kv_dtype: torch.dtype | None = None, attention_backend: str = "reference",
-                 samples: bool = True) -> None:
+                 samples: bool = True, kv_groups: Sequence[Sequence[int]] | None = None) -> None:
         """`attention_backend`: a resolved name (layers/attention_backends.py: triton | reference).
-        `samples=False`: a tensor-parallel worker rank (forward_only), whose rows keep no sampling state."""
+        `samples=False`: a tensor-parallel worker rank (forward_only), whose rows keep no sampling state.
+        `kv_groups`: the layers of each KV group, all of one size (cache/kv_groups.py; None: one group of every
+        layer): a block id is a page in each of `group size` tensors, which the groups share."""
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.attention = attention_factory(attention_backend)  # one AttentionContext per forward
         self.lora = lora  # None: LoRA off
-        # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to
+        groups = [tuple(g) for g in kv_groups] if kv_groups else [tuple(range(cfg.num_layers))]
+        # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to, and
+        # that tables name where a window group released a block (read only under a mask)
         shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, row_width(cfg.head_dim, kv_dtype or dtype))
         # pages committed as blocks are first written (worker/kv_memory.py), not the whole pool at start
-        self.kv_caches = [kv_zeros(shape, kv_dtype or dtype, device) for _ in range(cfg.num_layers)]
+        self.kv_tensors = [kv_zeros(shape, kv_dtype or dtype, device) for _ in groups[0]]
+        where = {layer: (g, i) for g, layers in enumerate(groups) for i, layer in enumerate(layers)}
+        self.kv_caches = [self.kv_tensors[where[i][1]] for i in range(cfg.num_layers)]  # per layer (shared tensors)
+        self.layer_group = [where[i][0] for i in range(cfg.num_layers)]
+        self.num_kv_groups = len(groups)
         self.scratch = ScratchSlot(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
-        self.batch = InputBatch(cfg.vocab_size, device, samples=samples)
+        self.batch = InputBatch(cfg.vocab_size, device, samples=samples, num_kv_groups=len(groups))
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)
         # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
@@ -83,11 +94,14 @@ class ModelRunner:
     def kv_block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor indexed by KV block, with the dimension of that index: what a block's bytes are (the KV
         tier copies all of them; a cache with per-block scales lists those too)."""
-        return [(kv, 1) for kv in self.kv_caches]
+        return [(kv, 1) for kv in self.kv_tensors]
 
     def enable_decode_graphs(self, max_rows: int, max_blocks: int, capture: bool) -> float:
         """Run decode-only steps of up to max_rows tokens at fixed shapes (captured as CUDA graphs when
-        `capture`); returns the capture time in seconds."""
+        `capture`); returns the capture time in seconds. Not with several KV groups: the static buffers hold one
+        block table per row (such a model runs its decode steps eagerly)."""
+        if self.num_kv_groups > 1:
+            return 0.0
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.scratch, max_rows, max_blocks, capture,
                                   self.attention)
         return self.graphs.capture_seconds
@@ -114,7 +128,7 @@ class ModelRunner:
         if graph_step:
             hidden = self.graphs.run(host)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.attention(self.kv_caches, inputs.attn))
+            hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs))
         result = RunnerOutput([[] for _ in out.requests], [[] for _ in out.requests],
                               layout.num_decode_tokens, layout.num_prefill_tokens)
         if layout.prompt_lp:
@@ -135,7 +149,15 @@ class ModelRunner:
         """
         host, _ = self._inputs(out)
         inputs = to_device(host, self.device)
-        self.model(inputs.input_ids, inputs.positions, self.attention(self.kv_caches, inputs.attn))
+        self.model(inputs.input_ids, inputs.positions, self._context(inputs))
+
+    def _context(self, inputs: StepInputs) -> AttentionContext:
+        """The step's attention over the paged cache; with several KV groups each layer reads its group's tables."""
+        ctx = self.attention(self.kv_caches, inputs.attn)
+        if not inputs.group_attn:
+            return ctx
+        others = [self.attention(self.kv_caches, m) for m in inputs.group_attn]
+        return GroupedAttention([ctx, *others], self.layer_group)
 
     def _inputs(self, out: SchedulerOutput) -> tuple[StepInputs, StepLayout]:
         """Apply the step's changes to the persistent rows, then gather its flat inputs from them (numpy)."""
@@ -145,7 +167,7 @@ class ModelRunner:
         for new in out.new_requests:
             b.add(new)
         b.apply(out.requests)
-        return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size)
+        return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size, b.group_blocks[1:])
 
     def _lora_meta(self, out: SchedulerOutput, layout: StepLayout):
         """The step's rows grouped by adapter slot, in the flat order build_inputs laid the tokens out."""

@@ -138,18 +138,25 @@ class DecodeStack {
   }
 
   // x [B, hidden] (the embeddings, after any scale; used as the residual stream and updated in place), one cos and
-  // sin [B, 1, D] per rotary table, one cache per layer, slot_mapping [B], block_tables [B, max_blocks],
-  // context_lens [B] -> (last layer's output, residual): the final norm stays with the model.
+  // sin [B, 1, D] per rotary table, one cache per layer, slot_mappings [B] and block_tables [B, max_blocks]: one
+  // of each for every layer, or one per layer (each layer's KV group's: cache/kv_groups.py), context_lens [B]
+  // -> (last layer's output, residual): the final norm stays with the model.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
                                                    const std::vector<torch::Tensor>& sin,
                                                    const std::vector<torch::Tensor>& kv_caches,
-                                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                                   std::vector<torch::Tensor> slot_mappings,
+                                                   const std::vector<torch::Tensor>& block_tables,
                                                    torch::Tensor context_lens) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodeStack: one KV cache per layer");
     TORCH_CHECK(cos.size() == sin.size(), "DecodeStack: one sin per cos table");
-    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && slot_mapping.scalar_type() == torch::kLong,
-                "DecodeStack: contiguous float32 x, int64 slots");
-    slot_mapping = slot_mapping.contiguous();
+    TORCH_CHECK(slot_mappings.size() == block_tables.size() &&
+                (slot_mappings.size() == 1 || slot_mappings.size() == layers_.size()),
+                "DecodeStack: one slot mapping and block table for every layer, or one per layer");
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "DecodeStack: contiguous float32 x");
+    for (torch::Tensor& slots : slot_mappings) {
+      TORCH_CHECK(slots.scalar_type() == torch::kLong, "DecodeStack: int64 slots");
+      slots = slots.contiguous();
+    }
     const int64_t B = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     torch::Tensor residual = x, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -176,11 +183,12 @@ class DecodeStack {
         k_stride = kv_size;
       }
       const torch::Tensor& cache = kv_caches[i];
+      const size_t g = slot_mappings.size() == 1 ? 0 : i;  // this layer's slots and block table
       // K rows (views into the qkv output, or normed K rows) and V rows, each with its own stride, into their slots
       // in the cache's format (float32, float16 or quantized: the one writer, paged_decode_attention.cpp)
-      write_kv_rows(cache, k_rows, k_stride, base + q_size + kv_size, row, slot_mapping.data_ptr<int64_t>(), B,
+      write_kv_rows(cache, k_rows, k_stride, base + q_size + kv_size, row, slot_mappings[g].data_ptr<int64_t>(), B,
                     kv_heads_, dim_);
-      torch::Tensor attn = paged_decode_attention(q, cache[0], cache[1], block_tables, context_lens, l.scale,
+      torch::Tensor attn = paged_decode_attention(q, cache[0], cache[1], block_tables[g], context_lens, l.scale,
                                                   c10::nullopt, l.window, l.softcap);
       torch::Tensor o = l.o(attn.view({B, q_size}));
       if (l.pre_ff_norm.has_value()) {  // sandwich: residual + post_norm(block(pre_norm(residual))), twice
