@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.pooling_params import PoolingParams
+
 # Bounds that keep one request from exhausting the server (checked here so the
 # offline API and the HTTP API reject the same things with the same words).
 MAX_N = 16
@@ -105,6 +107,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # set: a pooling (embedding) request: the prompt is prefilled and pooled, nothing is sampled (pooling_params.py)
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -151,6 +155,8 @@ class SamplingParams:
         for tok, bias in (self.logit_bias or {}).items():
             _int_range("logit_bias key", tok, 0, None)
             _float_range("logit_bias value", bias, -100.0, 100.0)
+        if self.pooling is not None and (self.n != 1 or self.structured_outputs is not None):
+            raise ValueError("a pooling request has one output and no structured outputs")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given by the caller must exist in the model's vocabulary."""

@@ -1,4 +1,5 @@
-"""Error bodies: OpenAI's shape on OpenAI routes, TGI's on TGI routes. Never a traceback or a path."""
+"""Error bodies: OpenAI's shape on OpenAI routes, TGI's on TGI routes, `{"error": message}` on KServe v2 and Ollama
+routes. Never a traceback or a path."""
 
 from __future__ import annotations
 
@@ -43,9 +44,14 @@ def is_v2(path: str) -> bool:
     return path.startswith(("/v2/models/", "/v2/health/"))
 
 
+def is_ollama(path: str) -> bool:
+    """An Ollama API path (/api/embed, ...): its clients read `{"error": message}`."""
+    return path.startswith("/api/")
+
+
 def error_response(path: str, err: APIError) -> JSONResponse:
     """The body and status for `err` in the route family of `path`."""
-    if is_v2(path):  # KServe's Open Inference Protocol: {"error": message}
+    if is_v2(path) or is_ollama(path):  # KServe's Open Inference Protocol and Ollama: {"error": message}
         return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
     status = 422 if is_tgi(path) and err.status == 400 else err.status  # TGI answers validation errors with 422
     return JSONResponse(error_body(err, tgi=is_tgi(path)), status_code=status, headers=err.headers)

@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from lmserve.server import protocol as p
-from lmserve.server.errors import is_tgi, is_v2
+from lmserve.server.errors import is_ollama, is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
+from lmserve.server.api.embeddings import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
 from lmserve.server.api.kserve import V2InferRequest
 
 JSON, SSE, TEXT, HTML = "application/json", "text/event-stream", "text/plain", "text/html"
@@ -140,6 +141,42 @@ class V2Error(_Open):
     """The error body of the KServe v2 routes (/v2/...)."""
 
     error: str
+
+
+class OllamaError(_Open):
+    """The error body of the Ollama routes (/api/...)."""
+
+    error: str
+
+
+class EmbeddingUsage(_Open):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(_Open):
+    object: str
+    index: int
+    embedding: list[float] | str  # str: encoding_format base64 (little-endian float32)
+
+
+class EmbeddingList(_Open):
+    object: str
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
+class OllamaEmbedded(_Open):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaEmbedding(_Open):
+    embedding: list[float]
 
 
 class V2Live(_Open):
@@ -311,6 +348,9 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/version"): RouteDoc(None, Version, (401,)),
     ("get", "/metrics"): RouteDoc(None, None, (401, 403), (TEXT,)),  # 403: a non-admin key beside a key file
     ("get", "/v1/monitoring/drift"): RouteDoc(None, DriftReport, (401, 404)),
+    ("post", "/v1/embeddings"): RouteDoc(EmbeddingRequest, EmbeddingList, _GEN),
+    ("post", "/api/embed"): RouteDoc(OllamaEmbedRequest, OllamaEmbedded, _GEN),
+    ("post", "/api/embeddings"): RouteDoc(OllamaEmbeddingsRequest, OllamaEmbedding, _GEN),
     ("post", "/tokenize"): RouteDoc(p.TokenizeRequest, Tokenized, (400, 401, 404, 413, 503)),
     ("post", "/detokenize"): RouteDoc(p.DetokenizeRequest, Detokenized, (400, 401, 404, 413, 503)),
     # The playground: its page and files need no key (404: the playground is off); its data routes do.
@@ -344,7 +384,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/unload_lora_adapter"): RouteDoc(p.UnloadLoraAdapterRequest, LoraUnloaded,
                                                   (400, 401, 403, 404, 413, 503)),
 }
-_ERROR_MODELS = (OpenAIError, TGIError, V2Error)
+_ERROR_MODELS = (OpenAIError, TGIError, V2Error, OllamaError)
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -388,7 +428,7 @@ def _fill(op: dict, path: str, route: RouteDoc) -> None:
         op["requestBody"] = {"required": True, "content": {route.body_media: {"schema": _ref(route.body)}}}
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
-    error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else OpenAIError)
+    error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else OllamaError if is_ollama(path) else OpenAIError)
     for status in route.errors:
         schema = _ref(Health) if path == "/health" else error
         op["responses"][str(status)] = {"description": _REASONS[status], "content": {JSON: {"schema": schema}}}
