@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +15,18 @@ from tests.tiny_models import build_hf
 ST_MODE = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
 TEXTS = ["w1 w2 w3", "w7 w9 w11 w13 w15 w17 w19 w21 w23 w25 w27 w29 w31 w33 w35 w37 w39 w41 w43 w45 w47 w49",
          " ".join(f"w{i}" for i in range(100, 140)), "w250"]
+
+
+@pytest.fixture(scope="session")
+def st_dir(tmp_path_factory) -> Path:
+    """The tiny mean-pooling sentence-transformers checkpoint, shared by the engine and the server tests."""
+    return write_sentence_transformer(tmp_path_factory.mktemp("st"), "mean")
+
+
+@pytest.fixture(scope="session")
+def st_reference(st_dir) -> tuple[list[list[int]], torch.Tensor]:
+    """sentence-transformers' (ids, vectors) of TEXTS on st_dir."""
+    return st_vectors(st_dir, TEXTS)
 
 
 def write_sentence_transformer(root: Path, pooling: str = "mean") -> Path:

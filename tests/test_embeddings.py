@@ -13,20 +13,20 @@ import torch.nn.functional as F
 from lmserve import LLM, LoRARequest, PoolingParams, SamplingParams
 from lmserve.errors import CheckpointError, RequestRejected
 from lmserve.loader.pooling import pooler_config
-from tests.embedding_models import TEXTS, hf_pooled, st_vectors, write_sentence_transformer
+from tests.embedding_models import TEXTS, hf_pooled, st_dir, st_reference  # noqa: F401  (fixtures)
 from tests.tiny_models import build_hf
 
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def st_dir(tmp_path_factory):
-    return write_sentence_transformer(tmp_path_factory.mktemp("st"), "mean")
+def reference(st_reference):
+    return st_reference  # (ids, [N, H] vectors)
 
 
 @pytest.fixture(scope="module")
-def reference(st_dir):
-    return st_vectors(st_dir, TEXTS)  # (ids, [N, H] vectors)
+def qwen3_dir(tmp_path_factory):
+    return build_hf("qwen3", tmp_path_factory.mktemp("qwen3"))[0]  # a plain decoder: no sentence-transformers files
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,8 @@ def test_mean_pooling_from_the_checkpoint_equals_sentence_transformers(mean_llm,
 
 
 @pytest.mark.parametrize("method", ["last", "cls"])
-def test_last_token_and_cls_pooling_equal_transformers(tmp_path, method):
-    path, _ = build_hf("qwen3", tmp_path)  # a plain decoder: no sentence-transformers files
+def test_last_token_and_cls_pooling_equal_transformers(qwen3_dir, method):
+    path = qwen3_dir
     ids = [[5, 9, 11, 40, 3], list(range(20, 60)), [7]]
     llm = LLM(str(path), num_blocks=32, max_num_batched_tokens=16, **({"pooling": "cls"} if method == "cls" else {}))
     assert llm.engine.front.pooler.method == method  # last: the default without the checkpoint files
@@ -151,10 +151,10 @@ def test_pooling_config_comes_from_the_sentence_transformers_files_or_the_flag(t
         pooler_config(bad, None)
 
 
-def test_generate_takes_vllms_lora_request(tmp_path):
+def test_generate_takes_vllms_lora_request(tmp_path, st_dir, mean_llm):
     from tests.lora_adapters import make_peft_adapter, peft_reference, reference_logits
 
-    path, _ = build_hf("llama", tmp_path)
+    path = st_dir  # the tiny Llama under the sentence-transformers files
     adapter = make_peft_adapter(tmp_path / "adapter", path, rank=8)
     llm = LLM(str(path), num_blocks=32, enable_lora=True, max_lora_rank=8)
     prompt, greedy = [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -171,14 +171,14 @@ def test_generate_takes_vllms_lora_request(tmp_path):
     outs = llm.generate([prompt, prompt], greedy, use_tqdm=False, lora_request=[req, None])
     assert [o.outputs[0].token_ids for o in outs] == [expected, base]
     with pytest.raises(ValueError, match="enable_lora"):
-        LLM(str(path), num_blocks=8).generate([prompt], greedy, use_tqdm=False, lora_request=req)
+        mean_llm.generate([prompt], greedy, use_tqdm=False, lora_request=req)  # an LLM without enable_lora
 
 
-def test_a_headless_checkpoint_loads_and_pools(tmp_path):
+def test_a_headless_checkpoint_loads_and_pools(tmp_path, qwen3_dir):
     """Embedding models saved as the base model alone (Qwen3-Embedding: `layers.0...`, tied, no LM head) load."""
     from safetensors.torch import load_file, save_file
 
-    path, _ = build_hf("qwen3", tmp_path)
+    path = qwen3_dir
     headless = tmp_path / "headless"
     headless.mkdir()
     tensors = load_file(str(path / "model.safetensors"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.embedding_models import TEXTS, st_vectors, write_sentence_transformer
+from tests.embedding_models import TEXTS, st_dir, st_reference  # noqa: F401  (fixtures)
 from tests.server_util import running_server
 
 NAME = "tiny-embed"
@@ -23,13 +23,8 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def st_dir(tmp_path_factory):
-    return write_sentence_transformer(tmp_path_factory.mktemp("st"), "mean")
-
-
-@pytest.fixture(scope="module")
-def reference(st_dir):
-    return st_vectors(st_dir, TEXTS)
+def reference(st_reference):
+    return st_reference
 
 
 @pytest.fixture(scope="module")
