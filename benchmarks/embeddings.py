@@ -85,7 +85,7 @@ def main() -> None:
         "cpu": _cpu_name(), "cpu_flags": _flags(), "cores": os.cpu_count(), "threads": args.threads,
         "python": platform.python_version(), "torch": torch.__version__, "model": model.name,
         "pooling": engine.front.pooler.method,
-        "command": "python benchmarks/embeddings.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python benchmarks/embeddings.py", *sys.argv[1:]]),
         "sizes": {"requests": args.requests, "prompt_len": args.prompt_len, "repeats": args.repeats},
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
