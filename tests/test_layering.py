@@ -27,7 +27,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Plain data and helpers that every node may import; they import only each other (no cycle among them either).
-PLAIN = frozenset({"config", "request", "sampling_params", "utils", "cpu_dtype", "errors"})
+PLAIN = frozenset({"config", "request", "sampling_params", "pooling_params", "utils", "cpu_dtype", "errors"})
 
 MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "deploy": {"cli", "server.app", "server"},  # each Ray Serve replica parses `lmserve serve` flags and runs the server's app

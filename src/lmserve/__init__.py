@@ -1,4 +1,5 @@
-"""lmserve: an LLM inference server. `from lmserve import LLM, SamplingParams` for offline use."""
+"""lmserve: an LLM inference server. `from lmserve import LLM, SamplingParams` for offline use (`LLM.embed` with
+`PoolingParams`, adapters with `LoRARequest`)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,19 @@ for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, "256")
 
 from lmserve.config import VERSION  # noqa: E402
+from lmserve.pooling_params import PoolingParams  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = VERSION
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from lmserve.engine.llm import LLM
+    from lmserve.engine.llm import LLM, LoRARequest
 
 
 def __getattr__(name: str):
     # LLM pulls in torch and the engine; keep `import lmserve` light for the CLI's --help.
-    if name == "LLM":
-        from lmserve.engine.llm import LLM
-        return LLM
+    if name in ("LLM", "LoRARequest"):
+        from lmserve.engine import llm
+        return getattr(llm, name)
     raise AttributeError(name)

@@ -131,6 +131,7 @@ class EngineConfig:
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig | None = None  # None: LoRA off (no wrappers, no per-step cost)
+    pooling: str | None = None  # last | mean | cls for embedding requests; None: the checkpoint's (loader/pooling.py)
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
@@ -186,7 +187,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_offload=KVOffloadConfig(args.kv_offload_memory, args.kv_offload_dir, args.kv_offload_disk_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
-        lora=lora_config(args),
+        lora=lora_config(args), pooling=args.pooling,
     )
 
 

@@ -88,6 +88,10 @@ class Request:
     first_token_time: float | None = None
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs
     detokenize_s: float = 0.0  # time spent turning this request's tokens into text
+    # pooling requests (params.pooling): False when the model's pooling reads every prompt token's hidden state
+    # (mean, CLS), so no prefix-cache hit may skip one; `embedding` is set when the prompt's last chunk has run
+    may_reuse_prefix: bool = True
+    embedding: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -159,3 +163,4 @@ class CompletionDelta:
     # Set on each completion's first delta when params.prompt_logprobs is set: one entry per prompt
     # token, None for the first (nothing precedes it), then log p(prompt[i] | prompt[:i]) and the top-k.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, on its finished delta

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.pooling_params import PoolingParams
+
 # Bounds that keep one request from exhausting the server (checked here so the
 # offline API and the HTTP API reject the same things with the same words).
 MAX_N = 16
@@ -108,6 +110,8 @@ class SamplingParams:
     # (start, end) reasoning tags, e.g. ("<think>", "</think>"): the structured output applies only after the
     # output's end tag, unless the prompt already closed the reasoning (a reasoning parser's requests, as vLLM)
     reasoning_tags: tuple[str, str] | None = None
+    # set: a pooling (embedding) request: the prompt is prefilled and pooled, nothing is sampled (pooling_params.py)
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -157,6 +161,8 @@ class SamplingParams:
         if self.reasoning_tags is not None and (len(self.reasoning_tags) != 2 or not all(
                 isinstance(t, str) and t for t in self.reasoning_tags)):
             raise ValueError("reasoning_tags must be two non-empty strings (start, end)")
+        if self.pooling is not None and (self.n != 1 or self.structured_outputs is not None):
+            raise ValueError("a pooling request has one output and no structured outputs")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given by the caller must exist in the model's vocabulary."""

@@ -92,6 +92,10 @@ def _add_model_args(g, several_models: bool) -> None:
                    "kernels; none: float weights (a GGUF dequantized; transformers parity); int8, int4: weight-only "
                    "quantized at load; auto: gguf for a quantized GGUF on CPU with float32 and one rank, else none")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--pooling", choices=("last", "mean", "cls"), default=None,
+                   help="how embedding requests (/v1/embeddings, /api/embed, LLM.embed) pool the final hidden states; "
+                   "default: the checkpoint's sentence-transformers 1_Pooling/config.json, else last (the last token, "
+                   "vLLM's default for decoder LMs)")
 
 
 def _add_runtime_args(g) -> None:

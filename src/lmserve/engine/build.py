@@ -22,9 +22,11 @@ from lmserve.errors import ConfigError
 from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.layers.kv_quant import check_head_dim
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
+from lmserve.loader.pooling import pooler_config
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
 from lmserve.lora.slots import LoraSlots
+from lmserve.pooling_params import PoolerConfig
 from lmserve.preflight import check_kv_pool, check_tensor_parallel, kv_pool_shape
 from lmserve.tokenizer import Tokenizer, load_tokenizer
 from lmserve.utils import available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_kv_dtype
@@ -55,6 +57,7 @@ class EngineParts:
     runner: ModelRunner
     executor: UniProcExecutor | MultiprocExecutor
     proposer: Proposer | None = None  # the draft source (None: speculative decoding off)
+    pooler: PoolerConfig = PoolerConfig()  # how embedding requests pool (checkpoint files or --pooling)
 
 
 def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
@@ -103,12 +106,15 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len, per_seq)
     lora_slots, loras = _lora(cfg, loaded, dtype, device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype)
+    pooler = pooler_config(loaded.path, cfg.pooling)
+    log.info("embeddings: %s pooling (%s), L2-normalised", pooler.method, pooler.source)
     # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
     say = log.info if device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
     say("attention backend: %s (%s)", backend.name, backend.why)
     # the runner sees this rank's model: its KV cache holds only this rank's KV heads
     runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, lora_slots,
-                         kv_dtype=kv_dtype, attention_backend=backend.name, kv_groups=[g.layers for g in groups])
+                         kv_dtype=kv_dtype, attention_backend=backend.name, kv_groups=[g.layers for g in groups],
+                         pooler=pooler)
     # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
     if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None:
         runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(max_model_len, block_size), capture=True)
@@ -121,7 +127,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     kv = KVCacheManager(num_blocks, block_size, cfg.cache.enable_prefix_caching, groups,
                         cfg.scheduler.max_num_batched_tokens)
     return EngineParts(cfg, device, dtype, kv_dtype, loaded, tokenizer, max_model_len, eos, block_size, num_blocks,
-                       block_bytes, kv, lora_slots, loras, runner, executor)
+                       block_bytes, kv, lora_slots, loras, runner, executor, pooler=pooler)
 
 
 def _threads_per_rank(cfg: EngineConfig) -> int:

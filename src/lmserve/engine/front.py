@@ -34,6 +34,8 @@ class EngineFront:
         self.loaded = parts.loaded  # path, load time, quantization and weight format (the model card, metrics)
         self.dtype, self.device = parts.dtype, parts.device
         self.vocab_size = parts.loaded.config.vocab_size
+        self.hidden_size = parts.loaded.config.hidden_size  # an embedding's length
+        self.pooler = parts.pooler  # how embedding requests pool (method, and where it was read from)
         self.max_model_len = parts.max_model_len
         self.max_num_seqs = parts.cfg.scheduler.max_num_seqs
         self.eos_token_ids = parts.eos_token_ids
@@ -67,6 +69,8 @@ class EngineFront:
         except VocabError as e:
             raise RequestRejected(str(e), e.param) from None
         n, limit = len(prompt_ids), self.max_model_len
+        if params.pooling is not None:
+            return self._check_pooling(n, params)
         if n >= limit:
             raise RequestRejected(f"prompt has {n} tokens, the model's context is {limit} tokens")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
@@ -81,6 +85,23 @@ class EngineFront:
             raise RequestRejected(f"prompt + max_tokens exceeds max_num_batched_tokens "
                                   f"({sched.max_num_batched_tokens}) with chunked prefill off")
         return max_tokens
+
+    def _check_pooling(self, n: int, params: SamplingParams) -> int:
+        """A pooling request computes its prompt and nothing after it: the whole context is the prompt's."""
+        dims = params.pooling.dimensions
+        if dims is not None and dims > self.hidden_size:
+            raise RequestRejected(f"dimensions ({dims}) exceeds the model's embedding size ({self.hidden_size})",
+                                  "dimensions")
+        if n > self.max_model_len:
+            raise RequestRejected(f"input has {n} tokens, the model's context is {self.max_model_len} tokens",
+                                  "prompt")
+        if self._blocks_needed(n) > self._num_blocks:
+            raise RequestRejected(f"input ({n} tokens) needs more KV cache than the whole pool "
+                                  f"({self._pool_tokens} tokens)", "prompt")
+        if not self.cfg.scheduler.enable_chunked_prefill and n > self.cfg.scheduler.max_num_batched_tokens:
+            raise RequestRejected(f"input exceeds max_num_batched_tokens ({self.cfg.scheduler.max_num_batched_tokens})"
+                                  " with chunked prefill off", "prompt")
+        return 1  # the one step past the prompt a Request's bookkeeping counts; never sampled
 
     def compile_grammar(self, params: SamplingParams) -> Compiled | None:
         """The compiled grammar of params.structured_outputs (None without one); blocking, thread-safe.
@@ -124,7 +145,8 @@ class EngineFront:
             reqs.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", list(ids), params, max_tokens,
                                 stop_ids, parent_id=request_id, index=i, seed=seed, tenant=tenant, priority=priority,
                                 grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate), lora=lora,
-                                cache_salt=salt))
+                                cache_salt=salt,
+                                may_reuse_prefix=params.pooling is None or not self.pooler.needs_every_token))
         return reqs
 
 

@@ -1,4 +1,5 @@
-"""LLM: the offline API. `LLM().generate(prompts, params)` runs a list through the batching engine."""
+"""LLM: the offline API. `LLM().generate(prompts, params)` runs a list through the batching engine and
+`LLM().embed(prompts)` pools them (worker/pooler.py), both as vLLM spells them; adapters by `lora_request=`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from lmserve.config import (CacheConfig, EngineConfig, KVOffloadConfig, ParallelConfig, SchedulerConfig,
+from lmserve.config import (CacheConfig, EngineConfig, KVOffloadConfig, LoraConfig, ParallelConfig, SchedulerConfig,
                             SpeculativeConfig)
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.request import CompletionDelta, TokenLogprobs
+from lmserve.pooling_params import PoolingParams
+from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.utils import parse_bytes
 
@@ -42,6 +44,37 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's adapter handle: a PEFT directory served under `lora_name` (registered on first use; `lora_int_id` is
+    accepted for vLLM's signature, the registry numbers registrations itself)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's vector (L2-normalised unless PoolingParams(normalize=False))."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt, as vLLM names it: `.outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+Prompts = str | Sequence[str] | Sequence[list[int]]
+Adapters = LoRARequest | Sequence[LoRARequest | None] | None
+
+
 class LLM:
     """Offline batch generation over the same engine the server uses."""
 
@@ -52,30 +85,69 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, lora_request: Adapters = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) with continuous batching; results in input order.
 
         A text prompt is raw, as in vLLM: "<|im_start|>" written in it is the control token. To keep
-        user text plain inside a chat template, use `chat` instead.
+        user text plain inside a chat template, use `chat` instead. `lora_request`: one adapter for every
+        prompt, or one (or None) per prompt; the LLM needs `enable_lora=True`.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _as_list(prompts)
         plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        outs = self._submit(prompts, plist, lora_request)
+        self._run(outs, use_tqdm)
+        return list(outs.values())
+
+    def embed(self, prompts: Prompts, *, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              lora_request: Adapters = None, truncate_prompt_tokens: int | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, pooled as the model's checkpoint (or --pooling) says; results in input order.
+
+        The prompts are prefilled in the same batches as generations and nothing is sampled.
+        `truncate_prompt_tokens`: keep only each prompt's last k tokens (vLLM's option).
+        """
+        prompts = _as_list(prompts)
+        if truncate_prompt_tokens is not None:
+            prompts = [self.engine.front.tokenize_prompt(p)[-truncate_prompt_tokens:] for p in prompts]
+        params = SamplingParams(max_tokens=1, pooling=pooling_params or PoolingParams())
+        outs = self._submit(prompts, [params] * len(prompts), lora_request)
+        vectors = self._run(outs, use_tqdm)
+        return [EmbeddingRequestOutput(rid, o.prompt_token_ids, EmbeddingOutput(vectors[rid]))
+                for rid, o in outs.items()]
+
+    def _submit(self, prompts: list, plist: Sequence[SamplingParams], lora_request: Adapters
+                ) -> dict[str, RequestOutput]:
+        """Queue every prompt with its params and adapter; their outputs to fill, by request id."""
+        adapters = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError("give one lora_request, or one per prompt")
         outs: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, plist):
+        for prompt, p, adapter in zip(prompts, plist, adapters):
             rid = str(self._next_id)
             self._next_id += 1
             ids = self.engine.front.tokenize_prompt(prompt)
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, p, lora=self._adapter(adapter))
             outs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
                                       [CompletionOutput(i, "", [], None, None, [] if p.logprobs is not None else None)
                                        for i in range(p.n)])
-        self._run(outs, use_tqdm)
-        return list(outs.values())
+        return outs
+
+    def _adapter(self, req: LoRARequest | None) -> LoraRequest | None:
+        """The engine's adapter for vLLM's LoRARequest: registered under its name on first use, then reused."""
+        if req is None:
+            return None
+        loras = self.engine.front.loras
+        if loras is None:
+            raise ValueError("lora_request needs an LLM made with enable_lora=True")
+        known = loras.lookup(req.lora_name)
+        if known is None:
+            return loras.register(req.lora_name, req.lora_path)
+        if known.path != str(req.lora_path):
+            raise ValueError(f"adapter {req.lora_name!r} is already registered from {known.path}")
+        return loras.get(req.lora_name)
 
     def close(self) -> None:
         """Stop the engine's worker ranks (tensor parallelism); the LLM cannot generate afterwards."""
@@ -88,11 +160,15 @@ class LLM:
         ids = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
         return self.generate(ids, params, use_tqdm)
 
-    def _run(self, outs: dict[str, RequestOutput], use_tqdm: bool) -> None:
+    def _run(self, outs: dict[str, RequestOutput], use_tqdm: bool) -> dict[str, list[float]]:
+        """Step until every request has finished; returns the pooling requests' vectors by request id."""
         progress = _Progress(outs) if use_tqdm else None
+        vectors: dict[str, list[float]] = {}
         while self.engine.has_unfinished():
             deltas = self.engine.step()
             for d in deltas:
+                if d.embedding is not None:
+                    vectors[d.request_id] = d.embedding
                 if d.prompt_logprobs is not None and d.index == 0:
                     outs[d.request_id].prompt_logprobs = d.prompt_logprobs
                 _accumulate(outs[d.request_id].outputs[d.index], d)
@@ -100,6 +176,7 @@ class LLM:
                 progress.update(deltas)
         if progress is not None:
             progress.close()
+        return vectors
 
 
 class _Progress:
@@ -155,6 +232,13 @@ def show_progress_logs() -> None:
         ours.setLevel(logging.INFO)
 
 
+def _as_list(prompts: Prompts) -> list:
+    """One prompt (text or token ids) or a list of them -> a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:
     out.text += d.text
     out.token_ids.extend(d.token_ids)
@@ -170,6 +254,7 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     sched_keys = {"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"}
     cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in cache_keys})
     sched = SchedulerConfig(**{k: kw.pop(k) for k in list(kw) if k in sched_keys})
+    lora = _lora_config(kw)
     spec = kw.pop("speculative_config", None)
     if isinstance(spec, dict):
         spec = SpeculativeConfig.from_dict(spec)
@@ -177,7 +262,17 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     offload = KVOffloadConfig(**{field: _size(kw.pop(k)) if field != "directory" else kw.pop(k)
                                  for k, field in _OFFLOAD_KEYS.items() if k in kw})
     return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec, parallel=parallel,
-                        kv_offload=offload, **kw)
+                        kv_offload=offload, lora=lora, **kw)
+
+
+def _lora_config(kw: dict) -> LoraConfig | None:
+    """vLLM's enable_lora, max_loras, max_cpu_loras, max_lora_rank keywords -> LoraConfig (None: LoRA off)."""
+    keys = {k: kw.pop(k) for k in ("max_loras", "max_cpu_loras", "max_lora_rank") if k in kw}
+    if not kw.pop("enable_lora", False):
+        if keys:
+            raise ValueError(f"{', '.join(keys)} need enable_lora=True")
+        return None
+    return LoraConfig(**keys)
 
 
 # the KV tier's flags as keyword arguments: sizes as bytes or text ("2GiB")

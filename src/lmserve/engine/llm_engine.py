@@ -149,6 +149,7 @@ class LLMEngine:
         delta.finished, delta.finish_reason, delta.stop_reason = True, req.status.value, req.stop_reason
         delta.timings, delta.cumulative_logprob = req.timings(time.monotonic()), req.cumulative_logprob
         delta.num_cached_tokens = req.num_cached_tokens
+        delta.embedding = req.embedding
         self._forget(req.request_id)
         kids = self.children.get(req.parent_id)
         if kids is not None and all(k not in self.scheduler.requests for k in kids):

@@ -220,6 +220,12 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
     return net
 
 
+# A headless checkpoint (the base model alone, as sentence-transformers and embedding models such as
+# Qwen3-Embedding save it: `layers.0...`, `embed_tokens.weight`, `norm.weight`, no LM head) names its tensors
+# without the causal LM's `model.` prefix; with tied embeddings it loads whole.
+_HEADLESS = ("layers.", "embed_tokens.", "norm.")
+
+
 def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: ModelConfig, shard: TPShard | None,
                     whole: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Checkpoint tensors as the family's hook gives them (renamed, fused ones split: models/<family>.py), each cut
@@ -228,6 +234,7 @@ def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: Model
     hook = family_of(cfg).checkpoint_tensors
     split = shard is not None and shard.world_size > 1
     for name, tensor, source in weights:
+        name = "model." + name if name.startswith(_HEADLESS) else name
         for new, part in hook(name, tensor, cfg):
             cut = split and (whole or (split_dim(name) is None and new != name))
             yield new, take_shard(new, part, shard) if cut else part, source

@@ -56,6 +56,7 @@ class ScheduledRequest:
     # logits row it samples: 1 + drafts); None when unconstrained or not sampling this step
     grammar_row: int | None = None
     lora_slot: int = -1  # device slot of the request's LoRA adapter; -1: the base model
+    pool: bool = False  # a pooling request: its rows' hidden states are pooled, never sampled (`sample`: pool now)
 
     @property
     def num_tokens(self) -> int:

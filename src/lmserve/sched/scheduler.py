@@ -39,6 +39,7 @@ class StepResult(Protocol):
     sampled_token_ids: list[list[int]]  # accepted drafts then the newly sampled token; [] when none
     logprobs: list[list[TokenLogprobs]]  # one per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # prompt logprobs computed this step
+    embeddings: dict[str, list[float]]  # pooling requests whose prompt ended this step: their vectors
 
 
 class AdapterSlots(Protocol):
@@ -172,7 +173,8 @@ class Scheduler:
                 skipped.append(req)
                 continue
             tokens = req.all_token_ids
-            computed = self.kv.find_computed(req.request_id, tokens, req.cache_salt, allow=not req.wants_prompt_logprobs)
+            computed = self.kv.find_computed(req.request_id, tokens, req.cache_salt,
+                                             allow=not req.wants_prompt_logprobs and req.may_reuse_prefix)
             n = len(tokens) - computed.num_tokens
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
@@ -225,7 +227,8 @@ class Scheduler:
                                 req.token_ids_from(token_start), token_start,
                                 self.kv.table_ids(req.request_id, block_start), block_start, list(spec),
                                 prompt_logprob_range=lp_range,
-                                lora_slot=self.lora.slot_of(req.lora) if req.lora is not None else -1)
+                                lora_slot=self.lora.slot_of(req.lora) if req.lora is not None else -1,
+                                pool=req.params.pooling is not None)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it at the front of the queue to recompute later."""
@@ -255,6 +258,11 @@ class Scheduler:
             req.spec_token_ids = []
             if s.prompt_logprob_range is not None:
                 req.prompt_logprobs.extend(result.prompt_logprobs.get(s.request_id, ()))
+            if s.pool and s.sample:  # its prompt has run: no decode follows, its blocks go back now
+                req.embedding = result.embeddings[s.request_id]
+                self.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+                changed.append(req)
+                continue
             if not tokens:
                 continue
             if req.first_token_time is None:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import lmserve
 from lmserve.ops.record import RequestRecord
-from lmserve.server.api import anthropic, kserve, lora, ollama, openai, responses, tgi
+from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, openai, responses, tgi
 from lmserve.server.access_log import AccessLog
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
@@ -32,7 +32,7 @@ from lmserve.server.key_file import ANONYMOUS
 # serves; /metrics too with --metrics-public (see open_paths).
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/generate",
-                    "/generate_stream", "/", *ollama.GENERATION_PATHS)
+                    "/generate_stream", "/", *ollama.GENERATION_PATHS, *embeddings.PATHS)
 
 
 def is_generation(path: str) -> bool:
@@ -55,6 +55,7 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
     app.include_router(playground_routes.router)
     app.include_router(kserve.router)
     app.include_router(ollama.router)
+    app.include_router(embeddings.router)
     _misc_routes(app)
     _error_handlers(app)
     install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON

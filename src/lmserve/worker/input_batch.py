@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lmserve.pooling_params import PoolingParams
 from lmserve.sample.metadata import SamplingMetadata
 from lmserve.sampling_params import SamplingParams
 from lmserve.sched.output import NewRequestData, ScheduledRequest
@@ -97,6 +98,10 @@ class InputBatch:
         if self.samples:
             self.generators[row] = _generator(new.seed, self.device)
             self._init_counts(row, p, new)
+
+    def pooling_of(self, request_id: str) -> PoolingParams:
+        """A pooling request's PoolingParams (its row's params say pool)."""
+        return self.params[self.index[request_id]].pooling
 
     def remove(self, request_id: str) -> None:
         """Drop a finished request's row (unknown ids are ignored: it may never have been scheduled)."""

@@ -47,6 +47,7 @@ class StepLayout:
     prompt_lp: list[tuple[int, int]]  # (scheduler-order index, number of prompt-logprob rows) in row order
     num_decode_tokens: int
     num_prefill_tokens: int
+    pool: list[tuple[int, int]]  # pooling requests: (scheduler-order index, flat row of its first token this step)
 
 
 def order_batch(reqs: list[ScheduledRequest]) -> list[int]:
@@ -84,7 +85,8 @@ def build_inputs(scheduled: list[ScheduledRequest], index: dict[str, int], token
                                           + positions % block_size, req_idx[:num_dec], num_dec_reqs))
     logits_idx, sample_reqs, num_logits = _logits_rows(reqs, ends, order)
     lp_idx, prompt_lp = _prompt_lp_rows(reqs, ends, starts, order)
-    layout = StepLayout(order, sample_reqs, num_logits, prompt_lp, num_dec, int(ends[-1]) - num_dec)
+    pool = [(order[j], int(ends[j]) - r.num_tokens) for j, r in enumerate(reqs) if r.pool]
+    layout = StepLayout(order, sample_reqs, num_logits, prompt_lp, num_dec, int(ends[-1]) - num_dec, pool)
     return StepInputs(input_ids, positions, attn, logits_idx, lp_idx, group_attn), layout
 
 
@@ -109,10 +111,10 @@ def _group_metadata(base: PagedAttentionMetadata, tables: np.ndarray, slots: np.
 
 def _logits_rows(reqs: list[ScheduledRequest], ends: np.ndarray, order: list[int]
                  ) -> tuple[np.ndarray, list[int], list[int]]:
-    """The last known token's row and every draft's row, for each request that samples."""
+    """The last known token's row and every draft's row, for each request that samples (pooling ones never do)."""
     rows, who, counts = [], [], []
     for j, r in enumerate(reqs):
-        if r.sample:
+        if r.sample and not r.pool:
             m = 1 + len(r.spec_token_ids)
             rows.append(np.arange(int(ends[j]) - m, int(ends[j])))
             who.append(order[j])

@@ -17,6 +17,7 @@ from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
 from lmserve.lora.slots import LoraSlots
 from lmserve.models.config import ModelConfig
+from lmserve.pooling_params import PoolerConfig
 from lmserve.request import TokenLogprobs
 from lmserve.sample import Sampler, SamplerOutput
 from lmserve.sched.output import SchedulerOutput
@@ -25,6 +26,7 @@ from lmserve.worker.input_batch import InputBatch
 from lmserve.worker.inputs import StepInputs, StepLayout, build_inputs
 from lmserve.worker.kv_memory import kv_zeros
 from lmserve.worker.kv_transfer import KVTransfer
+from lmserve.worker.pooler import Pooler
 from lmserve.worker.upload import PinnedStaging, to_device
 
 
@@ -37,6 +39,7 @@ class RunnerOutput:
     num_decodes: int = 0  # tokens in the decode group (plain decodes and verify runs)
     num_prefill_tokens: int = 0
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # pooling requests whose prompt ended
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -61,7 +64,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None,
                  kv_dtype: torch.dtype | None = None, attention_backend: str = "reference",
-                 samples: bool = True, kv_groups: Sequence[Sequence[int]] | None = None) -> None:
+                 samples: bool = True, kv_groups: Sequence[Sequence[int]] | None = None,
+                 pooler: PoolerConfig = PoolerConfig()) -> None:
         """`attention_backend`: a resolved name (layers/attention_backends.py: triton | reference).
         `samples=False`: a tensor-parallel worker rank (forward_only), whose rows keep no sampling state.
         `kv_groups`: the layers of each KV group, all of one size (cache/kv_groups.py; None: one group of every
@@ -82,6 +86,7 @@ class ModelRunner:
         self.scratch = ScratchSlot(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
+        self.pooler = Pooler(pooler)  # pooling requests: their prompt's hidden states -> one vector
         self.batch = InputBatch(cfg.vocab_size, device, samples=samples, num_kv_groups=len(groups))
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)
@@ -116,7 +121,7 @@ class ModelRunner:
         if meta is not None and out.grammar_bitmask is not None:
             meta.grammar_bitmask, meta.grammar_rows = _grammar_rows(out, layout)
         lora_meta = self._lora_meta(out, layout) if self.lora is not None else None
-        graph_step = self.graphs is not None and self.graphs.fits(host, layout.num_prefill_tokens)
+        graph_step = self.graphs is not None and not layout.pool and self.graphs.fits(host, layout.num_prefill_tokens)
         upload = sampling_rows_only(host) if graph_step else host
         inputs, meta, gather, pending, lora_meta = to_device(
             (upload, meta, gather, self.batch.take_pending(), lora_meta), self.device, self.staging)
@@ -131,6 +136,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs))
         result = RunnerOutput([[] for _ in out.requests], [[] for _ in out.requests],
                               layout.num_decode_tokens, layout.num_prefill_tokens)
+        if layout.pool:
+            result.embeddings = self.pooler(out, layout.pool, hidden, self.batch.pooling_of)
         if layout.prompt_lp:
             result.prompt_logprobs = self._prompt_logprobs(out, hidden[inputs.prompt_lp_indices], layout)
         if sample_ids:
@@ -164,6 +171,7 @@ class ModelRunner:
         b = self.batch
         for rid in out.finished_ids:
             b.remove(rid)
+        self.pooler.drop(out.finished_ids)
         for new in out.new_requests:
             b.add(new)
         b.apply(out.requests)

@@ -21,6 +21,7 @@ from lmserve.server.api import ollama_protocol as ol
 from lmserve.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from lmserve.server.errors import is_anthropic, is_ollama, is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
+from lmserve.server.api.embeddings import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
 from lmserve.server.api.kserve import V2InferRequest
 from lmserve.server.api.responses_input import ResponsesRequest
 
@@ -279,6 +280,36 @@ class OllamaShow(_Open):
     capabilities: list[str]
 
 
+class EmbeddingUsage(_Open):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(_Open):
+    object: str
+    index: int
+    embedding: list[float] | str  # str: encoding_format base64 (little-endian float32)
+
+
+class EmbeddingList(_Open):
+    object: str
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
+class OllamaEmbedded(_Open):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaEmbedding(_Open):
+    embedding: list[float]
+
+
 class V2Live(_Open):
     live: bool
 
@@ -455,6 +486,9 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/version"): RouteDoc(None, Version, (401,)),
     ("get", "/metrics"): RouteDoc(None, None, (401, 403), (TEXT,)),  # 403: a non-admin key beside a key file
     ("get", "/v1/monitoring/drift"): RouteDoc(None, DriftReport, (401, 404)),
+    ("post", "/v1/embeddings"): RouteDoc(EmbeddingRequest, EmbeddingList, _GEN),
+    ("post", "/api/embed"): RouteDoc(OllamaEmbedRequest, OllamaEmbedded, _GEN),
+    ("post", "/api/embeddings"): RouteDoc(OllamaEmbeddingsRequest, OllamaEmbedding, _GEN),
     ("post", "/tokenize"): RouteDoc(p.TokenizeRequest, Tokenized, (400, 401, 404, 413, 503)),
     ("post", "/detokenize"): RouteDoc(p.DetokenizeRequest, Detokenized, (400, 401, 404, 413, 503)),
     # The playground: its page and files need no key (404: the playground is off); its data routes do.

@@ -1,0 +1,47 @@
+"""Pooling (embedding) requests: how the final hidden states of a prompt become one vector (plain data).
+
+A pooling request runs its prompt through the same scheduler as a generation (chunked prefill, prefix
+hits for last-token pooling) and finishes when the prompt's last chunk has run: no decode, no sampling,
+its KV blocks freed at once. What it pools is the model's, not the request's: `PoolerConfig` (from a
+sentence-transformers checkpoint's files or `--pooling`); what the request chooses is vLLM's
+`PoolingParams`: how many dimensions to keep and whether to L2-normalise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POOLING_METHODS = ("last", "mean", "cls")
+# vLLM's default for decoder LMs: the last token is the only one that attended to the whole prompt
+DEFAULT_POOLING = "last"
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """What one embedding request asks: keep the first `dimensions` components (Matryoshka; None: all), then
+    L2-normalise when `normalize` (OpenAI's and Ollama's /api/embed vectors are unit length)."""
+
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {d!r}")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """The model's pooling: `method` (last | mean | cls) and where it was read from (for the start-up log)."""
+
+    method: str = DEFAULT_POOLING
+    source: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.method!r}")
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Mean and CLS read hidden states a prefix-cache hit would skip: such prompts compute every token."""
+        return self.method != "last"
