@@ -58,8 +58,9 @@ def hf(gemma):
 
 @pytest.fixture(scope="module")
 def float_engine(gemma):
+    # --num-kv-blocks counts blocks of one KV group's layers: Gemma 3 270M has 6 groups (one global, five windowed)
     return LLMEngine(EngineConfig(model=str(gemma), quantization="none", dtype="float32",
-                                  cache=CacheConfig(num_blocks=96, block_size=16),
+                                  cache=CacheConfig(num_blocks=6 * 96, block_size=16),
                                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)))
 
 
@@ -103,7 +104,8 @@ def test_float_path_is_transformers_on_the_dequantized_file(float_engine, hf):
 @pytest.fixture(scope="module")
 def packed_engine(gemma, float_engine):
     """The default path (--quantization auto) over the same file, as `lmserve serve --model <file>` builds it."""
-    return LLMEngine(EngineConfig(model=str(gemma), cache=CacheConfig(num_blocks=64)), tokenizer=float_engine.tokenizer)
+    return LLMEngine(EngineConfig(model=str(gemma), cache=CacheConfig(num_blocks=6 * 64)),
+                     tokenizer=float_engine.tokenizer)
 
 
 def test_packed_default_path_loads_and_generates(packed_engine, float_engine):
