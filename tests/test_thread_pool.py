@@ -143,12 +143,17 @@ def test_a_decode_step_costs_no_wake_ups_while_workers_poll(threads):
 
     threads(2)
     eng = LLMEngine(EngineConfig(quantization="gguf", num_threads=2, cache=CacheConfig(num_blocks=32)))
-    eng.add_request("a", [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    eng.add_request("a", [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     eng.step()
     eng.step()
     saved = mod.pool_tuning()
     mod.set_pool_tuning(**{**saved, "worker_poll_us": 10_000_000, "caller_spin_us": 10_000_000, "adaptive": 0})
     try:
+        # The worker may be parked from before the new tuning: one step wakes it. The caller counts a wake-up for
+        # every job it starts while the woken worker has not yet run (a slow host takes a few jobs to schedule it),
+        # so the count starts once the worker is surely up and polling.
+        eng.step()
+        time.sleep(0.1)
         before, steps = mod.pool_stats(), 0
         while eng.has_unfinished():
             eng.step()
