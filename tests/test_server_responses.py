@@ -198,7 +198,8 @@ def test_another_key_cannot_read_continue_or_delete_a_stored_response(client, ot
 @pytest.mark.parametrize("body, param", [
     ({"input": 3}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input.0.type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # accepted, not rendered: no message is left
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
@@ -258,8 +259,9 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_uses_the_result(server,
 
 @pytest.mark.parametrize("seed", range(5))
 def test_output_items_built_from_stream_pieces_equal_those_of_the_whole_answer(seed):
-    """The one builder, fed a chat answer whole or as a stream's pieces (split at random), gives the same items;
-    the events it sends, applied in order, rebuild them (no server: the translation alone)."""
+    """The one builder, fed a chat answer whole or as a stream's pieces (split at random), gives the same items
+    (a reasoning item first when there is reasoning); the events it sends, applied in order, rebuild them (no server:
+    the translation alone)."""
     import random
 
     from lmserve.server.api.responses_output import OutputItems, output_of_chat
@@ -267,10 +269,12 @@ def test_output_items_built_from_stream_pieces_equal_those_of_the_whole_answer(s
     rng = random.Random(seed)
     calls = [{"id": f"call_{k}", "function": {"name": "get_weather", "arguments": '{"city":"Paris %d"}' % k}}
              for k in range(rng.randint(0, 2))]
-    message = {"content": rng.choice(["", "Let me check."]) if calls else "Paris is the capital.",
-               "tool_calls": calls}
-    whole = output_of_chat(message, "stop", "msg_1")
-    out, events = OutputItems("msg_1"), []
+    message = {"content": rng.choice(["", "Let me check."]) if calls else rng.choice(["", "Paris is the capital."]),
+               "tool_calls": calls, "reasoning_content": rng.choice([None, "The user asks about France."])}
+    whole = output_of_chat(message, "stop", OutputItems("msg_1", "rs_1"))
+    out, events = OutputItems("msg_1", "rs_1"), []
+    for piece in _pieces(message["reasoning_content"] or "", rng):
+        events += out.reasoning(piece)
     for piece in _pieces(message["content"], rng):
         events += out.text(piece)
     for call in calls:

@@ -19,7 +19,7 @@ still become a tag; `split()` is that same machine run over the whole text, so t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent, drain, partial_suffix
 
@@ -42,6 +42,21 @@ class ReasoningParser:
         reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
         content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         return Split(reasoning or None, content or None)
+
+    def num_tokens(self, ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
+        """How many of a reply's token `ids` are reasoning: those up to the one that completes the end tag (the
+        tags count, as hidden tokens do in OpenAI's `reasoning_tokens`); all when the end never came; none when
+        the reasoning never began (qwen3 without "<think>")."""
+        text = decode(ids)
+        if not self.starts_in_prompt and self.start not in text:
+            return 0
+        if self.end not in text:
+            return len(ids)
+        lo, hi = 1, len(ids)  # the shortest prefix whose text holds the end tag (holding it is monotone)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.end in decode(ids[:mid]) else (mid + 1, hi)
+        return lo
 
 
 @dataclass(frozen=True)

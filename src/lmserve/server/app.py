@@ -23,7 +23,7 @@ from lmserve.server.errors import APIError, error_response
 from lmserve.server.api.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from lmserve.server.api.tools import prepare_chat, template_supports_tools, tool_format
+from lmserve.server.api.chat_plan import plan_chat
 from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, key_name_of,
                                   read_request, release_leases, state_of)
 from lmserve.server.key_file import ANONYMOUS
@@ -272,9 +272,8 @@ def _misc_routes(app: FastAPI) -> None:
         try:
             if req.messages is not None:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-                messages, kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools,
-                                                template_supports_tools(tok.chat_template), tool_format(st))
-                ids = await asyncio.to_thread(tok.encode_chat, messages, True, **kwargs)
+                chat = plan_chat(st, [m.model_dump(exclude_none=True) for m in req.messages], tools).chat
+                ids = await asyncio.to_thread(tok.encode_chat, chat.messages, True, **chat.template_kwargs)
             else:
                 ids = await asyncio.to_thread(tok.encode_prompt, req.prompt, req.add_special_tokens)
         except ValueError as e:

@@ -1,8 +1,9 @@
 """Anthropic's Messages API: POST /v1/messages (JSON and its typed SSE events), POST /v1/messages/count_tokens.
 
 The request becomes the OpenAI chat the rest of the server knows (api/anthropic_protocol.py), is admitted through
-ModelState.start, the one admission path, and the answer is translated back: text and tool_use content blocks,
-stop_reason end_turn / max_tokens / stop_sequence / tool_use, usage. Tool calls use the OpenAI path's machinery
+ModelState.start, the one admission path, and the answer is translated back: a thinking block (with
+--reasoning-parser, unless `thinking` is disabled), text and tool_use content blocks, stop_reason end_turn /
+max_tokens / stop_sequence / tool_use, usage. Tool calls use the OpenAI path's machinery
 (api/tools.py: the prompt, the grammar that constrains calls, parsing; api/tool_stream.py while streaming), so
 tool_choice any / tool generate schema-valid `input`. Errors are Anthropic's shape (server/errors.py by path), a
 failure mid-stream an `error` event.
@@ -26,38 +27,38 @@ from lmserve.server.api.anthropic_protocol import (CountTokensRequest, MessagesR
                                                    openai_tool_choice, openai_tools)
 from lmserve.server.api.openai import caller_of, collect
 from lmserve.server.api.params import build_params, structured_params, tool_structure
-from lmserve.parsers.events import ContentDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart
+from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart
 from lmserve.parsers.output import OutputParser
-from lmserve.parsers.tool_formats import ToolFormat
-from lmserve.server.api.tools import output_parser, prepare_chat, template_supports_tools, tool_format
+from lmserve.server.api.chat_plan import ChatPlan, plan_chat
 from lmserve.server.config import TokenLimits
 from lmserve.server.errors import anthropic_error_body
-from lmserve.server.served import Chat, ModelState
+from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of
 from lmserve.server.streams import MergedStreams, Watched, stream_failure
 
 router = APIRouter()
 Event = tuple[str, dict]  # (SSE event name, its data); the name is the data's `type`
+SIGNATURE = ""  # a thinking block's signature (see _thinking_block)
 
 
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     st, req = await read_request(request, MessagesRequest)
     caller = caller_of(request)
-    tools, fmt = openai_tools(req), tool_format(st)
-    params, parser = _params(req, tools, st.config.token_limits, fmt), output_parser(tools, fmt, None)
-    run = await st.start([_chat(st, req, tools, fmt)], params, caller.record, model=req.model, id_prefix="msg",
+    plan = _plan(st, req)
+    params = _params(req, plan, st.config.token_limits)
+    run = await st.start([plan.chat], params, caller.record, model=req.model, id_prefix="msg",
                          priority=caller.priority)
     message = {"id": "msg_" + run.request_id.split("-", 1)[1], "type": "message", "role": "assistant",
                "model": run.lora.name if run.lora is not None else st.model_name}
     input_tokens = len(run.ids[0])
     if req.stream:
-        return _sse(request, st, run.merged, _events(run.merged, message, input_tokens, parser))
+        return _sse(request, st, run.merged, _events(run.merged, message, input_tokens, plan.parser))
     choices = await collect(caller, st, run.merged, 1, 1)
     if choices is None:
         return Response(status_code=499)  # the client went away first
     c = choices[0]
-    content, calls = _content(c.text, parser)
+    content, calls = _content(c.text, plan.parser)
     stop_reason, stop_sequence = _stop(c.finish_reason, c.stop_reason, calls)
     return JSONResponse({**message, "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                          "usage": {"input_tokens": input_tokens, "output_tokens": len(c.token_ids)}})
@@ -67,41 +68,46 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> dict:
     """The prompt's tokens as /v1/messages would render them (system, messages, tools)."""
     st, req = await read_request(request, CountTokensRequest)
-    chat = _chat(st, req, openai_tools(req), tool_format(st))
+    chat = _plan(st, req).chat
     return {"input_tokens": len(await st.tokenize_chat(chat.messages, record_of(request), chat.template_kwargs))}
 
 
-def _chat(st: ModelState, req: CountTokensRequest, tools: list[dict], fmt: ToolFormat) -> Chat:
-    """The chat template's inputs: messages (tool history included) and the tools, as the OpenAI path builds them."""
-    supports = template_supports_tools(st.front.tokenizer.chat_template)
-    messages, kwargs = prepare_chat(chat_messages(req), tools, supports, fmt)
-    if req.thinking is not None:  # reasoning templates (Qwen3's) read enable_thinking; others ignore it
-        kwargs = {**kwargs, "enable_thinking": req.thinking.type == "enabled"}
-    return Chat(messages, kwargs)
+def _plan(st: ModelState, req: CountTokensRequest) -> ChatPlan:
+    """The chat as the OpenAI path builds it; `thinking` is the template's enable_thinking (Qwen3's; others ignore
+    it), and "disabled" turns the reasoning parser off."""
+    switch = {"enable_thinking": req.thinking.type == "enabled"} if req.thinking is not None else {}
+    return plan_chat(st, chat_messages(req), openai_tools(req), switch)
 
 
-def _params(req: MessagesRequest, tools: list[dict], limits: TokenLimits, fmt: ToolFormat) -> SamplingParams:
+def _params(req: MessagesRequest, plan: ChatPlan, limits: TokenLimits) -> SamplingParams:
     structured = None
-    if tools:
+    if plan.tools:
         parallel = not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use)
-        spec = tool_structure(tools, openai_tool_choice(req.tool_choice), parallel, fmt.name)
+        spec = tool_structure(plan.tools, openai_tool_choice(req.tool_choice), parallel, plan.fmt.name)
         structured = structured_params(spec, "tools")
     return build_params(max_tokens=limits.resolve(req.max_tokens, None, "max_tokens"), temperature=req.temperature,
                         top_p=req.top_p if req.top_p is not None else 1.0, top_k=req.top_k or 0,
-                        stop=list(req.stop_sequences or []), structured_outputs=structured)
+                        stop=list(req.stop_sequences or []), structured_outputs=structured, **plan.sampling_fields())
 
 
 def _content(text: str, parser: OutputParser | None) -> tuple[list[dict], bool]:
-    """The answer's content blocks (a text block when there is text, then a tool_use block per call) and whether
-    it called a tool."""
+    """The answer's content blocks (a thinking block when there is reasoning, a text block when there is text, then
+    a tool_use block per call) and whether it called a tool."""
     if parser is None:
         return ([{"type": "text", "text": text}] if text else []), False
     parsed = parser.parse(text)
     content, calls = parsed.content, parsed.calls
-    blocks = [{"type": "text", "text": content}] if content else []
+    blocks = [_thinking_block(parsed.reasoning)] if parsed.reasoning else []
+    blocks += [{"type": "text", "text": content}] if content else []
     blocks += [{"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
                for call in calls]  # the grammar made the arguments a JSON object of the tool's schema
     return blocks, bool(calls)
+
+
+def _thinking_block(thinking: str) -> dict:
+    """A thinking block; its signature is empty: Anthropic's is a seal only its servers check, and this server
+    drops past thinking blocks from the prompt, so there is nothing to verify."""
+    return {"type": "thinking", "thinking": thinking, "signature": SIGNATURE}
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -122,7 +128,8 @@ def _stop(finish_reason: str | None, stop_reason: int | str | None, called: bool
 
 @dataclass
 class Blocks:
-    """Turns text / tool-call stream events into content_block_start / _delta / _stop events, one block at a time."""
+    """Turns reasoning / text / tool-call stream events into content_block_start / _delta / _stop events, one block
+    at a time; a thinking block ends with its signature_delta (as Anthropic sends one before the block's stop)."""
 
     index: int = -1
     open: str | None = None  # the type of the block now open
@@ -130,7 +137,11 @@ class Blocks:
 
     def feed(self, events: list[StreamEvent]) -> list[Event]:
         for e in events:
-            if isinstance(e, ContentDelta):
+            if isinstance(e, ReasoningDelta):
+                if self.open != "thinking":
+                    self._start(_thinking_block(""))
+                self._delta({"type": "thinking_delta", "thinking": e.text})
+            elif isinstance(e, ContentDelta):
                 if self.open != "text":
                     self._start({"type": "text", "text": ""})
                 self._delta({"type": "text_delta", "text": e.text})
@@ -144,8 +155,12 @@ class Blocks:
     def close(self) -> list[Event]:
         if self.open is None:
             return []
+        signature = self.open == "thinking"
         self.open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        sealed = [("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                           "delta": {"type": "signature_delta", "signature": SIGNATURE}})]
+        return (sealed if signature else []) + [("content_block_stop", {"type": "content_block_stop",
+                                                                        "index": self.index})]
 
     def _start(self, block: dict) -> None:
         self.out += self.close()
@@ -162,8 +177,8 @@ async def _events(merged: MergedStreams, message: dict, input_tokens: int,
                   parser: OutputParser | None) -> AsyncIterator[Event]:
     """message_start, ping, the content blocks' events, message_delta (stop_reason, usage), message_stop.
 
-    Seam for reasoning models: a reasoning parser (--reasoning-parser) splits each delta's text into thinking and
-    answer text before the tool streamer; the thinking text goes out as a `thinking` block of thinking_delta events.
+    With a reasoning parser (--reasoning-parser) the parser's streamer splits each delta's text into thinking and
+    answer text before the tool stage; the thinking goes out first, as a `thinking` block of thinking_delta events.
     """
     yield "message_start", {"type": "message_start", "message": {
         **message, "content": [], "stop_reason": None, "stop_sequence": None,

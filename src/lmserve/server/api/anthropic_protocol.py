@@ -110,8 +110,9 @@ class ToolChoice(_Strict):
 
 
 class Thinking(_Strict):
-    """Extended thinking. Accepted; the split of the model's reasoning into `thinking` blocks is the reasoning
-    parser's (--reasoning-parser, issue 31): until then the template is only told (`enable_thinking`)."""
+    """Extended thinking: the template is told (`enable_thinking`); with --reasoning-parser the model's reasoning
+    comes back as a `thinking` block, unless "disabled" (without `thinking` a reasoning model still reasons, and it
+    is split out all the same). `budget_tokens` is checked, not enforced: max_tokens bounds reasoning and answer."""
 
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(default=None, ge=1024)  # Anthropic's minimum; below max_tokens

@@ -29,9 +29,10 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import ollama_models
 from lmserve.server.api.ollama_protocol import (ChatRequest, GenerateRequest, chat_messages, keep_alive_seconds,
                                                 sampling_params, think_kwargs)
-from lmserve.parsers.events import ContentDelta
+from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent
 from lmserve.parsers.output import OutputParser
-from lmserve.server.api.tools import output_parser, prepare_chat, template_variables, tool_format
+from lmserve.server.api.chat_plan import ChatPlan, plan_chat
+from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
 from lmserve.server.served import Chat, ModelState, Prompt
 from lmserve.server.state import read_request, record_of
@@ -103,12 +104,12 @@ async def chat(request: Request) -> Response:
     keep = _keep_alive(st, req)
     if not req.messages:
         return _loaded(st, keep, {"message": {"role": "assistant", "content": ""}})
-    tools, fmt = [t.model_dump(exclude_none=True) for t in req.tools or []], tool_format(st)
-    params, parser = sampling_params(req, st.config.token_limits, tools, fmt.name), output_parser(tools, fmt, None)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     variables = template_variables(st.front.tokenizer.chat_template)
-    messages, kwargs = prepare_chat(chat_messages(req.messages), tools, "tools" in variables, fmt)
-    turn, merged = await _start(request, st, req, Chat(messages, {**kwargs, **think_kwargs(req.think, variables)}),
-                                params, start)
+    plan = plan_chat(st, chat_messages(req.messages), tools, think_kwargs(req.think, variables), req.think is not False)
+    params = sampling_params(req, st.config.token_limits, tools, plan.fmt.name, plan.sampling_fields())
+    parser = plan.parser
+    turn, merged = await _start(request, st, req, plan.chat, params, start)
     if not req.stream:
         if not await _collect(request, st, turn, merged):
             return Response(status_code=499)
@@ -131,8 +132,10 @@ async def generate(request: Request) -> Response:
                        param="template")
     if not req.prompt and not req.context:
         return _loaded(st, keep, {"response": ""})
-    params = sampling_params(req, st.config.token_limits)
-    turn, merged = await _start(request, st, req, await _generate_prompt(st, req, record_of(request)), params,
+    plan = None if req.raw else _generate_plan(st, req)
+    params = sampling_params(req, st.config.token_limits, plan_fields=plan.sampling_fields() if plan else None)
+    parser = plan.parser if plan is not None else None
+    turn, merged = await _start(request, st, req, await _generate_prompt(st, req, plan, record_of(request)), params,
                                 start)
     context = {} if req.raw else {"context": turn.prompt_ids}  # with the answer's ids appended at the end
     if not req.stream:
@@ -140,19 +143,24 @@ async def generate(request: Request) -> Response:
             return Response(status_code=499)
         if context:
             context["context"] = turn.prompt_ids + turn.output_ids
-        return JSONResponse({**_head(turn), "response": turn.text, **_logprobs(st, req, turn), **turn.final(),
-                             **context})
-    return _ndjson(request, st, merged, _generate_lines(st, req, turn, merged, context))
+        thinking, response = _parts(turn.text, parser)
+        return JSONResponse({**_head(turn), "response": response, **_thinking(thinking, parser),
+                             **_logprobs(st, req, turn), **turn.final(), **context})
+    return _ndjson(request, st, merged, _generate_lines(st, req, turn, merged, context, parser))
 
 
-async def _generate_prompt(st: ModelState, req: GenerateRequest, record: RequestRecord) -> Prompt:
-    """The prompt as written (raw), or rendered by the chat template (`system` first); after `context`'s ids."""
-    if req.raw:
-        prompt: Prompt = req.prompt
-    else:
-        system = [{"role": "system", "content": req.system}] if req.system else []
-        variables = template_variables(st.front.tokenizer.chat_template)
-        prompt = Chat([*system, {"role": "user", "content": req.prompt}], think_kwargs(req.think, variables))
+def _generate_plan(st: ModelState, req: GenerateRequest) -> ChatPlan:
+    """A templated generate is a chat of `system` (when given) and the prompt, with no tools."""
+    system = [{"role": "system", "content": req.system}] if req.system else []
+    variables = template_variables(st.front.tokenizer.chat_template)
+    return plan_chat(st, [*system, {"role": "user", "content": req.prompt}], [], think_kwargs(req.think, variables),
+                     req.think is not False)
+
+
+async def _generate_prompt(st: ModelState, req: GenerateRequest, plan: ChatPlan | None,
+                           record: RequestRecord) -> Prompt:
+    """The prompt as written (raw), or rendered by the chat template (the plan's chat); after `context`'s ids."""
+    prompt: Prompt = req.prompt if plan is None else plan.chat
     if not req.context:
         return prompt
     ids = await (st.tokenize_chat(prompt.messages, record, prompt.template_kwargs) if isinstance(prompt, Chat)
@@ -206,15 +214,35 @@ async def _collect(request: Request, st: ModelState, turn: Turn, merged: MergedS
 
 
 def _message(text: str, parser: OutputParser | None) -> dict:
-    """The assistant message of a whole answer: with tools, calls parsed out (arguments as objects)."""
+    """The assistant message of a whole answer: reasoning split out into `thinking`, calls parsed out (arguments as
+    objects)."""
     if parser is None:
         return {"role": "assistant", "content": text}
     parsed = parser.parse(text)
     content, calls = parsed.content, parsed.calls
-    message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    message: dict[str, Any] = {"role": "assistant", "content": content or "", **_thinking(parsed.reasoning, parser)}
     if calls:
         message["tool_calls"] = [{"function": {"name": c.name, "arguments": _object(c.arguments)}} for c in calls]
     return message
+
+
+def _parts(text: str, parser: OutputParser | None) -> tuple[str, str]:
+    """(thinking, answer) of a whole generate answer ("" for what is absent)."""
+    if parser is None:
+        return "", text
+    parsed = parser.parse(text)
+    return parsed.reasoning or "", parsed.content or ""
+
+
+def _thinking(thinking: str | None, parser: OutputParser | None) -> dict:
+    """`thinking` when a reasoning parser split some out (Ollama leaves the field out otherwise)."""
+    return {"thinking": thinking} if thinking and parser is not None and parser.reasoning is not None else {}
+
+
+def _split(events: list[StreamEvent]) -> tuple[str, str]:
+    """(thinking, answer text) of a streamer's events."""
+    return ("".join(e.text for e in events if isinstance(e, ReasoningDelta)),
+            "".join(e.text for e in events if isinstance(e, ContentDelta)))
 
 
 def _object(arguments: str) -> dict:
@@ -259,30 +287,36 @@ def _ndjson(request: Request, st: ModelState, merged: MergedStreams, lines: Asyn
 
 async def _chat_lines(st: ModelState, req: ChatRequest, turn: Turn, merged: MergedStreams,
                       parser: OutputParser | None) -> AsyncIterator[dict]:
-    """A line per step's text; with tools, content as it comes and the calls, whole, before the final line."""
+    """A line per step's text (its thinking split out); with tools, the calls, whole, before the final line."""
     streamer = parser.streamer() if parser is not None else None
     async for _, d in merged:
         turn.add(d)
-        text = d.text if streamer is None else "".join(e.text for e in streamer.feed(d.text)
-                                                       if isinstance(e, ContentDelta))
-        if text or d.logprobs:
-            yield {**_head(turn), "message": {"role": "assistant", "content": text},
+        thinking, text = ("", d.text) if streamer is None else _split(streamer.feed(d.text))
+        if thinking or text or d.logprobs:
+            yield {**_head(turn), "message": {"role": "assistant", "content": text, **_thinking(thinking, parser)},
                    **_logprobs(st, req, turn, d.logprobs or []), "done": False}
     if streamer is not None:
-        tail = "".join(e.text for e in streamer.finish() if isinstance(e, ContentDelta))
+        thinking, tail = _split(streamer.finish())
         calls = _message(turn.text, parser).get("tool_calls")
-        if tail or calls:
-            yield {**_head(turn), "message": {"role": "assistant", "content": tail,
+        if thinking or tail or calls:
+            yield {**_head(turn), "message": {"role": "assistant", "content": tail, **_thinking(thinking, parser),
                                               **({"tool_calls": calls} if calls else {})}, "done": False}
     yield {**_head(turn), "message": {"role": "assistant", "content": ""}, **turn.final()}
 
 
 async def _generate_lines(st: ModelState, req: GenerateRequest, turn: Turn, merged: MergedStreams,
-                          context: dict) -> AsyncIterator[dict]:
+                          context: dict, parser: OutputParser | None) -> AsyncIterator[dict]:
+    """A line per step's text, its thinking split out when a reasoning parser runs."""
+    streamer = parser.streamer() if parser is not None else None
     async for _, d in merged:
         turn.add(d)
-        if d.text or d.logprobs:
-            yield {**_head(turn), "response": d.text, **_logprobs(st, req, turn, d.logprobs or []), "done": False}
+        thinking, text = ("", d.text) if streamer is None else _split(streamer.feed(d.text))
+        if thinking or text or d.logprobs:
+            yield {**_head(turn), "response": text, **_thinking(thinking, parser),
+                   **_logprobs(st, req, turn, d.logprobs or []), "done": False}
+    thinking, tail = ("", "") if streamer is None else _split(streamer.finish())
+    if thinking or tail:
+        yield {**_head(turn), "response": tail, **_thinking(thinking, parser), "done": False}
     if context:
         context["context"] = turn.prompt_ids + turn.output_ids
     yield {**_head(turn), "response": "", **turn.final(), **context}

@@ -153,8 +153,9 @@ def keep_alive_seconds(req: _Request) -> float | None | Literal[False]:
 
 
 def sampling_params(req: _Request, limits: TokenLimits, tools: list[dict] | None = None,
-                    fmt: str = "hermes") -> SamplingParams:
-    """Options, format, tools and logprobs -> SamplingParams, Ollama's defaults where the request is silent."""
+                    fmt: str = "hermes", plan_fields: dict | None = None) -> SamplingParams:
+    """Options, format, tools and logprobs -> SamplingParams, Ollama's defaults where the request is silent;
+    `plan_fields` are the chat plan's (api/chat_plan.py: `format` and tools wait for the reasoning's end)."""
     o = req.options or Options()
     ignored = sorted(k for k in o.model_fields_set if k in IGNORED_OPTIONS)
     if ignored:
@@ -173,7 +174,8 @@ def sampling_params(req: _Request, limits: TokenLimits, tools: list[dict] | None
                         frequency_penalty=_or(o.frequency_penalty, 0.0),
                         seed=o.seed if o.seed is not None and o.seed >= 0 else None, stop=stop,
                         logprobs=(req.top_logprobs or 0) if req.logprobs or req.top_logprobs else None,
-                        structured_outputs=structured_params(_constraint(req.format, tools, fmt), "format"))
+                        structured_outputs=structured_params(_constraint(req.format, tools, fmt), "format"),
+                        **(plan_fields or {}))
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -233,8 +235,8 @@ def think_kwargs(think: Think | None, template_variables: frozenset[str]) -> dic
     """`think` as the chat template's own switches: `enable_thinking` (Qwen3, SmolLM3, ...) and a level as
     `reasoning_effort` (gpt-oss), where the template reads them; elsewhere it changes nothing (logged).
 
-    Splitting the reasoning out of the answer into `message.thinking` is the reasoning parser's job (issue 31's
-    --reasoning-parser); the routes leave `thinking` out until one is configured.
+    With --reasoning-parser the routes split the reasoning out into `message.thinking` / `thinking` unless `think`
+    is false (api/chat_plan.py); without one they leave `thinking` out.
     """
     if think is None:
         return {}

@@ -25,12 +25,12 @@ from lmserve.server.errors import APIError, error_body
 from lmserve.server.api.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.api.params import chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
-from lmserve.server.served import Chat, ModelState
+from lmserve.server.served import ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
 from lmserve.parsers.output import OutputParser
 from lmserve.server.api.tool_stream import chat_chunk_delta
-from lmserve.server.api.tools import output_parser, prepare_chat, reasoning_parser, template_supports_tools, tool_format
+from lmserve.server.api.chat_plan import plan_chat
 
 router = APIRouter()
 
@@ -195,18 +195,14 @@ async def chat_completions(request: Request) -> Response:
 async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     """The chat template's inputs (tools included), then ModelState.start, the one admission path."""
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
-    fmt, reasoning = tool_format(st), reasoning_parser(st, req.chat_template_kwargs)
-    params = chat_params(req, st.config.token_limits, fmt, reasoning)
-    supports = template_supports_tools(st.front.tokenizer.chat_template)
-    messages, template_kwargs = prepare_chat([m.model_dump(exclude_none=True) for m in req.messages], tools, supports,
-                                             fmt)
-    template_kwargs = {**(req.chat_template_kwargs or {}), **template_kwargs}
-    run = await st.start([Chat(messages, template_kwargs)], params, caller.record, model=req.model,
+    plan = plan_chat(st, [m.model_dump(exclude_none=True) for m in req.messages], tools, req.chat_template_kwargs)
+    params = chat_params(req, st.config.token_limits, plan.fmt, plan.sampling_fields())
+    run = await st.start([plan.chat], params, caller.record, model=req.model,
                          id_prefix="chatcmpl", priority=caller.priority, cache_salt=req.cache_salt)
     rid, [ids], merged, lora = run.request_id, run.ids, run.merged, run.lora
     meta = {"id": rid, "created": int(time.time()), "model": _model_name(st, lora)}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    parser = output_parser(tools, fmt, reasoning)
+    parser = plan.parser
 
     async def body() -> dict | None:
         choices = await collect(caller, st, merged, params.n, 1)
@@ -215,7 +211,8 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
         return {**meta, "object": "chat.completion", "choices": [
             {"index": i, **_chat_message(c, parser),
              "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
-            for i, c in enumerate(choices)], "usage": _usage(len(ids), choices)}
+            for i, c in enumerate(choices)],
+            "usage": {**_usage(len(ids), choices), **_reasoning_usage(st, parser, [c.token_ids for c in choices])}}
 
     return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser), lora)
 
@@ -353,10 +350,11 @@ async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params
     base = {**meta, "object": "chat.completion.chunk"}
     for i in range(params.n):  # the first delta of each choice carries the role
         yield sse.role_chunk(base, i)
-    outputs = {}
+    outputs, token_ids = {}, {i: [] for i in range(params.n)}
     streamers = {i: parser.streamer() for i in range(params.n)} if parser is not None else None
     async for _, d in merged:
         outputs[d.index] = d.num_output_tokens
+        token_ids[d.index] += d.token_ids if parser is not None and parser.reasoning is not None else []
         lp = {"content": chat_logprobs(_piece(st), d.logprobs or [])} if params.logprobs is not None else None
         delta = {"content": d.text} if streamers is None else chat_chunk_delta(streamers[d.index].feed(d.text))
         if (d.text and (delta or streamers is None)) or d.logprobs:
@@ -371,11 +369,21 @@ async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params
                     reason = "tool_calls"
             yield sse.chat_chunk(base, d.index, {}, None, reason)
     if include_usage:
-        yield sse.usage_chunk(base, _usage_counts(prompt_tokens, sum(outputs.values())))
+        yield sse.usage_chunk(base, {**_usage_counts(prompt_tokens, sum(outputs.values())),
+                                     **_reasoning_usage(st, parser, list(token_ids.values()))})
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
     return _usage_counts(prompt_tokens, sum(len(c.token_ids) for c in choices))
+
+
+def _reasoning_usage(st: ModelState, parser: OutputParser | None, outputs: list[list[int]]) -> dict:
+    """`completion_tokens_details.reasoning_tokens` when a reasoning parser runs: every choice's reasoning tokens."""
+    if parser is None or parser.reasoning is None:
+        return {}
+    decode = st.front.tokenizer.decode
+    return {"completion_tokens_details": {"reasoning_tokens": sum(parser.reasoning.num_tokens(ids, decode)
+                                                                  for ids in outputs)}}
 
 
 def _usage_counts(prompt: int, completion: int) -> dict:

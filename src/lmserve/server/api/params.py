@@ -10,7 +10,6 @@ from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutp
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
 from lmserve.server.config import TokenLimits
-from lmserve.parsers.reasoning import ReasoningParser
 from lmserve.parsers.tool_formats import HERMES, ToolFormat
 from lmserve.parsers.tool_grammar import tool_call_tag
 from lmserve.structured.compiler import GrammarError
@@ -141,9 +140,9 @@ def scores_prompt_only(r: CompletionRequest) -> bool:
 
 
 def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFormat = HERMES,
-                reasoning: ReasoningParser | None = None) -> SamplingParams:
-    """A chat request's SamplingParams: tools constrained in `fmt`; with a reasoning parser, any grammar waits
-    for the reasoning's end tag (as vLLM), and a format whose marker is a special token keeps special tokens."""
+                plan_fields: dict | None = None) -> SamplingParams:
+    """A chat request's SamplingParams: tools constrained in `fmt`; `plan_fields` are the chat plan's
+    (api/chat_plan.py: the reasoning tags any grammar waits for, whether special tokens stay in the text)."""
     if r.top_logprobs is not None and not r.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
@@ -155,9 +154,7 @@ def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFo
         raise APIError(400, "response_format and structured outputs cannot be combined with tools "
                        '(unless tool_choice is "none")', param="tools")
     return build_params(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None,
-                        reasoning_tags=None if reasoning is None else (reasoning.start, reasoning.end),
-                        skip_special_tokens=not (tools is not None and fmt.keeps_special_tokens),
-                        **_common(r, tools or other))
+                        **(plan_fields or {}), **_common(r, tools or other))
 
 
 def tgi_params(p: TGIParameters, stream: bool, limits: TokenLimits = TokenLimits()) -> SamplingParams:

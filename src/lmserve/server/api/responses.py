@@ -8,8 +8,11 @@ are the chat route's own; the chat answer, whole or streamed, becomes output ite
 `previous_response_id` continues it: that response's context and output come before the new input
 (its `instructions` do not carry over, as in OpenAI's API).
 
+With --reasoning-parser the reasoning comes first as a `reasoning` item (its text as one `reasoning_text` part) and
+is counted in usage's `reasoning_tokens`.
+
 Not offered: the response cache (--response-cache), background mode, `truncation: "auto"`, hosted tools,
-reasoning items (no --reasoning-parser here yet), replaying a stored response as a stream.
+reasoning summaries, replaying a stored response as a stream.
 """
 
 from __future__ import annotations
@@ -67,9 +70,8 @@ async def create_response(request: Request) -> Response:
     if body is None:  # the client went away first
         return Response(status_code=499)
     choice, usage = body["choices"][0], body["usage"]
-    output = output_of_chat(choice["message"], choice["finish_reason"], _message_id(shell.id))
-    answer = shell.object(status_of(choice["finish_reason"]), output,
-                          usage_of(usage["prompt_tokens"], usage["completion_tokens"], caller.record.num_cached_tokens))
+    output = output_of_chat(choice["message"], choice["finish_reason"], _output_items(shell.id))
+    answer = shell.object(status_of(choice["finish_reason"]), output, usage_of(usage, caller.record.num_cached_tokens))
     return JSONResponse(await saved(answer))
 
 
@@ -121,7 +123,7 @@ async def _events(request: Request, st: ModelState, run: Run, shell: ResponseShe
     def event(kind: str, fields: dict[str, Any]) -> str:
         return sse.typed_event({"type": kind, "sequence_number": next(numbers), **fields})
 
-    out = OutputItems(_message_id(shell.id))
+    out = _output_items(shell.id)
     for kind in ("response.created", "response.in_progress"):
         yield event(kind, {"response": shell.object("in_progress", [])})
     try:
@@ -138,8 +140,7 @@ async def _events(request: Request, st: ModelState, run: Run, shell: ResponseShe
         status = status_of(finish)
         for kind, fields in out.finish(status):
             yield event(kind, fields)
-        answer = shell.object(status, out.items, usage_of(usage["prompt_tokens"], usage["completion_tokens"],
-                                                         record_of(request).num_cached_tokens))
+        answer = shell.object(status, out.items, usage_of(usage, record_of(request).num_cached_tokens))
         answer = await save(answer)
         yield event("response.completed" if status == "completed" else "response.incomplete", {"response": answer})
     except Exception as e:  # mid-stream failure: an error event, then response.failed (the client raises no HTTP error)
@@ -152,14 +153,18 @@ async def _events(request: Request, st: ModelState, run: Run, shell: ResponseShe
         run.merged.stop()
 
 
-def _message_id(response_id: str) -> str:
-    """The id of a response's message: the response's own hex (one id in the logs and the answer)."""
-    return "msg_" + response_id.removeprefix("resp_")
+def _output_items(response_id: str) -> OutputItems:
+    """A response's output builder; its message and reasoning items are named by the response's own hex (one id in
+    the logs and the answer)."""
+    hex_id = response_id.removeprefix("resp_")
+    return OutputItems("msg_" + hex_id, "rs_" + hex_id)
 
 
 def _chat_delta(out: OutputItems, delta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The events of one chat chunk's delta: its text, then its tool_calls entries (a start, argument fragments)."""
-    events = out.text(delta["content"]) if delta.get("content") else []
+    """The events of one chat chunk's delta: its reasoning, its text, then its tool_calls entries (a start,
+    argument fragments)."""
+    events = out.reasoning(delta["reasoning_content"]) if delta.get("reasoning_content") else []
+    events += out.text(delta["content"]) if delta.get("content") else []
     for entry in delta.get("tool_calls") or []:
         if "id" in entry:
             events += out.call(entry["id"], entry["function"]["name"])

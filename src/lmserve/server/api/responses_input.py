@@ -7,9 +7,11 @@ chat's response_format, `max_output_tokens` max_completion_tokens. Input items:
     {"role": ..., "content": str | [parts]}                a message ("type": "message" may be given)
     {"type": "function_call", "call_id", "name", "arguments"}   a call the model made earlier
     {"type": "function_call_output", "call_id", "output"}       its result
+    {"type": "reasoning", "summary", "content"?}                 an earlier turn's reasoning: kept, not rendered
 
 Consecutive function calls join the assistant message before them (as one chat message holds its text and
-its tool_calls); a call's output is a tool message. Items are kept normalised, with ids (`msg_`, `fc_`,
+its tool_calls); a call's output is a tool message; a reasoning item is dropped from the prompt, as chat templates
+drop past turns' reasoning. Items are kept normalised, with ids (`msg_`, `fc_`,
 `fco_` + hex, unless the client gave one), as GET /v1/responses/{id}/input_items lists them.
 
 Items are validated one by one against the model of their `type`, so an error names the item
@@ -90,9 +92,25 @@ class FunctionCallOutputItem(_NullMeansDefault):
             raise ValueError("must be a string or a list of input_text parts") from None
 
 
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_NullMeansDefault):
+    """An earlier answer's reasoning item, sent back as history (the Agents SDK does): accepted, not rendered."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    id: str | None = Field(default=None, max_length=128)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    encrypted_content: str | None = None  # OpenAI's sealed reasoning: accepted and, like the rest, not rendered
+
+
 ITEM_MODELS = {"message": MessageItem, "function_call": FunctionCallItem,
-               "function_call_output": FunctionCallOutputItem}
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 class FunctionTool(_NullMeansDefault):
@@ -258,8 +276,9 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
                 last["tool_calls"] = [*last.get("tool_calls", []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
+        elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item["output"])})
+        # a reasoning item: not rendered (templates drop past turns' reasoning)
     return messages
 
 

@@ -4,12 +4,16 @@
 a chat stream (text, then each call's start and argument fragments, then finish), so the streamed and the
 whole answer hold the same items. Each step returns the typed events it makes, in OpenAI's order:
 
+    reasoning:      output_item.added, content_part.added, reasoning_text.delta..., reasoning_text.done,
+                    content_part.done, output_item.done   (with --reasoning-parser: the reasoning, first)
     message:        output_item.added, content_part.added, output_text.delta..., output_text.done,
                     content_part.done, output_item.done
     function call:  output_item.added, function_call_arguments.delta..., function_call_arguments.done,
                     output_item.done
 
-A response with neither text nor calls has one message with empty text (as chat answers content "").
+A response with neither text nor calls has one message with empty text (as chat answers content ""). A reasoning
+item holds the whole reasoning as one `reasoning_text` part and no summary (the model writes none); it is sent
+back as input on the next turn, where it is accepted and not rendered (responses_input.py).
 """
 
 from __future__ import annotations
@@ -28,14 +32,20 @@ Event = tuple[str, dict[str, Any]]  # (type, fields): the stream numbers them
 class OutputItems:
     """A response's output items as they are generated; `items` is the output once finish() ran."""
 
-    def __init__(self, message_id: str) -> None:
-        self.message_id = message_id
+    def __init__(self, message_id: str, reasoning_id: str) -> None:
+        self.message_id, self.reasoning_id = message_id, reasoning_id
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written (its status is "in_progress")
 
+    def reasoning(self, delta: str) -> list[Event]:
+        """Text of the reasoning item (opened on its first text)."""
+        events = [] if self._is_open("reasoning") else self._start("reasoning", self.reasoning_id)
+        self._open["content"][0]["text"] += delta
+        return events + [("response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": delta})]
+
     def text(self, delta: str) -> list[Event]:
         """Text of the assistant's message (opened on its first text)."""
-        events = [] if self._is_open("message") else self._start_message()
+        events = [] if self._is_open("message") else self._start("message", self.message_id)
         part = self._open["content"][0]
         part["text"] += delta
         return events + [("response.output_text.delta", {**self._where(), "content_index": 0, "delta": delta,
@@ -54,7 +64,8 @@ class OutputItems:
 
     def finish(self, status: str) -> list[Event]:
         """The output is complete: `status` "completed", or "incomplete" when max_output_tokens cut it."""
-        events = self._start_message() if not self.items else []
+        answered = any(item["type"] != "reasoning" for item in self.items)
+        events = [] if answered else self._start("message", self.message_id)
         return events + self._close(status)
 
     def _is_open(self, kind: str) -> bool:
@@ -68,10 +79,15 @@ class OutputItems:
         self._open = item
         return [("response.output_item.added", {"output_index": len(self.items) - 1, "item": copy.deepcopy(item)})]
 
-    def _start_message(self) -> list[Event]:
-        item = {"id": self.message_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+    def _start(self, kind: str, item_id: str) -> list[Event]:
+        """A message or reasoning item and its one text part."""
+        if kind == "message":
+            item = {"id": item_id, "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"id": item_id, "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
         events = self._close("completed") + self._add(item)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         item["content"].append(part)
         return events + [("response.content_part.added", {**self._where(), "content_index": 0,
                                                            "part": copy.deepcopy(part)})]
@@ -81,10 +97,11 @@ class OutputItems:
         if item is None:
             return []
         where, events = self._where(), []
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            events += [("response.output_text.done", {**where, "content_index": 0, "text": part["text"],
-                                                      "logprobs": []}),
+            done = (("response.output_text.done", {"logprobs": []}) if item["type"] == "message"
+                    else ("response.reasoning_text.done", {}))
+            events += [(done[0], {**where, "content_index": 0, "text": part["text"], **done[1]}),
                        ("response.content_part.done", {**where, "content_index": 0, "part": copy.deepcopy(part)})]
         else:
             events.append(("response.function_call_arguments.done", {**where, "name": item["name"],
@@ -95,9 +112,10 @@ class OutputItems:
                                                         "item": copy.deepcopy(item)})]
 
 
-def output_of_chat(message: dict[str, Any], finish_reason: str | None, message_id: str) -> list[dict[str, Any]]:
-    """The output items of a whole chat answer's message (its content, then its tool_calls)."""
-    out = OutputItems(message_id)
+def output_of_chat(message: dict[str, Any], finish_reason: str | None, out: OutputItems) -> list[dict[str, Any]]:
+    """The output items of a whole chat answer's message (its reasoning, its content, then its tool_calls)."""
+    if message.get("reasoning_content"):
+        out.reasoning(message["reasoning_content"])
     if message.get("content") or not message.get("tool_calls"):
         out.text(message.get("content") or "")
     for call in message.get("tool_calls") or []:
@@ -112,10 +130,13 @@ def status_of(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_of(chat_usage: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
+    """The Response's usage from the chat answer's (its reasoning tokens when a reasoning parser ran)."""
+    prompt, completion = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + completion}
 
 
 @dataclass(frozen=True)

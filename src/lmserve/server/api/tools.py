@@ -26,7 +26,7 @@ import jinja2
 import jinja2.meta
 
 from lmserve.parsers.output import OutputParser
-from lmserve.parsers.reasoning import ReasoningParser, parser_for
+from lmserve.parsers.reasoning import ReasoningParser
 from lmserve.parsers.tool_formats import HERMES, ToolFormat, resolve_format
 from lmserve.server.served import ModelState
 from lmserve.tokenizer.chat_template import message_text
@@ -48,11 +48,6 @@ _GENERATION_TAG = re.compile(r"{%-?\s*(end)?generation\s*-?%}")  # a tag only ou
 def tool_format(st: ModelState) -> ToolFormat:
     """The model's tool-call format: --tool-call-parser, else its chat template's family."""
     return resolve_format(st.config.tool_call_parser, st.front.tokenizer.chat_template)
-
-
-def reasoning_parser(st: ModelState, template_kwargs: dict[str, Any] | None) -> ReasoningParser | None:
-    """The server's --reasoning-parser for a request (None without one, or with thinking turned off)."""
-    return parser_for(st.config.reasoning_parser, template_kwargs)
 
 
 def output_parser(tools: list[dict], fmt: ToolFormat, reasoning: ReasoningParser | None) -> OutputParser | None:
