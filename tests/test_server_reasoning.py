@@ -28,22 +28,30 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 SEEDS = (1, 2, 3)
 
 
-def write_thinking_model(path) -> int:
-    """The tiny model under `path`; returns the id of "</think>"."""
-    import torch
-    import transformers
+def write_thinking_tokenizer(path, corpus: list[str]):
+    """A small byte-level BPE trained on `corpus`, with ChatML's specials and "<think>", "</think>" as plain added
+    tokens (decoded as text, as Qwen3's and R1's are), and TEMPLATE, written under `path`; returns the tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(
+    bpe.train_from_iterator(corpus * 10, trainers.BpeTrainer(
         vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=["<|im_start|>", "<|im_end|>"]))
-    bpe.add_tokens(["<think>", "</think>"])  # plain added tokens: decoded as text, as Qwen3's and R1's are
+    bpe.add_tokens(["<think>", "</think>"])
     path.mkdir()
     bpe.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
+    return bpe
+
+
+def write_thinking_model(path) -> int:
+    """The tiny model under `path`; returns the id of "</think>"."""
+    import torch
+    import transformers
+
+    bpe = write_thinking_tokenizer(path, CORPUS)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.server_util import running_server
-from tests.test_server_reasoning import TEMPLATE
+from tests.test_server_reasoning import write_thinking_tokenizer
 from tests.test_tools import random_splits
 
 NAME = "chains"
@@ -38,18 +38,8 @@ def write_chain_model(path) -> None:
     """The tiny model under `path` (see the module docstring)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(
-        vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|im_start|>", "<|im_end|>"]))
-    bpe.add_tokens(["<think>", "</think>"])
-    path.mkdir()
-    bpe.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
+    bpe = write_thinking_tokenizer(path, CORPUS)
     ids = bpe.token_to_id
     vocab, hidden = bpe.get_vocab_size(), 320
     newline, end, eos = ids("Ċ"), ids("</think>"), ids("<|im_end|>")

@@ -76,7 +76,7 @@ class AnthropicMessage(_Open):
     type: str
     role: str
     model: str
-    content: list[dict[str, Any]]  # text and tool_use blocks
+    content: list[dict[str, Any]]  # thinking (with --reasoning-parser), text and tool_use blocks
     stop_reason: str | None
     stop_sequence: str | None
     usage: AnthropicUsage
@@ -216,6 +216,7 @@ class OllamaError(_Open):
 class OllamaMessage(_Open):
     role: str
     content: str
+    thinking: str | None = None  # with --reasoning-parser, unless think is false
     tool_calls: list[dict[str, Any]] | None = None  # each {"function": {"name", "arguments": {...}}}
 
 
@@ -240,6 +241,7 @@ class OllamaChatResponse(_OllamaFinal):
 
 class OllamaGenerateResponse(_OllamaFinal):
     response: str
+    thinking: str | None = None  # with --reasoning-parser, unless think is false or raw
     context: list[int] | None = None
 
 
