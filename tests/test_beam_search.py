@@ -1,4 +1,4 @@
-"""Beam search (engine/beam_search.py): `LLM.beam_search` equals transformers' `generate(num_beams=...)` token for
+"""Beam search (beam_search.py): `LLM.beam_search` equals transformers' `generate(num_beams=...)` token for
 token on a tiny random float32 Llama; beams share their prompt's KV blocks through the prefix cache and leave no
 block behind; `/v1/completions` with `use_beam_search` through the official openai client, and its 400s."""
 
@@ -94,3 +94,60 @@ def test_beam_search_params_refuse_bad_values():
                        (dict(early_stopping="sometimes"), "early_stopping"), (dict(max_tokens=0), "max_tokens")]:
         with pytest.raises(ValueError, match=words):
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    from tests.server_util import running_server
+
+    with running_server("--model", f"tiny={tiny}", "--dtype", "float32", "--block-size", "4") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_completions_use_beam_search_through_the_openai_client(client, llm):
+    """best_of beams per prompt, the best n returned in order: the offline beams, the EOS not in the text."""
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, length_penalty=0.5, early_stopping=True)
+    offline = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=MAX_TOKENS, n=2, extra_body={
+        "use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "early_stopping": True})
+    assert len(r.choices) == 4 and [c.index for c in r.choices] == [0, 1, 2, 3]
+    expected = [s for o in offline for s in o.sequences[:2]]
+    for c, (p, s) in zip(r.choices, [(p, s) for p, o in zip(PROMPTS, offline) for s in o.sequences[:2]]):
+        out = s.tokens[len(p):]
+        assert c.text == llm.tokenizer.decode(out[:-1] if s.finish_reason == "stop" else out)
+        assert c.finish_reason == s.finish_reason
+    assert r.usage.completion_tokens == sum(len(s.tokens) - len(PROMPTS[0]) for s in expected)
+    assert r.usage.prompt_tokens == 2 * len(PROMPTS[0])
+    # n alone sets the width; the server still answers plain requests after beams
+    assert len(client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3, n=3,
+                                         extra_body={"use_beam_search": True}).choices) == 3
+    assert client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"n": 3, "best_of": 2}, "n"), ({"best_of": 0}, "best_of"), ({"temperature": 0.7}, "temperature"),
+    ({"stream": True}, "stream"), ({"logprobs": 0}, "logprobs"), ({"top_p": 0.5}, "top_p"),
+    ({"early_stopping": "sometimes"}, "early_stopping"), ({"best_of": 17}, "best_of")])
+def test_beam_search_refuses_bad_values_with_openai_errors(server, fields, param):
+    import httpx
+
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 3, "use_beam_search": True, **fields}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in (err["param"] or "") + err["message"]
+
+
+def test_beam_fields_without_use_beam_search_are_refused(server):
+    import httpx
+
+    for fields, param in (({"best_of": 2}, "best_of"), ({"length_penalty": 2.0}, "length_penalty")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", **fields}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param

@@ -1,6 +1,6 @@
 """LLM: the offline API. `LLM().generate(prompts, params)` runs a list through the batching engine,
 `LLM().embed(prompts)` pools them (worker/pooler.py) and `LLM().beam_search(prompts, params)` drives
-engine/beam_search.py, all as vLLM spells them; adapters by `lora_request=`."""
+beam_search.py, all as vLLM spells them; adapters by `lora_request=`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from lmserve.config import (CacheConfig, EngineConfig, KVOffloadConfig, LoraConfig, ParallelConfig, SchedulerConfig,
                             SpeculativeConfig)
-from lmserve.engine.beam_search import BeamSearch, BeamSearchOutput, step_params
+from lmserve.beam_search import BeamSearch, BeamSearchOutput, advance_all, next_batch
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.pooling_params import PoolingParams
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
@@ -126,7 +126,7 @@ class LLM:
         one BeamSearchOutput per prompt, its `beam_width` sequences best first.
 
         Each step runs every live beam of every prompt as one batch of one-token requests; their shared prefixes
-        come from the prefix cache (engine/beam_search.py). `use_tqdm` is accepted for vLLM's signature.
+        come from the prefix cache (beam_search.py). `use_tqdm` is accepted for vLLM's signature.
         """
         front, adapter = self.engine.front, self._adapter(lora_request)
         searches = []
@@ -134,12 +134,8 @@ class LLM:
             ids = front.tokenize_prompt(_prompt_of(prompt))
             max_tokens = front.check_request(ids, SamplingParams(max_tokens=params.max_tokens))
             searches.append(BeamSearch(ids, params, front.eos_token_ids, max_tokens))
-        while batch := [(s, seq) for s in searches for seq in s.pending()]:
-            tops = iter(self._next_token_logprobs([seq for _, seq in batch], [step_params(s) for s, _ in batch],
-                                                  adapter))
-            for s in searches:
-                if not s.done:
-                    s.advance([next(tops) for _ in s.live])
+        while (batch := next_batch(searches))[0]:
+            advance_all(searches, self._next_token_logprobs(*batch, adapter))
         return [s.outputs(front.tokenizer.decode) for s in searches]
 
     def _next_token_logprobs(self, seqs: list[list[int]], plist: list[SamplingParams],

@@ -2,7 +2,7 @@
 
 A field no model here declares is ignored, as vLLM does (clients and SDKs of a newer API version send fields
 this server does not know): it is logged and named in the response's X-Ignored-Fields header; with
-`--strict-fields` it is a 400 instead. A field that is declared but unsupported (`suffix`, `best_of` > 1, ...)
+`--strict-fields` it is a 400 instead. A field that is declared but unsupported (`suffix`, `best_of` > 1 without beam search, ...)
 is always a 400 naming it: it would change the answer.
 """
 
@@ -116,6 +116,10 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: a choice-level list, top-k per prompt token
+    # vLLM's beam search extras: best_of (or n) beams, the best n returned (server/api/params.beam_params)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class TextPart(_Strict):

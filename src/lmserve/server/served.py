@@ -63,6 +63,16 @@ class Started:
     lora: LoraRequest | None  # the adapter that runs (None: the model itself)
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A beam search admitted: its id, each prompt's ids and resolved max_tokens, and the adapter that runs."""
+
+    request_id: str
+    ids: list[list[int]]
+    max_tokens: list[int]
+    lora: LoraRequest | None
+
+
 class ModelState:
     """The server-wide state (config, metrics, tenants, response cache, routes) bound to one loaded model."""
 
@@ -125,6 +135,16 @@ class ModelState:
         merged = MergedStreams([self.generate(name, p, params, n, record, i * params.n, grammar, priority, lora,
                                               cache_salt) for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
+
+    async def admit_beams(self, prompts: list[str | list[int]], width: int, max_tokens: int, record: RequestRecord, *,
+                          model: str | None, id_prefix: str) -> Admitted:
+        """The admission path of a beam search (server/api/openai.py drives it): tokenize -> adapter -> admit as
+        `width` completions of `max_tokens` per prompt; each step's beams then run through generate()."""
+        ids = [await self.tokenize(p, record) for p in prompts]
+        lora = await self.lora_for(model, record)
+        limits = self.admit(ids, SamplingParams(n=width, max_tokens=max_tokens, temperature=0.0), record)
+        record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        return Admitted(record.request_id, ids, limits, lora)
 
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.

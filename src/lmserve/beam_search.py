@@ -112,7 +112,21 @@ class BeamSearch:
         return BeamSearchOutput(self.finished)
 
 
-def step_params(search: BeamSearch) -> SamplingParams:
-    """The one-token request that scores a beam's next token: greedy, its top logprobs, EOS not special."""
-    return SamplingParams(max_tokens=1, temperature=0.0, logprobs=search.num_logprobs, ignore_eos=True,
-                          skip_special_tokens=False)
+def next_batch(searches: list[BeamSearch]) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Every live beam of every unfinished search as a one-token request: its sequence and its params (greedy,
+    its search's top logprobs, EOS not special). Empty once every search is done."""
+    seqs, plist = [], []
+    for s in searches:
+        pending = s.pending()
+        seqs += pending
+        plist += [SamplingParams(max_tokens=1, temperature=0.0, logprobs=s.num_logprobs, ignore_eos=True,
+                                 skip_special_tokens=False)] * len(pending)
+    return seqs, plist
+
+
+def advance_all(searches: list[BeamSearch], tops: list[list[tuple[int, float]]]) -> None:
+    """Hand each unfinished search its beams' top logprobs, `tops` in next_batch's order."""
+    it = iter(tops)
+    for s in searches:
+        if not s.done:
+            s.advance([next(it) for _ in s.live])
