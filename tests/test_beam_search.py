@@ -151,3 +151,11 @@ def test_beam_fields_without_use_beam_search_are_refused(server):
     for fields, param in (({"best_of": 2}, "best_of"), ({"length_penalty": 2.0}, "length_penalty")):
         r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", **fields}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_chat_refuses_use_beam_search_rather_than_ignoring_it(server):
+    import httpx
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "use_beam_search": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"

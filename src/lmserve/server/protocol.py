@@ -197,6 +197,7 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # vLLM's extension: extra variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    use_beam_search: bool = False  # vLLM's field: declared so that it is refused (a 400), never silently ignored
 
     @field_validator("chat_template_kwargs")
     @classmethod

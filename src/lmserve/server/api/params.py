@@ -177,6 +177,9 @@ def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFo
                 reasoning: ReasoningParser | None = None) -> SamplingParams:
     """A chat request's SamplingParams: tools constrained in `fmt`; with a reasoning parser, any grammar waits
     for the reasoning's end tag (as vLLM), and a format whose marker is a special token keeps special tokens."""
+    if r.use_beam_search:
+        raise APIError(400, "use_beam_search is supported on /v1/completions (and LLM.beam_search), not on chat",
+                       param="use_beam_search")
     if r.top_logprobs is not None and not r.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
