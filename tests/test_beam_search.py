@@ -159,3 +159,19 @@ def test_chat_refuses_use_beam_search_rather_than_ignoring_it(server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "use_beam_search": True}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+
+
+def test_a_client_that_leaves_mid_search_aborts_it_and_frees_every_block(server, client):
+    """The disconnect aborts the step running then (counted once), no later step starts, the pool is whole again."""
+    import httpx
+
+    before = server.metric("lmserve:request_aborts_total", 'reason="client_disconnect"')
+    body = {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 400, "ignore_eos": True, "use_beam_search": True,
+            "best_of": 8}  # 400 steps of 8 beams: seconds, well past the client's patience
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    server.wait_idle()
+    assert server.metric("lmserve:request_aborts_total", 'reason="client_disconnect"') == before + 1
+    assert server.metric("lmserve:num_requests_running") == 0
+    assert len(client.completions.create(model="tiny", prompt="w5", max_tokens=2, n=2,
+                                         extra_body={"use_beam_search": True}).choices) == 2
