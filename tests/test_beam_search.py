@@ -134,7 +134,8 @@ def test_completions_use_beam_search_through_the_openai_client(client, llm):
 @pytest.mark.parametrize("fields,param", [
     ({"n": 3, "best_of": 2}, "n"), ({"best_of": 0}, "best_of"), ({"temperature": 0.7}, "temperature"),
     ({"stream": True}, "stream"), ({"logprobs": 0}, "logprobs"), ({"top_p": 0.5}, "top_p"),
-    ({"early_stopping": "sometimes"}, "early_stopping"), ({"best_of": 17}, "best_of")])
+    ({"early_stopping": "sometimes"}, "early_stopping"), ({"best_of": 17}, "best_of"),
+    ({"prompt": ["w5"] * 64, "best_of": 16}, "best_of")])  # 1024 beams: more than the server runs and queues
 def test_beam_search_refuses_bad_values_with_openai_errors(server, fields, param):
     import httpx
 
