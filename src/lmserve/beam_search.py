@@ -16,6 +16,7 @@ best `beam_width` others run on; `early_stopping` ends the search as transformer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from lmserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
@@ -71,7 +72,7 @@ class BeamSearch:
 
     def advance(self, tops: list[list[tuple[int, float]]]) -> None:
         """Extend every live beam by one token: `tops[i]` is live beam i's (token id, logprob), best first."""
-        width, lp = self.params.beam_width, self.params.length_penalty
+        width = self.params.beam_width
         cands = sorted((_Candidate(self.live[b][1] + logprob, b, tok) for b, top in enumerate(tops) for tok, logprob
                         in top), key=lambda c: (-c.score, c.beam, c.token))
         last = self.num_steps + 1 >= self.max_tokens
@@ -105,7 +106,7 @@ class BeamSearch:
             self.improvable = self.improvable and best_running > self.finished[-1].score
         self.done = no_continuation or not self.improvable or (full and p.early_stopping is True)
 
-    def outputs(self, decode) -> BeamSearchOutput:
+    def outputs(self, decode: Callable[[list[int]], str]) -> BeamSearchOutput:
         """The finished beams, best first, their `text` decoded by `decode(token ids)` (vLLM: the whole sequence)."""
         for seq in self.finished:
             seq.text = decode(seq.tokens)
