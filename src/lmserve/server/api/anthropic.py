@@ -153,14 +153,14 @@ class Blocks:
         return out
 
     def close(self) -> list[Event]:
+        """End the open block (a thinking block with its signature first); [] when none is open."""
         if self.open is None:
             return []
-        signature = self.open == "thinking"
+        events = []
+        if self.open == "thinking":
+            events.append(self._delta_event({"type": "signature_delta", "signature": SIGNATURE}))
         self.open = None
-        sealed = [("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                           "delta": {"type": "signature_delta", "signature": SIGNATURE}})]
-        return (sealed if signature else []) + [("content_block_stop", {"type": "content_block_stop",
-                                                                        "index": self.index})]
+        return events + [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _start(self, block: dict) -> None:
         self.out += self.close()
@@ -170,7 +170,10 @@ class Blocks:
                                                  "content_block": block}))
 
     def _delta(self, delta: dict) -> None:
-        self.out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}))
+        self.out.append(self._delta_event(delta))
+
+    def _delta_event(self, delta: dict) -> Event:
+        return "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
 
 
 async def _events(merged: MergedStreams, message: dict, input_tokens: int,
