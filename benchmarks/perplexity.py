@@ -281,7 +281,7 @@ def summarize(systems: dict[str, dict]) -> dict:
                      "vs_llama_cpp_pct": 100 * (ppl / ref_ll["ppl"] - 1),
                      "vs_transformers_pct": 100 * (ppl / perplexity(ref_hf["nll"]) - 1),
                      "tokens_vs_llama_cpp": compare(s, ref_ll), "tokens_vs_transformers": compare(s, ref_hf)}
-    for name in LLAMA_VARIANTS:
+    for name in LLAMA_VARIANTS.keys() & systems.keys():
         out[name]["ppl_stderr"] = systems[name]["ppl_error"]  # llama-perplexity's +/- (the text's spread, not noise)
         # its printed PPL against the one its saved (uint16-rounded) rows give: a cross-check
         out[name]["ppl_from_saved_logprobs"] = perplexity(systems[name]["nll"])
@@ -341,6 +341,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity's -c")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="greedy continuation length")
+    ap.add_argument("--llama-variants", default=",".join(LLAMA_VARIANTS), metavar="LIST",
+                    help="which llama-perplexity runs (comma-separated names; 'llama.cpp' is the reference)")
     ap.add_argument("--llama-perplexity", type=Path, default=LLAMA_BIN, help="built when missing")
     ap.add_argument("--out", type=Path, default=None, help="JSON; a .md beside it")
     ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md beside this JSON")
@@ -367,17 +369,20 @@ def main() -> None:
     ids = tok.encode(read_text(args.text))
     windows = chunk_windows(ids, args.ctx, tok.bos_token_id if tok.add_bos_token else None)
     load = os.getloadavg()[0]
+    variants = {name: LLAMA_VARIANTS[name] for name in args.llama_variants.split(",")}
     with tempfile.TemporaryDirectory() as tmp:  # the F32 copy: ~0.5 GB, gone after llama.cpp's runs
-        files = {"gguf": model, "f32": dequantized_gguf(model, Path(tmp) / model.name.replace(".gguf", ".F32.gguf"))}
+        files = {"gguf": model}
+        if any(w == "f32" for w, _ in variants.values()):
+            files["f32"] = dequantized_gguf(model, Path(tmp) / model.name.replace(".gguf", ".F32.gguf"))
         systems = {name: run_llama_perplexity(args.llama_perplexity, files[w], args.text, args.ctx, args.threads, extra)
-                   for name, (w, extra) in LLAMA_VARIANTS.items()}
+                   for name, (w, extra) in variants.items()}
     systems |= {"lmserve gguf": run_lmserve(model, windows, "gguf", args.threads),
                "lmserve float32": run_lmserve(model, windows, None, args.threads),
                "transformers float32": run_transformers(model, windows)}
     llama_tokens = systems["llama.cpp"]["tokens"]
     result = {"model": model.name, "bos_id": windows[0][0] if tok.add_bos_token else None,
               "cpu": cpu(), "load_avg_before": load, "n_ctx": args.ctx, "threads": args.threads,
-              "llama_perplexity_commands": {name: systems[name]["command"] for name in LLAMA_VARIANTS},
+              "llama_perplexity_commands": {name: systems[name]["command"] for name in variants},
               "text": {"path": str(args.text.relative_to(HERE.parent)) if args.text.is_relative_to(HERE.parent)
                        else str(args.text), "sha256": hashlib.sha256(args.text.read_bytes()).hexdigest(),
                        "tokens": len(ids), "chunks": len(windows),
