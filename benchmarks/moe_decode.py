@@ -96,13 +96,21 @@ def measure(files: dict[str, dict[str, Path]], rounds: int, threads: int) -> dic
     return results
 
 
+def load_note(load: float, cores: int | None = None) -> str:
+    """What the load average says about the wall times: quiet cores, or other processes running beside the bench."""
+    cores = cores or os.cpu_count() or 1
+    if load <= cores:  # the bench's own threads alone load every core
+        return f"quiet cores: at most the bench's own threads on a {cores}-core machine"
+    return (f"a shared {cores}-core machine: other processes ran beside the bench, so the wall times are noisy; "
+            "the ratios come from interleaved rounds")
+
+
 def report(results: dict, load: tuple[float, float], threads: int) -> str:
     lines = ["# Tiny MoE decode vs the dense model of the same active size (batch 16)", "",
              f"`python benchmarks/moe_decode.py`: Qwen3-MoE (8 experts x 128, top-2) vs dense Qwen3 (MLP 256), hidden "
              f"256, 4 layers; {BATCH} requests, {PROMPT} prompt tokens, {NEW} new, greedy; {threads} threads; median "
              f"decode step over alternated rounds. Load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
-             "(a shared 2-core machine: other engineers' tests ran beside it, so the wall times are noisy; the "
-             "ratios come from interleaved rounds).", "",
+             f"({load_note(max(load))}).", "",
              "| format | MoE step ms (cpu) | dense step ms (cpu) | MoE tok/s | dense tok/s | MoE / dense (wall) | "
              "MoE / dense (cpu) | target |", "|---|---|---|---|---|---|---|---|"]
     for fmt, row in results.items():
