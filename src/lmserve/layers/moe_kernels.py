@@ -16,6 +16,8 @@ Each row of the native path is computed by the same kernel chain as the module p
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -70,10 +72,13 @@ def _stackable(linears: list[nn.Module]) -> type[nn.Module] | None:
 class NativeExperts(nn.Module):
     """Every expert's gated MLP over its rows in two native calls: gate_up over all rows, act, then down."""
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module, act_and_mul, max_rows: int | None) -> None:
+    def __init__(self, gate_up: nn.Module, down: nn.Module, act_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                 max_rows: int | None) -> None:
         super().__init__()
         self.gate_up, self.down, self.act_and_mul = gate_up, down, act_and_mul
-        self.max_rows = max_rows  # float panels: past ~8 rows an expert, oneDNN (the module path) is faster
+        # float panels: the skinny kernel rereads a panel per 8 rows, so a step past 8 rows an expert on average (a
+        # prefill) runs the module path's oneDNN GEMM, which gives the same bits (layers/linear.py checks it at load)
+        self.max_rows = max_rows
 
     def accepts(self, x: torch.Tensor, routing: Routing) -> bool:
         """Whether this step runs here (else the module path runs it, with the same bits)."""
