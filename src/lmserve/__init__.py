@@ -1,5 +1,5 @@
 """lmserve: an LLM inference server. `from lmserve import LLM, SamplingParams` for offline use (`LLM.embed` with
-`PoolingParams`, adapters with `LoRARequest`)."""
+`PoolingParams`, adapters with `LoRARequest`, `LLM.beam_search` with `BeamSearchParams`)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 
 from lmserve.config import VERSION  # noqa: E402
 from lmserve.pooling_params import PoolingParams  # noqa: E402
-from lmserve.sampling_params import SamplingParams  # noqa: E402
+from lmserve.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __version__ = VERSION
-__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
+__all__ = ["BeamSearchParams", "LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from lmserve.engine.llm import LLM, LoRARequest

@@ -197,3 +197,34 @@ def _float_range(name: str, value: object, low: float, high: float, low_open: bo
     if value < low or (low_open and value == low) or value > high:
         bracket = "(" if low_open else "["
         raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+
+
+EARLY_STOPPING = (True, False, "never")
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search as vLLM spells it (`LLM.beam_search`), scored as transformers' `generate(num_beams=...)` scores.
+
+    A finished beam's score is sum(logprobs) / len(generated tokens) ** length_penalty. `early_stopping`, as
+    transformers: True ends once `beam_width` beams finished; False ends when the best running beam, normalised at
+    its current length, cannot beat the worst finished one; "never" assumes it could still grow to max_tokens (for
+    a positive length_penalty). Beams are greedy: temperature must be 0.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False  # vLLM's field: the EOS token's text is never shown here
+
+    def __post_init__(self) -> None:
+        _int_range("beam_width", self.beam_width, 1, MAX_N)
+        _int_range("max_tokens", self.max_tokens, 1, None)
+        if self.temperature != 0:
+            raise ValueError(f"temperature must be 0 with beam search (beams are ranked greedily), got {self.temperature}")
+        _float_range("length_penalty", self.length_penalty, -10.0, 10.0)
+        if not any(self.early_stopping is v or self.early_stopping == v and isinstance(v, str) for v in EARLY_STOPPING):
+            raise ValueError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')

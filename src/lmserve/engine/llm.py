@@ -1,5 +1,6 @@
-"""LLM: the offline API. `LLM().generate(prompts, params)` runs a list through the batching engine and
-`LLM().embed(prompts)` pools them (worker/pooler.py), both as vLLM spells them; adapters by `lora_request=`."""
+"""LLM: the offline API. `LLM().generate(prompts, params)` runs a list through the batching engine,
+`LLM().embed(prompts)` pools them (worker/pooler.py) and `LLM().beam_search(prompts, params)` drives
+beam_search.py, all as vLLM spells them; adapters by `lora_request=`."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from tqdm import tqdm
 
 from lmserve.config import (CacheConfig, EngineConfig, KVOffloadConfig, LoraConfig, ParallelConfig, SchedulerConfig,
                             SpeculativeConfig)
+from lmserve.beam_search import BeamSearch, BeamSearchOutput, advance_all, next_batch
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.pooling_params import PoolingParams
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import BeamSearchParams, SamplingParams
 from lmserve.utils import parse_bytes
 
 
@@ -117,6 +119,39 @@ class LLM:
         vectors = self._run(outs, use_tqdm)
         return [EmbeddingRequestOutput(rid, o.prompt_token_ids, EmbeddingOutput(vectors[rid]))
                 for rid, o in outs.items()]
+
+    def beam_search(self, prompts: Prompts | Sequence[dict], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...});
+        one BeamSearchOutput per prompt, its `beam_width` sequences best first.
+
+        Each step runs every live beam of every prompt as one batch of one-token requests; their shared prefixes
+        come from the prefix cache (beam_search.py). `use_tqdm` is accepted for vLLM's signature.
+        """
+        front, adapter = self.engine.front, self._adapter(lora_request)
+        searches = []
+        for prompt in [prompts] if isinstance(prompts, dict) else _as_list(prompts):
+            ids = front.tokenize_prompt(_prompt_of(prompt))
+            max_tokens = front.check_request(ids, SamplingParams(max_tokens=params.max_tokens))
+            searches.append(BeamSearch(ids, params, front.eos_token_ids, max_tokens))
+        while (batch := next_batch(searches))[0]:
+            advance_all(searches, self._next_token_logprobs(*batch, adapter))
+        return [s.outputs(front.tokenizer.decode) for s in searches]
+
+    def _next_token_logprobs(self, seqs: list[list[int]], plist: list[SamplingParams],
+                             adapter: LoraRequest | None) -> list[list[tuple[int, float]]]:
+        """Run each sequence as a one-token request (in one batch); each one's top (token id, logprob), best first."""
+        rids = []
+        for ids, p in zip(seqs, plist):
+            rids.append(str(self._next_id))
+            self._next_id += 1
+            self.engine.add_request(rids[-1], ids, p, lora=adapter)
+        tops: dict[str, list[tuple[int, float]]] = {}
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                if d.logprobs:
+                    tops[d.request_id] = d.logprobs[0].top
+        return [tops[rid] for rid in rids]
 
     def _submit(self, prompts: list, plist: Sequence[SamplingParams], lora_request: Adapters
                 ) -> dict[str, RequestOutput]:
@@ -237,6 +272,13 @@ def _as_list(prompts: Prompts) -> list:
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
+    """vLLM's TextPrompt / TokensPrompt dicts -> the text or the ids."""
+    if isinstance(prompt, dict):
+        return prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    return prompt
 
 
 def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:

@@ -2,7 +2,7 @@
 
 A field no model here declares is ignored, as vLLM does (clients and SDKs of a newer API version send fields
 this server does not know): it is logged and named in the response's X-Ignored-Fields header; with
-`--strict-fields` it is a 400 instead. A field that is declared but unsupported (`suffix`, `best_of` > 1, ...)
+`--strict-fields` it is a 400 instead. A field that is declared but unsupported (`suffix`, `best_of` > 1 without beam search, ...)
 is always a 400 naming it: it would change the answer.
 """
 
@@ -116,6 +116,10 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: a choice-level list, top-k per prompt token
+    # vLLM's beam search extras: best_of (or n) beams, the best n returned (server/api/params.beam_params)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class TextPart(_Strict):
@@ -193,6 +197,7 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # vLLM's extension: extra variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    use_beam_search: bool = False  # vLLM's field: declared so that it is refused (a 400), never silently ignored
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -63,6 +63,16 @@ class Started:
     lora: LoraRequest | None  # the adapter that runs (None: the model itself)
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A beam search admitted: its id, each prompt's ids and resolved max_tokens, and the adapter that runs."""
+
+    request_id: str
+    ids: list[list[int]]
+    max_tokens: list[int]
+    lora: LoraRequest | None
+
+
 class ModelState:
     """The server-wide state (config, metrics, tenants, response cache, routes) bound to one loaded model."""
 
@@ -126,6 +136,22 @@ class ModelState:
                                               cache_salt) for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
 
+    async def admit_beams(self, prompts: list[str | list[int]], width: int, max_tokens: int, record: RequestRecord, *,
+                          model: str | None, id_prefix: str) -> Admitted:
+        """The admission path of a beam search (server/api/openai.py drives it): tokenize -> adapter -> admit as
+        `width` completions of `max_tokens` per prompt; each step's beams then run through generate()."""
+        ids = [await self.tokenize(p, record) for p in prompts]
+        lora = await self.lora_for(model, record)
+        # Each step runs every beam as an engine request: the beams count against the queue as requests do.
+        beams, limit = len(ids) * width, self.front.max_num_seqs + self.config.max_queued_requests
+        if beams > limit:
+            raise APIError(400, f"{len(ids)} prompt(s) x {width} beams = {beams} beams, more than this server runs and "
+                           f"queues at once ({limit}); send fewer prompts or a smaller best_of", param="best_of")
+        self._check_room(beams)
+        limits = self.admit(ids, SamplingParams(n=width, max_tokens=max_tokens, temperature=0.0), record)
+        record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        return Admitted(record.request_id, ids, limits, lora)
+
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.
 
@@ -139,14 +165,18 @@ class ModelState:
         max_tokens = [self._check(ids, params) for ids in prompts]
         record.prompt_tokens = sum(len(ids) for ids in prompts)
         self.shared.check_rules(record, [len(ids) for ids in prompts])
-        limit = self.front.max_num_seqs + self.config.max_queued_requests
-        if self.model.in_flight + len(prompts) > limit:
-            raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
-                           headers={"Retry-After": "1"}, reason="queue_full")
+        self._check_room(len(prompts))
         # The key's limits come last, so a request refused for any other reason costs the key nothing.
         self.tenants.admit(record, record.prompt_tokens + params.n * sum(max_tokens))
         self.metrics.model_requests.labels(self.model_name).inc()
         return max_tokens
+
+    def _check_room(self, engine_requests: int) -> None:
+        """503 + Retry-After when the model's in-flight engine requests plus these would pass the queue limit."""
+        limit = self.front.max_num_seqs + self.config.max_queued_requests
+        if self.model.in_flight + engine_requests > limit:
+            raise APIError(503, f"the server is at capacity ({limit} requests in flight); retry shortly",
+                           headers={"Retry-After": "1"}, reason="queue_full")
 
     def _check(self, ids: list[int], params: SamplingParams) -> int:
         """front.check_request as an HTTP 400; returns the prompt's resolved max_tokens."""

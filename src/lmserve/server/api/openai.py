@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from lmserve.beam_search import BeamSearch, BeamSearchSequence, advance_all, next_batch
 from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ from lmserve.server.api import cache_replay
 from lmserve.server.api import chunks as sse
 from lmserve.server.errors import APIError, error_body
 from lmserve.server.api.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from lmserve.server.api.params import chat_params, completion_params, scores_prompt_only, tool_dicts
+from lmserve.server.api.params import beam_params, chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.served import Chat, ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
@@ -163,6 +164,8 @@ async def _respond(request: Request, st: ModelState, found: cache_replay.Lookup 
 
 async def start_completion(st: ModelState, req: CompletionRequest, caller: Caller) -> Run:
     """Start every prompt's stream of a completions request through ModelState.start, the one admission path."""
+    if req.use_beam_search:
+        return await start_beam_search(st, req, caller)
     params = completion_params(req, st.config.token_limits)
     prompts = _prompts(req.prompt)
     run = await st.start(prompts, params, caller.record, model=req.model, id_prefix="cmpl", numbered=True,
@@ -185,6 +188,54 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
 
     return Run(merged, body, lambda: _completion_chunks(st, merged, meta, params.n, inputs, shape, usage_prompt,
                                                         include_usage), lora)
+
+
+async def start_beam_search(st: ModelState, req: CompletionRequest, caller: Caller) -> Run:
+    """vLLM's `use_beam_search`: best_of (or n) beams per prompt, the best n returned, never streamed.
+
+    Each step runs every live beam as a one-token engine stream (beam_search.py); their prompt blocks come
+    from the prefix cache, under the request's salt.
+    """
+    params = beam_params(req, st.config.token_limits)
+    admitted = await st.admit_beams(_prompts(req.prompt), params.beam_width, params.max_tokens, caller.record,
+                                    model=req.model, id_prefix="cmpl")
+    searches = [BeamSearch(ids, params, st.front.eos_token_ids, m) for ids, m in zip(admitted.ids, admitted.max_tokens)]
+    meta = {"id": admitted.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": _model_name(st, admitted.lora)}
+
+    async def body() -> dict | None:
+        step = 0
+        while (batch := next_batch(searches))[0]:
+            streams = [st.generate(f"{admitted.request_id}-{step}-{j}", seq, p, 1, caller.record, 0,
+                                   priority=caller.priority, lora=admitted.lora, cache_salt=req.cache_salt)
+                       for j, (seq, p) in enumerate(zip(*batch))]
+            choices = await collect(caller, st, MergedStreams(streams), 1, len(streams))
+            if choices is None:
+                return None
+            advance_all(searches, [c.logprobs[0].top for c in choices])
+            step += 1
+        choices = [_beam_choice(st, s, seq) for s in searches for seq in s.finished[:req.n]]
+        caller.record.outputs = []  # the payload log gets the returned beams, not the steps' tokens
+        for i, c in enumerate(choices):
+            out = caller.record.output(i)
+            out.text, out.tokens, out.finish_reason = c.text, len(c.token_ids), c.finish_reason
+        return {**meta, "choices": [_completion_choice(st, i, c, None, CompletionShape()) for i, c in enumerate(choices)],
+                "usage": _usage(sum(len(ids) for ids in admitted.ids), choices)}
+
+    async def no_chunks() -> AsyncIterator[dict]:  # beam_params refused stream
+        return
+        yield
+
+    return Run(MergedStreams([]), body, no_chunks, admitted.lora)
+
+
+def _beam_choice(st: ModelState, search: BeamSearch, seq: BeamSearchSequence) -> Choice:
+    """A finished beam as a choice: its generated tokens, the text without the EOS (vLLM's
+    include_stop_str_in_output false)."""
+    tokens = seq.tokens[len(search.prompt):]
+    shown = tokens[:-1] if seq.finish_reason == "stop" else tokens
+    return Choice(st.front.tokenizer.decode(shown), tokens, finish_reason=seq.finish_reason,
+                  stop_reason=seq.stop_reason)
 
 
 @router.post("/v1/chat/completions")

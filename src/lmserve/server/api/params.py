@@ -6,7 +6,7 @@ import secrets
 
 from pydantic import BaseModel
 
-from lmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from lmserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
 from lmserve.server.config import TokenLimits
@@ -118,9 +118,42 @@ def _common(r: _Sampling, structured: dict | None = None) -> dict:
                 stop_token_ids=list(r.stop_token_ids or []), min_tokens=r.min_tokens, ignore_eos=r.ignore_eos)
 
 
+# Completions fields beam search does not combine with (beams are ranked by their raw logprobs, as vLLM's): set to
+# anything but their default, each is a 400 naming it.
+_NOT_WITH_BEAMS = ("stream", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias", "stop", "stop_token_ids", "min_tokens", "logprobs", "echo", "prompt_logprobs",
+                   "suffix", "response_format", "structured_outputs", *_GUIDED)
+
+
+def beam_params(r: CompletionRequest, limits: TokenLimits = TokenLimits()) -> BeamSearchParams:
+    """vLLM's `use_beam_search` fields -> BeamSearchParams: width best_of (or n), the best n returned; 400s name
+    the field (n > best_of, temperature > 0, a sampling option beams ignore, streaming)."""
+    for name in _NOT_WITH_BEAMS:
+        value = getattr(r, name)
+        if value is not None and value != _api_default(r, name) and value not in ([], {}, ""):
+            raise APIError(400, f"{name} is not supported with use_beam_search", param=name)
+    if r.best_of is not None and r.n > r.best_of:
+        raise APIError(400, f"n ({r.n}) must be <= best_of ({r.best_of}) with use_beam_search", param="n")
+    if "temperature" in r.model_fields_set and r.temperature != 0:
+        raise APIError(400, f"temperature must be 0 (or unset) with use_beam_search, got {r.temperature}",
+                       param="temperature")
+    build_params(n=r.n, ignore_eos=r.ignore_eos)  # n's bounds, as any completions request
+    max_tokens = limits.resolve(_named(r, "max_tokens"), _api_default(r, "max_tokens"), "max_tokens")
+    try:
+        return BeamSearchParams(beam_width=r.best_of or r.n, max_tokens=max_tokens, ignore_eos=r.ignore_eos,
+                                length_penalty=r.length_penalty, early_stopping=r.early_stopping)
+    except ValueError as e:
+        name = str(e).split(" ")[0]
+        raise APIError(400, str(e), param="best_of" if name == "beam_width" else name) from None
+
+
 def completion_params(r: CompletionRequest, limits: TokenLimits = TokenLimits()) -> SamplingParams:
     if r.best_of not in (None, 1):
-        raise APIError(400, f"best_of > 1 is not supported (got {r.best_of}); use n", param="best_of")
+        raise APIError(400, f"best_of > 1 is not supported without use_beam_search (got {r.best_of}); use n",
+                       param="best_of")
+    for name in ("length_penalty", "early_stopping"):
+        if getattr(r, name) != _api_default(r, name):
+            raise APIError(400, f"{name} applies only with use_beam_search", param=name)
     if r.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if r.max_tokens == 0 and not r.echo:
@@ -144,6 +177,9 @@ def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFo
                 reasoning: ReasoningParser | None = None) -> SamplingParams:
     """A chat request's SamplingParams: tools constrained in `fmt`; with a reasoning parser, any grammar waits
     for the reasoning's end tag (as vLLM), and a format whose marker is a special token keeps special tokens."""
+    if r.use_beam_search:
+        raise APIError(400, "use_beam_search is supported on /v1/completions (and LLM.beam_search), not on chat",
+                       param="use_beam_search")
     if r.top_logprobs is not None and not r.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
