@@ -29,7 +29,7 @@ from lmserve.server.app import build_app
 from lmserve.server.connections import with_deadline
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.args import keep_alive, model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
-from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel
+from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel, one_malloc_arena
 from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 
@@ -230,6 +230,7 @@ def serve(args: argparse.Namespace) -> int:
     prepare() and the listening socket check everything they can in the foreground (the CLI prints one line), before
     any model loads.
     """
+    one_malloc_arena()  # before a second thread allocates: an unloaded model's memory goes back whole
     state = prepare(args)
     listener = bind_listener(args.host, args.port)
     config, metrics, pool = state.config, state.metrics, state.models
