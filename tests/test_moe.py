@@ -1,7 +1,8 @@
 """Mixture of experts (layers/moe.py): the sorted-by-expert layer against a token-by-token reference, batch invariance
 on the float (oneDNN-packed) and GGUF-block paths, GGUF `*_exps` experts kept in their blocks one slice at a time
 against the dequantized float model, Qwen's dense layers (`decoder_sparse_step`, `mlp_only_layers`), tensor
-parallelism, and a Qwen3-MoE served to the openai client. The per-family parity (logits and greedy tokens against
+parallelism, the native grouped experts (layers/moe_kernels.py: one kernel call per projection) against the
+module path, and a Qwen3-MoE served to the openai client. The per-family parity (logits and greedy tokens against
 transformers, both formats, chunked prefill and prefix caching) is in tests/test_model_families.py."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from torch import nn
 
 from lmserve.layers.gguf_linear import GGUFLinear, dequantize
 from lmserve.layers.linear import pack_linears
-from lmserve.layers.moe import SparseMoE, reference_moe
+from lmserve.layers.moe import SparseMoE, reference_moe, route
+from lmserve.layers.moe_kernels import NativeExperts, StackedGGUF, StackedPanels, apply_moe_kernels
 from lmserve.loader import load_model
 from tests.test_model_families import assert_close, prompts
 from tests.test_model_parity import flat_logits
@@ -73,6 +75,61 @@ def test_a_rows_result_does_not_depend_on_its_batch(qwen3_moe):
     assert rows_alone_equal_rows_in_batch(layer, x)
 
 
+def module_path_and_grouped(layer: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output through the module path (the reference) and through its grouped fast path."""
+    grouped, layer.grouped = layer.grouped, None
+    with torch.inference_mode():
+        plain = layer(x)
+        layer.grouped = grouped
+        assert grouped.accepts(x, route(layer.gate(x), layer.top_k, layer.renormalize))
+        return plain, layer(x)
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+def test_native_grouped_float_experts_equal_the_module_path(shared):
+    """The oneDNN-packed experts stacked as skinny-kernel panels: each projection one native call over the rows sorted
+    by expert gives the module path's bits (batch 16 and batch 1) and the token-by-token reference's numbers; the
+    experts' own panels are views of the stack (one copy of the weights); past 8 rows an expert it declines."""
+    moe = pack_linears(random_moe(shared))
+    assert apply_moe_kernels(moe, triton=False) == 1
+    assert isinstance(moe.grouped, NativeExperts) and isinstance(moe.grouped.gate_up, StackedPanels)
+    stack = moe.grouped.gate_up.panels
+    assert moe.experts[3].gate_up_proj.panels.data_ptr() == stack[3].data_ptr()
+    for rows in (16, 1):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        plain, fast = module_path_and_grouped(moe, x)
+        assert torch.equal(plain, fast)
+        with torch.no_grad():
+            torch.testing.assert_close(fast, reference_moe(x, moe), rtol=1e-5, atol=1e-5)
+    assert rows_alone_equal_rows_in_batch(moe, torch.randn(16, 64))
+    big = torch.randn(40, 64)  # 80 pairs > 8 rows x 8 experts: the module path (oneDNN) runs the step
+    with torch.inference_mode():
+        assert not moe.grouped.accepts(big, route(moe.gate(big), 2, moe.renormalize))
+
+
+def test_native_grouped_gguf_experts_equal_the_module_path(qwen3_moe):
+    """GGUF experts (Q4_1 gate/up, Q8_0 down) stacked in the packed layout: one `quant_linear_experts` call per
+    projection reads every expert's blocks in place and gives the per-expert GGUFLinear bits, at batch 16 and 1."""
+    from lmserve.layers import native
+
+    if native.native_module() is None or native.native_module().quant_packed_rows() == 0:
+        pytest.skip("the packed GGUF layout needs the AVX-512 VNNI build")
+    packed = load_model(qwen3_moe[2], torch.float32, CPU, quantization="gguf").model
+    layers = packed.model.layers
+    assert apply_moe_kernels(packed, triton=False) == len(layers)
+    for layer in layers:
+        fast = layer.mlp.grouped
+        assert isinstance(fast.gate_up, StackedGGUF) and isinstance(fast.down, StackedGGUF)
+        assert (fast.gate_up.kind, fast.down.kind) == (layer.mlp.experts[0].gate_up_proj.kind,
+                                                       layer.mlp.experts[0].down_proj.kind)
+        assert layer.mlp.experts[5].down_proj.codes.data_ptr() == fast.down.codes[5].data_ptr()
+        for rows in (16, 1):
+            x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+            plain, grouped = module_path_and_grouped(layer.mlp, x)
+            assert torch.equal(plain, grouped)
+    assert rows_alone_equal_rows_in_batch(layers[0].mlp, torch.randn(16, 128))
+
+
 def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(qwen3_moe, monkeypatch):
     """`--quantization gguf` (and `auto`): every expert's gate_up and down read its slice of the 3-D `*_exps` blocks
     (their dequantized weights are the float path's, exactly) and the router stays float. Each MoE layer equals its
@@ -83,6 +140,7 @@ def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(q
 
     _, _, gguf = qwen3_moe
     packed = load_model(gguf, torch.float32, CPU, quantization="gguf")
+    apply_moe_kernels(packed.model, triton=False)  # the runner's transform: the grouped kernels where they run
     plain = load_model(gguf, torch.float32, CPU, quantization="none", pack=False).model
     assert packed.weight_format == "gguf"
     assert load_model(gguf, torch.float32, CPU, quantization="auto").weight_format == "gguf"
@@ -166,6 +224,7 @@ def test_served_to_the_openai_client(qwen3_moe):
     tok = Tokenizer.from_pretrained(path)
     prompt = " ".join(f"w{i}" for i in np.random.default_rng(3).integers(0, 200, 24))
     eng = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=32)), tokenizer=tok)
+    assert eng.runner.moe_layers == len(eng.runner.model.model.layers)  # the runner's grouped-experts transform
     want = generate(eng, [tok.encode_prompt(prompt)], 12)
     with running_server("--model", str(path), "--served-model-name", "moe") as s:
         client = OpenAI(base_url=s.url + "/v1", api_key="unused")

@@ -210,17 +210,18 @@ def test_keep_alive_zero_unloads_frees_the_memory_and_the_next_request_loads_aga
     unloaded, unloads, loads = _rss(server.proc.pid), metric("lmserve:model_unloads_total"), \
         metric("lmserve:model_loads_total")
     load_s = metric("lmserve:model_load_duration_seconds_sum")
-    again = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, keep_alive=0)  # loads, answers, unloads
-    assert again.message.content == first.message.content
-    assert metric("lmserve:model_loads_total") == loads + 1
-    # The answer's load_duration spans the whole wait for the load the metrics timed (weights and warm-up).
-    assert again.load_duration >= (metric("lmserve:model_load_duration_seconds_sum") - load_s) * 1e9 > 0
-    _wait_unloaded(client)
-    after = _rss(server.proc.pid)
-    assert metric("lmserve:model_unloads_total") == unloads + 1
-    # The model's memory went back. Issue 31 asks for 10%; each load/unload cycle leaves 10-40 MB more resident
-    # (an allocator effect not yet found: the note of stop 38), so a second unload lands 3-11% above the first.
-    assert abs(after - unloaded) <= 0.15 * unloaded, (unloaded, after)
+    for cycle in range(3):  # load, answer, unload: each time the memory goes back, with no creep across cycles
+        again = client.chat(model=MODEL, messages=QUESTION, options=GREEDY, keep_alive=0)
+        assert again.message.content == first.message.content
+        assert metric("lmserve:model_loads_total") == loads + 1 + cycle
+        # The answer's load_duration spans the whole wait for the load the metrics timed (weights and warm-up).
+        assert again.load_duration >= (metric("lmserve:model_load_duration_seconds_sum") - load_s) * 1e9 > 0
+        load_s = metric("lmserve:model_load_duration_seconds_sum")
+        _wait_unloaded(client)
+        after = _rss(server.proc.pid)
+        assert metric("lmserve:model_unloads_total") == unloads + 1 + cycle
+        # Issue 31: RSS back within 10% of the server without the model (one malloc arena: server/main.serve).
+        assert abs(after - unloaded) <= 0.10 * unloaded, (cycle, unloaded, after)
     assert httpx.get(server.url + "/health").status_code == 200  # unloaded is not unhealthy
     loaded = client.generate(model=MODEL)  # no prompt: load it, as `ollama run` preloads
     assert loaded.done_reason == "load" and [m.model for m in client.ps().models] == [MODEL]

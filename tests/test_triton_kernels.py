@@ -188,6 +188,25 @@ def test_fused_moe_matches_reference(dtype):
     assert_close(one, fused_moe_reference(x[:1], w13, w2, weights[:1], ids[:1]), dtype)
 
 
+@pytest.mark.parametrize("shared", [0, 32])
+def test_triton_experts_wired_into_the_moe_layer_match_the_reference(shared):
+    """The runner's transform with the Triton backend (layers/moe_kernels.py) gives a SparseMoE the fused kernels:
+    the layer (router, Triton experts, Qwen2-MoE's shared expert) equals the token-by-token reference at batch 16 and
+    batch 1, and the experts' own weights are views of the stacked w13 / w2 (one copy)."""
+    from lmserve.layers.moe import reference_moe
+    from lmserve.layers.moe_kernels import apply_moe_kernels
+    from lmserve.layers.triton.moe import TritonExperts
+    from tests.test_moe import random_moe
+
+    moe = random_moe(shared).to(DEVICE)
+    assert apply_moe_kernels(moe, triton=True) == 1 and isinstance(moe.grouped, TritonExperts)
+    assert moe.experts[2].gate_up_proj.weight.data_ptr() == moe.grouped.w13[2].data_ptr()
+    for tokens in (16, 1):
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+        with torch.inference_mode():
+            assert_close(moe(x), reference_moe(x, moe), torch.float32)
+
+
 # ---- real shapes: a CUDA GPU only ----
 
 @cuda_only

@@ -10,8 +10,9 @@ the order of the additions fixed, so a token's result never depends on which oth
 Every expert is a `GatedMLP`, so the weight-format transforms apply to experts as to any linear: oneDNN packing,
 int8/int4, and a GGUF file's 3-D `*_exps` tensors kept in their blocks one expert slice at a time
 (loader/gguf_packed.py). Tensor parallelism splits each expert's intermediate width like the dense MLP's, and
-all-reduces the layer's combined output once (layers/parallel.py). On CUDA, layers/triton/moe.py is the fused
-grouped-GEMM path; this module is the plain one that every device runs.
+all-reduces the layer's combined output once (layers/parallel.py). This module is the plain path that every device
+runs; the runner's transform (layers/moe_kernels.py) gives `SparseMoE.grouped` a fast one: the native kernels'
+stacked experts on CPU, the fused Triton grouped GEMM (layers/triton/moe.py) on CUDA.
 """
 
 from __future__ import annotations
@@ -41,29 +42,49 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     return Routing(weights, experts)
 
 
+class ExpertRows(NamedTuple):
+    """The T * k (token, expert) pairs sorted by expert: pair p is token p // k, slot p % k."""
+
+    order: torch.Tensor  # [T * k] int64: the pairs, expert-major (token order within one expert)
+    token: torch.Tensor  # [T * k] int64: each sorted pair's token
+    offsets: torch.Tensor  # [E + 1] int64: expert e's pairs are order[offsets[e]:offsets[e + 1]]
+
+
+def group_by_expert(routing: Routing, num_experts: int) -> ExpertRows:
+    """One stable sort of the pairs by expert, and each expert's run."""
+    flat = routing.experts.flatten()  # [T * k]
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, out=offsets[1:])
+    return ExpertRows(order, order // routing.experts.shape[1], offsets)
+
+
+def combine(out: torch.Tensor, rows: ExpertRows, routing: Routing) -> torch.Tensor:
+    """The experts' outputs [T * k, hidden] in sorted order -> sum_j weight[t, j] * output of pair (t, j): [T, hidden].
+
+    The pairs go back to pair order first and each token's k outputs are summed in slot order, so the additions
+    happen in an order fixed by the token alone (never by its batch)."""
+    num_tokens, top_k = routing.experts.shape
+    pairs = torch.empty_like(out)
+    pairs[rows.order] = out
+    weighted = pairs.view(num_tokens, top_k, -1) * routing.weights.to(out.dtype).unsqueeze(-1)  # [T, k, hidden]
+    return weighted.sum(dim=1)
+
+
 def run_experts(x: torch.Tensor, experts: nn.ModuleList, routing: Routing) -> torch.Tensor:
     """sum_j weight[t, j] * experts[id[t, j]](x[t]) for every token t: x [T, hidden] -> [T, hidden].
 
-    The T * k pairs are sorted by expert (stable: token order within one), each active expert runs once over its
-    contiguous run, and the outputs are put back in pair order before the per-token weighted sum.
+    The module path: the pairs sorted by expert, each active expert's module called once over its contiguous run.
     """
-    num_tokens, top_k = routing.experts.shape
-    flat = routing.experts.flatten()  # [T * k]: pair p is token p // k, slot p % k
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    # Run lengths on the host: one small copy per layer (the CPU path's experts are modules called one by one;
-    # the CUDA path sorts on the device instead: layers/triton/moe.py).
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    rows = x[order // top_k]  # [T * k, hidden], expert-major
-    out = torch.empty_like(rows)
-    start = 0
-    for expert, n in zip(experts, counts):
-        if n:
-            out[start:start + n] = expert(rows[start:start + n])
-            start += n
-    pairs = torch.empty_like(out)
-    pairs[order] = out  # back to pair order
-    weighted = pairs.view(num_tokens, top_k, -1) * routing.weights.to(x.dtype).unsqueeze(-1)  # [T, k, hidden]
-    return weighted.sum(dim=1)
+    rows = group_by_expert(routing, len(experts))
+    # run lengths on the host: one small copy per layer (layers/moe_kernels.py's paths never read them back)
+    ends = rows.offsets.tolist()
+    gathered = x[rows.token]  # [T * k, hidden], expert-major
+    out = torch.empty_like(gathered)
+    for expert, start, end in zip(experts, ends, ends[1:]):
+        if end > start:
+            out[start:end] = expert(gathered[start:end])
+    return combine(out, rows, routing)
 
 
 class SparseMoE(nn.Module):
@@ -81,10 +102,15 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(hidden_size, expert_size, False, act) for _ in range(num_experts))
         self.shared_expert = GatedMLP(hidden_size, shared_size, False, act) if shared_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_size else None
+        # the fast expert path a transform installs (layers/moe_kernels.py); None: the module path
+        self.grouped: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.gate(x), self.top_k, self.renormalize)  # x [T, hidden], router logits [T, E]
-        out = run_experts(x, self.experts, routing)
+        if self.grouped is not None and self.grouped.accepts(x, routing):
+            out = self.grouped(x, routing)
+        else:
+            out = run_experts(x, self.experts, routing)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

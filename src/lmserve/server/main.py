@@ -25,11 +25,10 @@ import uvicorn
 from lmserve.config import ENV_API_KEY
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.ops.hub import build_ops
-from lmserve.server.app import build_app
 from lmserve.server.connections import with_deadline
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.args import keep_alive, model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
-from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel
+from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel, one_malloc_arena
 from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 
@@ -230,11 +229,12 @@ def serve(args: argparse.Namespace) -> int:
     prepare() and the listening socket check everything they can in the foreground (the CLI prints one line), before
     any model loads.
     """
+    one_malloc_arena()  # before a second thread allocates: an unloaded model's memory goes back whole
     state = prepare(args)
     listener = bind_listener(args.host, args.port)
     config, metrics, pool = state.config, state.metrics, state.models
     slow_client = metrics.rejected.labels("read_timeout").inc
-    uv_config = uvicorn.Config(build_app(state, access_log=not args.no_access_log), host=args.host, port=args.port, log_level=args.log_level,
+    uv_config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level,  # the app: below
                                timeout_graceful_shutdown=5, access_log=False,  # server/access_log.py writes one
                                ws="none",  # no WebSocket routes: skips importing a websockets stack at start
                                http=with_deadline(config.request_read_timeout, slow_client))
@@ -246,6 +246,12 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, server.handle_exit)
     loader = threading.Thread(target=_load, args=(state, server, on_dead), name="lmserve-load", daemon=True)
     loader.start()
+    # The routes are imported and built while the first model loads: its GGUF repack and KV allocation run in native
+    # code without the GIL, beside these ~0.45 CPU s of imports (issue 32: start to first token). The app serves a
+    # loading engine (503 from /health) as it always did.
+    from lmserve.server.app import build_app
+
+    uv_config.app = build_app(state, access_log=not args.no_access_log)
     asyncio.run(server.serve(sockets=[listener]))
     engines = pool.engines()
     for engine in engines:

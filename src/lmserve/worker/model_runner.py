@@ -12,6 +12,7 @@ import torch
 from lmserve.layers.attention import AttentionContext, ContiguousAttention, GroupedAttention
 from lmserve.layers.attention_backends import attention_factory
 from lmserve.layers.decode_stack import apply_decode_stack
+from lmserve.layers.moe_kernels import apply_moe_kernels
 from lmserve.layers.kv_quant import row_width
 from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
@@ -92,8 +93,11 @@ class ModelRunner:
         self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)
         # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
         native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
-        # a transform of the finished model (after weight formats, LoRA, parallel wrappers): decode-only steps run
-        # every layer in one native call where the layers are ones it runs; the module loop stays the reference
+        # transforms of the finished model (after weight formats, LoRA, parallel wrappers): MoE layers run their experts
+        # grouped in one kernel call per projection (Triton's with the Triton backend, else the native CPU kernels')
+        self.moe_layers = apply_moe_kernels(model, triton=attention_backend == "triton")
+        # decode-only steps run every layer in one native call where the layers are ones it runs; the module loop
+        # stays the reference
         self.decode_stack = apply_decode_stack(model)
 
     def kv_block_tensors(self) -> list[tuple[torch.Tensor, int]]:

@@ -136,3 +136,37 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
   if (bias.has_value()) out = out + *bias;
   return out;
 }
+
+// A mixture of experts' grouped projection over panels: rows [offsets[e], offsets[e + 1]) of x times expert e's
+// panels [E, N/16, K, 16], one parallel_for over every (expert, panel) pair. Each row's chains are skinny_linear's
+// for its expert alone, so the bits equal one call per expert (and oneDNN's, where the load-time check passed).
+torch::Tensor skinny_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor panels, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kFloat,
+              "skinny_linear_experts: float32 CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 4 && panels.size(3) == kPanel && panels.size(2) == x.size(1) &&
+              panels.is_contiguous(), "skinny_linear_experts: expected x [R, K] and panels [E, N/16, K, 16]");
+  const int64_t E = panels.size(0), P = panels.size(1), K = x.size(1), R = x.size(0), ldy = P * kPanel;
+  TORCH_CHECK(out_features <= ldy, "skinny_linear_experts: out_features past the panels");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == E + 1 && offsets.scalar_type() == torch::kInt64 &&
+              offsets.is_contiguous() && offsets.device().is_cpu(), "offsets: [E + 1] int64 on the CPU");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == R, "offsets must run from 0 to the number of rows");
+  x = x.contiguous();
+  auto y = torch::empty({R, ldy}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  lmserve::parallel_for(0, E * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / P, p = i % P, r0 = off[e], M = off[e + 1] - r0;
+      const float* panel = pp + i * K * kPanel;  // panel p of expert e: [E * P] panels in a row
+      for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+        const int64_t k1 = std::min(K, k0 + kBlock);
+        for (int64_t m = 0; m < M; m += kSlab)
+          slab_block(std::min(kSlab, M - m), xp + (r0 + m) * K, K, panel, k0, k1, yp + (r0 + m) * ldy + p * kPanel,
+                     ldy);
+      }
+    }
+  });
+  return out_features == ldy ? y : y.narrow(1, 0, out_features);
+}

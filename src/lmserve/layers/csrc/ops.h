@@ -23,12 +23,15 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // gemv.cpp
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                             c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor panels, int64_t out_features);
 
 // quant_gemm.cpp
 torch::Tensor quantize_activations(torch::Tensor x);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                            int64_t kind, c10::optional<torch::Tensor> bias);
 int64_t quant_packed_rows();
+torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor codes, torch::Tensor scales,
+                                   c10::optional<torch::Tensor> mins, int64_t kind);
 
 // decode_stack.cpp: the DecodeStack class (every decoder layer of a decode step in one call)
 void bind_decode_stack(pybind11::module& m);

@@ -524,6 +524,60 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
 
 }  // namespace
 
+// A mixture of experts' grouped projection (what ggml_mul_mat_id does): rows [offsets[e], offsets[e + 1]) of x are
+// the tokens routed to expert e, sorted by expert; each is multiplied by its expert's packed matrix. The activations
+// are quantized once for all rows, and one parallel_for runs every (expert, group of 16 outputs) pair, so a layer
+// costs one call per projection instead of one per expert. A row's chain is packed_linear's for its expert alone
+// (group_all_rows takes the same steps for any number of rows), so the bits equal one GGUFLinear per expert.
+torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor codes, torch::Tensor scales,
+                                   c10::optional<torch::Tensor> mins, int64_t kind) {
+#if defined(LMSERVE_QGEMM_AVX512)
+  TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [R, K] float32");
+  x = x.contiguous();
+  const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), nb = K / kQBlock;
+  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.size(2) == nb &&
+              codes.size(3) == (kind == 0 ? 256 : 512), "codes: [E, N/16, K/32, ", kind == 0 ? 256 : 512, "] contiguous");
+  const int64_t G = codes.size(1), N = G * kGroup;
+  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
+              scales.size(0) == E && scales.size(1) == G && scales.size(2) == (kind == 2 ? 2 * nb : nb),
+              "scales: [E, N/16, ", kind == 2 ? 2 * nb : nb, ", 16] float32");
+  TORCH_CHECK(kind == 2 || (mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous()),
+              "mins: like scales (kinds 0 and 1)");
+  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == E + 1 && offsets.scalar_type() == torch::kInt64 &&
+              offsets.is_contiguous() && offsets.device().is_cpu(), "offsets: [E + 1] int64 on the CPU");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == R, "offsets must run from 0 to the number of rows");
+  auto xq = quantize_activations(x);
+  const torch::Tensor xsum16 = kind == 2 ? half_block_sums(xq, K) : torch::Tensor();
+  const int32_t* px16 = kind == 2 ? xsum16.data_ptr<int32_t>() : nullptr;
+  auto y = torch::empty({R, N}, x.options());
+  const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* ps = scales.data_ptr<float>();
+  const float* pm = kind == 2 ? nullptr : mins->data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  const int64_t stride = xq.size(1), group_bytes = codes.size(2) * codes.size(3), group_scales = scales.size(2) * kGroup;
+  lmserve::parallel_for(0, E * G, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / G, g = i % G, r0 = off[e], M = off[e + 1] - r0;
+      if (M <= 0) continue;
+      const int64_t wg = e * G + g;  // the group's index in the stacked [E * G] groups
+      const PackedW w{pc + wg * group_bytes, ps + wg * group_scales, pm ? pm + wg * group_scales : nullptr, nb};
+      const QRows xr{xq.data_ptr<int8_t>() + r0 * stride, stride, K};
+      const int32_t* s16 = px16 ? px16 + r0 * 2 * nb : nullptr;
+      float* out = py + r0 * N + g * kGroup;
+      if (kind == 0) group_all_rows<0>(w, xr, s16, M, out, N);
+      else if (kind == 1) group_all_rows<1>(w, xr, s16, M, out, N);
+      else group_all_rows<2>(w, xr, s16, M, out, N);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "quant_linear_experts needs an AVX-512 VNNI build (quant_packed_rows() == 0)");
+#endif
+}
+
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                            int64_t kind, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");

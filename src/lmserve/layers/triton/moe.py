@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lmserve.layers.moe import Routing
 from lmserve.layers.triton import dot_flags, interpreting
 
 
@@ -109,3 +110,24 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = F.silu(h[:, :inter]) * h[:, inter:]  # [rows, inter]
     y = grouped_gemm(act, w2, order, rows, 1, torch.float32, topk_weights.flatten())  # [rows, hidden], weighted
     return y.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+class TritonExperts(torch.nn.Module):
+    """A SparseMoE's experts through `fused_moe` (the `SparseMoE.grouped` seam, layers/moe_kernels.py): gate_up
+    stacked into w13 [E, 2 * inter, hidden] and down into w2 [E, hidden, inter]. The experts' own weights become views
+    of the stacks, so the module path (the reference) and this one share one copy."""
+
+    def __init__(self, experts: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.register_buffer("w13", torch.stack([e.gate_up_proj.weight.detach() for e in experts]))
+        self.register_buffer("w2", torch.stack([e.down_proj.weight.detach() for e in experts]))
+        for i, e in enumerate(experts):
+            e.gate_up_proj.weight = torch.nn.Parameter(self.w13[i], requires_grad=False)
+            e.down_proj.weight = torch.nn.Parameter(self.w2[i], requires_grad=False)
+
+    def accepts(self, x: torch.Tensor, routing: Routing) -> bool:
+        """Every step runs here (static shapes, no host sync: CUDA graphs can capture it)."""
+        return x.dtype == self.w13.dtype
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, routing.weights, routing.experts)
