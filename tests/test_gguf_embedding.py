@@ -18,7 +18,7 @@ from lmserve.layers.gguf_linear import BLOCK_BYTES, S8, GGUFLinear, kernel_layou
 from lmserve.loader import load_model
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_packed import auto_quantization
-from tests.test_gguf_linear import packs_here, random_blocks
+from tests.test_gguf_linear import BLOCK_WEIGHTS, packs_here, random_blocks
 
 CPU = torch.device("cpu")
 
@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("n", [41, 48])
 @pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
 def test_looked_up_rows_equal_the_gguf_packages_rows(kind, n):
-    k = 512 if kind.endswith("_K") else 96
+    k = 512 if BLOCK_WEIGHTS[kind] == 256 else 96
     raw = random_blocks(kind, n, k, seed=5)
     table = gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
     assert not GGUFEmbedding(repack(kind, raw, n, k)).packed

@@ -11,14 +11,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from lmserve.layers.gguf_embedding import GGUFEmbedding
-from lmserve.layers.gguf_linear import (BLOCK_BYTES, S8, GGUFLinear, dequantize, pack, quantize_activations,
+from lmserve.layers.gguf_linear import (BLOCK_BYTES, PER16, GGUFLinear, dequantize, pack, quantize_activations,
                                         reference_linear, repack, unpack)
 from lmserve.layers.native import native_module
 
 # byte offsets of each type's float16 fields (ggml's block structs)
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-BLOCK_WEIGHTS = {t: (256 if t.endswith("_K") else 32) for t in BLOCK_BYTES}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+BLOCK_WEIGHTS = {t: (256 if t.endswith("_K") or t == "IQ4_XS" else 32) for t in BLOCK_BYTES}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -48,7 +48,7 @@ def shape_for(kind: str, n: int = 37) -> tuple[int, int]:
     # odd row count (the row layout); K-quants 3 superblocks; simple types 33 blocks (the AVX-512 loop's block
     # pairs, its lone last block, and its offset sum over 16 blocks then a masked remainder). n = 48: whole groups
     # of 16 rows, which an AVX-512 VNNI build reads in the packed layout.
-    return (n, 768) if kind.endswith("_K") else (n, 1056)
+    return (n, 768) if BLOCK_WEIGHTS[kind] == 256 else (n, 1056)
 
 
 def packs_here() -> bool:
@@ -74,7 +74,7 @@ def test_packing_is_a_regrouping_that_unpack_inverts(kind):
     n, k = shape_for(kind, 48)
     w = repack(kind, random_blocks(kind, n, k, seed=6), n, k)
     p = pack(w)
-    assert p.codes.nbytes == w.codes.nbytes and p.codes.shape[:2] == (3, w.scales.shape[1] // (2 if w.kind == S8 else 1))
+    assert p.codes.nbytes == w.codes.nbytes and p.codes.shape[:2] == (3, w.scales.shape[1] // (2 if w.kind in PER16 else 1))
     # lane i of group g holds row 16 g + i's scale; the packed bytes are the row's bytes (S8: + 128)
     assert p.scales[2, 5, 7] == w.scales[39, 5]
     back = unpack(p)
@@ -215,3 +215,91 @@ def test_lora_delta_runs_beside_the_gguf_blocks(tmp_path):
     assert alone_lora != alone_base
     assert run([("b", None), ("l", lora)]) == {"b": alone_base, "l": alone_lora}
     assert eng.kv.num_free_blocks == eng.num_blocks
+
+
+# the low-bit types that Q2_K / Q3_K_S / Q3_K_M / IQ4_XS files mix in, one per projection, embedding and head
+LOW_BIT = {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "IQ4_NL", "attn_output": "IQ4_XS", "ffn_gate": "Q3_K",
+           "ffn_up": "IQ4_NL", "ffn_down": "Q2_K", "token_embd": "Q2_K", "output": "IQ4_XS"}
+
+
+def write_low_bit_gguf(path, hidden: int = 256, inter: int = 512, vocab: int = 256, layers: int = 2) -> None:
+    """A llama GGUF whose matrices are random valid blocks of the LOW_BIT types (the gguf package cannot quantize to
+    them), norms float32; K-quant rows are whole superblocks, so hidden and inter are multiples of 256."""
+    import gguf
+
+    rng = np.random.default_rng(7)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 128), (w.add_embedding_length, hidden),
+                       (w.add_feed_forward_length, inter), (w.add_head_count, 2), (w.add_head_count_kv, 1),
+                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0)):
+        add(value)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        kind = LOW_BIT[name.split(".")[-2]]
+        raw = random_blocks(kind, rows, cols, seed=int(rng.integers(1 << 30)))
+        w.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[kind])
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+
+    matrix("token_embd.weight", vocab, hidden)
+    norm("output_norm.weight")
+    matrix("output.weight", vocab, hidden)
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", hidden // 2, hidden),
+                                 ("attn_v", hidden // 2, hidden), ("attn_output", hidden, hidden),
+                                 ("ffn_gate", inter, hidden), ("ffn_up", inter, hidden), ("ffn_down", hidden, inter)):
+            matrix(f"blk.{i}.{name}.weight", rows, cols)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@needs_native
+def test_a_low_bit_model_decodes_the_reference_paths_greedy_tokens(tmp_path, monkeypatch):
+    """A whole model in Q2_K, Q3_K, IQ4_NL and IQ4_XS: every matrix stays in its blocks (embedding and head too),
+    and its greedy tokens, alone and in a batch, are those of the plain path (native kernels off: GGUFLinear's
+    dequantize-then-matmul reference, the module loop and SDPA attention)."""
+    from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.layers import native
+    from lmserve.layers.gguf_linear import FusedGGUFLinear
+    from lmserve.sampling_params import SamplingParams
+    from lmserve.tokenizer import Tokenizer
+    from tests.tiny_models import write_word_tokenizer
+
+    path = tmp_path / "low.gguf"
+    write_low_bit_gguf(path)
+    write_word_tokenizer(tmp_path)
+    prompts = [[5, 17, 200, 3, 9], list(range(40, 71)), [250, 1, 7]]
+    # 10 tokens: the random blocks make a model of huge, near-tied logits, and float32 kernels against the float64
+    # reference flip a near tie after ~15 steps (the first prompt's 15th token on an AVX-512 VNNI build)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        eng = LLMEngine(EngineConfig(model=str(path), quantization="gguf", cache=CacheConfig(num_blocks=32),
+                                     scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)),
+                        tokenizer=Tokenizer.from_pretrained(tmp_path))
+        model = eng.loaded.model
+        linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        # q, k, v in three layouts (a fused qkv of parts), o, gate and up (two layouts), down; and the head
+        assert isinstance(model.lm_head, GGUFLinear) and isinstance(model.model.embed_tokens, GGUFEmbedding)
+        assert len(linears) == 2 * 7 + 1
+        assert all(t.numel() <= 256 for t in model.parameters())  # norms only: no matrix became float
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, FusedGGUFLinear)
+        for i, ids in enumerate(batch):
+            eng.add_request(str(i), ids, params)
+        out: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        assert eng.kv.num_free_blocks == eng.num_blocks
+        return [out[str(i)] for i in range(len(batch))]
+
+    fast = run(prompts)
+    assert run(prompts[1:2]) == fast[1:2]  # a row's tokens never depend on its batch
+    monkeypatch.setattr(native, "_on", False)  # what LMSERVE_NATIVE_KERNELS=0 sets at start-up
+    assert run(prompts) == fast

@@ -16,17 +16,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_linear import GROUP, QK, S8, U4, GGUFLinear, Repacked, is_packed, out_rows
+from lmserve.layers.gguf_linear import (GROUP, NIBBLES, PER16, QK, S8, TABLES, GGUFLinear, Repacked, is_packed,
+                                        out_rows)
 
 
 def dequantize_rows(kind: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
     """Rows of one layout (codes [T, ...], scales and mins [T, blocks]) -> float32 weights [T, K]."""
     t = codes.shape[0]
-    if kind == S8:  # signed codes, one scale per 16
-        return (codes.view(t, -1, 16).float() * scales[..., None]).view(t, -1)
-    if kind == U4:  # 16 bytes per block of 32: low nibbles are weights 0..15, high nibbles 16..31
+    if kind in NIBBLES:  # 16 bytes per block of 32: low nibbles are weights 0..15, high nibbles 16..31
         b = codes.view(t, -1, QK // 2)
         codes = torch.cat([b & 0x0F, b >> 4], dim=-1)
+    if kind in TABLES:  # each code's signed value
+        codes = torch.from_numpy(TABLES[kind])[codes.long()]
+    if kind in PER16:  # one scale (and, for Q2_K's I4, one min) per 16
+        rows = codes.reshape(t, -1, 16).float() * scales[..., None]
+        return (rows if mins is None else rows + mins[..., None]).view(t, -1)
     c = codes.reshape(t, -1, QK).float()
     # two roundings (product, then sum) as numpy does in the gguf package: no fused multiply-add
     return (c * scales[..., None] + mins[..., None]).view(t, -1)
@@ -40,7 +44,7 @@ class GGUFEmbedding(nn.Module):
         super().__init__()
         self.kind, self.dtype, self.packed = w.kind, dtype, is_packed(w)
         self.num_embeddings = out_rows(w)
-        self.embedding_dim = w.scales.shape[1] * (16 if w.kind == S8 else QK)
+        self.embedding_dim = w.scales.shape[1] * (16 if w.kind in PER16 else QK)
         # from_numpy shares the arrays: a GGUFLinear built from the same Repacked shares these tensors
         self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(w.codes)))
         self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(w.scales, dtype=np.float32)))

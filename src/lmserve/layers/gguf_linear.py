@@ -1,9 +1,11 @@
 """Linear layers that keep a GGUF file's quantized weights (`--quantization gguf`).
 
-Each GGUF block type is repacked, exactly, into one of the three layouts the native kernel reads
+Each GGUF block type is repacked, exactly, into one of the layouts the native kernel reads
 (layers/csrc/quant_gemm.cpp): 4-bit codes (U4: Q4_0, Q4_1, Q4_K), 5-bit codes a byte (U8: Q5_0, Q5_1,
-Q5_K), each with a float scale and min per 32 weights, or signed 8-bit codes with a float scale per 16
-weights (S8: Q8_0, Q6_K). Repacking turns the per-superblock 6-bit K-quant scales into plain floats
+Q5_K), each with a float scale and min per 32 weights; signed 8-bit codes with a float scale per 16
+weights (S8: Q8_0, Q6_K); or 4-bit indices into a 16-entry table of signed values, with S8's scale per 16
+(and for Q2_K a min per 16): IQ4_NL's non-linear table (NL4: IQ4_NL, IQ4_XS) or nibble - 8 (I4: Q3_K's
+codes -4..3, Q2_K's 0..3). Repacking turns the per-superblock K-quant scales into plain floats
 (d * sc, -dmin * m): the dequantized weights are the same numbers ggml computes.
 
 The reference path (`reference_linear`) dequantizes and runs a float matmul with the activations
@@ -20,7 +22,12 @@ from torch import nn
 
 from lmserve.layers.native import native_module
 
-U4, U8, S8 = 0, 1, 2  # kernel layouts (quant_gemm.cpp `kind`)
+U4, U8, S8, NL4, I4 = 0, 1, 2, 3, 4  # kernel layouts (quant_gemm.cpp `kind`)
+# the signed value of each 4-bit index of the table kinds (quant_gemm.cpp kTables)
+TABLES = {NL4: np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8),
+          I4: np.arange(-8, 8, dtype=np.int8)}
+NIBBLES = (U4, NL4, I4)  # codes two a byte in ggml's nibble order
+PER16 = (S8, NL4, I4)  # a scale (and min) per 16 weights
 QK = 32  # weights per block of the simple types and per sub-block of Q4_K/Q5_K
 QK_K = 256  # weights per K-quant superblock
 
@@ -30,9 +37,14 @@ class Repacked:
     """One weight matrix [N, K] in a kernel layout (numpy until the layer is built)."""
 
     kind: int
-    codes: np.ndarray  # U4: uint8 [N, K/2]; U8: uint8 [N, K]; S8: int8 [N, K]
-    scales: np.ndarray  # float32 [N, K/32] (U4, U8) or [N, K/16] (S8)
-    mins: np.ndarray | None  # float32 like scales (U4, U8); None for S8
+    codes: np.ndarray  # U4, NL4, I4: uint8 [N, K/2]; U8: uint8 [N, K]; S8: int8 [N, K]
+    scales: np.ndarray  # float32 [N, K/32] (U4, U8) or [N, K/16] (S8, NL4, I4)
+    mins: np.ndarray | None  # float32 like scales (U4, U8; I4 from Q2_K); else None
+
+    @property
+    def layout(self) -> tuple[int, bool]:
+        """What matrices must share to be stacked: the kind, and whether it has mins (I4: Q2_K's, not Q3_K's)."""
+        return self.kind, self.mins is None
 
     def rows(self, index: np.ndarray) -> "Repacked":
         """The same weights with output rows reordered/selected (q/k row permutation, fused shards)."""
@@ -41,8 +53,7 @@ class Repacked:
 
 def concat(parts: list[Repacked]) -> Repacked:
     """Stack matrices of one layout along the output rows (fused qkv and gate_up)."""
-    kinds = {p.kind for p in parts}
-    if len(kinds) != 1:
+    if len({p.layout for p in parts}) != 1:
         raise ValueError("fused parts must share a quantization layout")
     mins = None if parts[0].mins is None else np.concatenate([p.mins for p in parts])
     return Repacked(parts[0].kind, np.concatenate([p.codes for p in parts]),
@@ -128,7 +139,56 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Repacked:
     return Repacked(S8, codes.reshape(n, k), (d * sc).reshape(n, -1), None)
 
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit codes [..., 64] -> [..., 2, 4, 32]: element 128 h + 32 j + l is bits 2j of
+    byte 32 h + l."""
+    q = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return (q >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+
+
+def _table_codes(values: np.ndarray, n: int) -> np.ndarray:
+    """Signed values [n, ...] -> the I4 nibble layout [n, K/2] (index = value + 8)."""
+    codes = (values.astype(np.int16) + 8).astype(np.uint8).reshape(n, -1, QK)
+    return _codes_to_nibbles(codes).reshape(n, -1)
+
+
+def _q2_k(raw: np.ndarray, n: int, k: int) -> Repacked:
+    """Q2_K: superblocks of 256 = 16 groups of 16 with 4-bit scales and mins under f16 d, dmin; codes 0..3."""
+    b = raw.reshape(n, k // QK_K, -1)
+    sc = b[..., 0:16]  # low nibble the scale, high nibble the min of each group of 16
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    scales, mins = d * (sc & 0x0F).astype(np.float32), -dmin * (sc >> 4).astype(np.float32)
+    return Repacked(I4, _table_codes(_crumbs(b[..., 16:80]), n), scales.reshape(n, -1), mins.reshape(n, -1))
+
+
+def _q3_k(raw: np.ndarray, n: int, k: int) -> Repacked:
+    """Q3_K: superblocks of 256 = 16 groups of 16 with 6-bit scales (minus 32) under an f16 d; codes 3-bit, minus
+    4 where the high bit (hmask) is clear."""
+    b = raw.reshape(n, k // QK_K, -1)
+    hmask, s, d = b[..., 0:32], b[..., 96:108], _f16(b, 108)
+    high = (hmask[..., None, None, :] >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1  # [n, S, 2, 4, 32]
+    values = _crumbs(b[..., 32:96]).astype(np.int8) + 4 * high.astype(np.int8) - 4
+    low4 = np.concatenate([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], axis=-1)
+    high2 = np.concatenate([(s[..., 8:12] >> (2 * g)) & 3 for g in range(4)], axis=-1)
+    sc = (low4 | (high2 << 4)).astype(np.float32) - 32  # [n, S, 16]
+    return Repacked(I4, _table_codes(values, n), (d * sc).reshape(n, -1), None)
+
+
+def _iq4(raw: np.ndarray, n: int, k: int, kind: str) -> Repacked:
+    """IQ4_NL (blocks of 32 under an f16 d) and IQ4_XS (superblocks of 256 = 8 blocks of 32 with 6-bit scales,
+    minus 32, under an f16 d): nibble indices into the non-linear table, already in the U4 byte order."""
+    if kind == "IQ4_NL":
+        b = raw.reshape(n, k // QK, -1)
+        return Repacked(NL4, b[..., 2:18].reshape(n, -1).copy(), np.repeat(_f16(b, 0)[..., 0], 2, axis=1), None)
+    b = raw.reshape(n, k // QK_K, -1)
+    high = (b[..., 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, S, 8]
+    low = np.stack([b[..., 4:8] & 0x0F, b[..., 4:8] >> 4], axis=-1).reshape(n, -1, 8)
+    scales = _f16(b, 0) * ((low | (high << 4)).astype(np.float32) - 32)  # [n, S, 8], one per 32
+    return Repacked(NL4, b[..., 8:136].reshape(n, -1).copy(), np.repeat(scales.reshape(n, -1), 2, axis=1), None)
+
+
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
+               "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
 
 
 def repack(kind: str, raw: np.ndarray, n: int, k: int) -> Repacked:
@@ -140,6 +200,12 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> Repacked:
         return _k_quant_4_5(raw, n, k, kind)
     if kind == "Q6_K":
         return _q6_k(raw, n, k)
+    if kind == "Q3_K":
+        return _q3_k(raw, n, k)
+    if kind == "Q2_K":
+        return _q2_k(raw, n, k)
+    if kind.startswith("IQ4"):
+        return _iq4(raw, n, k, kind)
     return _simple(raw, n, k, kind)
 
 
@@ -147,8 +213,8 @@ GROUP = 16  # output rows per group of the kernel's packed layout (quant_gemm.cp
 
 
 def _chunks(kind: int) -> int:
-    """4-byte columns per block in a packed group: U4's nibble bytes pair elements j and 16 + j."""
-    return 4 if kind == U4 else 8
+    """4-byte columns per block in a packed group: nibble bytes pair elements j and 16 + j."""
+    return 4 if kind in NIBBLES else 8
 
 
 def pack(w: Repacked) -> Repacked:
@@ -203,6 +269,12 @@ def kernel_layout(w: Repacked) -> Repacked:
 
 def dequantize(w: Repacked) -> torch.Tensor:
     """float32 [N, K] weights of a repacked matrix (the reference path's weights)."""
+    if w.kind in TABLES:
+        n = w.codes.shape[0]
+        idx = _nibbles_to_codes(w.codes.reshape(n, -1, 16)).reshape(n, -1)
+        values = torch.from_numpy(TABLES[w.kind][idx].astype(np.float32)).view(n, -1, 16)
+        out = values * torch.from_numpy(w.scales)[..., None]
+        return (out if w.mins is None else out + torch.from_numpy(w.mins)[..., None]).view(n, -1)
     if w.kind == S8:
         codes = torch.from_numpy(w.codes.astype(np.float32))
         return (codes.view(codes.shape[0], -1, 16) * torch.from_numpy(w.scales)[..., None]).view(codes.shape)

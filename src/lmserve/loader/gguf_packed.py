@@ -174,7 +174,7 @@ def _swap(layer: nn.Module, path: str, parts: list[Repacked]) -> None:
         bias = torch.empty(bias.shape)
     runs: list[list[Repacked]] = []
     for w in parts:
-        if runs and runs[-1][0].kind == w.kind:
+        if runs and runs[-1][0].layout == w.layout:
             runs[-1].append(w)
         else:
             runs.append([w])

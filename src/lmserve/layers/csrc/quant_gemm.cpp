@@ -14,8 +14,12 @@
 //   kind 1, U8: codes uint8 [N, K], one code 0..31 a byte; scales, mins [N, K/32] as above (Q5_0, Q5_1, Q5_K)
 //   kind 2, S8: codes int8 [N, K]; scales float [N, K/16] (one per 16 weights), no mins:
 //               w = scale * code                                         (Q8_0, Q6_K)
+//   kinds 3, 4: codes as U4 (nibbles), each an index into a table of 16 signed bytes (kTables); scales as S8,
+//               and mins [N, K/16] where the file has them (Q2_K):
+//               w = scale * table[code] (+ min)        (3, NL4: IQ4_NL, IQ4_XS; 4, I4: code - 8, Q2_K, Q3_K)
+//               The kernels look the values up with a byte shuffle and go on as for S8.
 // With x ~ xd * xq per block (xq int8, xs = xd * sum(xq)), a block contributes
-//   scale * xd * dot(code, xq) + min * xs.
+//   scale * xd * dot(code, xq) + min * xs    (per half block for kind 4's mins: min * xd * sum(xq of the half)).
 //
 // Where the CPU has AVX-512 VNNI, layers/gguf_linear.py hands the kernel its weights in a fourth, packed layout
 // (gguf_linear.pack regroups them at load): 16 output rows interleaved per block, so that one dpbusd multiplies
@@ -50,6 +54,20 @@ namespace {
 
 constexpr int64_t kQBlock = 32;  // activation quantization block (and U4/U8 weight block)
 constexpr int64_t kNTile = 16;   // weight rows kept hot while every input row passes over them
+
+// kinds 3 and 4: the signed value of each 4-bit code (layers/gguf_linear.TABLES); |value| <= 127, so the
+// maddubs of the sign trick below never saturates
+alignas(16) constexpr int8_t kTables[2][16] = {
+    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},  // IQ4_NL's non-linear values
+    {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7}};                 // code - 8
+
+constexpr bool nibble_kind(int64_t kind) { return kind == 0 || kind >= 3; }  // two codes a byte
+constexpr bool per16_kind(int64_t kind) { return kind >= 2; }                // a scale per 16 weights
+
+// code j of block b in the nibble layout (byte j: element j low, element 16 + j high)
+inline int nibble(const uint8_t* codes, int64_t b, int j) {
+  return (j < 16 ? codes[b * 16 + j] : codes[b * 16 + j - 16] >> 4) & 0x0F;
+}
 
 // One row of x -> int8 codes, per-block scale, per-block scale * sum(codes). The vector loops compute the same
 // numbers as the scalar one (max of |x|, one float multiply, round half to even, an exact integer sum): the
@@ -133,6 +151,30 @@ inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
   }
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
 }
+
+// block b of a per-16 kind as 32 signed bytes: S8's codes, or the table's values of kinds 3 and 4
+inline __m256i load_signed(int kind, const uint8_t* codes, int64_t b) {
+  if (kind == 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables[kind - 3])));
+  return _mm256_shuffle_epi8(table, load_codes(0, codes, b));
+}
+
+// scale * xd * dot(w, x) of a per-16 block, and (mins: kind 4 from Q2_K) min * xd * sum(x) per half: lanes
+// 0-3 hold the first 16 weights, lanes 4-7 the second 16
+inline __m256 per16_block(int kind, const uint8_t* codes, const float* sc, const float* mn, __m256i x, float xd,
+                          int64_t b, __m256 acc) {
+  const __m256i w = load_signed(kind, codes, b);
+  // |w| x (x with w's sign): the unsigned-by-signed product that maddubs/dpbusd take
+  const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd),
+                                                               _mm_set1_ps(sc[2 * b] * xd)), acc);
+  if (mn) {
+    const __m256i sums = dot_u8s8(_mm256_set1_epi8(1), x);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set_m128(_mm_set1_ps(mn[2 * b + 1] * xd),
+                                                                    _mm_set1_ps(mn[2 * b] * xd)), acc);
+  }
+  return acc;
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -148,13 +190,23 @@ inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
 inline __m512i pair_idx() { return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); }
 inline __m512i quad_idx() { return _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); }
 
-// a pair of weight blocks as unsigned bytes in the activations' order (S8: w + 128, corrected below)
+// kinds 3, 4: each table value + 128 as an unsigned byte, in all four 128-bit lanes (for a byte shuffle)
+template <int KIND>
+inline __m512i table_u8() {
+  const __m128i t = _mm_load_si128(reinterpret_cast<const __m128i*>(kTables[KIND - 3]));
+  return _mm512_broadcast_i32x4(_mm_xor_si128(t, _mm_set1_epi8(static_cast<char>(0x80))));
+}
+
+// a pair of weight blocks as unsigned bytes in the activations' order (S8, kinds 3 and 4: w + 128, corrected
+// below)
 template <int KIND>
 inline __m512i load_w(const uint8_t* codes, int64_t b) {
-  if (KIND == 0) {  // 32 bytes of nibbles -> [lo b, hi b, lo b+1, hi b+1]
+  if (nibble_kind(KIND)) {  // 32 bytes of nibbles -> [lo b, hi b, lo b+1, hi b+1]
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 16));
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-    return _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+    const __m512i idx =
+        _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+    return KIND == 0 ? idx : _mm512_shuffle_epi8(table_u8<KIND>(), idx);  // kinds 3, 4: value + 128, as S8
   }
   const __m512i w = _mm512_loadu_si512(codes + b * kQBlock);
   return KIND == 2 ? _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))) : w;
@@ -163,7 +215,7 @@ inline __m512i load_w(const uint8_t* codes, int64_t b) {
 // the weight scales of a pair, one per dpbusd lane (U4/U8: one per block; S8: one per 16 weights)
 template <int KIND>
 inline __m512 w_scale(const float* sc, int64_t b) {
-  if (KIND == 2) return _mm512_permutexvar_ps(quad_idx(), _mm512_castps128_ps512(_mm_loadu_ps(sc + 2 * b)));
+  if (per16_kind(KIND)) return _mm512_permutexvar_ps(quad_idx(), _mm512_castps128_ps512(_mm_loadu_ps(sc + 2 * b)));
   return _mm512_permutexvar_ps(pair_idx(), _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(
       reinterpret_cast<const double*>(sc + b)))));
 }
@@ -186,14 +238,12 @@ inline __m512 add_offset_term(__m512 acc, const float* mn, const float* xs, int6
 
 // acc + the last block of an odd block count in lanes 0-7 (256 bits wide)
 template <int KIND>
-inline __m512 add_last_block(__m512 acc, const uint8_t* codes, const float* sc, const int8_t* xq, const float* xd,
-                             int64_t b) {
+inline __m512 add_last_block(__m512 acc, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
+                             const float* xd, int64_t b) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
   __m256 p;
-  if (KIND == 2) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
-    p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))),
-                      _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b])));
+  if (per16_kind(KIND)) {
+    p = per16_block(KIND, codes, sc, mn, x, xd[b], b, _mm256_setzero_ps());
   } else {
     p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(load_codes(KIND, codes, b), x)), _mm256_set1_ps(sc[b] * xd[b]));
   }
@@ -227,16 +277,21 @@ void tile(const WRows& w, const QRows& x, int64_t n0, int64_t m0, float* out, in
     for (int c = 0; c < C; ++c) {
       xv[c] = _mm512_loadu_si512(x.codes(m0 + c) + b * kQBlock);
       xs[c] = x_scale(x.d(m0 + c), b);
-      // S8 weights go in as w + 128: take 128 * (each lane's four activations) back out
-      if (KIND == 2) corr[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), xv[c]);
+      // S8 weights (and table values) go in as w + 128: take 128 * (each lane's four activations) back out
+      if (per16_kind(KIND)) corr[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), xv[c]);
     }
     for (int r = 0; r < R; ++r) {
       const __m512i wv = load_w<KIND>(w.codes + (n0 + r) * w.cb, b);
       const __m512 ws = w_scale<KIND>(w.sc + (n0 + r) * w.sr, b);
+      // kind 4's mins (Q2_K), per 16: min * xd * sum(x), the sum being corr / 128
+      const bool mins = KIND == 4 && w.mn;
+      const __m512 wm = mins ? _mm512_mul_ps(w_scale<KIND>(w.mn + (n0 + r) * w.sr, b), _mm512_set1_ps(1.f / 128))
+                             : _mm512_setzero_ps();
       for (int c = 0; c < C; ++c) {
         __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[c]);
-        if (KIND == 2) d = _mm512_sub_epi32(d, corr[c]);
+        if (per16_kind(KIND)) d = _mm512_sub_epi32(d, corr[c]);
         acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[c]), acc[r][c]);
+        if (mins) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(corr[c]), _mm512_mul_ps(wm, xs[c]), acc[r][c]);
       }
     }
   }
@@ -247,8 +302,10 @@ void tile(const WRows& w, const QRows& x, int64_t n0, int64_t m0, float* out, in
     for (int c = 0; c < C; ++c) {
       const int64_t m = m0 + c;
       __m512 a = acc[r][c];
-      if (nb & 1) a = add_last_block<KIND>(a, w.codes + n * w.cb, w.sc + n * w.sr, x.codes(m), x.d(m), nb - 1);
-      if (KIND != 2) a = add_offset_term(a, w.mn + n * w.sr, x.s(m), nb);
+      if (nb & 1)
+        a = add_last_block<KIND>(a, w.codes + n * w.cb, w.sc + n * w.sr, w.mn ? w.mn + n * w.sr : nullptr,
+                                 x.codes(m), x.d(m), nb - 1);
+      if (!per16_kind(KIND)) a = add_offset_term(a, w.mn + n * w.sr, x.s(m), nb);
       sums[c] = a;
     }
     alignas(16) float v[4];
@@ -285,9 +342,13 @@ void rows_avx512(int kind, const WRows& w, const QRows& x, int64_t M, int64_t n0
     const int64_t C = std::min<int64_t>(4, M - m);
     for (int64_t n = n0; n < n1; n += 4) {
       const int64_t R = std::min<int64_t>(4, n1 - n);
-      if (kind == 0) tile_any<0>(w, x, n, R, m, C, out, ldo);
-      else if (kind == 1) tile_any<1>(w, x, n, R, m, C, out, ldo);
-      else tile_any<2>(w, x, n, R, m, C, out, ldo);
+      switch (kind) {
+        case 0: tile_any<0>(w, x, n, R, m, C, out, ldo); break;
+        case 1: tile_any<1>(w, x, n, R, m, C, out, ldo); break;
+        case 2: tile_any<2>(w, x, n, R, m, C, out, ldo); break;
+        case 3: tile_any<3>(w, x, n, R, m, C, out, ldo); break;
+        default: tile_any<4>(w, x, n, R, m, C, out, ldo);
+      }
     }
   }
 }
@@ -298,7 +359,8 @@ void rows_avx512(int kind, const WRows& w, const QRows& x, int64_t M, int64_t n0
 //          U8: [G, nb, 8, 64]: byte 4i + q of chunk j is row i's code 4j + q
 //          S8: like U8, each code + 128 as an unsigned byte (dpbusd multiplies unsigned by signed bytes; the
 //              128 * sum(activations) this adds is taken back out per half block)
-//   scales [G, nb, 16] (S8: [G, 2 nb, 16]), mins [G, nb, 16]: row i's value in lane i
+//          kinds 3, 4: like U4; the kernel looks each code's table value + 128 up, then goes on as for S8
+//   scales [G, nb, 16] (per-16 kinds: [G, 2 nb, 16]), mins likewise: row i's value in lane i
 // Each output's chain: for every block b in order, acc += float(dot_b) * (scale_b * xd_b), then (U4/U8)
 // acc += min_b * xs_b (S8: the two halves' terms in order). The same chain for any number of input rows.
 constexpr int64_t kGroup = 16;
@@ -324,17 +386,19 @@ void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i wv[8];
-    if (KIND == 0) {
+    if (nibble_kind(KIND)) {
       const uint8_t* p = w.codes + b * 256;
       for (int t = 0; t < 4; ++t) {
         const __m512i v = _mm512_loadu_si512(p + 64 * t);
         wv[t] = _mm512_and_si512(v, low4);                           // elements 4t .. 4t + 3
         wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);  // elements 16 + 4t ..
       }
+      if (KIND >= 3)
+        for (int j = 0; j < 8; ++j) wv[j] = _mm512_shuffle_epi8(table_u8<KIND>(), wv[j]);  // value + 128
     } else {
       for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(w.codes + b * 512 + 64 * j);
     }
-    if (KIND == 2) {
+    if (per16_kind(KIND)) {
       const __m512 s0 = _mm512_loadu_ps(w.sc + 32 * b), s1 = _mm512_loadu_ps(w.sc + 32 * b + 16);
       for (int c = 0; c < C; ++c) {
         const int8_t* xq = x.codes(m0 + c) + b * kQBlock;
@@ -347,9 +411,15 @@ void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t
         }
         lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(corr[0]));
         hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(corr[1]));
-        const __m512 xd = _mm512_set1_ps(x.d(m0 + c)[b]);
+        const float xdb = x.d(m0 + c)[b];
+        const __m512 xd = _mm512_set1_ps(xdb);
         acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, xd), acc[c]);
         acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, xd), acc[c]);
+        if (KIND == 4 && w.mn) {  // Q2_K's mins: min * xd * sum(x) per half, the sums being corr / 128
+          const float* mn = w.mn + 32 * b;
+          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(mn), _mm512_set1_ps(xdb * (corr[0] * (1.f / 128))), acc[c]);
+          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(mn + 16), _mm512_set1_ps(xdb * (corr[1] * (1.f / 128))), acc[c]);
+        }
       }
       continue;
     }
@@ -395,13 +465,8 @@ float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, 
   float acc_min = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
-    if (kind == 2) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
-      // |w| x (x with w's sign): the unsigned-by-signed product that maddubs/dpbusd take
-      const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-      // lanes 0-3 hold the first 16 weights, lanes 4-7 the second 16: one scale each
-      const __m256 scale = _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd[b]), _mm_set1_ps(sc[2 * b] * xd[b]));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+    if (per16_kind(kind)) {
+      acc = per16_block(kind, codes, sc, mn, x, xd[b], b, acc);
     } else {
       const __m256i p = dot_u8s8(load_codes(kind, codes, b), x);
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[b] * xd[b]), acc);
@@ -413,18 +478,21 @@ float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, 
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xb = xq + b * kQBlock;
-    if (kind == 2) {
-      const int8_t* w = reinterpret_cast<const int8_t*>(codes) + b * kQBlock;
-      int lo = 0, hi = 0;
-      for (int j = 0; j < 16; ++j) lo += w[j] * xb[j];
-      for (int j = 16; j < 32; ++j) hi += w[j] * xb[j];
-      acc += sc[2 * b] * xd[b] * lo + sc[2 * b + 1] * xd[b] * hi;
+    if (per16_kind(kind)) {
+      int dot[2] = {0, 0}, sum[2] = {0, 0};
+      for (int j = 0; j < kQBlock; ++j) {
+        const int w = kind == 2 ? reinterpret_cast<const int8_t*>(codes)[b * kQBlock + j]
+                                : kTables[kind - 3][nibble(codes, b, j)];
+        dot[j / 16] += w * xb[j];
+        sum[j / 16] += xb[j];
+      }
+      acc += sc[2 * b] * xd[b] * dot[0] + sc[2 * b + 1] * xd[b] * dot[1];
+      if (mn) acc += mn[2 * b] * xd[b] * sum[0] + mn[2 * b + 1] * xd[b] * sum[1];
       continue;
     }
     int dot = 0;
     for (int j = 0; j < kQBlock; ++j) {
-      const int c = kind == 0 ? ((j < 16 ? codes[b * 16 + j] : codes[b * 16 + j - 16] >> 4) & 0x0F)
-                              : codes[b * kQBlock + j];
+      const int c = kind == 0 ? nibble(codes, b, j) : codes[b * kQBlock + j];
       dot += c * xb[j];
     }
     acc += sc[b] * xd[b] * dot + mn[b] * xs[b];
@@ -433,8 +501,18 @@ float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, 
 #endif
 }
 
-int64_t code_bytes_per_row(int kind, int64_t K) { return kind == 0 ? K / 2 : K; }
-int64_t scales_per_row(int kind, int64_t K) { return kind == 2 ? K / 16 : K / kQBlock; }
+int64_t code_bytes_per_row(int kind, int64_t K) { return nibble_kind(kind) ? K / 2 : K; }
+int64_t scales_per_row(int kind, int64_t K) { return per16_kind(kind) ? K / 16 : K / kQBlock; }
+
+// mins: U4 and U8 need them, kind 4 may have them (Q2_K), S8 and kind 3 have none; `shape` is the scales'
+void check_mins(int64_t kind, const c10::optional<torch::Tensor>& mins, c10::IntArrayRef shape) {
+  if (kind < 2 || (kind == 4 && mins.has_value())) {
+    TORCH_CHECK(mins.has_value() && mins->sizes() == shape && mins->is_contiguous() &&
+                mins->scalar_type() == torch::kFloat32, "mins: float32 like scales (kinds 0, 1; 4 where present)");
+  } else {
+    TORCH_CHECK(!mins.has_value(), "mins: none for kinds 2 and 3");
+  }
+}
 
 }  // namespace
 
@@ -488,31 +566,35 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
                             const c10::optional<torch::Tensor>& mins, int64_t kind,
                             const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), G = codes.size(0), nb = K / kQBlock, N = G * kGroup;
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == nb && codes.size(2) == (kind == 0 ? 256 : 512),
-              "packed codes: [N/16, K/32, ", kind == 0 ? 256 : 512, "] contiguous");
+  const int64_t code_bytes = nibble_kind(kind) ? 256 : 512, scale_blocks = per16_kind(kind) ? 2 * nb : nb;
+  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == nb && codes.size(2) == code_bytes,
+              "packed codes: [N/16, K/32, ", code_bytes, "] contiguous");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 3 &&
-              scales.size(0) == G && scales.size(1) == (kind == 2 ? 2 * nb : nb) && scales.size(2) == kGroup,
-              "packed scales: [N/16, ", kind == 2 ? 2 * nb : nb, ", 16] float32");
-  TORCH_CHECK(kind == 2 || (mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous()),
-              "packed mins: like scales (kinds 0 and 1)");
+              scales.size(0) == G && scales.size(1) == scale_blocks && scales.size(2) == kGroup,
+              "packed scales: [N/16, ", scale_blocks, ", 16] float32");
+  check_mins(kind, mins, scales.sizes());
   auto xq = quantize_activations(x);
-  const torch::Tensor xsum16 = kind == 2 ? half_block_sums(xq, K) : torch::Tensor();
-  const int32_t* px16 = kind == 2 ? xsum16.data_ptr<int32_t>() : nullptr;
+  const torch::Tensor xsum16 = per16_kind(kind) ? half_block_sums(xq, K) : torch::Tensor();
+  const int32_t* px16 = per16_kind(kind) ? xsum16.data_ptr<int32_t>() : nullptr;
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
   const float* ps = scales.data_ptr<float>();
-  const float* pm = kind == 2 ? nullptr : mins->data_ptr<float>();
+  const float* pm = mins.has_value() ? mins->data_ptr<float>() : nullptr;
   const float* pb = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
   const QRows xr{xq.data_ptr<int8_t>(), xq.size(1), K};
-  const int64_t code_bytes = codes.size(1) * codes.size(2), scale_count = scales.size(1) * kGroup;
+  const int64_t group_bytes = nb * code_bytes, scale_count = scale_blocks * kGroup;
   lmserve::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const PackedW w{pc + g * code_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
+      const PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
       float* out = py + g * kGroup;
-      if (kind == 0) group_all_rows<0>(w, xr, px16, M, out, N);
-      else if (kind == 1) group_all_rows<1>(w, xr, px16, M, out, N);
-      else group_all_rows<2>(w, xr, px16, M, out, N);
+      switch (kind) {
+        case 0: group_all_rows<0>(w, xr, px16, M, out, N); break;
+        case 1: group_all_rows<1>(w, xr, px16, M, out, N); break;
+        case 2: group_all_rows<2>(w, xr, px16, M, out, N); break;
+        case 3: group_all_rows<3>(w, xr, px16, M, out, N); break;
+        default: group_all_rows<4>(w, xr, px16, M, out, N);
+      }
       if (pb)
         for (int64_t m = 0; m < M; ++m)
           for (int64_t i = 0; i < kGroup; ++i) out[m * N + i] += pb[g * kGroup + i];
@@ -580,7 +662,7 @@ torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                            int64_t kind, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "kind: 0 (U4), 1 (U8), 2 (S8), 3 (NL4) or 4 (I4)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
   x = x.contiguous();
   if (codes.dim() == 3) {  // the packed layout (gguf_linear.pack)
@@ -597,13 +679,12 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
               code_bytes_per_row(kind, K), "] contiguous");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.size(0) == N &&
               scales.size(1) == scales_per_row(kind, K), "scales: [N, ", scales_per_row(kind, K), "] float32");
-  TORCH_CHECK(kind == 2 || (mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous()),
-              "mins: like scales (kinds 0 and 1)");
+  check_mins(kind, mins, scales.sizes());
   auto xq = quantize_activations(x);
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
   const float* ps = scales.data_ptr<float>();
-  const float* pm = kind == 2 ? nullptr : mins->data_ptr<float>();
+  const float* pm = mins.has_value() ? mins->data_ptr<float>() : nullptr;
   const int8_t* pq = xq.data_ptr<int8_t>();
   const float* pb = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* py = y.data_ptr<float>();
