@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
+from lmserve.layers import gguf_linear
+from lmserve.layers.gguf_linear import S8, GGUFLinear, dequantize
 from lmserve.loader import load_model
 from lmserve.models.gpt_oss import mxfp4_dequantize
 from lmserve.sampling_params import SamplingParams
@@ -128,7 +130,7 @@ def test_mxfp4_dequantize_is_transformers_bit_for_bit():
     assert torch.equal(mxfp4_dequantize(blocks, scales).transpose(1, 2), want)
 
 
-def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path):
+def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
     """The same MXFP4 experts from a GGUF written with the gguf package (ggml's blocks) and from an HF checkpoint
     (`_blocks` / `_scales`, quantization_config mxfp4, as the released gpt-oss): both within 1e-4 of transformers
     holding the dequantized values, and 32 greedy tokens identical through the engine on 3 prompts."""
@@ -162,7 +164,8 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path):
             assert_close(o, t)
     want = reference_greedy(ref, GREEDY_BATCH[:3])
     for source in (gguf, hf):
-        eng = LLMEngine(EngineConfig(model=str(source), dtype="float32", cache=CacheConfig(num_blocks=48, block_size=16),
+        eng = LLMEngine(EngineConfig(model=str(source), quantization="none", dtype="float32",
+                                     cache=CacheConfig(num_blocks=48, block_size=16),
                                      scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=24)),
                         tokenizer=Tokenizer.from_pretrained(path))
         params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -173,3 +176,19 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path):
             for d in eng.step():
                 out[d.request_id] += d.token_ids
         assert [out[str(i)] for i in range(3)] == want, source.name
+    # the default on CPU keeps the GGUF's MXFP4 experts in their codes (held as S8, layers/gguf_linear.py): the
+    # weights exactly transformers' values, and the int8-dot kernels equal their dequantize-then-matmul reference
+    # (int8 activations, as llama.cpp runs MXFP4: this tiny random model amplifies that rounding to ~5-30% of the
+    # largest logit, so the comparison is with the reference, not transformers)
+    kept = load_model(gguf, torch.float32, torch.device("cpu"), quantization="auto")
+    assert kept.weight_format == "gguf"
+    for layer, theirs_layer in zip(kept.model.model.layers, ref.model.layers):
+        gate_up = theirs_layer.mlp.experts.gate_up_proj.detach()  # [E, hidden, 2I], gate and up interleaved
+        for e, expert in enumerate(layer.mlp.experts):
+            assert type(expert.gate_up_proj) is GGUFLinear and expert.gate_up_proj.kind == S8
+            want = torch.cat([gate_up[e, :, 0::2], gate_up[e, :, 1::2]], dim=1).t()
+            assert torch.equal(dequantize(expert.gate_up_proj.repacked()), want)
+    native = flat_logits(kept.model, batch)
+    monkeypatch.setattr(gguf_linear, "native_module", lambda: None)  # GGUFLinear's reference path
+    for o, r in zip(native, flat_logits(kept.model, batch)):
+        assert_close(o, r, tol=1e-5)
