@@ -192,3 +192,23 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_linear, "native_module", lambda: None)  # GGUFLinear's reference path
     for o, r in zip(native, flat_logits(kept.model, batch)):
         assert_close(o, r, tol=1e-5)
+
+
+def test_what_it_cannot_do_yet_is_refused_or_declined(tiny):
+    """Tensor parallelism (sinks and expert biases are not split) is refused with a clear error; CUDA graphs are
+    declined (decode runs eagerly) even with one KV group, as the biased experts' module path reads run lengths on
+    the host."""
+    from lmserve.cache.sizing import blocks_for
+    from lmserve.errors import ConfigError
+    from lmserve.loader import read_model_config
+    from lmserve.loader.sharding import local_config
+
+    _, path, _ = tiny
+    with pytest.raises(ConfigError, match="tensor parallelism does not split attention sinks"):
+        local_config(read_model_config(path), 2)
+    eng = LLMEngine(EngineConfig(model=str(path), quantization="none",
+                                 cache=CacheConfig(num_blocks=32, hybrid_kv_cache=False)),
+                    tokenizer=Tokenizer.from_pretrained(path))
+    assert eng.runner.num_kv_groups == 1
+    assert eng.runner.enable_decode_graphs(4, blocks_for(eng.max_model_len, eng.block_size), capture=False) == 0.0
+    assert eng.runner.graphs is None

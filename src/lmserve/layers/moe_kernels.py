@@ -120,6 +120,13 @@ def triton_experts(moe: SparseMoE) -> nn.Module | None:
     return TritonExperts(experts)
 
 
+def host_synced_moe_layers(model: nn.Module) -> int:
+    """How many mixture-of-experts layers run the module path, which reads each expert's run length on the host (a
+    CUDA graph cannot capture that: such a model runs its decode steps eagerly). Only the Triton path is free of it;
+    gpt-oss's biased experts have none yet."""
+    return sum(isinstance(m, SparseMoE) and not getattr(m.grouped, "graph_safe", False) for m in model.modules())
+
+
 def apply_moe_kernels(model: nn.Module, triton: bool) -> int:
     """Give every SparseMoE of `model` its fast expert path (Triton's when `triton`, else the native CPU kernels');
     returns how many layers got one. Layers whose weight format has none keep the module path."""
