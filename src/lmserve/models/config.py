@@ -1,7 +1,7 @@
 """ModelConfig: one normalised description of a decoder-only model, whichever family and file it came from.
 
 `config_hf.config_from_hf` builds it from a Hugging Face config.json, `config_gguf.config_from_gguf` from GGUF
-metadata; the family files (models/llama.py, gemma.py, phi3.py) say what their family sets. Nothing here
+metadata; the family files (models/llama.py, gemma.py, phi3.py, moe.py, gpt_oss.py) say what their family sets. Nothing here
 knows the families: every field is a plain property of the network, with the Llama value as its default.
 """
 

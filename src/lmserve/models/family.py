@@ -1,7 +1,7 @@
 """What a model family file declares: how its config.json and GGUF metadata set ModelConfig's fields, and
 how its checkpoints name and store tensors. The network itself is the shared `CausalLM` (models/decoder.py).
 
-A family file (models/llama.py, gemma.py, phi3.py) defines one `Family` per architecture and
+A family file (models/llama.py, gemma.py, phi3.py, moe.py, gpt_oss.py) defines one `Family` per architecture and
 models/registry.py maps architecture names to them: adding the next family is one file and a registry line.
 """
 
