@@ -17,6 +17,8 @@ from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.layers import gguf_linear
 from lmserve.layers.gguf_linear import S8, GGUFLinear, dequantize
+from lmserve.layers.moe_kernels import NativeExperts, apply_moe_kernels
+from lmserve.layers.native import native_module
 from lmserve.loader import load_model
 from lmserve.models.gpt_oss import mxfp4_dequantize
 from lmserve.sampling_params import SamplingParams
@@ -189,7 +191,24 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
             want = torch.cat([gate_up[e, :, 0::2], gate_up[e, :, 1::2]], dim=1).t()
             assert torch.equal(dequantize(expert.gate_up_proj.repacked()), want)
     native = flat_logits(kept.model, batch)
+    # the runner's transform: each layer's biased experts stacked for one native call per projection over all rows,
+    # the same bits as the per-expert module path, at a decode batch and alone
+    if native_module() is not None and native_module().quant_packed_rows():
+        assert apply_moe_kernels(kept.model, triton=False) == len(kept.model.model.layers)
+        x = torch.randn(16, kept.config.hidden_size, generator=torch.Generator().manual_seed(4))
+        for layer in kept.model.model.layers:
+            moe = layer.mlp
+            assert isinstance(moe.grouped, NativeExperts) and moe.grouped.gate_up.bias is not None
+            for rows in (x, x[:1]):
+                assert moe.grouped.accepts(rows, moe.route(rows))
+                fast = moe(rows)
+                grouped, moe.grouped = moe.grouped, None
+                assert torch.equal(fast, moe(rows))
+                moe.grouped = grouped
+        assert all(torch.equal(a, b) for a, b in zip(native, flat_logits(kept.model, batch)))
     monkeypatch.setattr(gguf_linear, "native_module", lambda: None)  # GGUFLinear's reference path
+    for layer in kept.model.model.layers:
+        layer.mlp.grouped = None
     for o, r in zip(native, flat_logits(kept.model, batch)):
         assert_close(o, r, tol=1e-5)
 
