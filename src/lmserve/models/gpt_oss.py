@@ -56,7 +56,9 @@ def _gpt_oss_hf(cfg: Mapping[str, Any]) -> Fields:
     _check_swiglu(cfg.get("swiglu_alpha", SWIGLU_OAI_ALPHA), cfg.get("swiglu_limit", SWIGLU_OAI_LIMIT))
     fields = _shared(int(cfg["num_hidden_layers"])) | {
         "sliding_window": cfg.get("sliding_window", 128), "num_experts": int(cfg["num_local_experts"]),
-        "num_experts_per_tok": int(cfg["num_experts_per_tok"]), "moe_intermediate_size": int(cfg["intermediate_size"])}
+        # the released config.json also spells it `experts_per_token`
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),
+        "moe_intermediate_size": int(cfg["intermediate_size"])}
     if not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):  # transformers' default: YaRN x32 over 4096
         fields["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                   "truncate": False, "original_max_position_embeddings": 4096}
