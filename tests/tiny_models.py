@@ -127,14 +127,14 @@ ARCHS: dict[str, Arch] = {
     "qwen2_moe": Arch("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                       dict(EXPERTS, num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=96,
                            norm_topk_prob=False), "qwen2moe", _moe_meta, moe=True),
-    # sinks, windows of 8 on the even layers, YaRN (truncated ramp ends: llama.cpp's, and transformers' default;
+    # two layers (one sliding, one full): sinks, windows of 8 on the even layers, YaRN (truncated ramp ends: llama.cpp's, and transformers' default;
     # tests/test_gpt_oss.py checks gpt-oss's untruncated table), biases everywhere, 4 experts top-2 of width 64
     # (a whole number of MXFP4 blocks)
     "gpt_oss": Arch("GptOssConfig", "GptOssForCausalLM",
                     dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8,
-                         num_hidden_layers=4, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                                                   original_max_position_embeddings=64, beta_fast=32.0,
-                                                                   beta_slow=1.0, truncate=True)),
+                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                              original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                              truncate=True)),
                     "gpt-oss", _gpt_oss_meta, moe=True),
 }
 
