@@ -68,5 +68,6 @@ class SelfAttention(nn.Module):
 
     def options(self) -> AttnOptions:
         """This layer's attention options, with its sink logits where it has them (the parameter as it is now: a
-        loader or device move may have replaced its storage since the layer was built)."""
-        return self.spec.opts if self.sinks is None else replace(self.spec.opts, sinks=self.sinks)
+        loader or device move may have replaced its storage since the layer was built), in float32 as every backend
+        reads them (a no-op for a float32 model)."""
+        return self.spec.opts if self.sinks is None else replace(self.spec.opts, sinks=self.sinks.float())
