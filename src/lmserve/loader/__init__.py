@@ -24,6 +24,7 @@ from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.prequant import (METHODS as PREQUANT_METHODS, CheckpointTensors, PrequantScheme, auto_prequant,
                                      dequantized_rest, keep_prequantized, read_scheme)
+from lmserve.loader.repack_cache import cached_keep
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
 from lmserve.models.config import ModelConfig
@@ -209,7 +210,8 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
     kept: set[str] = set()
 
     def keep_blocks(net: torch.nn.Module) -> None:  # on the meta device: the kept tensors are never made float
-        kept.update(keep_gguf_quantized(net, gguf, cfg, dtype))
+        # the repacked layers of an earlier start of this file, mapped, where the weight cache has them
+        kept.update(cached_keep(net, gguf, dtype, lambda n: keep_gguf_quantized(n, gguf, cfg, dtype)))
 
     net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
     factors = rope_freq_factors(gguf)
