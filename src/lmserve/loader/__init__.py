@@ -18,7 +18,7 @@ from lmserve.layers.parallel import apply_tensor_parallel, drop_row_biases
 from lmserve.layers.quantized import check_scheme, quantize_linears
 from lmserve.errors import CheckpointError
 from lmserve.loader.default_model import default_model_path
-from lmserve.loader.gguf_file import GGUFFile, read_gguf
+from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
@@ -63,12 +63,7 @@ class LoadedModel:
             return self.prequant.summary
         if self.gguf is None or "general.file_type" not in self.gguf.metadata:
             return "none"
-        from gguf import LlamaFileType
-
-        try:
-            return LlamaFileType(int(self.gguf.metadata["general.file_type"])).name
-        except ValueError:
-            return "unknown"
+        return FILE_TYPES.get(int(self.gguf.metadata["general.file_type"]), "unknown")
 
     @property
     def weight_format(self) -> str:
