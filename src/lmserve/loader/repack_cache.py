@@ -165,7 +165,7 @@ def restore(net: nn.Module, path: Path, key: str, dtype: torch.dtype) -> set[str
             raise ValueError("a tied head without its table")
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
         log.warning("weight cache: ignoring %s (%s); repacking the GGUF file again", path, e)
         return None
     for parent, attr, module in swaps:
