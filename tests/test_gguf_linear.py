@@ -316,3 +316,16 @@ def test_a_low_bit_model_decodes_the_reference_paths_greedy_tokens(tmp_path, mon
     assert run(prompts[1:2]) == fast[1:2]  # a row's tokens never depend on its batch
     monkeypatch.setattr(native, "_on", False)  # what LMSERVE_NATIVE_KERNELS=0 sets at start-up
     assert run(prompts) == fast
+
+
+def test_the_loaders_type_table_is_the_gguf_packages():
+    """gguf_file's tables (a start imports no `gguf`) name and size every tensor type, and name every file type, as
+    the gguf package does."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from gguf import LlamaFileType
+
+    from lmserve.loader.gguf_file import FILE_TYPES, GGML_TYPES
+
+    assert GGML_TYPES == {int(q): (q.name, *GGML_QUANT_SIZES[q]) for q in GGMLQuantizationType if q in GGML_QUANT_SIZES}
+    assert FILE_TYPES == {int(t): t.name for t in LlamaFileType}
