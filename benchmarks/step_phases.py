@@ -103,13 +103,15 @@ def ab(args) -> None:
             results[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(f"round {r} {name}: {results[name][-1]['output_tok_s']:.1f} tok/s "
                   f"(load {results[name][-1]['load']:.1f})", flush=True)
-    print(f"\n| tree | output tok/s per round | median | prefill s | decode ms/step |\n|---|---|---|---|---|")
+    print("\n| tree | output tok/s per round | median | prefill s | decode ms/step | of which sampler ms |\n"
+          "|---|---|---|---|---|---|")
     for name, rs in results.items():
-        dec = statistics.median(x["decode"]["total_s"] / max(x["decode"]["steps"], 1) * 1000 for x in rs)
+        def per_decode(key: str) -> float:
+            return statistics.median(x["decode"][key] / max(x["decode"]["steps"], 1) * 1000 for x in rs)
         per_round = ", ".join(f"{x['output_tok_s']:.1f}" for x in rs)
-        print(f"| {name} | {per_round} | "
-              f"{statistics.median(x['output_tok_s'] for x in rs):.1f} | "
-              f"{statistics.median(x['prefill']['total_s'] for x in rs):.2f} | {dec:.1f} |")
+        print(f"| {name} | {per_round} | {statistics.median(x['output_tok_s'] for x in rs):.1f} | "
+              f"{statistics.median(x['prefill']['total_s'] for x in rs):.2f} | {per_decode('total_s'):.1f} | "
+              f"{per_decode('sampler_s'):.1f} |")
 
 
 def main() -> None:
