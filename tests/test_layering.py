@@ -60,7 +60,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "sched.output": set(),
     "cache": set(),
     "worker": {"sched.output", "sample", "lora", "loader", "models", "layers"},
-    "sample": {"structured"},
+    "sample": {"structured", "layers"},  # layers: the native kernels (greedy argmax with its logprob)
     "spec": set(),
     "structured": set(),
     "parsers": {"structured"},  # text -> reasoning, content, tool calls; each tool format's grammar (a structural tag)

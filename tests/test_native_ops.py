@@ -48,6 +48,15 @@ def test_silu_and_mul_equals_the_reference(rows, inter):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows,inter", [(1, 2048), (5, 2048), (300, 96), (2, 7)])
+def test_gelu_tanh_and_mul_equals_the_reference(rows, inter):
+    gu = rand(rows, 2 * inter, seed=14)
+    gu[0, :6] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e-20, -12.0])  # the branches and the far tails
+    # atol: for x below about -9 ATen's 0.5 x (1 + tanh(u)) cancels to 0 where the sigmoid form keeps ~1e-6
+    torch.testing.assert_close(fused.gelu_tanh_and_mul(gu), fused.gelu_tanh_and_mul_ref(gu), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 32, 8, 128)])
 def test_rotary_in_place_on_a_strided_qkv_view_equals_the_reference(tokens, heads, kv_heads, dim):
     qkv = rand(tokens, (heads + 2 * kv_heads) * dim, seed=8)
@@ -66,10 +75,11 @@ def test_rotary_in_place_on_a_strided_qkv_view_equals_the_reference(tokens, head
 def test_rows_do_not_depend_on_the_batch():
     x, res, w, gu = rand(64, 576, seed=10), rand(64, 576, seed=11), rand(576, seed=12), rand(64, 3072, seed=13)
     full_norm = mod.add_rms_norm_(x, res.clone(), w, 1e-5)
-    full_silu = mod.silu_and_mul(gu)
+    full_silu, full_gelu = mod.silu_and_mul(gu), mod.gelu_tanh_and_mul(gu)
     for i in (0, 17, 63):
         assert torch.equal(mod.add_rms_norm_(x[i:i + 1], res[i:i + 1].clone(), w, 1e-5)[0], full_norm[i])
         assert torch.equal(mod.silu_and_mul(gu[i:i + 1])[0], full_silu[i])
+        assert torch.equal(mod.gelu_tanh_and_mul(gu[i:i + 1])[0], full_gelu[i])
 
 
 @needs_kernel
@@ -94,6 +104,7 @@ def test_other_dtypes_and_switch_off_use_pytorch(monkeypatch):
     assert new_res.data_ptr() != res.data_ptr()  # the reference path never writes into the caller's tensor
     gu = rand(2, 16)
     assert torch.equal(fused.silu_and_mul(gu), F.silu(gu[:, :8]) * gu[:, 8:])
+    assert torch.equal(fused.gelu_tanh_and_mul(gu), F.gelu(gu[:, :8], approximate="tanh") * gu[:, 8:])
 
 
 @needs_kernel

@@ -337,3 +337,23 @@ def test_metadata_flags_computed_once_from_params():
     assert m.top_p.tolist() == pytest.approx([0.9, 1.0]) and m.max_top_k == V
     m = meta(SamplingParams(presence_penalty=0.1), SamplingParams(logit_bias={1: 1.0}))
     assert not m.no_penalties and m.repetition is None and m.prompt_seen is None and m.writes_logits
+
+
+def test_native_greedy_argmax_and_logprob_equal_the_reference():
+    """The all-greedy, no-logprobs step's native pass pair (argmax + its log-softmax) against torch's: first index
+    on ties, a large vocabulary with a ragged tail, and torch's answers for NaN, +inf and all -inf rows."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 70001, generator=g) * 4
+    logits[1, [5, 900, 70000]] = 50.0  # a three-way tie: the first index wins
+    logits[2, -1] = 60.0  # the maximum in the masked tail
+    logits[3, 1234] = float("nan")
+    logits[4, 10] = INF
+    logits[5] = -INF
+    logits[6, :] = 0.0  # all equal: index 0, log(1 / V)
+    ids, lp = sampler_module.argmax_with_logprob(logits)
+    ref_ids, ref_lp = sampler_module.argmax_with_logprob_ref(logits)
+    assert torch.equal(ids, ref_ids) and ids.dtype == torch.int64
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5, equal_nan=True)
+    out = run([SamplingParams(temperature=0.0)] * 3, logits[:3])  # the sampler takes the pair on an all-greedy batch
+    assert torch.equal(out.sampled_token_ids, ref_ids[:3]) and out.top_logprobs is None
+    torch.testing.assert_close(out.logprobs, ref_lp[:3], rtol=1e-5, atol=1e-5)

@@ -55,6 +55,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 * I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (GeGLU: Gemma's MLP)."""
+    mod = _native(gate_up)
+    if mod is not None:  # one pass: ATen's gelu and the multiply were ~8% of a Gemma 3 prefill
+        return mod.gelu_tanh_and_mul(gate_up)
+    return gelu_tanh_and_mul_ref(gate_up)
+
+
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """The PyTorch reference of gelu_tanh_and_mul."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

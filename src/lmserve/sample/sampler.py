@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmserve.layers.native import native_module
 from lmserve.sample.filters import NEG_INF, min_p_filter, top_k_only, top_k_top_p
 from lmserve.sample.metadata import SamplingMetadata
 from lmserve.sample.penalties import apply_penalties
@@ -51,6 +52,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Pick one token per row of logits [B, V] (any float dtype; computed in float32)."""
         logits = process_logits(logits.to(torch.float32, copy=meta.writes_logits), meta)  # [B, V]
+        if meta.all_greedy and meta.draft_ids is None and meta.max_num_logprobs is None:
+            return SamplerOutput(*argmax_with_logprob(logits), None, None)
         accepted = None
         if meta.draft_ids is None:
             ids = choose_tokens(logits, meta)  # [B]
@@ -76,6 +79,23 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     if not meta.no_penalties:
         logits = apply_penalties(logits, meta)
     return logits
+
+
+def argmax_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows: (argmax [B] int64, its log-softmax [B] float32). On the CPU one native pass pair per row
+    (layers/csrc/fused_ops.cpp): torch's argmax, max and exp-sum each read all [B, V] (~14 ms a step at 16 rows of
+    a 262,144-token vocabulary, Gemma 3's)."""
+    mod = native_module() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if mod is not None:
+        ids, chosen = mod.argmax_logprob(logits)
+        return ids, chosen
+    return argmax_with_logprob_ref(logits)
+
+
+def argmax_with_logprob_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch reference of argmax_with_logprob."""
+    ids = logits.argmax(dim=-1)  # [B]
+    return ids, logits.gather(1, ids[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
 
 
 def choose_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = weight * (x / rms(x)) per row (float32, CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; returns rms_norm(residual) (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
+  m.def("argmax_logprob", &argmax_logprob, no_gil(),
+        "[B, V] float32 -> (first index of each row's max [B] int64, its log-softmax [B] float32), CPU");
   m.def("rotary_", &rotary_, "rotate [T, heads, D] in place by per-token cos/sin [T, 1, D] (float32, CPU)");
   m.def("quantize_activations", &quantize_activations, no_gil(),
         "[M, K] float32 -> [M, K + 8K/32] int8: codes, then per-32 scales and scale * sums as float32");

@@ -91,11 +91,9 @@ struct Cursor {
   }
 };
 
-// [B, 2I] = [gate | up] -> act(gate) * up: the native SiLU-and-mul, or ATen's tanh GELU (layers/fused.py)
+// [B, 2I] = [gate | up] -> act(gate) * up: the native SiLU- or tanh-GELU-and-mul, as the module path (layers/fused.py)
 torch::Tensor act_and_mul(const torch::Tensor& gate_up, int64_t act) {
-  if (act == 0) return silu_and_mul(gate_up);
-  const int64_t I = gate_up.size(1) / 2;
-  return at::gelu(gate_up.narrow(1, 0, I), "tanh") * gate_up.narrow(1, I, I);
+  return act == 0 ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
 }
 
 }  // namespace

@@ -18,6 +18,8 @@ void write_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tens
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> argmax_logprob(torch::Tensor logits);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 // gemv.cpp
