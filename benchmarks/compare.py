@@ -313,6 +313,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     resolve_model(args)
+    from startup import compile_lmserve  # benchmarks/startup.py: the .pyc files an installed lmserve has
+
+    compile_lmserve()
     load_start = os.getloadavg()
     args.llama_server = llama_binary(args)
     slos = sb.parse_goodput(args.goodput.split())

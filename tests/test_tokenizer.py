@@ -208,3 +208,27 @@ def test_a_byte_level_vocabulary_needs_no_mid_text_copies(ours, theirs):
     ids = ours.encode(" hello world, again")
     assert ours.id_to_piece(ids[0]) == " hello" and ours.decode(ids) == " hello world, again"
     assert [ours.id_to_piece(i) for i in ids] == [theirs.decode([i]) for i in ids]
+
+
+def test_copies_share_the_vocabulary_and_encode_as_a_json_copy(ours, tmp_path):
+    """The plain and mid-text copies share the model instead of parsing tokenizer.json again: each encodes and
+    decodes as a copy through the JSON (the reference) does, plain and special, and keeps its own setting."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from lmserve.tokenizer.tokenizer import _copy
+
+    _write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    spm = Tokenizer.from_gguf(tmp_path / "spm.gguf")
+    assert spm._plain_mid is not spm._plain  # SentencePiece: mid-text copies with their components edited
+    texts = ["Hello <|im_start|>user hi<|im_end|> world", "<s>The quick</s>", "  spaces\n\n\ttabs", "日本語 ünï 🎉"]
+    for tk in (ours._hf, spm._hf, spm._hf_mid):
+        for plain in (False, True):
+            copy, reference = _copy(tk, plain), HFTokenizer.from_str(tk.to_str())
+            reference.encode_special_tokens = plain
+            assert copy.get_vocab_size(True) == reference.get_vocab_size(True)
+            for text in texts:
+                ids = copy.encode(text).ids
+                assert ids == reference.encode(text).ids, (plain, text)
+                assert copy.decode(ids) == reference.decode(ids)
+    assert ours._plain.encode_special_tokens and not ours._hf.encode_special_tokens
+    assert ours.encode("<|im_end|>") != [ours._hf.token_to_id("<|im_end|>")]  # plain text, not the special token

@@ -18,12 +18,13 @@ from lmserve.layers.parallel import apply_tensor_parallel, drop_row_biases
 from lmserve.layers.quantized import check_scheme, quantize_linears
 from lmserve.errors import CheckpointError
 from lmserve.loader.default_model import default_model_path
-from lmserve.loader.gguf_file import GGUFFile, read_gguf
+from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.prequant import (METHODS as PREQUANT_METHODS, CheckpointTensors, PrequantScheme, auto_prequant,
                                      dequantized_rest, keep_prequantized, read_scheme)
+from lmserve.loader.repack_cache import cached_keep
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
 from lmserve.models.config import ModelConfig
@@ -62,12 +63,7 @@ class LoadedModel:
             return self.prequant.summary
         if self.gguf is None or "general.file_type" not in self.gguf.metadata:
             return "none"
-        from gguf import LlamaFileType
-
-        try:
-            return LlamaFileType(int(self.gguf.metadata["general.file_type"])).name
-        except ValueError:
-            return "unknown"
+        return FILE_TYPES.get(int(self.gguf.metadata["general.file_type"]), "unknown")
 
     @property
     def weight_format(self) -> str:
@@ -209,7 +205,8 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
     kept: set[str] = set()
 
     def keep_blocks(net: torch.nn.Module) -> None:  # on the meta device: the kept tensors are never made float
-        kept.update(keep_gguf_quantized(net, gguf, cfg, dtype))
+        # the repacked layers of an earlier start of this file, mapped, where the weight cache has them
+        kept.update(cached_keep(net, gguf, dtype, lambda n: keep_gguf_quantized(n, gguf, cfg, dtype)))
 
     net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
     factors = rope_freq_factors(gguf)
@@ -231,9 +228,10 @@ def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: Model
     """Checkpoint tensors as the family's hook gives them (renamed, fused ones split: models/<family>.py), each cut
     to this rank's part where it came whole (`whole`: every tensor; else the parts of a fused tensor, which the
     safetensors reader could not slice by its name)."""
-    hook = family_of(cfg).checkpoint_tensors
+    family = family_of(cfg)
+    hook = family.checkpoint_tensors
     split = shard is not None and shard.world_size > 1
-    for name, tensor, source in weights:
+    for name, tensor, source in family.checkpoint_stream(weights, cfg):
         name = "model." + name if name.startswith(_HEADLESS) else name
         for new, part in hook(name, tensor, cfg):
             cut = split and (whole or (split_dim(name) is None and new != name))

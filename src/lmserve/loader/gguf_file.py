@@ -24,6 +24,26 @@ _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.i
        10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4
+# ggml's tensor types: id -> (name, weights per block, bytes per block), as the `gguf` package's GGML_QUANT_SIZES has
+# them (tests/test_gguf_linear.py compares the two). Held here so that a start imports no `gguf` (0.1-0.15 CPU s:
+# its enums and its YAML metadata reader); only dequantizing a quantized tensor to float needs it.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84),
+              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+              15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+              19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
+              23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
+              28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
+              35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18)}
+# general.file_type -> its name (the gguf package's LlamaFileType), for /api/show and the model-info metric
+FILE_TYPES = {0: "ALL_F32", 1: "MOSTLY_F16", 2: "MOSTLY_Q4_0", 3: "MOSTLY_Q4_1", 7: "MOSTLY_Q8_0", 8: "MOSTLY_Q5_0",
+              9: "MOSTLY_Q5_1", 10: "MOSTLY_Q2_K", 11: "MOSTLY_Q3_K_S", 12: "MOSTLY_Q3_K_M", 13: "MOSTLY_Q3_K_L",
+              14: "MOSTLY_Q4_K_S", 15: "MOSTLY_Q4_K_M", 16: "MOSTLY_Q5_K_S", 17: "MOSTLY_Q5_K_M", 18: "MOSTLY_Q6_K",
+              19: "MOSTLY_IQ2_XXS", 20: "MOSTLY_IQ2_XS", 21: "MOSTLY_Q2_K_S", 22: "MOSTLY_IQ3_XS",
+              23: "MOSTLY_IQ3_XXS", 24: "MOSTLY_IQ1_S", 25: "MOSTLY_IQ4_NL", 26: "MOSTLY_IQ3_S", 27: "MOSTLY_IQ3_M",
+              28: "MOSTLY_IQ2_S", 29: "MOSTLY_IQ2_M", 30: "MOSTLY_IQ4_XS", 31: "MOSTLY_IQ1_M", 32: "MOSTLY_BF16",
+              36: "MOSTLY_TQ1_0", 37: "MOSTLY_TQ2_0", 38: "MOSTLY_MXFP4_MOE", 39: "MOSTLY_NVFP4", 40: "MOSTLY_Q1_0",
+              1024: "GUESSED"}
 
 
 @dataclass
@@ -54,6 +74,11 @@ class GGUFFile:
         """
         if self.mm is not None and hasattr(mmap, "MADV_DONTNEED"):
             self.mm.madvise(mmap.MADV_DONTNEED)
+
+
+def type_name(t: GGUFTensor) -> str:
+    """The GGML type's name of a tensor (Q4_1, Q8_0, F32, ...)."""
+    return GGML_TYPES[t.ggml_type][0]
 
 
 class _Cursor:
@@ -175,13 +200,10 @@ def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
 
 
 def _map_tensor(arr: np.ndarray, start: int, info: tuple, path: Path) -> GGUFTensor:
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     name, dims, ggml_type, offset = info
-    try:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    except (ValueError, KeyError):
-        raise CheckpointError(f"{path}: tensor {name!r} has unknown type {ggml_type}") from None
+    if ggml_type not in GGML_TYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown type {ggml_type}")
+    _, block, type_size = GGML_TYPES[ggml_type]
     count = int(np.prod(dims, dtype=np.int64))
     if dims[0] % block:
         raise CheckpointError(f"{path}: tensor {name!r} row length {dims[0]} is not a multiple of {block}")

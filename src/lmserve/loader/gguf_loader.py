@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from lmserve.errors import CheckpointError
-from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
+from lmserve.loader.gguf_file import GGUFFile, GGUFTensor, type_name
 from lmserve.models.config import ModelConfig
 from lmserve.models.config_gguf import config_from_gguf
 from lmserve.models.registry import family_of
@@ -103,12 +103,14 @@ def iter_gguf(f: GGUFFile, cfg: ModelConfig, skip: Collection[str] = ()) -> Iter
 
 
 def expert_slices(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """A stacked expert tensor (HF name with `*` for the expert) -> one (name, [rows, cols]) per expert; else as is."""
+    """A stacked expert tensor (HF name with `*` for the expert) -> one (name, [rows, cols] or a bias [rows]) per
+    expert; else as is."""
     if ".experts.*." not in name:
         yield name, tensor
         return
-    if tensor.dim() != 3:
-        raise CheckpointError(f"expert tensor {name!r} has shape {tuple(tensor.shape)}, expected [experts, rows, cols]")
+    if tensor.dim() not in (2, 3):
+        raise CheckpointError(f"expert tensor {name!r} has shape {tuple(tensor.shape)}, expected [experts, rows, cols] "
+                              "or a bias [experts, rows]")
     for e in range(tensor.shape[0]):
         yield name.replace("*", str(e)), tensor[e]
 
@@ -124,22 +126,22 @@ def hf_name(gguf_name: str, patterns: list[tuple[re.Pattern[str], str]]) -> str 
 
 def _dequantize(t: GGUFTensor, path: Path) -> torch.Tensor:
     """Raw GGUF bytes -> float32 tensor of HF shape, with the gguf package's vectorised kernels."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import dequantize
-
-    kind = Q(t.ggml_type)
-    if kind == Q.F32:
+    kind = type_name(t)
+    if kind == "F32":
         arr = t.data.view(np.float32)
-    elif kind == Q.F16:
+    elif kind == "F16":
         arr = t.data.view(np.float16).astype(np.float32)
-    elif kind == Q.BF16:
+    elif kind == "BF16":
         arr = (t.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
         rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
         try:
-            arr = dequantize(t.data.reshape(rows, -1), kind)
+            arr = dequantize(t.data.reshape(rows, -1), GGMLQuantizationType(t.ggml_type))
         except NotImplementedError:
-            raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported type {kind.name}") from None
+            raise CheckpointError(f"{path}: tensor {t.name!r} has unsupported type {kind}") from None
     arr = arr.reshape(t.shape)
     if not arr.flags.writeable:  # a float32 view straight into the read-only map: copy (they are small)
         arr = arr.copy()

@@ -23,7 +23,7 @@ from torch import nn
 from lmserve.errors import CheckpointError
 from lmserve.layers.gguf_embedding import GGUFEmbedding, share_blocks
 from lmserve.layers.gguf_linear import BLOCK_BYTES, FusedGGUFLinear, GGUFLinear, Repacked, concat, kernel_layout, repack
-from lmserve.loader.gguf_file import GGUFFile, GGUFTensor
+from lmserve.loader.gguf_file import GGUFFile, GGUFTensor, type_name
 from lmserve.loader.gguf_loader import unpermute_qk
 from lmserve.models.config import ModelConfig
 
@@ -45,13 +45,6 @@ _SHARED_PARTS = {"mlp.shared_expert.gate_up_proj": (("ffn_gate_shexp", "gate_pro
                  "mlp.shared_expert.down_proj": (("ffn_down_shexp", "down_proj"),)}
 _PROJECTIONS = tuple(g for parts in (*_LAYER_PARTS.values(), *_SHARED_PARTS.values()) for g, _ in parts) + \
     ("attn_qkv",) + tuple(g for parts in _EXPERT_PARTS.values() for g in parts)
-
-
-def type_name(t: GGUFTensor) -> str:
-    """The GGML type's name of a tensor (Q4_1, Q8_0, F32, ...)."""
-    from gguf import GGMLQuantizationType
-
-    return GGMLQuantizationType(t.ggml_type).name
 
 
 def keepable_types(f: GGUFFile) -> tuple[int, int, set[str]]:

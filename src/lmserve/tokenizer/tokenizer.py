@@ -10,9 +10,11 @@ Where special-token strings ("<|im_start|>") become control tokens depends on wh
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -40,10 +42,9 @@ class Tokenizer:
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v}
         _register_named(hf, self.special_tokens.values())
         self._hf = hf  # parses special tokens: chat-template framing, and decoding
-        spec = hf.to_str()
-        self._plain = _copy(hf, plain=True, spec=spec)  # user text: special-token strings stay plain text
+        self._plain = _copy(hf, plain=True)  # user text: special-token strings stay plain text
         # Mid-text copies: a piece cut from the middle of a chat gets no SentencePiece prefix space.
-        self._hf_mid, self._plain_mid = _mid_text_copies(hf, self._plain, spec)
+        self._hf_mid, self._plain_mid = _mid_text_copies(hf, self._plain)
         self.bos_token, self.eos_token = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
         self.bos_token_id = hf.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = hf.token_to_id(self.eos_token) if self.eos_token else None
@@ -54,7 +55,12 @@ class Tokenizer:
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         added = hf.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
-        self._special_re = ct.special_pattern([t.content for t in added.values() if t.special])
+
+    @functools.cached_property
+    def _special_re(self) -> re.Pattern[str] | None:
+        """Any special-token string, for user text that spells one (encode_chat). Built on the first chat, not at
+        start: Gemma 3's 6,249 special tokens make a regex that takes ~0.3 s to compile (issue 32)."""
+        return ct.special_pattern([t.content for t in self._hf.get_added_tokens_decoder().values() if t.special])
 
     def _adds_bos(self) -> bool:
         """Whether encoding with special tokens puts BOS in front (the post-processor decides)."""
@@ -197,14 +203,50 @@ def load_tokenizer(loaded: Any) -> Tokenizer:
     return Tokenizer.from_pretrained(loaded.path)
 
 
-def _copy(hf: HFTokenizer, plain: bool = False, spec: str | None = None) -> HFTokenizer:
-    """An independent copy (a shared one would race: the server encodes from several threads)."""
-    tk = HFTokenizer.from_str(spec if spec is not None else hf.to_str())
+def _copy(hf: HFTokenizer, plain: bool = False) -> HFTokenizer:
+    """A tokenizer of its own over `hf`'s vocabulary: `encode_special_tokens` is the tokenizer's setting, not the
+    call's, so one shared by plain and special encodes would race (the server encodes from several threads).
+
+    The model (vocabulary, merges) and the pipeline's components are shared, never changed once built (a copy that
+    edits one sets a new object); only the added tokens are registered again, with the same ids. A copy through
+    tokenizer.json parsed the whole vocabulary again: 0.3 CPU s of every SmolLM2 start (issue 32). Where the
+    registration does not give the same added tokens back, the copy is made through the JSON after all.
+    """
+    tk = HFTokenizer(hf.model)
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        if getattr(hf, part) is not None:
+            setattr(tk, part, getattr(hf, part))
+    for special, run in _added_runs(hf):
+        (tk.add_special_tokens if special else tk.add_tokens)(run)
+    if _added_state(tk) != _added_state(hf) or hf.padding is not None or hf.truncation is not None:
+        tk = HFTokenizer.from_str(hf.to_str())
     tk.encode_special_tokens = plain
     return tk
 
 
-def _mid_text_copies(hf: HFTokenizer, plain: HFTokenizer, spec: str) -> tuple[HFTokenizer, HFTokenizer]:
+def _added_runs(hf: HFTokenizer) -> list[tuple[bool, list[AddedToken]]]:
+    """`hf`'s added tokens as (special, tokens) to register in this order for the same ids: two calls where every one
+    is in the model's vocabulary (each call rebuilds the added-token matcher: Gemma has 6,384), else runs of one
+    kind in id order (a token outside the vocabulary takes the next free id)."""
+    added = hf.get_added_tokens_decoder()
+    ordered = [added[i] for i in sorted(added)]
+    if all(hf.model.token_to_id(t.content) == i for i, t in added.items()):
+        return [(kind, [t for t in ordered if t.special == kind]) for kind in (True, False)]
+    runs: list[tuple[bool, list[AddedToken]]] = []
+    for t in ordered:
+        if runs and runs[-1][0] == t.special:
+            runs[-1][1].append(t)
+        else:
+            runs.append((t.special, [t]))
+    return runs
+
+
+def _added_state(hf: HFTokenizer) -> dict[int, tuple]:
+    return {i: (t.content, t.special, t.single_word, t.lstrip, t.rstrip, t.normalized)
+            for i, t in hf.get_added_tokens_decoder().items()}
+
+
+def _mid_text_copies(hf: HFTokenizer, plain: HFTokenizer) -> tuple[HFTokenizer, HFTokenizer]:
     """Copies of (hf, plain) that add no prefix space when encoding and strip none when decoding.
 
     Only the three small components are read and edited (their own JSON state): parsing the whole
@@ -214,7 +256,7 @@ def _mid_text_copies(hf: HFTokenizer, plain: HFTokenizer, spec: str) -> tuple[HF
     edited = {k: _no_prefix_space(v, decoder=k == "decoder") for k, v in parts.items()}
     if edited == parts:  # byte-level BPE without a prefix space: nothing to change
         return hf, plain
-    copies = (_copy(hf, spec=spec), _copy(hf, plain=True, spec=spec))
+    copies = (_copy(hf), _copy(hf, plain=True))
     for tk in copies:
         for k, node in edited.items():
             if node != parts[k]:
