@@ -212,19 +212,24 @@ inline __m256i load_super(int kind, const uint8_t* blk) {
   return _mm256_sub_epi8(_mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(4))), _mm256_set1_epi8(4));
 }
 
-// per16_block's terms for a K2/K3 block: its scales (and K2's mins) formed from the block's bytes
+// (v[0] * f) * xd in lanes 0-3 and (v[1] * f) * xd in lanes 4-7: a half block's factor, as per16_block's
+inline __m256 halves(__m128i v, float f, float xd) {
+  const __m128 h = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(v), _mm_set1_ps(f)), _mm_set1_ps(xd));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(h), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+
+// per16_block's terms for a K2/K3 block: its scales d * sc (and K2's mins (-dmin) * m) formed from the block's two
+// scale bytes in vector lanes (the scalar conversions cost more than the block's dot product)
 inline __m256 super_block(int kind, const uint8_t* blk, float d, float nd, __m256i x, float xd, __m256 acc) {
   const __m256i w = load_super(kind, blk);
   const uint8_t* sb = blk + super_scale_at(kind);
+  const __m128i bytes = _mm_cvtsi32_si128(sb[0] | (sb[1] << 8));
   const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(super_scale(kind, d, sb[1]) * xd),
-                                                               _mm_set1_ps(super_scale(kind, d, sb[0]) * xd)), acc);
-  if (kind == 5) {
-    const __m256i sums = dot_u8s8(_mm256_set1_epi8(1), x);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set_m128(_mm_set1_ps(super_min(nd, sb[1]) * xd),
-                                                                    _mm_set1_ps(super_min(nd, sb[0]) * xd)), acc);
-  }
-  return acc;
+  if (kind == 6) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), halves(_mm_cvtepi8_epi32(bytes), d, xd), acc);
+  const __m128i q = _mm_cvtepu8_epi32(bytes);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), halves(_mm_and_si128(q, _mm_set1_epi32(0x0F)), d, xd), acc);
+  const __m256i sums = dot_u8s8(_mm256_set1_epi8(1), x);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), halves(_mm_srli_epi32(q, 4), nd, xd), acc);
 }
 #endif
 
