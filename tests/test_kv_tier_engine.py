@@ -1,5 +1,6 @@
 """The KV tier in the engine: evicted blocks come back from host memory and disk bit for bit, per salt, across
-engine and process restarts; a bad file is recomputed; every block is returned."""
+engine and process restarts, for every KV group of a model with window layers (Gemma 3); a bad file is
+recomputed; every block is returned."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmserve.cache.kv_cache_manager import block_hash
+from lmserve.cache.kv_cache_manager import block_hash, group_key
 from lmserve.config import CacheConfig, EngineConfig, KVOffloadConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
@@ -335,3 +336,90 @@ def test_the_embedded_gguf_model_loads_blocks_back_bit_identical(smol_engine, tm
     assert from_disk["ids"] == cold["ids"] and from_disk["logprobs"] == cold["logprobs"]
     assert_no_leak(restarted)
     restarted.close()
+
+
+# -- a model with several KV groups: Gemma 3's window layers beside its global one ----------------------------
+
+GEMMA_PROMPT = [(i * 53) % 240 + 5 for i in range(37)]  # 9 full blocks of 4 leave one token; the window is 8
+GEMMA_FILLERS = [[(i * 31 + j * 7) % 240 + 5 for j in range(37)] for i in range(1, 7)]
+# the hit's 9 blocks in the full group, and in each of the 5 window groups the 2 its window reaches from the
+# token after them (position 36 sees keys 29..36: blocks 7 and 8)
+GEMMA_LOADS = 9 + 5 * 2
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """The tiny random Gemma 3 (5 window layers : 1 global, window 8), loaded once, and its cold outputs."""
+    from lmserve.tokenizer import Tokenizer
+
+    path = build_hf("gemma3", tmp_path_factory.mktemp("gemma"))[0]
+    first = gemma_engine(path, None, Tokenizer.from_pretrained(path))
+    assert len(first.kv.groups) == 6
+    return path, first, run(first, GEMMA_PROMPT, "cold")
+
+
+def gemma_engine(path: Path, like: LLMEngine | None, tokenizer=None, **offload) -> LLMEngine:
+    """An engine on the tiny Gemma 3 (`like`'s weights and tokenizer when given) with the tier `offload` asks for."""
+    cfg = EngineConfig(model=str(path), quantization="none", dtype="float32",
+                       cache=CacheConfig(block_size=BS, num_blocks=80), kv_offload=KVOffloadConfig(**offload),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=12))  # the prompts prefill in chunks
+    return LLMEngine(cfg, loaded=like.loaded if like else None, tokenizer=like.tokenizer if like else tokenizer)
+
+
+def gemma_in_pool(eng: LLMEngine) -> int:
+    """How many of GEMMA_PROMPT's blocks, over every group, the pool itself still holds."""
+    ids, hashes = GEMMA_PROMPT, [None]
+    for i in range(9):
+        hashes.append(block_hash(hashes[-1], ids[i * BS:(i + 1) * BS]))
+    return sum(eng.kv.pool.lookup(group_key(h, g)) is not None for h in hashes[1:] for g in range(6))
+
+
+def test_every_kv_group_comes_back_from_host_memory(gemma):
+    """Gemma 3 with the host tier: after the pool evicted every group's blocks, a hit restores the full group's
+    blocks and each window group's last two, and decodes the cold run's tokens."""
+    path, first, cold = gemma
+    eng = gemma_engine(path, first, memory_bytes=2**20)
+    assert run(eng, GEMMA_PROMPT, "a")["ids"] == cold["ids"]
+    for i, filler in enumerate(GEMMA_FILLERS):
+        run(eng, filler, f"fill{i}")
+        if gemma_in_pool(eng) == 0:
+            break
+    assert gemma_in_pool(eng) == 0
+    again = run(eng, GEMMA_PROMPT, "a2")
+    host = eng.kv_tier.stats("host")
+    assert again["cached"] == 36 == host["hit_tokens"] and host["loads"] == GEMMA_LOADS
+    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_no_leak(eng)
+
+
+def test_every_kv_group_comes_back_from_disk_after_a_restart(gemma, tmp_path):
+    """Gemma 3 with the disk tier: every group's blocks are written under their group's key; a restarted engine
+    restores them; a bad window-group file is refused and the hit ends before the blocks that needed it."""
+    path, first, cold = gemma
+    writer = gemma_engine(path, first, directory=str(tmp_path))
+    run(writer, GEMMA_PROMPT, "a")
+    writer.close()
+    # each group's every full block, any prefix may hit: 37 prompt + 7 fed-back output tokens are 11 blocks of 4
+    assert writer.kv_tier.stats("disk")["stores"] == 11 * 6
+    restarted = gemma_engine(path, first, directory=str(tmp_path))
+    again = run(restarted, GEMMA_PROMPT, "a2")
+    disk = restarted.kv_tier.stats("disk")
+    assert again["cached"] == 36 == disk["hit_tokens"] and disk["loads"] == GEMMA_LOADS
+    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_no_leak(restarted)
+    restarted.close()
+
+    h = None
+    for i in range(9):
+        h = block_hash(h, GEMMA_PROMPT[i * BS:(i + 1) * BS])
+    bad = restarted.kv_tier.disk._path(group_key(h, 1))  # the last block of the first window group
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    third = gemma_engine(path, first, directory=str(tmp_path))
+    again = run(third, GEMMA_PROMPT, "a3")
+    # 8 blocks: the window from position 32 reaches blocks 6 and 7, which are whole
+    assert third.kv_tier.disk.stats.rejected == 1 and again["cached"] == 32
+    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_no_leak(third)
+    third.close()

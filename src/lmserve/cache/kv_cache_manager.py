@@ -1,9 +1,11 @@
 """Per-request block tables over the block pool: prefix lookup, allocation, freeing, usage.
 
-With a KV tier below the pool (cache/kv_tier.py), a prefix lookup goes on into the tier where the pool's
-blocks end, and the manager also lists each step's copies for the runner (take_transfers; the scheduler hands
-them on as sched/output.KVTransfers): blocks the pool evicts (to host memory), blocks loaded from the tier,
-blocks newly filled (to disk).
+With a KV tier below the pool (cache/kv_tier.py), a prefix lookup finds each group's blocks in the pool or, where
+the pool lost them, in the tier, and the manager also lists each step's copies for the runner (take_transfers;
+the scheduler hands them on as sched/output.KVTransfers): blocks the pool evicts (to host memory), blocks loaded
+from the tier, blocks newly filled (to disk). Every group's blocks go to the tier under their group's key; a hit
+restores what each group needs: every block for a full-attention group, the blocks its window reaches from the
+hit's end for a window group (as a pool hit does).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from lmserve.cache.block_pool import Block, BlockPool
 from lmserve.cache.kv_groups import KVGroup, first_needed_block, peak_blocks
 from lmserve.cache.kv_tier import KVTier
 from lmserve.cache.sizing import blocks_for
-from lmserve.errors import ConfigError
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
@@ -31,15 +32,15 @@ def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") 
 
 @dataclass
 class ComputedBlocks:
-    """A prefix-cache hit: per KV group, the blocks whose KV is already in the cache, covering `num_tokens` tokens
-    (None where a window group needs no block: its window starts after it)."""
+    """A prefix-cache hit: per KV group, the blocks whose KV is already cached, covering `num_tokens` tokens: a
+    pool block, the key of a block the KV tier holds (loaded into a fresh block at allocation), or None where a
+    window group needs no block (its window starts after it)."""
 
-    tables: list[list[Block | None]] = field(default_factory=list)
-    num_tokens: int = 0  # the pool's blocks and the tier's together
-    tier: list[bytes] = field(default_factory=list)  # hashes of the blocks after the hit that the KV tier holds
+    tables: list[list[Block | bytes | None]] = field(default_factory=list)
+    num_tokens: int = 0
 
     @property
-    def blocks(self) -> list[Block | None]:
+    def blocks(self) -> list[Block | bytes | None]:
         """The first group's hit (the only one for a model without window groups)."""
         return self.tables[0] if self.tables else []
 
@@ -75,10 +76,7 @@ class KVCacheManager:
         self._persists: list[tuple[int, bytes]] = []  # blocks this step fills: to disk
 
     def attach_tier(self, tier: KVTier) -> None:
-        """Look up prefixes in `tier` beyond the pool, and list the copies it needs each step."""
-        if len(self.groups) > 1:
-            raise ConfigError("the KV offload tier does not keep the blocks of models with sliding-window layer "
-                              "groups yet (Gemma 2/3, gpt-oss); drop --kv-offload-memory/--kv-offload-dir")
+        """Look up prefixes in `tier` where the pool lacks blocks, and list the copies it needs each step."""
         self.tier = tier
         self.pool.evicted = []  # the pool now reports the cached blocks it reuses
 
@@ -128,44 +126,54 @@ class KVCacheManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         hashes = self._hashes(request_id, token_ids, extra, max_blocks)[:max_blocks]
         n = len(hashes)
+        found: list[list[Block | bytes | None]] = [[] for _ in self.groups]
         for g, group in enumerate(self.groups):
             if group.window is None:  # every block of the prefix, up to the first miss
-                n = next((i for i, h in enumerate(hashes[:n]) if self.pool.lookup(_group_key(h, g)) is None), n)
-        n = self._window_hit(hashes, n)
+                found[g] = self._cached_run(hashes[:n], g)
+                n = len(found[g])
+        for g, group in enumerate(self.groups):
+            if group.window is not None:
+                found[g] = [self._cached(h, g) for h in hashes[:n]]
+        n = self._window_hit(found, n)
         tables = []
         for g in range(len(self.groups)):
             first = self._first_needed(g, n * self.block_size)
-            tables.append([None] * first + [self.pool.lookup(_group_key(h, g)) for h in hashes[first:n]])
-        tier = self._tier_hits(hashes[n:])
-        return ComputedBlocks(tables, (n + len(tier)) * self.block_size, tier)
+            tables.append([None] * first + found[g][first:n])
+        return ComputedBlocks(tables, n * self.block_size)
 
-    def _window_hit(self, hashes: list[bytes], n: int) -> int:
-        """The longest hit of at most n blocks for which every window group holds the blocks its window reaches:
+    def _cached(self, block_hash: bytes, group: int) -> Block | bytes | None:
+        """One group's block of these tokens: in the pool, else its key if the tier holds it, else None."""
+        key = group_key(block_hash, group)
+        block = self.pool.lookup(key)
+        if block is None and self.tier is not None and self.tier.contains(key):
+            return key
+        return block
+
+    def _cached_run(self, hashes: list[bytes], group: int) -> list[Block | bytes]:
+        """One group's cached blocks of these tokens up to the first one neither the pool nor the tier holds."""
+        run = []
+        for h in hashes:
+            found = self._cached(h, group)
+            if found is None:
+                break
+            run.append(found)
+        return run
+
+    def _window_hit(self, found: list[list[Block | bytes | None]], n: int) -> int:
+        """The longest hit of at most n blocks for which every window group has the blocks its window reaches:
         where a needed block is missing, no longer hit can use it, so the hit ends before it; until all agree."""
-        present = {g: [self.pool.lookup(_group_key(h, g)) is not None for h in hashes[:n]]
-                   for g, group in enumerate(self.groups) if group.window is not None}
+        windowed = [g for g, group in enumerate(self.groups) if group.window is not None]
         changed = True
         while changed and n > 0:
             changed = False
-            for g, have in present.items():
-                missing = [i for i in range(self._first_needed(g, n * self.block_size), n) if not have[i]]
+            for g in windowed:
+                missing = [i for i in range(self._first_needed(g, n * self.block_size), n) if found[g][i] is None]
                 if missing:
                     n, changed = missing[-1], True
         return n
 
     def _first_needed(self, group: int, num_computed: int) -> int:
         return first_needed_block(num_computed, self.groups[group].window, self.block_size)
-
-    def _tier_hits(self, hashes: list[bytes]) -> list[bytes]:
-        """The leading hashes the tier holds, stopping where the pool holds one again (never the case in practice:
-        the pool evicts a prefix's tail before its head) or the tier does not."""
-        hits = []
-        if self.tier is not None:
-            for h in hashes:
-                if self.pool.lookup(h) is not None or not self.tier.contains(h):
-                    break
-                hits.append(h)
-        return hits
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_computed: int, num_new: int,
                  computed: ComputedBlocks | None = None, extra: bytes = b"", num_lookahead: int = 0) -> bool:
@@ -182,29 +190,34 @@ class KVCacheManager:
         if tables is not None:
             self._release(request_id, tables, num_computed)
         hit = computed.tables if computed and computed.tables else [[] for _ in self.groups]
-        tier = computed.tier if computed else []
         have = (len(tables[0]) if tables else 0) + len(hit[0])
         need = max(blocks_for(num_computed + num_new + num_lookahead, self.block_size) - have, 0)
-        reclaim = sum(1 for t in hit for b in t if b is not None and b.ref_cnt == 0)  # free blocks a hit pulls out
-        if need * len(self.groups) > self.pool.num_free_blocks - reclaim:
+        cached = [b for t in hit for b in t if isinstance(b, Block)]
+        loads = [[k for k in t if isinstance(k, bytes)] for t in hit]  # per group: what the tier restores
+        num_loads = sum(map(len, loads))
+        reclaim = sum(1 for b in cached if b.ref_cnt == 0)  # free blocks a hit pulls out
+        if need * len(self.groups) + num_loads > self.pool.num_free_blocks - reclaim:
             return False
-        if tier and not self.tier.stage(tier):
+        if num_loads and not self.tier.stage([k for keys in loads for k in keys], counted=len(loads[0])):
             return False
         if tables is None:
             tables = self.req_blocks[request_id] = [[] for _ in self.groups]
             # a window group's hit starts with the entries its window no longer reaches (None)
             self._released[request_id] = [next((i for i, b in enumerate(t) if b is not None), len(t)) for t in hit]
+        self.pool.touch(cached)  # every group's before any allocation, which could otherwise evict them
         for g, table in enumerate(tables):
-            self.pool.touch([b for b in hit[g] if b is not None])
-            fresh = self.pool.allocate(need)
-            for block, h in zip(fresh, tier if g == 0 else ()):  # a tier serves one-group models only
-                self.pool.cache(block, h)
-                self._loads.append((block.block_id, h))
-            table.extend(hit[g] + fresh)
+            table.extend([self._restore(b) if isinstance(b, bytes) else b for b in hit[g]] + self.pool.allocate(need))
         if computed:
             self.prefix_hits += computed.num_tokens
         self._cache_full(request_id, tables, token_ids, num_computed + num_new, extra)
         return True
+
+    def _restore(self, key: bytes) -> Block:
+        """A fresh block for a tier block, published now: the runner loads its bytes before this step's forward."""
+        block = self.pool.allocate(1)[0]
+        self.pool.cache(block, key)
+        self._loads.append((block.block_id, key))
+        return block
 
     def _release(self, request_id: str, tables: list[list[Block | None]], num_computed: int) -> None:
         """Free each window group's blocks that no query from position `num_computed` on can see."""
@@ -277,12 +290,14 @@ class KVCacheManager:
         hashes = self._hashes(request_id, token_ids, extra, full)
         for g, table in enumerate(tables):
             for block, h in zip(table[done:full], hashes[done:full]):
-                if block is not None and self.pool.cache(block, _group_key(h, g)) and self.tier is not None \
-                        and self.tier.wants_persist(h):
-                    self._persists.append((block.block_id, h))  # written by this step: to disk after it
+                key = group_key(h, g)
+                if block is not None and self.pool.cache(block, key) and self.tier is not None \
+                        and self.tier.wants_persist(key):
+                    self._persists.append((block.block_id, key))  # written by this step: to disk after it
         self._num_cached[request_id] = full
 
 
-def _group_key(block_hash: bytes, group: int) -> bytes:
-    """A block's key in the pool for one group: the same tokens hold other layers' KV in another group."""
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """A block's key in the pool and the KV tier for one group: the same tokens hold other layers' KV in another
+    group (the first group's key is the block hash itself)."""
     return block_hash if group == 0 else hashlib.sha256(block_hash + group.to_bytes(2, "little")).digest()

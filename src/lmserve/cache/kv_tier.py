@@ -14,7 +14,8 @@ and the runner copies the bytes in before the step's forward (worker/kv_transfer
 those tokens as computed, exactly as for a pool hit.
 
 Everything is keyed by the block's prefix hash (which already holds the request's cache salt: per key, per
-adapter) inside a namespace that names what else the bytes depend on: the weights' fingerprint, their format
+adapter), mixed with its KV group's index for a model with several groups (cache/kv_groups.py: the same tokens
+hold other layers' KV in each group; the pool's own key, kv_cache_manager.group_key), inside a namespace that names what else the bytes depend on: the weights' fingerprint, their format
 and dtype, the kernels that computed them, the tokenizer, the KV layout and element types, the block size.
 A tier never hands one namespace's bytes to another, nor a salted block to another salt.
 """
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 class TierCounters:
     """Blocks moved through one tier since start."""
 
-    loads: int = 0  # blocks copied from this tier into the pool (each a prefix hit of block_size tokens)
+    loads: int = 0  # blocks copied from this tier into the pool (of every KV group)
+    hit_tokens: int = 0  # prompt tokens those loads served (a model's first group's blocks: block_size tokens each)
     load_bytes: int = 0
     stores: int = 0  # blocks copied into this tier (the disk tier's writer counts its own: DiskStats)
     store_bytes: int = 0
@@ -93,7 +95,8 @@ class KVTier:
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = disk
         self.counters = {"host": TierCounters(), "disk": TierCounters()}
-        self._staged: dict[bytes, tuple[torch.Tensor, str]] = {}  # block hash -> (bytes, tier), until loaded
+        # block key -> (bytes, tier, prompt tokens it serves), until loaded
+        self._staged: dict[bytes, tuple[torch.Tensor, str, int]] = {}
 
     # -- the scheduler's side (engine thread) -----------------------------------------------------
 
@@ -102,17 +105,20 @@ class KVTier:
         return (self.host is not None and self.host.has(block_hash)) or (self.disk is not None
                                                                           and self.disk.has(block_hash))
 
-    def stage(self, hashes: list[bytes]) -> bool:
+    def stage(self, hashes: list[bytes], counted: int | None = None) -> bool:
         """Fetch these blocks' bytes for the next step's loads; False (nothing staged) when one cannot be read.
 
+        The first `counted` blocks (default: all) count as block_size prompt tokens served once loaded: with several
+        KV groups, one group's blocks stand for the tokens, the others' are the same tokens in other layers.
         A disk file that fails its checks is deleted here, so the caller's next lookup stops before it.
         """
+        counted = len(hashes) if counted is None else counted
         fetched = []
-        for h in hashes:
+        for i, h in enumerate(hashes):
             found = self._fetch(h)
             if found is None:
                 return False
-            fetched.append((h, found))
+            fetched.append((h, (*found, self.block_size if i < counted else 0)))
         self._staged.update(fetched)
         return True
 
@@ -148,10 +154,11 @@ class KVTier:
 
     def take_staged(self, block_hash: bytes) -> torch.Tensor:
         """A staged block's bytes, counted as loaded from its tier."""
-        data, tier = self._staged.pop(block_hash)
+        data, tier, tokens = self._staged.pop(block_hash)
         c = self.counters[tier]
         c.loads += 1
         c.load_bytes += data.nbytes
+        c.hit_tokens += tokens
         return data
 
     def save(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
@@ -171,7 +178,7 @@ class KVTier:
     def stats(self, tier: str) -> dict[str, int]:
         """One tier's figures since start (host | disk): hit tokens, blocks and bytes loaded and stored, bytes held."""
         c = self.counters[tier]
-        out = {"hit_tokens": c.loads * self.block_size, "loads": c.loads, "load_bytes": c.load_bytes}
+        out = {"hit_tokens": c.hit_tokens, "loads": c.loads, "load_bytes": c.load_bytes}
         if tier == "host":
             held = self.host.used_bytes if self.host is not None else 0
             return out | {"stores": c.stores, "store_bytes": c.store_bytes, "used_bytes": held}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from lmserve.cache.kv_groups import KVGroup
 from lmserve.cache.kv_tier import KVTier, open_kv_tier
 from lmserve.config import VERSION
 from lmserve.layers.attention_backends import resolve_attention_backend
@@ -45,7 +46,8 @@ def kv_identity(engine: EngineParts, layout: str) -> dict[str, str]:
 
     The weights (fingerprint, format, dtype), the code that computed the KV (lmserve's version, the native kernels'
     build key, torch's version, the attention backend, the device, the thread count), the tokenizer (ids mean the
-    same text), and the KV layout (element types and shapes of every block-indexed tensor; the block size).
+    same text), and the KV layout (element types and shapes of every block-indexed tensor; the block size; the KV
+    groups, whose index is part of each block's key).
     """
     loaded = engine.loaded
     backend = resolve_attention_backend(engine.cfg.attention_backend, engine.device, engine.dtype).name
@@ -59,4 +61,10 @@ def kv_identity(engine: EngineParts, layout: str) -> dict[str, str]:
         "kernels": build_key() or "torch", "torch": torch.__version__, "attention": backend, "device": device,
         "threads": str(torch.get_num_threads()), "tokenizer": vocab[:16], "kv_layout": layout,
         "block_size": str(engine.block_size), "tensor_parallel": str(engine.cfg.parallel.tensor_parallel_size),
+        "kv_groups": kv_groups_text(engine.kv.groups),
     }
+
+
+def kv_groups_text(groups: Sequence[KVGroup]) -> str:
+    """Which layers each KV group holds and their window, in group order: a group key names its group by index."""
+    return ";".join(f"{','.join(map(str, g.layers))}@{g.window or 'full'}" for g in groups)

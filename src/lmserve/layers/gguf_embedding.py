@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_linear import (GROUP, NIBBLES, PER16, QK, S8, TABLES, GGUFLinear, Repacked, is_packed,
-                                        out_rows)
+from lmserve.layers.gguf_linear import (GROUP, NIBBLES, PER16, QK, S8, SUPER, TABLES, GGUFLinear, Repacked,
+                                        dequantize, is_packed, out_rows, unpack)
 
 
 def dequantize_rows(kind: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
@@ -44,7 +44,7 @@ class GGUFEmbedding(nn.Module):
         super().__init__()
         self.kind, self.dtype, self.packed = w.kind, dtype, is_packed(w)
         self.num_embeddings = out_rows(w)
-        self.embedding_dim = w.scales.shape[1] * (16 if w.kind in PER16 else QK)
+        self.embedding_dim = w.in_features
         # from_numpy shares the arrays: a GGUFLinear built from the same Repacked shares these tensors
         self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(w.codes)))
         self.register_buffer("scales", torch.from_numpy(np.ascontiguousarray(w.scales, dtype=np.float32)))
@@ -53,6 +53,9 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
+        if self.kind in SUPER:  # K2/K3: the rows' bit planes and scale bytes through gguf_linear.dequantize
+            rows = dequantize(self._super_rows(ids))
+            return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
         codes, scales, mins = self._rows(ids) if self.packed else (
             self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids])
         rows = dequantize_rows(self.kind, codes, scales, mins)
@@ -67,6 +70,18 @@ class GGUFEmbedding(nn.Module):
             codes = (codes ^ 0x80).view(torch.int8)
         mins = None if self.mins is None else self.mins[group, :, lane]
         return codes, self.scales[group, :, lane], mins
+
+    def _super_rows(self, ids: torch.Tensor) -> Repacked:
+        """Rows `ids` of a K2/K3 table in the row layout (from a packed table: their groups unpacked, then picked)."""
+        mins = self.mins
+        if not self.packed:
+            return Repacked(self.kind, self.codes[ids].numpy(), self.scales[ids].numpy(),
+                            None if mins is None else mins[ids].numpy())
+        group = ids // GROUP
+        w = unpack(Repacked(self.kind, self.codes[group].numpy(), self.scales[group].numpy(),
+                            None if mins is None else mins[group].numpy()))
+        pick = (torch.arange(len(ids)) * GROUP + ids % GROUP).numpy()  # row t of group t: lane ids[t] % 16
+        return w.rows(pick)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"

@@ -3,10 +3,14 @@
 Each GGUF block type is repacked, exactly, into one of the layouts the native kernel reads
 (layers/csrc/quant_gemm.cpp): 4-bit codes (U4: Q4_0, Q4_1, Q4_K), 5-bit codes a byte (U8: Q5_0, Q5_1,
 Q5_K), each with a float scale and min per 32 weights; signed 8-bit codes with a float scale per 16
-weights (S8: Q8_0, Q6_K); or 4-bit indices into a 16-entry table of signed values, with S8's scale per 16
-(and for Q2_K a min per 16): IQ4_NL's non-linear table (NL4: IQ4_NL, IQ4_XS) or nibble - 8 (I4: Q3_K's
-codes -4..3, Q2_K's 0..3). Repacking turns the per-superblock K-quant scales into plain floats
-(d * sc, -dmin * m): the dequantized weights are the same numbers ggml computes.
+weights (S8: Q8_0, Q6_K); 4-bit indices into a 16-entry table of signed values, with S8's scale per 16:
+IQ4_NL's non-linear table (NL4: IQ4_NL, IQ4_XS) or nibble - 8 (I4: the layout Q2_K and Q3_K had, kept as
+benchmarks/lowbit_layer.py's baseline; repack no longer makes it); or the low-bit K-quants held near their
+file size, their integer scales per 16 kept as the file has them under a float per superblock of 256: K2 (Q2_K:
+2-bit codes, a byte per 16 with the 4-bit scale and min, d and -dmin; 0.34 bytes a weight against the file's
+0.33) and K3 (Q3_K: the 2-bit low plane, a 1-bit high plane, a signed 6-bit scale per 16 in a byte, d; 0.45
+against 0.43). Repacking turns the other types' per-superblock scales into plain floats (d * sc, -dmin * m);
+the kernel forms K2/K3's the same way in registers: the dequantized weights are the same numbers ggml computes.
 
 MXFP4 (gpt-oss's experts: 32 E2M1 values under one E8M0 exponent) is held as S8: each value doubled is an integer
 in -12..12 (ggml's kvalues) and the exponent byte becomes the float 2 ** (e - 128) of both halves, so the weights
@@ -27,12 +31,15 @@ from torch import nn
 
 from lmserve.layers.native import native_module
 
-U4, U8, S8, NL4, I4 = 0, 1, 2, 3, 4  # kernel layouts (quant_gemm.cpp `kind`)
+U4, U8, S8, NL4, I4, K2, K3 = 0, 1, 2, 3, 4, 5, 6  # kernel layouts (quant_gemm.cpp `kind`)
 # the signed value of each 4-bit index of the table kinds (quant_gemm.cpp kTables)
 TABLES = {NL4: np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8),
           I4: np.arange(-8, 8, dtype=np.int8)}
 NIBBLES = (U4, NL4, I4)  # codes two a byte in ggml's nibble order
 PER16 = (S8, NL4, I4)  # a scale (and min) per 16 weights
+SUPER = (K2, K3)  # an integer scale per 16 in the codes, a float scale (K2: and min) per 256 weights
+# a K2/K3 block of 32 weights in the row layout: code bytes (2-bit plane; K3: then 1-bit plane), then 2 scale bytes
+SUPER_BLOCK_BYTES = {K2: 8 + 2, K3: 8 + 4 + 2}
 QK = 32  # weights per block of the simple types and per sub-block of Q4_K/Q5_K
 QK_K = 256  # weights per K-quant superblock
 
@@ -42,14 +49,20 @@ class Repacked:
     """One weight matrix [N, K] in a kernel layout (numpy until the layer is built)."""
 
     kind: int
-    codes: np.ndarray  # U4, NL4, I4: uint8 [N, K/2]; U8: uint8 [N, K]; S8: int8 [N, K]
-    scales: np.ndarray  # float32 [N, K/32] (U4, U8) or [N, K/16] (S8, NL4, I4)
-    mins: np.ndarray | None  # float32 like scales (U4, U8; I4 from Q2_K); else None
+    codes: np.ndarray  # U4, NL4, I4: uint8 [N, K/2]; U8: uint8 [N, K]; S8: int8 [N, K]; K2, K3: uint8 [N, K/32 * 10 or 14]
+    scales: np.ndarray  # float32 [N, K/32] (U4, U8), [N, K/16] (S8, NL4, I4) or [N, K/256] (K2, K3: d)
+    mins: np.ndarray | None  # float32 like scales (U4, U8; K2: -dmin); else None
 
     @property
     def layout(self) -> tuple[int, bool]:
-        """What matrices must share to be stacked: the kind, and whether it has mins (I4: Q2_K's, not Q3_K's)."""
+        """What matrices must share to be stacked: the kind, and whether it has mins."""
         return self.kind, self.mins is None
+
+    @property
+    def in_features(self) -> int:
+        """K, the weights per row, in either layout."""
+        per_scale = 256 if self.kind in SUPER else 16 if self.kind in PER16 else QK
+        return self.scales.shape[-2 if is_packed(self) else 1] * per_scale
 
     def rows(self, index: np.ndarray) -> "Repacked":
         """The same weights with output rows reordered/selected (q/k row permutation, fused shards)."""
@@ -151,32 +164,66 @@ def _crumbs(qs: np.ndarray) -> np.ndarray:
     return (q >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
 
 
-def _table_codes(values: np.ndarray, n: int) -> np.ndarray:
-    """Signed values [n, ...] -> the I4 nibble layout [n, K/2] (index = value + 8)."""
-    codes = (values.astype(np.int16) + 8).astype(np.uint8).reshape(n, -1, QK)
-    return _codes_to_nibbles(codes).reshape(n, -1)
+def _super_rows(crumbs: np.ndarray, high: np.ndarray | None, sc: np.ndarray) -> np.ndarray:
+    """K2/K3 fields -> the row layout [N, K/32 * bytes]: per block of 32, byte j holds elements j, 8 + j, 16 + j,
+    24 + j in its bit pairs 0, 2, 4, 6; (K3) 4 bytes whose little-endian bit e is element e's high bit; 2 scale bytes.
+    `crumbs`, `high`: uint8 [N, K] (element order); `sc`: uint8 [N, K/16]."""
+    n, k = crumbs.shape
+    c = crumbs.reshape(n, k // QK, 4, 8)
+    parts = [(c[:, :, 0] | (c[:, :, 1] << 2) | (c[:, :, 2] << 4) | (c[:, :, 3] << 6)).astype(np.uint8)]
+    if high is not None:
+        parts.append(np.packbits(high.reshape(n, k // QK, QK), axis=-1, bitorder="little"))
+    parts.append(sc.reshape(n, k // QK, 2))
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def _super_fields(w: "Repacked") -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The row layout of K2/K3 -> (crumbs [N, K], high bits [N, K] or None, scale bytes [N, K/16])."""
+    n = w.codes.shape[0]
+    b = w.codes.reshape(n, -1, SUPER_BLOCK_BYTES[w.kind])
+    crumbs = (b[..., None, :8] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [n, nb, 4, 8]
+    high = np.unpackbits(b[..., 8:12], axis=-1, bitorder="little").reshape(n, -1) if w.kind == K3 else None
+    return crumbs.reshape(n, -1), high, b[..., -2:].reshape(n, -1)
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit codes [n, S, 64] -> [n, K] in element order: element 128 h + 32 j + l is bits
+    2j of byte 32 h + l."""
+    q = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    return ((q >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(qs.shape[0], -1)
 
 
 def _q2_k(raw: np.ndarray, n: int, k: int) -> Repacked:
     """Q2_K: superblocks of 256 = 16 groups of 16 with 4-bit scales and mins under f16 d, dmin; codes 0..3."""
     b = raw.reshape(n, k // QK_K, -1)
-    sc = b[..., 0:16]  # low nibble the scale, high nibble the min of each group of 16
+    sc = b[..., 0:16]  # low nibble the scale, high nibble the min of each group of 16: kept as they are
     d, dmin = _f16(b, 80), _f16(b, 82)
-    scales, mins = d * (sc & 0x0F).astype(np.float32), -dmin * (sc >> 4).astype(np.float32)
-    return Repacked(I4, _table_codes(_crumbs(b[..., 16:80]), n), scales.reshape(n, -1), mins.reshape(n, -1))
+    return Repacked(K2, _super_rows(_crumbs(b[..., 16:80]), None, sc.reshape(n, -1)), d[..., 0], -dmin[..., 0])
 
 
 def _q3_k(raw: np.ndarray, n: int, k: int) -> Repacked:
     """Q3_K: superblocks of 256 = 16 groups of 16 with 6-bit scales (minus 32) under an f16 d; codes 3-bit, minus
-    4 where the high bit (hmask) is clear."""
+    4 where the high bit (hmask) is clear: held as the low crumb, the high bit and the signed scale byte."""
     b = raw.reshape(n, k // QK_K, -1)
     hmask, s, d = b[..., 0:32], b[..., 96:108], _f16(b, 108)
     high = (hmask[..., None, None, :] >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1  # [n, S, 2, 4, 32]
-    values = _crumbs(b[..., 32:96]).astype(np.int8) + 4 * high.astype(np.int8) - 4
     low4 = np.concatenate([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], axis=-1)
     high2 = np.concatenate([(s[..., 8:12] >> (2 * g)) & 3 for g in range(4)], axis=-1)
-    sc = (low4 | (high2 << 4)).astype(np.float32) - 32  # [n, S, 16]
-    return Repacked(I4, _table_codes(values, n), (d * sc).reshape(n, -1), None)
+    sc = ((low4 | (high2 << 4)).astype(np.int16) - 32).astype(np.int8).view(np.uint8)  # [n, S, 16]
+    return Repacked(K3, _super_rows(_crumbs(b[..., 32:96]), high.reshape(n, -1), sc.reshape(n, -1)), d[..., 0], None)
+
+
+def _super_weights(w: Repacked) -> np.ndarray:
+    """float32 [N, K] of a K2/K3 matrix in the row layout, formed as ggml does: (d * sc) * q (- dmin * m)."""
+    crumbs, high, sc = _super_fields(w)
+    n, k = crumbs.shape
+    d = np.repeat(w.scales, 16, axis=1)  # per 16
+    if w.kind == K2:
+        q = crumbs.astype(np.float32).reshape(n, -1, 16)
+        mins = np.repeat(w.mins, 16, axis=1) * (sc >> 4).astype(np.float32)
+        return (q * (d * (sc & 0x0F).astype(np.float32))[..., None] + mins[..., None]).reshape(n, k)
+    q = (crumbs.astype(np.int8) + 4 * high.astype(np.int8) - 4).astype(np.float32).reshape(n, -1, 16)
+    return (q * (d * sc.view(np.int8).astype(np.float32))[..., None]).reshape(n, k)
 
 
 def _iq4(raw: np.ndarray, n: int, k: int, kind: str) -> Repacked:
@@ -242,10 +289,56 @@ def _chunks(kind: int) -> int:
     return 4 if kind in NIBBLES else 8
 
 
+def _lanes(a: np.ndarray) -> np.ndarray:
+    """[N, X] per-row values -> [N/16, X, 16]: row 16 g + i's value in lane i of group g."""
+    return np.ascontiguousarray(a.reshape(a.shape[0] // GROUP, GROUP, -1).transpose(0, 2, 1), dtype=np.float32)
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """`_lanes` undone."""
+    return np.ascontiguousarray(a.transpose(0, 2, 1)).reshape(a.shape[0] * GROUP, -1)
+
+
+def _pack_super(w: Repacked) -> Repacked:
+    """K2/K3 in the packed layout: per group of 16 rows and block of 32, two 64-byte vectors of crumbs (byte 4 i + q
+    of vector h holds row i's elements 16 h + 4 s + q in its bit pairs s), (K3) 64 bytes of high bits (bit 4 h + s
+    of byte 4 i + q, the same elements), then the 16 rows' scale bytes of the first half, then of the second."""
+    crumbs, high, sc = _super_fields(w)
+    n, k = crumbs.shape
+    g, nb = n // GROUP, k // QK
+    c = crumbs.reshape(g, GROUP, nb, 2, 4, 4).transpose(0, 2, 3, 4, 1, 5)  # [g, nb, h, s, i, q]
+    parts = [sum(c[:, :, :, s] << (2 * s) for s in range(4)).astype(np.uint8).reshape(g, nb, 128)]
+    if high is not None:
+        hb = high.reshape(g, GROUP, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [g, nb, 4 h + s, i, q]
+        parts.append(sum(hb[:, :, t] << t for t in range(8)).astype(np.uint8).reshape(g, nb, 64))
+    parts.append(sc.reshape(g, GROUP, nb, 2).transpose(0, 2, 3, 1).reshape(g, nb, 32))
+    mins = None if w.mins is None else _lanes(w.mins)
+    return Repacked(w.kind, np.ascontiguousarray(np.concatenate(parts, axis=-1)), _lanes(w.scales), mins)
+
+
+def _unpack_super(w: Repacked) -> Repacked:
+    """`_pack_super` undone."""
+    g, nb, _ = w.codes.shape
+    n = g * GROUP
+    shifts = np.arange(4, dtype=np.uint8)
+    c = (w.codes[..., :128].reshape(g, nb, 2, 1, GROUP, 4) >> (2 * shifts)[:, None, None]) & 3  # [g, nb, h, s, i, q]
+    crumbs = c.transpose(0, 4, 1, 2, 3, 5).reshape(n, -1)
+    high = None
+    if w.kind == K3:
+        t = (w.codes[..., 128:192].reshape(g, nb, 1, GROUP, 4) >> np.arange(8, dtype=np.uint8)[:, None, None]) & 1
+        high = t.transpose(0, 3, 1, 2, 4).reshape(n, -1)
+    sc = w.codes[..., -32:].reshape(g, nb, 2, GROUP).transpose(0, 3, 1, 2).reshape(n, -1)
+    mins = None if w.mins is None else _rows(w.mins)
+    return Repacked(w.kind, _super_rows(crumbs, high, sc), _rows(w.scales), mins)
+
+
 def pack(w: Repacked) -> Repacked:
     """The row layout -> the packed layout quant_gemm.cpp reads on AVX-512 VNNI (N a multiple of 16): per group of
     16 rows and block, 4-byte columns of the 16 rows side by side; scales and mins [N/16, blocks, 16]; S8 codes
-    as unsigned bytes (code + 128). Only a regrouping of the same bytes (and S8's sign flip): `unpack` inverts it."""
+    as unsigned bytes (code + 128); K2/K3 as `_pack_super` says. Only a regrouping of the same bytes (and S8's sign
+    flip): `unpack` inverts it."""
+    if w.kind in SUPER:
+        return _pack_super(w)
     n = w.codes.shape[0]
     g, cols = n // GROUP, _chunks(w.kind)
     # moved as 4-byte words (4x fewer elements for numpy's transposing copy: ~0.1 s less of every start)
@@ -253,25 +346,19 @@ def pack(w: Repacked) -> Repacked:
     codes = np.ascontiguousarray(words).view(np.uint8).reshape(g, words.shape[1], -1)
     if w.kind == S8:
         codes ^= 0x80  # a fresh array (the transposing copy)
-
-    def lanes(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a.reshape(g, GROUP, -1).transpose(0, 2, 1), dtype=np.float32)
-
-    return Repacked(w.kind, codes, lanes(w.scales), None if w.mins is None else lanes(w.mins))
+    return Repacked(w.kind, codes, _lanes(w.scales), None if w.mins is None else _lanes(w.mins))
 
 
 def unpack(w: Repacked) -> Repacked:
     """The packed layout -> the row layout (exactly the Repacked that `pack` was given)."""
+    if w.kind in SUPER:
+        return _unpack_super(w)
     g, nb = w.codes.shape[:2]
     words = np.ascontiguousarray(w.codes).view(np.uint32).reshape(g, nb, _chunks(w.kind), GROUP)
     codes = np.ascontiguousarray(words.transpose(0, 3, 1, 2)).view(np.uint8).reshape(g * GROUP, -1)
     if w.kind == S8:
         codes = (codes ^ 0x80).view(np.int8)
-
-    def rows(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a.transpose(0, 2, 1)).reshape(g * GROUP, -1)
-
-    return Repacked(w.kind, codes, rows(w.scales), None if w.mins is None else rows(w.mins))
+    return Repacked(w.kind, codes, _rows(w.scales), None if w.mins is None else _rows(w.mins))
 
 
 def is_packed(w: Repacked) -> bool:
@@ -293,7 +380,9 @@ def kernel_layout(w: Repacked) -> Repacked:
 
 
 def dequantize(w: Repacked) -> torch.Tensor:
-    """float32 [N, K] weights of a repacked matrix (the reference path's weights)."""
+    """float32 [N, K] weights of a repacked matrix in the row layout (the reference path's weights)."""
+    if w.kind in SUPER:
+        return torch.from_numpy(_super_weights(w))
     if w.kind in TABLES:
         n = w.codes.shape[0]
         idx = _nibbles_to_codes(w.codes.reshape(n, -1, 16)).reshape(n, -1)

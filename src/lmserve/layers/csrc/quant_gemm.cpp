@@ -18,6 +18,13 @@
 //               and mins [N, K/16] where the file has them (Q2_K):
 //               w = scale * table[code] (+ min)        (3, NL4: IQ4_NL, IQ4_XS; 4, I4: code - 8, Q2_K, Q3_K)
 //               The kernels look the values up with a byte shuffle and go on as for S8.
+//   kinds 5, 6: the low-bit K-quants near their file size (K2: Q2_K, K3: Q3_K), per block of 32 weights of a row:
+//               8 bytes of 2-bit codes (byte j holds elements j, 8 + j, 16 + j, 24 + j in its bit pairs), for K3 4
+//               bytes of high bits (little-endian bit e: element e), then one byte per 16 weights as the file has
+//               it (K2: scale | min << 4, both 4-bit; K3: the signed 6-bit scale); codes uint8 [N, K/32 * (10 | 14)].
+//               scales float [N, K/256] (d), and for K2 mins [N, K/256] (-dmin):
+//               w = (d * sc) * q (+ (-dmin) * m)     (K2: q = code; K3: q = code + 4 * high - 4)
+//               The kernels expand the planes to bytes in registers, form d * sc as ggml does, and go on as for S8.
 // With x ~ xd * xq per block (xq int8, xs = xd * sum(xq)), a block contributes
 //   scale * xd * dot(code, xq) + min * xs    (per half block for kind 4's mins: min * xd * sum(xq of the half)).
 //
@@ -61,8 +68,19 @@ alignas(16) constexpr int8_t kTables[2][16] = {
     {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},  // IQ4_NL's non-linear values
     {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7}};                 // code - 8
 
-constexpr bool nibble_kind(int64_t kind) { return kind == 0 || kind >= 3; }  // two codes a byte
-constexpr bool per16_kind(int64_t kind) { return kind >= 2; }                // a scale per 16 weights
+constexpr bool nibble_kind(int64_t kind) { return kind == 0 || kind == 3 || kind == 4; }  // two codes a byte
+constexpr bool per16_kind(int64_t kind) { return kind >= 2 && kind <= 4; }  // a float scale per 16 weights
+constexpr bool super_kind(int64_t kind) { return kind >= 5; }  // K2, K3: an int scale per 16 under a float per 256
+constexpr int64_t kSuper = 256;                                 // K2/K3's weights per float scale
+// K2/K3: row-layout bytes per block of 32, and the offset of its two scale bytes
+constexpr int64_t super_block_bytes(int64_t kind) { return kind == 5 ? 10 : 14; }
+constexpr int64_t super_scale_at(int64_t kind) { return kind == 5 ? 8 : 12; }
+
+// K2/K3's scale of a half block from its byte (d * sc, as ggml forms it), and K2's min ((-dmin) * m)
+inline float super_scale(int64_t kind, float d, uint8_t s) {
+  return d * static_cast<float>(kind == 5 ? (s & 0x0F) : static_cast<int8_t>(s));
+}
+inline float super_min(float nd, uint8_t s) { return nd * static_cast<float>(s >> 4); }
 
 // code j of block b in the nibble layout (byte j: element j low, element 16 + j high)
 inline int nibble(const uint8_t* codes, int64_t b, int j) {
@@ -174,6 +192,44 @@ inline __m256 per16_block(int kind, const uint8_t* codes, const float* sc, const
                                                                     _mm_set1_ps(mn[2 * b] * xd)), acc);
   }
   return acc;
+}
+
+// a K2/K3 block (row layout) as 32 signed values in element order
+inline __m256i load_super(int kind, const uint8_t* blk) {
+  int64_t low;
+  std::memcpy(&low, blk, 8);
+  // 64-bit lane s: the 8 bytes shifted by 2s, so that byte j of lane s (element 8s + j) has its code in bits 0-1
+  const __m256i v = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(low), _mm256_set_epi64x(6, 4, 2, 0)),
+                                     _mm256_set1_epi8(3));
+  if (kind == 5) return v;
+  int32_t high;
+  std::memcpy(&high, blk + 8, 4);
+  // byte e <- byte e / 8 of the high bits (each 128-bit lane holds all four), then tested at bit e % 8
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(high), _mm256_set_epi64x(
+      0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+  return _mm256_sub_epi8(_mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(4))), _mm256_set1_epi8(4));
+}
+
+// (v[0] * f) * xd in lanes 0-3 and (v[1] * f) * xd in lanes 4-7: a half block's factor, as per16_block's
+inline __m256 halves(__m128i v, float f, float xd) {
+  const __m128 h = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(v), _mm_set1_ps(f)), _mm_set1_ps(xd));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(h), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+
+// per16_block's terms for a K2/K3 block: its scales d * sc (and K2's mins (-dmin) * m) formed from the block's two
+// scale bytes in vector lanes (the scalar conversions cost more than the block's dot product)
+inline __m256 super_block(int kind, const uint8_t* blk, float d, float nd, __m256i x, float xd, __m256 acc) {
+  const __m256i w = load_super(kind, blk);
+  const uint8_t* sb = blk + super_scale_at(kind);
+  const __m128i bytes = _mm_cvtsi32_si128(sb[0] | (sb[1] << 8));
+  const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  if (kind == 6) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), halves(_mm_cvtepi8_epi32(bytes), d, xd), acc);
+  const __m128i q = _mm_cvtepu8_epi32(bytes);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), halves(_mm_and_si128(q, _mm_set1_epi32(0x0F)), d, xd), acc);
+  const __m256i sums = dot_u8s8(_mm256_set1_epi8(1), x);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), halves(_mm_srli_epi32(q, 4), nd, xd), acc);
 }
 #endif
 
@@ -377,6 +433,39 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// K2/K3 (kinds 5, 6): block b of a group as S8's 8 vectors (value + 128, elements as the nibble kinds' wv), and
+// half[h] the 16 rows' scales d * sc of half h (K2: half[2 + h] their mins (-dmin) * m), formed from the bytes
+template <int KIND>
+inline void load_super_group(const PackedW& w, int64_t b, __m512i* wv, __m512* half) {
+  const uint8_t* p = w.codes + b * (KIND == 5 ? 160 : 224);
+  const __m512i three = _mm512_set1_epi8(3), v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
+  for (int s = 0; s < 4; ++s) {
+    wv[s] = _mm512_and_si512(_mm512_srli_epi16(v0, 2 * s), three);      // elements 4s .. 4s + 3
+    wv[4 + s] = _mm512_and_si512(_mm512_srli_epi16(v1, 2 * s), three);  // elements 16 + 4s ..
+  }
+  if (KIND == 6) {  // code + 4 * high - 4, + 128
+    const __m512i h = _mm512_loadu_si512(p + 128), one = _mm512_set1_epi8(1), bias = _mm512_set1_epi8(124);
+    for (int t = 0; t < 8; ++t) {
+      const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, t), one), 2);
+      wv[t] = _mm512_add_epi8(_mm512_or_si512(wv[t], high), bias);
+    }
+  } else {
+    for (int t = 0; t < 8; ++t) wv[t] = _mm512_or_si512(wv[t], _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  const uint8_t* sb = p + (KIND == 5 ? 128 : 192);
+  const __m512 d = _mm512_loadu_ps(w.sc + kGroup * (b / 8));
+  for (int k = 0; k < 2; ++k) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * k));
+    if (KIND == 6) {
+      half[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+      continue;
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(bytes);
+    half[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F))));
+    half[2 + k] = _mm512_mul_ps(_mm512_loadu_ps(w.mn + kGroup * (b / 8)), _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+  }
+}
+
 // 16 outputs of C input rows [m0, m0 + C) over one group, stored at out[m * ldo + 0..15]
 template <int KIND, int C>
 void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, float* out, int64_t ldo) {
@@ -395,11 +484,19 @@ void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t
       }
       if (KIND >= 3)
         for (int j = 0; j < 8; ++j) wv[j] = _mm512_shuffle_epi8(table_u8<KIND>(), wv[j]);  // value + 128
-    } else {
+    } else if (!super_kind(KIND)) {
       for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(w.codes + b * 512 + 64 * j);
     }
-    if (per16_kind(KIND)) {
-      const __m512 s0 = _mm512_loadu_ps(w.sc + 32 * b), s1 = _mm512_loadu_ps(w.sc + 32 * b + 16);
+    if (per16_kind(KIND) || super_kind(KIND)) {
+      __m512 half[4];  // the two halves' scales, then their mins where the kind has them (Q2_K: I4, K2)
+      const bool mins = KIND == 5 || (KIND == 4 && w.mn);
+      if (super_kind(KIND)) {
+        load_super_group<KIND>(w, b, wv, half);
+      } else {
+        half[0] = _mm512_loadu_ps(w.sc + 32 * b), half[1] = _mm512_loadu_ps(w.sc + 32 * b + 16);
+        if (mins) half[2] = _mm512_loadu_ps(w.mn + 32 * b), half[3] = _mm512_loadu_ps(w.mn + 32 * b + 16);
+      }
+      const __m512 s0 = half[0], s1 = half[1];
       for (int c = 0; c < C; ++c) {
         const int8_t* xq = x.codes(m0 + c) + b * kQBlock;
         const int32_t* corr = xsum16 + (m0 + c) * 2 * nb + 2 * b;
@@ -415,10 +512,9 @@ void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t
         const __m512 xd = _mm512_set1_ps(xdb);
         acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, xd), acc[c]);
         acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, xd), acc[c]);
-        if (KIND == 4 && w.mn) {  // Q2_K's mins: min * xd * sum(x) per half, the sums being corr / 128
-          const float* mn = w.mn + 32 * b;
-          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(mn), _mm512_set1_ps(xdb * (corr[0] * (1.f / 128))), acc[c]);
-          acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(mn + 16), _mm512_set1_ps(xdb * (corr[1] * (1.f / 128))), acc[c]);
+        if (mins) {  // min * xd * sum(x) per half, the sums being corr / 128
+          acc[c] = _mm512_fmadd_ps(half[2], _mm512_set1_ps(xdb * (corr[0] * (1.f / 128))), acc[c]);
+          acc[c] = _mm512_fmadd_ps(half[3], _mm512_set1_ps(xdb * (corr[1] * (1.f / 128))), acc[c]);
         }
       }
       continue;
@@ -465,7 +561,10 @@ float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, 
   float acc_min = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
-    if (per16_kind(kind)) {
+    if (super_kind(kind)) {
+      const int64_t s = b / (kSuper / kQBlock);
+      acc = super_block(kind, codes + b * super_block_bytes(kind), sc[s], mn ? mn[s] : 0.f, x, xd[b], acc);
+    } else if (per16_kind(kind)) {
       acc = per16_block(kind, codes, sc, mn, x, xd[b], b, acc);
     } else {
       const __m256i p = dot_u8s8(load_codes(kind, codes, b), x);
@@ -478,6 +577,21 @@ float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, 
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xb = xq + b * kQBlock;
+    if (super_kind(kind)) {
+      const uint8_t* blk = codes + b * super_block_bytes(kind);
+      const uint8_t* sb = blk + super_scale_at(kind);
+      int dot[2] = {0, 0}, sum[2] = {0, 0};
+      for (int j = 0; j < kQBlock; ++j) {
+        int w = (blk[j % 8] >> (2 * (j / 8))) & 3;
+        if (kind == 6) w += 4 * ((blk[8 + j / 8] >> (j % 8)) & 1) - 4;
+        dot[j / 16] += w * xb[j];
+        sum[j / 16] += xb[j];
+      }
+      const int64_t s = b / (kSuper / kQBlock);
+      acc += super_scale(kind, sc[s], sb[0]) * xd[b] * dot[0] + super_scale(kind, sc[s], sb[1]) * xd[b] * dot[1];
+      if (kind == 5) acc += super_min(mn[s], sb[0]) * xd[b] * sum[0] + super_min(mn[s], sb[1]) * xd[b] * sum[1];
+      continue;
+    }
     if (per16_kind(kind)) {
       int dot[2] = {0, 0}, sum[2] = {0, 0};
       for (int j = 0; j < kQBlock; ++j) {
@@ -501,16 +615,20 @@ float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, 
 #endif
 }
 
-int64_t code_bytes_per_row(int kind, int64_t K) { return nibble_kind(kind) ? K / 2 : K; }
-int64_t scales_per_row(int kind, int64_t K) { return per16_kind(kind) ? K / 16 : K / kQBlock; }
+int64_t code_bytes_per_row(int kind, int64_t K) {
+  return super_kind(kind) ? K / kQBlock * super_block_bytes(kind) : nibble_kind(kind) ? K / 2 : K;
+}
+int64_t scales_per_row(int kind, int64_t K) {
+  return super_kind(kind) ? K / kSuper : per16_kind(kind) ? K / 16 : K / kQBlock;
+}
 
 // mins: U4 and U8 need them, kind 4 may have them (Q2_K), S8 and kind 3 have none; `shape` is the scales'
 void check_mins(int64_t kind, const c10::optional<torch::Tensor>& mins, c10::IntArrayRef shape) {
-  if (kind < 2 || (kind == 4 && mins.has_value())) {
+  if (kind < 2 || kind == 5 || (kind == 4 && mins.has_value())) {
     TORCH_CHECK(mins.has_value() && mins->sizes() == shape && mins->is_contiguous() &&
-                mins->scalar_type() == torch::kFloat32, "mins: float32 like scales (kinds 0, 1; 4 where present)");
+                mins->scalar_type() == torch::kFloat32, "mins: float32 like scales (kinds 0, 1, 5; 4 where present)");
   } else {
-    TORCH_CHECK(!mins.has_value(), "mins: none for kinds 2 and 3");
+    TORCH_CHECK(!mins.has_value(), "mins: none for kinds 2, 3 and 6");
   }
 }
 
@@ -566,7 +684,9 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
                             const c10::optional<torch::Tensor>& mins, int64_t kind,
                             const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), G = codes.size(0), nb = K / kQBlock, N = G * kGroup;
-  const int64_t code_bytes = nibble_kind(kind) ? 256 : 512, scale_blocks = per16_kind(kind) ? 2 * nb : nb;
+  const int64_t code_bytes = super_kind(kind) ? 16 * super_block_bytes(kind) : nibble_kind(kind) ? 256 : 512;
+  const int64_t scale_blocks = super_kind(kind) ? K / kSuper : per16_kind(kind) ? 2 * nb : nb;
+  const bool halves = per16_kind(kind) || super_kind(kind);  // terms per 16 weights: the half blocks' sums
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == nb && codes.size(2) == code_bytes,
               "packed codes: [N/16, K/32, ", code_bytes, "] contiguous");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 3 &&
@@ -574,8 +694,8 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
               "packed scales: [N/16, ", scale_blocks, ", 16] float32");
   check_mins(kind, mins, scales.sizes());
   auto xq = quantize_activations(x);
-  const torch::Tensor xsum16 = per16_kind(kind) ? half_block_sums(xq, K) : torch::Tensor();
-  const int32_t* px16 = per16_kind(kind) ? xsum16.data_ptr<int32_t>() : nullptr;
+  const torch::Tensor xsum16 = halves ? half_block_sums(xq, K) : torch::Tensor();
+  const int32_t* px16 = halves ? xsum16.data_ptr<int32_t>() : nullptr;
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
   const float* ps = scales.data_ptr<float>();
@@ -593,7 +713,9 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
         case 1: group_all_rows<1>(w, xr, px16, M, out, N); break;
         case 2: group_all_rows<2>(w, xr, px16, M, out, N); break;
         case 3: group_all_rows<3>(w, xr, px16, M, out, N); break;
-        default: group_all_rows<4>(w, xr, px16, M, out, N);
+        case 4: group_all_rows<4>(w, xr, px16, M, out, N); break;
+        case 5: group_all_rows<5>(w, xr, px16, M, out, N); break;
+        default: group_all_rows<6>(w, xr, px16, M, out, N);
       }
       if (pb)
         for (int64_t m = 0; m < M; ++m)
@@ -662,9 +784,10 @@ torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                            int64_t kind, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(kind >= 0 && kind <= 4, "kind: 0 (U4), 1 (U8), 2 (S8), 3 (NL4) or 4 (I4)");
+  TORCH_CHECK(kind >= 0 && kind <= 6, "kind: 0 (U4), 1 (U8), 2 (S8), 3 (NL4), 4 (I4), 5 (K2) or 6 (K3)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
   x = x.contiguous();
+  TORCH_CHECK(!super_kind(kind) || x.size(1) % kSuper == 0, "K must be a multiple of 256 for kinds 5 and 6");
   if (codes.dim() == 3) {  // the packed layout (gguf_linear.pack)
     TORCH_CHECK(x.size(1) % kQBlock == 0, "K must be a multiple of 32, got ", x.size(1));
 #if defined(LMSERVE_QGEMM_AVX512)
@@ -693,11 +816,13 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kNTile, n1 = std::min(N, n0 + kNTile);
 #if defined(LMSERVE_QGEMM_AVX512)
-      rows_avx512(static_cast<int>(kind), WRows{pc, ps, pm, cb, sr}, QRows{pq, xs, K}, M, n0, n1, py, N);
-      if (pb)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = n0; n < n1; ++n) py[m * N + n] += pb[n];
-      continue;
+      if (!super_kind(kind)) {  // K2/K3 rows take dot_row's AVX2 loop (their packed layout is the fast one)
+        rows_avx512(static_cast<int>(kind), WRows{pc, ps, pm, cb, sr}, QRows{pq, xs, K}, M, n0, n1, py, N);
+        if (pb)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = n0; n < n1; ++n) py[m * N + n] += pb[n];
+        continue;
+      }
 #endif
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xr = pq + m * xs;
