@@ -23,7 +23,7 @@ from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.prequant import (METHODS as PREQUANT_METHODS, CheckpointTensors, PrequantScheme, auto_prequant,
-                                     dequantized_rest, keep_prequantized, read_scheme)
+                                     dequantized_rest, keep_half_tables, keep_prequantized, read_scheme)
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
 from lmserve.models.config import ModelConfig
@@ -195,6 +195,9 @@ def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConf
 
     world = shard.world_size if shard is not None else 1
     net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    if keep and device.type == "cpu" and dtype == torch.float32:  # after net.to(dtype), which would widen them
+        renamed = lambda name, t: _family_tensors(iter([(name, t, "")]), cfg, None)  # noqa: E731
+        consumed.update(keep_half_tables(net, tensors, renamed))
     net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard))
     return net
 
