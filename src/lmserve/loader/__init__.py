@@ -193,10 +193,12 @@ def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConf
     def keep_blocks(net: torch.nn.Module) -> None:  # before anything is written: no float copy of a kept layer
         consumed.update(keep_prequantized(net, tensors, scheme))
 
+    def renamed(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, str]]:  # the family's names for it
+        return _family_tensors(iter([(name, t, "")]), cfg, None)
+
     world = shard.world_size if shard is not None else 1
     net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
     if keep and device.type == "cpu" and dtype == torch.float32:  # after net.to(dtype), which would widen them
-        renamed = lambda name, t: _family_tensors(iter([(name, t, "")]), cfg, None)  # noqa: E731
         consumed.update(keep_half_tables(net, tensors, renamed))
     net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard))
     return net
