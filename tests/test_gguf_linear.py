@@ -17,7 +17,8 @@ from lmserve.layers.native import native_module
 
 # byte offsets of each type's float16 fields (ggml's block structs)
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}
+E8M0_FIELDS = {"MXFP4": 0}  # byte offset of an exponent byte (2 ** (e - 128)): set to a realistic range
 BLOCK_WEIGHTS = {t: (256 if t.endswith("_K") or t == "IQ4_XS" else 32) for t in BLOCK_BYTES}
 
 
@@ -29,6 +30,8 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     for off in F16_FIELDS[kind]:
         vals = rng.uniform(0.002, 0.03, size=(n, per_row)).astype(np.float16)
         raw[..., off:off + 2] = vals[..., None].view(np.uint8).reshape(n, per_row, 2)
+    if kind in E8M0_FIELDS:
+        raw[..., E8M0_FIELDS[kind]] = rng.integers(118, 124, size=(n, per_row), dtype=np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -64,6 +67,16 @@ def test_repacked_weights_equal_the_gguf_packages_dequantization(kind):
     want = gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
     got = dequantize(repack(kind, raw, n, k)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_mxfp4_exponents_as_ggml_reads_them():
+    """Every E8M0 byte -> the gguf package's 2 ** (e - 128), subnormal ones included, bit for bit."""
+    from gguf.quants import MXFP4
+
+    from lmserve.layers.gguf_linear import e8m0_half
+
+    e = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(e8m0_half(e).view(np.uint32), MXFP4.e8m0_to_fp32_half(e).view(np.uint32))
 
 
 needs_native = pytest.mark.skipif(native_module() is None, reason="native kernels unavailable (no compiler)")

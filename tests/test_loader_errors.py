@@ -122,6 +122,7 @@ def test_unsupported_architecture_in_config(tiny, tmp_path):
 @pytest.mark.parametrize("q,message", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act = True: act-order"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method = 'bitsandbytes': not loaded"),
+    ({"quant_method": "mxfp4"}, "quant_method = 'mxfp4': read for gpt-oss's experts only"),
 ])
 def test_refused_quantization_config_names_the_field(tiny, tmp_path, q, message):
     """A pre-quantized checkpoint the int kernels cannot run exactly is refused before any weight is read."""

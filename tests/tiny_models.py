@@ -85,6 +85,18 @@ def _mixtral_meta(w, cfg) -> None:
     _moe_meta(w, cfg)
 
 
+def _gpt_oss_meta(w, cfg) -> None:
+    import gguf
+
+    _moe_meta(w, cfg)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
 EXPERTS = dict(num_experts_per_tok=2, router_jitter_noise=0.0)  # 8 experts, top-2 (the count's name differs)
 
 ARCHS: dict[str, Arch] = {
@@ -115,6 +127,15 @@ ARCHS: dict[str, Arch] = {
     "qwen2_moe": Arch("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                       dict(EXPERTS, num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=96,
                            norm_topk_prob=False), "qwen2moe", _moe_meta, moe=True),
+    # two layers (one sliding, one full): sinks, windows of 8 on the even layers, YaRN (truncated ramp ends: llama.cpp's, and transformers' default;
+    # tests/test_gpt_oss.py checks gpt-oss's untruncated table), biases everywhere, 4 experts top-2 of width 64
+    # (a whole number of MXFP4 blocks)
+    "gpt_oss": Arch("GptOssConfig", "GptOssForCausalLM",
+                    dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                              original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                              truncate=True)),
+                    "gpt-oss", _gpt_oss_meta, moe=True),
 }
 
 
@@ -161,8 +182,10 @@ def randomize_norms(model: torch.nn.Module, shift: float) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_((1.0 - shift) + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss's stacked experts' `gate_up_proj_bias`
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):  # gpt-oss: sinks that take a good share of each softmax
+                p.copy_(1.0 + 2.0 * torch.randn(p.shape, generator=g))
 
 
 def randomize_routers(model: torch.nn.Module) -> None:
@@ -205,14 +228,14 @@ def write_gguf(name: str, model: torch.nn.Module, path: Path, quantize: Callable
     if name != "gemma3":
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     arch.gguf_meta(w, cfg)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf.upper()], cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf.upper().replace("-", "_")], cfg.num_hidden_layers)
     for hf, tensor in model.state_dict().items():
         if "rotary_emb" in hf or (hf == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        moe = _moe_tensors(hf, tensor.float())
+        moe = _gpt_oss_tensors(hf, tensor.float()) if name == "gpt_oss" else _moe_tensors(hf, tensor.float())
         if moe is not None:
             for gname, t in moe:
-                router = ".ffn_gate_inp" in gname  # kept F32, as llama.cpp's converters keep it
+                router = ".ffn_gate_inp" in gname or gname.endswith(".bias")  # F32, as llama.cpp's converters keep them
                 _add_tensor(w, gname, t.numpy(), quantize(gname) if quantize and not router else "F32")
             continue
         t = tensor.float()
@@ -221,7 +244,7 @@ def write_gguf(name: str, model: torch.nn.Module, path: Path, quantize: Callable
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         if hf.endswith("norm.weight"):
             t = t + arch.norm_shift
-        gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        gname = names.get_name(hf + (".weight" if hf.endswith(".sinks") else ""), try_suffixes=(".weight", ".bias"))
         assert gname is not None, hf
         _add_tensor(w, gname, t.numpy(), quantize(gname) if quantize else "F32")
     w.write_header_to_file()
@@ -255,6 +278,30 @@ def _moe_tensors(hf: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | N
     if rest in _SHEXP:
         return [(f"{blk}.{_SHEXP[rest]}.weight", t[0] if rest == "shared_expert_gate.weight" else t)]
     return None
+
+
+def _gpt_oss_tensors(hf: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """gpt-oss's MLP as llama.cpp's converter writes it: the router (`ffn_gate_inp`, F32) with its bias, the stacked
+    experts transposed to [E, out, in] and gate/up de-interleaved (HF's columns alternate gate, up), biases split."""
+    import re
+
+    m = re.match(r"model\.layers\.(\d+)\.mlp\.(.+)$", hf)
+    if m is None:
+        return None
+    blk, rest = f"blk.{m.group(1)}", m.group(2)
+    if rest.startswith("router."):
+        return [(f"{blk}.ffn_gate_inp.{rest.split('.')[1]}", t)]
+    if rest == "experts.gate_up_proj":  # [E, hidden, 2I]
+        w = t.transpose(1, 2)
+        return [(f"{blk}.ffn_gate_exps.weight", w[:, 0::2].contiguous()),
+                (f"{blk}.ffn_up_exps.weight", w[:, 1::2].contiguous())]
+    if rest == "experts.gate_up_proj_bias":
+        return [(f"{blk}.ffn_gate_exps.bias", t[:, 0::2].contiguous()), (f"{blk}.ffn_up_exps.bias", t[:, 1::2].contiguous())]
+    if rest == "experts.down_proj":  # [E, I, hidden]
+        return [(f"{blk}.ffn_down_exps.weight", t.transpose(1, 2).contiguous())]
+    if rest == "experts.down_proj_bias":
+        return [(f"{blk}.ffn_down_exps.bias", t)]
+    raise AssertionError(hf)
 
 
 def _add_tensor(w, name: str, arr: np.ndarray, kind: str) -> None:

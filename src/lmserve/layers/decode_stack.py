@@ -150,7 +150,7 @@ def remove_decode_stack(model: nn.Module) -> None:
 def layer_weights(layer: nn.Module, kinds: tuple[str, ...]) -> LayerWeights | None:
     """A decoder layer (models/decoder.py) as the stack reads it, or None where it has something the stack lacks."""
     attn, spec = layer.self_attn, layer.self_attn.spec
-    if spec.opts.sinks is not None or not isinstance(layer.mlp, GatedMLP) or layer.mlp.act not in _ACTS:
+    if spec.sinks or spec.opts.sinks is not None or not isinstance(layer.mlp, GatedMLP) or layer.mlp.act not in _ACTS:
         return None  # sinks; a mixture of experts (layers/moe.py) or a wrapped MLP
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
     qk = spec.qk_norm_eps is not None

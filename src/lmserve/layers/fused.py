@@ -59,7 +59,20 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0  # every published gpt-oss config's swiglu_alpha, swiglu_limit
+
+
+def swiglu_oai_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * I] = [gate | up] -> (up + 1) * gate * sigmoid(1.702 * gate), gate clamped above at 7 and up to
+    [-7, 7], [T, I] (gpt-oss's experts, as transformers' GptOssExperts: its gate/up columns interleave, ours are
+    halves, split at load)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
+ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul, "swiglu_oai": swiglu_oai_and_mul}
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

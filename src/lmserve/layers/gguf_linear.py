@@ -8,6 +8,11 @@ weights (S8: Q8_0, Q6_K); or 4-bit indices into a 16-entry table of signed value
 codes -4..3, Q2_K's 0..3). Repacking turns the per-superblock K-quant scales into plain floats
 (d * sc, -dmin * m): the dequantized weights are the same numbers ggml computes.
 
+MXFP4 (gpt-oss's experts: 32 E2M1 values under one E8M0 exponent) is held as S8: each value doubled is an integer
+in -12..12 (ggml's kvalues) and the exponent byte becomes the float 2 ** (e - 128) of both halves, so the weights
+are exact and run on Q8_0's paths, at 1.25 bytes a weight against the file's 0.53 (a fifth table kind, 4-bit codes
+into the E2M1 values beside NL4's, would hold them at 0.75: left).
+
 The reference path (`reference_linear`) dequantizes and runs a float matmul with the activations
 quantized exactly as the kernel does; tests compare the two for every type on odd shapes.
 """
@@ -187,8 +192,26 @@ def _iq4(raw: np.ndarray, n: int, k: int, kind: str) -> Repacked:
     return Repacked(NL4, b[..., 8:136].reshape(n, -1).copy(), np.repeat(scales.reshape(n, -1), 2, axis=1), None)
 
 
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # E2M1 doubled
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponent bytes -> 2 ** (e - 128) as float32 (ggml's ggml_e8m0_to_fp32_half: subnormal below e = 2)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def _mxfp4(raw: np.ndarray, n: int, k: int) -> Repacked:
+    """MXFP4: blocks of 32 = an E8M0 exponent byte, then 16 bytes of E2M1 codes in ggml's nibble order -> S8 (the
+    doubled values as codes, 2 ** (e - 128) per 16)."""
+    b = raw.reshape(n, k // QK, -1)
+    codes = MXFP4_VALUES[_nibbles_to_codes(b[..., 1:17])]  # [n, K/32, 32]
+    return Repacked(S8, codes.reshape(n, k), np.repeat(e8m0_half(b[..., 0]), 2, axis=1), None)
+
+
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
-               "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
+               "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136, "MXFP4": 17}
 
 
 def repack(kind: str, raw: np.ndarray, n: int, k: int) -> Repacked:
@@ -206,6 +229,8 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> Repacked:
         return _q2_k(raw, n, k)
     if kind.startswith("IQ4"):
         return _iq4(raw, n, k, kind)
+    if kind == "MXFP4":
+        return _mxfp4(raw, n, k)
     return _simple(raw, n, k, kind)
 
 

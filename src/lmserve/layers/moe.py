@@ -33,8 +33,12 @@ class Routing(NamedTuple):
     experts: torch.Tensor  # [T, k] int64, in descending router weight
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
-    """Softmax over the experts in float32, the top k, optionally renormalised to sum to 1 (as transformers)."""
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, softmax_after_topk: bool = False) -> Routing:
+    """Softmax over the experts in float32, the top k, optionally renormalised to sum to 1 (as transformers); or,
+    `softmax_after_topk` (gpt-oss), the top k logits and a softmax over those k."""
+    if softmax_after_topk:
+        logits, experts = torch.topk(logits, top_k, dim=-1)  # [T, k]
+        return Routing(F.softmax(logits, dim=-1, dtype=torch.float32), experts)
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -91,22 +95,28 @@ class SparseMoE(nn.Module):
     """Router (`gate`), experts and, for Qwen2-MoE, a shared expert scaled by sigmoid(`shared_expert_gate`(x)).
 
     Parameter names follow Qwen's checkpoints (`mlp.gate`, `mlp.experts.{e}`, `mlp.shared_expert`); the family
-    hooks (models/moe.py) rename Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3` and split stacked experts.
+    hooks (models/moe.py, gpt_oss.py) rename Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3` and gpt-oss's
+    `mlp.router`, and split stacked experts. `bias`: the router and every expert projection have one (gpt-oss).
     """
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 act: str = "silu", shared_size: int = 0) -> None:
+                 act: str = "silu", shared_size: int = 0, bias: bool = False,
+                 softmax_after_topk: bool = False) -> None:
         super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, expert_size, False, act) for _ in range(num_experts))
+        self.top_k, self.renormalize, self.softmax_after_topk = top_k, renormalize, softmax_after_topk
+        self.gate = nn.Linear(hidden_size, num_experts, bias=bias)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, expert_size, bias, act) for _ in range(num_experts))
         self.shared_expert = GatedMLP(hidden_size, shared_size, False, act) if shared_size else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_size else None
         # the fast expert path a transform installs (layers/moe_kernels.py); None: the module path
         self.grouped: nn.Module | None = None
 
+    def route(self, x: torch.Tensor) -> Routing:
+        """x [T, hidden] -> each token's experts and weights (router logits [T, E])."""
+        return route(self.gate(x), self.top_k, self.renormalize, self.softmax_after_topk)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = route(self.gate(x), self.top_k, self.renormalize)  # x [T, hidden], router logits [T, E]
+        routing = self.route(x)
         if self.grouped is not None and self.grouped.accepts(x, routing):
             out = self.grouped(x, routing)
         else:
@@ -118,7 +128,7 @@ class SparseMoE(nn.Module):
 
 def reference_moe(x: torch.Tensor, moe: SparseMoE) -> torch.Tensor:
     """The same layer token by token, each token's experts in slot order (the parity reference for `run_experts`)."""
-    routing = route(moe.gate(x), moe.top_k, moe.renormalize)
+    routing = moe.route(x)
     rows = []
     for t in range(x.shape[0]):
         acc = torch.zeros_like(x[t])

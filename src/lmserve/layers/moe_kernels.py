@@ -37,12 +37,13 @@ class StackedPanels(nn.Module):
         for e, lin in enumerate(linears):
             lin.panels = self.panels[e]  # one copy of the weights: each expert's panels view the stack
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
         return native_module().skinny_linear_experts(x, offsets, self.panels, self.out_features)
 
 
 class StackedGGUF(nn.Module):
-    """One projection of every expert in the GGUF kernel's packed layout: codes [E, N/16, K/32, *], scales/mins."""
+    """One projection of every expert in the GGUF kernel's packed layout: codes [E, N/16, K/32, *], scales/mins, and
+    the experts' biases [E, N] where they have them (gpt-oss)."""
 
     def __init__(self, linears: list[GGUFLinear]) -> None:
         super().__init__()
@@ -53,9 +54,15 @@ class StackedGGUF(nn.Module):
             for e, lin in enumerate(linears):
                 if parts[0] is not None:
                     setattr(lin, name, getattr(self, name)[e])
+        biased = linears[0].bias is not None
+        self.register_buffer("bias", torch.stack([lin.bias.detach() for lin in linears]) if biased else None)
+        for e, lin in enumerate(linears if biased else ()):
+            lin.bias = nn.Parameter(self.bias[e], requires_grad=False)  # one copy: each expert's bias views the stack
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return native_module().quant_linear_experts(x, offsets, self.codes, self.scales, self.mins, self.kind)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
+        y = native_module().quant_linear_experts(x, offsets, self.codes, self.scales, self.mins, self.kind)
+        # the kernel adds a bias as one float add after each output's sum: the same bits as this add
+        return y if self.bias is None else y + self.bias.index_select(0, row_experts)
 
 
 def _stackable(linears: list[nn.Module]) -> type[nn.Module] | None:
@@ -63,8 +70,8 @@ def _stackable(linears: list[nn.Module]) -> type[nn.Module] | None:
     first = linears[0]
     if all(isinstance(lin, PackedLinear) and lin.panels is not None and lin.bias is None for lin in linears):
         return StackedPanels  # panels exist only where the skinny kernel gives oneDNN's bits (layers/linear.py)
-    if all(isinstance(lin, GGUFLinear) and lin.packed and lin.bias is None and lin.kind == first.kind
-           and lin.codes.shape == first.codes.shape for lin in linears):
+    if all(isinstance(lin, GGUFLinear) and lin.packed and (lin.bias is None) == (first.bias is None)
+           and lin.kind == first.kind and lin.codes.shape == first.codes.shape for lin in linears):
         return StackedGGUF
     return None
 
@@ -89,8 +96,9 @@ class NativeExperts(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         order = group_by_expert(routing, self.gate_up.num_experts)
         rows = x.index_select(0, order.token)  # [T * k, hidden], expert-major
-        h = self.act_and_mul(self.gate_up(rows, order.offsets))  # [T * k, I]
-        return combine(self.down(h, order.offsets), order, routing)
+        row_experts = routing.experts.flatten().index_select(0, order.order)  # [T * k]: each sorted row's expert
+        h = self.act_and_mul(self.gate_up(rows, order.offsets, row_experts))  # [T * k, I]
+        return combine(self.down(h, order.offsets, row_experts), order, routing)
 
 
 def native_experts(moe: SparseMoE) -> NativeExperts | None:
@@ -118,6 +126,13 @@ def triton_experts(moe: SparseMoE) -> nn.Module | None:
     from lmserve.layers.triton.moe import TritonExperts  # imports triton: only when chosen
 
     return TritonExperts(experts)
+
+
+def host_synced_moe_layers(model: nn.Module) -> int:
+    """How many mixture-of-experts layers run the module path, which reads each expert's run length on the host (a
+    CUDA graph cannot capture that: such a model runs its decode steps eagerly). Only the Triton path is free of it;
+    gpt-oss's biased experts have none yet."""
+    return sum(isinstance(m, SparseMoE) and not getattr(m.grouped, "graph_safe", False) for m in model.modules())
 
 
 def apply_moe_kernels(model: nn.Module, triton: bool) -> int:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's non-interleaved layout): default, linear, llama3 and LongRoPE scaling,
+"""Rotary position embeddings (HF's non-interleaved layout): default, linear, llama3, YaRN and LongRoPE scaling,
 partial rotary (the first `rotary_dim` of each head), and one table per kind of layer (Gemma 3's local
 layers rotate with their own base)."""
 
@@ -29,6 +29,8 @@ def inv_frequencies(head_dim: int, rope_theta: float, rope_type: str = "default"
     inv_freq = 1.0 / (rope_theta ** exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / float(rope_scaling["factor"])
+    elif rope_type == "yarn":
+        inv_freq = _yarn_blend(inv_freq, head_dim, rope_theta, rope_scaling)
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope_scaling)
     if freq_factors is not None:  # GGUF llama3 files ship the scaling as `rope_freqs.weight`
@@ -48,6 +50,40 @@ def _llama3_scale(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_blend(inv_freq: torch.Tensor, dim: int, base: float, s: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN (transformers' order of operations): high frequencies kept, low ones divided by `factor`, a linear ramp
+    between the dims that turn `beta_fast` and `beta_slow` times over the original context."""
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times in the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as is), 0: interpolate (divided by factor)
+    return (inv_freq / factor) * (1 - keep) + inv_freq * keep
+
+
+def yarn_attention_factor(s: Mapping[str, Any]) -> float:
+    """YaRN's scale on cos and sin: `attention_factor`, else 0.1 ln(factor) + 1 (or DeepSeek's mscale ratio)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"]))
+    return mscale()
 
 
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,

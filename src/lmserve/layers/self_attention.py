@@ -1,9 +1,9 @@
 """Self-attention of one decoder layer: fused QKV projection, optional QK-norm, rotary (whole, partial or
-none), attention through the context with the layer's options, output projection."""
+none), attention through the context with the layer's options (and learned sinks), output projection."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -26,7 +26,8 @@ class AttentionSpec:
     qk_norm_eps: float | None = None  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3); None: none
     norm_offset: float = 0.0  # the QK-norms' (offset + w), as the model's other norms
     rope: str | None = "full"  # the rotary table it reads ("full", "sliding"); None: no rotary (NoPE)
-    opts: AttnOptions = DEFAULT  # scale, window, soft-cap, sinks
+    opts: AttnOptions = DEFAULT  # scale, window, soft-cap
+    sinks: bool = False  # a learned sink logit per query head (gpt-oss): the `sinks` parameter, passed in the options
 
 
 class SelfAttention(nn.Module):
@@ -42,6 +43,8 @@ class SelfAttention(nn.Module):
         if spec.qk_norm_eps is not None:
             self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, spec.norm_offset)
             self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, spec.norm_offset)
+        # [num_heads]: filled by the loader, read by every attention path through AttnOptions.sinks
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
 
     def forward(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 attn: AttentionContext) -> torch.Tensor:
@@ -61,4 +64,10 @@ class SelfAttention(nn.Module):
             if cos_sin is not None:
                 q, k = rotary(q, *cos_sin), rotary(k, *cos_sin)
         v = v.view(-1, kvh, d)
-        return self.o_proj(attn.attend(self.layer_idx, q, k, v, self.spec.opts))
+        return self.o_proj(attn.attend(self.layer_idx, q, k, v, self.options()))
+
+    def options(self) -> AttnOptions:
+        """This layer's attention options, with its sink logits where it has them (the parameter as it is now: a
+        loader or device move may have replaced its storage since the layer was built), in float32 as every backend
+        reads them (a no-op for a float32 model)."""
+        return self.spec.opts if self.sinks is None else replace(self.spec.opts, sinks=self.sinks.float())

@@ -236,9 +236,10 @@ def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: Model
     """Checkpoint tensors as the family's hook gives them (renamed, fused ones split: models/<family>.py), each cut
     to this rank's part where it came whole (`whole`: every tensor; else the parts of a fused tensor, which the
     safetensors reader could not slice by its name)."""
-    hook = family_of(cfg).checkpoint_tensors
+    family = family_of(cfg)
+    hook = family.checkpoint_tensors
     split = shard is not None and shard.world_size > 1
-    for name, tensor, source in weights:
+    for name, tensor, source in family.checkpoint_stream(weights, cfg):
         name = "model." + name if name.startswith(_HEADLESS) else name
         for new, part in hook(name, tensor, cfg):
             cut = split and (whole or (split_dim(name) is None and new != name))

@@ -103,12 +103,14 @@ def iter_gguf(f: GGUFFile, cfg: ModelConfig, skip: Collection[str] = ()) -> Iter
 
 
 def expert_slices(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """A stacked expert tensor (HF name with `*` for the expert) -> one (name, [rows, cols]) per expert; else as is."""
+    """A stacked expert tensor (HF name with `*` for the expert) -> one (name, [rows, cols] or a bias [rows]) per
+    expert; else as is."""
     if ".experts.*." not in name:
         yield name, tensor
         return
-    if tensor.dim() != 3:
-        raise CheckpointError(f"expert tensor {name!r} has shape {tuple(tensor.shape)}, expected [experts, rows, cols]")
+    if tensor.dim() not in (2, 3):
+        raise CheckpointError(f"expert tensor {name!r} has shape {tuple(tensor.shape)}, expected [experts, rows, cols] "
+                              "or a bias [experts, rows]")
     for e in range(tensor.shape[0]):
         yield name.replace("*", str(e)), tensor[e]
 

@@ -83,6 +83,10 @@ def read_scheme(config: dict) -> PrequantScheme | None:
     if not isinstance(q, dict):
         raise CheckpointError(f"quantization_config = {q!r}: expected an object")
     method = str(q.get("quant_method", "")).lower()
+    if method == "mxfp4":  # gpt-oss's experts: its family joins their _blocks and _scales and dequantizes them
+        if "GptOssForCausalLM" not in (config.get("architectures") or []):  # (models/gpt_oss.py)
+            raise _refuse("quant_method", q.get("quant_method"), "read for gpt-oss's experts only")
+        return None
     readers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors}
     if method not in readers:
         raise _refuse("quant_method", q.get("quant_method"), f"not loaded (accepted: {', '.join(METHODS)})")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lmserve.errors import ConfigError
 from lmserve.models.config import ModelConfig
 
 _COLUMN = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
@@ -36,6 +37,9 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """The per-rank model: its share of the query heads, KV heads and MLP width (hidden size and vocab unchanged)."""
     if world_size == 1:
         return cfg
+    if cfg.attn_sinks or cfg.moe_bias:
+        raise ConfigError(f"{cfg.architecture}: tensor parallelism does not split attention sinks or expert biases "
+                          "yet; serve it on one rank")
     moe = cfg.moe_intermediate_size
     return replace(cfg, num_heads=cfg.num_heads // world_size, num_kv_heads=cfg.num_kv_heads // world_size,
                    intermediate_size=cfg.intermediate_size // world_size,

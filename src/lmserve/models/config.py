@@ -1,7 +1,7 @@
 """ModelConfig: one normalised description of a decoder-only model, whichever family and file it came from.
 
 `config_hf.config_from_hf` builds it from a Hugging Face config.json, `config_gguf.config_from_gguf` from GGUF
-metadata; the family files (models/llama.py, gemma.py, phi3.py) say what their family sets. Nothing here
+metadata; the family files (models/llama.py, gemma.py, phi3.py, moe.py, gpt_oss.py) say what their family sets. Nothing here
 knows the families: every field is a plain property of the network, with the Llama value as its default.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from lmserve.errors import CheckpointError
 
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "longrope"}
-ACTIVATIONS = {"silu", "gelu_tanh"}  # the gated MLP's activation: SwiGLU, GeGLU
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "longrope", "yarn"}
+ACTIVATIONS = {"silu", "gelu_tanh", "swiglu_oai"}  # the gated MLP's activation: SwiGLU, GeGLU, gpt-oss's clamped SwiGLU
 LAYER_TYPES = {"full", "sliding"}
 
 
@@ -53,6 +53,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3); None: one table
     rotary_dim: int | None = None  # rotated width of each head (partial rotary: Phi-3.5/4-mini); None: head_dim
     no_rope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3's NoPE layers)
+    attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
     max_model_len: int | None = None  # the served context when known at load: LongRoPE picks its factors by it
     # mixture of experts (Mixtral, Qwen2/3-MoE); num_experts 0: every layer has the dense gated MLP
     num_experts: int = 0
@@ -61,6 +62,8 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k softmax weights to sum to 1 (Mixtral, Qwen3-MoE configs)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert scaled by sigmoid(gate(x)); 0: none
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP (Qwen's mlp_only_layers)
+    moe_bias: bool = False  # the router and every expert projection have a bias (gpt-oss)
+    softmax_after_topk: bool = False  # the top k router logits, then a softmax over those k (gpt-oss)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -9,6 +9,7 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 
 from lmserve.errors import CheckpointError
+from lmserve.layers.rotary import yarn_attention_factor
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Fields, GGUFMeta
 from lmserve.models.registry import GGUF_ARCHITECTURES
@@ -59,6 +60,14 @@ def _scaling(m: GGUFMeta) -> dict | None:
     kind = m.get("rope.scaling.type")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(m.require("rope.scaling.factor"))}
+    if kind == "yarn":  # llama.cpp's defaults; it always rounds the ramp's ends outward (truncate)
+        scaling = {"rope_type": "yarn", "factor": float(m.require("rope.scaling.factor")),
+                   "original_max_position_embeddings": int(m.require("rope.scaling.original_context_length")),
+                   "beta_fast": float(m.get("rope.scaling.yarn_beta_fast", 32.0)),
+                   "beta_slow": float(m.get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": True}
+        if m.get("rope.scaling.attn_factor") is not None:  # llama.cpp multiplies YaRN's own factor by it
+            scaling["attention_factor"] = float(m.get("rope.scaling.attn_factor")) * yarn_attention_factor(scaling)
+        return scaling
     if kind not in _SCALING:
         raise CheckpointError(f"GGUF metadata: rope scaling type {kind!r} is not supported")
     return None

@@ -33,18 +33,19 @@ Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table kind -> (cos, sin),
 
 
 def attention_spec(cfg: ModelConfig, i: int) -> AttentionSpec:
-    """Layer i's attention: heads, biases, QK-norm, rotary table, scale, window and soft-cap."""
+    """Layer i's attention: heads, biases, QK-norm, rotary table, scale, window, soft-cap and sinks."""
     scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar is not None else None
     return AttentionSpec(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, cfg.o_bias,
                          cfg.rms_norm_eps if cfg.qk_norm else None, cfg.norm_offset, cfg.rope_kind(i),
-                         AttnOptions(scale=scale, window=cfg.window(i), soft_cap=cfg.attn_softcap))
+                         AttnOptions(scale=scale, window=cfg.window(i), soft_cap=cfg.attn_softcap), cfg.attn_sinks)
 
 
 def mlp_of(cfg: ModelConfig, i: int) -> nn.Module:
     """Layer i's MLP: the gated MLP, or a mixture of gated experts (Mixtral, Qwen2/3-MoE) in an MoE layer."""
     if cfg.is_moe_layer(i):
         return SparseMoE(cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size)
+                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size, cfg.moe_bias,
+                         cfg.softmax_after_topk)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
 

@@ -1,14 +1,14 @@
 """What a model family file declares: how its config.json and GGUF metadata set ModelConfig's fields, and
 how its checkpoints name and store tensors. The network itself is the shared `CausalLM` (models/decoder.py).
 
-A family file (models/llama.py, gemma.py, phi3.py) defines one `Family` per architecture and
+A family file (models/llama.py, gemma.py, phi3.py, moe.py, gpt_oss.py) defines one `Family` per architecture and
 models/registry.py maps architecture names to them: adding the next family is one file and a registry line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -62,6 +62,11 @@ def _as_is(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Tensors:
     yield name, tensor
 
 
+def _stream_as_is(weights: Iterator[tuple[str, torch.Tensor, str]],
+                  cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+    return weights
+
+
 @dataclass(frozen=True)
 class Family:
     """One architecture's differences from a Llama; every hook's default is Llama's."""
@@ -76,4 +81,8 @@ class Family:
     text_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda cfg: cfg
     # one checkpoint tensor (HF name) -> the tensors load_weights takes: renamed, split (fused qkv) or dropped
     checkpoint_tensors: Callable[[str, torch.Tensor, ModelConfig], Tensors] = _as_is
+    # the whole (hf_name, tensor, file) stream before `checkpoint_tensors`, for tensors that come in pieces
+    # (gpt-oss's MXFP4 `_blocks` and `_scales`, joined and dequantized)
+    checkpoint_stream: Callable[[Iterator[tuple[str, torch.Tensor, str]], ModelConfig],
+                                Iterator[tuple[str, torch.Tensor, str]]] = _stream_as_is
     model: Callable[[ModelConfig], nn.Module] = CausalLM

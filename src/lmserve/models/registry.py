@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import gemma, llama, moe, phi3
+from lmserve.models import gemma, gpt_oss, llama, moe, phi3
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -23,6 +23,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "MixtralForCausalLM": moe.MIXTRAL,
     "Qwen2MoeForCausalLM": moe.QWEN2_MOE,
     "Qwen3MoeForCausalLM": moe.QWEN3_MOE,
+    "GptOssForCausalLM": gpt_oss.GPT_OSS,
 }
 GGUF_ARCHITECTURES: dict[str, Family] = {
     "llama": llama.LLAMA,  # also Mistral's and Mixtral's files
@@ -34,6 +35,7 @@ GGUF_ARCHITECTURES: dict[str, Family] = {
     "phi3": phi3.PHI3,
     "qwen2moe": moe.QWEN2_MOE,
     "qwen3moe": moe.QWEN3_MOE,
+    "gpt-oss": gpt_oss.GPT_OSS,
 }
 
 

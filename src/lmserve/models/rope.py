@@ -7,7 +7,7 @@ import math
 import torch
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.rotary import inv_frequencies
+from lmserve.layers.rotary import inv_frequencies, yarn_attention_factor
 from lmserve.models.config import ModelConfig
 
 RopeSpecs = dict[str, tuple[torch.Tensor, float]]  # kind -> (inverse frequencies, attention factor)
@@ -21,8 +21,9 @@ def rope_specs(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> Ro
     kinds = {cfg.rope_kind(i) for i in range(cfg.num_layers)} - {None}
     specs: RopeSpecs = {}
     if "full" in kinds:
+        attention = yarn_attention_factor(cfg.rope_scaling) if cfg.rope_type == "yarn" else 1.0
         specs["full"] = _longrope(cfg) if cfg.rope_type == "longrope" else (
-            inv_frequencies(cfg.rotated_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling, freq_factors), 1.0)
+            inv_frequencies(cfg.rotated_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling, freq_factors), attention)
     if "sliding" in kinds:  # Gemma 3's local layers: their own base, no scaling
         specs["sliding"] = inv_frequencies(cfg.rotated_dim, cfg.local_rope_theta), 1.0
     return specs

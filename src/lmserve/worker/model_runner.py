@@ -3,6 +3,7 @@ rows, upload inputs once, one forward, sample (and verify drafts), one download.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -12,7 +13,7 @@ import torch
 from lmserve.layers.attention import AttentionContext, ContiguousAttention, GroupedAttention
 from lmserve.layers.attention_backends import attention_factory
 from lmserve.layers.decode_stack import apply_decode_stack
-from lmserve.layers.moe_kernels import apply_moe_kernels
+from lmserve.layers.moe_kernels import apply_moe_kernels, host_synced_moe_layers
 from lmserve.layers.kv_quant import row_width
 from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
@@ -28,6 +29,8 @@ from lmserve.worker.inputs import StepInputs, StepLayout, build_inputs
 from lmserve.worker.kv_memory import kv_zeros
 from lmserve.worker.kv_transfer import KVTransfer
 from lmserve.worker.pooler import Pooler
+
+log = logging.getLogger(__name__)
 from lmserve.worker.upload import PinnedStaging, to_device
 
 
@@ -108,8 +111,13 @@ class ModelRunner:
     def enable_decode_graphs(self, max_rows: int, max_blocks: int, capture: bool) -> float:
         """Run decode-only steps of up to max_rows tokens at fixed shapes (captured as CUDA graphs when
         `capture`); returns the capture time in seconds. Not with several KV groups: the static buffers hold one
-        block table per row (such a model runs its decode steps eagerly)."""
+        block table per row (such a model runs its decode steps eagerly). Nor where a mixture-of-experts layer runs
+        its module path (it reads run lengths on the host: layers/moe_kernels.host_synced_moe_layers)."""
         if self.num_kv_groups > 1:
+            return 0.0
+        if host_synced_moe_layers(self.model):
+            log.info("CUDA graphs off: %d mixture-of-experts layers have no graph-safe expert path; decode runs eagerly",
+                     host_synced_moe_layers(self.model))
             return 0.0
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.scratch, max_rows, max_blocks, capture,
                                   self.attention)

@@ -117,6 +117,8 @@ class TritonExperts(torch.nn.Module):
     stacked into w13 [E, 2 * inter, hidden] and down into w2 [E, hidden, inter]. The experts' own weights become views
     of the stacks, so the module path (the reference) and this one share one copy."""
 
+    graph_safe = True  # no host sync (layers/moe_kernels.host_synced_moe_layers)
+
     def __init__(self, experts: list[torch.nn.Module]) -> None:
         super().__init__()
         self.register_buffer("w13", torch.stack([e.gate_up_proj.weight.detach() for e in experts]))
