@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -127,12 +128,50 @@ inline void slab_block(int64_t rows, const float* x, int64_t K, const W* panel, 
       y[m * ldy + c] = k0 == 0 ? acc[m * kPanel + c] : y[m * ldy + c] + acc[m * kPanel + c];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One row against two panels at once over k in [k0, k1): four FMA chains and two weight streams. A half panel's
+// one row alone (two chains, the widening between load and FMA) streamed 7.3 GB/s where float32 and Q8_0 reach
+// ~9.5 (benchmarks/results/prequant_decode.md). Each output's chain is panel_chain<1>'s, so are its bits.
+template <typename W>
+inline void pair_block(const float* x, const W* p0, const W* p1, int64_t k0, int64_t k1, float* y0, float* y1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 w0, w1, v0, v1;
+    load16(p0 + k * kPanel, w0, w1);
+    load16(p1 + k * kPanel, v0, v1);
+    const __m256 a = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(a, w0, a0);
+    a1 = _mm256_fmadd_ps(a, w1, a1);
+    b0 = _mm256_fmadd_ps(a, v0, b0);
+    b1 = _mm256_fmadd_ps(a, v1, b1);
+  }
+  alignas(32) float acc[4 * 8];
+  _mm256_store_ps(acc, a0);
+  _mm256_store_ps(acc + 8, a1);
+  _mm256_store_ps(acc + 16, b0);
+  _mm256_store_ps(acc + 24, b1);
+  for (int64_t c = 0; c < kPanel; ++c) {
+    y0[c] = k0 == 0 ? acc[c] : y0[c] + acc[c];
+    y1[c] = k0 == 0 ? acc[16 + c] : y1[c] + acc[16 + c];
+  }
+}
+#endif
+
 // y [M, P * 16] = x [M, K] times every panel (W: the panels' element type), one parallel_for over the panels
 template <typename W>
 void skinny_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t P, float* yp) {
   const int64_t ldy = P * kPanel;
   lmserve::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+    int64_t p = begin;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (!std::is_same_v<W, float>) {  // half panels, one row: two panels a pass
+      for (; M == 1 && p + 1 < end; p += 2)
+        for (int64_t k0 = 0; k0 < K; k0 += kBlock)
+          pair_block(xp, pp + p * K * kPanel, pp + (p + 1) * K * kPanel, k0, std::min(K, k0 + kBlock),
+                     yp + p * kPanel, yp + (p + 1) * kPanel);
+    }
+#endif
+    for (; p < end; ++p) {
       const W* panel = pp + p * K * kPanel;
       for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
         const int64_t k1 = std::min(K, k0 + kBlock);
