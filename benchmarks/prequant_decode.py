@@ -4,10 +4,12 @@
 
 One random-weight model of SmolLM2-135M's shape (its config, the embedded file's tokenizer; seeded) is quantized
 twice: by llm-compressor (W4A16, symmetric, groups of 32, the compressed-tensors format GPTQ/AWQ one-shots write;
-round-to-nearest, or `--gptq`; the LM head stays float, as llm-compressor, GPTQ and AWQ checkpoints leave it)
-and by the `gguf` package's quantizer
-(Q4_0 projections, the tied token table in Q8_0 as the embedded SmolLM2 file has it). A third variant is that
-GGUF with a float32 token table, the LM head the GPTQ checkpoint has. The engines live in one process and
+round-to-nearest, or `--gptq`; the tied table stays unquantized, in the bfloat16 the model is in, as llm-compressor,
+GPTQ and AWQ checkpoints leave the LM head; lmserve holds it in bfloat16: layers/half_linear.py) and by the `gguf`
+package's quantizer (Q4_0 projections, the tied token table in Q8_0, as llama.cpp's quantize gives a 576-wide
+table and the embedded SmolLM2 file has it). A third variant is that GGUF with a float32 token table.
+`weight_bytes` is what each reads per decoded token (lmserve.bench.roofline); `lm_head_ms` times each LM head alone
+on one row (the profile of where a step's difference goes). The engines live in one process and
 alternate per repeat (same prompt, greedy, EOS ignored); each repeat's median decode step is kept, with the
 machine's load average (the machine is shared: compare the ratio, not the absolute numbers).
 """
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gguf_decode import cpu  # noqa: E402
 
+from lmserve.bench.roofline import weight_bytes  # noqa: E402
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.loader import default_model_path  # noqa: E402
@@ -149,6 +152,20 @@ def decode_step_ms(engine: LLMEngine, rid: str, tokens: int) -> tuple[float, lis
     return statistics.median(times) * 1000, out
 
 
+def head_ms(engines: dict[str, LLMEngine], repeats: int = 30) -> dict[str, float]:
+    """Median time of each model's LM head alone on one row (the engines interleaved): the part of a decode step
+    that the checkpoint's unquantized head costs."""
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(0))
+    times = {k: [] for k in engines}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                engine.loaded.model.compute_logits(x)
+                times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1000 for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
@@ -169,16 +186,21 @@ def main() -> None:
         engines = {k: LLMEngine(EngineConfig(model=str(p), num_threads=args.threads, cache=CacheConfig(num_blocks=64)))
                    for k, p in models.items()}
         formats = {k: e.loaded.weight_format for k, e in engines.items()}
+        read = {k: weight_bytes(e.loaded.model) for k, e in engines.items()}
+        heads = {k: type(e.loaded.model.lm_head).__name__ for k, e in engines.items()}
         load_before = os.getloadavg()
         steps, tokens = {k: [] for k in engines}, {}
         for r in range(args.repeats):
             for name, engine in engines.items():
                 ms, tokens[name] = decode_step_ms(engine, f"r{r}", args.tokens)
                 steps[name].append(ms)
+        head = head_ms(engines)
     median = {k: statistics.median(v) for k, v in steps.items()}
     result = {"cpu": cpu(), "threads": torch.get_num_threads(), "load_avg_before": load_before,
               "load_avg_after": os.getloadavg(), "tokens": args.tokens, "quantize_seconds": round(quantize_s, 1),
-              "weight_format": formats, "decode_step_ms": steps, "median_ms": median,
+              "weight_format": formats, "weight_bytes": read, "lm_head": heads, "decode_step_ms": steps,
+              "lm_head_ms": head, "median_ms": median,
+              "median_without_head_ms": {k: median[k] - head[k] for k in median},
               "quantizer": "llmcompressor GPTQ one-shot" if args.gptq else "llmcompressor round-to-nearest",
               "w4a16_vs_q4_0": median["gguf_q4_0"] / median["w4a16_g32"],
               "w4a16_vs_q4_0_float_head": median["gguf_q4_0_float_head"] / median["w4a16_g32"],

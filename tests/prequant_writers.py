@@ -17,8 +17,9 @@ VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 256, 128, 256, 2, 4, 2
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds output row 8j + AWQ_ORDER[i]
 
 
-def write_tiny_base(path: Path) -> Path:
-    """A random-weight Llama (transformers' own init, seeded) with a word-level tokenizer: "t0 t17 ..." -> ids."""
+def write_tiny_base(path: Path, dtype: torch.dtype = torch.float32, tied: bool = False) -> Path:
+    """A random-weight Llama (transformers' own init, seeded) with a word-level tokenizer: "t0 t17 ..." -> ids;
+    saved in `dtype` (real checkpoints ship in bfloat16), its LM head tied to the embedding or not."""
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers.models import WordLevel
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -27,8 +28,8 @@ def write_tiny_base(path: Path) -> Path:
     # initializer_range 0.1 (not 0.02): logits far enough apart that greedy tokens are a meaningful comparison
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                      tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
-    LlamaForCausalLM(cfg).float().save_pretrained(path)
+                      tie_word_embeddings=tied, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
+    LlamaForCausalLM(cfg).to(dtype).save_pretrained(path)
     tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0").save_pretrained(path)

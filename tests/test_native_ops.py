@@ -151,6 +151,43 @@ def test_skinny_kernel_gives_onednns_bits_for_1_to_8_rows(k, n, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,bias", [(37, 7, False), (576, 1000, True), (1100, 33, False), (2100, 250, True)])
+def test_half_panels_give_the_float_kernels_bits_and_the_reference(dtype, k, n, bias):
+    """bfloat16 / float16 panels (an LM head held in its checkpoint's dtype): each weight is widened exactly, so every
+    row equals the float32 kernel over the upcast panels bit for bit, in any batch (batch invariant: 1-8 rows, slabs
+    of 8 past that), and the plain reference (one float32 matmul) up to summation order. Odd K and a part panel."""
+    from lmserve.layers.half_linear import HalfLinear, reference_half_linear
+
+    w = (rand(n, k, seed=k) / k ** 0.5).to(dtype)
+    b = rand(n, seed=n) if bias else None
+    layer = HalfLinear(w, b)
+    assert layer.half_panels.dtype == dtype and layer.half_panels.shape == (-(-n // 16), k, 16)
+    x = rand(40, k, seed=k + n)
+    upcast = layer.half_panels.float()
+    full = mod.skinny_linear(x, upcast, n, layer.bias)
+    assert torch.equal(layer(x), full)
+    for m in [*range(1, 9), 12, 17]:
+        for start in (0, 40 - m):
+            assert torch.equal(layer(x[start:start + m]), full[start:start + m]), (m, start)
+    want = F.linear(x, w.float(), b)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(reference_half_linear(x, layer.half_panels, n, layer.bias), want, rtol=1e-5, atol=1e-4)
+
+
+def test_half_embedding_rows_from_the_tied_panels():
+    """A tied table held once, in the head's panels: a looked-up row is the table's row widened (exact)."""
+    from lmserve.layers.half_linear import HalfEmbedding, tied_half
+
+    w = rand(37, 24, seed=9).bfloat16()
+    table, head = tied_half(w)
+    assert table.table.data_ptr() == head.half_panels.data_ptr()  # one copy
+    ids = torch.tensor([[0, 36, 15, 16], [17, 1, 31, 32]])
+    assert torch.equal(table(ids), w.float()[ids])
+    assert torch.equal(HalfEmbedding(37, w.half())(ids), w.half().float()[ids])
+
+
+@needs_kernel
 def test_skinny_linear_refuses_bad_inputs():
     from lmserve.layers.linear import to_panels
 

@@ -30,7 +30,8 @@ class Roofline:
         return asdict(self)
 
 
-_WEIGHT_BUFFERS = ("packed", "codes", "scales", "mins")  # oneDNN-packed float weights; GGUF blocks kept quantized
+_WEIGHT_BUFFERS = ("packed", "codes", "scales", "mins", "half_panels")  # oneDNN-packed float weights; GGUF blocks
+# kept quantized; a bf16 / fp16 head (layers/half_linear.py)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -23,7 +23,7 @@ from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
 from lmserve.loader.prequant import (METHODS as PREQUANT_METHODS, CheckpointTensors, PrequantScheme, auto_prequant,
-                                     dequantized_rest, keep_prequantized, read_scheme)
+                                     dequantized_rest, keep_half_tables, keep_prequantized, read_scheme)
 from lmserve.loader.repack_cache import cached_keep
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
@@ -189,8 +189,13 @@ def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConf
     def keep_blocks(net: torch.nn.Module) -> None:  # before anything is written: no float copy of a kept layer
         consumed.update(keep_prequantized(net, tensors, scheme))
 
+    def renamed(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, str]]:  # the family's names for it
+        return _family_tensors(iter([(name, t, "")]), cfg, None)
+
     world = shard.world_size if shard is not None else 1
     net = _empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    if keep and device.type == "cpu" and dtype == torch.float32:  # after net.to(dtype), which would widen them
+        consumed.update(keep_half_tables(net, tensors, renamed))
     net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard))
     return net
 

@@ -12,8 +12,10 @@ what cannot be loaded exactly (loader/prequant_formats.py says how each format i
 `keep_prequantized` is the weight-format transform, the way GGUF blocks are kept (loader/gguf_packed.py): before
 anything is allocated, every projection whose checkpoint tensors map exactly onto a kernel layout
 (layers/int_weights.py) becomes a GGUFLinear over those codes (fused q/k/v and gate/up stack their parts' rows);
-no float copy of them is made. `dequantized_rest` then feeds the loader everything else, the layers no kernel
-fits dequantized to float ((code - zero) * scale: the plain reference, also the whole model's weights for
+no float copy of them is made. `keep_half_tables` holds the LM head and token table these checkpoints leave
+unquantized in their stored bfloat16 / float16 (layers/half_linear.py) instead of widening them to float32.
+`dequantized_rest` then feeds the loader everything else, the layers no kernel fits dequantized to float
+((code - zero) * scale: the plain reference, also the whole model's weights for
 `--quantization none`, other devices and dtypes, and tensor parallelism).
 """
 
@@ -30,6 +32,7 @@ from torch import nn
 
 from lmserve.errors import CheckpointError
 from lmserve.layers.gguf_linear import GGUFLinear, concat
+from lmserve.layers.half_linear import HalfEmbedding, HalfLinear, tied_half
 from lmserve.layers.int_weights import IntWeights, dequantize_int, kernel_blocks
 from lmserve.loader.prequant_formats import read_awq, read_compressed_int, read_fp8, read_gptq
 from lmserve.loader.sharding import TPShard, take_shard
@@ -266,6 +269,44 @@ def keep_prequantized(net: nn.Module, t: CheckpointTensors, scheme: PrequantSche
     log.info("%s: %d of %d quantized linear layers run on the int kernels", scheme.summary,
              len({n.rpartition(".")[0] for n in consumed}), len(quantized_layers(t)))
     return consumed
+
+
+HALF_STORED = {"BF16": torch.bfloat16, "F16": torch.float16}
+TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _half_tables(t: CheckpointTensors, hook) -> dict[str, str]:
+    """The model's table names (TABLES) -> the checkpoint tensor that fills each as it is stored, in bf16 / fp16
+    (a family hook that renames it counts; one that changes its values does not: that one is loaded as float)."""
+    found = {}
+    for name in t.names():
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and t.dtype(name) in HALF_STORED:
+            probe = torch.empty(0, device="meta")
+            found |= {new: name for new, out, _ in hook(name, probe) if new in TABLES and out is probe}
+    return found
+
+
+def keep_half_tables(net: nn.Module, t: CheckpointTensors, hook) -> set[str]:
+    """Swap the float LM head and token table for HalfLinear / HalfEmbedding over the checkpoint's own bfloat16 or
+    float16 tensors (hook: name, tensor -> the loader's (name, tensor, source) for it: the family's renames); the
+    checkpoint names consumed. Float32 tables stay
+    float32; `net`'s float tables must not have been written (their pages are never committed)."""
+    found = _half_tables(t, hook)
+    embed, vocab = found.get(TABLES[0]), net.config.vocab_size
+    shape = (vocab, net.config.hidden_size)
+    if embed is None or tuple(t.get(embed).shape) != shape:
+        return set()
+    table = t.get(embed)  # [vocab, hidden] in its stored dtype, memory-mapped
+    if net.config.tie_word_embeddings:
+        net.model.embed_tokens, net.lm_head = tied_half(table)
+        return {embed} | ({found[TABLES[1]]} if TABLES[1] in found else set())
+    net.model.embed_tokens = HalfEmbedding(vocab, table.clone())  # a copy: the memory map is released later
+    head = found.get(TABLES[1])
+    if head is None or tuple(t.get(head).shape) != shape or not isinstance(net.lm_head, nn.Linear) \
+            or net.lm_head.bias is not None:
+        return {embed}
+    net.lm_head = HalfLinear(t.get(head))
+    return {embed, head}
 
 
 def quantized_layers(t: CheckpointTensors) -> set[str]:

@@ -81,23 +81,27 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
   return norm_rows(x, &residual, weight, eps, "add_rms_norm_");
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  check_float_cpu(gate_up, "silu_and_mul");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: expected [T, 2 * I]");
+// The gated activations share their shape checks and row split; `row(g, u, o, I)` writes one row of act(g) * u.
+template <typename Row>
+static torch::Tensor gated_rows(torch::Tensor gate_up, const char* name, Row row) {
+  check_float_cpu(gate_up, name);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, name, ": expected [T, 2 * I]");
   gate_up = gate_up.contiguous();
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   lmserve::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* __restrict__ g = gp + t * 2 * I;
-      const float* __restrict__ u = g + I;
-      float* __restrict__ o = op + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t t = begin; t < end; ++t) row(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I);
   });
   return out;
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  return gated_rows(gate_up, "silu_and_mul",
+                    [](const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o, int64_t I) {
+                      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+                    });
 }
 
 // the GELU below: no fast-math or contraction, so its numbers are fixed whatever inlines them (simd_avx512.h)
@@ -207,17 +211,7 @@ std::vector<torch::Tensor> argmax_logprob(torch::Tensor logits) {
 }
 
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  check_float_cpu(gate_up, "gelu_tanh_and_mul");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gelu_tanh_and_mul: expected [T, 2 * I]");
-  gate_up = gate_up.contiguous();
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  lmserve::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) gelu_tanh_mul_row(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I);
-  });
-  return out;
+  return gated_rows(gate_up, "gelu_tanh_and_mul", gelu_tanh_mul_row);
 }
 
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {

@@ -1,4 +1,7 @@
 // Skinny matmul y = x W^T (+ b) for a few rows of x (decode steps of one to a few sequences), float32 CPU.
+// The weights are float32, or bfloat16 / float16 (an unquantized LM head held in its checkpoint's dtype: half the
+// bytes a step reads); a half weight is widened to float32 exactly as it is loaded (bf16: a 16-bit shift; fp16:
+// F16C's vcvtph2ps), so a half panel gives bit for bit what skinny_linear gives on the same panel upcast to float32.
 //
 // Why: at batch 1 a decode step is ~120 matrix-vector products over small matrices, and oneDNN's GEMM
 // streams them at ~13 GB/s here against ~21 GB/s of memory bandwidth (per-call set-up, short streams
@@ -26,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -38,10 +42,25 @@ constexpr int64_t kChunk = 64;    // inputs per pass of a row group: 4 KB of pan
 constexpr int64_t kSlab = 8;      // rows whose chains share one pass over a panel (acc buffer: 512 bytes)
 
 // rows [0, MR) of x continue their chains over k in [k0, k1) of one panel; acc [MR][16] carries them
-// between chunks (fresh: start at zero)
+// between chunks (fresh: start at zero). W: float, c10::BFloat16 or c10::Half (the panel's element type).
 #if defined(__AVX2__) && defined(__FMA__)
-template <int MR>
-inline void panel_chain(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, float* acc,
+// the 16 weights of one panel row (k) as two 8-float registers, widened exactly
+inline void load16(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(p);
+  w1 = _mm256_loadu_ps(p + 8);
+}
+inline void load16(const c10::BFloat16* p, __m256& w0, __m256& w1) {  // bf16 is float32's top 16 bits
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+}
+inline void load16(const c10::Half* p, __m256& w0, __m256& w1) {  // F16C: every AVX2 level has it
+  w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
+template <int MR, typename W>
+inline void panel_chain(const float* x, int64_t K, const W* panel, int64_t k0, int64_t k1, float* acc,
                         bool fresh) {
   __m256 lo[MR], hi[MR];
   // fully unrolled: GCC 12 otherwise keeps a stack copy of the 4-row accumulators, stored every k
@@ -50,7 +69,8 @@ inline void panel_chain(const float* x, int64_t K, const float* panel, int64_t k
     hi[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kPanel + 8);
   }
   for (int64_t k = k0; k < k1; ++k) {
-    __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    __m256 w0, w1;
+    load16(panel + k * kPanel, w0, w1);
     // keep w0, w1 in registers: GCC otherwise folds the loads into every row's FMA, 12 loads per k
     // for 4 rows instead of 6 (LM head at 8 rows: 8.0 -> 7.2 ms)
     asm("" : "+x"(w0), "+x"(w1));
@@ -66,21 +86,23 @@ inline void panel_chain(const float* x, int64_t K, const float* panel, int64_t k
   }
 }
 #else
-// The same arithmetic one column at a time (std::fma is the fused multiply-add the vector path uses).
-template <int MR>
-inline void panel_chain(const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1, float* acc,
+// The same arithmetic one column at a time (std::fma is the fused multiply-add the vector path uses; a half weight
+// is widened by c10's exact conversion).
+template <int MR, typename W>
+inline void panel_chain(const float* x, int64_t K, const W* panel, int64_t k0, int64_t k1, float* acc,
                         bool fresh) {
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < kPanel; ++c) {
       float a = fresh ? 0.f : acc[r * kPanel + c];
-      for (int64_t k = k0; k < k1; ++k) a = std::fma(x[r * K + k], panel[k * kPanel + c], a);
+      for (int64_t k = k0; k < k1; ++k) a = std::fma(x[r * K + k], static_cast<float>(panel[k * kPanel + c]), a);
       acc[r * kPanel + c] = a;
     }
 }
 #endif
 
 // one group of 1-4 rows (the template argument must be a constant)
-inline void group_chain(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1,
+template <typename W>
+inline void group_chain(int64_t rows, const float* x, int64_t K, const W* panel, int64_t k0, int64_t k1,
                         float* acc, bool fresh) {
   switch (rows) {
     case 4: panel_chain<4>(x, K, panel, k0, k1, acc, fresh); break;
@@ -92,7 +114,8 @@ inline void group_chain(int64_t rows, const float* x, int64_t K, const float* pa
 
 // rows [0, rows) (at most kSlab) against one panel, K-block [k0, k1): chains chunk by chunk, then
 // y = block sum (first block) or y + block sum
-inline void slab_block(int64_t rows, const float* x, int64_t K, const float* panel, int64_t k0, int64_t k1,
+template <typename W>
+inline void slab_block(int64_t rows, const float* x, int64_t K, const W* panel, int64_t k0, int64_t k1,
                        float* y, int64_t ldy) {
   alignas(64) float acc[kSlab * kPanel];
   for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
@@ -105,26 +128,51 @@ inline void slab_block(int64_t rows, const float* x, int64_t K, const float* pan
       y[m * ldy + c] = k0 == 0 ? acc[m * kPanel + c] : y[m * ldy + c] + acc[m * kPanel + c];
 }
 
-}  // namespace
+#if defined(__AVX2__) && defined(__FMA__)
+// One row against two panels at once over k in [k0, k1): four FMA chains and two weight streams. A half panel's
+// one row alone (two chains, the widening between load and FMA) streamed 7.3 GB/s where float32 and Q8_0 reach
+// ~9.5 (benchmarks/results/prequant_decode.md). Each output's chain is panel_chain<1>'s, so are its bits.
+template <typename W>
+inline void pair_block(const float* x, const W* p0, const W* p1, int64_t k0, int64_t k1, float* y0, float* y1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 w0, w1, v0, v1;
+    load16(p0 + k * kPanel, w0, w1);
+    load16(p1 + k * kPanel, v0, v1);
+    const __m256 a = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(a, w0, a0);
+    a1 = _mm256_fmadd_ps(a, w1, a1);
+    b0 = _mm256_fmadd_ps(a, v0, b0);
+    b1 = _mm256_fmadd_ps(a, v1, b1);
+  }
+  alignas(32) float acc[4 * 8];
+  _mm256_store_ps(acc, a0);
+  _mm256_store_ps(acc + 8, a1);
+  _mm256_store_ps(acc + 16, b0);
+  _mm256_store_ps(acc + 24, b1);
+  for (int64_t c = 0; c < kPanel; ++c) {
+    y0[c] = k0 == 0 ? acc[c] : y0[c] + acc[c];
+    y1[c] = k0 == 0 ? acc[16 + c] : y1[c] + acc[16 + c];
+  }
+}
+#endif
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
-                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kFloat,
-              "skinny_linear: float32 CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && panels.size(1) == x.size(1),
-              "skinny_linear: expected x [M, K] and panels [N/16, K, 16]");
-  TORCH_CHECK(panels.is_contiguous() && out_features <= panels.size(0) * kPanel, "skinny_linear: bad panels");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  // padded to whole panels while computing; the caller sees [M, out_features]
-  auto y = torch::empty({M, P * kPanel}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y [M, P * 16] = x [M, K] times every panel (W: the panels' element type), one parallel_for over the panels
+template <typename W>
+void skinny_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t P, float* yp) {
   const int64_t ldy = P * kPanel;
   lmserve::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = pp + p * K * kPanel;
+    int64_t p = begin;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (!std::is_same_v<W, float>) {  // half panels, one row: two panels a pass
+      for (; M == 1 && p + 1 < end; p += 2)
+        for (int64_t k0 = 0; k0 < K; k0 += kBlock)
+          pair_block(xp, pp + p * K * kPanel, pp + (p + 1) * K * kPanel, k0, std::min(K, k0 + kBlock),
+                     yp + p * kPanel, yp + (p + 1) * kPanel);
+    }
+#endif
+    for (; p < end; ++p) {
+      const W* panel = pp + p * K * kPanel;
       for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
         const int64_t k1 = std::min(K, k0 + kBlock);
         for (int64_t m = 0; m < M; m += kSlab)
@@ -132,6 +180,28 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
       }
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
+                            c10::optional<torch::Tensor> bias) {
+  const auto wt = panels.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat &&
+              (wt == torch::kFloat || wt == torch::kBFloat16 || wt == torch::kHalf),
+              "skinny_linear: float32 CPU activations, float32 / bfloat16 / float16 panels only");
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && panels.size(1) == x.size(1),
+              "skinny_linear: expected x [M, K] and panels [N/16, K, 16]");
+  TORCH_CHECK(panels.is_contiguous() && out_features <= panels.size(0) * kPanel, "skinny_linear: bad panels");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), ldy = P * kPanel;
+  // padded to whole panels while computing; the caller sees [M, out_features]
+  auto y = torch::empty({M, ldy}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (wt == torch::kBFloat16) skinny_panels(xp, M, K, panels.data_ptr<c10::BFloat16>(), P, yp);
+  else if (wt == torch::kHalf) skinny_panels(xp, M, K, panels.data_ptr<c10::Half>(), P, yp);
+  else skinny_panels(xp, M, K, panels.data_ptr<float>(), P, yp);
   auto out = out_features == ldy ? y : y.narrow(1, 0, out_features);
   if (bias.has_value()) out = out + *bias;
   return out;
