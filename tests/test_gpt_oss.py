@@ -213,18 +213,30 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
         assert_close(o, r, tol=1e-5)
 
 
-def test_what_it_cannot_do_yet_is_refused_or_declined(tiny):
-    """Tensor parallelism (sinks and expert biases are not split) is refused with a clear error; CUDA graphs are
-    declined (decode runs eagerly) even with one KV group, as the biased experts' module path reads run lengths on
-    the host."""
+def test_tensor_parallel_splits_sinks_with_their_heads_and_adds_expert_biases_once(tmp_path):
+    """TP=2: each rank holds its query heads' sinks and half of every expert's width with its gate/up biases; the
+    experts' down biases (zeroed off rank 0) are added once by the layer's all-reduce. Rank 0's logits equal one
+    rank's."""
+    from lmserve.layers.attention import ContiguousAttention
+    from tests.test_tp import PROMPTS, tp_logits
+
+    path, _ = build_hf("gpt_oss", tmp_path, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    whole = load_model(path, torch.float32, torch.device("cpu"))
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    with torch.inference_mode():
+        ref = whole.model.compute_logits(whole.model(ids, pos, ContiguousAttention([len(p) for p in PROMPTS])))
+    got = tp_logits(path, 2)
+    assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_what_it_cannot_do_yet_is_declined(tiny):
+    """CUDA graphs are declined (decode runs eagerly) even with one KV group, as the biased experts' module path
+    reads run lengths on the host."""
     from lmserve.cache.sizing import blocks_for
-    from lmserve.errors import ConfigError
-    from lmserve.loader import read_model_config
-    from lmserve.loader.sharding import local_config
 
     _, path, _ = tiny
-    with pytest.raises(ConfigError, match="tensor parallelism does not split attention sinks"):
-        local_config(read_model_config(path), 2)
     eng = LLMEngine(EngineConfig(model=str(path), quantization="none",
                                  cache=CacheConfig(num_blocks=32, hybrid_kv_cache=False)),
                     tokenizer=Tokenizer.from_pretrained(path))

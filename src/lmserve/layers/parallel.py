@@ -40,13 +40,14 @@ class RowParallel(nn.Module):
 
 
 def drop_row_biases(model: nn.Module, rank: int) -> None:
-    """Zero o/down biases on ranks other than 0 (before packing): the all-reduce then adds each bias once."""
+    """Zero o/down biases on ranks other than 0 (before packing): the all-reduce then adds each bias once. An MoE
+    layer is all-reduced whole, so each expert's down bias (gpt-oss), scaled by its routing weight, is added once too."""
     if rank == 0:
         return
     with torch.no_grad():
         for layer in model.model.layers:
-            down = [] if isinstance(layer.mlp, SparseMoE) else [layer.mlp.down_proj]  # experts have no biases
-            for proj in [layer.self_attn.o_proj, *down]:
+            mlps = list(layer.mlp.experts) if isinstance(layer.mlp, SparseMoE) else [layer.mlp]  # shared: no bias
+            for proj in [layer.self_attn.o_proj, *(m.down_proj for m in mlps)]:
                 if proj.bias is not None:
                     proj.bias.zero_()
 

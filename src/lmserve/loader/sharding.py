@@ -6,10 +6,12 @@ rank r holds query heads [r*H/N, (r+1)*H/N) and exactly the KV heads they read (
 straddle ranks). Its fused qkv_proj is then a smaller Linear holding [q_r; k_r; v_r]: the slice of
 each of q, k and v, stacked in the same order as the unsharded fused matrix.
 Row-parallel (split the input columns): o and down projections; their biases stay whole (added once,
-by rank 0, after the all-reduce: layers/parallel.py).
+by rank 0, after the all-reduce: layers/parallel.py). gpt-oss's attention sinks are one logit per query head, so
+they split with the heads.
 Everything else (embedding, norms, LM head, an MoE layer's router) is replicated. Experts split like the dense
-MLP: every rank holds every expert's slice of the intermediate width (column gate/up, row down), so routing needs no
-communication and each rank's experts see the same tokens; the layer's combined output is all-reduced once.
+MLP: every rank holds every expert's slice of the intermediate width (column gate/up with their biases, row down), so
+routing needs no communication and each rank's experts see the same tokens; the layer's combined output is
+all-reduced once, and each expert's down bias (gpt-oss) is added by rank 0 only.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lmserve.errors import ConfigError
 from lmserve.models.config import ModelConfig
 
 _COLUMN = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
 _ROW = (".o_proj.weight", ".down_proj.weight")
+_HEADS = (".self_attn.sinks",)  # one value per query head: split like q_proj's rows
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,6 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """The per-rank model: its share of the query heads, KV heads and MLP width (hidden size and vocab unchanged)."""
     if world_size == 1:
         return cfg
-    if cfg.attn_sinks or cfg.moe_bias:
-        raise ConfigError(f"{cfg.architecture}: tensor parallelism does not split attention sinks or expert biases "
-                          "yet; serve it on one rank")
     moe = cfg.moe_intermediate_size
     return replace(cfg, num_heads=cfg.num_heads // world_size, num_kv_heads=cfg.num_kv_heads // world_size,
                    intermediate_size=cfg.intermediate_size // world_size,
@@ -49,7 +48,7 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
 
 def split_dim(name: str) -> int | None:
     """The dimension a checkpoint tensor (HF name) is split along: 0 column-parallel, 1 row-parallel, None whole."""
-    if any(f in name for f in _COLUMN):
+    if any(f in name for f in _COLUMN) or name.endswith(_HEADS):
         return 0
     if any(name.endswith(f) for f in _ROW):
         return 1
