@@ -217,15 +217,10 @@ def test_tensor_parallel_splits_sinks_with_their_heads_and_adds_expert_biases_on
     """TP=2: each rank holds its query heads' sinks and half of every expert's width with its gate/up biases; the
     experts' down biases (zeroed off rank 0) are added once by the layer's all-reduce. Rank 0's logits equal one
     rank's."""
-    from lmserve.layers.attention import ContiguousAttention
-    from tests.test_tp import PROMPTS, tp_logits
+    from tests.test_tp import one_rank_logits, tp_logits
 
     path, _ = build_hf("gpt_oss", tmp_path, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    whole = load_model(path, torch.float32, torch.device("cpu"))
-    ids = torch.tensor([t for p in PROMPTS for t in p])
-    pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
-    with torch.inference_mode():
-        ref = whole.model.compute_logits(whole.model(ids, pos, ContiguousAttention([len(p) for p in PROMPTS])))
+    ref = one_rank_logits(path)
     got = tp_logits(path, 2)
     assert (got - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
