@@ -48,8 +48,10 @@ class CodedPanels(NamedTuple):
 
 
 def _positions(c: torch.Tensor) -> torch.Tensor:
-    """Column(s) c -> [..., 4] byte positions of inputs k % 4 = 0..3 in a coded group (the kernel's unpack order)."""
-    return (16 * (c // 4) + c % 4).unsqueeze(-1) + 4 * torch.arange(GROUP)
+    """Column(s) c -> [..., 4] byte positions of inputs v = k % 4 in a coded group (the kernel's unpack order):
+    16 (c / 4) + 8 (v / 2) + 2 (c % 4) + v % 2."""
+    v = torch.arange(GROUP)
+    return (16 * (c // 4) + 2 * (c % 4)).unsqueeze(-1) + 8 * (v // 2) + v % 2
 
 
 def code_panels(panels: torch.Tensor) -> CodedPanels | None:
@@ -75,8 +77,9 @@ def code_panels(panels: torch.Tensor) -> CodedPanels | None:
     idx = F.pad(idx.masked_fill(missing, 0), (0, 0, 0, g * GROUP - k))  # [P, G * 4, 16]; padded inputs: index 0
     low = F.pad((bits & 0xFF).masked_fill(missing, 0), (0, 0, 0, g * GROUP - k))
 
-    def order(t: torch.Tensor) -> torch.Tensor:  # [P, G * 4, 16] -> [P, G, 64]: position 16 (c / 4) + 4 (k % 4) + c % 4
-        return t.view(p, g, GROUP, 4, 4).permute(0, 1, 3, 2, 4).reshape(p, g, 64)
+    def order(t: torch.Tensor) -> torch.Tensor:  # [P, G * 4, 16] -> [P, G, 64] in _positions' order
+        # [P, G, v/2, v%2, c/4, c%4] -> [P, G, c/4, v/2, c%4, v%2]
+        return t.view(p, g, 2, 2, 4, 4).permute(0, 1, 4, 2, 5, 3).reshape(p, g, 64)
 
     idx, low = order(idx), order(low)
     coded.codes.copy_(torch.cat([idx[..., :32] | (idx[..., 32:] << 4), low], dim=2))

@@ -2,7 +2,7 @@
 
 One extension module (layers/csrc/): paged decode attention, the fused row-wise ops of a decoder
 layer (RMSNorm with the residual add, SiLU-and-mul, rotary), the skinny matmul for steps of a few
-rows, and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32.
+rows (also over a bfloat16 head coded in 12 bits a weight: coded_half.cpp), and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32.
 
 `pip install` / `pip wheel` compile it once per level in LEVELS (setup.py), so a wheel runs on any x86-64
 machine without a compiler. At run time the best level this CPU's flags allow is loaded, from:

@@ -12,10 +12,12 @@
 //
 // Layout: the panels of skinny_linear ([N/16][K][16]), each panel in groups of 4 inputs k (64 weights, 96 bytes):
 // 32 bytes of indices (the weight at position q < 32 in the low nibble of byte q, q >= 32 in the high nibble of
-// byte q - 32) then 64 low bytes, position q = 16 * (c / 4) + 4 * (k % 4) + c % 4 for output column c. That order
-// is what two byte unpacks (low, high) and two word unpacks (zero, word) give back per 128-bit lane: k % 4 lands in
-// one register each, column c at float c (AVX-512: one register of 16; AVX2: the first 32 positions hold columns
-// 0-7, the last 32 columns 8-15). K is padded to groups of 4 with weights the kernel never multiplies.
+// byte q - 32) then 64 low bytes, position q = 16 (c / 4) + 8 (v / 2) + 2 (c % 4) + v % 2 for output column c and
+// input k = 4g + v. That order is what one byte unpack (low, high) per 128-bit lane gives back as bfloat16 words,
+// and a word is widened in place (even words: a 16-bit shift; odd words: the low half masked off): input v lands in
+// one register, column c at float c (AVX-512: one register of 16; AVX2: positions 0-31 hold columns 0-7, 32-63
+// columns 8-15). Three shuffles a group (vpshufb, two unpacks); the plain bfloat16 panels take three per 16 weights.
+// K is padded to groups of 4 with weights the kernel never multiplies.
 //
 // Numerics: every output is gemv.cpp's chain (FMAs over k in order, restarted every 1024 inputs, block sums added
 // in order), over the same widened values, so the result is bit for bit skinny_linear's over the bfloat16 panels,
@@ -50,7 +52,7 @@ struct Coded {
 
 // weight (k = 4g + v, column c) of one group, widened (the scalar decode: fallback build and reference of the order)
 inline float coded_weight(const uint8_t* blk, const uint8_t* table, int64_t v, int64_t c) {
-  const int64_t q = 16 * (c >> 2) + 4 * v + (c & 3);
+  const int64_t q = 16 * (c >> 2) + 8 * (v >> 1) + 2 * (c & 3) + (v & 1);
   const int nib = q < 32 ? blk[q] & 15 : blk[q - 32] >> 4;
   const uint32_t bits = (uint32_t(table[nib]) << 24) | (uint32_t(blk[32 + q]) << 16);
   float f;
@@ -83,17 +85,16 @@ struct Isa {  // one register holds a panel row's 16 columns
   static void store(float* p, const V (&v)[H]) { _mm512_storeu_ps(p, v[0]); }
   static void load(const float* p, V (&v)[H]) { v[0] = _mm512_loadu_ps(p); }
   static void decode(const uint8_t* blk, T tab, V (&f)[4][H]) {
-    const __m256i nb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
-    const __m256i m = _mm256_set1_epi8(0x0f);
-    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(nb, m)),
-                                           _mm256_and_si256(_mm256_srli_epi16(nb, 4), m), 1);
+    // the 32 index bytes in both halves; the upper half's words shifted by 4: its high nibbles
+    const __m512i nb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512i idx = _mm512_and_si512(_mm512_mask_srli_epi16(nb, 0xFFFF0000u, nb, 4), _mm512_set1_epi8(0x0f));
     const __m512i hi = _mm512_shuffle_epi8(tab, idx);
     const __m512i lo = _mm512_loadu_si512(blk + 32);
-    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), z = _mm512_setzero_si512();
-    f[0][0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w0));
-    f[1][0] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w0));
-    f[2][0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, w1));
-    f[3][0] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, w1));
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), m = _mm512_set1_epi32(-65536);
+    f[0][0] = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));  // even words: bf16 -> float32 is a 16-bit shift
+    f[1][0] = _mm512_castsi512_ps(_mm512_and_si512(w0, m));    // odd words are already in place
+    f[2][0] = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+    f[3][0] = _mm512_castsi512_ps(_mm512_and_si512(w1, m));
   }
 };
 #else
@@ -109,16 +110,16 @@ struct Isa {  // two registers: columns 0-7 and 8-15
   static void load(const float* p, V (&v)[H]) { v[0] = _mm256_loadu_ps(p); v[1] = _mm256_loadu_ps(p + 8); }
   static void decode(const uint8_t* blk, T tab, V (&f)[4][H]) {
     const __m256i nb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
-    const __m256i m = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
+    const __m256i m = _mm256_set1_epi8(0x0f), m16 = _mm256_set1_epi32(-65536);
     const __m256i idx[2] = {_mm256_and_si256(nb, m), _mm256_and_si256(_mm256_srli_epi16(nb, 4), m)};
     for (int h = 0; h < 2; ++h) {  // positions [32h, 32h + 32): columns [8h, 8h + 8)
       const __m256i hi = _mm256_shuffle_epi8(tab, idx[h]);
       const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * h));
       const __m256i w0 = _mm256_unpacklo_epi8(lo, hi), w1 = _mm256_unpackhi_epi8(lo, hi);
-      f[0][h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w0));
-      f[1][h] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w0));
-      f[2][h] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, w1));
-      f[3][h] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, w1));
+      f[0][h] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+      f[1][h] = _mm256_castsi256_ps(_mm256_and_si256(w0, m16));
+      f[2][h] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+      f[3][h] = _mm256_castsi256_ps(_mm256_and_si256(w1, m16));
     }
   }
 };
