@@ -146,6 +146,13 @@ class HalfLinear(nn.Module):
         ids = torch.arange(self.out_features) if ids is None else ids
         return coded_rows(self.coded, ids, self.in_features)
 
+    def float_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows `ids` [T] widened to float32 [T, K] (the tied embedding's look-ups; native where it can)."""
+        mod = native_module()
+        if self.coded is None or mod is None or ids.device.type != "cpu":
+            return self.half_rows(ids).float()
+        return mod.coded_half_rows(ids.long(), *self.coded, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [T, K]
         mod = native_module()  # None when the kernels are off (or switched off after load: tests)
@@ -174,15 +181,15 @@ class HalfEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = table.in_features if isinstance(table, HalfLinear) else table.shape[1]
         if isinstance(table, HalfLinear):
-            self.head_rows = table.half_rows  # a bound method: the head stays out of this module's tree
+            self.head_rows = table.float_rows  # a bound method: the head stays out of this module's tree
         else:
             self.head_rows = None
             self.register_buffer("table", table)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        rows = self.table[ids] if self.head_rows is None else self.head_rows(ids)  # [T, K]
-        return rows.float().view(*input_ids.shape, self.embedding_dim)
+        rows = self.table[ids].float() if self.head_rows is None else self.head_rows(ids)  # [T, K]
+        return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         where = "the tied head" if self.head_rows is not None else "rows"

@@ -31,6 +31,8 @@ torch::Tensor skinny_linear_experts(torch::Tensor x, torch::Tensor offsets, torc
 torch::Tensor coded_half_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor tables, torch::Tensor exc_off,
                                 torch::Tensor exc_pos, torch::Tensor exc_val, int64_t out_features,
                                 c10::optional<torch::Tensor> bias);
+torch::Tensor coded_half_rows(torch::Tensor ids, torch::Tensor codes, torch::Tensor tables, torch::Tensor exc_off,
+                              torch::Tensor exc_pos, torch::Tensor exc_val, int64_t K);
 
 // quant_gemm.cpp
 torch::Tensor quantize_activations(torch::Tensor x);
