@@ -56,7 +56,7 @@ def _positions(c: torch.Tensor) -> torch.Tensor:
 
 def code_panels(panels: torch.Tensor) -> CodedPanels | None:
     """bfloat16 panels [P, K, 16] -> their 12-bit coding, or None where it does not pay (CODED_PAYS) or the dtype
-    is not bfloat16 (load time, vectorised: ~1 s for a 49152 x 576 head)."""
+    is not bfloat16 (load time, vectorised: ~1-2 s for a 49152 x 576 head on the 2-core Xeon)."""
     if panels.dtype != torch.bfloat16:
         return None
     p, k, _ = panels.shape
