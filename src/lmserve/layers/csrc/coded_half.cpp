@@ -40,6 +40,7 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kGroupBytes = 96;  // 4 inputs x 16 columns: 32 bytes of indices, 64 low bytes
 constexpr int64_t kBlock = 1024;     // gemv.cpp's chain length
+constexpr int64_t kPrefetch = 1536;  // bytes ahead of the group read now (16 groups) that are asked for
 
 struct Coded {
   const uint8_t* codes;    // [P, G, 96]
@@ -142,7 +143,10 @@ inline void chain(const Coded& w, int64_t p, const float* x, int64_t ldx, int64_
     const int64_t nk = std::min<int64_t>(4, k1 - 4 * g);
     Isa::V f[NP][4][Isa::H];
     _Pragma("GCC unroll 2") for (int i = 0; i < NP; ++i) {
-      Isa::decode(w.codes + ((p + i) * w.G + g) * kGroupBytes, tab[i], f[i]);
+      const uint8_t* blk = w.codes + ((p + i) * w.G + g) * kGroupBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + 64), _MM_HINT_T0);
+      Isa::decode(blk, tab[i], f[i]);
       if (e[i] < e1[i] && w.exc_pos[e[i]] < (4 * g + 4) * kPanel) {  // rare: ~1 weight in 10^4
         alignas(64) float buf[4 * kPanel];
         for (int v = 0; v < 4; ++v) Isa::store(buf + v * kPanel, f[i][v]);
