@@ -28,7 +28,7 @@ INFER_PATH = re.compile(r"^/v2/models/[^/]+/infer$")  # the Observe middleware r
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
 
 class V2Tensor(_Strict):

@@ -52,7 +52,7 @@ def is_public_page(method: str, path: str) -> bool:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
 
 class Alternative(_Body):
