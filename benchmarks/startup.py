@@ -2,8 +2,8 @@
 
     python benchmarks/startup.py --variants "--quantization none" "" --repeats 3
 
-`--floor` adds a row for a process that only imports torch, FastAPI and uvicorn and exits (wall and CPU seconds; no
-RSS). Each run starts a fresh `lmserve serve` process on the embedded model (the native extension must already be
+`--floor` adds a row for a process that only imports torch, FastAPI and uvicorn (the collector off, as in a serve)
+and exits (wall and CPU seconds; no RSS). Each run starts a fresh `lmserve serve` process on the embedded model (the native extension must already be
 built: run any server once first), polls /health, and sends one streamed completion of one token as soon as
 the server answers; the time is from `Popen` to that token's SSE chunk, with the CPU time the server process
 had used by then (steadier than the wall clock on a shared machine). Peak RSS is the process's VmHWM read
@@ -86,7 +86,8 @@ def one_run(flags: list[str], threads: int) -> dict:
         proc.wait(30)
 
 
-FLOOR = "import torch, fastapi, uvicorn"  # what any torch + FastAPI server imports before it can answer
+# what any torch + FastAPI server imports before it can answer, with the cyclic collector off as `lmserve serve` has it
+FLOOR = "import gc; gc.disable(); import torch, fastapi, uvicorn"
 
 
 def floor_run() -> dict:
