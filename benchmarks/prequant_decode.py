@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        # the GGUF files here live as long as this run: their repacked-weight cache entries (~115 MB each) too
+        os.environ.setdefault("LMSERVE_WEIGHT_CACHE", str(Path(tmp) / "start-cache"))
         base = random_smollm2(Path(tmp) / "base")
         made = time.perf_counter()
         layers = gguf_tensors(base)

@@ -28,6 +28,7 @@ from gguf_decode import cpu  # noqa: E402
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.layers.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack  # noqa: E402
+from lmserve.layers.native import native_module  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
 import torch  # noqa: E402
@@ -75,8 +76,6 @@ class PhaseClock:
 def timed_steps(engine: LLMEngine) -> tuple[list[float], dict[str, float], dict[str, float]]:
     """Wall seconds of each remaining step, the mean seconds per step in the decoder layers and the LM head, and the
     native worker pool's counters per step (thread_pool.h)."""
-    from lmserve.layers.native import native_module
-
     mod = native_module()
     clock = PhaseClock(engine)
     before, times = mod.pool_stats(), []
@@ -139,10 +138,13 @@ def prefill_section(engine: LLMEngine, n: int) -> list[str]:
 
 
 def native_split(prof: cProfile.Profile) -> dict[str, float]:
+    """Seconds in each C++ kernel (built-ins: their own time is all their time). The extension is named for its
+    build (`_native_avx512_vnni`, `_native_avx2`, ...: layers/native.py), so its name is read, not assumed."""
+    prefix = native_module().__name__ + "."
     per = {}
     for (_, _, name), row in pstats.Stats(prof).stats.items():
-        if "lmserve_native." in name:  # the C++ kernels (built-ins: their own time is all their time)
-            label = name.strip("<>").split("lmserve_native.")[1]
+        if prefix in name:
+            label = name.strip("<>").split(prefix)[1]
             per[label] = per.get(label, 0.0) + row[2]
     return per
 

@@ -2,7 +2,8 @@
 
     python benchmarks/startup.py --variants "--quantization none" "" --repeats 3
 
-Each run starts a fresh `lmserve serve` process on the embedded model (the native extension must already be
+`--floor` adds a row for a process that only imports torch, FastAPI and uvicorn (the collector off, as in a serve)
+and exits (wall and CPU seconds; no RSS). Each run starts a fresh `lmserve serve` process on the embedded model (the native extension must already be
 built: run any server once first), polls /health, and sends one streamed completion of one token as soon as
 the server answers; the time is from `Popen` to that token's SSE chunk, with the CPU time the server process
 had used by then (steadier than the wall clock on a shared machine). Peak RSS is the process's VmHWM read
@@ -18,6 +19,7 @@ import argparse
 import compileall
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -84,19 +86,41 @@ def one_run(flags: list[str], threads: int) -> dict:
         proc.wait(30)
 
 
+# what any torch + FastAPI server imports before it can answer, with the cyclic collector off as `lmserve serve` has it
+FLOOR = "import gc; gc.disable(); import torch, fastapi, uvicorn"
+
+
+def floor_run() -> dict:
+    """The same clocks for a process that only imports torch, FastAPI and uvicorn and exits: the start a server of
+    this stack cannot go below on this machine, whatever it does after its imports."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", FLOOR], check=True)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"first_token_s": seconds, "cpu_s": round(cpu, 2), "peak_rss_gib": float("nan")}  # not read: it exited
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=["--quantization none", ""],
                     help="`lmserve serve` flag sets to compare, each one string ('' = the defaults)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--floor", action="store_true", help=f"also time `python -c '{FLOOR}'` alone, alternating with "
+                    "the variants (the row it gives: the imports' share of a start)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     compile_lmserve()
     runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    if args.floor:
+        runs[FLOOR] = []
     for _ in range(args.repeats):
         for v in args.variants:
             runs[v].append(one_run(v.split(), args.threads))
+        if args.floor:
+            runs[FLOOR].append(floor_run())
     result = {v or "(defaults)": {"first_token_s_median": statistics.median(r["first_token_s"] for r in rs),
                                   "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
                                   "peak_rss_gib_median": statistics.median(r["peak_rss_gib"] for r in rs),

@@ -63,7 +63,12 @@ def test_disconnect_during_prefill_frees_blocks(server):
         body = (b'{"model": "%s", "prompt": "%s", "max_tokens": 500, "stream": %s}'
                 % (MODEL.encode(), long_prompt.encode(), stream))
         s = _raw_post(server, body)
-        time.sleep(0.3)  # the request is admitted and prefilling (3000 tokens take seconds here)
+        # hang up once the request holds KV blocks: admitted and prefilling (3000 tokens take seconds here); a
+        # fixed sleep hung up before admission on a loaded machine, and a request never admitted is no abort
+        deadline = time.time() + 30
+        while server.metric("lmserve:kv_cache_free_blocks") == server.metric("lmserve:kv_cache_total_blocks"):
+            assert time.time() < deadline, "the request was never admitted"
+            time.sleep(0.01)
         s.close()
         server.wait_idle(timeout=20)
     assert server.metric("lmserve:request_aborts_total", 'reason="client_disconnect"') == before + 2

@@ -1,6 +1,7 @@
 """The on-disk cache of repacked GGUF layers (loader/repack_cache.py): a hit builds the same layers over the same
 bytes without repacking, and gives the same greedy tokens; a corrupt, truncated or foreign entry is ignored and
-rewritten, never served; another model never reads this one's entry; LMSERVE_WEIGHT_CACHE=0 writes nothing."""
+rewritten, never served; another model never reads this one's entry; LMSERVE_WEIGHT_CACHE=0 writes nothing. The
+same for the BPE merges a SentencePiece-style vocabulary derives (tokenizer/merges_cache.py), kept beside them."""
 
 from __future__ import annotations
 
@@ -158,3 +159,34 @@ def test_off_writes_nothing(tmp_path, monkeypatch):
     load(path)
     root = Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "weights"
     assert not list(root.glob(path.stem + "*"))
+
+
+def test_derived_merges_are_cached_checked_and_rebuilt(cache, tmp_path, monkeypatch):
+    """Gemma-style vocabularies store no merges: the first tokenizer build derives and writes them, the next reads
+    them back (deriving nothing) and tokenizes identically; a corrupt, truncated, foreign-magic or other-code entry
+    is derived again and rewritten; LMSERVE_WEIGHT_CACHE=0 writes nothing."""
+    from lmserve.tokenizer import Tokenizer, gguf_vocab, merges_cache
+    from tests.test_family_tokenizers import write_gemma_vocab
+
+    src = tmp_path / "gemma3.gguf"
+    write_gemma_vocab(src)
+    derived = []
+    real = gguf_vocab.merges_by_position
+    monkeypatch.setattr(gguf_vocab, "merges_by_position", lambda *a: derived.append(1) or real(*a))
+    text = "The quick brown fox   jumps over the lazy dog"
+    first = Tokenizer.from_gguf(src).encode(text)
+    (entry,) = cache.glob("gemma3-*.merges")
+    assert len(derived) == 1 and len(first) > 3
+    assert Tokenizer.from_gguf(src).encode(text) == first and len(derived) == 1  # read back, not derived
+    good = entry.read_bytes()
+    for bad in (good[:-7], b"NOTMERGE" + good[8:], good[:-1] + bytes([good[-1] ^ 0xFF]),
+                good[:8] + b"0" * 16 + good[24:]):  # truncated, foreign magic, a flipped byte, another key
+        entry.write_bytes(bad)
+        assert Tokenizer.from_gguf(src).encode(text) == first
+        assert entry.read_bytes() == good  # derived again and rewritten
+    assert len(derived) == 5
+    monkeypatch.setenv("LMSERVE_WEIGHT_CACHE", "0")
+    entry.unlink()
+    assert Tokenizer.from_gguf(src).encode(text) == first and len(derived) == 6
+    assert not list(cache.glob("*.merges"))
+    assert merges_cache.MAGIC == good[:8]

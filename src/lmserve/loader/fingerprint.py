@@ -1,9 +1,14 @@
-"""What identifies a checkpoint's weights cheaply: the response cache and the KV tier key their entries by it."""
+"""What identifies a checkpoint's weights cheaply: the response cache and the KV tier key their entries by it, and
+the start cache (what a start derives from a model file: loader/repack_cache.py, tokenizer/merges_cache.py) names
+its files by it."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
+
+START_CACHE_ENV = "LMSERVE_WEIGHT_CACHE"  # "0": no start cache (never read or written); else its directory
 
 _HEAD_BYTES = 2**20  # of each weight file, hashed into the fingerprint
 _WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
@@ -21,3 +26,13 @@ def weights_fingerprint(path: Path) -> str:
             with open(f, "rb") as fh:
                 h.update(fh.read(_HEAD_BYTES))
     return h.hexdigest()[:16]
+
+
+def start_cache_path(path: Path, suffix: str) -> Path | None:
+    """Where the start cache keeps what is derived from model file `path` (`suffix`: which derivation), or None when
+    $LMSERVE_WEIGHT_CACHE is "0". Default directory: $LMSERVE_CACHE_DIR/weights (~/.cache/lmserve/weights)."""
+    given = os.environ.get(START_CACHE_ENV)
+    if given == "0":
+        return None
+    root = Path(given or Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "weights")
+    return root / f"{path.stem}-{weights_fingerprint(path)}{suffix}"

@@ -33,12 +33,11 @@ from torch import nn
 from lmserve.layers.gguf_embedding import GGUFEmbedding, share_blocks
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear, Repacked
 from lmserve.layers.native import build_key
-from lmserve.loader.fingerprint import weights_fingerprint
+from lmserve.loader.fingerprint import start_cache_path
 from lmserve.loader.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
-ENV_DIR = "LMSERVE_WEIGHT_CACHE"  # "0": never read or write the cache; else the cache's directory
 MAGIC = b"LMSWGT01"  # the format: a change to the file layout below changes it
 _ALIGN = 64  # every array starts at a multiple of this many bytes (cache lines; the kernels' vector loads)
 # what decides the bytes of a repacked layer besides the GGUF file: the code that repacks and lays them out
@@ -75,11 +74,7 @@ def layout_key() -> str:
 
 
 def _entry_path(f: GGUFFile) -> Path | None:
-    given = os.environ.get(ENV_DIR)
-    if given == "0":
-        return None
-    root = Path(given or Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "weights")
-    return root / f"{Path(f.path).stem}-{weights_fingerprint(Path(f.path))}.lmw"
+    return start_cache_path(Path(f.path), ".lmw")
 
 
 # -- writing -------------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, open
 from lmserve.server.access_log import AccessLog
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
-from lmserve.server.api.openapi import install_openapi
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.api.chat_plan import plan_chat
@@ -58,7 +57,7 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
     app.include_router(embeddings.router)
     _misc_routes(app)
     _error_handlers(app)
-    install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
+    _install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
     app.add_middleware(Observe, state=state)
     app.add_middleware(AuthAndStatus, state=state)
     if state.config.cors_allowed_origins:
@@ -68,6 +67,20 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
                        upload_bytes={"/v1/files": state.config.max_upload_bytes})
     app.add_middleware(AccessLog, enabled=access_log)  # outermost: its latency is the whole request's
     return app
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """Serve server/api/openapi.py's completed document at /openapi.json, built on its first request: that module's
+    ~60 answer models are imported then, not on the path to the first token (issue 32: start-up)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from lmserve.server.api.openapi import build_document
+
+            app.openapi_schema = build_document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _lifespan(state: ServerState):

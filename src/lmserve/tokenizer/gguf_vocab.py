@@ -22,6 +22,8 @@ from typing import Any, Callable, NamedTuple
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from lmserve.tokenizer.merges_cache import cached_merges
+
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # GGUF token_type values (2 unknown, 5 unused, 6 byte)
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
@@ -177,7 +179,8 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[i
     if scores is None or len(scores) != len(tokens):
         raise ValueError(f"{source}: GGUF SentencePiece vocabulary has no scores for its {len(tokens)} tokens")
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
-    hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges_from_scores(tokens, scores, types),
+    merges = cached_merges(source, lambda: merges_from_scores(tokens, scores, types))
+    hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges,
                                 unk_token=tokens[0 if unk is None else unk], fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     # A normalizer runs once per run of text between added tokens, so the prefix space also follows
@@ -196,7 +199,8 @@ def _gemma_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = _vocab(spelled)
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges_by_position(spelled, vocab), fuse_unk=True,
+    merges = cached_merges(source, lambda: merges_by_position(spelled, vocab))  # 1.8 CPU s for Gemma 3's vocabulary
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
                                 unk_token=spelled[3 if unk is None else unk], byte_fallback=True))
     hf.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.sampling_params import SamplingParams
@@ -32,11 +32,12 @@ from lmserve.parsers.output import OutputParser
 from lmserve.server.api.chat_plan import ChatPlan, plan_chat
 from lmserve.server.config import TokenLimits
 from lmserve.server.errors import anthropic_error_body
+from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of
 from lmserve.server.streams import MergedStreams, Watched, stream_failure
 
-router = APIRouter()
+router = Router()
 Event = tuple[str, dict]  # (SSE event name, its data); the name is the data's `type`
 SIGNATURE = ""  # a thinking block's signature (see _thinking_block)
 

@@ -16,7 +16,7 @@ import time
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
@@ -25,11 +25,12 @@ from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import _NullMeansDefault
+from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of
 from lmserve.server.streams import Watched, engine_error
 
-router = APIRouter()
+router = Router()
 # like generation routes, the Observe middleware keeps a record of each (and settles the key's usage)
 PATHS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit); the server's queue limit may be lower

@@ -13,22 +13,23 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.server.errors import APIError
 from lmserve.server.api.openai import caller_of, start_completion
 from lmserve.server.protocol import MAX_PROMPTS, CompletionRequest, parse_body, parse_data
+from lmserve.server.router import Router
 from lmserve.server.state import LEASES_KEY, LOADING_KEY, accept, key_name_of, record_of, state_of
 
-router = APIRouter()
+router = Router()
 INPUT, OUTPUT, BYTES = "text_input", "text_output", "BYTES"
 INFER_PATH = re.compile(r"^/v2/models/[^/]+/infer$")  # the Observe middleware records these as generation requests
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
 
 class V2Tensor(_Strict):

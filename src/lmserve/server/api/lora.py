@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from fastapi import APIRouter
 from starlette.requests import Request
 
 from lmserve.lora.peft_adapter import AdapterError
@@ -20,9 +19,10 @@ from lmserve.lora.registry import AdapterNameTaken
 from lmserve.server.adapter_owners import taken
 from lmserve.server.errors import APIError, excerpt
 from lmserve.server.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, parse_body
+from lmserve.server.router import Router
 from lmserve.server.state import ServerState, key_name_of, state_of
 
-router = APIRouter()
+router = Router()
 
 
 @router.post("/v1/load_lora_adapter")

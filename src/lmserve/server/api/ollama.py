@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
@@ -34,11 +34,12 @@ from lmserve.parsers.output import OutputParser
 from lmserve.server.api.chat_plan import ChatPlan, plan_chat
 from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
+from lmserve.server.router import Router
 from lmserve.server.served import Chat, ModelState, Prompt
 from lmserve.server.state import read_request, record_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
 
-router = APIRouter()
+router = Router()
 router.include_router(ollama_models.router)
 GENERATION_PATHS = ("/api/chat", "/api/generate")
 # The Ollama API level these routes follow (clients gate features on it: tools, think, logprobs).

@@ -13,15 +13,16 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from lmserve.server.api.ollama_protocol import LATEST, ShowRequest
 from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import parse_body
+from lmserve.server.router import Router
 from lmserve.server.state import key_name_of, state_of
 
-router = APIRouter()
+router = Router()
 
 
 def _now() -> str:

@@ -2,8 +2,9 @@
 
 Routes read their bodies themselves (strict parsing in protocol.parse_body) and answer plain dicts, so
 FastAPI sees neither; this module adds both to the generated document, once, on the first
-/openapi.json. The response models here describe what the routes answer (extra fields allowed:
-the document promises fields, not their absence); a fuzzer checks every answer against them.
+/openapi.json (server/app.py imports it only then: building its models is no part of a start). The
+response models here describe what the routes answer (extra fields allowed: the document promises
+fields, not their absence); a fuzzer checks every answer against them.
 """
 
 from __future__ import annotations
@@ -534,17 +535,6 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("head", "/"): RouteDoc(None, None, (401,), (TEXT,)),  # Ollama's "Ollama is running" (no body: HEAD)
 }
 _ERROR_MODELS = (OpenAIError, TGIError, V2Error, AnthropicError, OllamaError)
-
-
-def install_openapi(app: FastAPI) -> None:
-    """Serve the completed document at /openapi.json (built once, on first use)."""
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            app.openapi_schema = build_document(app)
-        return app.openapi_schema
-
-    app.openapi = openapi
 
 
 def build_document(app: FastAPI) -> dict:

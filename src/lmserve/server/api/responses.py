@@ -23,7 +23,7 @@ import logging
 import sqlite3
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from lmserve.server.api import chunks as sse
@@ -33,11 +33,12 @@ from lmserve.server.api.responses_output import OutputItems, ResponseShell, outp
 from lmserve.server.api.responses_store import ResponseStore, StoredResponse
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_data
+from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import IGNORED_FIELDS_KEY, key_name_of, read_request, record_of, state_of
 from lmserve.server.streams import Watched, stream_failure
 
-router = APIRouter()
+router = Router()
 log = logging.getLogger(__name__)
 MAX_LIST = 100  # input items per page
 # Chat's names for the fields an error may name, and the Responses API's.

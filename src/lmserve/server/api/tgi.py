@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
@@ -19,11 +19,12 @@ from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 from lmserve.server.errors import error_body
 from lmserve.server.api.params import tgi_params
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
+from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
 
-router = APIRouter()
+router = Router()
 
 
 @router.get("/info")

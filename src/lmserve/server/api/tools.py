@@ -22,9 +22,6 @@ import re
 from functools import lru_cache
 from typing import Any
 
-import jinja2
-import jinja2.meta
-
 from lmserve.parsers.output import OutputParser
 from lmserve.parsers.reasoning import ReasoningParser
 from lmserve.parsers.tool_formats import HERMES, ToolFormat, resolve_format
@@ -74,6 +71,9 @@ def template_variables(template: str | None) -> frozenset[str]:
     """The variables a chat template's Jinja source reads from its caller (`tools`, `enable_thinking`, ...)."""
     if not template:
         return frozenset()
+    import jinja2  # here, not at import: no start pays for jinja2 (issue 32)
+    import jinja2.meta
+
     try:
         parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(_GENERATION_TAG.sub("", template))
     except jinja2.TemplateSyntaxError:

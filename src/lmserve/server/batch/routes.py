@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -20,9 +20,10 @@ from lmserve.server.batch.store import BatchJob, BatchStore, StoredFile
 from lmserve.server.errors import APIError
 from lmserve.server.api.openai import BATCH_ENDPOINTS
 from lmserve.server.protocol import BatchCreateRequest, parse_body
+from lmserve.server.router import Router
 from lmserve.server.state import key_name_of, state_of
 
-router = APIRouter()
+router = Router()
 MAX_LIST = 100  # jobs per page of GET /v1/batches
 
 

@@ -15,16 +15,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar, cast
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.server.errors import APIError
 from lmserve.server.playground.store import ShareStore, ShareSummary, StoreFull
 from lmserve.server.protocol import parse_body
+from lmserve.server.router import Router
 from lmserve.server.state import key_name_of, state_of
 
-router = APIRouter()
+router = Router()
 log = logging.getLogger("lmserve.server")
 T = TypeVar("T")
 
@@ -52,7 +53,7 @@ def is_public_page(method: str, path: str) -> bool:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, defer_build=True)
 
 
 class Alternative(_Body):
