@@ -1,5 +1,6 @@
-"""One decode row through SmolLM2-135M's LM head (49152 x 576) held three ways: bfloat16 panels (HalfLinear, a
-pre-quantized checkpoint's unquantized head), float32 panels (the skinny kernel) and Q8_0 blocks (a GGUF's table).
+"""One decode row through SmolLM2-135M's LM head (49152 x 576) held four ways: bfloat16 coded in 12 bits a weight
+(HalfLinear's default for a pre-quantized checkpoint's unquantized head: lossless), bfloat16 panels (the same head
+uncoded), float32 panels (the skinny kernel) and Q8_0 blocks (a GGUF's table).
 
     python benchmarks/lm_head_kernels.py [--repeats 30]
 
@@ -34,11 +35,13 @@ def main() -> None:
 
     mod = native_module()
     w = torch.randn(49152, 576, generator=torch.Generator().manual_seed(0)) * 0.05
-    half, f32 = HalfLinear(w.bfloat16()), to_panels(w)
+    coded, half, f32 = HalfLinear(w.bfloat16()), HalfLinear(w.bfloat16(), coded=False), to_panels(w)
     q8 = GGUFLinear(kernel_layout(repack("Q8_0", quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0), 49152, 576)),
                     576, None)
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(1))
-    heads = {"bf16": (lambda: half(x), half.half_panels.nbytes),
+    assert torch.equal(coded(x), half(x))  # lossless: the same chains over the same values
+    heads = {"bf16_coded": (lambda: coded(x), coded.coded.nbytes),
+             "bf16": (lambda: half(x), half.half_panels.nbytes),
              "f32": (lambda: mod.skinny_linear(x, f32, 49152, None), f32.nbytes),
              "q8_0": (lambda: q8(x), sum(t.nbytes for t in (q8.codes, q8.scales)))}
     times = {k: [] for k in heads}

@@ -161,7 +161,7 @@ def test_half_panels_give_the_float_kernels_bits_and_the_reference(dtype, k, n, 
 
     w = (rand(n, k, seed=k) / k ** 0.5).to(dtype)
     b = rand(n, seed=n) if bias else None
-    layer = HalfLinear(w, b)
+    layer = HalfLinear(w, b, coded=False)
     assert layer.half_panels.dtype == dtype and layer.half_panels.shape == (-(-n // 16), k, 16)
     x = rand(40, k, seed=k + n)
     upcast = layer.half_panels.float()
@@ -172,18 +172,66 @@ def test_half_panels_give_the_float_kernels_bits_and_the_reference(dtype, k, n, 
             assert torch.equal(layer(x[start:start + m]), full[start:start + m]), (m, start)
     want = F.linear(x, w.float(), b)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(reference_half_linear(x, layer.half_panels, n, layer.bias), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(reference_half_linear(x, layer.half_rows(), layer.bias), want, rtol=1e-5, atol=1e-4)
 
 
-def test_half_embedding_rows_from_the_tied_panels():
-    """A tied table held once, in the head's panels: a looked-up row is the table's row widened (exact)."""
-    from lmserve.layers.half_linear import HalfEmbedding, tied_half
+def with_exceptions(n: int, k: int) -> torch.Tensor:
+    """A bfloat16 [n, k] matrix whose first and last rows hold weights of many rare magnitudes (2^+-20..80: high
+    bytes outside their panel's 16 commonest), in the last (part) group of inputs too, and some zeros."""
+    w = rand(n, k, seed=k) / k ** 0.5
+    j = torch.arange(k)
+    w[0] *= torch.where(j % 9 == 0, 2.0 ** (20 + j % 60), 1.0)
+    w[n - 1] *= torch.where(j % 11 == 1, 2.0 ** -(20 + j % 60), 1.0)
+    w[n - 1, k - 1] = 1e30
+    w[n // 2, ::7] = 0.0
+    return w.bfloat16()
 
-    w = rand(37, 24, seed=9).bfloat16()
+
+@needs_kernel
+@pytest.mark.parametrize("k,n,bias", [(47, 17, False), (45, 70, True), (576, 100, True), (1100, 33, False)])
+def test_coded_bf16_head_is_lossless_and_gives_the_plain_panels_bits(k, n, bias):
+    """A bfloat16 head in 12 bits a weight (per panel: 16 high bytes, 4-bit indices, raw low bytes, exceptions): its
+    rows come back bit for bit, and every row count gives the plain bfloat16 panels' outputs bit for bit (the same
+    chains: batch invariant), the plain reference up to summation order. K not a multiple of 4 (a part group), past
+    1024 (a restarted chain), N not a multiple of 16, exceptions present."""
+    from lmserve.layers.half_linear import HalfLinear, reference_half_linear
+
+    w, b = with_exceptions(n, k), (rand(n, seed=n) if bias else None)
+    coded, plain = HalfLinear(w, b), HalfLinear(w, b, coded=False)
+    assert coded.coded is not None and coded.coded.exc_val.numel() > 0 and not hasattr(coded, "half_panels")
+    assert torch.equal(coded.half_rows().view(torch.int16), w.view(torch.int16))
+    x = rand(20, k, seed=k + n)
+    full = plain(x)
+    for m in (1, 2, 3, 4, 5, 8, 9):
+        for start in (0, 20 - m):
+            assert torch.equal(coded(x[start:start + m]), full[start:start + m]), (m, start)
+    want = F.linear(x, w.float(), b)
+    got = reference_half_linear(x, coded.half_rows(), coded.bias)
+    assert torch.equal(got, want)
+    assert torch.allclose(coded(x), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_a_float16_head_keeps_its_plain_panels():
+    """float16's high byte holds 2 mantissa bits: 16 values leave too many weights out, so no coding is made."""
+    from lmserve.layers.half_linear import HalfLinear
+
+    layer = HalfLinear(rand(64, 96, seed=3).half())
+    assert layer.coded is None and layer.half_panels.dtype == torch.float16
+
+
+def test_half_embedding_rows_from_the_tied_head():
+    """A tied table held once, in the head (coded or plain panels): a looked-up row is the table's row widened
+    (exact, exceptions included)."""
+    from lmserve.layers.half_linear import HalfEmbedding, HalfLinear, tied_half
+
+    w = with_exceptions(37, 200)
     table, head = tied_half(w)
-    assert table.table.data_ptr() == head.half_panels.data_ptr()  # one copy
-    ids = torch.tensor([[0, 36, 15, 16], [17, 1, 31, 32]])
-    assert torch.equal(table(ids), w.float()[ids])
+    assert table.head_rows.__self__ is head and not list(table.buffers())  # one copy
+    assert head.coded.exc_val.numel() > 0
+    ids = torch.tensor([[0, 36, 15, 16], [17, 1, 31, 32], [36, 36, 0, 18]])
+    assert torch.equal(table(ids), w.float()[ids])  # the native look-up where the kernels are on
+    assert torch.equal(head.half_rows(ids.view(-1)).view(torch.int16), w[ids.view(-1)].view(torch.int16))  # reference
+    assert torch.equal(HalfEmbedding(37, HalfLinear(w, coded=False))(ids), w.float()[ids])
     assert torch.equal(HalfEmbedding(37, w.half())(ids), w.half().float()[ids])
 
 

@@ -404,22 +404,25 @@ def bf16_tied(tmp_path_factory) -> Reference:
 
 
 def test_a_bf16_head_is_held_in_bf16(bf16_tied):
-    """The table the checkpoint stores in bfloat16 stays bfloat16, held once (tied head and embedding share the
-    head's panels), read by the half skinny kernel; no float32 copy of it is kept. Logits: the library's dequantized
-    model's, as for the float32 checkpoints (the bf16 -> float32 widening is exact)."""
+    """The table the checkpoint stores in bfloat16 keeps its values, held once (the tied embedding looks its rows up
+    in the head), coded losslessly in 12 bits a weight and read by the coded half kernel; no float32 or second copy
+    of it is kept. Logits: the library's dequantized model's, as for the float32 checkpoints (the bf16 -> float32
+    widening is exact)."""
     from safetensors import safe_open
 
     from lmserve.layers.half_linear import HalfEmbedding, HalfLinear
 
     with safe_open(str(bf16_tied.path / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+        table = f.get_tensor("model.embed_tokens.weight")
     loaded = load_model(bf16_tied.path, torch.float32, CPU, quantization="auto")
     head, embed = loaded.model.lm_head, loaded.model.model.embed_tokens
     assert isinstance(head, HalfLinear) and isinstance(embed, HalfEmbedding)
-    assert head.half_panels.dtype == torch.bfloat16 and embed.table.data_ptr() == head.half_panels.data_ptr()
+    assert head.coded is not None and embed.head_rows.__self__ is head
+    assert torch.equal(head.half_rows().view(torch.int16), table.view(torch.int16))  # lossless
     held = [t for t in [*loaded.model.parameters(), *loaded.model.buffers()]
             if t.is_floating_point() and t.numel() >= VOCAB * HIDDEN]
-    assert [(t.dtype, t.numel() * t.element_size()) for t in held] == [(torch.bfloat16, 2 * VOCAB * HIDDEN)]
+    assert held == [] and head.codes.dtype == torch.uint8 and head.codes.nbytes <= 0.8 * 2 * VOCAB * HIDDEN
     ours = logits_of(loaded.model)
     assert rel(ours, bf16_tied.rounded) <= FLIPS
     assert rel(ours, bf16_tied.logits) <= 0.1  # the int8 activation rounding itself

@@ -31,7 +31,7 @@ class Roofline:
 
 
 _WEIGHT_BUFFERS = ("packed", "codes", "scales", "mins", "half_panels")  # oneDNN-packed float weights; GGUF blocks
-# kept quantized; a bf16 / fp16 head (layers/half_linear.py)
+# kept quantized; a bf16 / fp16 head's panels, or a bf16 head's 12-bit codes (layers/half_linear.py)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -2,7 +2,7 @@
 
 One extension module (layers/csrc/): paged decode attention, the fused row-wise ops of a decoder
 layer (RMSNorm with the residual add, SiLU-and-mul, rotary), the skinny matmul for steps of a few
-rows, and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32.
+rows (also over a bfloat16 head coded in 12 bits a weight: coded_half.cpp), and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32.
 
 `pip install` / `pip wheel` compile it once per level in LEVELS (setup.py), so a wheel runs on any x86-64
 machine without a compiler. At run time the best level this CPU's flags allow is loaded, from:
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "LMSERVE_NATIVE_KERNELS"
 ENV_LEVEL = "LMSERVE_NATIVE_LEVEL"  # a level's name: load that build instead of the best (each build's parity tests)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp", "quant_gemm.cpp",
-                                          "decode_stack.cpp", "bindings.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp", "coded_half.cpp",
+                                          "quant_gemm.cpp", "decode_stack.cpp", "bindings.cpp")]
 # fast-math lets GCC vectorise the reductions and exp; finite-math stays off (masked -inf must compare)
 CFLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 BUILD_STAMP = Path(__file__).parent / "_native_build.json"  # written by setup.py beside the builds it made

@@ -55,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("pure_spin_us"), pybind11::arg("caller_spin_us"), pybind11::arg("chunks_per_thread"),
         pybind11::arg("adaptive"));
   m.def("skinny_linear", &skinny_linear, no_gil(), "y = x W^T (+ b) for a few rows, W in [N/16, K, 16] panels (float32, CPU)");
+  m.def("coded_half_linear", &coded_half_linear, no_gil(),
+        "skinny_linear over a bfloat16 matrix coded in 12 bits a weight: panel tables of high bytes + exceptions");
+  m.def("coded_half_rows", &coded_half_rows, no_gil(), "rows ids of a coded_half_linear matrix, float32 [T, K]");
   m.def("skinny_linear_experts", &skinny_linear_experts, no_gil(),
         "rows [offsets[e], offsets[e+1]) of x times expert e's panels [E, N/16, K, 16] (float32, CPU)");
   m.def("quant_linear_experts", &quant_linear_experts, no_gil(),

@@ -27,6 +27,13 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
                             c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor panels, int64_t out_features);
 
+// coded_half.cpp: a bfloat16 matrix in 12 bits a weight (layers/half_linear.py codes it), float32 math
+torch::Tensor coded_half_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor tables, torch::Tensor exc_off,
+                                torch::Tensor exc_pos, torch::Tensor exc_val, int64_t out_features,
+                                c10::optional<torch::Tensor> bias);
+torch::Tensor coded_half_rows(torch::Tensor ids, torch::Tensor codes, torch::Tensor tables, torch::Tensor exc_off,
+                              torch::Tensor exc_pos, torch::Tensor exc_val, int64_t K);
+
 // quant_gemm.cpp
 torch::Tensor quantize_activations(torch::Tensor x);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
