@@ -211,6 +211,23 @@ def test_coded_bf16_head_is_lossless_and_gives_the_plain_panels_bits(k, n, bias)
     assert torch.allclose(coded(x), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
+@needs_kernel
+@pytest.mark.parametrize("k,n", [(47, 17), (45, 70), (576, 100), (3, 5)])
+def test_native_coder_gives_the_reference_codings_bytes(k, n):
+    """The native coder (load time) writes the tensor-op reference's coding byte for byte: tables (ties between
+    equally common high bytes broken the same way), indices and low bytes in the kernel's order, the padded inputs
+    of a part group, and the exception lists; also for a panel of fewer than 16 distinct high bytes."""
+    from lmserve.layers.half_linear import code_panels_reference
+    from lmserve.layers.linear import to_panels
+    from lmserve.layers.native import native_module
+
+    for w in (with_exceptions(n, k), torch.full((n, k), 0.5).bfloat16()):
+        panels = to_panels(w)
+        native, reference = native_module().code_half_panels(panels), code_panels_reference(panels)
+        for got, want in zip(native, reference):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_a_float16_head_keeps_its_plain_panels():
     """float16's high byte holds 2 mantissa bits: 16 values leave too many weights out, so no coding is made."""
     from lmserve.layers.half_linear import HalfLinear

@@ -56,15 +56,27 @@ def _positions(c: torch.Tensor) -> torch.Tensor:
 
 def code_panels(panels: torch.Tensor) -> CodedPanels | None:
     """bfloat16 panels [P, K, 16] -> their 12-bit coding, or None where it does not pay (CODED_PAYS) or the dtype
-    is not bfloat16 (load time, vectorised: ~1-2 s for a 49152 x 576 head on the 2-core Xeon)."""
+    is not bfloat16. The native coder (layers/csrc/coded_half.cpp: ~0.1 s for a 49152 x 576 head) gives the
+    reference's bytes; without the kernels the reference codes (~1.5 s there, load time only)."""
     if panels.dtype != torch.bfloat16:
         return None
+    mod = native_module()
+    coded = CodedPanels(*mod.code_half_panels(panels.contiguous())) if mod is not None else \
+        code_panels_reference(panels)
+    return coded if coded.nbytes <= CODED_PAYS * panels.nbytes else None
+
+
+def code_panels_reference(panels: torch.Tensor) -> CodedPanels:
+    """The coding in tensor ops: each panel's 16 commonest high bytes (more weights first, then the smaller byte),
+    every weight's index and low byte in the kernel's order, the others listed exactly."""
     p, k, _ = panels.shape
     g = -(-k // GROUP)
     bits = panels.view(torch.int16).to(torch.int32) & 0xFFFF  # [P, K, 16]
     high = bits >> 8
-    counts = torch.zeros(p, 256, dtype=torch.int32).scatter_add_(1, high.view(p, -1), torch.ones_like(high.view(p, -1)))
-    table = counts.topk(16, dim=1).indices  # [P, 16]: the 16 commonest high bytes of each panel
+    counts = torch.zeros(p, 256, dtype=torch.int64).scatter_add_(1, high.view(p, -1).long(),
+                                                                  torch.ones(p, k * PANEL, dtype=torch.int64))
+    # a unique key per byte (count, then the smaller byte first): the table does not hang on topk's order of ties
+    table = (counts * 256 + 255 - torch.arange(256)).topk(16, dim=1).indices  # [P, 16]
     lut = torch.full((p, 256), -1, dtype=torch.int32).scatter_(1, table, torch.arange(16, dtype=torch.int32).expand(p, 16))
     idx = lut.gather(1, high.view(p, -1)).view(p, k, 16)
     missing = idx < 0
@@ -72,8 +84,6 @@ def code_panels(panels: torch.Tensor) -> CodedPanels | None:
     coded = CodedPanels(torch.empty(p, g, 96, dtype=torch.uint8), table.to(torch.uint8),
                         F.pad(torch.bincount(exc[:, 0], minlength=p).cumsum(0), (1, 0)),
                         (exc[:, 1] * PANEL + exc[:, 2]).to(torch.int32), panels[missing].float())
-    if coded.nbytes > CODED_PAYS * panels.nbytes:
-        return None
     idx = F.pad(idx.masked_fill(missing, 0), (0, 0, 0, g * GROUP - k))  # [P, G * 4, 16]; padded inputs: index 0
     low = F.pad((bits & 0xFF).masked_fill(missing, 0), (0, 0, 0, g * GROUP - k))
 

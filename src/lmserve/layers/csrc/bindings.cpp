@@ -58,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("coded_half_linear", &coded_half_linear, no_gil(),
         "skinny_linear over a bfloat16 matrix coded in 12 bits a weight: panel tables of high bytes + exceptions");
   m.def("coded_half_rows", &coded_half_rows, no_gil(), "rows ids of a coded_half_linear matrix, float32 [T, K]");
+  m.def("code_half_panels", &code_half_panels, no_gil(),
+        "bfloat16 panels [N/16, K, 16] -> (codes, tables, exc_off, exc_pos, exc_val) for coded_half_linear");
   m.def("skinny_linear_experts", &skinny_linear_experts, no_gil(),
         "rows [offsets[e], offsets[e+1]) of x times expert e's panels [E, N/16, K, 16] (float32, CPU)");
   m.def("quant_linear_experts", &quant_linear_experts, no_gil(),

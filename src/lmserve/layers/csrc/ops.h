@@ -33,6 +33,7 @@ torch::Tensor coded_half_linear(torch::Tensor x, torch::Tensor codes, torch::Ten
                                 c10::optional<torch::Tensor> bias);
 torch::Tensor coded_half_rows(torch::Tensor ids, torch::Tensor codes, torch::Tensor tables, torch::Tensor exc_off,
                               torch::Tensor exc_pos, torch::Tensor exc_val, int64_t K);
+std::vector<torch::Tensor> code_half_panels(torch::Tensor panels);
 
 // quant_gemm.cpp
 torch::Tensor quantize_activations(torch::Tensor x);
