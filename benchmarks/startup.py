@@ -3,7 +3,9 @@
     python benchmarks/startup.py --variants "--quantization none" "" --repeats 3
 
 `--floor` adds a row for a process that only imports torch, FastAPI and uvicorn (the collector off, as in a serve)
-and exits (wall and CPU seconds; no RSS). Each run starts a fresh `lmserve serve` process on the embedded model (the native extension must already be
+and exits (wall and CPU seconds; no RSS).
+
+Each run starts a fresh `lmserve serve` process on the embedded model (the native extension must already be
 built: run any server once first), polls /health, and sends one streamed completion of one token as soon as
 the server answers; the time is from `Popen` to that token's SSE chunk, with the CPU time the server process
 had used by then (steadier than the wall clock on a shared machine). Peak RSS is the process's VmHWM read

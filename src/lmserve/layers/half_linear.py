@@ -140,13 +140,21 @@ class HalfLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         panels = to_panels(weight)  # [N/16, K, 16]
-        self.coded = code_panels(panels) if coded else None
-        if self.coded is None:
+        held = code_panels(panels) if coded else None
+        if held is None:
             self.register_buffer("half_panels", panels)
         else:  # "codes" is what bench/roofline.py counts as weight bytes (the tables and exceptions: < 0.3%)
-            for name, t in self.coded._asdict().items():
+            for name, t in held._asdict().items():
                 self.register_buffer(name, t)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def coded(self) -> CodedPanels | None:
+        """The 12-bit coding, read from the buffers that hold it (so it follows them through `.to()` and state
+        dicts); None where the weight is held in plain panels."""
+        if "codes" not in self._buffers:
+            return None
+        return CodedPanels(*(self._buffers[name] for name in CodedPanels._fields))
 
     def half_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Weight rows `ids` [T] (all where None), [T, K] in the checkpoint's dtype and values."""
@@ -166,12 +174,13 @@ class HalfLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [T, K]
         mod = native_module()  # None when the kernels are off (or switched off after load: tests)
+        coded = self.coded
         if mod is None or rows.dtype != torch.float32 or rows.device.type != "cpu":
             y = reference_half_linear(rows.float(), self.half_rows(), self.bias)
-        elif self.coded is None:
+        elif coded is None:
             y = mod.skinny_linear(rows, self.half_panels, self.out_features, self.bias)
         else:
-            y = mod.coded_half_linear(rows, *self.coded, self.out_features, self.bias)
+            y = mod.coded_half_linear(rows, *coded, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

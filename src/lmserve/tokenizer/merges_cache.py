@@ -13,15 +13,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import marshal
-import os
 import struct
 import sys
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Callable
 
 from lmserve.loader.fingerprint import start_cache_path
+from lmserve.utils import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +60,9 @@ def merges_key() -> bytes:
 
 
 def write(path: Path, key: bytes, merges: Merges) -> None:
-    """The entry, written to a temporary file and renamed into place (a reader never sees half of one)."""
+    """The entry, whole or not at all (a reader never sees half of one)."""
     data = marshal.dumps(merges)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(MAGIC + _HEAD.pack(key, len(data), zlib.crc32(data)) + data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, MAGIC + _HEAD.pack(key, len(data), zlib.crc32(data)) + data)
 
 
 def read(path: Path, key: bytes) -> Merges:
