@@ -53,9 +53,12 @@ struct Coded {
   int64_t K, G;
 };
 
+// byte position in a group of the weight at input k = 4g + v, column c (the layout above; the kernel's unpack order)
+inline int64_t position(int64_t v, int64_t c) { return 16 * (c >> 2) + 8 * (v >> 1) + 2 * (c & 3) + (v & 1); }
+
 // weight (k = 4g + v, column c) of one group, widened (the scalar decode: fallback build and reference of the order)
 inline float coded_weight(const uint8_t* blk, const uint8_t* table, int64_t v, int64_t c) {
-  const int64_t q = 16 * (c >> 2) + 8 * (v >> 1) + 2 * (c & 3) + (v & 1);
+  const int64_t q = position(v, c);
   const int nib = q < 32 ? blk[q] & 15 : blk[q - 32] >> 4;
   const uint32_t bits = (uint32_t(table[nib]) << 24) | (uint32_t(blk[32 + q]) << 16);
   float f;
@@ -344,7 +347,7 @@ std::vector<torch::Tensor> code_half_panels(torch::Tensor panels) {
             idx = 0;
             low = 0;
           }
-          const int64_t q = 16 * (c / 4) + 8 * (v / 2) + 2 * (c % 4) + v % 2;  // the kernel's unpack order
+          const int64_t q = position(v, c);
           blk[q % 32] |= static_cast<uint8_t>(q < 32 ? idx : idx << 4);
           blk[32 + q] = low;
         }
