@@ -132,7 +132,7 @@ class DecodeStack {
       layers_.push_back(std::move(l));
     }
     TORCH_CHECK(c.t == tensors.size() && c.i == ints.size() && c.f == floats.size(),
-                "DecodeStack: the flat lists do not match ", num_layers, " layers");
+                "DecodeStack: the flat lists do not match ", lmserve::num(num_layers), " layers");
   }
 
   // x [B, hidden] (the embeddings, after any scale; used as the residual stream and updated in place), one cos and
@@ -159,7 +159,8 @@ class DecodeStack {
     torch::Tensor residual = x, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DecodeStack: layer ", i, " reads a missing rotary table");
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DecodeStack: layer ", lmserve::num(i),
+                  " reads a missing rotary table");
       h = i == 0 ? rms_norm(residual, l.in_norm, eps_) : add_rms_norm_(h, residual, l.in_norm, eps_);
       torch::Tensor qkv = l.qkv(h);  // [B, q + 2 kv]
       const int64_t row = qkv.stride(0);

@@ -42,7 +42,8 @@ torch::Tensor norm_rows(torch::Tensor x, torch::Tensor* residual, torch::Tensor 
   check_float_cpu(x, name);
   check_float_cpu(weight, name);
   const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.numel() == D, name, ": weight has ", weight.numel(), " elements, rows have ", D);
+  TORCH_CHECK(weight.numel() == D, name, ": weight has ", lmserve::num(weight.numel()), " elements, rows have ",
+              lmserve::num(D));
   float* rp = nullptr;
   if (residual != nullptr) {
     check_float_cpu(*residual, name);

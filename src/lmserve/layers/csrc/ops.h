@@ -3,6 +3,17 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
+namespace lmserve {
+// A number for a TORCH_CHECK message. The message is built with std::ostringstream, and an integer streamed there
+// crashed the process (SIGSEGV in the stream's number formatting, inside this extension) on a CUDA host whose
+// CXX (/opt/gcc/bin/g++) is not the GCC of the libstdc++ the process loads (torch 2.11): a refusal that should
+// be a RuntimeError killed the server. std::to_string formats without the stream's locale; the stream then only
+// appends text.
+inline std::string num(int64_t v) { return std::to_string(v); }
+}  // namespace lmserve
+
 // paged_decode_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,

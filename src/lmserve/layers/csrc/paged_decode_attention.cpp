@@ -380,10 +380,11 @@ void write_kv_rows(const torch::Tensor& cache, const float* k, int64_t k_stride,
                    const int64_t* slots, int64_t T, int64_t Hkv, int64_t D) {
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == Hkv &&
               cache.size(4) == row_width_of(cache.scalar_type(), D), "KV cache: contiguous [2, blocks, block_size, ",
-              Hkv, ", ", row_width_of(cache.scalar_type(), D), "]");
+              lmserve::num(Hkv), ", ", lmserve::num(row_width_of(cache.scalar_type(), D)), "]");
   const int64_t num_slots = cache.size(1) * cache.size(2);
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " outside the cache's ", num_slots);
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", lmserve::num(slots[t]), " outside the cache's ",
+                lmserve::num(num_slots));
   with_kv_type(cache.scalar_type(), [&](auto* tag) {
     using KV = std::remove_pointer_t<decltype(tag)>;
     const int64_t W = row_width<KV>(D);

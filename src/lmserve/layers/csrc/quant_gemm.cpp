@@ -688,10 +688,10 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
   const int64_t scale_blocks = super_kind(kind) ? K / kSuper : per16_kind(kind) ? 2 * nb : nb;
   const bool halves = per16_kind(kind) || super_kind(kind);  // terms per 16 weights: the half blocks' sums
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == nb && codes.size(2) == code_bytes,
-              "packed codes: [N/16, K/32, ", code_bytes, "] contiguous");
+              "packed codes: [N/16, K/32, ", lmserve::num(code_bytes), "] contiguous");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 3 &&
               scales.size(0) == G && scales.size(1) == scale_blocks && scales.size(2) == kGroup,
-              "packed scales: [N/16, ", scale_blocks, ", 16] float32");
+              "packed scales: [N/16, ", lmserve::num(scale_blocks), ", 16] float32");
   check_mins(kind, mins, scales.sizes());
   auto xq = quantize_activations(x);
   const torch::Tensor xsum16 = halves ? half_block_sums(xq, K) : torch::Tensor();
@@ -740,13 +740,14 @@ torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [R, K] float32");
   x = x.contiguous();
   const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), nb = K / kQBlock;
-  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", lmserve::num(K));
   TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.size(2) == nb &&
-              codes.size(3) == (kind == 0 ? 256 : 512), "codes: [E, N/16, K/32, ", kind == 0 ? 256 : 512, "] contiguous");
+              codes.size(3) == (kind == 0 ? 256 : 512), "codes: [E, N/16, K/32, ",
+              lmserve::num(kind == 0 ? 256 : 512), "] contiguous");
   const int64_t G = codes.size(1), N = G * kGroup;
   TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
               scales.size(0) == E && scales.size(1) == G && scales.size(2) == (kind == 2 ? 2 * nb : nb),
-              "scales: [E, N/16, ", kind == 2 ? 2 * nb : nb, ", 16] float32");
+              "scales: [E, N/16, ", lmserve::num(kind == 2 ? 2 * nb : nb), ", 16] float32");
   TORCH_CHECK(kind == 2 || (mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous()),
               "mins: like scales (kinds 0 and 1)");
   TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == E + 1 && offsets.scalar_type() == torch::kInt64 &&
@@ -789,7 +790,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   x = x.contiguous();
   TORCH_CHECK(!super_kind(kind) || x.size(1) % kSuper == 0, "K must be a multiple of 256 for kinds 5 and 6");
   if (codes.dim() == 3) {  // the packed layout (gguf_linear.pack)
-    TORCH_CHECK(x.size(1) % kQBlock == 0, "K must be a multiple of 32, got ", x.size(1));
+    TORCH_CHECK(x.size(1) % kQBlock == 0, "K must be a multiple of 32, got ", lmserve::num(x.size(1)));
 #if defined(LMSERVE_QGEMM_AVX512)
     return packed_linear(x, codes, scales, mins, kind, bias);
 #else
@@ -797,11 +798,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 #endif
   }
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", lmserve::num(K));
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == code_bytes_per_row(kind, K), "codes: [N, ",
-              code_bytes_per_row(kind, K), "] contiguous");
+              lmserve::num(code_bytes_per_row(kind, K)), "] contiguous");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.size(0) == N &&
-              scales.size(1) == scales_per_row(kind, K), "scales: [N, ", scales_per_row(kind, K), "] float32");
+              scales.size(1) == scales_per_row(kind, K), "scales: [N, ", lmserve::num(scales_per_row(kind, K)), "] float32");
   check_mins(kind, mins, scales.sizes());
   auto xq = quantize_activations(x);
   auto y = torch::empty({M, N}, x.options());
