@@ -37,7 +37,8 @@ def tiny(tmp_path_factory) -> Path:
 def engine(model: Path, num_blocks: int = 24, block_size: int = BS, kv_dtype: str = "auto", step_tokens: int = 1024,
            **offload) -> LLMEngine:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_dtype)
-    return LLMEngine(EngineConfig(model=str(model), cache=cache, kv_offload=KVOffloadConfig(**offload),
+    device = "auto" if kv_dtype == "auto" else "cpu"  # quantized and float16 KV caches: the CPU kernels' formats
+    return LLMEngine(EngineConfig(model=str(model), device=device, cache=cache, kv_offload=KVOffloadConfig(**offload),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=step_tokens)))
 
 
