@@ -214,7 +214,8 @@ def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_pat
     # this load), not one bound on the total: 3 MB a round is 20 KB per request, the old bound's 24 MB / 1,000.
     growth = [b - a for a, b in zip(rss[1:], rss[2:])]
     report("cancellation_soak", requests=SOAK_STREAMS, modes=seen, seconds=round(seconds, 1),
-           rss_mb=[round(r, 1) for r in rss], growth_per_round_mb=[round(g, 1) for g in growth], prefix_hit_tokens=hits, aborted=aborted)
+           rss_mb=[round(r, 1) for r in rss], growth_per_round_mb=[round(g, 1) for g in growth],
+           prefix_hit_tokens=hits, aborted=aborted)
     # each mode at least 3/4 of its share (150 of 200 before); client-disconnect aborts (the warm-up's included) at
     # the rate the 1,000-stream soak asked for (300 of its 1,100 streams; it saw 388); the prefix-hit bound as before
     assert min(seen.values()) >= 0.75 * SOAK_STREAMS / len(MODES) and hits > 10_000

@@ -332,7 +332,7 @@ print(json.dumps(helps))
 """
 
 
-@pytest.mark.timeout(1200)  # every benchmark script's `--help`: 563 s and then over 600 s at load average ~16 (one process each)
+@pytest.mark.timeout(1200)  # one `--help` process per script took 563 s and then over 600 s at load average ~16
 def test_inline_benchmark_commands_name_real_flags():
     text = pages_text()
     found = [c for c in inline_commands(text, "python benchmarks/")] + inline_commands(text, "bash benchmarks/")
