@@ -30,6 +30,46 @@ if "LMSERVE_WEIGHT_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["LMSERVE_WEIGHT_CACHE"], True)
 
 
+# A directory the run's processes share (the xdist workers inherit it from the process that imported this first),
+# removed at the end: transformers' references parsed from a GGUF file once per run (hf_from_gguf).
+if "LMSERVE_TEST_SHARED" not in os.environ:
+    os.environ["LMSERVE_TEST_SHARED"] = tempfile.mkdtemp(prefix="lmserve-tests-")
+    atexit.register(shutil.rmtree, os.environ["LMSERVE_TEST_SHARED"], True)
+
+
+def hf_from_gguf(path) -> torch.nn.Module:
+    """transformers' float32 model of a GGUF file, dequantized by transformers itself (the parity tests' reference).
+
+    Its GGUF parse costs ~30 CPU s for the embedded model, and five test files (split over the xdist workers) need
+    it: the first process to ask parses the file and pickles the module into LMSERVE_TEST_SHARED, the others load
+    that copy (~2 s; the same tensors and config, tied weights still tied). Within one load the file is parsed once,
+    not once for the config and again for the weights."""
+    import functools
+    import hashlib
+    from pathlib import Path
+
+    import gguf
+    import transformers
+    from filelock import FileLock
+
+    path = Path(path)
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
+                         f"{torch.__version__}".encode()).hexdigest()[:16]
+    saved = Path(os.environ["LMSERVE_TEST_SHARED"]) / f"hf-{key}.pt"
+    with FileLock(str(saved) + ".lock"):
+        if saved.is_file():
+            return torch.load(saved, weights_only=False).eval()
+        with pytest.MonkeyPatch.context() as mp:
+            read = functools.lru_cache(maxsize=1)(gguf.GGUFReader)
+            mp.setattr(gguf, "GGUFReader", lambda p, *args: read(os.fspath(p), *args))
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
+        torch.save(model, saved.with_suffix(".tmp"))
+        saved.with_suffix(".tmp").rename(saved)
+    return model
+
+
 @pytest.fixture(scope="session")
 def smol_path():
     from lmserve.loader import default_model_path

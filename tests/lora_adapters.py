@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from tests.conftest import write_tiny_llama
+from tests.conftest import hf_from_gguf, write_tiny_llama
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 B_STD = 0.08  # lora_B init: logits move by ~4 (embedded model, rank 8 q/v), so greedy tokens differ from the base
@@ -37,8 +37,7 @@ def hf_base_model(base: str) -> torch.nn.Module:
 
     path = Path(base)
     if path.suffix == ".gguf":
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32)
+        model = hf_from_gguf(path)
     else:  # tests' tiny checkpoints have no model_type: pick the class from `architectures`
         arch = json.loads((path / "config.json").read_text())["architectures"][0]
         model = getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32)

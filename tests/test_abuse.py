@@ -133,8 +133,12 @@ def test_overload_answers_only_200_429_503_and_holds_memory_flat(keyed):
 
 # -- cancellation soak -----------------------------------------------------------------------------
 
-SOAK_ROUNDS = 5
-SOAK_GROWTH_MB = 4  # median RSS growth per round of 200 streams (after the first round)
+# 600 streams in 4 rounds of 150 (after a 100-stream warm-up). It was 1,000 in 5 rounds of 200 (~195 s of the suite's
+# serial phase); a per-request leak is judged as finely as before (20 KB a request: 3 MB a round of 150), each
+# cancellation mode still runs 120 times (a leak that needs one request in 500 to hit it is caught 3 times in 4
+# instead of 9 in 10), and the median of the 3 rounds judged still ignores one reading a neighbour moves.
+SOAK_STREAMS, SOAK_ROUNDS, SOAK_WARM_UP = 600, 4, 100
+SOAK_GROWTH_MB = 3  # median RSS growth per round of 150 streams (after the first round): 20 KB a request
 SHARED = "You are a careful assistant. Answer briefly and precisely. " * 12  # ~130 tokens: prefix-cache hits
 MODES = ("before_admission", "prefill", "mid_decode", "at_finish", "complete")
 
@@ -184,7 +188,7 @@ async def _soak(url: str, total: int, seed: int, concurrency: int = 24) -> dict:
 
 @pytest.mark.slow
 def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_path):
-    """1,000 streams cancelled before admission, in prefill, mid-decode, right at finish (and some read to the end)."""
+    """600 streams cancelled before admission, in prefill, mid-decode, right at finish (and some read to the end)."""
     path = tmp_path / "keys.yaml"
     path.write_text(KEY_FILE)
     # oneDNN's per-shape caches fill up to their capacity (256 entries each by default, see lmserve/__init__.py):
@@ -192,13 +196,13 @@ def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_pat
     pinned = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1", "LRU_CACHE_CAPACITY": "1"}
     with running_server("--api-key-file", str(path), "--max-num-seqs", "16", "--max-queued-requests", "48",
                         headers=OPS, env=pinned) as s:
-        asyncio.run(_soak(s.url, 100, seed=1))  # warm-up: allocator pools, caches, connection buffers
+        asyncio.run(_soak(s.url, SOAK_WARM_UP, seed=1))  # warm-up: allocator pools, caches, connection buffers
         assert_nothing_leaked(s)
         rss = [psutil.Process(s.proc.pid).memory_info().rss / MB]
         hits_before = s.metric("lmserve:prefix_cache_hit_tokens_total")
         start, seen = time.monotonic(), {}
-        for k in range(SOAK_ROUNDS):  # 1,000 streams in rounds, RSS read after each
-            for mode, count in asyncio.run(_soak(s.url, 1000 // SOAK_ROUNDS, seed=2 + k)).items():
+        for k in range(SOAK_ROUNDS):  # the streams in rounds, RSS read after each
+            for mode, count in asyncio.run(_soak(s.url, SOAK_STREAMS // SOAK_ROUNDS, seed=2 + k)).items():
                 seen[mode] = seen.get(mode, 0) + count
             assert_nothing_leaked(s)
             rss.append(psutil.Process(s.proc.pid).memory_info().rss / MB)
@@ -207,11 +211,15 @@ def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_pat
         aborted = sum(s.metric("lmserve:request_aborts_total", f'reason="{r}"') for r in ("client_disconnect",))
     # A leak grows RSS in every round; a busy neighbour (more requests in flight at once, a larger allocator pool)
     # moves it once. So the judge is the median growth per round after the first (which settles pools sized by
-    # this load), not one bound on the total: 4 MB a round is 20 KB per request, the old bound's 24 MB / 1,000.
+    # this load), not one bound on the total: 3 MB a round is 20 KB per request, the old bound's 24 MB / 1,000.
     growth = [b - a for a, b in zip(rss[1:], rss[2:])]
-    report("cancellation_soak", requests=1000, modes=seen, seconds=round(seconds, 1), rss_mb=[round(r, 1) for r in rss],
-           growth_per_round_mb=[round(g, 1) for g in growth], prefix_hit_tokens=hits, aborted=aborted)
-    assert min(seen.values()) >= 150 and hits > 10_000 and aborted >= 300
+    report("cancellation_soak", requests=SOAK_STREAMS, modes=seen, seconds=round(seconds, 1),
+           rss_mb=[round(r, 1) for r in rss], growth_per_round_mb=[round(g, 1) for g in growth],
+           prefix_hit_tokens=hits, aborted=aborted)
+    # each mode at least 3/4 of its share (150 of 200 before); client-disconnect aborts (the warm-up's included) at
+    # the rate the 1,000-stream soak asked for (300 of its 1,100 streams; it saw 388); the prefix-hit bound as before
+    assert min(seen.values()) >= 0.75 * SOAK_STREAMS / len(MODES) and hits > 10_000
+    assert aborted >= 300 / 1100 * (SOAK_WARM_UP + SOAK_STREAMS), aborted
     assert statistics.median(growth) < SOAK_GROWTH_MB, rss
 
 

@@ -7,7 +7,7 @@ import torch
 
 from lmserve.layers.attention import ContiguousAttention
 from lmserve.loader import load_model
-from tests.conftest import save_tiny_hf
+from tests.conftest import hf_from_gguf, save_tiny_hf
 
 TOL = 1e-4
 
@@ -50,10 +50,7 @@ def test_tiny_sharded_checkpoint_matches_transformers(tmp_path, kind):
 
 @pytest.mark.slow
 def test_embedded_gguf_matches_transformers(smol_path):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name,
-                                               dtype=torch.float32).eval()
+    ref = hf_from_gguf(smol_path)
     loaded = load_model(smol_path, torch.float32, torch.device("cpu"))
     cfg = loaded.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from lmserve import LLM, SamplingParams
+from tests.conftest import hf_from_gguf
 
 
 @pytest.mark.slow
 def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(smol_path):
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(dtype="float32", quantization="none", num_threads=2, kv_cache_memory=128 * 2**20, max_num_batched_tokens=16)
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs far away "
                                   "into the green forest where the old owl lives, "
@@ -22,8 +21,7 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_cached_prefixes(sm
     out = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3), use_tqdm=False)[0]
     lps = out.prompt_logprobs
     assert len(lps) == len(prompt) and lps[0] is None
-    ref = AutoModelForCausalLM.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name,
-                                               dtype=torch.float32).eval()
+    ref = hf_from_gguf(smol_path)
     with torch.no_grad():
         theirs = ref(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [L, V]
     for i in range(1, len(prompt)):

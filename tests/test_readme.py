@@ -28,7 +28,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 import sys
 import textwrap
 import time
@@ -315,7 +314,25 @@ def test_inline_lmserve_commands_parse():
             assert e.code == 0, f"README's `{command}` does not parse"
 
 
-@pytest.mark.timeout(1200)  # one `--help` process per benchmark script: 563 s and then over 600 s at load average ~16
+HELP_ALL = """
+import contextlib, io, json, os, runpy, sys, traceback
+helps, path = {}, [p for p in sys.path if p not in ("", os.getcwd())]  # `python -c` put the cwd first
+for script in sys.argv[1:]:
+    sys.argv, sys.path[:] = [script, "--help"], [os.path.dirname(os.path.abspath(script)), *path]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit:
+            pass
+        except Exception:
+            traceback.print_exc()  # to stderr: the script's flags are then missing from its help
+    helps[script] = text.getvalue()
+print(json.dumps(helps))
+"""
+
+
+@pytest.mark.timeout(1200)  # one `--help` process per script took 563 s and then over 600 s at load average ~16
 def test_inline_benchmark_commands_name_real_flags():
     text = pages_text()
     found = [c for c in inline_commands(text, "python benchmarks/")] + inline_commands(text, "bash benchmarks/")
@@ -324,16 +341,18 @@ def test_inline_benchmark_commands_name_real_flags():
         assert (ROOT / argv_of(command)[1]).exists(), command
     scripts = sorted({argv_of(c)[1] for c in found if argv_of(c)[0] != "bash"})
 
-    def help_of(script: str) -> str:
-        return subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
-                              timeout=120, cwd=ROOT).stdout
-
-    with ThreadPoolExecutor(2) as pool:  # each --help is a Python start-up (most import torch): two at once
-        helps = dict(zip(scripts, pool.map(help_of, scripts)))
+    # One interpreter prints every script's --help, each run as `python SCRIPT --help` runs it (as __main__, its
+    # folder first on sys.path): a process per script paid a Python start-up and a torch import each, ~2.5 CPU s
+    # apiece for 19 scripts
+    out = subprocess.run([sys.executable, "-c", HELP_ALL, *scripts], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    helps = json.loads(out.stdout.splitlines()[-1])
     for command in found:
         words = argv_of(command)
         if words[0] == "bash":
             continue
         helptext = helps[words[1]]
         for flag in (w for w in words[2:] if w.startswith("--") and " " not in w):  # a quoted value is no flag
-            assert flag.split("=")[0] in helptext, f"README's `{command}`: {flag} is not a flag of {words[1]}"
+            assert flag.split("=")[0] in helptext, \
+                f"README's `{command}`: {flag} is not a flag of {words[1]}\n{out.stderr[-3000:]}"

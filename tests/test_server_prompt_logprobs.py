@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 
+from tests.conftest import hf_from_gguf
 from tests.server_util import MODEL
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
@@ -56,10 +57,7 @@ def tok(smol_path):
 
 @pytest.fixture(scope="module")
 def ref(smol_path, tok) -> Reference:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(smol_path.parent), gguf_file=smol_path.name,
-                                                 dtype=torch.float32).eval()
+    model = hf_from_gguf(smol_path)
     ids = tok.encode_prompt(PROMPT)
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [len(ids), vocab]
