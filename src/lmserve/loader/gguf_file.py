@@ -100,22 +100,22 @@ class _Cursor:
         return bytes(raw).decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
-        """`count` length-prefixed strings: the vocabulary and merges (100k entries) in one tight loop,
-        4x faster than `string` per element (0.5 s -> 0.12 s for SmolLM2's header)."""
-        buf, pos, end_of_file, out = self.buf, self.pos, len(self.buf), []
-        length_at = struct.Struct("<Q").unpack_from
-        for _ in range(count):
-            if pos + 8 > end_of_file:
-                break
-            (n,) = length_at(buf, pos)
-            if pos + 8 + n > end_of_file:
-                break
-            out.append(str(buf[pos + 8:pos + 8 + n], "utf-8", "replace"))
-            pos += 8 + n
-        self.pos = pos
-        if len(out) < count:
+        """`count` length-prefixed strings: the vocabulary and merges (100k entries). The lengths are walked in a
+        tight loop, then the run is decoded in one call (`joined_strings`): 0.08 -> 0.04 CPU s for SmolLM2's header.
+        Where that cannot give each string's own decoding, each is decoded alone (`strings_one_by_one`)."""
+        starts, length_at = [], _LENGTH.unpack_from
+        pos, mark = self.pos, starts.append
+        try:
+            for _ in range(count):  # each string's length field; the loop stays minimal: it runs 100k times
+                mark(pos)
+                pos += 8 + length_at(self.buf, pos)[0]
+        except struct.error:  # a length field past the end of the file
+            pos = len(self.buf) + 1
+        if pos > len(self.buf):  # a string or a length field reaches past the end
             raise CheckpointError(f"{self.path}: truncated or corrupt GGUF header (read past end at byte {pos})")
-        return out
+        self.pos = pos
+        out = joined_strings(self.buf, starts, pos)
+        return out if out is not None else strings_one_by_one(self.buf, starts, pos)
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
@@ -133,6 +133,42 @@ class _Cursor:
                 return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         raise CheckpointError(f"{self.path}: unknown GGUF value type {vtype}")
+
+
+_LENGTH = struct.Struct("<Q")  # a GGUF string's length field
+
+
+def strings_one_by_one(buf: memoryview, starts: list[int], end: int) -> list[str]:
+    """The strings whose length fields are at `starts` (the last one ends at `end`), each decoded alone: bytes that
+    are not UTF-8 become U+FFFD. The reference for `joined_strings`."""
+    ends = starts[1:] + [end]
+    return [str(buf[at + 8:stop], "utf-8", "replace") for at, stop in zip(starts, ends)]
+
+
+def joined_strings(buf: memoryview, starts: list[int], end: int) -> list[str] | None:
+    """`strings_one_by_one` in a few calls, or None where this way cannot give the same strings.
+
+    Each length field becomes one NUL and the run is decoded once and split at the NULs. That is exact when no
+    string holds a NUL of its own and the run is valid UTF-8: a NUL is then a character boundary, so each piece
+    is valid alone and decodes as it would alone. Otherwise (a NUL, or bytes that decode to U+FFFD) None.
+    """
+    if not starts:
+        return []
+    first = starts[0]
+    run = np.frombuffer(buf, np.uint8, end - first, first).copy()
+    fields = np.asarray(starts, dtype=np.int64) - first
+    run[fields] = 0  # each length field's first byte: the NUL before its string
+    keep = np.ones(run.size, dtype=bool)
+    for byte in range(1, 8):
+        keep[fields + byte] = False
+    keep[0] = False  # no NUL before the first string
+    joined = run[keep].tobytes()
+    if joined.count(0) != len(starts) - 1:
+        return None
+    try:
+        return joined.decode("utf-8").split("\x00")
+    except UnicodeDecodeError:
+        return None
 
 
 _last_read: tuple[tuple, GGUFFile] | None = None  # (path, size, mtime, inode) -> its parse
