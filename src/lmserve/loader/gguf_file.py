@@ -3,7 +3,8 @@
 The `gguf` package's reader builds a numpy memmap view per metadata element, which takes seconds
 on a 100k-entry vocabulary; this reads the header once with `struct` and numpy and maps tensor data
 without copying. Every length and offset is checked against the file size, so a truncated or
-corrupt file raises CheckpointError instead of reading garbage.
+corrupt file raises CheckpointError instead of reading garbage. The parsed header is kept in the start cache
+(loader/start_cache.py), so a later start of the same file reads it back instead of decoding its strings again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from lmserve.errors import CheckpointError
+from lmserve.loader.start_cache import cached
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
@@ -203,7 +205,27 @@ def _parse(path: Path) -> GGUFFile:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot open ({e})") from None
-    buf = memoryview(mm)
+    metadata, infos, start = _header(memoryview(mm), path)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    tensors = [_map_tensor(arr, start, info, path) for info in infos]
+    return GGUFFile(path, metadata, tensors, mm)
+
+
+Header = tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]  # metadata, tensor entries, data start
+
+
+def _header(buf: memoryview, path: Path) -> Header:
+    """The file's header: read back from the start cache (loader/start_cache.py: keyed by the file's fingerprint and
+    this module's code), else parsed and kept there for the next start. Each tensor is still mapped and checked
+    against the file itself."""
+    kept = cached(Path(path), ".header", ("loader/gguf_file.py",), lambda: _plain(parse_header(buf, path)),
+                  _is_plain)
+    metadata, infos, start = kept
+    return {key: _value(v) for key, v in metadata.items()}, infos, start
+
+
+def parse_header(buf: memoryview, path: Path) -> Header:
+    """The metadata, the tensors' header entries and where their data starts, parsed from the file's bytes."""
     cur = _Cursor(buf, path)
     if bytes(buf[:4]) != b"GGUF":  # checked before any read, so a short text file is named for what it is
         raise CheckpointError(f"{path}: not a GGUF file (bad magic)")
@@ -220,10 +242,35 @@ def _parse(path: Path) -> GGUFFile:
         metadata[key] = cur.value(cur.scalar("<I"))
     infos = [_tensor_info(cur) for _ in range(n_tensors)]
     alignment = int(metadata.get("general.alignment", 32))
-    start = -(-cur.pos // alignment) * alignment
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    tensors = [_map_tensor(arr, start, info, path) for info in infos]
-    return GGUFFile(path, metadata, tensors, mm)
+    return metadata, infos, -(-cur.pos // alignment) * alignment
+
+
+def _plain(header: Header) -> Header:
+    """The header as data marshal writes: each numeric array as a (dtype, bytes) tuple (the parser makes no tuples)."""
+    metadata, infos, start = header
+    return {key: _plain_value(v) for key, v in metadata.items()}, infos, start
+
+
+def _plain_value(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v.dtype.str, v.tobytes()
+    if isinstance(v, list) and v and isinstance(v[0], (list, np.ndarray)):  # an array of arrays (its items: one type)
+        return [_plain_value(item) for item in v]
+    return v
+
+
+def _value(v: Any) -> Any:
+    """`_plain_value` undone."""
+    if isinstance(v, tuple):
+        return np.frombuffer(v[1], dtype=np.dtype(v[0])).copy()
+    if isinstance(v, list) and v and isinstance(v[0], (list, tuple)):
+        return [_value(item) for item in v]
+    return v
+
+
+def _is_plain(kept: Any) -> bool:
+    return isinstance(kept, tuple) and len(kept) == 3 and isinstance(kept[0], dict) and isinstance(kept[1], list) \
+        and isinstance(kept[2], int)
 
 
 def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:

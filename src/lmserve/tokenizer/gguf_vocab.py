@@ -23,7 +23,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmserve.tokenizer.merges_cache import cached_merges
+from lmserve.loader.start_cache import cached
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # GGUF token_type values (2 unknown, 5 unused, 6 byte)
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
@@ -199,7 +199,7 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[i
     if scores is None or len(scores) != len(tokens):
         raise ValueError(f"{source}: GGUF SentencePiece vocabulary has no scores for its {len(tokens)} tokens")
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
-    merges = cached_merges(source, lambda: merges_from_scores(tokens, scores, types))
+    merges = _cached_merges(source, lambda: merges_from_scores(tokens, scores, types))
     hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges,
                                 unk_token=tokens[0 if unk is None else unk], fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
@@ -219,13 +219,19 @@ def _gemma_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = _vocab(spelled)
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
-    merges = cached_merges(source, lambda: merges_by_position(spelled, vocab))  # 1.8 CPU s for Gemma 3's vocabulary
+    merges = _cached_merges(source, lambda: merges_by_position(spelled, vocab))
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
                                 unk_token=spelled[3 if unk is None else unk], byte_fallback=True))
     hf.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     hf.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     return hf, True
+
+
+def _cached_merges(source: str, derive: Callable[[], list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """`derive()`, or the merges it gave for this file at an earlier start (loader/start_cache.py): a SentencePiece-style
+    file stores none, and deriving Gemma 3's took 1.8 CPU s of every start against ~0.3 s to read them back."""
+    return cached(Path(source), ".merges", ("tokenizer/gguf_vocab.py",), derive, lambda kept: isinstance(kept, list))
 
 
 def merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
