@@ -18,8 +18,9 @@ import marshal
 import struct
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from lmserve.loader.fingerprint import start_cache_path, weights_fingerprint
 from lmserve.utils import write_atomically

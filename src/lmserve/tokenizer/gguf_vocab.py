@@ -229,8 +229,8 @@ def _gemma_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
 
 
 def _cached_merges(source: str, derive: Callable[[], list[tuple[str, str]]]) -> list[tuple[str, str]]:
-    """`derive()`, or the merges it gave for this file at an earlier start (loader/start_cache.py): a SentencePiece-style
-    file stores none, and deriving Gemma 3's took 1.8 CPU s of every start against ~0.3 s to read them back."""
+    """`derive()`, or the merges it gave for this file at an earlier start (loader/start_cache.py): a
+    SentencePiece-style file stores none, and deriving Gemma 3's took 1.8 CPU s of every start (~0.3 s read back)."""
     return cached(Path(source), ".merges", ("tokenizer/gguf_vocab.py",), derive, lambda kept: isinstance(kept, list))
 
 
