@@ -1,7 +1,7 @@
 """The on-disk cache of repacked GGUF layers (loader/repack_cache.py): a hit builds the same layers over the same
 bytes without repacking, and gives the same greedy tokens; a corrupt, truncated or foreign entry is ignored and
 rewritten, never served; another model never reads this one's entry; LMSERVE_WEIGHT_CACHE=0 writes nothing. The
-same for the BPE merges a SentencePiece-style vocabulary derives (tokenizer/merges_cache.py), kept beside them."""
+same for the BPE merges a SentencePiece-style vocabulary derives (loader/start_cache.py), kept beside them."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_a_hit_is_the_same_model_bit_for_bit_without_repacking(tmp_path, cache, 
     write_word_tokenizer(tmp_path)
     built = state(load(path))
     tokens = greedy(path, tmp_path)
-    assert [p.suffix for p in cache.iterdir()] == [".lmw"]
+    assert sorted(p.suffix for p in cache.iterdir()) == [".header", ".lmw"]  # the weights, and the parsed header
     with monkeypatch.context() as m:
         no_repack(m)
         assert_same(state(load(path)), built)
@@ -86,7 +86,7 @@ def test_a_bad_entry_is_ignored_and_rewritten(tmp_path, cache, monkeypatch):
     path = tmp_path / "low.gguf"
     write_low_bit_gguf(path, layers=1)
     built = state(load(path))
-    (entry,) = cache.iterdir()
+    (entry,) = cache.glob("*.lmw")
     good = entry.read_bytes()
     for bad in (good[:-100],  # truncated
                 # 64 flipped bytes in the middle of the data
@@ -138,7 +138,7 @@ def test_another_model_never_reads_this_ones_entry(tmp_path, cache):
     write_biased_gguf(a, seed=1)
     write_biased_gguf(b, seed=2)
     fresh_a, fresh_b = state(load(a)), state(load(b))  # misses: both written
-    assert len(list(cache.iterdir())) == 2
+    assert len(list(cache.glob("*.lmw"))) == 2
     hit_a, hit_b = state(load(a)), state(load(b))
     assert_same(hit_a, fresh_a)
     assert_same(hit_b, fresh_b)
@@ -165,7 +165,8 @@ def test_derived_merges_are_cached_checked_and_rebuilt(cache, tmp_path, monkeypa
     """Gemma-style vocabularies store no merges: the first tokenizer build derives and writes them, the next reads
     them back (deriving nothing) and tokenizes identically; a corrupt, truncated, foreign-magic or other-code entry
     is derived again and rewritten; LMSERVE_WEIGHT_CACHE=0 writes nothing."""
-    from lmserve.tokenizer import Tokenizer, gguf_vocab, merges_cache
+    from lmserve.loader import start_cache
+    from lmserve.tokenizer import Tokenizer, gguf_vocab
     from tests.test_family_tokenizers import write_gemma_vocab
 
     src = tmp_path / "gemma3.gguf"
@@ -189,4 +190,4 @@ def test_derived_merges_are_cached_checked_and_rebuilt(cache, tmp_path, monkeypa
     entry.unlink()
     assert Tokenizer.from_gguf(src).encode(text) == first and len(derived) == 6
     assert not list(cache.glob("*.merges"))
-    assert merges_cache.MAGIC == good[:8]
+    assert start_cache.MAGIC == good[:8]

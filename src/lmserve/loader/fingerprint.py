@@ -1,12 +1,14 @@
 """What identifies a checkpoint's weights cheaply: the response cache and the KV tier key their entries by it, and
-the start cache (what a start derives from a model file: loader/repack_cache.py, tokenizer/merges_cache.py) names
-its files by it."""
+the start cache (what a start derives from a model file: loader/repack_cache.py, loader/start_cache.py) names its
+files by it."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 START_CACHE_ENV = "LMSERVE_WEIGHT_CACHE"  # "0": no start cache (never read or written); else its directory
 
@@ -17,15 +19,29 @@ _WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 def weights_fingerprint(path: Path) -> str:
     """A short digest of a checkpoint file or directory: each file's name, size and mtime, and the first MiB of
     each weight file. Not a full hash (a start reads no more than a few MiB); any re-export changes it."""
+    if path.is_file():  # one file's digest is kept while its stat stays the same: a start asks for it 2-3 times
+        st = path.stat()
+        return _file_fingerprint(str(path.resolve()), path.name, st.st_size, st.st_mtime_ns, st.st_ino)
     h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        if f.suffix in _WEIGHT_SUFFIXES or f is path:
-            with open(f, "rb") as fh:
-                h.update(fh.read(_HEAD_BYTES))
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        _add_file(h, f, f.suffix in _WEIGHT_SUFFIXES)
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=16)
+def _file_fingerprint(path: str, name: str, size: int, mtime_ns: int, inode: int) -> str:
+    h = hashlib.sha256()
+    _add_file(h, Path(path), True, name)
+    return h.hexdigest()[:16]
+
+
+def _add_file(h: Any, f: Path, head: bool, name: str | None = None) -> None:
+    """`f`'s name (`name`: the one it was given by, where that is a link), size and mtime, and its first MiB."""
+    st = f.stat()
+    h.update(f"{name or f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    if head:
+        with open(f, "rb") as fh:
+            h.update(fh.read(_HEAD_BYTES))
 
 
 def start_cache_path(path: Path, suffix: str) -> Path | None:

@@ -3,7 +3,8 @@
 The `gguf` package's reader builds a numpy memmap view per metadata element, which takes seconds
 on a 100k-entry vocabulary; this reads the header once with `struct` and numpy and maps tensor data
 without copying. Every length and offset is checked against the file size, so a truncated or
-corrupt file raises CheckpointError instead of reading garbage.
+corrupt file raises CheckpointError instead of reading garbage. The parsed header is kept in the start cache
+(loader/start_cache.py), so a later start of the same file reads it back instead of decoding its strings again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from lmserve.errors import CheckpointError
+from lmserve.loader.start_cache import cached
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
@@ -100,22 +102,22 @@ class _Cursor:
         return bytes(raw).decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
-        """`count` length-prefixed strings: the vocabulary and merges (100k entries) in one tight loop,
-        4x faster than `string` per element (0.5 s -> 0.12 s for SmolLM2's header)."""
-        buf, pos, end_of_file, out = self.buf, self.pos, len(self.buf), []
-        length_at = struct.Struct("<Q").unpack_from
-        for _ in range(count):
-            if pos + 8 > end_of_file:
-                break
-            (n,) = length_at(buf, pos)
-            if pos + 8 + n > end_of_file:
-                break
-            out.append(str(buf[pos + 8:pos + 8 + n], "utf-8", "replace"))
-            pos += 8 + n
-        self.pos = pos
-        if len(out) < count:
+        """`count` length-prefixed strings: the vocabulary and merges (100k entries). The lengths are walked in a
+        tight loop, then the run is decoded in one call (`joined_strings`): 0.08 -> 0.04 CPU s for SmolLM2's header.
+        Where that cannot give each string's own decoding, each is decoded alone (`strings_one_by_one`)."""
+        starts, length_at = [], _LENGTH.unpack_from
+        pos, mark = self.pos, starts.append
+        try:
+            for _ in range(count):  # each string's length field; the loop stays minimal: it runs 100k times
+                mark(pos)
+                pos += 8 + length_at(self.buf, pos)[0]
+        except struct.error:  # a length field past the end of the file
+            pos = len(self.buf) + 1
+        if pos > len(self.buf):  # a string or a length field reaches past the end
             raise CheckpointError(f"{self.path}: truncated or corrupt GGUF header (read past end at byte {pos})")
-        return out
+        self.pos = pos
+        out = joined_strings(self.buf, starts, pos)
+        return out if out is not None else strings_one_by_one(self.buf, starts, pos)
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
@@ -133,6 +135,42 @@ class _Cursor:
                 return self.strings(count)
             return [self.value(item_type) for _ in range(count)]
         raise CheckpointError(f"{self.path}: unknown GGUF value type {vtype}")
+
+
+_LENGTH = struct.Struct("<Q")  # a GGUF string's length field
+
+
+def strings_one_by_one(buf: memoryview, starts: list[int], end: int) -> list[str]:
+    """The strings whose length fields are at `starts` (the last one ends at `end`), each decoded alone: bytes that
+    are not UTF-8 become U+FFFD. The reference for `joined_strings`."""
+    ends = starts[1:] + [end]
+    return [str(buf[at + 8:stop], "utf-8", "replace") for at, stop in zip(starts, ends)]
+
+
+def joined_strings(buf: memoryview, starts: list[int], end: int) -> list[str] | None:
+    """`strings_one_by_one` in a few calls, or None where this way cannot give the same strings.
+
+    Each length field becomes one NUL and the run is decoded once and split at the NULs. That is exact when no
+    string holds a NUL of its own and the run is valid UTF-8: a NUL is then a character boundary, so each piece
+    is valid alone and decodes as it would alone. Otherwise (a NUL, or bytes that decode to U+FFFD) None.
+    """
+    if not starts:
+        return []
+    first = starts[0]
+    run = np.frombuffer(buf, np.uint8, end - first, first).copy()
+    fields = np.asarray(starts, dtype=np.int64) - first
+    run[fields] = 0  # each length field's first byte: the NUL before its string
+    keep = np.ones(run.size, dtype=bool)
+    for byte in range(1, 8):
+        keep[fields + byte] = False
+    keep[0] = False  # no NUL before the first string
+    joined = run[keep].tobytes()
+    if joined.count(0) != len(starts) - 1:
+        return None
+    try:
+        return joined.decode("utf-8").split("\x00")
+    except UnicodeDecodeError:
+        return None
 
 
 _last_read: tuple[tuple, GGUFFile] | None = None  # (path, size, mtime, inode) -> its parse
@@ -167,7 +205,27 @@ def _parse(path: Path) -> GGUFFile:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot open ({e})") from None
-    buf = memoryview(mm)
+    metadata, infos, start = _header(memoryview(mm), path)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    tensors = [_map_tensor(arr, start, info, path) for info in infos]
+    return GGUFFile(path, metadata, tensors, mm)
+
+
+Header = tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]  # metadata, tensor entries, data start
+
+
+def _header(buf: memoryview, path: Path) -> Header:
+    """The file's header: read back from the start cache (loader/start_cache.py: keyed by the file's fingerprint and
+    this module's code), else parsed and kept there for the next start. Each tensor is still mapped and checked
+    against the file itself."""
+    kept = cached(Path(path), ".header", ("loader/gguf_file.py",), lambda: _plain(parse_header(buf, path)),
+                  _is_plain)
+    metadata, infos, start = kept
+    return {key: _value(v) for key, v in metadata.items()}, infos, start
+
+
+def parse_header(buf: memoryview, path: Path) -> Header:
+    """The metadata, the tensors' header entries and where their data starts, parsed from the file's bytes."""
     cur = _Cursor(buf, path)
     if bytes(buf[:4]) != b"GGUF":  # checked before any read, so a short text file is named for what it is
         raise CheckpointError(f"{path}: not a GGUF file (bad magic)")
@@ -184,10 +242,35 @@ def _parse(path: Path) -> GGUFFile:
         metadata[key] = cur.value(cur.scalar("<I"))
     infos = [_tensor_info(cur) for _ in range(n_tensors)]
     alignment = int(metadata.get("general.alignment", 32))
-    start = -(-cur.pos // alignment) * alignment
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    tensors = [_map_tensor(arr, start, info, path) for info in infos]
-    return GGUFFile(path, metadata, tensors, mm)
+    return metadata, infos, -(-cur.pos // alignment) * alignment
+
+
+def _plain(header: Header) -> Header:
+    """The header as data marshal writes: each numeric array as a (dtype, bytes) tuple (the parser makes no tuples)."""
+    metadata, infos, start = header
+    return {key: _plain_value(v) for key, v in metadata.items()}, infos, start
+
+
+def _plain_value(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v.dtype.str, v.tobytes()
+    if isinstance(v, list) and v and isinstance(v[0], (list, np.ndarray)):  # an array of arrays (its items: one type)
+        return [_plain_value(item) for item in v]
+    return v
+
+
+def _value(v: Any) -> Any:
+    """`_plain_value` undone."""
+    if isinstance(v, tuple):
+        return np.frombuffer(v[1], dtype=np.dtype(v[0])).copy()
+    if isinstance(v, list) and v and isinstance(v[0], (list, tuple)):
+        return [_value(item) for item in v]
+    return v
+
+
+def _is_plain(kept: Any) -> bool:
+    return isinstance(kept, tuple) and len(kept) == 3 and isinstance(kept[0], dict) and isinstance(kept[1], list) \
+        and isinstance(kept[2], int)
 
 
 def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:

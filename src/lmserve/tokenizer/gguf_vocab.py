@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmserve.tokenizer.merges_cache import cached_merges
+from lmserve.loader.start_cache import cached
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # GGUF token_type values (2 unknown, 5 unused, 6 byte)
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
@@ -125,15 +126,16 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
                          "BPE, 'llama' SentencePiece); serve the model's Hugging Face directory instead")
     if "tokenizer.ggml.tokens" not in meta:
         raise ValueError(f"{source}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
-    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    # Python loops over the 50k-260k tokens are kept to C-level calls here: each loop was 5-10 ms of every start
+    tokens = list(map(str, meta["tokenizer.ggml.tokens"]))
+    kinds = np.asarray(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)), dtype=np.int64)[:len(tokens)]
+    types = kinds.tolist()
     gemma = kind == "llama" and str(meta.get("general.architecture", "")).startswith("gemma")
     hf, add_bos_default = (_gemma_bpe if gemma else _BUILDERS[kind])(meta, tokens, types, source)
-    hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, k in zip(tokens, types) if k == CONTROL])
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _of_kind(tokens, kinds, CONTROL)])
     # user-defined pieces are matched whole, where the vocabulary spells them as the file does (not Gemma's spaces)
-    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
-                   if k == USER_DEFINED and hf.token_to_id(t) is not None])
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in _of_kind(tokens, kinds, USER_DEFINED)
+                   if hf.token_to_id(t) is not None])
     ids = {name: _token_id(meta, key, len(tokens)) for name, key in NAMED_IDS.items()}
     special = {name: tokens[i] for name, i in ids.items() if i is not None}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
@@ -142,8 +144,26 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     set_bos_eos(hf, (tokens[bos], bos) if add_bos and bos is not None else None,
                 (tokens[eos], eos) if add_eos and eos is not None else None)
     eog = {i for key in EOG_KEYS if (i := _token_id(meta, key, len(tokens))) is not None}
-    eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
-    return GGUFVocab(hf, special, frozenset(eog))
+    return GGUFVocab(hf, special, frozenset(eog | _ids_of(tokens, EOG_TEXTS)))
+
+
+def _of_kind(tokens: list[str], kinds: np.ndarray, kind: int) -> list[str]:
+    """The tokens of one token_type, in id order."""
+    return [tokens[i] for i in np.flatnonzero(kinds == kind).tolist()]
+
+
+def _ids_of(tokens: list[str], texts: frozenset[str]) -> set[int]:
+    """Every id whose token is one of `texts` (a text spelled at two ids gives both)."""
+    ids = set()
+    for text in texts.intersection(tokens):
+        at = tokens.index(text)
+        while True:
+            ids.add(at)
+            try:
+                at = tokens.index(text, at + 1)
+            except ValueError:
+                break
+    return ids
 
 
 def _token_id(meta: Mapping[str, Any], key: str, n_tokens: int) -> int | None:
@@ -179,7 +199,7 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[i
     if scores is None or len(scores) != len(tokens):
         raise ValueError(f"{source}: GGUF SentencePiece vocabulary has no scores for its {len(tokens)} tokens")
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
-    merges = cached_merges(source, lambda: merges_from_scores(tokens, scores, types))
+    merges = _cached_merges(source, lambda: merges_from_scores(tokens, scores, types))
     hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges,
                                 unk_token=tokens[0 if unk is None else unk], fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
@@ -199,13 +219,19 @@ def _gemma_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = _vocab(spelled)
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
-    merges = cached_merges(source, lambda: merges_by_position(spelled, vocab))  # 1.8 CPU s for Gemma 3's vocabulary
+    merges = _cached_merges(source, lambda: merges_by_position(spelled, vocab))
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
                                 unk_token=spelled[3 if unk is None else unk], byte_fallback=True))
     hf.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     hf.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     return hf, True
+
+
+def _cached_merges(source: str, derive: Callable[[], list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """`derive()`, or the merges it gave for this file at an earlier start (loader/start_cache.py): a
+    SentencePiece-style file stores none, and deriving Gemma 3's took 1.8 CPU s of every start (~0.3 s read back)."""
+    return cached(Path(source), ".merges", ("tokenizer/gguf_vocab.py",), derive, lambda kept: isinstance(kept, list))
 
 
 def merges_by_position(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -253,7 +279,7 @@ def set_bos_eos(hf: HFTokenizer, bos: tuple[str, int] | None, eos: tuple[str, in
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
-    return {t: i for i, t in enumerate(tokens)}
+    return dict(zip(tokens, range(len(tokens))))  # a token spelled twice maps to its last id
 
 
 _BUILDERS: dict[str, Callable[[Mapping[str, Any], list[str], list[int], str], tuple[HFTokenizer, bool]]] = {
