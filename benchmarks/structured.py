@@ -29,7 +29,7 @@ from compare import _cpu_name, _flags  # noqa: E402  benchmarks/compare.py: the 
 from lmserve import LLM, SamplingParams  # noqa: E402
 from lmserve.sampling_params import StructuredOutputsParams  # noqa: E402
 from lmserve.structured.compiler import GrammarCompiler, VocabInfo  # noqa: E402
-from lmserve.structured.tool_tag import tool_call_tag  # noqa: E402
+from lmserve.parsers.tool_grammar import tool_call_tag  # noqa: E402
 from tests.test_server_structured import ORDER, TOOLS, WEATHER  # noqa: E402
 from tests.test_structured import PERSON  # noqa: E402
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from lmserve.server.app import build_app
 from lmserve.server.key_file import parse_key_file
@@ -35,13 +35,10 @@ def app_client(**config) -> TestClient:
 
 
 def leaf_routes(routes, prefix: str = "") -> list[tuple[str, object]]:
-    """(full path, route) of every endpoint; FastAPI >= 0.16x keeps included routers nested (lazily merged)."""
+    """(full path, route) of every endpoint."""
     leaves = []
     for route in routes:
-        inner = getattr(route, "original_router", None)
-        if inner is not None:
-            leaves += leaf_routes(inner.routes, prefix + getattr(route.include_context, "prefix", ""))
-        elif hasattr(route, "routes") and not hasattr(route, "methods"):  # a Mount
+        if hasattr(route, "routes") and not hasattr(route, "methods"):  # a Mount
             leaves += leaf_routes(route.routes, prefix + route.path)
         else:
             leaves.append((prefix + route.path, route))

@@ -11,7 +11,7 @@ import weakref
 import httpx
 import openai
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from tests.conftest import write_tiny_llama
 from tests.server_util import running_server

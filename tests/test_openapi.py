@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from tests.test_auth_coverage import KEY, OPEN, app_client, filled, route_templates
 
 # POST routes whose body is not JSON, or that take none
@@ -31,3 +34,26 @@ def test_every_route_is_documented_with_bodies_answers_and_errors():
                 else "V2Error" if path.startswith("/v2/") else "OllamaError" if path.startswith("/api/") \
                 else "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
             assert error.endswith(family), path
+
+
+# Building the app and answering a request import no FastAPI (~0.25 s of every start, issue 32); the first
+# /openapi.json imports it to generate the document.
+LAZY_FASTAPI = """
+import sys
+from starlette.testclient import TestClient
+from lmserve.server.app import build_app
+from lmserve.server.metrics import ServerMetrics
+from lmserve.server.state import ServerConfig, ServerState
+client = TestClient(build_app(ServerState(ServerConfig("m"), ServerMetrics("m"))))
+assert client.get("/version").status_code == 200 and client.get("/v1/models").status_code == 200
+assert client.get("/v1/batches?limit=x").status_code == 400
+print("fastapi" in sys.modules, flush=True)
+assert "/v1/completions" in client.get("/openapi.json").json()["paths"]
+print("fastapi" in sys.modules)
+"""
+
+
+def test_fastapi_is_imported_by_the_first_openapi_request_only():
+    out = subprocess.run([sys.executable, "-c", LAZY_FASTAPI], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]

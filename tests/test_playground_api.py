@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from lmserve.server.app import build_app
 from lmserve.server.metrics import ServerMetrics

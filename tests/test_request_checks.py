@@ -4,7 +4,7 @@ on the embedded model) and on the offline path (LLM.generate -> add_request)."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from lmserve.config import CacheConfig, EngineConfig
 from lmserve.engine.llm import LLM

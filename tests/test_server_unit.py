@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from fastapi.testclient import TestClient
+from starlette.testclient import TestClient
 
 from lmserve.server.app import build_app
 from lmserve.server.errors import APIError

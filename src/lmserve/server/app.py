@@ -1,4 +1,4 @@
-"""The FastAPI app: middlewares (body limit, auth, draining, status metrics), misc routes, error handlers."""
+"""The app (Starlette): middlewares (body limit, auth, draining, status metrics), misc routes, error handlers."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 import lmserve
 from lmserve.ops.record import RequestRecord
@@ -22,6 +23,7 @@ from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from lmserve.server.router import Router
 from lmserve.server.api.chat_plan import plan_chat
 from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, key_name_of,
                                   read_request, release_leases, state_of)
@@ -40,24 +42,16 @@ def is_generation(path: str) -> bool:
 log = logging.getLogger("lmserve.server")
 
 
-def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
+def build_app(state: ServerState, access_log: bool = True) -> Starlette:
     """The app over a ServerState (whose engine may still be loading); `access_log`: a log line per request."""
-    app = FastAPI(title="lmserve", version=lmserve.__version__, docs_url=None, redoc_url=None,
-                  lifespan=_lifespan(state))
+    routes = Router()
+    for family in (openai, anthropic, responses, batch_routes, tgi, lora, playground_routes, kserve, ollama,
+                   embeddings):
+        routes.include(family.router)
+    routes.include(_misc_routes())
+    app = Starlette(routes=[*routes.routes, _openapi_route(routes)], exception_handlers=_error_handlers(),
+                    lifespan=_lifespan(state))
     app.state.lm = state
-    app.include_router(openai.router)
-    app.include_router(anthropic.router)
-    app.include_router(responses.router)
-    app.include_router(batch_routes.router)
-    app.include_router(tgi.router)
-    app.include_router(lora.router)
-    app.include_router(playground_routes.router)
-    app.include_router(kserve.router)
-    app.include_router(ollama.router)
-    app.include_router(embeddings.router)
-    _misc_routes(app)
-    _error_handlers(app)
-    _install_openapi(app)  # bodies, answers and error bodies of the routes, which read and answer raw JSON
     app.add_middleware(Observe, state=state)
     app.add_middleware(AuthAndStatus, state=state)
     if state.config.cors_allowed_origins:
@@ -69,18 +63,19 @@ def build_app(state: ServerState, access_log: bool = True) -> FastAPI:
     return app
 
 
-def _install_openapi(app: FastAPI) -> None:
-    """Serve server/api/openapi.py's completed document at /openapi.json, built on its first request: that module's
-    ~60 answer models are imported then, not on the path to the first token (issue 32: start-up)."""
+def _openapi_route(routes: Router) -> Route:
+    """/openapi.json: server/api/openapi.py's document of every route, built on its first request: that module
+    (FastAPI's generator and ~60 answer models) is imported then, not on the path to the first token (issue 32)."""
+    document: dict = {}
 
-    def openapi() -> dict:
-        if app.openapi_schema is None:
+    async def openapi(request: Request) -> Response:
+        if not document:
             from lmserve.server.api.openapi import build_document
 
-            app.openapi_schema = build_document(app)
-        return app.openapi_schema
+            document.update(build_document(routes.endpoints))
+        return JSONResponse(document)
 
-    app.openapi = openapi
+    return Route("/openapi.json", openapi, methods=["GET"], include_in_schema=False)
 
 
 def _lifespan(state: ServerState):
@@ -88,7 +83,7 @@ def _lifespan(state: ServerState):
     keep-alive expiry (server/models/pool.py)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: Starlette):
         if state.batches is not None:
             state.batches.start()
         expiry = asyncio.ensure_future(state.models.expire_idle())
@@ -244,8 +239,10 @@ async def _empty_receive():
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-def _misc_routes(app: FastAPI) -> None:
-    @app.get("/health")
+def _misc_routes() -> Router:
+    router = Router()
+
+    @router.get("/health")
     async def health(request: Request) -> Response:
         st = state_of(request)
         if st.ready:
@@ -253,11 +250,11 @@ def _misc_routes(app: FastAPI) -> None:
         reason = "draining" if st.draining else "loading" if not st.started and not st.load_error else "dead"
         return JSONResponse({"status": reason}, status_code=503)
 
-    @app.get("/version")
+    @router.get("/version")
     async def version() -> dict:
         return {"version": lmserve.__version__}
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Every key's name and usage are in it: with a key file, admin keys only (unless --metrics-public)."""
         st = state_of(request)
@@ -267,7 +264,7 @@ def _misc_routes(app: FastAPI) -> None:
                            "with --metrics-public", code="permission_denied")
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/monitoring/drift")
+    @router.get("/v1/monitoring/drift")
     async def drift(request: Request) -> dict:
         st = state_of(request)
         if st.ops.drift is None:
@@ -275,7 +272,7 @@ def _misc_routes(app: FastAPI) -> None:
                            "--drift-capture N")
         return st.ops.drift.report()
 
-    @app.post("/tokenize")
+    @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         """Ids as generation would see them: `prompt` as a completions prompt, `messages` as a chat."""
         st, req = await read_request(request, TokenizeRequest)
@@ -293,7 +290,7 @@ def _misc_routes(app: FastAPI) -> None:
             raise APIError(400, str(e)) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": st.front.max_model_len}
 
-    @app.post("/detokenize")
+    @router.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         st, req = await read_request(request, DetokenizeRequest)
         vocab = st.front.vocab_size
@@ -302,9 +299,10 @@ def _misc_routes(app: FastAPI) -> None:
             raise APIError(400, f"token id {bad} is out of vocabulary (valid ids are 0..{vocab - 1})", param="tokens")
         return {"prompt": await asyncio.to_thread(st.front.tokenizer.decode, req.tokens)}
 
+    return router
 
-def _error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
+
+def _error_handlers() -> dict:
     async def api_error(request: Request, exc: APIError) -> Response:
         if exc.reason is not None:
             state_of(request).metrics.rejected.labels(exc.reason).inc()
@@ -312,21 +310,15 @@ def _error_handlers(app: FastAPI) -> None:
             request.scope["state"][LOADING_KEY] = True
         return error_response(request.url.path, exc)
 
-    @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         messages = {404: f"no route {request.method} {request.url.path[:100]}",
                     405: f"method {request.method} is not allowed on {request.url.path[:100]}"}
         message = messages.get(exc.status_code, str(exc.detail)[:200])
         return error_response(request.url.path, APIError(exc.status_code, message, headers=dict(exc.headers or {})))
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = ".".join(str(x) for x in err.get("loc", ()))[:100]  # the message only: never the input itself
-        return error_response(request.url.path, APIError(400, f"{loc}: {err.get('msg', 'invalid')}"[:300]))
-
-    @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         # Never a traceback or a path in the body; the log has the details.
         log.exception("unhandled error on %s", request.url.path[:100])
         return error_response(request.url.path, APIError(500, f"internal error ({type(exc).__name__})"))
+
+    return {APIError: api_error, StarletteHTTPException: http_error, Exception: unexpected}

@@ -5,7 +5,7 @@ Never a traceback or a path."""
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse
 
 TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")

@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import chunks as sse

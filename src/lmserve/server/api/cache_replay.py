@@ -15,8 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from lmserve.request import LoraRequest

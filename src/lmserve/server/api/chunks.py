@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Iterable
 
-from fastapi.responses import StreamingResponse
+from starlette.responses import StreamingResponse
 
 DONE = "data: [DONE]\n\n"
 

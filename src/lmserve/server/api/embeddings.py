@@ -16,8 +16,8 @@ import time
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from pydantic import Field
 
 from lmserve.errors import EngineDeadError, StepFailedError

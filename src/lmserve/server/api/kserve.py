@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.server.errors import APIError

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
 from lmserve.errors import EngineDeadError, StepFailedError
@@ -40,7 +40,7 @@ from lmserve.server.state import read_request, record_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
 
 router = Router()
-router.include_router(ollama_models.router)
+router.include(ollama_models.router)
 GENERATION_PATHS = ("/api/chat", "/api/generate")
 # The Ollama API level these routes follow (clients gate features on it: tools, think, logprobs).
 OLLAMA_VERSION = "0.12.0"

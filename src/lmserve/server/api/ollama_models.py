@@ -13,7 +13,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from fastapi import Request
+from starlette.requests import Request
 
 from lmserve.server.api.ollama_protocol import LATEST, ShowRequest
 from lmserve.server.api.tools import template_variables

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.beam_search import BeamSearch, BeamSearchSequence, advance_all, next_batch
 from lmserve.ops.record import RequestRecord

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
+import lmserve
 from lmserve.server import protocol as p
 from lmserve.server.api import ollama_protocol as ol
 from lmserve.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -537,9 +538,12 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
 _ERROR_MODELS = (OpenAIError, TGIError, V2Error, AnthropicError, OllamaError)
 
 
-def build_document(app: FastAPI) -> dict:
-    """FastAPI's document of the routes, with each RouteDoc's body, answer and error bodies filled in."""
-    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+def build_document(endpoints: list[tuple[str, tuple[str, ...], Any]]) -> dict:
+    """FastAPI's document of the app's endpoints ((path, methods, endpoint) as server/router.py keeps them: their
+    path and query parameters), with each RouteDoc's body, answer and error bodies filled in."""
+    routes = [APIRoute(path, endpoint, methods=list(methods), response_model=None)
+              for path, methods, endpoint in endpoints]
+    doc = get_openapi(title="lmserve", version=lmserve.__version__, routes=routes)
     schemas = _component_schemas()
     doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
     for (method, path), route in ROUTES.items():

@@ -23,8 +23,8 @@ import logging
 import sqlite3
 from typing import Any, AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from lmserve.server.api import chunks as sse
 from lmserve.server.api.openai import Run, caller_of, start_chat

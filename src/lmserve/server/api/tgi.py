@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import lmserve
 from lmserve.errors import EngineDeadError, StepFailedError

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from fastapi import Request
-from fastapi.responses import FileResponse
+from starlette.requests import Request
+from starlette.responses import FileResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException

@@ -15,8 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar, cast
 
-from fastapi import Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.server.errors import APIError
