@@ -1,6 +1,7 @@
 """Embeddings in the engine: pooling requests batched by the scheduler (chunked, preempted, beside generations),
 their vectors equal to sentence-transformers' and transformers' pooled hidden states (float32, 1e-5), and the
-offline API as vLLM spells it (LLM.embed, LLM.generate(lora_request=...))."""
+offline API as vLLM spells it (LLM.embed, LLM.generate(lora_request=...)). Every engine is pinned to float32, the
+references' dtype: --dtype auto picks bf16 on a CPU where it measures bf16 faster (cpu_dtype.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def qwen3_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def mean_llm(st_dir):
     # a 16-token budget: the 40-token text runs in three chunks
-    return LLM(str(st_dir), num_blocks=64, max_num_batched_tokens=16)
+    return LLM(str(st_dir), dtype="float32", num_blocks=64, max_num_batched_tokens=16)
 
 
 def _vectors(outputs) -> torch.Tensor:
@@ -55,7 +56,7 @@ def test_mean_pooling_from_the_checkpoint_equals_sentence_transformers(mean_llm,
 def test_last_token_and_cls_pooling_equal_transformers(qwen3_dir, method):
     path = qwen3_dir
     ids = [[5, 9, 11, 40, 3], list(range(20, 60)), [7]]
-    llm = LLM(str(path), num_blocks=32, max_num_batched_tokens=16, **({"pooling": "cls"} if method == "cls" else {}))
+    llm = LLM(str(path), dtype="float32", num_blocks=32, max_num_batched_tokens=16, **({"pooling": "cls"} if method == "cls" else {}))
     assert llm.engine.front.pooler.method == method  # last: the default without the checkpoint files
     torch.testing.assert_close(_vectors(llm.embed(ids, use_tqdm=False)), hf_pooled(path, ids, method),
                                atol=ATOL, rtol=0)
@@ -91,7 +92,7 @@ def test_pooling_requests_run_beside_a_generation_finish_after_their_prompt_and_
 def test_a_preempted_pooling_request_starts_over_and_pools_the_same(st_dir, reference):
     ids, expected = reference
     # 5 blocks of 16: the generation grows into the blocks the 40-token pooling request holds, which is newer
-    llm = LLM(str(st_dir), num_blocks=5, max_num_batched_tokens=16)
+    llm = LLM(str(st_dir), dtype="float32", num_blocks=5, max_num_batched_tokens=16)
     engine = llm.engine
     engine.add_request("gen", list(range(10, 40)), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     engine.add_request("pool", ids[2], SamplingParams(max_tokens=1, pooling=PoolingParams()))
@@ -113,7 +114,7 @@ def _pool(engine, rid: str, ids: list[int]):
 
 
 def test_prefix_cache_serves_last_token_pooling_and_is_skipped_for_mean(st_dir, mean_llm):
-    last = LLM(str(st_dir), num_blocks=32, pooling="last").engine
+    last = LLM(str(st_dir), dtype="float32", num_blocks=32, pooling="last").engine
     prompt = list(range(3, 50))
     a, b = _pool(last, "a", prompt), _pool(last, "b", prompt)
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 32  # two full blocks of 16 reused
@@ -156,7 +157,7 @@ def test_generate_takes_vllms_lora_request(tmp_path, st_dir, mean_llm):
 
     path = st_dir  # the tiny Llama under the sentence-transformers files
     adapter = make_peft_adapter(tmp_path / "adapter", path, rank=8)
-    llm = LLM(str(path), num_blocks=32, enable_lora=True, max_lora_rank=8)
+    llm = LLM(str(path), dtype="float32", num_blocks=32, enable_lora=True, max_lora_rank=8)
     prompt, greedy = [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     req = LoRARequest("sql", 1, str(adapter))
     with_adapter = llm.generate([prompt], greedy, use_tqdm=False, lora_request=req)[0].outputs[0].token_ids
@@ -189,6 +190,6 @@ def test_a_headless_checkpoint_loads_and_pools(tmp_path, qwen3_dir):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (headless / name).write_text((path / name).read_text())
     ids = [[5, 9, 11, 40, 3], list(range(20, 60))]
-    llm = LLM(str(headless), num_blocks=32)
+    llm = LLM(str(headless), dtype="float32", num_blocks=32)
     torch.testing.assert_close(_vectors(llm.embed(ids, use_tqdm=False)), hf_pooled(path, ids, "last"),
                                atol=ATOL, rtol=0)

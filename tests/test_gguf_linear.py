@@ -185,7 +185,7 @@ def test_embedded_model_from_its_own_blocks():
     model = eng.loaded.model
     layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     assert len(layers) == 4 * eng.model_config.num_layers + 1 and isinstance(model.lm_head, GGUFLinear)
-    float_eng = LLMEngine(EngineConfig(quantization="none", cache=CacheConfig(num_blocks=16)))
+    float_eng = LLMEngine(EngineConfig(quantization="none", dtype="float32", cache=CacheConfig(num_blocks=16)))
     ids = eng.tokenizer.encode_prompt(" ".join(PROMPTS))[:256]
     x, pos = torch.tensor(ids), torch.arange(len(ids))
     with torch.inference_mode():

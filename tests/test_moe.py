@@ -219,10 +219,10 @@ def test_served_to_the_openai_client(qwen3_moe):
     path = qwen3_moe[0]
     tok = Tokenizer.from_pretrained(path)
     prompt = " ".join(f"w{i}" for i in np.random.default_rng(3).integers(0, 200, 24))
-    eng = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(num_blocks=32)), tokenizer=tok)
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(num_blocks=32)), tokenizer=tok)
     assert eng.runner.moe_layers == len(eng.runner.model.model.layers)  # the runner's grouped-experts transform
     want = generate(eng, [tok.encode_prompt(prompt)], 12)
-    with running_server("--model", str(path), "--served-model-name", "moe") as s:
+    with running_server("--model", str(path), "--dtype", "float32", "--served-model-name", "moe") as s:
         client = OpenAI(base_url=s.url + "/v1", api_key="unused")
         done = client.completions.create(model="moe", prompt=prompt, max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True})

@@ -341,7 +341,7 @@ def engine_greedy(path: Path, quantization: str) -> tuple[list[list[int]], list[
     from lmserve.sampling_params import SamplingParams
     from tests.test_engine import assert_no_leak, run
 
-    eng = LLMEngine(EngineConfig(model=str(path), quantization=quantization,
+    eng = LLMEngine(EngineConfig(model=str(path), quantization=quantization, dtype="float32",
                                  cache=CacheConfig(num_blocks=64, enable_prefix_caching=False)))
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     alone = [run(eng, [p], params)["0"]["ids"] for p in PROMPTS]
