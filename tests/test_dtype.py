@@ -1,5 +1,5 @@
-"""`--dtype auto`: bf16 on CUDA; on a CPU float32 unless a measurement (made once, cached) finds bf16 clearly faster
-and batch invariant; float32 where a GGUF file's blocks are kept; no measurement on CPUs without bf16."""
+"""`--dtype auto`: bf16 on CUDA; on a CPU float32 unless, with AMX, a measurement (made once, cached) finds bf16
+clearly faster and batch invariant; float32 where a GGUF file's blocks are kept; no measurement without AMX."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from lmserve.utils import cpu_has_fast_bf16, keeps_gguf, resolve_kv_dtype
 
 ZEN3 = "flags\t\t: fpu sse sse2 avx avx2 fma f16c"
 ZEN4 = ZEN3 + " avx512f avx512bw avx512vl avx512_bf16"  # native bf16 dot products, no AMX
+ZEN5 = ZEN4 + " avx512_vnni avx512_vp2intersect avx_vnni"
 SAPPHIRE_RAPIDS = ZEN4 + " amx_bf16 amx_tile amx_int8"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no CUDA to exist
 
@@ -27,8 +28,8 @@ def measured_files(root):
     return sorted((root / "kernels").glob("dtype-*.json")) if (root / "kernels").exists() else []
 
 
-@pytest.mark.parametrize("flags", [ZEN3, ""], ids=["avx2", "unreadable"])
-def test_no_bf16_instructions_is_float32_without_measuring(flags, cache_dir):
+@pytest.mark.parametrize("flags", [ZEN3, "", ZEN4, ZEN5], ids=["avx2", "unreadable", "zen4", "zen5"])
+def test_no_amx_is_float32_without_measuring(flags, cache_dir):
     assert auto_dtype(CPU, flags) == torch.float32
     assert measured_files(cache_dir) == []
 
@@ -63,9 +64,9 @@ def test_decision_from_the_measurement(m, dtype):
 
 
 def test_measured_once_on_this_machine_then_read_from_the_cache(cache_dir):
-    first = auto_dtype(CPU, ZEN4)  # this machine's matmuls, under a bf16 flags line
+    first = auto_dtype(CPU, SAPPHIRE_RAPIDS)  # this machine's matmuls, under an AMX flags line
     [path] = measured_files(cache_dir)
-    assert path == cache_file(ZEN4)
+    assert path == cache_file(SAPPHIRE_RAPIDS)
     record = json.loads(path.read_text())
     assert str(first) == f"torch.{record['dtype']}" and record["why"]
     m = record["measured"]
@@ -75,10 +76,10 @@ def test_measured_once_on_this_machine_then_read_from_the_cache(cache_dir):
     # the next start reads the file: a different cached decision is what it returns, with nothing re-measured
     record["dtype"] = "bfloat16" if record["dtype"] == "float32" else "float32"
     path.write_text(json.dumps(record))
-    assert str(auto_dtype(CPU, ZEN4)) == f"torch.{record['dtype']}"
+    assert str(auto_dtype(CPU, SAPPHIRE_RAPIDS)) == f"torch.{record['dtype']}"
     assert measured_files(cache_dir) == [path]
     path.write_text("{not json")  # a damaged cache is measured again, not trusted
-    assert auto_dtype(CPU, ZEN4) == first
+    assert auto_dtype(CPU, SAPPHIRE_RAPIDS) == first
 
 
 def test_native_bf16_still_counts_avx512_bf16_for_an_explicit_bf16():

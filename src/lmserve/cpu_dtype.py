@@ -1,13 +1,16 @@
-"""What `--dtype auto` means (bf16 on CUDA; on a CPU bfloat16 only where a measurement says it pays and keeps batch
-invariance), and --dtype names resolved to torch dtypes.
+"""What `--dtype auto` means (bf16 on CUDA; on a CPU bfloat16 only with AMX, where a measurement says it pays and
+keeps batch invariance), and --dtype names resolved to torch dtypes.
 
-Why measure: the CPU flags do not say it. With AMX (Sapphire Rapids) oneDNN's bf16 tile matmul can be several
-times float32's; with AVX512_BF16 alone (Zen 4) bf16 ran at float32's speed or slower, turned off the native
-float32 kernels, and a request's tokens came to depend on its batch (oneDNN's bf16 kernels block rows by batch
-size). So where the CPU has bf16 instructions, the first `auto` times a prefill-shaped and a decode-shaped
-matmul in both dtypes and checks that a bf16 row is the same bits alone and inside batches of several sizes.
-bf16 is chosen only when it is invariant and clearly faster; the decision and its numbers are cached per CPU
-flags and torch version beside the native kernels (~/.cache/lmserve/kernels), so it is measured once a machine.
+bf16 gives up the native float32 kernels (paged attention, fused ops, the decode stack), so its matmuls must win
+by much. Without AMX they never did end to end: with AVX512_BF16 alone a Zen 4 host served 16-32 streams at 1.0x
+llama.cpp in bf16 against 1.7-1.9x in float32, a Xeon measured bf16 matmuls at 0.65x float32's, and a Zen 5 host,
+whose bf16 matmuls alone ran 4.4x float32's on the prefill shape and 1.5x on the decode shape, served 0.54x
+float32's offline throughput in bf16 (`lmserve bench throughput --quantization none`, 183 vs 338 tok/s) and
+prefilled at 0.62x. So only AMX (Sapphire Rapids and later, tile matmuls several times float32's) is measured:
+the first `auto` there times a prefill-shaped and a decode-shaped matmul in both dtypes and checks that a bf16 row
+is the same bits alone and inside batches of several sizes. bf16 is chosen only when it is invariant and clearly
+faster; the decision and its numbers are cached per CPU flags and torch version beside the native kernels
+(~/.cache/lmserve/kernels), so it is measured once a machine.
 """
 
 from __future__ import annotations
@@ -25,9 +28,7 @@ from lmserve.utils import DTYPES, cpu_flags, cpu_has_fast_bf16, write_atomically
 
 log = logging.getLogger(__name__)
 
-# bf16 gives up the native float32 kernels (paged attention, fused ops), so its matmuls must win by much: on a
-# Zen 4 host serving 16-32 streams ran 1.0x llama.cpp in bf16 and 1.7-1.9x in float32, and an AVX512_BF16 Xeon
-# without AMX measures bf16 at 0.65x float32 on the prefill shape. AMX tiles are expected at 3x and more. And
+# On an AMX CPU bf16's matmuls must still win by much (the module docstring): tiles are expected at 3x and more. And
 # bf16 must not lose on single rows (decode).
 MIN_PREFILL_SPEEDUP = 2.0
 MIN_DECODE_SPEEDUP = 1.0
@@ -122,9 +123,12 @@ def decide(m: dict) -> tuple[str, str]:
 
 
 def measured_cpu_dtype(flags: str) -> tuple[torch.dtype, str]:
-    """This CPU's auto dtype and why: cached, else measured now (about a second) and cached."""
+    """This CPU's auto dtype and why: float32 without AMX; with it cached, else measured now (about a second) and
+    cached."""
     if not cpu_has_fast_bf16(flags):
         return torch.float32, "no bf16 instructions"
+    if "amx_bf16" not in flags.split():
+        return torch.float32, "no AMX: bf16 without tiles lost end to end on every CPU measured (cpu_dtype.py)"
     path = cache_file(flags)
     try:
         record = json.loads(path.read_text())

@@ -86,7 +86,7 @@ def _add_model_args(g, several_models: bool) -> None:
                    "(default: main)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA; on a CPU float32, unless a measurement made once on the machine "
-                   "finds bfloat16 batch invariant and clearly faster (AMX-class CPUs)")
+                   "of an AMX CPU finds bfloat16 batch invariant and clearly faster")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
                    help="how linear weights are held: gguf (CPU): a GGUF file's own blocks through native int8-dot "
                    "kernels; none: float weights (a GGUF dequantized; transformers parity); int8, int4: weight-only "
