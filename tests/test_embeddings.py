@@ -56,7 +56,8 @@ def test_mean_pooling_from_the_checkpoint_equals_sentence_transformers(mean_llm,
 def test_last_token_and_cls_pooling_equal_transformers(qwen3_dir, method):
     path = qwen3_dir
     ids = [[5, 9, 11, 40, 3], list(range(20, 60)), [7]]
-    llm = LLM(str(path), dtype="float32", num_blocks=32, max_num_batched_tokens=16, **({"pooling": "cls"} if method == "cls" else {}))
+    llm = LLM(str(path), dtype="float32", num_blocks=32, max_num_batched_tokens=16,
+              **({"pooling": "cls"} if method == "cls" else {}))
     assert llm.engine.front.pooler.method == method  # last: the default without the checkpoint files
     torch.testing.assert_close(_vectors(llm.embed(ids, use_tqdm=False)), hf_pooled(path, ids, method),
                                atol=ATOL, rtol=0)

@@ -130,7 +130,8 @@ def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, tmp_
              (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))]
     modules = tuple((f"a{i}", str(make_peft_adapter(tmp_path / f"a{i}", smol_path, rank=r, target_modules=t,
                                                     seed=10 + i))) for i, (r, t) in enumerate(specs))
-    engine = LLMEngine(EngineConfig(model=str(smol_path), dtype="float32", num_threads=2, cache=CacheConfig(num_blocks=128),
+    engine = LLMEngine(EngineConfig(model=str(smol_path), dtype="float32", num_threads=2,
+                                    cache=CacheConfig(num_blocks=128),
                                     lora=LoraConfig(modules, max_loras=4, max_cpu_loras=4, max_lora_rank=16)))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompt = "The capital of France is"

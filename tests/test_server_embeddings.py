@@ -30,7 +30,8 @@ def reference(st_reference):
 @pytest.fixture(scope="module")
 def server(st_dir):
     # a 16-token step budget: the 40-token input runs in chunks beside the others
-    with running_server("--model", str(st_dir), "--dtype", "float32", "--served-model-name", NAME, "--max-num-batched-tokens", "16") as s:
+    with running_server("--model", str(st_dir), "--dtype", "float32", "--served-model-name", NAME,
+                        "--max-num-batched-tokens", "16") as s:
         yield s
 
 
