@@ -19,14 +19,6 @@ Base rows (slot -1) are in no segment: their output is the base layer's, bit for
 adding slice by slice cost 2.4 ms over a 2.9 ms base; with these views, B rank-major (the expand bmm
 went 186 -> 54 us) and one index_add, 0.65 ms over 2.0 ms.
 `lora_delta_reference` is the plain per-row loop the tests compare against.
-
-On a CPU the slots hold float64 and the deltas are computed in it, rounded once into y's dtype: that keeps a row's
-delta the same bits whichever rows and adapters share its step. In float32 it was not: BLAS picks its summation order
-by the call's shape, and on a Zen 5 host (MKL) one row came out of a bmm with other bits at 1, 2-4 and 5+ rows per
-segment and at another rank width; the int8 activations of a GGUF base turned that last bit into 0.1 of a
-continuation's logprob (a request alone vs beside other adapters). A float64 sum in another order rounds to the same
-float32 unless it lies within ~1e-16 of a rounding midpoint. The matmuls are rank-thin (r x (in + out) per row), so
-float64 costs little beside the base layer. CUDA keeps the model's dtype.
 """
 
 from __future__ import annotations
@@ -98,7 +90,7 @@ def lora_delta_batched(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta
     r, n = meta.rank, len(layer.slices)
     num_segs = meta.seg_rows.shape[0]
     a = layer.lora_a[:num_segs, :r].reshape(num_segs, r * n, -1)  # [S, r * n, in], a view: rank-major layout
-    h = torch.bmm(x[meta.seg_rows].to(a.dtype), a.transpose(1, 2))  # [S, L, r * n]; column k * n + i: slice i, rank k
+    h = torch.bmm(x[meta.seg_rows], a.transpose(1, 2))  # [S, L, r * n]; column k * n + i: slice i, rank k
     if meta.padded:
         h = h * meta.seg_mask.to(h.dtype)  # padding rows: exactly zero from here on
     parts = [torch.bmm(h[:, :, i::n].contiguous(), layer.lora_b(i)[:num_segs, :r])  # [S, L, out_i]
@@ -111,8 +103,7 @@ def _lora_delta_ragged(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta
     """One matmul pair per used slot over its own rows: no padding rows computed."""
     r, n = meta.rank, len(layer.slices)
     for slot, rows in meta.ragged:
-        a = layer.lora_a[slot, :r].reshape(r * n, -1)
-        h = x[rows].to(a.dtype) @ a.T  # [n_s, r * n]
+        h = x[rows] @ layer.lora_a[slot, :r].reshape(r * n, -1).T  # [n_s, r * n]
         parts = [h[:, i::n] @ layer.lora_b(i)[slot, :r] for i in range(n)]  # [n_s, out_i]
         d = parts[0] if n == 1 else torch.cat(parts, dim=-1)
         y.index_add_(0, rows, d.to(y.dtype))
@@ -126,6 +117,6 @@ def lora_delta_reference(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, to
         if slot < 0:
             continue
         for i, s in enumerate(layer.slices):
-            h = x[t].to(layer.lora_a.dtype) @ layer.lora_a[slot, :, i].T  # [max_rank]
+            h = x[t] @ layer.lora_a[slot, :, i].T  # [max_rank]
             y[t, s.offset:s.offset + s.size] += (h @ layer.lora_b(i)[slot]).to(y.dtype)
     return y

@@ -38,8 +38,6 @@ class LoraSlots:
                  device: torch.device) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.batch = LoraBatch()
-        if device.type == "cpu":  # deltas in float64: the same bits in any batch (lora/layers.py)
-            dtype = torch.float64
         # (layer index, HF projection name) -> (wrapper, index of its slice)
         self.targets: dict[tuple[int, str], tuple[LoraLinear, int]] = {}
         for idx, layer in enumerate(model.model.layers):
