@@ -19,6 +19,13 @@ Base rows (slot -1) are in no segment: their output is the base layer's, bit for
 adding slice by slice cost 2.4 ms over a 2.9 ms base; with these views, B rank-major (the expand bmm
 went 186 -> 54 us) and one index_add, 0.65 ms over 2.0 ms.
 `lora_delta_reference` is the plain per-row loop the tests compare against.
+
+A LoRA row's delta is not bit-invariant to its batch: BLAS picks its summation order by the call's shape, and on a
+Zen 5 host (MKL) one row came out of these bmm's with other last bits at 1, 2-4 and 5+ rows per segment and at
+another rank width (the widest rank of the step). Over a float base that stays a last-bit difference; over a GGUF
+base the int8 activations can turn it into ~0.1 of a continuation's logprob (tokens equal in the test that showed
+it). Computing the deltas in float64 removed it, but cost the 8-adapter benchmark 0.32x -> 0.25x of the base's
+tokens/s and twice the slot memory; a fixed-order kernel is what would make it exact.
 """
 
 from __future__ import annotations
