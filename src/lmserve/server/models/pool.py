@@ -21,6 +21,7 @@ import gc
 import logging
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmserve.server")
 _M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+RELEASE_TRIES, RELEASE_RETRY_S = 20, 0.05  # an unloaded engine still held: collect again, for ~1 s + the collections
 _LOOK_S = 5.0  # with --keep-alive, expire_idle looks at least this often (for models it was not woken about)
 
 
@@ -178,8 +180,19 @@ class ModelPool:
         victim.idle_since, victim.unloading = None, True
         try:
             await asyncio.to_thread(self.unloader, victim, engine)
-            del engine  # the last reference: its weights and KV pool are freed now, not at some later collection
-            await asyncio.to_thread(release_memory)
+            gone = weakref.ref(engine)
+            del engine  # the pool's reference: its weights and KV pool are freed by the collection below
+            # A response that has just ended (its lease released, which may have started this unload) can still hold
+            # its ModelState, and so the engine, for a moment: collect again until the engine is gone, or the trim
+            # runs before its memory is free and the RSS stays up until the next unload (seen on a fast host).
+            for _ in range(RELEASE_TRIES):
+                await asyncio.to_thread(release_memory)
+                if gone() is None:
+                    break
+                await asyncio.sleep(RELEASE_RETRY_S)
+            else:
+                log.warning("model %s: its engine is still referenced after unloading; its memory stays in use",
+                            victim.name)
         finally:
             victim.unloading = False
 
