@@ -56,6 +56,45 @@ def test_decode_steps_through_the_stack_equal_the_module_loop_bitwise(gguf_engin
 
 
 @needs_native
+def test_a_lora_engine_runs_base_only_decode_steps_through_the_stack(tmp_path):
+    """With LoRA wrappers on every projection, a decode step where no row carries an adapter runs the stack on the
+    wrappers' bases, and one where a row does runs the module loop: both bit-identical to the module loop alone."""
+    from lmserve.config import CacheConfig, EngineConfig, LoraConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.loader import default_model_path
+    from lmserve.sampling_params import SamplingParams
+    from tests.lora_adapters import make_peft_adapter
+    from tests.test_engine import PROMPTS, assert_no_leak
+
+    smol = default_model_path()
+    adapter = make_peft_adapter(tmp_path / "a", smol, rank=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    eng = LLMEngine(EngineConfig(quantization="gguf", lora=LoraConfig((("a", str(adapter)),), max_loras=1,
+                                                                      max_lora_rank=8),
+                                 cache=CacheConfig(num_blocks=128, enable_prefix_caching=False)))
+    model, lora = eng.loaded.model, eng.loras.get("a")
+    assert isinstance(model.layer_loop, NativeDecodeLoop) and len(model.layer_loop.wrappers) == 4 * len(
+        model.model.layers)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run(with_lora: bool) -> list:
+        eng.add_request("r", PROMPTS[1], params, lora=lora if with_lora else None)
+        out = []
+        while eng.has_unfinished():
+            out += [(t.token_id, t.logprob, tuple(t.top)) for d in eng.step() for t in d.logprobs]
+        return out
+
+    stack = eng.runner.decode_stack
+    base, steps = run(False), stack.steps
+    assert steps >= 10  # the base request's decode steps ran the stack
+    adapted = run(True)
+    assert stack.steps == steps  # the adapter's steps ran the module loop
+    assert adapted != base  # and the adapter mattered
+    remove_decode_stack(model)
+    assert run(False) == base and run(True) == adapted
+    assert_no_leak(eng)
+
+
+@needs_native
 def test_the_stack_stands_aside_for_other_layers(gguf_engine):
     """A projection that is not exactly a GGUFLinear (float, LoRA or parallel wrapper) means no stack; so do head
     layouts the attention kernel lacks. The float (dequantized) model never builds one."""

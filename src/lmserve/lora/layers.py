@@ -82,6 +82,12 @@ class LoraLinear(nn.Module):
         """Slice i's B transposed (scaling folded in): [max_loras, max_rank, out_i]."""
         return getattr(self, f"lora_b{i}")
 
+    @property
+    def passes_through(self) -> bool:
+        """No row of this step carries an adapter: the output is the base layer's alone (the decode stack then runs
+        the base, layers/decode_stack.py)."""
+        return self.batch.meta is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         meta = self.batch.meta
