@@ -1,7 +1,7 @@
 """Embeddings in the engine: pooling requests batched by the scheduler (chunked, preempted, beside generations),
 their vectors equal to sentence-transformers' and transformers' pooled hidden states (float32, 1e-5), and the
 offline API as vLLM spells it (LLM.embed, LLM.generate(lora_request=...)). Every engine is pinned to float32, the
-references' dtype: --dtype auto picks bf16 on a CPU where it measures bf16 faster (cpu_dtype.py)."""
+references' dtype: --dtype auto picks bf16 on an AMX CPU where it measures bf16 faster (cpu_dtype.py)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Reference:
 @pytest.fixture(scope="module")
 def server():
     """The float path (--quantization none; the default keeps the GGUF blocks): compared with transformers' float32
-    within 1e-4 (float32 pinned: --dtype auto picks bf16 on a CPU where it measures bf16 faster)."""
+    within 1e-4 (float32 pinned: --dtype auto picks bf16 on an AMX CPU where it measures it faster)."""
     from tests.server_util import running_server
 
     with running_server("--quantization", "none", "--dtype", "float32") as s:

@@ -140,7 +140,7 @@ def apply_decode_stack(model: nn.Module) -> DecodeStack | None:
     layers = [layer_weights(layer, kinds) for layer in model.model.layers]
     if any(lw is None for lw in layers):
         return None
-    wrappers = tuple(p for layer in model.model.layers for p in _projections(layer) if _passes(p))
+    wrappers = tuple(p for lw in layers for p in lw.projections if _passes(p))
     layers = [replace(lw, projections=tuple(p.base if _passes(p) else p for p in lw.projections)) for lw in layers]
     stack = DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps))
     if stack is not None:
