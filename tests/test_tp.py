@@ -7,16 +7,20 @@ unsharded model's. The server tests start `lmserve serve --tensor-parallel-size 
 
 from __future__ import annotations
 
+import ipaddress
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +32,7 @@ from lmserve.loader import load_model
 from lmserve.loader.sharding import TPShard, shard_bounds
 from lmserve.worker.tp_worker import RankSpec, init_group
 from tests.conftest import save_tiny_hf, write_tiny_llama
-from tests.server_util import free_port, running_server, unhealthy_within
+from tests.server_util import running_server, unhealthy_within
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3]]
 
@@ -58,15 +62,17 @@ def _rank_main(rank: int, world: int, init_method: str, path: str) -> None:
 
 def tp_logits(path: Path, world: int) -> torch.Tensor:
     """Rank 0's logits with `world` ranks (ranks >= 1 in spawned processes)."""
-    ctx, init = mp.get_context("spawn"), f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(path)), daemon=True) for r in range(1, world)]
-    for p in procs:
-        p.start()
-    try:
-        logits = _forward(0, world, init, str(path))
-    finally:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as store_dir:  # the rendezvous the executor uses: a file store, no socket
+        init = f"file://{store_dir}/store"
+        procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(path)), daemon=True) for r in range(1, world)]
         for p in procs:
-            p.join(60)
+            p.start()
+        try:
+            logits = _forward(0, world, init, str(path))
+        finally:
+            for p in procs:
+                p.join(60)
     assert all(p.exitcode == 0 for p in procs)
     return logits
 
@@ -172,9 +178,28 @@ def tiny_llama(tmp_path_factory):
     return path
 
 
+def _network_interface() -> str | None:
+    """An interface that is up with a non-loopback IPv4 address: where an attacker on the network would connect."""
+    stats = psutil.net_if_stats()
+    for name, addrs in psutil.net_if_addrs().items():
+        if name in stats and stats[name].isup and any(
+                a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback for a in addrs):
+            return name
+    return None
+
+
+def _server_env(tmp: Path) -> dict[str, str]:
+    """TMPDIR where the test sees the rank store's directory; GLOO_SOCKET_IFNAME naming a network-facing
+    interface (as an operator's environment might), which the server must not let its ranks listen on."""
+    iface = _network_interface()
+    return {"TMPDIR": str(tmp), **({"GLOO_SOCKET_IFNAME": iface} if iface else {})}
+
+
 @pytest.fixture(scope="module")
-def tp_server(tiny_llama):
-    with running_server("--model", str(tiny_llama), *SERVE_ARGS) as s:
+def tp_server(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp-tmpdir")
+    with running_server("--model", str(tiny_llama), *SERVE_ARGS, env=_server_env(tmp)) as s:
+        s.tmpdir = tmp
         yield s
 
 
@@ -218,6 +243,40 @@ def test_greedy_tokens_through_the_server_equal_tp1(tp_server, tiny_llama):
     assert len(_ranks(tp_server.proc.pid)) == 1
 
 
+def _bound_sockets(pid: int) -> list[tuple[int, str, object]]:
+    """(pid, kind, address) of every listening TCP socket, bound UDP socket and named Unix socket of the server
+    and all its descendants."""
+    out = []
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        for c in p.net_connections("inet"):
+            if c.status == psutil.CONN_LISTEN or (c.type == socket.SOCK_DGRAM and c.laddr):
+                out.append((p.pid, "inet", c.laddr))
+        out += [(p.pid, "unix", c.laddr) for c in p.net_connections("unix") if c.laddr]
+    return out
+
+
+def _loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def test_no_rank_listens_off_loopback_and_the_store_is_private(tp_server):
+    # What an attacker on the network sees: a TCPStore on *:PORT took and grew any key written to it. Every
+    # socket of the server and its ranks must be on loopback (a Unix socket only in a 0700 directory), the
+    # rendezvous a store file in a 0700 directory.
+    bound = _bound_sockets(tp_server.proc.pid)
+    inet = [(pid, a) for pid, kind, a in bound if kind == "inet"]
+    assert any(a.port == tp_server.port for _, a in inet)  # the listing sees at least the HTTP port
+    assert len({pid for pid, _ in inet}) == 2  # and gloo's pair listener in the rank process
+    assert [(pid, a) for pid, a in inet if not _loopback(a.ip)] == []
+    for pid, _, path in (b for b in bound if b[1] == "unix"):
+        assert path.startswith("/"), f"pid {pid}: abstract Unix socket {path!r} (any local user may connect)"
+        assert os.stat(os.path.dirname(path)).st_mode & 0o077 == 0, f"pid {pid}: {path} in a shared directory"
+    stores = list(tp_server.tmpdir.glob("lmserve-tp-*"))
+    assert len(stores) == 1 and stores[0].stat().st_mode & 0o777 == 0o700
+
+
 def test_sigterm_stops_every_rank(tp_server):
     ranks = _ranks(tp_server.proc.pid)
     assert len(ranks) == 1
@@ -227,14 +286,17 @@ def test_sigterm_stops_every_rank(tp_server):
     while _alive(ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(ranks)
+    assert list(tp_server.tmpdir.glob("lmserve-tp-*")) == []  # the store's directory goes with the ranks
 
-def test_killing_an_idle_rank_fails_health_and_exits_nonzero(tiny_llama):
-    with running_server("--model", str(tiny_llama), *SERVE_ARGS) as s:
+
+def test_killing_an_idle_rank_fails_health_and_exits_nonzero(tiny_llama, tmp_path):
+    with running_server("--model", str(tiny_llama), *SERVE_ARGS, env={"TMPDIR": str(tmp_path)}) as s:
         ranks = _ranks(s.proc.pid)
         assert len(ranks) == 1 and httpx.get(s.url + "/health").status_code == 200
         os.kill(ranks[0], signal.SIGKILL)  # no request in flight: the executor's watcher must notice
         assert unhealthy_within(s.url, 3)
         assert s.proc.wait(timeout=20) == 1
+        assert list(tmp_path.glob("lmserve-tp-*")) == []  # stopped on the failure path too
 
 
 @pytest.mark.slow
@@ -257,13 +319,14 @@ def test_a_hung_rank_fails_health_and_exits_nonzero_leaving_no_rank(tiny_llama):
                 os.kill(ranks[0], signal.SIGKILL)
 
 
-def test_ranks_exit_when_their_parent_is_killed(tiny_llama):
-    # SIGKILL leaves the parent no chance to stop its ranks: they must notice on their own (no orphans)
+def test_ranks_exit_when_their_parent_is_killed(tiny_llama, tmp_path):
+    # SIGKILL leaves the parent no chance to stop its ranks: they must notice on their own (no orphans).
+    # Nor can it remove its rank store's directory: TMPDIR keeps that in this test's own directory.
     script = ("import sys, time; from lmserve import LLM; "
               "llm = LLM(sys.argv[1], tensor_parallel_size=2, num_blocks=16, num_threads=1); "
               "print('ready', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         assert proc.stdout.readline().strip() == "ready"
         ranks = _ranks(proc.pid)

@@ -8,6 +8,11 @@ all-reduces meet the workers'; rank 0 alone runs the LM head and samples, so onl
 A rank that dies or hangs is fatal: a watcher thread sees a worker process exit at once (even when the
 engine is idle) and calls `on_fatal`; a step whose collective fails or times out (a hung rank:
 ParallelConfig.rank_timeout_s) raises ExecutorDeadError. Either way the other workers are stopped.
+
+The ranks meet through a FileStore in a private directory (mkdtemp: 0700), not a TCPStore: a TCPStore's
+server listens on every interface whatever host its URL names, with no authentication, so any host that
+reaches this one could read and write its keys. No socket is opened for the rendezvous; gloo's and NCCL's
+own sockets are pinned to loopback (tp_worker.init_group). The directory goes when the ranks are stopped.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
+import shutil
+import tempfile
 import threading
 from multiprocessing.connection import wait
 from typing import Callable
@@ -57,7 +63,8 @@ class RankProcesses:
     def __init__(self, cfg: EngineConfig, dtype: torch.dtype, device: torch.device, num_threads: int) -> None:
         world = cfg.parallel.tensor_parallel_size
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.store_dir = tempfile.mkdtemp(prefix="lmserve-tp-")  # 0700: only this user can open the store
+        init_method = f"file://{self.store_dir}/store"
         self.procs, self.conns = [], []
         self._stop_lock = threading.Lock()
         for rank in range(1, world):
@@ -101,6 +108,8 @@ class RankProcesses:
                     proc.join(STOP_GRACE_S)
             for conn in self.conns:
                 conn.close()
+            # Every worker is gone (rank 0's store, if still held, tolerates a missing file when it is freed)
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 class MultiprocExecutor:
@@ -165,9 +174,3 @@ class MultiprocExecutor:
                 self._stopping.set()
                 threading.Thread(target=self.ranks.stop, name="lmserve-tp-stop", daemon=True).start()
         return self.error
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,10 @@ from lmserve.worker.model_runner import ModelRunner
 log = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5  # how often a worker checks that its parent still lives
+# Every rank runs on this host. Unpinned, gloo's pair listeners and NCCL's bootstrap sockets bind to the address the
+# hostname resolves to (or any interface NCCL likes), which may face the network; an operator's setting is overridden.
+LOOPBACK_IFNAME = "lo0" if sys.platform == "darwin" else "lo"
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": LOOPBACK_IFNAME, "NCCL_SOCKET_IFNAME": "=" + LOOPBACK_IFNAME}  # "=": exact name
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class RankSpec:
 
     rank: int
     world_size: int
-    init_method: str  # tcp://127.0.0.1:PORT, the rendezvous rank 0 serves
+    init_method: str  # file://<private dir>/store: the rendezvous (executor.RankProcesses), no socket
     timeout_s: float
     num_threads: int
     parent_pid: int
@@ -51,9 +56,10 @@ def device_for(device: torch.device, rank: int) -> torch.device:
 
 
 def init_group(spec: RankSpec, device: torch.device) -> None:
-    """Join the default process group: gloo on CPU, NCCL on CUDA."""
+    """Join the default process group (gloo on CPU, NCCL on CUDA), its sockets on loopback only."""
     import torch.distributed as dist
 
+    os.environ.update(LOOPBACK_ENV)  # read by gloo's device and NCCL's bootstrap when the group forms, below
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
