@@ -101,6 +101,16 @@ def test_metrics_needs_the_key_unless_metrics_public():
     assert public.get("/version").status_code == 401  # only /metrics opens
 
 
+def test_with_plain_keys_only_no_key_reads_metrics(guarded):
+    """Plain keys have no role: a server with only plain keys has no admin, so /metrics is 403 to each of them
+    (and open to all with --metrics-public, whose scrapers send no key)."""
+    r = guarded.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    public = app_client(api_keys=(KEY,), metrics_public=True)
+    assert public.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert app_client().get("/metrics").status_code == 200  # no keys at all: an open server, /metrics too
+
+
 def test_with_a_key_file_metrics_is_the_only_admin_route():
     """The walk again with valid keys from a key file: a user key is refused (403, OpenAI's shape) on /metrics and
     on no other route; an admin key reads it; --metrics-public opens it to all. A plain key has no role (it is

@@ -71,3 +71,13 @@ def test_prometheus_config_scrapes_metrics():
     cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     job = cfg["scrape_configs"][0]
     assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"]
+
+
+def test_no_example_opens_metrics_to_anyone():
+    """Issue 47: the Ray Serve and Kubernetes examples served /metrics (every key's usage) without a key. No
+    manifest or config under deploy/ sets --metrics-public (comments may name it)."""
+    files = sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
+    assert any(p.name == "ray-serve.yaml" for p in files) and any(p.parent.name == "k8s" for p in files)
+    for path in files:
+        content = json.dumps(list(yaml.safe_load_all(path.read_text())))
+        assert "--metrics-public" not in content and "metrics_public" not in content, path

@@ -154,9 +154,12 @@ def test_a_broken_manifest_fails_validation(kind, break_it):
         validate(doc)
 
 
+def pod_spec(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc["spec"]["predictor"]
+
+
 def container(doc: dict) -> dict:
-    spec = doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc["spec"]["predictor"]
-    (c,) = spec["containers"]
+    (c,) = pod_spec(doc)["containers"]
     return c
 
 
@@ -167,7 +170,34 @@ def test_probes_resources_and_image(kind):
         assert c[probe]["httpGet"]["path"] == "/health", probe
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert ":" in c["image"] and not c["image"].endswith(":latest")
-    assert "--metrics-public" in c["args"]  # the scrape carries no API key
+    assert "--metrics-public" not in c["args"]  # /metrics is an admin key's (the ServiceMonitor sends one)
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "InferenceService"])
+def test_keys_are_required_and_come_from_a_required_secret(kind):
+    """Issue 47: the Secret holding the keys was optional, so a missing Secret meant an open API. Now the key file
+    is a Secret volume that is not optional (no Secret: the pod does not start), and --require-api-key refuses a
+    key file with no key in it."""
+    from lmserve.cli import build_parser
+
+    doc = by_kind(kind)
+    c = container(doc)
+    args = build_parser().parse_args(entrypoint("Dockerfile")[1:] + c["args"])
+    assert args.require_api_key and args.api_key_file and not args.api_key and not args.metrics_public
+    assert not [e for e in c.get("env", []) if e["name"] == "LMSERVE_API_KEY"]  # keys come from the file alone
+    (mount,) = [m for m in c["volumeMounts"] if Path(args.api_key_file).parent == Path(m["mountPath"])]
+    (volume,) = [v for v in pod_spec(doc)["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "lmserve-api-keys" and volume["secret"].get("optional") is False
+    assert mount.get("readOnly") is True
+    secret_refs = [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+    assert all(not e["valueFrom"]["secretKeyRef"].get("optional") for e in secret_refs)
+
+
+def test_prometheus_scrapes_with_an_admin_key_from_a_secret():
+    """/metrics is for admin keys: the ServiceMonitor sends one, as a bearer token read from a Secret."""
+    (endpoint,) = by_kind("ServiceMonitor")["spec"]["endpoints"]
+    auth = endpoint["authorization"]
+    assert auth["type"] == "Bearer" and auth["credentials"] == {"name": "lmserve-metrics-key", "key": "token"}
 
 
 def test_objects_point_at_each_other():
@@ -266,5 +296,5 @@ def test_container_args_are_real_lmserve_flags(kind):
     assert argv[:2] == ["lmserve", "serve"]
     args = build_parser().parse_args(argv[1:])  # argparse exits (SystemExit) on a flag it does not know
     check_serve_args(args)
-    assert args.host == "0.0.0.0" and args.port == 8000 and args.metrics_public
+    assert args.host == "0.0.0.0" and args.port == 8000 and args.require_api_key and not args.metrics_public
     assert {p.get("containerPort") for p in container(by_kind(kind))["ports"]} == {args.port}

@@ -135,6 +135,18 @@ def test_serve_config_file_is_valid_and_builds():
     assert rs.RayServeArgs.from_args(application["args"]).num_replicas is None  # the file autoscales
 
 
+def test_serve_config_file_requires_keys():
+    """Issue 47: the example served on 0.0.0.0 with no key and --metrics-public. Serve's proxies still listen on
+    every interface (each node's must be reachable), so the replicas require keys and keep /metrics closed."""
+    rs = pytest.importorskip("lmserve.deploy.ray_serve")
+    config = yaml.safe_load((DEPLOY / "ray-serve.yaml").read_text())
+    (application,) = config["applications"]
+    flags = rs.parse_serve_args(rs.RayServeArgs.from_args(application["args"]).serve_argv())
+    assert flags.require_api_key and flags.api_key_file and not flags.metrics_public
+    assert not flags.api_key  # no key written into the config file itself
+    assert "LMSERVE_API_KEY" not in json.dumps(config)
+
+
 def scaling_out_commands() -> list[list[str]]:
     """docs/deployment.md's `sh` commands under "Scaling out" (not run by test_readme: they need Ray, Docker, a
     cluster)."""

@@ -30,7 +30,8 @@ def disk(server, name: str) -> float:
 
 
 def test_a_long_prompt_is_answered_from_disk_after_a_restart_for_its_key_alone(tmp_path):
-    args = ("--kv-offload-dir", str(tmp_path / "kv"), "--api-key", KEYS[0], "--api-key", KEYS[1])
+    args = ("--kv-offload-dir", str(tmp_path / "kv"), "--api-key", KEYS[0], "--api-key", KEYS[1],
+            "--metrics-public")  # plain keys read /metrics only so
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
     with running_server(*args, headers=headers) as first:
         r, cold = complete(first, KEYS[0])

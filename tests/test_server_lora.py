@@ -32,7 +32,7 @@ def lora_server(tmp_path_factory):
     with running_server("--model", str(model), "--api-key", KEY, "--enable-lora",
                         "--lora-modules", f"a={loras / 'a'}", "--max-loras", "1", "--max-cpu-loras", "2",
                         "--max-lora-rank", "8", "--allow-runtime-lora-updating", "--lora-dir", str(loras),
-                        "--num-kv-blocks", "64", headers=AUTH) as s:
+                        "--num-kv-blocks", "64", "--metrics-public", headers=AUTH) as s:  # a plain key: no admin
         s.root = root
         yield s
 

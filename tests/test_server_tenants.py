@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -164,8 +165,9 @@ def test_keys_never_appear_in_metrics_or_payload_log_but_names_do(keyed):
     for secret in (*KEYS.values(), PLAIN):
         assert secret not in metrics
     names = {line.split('key_name="')[1].split('"')[0] for line in metrics.splitlines() if 'key_name="' in line}
-    # the closed set from the file, and the plain key's own name (never the key)
-    assert names == {"rpm", "tpm", "conc", "nomodel", "hashed", "open", plain_name(PLAIN)}
+    # the closed set from the file, and the plain key's label (neither the key nor its fingerprint)
+    assert names == {"rpm", "tpm", "conc", "nomodel", "hashed", "open", "plain-1"}
+    assert plain_name(PLAIN) not in metrics
     deadline = time.time() + 10
     while time.time() < deadline and '"key_name": "hashed"' not in keyed.payload_log.read_text():
         time.sleep(0.1)
@@ -189,6 +191,7 @@ def test_bad_key_file_is_one_line_and_exit_2(tmp_path):
 
 ISO_KEYS = {name: f"sk-iso-{name}-0123456789" for name in ("team-a", "team-b", "shared-1", "shared-2", "ops")}
 P1, P2 = "plain-one-0123456789", "plain-two-0123456789"
+PLAIN_LABELS = {P1: "plain-1", P2: "plain-2"}  # /metrics's names for them, in the order they are given
 # ~200 tokens: several full KV blocks, so a hit (or its absence) is many tokens, not a rounding
 DOCUMENT = "The quarterly report of {who} lists revenue, costs and the plans for next year in detail. " * 12
 
@@ -213,7 +216,7 @@ def iso(server, key: str) -> openai.OpenAI:
 
 
 def prefix_hits(server, key: str) -> float:
-    name = key if key in ISO_KEYS else plain_name(key)
+    name = key if key in ISO_KEYS else PLAIN_LABELS[key]
     return server.metric("lmserve:key_prefix_cache_hit_tokens_total", f'key_name="{name}"')
 
 
@@ -277,19 +280,26 @@ def test_every_plain_key_is_its_own_identity(isolated):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert one.files.retrieve(uploaded.id).id == uploaded.id  # still there for its owner
-    for key in (P1, P2):  # each counted under its own name (a cache hit is not admitted: not counted)
-        assert isolated.metric("lmserve:key_requests_total", f'key_name="{plain_name(key)}"') >= 1
+    for key in (P1, P2):  # each counted under its own label (a cache hit is not admitted: not counted)
+        assert isolated.metric("lmserve:key_requests_total", f'key_name="{PLAIN_LABELS[key]}"') >= 1
 
 
 def test_metrics_is_for_admin_keys_only(isolated):
-    """The issue's seventh finding: /metrics, which lists every key name and its usage, was readable with any key."""
-    for key in ("team-a", "shared-1", P1):
+    """The issue's seventh finding: /metrics, which lists every key name and its usage, was readable with any key.
+    Issue 47's eleventh: it named each plain key `key-` + 8 hex digits of its SHA-256, so a reader could test
+    guesses of a weak key offline; now only the key file's names and `plain-N` labels appear."""
+    for key in ("team-a", "shared-1", P1, P2):
         r = httpx.get(isolated.url + "/metrics", headers={"Authorization": f"Bearer {ISO_KEYS.get(key, key)}"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", (key, r.text)
         assert "key_name" not in r.text
     assert httpx.get(isolated.url + "/metrics").status_code == 401
+    iso(isolated, P2).completions.create(model=MODEL, prompt="Count me", max_tokens=1, extra_body={"cache": False})
     ok = httpx.get(isolated.url + "/metrics", headers={"Authorization": f"Bearer {ISO_KEYS['ops']}"})
-    assert ok.status_code == 200 and 'key_name="team-a"' in ok.text
+    assert ok.status_code == 200
+    names = set(re.findall(r'key_name="([^"]*)"', ok.text))
+    assert names == set(ISO_KEYS) | {"plain-1", "plain-2"}, names
+    assert not re.search(r"key-[0-9a-f]{8}", ok.text) and plain_name(P2) not in ok.text
+    assert isolated.metric("lmserve:key_requests_total", 'key_name="plain-2"') >= 1
 
 
 # -- fairness ------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from lmserve.ops.record import RequestRecord
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.key_file import key_specs, parse_key_file, plain_name, read_key_file
-from lmserve.server.tenants import Tenants, duration
+from lmserve.server.tenants import Tenants, duration, metric_labels
 
 YAML = """
 keys:
@@ -46,8 +46,8 @@ def test_yaml_and_json_key_files_parse_the_same(tmp_path):
 
 def test_plain_key_per_line_file_still_works(tmp_path):
     path = tmp_path / "keys.txt"
-    path.write_text("key-one\n\n  key-two  \nsk-with:colon\n")
-    assert read_key_file(path) == (["key-one", "key-two", "sk-with:colon"], [])
+    path.write_text("key-one\n\n  key-two  \nsk-with:colon\n# the CI key, rotated monthly\n")
+    assert read_key_file(path) == (["key-one", "key-two", "sk-with:colon"], [])  # a comment is not a key
 
 
 @pytest.mark.parametrize("text,message", [
@@ -89,7 +89,13 @@ def test_every_plain_key_is_its_own_identity_whose_name_the_file_may_not_take():
         key_specs(("p1",), named)
     t = Tenants(key_specs(("p1", "p2"), ()))
     assert t.identify("Bearer p1") == p1.name and t.identify("Bearer p2") == p2.name
-    assert not t.is_admin(p1.name) and not t.metrics_need_admin  # plain keys have no roles; /metrics as before
+    assert not t.is_admin(p1.name) and not t.is_admin(p2.name)  # plain keys have no roles: none reads /metrics
+    # /metrics labels: never the fingerprint; plain-N in the order given, after the file's names as they are
+    named_a = tuple(parse_key_file("keys: [{name: a, key: ka}]", "f"))
+    assert metric_labels(key_specs(("p2", "p1"), named_a)) == {"a": "a", p2.name: "plain-1", p1.name: "plain-2"}
+    for reserved in ("plain-1", "plain-12"):  # a key file cannot take a plain key's label
+        with pytest.raises(ConfigError, match="reserved"):
+            parse_key_file(f"keys: [{{name: {reserved}, key: other}}]", "f")
 
 
 def test_roles_prefix_cache_and_model_patterns_from_the_key_file():
@@ -104,7 +110,7 @@ keys:
     assert a.allows("base") and a.allows("base/prod") and not a.allows("prod") and not a.allows("base2")
     assert b.allows("ada") and not b.allows("prod") and not b.allows("ada2")  # an adapter is not its base
     t = Tenants(tuple(specs))
-    assert t.is_admin("ops") and not t.is_admin("team-a") and t.metrics_need_admin
+    assert t.is_admin("ops") and not t.is_admin("team-a")
     assert Tenants(()).is_admin("anonymous")  # no keys: an open server, everyone manages everything
     # prompt blocks: each key's own unless it shares; a request's cache_salt shares with the same salt, any key's
     assert t.prefix_salt("team-b", None) == b"key:team-b" != t.prefix_salt("ops", None)

@@ -16,7 +16,7 @@ INFER = f"/v2/models/{MODEL}/infer"
 
 @pytest.fixture(scope="module")
 def v2():
-    with running_server("--api-key", KEY, headers=AUTH) as s:
+    with running_server("--api-key", KEY, "--metrics-public", headers=AUTH) as s:  # wait_idle reads /metrics
         yield s
 
 

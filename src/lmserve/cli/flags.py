@@ -289,9 +289,12 @@ def _add_security_args(g) -> None:
                    "requests_per_minute, tokens_per_minute, max_concurrent_requests, models (names or patterns of "
                    "models and adapters), role (user|admin), prefix_cache (isolated|shared)}]), or one key per line "
                    "(default: none)")
+    g.add_argument("--require-api-key", action="store_true",
+                   help="refuse to start without at least one API key (a deployment whose key Secret went "
+                   "missing must not serve an open API)")
     g.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without an API key (by default, with keys set, it needs one like every "
-                   "route but /health, and with --api-key-file an admin key's)")
+                   help="serve /metrics without an API key (by default, with keys set, it needs an admin key from "
+                   "--api-key-file; plain keys never read it)")
     g.add_argument("--cors-allowed-origins", action="append", default=[],
                    help="origin allowed by CORS (repeatable; default: none, no CORS headers)")
 

@@ -60,7 +60,7 @@ class RayServeArgs:
     prefix_chars: int = 256  # prompts equal on this many leading characters share a replica
     imbalanced_threshold: int = DEFAULT_IMBALANCED_THRESHOLD
     health_check_period_s: float = 10.0
-    serve_args: str = ""  # any further `lmserve serve` flags, e.g. "--api-key K --kv-cache-memory 1G"
+    serve_args: str = ""  # further `lmserve serve` flags, e.g. "--require-api-key --api-key-file /etc/keys.yaml"
 
     @classmethod
     def from_args(cls, args: dict) -> "RayServeArgs":

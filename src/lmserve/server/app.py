@@ -256,10 +256,10 @@ def _misc_routes() -> Router:
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
-        """Every key's name and usage are in it: with a key file, admin keys only (unless --metrics-public)."""
+        """Every key's label and usage are in it: with keys, admin keys only (a server with plain keys alone has
+        none: 403 for all) unless --metrics-public; on a server without keys, open like every route."""
         st = state_of(request)
-        if st.tenants.metrics_need_admin and not st.config.metrics_public \
-                and not st.tenants.is_admin(key_name_of(request)):
+        if not st.config.metrics_public and not st.tenants.is_admin(key_name_of(request)):
             raise APIError(403, "/metrics is for admin keys (role: admin in --api-key-file), or start the server "
                            "with --metrics-public", code="permission_denied")
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -30,7 +30,7 @@ ROLES = ("user", "admin")
 PREFIX_CACHE = ("isolated", "shared")
 FIELDS = ("name", "key", "sha256", "models", "role", "prefix_cache", *LIMITS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a metric label and a log field: keep it plain
-_PLAIN_NAME = re.compile(r"^key-[0-9a-f]{8}$")  # the names of plain keys (plain_name)
+_PLAIN_NAME = re.compile(r"^(key-[0-9a-f]{8}|plain-[0-9]+)$")  # plain keys' names (plain_name), metric labels
 _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
@@ -78,7 +78,8 @@ def read_key_file(path: str | Path) -> tuple[list[str], list[KeySpec]]:
     specs = parse_key_file(text, f"--api-key-file {path}")
     if specs is not None:
         return [], specs
-    return [line.strip() for line in text.splitlines() if line.strip()], []
+    keys = [line.strip() for line in text.splitlines()]
+    return [k for k in keys if k and not k.startswith("#")], []  # a comment line is not a key
 
 
 def parse_key_file(text: str, source: str) -> list[KeySpec] | None:
@@ -174,7 +175,7 @@ def _check_unique(specs: list[KeySpec], source: str) -> None:
             raise ConfigError(f"{source}: key name {s.name!r} is used twice")
         if s.name == ANONYMOUS or _PLAIN_NAME.match(s.name):
             raise ConfigError(f"{source}: key name {s.name!r} is reserved ({ANONYMOUS!r}: requests on a server "
-                              f"without keys; key-<8 hex digits>: plain --api-key keys)")
+                              f"without keys; key-<8 hex digits>, plain-<N>: plain --api-key keys)")
         if s.digest in digests:
             raise ConfigError(f"{source}: key {s.name!r} has the same key as an earlier entry")
         names.add(s.name)

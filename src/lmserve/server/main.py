@@ -107,11 +107,16 @@ def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
 
 
 def read_api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
-    """api_keys(), with an unreadable key file as a ConfigError (a malformed one already is one)."""
+    """api_keys(), with an unreadable key file as a ConfigError (a malformed one already is one), and none at all
+    a ConfigError under --require-api-key."""
     try:
-        return api_keys(args)
+        keys = api_keys(args)
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--api-key-file: {e}") from None
+    if args.require_api_key and not key_specs(*keys):
+        raise ConfigError(f"--require-api-key: no API key was given (--api-key, ${ENV_API_KEY} or a non-empty "
+                          "--api-key-file); refusing to serve an open API")
+    return keys
 
 
 def server_config(args: argparse.Namespace, name: str,

@@ -114,24 +114,28 @@ class ServerMetrics:
                            self.model_loaded):
                 metric.labels(name)
 
-    def bind_keys(self, names: list[str], reasons: tuple[str, ...], in_flight: Callable[[str], int]) -> None:
-        """Per-key-name counters; names come from the key file (a closed set), never from a request.
+    def bind_keys(self, labels: dict[str, str], reasons: tuple[str, ...], in_flight: Callable[[str], int]) -> None:
+        """Per-key counters, addressed by key name and exported under the key's label (`labels`: name -> label).
 
-        `in_flight(name)` is read at scrape time: the key's requests between admission and response end.
+        A key file's names are their own labels; a plain key's name (`key-` + 8 hex of its SHA-256) is a
+        fingerprint of the key, so it is exported as `plain-N` instead. `in_flight(name)` is read at scrape time:
+        the key's requests between admission and response end.
         """
         r = self.registry
-        self.key_in_flight = Gauge("lmserve:key_requests_in_flight", "Requests admitted and not ended, by API key "
-                                   "name (what max_concurrent_requests counts)", ["key_name"], registry=r)
-        self.key_requests = Counter("lmserve:key_requests", "Generation requests admitted, by API key name",
-                                    ["key_name"], registry=r)
-        self.key_tokens = Counter("lmserve:key_tokens", "Tokens of ended requests, by API key name and kind",
-                                  ["key_name", "kind"], registry=r)
-        self.key_rejections = Counter("lmserve:key_rejections", "Requests refused by a key's limits or model list, "
-                                      "by API key name and reason", ["key_name", "reason"], registry=r)
-        self.key_prefix_hits = Counter("lmserve:key_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the "
-                                       "prefix cache, by API key name (a key's blocks are its own unless it opts in "
-                                       "to sharing)", ["key_name"], registry=r)
-        for name in names:
+        by_key = lambda metric: _ByKey(metric, labels)  # noqa: E731
+        self.key_in_flight = by_key(Gauge("lmserve:key_requests_in_flight", "Requests admitted and not ended, by "
+                                          "API key name (what max_concurrent_requests counts)", ["key_name"],
+                                          registry=r))
+        self.key_requests = by_key(Counter("lmserve:key_requests", "Generation requests admitted, by API key name",
+                                           ["key_name"], registry=r))
+        self.key_tokens = by_key(Counter("lmserve:key_tokens", "Tokens of ended requests, by API key name and kind",
+                                         ["key_name", "kind"], registry=r))
+        self.key_rejections = by_key(Counter("lmserve:key_rejections", "Requests refused by a key's limits or model "
+                                             "list, by API key name and reason", ["key_name", "reason"], registry=r))
+        self.key_prefix_hits = by_key(Counter("lmserve:key_prefix_cache_hit_tokens", "Prompt tokens whose KV came "
+                                              "from the prefix cache, by API key name (a key's blocks are its own "
+                                              "unless it opts in to sharing)", ["key_name"], registry=r))
+        for name in labels:
             self.key_in_flight.labels(name).set_function(lambda name=name: in_flight(name))
             self.key_requests.labels(name)
             self.key_prefix_hits.labels(name)
@@ -247,6 +251,17 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ByKey:
+    """A per-key metric whose first label is given as a key name and exported as that key's label; a name not
+    configured (never expected) is counted as "unknown" rather than exported."""
+
+    def __init__(self, metric, labels: dict[str, str]) -> None:
+        self._metric, self._labels = metric, labels
+
+    def labels(self, name: str, *rest: str):
+        return self._metric.labels(self._labels.get(name, "unknown"), *rest)
 
 
 class _EngineCollector:

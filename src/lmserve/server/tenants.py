@@ -83,7 +83,8 @@ class Tenants:
         self.metrics = metrics
         self._open: dict[int, Reservation] = {}  # id(record) -> its reservation, until the response ends
         if metrics is not None:
-            metrics.bind_keys(names, REJECT_REASONS, lambda name: self.usage[name].in_flight)
+            metrics.bind_keys(metric_labels(specs) or {ANONYMOUS: ANONYMOUS}, REJECT_REASONS,
+                              lambda name: self.usage[name].in_flight)
 
     @property
     def enabled(self) -> bool:
@@ -116,11 +117,6 @@ class Tenants:
         """A `role: admin` key; on a server without keys everyone is (roles come with a key file)."""
         u = self.usage.get(name)
         return not self.enabled or (u is not None and u.spec.admin)
-
-    @property
-    def metrics_need_admin(self) -> bool:
-        """With a key file, /metrics (every key's name and usage) is for admin keys; plain keys have no roles."""
-        return any(not s.plain for s in self.specs)
 
     def prefix_salt(self, name: str, cache_salt: str | None) -> bytes:
         """What a request's prompt blocks are salted with (Request.cache_salt): blocks are shared only between
@@ -219,6 +215,15 @@ class Tenants:
             out += [(f"x-ratelimit-{field}-{kind}".encode(), str(v).encode())
                     for field, v in zip(("limit", "remaining", "reset"), values)]
         return out
+
+
+def metric_labels(specs: tuple[KeySpec, ...]) -> dict[str, str]:
+    """Key name -> how /metrics names it: a key file's names as they are; plain keys `plain-1`, `plain-2`... in
+    the order they were given, since a plain key's name (8 hex digits of its SHA-256) would let whoever reads
+    the metrics test guesses of the key offline."""
+    plain = (s.name for s in specs if s.plain)
+    labels = {name: f"plain-{i}" for i, name in enumerate(plain, 1)}
+    return {s.name: labels.get(s.name, s.name) for s in specs}
 
 
 def duration(seconds: float) -> str:

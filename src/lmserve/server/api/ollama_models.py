@@ -1,8 +1,10 @@
 """The Ollama API's model routes: /api/tags (the served models), /api/show (one model's card, without loading it)
 and /api/ps (the loaded ones, with when each unloads if it stays idle).
 
-Sizes and dates are the weight files' (read off the event loop); the digest is a hash of the path, size and
-modification time, so it changes when the files do; `parameter_size` is counted from the decoder's shape.
+Sizes and dates are the weight files' (read off the event loop); the digest is a hash of the model's name, size
+and modification time, so it changes when the files do; `parameter_size` is counted from the decoder's shape.
+No body names a server path (the Modelfile's FROM is the served name): a key learns what it may use, not
+where the operator keeps it.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ async def show(request: Request) -> dict:
     context = engine.front.max_model_len if engine is not None else model.spec.max_model_len
     capabilities = ["completion", "tools"] + (["thinking"] if "enable_thinking" in template_variables(template) else [])
     return {"modified_at": card["modified_at"], "details": card["details"], "template": template or "",
-            "modelfile": f"# served by lmserve\nFROM {_path(model)}\n", "parameters": "", "license": "",
+            "modelfile": f"# served by lmserve\nFROM {model.name}\n", "parameters": "", "license": "",
             "model_info": _model_info(config, context), "capabilities": capabilities}
 
 
@@ -107,7 +109,7 @@ def _card(model) -> dict:
     stats = [p.stat() for p in files]
     size = sum(s.st_size for s in stats)
     mtime = max((s.st_mtime for s in stats), default=time.time())
-    digest = hashlib.sha256(f"{path}\0{size}\0{mtime}".encode()).hexdigest()  # changes when the files do
+    digest = hashlib.sha256(f"{model.name}\0{size}\0{mtime}".encode()).hexdigest()  # changes when the files do
     return {"name": model.name, "model": model.name, "size": size, "digest": digest,
             "modified_at": datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
             "details": _details(model, path)}

@@ -488,7 +488,7 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/info"): RouteDoc(None, TGIInfo, (401,)),
     ("get", "/health"): RouteDoc(None, Health, (503,)),
     ("get", "/version"): RouteDoc(None, Version, (401,)),
-    ("get", "/metrics"): RouteDoc(None, None, (401, 403), (TEXT,)),  # 403: a non-admin key beside a key file
+    ("get", "/metrics"): RouteDoc(None, None, (401, 403), (TEXT,)),  # 403: any key but an admin's
     ("get", "/v1/monitoring/drift"): RouteDoc(None, DriftReport, (401, 404)),
     ("post", "/v1/embeddings"): RouteDoc(EmbeddingRequest, EmbeddingList, _GEN),
     ("post", "/api/embed"): RouteDoc(OllamaEmbedRequest, OllamaEmbedded, _GEN),

@@ -159,7 +159,9 @@ class ModelPool:
                 model.async_engine = await asyncio.to_thread(self.loader, model)
             except Exception as e:  # noqa: BLE001 - every waiter gets the reason; the next request tries again
                 log.exception("loading model %s failed", model.name)
-                raise ModelLoadError(f"model {model.name!r} failed to load ({type(e).__name__}: {e})"[:300]) from None
+                # the reason stays in the log: it names files, and the caller may be any key
+                raise ModelLoadError(f"model {model.name!r} failed to load ({type(e).__name__}; the server log "
+                                     "says why)") from None
             finally:
                 model.loading = False
 
