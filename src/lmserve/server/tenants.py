@@ -117,6 +117,14 @@ class Tenants:
         u = self.usage.get(name)
         return not self.enabled or (u is not None and u.spec.admin)
 
+    def lora_dirs(self, name: str) -> tuple[str, ...] | None:
+        """The --lora-dir subdirectory patterns the key may load adapters from; None: every one (an admin's
+        default, and everyone's on a server without keys)."""
+        if not self.enabled:
+            return None
+        u = self.usage.get(name)
+        return u.spec.adapter_dirs() if u is not None else ()
+
     @property
     def metrics_need_admin(self) -> bool:
         """With a key file, /metrics (every key's name and usage) is for admin keys; plain keys have no roles."""
