@@ -149,6 +149,8 @@ def test_runtime_adapters_outlive_an_lru_eviction_of_their_model(tiny, tmp_path)
         assert before != text("a"), "the adapter should change the greedy output"
         assert a.completions.create(model="b", prompt=PROMPT, max_tokens=1).model == "b"  # a is evicted
         assert s.metric("lmserve:model_unloads_total", 'model_name="a"') == 1
+        cards = {m.id: m for m in a.models.list().data}  # listed while its model is out, as not loaded
+        assert (cards["team-a/x"].parent, cards["team-a/x"].loaded) == ("a", False)
         assert text("team-a/x") == before  # loads a again, team-a's adapter with it
         assert s.metric("lmserve:model_loads_total", 'model_name="a"') == 2
         with pytest.raises(openai.PermissionDeniedError, match="another key"):  # and still team-a's

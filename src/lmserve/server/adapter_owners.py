@@ -106,7 +106,11 @@ class AdapterOwners:
 
     def kept(self, model: str, name: str) -> bool:
         """`model`, not loaded now, will have an adapter called `name` again when it loads."""
-        return any(k.reg.name == name for k in self._kept.get(model, ()))
+        return name in self.kept_names(model)
+
+    def kept_names(self, model: str) -> list[str]:
+        """The runtime adapters `model`, not loaded now, will have again when it loads."""
+        return [k.reg.name for k in self._kept.get(model, ())]
 
     def restore(self, model: str, loras: LoraRegistry | None) -> None:
         """`model` has loaded again (blocking, before it serves): register its kept adapters, owners included.
