@@ -125,6 +125,38 @@ def test_concurrent_requests_during_a_load_all_succeed(one_at_a_time):
     s.wait_idle()
 
 
+def test_runtime_adapters_outlive_an_lru_eviction_of_their_model(tiny, tmp_path):
+    """Issue 47: a model unloaded to make room for another took every key's runtime adapters with it (the next
+    request for one was a 404). Now they load again with the model, each still its key's."""
+    from lmserve.loader import read_model_config
+    from tests.lora_adapters import write_random_adapter
+
+    loras, keys = tmp_path / "loras", tmp_path / "keys.yaml"
+    write_random_adapter(loras / "team-a" / "x", read_model_config(tiny), rank=8, seed=1,
+                         target_modules=("q_proj", "v_proj", "down_proj"))
+    keys.write_text("keys:\n" + "".join(f"  - {{name: {k}, key: sk-evict-{k}{role}}}\n" for k, role in
+                                        (("team-a", ""), ("team-b", ""), ("ops", ", role: admin"))))
+    with running_server("--model", f"a={tiny}", "--model", f"b={tiny}", "--max-loaded-models", "1",
+                        "--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updating", "--lora-dir",
+                        str(loras), "--api-key-file", str(keys), headers={"Authorization": "Bearer sk-evict-ops"}) as s:
+        a, b = (openai.OpenAI(base_url=s.url + "/v1", api_key=f"sk-evict-{k}", max_retries=0, timeout=60)
+                for k in ("team-a", "team-b"))
+        text = lambda model: a.completions.create(model=model, prompt=PROMPT, max_tokens=6,  # noqa: E731
+                                                  temperature=0).choices[0].text
+        a.post("/load_lora_adapter", cast_to=object, body={"lora_name": "team-a/x",
+                                                            "lora_path": str(loras / "team-a" / "x")})
+        before = text("team-a/x")
+        assert before != text("a"), "the adapter should change the greedy output"
+        assert a.completions.create(model="b", prompt=PROMPT, max_tokens=1).model == "b"  # a is evicted
+        assert s.metric("lmserve:model_unloads_total", 'model_name="a"') == 1
+        cards = {m.id: m for m in a.models.list().data}  # listed while its model is out, as not loaded
+        assert (cards["team-a/x"].parent, cards["team-a/x"].loaded) == ("a", False)
+        assert text("team-a/x") == before  # loads a again, team-a's adapter with it
+        assert s.metric("lmserve:model_loads_total", 'model_name="a"') == 2
+        with pytest.raises(openai.PermissionDeniedError, match="another key"):  # and still team-a's
+            b.post("/unload_lora_adapter", cast_to=object, body={"lora_name": "team-a/x"})
+
+
 # -- in process: the load timeout, and an unloaded engine's memory ---------------------------------------------
 
 

@@ -6,6 +6,7 @@ response cache keyed by what answered, files confined to --lora-dir)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -29,7 +30,9 @@ def lora_server(tmp_path_factory):
     make_peft_adapter(loras / "big", model, rank=16, target_modules=("q_proj",), seed=9)
     make_peft_adapter(outside / "x", model, rank=4, target_modules=("q_proj",), seed=7)
     (loras / "link").symlink_to(outside / "x")
-    with running_server("--model", str(model), "--api-key", KEY, "--enable-lora",
+    keys = root / "keys.yaml"  # an admin key: it may name adapters anything and load from all of --lora-dir
+    keys.write_text(f"keys:\n  - {{name: operator, key: {KEY}, role: admin}}\n")
+    with running_server("--model", str(model), "--api-key-file", str(keys), "--enable-lora",
                         "--lora-modules", f"a={loras / 'a'}", "--max-loras", "1", "--max-cpu-loras", "2",
                         "--max-lora-rank", "8", "--allow-runtime-lora-updating", "--lora-dir", str(loras),
                         "--num-kv-blocks", "64", "--metrics-public", headers=AUTH) as s:  # a plain key: no admin
@@ -160,16 +163,20 @@ def test_serve_refuses_an_adapter_above_max_lora_rank(lora_server):
 # -- tenants: what a second key can do to, or learn of, another key's adapters ------------------------------
 
 TENANT_KEYS = {"team-a": "sk-lora-team-a-0123456789", "team-b": "sk-lora-team-b-0123456789",
-               "team-c": "sk-lora-team-c-0123456789", "ops": "sk-lora-ops-0123456789"}
+               "team-c": "sk-lora-team-c-0123456789", "ops": "sk-lora-ops-0123456789",
+               "plain": "sk-lora-plain-0123456789"}
 BASE = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory):
-    """A tiny Llama with runtime LoRA updating, a response cache and four keys: team-a and team-c may use any
-    model, team-b only the base, `ada` and `b/*` (the issue's restricted key), ops is an admin. The operator's
-    adapter `op` comes from --lora-modules. Under --lora-dir: adapters x and y (different weights), a rank-16
-    one, and two whose weight file or config is a symlink out of the directory."""
+    """A tiny Llama with runtime LoRA updating, a response cache and five keys: team-a and team-c may use any
+    model, team-b only the base, `team-a/ada` and `team-b/*` (the issue's restricted key), ops is an admin, and a
+    plain key. team-a may load from its own subdirectory of --lora-dir and `shared/*`, team-c from `shared/*`,
+    team-b and the plain key from their own (the default). The operator's adapter `op` comes from
+    --lora-modules. Under --lora-dir: shared/x and shared/y (different weights), a rank-16 shared/big,
+    team-b/sql, and in team-a's: two adapters whose weight file or config is a symlink out of --lora-dir, one
+    whose weight file links to team-b's, and a symlink to team-b's directory."""
     from lmserve.loader import read_model_config
     from tests.lora_adapters import write_random_adapter
 
@@ -177,27 +184,32 @@ def tenants(tmp_path_factory):
     model = tiny_llama_checkpoint(root)
     cfg = read_model_config(model)
     loras, outside = root / "loras", root / "outside"
-    for name, seed, rank in (("x", 1, 8), ("y", 2, 8), ("op", 3, 8), ("big", 4, 16)):
+    for name, seed, rank in (("shared/x", 1, 8), ("shared/y", 2, 8), ("op", 3, 8), ("shared/big", 4, 16),
+                             ("team-b/sql", 8, 8)):
         write_random_adapter(loras / name, cfg, rank=rank, target_modules=("q_proj", "v_proj", "down_proj"), seed=seed)
     write_random_adapter(outside / "w", cfg, rank=8, seed=5)
     (outside / "secret.json").write_text('{"peft_type": "SECRET-FROM-OUTSIDE", "r": 8, "lora_alpha": 16}')
+    team_a = loras / "team-a"
     for name, filename, target in (("evil-weights", "adapter_model.safetensors", outside / "w" / "adapter_model.safetensors"),
-                                   ("evil-config", "adapter_config.json", outside / "secret.json")):
-        write_random_adapter(loras / name, cfg, rank=8, seed=6)
-        (loras / name / filename).unlink()
-        (loras / name / filename).symlink_to(target)
+                                   ("evil-config", "adapter_config.json", outside / "secret.json"),
+                                   ("b-weights", "adapter_model.safetensors",
+                                    loras / "team-b" / "sql" / "adapter_model.safetensors")):
+        write_random_adapter(team_a / name, cfg, rank=8, seed=6)
+        (team_a / name / filename).unlink()
+        (team_a / name / filename).symlink_to(target)
+    (team_a / "to-b").symlink_to(loras / "team-b" / "sql")
     keys = root / "keys.yaml"
     keys.write_text(f"""keys:
-  - {{name: team-a, key: {TENANT_KEYS["team-a"]}}}
-  - {{name: team-b, key: {TENANT_KEYS["team-b"]}, models: [{BASE}, ada, "b/*"]}}
-  - {{name: team-c, key: {TENANT_KEYS["team-c"]}}}
+  - {{name: team-a, key: {TENANT_KEYS["team-a"]}, lora_dirs: [team-a, "shared/*"]}}
+  - {{name: team-b, key: {TENANT_KEYS["team-b"]}, models: [{BASE}, team-a/ada, "team-b/*"]}}
+  - {{name: team-c, key: {TENANT_KEYS["team-c"]}, lora_dirs: ["shared/*"]}}
   - {{name: ops, key: {TENANT_KEYS["ops"]}, role: admin}}
 """)
-    with running_server("--model", str(model), "--api-key-file", str(keys), "--enable-lora",
-                        "--lora-modules", f"op={loras / 'op'}", "--max-loras", "2", "--max-cpu-loras", "4",
-                        "--max-lora-rank", "8", "--allow-runtime-lora-updating", "--lora-dir", str(loras),
-                        "--response-cache", f"sqlite:{root / 'responses.sqlite'}", "--num-kv-blocks", "64",
-                        headers={"Authorization": f"Bearer {TENANT_KEYS['ops']}"}) as s:
+    with running_server("--model", str(model), "--api-key-file", str(keys), "--api-key", TENANT_KEYS["plain"],
+                        "--enable-lora", "--lora-modules", f"op={loras / 'op'}", "--max-loras", "2",
+                        "--max-cpu-loras", "4", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
+                        "--lora-dir", str(loras), "--response-cache", f"sqlite:{root / 'responses.sqlite'}",
+                        "--num-kv-blocks", "64", headers={"Authorization": f"Bearer {TENANT_KEYS['ops']}"}) as s:
         s.root, s.loras = root, loras
         yield s
 
@@ -227,71 +239,71 @@ def _text(raw) -> str:
 
 def test_a_key_cannot_unload_or_replace_another_keys_adapter(tenants):
     """The issue's first finding: B unloaded A's `prod` (A then got 404) and replaced it with its own weights."""
-    assert _load_as(tenants, "team-a", "prod", "x")["id"] == "prod"
-    before = _text(_text_as(tenants, "team-a", "prod"))
+    assert _load_as(tenants, "team-a", "team-a/prod", "shared/x")["id"] == "team-a/prod"
+    before = _text(_text_as(tenants, "team-a", "team-a/prod"))
     with pytest.raises(openai.PermissionDeniedError, match="belongs to another key"):  # C may see it, not manage it
-        _unload_as(tenants, "team-c", "prod")
-    with pytest.raises(openai.ConflictError, match="already loaded"):
-        _load_as(tenants, "team-c", "prod", "y")
-    with pytest.raises(openai.NotFoundError):  # B's models do not cover prod: it cannot even see it
-        _unload_as(tenants, "team-b", "prod")
-    with pytest.raises(openai.PermissionDeniedError, match="may not use the name"):
-        _load_as(tenants, "team-b", "prod", "y")
-    assert _text(_text_as(tenants, "team-a", "prod")) == before  # A's adapter, A's weights
+        _unload_as(tenants, "team-c", "team-a/prod")
+    with pytest.raises(openai.PermissionDeniedError, match="only under its own name"):  # A's namespace
+        _load_as(tenants, "team-c", "team-a/prod", "shared/y")
+    with pytest.raises(openai.NotFoundError):  # B's models do not cover team-a/prod: it cannot even see it
+        _unload_as(tenants, "team-b", "team-a/prod")
+    assert _text(_text_as(tenants, "team-a", "team-a/prod")) == before  # A's adapter, A's weights
     with pytest.raises(openai.PermissionDeniedError, match="operator"):  # --lora-modules adapters: admin only
         _unload_as(tenants, "team-a", "op")
-    assert _unload_as(tenants, "ops", "prod")["deleted"] is True  # an admin manages every key's adapters
+    assert _unload_as(tenants, "ops", "team-a/prod")["deleted"] is True  # an admin manages every key's adapters
     with pytest.raises(openai.NotFoundError):
-        _text_as(tenants, "team-a", "prod")
-    assert _load_as(tenants, "team-c", "prod", "y")["id"] == "prod"  # the name is free again: now C's
-    with pytest.raises(openai.PermissionDeniedError):
-        _unload_as(tenants, "team-a", "prod")
-    assert _unload_as(tenants, "team-c", "prod")["deleted"] is True
+        _text_as(tenants, "team-a", "team-a/prod")
+    assert _load_as(tenants, "ops", "team-a/prod", "shared/y")["id"] == "team-a/prod"  # an admin names any
+    with pytest.raises(openai.PermissionDeniedError):  # the admin's now, in A's namespace
+        _unload_as(tenants, "team-a", "team-a/prod")
+    assert _unload_as(tenants, "ops", "team-a/prod")["deleted"] is True
     tenants.wait_idle()
 
 
 def test_a_replaced_adapter_never_answers_from_the_response_cache(tenants):
     """The issue's second finding: after `prod` was replaced, A's cached greedy request answered the old text."""
-    _load_as(tenants, "team-a", "ry", "y")
-    y_text = _text(_text_as(tenants, "team-a", "ry"))  # what y's weights answer (not cached)
-    _load_as(tenants, "team-a", "rc", "x")
-    first, again = _text_as(tenants, "team-a", "rc", cache=True), _text_as(tenants, "team-a", "rc", cache=True)
+    _load_as(tenants, "team-a", "team-a/ry", "shared/y")
+    y_text = _text(_text_as(tenants, "team-a", "team-a/ry"))  # what y's weights answer (not cached)
+    _load_as(tenants, "team-a", "team-a/rc", "shared/x")
+    first, again = _text_as(tenants, "team-a", "team-a/rc", cache=True), _text_as(tenants, "team-a", "team-a/rc",
+                                                                                 cache=True)
     assert (first.headers["x-lmserve-cache"], again.headers["x-lmserve-cache"]) == ("miss", "hit")
     x_text = _text(first)
     assert x_text != y_text, "x and y should answer differently for this test to mean anything"
-    _unload_as(tenants, "team-a", "rc")
-    _load_as(tenants, "team-a", "rc", "y")  # the same name, other weights
-    replaced = _text_as(tenants, "team-a", "rc", cache=True)
+    _unload_as(tenants, "team-a", "team-a/rc")
+    _load_as(tenants, "team-a", "team-a/rc", "shared/y")  # the same name, other weights
+    replaced = _text_as(tenants, "team-a", "team-a/rc", cache=True)
     assert replaced.headers["x-lmserve-cache"] == "miss" and _text(replaced) == y_text
-    _unload_as(tenants, "team-a", "rc")
-    _load_as(tenants, "team-a", "rc", "x")  # x's bytes again: the entry x answered is x's, so it may answer
-    back = _text_as(tenants, "team-a", "rc", cache=True)
+    _unload_as(tenants, "team-a", "team-a/rc")
+    _load_as(tenants, "team-a", "team-a/rc", "shared/x")  # x's bytes again: the entry x answered is x's, so it may
+    back = _text_as(tenants, "team-a", "team-a/rc", cache=True)
     assert back.headers["x-lmserve-cache"] == "hit" and _text(back) == x_text
-    for name in ("rc", "ry"):
+    for name in ("team-a/rc", "team-a/ry"):
         _unload_as(tenants, "team-a", name)
     tenants.wait_idle()
 
 
 def test_a_keys_models_list_covers_adapters(tenants):
     """The issue's third finding: B, restricted to the base and `ada`, got 200 for `"model": "prod"`."""
-    _load_as(tenants, "team-a", "prod", "x")
-    _load_as(tenants, "team-a", "ada", "y")
+    _load_as(tenants, "team-a", "team-a/prod", "shared/x")
+    _load_as(tenants, "team-a", "team-a/ada", "shared/y")
     b = _as(tenants, "team-b")
     with pytest.raises(openai.NotFoundError) as e:
-        b.completions.create(model="prod", prompt=PROMPT, max_tokens=2)
+        b.completions.create(model="team-a/prod", prompt=PROMPT, max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "do not have access" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError) as missing:  # a name that exists is no different from one that does not
-        b.completions.create(model="prue", prompt=PROMPT, max_tokens=2)
+        b.completions.create(model="team-a/prue", prompt=PROMPT, max_tokens=2)
     assert missing.value.body == {**e.value.body, "message": e.value.body["message"].replace("prod", "prue")}
     tgi = httpx.post(tenants.url + "/generate", headers={"Authorization": f"Bearer {TENANT_KEYS['team-b']}"},
-                     json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "prod"}}, timeout=30)
+                     json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "team-a/prod"}},
+                     timeout=30)
     assert tgi.status_code == 404 and tgi.json()["error_type"] == "not_found"
-    assert {m.id for m in b.models.list().data} == {BASE, "ada"}  # not prod, not the operator's op
-    assert {"prod", "ada", "op", BASE} <= {m.id for m in _as(tenants, "team-a").models.list().data}
-    assert _text(_text_as(tenants, "team-b", "ada"))  # named in its models: allowed
-    assert _load_as(tenants, "team-b", "b/mine", "y")["id"] == "b/mine"  # a pattern (`b/*`) covers loads too
-    assert "b/mine" in {m.id for m in b.models.list().data}
-    for key, name in (("team-a", "prod"), ("team-a", "ada"), ("team-b", "b/mine")):
+    assert {m.id for m in b.models.list().data} == {BASE, "team-a/ada"}  # not team-a/prod, not the operator's op
+    assert {"team-a/prod", "team-a/ada", "op", BASE} <= {m.id for m in _as(tenants, "team-a").models.list().data}
+    assert _text(_text_as(tenants, "team-b", "team-a/ada"))  # named in its models: allowed
+    assert _load_as(tenants, "team-b", "team-b/mine", "team-b/sql")["id"] == "team-b/mine"  # `team-b/*` covers it
+    assert "team-b/mine" in {m.id for m in b.models.list().data}
+    for key, name in (("team-a", "team-a/prod"), ("team-a", "team-a/ada"), ("team-b", "team-b/mine")):
         _unload_as(tenants, key, name)
     tenants.wait_idle()
 
@@ -300,14 +312,93 @@ def test_adapter_files_are_confined_to_lora_dir_and_never_echoed(tenants):
     """The issue's sixth finding: a weight file symlinked out of --lora-dir loaded, a symlinked config had its
     values echoed in the 400, and errors carried absolute server paths."""
     root = str(tenants.root)
-    cases = [("evil-weights", "evil-weights: adapter_model.safetensors leads outside --lora-dir"),
-             ("evil-config", "evil-config: adapter_config.json leads outside --lora-dir"),
-             ("big", "adapter big: rank 16 of "), ("missing", "adapter missing: not a directory")]
+    cases = [("team-a/evil-weights", "evil-weights: adapter_model.safetensors leads outside --lora-dir"),
+             ("team-a/evil-config", "evil-config: adapter_config.json leads outside --lora-dir"),
+             ("shared/big", "adapter big: rank 16 of "), ("team-a/missing", "adapter missing: not a directory")]
     for adapter, words in cases:
         with pytest.raises(openai.BadRequestError) as e:
-            _load_as(tenants, "team-a", "z", adapter)
+            _load_as(tenants, "team-a", "team-a/z", adapter)
         message = e.value.body["message"]
         assert words in message and e.value.body["param"] == "lora_path", message
         assert root not in message and "SECRET" not in message
     with pytest.raises(openai.NotFoundError):  # nothing was registered
-        _text_as(tenants, "team-a", "z")
+        _text_as(tenants, "team-a", "team-a/z")
+
+
+# -- issue 47: adapter names and directories scoped to keys; adapters outlive their model's unload -------------
+
+
+def test_a_key_registers_adapters_only_in_its_own_namespace(tenants):
+    """Issue 47's fifth finding: team-a (models "*") registered `team-b/sql`, and team-b's requests for it then
+    ran team-a's weights. Every non-admin key, a plain one included, names adapters `<its name>/...` only."""
+    for name in ("team-b/sql", "sql", "team-a", "team-a/", "team-ab/sql", BASE + "/x"):
+        with pytest.raises(openai.PermissionDeniedError, match="only under its own name") as e:
+            _load_as(tenants, "team-a", name, "shared/x")
+        assert e.value.body["code"] == "permission_denied" and e.value.body["param"] == "lora_name"
+    with pytest.raises(openai.PermissionDeniedError, match=r"only under its own name, key-[0-9a-f]{8}/NAME"):
+        _load_as(tenants, "plain", "team-b/sql", "shared/x")
+    assert _load_as(tenants, "team-a", "team-a/sql", "shared/x")["id"] == "team-a/sql"
+    assert _load_as(tenants, "team-b", "team-b/sql", "team-b/sql")["id"] == "team-b/sql"
+    a_text, b_text = _text(_text_as(tenants, "team-a", "team-a/sql")), _text(_text_as(tenants, "team-b", "team-b/sql"))
+    assert a_text != b_text  # team-b's name runs team-b's weights
+    for key in ("team-a", "team-b"):
+        _unload_as(tenants, key, f"{key}/sql")
+    tenants.wait_idle()
+
+
+def test_a_key_loads_only_from_its_own_lora_dirs(tenants):
+    """Issue 47's fifth finding: any key loaded any directory under --lora-dir, another team's included. `..`, a
+    symlink to team-b's directory and a weight file linked into it are refused as well."""
+    for adapter in ("team-b/sql", "team-a/../team-b/sql", "team-a/to-b", "team-b", "team-b/not-there", "op"):
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            _load_as(tenants, "team-a", "team-a/b", adapter)
+        message = e.value.body["message"]
+        assert "(team-a, shared/*: its key entry's lora_dirs)" in message, message
+        assert e.value.body["param"] == "lora_path" and e.value.body["code"] == "permission_denied"
+    with pytest.raises(openai.BadRequestError, match="b-weights: adapter_model.safetensors leads outside"):
+        _load_as(tenants, "team-a", "team-a/b", "team-a/b-weights")  # inside --lora-dir, outside team-a's
+    with pytest.raises(openai.BadRequestError, match="not inside a --lora-dir"):
+        _load_as(tenants, "team-a", "team-a/b", "../outside/w")
+    with pytest.raises(openai.PermissionDeniedError, match=r"\(team-b: its key entry"):  # the default: its own
+        _load_as(tenants, "team-b", "team-b/x", "shared/x")
+    with pytest.raises(openai.PermissionDeniedError, match=r"\(key-[0-9a-f]{8}: its key entry"):
+        _load_as(tenants, "plain", _plain_name() + "/x", "shared/x")
+    assert _load_as(tenants, "ops", "team-b/by-ops", "team-b/sql")["id"] == "team-b/by-ops"  # an admin: all
+    with pytest.raises(openai.NotFoundError):  # nothing team-a tried was registered
+        _text_as(tenants, "team-a", "team-a/b")
+    _unload_as(tenants, "ops", "team-b/by-ops")
+    tenants.wait_idle()
+
+
+def _plain_name() -> str:
+    from lmserve.server.key_file import plain_name
+
+    return plain_name(TENANT_KEYS["plain"])
+
+
+def test_adapters_outlive_an_unload_of_their_model_and_answer_after_the_reload(tenants):
+    """Issue 47's first finding, second half: a `keep_alive: 0` unloaded the shared model and every key's runtime
+    adapters went with it (team-a's next request for its adapter was a 404). Now they are registered again,
+    with their owners, when the model loads."""
+    import ollama
+
+    _load_as(tenants, "team-a", "team-a/keep", "shared/x")
+    _load_as(tenants, "team-b", "team-b/sql", "team-b/sql")
+    asks = (("team-a", "team-a/keep"), ("team-b", "team-b/sql"), ("team-a", "op"))
+    before = {name: _text(_text_as(tenants, key, name)) for key, name in asks}
+    loads = tenants.metric("lmserve:model_loads_total", f'model_name="{BASE}"')
+    ops = ollama.Client(host=tenants.url, timeout=60, headers={"Authorization": f"Bearer {TENANT_KEYS['ops']}"})
+    assert ops.generate(model=BASE, keep_alive=0).done_reason == "unload"
+    deadline = time.monotonic() + 60
+    while ops.ps().models:
+        assert time.monotonic() < deadline, "the model was never unloaded"
+        time.sleep(0.1)
+    # The first request after the unload names team-a's adapter: it loads the model, the adapters with it.
+    assert {name: _text(_text_as(tenants, key, name)) for key, name in asks} == before
+    assert tenants.metric("lmserve:model_loads_total", f'model_name="{BASE}"') == loads + 1
+    with pytest.raises(openai.PermissionDeniedError, match="belongs to another key"):  # owners came back too
+        _unload_as(tenants, "team-c", "team-a/keep")
+    assert "team-b/sql" in {m.id for m in _as(tenants, "team-b").models.list().data}
+    for key, name in asks[:2]:
+        assert _unload_as(tenants, key, name)["deleted"] is True
+    tenants.wait_idle()

@@ -239,6 +239,118 @@ def test_a_keep_alive_duration_expires_and_overrides_forever(client, server):
     assert client.ps().models[0].expires_at.year > 2200
 
 
+# -- keep_alive with keys: the model is shared, so loading is the operator's ----------------------------------
+
+KEEP_KEYS = {"team-a": "sk-keep-team-a-0123456789", "team-b": "sk-keep-team-b-0123456789",
+             "ops": "sk-keep-ops-0123456789"}
+KEEP_S, KEEP_MAX_S = 20, 30  # --keep-alive and --keep-alive-max: long enough to outlast a slow request here
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """The embedded model behind three keys (team-b restricted to it, ops an admin), unloaded after 20 s idle, and a
+    request's keep_alive bounded at 30 s."""
+    keys = tmp_path_factory.mktemp("keep_alive_keys") / "keys.yaml"
+    keys.write_text(f"""keys:
+  - {{name: team-a, key: {KEEP_KEYS["team-a"]}}}
+  - {{name: team-b, key: {KEEP_KEYS["team-b"]}, models: [{MODEL}]}}
+  - {{name: ops, key: {KEEP_KEYS["ops"]}, role: admin}}
+""")
+    with running_server("--api-key-file", str(keys), "--keep-alive", f"{KEEP_S}s", "--keep-alive-max",
+                        f"{KEEP_MAX_S}s", headers={"Authorization": f"Bearer {KEEP_KEYS['ops']}"}) as s:
+        yield s
+
+
+def _as(server, key: str) -> ollama.Client:
+    return ollama.Client(host=server.url, timeout=120, headers={"Authorization": f"Bearer {KEEP_KEYS[key]}"})
+
+
+def _expires_in(client: ollama.Client) -> float:
+    """Seconds until the one loaded model's keep-alive runs out, as /api/ps says."""
+    [running] = client.ps().models
+    return (running.expires_at - datetime.now(timezone.utc)).total_seconds()
+
+
+def _stays_loaded(client: ollama.Client, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert [m.model for m in client.ps().models] == [MODEL], "the model was unloaded"
+        time.sleep(0.1)
+
+
+def test_a_restricted_key_cannot_unload_or_shorten_the_shared_model(guarded):
+    """Issue 47's first finding: team-b's `keep_alive: 0` answered 200 "unload" and took the model (and every key's
+    adapters) away from everyone."""
+    b = _as(guarded, "team-b")
+    b.generate(model=MODEL)  # loaded (and its keep-alive the operator's)
+    unloads = guarded.metric("lmserve:model_unloads_total", f'model_name="{MODEL}"')
+    for ask in ({"model": MODEL, "keep_alive": 0}, {"model": MODEL, "keep_alive": "0s", "prompt": "Hi"}):
+        r = httpx.post(guarded.url + "/api/generate", json=ask, timeout=60,
+                       headers={"Authorization": f"Bearer {KEEP_KEYS['team-b']}"})
+        assert r.status_code == 403 and "admin" in r.json()["error"], r.text  # Ollama's error body
+    with pytest.raises(ollama.ResponseError) as e:  # the official client, as `ollama stop` sends it
+        b.chat(model=MODEL, messages=[], keep_alive=0)
+    assert e.value.status_code == 403 and "keep_alive 0" in e.value.error
+    shorter = b.generate(model=MODEL, keep_alive="1ms")  # shortening is an unload by other means: cut to 20 s
+    assert shorter.done_reason == "load" and _expires_in(b) > KEEP_S - 5
+    _stays_loaded(b, 2)
+    assert guarded.metric("lmserve:model_unloads_total", f'model_name="{MODEL}"') == unloads
+
+
+def test_a_keep_alive_past_the_operators_bound_is_cut_to_it_and_expires(guarded):
+    """Issue 47: `keep_alive: -1` pinned the model against the operator's scale-to-zero."""
+    b = _as(guarded, "team-b")
+    for forever in (-1, "1000h"):
+        assert b.generate(model=MODEL, keep_alive=forever).done_reason == "load"
+        assert KEEP_S < _expires_in(b) <= KEEP_MAX_S + 1  # not year 2300: the operator's 30 s
+    answered = b.generate(model=MODEL, prompt="Hi", options=GREEDY, keep_alive=-1)
+    assert answered.response and _expires_in(b) <= KEEP_MAX_S + 1
+    start = time.monotonic()
+    _wait_unloaded(b, timeout=KEEP_MAX_S + 60)
+    assert time.monotonic() - start > KEEP_S - 5  # it went at the bound, not at once
+
+
+def test_an_admin_key_unloads_and_the_next_request_loads_again(guarded):
+    ops, a = _as(guarded, "ops"), _as(guarded, "team-a")
+    assert a.generate(model=MODEL).done_reason == "load"
+    assert ops.generate(model=MODEL, keep_alive=0).done_reason == "unload"
+    _wait_unloaded(ops)
+    again = a.generate(model=MODEL, prompt="Hi", options=GREEDY)
+    assert again.response and [m.model for m in a.ps().models] == [MODEL]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--keep-alive", "5m", "--keep-alive-max", "1m"], "--keep-alive-max 1m is shorter than --keep-alive (5m)"),
+    (["--keep-alive-max", "1h"], "--keep-alive-max 1h is shorter than --keep-alive (unset"),
+    (["--keep-alive", "5m", "--keep-alive-max", "soon"], "--keep-alive-max: 'soon' is not a duration"),
+])
+def test_bad_keep_alive_bounds_are_one_line(flags, says, capsys):
+    import gc
+
+    from lmserve.cli import main
+
+    try:
+        assert main(["serve", *flags]) == 2
+    finally:
+        gc.enable()
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+
+
+def test_keep_alive_bounds():
+    """KeepAlive.bound, the operator's rule for a request's keep_alive (None: forever)."""
+    from lmserve.server.models.pool import KeepAlive
+
+    five, hour = KeepAlive(300, 3600), KeepAlive(300, None)
+    assert [five.bound(s, may_shorten=False) for s in (None, 7200, 600, 300, 60, 0)] == [3600, 3600, 600, 300,
+                                                                                        300, 300]
+    assert [five.bound(s, may_shorten=True) for s in (None, 600, 60, 0)] == [3600, 600, 60, 0]
+    assert [hour.bound(s, may_shorten=False) for s in (None, 7200, 60)] == [None, 7200, 300]  # max -1: forever
+    kept = KeepAlive(None, None)  # no --keep-alive: loaded for good, unless an admin says otherwise
+    assert [kept.bound(s, may_shorten=False) for s in (None, 60, 0)] == [None, None, None]
+    assert [kept.bound(s, may_shorten=True) for s in (None, 60, 0)] == [None, 60, 0]
+
+
 def test_a_bad_keep_alive_flag_is_one_line(capsys):
     import gc
 
@@ -268,7 +380,7 @@ def test_the_pool_unloads_only_idle_models_past_their_keep_alive():
     runs out (0: at once), None keeps it, a model loaded at start counts as idle from when the task first sees it."""
     import asyncio
 
-    from lmserve.server.models.pool import ModelPool, ModelSpec
+    from lmserve.server.models.pool import KeepAlive, ModelPool, ModelSpec
 
     unloaded: list[str] = []
 
@@ -280,15 +392,15 @@ def test_the_pool_unloads_only_idle_models_past_their_keep_alive():
         raise AssertionError(f"unloaded: {unloaded}")
 
     async def scenario() -> None:
-        pool = ModelPool([ModelSpec(n, config=object()) for n in ("a", "b", "c")], keep_alive=None)
+        pool = ModelPool([ModelSpec(n, config=object()) for n in ("a", "b", "c")], keep_alive=KeepAlive())
         pool.unloader = lambda model, engine: unloaded.append(model.name)
         for m in pool.models.values():
             m.async_engine = object()  # stands for a loaded engine: the pool only holds and drops it
         task = asyncio.ensure_future(pool.expire_idle())
         a, b, c = (pool.lease(pool.get(n)) for n in "abc")
-        a.keep_for(0)
-        b.keep_for(3600)
-        c.keep_for(None)
+        a.keep_for(0, may_shorten=True)
+        b.keep_for(3600, may_shorten=True)
+        c.keep_for(None, may_shorten=True)
         await asyncio.sleep(0.05)
         assert unloaded == []  # every one is leased
         for m in (a, b, c):
@@ -296,7 +408,7 @@ def test_the_pool_unloads_only_idle_models_past_their_keep_alive():
         await until(lambda: unloaded == ["a"])
         assert not a.loaded and b.loaded and c.loaded
         pool.lease(b)  # a request: b's keep-alive becomes the pool's default (None) while it runs
-        b.keep_for(0.1)  # ... and then the request's own
+        b.keep_for(0.1, may_shorten=True)  # ... and then the request's own
         await asyncio.sleep(0.3)
         assert unloaded == ["a"]  # leased: never unloaded, whatever its keep-alive
         b.release()

@@ -126,6 +126,36 @@ keys:
             parse_key_file(f"keys: [{{name: a, key: k, {bad}}}]", "f")
 
 
+def test_lora_dirs_from_the_key_file_default_to_the_keys_own_subdirectory():
+    """Issue 47: which --lora-dir subdirectories a key may load adapters from (None: all of them)."""
+    from pathlib import Path
+
+    from lmserve.server.adapter_owners import allowed_root
+
+    specs = parse_key_file("""
+keys:
+  - {name: ops, key: k-ops, role: admin}
+  - {name: ops2, key: k-ops2, role: admin, lora_dirs: [ops]}
+  - {name: team-a, key: k-a}
+  - {name: team-b, key: k-b, lora_dirs: [team-b, "shared/*"]}
+  - {name: nobody, key: k-n, lora_dirs: []}
+""", "f")
+    t = Tenants(key_specs(("p1",), tuple(specs)))
+    assert [t.lora_dirs(n) for n in ("ops", "ops2", "team-a", "team-b", "nobody", plain_name("p1"), "gone")] == \
+        [None, ("ops",), ("team-a",), ("team-b", "shared/*"), (), (plain_name("p1"),), ()]
+    assert Tenants(()).lora_dirs("anonymous") is None  # no keys: everyone loads from all of --lora-dir
+    root = Path("/srv/loras")
+    cases = {("team-a", "x"): root / "team-a", ("team-a",): root / "team-a", ("team-ab", "x"): None,
+             ("team-b", "sql"): None, ("shared", "sql"): root / "shared" / "sql",
+             ("shared", "sql", "v2"): root / "shared" / "sql", ("shared",): None}
+    for parts, inside in cases.items():
+        assert allowed_root(root.joinpath(*parts), root, ("team-a", "shared/*")) == inside, parts
+    assert allowed_root(root / "x", root, None) == root and allowed_root(root / "x", root, ()) is None
+    for bad in ("[../team-b]", "[/etc]", "[team-a/..]", "[.]", "[a//b]", "team-a", "['']"):
+        with pytest.raises(ConfigError, match="`lora_dirs`"):
+            parse_key_file(f"keys: [{{name: a, key: k, lora_dirs: {bad}}}]", "f")
+
+
 def record(name: str, prompt: int = 0, output: int = 0) -> RequestRecord:
     r = RequestRecord("r", "/v1/completions", key_name=name, prompt_tokens=prompt)
     r.output(0).tokens = output

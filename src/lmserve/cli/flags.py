@@ -210,7 +210,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--keep-alive", default=None, metavar="DURATION",
                        help="unload a model once idle this long, to load it again on its next request (scale to zero): "
                        "5m, 30s, 1h30m or seconds; 0 unloads after every request; negative never. An Ollama "
-                       "request's keep_alive overrides it for its model (default: never; Ollama's own is 5m)")
+                       "request's keep_alive overrides it for its model, within --keep-alive-max (default: never; "
+                       "Ollama's own is 5m)")
+    scale.add_argument("--keep-alive-max", default=None, metavar="DURATION",
+                       help="the longest keep-alive an Ollama request may set (longer, or negative, is cut to it); "
+                       "negative lets requests keep a model loaded forever (default: --keep-alive's value)")
+    scale.add_argument("--allow-unload", action="store_true",
+                       help="let every key's requests shorten the keep-alive below --keep-alive and unload a model "
+                       "(keep_alive 0); without it only admin keys may (everyone, on a server without keys)")
     scale.add_argument("--route", action="append", default=[], metavar="NAME=MODEL:WEIGHT,...",
                        help="weighted traffic split (canaries): a request for model NAME goes to one of the models by "
                        "weight, the same one for the same `user` (repeatable; default: none)")

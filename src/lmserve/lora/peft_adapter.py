@@ -86,8 +86,9 @@ def read_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str, m
                       root: str | os.PathLike | None = None) -> PeftAdapter:
     """Read the PEFT adapter directory `path`, checked against the base `cfg`; AdapterError on any problem.
 
-    `root`: the --lora-dir the adapter must stay inside (a runtime load). Every file read is then resolved after
-    it is opened and must lie inside `root` (a symlink out is refused), and errors name paths relative to it.
+    `root`: the directory the adapter must stay inside (a runtime load: the --lora-dir subdirectory its key may
+    load from). Every file read is then resolved after it is opened and must lie inside `root` (a symlink out is
+    refused), and errors name paths relative to it (the directory's own name when it is `root`).
     Errors never quote a file's contents or a config value, only field and tensor names this code built.
     """
     files = AdapterFiles(Path(path), None if root is None else Path(root))
@@ -150,15 +151,17 @@ class AdapterFiles:
         return self._hash.hexdigest()
 
     def _outside(self, filename: str) -> AdapterError:
-        return AdapterError(f"adapter {self.shown}: {filename} leads outside --lora-dir (a symlink out); refused")
+        return AdapterError(f"adapter {self.shown}: {filename} leads outside --lora-dir, or the "
+                            "subdirectory its key may load from (a symlink out); refused")
 
 
 def _relative(path: Path, root: Path) -> str:
     """`path` as the --lora-dir-relative name errors show (never the server's absolute path)."""
     try:
-        return str(path.relative_to(root)) or "."
+        relative = path.relative_to(root)
     except ValueError:
         return path.name
+    return path.name if relative == Path(".") else str(relative)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -40,7 +40,7 @@ class Registration:
     lora_int_id: int
     path: str
     digest: str  # PeftAdapter.digest of the bytes read at registration
-    root: str | None = None  # the --lora-dir it must stay inside (a runtime load); None: the operator's path
+    root: str | None = None  # the --lora-dir (sub)directory it must stay inside (a runtime load); None: the operator's path
 
 
 class LoraRegistry:

@@ -9,7 +9,9 @@ plain form.
 An entry may carry `role: admin` (it manages every runtime LoRA adapter and reads /metrics) and
 `prefix_cache: shared` (its prompts' KV blocks are shared with other such keys; by default each key's are its
 own). `models` lists the served models, routes and LoRA adapters it may use, as exact names or fnmatch
-patterns (`base/*`).
+patterns (`base/*`). `lora_dirs` lists the subdirectories of each --lora-dir it may load runtime adapters
+from, as relative paths or fnmatch patterns matched component by component (`team-a`, `shared/*`, `*`); by
+default a key's own `<name>` subdirectory only, and every one for an admin key.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ANONYMOUS = "anonymous"  # the key name of every request when the server takes n
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
 ROLES = ("user", "admin")
 PREFIX_CACHE = ("isolated", "shared")
-FIELDS = ("name", "key", "sha256", "models", "role", "prefix_cache", *LIMITS)
+FIELDS = ("name", "key", "sha256", "models", "role", "prefix_cache", "lora_dirs", *LIMITS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a metric label and a log field: keep it plain
 _PLAIN_NAME = re.compile(r"^(key-[0-9a-f]{8}|plain-[0-9]+)$")  # plain keys' names (plain_name), metric labels
 _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -59,6 +61,7 @@ class KeySpec:
     role: str = "user"  # "admin": manages every runtime adapter, reads /metrics
     prefix_cache: str = "isolated"  # "shared": prompt blocks shared with the other `shared` keys
     plain: bool = False  # from --api-key / $LMSERVE_API_KEY / a one-key-per-line file (no role, no limits)
+    lora_dirs: tuple[str, ...] | None = None  # --lora-dir subdirectories (patterns) it may load adapters from
 
     def allows(self, model: str) -> bool:
         """The key may use `model` (a served model, a route or an adapter): a `models` entry names or matches it."""
@@ -67,6 +70,13 @@ class KeySpec:
     @property
     def admin(self) -> bool:
         return self.role == "admin"
+
+    def adapter_dirs(self) -> tuple[str, ...] | None:
+        """The --lora-dir subdirectory patterns it may load adapters from: as listed, else its own `<name>`
+        one (an admin's default: None, every one)."""
+        if self.lora_dirs is not None:
+            return self.lora_dirs
+        return None if self.admin else (self.name,)
 
 
 # -- the key file ------------------------------------------------------------------------------------
@@ -125,7 +135,8 @@ def _spec(entry: Any, where: str) -> KeySpec:
     limits = {k: _limit(entry.get(k), f"{where}: {k}") for k in LIMITS}
     return KeySpec(name, _entry_digest(entry, where), models=_models(entry.get("models", ["*"]), where),
                    role=_choice(entry, "role", ROLES, where), prefix_cache=_choice(entry, "prefix_cache",
-                                                                                    PREFIX_CACHE, where), **limits)
+                                                                                    PREFIX_CACHE, where),
+                   lora_dirs=_lora_dirs(entry.get("lora_dirs"), where), **limits)
 
 
 def _entry_digest(entry: dict, where: str) -> bytes:
@@ -157,6 +168,21 @@ def _models(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(m, str) and m for m in value):
         raise ConfigError(f"{where}: `models` must be a non-empty list of model or adapter names or patterns "
                           f"(`base/*`), or [\"*\"] for all")
+    return tuple(value)
+
+
+def _lora_dirs(value: Any, where: str) -> tuple[str, ...] | None:
+    """Relative subdirectory names or patterns; never absolute, never `..` or `.` (they would leave the key's
+    own subdirectory, or name all of --lora-dir). An empty list: no runtime loads."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(d, str) and d for d in value):
+        raise ConfigError(f"{where}: `lora_dirs` must be a list of --lora-dir subdirectory names or patterns "
+                          f"(`team-a`, `shared/*`, `*`)")
+    for d in value:
+        if d.startswith("/") or any(part in ("", ".", "..") for part in d.split("/")):
+            raise ConfigError(f"{where}: `lora_dirs` entry {d[:80]!r} must be a relative path inside --lora-dir "
+                              f"(no leading '/', no '.' or '..', no empty part)")
     return tuple(value)
 
 

@@ -381,13 +381,18 @@ def _load(state: ServerState, server: uvicorn.Server, on_dead: Callable[[], None
 
 
 def load_engine(state: ServerState, spec: ModelSpec, on_dead: Callable[[], None]):
-    """Build, warm up and start one model's engine (blocking: a worker thread calls it); returns its AsyncEngine."""
+    """Build, warm up and start one model's engine (blocking: a worker thread calls it), its runtime LoRA adapters
+    from before an unload registered again; returns its AsyncEngine."""
     log.info("loading model %s", spec.name)
-    return launch_engine(state, spec.config, on_dead, name=spec.name)
+    engine = launch_engine(state, spec.config, on_dead, name=spec.name)
+    state.adapter_owners.restore(spec.name, engine.front.loras)
+    return engine
 
 
 def unload_engine(state: ServerState, model: ServedModel, async_engine) -> None:
-    """Stop an unloaded model's engine thread and forget its metrics (its memory goes with the last reference)."""
+    """Stop an unloaded model's engine thread and forget its metrics (its memory goes with the last reference);
+    its runtime LoRA adapters are kept for its next load."""
+    state.adapter_owners.keep(model.name, async_engine.front.loras)
     async_engine.shutdown()
     state.metrics.unbind_engine(model.name)
     log.info("unloaded model %s", model.name)

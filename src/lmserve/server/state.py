@@ -142,8 +142,8 @@ class ServerState:
         return model
 
     def _adapter_base(self, name: str) -> ServedModel | None:
-        """The model with a LoRA adapter called `name`: registered on its loaded engine, or named by its
-        --lora-modules when it is not loaded now (the request then loads it)."""
+        """The model with a LoRA adapter called `name`: registered on its loaded engine, or, when it is not loaded
+        now (the request then loads it), named by its --lora-modules or kept from before its unload."""
         for model in self.models.models.values():
             engine = model.async_engine
             if engine is not None:
@@ -152,7 +152,8 @@ class ServerState:
                     return model
                 continue
             lora = model.spec.config.lora if model.spec.config is not None else None
-            if lora is not None and any(n == name for n, _ in lora.modules):
+            if lora is not None and (any(n == name for n, _ in lora.modules) or self.adapter_owners.kept(model.name,
+                                                                                                       name)):
                 return model
         return None
 

@@ -118,6 +118,14 @@ class Tenants:
         u = self.usage.get(name)
         return not self.enabled or (u is not None and u.spec.admin)
 
+    def lora_dirs(self, name: str) -> tuple[str, ...] | None:
+        """The --lora-dir subdirectory patterns the key may load adapters from; None: every one (an admin's
+        default, and everyone's on a server without keys)."""
+        if not self.enabled:
+            return None
+        u = self.usage.get(name)
+        return u.spec.adapter_dirs() if u is not None else ()
+
     def prefix_salt(self, name: str, cache_salt: str | None) -> bytes:
         """What a request's prompt blocks are salted with (Request.cache_salt): blocks are shared only between
         requests of the same salt.

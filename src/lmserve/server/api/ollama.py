@@ -5,7 +5,9 @@ ollama_models.py, included here.
 Shapes only: a request is admitted through ModelState.start like every other family's, and its body's meaning
 is in ollama_protocol.py. As Ollama does it: a chat with no messages (a generate with no prompt) only loads the
 model, or unloads it with `keep_alive: 0`; `keep_alive` sets how long the model stays loaded once idle
-(server/models/pool.py unloads it then, and the next request loads it again); the last object of an answer
+(server/models/pool.py unloads it then, and the next request loads it again). The model is shared by every key,
+so a request's keep_alive holds only within the operator's bounds (--keep-alive-max; shorter than --keep-alive
+and 0 only from an admin key, or any key with --allow-unload; another key's 0 is a 403); the last object of an answer
 has `done: true` and the durations in nanoseconds; errors are `{"error": message}` (errors.py), in-band on a
 stream. GET / stays the playground's page (server/playground); only HEAD / answers as Ollama's root does.
 """
@@ -36,7 +38,7 @@ from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
 from lmserve.server.router import Router
 from lmserve.server.served import Chat, ModelState, Prompt
-from lmserve.server.state import read_request, record_of
+from lmserve.server.state import key_name_of, read_request, record_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
 
 router = Router()
@@ -102,7 +104,7 @@ async def version() -> dict:
 async def chat(request: Request) -> Response:
     start = time.monotonic()
     st, req = await read_request(request, ChatRequest)
-    keep = _keep_alive(st, req)
+    keep = _keep_alive(request, st, req)
     if not req.messages:
         return _loaded(st, keep, {"message": {"role": "assistant", "content": ""}})
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -123,7 +125,7 @@ async def chat(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     start = time.monotonic()
     st, req = await read_request(request, GenerateRequest)
-    keep = _keep_alive(st, req)
+    keep = _keep_alive(request, st, req)
     if req.images:
         raise APIError(400, "images are not supported: the served models read text only", param="images")
     if req.suffix:
@@ -169,12 +171,19 @@ async def _generate_prompt(st: ModelState, req: GenerateRequest, plan: ChatPlan 
     return [*req.context, *ids]
 
 
-def _keep_alive(st: ModelState, req) -> float | None:
-    """Apply the request's keep_alive to its model (the pool unloads it once idle that long); returns it."""
+def _keep_alive(request: Request, st: ModelState, req: ChatRequest | GenerateRequest) -> float | None:
+    """Apply the request's keep_alive to its shared model, within the operator's bounds (pool.KeepAlive: cut to
+    --keep-alive-max; below --keep-alive only for a key that may unload); returns the value that holds.
+
+    An unload (0) from a key that may not make one is a 403: the model serves every key."""
     seconds = keep_alive_seconds(req)
-    if seconds is not False:
-        st.model.keep_for(seconds)
-    return st.model.keep_alive
+    if seconds is False:
+        return st.model.keep_alive
+    may_shorten = st.model.policy.allow_unload or st.tenants.is_admin(key_name_of(request))
+    if seconds == 0 and not may_shorten:
+        raise APIError(403, "keep_alive 0 unloads the model for every key: only an admin key may (or start the "
+                       "server with --allow-unload)", param="keep_alive", code="permission_denied")
+    return st.model.keep_for(seconds, may_shorten=may_shorten)
 
 
 def _loaded(st: ModelState, keep: float | None, body: dict) -> JSONResponse:

@@ -111,16 +111,20 @@ async def list_models(request: Request) -> dict:
 
 
 def _adapter_cards(st: ServerState, key: str) -> list[dict]:
-    """Each loaded model's LoRA adapters that the key's `models` cover, `parent` naming the model."""
+    """Each model's LoRA adapters that the key's `models` cover, `parent` naming the model: a loaded model's
+    registered ones, an unloaded model's runtime ones that its next load registers again (`loaded: false`)."""
     cards = []
-    for model in st.models.loaded():
-        front = model.async_engine.front
-        loras = front.loras
-        if loras is None:
+    for model in st.models.models.values():
+        engine = model.async_engine
+        if engine is None:
+            names, loaded, max_len = st.adapter_owners.kept_names(model.name), False, model.spec.max_model_len
+        elif engine.front.loras is not None:
+            names, loaded, max_len = engine.front.loras.names(), True, engine.front.max_model_len
+        else:
             continue
-        cards += [{"id": reg.name, "object": "model", "created": st.created, "owned_by": "lmserve",
-                   "max_model_len": front.max_model_len, "loaded": True, "parent": model.name,
-                   "root": reg.name} for reg in loras.registrations() if st.tenants.allows(key, reg.name)]
+        cards += [{"id": name, "object": "model", "created": st.created, "owned_by": "lmserve",
+                   "max_model_len": max_len, "loaded": loaded, "parent": model.name, "root": name}
+                  for name in names if st.tenants.allows(key, name)]
     return cards
 
 

@@ -470,6 +470,7 @@ class RouteDoc:
 
 # 401 on every route but /health (API keys); 413 wherever a body is read; 429 per-key limits; 503 not ready.
 _GEN = (400, 401, 404, 413, 429, 500, 503)
+_OLLAMA_GEN = (400, 401, 403, 404, 413, 429, 500, 503)
 _TGI = (401, 404, 413, 422, 429, 500, 503)  # 404: an unknown parameters.adapter_id
 ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/models"): RouteDoc(None, ModelList, (401,)),
@@ -520,15 +521,16 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("get", "/v1/batches/{batch_id}"): RouteDoc(None, BatchObject, (401, 404)),
     ("post", "/v1/batches/{batch_id}/cancel"): RouteDoc(None, BatchObject, (401, 404, 413)),
     # Dynamic LoRA (server/api/lora.py): 404 when --allow-runtime-lora-updating is off or the name is unknown;
-    # 403 a name outside the key's models, or another key's adapter; 409 a name already loaded.
+    # 403 a name outside the key's namespace or models, a directory outside its lora_dirs, or another key's
+    # adapter; 409 a name already loaded.
     ("post", "/v1/load_lora_adapter"): RouteDoc(p.LoadLoraAdapterRequest, LoraLoaded,
                                                 (400, 401, 403, 404, 409, 413, 503)),
     ("post", "/v1/unload_lora_adapter"): RouteDoc(p.UnloadLoraAdapterRequest, LoraUnloaded,
                                                   (400, 401, 403, 404, 413, 503)),
     # Ollama (server/api/ollama.py): NDJSON unless "stream": false; errors {"error": message}. HEAD / is Ollama's
-    # liveness check (GET / stays the playground's page).
-    ("post", "/api/chat"): RouteDoc(ol.ChatRequest, OllamaChatResponse, _GEN, (JSON, NDJSON)),
-    ("post", "/api/generate"): RouteDoc(ol.GenerateRequest, OllamaGenerateResponse, _GEN, (JSON, NDJSON)),
+    # liveness check (GET / stays the playground's page). 403: a keep_alive of 0 from a key that may not unload.
+    ("post", "/api/chat"): RouteDoc(ol.ChatRequest, OllamaChatResponse, _OLLAMA_GEN, (JSON, NDJSON)),
+    ("post", "/api/generate"): RouteDoc(ol.GenerateRequest, OllamaGenerateResponse, _OLLAMA_GEN, (JSON, NDJSON)),
     ("post", "/api/show"): RouteDoc(ol.ShowRequest, OllamaShow, (400, 401, 404, 413, 503)),
     ("get", "/api/tags"): RouteDoc(None, OllamaTags, (401,)),
     ("get", "/api/ps"): RouteDoc(None, OllamaPs, (401,)),

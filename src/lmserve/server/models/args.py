@@ -1,5 +1,5 @@
 """The serve flags that name models: `--model [NAME=]PATH` (repeatable), `--route`, `--max-loaded-models`,
-`--keep-alive`.
+`--keep-alive`, `--keep-alive-max`, `--allow-unload`.
 
 Every model is checked at start (its header read, its KV pool sized by the same arithmetic as the engine) before
 anything loads; a mistake is one ConfigError naming the flag.
@@ -14,7 +14,7 @@ from pathlib import Path
 from lmserve.config import engine_config
 from lmserve.preflight import check_engine_config
 from lmserve.errors import ConfigError
-from lmserve.server.models.pool import ModelSpec
+from lmserve.server.models.pool import KeepAlive, ModelSpec
 from lmserve.server.models.traffic import TrafficSplit, parse_split, valid_name
 
 # A quantization tag at the end of a GGUF file's stem: "SmolLM2-135M-Instruct.Q4_1", "Llama-3.2-1B-Q4_K_M".
@@ -69,17 +69,28 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     return specs
 
 
-def keep_alive(args: argparse.Namespace) -> float | None:
-    """--keep-alive in seconds (None: never unload an idle model); ConfigError naming the flag."""
+def keep_alive(args: argparse.Namespace) -> KeepAlive:
+    """--keep-alive, --keep-alive-max (default: --keep-alive's value) and --allow-unload; ConfigError naming the
+    flag. A request may lengthen the keep-alive only as far as the operator says (by default not at all)."""
+    default = _duration(args, "keep_alive")
+    longest = _duration(args, "keep_alive_max") if getattr(args, "keep_alive_max", None) is not None else default
+    if longest is not None and (default is None or longest < default):
+        raise ConfigError(f"--keep-alive-max {args.keep_alive_max} is shorter than --keep-alive "
+                          f"({args.keep_alive if default is not None else 'unset: models stay loaded'})")
+    return KeepAlive(default, longest, bool(getattr(args, "allow_unload", False)))
+
+
+def _duration(args: argparse.Namespace, name: str) -> float | None:
+    """A duration flag in seconds (None: never unload); ConfigError naming the flag."""
     from lmserve.utils import parse_duration
 
-    text = getattr(args, "keep_alive", None)  # a Namespace built by hand (Ray, tests) may lack it
+    text = getattr(args, name, None)  # a Namespace built by hand (Ray, tests) may lack it
     if text is None:
         return None
     try:
         return parse_duration(text)
     except ValueError as e:
-        raise ConfigError(f"--keep-alive: {e}") from None
+        raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
 
 
 def traffic_splits(args: argparse.Namespace, model_names: list[str]) -> dict[str, TrafficSplit]:

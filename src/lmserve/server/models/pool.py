@@ -11,6 +11,8 @@ Invariants:
 - Keep-alive: a model idle (no lease) for its `keep_alive` seconds is unloaded by `expire_idle`, the pool's one
   background task; None keeps it loaded. Each request sets it (its own, else the pool's default) and the
   clock starts when the last lease ends, as Ollama counts it; 0 unloads as soon as the last response ends.
+  A request's own value stays within the operator's bounds (KeepAlive.bound): never past `--keep-alive-max`,
+  and never below `--keep-alive` unless its key may unload (an admin, or any key with `--allow-unload`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,26 @@ _LOOK_S = 5.0  # with --keep-alive, expire_idle looks at least this often (for m
 
 
 @dataclass(frozen=True)
+class KeepAlive:
+    """The operator's keep-alive: what a request naming none gets, and the bounds of one that names its own."""
+
+    default: float | None = None  # --keep-alive seconds; None: kept loaded
+    max: float | None = None  # --keep-alive-max: the longest a request may ask for; None: forever
+    allow_unload: bool = False  # --allow-unload: any key may shorten it (0: unload), not only admin keys
+
+    def bound(self, seconds: float | None, may_shorten: bool) -> float | None:
+        """A request's keep_alive (None: forever) clamped into [default, max], or [0, max] when it `may_shorten`.
+
+        Clamped, not refused: Ollama clients send a keep_alive of their own (-1, "5m") as a habit, and the
+        model's real expiry shows in /api/ps. The caller refuses an explicit 0 (an unload) it may not make."""
+        if self.max is not None and (seconds is None or seconds > self.max):
+            seconds = self.max
+        if not may_shorten and seconds is not None and (self.default is None or seconds < self.default):
+            seconds = self.default
+        return seconds
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One configured model: its served name and how to build its engine."""
 
@@ -58,6 +80,7 @@ class ServedModel:
     loading: bool = False
     unloading: bool = False  # detached from requests, its engine stopping and its memory not yet given back
     keep_alive: float | None = None  # seconds idle before it is unloaded; None: kept loaded
+    policy: KeepAlive = KeepAlive()  # the operator's bounds on a request's own keep_alive
     idle_since: float | None = None  # monotonic; when its last lease ended (None: leased, or not seen idle yet)
     on_idle: Callable[[], None] | None = field(default=None, repr=False)  # the pool's wake-up: a lease ended
 
@@ -77,10 +100,12 @@ class ServedModel:
             if self.on_idle is not None:
                 self.on_idle()
 
-    def keep_for(self, seconds: float | None) -> None:
-        """Unload this model once idle `seconds` (None: never); the request holding it sets it (Ollama's
-        keep_alive), and it holds until a later request sets another."""
-        self.keep_alive = seconds
+    def keep_for(self, seconds: float | None, *, may_shorten: bool) -> float | None:
+        """Unload this model once idle `seconds` (None: never), within the operator's bounds (KeepAlive.bound);
+        the request holding it sets it (Ollama's keep_alive), and it holds until a later request sets another.
+        Returns the value that holds."""
+        self.keep_alive = self.policy.bound(seconds, may_shorten)
+        return self.keep_alive
 
 
 class ModelLoadError(Exception):
@@ -100,11 +125,12 @@ class ModelPool:
     """The configured models; the first one is the default (requests that name none, TGI routes)."""
 
     def __init__(self, specs: list[ModelSpec], max_loaded: int | None = None, load_timeout: float = 60.0,
-                 keep_alive: float | None = None) -> None:
+                 keep_alive: KeepAlive = KeepAlive()) -> None:
         if not specs:
             raise ValueError("a model pool needs at least one model")
-        self.keep_alive = keep_alive  # --keep-alive: what a request that names none gets (None: kept loaded)
-        self.models = {s.name: ServedModel(s, keep_alive=keep_alive, on_idle=self._wake_expiry) for s in specs}
+        self.keep_alive = keep_alive.default  # --keep-alive: what a request that names none gets (None: kept loaded)
+        self.models = {s.name: ServedModel(s, keep_alive=keep_alive.default, policy=keep_alive,
+                                           on_idle=self._wake_expiry) for s in specs}
         self.default = self.models[specs[0].name]
         self.max_loaded = max_loaded or len(specs)
         self.load_timeout = load_timeout
