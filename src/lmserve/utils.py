@@ -220,6 +220,11 @@ def write_private(path: Path, data: bytes) -> None:
         raise
 
 
+def open_nofollow(path: Path) -> BinaryIO:
+    """A file opened for reading; a symlink at `path` is refused (OSError), not read through."""
+    return os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb")
+
+
 def append_private(path: Path) -> BinaryIO:
     """A binary file opened for appending, created 0600 when new; a symlink at `path` is refused, not followed."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o600), "ab")
@@ -229,7 +234,7 @@ def read_secret(path: Path, nbytes: int = 32) -> bytes:
     """The `nbytes` random bytes in `path`, made (0600, whole or not at all) when it does not exist. A secret that
     is not a plain file of this user's, or that others may read, is refused (PermissionError / ValueError)."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        f = open_nofollow(path)
     except FileNotFoundError:
         tmp = temporary_name(path)
         with os.fdopen(create_private(tmp), "wb") as f:
@@ -243,7 +248,7 @@ def read_secret(path: Path, nbytes: int = 32) -> bytes:
         finally:
             os.unlink(tmp)
         return read_secret(path, nbytes)
-    with os.fdopen(fd, "rb") as f:
+    with f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
             raise PermissionError(f"{path} is not a file of this user's")

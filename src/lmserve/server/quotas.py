@@ -60,7 +60,10 @@ def quota_value(name: str, value: Any, where: str) -> int | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "unlimited")):
         return None
     if isinstance(value, str) and name in BYTE_QUOTAS:
-        return parse_bytes(value)
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: storage quota {name}: {e}") from None
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
