@@ -136,11 +136,6 @@ class BatchStore:
             self._usage[f.owner][0] += 1
             self._usage[f.owner][1] += f.bytes
 
-    def usage(self, owner: str) -> tuple[int, int]:
-        """(files, bytes) the owner keeps."""
-        with self._lock:
-            return self._owner_usage(owner)
-
     def _owner_usage(self, owner: str) -> tuple[int, int]:
         if self._usage is None:  # once per process: every file object read (they are small)
             self._usage = defaultdict(lambda: [0, 0])
