@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lmserve.cache.kv_disk import HEADER, DiskTier
+from lmserve.cache.kv_disk import HEADER, SECRET, DiskTier
 from lmserve.cache.kv_tier import HostTier, KVTier, namespace
 from lmserve.utils import parse_bytes
 from lmserve.worker.kv_transfer import BlockCopier
@@ -52,10 +52,14 @@ def test_disk_round_trip_keeps_every_byte_and_the_file_names_what_it_holds(tmp_p
     assert tier.has(h(1)) and tier.has(h(2)) and not tier.has(h(3))
     assert torch.equal(tier.read(h(1)), block(1)) and torch.equal(tier.read(h(2)), block(2))
     path = tier._path(h(1))
-    assert path.parent.parent == tmp_path / NS.hex()[:16] and path.name == h(1).hex() + ".kvb"
+    # named by a keyed digest: nobody without the install's secret can tell which file a prefix would be read from
+    assert path.parent.parent == tmp_path / NS.hex()[:16] and path.name == tier.name_of(h(1)).hex() + ".kvb"
+    assert h(1).hex() not in path.name
     magic, version, ns, stored, length, _ = HEADER.unpack(path.read_bytes()[:HEADER.size])
     assert (magic, ns, stored, length) == (b"LMSKVBLK", NS, h(1), BLOCK)
     assert oct(tier.dir.stat().st_mode & 0o777) == oct(0o700)
+    assert oct(path.parent.stat().st_mode & 0o777) == oct(0o700) and oct(path.stat().st_mode & 0o777) == oct(0o600)
+    assert oct((tmp_path / SECRET).stat().st_mode & 0o777) == oct(0o600)
     assert tier.stats.stores == 2 and tier.stats.loads == 2 and tier.stats.files == 2
     assert tier.stats.used_bytes == 2 * (HEADER.size + BLOCK)
     assert not list(tier.dir.rglob("*.tmp"))
@@ -97,11 +101,11 @@ def test_a_restart_finds_the_files_and_keeps_their_use_order(tmp_path):
     past = time.time() - 100
     for i, age in ((1, 3), (2, 1), (3, 2)):  # last used: 2, then 3, then 1
         os.utime(first._path(h(i)), (past - age, past - age))
-    stale = first._path(h(9)).with_name(".crashed.tmp")
+    stale = first._path(h(2)).with_name(".crashed.tmp")
     stale.parent.mkdir(exist_ok=True)
     stale.write_bytes(b"half a block")
     os.utime(stale, (past - 1000, past - 1000))
-    live = first._path(h(9)).with_name(".writing.tmp")  # another process's write in flight: left alone
+    live = first._path(h(2)).with_name(".writing.tmp")  # another process's write in flight: left alone
     live.write_bytes(b"x")
     file_bytes = HEADER.size + BLOCK
     again = DiskTier(tmp_path, NS, BLOCK, 2 * file_bytes)  # room for two: the least recently used (1) goes

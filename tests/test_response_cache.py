@@ -107,6 +107,24 @@ def test_backends_store_expire_and_evict_the_oldest(tmp_path, redis_url):
         assert backend.get("x") is None and backend.count() == 0
 
 
+def test_a_key_at_its_share_evicts_only_its_own_entries(tmp_path, redis_url):
+    """Issue 47: one key's flood evicted every key's entries. Each backend, 6 entries with shares of 2 per key."""
+    import redis
+
+    redis.Redis.from_url(redis_url[0]).flushdb()
+    for backend in _backends(tmp_path, redis_url, max_entries=6):
+        for i in range(2):
+            backend.put(f"b{i}", b"team-b", "team-b", 2)
+        for i in range(10):
+            backend.put(f"a{i}", b"team-a", "team-a", 2)
+            time.sleep(0.002)
+        assert [backend.get(k) for k in ("b0", "b1", "a8", "a9")] == [b"team-b"] * 2 + [b"team-a"] * 2
+        assert backend.get("a7") is None and backend.count() == 4
+        for i in range(6):  # a key without a cap still fills the cache, and the oldest of all go past its size
+            backend.put(f"c{i}", b"open", "open")
+        assert backend.count() == 6 and backend.get("b0") is None and backend.get("c5") == b"open"
+
+
 def test_bad_cache_url_is_one_line_and_exit_2():
     p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--response-cache", "memcached://x"],
                        capture_output=True, text=True, timeout=120)

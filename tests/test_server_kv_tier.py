@@ -3,12 +3,15 @@ tokens and logprobs, for its own API key only; hits asserted from /metrics, neve
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 import sys
 import time
 
 import openai
 
+from lmserve.cache.kv_disk import HEADER, SIGNED
 from tests.server_util import running_server
 
 KEYS = ("sk-tier-a-0123456789abcdef", "sk-tier-b-0123456789abcdef")
@@ -64,3 +67,69 @@ def test_bad_tier_flags_are_one_line_errors():
     bad_size = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--kv-offload-memory", "2XB"],
                               capture_output=True, text=True, timeout=120)
     assert bad_size.returncode == 2 and "'2XB' is not a size" in bad_size.stderr
+
+
+KEY_FILE = ("keys:\n  - {name: team-a, key: sk-team-a-0123456789abcdef}\n"
+            "  - {name: team-b, key: sk-team-b-0123456789abcdef}\n"
+            "  - {name: ops, key: sk-ops-0123456789abcdef, role: admin}\n")
+ADMIN = {"Authorization": "Bearer sk-ops-0123456789abcdef"}  # reads /metrics
+
+
+def test_blocks_planted_under_another_keys_names_are_refused_after_a_restart(tmp_path):
+    """Issue 47, finding 6, as team-b would try it with write access to the tier's directory. First, files forged
+    from team-a's own headers (the block hash is in the clear) with other bytes and a MAC made without the secret;
+    then team-b's genuine, signed blocks of the same prompt copied over team-a's files. After each restart team-a's
+    greedy answer is the same, and the planted files are refused and counted, never loaded."""
+    (tmp_path / "keys.yaml").write_text(KEY_FILE)
+    kv = tmp_path / "kv"
+    args = ("--kv-offload-dir", str(kv), "--api-key-file", str(tmp_path / "keys.yaml"))
+    a, b = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef"
+    with running_server(*args, headers=ADMIN) as first:
+        r, cold = complete(first, a)
+        n = r.usage.prompt_tokens
+        _wait_stores(first, n // 16)
+        team_a = sorted(kv.rglob("*.kvb"))
+        complete(first, b)
+        _wait_stores(first, 2 * (n // 16))
+    team_b = sorted(set(kv.rglob("*.kvb")) - set(team_a))
+    assert len(team_a) >= n // 16 and len(team_b) == len(team_a)
+
+    for mine, theirs in zip(team_a, team_b):  # team-a's header, team-b's bytes, a MAC guessed without the secret
+        signed = mine.read_bytes()[:SIGNED.size]
+        payload = theirs.read_bytes()[HEADER.size:]
+        mine.write_bytes(signed + hashlib.sha256(signed + payload).digest() + payload)
+    _assert_refused(args, a, cold)
+
+    for mine, theirs in zip(team_a, team_b):  # team-b's genuine blocks under team-a's names
+        if mine.exists():
+            mine.write_bytes(theirs.read_bytes())
+    _assert_refused(args, a, cold)
+
+
+def _assert_refused(args: tuple[str, ...], key: str, cold: list) -> None:
+    """A restart: `key`'s prompt gets the answer it got cold, and at least its first planted file is refused."""
+    with running_server(*args, headers=ADMIN) as server:
+        _, again = complete(server, key)
+        assert again == cold  # the same greedy tokens and logprobs: nothing planted reached the model
+        assert server.metric("lmserve:kv_offload_disk_rejected_files_total") >= 1
+        assert disk(server, "hit_tokens_total") == 0  # its first block was refused: nothing after it was loaded
+        server.wait_idle()
+
+
+def _wait_stores(server, n: int) -> None:
+    deadline = time.time() + 120  # the writer thread's queue drains; a bound, not a measurement
+    while disk(server, "stores_total") < n and time.time() < deadline:
+        time.sleep(0.2)
+    assert disk(server, "stores_total") >= n
+
+
+def test_a_kv_offload_dir_every_user_may_write_is_refused_at_start(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--kv-offload-dir", str(shared)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")})
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"--kv-offload-dir {shared}: refused: " in p.stderr and "writable by every user" in p.stderr
+    assert not list(shared.iterdir())

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from lmserve.cache.kv_disk import SECRET as KV_TIER_SECRET
 from lmserve.cache.kv_groups import KVGroup, engine_groups, peak_blocks
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
 from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
@@ -30,7 +31,8 @@ from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
 from lmserve.cpu_dtype import resolve_dtype
-from lmserve.utils import KV_QUANT_DTYPES, available_memory, keeps_gguf, resolve_device, resolve_kv_dtype
+from lmserve.utils import (KV_QUANT_DTYPES, available_memory, keeps_gguf, private_dir, read_secret, resolve_device,
+                           resolve_kv_dtype)
 from lmserve.worker.model_runner import kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -245,8 +247,14 @@ def check_kv_offload(cfg: EngineConfig) -> None:
     if c.directory is None:
         return
     d = Path(c.directory).expanduser()
+    try:  # lmserve's alone: a directory others may write would let them plant or swap block files
+        private_dir(d, own=True)
+        read_secret(d / KV_TIER_SECRET)  # made now, or refused when others may read it
+    except (PermissionError, ValueError) as e:
+        raise ConfigError(f"--kv-offload-dir {c.directory}: refused: {e.args[0]}") from None
+    except OSError as e:
+        raise ConfigError(f"--kv-offload-dir {c.directory}: cannot write there ({e.strerror})") from None
     try:
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
         probe = d / f".probe.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()

@@ -33,7 +33,7 @@ import torch
 
 from lmserve.cache.kv_disk import FORMAT_VERSION, DiskTier
 from lmserve.config import KVOffloadConfig
-from lmserve.utils import write_atomically
+from lmserve.utils import write_private
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +212,15 @@ def namespace(identity: dict[str, str]) -> bytes:
 
 
 def open_kv_tier(cfg: KVOffloadConfig, identity: dict[str, str], block_bytes: int, block_size: int) -> KVTier:
-    """The tiers `cfg` asks for; the disk tier's directory is made (0700) and indexed now."""
+    """The tiers `cfg` asks for; the disk tier's directory is made (0700) and indexed now (PermissionError: the
+    directory is every user's or another user's, or its secret is not private)."""
     disk = None
     if cfg.directory is not None:
         ns = namespace(identity)
         disk = DiskTier(Path(cfg.directory).expanduser(), ns, block_bytes, cfg.disk_bytes)
         note = disk.dir / "identity.json"  # what this namespace's blocks are, for whoever looks into the directory
         if not note.exists():
-            write_atomically(note, json.dumps(identity, indent=1, sort_keys=True).encode())
+            write_private(note, json.dumps(identity, indent=1, sort_keys=True).encode())
     if 0 < cfg.memory_bytes < block_bytes:
         log.warning("--kv-offload-memory %d bytes holds not one KV block (%d bytes); the host tier stays empty",
                     cfg.memory_bytes, block_bytes)

@@ -147,8 +147,9 @@ def _add_kv_tier_args(g) -> None:
     g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="a directory for every full prefix-cache block (written off the engine thread, checked on "
                    "read, kept across restarts): a repeated long prompt is answered from it after a restart; keyed "
-                   "by the model's weights, tokenizer, KV layout and block size, and by each API key's prefix salt "
-                   "(default: none, off)")
+                   "by the model's weights, tokenizer, KV layout and block size, and by each API key's prefix salt; "
+                   "files signed with a secret kept there, 0600 in 0700 directories (one every user may write is "
+                   "refused) (default: none, off)")
     g.add_argument("--kv-offload-disk-size", type=size_arg, default=DEFAULT_KV_OFFLOAD_DISK_BYTES, metavar="SIZE",
                    help="most bytes --kv-offload-dir holds for this model; the least recently used blocks are "
                    "deleted beyond it (default: 8GiB)")
@@ -252,6 +253,11 @@ def _add_server_args(g) -> None:
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
     g.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
                    help="largest file accepted by POST /v1/files (a batch job's input)")
+    g.add_argument("--storage-quota", action="append", default=[], metavar="NAME=VALUE",
+                   help="what each API key may store (repeatable; a key file entry's storage_quota wins): files=1000, "
+                   "file_bytes=4GiB, shares=1000, share_bytes=100MiB, responses=10000 (then its oldest are dropped), "
+                   "response_bytes=1GiB, response_chain=1000 (turns of previous_response_id), cache_entries=N "
+                   "(default: the response cache's size split equally among the keys); none: unlimited")
     g.add_argument("--batch-dir", default=None, metavar="DIR",
                    help="where uploaded files and batch jobs are kept, so they survive a restart "
                    "(default: ~/.local/share/lmserve/batches)")

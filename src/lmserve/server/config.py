@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import KeySpec
+from lmserve.server.quotas import StorageQuota
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ServerConfig:
     strict_fields: bool = False  # an unknown request field is a 400 (else ignored, logged, named in X-Ignored-Fields)
     reasoning_parser: str | None = None  # --reasoning-parser: qwen3 | deepseek_r1 (None: replies are not split)
     tool_call_parser: str | None = None  # --tool-call-parser (None: each model's chat template's family)
+    storage_quota: StorageQuota = StorageQuota()  # --storage-quota: what each key may store (a key file entry's wins)
 
     @property
     def token_limits(self) -> TokenLimits:

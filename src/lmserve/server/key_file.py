@@ -8,7 +8,8 @@ plain form.
 
 An entry may carry `role: admin` (it manages every runtime LoRA adapter and reads /metrics) and
 `prefix_cache: shared` (its prompts' KV blocks are shared with other such keys; by default each key's are its
-own). `models` lists the served models, routes and LoRA adapters it may use, as exact names or fnmatch
+own), and `storage_quota:` its own storage limits (server/quotas.py: files, shares, responses...).
+`models` lists the served models, routes and LoRA adapters it may use, as exact names or fnmatch
 patterns (`base/*`). `lora_dirs` lists the subdirectories of each --lora-dir it may load runtime adapters
 from, as relative paths or fnmatch patterns matched component by component (`team-a`, `shared/*`, `*`); by
 default a key's own `<name>` subdirectory only, and every one for an admin key.
@@ -25,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.errors import ConfigError
+from lmserve.server.quotas import parse_key_quota
 
 ANONYMOUS = "anonymous"  # the key name of every request when the server takes no keys
 LIMITS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
 ROLES = ("user", "admin")
 PREFIX_CACHE = ("isolated", "shared")
-FIELDS = ("name", "key", "sha256", "models", "role", "prefix_cache", "lora_dirs", *LIMITS)
+FIELDS = ("name", "key", "sha256", "models", "role", "prefix_cache", "lora_dirs", "storage_quota", *LIMITS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a metric label and a log field: keep it plain
 _PLAIN_NAME = re.compile(r"^(key-[0-9a-f]{8}|plain-[0-9]+)$")  # plain keys' names (plain_name), metric labels
 _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -62,6 +64,7 @@ class KeySpec:
     prefix_cache: str = "isolated"  # "shared": prompt blocks shared with the other `shared` keys
     plain: bool = False  # from --api-key / $LMSERVE_API_KEY / a one-key-per-line file (no role, no limits)
     lora_dirs: tuple[str, ...] | None = None  # --lora-dir subdirectories (patterns) it may load adapters from
+    storage_quota: tuple[tuple[str, int | None], ...] = ()  # (quota name, limit) over the server's --storage-quota
 
     def allows(self, model: str) -> bool:
         """The key may use `model` (a served model, a route or an adapter): a `models` entry names or matches it."""
@@ -133,10 +136,14 @@ def _spec(entry: Any, where: str) -> KeySpec:
     if unknown:
         raise ConfigError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(FIELDS)})")
     limits = {k: _limit(entry.get(k), f"{where}: {k}") for k in LIMITS}
+    try:
+        quota = parse_key_quota(entry["storage_quota"], where) if "storage_quota" in entry else ()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return KeySpec(name, _entry_digest(entry, where), models=_models(entry.get("models", ["*"]), where),
                    role=_choice(entry, "role", ROLES, where), prefix_cache=_choice(entry, "prefix_cache",
                                                                                     PREFIX_CACHE, where),
-                   lora_dirs=_lora_dirs(entry.get("lora_dirs"), where), **limits)
+                   lora_dirs=_lora_dirs(entry.get("lora_dirs"), where), storage_quota=quota, **limits)
 
 
 def _entry_digest(entry: dict, where: str) -> bytes:

@@ -31,6 +31,7 @@ from lmserve.server.models.args import keep_alive, model_specs, served_name, tra
 from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel, one_malloc_arena
 from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
+from lmserve.server.quotas import StorageQuota, parse_quota_flags
 
 log = logging.getLogger("lmserve.server")
 
@@ -133,7 +134,15 @@ def server_config(args: argparse.Namespace, name: str,
                         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         lora_dirs=tuple(str(Path(d).resolve()) for d in args.lora_dir),
                         strict_fields=args.strict_fields, reasoning_parser=args.reasoning_parser,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, storage_quota=_storage_quota(args))
+
+
+def _storage_quota(args: argparse.Namespace) -> StorageQuota:
+    """--storage-quota NAME=VALUE flags over the defaults; a bad one is a ConfigError."""
+    try:
+        return parse_quota_flags(args.storage_quota)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _response_cache(args: argparse.Namespace, metrics: ServerMetrics):
@@ -197,6 +206,9 @@ def _batches(args: argparse.Namespace, state: ServerState) -> None:
     root = Path(args.batch_dir) if args.batch_dir else default_batch_dir()
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--batch-dir {str(root)!r} is not a directory")
+    if root.exists() and root.stat().st_mode & 0o002:  # anyone could plant or swap a key's files in it
+        raise ConfigError(f"--batch-dir {str(root)!r} is writable by every user; give a directory only this user "
+                          f"can write")
     state.batches = BatchManager(BatchStore(root), state)
 
 

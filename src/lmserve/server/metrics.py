@@ -308,8 +308,8 @@ _TIER_COUNTERS = {
     "lmserve:kv_offload_store_bytes": ("store_bytes", "Bytes copied into the tier"),
 }
 _DISK_COUNTERS = {
-    "lmserve:kv_offload_disk_rejected_files": ("rejected", "Block files refused on read (corrupt, truncated or "
-                                                           "foreign) and deleted"),
+    "lmserve:kv_offload_disk_rejected_files": ("rejected", "Block files refused on read (corrupt, truncated, "
+                                                           "foreign or forged) and deleted"),
     "lmserve:kv_offload_disk_dropped_blocks": ("dropped", "Blocks not written: the disk writer's queue was full"),
     "lmserve:kv_offload_disk_failed_writes": ("failed", "Block writes that failed (disk full, permissions)"),
 }

@@ -9,6 +9,11 @@ body with the fields that do not change the answer (`stream`, `stream_options`, 
 with a hit gets it replayed as a stream (`server/api/cache_replay.py`). Only non-streamed responses are
 stored: a stream's pieces are not kept.
 
+Each key holds at most its share of the entries (StorageQuota.cache_entries; by default the cache's size split
+equally among the keys): a key at its share makes room from its own oldest entries, so one key's flood of new
+requests never evicts another key's answers. The oldest entries overall go only when the shares add up to more
+than `max_entries`.
+
 The cache never fails a request: a backend error (Redis down, a locked file) is logged, at most once a
 minute, and the request goes to the model as a miss. Backend calls run off the event loop with short
 timeouts.
@@ -20,8 +25,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-import sqlite3
 import threading
 import time
 import weakref
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lmserve.loader.fingerprint import weights_fingerprint
 from lmserve.server.metrics import ServerMetrics
+from lmserve.utils import open_sqlite, user_cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +51,7 @@ class Backend(Protocol):
     """Where entries live: bytes by key, each with a time to live."""
 
     def get(self, key: str) -> bytes | None: ...
-    def put(self, key: str, value: bytes) -> None: ...
+    def put(self, key: str, value: bytes, owner: str = "", owner_cap: int | None = None) -> None: ...
     def count(self) -> int: ...
 
 
@@ -62,8 +66,7 @@ class CacheSettings:
 
 def default_sqlite_path() -> Path:
     """$XDG_CACHE_HOME/lmserve/responses.sqlite (~/.cache/... when unset): a cache, safe to delete."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lmserve" / "responses.sqlite"
+    return user_cache_dir() / "responses.sqlite"
 
 
 def open_backend(settings: CacheSettings) -> Backend:
@@ -78,43 +81,51 @@ def open_backend(settings: CacheSettings) -> Backend:
 
 
 class SqliteBackend:
-    """One table; the oldest entries go first past `max_entries`; expired ones are skipped and swept."""
+    """One table; an owner's oldest go past its cap, the oldest of all past `max_entries`; expired ones are skipped
+    and swept."""
 
     def __init__(self, path: Path, ttl: float, max_entries: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.ttl, self.max_entries = ttl, max_entries
         self._lock = threading.Lock()  # one connection shared by the thread pool's threads
-        self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=1.0)
-        self._db.execute("CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
-                         "expires REAL NOT NULL, created REAL NOT NULL)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS by_created ON entries (created)")
-        self._db.commit()
+        self._db = open_sqlite(path, (  # 0600 in a 0700 directory, as every file the server stores
+            "DROP TABLE IF EXISTS entries",  # before entries had owners: a cache, safe to drop
+            "CREATE TABLE IF NOT EXISTS owned_entries (key TEXT PRIMARY KEY, value BLOB NOT NULL, "
+            "expires REAL NOT NULL, created REAL NOT NULL, owner TEXT NOT NULL)",
+            "CREATE INDEX IF NOT EXISTS by_created ON owned_entries (created)",
+            "CREATE INDEX IF NOT EXISTS by_owner ON owned_entries (owner, created)"), timeout=1.0)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
-            row = self._db.execute("SELECT value FROM entries WHERE key = ? AND expires > ?",
+            row = self._db.execute("SELECT value FROM owned_entries WHERE key = ? AND expires > ?",
                                    (key, time.time())).fetchone()
         return row[0] if row else None
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: bytes, owner: str = "", owner_cap: int | None = None) -> None:
         now = time.time()
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?)", (key, value, now + self.ttl, now))
-            self._db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
-            self._db.execute("DELETE FROM entries WHERE key IN (SELECT key FROM entries ORDER BY created DESC "
-                             "LIMIT -1 OFFSET ?)", (self.max_entries,))
+            self._db.execute("INSERT OR REPLACE INTO owned_entries VALUES (?, ?, ?, ?, ?)",
+                             (key, value, now + self.ttl, now, owner))
+            self._db.execute("DELETE FROM owned_entries WHERE expires <= ?", (now,))
+            if owner_cap is not None:
+                self._db.execute("DELETE FROM owned_entries WHERE key IN (SELECT key FROM owned_entries "
+                                 "WHERE owner = ? ORDER BY created DESC LIMIT -1 OFFSET ?)", (owner, owner_cap))
+            self._db.execute("DELETE FROM owned_entries WHERE key IN (SELECT key FROM owned_entries ORDER BY created "
+                             "DESC LIMIT -1 OFFSET ?)", (self.max_entries,))
             self._db.commit()
 
     def count(self) -> int:
         with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM entries WHERE expires > ?", (time.time(),)).fetchone()[0]
+            return self._db.execute("SELECT COUNT(*) FROM owned_entries WHERE expires > ?",
+                                    (time.time(),)).fetchone()[0]
 
 
 class RedisBackend:
-    """Entries as Redis strings with a TTL; a sorted set by insertion time trims the oldest past `max_entries`."""
+    """Entries as Redis strings with a TTL; sorted sets by insertion time, one of all entries (members `owner\nkey`)
+    and one per owner, trim an owner's oldest past its cap and the oldest of all past `max_entries`."""
 
     PREFIX = "lmserve:response:"
-    INDEX = "lmserve:responses"
+    INDEX = "lmserve:responses:all"
+    OWNER_INDEX = "lmserve:responses:owner:"
 
     def __init__(self, url: str, ttl: float, max_entries: int) -> None:
         import redis  # only when asked for
@@ -125,17 +136,32 @@ class RedisBackend:
     def get(self, key: str) -> bytes | None:
         return self._redis.get(self.PREFIX + key)
 
-    def put(self, key: str, value: bytes) -> None:
-        now = time.time()
+    def put(self, key: str, value: bytes, owner: str = "", owner_cap: int | None = None) -> None:
+        now, mine = time.time(), self.OWNER_INDEX + owner
         pipe = self._redis.pipeline()
         pipe.set(self.PREFIX + key, value, px=max(1, int(self.ttl * 1000)))
-        pipe.zadd(self.INDEX, {key: now})
+        pipe.zadd(self.INDEX, {f"{owner}\n{key}": now})
+        pipe.zadd(mine, {key: now})
         pipe.zremrangebyscore(self.INDEX, 0, now - self.ttl)  # expired: Redis has dropped their strings
-        pipe.zrange(self.INDEX, 0, -self.max_entries - 1)  # the oldest beyond the limit
-        *_, oldest = pipe.execute()
-        if oldest:
-            self._redis.delete(*(self.PREFIX + k.decode() for k in oldest))
-            self._redis.zrem(self.INDEX, *oldest)
+        pipe.zremrangebyscore(mine, 0, now - self.ttl)
+        if owner_cap is not None:
+            pipe.zrange(mine, 0, -owner_cap - 1)  # the owner's oldest past its cap
+        done = pipe.execute()
+        own_oldest = done[-1] if owner_cap is not None else []
+        self._drop([f"{owner}\n{k.decode()}".encode() for k in own_oldest])
+        self._drop(self._redis.zrange(self.INDEX, 0, -self.max_entries - 1))  # the oldest of all past the limit
+
+    def _drop(self, members: list[bytes]) -> None:
+        """Delete entries named as `owner\nkey` index members, from every index."""
+        if not members:
+            return
+        pipe = self._redis.pipeline()
+        for member in members:
+            owner, _, key = member.decode().rpartition("\n")
+            pipe.delete(self.PREFIX + key)
+            pipe.zrem(self.OWNER_INDEX + owner, key)
+        pipe.zrem(self.INDEX, *members)
+        pipe.execute()
 
     def count(self) -> int:
         return int(self._redis.zcount(self.INDEX, time.time() - self.ttl, "+inf"))
@@ -205,8 +231,9 @@ class ResponseCache:
             (self.metrics.cache_hits if hit else self.metrics.cache_misses).inc()
         return json.loads(value) if hit else None
 
-    async def put(self, key: str, response: dict) -> None:
-        await self._call(self.backend.put, key, json.dumps(response).encode())
+    async def put(self, key: str, response: dict, owner: str = "", owner_cap: int | None = None) -> None:
+        """Store an answer under `key`, for `owner` (an API key's name) who may hold `owner_cap` entries."""
+        await self._call(self.backend.put, key, json.dumps(response).encode(), owner, owner_cap)
 
     async def _call(self, fn, *args) -> Any:
         try:

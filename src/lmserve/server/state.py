@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -22,6 +22,7 @@ from lmserve.server.key_file import ANONYMOUS, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.protocol import parse_body, parse_data
+from lmserve.server.quotas import StorageQuota
 from lmserve.server.response_cache import ResponseCache
 from lmserve.server.served import ModelState
 from lmserve.server.tenants import Tenants
@@ -205,6 +206,18 @@ def record_of(request: Request) -> RequestRecord:
 def key_name_of(request: Request) -> str:
     """The name of the request's API key (set by the auth middleware); "anonymous" on a server without keys."""
     return request.scope.get("state", {}).get(KEY_NAME_KEY, ANONYMOUS)
+
+
+def quota_of(request: Request) -> StorageQuota:
+    """What the request's API key may store: the server's --storage-quota with its key file entry's own in place,
+    and by default an equal share of the response cache for each key."""
+    st = state_of(request)
+    usage = st.tenants.usage.get(key_name_of(request))
+    quota = st.config.storage_quota.merged(usage.spec.storage_quota if usage is not None else ())
+    if quota.cache_entries is None and st.response_cache is not None:
+        share = st.response_cache.settings.max_entries // len(st.tenants.usage)
+        quota = replace(quota, cache_entries=max(1, share))
+    return quota
 
 
 async def read_request(request: Request, model: type[T]) -> tuple[ModelState, T]:

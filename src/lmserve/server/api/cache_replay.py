@@ -23,7 +23,7 @@ from lmserve.request import LoraRequest
 from lmserve.server.api import chunks
 from lmserve.server.response_cache import cache_key, cacheable
 from lmserve.server.served import ModelState
-from lmserve.server.state import key_name_of
+from lmserve.server.state import key_name_of, quota_of
 
 HEADER = "x-lmserve-cache"
 
@@ -35,6 +35,8 @@ class Lookup:
     key: str | None
     status: str  # "miss" or "bypass" (a hit has already been answered)
     lora_digest: str = ""  # the content digest of the adapter the key names ("": the base model)
+    owner: str = ""  # the API key's name: its entries count against its share of the cache
+    owner_cap: int | None = None
 
 
 async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Lookup | None, Response | None]:
@@ -52,7 +54,7 @@ async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Look
     key = cache_key(answerer, key_name_of(request), request.url.path, body)
     stored = await cache.get(key)
     if stored is None:
-        return Lookup(key, "miss", digest), None
+        return Lookup(key, "miss", digest, key_name_of(request), quota_of(request).cache_entries), None
     fresh = {**stored, "id": stored["id"].split("-", 1)[0] + "-" + uuid.uuid4().hex, "created": int(time.time())}
     stream_options = body.get("stream_options") or {}
     if body.get("stream"):
@@ -69,7 +71,7 @@ async def store(st: ModelState, found: Lookup | None, response: Response, body: 
     response.headers[HEADER] = found.status
     ran_digest = "" if ran is None else getattr(ran.adapter, "digest", None)
     if found.key is not None and body is not None and response.status_code == 200 and ran_digest == found.lora_digest:
-        await st.response_cache.put(found.key, body)
+        await st.response_cache.put(found.key, body, found.owner, found.owner_cap)
     return response
 
 

@@ -35,7 +35,8 @@ from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_data
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
-from lmserve.server.state import IGNORED_FIELDS_KEY, key_name_of, read_request, record_of, state_of
+from lmserve.server.quotas import StorageQuota
+from lmserve.server.state import IGNORED_FIELDS_KEY, key_name_of, quota_of, read_request, record_of, state_of
 from lmserve.server.streams import Watched, stream_failure
 
 router = Router()
@@ -49,9 +50,10 @@ _NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_outpu
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     st, req = await read_request(request, ResponsesRequest)
-    store, owner = state_of(request).responses, key_name_of(request)
+    store, owner, quota = state_of(request).responses, key_name_of(request), quota_of(request)
     items = input_items(req, st.config.strict_fields, request.scope["state"][IGNORED_FIELDS_KEY])
-    context = await _previous_context(store, req.previous_response_id, owner) + items
+    previous = await _previous(store, req.previous_response_id, owner, quota.response_chain)
+    context = (previous.context + previous.response["output"] if previous else []) + items
     caller = caller_of(request)
     messages = chat_messages(req.instructions, context)
     caller.record.messages = messages  # what the payload log, tracing and validation rules read
@@ -64,7 +66,7 @@ async def create_response(request: Request) -> Response:
     # The engine request's hex (chatcmpl-<hex>) names the response: one id in the logs and the answer.
     shell = ResponseShell("resp_" + caller.record.request_id.removeprefix("chatcmpl-"), model, req,
                           stored=req.store and store is not None)
-    saved = _Saver(store if shell.stored else None, owner, context)
+    saved = _Saver(store if shell.stored else None, owner, items, previous, quota)
     if req.stream:
         return sse.response(_events(request, st, run, shell, saved))
     body = await run.body()
@@ -76,15 +78,21 @@ async def create_response(request: Request) -> Response:
     return JSONResponse(await saved(answer))
 
 
-async def _previous_context(store: ResponseStore | None, response_id: str | None, owner: str) -> list[dict]:
-    """The items a continued response was generated from, then its output ([] without previous_response_id)."""
+async def _previous(store: ResponseStore | None, response_id: str | None, owner: str,
+                    chain_limit: int | None) -> StoredResponse | None:
+    """The response a request continues (None without previous_response_id); 404 for an unknown one, 400 when the
+    chain would grow past the key's limit (checked before any work)."""
     if response_id is None:
-        return []
+        return None
     found = None if store is None else await asyncio.to_thread(store.get, response_id, owner)
     if found is None:
         raise APIError(404, f"previous response with id {response_id[:80]!r} not found",
                        param="previous_response_id", code="previous_response_not_found")
-    return found.context + found.response["output"]
+    if chain_limit is not None and found.depth + 1 > chain_limit:
+        raise APIError(400, f"previous_response_id continues a conversation of {found.depth} responses; this API key "
+                       f"may chain at most {chain_limit}: start a new one (send the input items it needs)",
+                       param="previous_response_id", code="quota_exceeded")
+    return found
 
 
 def _renamed(e: APIError) -> APIError:
@@ -99,16 +107,18 @@ def _renamed(e: APIError) -> APIError:
 
 
 class _Saver:
-    """Stores a finished Response object with its context (when it is to be stored); says so in its `store`."""
+    """Stores a finished Response object, linked to the one it continued (when it is to be stored); says so in its
+    `store`."""
 
-    def __init__(self, store: ResponseStore | None, owner: str, context: list[dict]) -> None:
-        self.store, self.owner, self.context = store, owner, context
+    def __init__(self, store: ResponseStore | None, owner: str, items: list[dict], previous: StoredResponse | None,
+                 quota: StorageQuota) -> None:
+        self.store, self.owner, self.items, self.previous, self.quota = store, owner, items, previous, quota
 
     async def __call__(self, answer: dict[str, Any]) -> dict[str, Any]:
         if self.store is None:
             return answer
         try:
-            await asyncio.to_thread(self.store.put, self.owner, StoredResponse(answer, self.context))
+            await asyncio.to_thread(self.store.put, self.owner, answer, self.items, self.previous, self.quota)
         except (sqlite3.Error, OSError) as e:  # the answer still goes out, saying it was not stored
             log.warning("could not store response %s: %s", answer["id"], e)
             return {**answer, "store": False}

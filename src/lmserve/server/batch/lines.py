@@ -29,7 +29,7 @@ from lmserve.server.errors import APIError, error_body
 from lmserve.server.api.openai import BATCH_ENDPOINTS, Caller, answer
 from lmserve.server.protocol import load_json
 from lmserve.server.state import ServerState
-from lmserve.utils import user_data_dir
+from lmserve.utils import append_private, user_data_dir
 
 log = logging.getLogger("lmserve.batch")
 
@@ -137,9 +137,9 @@ class ResultsFile:
         self.counts["completed" if succeeded(result) else "failed"] += 1
 
     def append(self, result: dict) -> None:
-        if self._file is None:
+        if self._file is None:  # 0600: a batch job's results are its key's alone (`run-batch` keeps the same)
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")
+            self._file = append_private(self.path)
         self._file.write(json.dumps(result, ensure_ascii=False).encode() + b"\n")
         self._file.flush()
         self._count(result)

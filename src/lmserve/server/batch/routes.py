@@ -21,7 +21,8 @@ from lmserve.server.errors import APIError
 from lmserve.server.api.openai import BATCH_ENDPOINTS
 from lmserve.server.protocol import BatchCreateRequest, parse_body
 from lmserve.server.router import Router
-from lmserve.server.state import key_name_of, state_of
+from lmserve.server.quotas import QuotaExceeded
+from lmserve.server.state import key_name_of, quota_of, state_of
 
 router = Router()
 MAX_LIST = 100  # jobs per page of GET /v1/batches
@@ -35,7 +36,11 @@ async def upload_file(request: Request) -> dict:
         raise APIError(400, f"purpose must be 'batch' (the only kind of file this server uses), got {purpose[:40]!r}",
                        param="purpose")
     data = await file.read()
-    stored = await asyncio.to_thread(store.add_file, data, file.filename or "upload.jsonl", purpose, owner)
+    try:
+        stored = await asyncio.to_thread(store.add_file, data, file.filename or "upload.jsonl", purpose, owner,
+                                         quota_of(request))
+    except QuotaExceeded as e:
+        raise APIError(400, str(e), param="file", code="quota_exceeded") from None
     return stored.to_openai()
 
 

@@ -8,20 +8,25 @@ Every object is rewritten whole through a temporary file and os.replace, so a ki
 new version, never half of one. A job's results are appended to its output and error files' content
 from the start (ids chosen at creation); their file objects are written only when the job ends, which
 is what makes them visible. Directories are created on the first write: a server that never sees a
-batch leaves nothing behind.
+batch leaves nothing behind. Everything is private to the server's user: files 0600 (written through
+unpredictable O_EXCL | O_NOFOLLOW temporary names), directories 0700 (utils.private_dir). A key's files (its
+uploads and its jobs' results) count against its StorageQuota (files, file_bytes): past it an upload is refused.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmserve.utils import write_atomically
+from lmserve.server.quotas import StorageQuota, check_room
+from lmserve.utils import lmserve_dirs, private_dir, write_private
 
 _ID = re.compile(r"^(file-|batch_)[0-9a-f]{32}$")  # ids name files on disk: nothing else may reach a path
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -89,6 +94,8 @@ class BatchStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.files_dir, self.jobs_dir = self.root / "files", self.root / "batches"
+        self._lock = threading.Lock()  # the usage index, and an upload's check with its write
+        self._usage: dict[str, list[int]] | None = None  # owner -> [files, bytes], counted on first use
 
     @staticmethod
     def new_id(prefix: str) -> str:
@@ -97,14 +104,48 @@ class BatchStore:
     def content_path(self, file_id: str) -> Path:
         return self.files_dir / f"{file_id}.jsonl"
 
-    def add_file(self, data: bytes, filename: str, purpose: str, owner: str) -> StoredFile:
+    def private(self, directory: Path) -> Path:
+        """`directory` (files_dir or jobs_dir) made 0700 under a root that is checked (and lmserve's default one
+        tightened) first; PermissionError for a root every user may write."""
+        private_dir(self.root, own=self.root in lmserve_dirs())
+        return private_dir(directory, own=True)
+
+    def add_file(self, data: bytes, filename: str, purpose: str, owner: str,
+                 quota: StorageQuota | None = None) -> StoredFile:
+        """Store an upload; QuotaExceeded when it would take the owner past `quota` (None: no limit)."""
         f = StoredFile(self.new_id("file-"), len(data), int(time.time()), filename[:255], purpose, owner)
-        write_atomically(self.content_path(f.id), data)
-        self.save_file(f)
+        with self._lock:
+            if quota is not None:
+                held, held_bytes = self._owner_usage(owner)
+                check_room("files", held, held_bytes, len(data), quota.files, quota.file_bytes)
+            self.private(self.files_dir)
+            write_private(self.content_path(f.id), data)
+            self._save_file(f)
         return f
 
     def save_file(self, f: StoredFile) -> None:
-        write_atomically(self.files_dir / f"{f.id}.json", json.dumps(asdict(f)).encode())
+        """Write a file object (a job's results, made visible when it ends); counted against its owner."""
+        with self._lock:
+            self._save_file(f)
+
+    def _save_file(self, f: StoredFile) -> None:
+        path = self.private(self.files_dir) / f"{f.id}.json"
+        new = not path.exists()
+        write_private(path, json.dumps(asdict(f)).encode())
+        if new and self._usage is not None:
+            self._usage[f.owner][0] += 1
+            self._usage[f.owner][1] += f.bytes
+
+    def _owner_usage(self, owner: str) -> tuple[int, int]:
+        if self._usage is None:  # once per process: every file object read (they are small)
+            self._usage = defaultdict(lambda: [0, 0])
+            for path in self.files_dir.glob("file-*.json") if self.files_dir.is_dir() else ():
+                data = _read(self.files_dir, path.stem)
+                if isinstance(data, dict) and isinstance(data.get("owner"), str):
+                    self._usage[data["owner"]][0] += 1
+                    self._usage[data["owner"]][1] += int(data.get("bytes") or 0)
+        held = self._usage.get(owner, (0, 0))
+        return held[0], held[1]
 
     def get_file(self, file_id: str, owner: str) -> StoredFile | None:
         data = _read(self.files_dir, file_id)
@@ -112,11 +153,16 @@ class BatchStore:
         return f if f is not None and f.owner == owner else None
 
     def delete_file(self, f: StoredFile) -> None:
-        for path in (self.files_dir / f"{f.id}.json", self.content_path(f.id)):
-            path.unlink(missing_ok=True)
+        with self._lock:
+            meta = self.files_dir / f"{f.id}.json"
+            if meta.exists() and self._usage is not None:
+                self._usage[f.owner][0] -= 1
+                self._usage[f.owner][1] -= f.bytes
+            for path in (meta, self.content_path(f.id)):
+                path.unlink(missing_ok=True)
 
     def save_job(self, job: BatchJob) -> None:
-        write_atomically(self.jobs_dir / f"{job.id}.json", json.dumps(asdict(job)).encode())
+        write_private(self.private(self.jobs_dir) / f"{job.id}.json", json.dumps(asdict(job)).encode())
 
     def get_job(self, job_id: str, owner: str | None) -> BatchJob | None:
         """The job, if `owner` may see it (None: any owner; the runner's own reads)."""

@@ -20,10 +20,11 @@ from starlette.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.server.errors import APIError
-from lmserve.server.playground.store import ShareStore, ShareSummary, StoreFull
+from lmserve.server.playground.store import ShareStore, ShareSummary
+from lmserve.server.quotas import QuotaExceeded
 from lmserve.server.protocol import parse_body
 from lmserve.server.router import Router
-from lmserve.server.state import key_name_of, state_of
+from lmserve.server.state import key_name_of, quota_of, state_of
 
 router = Router()
 log = logging.getLogger("lmserve.server")
@@ -148,9 +149,10 @@ async def create_share(request: Request) -> dict:
     req = parse_body(raw, ShareRequest)
     body = req.model_dump(mode="json", exclude={"title"})
     try:
-        share = await _run(store.create, key_name_of(request), req.title or _title(req.prompt), req.mode, body)
-    except StoreFull as e:
-        raise APIError(400, str(e), code="store_full") from None
+        share = await _run(store.create, key_name_of(request), req.title or _title(req.prompt), req.mode, body,
+                           quota_of(request))
+    except QuotaExceeded as e:
+        raise APIError(400, str(e), code="quota_exceeded") from None
     return _summary(share)
 
 

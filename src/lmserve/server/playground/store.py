@@ -3,7 +3,8 @@
 A share is a JSON document (prompt, parameters, output with its token logprobs) under a random id of
 128 bits: the id is the permalink's capability, so any caller with a valid API key may read a share whose
 id it has been given. Listing and deleting are limited to the shares saved under the caller's API key
-*name* ("anonymous" on a server without keys); the key itself is never stored.
+*name* ("anonymous" on a server without keys); the key itself is never stored. How many shares, and how many
+bytes of them, a key may keep is its StorageQuota's (shares, share_bytes); past it a new share is refused.
 
 Calls are blocking and short: routes run them with asyncio.to_thread, one at a time through a lock.
 """
@@ -18,14 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmserve.server.quotas import StorageQuota, check_room
 from lmserve.utils import open_sqlite, user_data_dir
 
-MAX_SHARES_PER_OWNER = 10_000  # with MAX_SHARE_BYTES per share: a key fills at most ~10 GB, not the disk
 LIST_LIMIT = 200  # newest first
-
-
-class StoreFull(Exception):
-    """The owner already has MAX_SHARES_PER_OWNER shares."""
 
 
 @dataclass(frozen=True)
@@ -59,15 +56,17 @@ class ShareStore:
             "mode TEXT NOT NULL, created REAL NOT NULL, body TEXT NOT NULL)",
             "CREATE INDEX IF NOT EXISTS by_owner ON shares (owner, created)"))
 
-    def create(self, owner: str, title: str, mode: str, body: dict[str, Any]) -> ShareSummary:
-        """Save `body` (plain JSON data) under a new id; StoreFull past the owner's limit."""
+    def create(self, owner: str, title: str, mode: str, body: dict[str, Any], quota: StorageQuota) -> ShareSummary:
+        """Save `body` (plain JSON data) under a new id; QuotaExceeded past the owner's quota."""
         share = ShareSummary(new_share_id(), title, mode, time.time())
+        text = json.dumps(body, ensure_ascii=False)
+        size = len(text.encode()) + len(title.encode())
         with self._lock:
-            (count,) = self._db.execute("SELECT COUNT(*) FROM shares WHERE owner = ?", (owner,)).fetchone()
-            if count >= MAX_SHARES_PER_OWNER:
-                raise StoreFull(f"at most {MAX_SHARES_PER_OWNER} saved shares per API key; delete some first")
+            count, held = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(CAST(body AS BLOB)) + LENGTH(CAST("
+                                           "title AS BLOB))), 0) FROM shares WHERE owner = ?", (owner,)).fetchone()
+            check_room("shares", count, held, size, quota.shares, quota.share_bytes)
             self._db.execute("INSERT INTO shares (id, owner, title, mode, created, body) VALUES (?, ?, ?, ?, ?, ?)",
-                             (share.id, owner, title, mode, share.created, json.dumps(body, ensure_ascii=False)))
+                             (share.id, owner, title, mode, share.created, text))
             self._db.commit()
         return share
 
