@@ -1,7 +1,7 @@
 """Malformed files never crash a loader (issue 47, finding 8: six of the probe's 62 files gave tracebacks, one an
 HTTP 500). A seeded generator mutates small valid files made here (a GGUF model with its vocabulary, a Hugging Face
 directory, a PEFT adapter): truncation, bit flips in headers, wrong types, zero/negative/huge counts and offsets,
-deep nesting, wrong dtypes, offsets past the end: about 400 cases (177 GGUF, 151 for a Hugging Face directory, 74
+deep nesting, wrong dtypes, offsets past the end: about 400 cases (177 GGUF, 153 for a Hugging Face directory, 75
 adapters). Each case goes to the loaders in this process under a per-case timeout and must load, or be refused
 with the project's error (CheckpointError; AdapterError for an adapter) in one line naming the file; any other
 exception, or a case past its timeout, fails. Then bad adapters go through the real server's load route as a key
@@ -279,6 +279,9 @@ def json_file_cases(filename: str, valid: bytes, rng: random.Random) -> list[Cas
     truncated, bits flipped anywhere."""
     cases = [(f"{filename} nested {d} deep", filename, bf.nested_into(valid.decode(), d).encode())
              for d in (bf.ISSUE_NESTING, 64, 62)]  # 62 deep in the object: 63 levels, inside the bound
+    # UTF-16 (json.loads reads it): U+4E22's bytes hold a quote's, which a byte scan would take for a string's end
+    hidden = '{"z": "\u4e22", "nested": ' + bf.nested_json(bf.ISSUE_NESTING) + "}"
+    cases.append((f"{filename} nested deep in UTF-16", filename, hidden.encode("utf-16-le")))
     cases += [(f"{filename} = {raw!r}", filename, raw) for raw in (b"[]", b"null", b"", b"{", b"\xff\xfe\x00garbage")]
     cases += truncations(filename, filename, valid, rng, 4)
     cases += bit_flips(filename, filename, valid, rng, 4, len(valid))

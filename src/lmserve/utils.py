@@ -177,7 +177,17 @@ def json_depth(raw: bytes) -> int:
 
 def nests_deeper(raw: bytes, limit: int = MAX_JSON_FILE_DEPTH) -> bool:
     """Whether arrays and objects in JSON text nest more than `limit` deep (no scan where there are fewer brackets)."""
-    return raw.count(b"[") + raw.count(b"{") > limit and json_depth(raw) > limit
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # every bracket holds one of these bytes, in any encoding
+        return False
+    import json
+
+    encoding = json.detect_encoding(raw)  # as json.loads reads bytes
+    if not encoding.startswith("utf-8"):  # UTF-16/32: a character's bytes may include a quote's (U+4E22: 22 4E)
+        try:
+            raw = raw.decode(encoding).encode("utf-8", "surrogatepass")
+        except UnicodeError:
+            return False  # json.loads refuses it before it parses anything
+    return json_depth(raw) > limit
 
 
 def load_json_bytes(raw: bytes, max_depth: int = MAX_JSON_FILE_DEPTH) -> Any:
