@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from lmserve.server.errors import APIError
 from lmserve.server.api.params import chat_params
 from lmserve.server.config import TokenLimits
 from lmserve.server.protocol import ChatRequest
+from tests import bad_files as bf
 from tests.conftest import write_tiny_llama
 from tests.server_util import running_server
 
@@ -183,3 +185,44 @@ def test_token_limits_resolve_as_documented():
                     both)
     chat = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}])
     assert chat_params(chat).max_tokens is None and chat_params(chat, both).max_tokens == 100
+
+
+# -- the malformed files of issue 47's probe (finding 8): each was a traceback; tests/test_file_fuzz.py fuzzes more
+
+def _bad_gguf(key: str, value: tuple) -> Callable[[Path, Path], list[str]]:
+    return lambda t, tiny: ["--model", str(bf.write_tiny_gguf(t / "bad.gguf", lambda m: m.update({key: value})))]
+
+
+def _nested_in(filename: str) -> Callable[[Path, Path], list[str]]:
+    def make(t: Path, tiny: Path) -> list[str]:
+        shutil.copytree(tiny, t / "model")
+        bf.with_nested_field(t / "model" / filename)
+        return ["--model", str(t / "model")]
+    return make
+
+
+def _nested_adapter(t: Path, tiny: Path) -> list[str]:
+    from lmserve.loader import read_model_config
+    from tests.lora_adapters import write_random_adapter
+
+    adapter = write_random_adapter(t / "adapter", read_model_config(tiny), rank=4, target_modules=("q_proj",))
+    bf.with_nested_field(adapter / "adapter_config.json")
+    return ["--model", str(tiny), "--enable-lora", "--lora-modules", f"a={adapter}"]
+
+
+MALFORMED = [
+    ("gguf-alignment-zero", _bad_gguf("general.alignment", (bf.U32, 0)), ["bad.gguf", "general.alignment"]),
+    ("gguf-alignment-string", _bad_gguf("general.alignment", (bf.STR, "32")), ["bad.gguf", "general.alignment"]),
+    ("gguf-alignment-three", _bad_gguf("general.alignment", (bf.U32, 3)), ["bad.gguf", "power of two"]),
+    ("gguf-head-count-zero", _bad_gguf("llama.attention.head_count", (bf.U32, 0)),
+     ["bad.gguf", "llama.attention.head_count", "got 0"]),
+    ("gguf-nested-arrays", _bad_gguf("deep", bf.nested_gguf_array(bf.ISSUE_NESTING)), ["bad.gguf", "'deep'", "nested"]),
+    ("nested-config", _nested_in("config.json"), ["config.json", "nested more than 64 levels"]),
+    ("nested-tokenizer", _nested_in("tokenizer.json"), ["tokenizer.json", "nested more than 64 levels"]),
+    ("nested-adapter-config", _nested_adapter, ["--lora-modules a", "adapter_config.json", "nested more than 64"]),
+]
+
+
+@pytest.mark.parametrize("make_args,words", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
+def test_serve_refuses_the_probes_malformed_files_in_one_line(tiny, tmp_path, make_args, words):
+    assert_one_line_error(lmserve("serve", *make_args(tmp_path, tiny)), *words)

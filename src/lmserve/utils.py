@@ -9,7 +9,7 @@ import secrets
 import sqlite3
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import psutil
 import torch
@@ -279,14 +279,63 @@ def open_sqlite(path: Path, schema: tuple[str, ...], timeout: float = 2.0) -> sq
     return db
 
 
-def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold an object; ValueError saying what is wrong (callers add the file's role)."""
+# How deep arrays and objects may nest in a JSON file the server reads (a checkpoint's config.json, tokenizer.json, an
+# adapter's config): real ones nest under 10 levels. json.loads recurses once per level, so a file nested 200,000 deep
+# is a RecursionError; Hugging Face `tokenizers` stops at 128.
+MAX_JSON_FILE_DEPTH = 64
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in JSON text, counted over its brackets outside strings without parsing (and
+    without recursing: the text may nest as deep as it is long). Exact for valid JSON; for invalid JSON it is exact
+    up to the first error, which is as far as a parser reads."""
+    import numpy as np
+
+    # inside a string a backslash starts a two-byte escape: drop `\\` pairs, then escaped quotes, so every `"` left
+    # opens or closes a string (a backslash run starts at an escape's boundary, so pairing left to right is exact)
+    b = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    quotes = np.flatnonzero(b == 0x22)
+    brackets = np.flatnonzero((b == 0x5B) | (b == 0x7B) | (b == 0x5D) | (b == 0x7D))
+    outside = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # an even number of quotes before: not in a string
+    if outside.size == 0:
+        return 0
+    steps = np.where((b[outside] == 0x5B) | (b[outside] == 0x7B), 1, -1)
+    return max(int(np.cumsum(steps).max()), 0)
+
+
+def nests_deeper(raw: bytes, limit: int = MAX_JSON_FILE_DEPTH) -> bool:
+    """Whether arrays and objects in JSON text nest more than `limit` deep (no scan where there are fewer brackets)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # every bracket holds one of these bytes, in any encoding
+        return False
     import json
 
+    encoding = json.detect_encoding(raw)  # as json.loads reads bytes
+    if not encoding.startswith("utf-8"):  # UTF-16/32: a character's bytes may include a quote's (U+4E22: 22 4E)
+        try:
+            raw = raw.decode(encoding).encode("utf-8", "surrogatepass")
+        except UnicodeError:
+            return False  # json.loads refuses it before it parses anything
+    return json_depth(raw) > limit
+
+
+def load_json_bytes(raw: bytes, max_depth: int = MAX_JSON_FILE_DEPTH) -> Any:
+    """JSON text parsed, its nesting checked first (`json_depth`); ValueError saying what is wrong."""
+    import json
+
+    if nests_deeper(raw, max_depth):
+        raise ValueError(f"nested more than {max_depth} levels deep")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not valid JSON ({e})") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; ValueError saying what is wrong (callers add the file's role)."""
+    try:
+        data = load_json_bytes(path.read_bytes())
+    except OSError as e:
+        raise ValueError(f"cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise ValueError("expected a JSON object")
     return data

@@ -63,7 +63,8 @@ class LoadedModel:
             return self.prequant.summary
         if self.gguf is None or "general.file_type" not in self.gguf.metadata:
             return "none"
-        return FILE_TYPES.get(int(self.gguf.metadata["general.file_type"]), "unknown")
+        file_type = self.gguf.metadata["general.file_type"]  # a malformed file may hold any type here
+        return FILE_TYPES.get(file_type, "unknown") if type(file_type) is int else "unknown"
 
     @property
     def weight_format(self) -> str:

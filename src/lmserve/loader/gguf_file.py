@@ -9,6 +9,7 @@ corrupt file raises CheckpointError instead of reading garbage. The parsed heade
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 import threading
@@ -26,6 +27,10 @@ _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.i
        10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
 MAX_DIMS = 4
+# Arrays of arrays may nest this deep (llama.cpp reads none; the `gguf` package writes them): the reader recurses
+# once per level, and a file nesting them 200,000 deep was a RecursionError.
+MAX_ARRAY_DEPTH = 8
+MAX_ALIGNMENT = 1 << 20  # general.alignment: llama.cpp writes 32; a larger power of two is legal, up to this
 # ggml's tensor types: id -> (name, weights per block, bytes per block), as the `gguf` package's GGML_QUANT_SIZES has
 # them (tests/test_gguf_linear.py compares the two). Held here so that a start imports no `gguf` (0.1-0.15 CPU s:
 # its enums and its YAML metadata reader); only dequantizing a quantized tensor to float needs it.
@@ -111,7 +116,7 @@ class _Cursor:
             for _ in range(count):  # each string's length field; the loop stays minimal: it runs 100k times
                 mark(pos)
                 pos += 8 + length_at(self.buf, pos)[0]
-        except struct.error:  # a length field past the end of the file
+        except (struct.error, OverflowError):  # a length field past the end of the file (or past any offset)
             pos = len(self.buf) + 1
         if pos > len(self.buf):  # a string or a length field reaches past the end
             raise CheckpointError(f"{self.path}: truncated or corrupt GGUF header (read past end at byte {pos})")
@@ -119,22 +124,26 @@ class _Cursor:
         out = joined_strings(self.buf, starts, pos)
         return out if out is not None else strings_one_by_one(self.buf, starts, pos)
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
+        """One metadata value of type `vtype` (of the key `key`, for errors); `depth`: the arrays it is inside."""
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise CheckpointError(f"{self.path}: GGUF metadata {key[:80]!r}: arrays nested more than "
+                                      f"{MAX_ARRAY_DEPTH} deep")
             item_type, count = self.scalar("<I"), self.scalar("<Q")
             if item_type in _NP:
                 dtype = np.dtype(_NP[item_type])
                 return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).copy()
             if count > len(self.buf):  # every element takes at least one byte
-                raise CheckpointError(f"{self.path}: corrupt GGUF array length {count}")
+                raise CheckpointError(f"{self.path}: GGUF metadata {key[:80]!r}: corrupt array length {count}")
             if item_type == _STRING:
                 return self.strings(count)
-            return [self.value(item_type) for _ in range(count)]
-        raise CheckpointError(f"{self.path}: unknown GGUF value type {vtype}")
+            return [self.value(item_type, key, depth + 1) for _ in range(count)]
+        raise CheckpointError(f"{self.path}: GGUF metadata {key[:80]!r}: unknown value type {vtype}")
 
 
 _LENGTH = struct.Struct("<Q")  # a GGUF string's length field
@@ -239,10 +248,20 @@ def parse_header(buf: memoryview, path: Path) -> Header:
     metadata = {}
     for _ in range(n_kv):
         key = cur.string()
-        metadata[key] = cur.value(cur.scalar("<I"))
+        metadata[key] = cur.value(cur.scalar("<I"), key)
     infos = [_tensor_info(cur) for _ in range(n_tensors)]
-    alignment = int(metadata.get("general.alignment", 32))
+    alignment = _alignment(metadata.get("general.alignment", 32), path)
     return metadata, infos, -(-cur.pos // alignment) * alignment
+
+
+def _alignment(value: Any, path: Path) -> int:
+    """general.alignment, checked: an integer power of two (llama.cpp asserts the same); tensor data starts at a
+    multiple of it, so 0 divided by zero and a string had no meaning."""
+    if type(value) is not int or not 0 < value <= MAX_ALIGNMENT or value & (value - 1):
+        shown = repr(value)[:40] if isinstance(value, (int, float, str)) else f"a {type(value).__name__}"
+        raise CheckpointError(f"{path}: GGUF metadata 'general.alignment' must be an integer power of two up to "
+                              f"{MAX_ALIGNMENT}, got {shown}")
+    return value
 
 
 def _plain(header: Header) -> Header:
@@ -287,10 +306,9 @@ def _map_tensor(arr: np.ndarray, start: int, info: tuple, path: Path) -> GGUFTen
     if ggml_type not in GGML_TYPES:
         raise CheckpointError(f"{path}: tensor {name!r} has unknown type {ggml_type}")
     _, block, type_size = GGML_TYPES[ggml_type]
-    count = int(np.prod(dims, dtype=np.int64))
     if dims[0] % block:
         raise CheckpointError(f"{path}: tensor {name!r} row length {dims[0]} is not a multiple of {block}")
-    nbytes = count // block * type_size
+    nbytes = math.prod(dims) // block * type_size  # Python ints: 2**64-sized dimensions cannot wrap around
     begin = start + offset
     if begin + nbytes > arr.shape[0]:
         raise CheckpointError(f"{path}: tensor {name!r} extends past the end of the file (truncated?)")

@@ -6,6 +6,7 @@ precedence, and its `checkpoint_tensors` hook then sees HF names as from a safet
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -67,6 +68,8 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"{f.path}: no 2-D token_embd.weight tensor")
     vocab = int(embd.shape[0])
     tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and not isinstance(tokens, (list, np.ndarray)):
+        raise CheckpointError(f"{f.path}: GGUF metadata 'tokenizer.ggml.tokens' must be an array")
     if tokens is not None and len(tokens) != vocab:
         raise CheckpointError(f"{f.path}: tokenizer has {len(tokens)} tokens but token_embd.weight has {vocab} rows")
     tensors = {t.name: t for t in f.tensors}
@@ -137,7 +140,9 @@ def _dequantize(t: GGUFTensor, path: Path) -> torch.Tensor:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+        rows = math.prod(t.shape[:-1])
+        if t.data.size == 0:  # a zero dimension: nothing to dequantize (a reshape to (0, -1) cannot be made)
+            return torch.zeros(t.shape)
         try:
             arr = dequantize(t.data.reshape(rows, -1), GGMLQuantizationType(t.ggml_type))
         except NotImplementedError:

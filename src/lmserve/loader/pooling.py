@@ -8,11 +8,11 @@ vLLM's pooler override does); without either, last-token pooling (vLLM's default
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lmserve.errors import CheckpointError
 from lmserve.pooling_params import DEFAULT_POOLING, PoolerConfig
+from lmserve.utils import load_json_bytes
 
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
@@ -28,11 +28,11 @@ def pooler_config(model_path: Path, flag: str | None) -> PoolerConfig:
     if not modules.is_file():
         return PoolerConfig(DEFAULT_POOLING, "default")
     try:
-        entries = json.loads(modules.read_text())
+        entries = load_json_bytes(modules.read_bytes())
         folder = next((m.get("path", "") for m in entries if m.get("type") == _ST_POOLING), None)
         if folder is None:
             return PoolerConfig(DEFAULT_POOLING, "default (modules.json has no Pooling module)")
-        cfg = json.loads((root / folder / "config.json").read_text())
+        cfg = load_json_bytes((root / folder / "config.json").read_bytes())
     except (OSError, ValueError, AttributeError, TypeError) as e:
         raise CheckpointError(f"{modules}: cannot read the sentence-transformers pooling config ({e})") from None
     return PoolerConfig(_method(cfg, root / folder / "config.json"), f"{folder}/config.json")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -11,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from lmserve.errors import CheckpointError
 from lmserve.loader.sharding import TPShard, shard_bounds
-from lmserve.utils import read_json_object
+from lmserve.utils import load_json_bytes, read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -48,9 +47,11 @@ def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 def _read_index(index: Path) -> dict[str, str]:
     try:
-        data = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        data = load_json_bytes(index.read_bytes())
+    except OSError as e:
+        raise CheckpointError(f"{index}: cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{index}: {e}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):

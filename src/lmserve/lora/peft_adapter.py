@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from lmserve.models.config import ModelConfig
+from lmserve.utils import MAX_JSON_FILE_DEPTH, nests_deeper
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,8 @@ def read_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str, m
         rank, alpha = _rank_alpha(config, key)
         _check_shapes(key, a, b, layer, proj, rank, cfg)
         if rank > max_rank:
-            raise AdapterError(f"adapter {files.shown}: rank {rank} of {key} is above the maximum LoRA rank "
-                               f"{max_rank} (raise --max-lora-rank)")
+            raise AdapterError(f"adapter {files.shown}: rank {rank} of {key} ({CONFIG_FILE}) is above the maximum "
+                               f"LoRA rank {max_rank} (raise --max-lora-rank)")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         modules[(layer, proj)] = LoraModule(a=a, b=b, scaling=float(scale))
     if not modules:
@@ -183,8 +184,11 @@ def _read_config(files: AdapterFiles) -> dict[str, Any]:
         raise AdapterError(f"adapter {shown}: not a directory (expected a PEFT adapter directory with {CONFIG_FILE})")
     if not (files.dir / CONFIG_FILE).is_file():
         raise AdapterError(f"adapter {shown}: {CONFIG_FILE} is missing")
+    raw = files.read(CONFIG_FILE)
+    if nests_deeper(raw):  # json.loads recurses per level: 200,000 levels were a RecursionError
+        raise AdapterError(f"{where} is nested more than {MAX_JSON_FILE_DEPTH} levels deep")
     try:
-        config = json.loads(files.read(CONFIG_FILE))
+        config = json.loads(raw)
     except json.JSONDecodeError as e:
         raise AdapterError(f"{where} is not valid JSON (line {e.lineno}, column {e.colno})") from None
     except UnicodeDecodeError:
@@ -199,9 +203,11 @@ def _read_config(files: AdapterFiles) -> dict[str, Any]:
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{where}: this bias is not supported (only 'none')")
     _check_targets(where, config.get("target_modules"))
+    for field in ("rank_pattern", "alpha_pattern"):
+        _check_patterns(where, field, config.get(field))
     for field in ("r", "lora_alpha"):
         value = config.get(field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise AdapterError(f"{where}: {field} must be a positive number")
     return config
 
@@ -216,6 +222,19 @@ def _check_targets(where: str, targets: Any) -> None:
             raise AdapterError(f"{where}: LoRA on {leaf} (embedding/LM head) is not supported")
         if leaf not in PROJECTIONS:
             raise AdapterError(f"{where}: target_modules[{i}] is not supported (supported: {', '.join(PROJECTIONS)})")
+
+
+def _check_patterns(where: str, field: str, patterns: Any) -> None:
+    """rank_pattern / alpha_pattern: an object of regular expressions (PEFT matches them against module names)."""
+    if patterns is None:
+        return
+    if not isinstance(patterns, dict):
+        raise AdapterError(f"{where}: {field} must be an object of pattern -> value")
+    for i, pattern in enumerate(patterns):
+        try:
+            re.compile(rf"(.*\.)?({pattern})$")  # as _pattern_value matches it
+        except (re.error, RecursionError, OverflowError):  # sre's parser recurses per nested group
+            raise AdapterError(f"{where}: {field} key {i} is not a valid regular expression") from None
 
 
 def _read_tensors(files: AdapterFiles) -> dict[str, torch.Tensor]:
@@ -253,7 +272,8 @@ def _group_pairs(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], t
     for (layer, proj), pair in halves.items():
         if len(pair) != 2:
             missing = "lora_B" if "A" in pair else "lora_A"
-            raise AdapterError(f"adapter: model.layers.{layer}.{PROJECTIONS[proj]}.{proj} has no {missing}.weight")
+            raise AdapterError(f"adapter {WEIGHTS_FILE}: model.layers.{layer}.{PROJECTIONS[proj]}.{proj} has no "
+                              f"{missing}.weight")
     return {k: (v["A"], v["B"]) for k, v in halves.items()}
 
 
@@ -280,9 +300,9 @@ def _rank_alpha(config: Mapping[str, Any], key: str) -> tuple[int, float]:
     rank = _pattern_value(config.get("rank_pattern") or {}, key, config["r"])
     alpha = _pattern_value(config.get("alpha_pattern") or {}, key, config["lora_alpha"])
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise AdapterError(f"adapter: rank of {key} (rank_pattern) must be a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise AdapterError(f"adapter: lora_alpha of {key} (alpha_pattern) must be a positive number")
+        raise AdapterError(f"adapter {CONFIG_FILE}: rank of {key} (r, rank_pattern) must be a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+        raise AdapterError(f"adapter {CONFIG_FILE}: lora_alpha of {key} (alpha_pattern) must be a positive number")
     return rank, float(alpha)
 
 
@@ -298,13 +318,14 @@ def _check_shapes(key: str, a: torch.Tensor, b: torch.Tensor, layer: int, proj: 
                   cfg: ModelConfig) -> None:
     """Both tensors' shapes against the base model; the message names the tensor and both shapes."""
     if layer >= cfg.num_layers:
-        raise AdapterError(f"adapter tensor {key}.lora_A.weight: layer {layer} does not exist "
+        raise AdapterError(f"adapter {WEIGHTS_FILE}: tensor {key}.lora_A.weight: layer {layer} does not exist "
                            f"(the base model has {cfg.num_layers} layers)")
     if PROJECTIONS[proj] == "mlp" and cfg.is_moe_layer(layer):
-        raise AdapterError(f"adapter tensor {key}.lora_A.weight: layer {layer} is a mixture of experts; LoRA on "
-                           "experts is not supported (target the attention projections)")
+        raise AdapterError(f"adapter {WEIGHTS_FILE}: tensor {key}.lora_A.weight: layer {layer} is a mixture of "
+                           "experts; LoRA on experts is not supported (target the attention projections)")
     want_a, want_b = expected_shapes(proj, rank, cfg)
     for half, t, want in (("lora_A", a, want_a), ("lora_B", b, want_b)):
         if tuple(t.shape) != want:
-            raise AdapterError(f"adapter tensor {key}.{half}.weight has shape {list(t.shape)}, but the base model "
-                               f"needs {list(want)} (an adapter for another base model, or a wrong rank)")
+            raise AdapterError(f"adapter {WEIGHTS_FILE}: tensor {key}.{half}.weight has shape {list(t.shape)}, but "
+                               f"the base model needs {list(want)} (an adapter for another base model, or a wrong "
+                               "rank)")

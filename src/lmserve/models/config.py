@@ -16,6 +16,7 @@ from lmserve.errors import CheckpointError
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "longrope", "yarn"}
 ACTIVATIONS = {"silu", "gelu_tanh", "swiglu_oai"}  # the gated MLP's activation: SwiGLU, GeGLU, gpt-oss's clamped SwiGLU
 LAYER_TYPES = {"full", "sliding"}
+MAX_SIZE = 10_000_000  # the largest count or width a config may give (layers, heads, vocabulary, context...)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0 or value > 10_000_000:
+            if not isinstance(value, int) or value <= 0 or value > MAX_SIZE:
                 raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from lmserve.errors import CheckpointError
-from lmserve.models.config import ModelConfig
+from lmserve.models.config import MAX_SIZE, ModelConfig
 from lmserve.models.family import Fields
 from lmserve.models.registry import HF_ARCHITECTURES
+from lmserve.models.rope import check_rope
 
 _HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
@@ -16,23 +17,27 @@ _HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 def config_from_hf(raw: Mapping[str, Any]) -> ModelConfig:
     """Normalise a config.json dict; a CheckpointError names what is unsupported or missing."""
     archs = raw.get("architectures") or []
-    name = next((a for a in archs if a in HF_ARCHITECTURES), None)
+    archs = archs if isinstance(archs, list) else [archs]
+    name = next((a for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
     if name is None:
-        raise CheckpointError(f"config.json: architectures {archs} not supported "
+        raise CheckpointError(f"config.json: architectures {str(archs)[:200]} not supported "
                               f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
     family = HF_ARCHITECTURES[name]
     try:
         cfg = family.text_config(raw)
         fields = common_fields(cfg, name) | family.hf_fields(cfg)
-        return ModelConfig(**(fields | _layer_kinds(cfg, fields)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"config.json: missing or malformed field: {e}") from None
+        return check_rope(ModelConfig(**(fields | _layer_kinds(cfg, fields))))
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:  # a family's field of the wrong type or zero
+        raise CheckpointError(f"config.json: missing or malformed field: {str(e)[:200]}") from None
 
 
 def common_fields(cfg: Mapping[str, Any], name: str) -> Fields:
     """What every family's config.json says the same way."""
-    num_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
+    num_heads = _size(cfg, "num_attention_heads")  # checked before it divides (0 was a ZeroDivisionError)
+    hidden = _size(cfg, "hidden_size")
+    _size(cfg, "num_hidden_layers")  # the families' hooks loop over the layers: 10**12 of them would never end
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     theta, scaling, local_theta, partial = rope_fields(cfg)
     eos = cfg.get("eos_token_id")
@@ -48,6 +53,15 @@ def common_fields(cfg: Mapping[str, Any], name: str) -> Fields:
         mlp_bias=bool(cfg.get("mlp_bias", False)), bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
     )
+
+
+def _size(cfg: Mapping[str, Any], key: str) -> int:
+    """A count or width of config.json: an integer in 1..MAX_SIZE, else a CheckpointError naming the field."""
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+        shown = repr(value)[:40] if isinstance(value, (int, float, str)) else f"a JSON {type(value).__name__}"
+        raise CheckpointError(f"config.json: {key} must be an integer in 1..{MAX_SIZE}, got {shown}")
+    return value
 
 
 def rope_fields(cfg: Mapping[str, Any]) -> tuple[float, dict | None, float | None, float]:

@@ -160,7 +160,9 @@ class CausalLM(nn.Module):
         """Copy (hf_name, tensor, source_file) into parameters; every parameter must be filled exactly once."""
         params = dict(self.named_parameters())
         expected = self._expected_shards(params)
+        sources: dict[str, None] = {}  # the files read, in order: a missing tensor's message names them
         for name, tensor, source in weights:
+            sources[source] = None
             if "rotary_emb.inv_freq" in name:
                 continue  # recomputed from the config
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -174,7 +176,8 @@ class CausalLM(nn.Module):
             expected.discard((target, shard))
         if expected:
             missing = sorted({t for t, _ in expected})
-            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+            files = ", ".join(list(filter(None, sources))[:3]) or "checkpoint"
+            raise CheckpointError(f"{files}: missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
     def _target(self, name: str) -> tuple[str, int | None]:
         for frag, (fused, shard) in self.FUSED.items():

@@ -29,6 +29,21 @@ def rope_specs(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> Ro
     return specs
 
 
+def check_rope(cfg: ModelConfig) -> ModelConfig:
+    """`cfg`, once its rotary tables compute to finite numbers: a rope scaling with a field missing, of the wrong type,
+    zero or negative is a CheckpointError naming the scaling here (the config's check), not a crash at load."""
+    try:
+        specs = rope_specs(cfg)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        raise CheckpointError(f"config: rope scaling {cfg.rope_type!r}: missing or malformed field "
+                              f"({type(e).__name__}: {str(e)[:80]})") from None
+    if not all(bool(torch.isfinite(inv_freq).all()) and math.isfinite(factor) for inv_freq, factor in specs.values()):
+        raise CheckpointError(f"config: rope scaling {cfg.rope_type!r} gives frequencies that are not finite numbers")
+    return cfg
+
+
 def _longrope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """LongRoPE (Phi-3): per-frequency factors, short or long, and an attention factor on cos and sin.
 

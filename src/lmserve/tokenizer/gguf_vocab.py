@@ -23,6 +23,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from lmserve.errors import CheckpointError
 from lmserve.loader.start_cache import cached
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # GGUF token_type values (2 unknown, 5 unused, 6 byte)
@@ -119,13 +120,13 @@ def _reader_metadata(reader: Any) -> dict[str, Any]:
 
 
 def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
-    """The tokenizer a GGUF file describes; ValueError naming what is missing or unsupported."""
+    """The tokenizer a GGUF file describes; CheckpointError naming what is missing, malformed or unsupported."""
     kind = meta.get("tokenizer.ggml.model")
     if kind not in _BUILDERS:
-        raise ValueError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level "
+        raise CheckpointError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level "
                          "BPE, 'llama' SentencePiece); serve the model's Hugging Face directory instead")
     if "tokenizer.ggml.tokens" not in meta:
-        raise ValueError(f"{source}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
+        raise CheckpointError(f"{source}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
     # Python loops over the 50k-260k tokens are kept to C-level calls here: each loop was 5-10 ms of every start
     tokens = list(map(str, meta["tokenizer.ggml.tokens"]))
     kinds = np.asarray(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)), dtype=np.int64)[:len(tokens)]
@@ -178,12 +179,12 @@ def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int]
     name = meta.get("tokenizer.ggml.pre", "default")  # files from before the key existed: GPT-2's split
     pre = PRE_TOKENIZERS.get(name)
     if pre is None:
-        raise ValueError(f"{source}: GGUF pre-tokenizer {name!r} is not supported "
+        raise CheckpointError(f"{source}: GGUF pre-tokenizer {name!r} is not supported "
                          f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
     merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
     if not merges or any(len(m) != 2 for m in merges):
-        raise ValueError(f"{source}: GGUF byte-level BPE vocabulary has missing or malformed merges")
-    hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, fuse_unk=False, byte_fallback=False,
+        raise CheckpointError(f"{source}: GGUF byte-level BPE vocabulary has missing or malformed merges")
+    hf = HFTokenizer(_bpe(source, vocab=_vocab(tokens), merges=merges, fuse_unk=False, byte_fallback=False,
                                 ignore_merges=pre.ignore_merges))
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
     hf.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
@@ -197,10 +198,10 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[i
     """A SentencePiece-BPE tokenizer with byte fallback from pieces, scores and types."""
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
-        raise ValueError(f"{source}: GGUF SentencePiece vocabulary has no scores for its {len(tokens)} tokens")
+        raise CheckpointError(f"{source}: GGUF SentencePiece vocabulary has no scores for its {len(tokens)} tokens")
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
     merges = _cached_merges(source, lambda: merges_from_scores(tokens, scores, types))
-    hf = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges,
+    hf = HFTokenizer(_bpe(source, vocab=_vocab(tokens), merges=merges,
                                 unk_token=tokens[0 if unk is None else unk], fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     # A normalizer runs once per run of text between added tokens, so the prefix space also follows
@@ -220,7 +221,7 @@ def _gemma_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     vocab = _vocab(spelled)
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
     merges = _cached_merges(source, lambda: merges_by_position(spelled, vocab))
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
+    hf = HFTokenizer(_bpe(source, vocab=vocab, merges=merges, fuse_unk=True,
                                 unk_token=spelled[3 if unk is None else unk], byte_fallback=True))
     hf.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
@@ -276,6 +277,14 @@ def set_bos_eos(hf: HFTokenizer, bos: tuple[str, int] | None, eos: tuple[str, in
     hf.post_processor = processors.TemplateProcessing(
         single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}",
         special_tokens=[t for t in (bos, eos) if t is not None])
+
+
+def _bpe(source: str, **kwargs: Any) -> models.BPE:
+    """`models.BPE(**kwargs)`; `tokenizers` raises a plain Exception for a merge of pieces outside the vocabulary."""
+    try:
+        return models.BPE(**kwargs)
+    except Exception as e:  # noqa: BLE001 - the only type it raises
+        raise CheckpointError(f"{source}: the GGUF vocabulary cannot make a BPE model ({str(e)[:200]})") from None
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:

@@ -25,6 +25,7 @@ from tokenizers import AddedToken
 
 from lmserve.tokenizer import chat_template as ct
 from lmserve.errors import CheckpointError
+from lmserve.utils import MAX_JSON_FILE_DEPTH, load_json_bytes, nests_deeper
 from lmserve.tokenizer.gguf_vocab import build_from_gguf, gguf_metadata
 
 if TYPE_CHECKING:
@@ -75,7 +76,12 @@ class Tokenizer:
                   reader: "gguf.GGUFReader | Mapping[str, Any] | None" = None) -> "Tokenizer":
         """Build from a GGUF file's metadata; pass `reader` (a GGUFReader or parsed metadata) if already read."""
         meta = gguf_metadata(Path(path), reader)
-        vocab = build_from_gguf(meta, str(path))
+        try:
+            vocab = build_from_gguf(meta, str(path))
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:  # a key of the wrong type
+            raise CheckpointError(f"{path}: malformed GGUF tokenizer metadata ({str(e)[:200]})") from None
         template = meta.get("tokenizer.chat_template") or ct.built_in_template(str(meta.get("general.architecture", "")))
         return cls(vocab.hf, vocab.special_tokens, vocab.eos_token_ids, template)
 
@@ -83,8 +89,7 @@ class Tokenizer:
     def from_pretrained(cls, directory: str | os.PathLike) -> "Tokenizer":
         """Build from a Hugging Face directory: tokenizer.json, tokenizer_config.json, chat template, eos ids."""
         d = Path(directory)
-        check_tokenizer_file(d)
-        hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        hf = _hf_tokenizer(check_tokenizer_file(d), d / "tokenizer.json")
         # With a tokenizer.json, its post-processor decides BOS/EOS (transformers ignores add_bos_token then).
         cfg = {**_read_json(d / "special_tokens_map.json"), **_read_json(d / "tokenizer_config.json")}
         special = {name: _token_str(cfg.get(name)) for name in NAMED_TOKENS}
@@ -325,18 +330,44 @@ def _chat_template(d: Path, cfg: Mapping[str, Any]) -> str | None:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = load_json_bytes(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
     return data if isinstance(data, dict) else {}
+
+
+def _hf_tokenizer(raw: bytes, path: Path) -> HFTokenizer:
+    """tokenizer.json's bytes (nesting already checked) -> the `tokenizers` Tokenizer, once it encodes a word (a
+    WordLevel model without its unknown token, a template naming a token it lacks, fail only then); CheckpointError
+    naming the file."""
+    try:
+        hf = HFTokenizer.from_buffer(raw)
+        hf.encode("a b", add_special_tokens=True)
+        return hf
+    except BaseException as e:  # noqa: BLE001 - `tokenizers` raises plain Exception, and pyo3's PanicException (a
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":  # BaseException) where Rust panics
+            raise
+        raise CheckpointError(f"{path}: not a valid tokenizer file ({str(e)[:200]})") from None
 
 
 def _token_str(tok: Any) -> str | None:
     """tokenizer_config.json stores a special token as a string or as {"content": ...}."""
     if isinstance(tok, dict):
-        return tok.get("content")
+        tok = tok.get("content")
     return tok if isinstance(tok, str) else None
 
 
-def check_tokenizer_file(directory: Path) -> None:
-    """An HF directory must carry tokenizer.json (the preflight checks this before any weights load)."""
-    if not (directory / "tokenizer.json").is_file():
+def check_tokenizer_file(directory: Path) -> bytes:
+    """An HF directory's tokenizer.json, its bytes returned once its nesting is checked (the preflight checks this
+    before any weights load); CheckpointError naming the file."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
         raise CheckpointError(f"{directory}: no tokenizer.json (a fast tokenizer file is required)")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if nests_deeper(raw):
+        raise CheckpointError(f"{path}: nested more than {MAX_JSON_FILE_DEPTH} levels deep")
+    return raw
