@@ -163,9 +163,12 @@ class ModelState:
 
     async def admit_beams(self, prompts: list[str | list[int]], width: int, max_tokens: int, record: RequestRecord, *,
                           model: str | None, id_prefix: str) -> Admitted:
-        """The admission path of a beam search (server/api/openai.py drives it): tokenize -> adapter -> admit as
-        `width` completions of `max_tokens` per prompt; each step's beams then run through generate()."""
+        """The admission path of a beam search (server/api/openai.py drives it): rate -> byte bounds -> tokenize ->
+        adapter -> admit as `width` completions of `max_tokens` per prompt; each step's beams then run through
+        generate()."""
         self.charge(record)
+        params = SamplingParams(n=width, max_tokens=max_tokens, temperature=0.0)
+        await self._check_bounds(prompts, params, record)
         ids = [await self.tokenize(p, record) for p in prompts]
         lora = await self.lora_for(model, record)
         # Each step runs every beam as an engine request: the beams count against the queue as requests do.
@@ -174,7 +177,7 @@ class ModelState:
             raise APIError(400, f"{len(ids)} prompt(s) x {width} beams = {beams} beams, more than this server runs and "
                            f"queues at once ({limit}); send fewer prompts or a smaller best_of", param="best_of")
         self._check_room(beams)
-        limits = self.admit(ids, SamplingParams(n=width, max_tokens=max_tokens, temperature=0.0), record)
+        limits = self.admit(ids, params, record)
         record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         return Admitted(record.request_id, ids, limits, lora)
 
