@@ -258,7 +258,8 @@ _trimming: list[bool] = []  # a trim in progress: the next large request's trim 
 
 async def _trim_heap() -> None:
     """Give the free heap back to the system once a large request has ended, off the event loop (a trim walks
-    the heap: milliseconds). Measured: twenty rejected 4 MiB prompts left RSS 1 GB above its baseline without it."""
+    the heap: milliseconds). Measured: three /tokenize calls of 4 MiB left RSS at 0.89 GB (from 0.41) without it,
+    0.40 GB with it."""
     if _trimming:
         return
     _trimming.append(True)
