@@ -94,7 +94,7 @@ def test_4mib_prompts_in_a_row_are_refused_without_stalling_or_keeping_memory(se
     assert all("5 requests per minute" in m for m, s in zip(messages, statuses) if s == 429)
     assert server.metric("lmserve:key_rejections_total", 'key_name="big",reason="requests_per_minute"') \
         == statuses.count(429)
-    assert len(latencies) > 20 and max(latencies) <= 0.2, sorted(latencies)[-5:]
+    assert len(latencies) >= 10 and max(latencies) <= 0.2, sorted(latencies)[-5:]
     time.sleep(3)  # the heap is trimmed once large requests have stopped for a second (server/app.py HeapTrim)
     after = rss_mib(server.proc.pid)
     assert after <= 1.10 * baseline, (baseline, after)
