@@ -211,3 +211,27 @@ def test_unlimited_keys_send_no_rate_limit_headers_and_anonymous_is_the_name_wit
                                           (59.9996, "1m0s"), (360, "6m0s"), (86.4, "1m26.4s")])
 def test_reset_durations_read_like_openai(seconds, text):
     assert duration(seconds) == text
+
+
+def test_a_prompt_is_held_by_its_byte_bounds_before_tokenizing_and_settled_at_admission():
+    spec = parse_key_file("keys: [{name: a, key: k, requests_per_minute: 5, tokens_per_minute: 100}]", "f")
+    t = Tenants(tuple(spec), ServerMetrics("m"))
+    t.take_request("a")  # the middleware's, before the body is read
+    assert headers(t, "a")["x-ratelimit-remaining-requests"] == "4"
+    with pytest.raises(APIError, match="needs at least 101 by its prompt's bytes.*shorter prompt") as e:
+        t.hold(record("a"), 101, 500)  # even the fewest tokens it can be never fit: no Retry-After
+    assert e.value.headers == {}
+    held = record("a")
+    t.hold(held, 30, 500)  # the most it can be is more than is left: all of it is held while it tokenizes
+    assert int(headers(t, "a")["x-ratelimit-remaining-tokens"]) in (0, 1)
+    with pytest.raises(APIError, match="needs at least 10") as e:
+        t.hold(record("a"), 10, 10)  # a second prompt meanwhile waits for the first one's exact count
+    assert int(e.value.headers["Retry-After"]) >= 1
+    held.rate_charged = True
+    t.admit(held, 40)  # the exact count replaces what was held
+    assert int(headers(t, "a")["x-ratelimit-remaining-tokens"]) in (60, 61)
+    assert headers(t, "a")["x-ratelimit-remaining-requests"] == "4"  # its request was taken before work
+    refused = record("a")
+    t.hold(refused, 5, 20)
+    t.settle(refused)  # refused between hold and admission (its exact length): what it held comes back
+    assert int(headers(t, "a")["x-ratelimit-remaining-tokens"]) in (60, 61)

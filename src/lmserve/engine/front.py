@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from lmserve.engine.build import EngineParts
 from lmserve.engine.stats import EngineLoad
@@ -22,6 +22,15 @@ from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
 from lmserve.tokenizer import Tokenizer
+from lmserve.tokenizer.bounds import text_bytes
+from lmserve.tokenizer.tokenizer import RenderedChat
+
+
+class PromptBounds(NamedTuple):
+    """The fewest and most tokens a request's prompts can become, known from their bytes (tokenizer/bounds.py)."""
+
+    fewest: int
+    most: int
 
 
 class EngineFront:
@@ -61,6 +70,29 @@ class EngineFront:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise RequestRejected(f"prompt token id {t!r} is out of vocabulary (valid ids are 0..{vocab - 1})")
         return ids
+
+    def prompt_bounds(self, prompts: list[str | RenderedChat | list[int]], params: SamplingParams) -> PromptBounds:
+        """Bounds on the prompts' tokens from their UTF-8 length, without tokenizing them; RequestRejected when one
+        cannot fit the context even at its fewest. Blocking (the first call builds the tokenizer's bounds)."""
+        bounds, fewest, most = self.tokenizer.bounds, 0, 0
+        for p in prompts:
+            if isinstance(p, list):
+                lo = hi = len(p)
+            else:
+                nbytes = p.nbytes if isinstance(p, RenderedChat) else text_bytes(p)
+                lo, hi = bounds.lower(nbytes), bounds.upper(nbytes)
+                self._check_fewest(lo, nbytes, params)
+            fewest, most = fewest + lo, most + hi
+        return PromptBounds(fewest, most)
+
+    def _check_fewest(self, fewest: int, nbytes: int, params: SamplingParams) -> None:
+        """check_request's context checks for a prompt known to have at least `fewest` tokens."""
+        limit, what = self.max_model_len, f"prompt has at least {fewest} tokens ({nbytes} bytes)"
+        if fewest > limit or (fewest == limit and params.pooling is None):
+            raise RequestRejected(f"{what}, the model's context is {limit} tokens")
+        if params.pooling is None and params.max_tokens is not None and fewest + params.max_tokens > limit:
+            raise RequestRejected(f"{what} + max_tokens ({params.max_tokens}) exceeds the model's context of {limit} "
+                                  "tokens")
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """Raise RequestRejected when the request could never run; return its resolved max_tokens."""

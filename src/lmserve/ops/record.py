@@ -33,6 +33,7 @@ class RequestRecord:
     requested_model: str | None = None  # the name the client asked for when a --route picked `model` for it
     adapter: str | None = None
     key_name: str | None = None  # the API key's name from the key file (never the key); "anonymous" without keys
+    rate_charged: bool = False  # its request was taken from the key's rate bucket (server/tenants.py), before work
     params: dict[str, Any] = field(default_factory=dict)  # the request's parameters as sent (no prompt)
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]] as sent
     messages: list[dict[str, Any]] | None = None  # chat requests

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import lmserve
+from lmserve.utils import malloc_trim
 from lmserve.ops.record import RequestRecord
 from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, openai, responses, tgi
 from lmserve.server.access_log import AccessLog
@@ -25,13 +26,15 @@ from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.router import Router
 from lmserve.server.api.chat_plan import plan_chat
-from lmserve.server.state import (KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState, key_name_of,
-                                  read_request, release_leases, state_of)
+from lmserve.server.state import (CHARGED_KEY, KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState,
+                                  key_name_of, read_request, release_leases, state_of)
 from lmserve.server.key_file import ANONYMOUS
 
 # No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
 # serves; /metrics too with --metrics-public (see open_paths).
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
+# Requests that only read state: every other method on a keyed path takes one request from the key's rate.
+FREE_METHODS = ("GET", "HEAD", "OPTIONS")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/generate",
                     "/generate_stream", "/", *ollama.GENERATION_PATHS, *embeddings.PATHS)
 
@@ -129,6 +132,13 @@ class AuthAndStatus:
                 message = {**message, "headers": [*message.get("headers", []), *st.tenants.headers(name)]}
             await send(message)
 
+        if scope.get("method") not in FREE_METHODS and path not in self.open_paths:
+            try:  # before any work: a body is parsed, rendered or tokenized only inside the key's rate
+                st.tenants.take_request(name)
+            except APIError as err:
+                st.metrics.rejected.labels(err.reason).inc()
+                return await error_response(path, err)(scope, receive, send_counted)
+            scope["state"][CHARGED_KEY] = True
         try:
             await self.app(scope, receive, send_counted)
         finally:  # the response has ended (a stream's last chunk sent): its model may be unloaded again
@@ -156,6 +166,7 @@ class Observe:
         ops = self.state.ops
         record = RequestRecord(f"http-{id(scope):x}", scope["path"])
         record.key_name = scope.setdefault("state", {}).get(KEY_NAME_KEY, ANONYMOUS)
+        record.rate_charged = scope["state"].get(CHARGED_KEY, False)
         scope["state"][RECORD_KEY] = record
         ops.begin(record, {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []})
         error_body: list[bytes] = []
@@ -200,6 +211,7 @@ class BodyLimit:
 
     def __init__(self, app, max_bytes: int, upload_bytes: dict[str, int] | None = None) -> None:
         self.app, self.default_bytes, self.upload_bytes = app, max_bytes, upload_bytes or {}
+        self.trim = HeapTrim()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -228,11 +240,44 @@ class BodyLimit:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            chunks.clear()
+            body = b""  # the replay's copy too (a closure cell): the heap below is free only once nothing holds it
+            if size >= TRIM_AFTER_BYTES:
+                self.trim.after_large_request()
 
     async def _too_large(self, scope, send, limit: int) -> None:
         err = APIError(413, f"request body exceeds the limit of {limit} bytes")
         await error_response(scope.get("path", ""), err)(scope, _empty_receive, send)
+
+
+TRIM_AFTER_BYTES = 2**20  # a body this large leaves megabytes free in the heap (its JSON, text, tokens)
+
+
+class HeapTrim:
+    """Give the free heap back (malloc_trim, off the event loop) once large requests stop coming for `quiet_s`.
+
+    Not after each: a trim hands back the engine's freed step buffers too, which keep_freed_memory keeps for
+    reuse (each step would page-fault them in again), and a flood of 1.3 MB bodies trimmed one by one slowed
+    another client's time to first token 5x. Measured: three /tokenize calls of 4 MiB left RSS at 0.89 GB
+    (from 0.41) without a trim, 0.40 GB with one.
+    """
+
+    def __init__(self, quiet_s: float = 1.0) -> None:
+        self.quiet_s = quiet_s
+        self._timer: asyncio.TimerHandle | None = None
+
+    def after_large_request(self) -> None:
+        """A large request has ended: trim once none has for `quiet_s`."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self.quiet_s, self._trim)
+
+    def _trim(self) -> None:
+        self._timer = None
+        asyncio.get_running_loop().run_in_executor(None, malloc_trim)
 
 
 async def _empty_receive():

@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol, Union
+from typing import Any, AsyncIterator, Protocol, Union
 
 from lmserve.errors import RequestRejected
 from lmserve.ops.record import RequestRecord
@@ -51,6 +51,7 @@ class Chat:
 
 
 Prompt = Union[str, list[int], Chat]  # a raw prompt (special tokens parsed), token ids, or a chat
+Rendered = Any  # a raw prompt, token ids, or a chat rendered by its template (the tokenizer's RenderedChat)
 
 
 @dataclass(frozen=True)
@@ -117,15 +118,19 @@ class ModelState:
     async def start(self, prompts: list[Prompt], params: SamplingParams, record: RequestRecord, *, model: str | None,
                     id_prefix: str, numbered: bool = False, priority: int = 0,
                     cache_salt: str | None = None) -> Started:
-        """The one admission path of every API family: tokenize -> compile the grammar -> resolve the adapter
-        (`model`: the name the request asked for) -> admit -> start each prompt's engine stream.
+        """The one admission path of every API family: the key's rate -> render chats -> size and token quota by
+        the prompts' byte bounds -> tokenize -> compile the grammar -> resolve the adapter (`model`: the name the
+        request asked for) -> admit -> start each prompt's engine stream.
 
-        Each step's refusal is an APIError before anything reaches the engine; the request id is
-        `{id_prefix}-{hex}` and lands in `record`; stream i runs as `{id}-{i}` when `numbered` (completions, whose
-        prompt list may hold several) and as the id itself otherwise (one prompt).
+        Each step's refusal is an APIError before anything reaches the engine, and the limits come before the work
+        they guard; the request id is `{id_prefix}-{hex}` and lands in `record`; stream i runs as `{id}-{i}` when
+        `numbered` (completions, whose prompt list may hold several) and as the id itself otherwise (one prompt).
         """
-        ids = [await (self.tokenize_chat(p.messages, record, p.template_kwargs) if isinstance(p, Chat)
-                      else self.tokenize(p, record)) for p in prompts]
+        self.charge(record)
+        rendered = [await self._render(p, record) for p in prompts]
+        await self._check_bounds(rendered, params, record)
+        ids = [await (self.tokenize(p, record) if isinstance(p, (str, list)) else self._encode_chat(p, record))
+               for p in rendered]
         grammar = await self.compile_grammar(params)
         lora = await self.lora_for(model, record)
         # Nothing awaits from admission until the streams are counted in flight.
@@ -136,10 +141,34 @@ class ModelState:
                                               cache_salt) for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
 
+    def charge(self, record: RequestRecord) -> None:
+        """Take the request from its key's rate bucket unless that was done before (the HTTP middleware does it for
+        every request that does work; a batch line is charged here)."""
+        if not record.rate_charged:
+            self.tenants.take_request(record.key_name or ANONYMOUS)
+            record.rate_charged = True
+
+    async def _check_bounds(self, prompts: list[Rendered], params: SamplingParams,
+                            record: RequestRecord) -> None:
+        """Before tokenizing: 400 when a prompt cannot fit the context even at the fewest tokens its bytes can be,
+        and the key's token quota by the prompts' bounds (Tenants.hold). Off the event loop: counting a 4 MiB
+        text's UTF-8 bytes copies it."""
+        try:
+            bounds = await asyncio.to_thread(self.front.prompt_bounds, prompts, params)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param=e.param, reason="context_length") from None
+        completions = params.n * len(prompts)
+        self.tenants.hold(record, bounds.fewest + completions * (params.max_tokens or 0),
+                          bounds.most + completions * (params.max_tokens or self.front.max_model_len))
+
     async def admit_beams(self, prompts: list[str | list[int]], width: int, max_tokens: int, record: RequestRecord, *,
                           model: str | None, id_prefix: str) -> Admitted:
-        """The admission path of a beam search (server/api/openai.py drives it): tokenize -> adapter -> admit as
-        `width` completions of `max_tokens` per prompt; each step's beams then run through generate()."""
+        """The admission path of a beam search (server/api/openai.py drives it): rate -> byte bounds -> tokenize ->
+        adapter -> admit as `width` completions of `max_tokens` per prompt; each step's beams then run through
+        generate()."""
+        self.charge(record)
+        params = SamplingParams(n=width, max_tokens=max_tokens, temperature=0.0)
+        await self._check_bounds(prompts, params, record)
         ids = [await self.tokenize(p, record) for p in prompts]
         lora = await self.lora_for(model, record)
         # Each step runs every beam as an engine request: the beams count against the queue as requests do.
@@ -148,7 +177,7 @@ class ModelState:
             raise APIError(400, f"{len(ids)} prompt(s) x {width} beams = {beams} beams, more than this server runs and "
                            f"queues at once ({limit}); send fewer prompts or a smaller best_of", param="best_of")
         self._check_room(beams)
-        limits = self.admit(ids, SamplingParams(n=width, max_tokens=max_tokens, temperature=0.0), record)
+        limits = self.admit(ids, params, record)
         record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         return Admitted(record.request_id, ids, limits, lora)
 
@@ -166,7 +195,8 @@ class ModelState:
         record.prompt_tokens = sum(len(ids) for ids in prompts)
         self.shared.check_rules(record, [len(ids) for ids in prompts])
         self._check_room(len(prompts))
-        # The key's limits come last, so a request refused for any other reason costs the key nothing.
+        # The key's tokens come last, so a request refused for any other reason costs the key no tokens (its
+        # request was taken before any work: charge).
         self.tenants.admit(record, record.prompt_tokens + params.n * sum(max_tokens))
         self.metrics.model_requests.labels(self.model_name).inc()
         return max_tokens
@@ -271,9 +301,25 @@ class ModelState:
     async def tokenize_chat(self, messages: list[dict], record: RequestRecord,
                             template_kwargs: dict | None = None) -> list[int]:
         """Render the chat template (with extra variables such as `tools`) and tokenize, off the event loop."""
+        return await self._encode_chat(await self._render(Chat(messages, template_kwargs), record), record)
+
+    async def _render(self, prompt: Prompt, record: RequestRecord) -> Rendered:
+        """A chat rendered by its template, off the event loop (a raw prompt or ids as they are)."""
+        if not isinstance(prompt, Chat):
+            return prompt
         start = time.monotonic()
         try:
-            return await asyncio.to_thread(self.front.tokenizer.encode_chat, messages, True, **(template_kwargs or {}))
+            return await asyncio.to_thread(self.front.tokenizer.render_chat, prompt.messages, True,
+                                           **(prompt.template_kwargs or {}))
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        finally:
+            record.tokenize_s += time.monotonic() - start
+
+    async def _encode_chat(self, chat: Rendered, record: RequestRecord) -> list[int]:
+        start = time.monotonic()
+        try:
+            return await asyncio.to_thread(self.front.tokenizer.encode_rendered, chat)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         finally:

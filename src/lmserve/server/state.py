@@ -191,6 +191,7 @@ def state_of(request: Request) -> ServerState:
 
 RECORD_KEY = "lmserve_record"  # where the Observe middleware puts the request's record in scope["state"]
 KEY_NAME_KEY = "lmserve_key_name"  # where the auth middleware puts the API key's name
+CHARGED_KEY = "lmserve_rate_charged"  # the auth middleware took the request from the key's rate bucket
 LOADING_KEY = "lmserve_model_loading"  # a 503 because the request's model is loading (counted as not_ready)
 LEASES_KEY = "lmserve_leases"  # the models a request holds (server/models/pool.py), released at its end
 IGNORED_FIELDS_KEY = "lmserve_ignored_fields"  # unknown body fields dropped by parsing (server/access_log.py)

@@ -2,9 +2,14 @@
 salt of its prompt blocks. The keys themselves come from server/key_file.py.
 
 Limits are token buckets whose capacity is the per-minute limit, refilled continuously (60 requests per
-minute: a burst of 60, then one a second). At admission a request takes one request and prompt + max_tokens
-tokens (its worst case) and one concurrency slot; when its response ends, whatever the outcome, the unused
-tokens go back and the slot is freed. All of this runs on the event loop thread only, so no locks.
+minute: a burst of 60, then one a second). Limits come before work: a request takes its one request from the
+rate bucket before anything is parsed or tokenized (the HTTP middleware, or admission for a batch line), so a
+request refused later for its size still counts. Before its prompts are tokenized, their byte bounds
+(tokenizer/bounds.py) are checked against the token bucket: 429 when even the fewest tokens they can be do not
+fit, else the most they can be (capped at what the bucket holds) is held while they are tokenized. At admission
+the exact prompt + max_tokens (its worst case) replaces what was held, with one concurrency slot; when its
+response ends, whatever the outcome, the unused tokens go back and the slot is freed. All of this runs on the
+event loop thread only, so no locks.
 
 A presented key is hashed and its digest compared in constant time with every entry's (no early exit), so
 neither the key nor which entry matched shows in the timing.
@@ -82,6 +87,7 @@ class Tenants:
         self.usage = {n: Usage(by_name[n]) for n in names}
         self.metrics = metrics
         self._open: dict[int, Reservation] = {}  # id(record) -> its reservation, until the response ends
+        self._held: dict[int, Reservation] = {}  # id(record) -> tokens held while its prompts are tokenized
         if metrics is not None:
             metrics.bind_keys(metric_labels(specs) or {ANONYMOUS: ANONYMOUS}, REJECT_REASONS,
                               lambda name: self.usage[name].in_flight)
@@ -154,15 +160,49 @@ class Tenants:
             raise APIError(401, f"the API key {name!r} is no longer accepted by this server", code="invalid_api_key")
         return u
 
+    def take_request(self, name: str) -> None:
+        """Take one request from the key's rate bucket before the request does any work, or raise 429."""
+        u = self._usage(name)
+        if u.requests is not None:
+            u.requests.refill(time.monotonic())
+            self._check_requests(u)
+            u.requests.level -= 1
+
+    def hold(self, record: RequestRecord, fewest: int, most: int) -> None:
+        """Before `record`'s prompts are tokenized: 429 when its key is at its concurrency limit or even `fewest`
+        tokens (prompt + max_tokens by the byte bounds) do not fit; else hold `most`, capped at what is left,
+        until admit (or settle) replaces it."""
+        u = self._usage(record.key_name)
+        self._check_concurrency(u)
+        if u.tokens is None:
+            return
+        u.tokens.refill(time.monotonic())
+        self._check_tokens(u, fewest, by_bytes=True)
+        held = max(0, min(most, math.floor(u.tokens.level)))
+        u.tokens.level -= held
+        self._held[id(record)] = Reservation(record.key_name, held)
+
+    def _release_held(self, record: RequestRecord) -> None:
+        r = self._held.pop(id(record), None)
+        u = self.usage.get(r.name) if r is not None else None
+        if u is not None and u.tokens is not None:
+            u.tokens.level = min(float(u.tokens.capacity), u.tokens.level + r.tokens)
+
     def admit(self, record: RequestRecord, tokens: int) -> None:
-        """Take one request, `tokens` tokens and a concurrency slot for `record`'s key, or raise 429."""
+        """Take `tokens` tokens and a concurrency slot for `record`'s key (and its request, unless that was taken
+        before work, as every server request's is), or raise 429."""
+        self._release_held(record)
         u, now = self._usage(record.key_name), time.monotonic()
         for bucket in (u.requests, u.tokens):
             if bucket is not None:
                 bucket.refill(now)
-        self._check(u, tokens)
-        if u.requests is not None:
+        self._check_concurrency(u)
+        if not record.rate_charged:
+            self._check_requests(u)
+        self._check_tokens(u, tokens)
+        if u.requests is not None and not record.rate_charged:
             u.requests.level -= 1
+        record.rate_charged = True
         if u.tokens is not None:
             u.tokens.level -= tokens
         u.in_flight += 1
@@ -170,20 +210,29 @@ class Tenants:
         if self.metrics is not None:
             self.metrics.key_requests.labels(record.key_name).inc()
 
-    def _check(self, u: Usage, tokens: int) -> None:
+    def _check_concurrency(self, u: Usage) -> None:
         s = u.spec
         if s.max_concurrent_requests is not None and u.in_flight >= s.max_concurrent_requests:
             self._refuse(s.name, "concurrency", f"{s.max_concurrent_requests} concurrent requests", 1.0)
+
+    def _check_requests(self, u: Usage) -> None:
+        s = u.spec
         if u.requests is not None and u.requests.level < 1:
             self._refuse(s.name, "requests_per_minute", f"{s.requests_per_minute} requests per minute",
                          u.requests.seconds_until(1))
+
+    def _check_tokens(self, u: Usage, tokens: int, by_bytes: bool = False) -> None:
+        """429 unless `tokens` fit; `by_bytes`: the fewest the request can need, its prompt counted by its bytes."""
+        s = u.spec
         if u.tokens is None or u.tokens.level >= tokens:
             return
+        least, counted = ("at least ", " by its prompt's bytes") if by_bytes else ("", "")
+        needs = f"{s.tokens_per_minute} tokens per minute (this request needs {least}{tokens}{counted}: prompt + " \
+                "max_tokens"
         if tokens > u.tokens.capacity:  # can never pass: OpenAI's "request too large", no point retrying
-            self._refuse(s.name, "tokens_per_minute", f"{s.tokens_per_minute} tokens per minute (this request "
-                         f"needs {tokens}: prompt + max_tokens; lower max_tokens)", None)
-        self._refuse(s.name, "tokens_per_minute", f"{s.tokens_per_minute} tokens per minute (this request needs "
-                     f"{tokens}: prompt + max_tokens)", u.tokens.seconds_until(tokens))
+            hint = "send a shorter prompt or lower max_tokens" if by_bytes else "lower max_tokens"
+            self._refuse(s.name, "tokens_per_minute", f"{needs}; {hint})", None)
+        self._refuse(s.name, "tokens_per_minute", f"{needs})", u.tokens.seconds_until(tokens))
 
     def _refuse(self, name: str, reason: str, what: str, retry_after: float | None) -> None:
         self._rejected(name, reason)
@@ -197,6 +246,7 @@ class Tenants:
 
     def settle(self, record: RequestRecord) -> None:
         """The response ended: free the slot and give back the reserved tokens that were not used."""
+        self._release_held(record)  # refused between hold and admit (its size, the queue)
         r = self._open.pop(id(record), None)
         if r is None:
             return

@@ -17,6 +17,7 @@ import pickle
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -25,6 +26,7 @@ from tokenizers import AddedToken
 
 from lmserve.tokenizer import chat_template as ct
 from lmserve.errors import CheckpointError
+from lmserve.tokenizer.bounds import TokenBounds, text_bytes
 from lmserve.utils import MAX_JSON_FILE_DEPTH, load_json_bytes, nests_deeper
 from lmserve.tokenizer.gguf_vocab import build_from_gguf, gguf_metadata
 
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 
 # Named special tokens, as transformers exposes them to chat templates.
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Texts longer than this are encoded through the batch call, which lets go of the GIL: `encode` holds it
+# throughout (a 4 MiB prompt: 6.8 s in which no other thread, the server's event loop included, ran).
+_GIL_FREE_CHARS = 16384
 
 
 class Tokenizer:
@@ -112,16 +117,21 @@ class Tokenizer:
 
     # -- text <-> ids -----------------------------------------------------------------------------
 
+    @functools.cached_property
+    def bounds(self) -> TokenBounds:
+        """How many tokens a text of n UTF-8 bytes can become (tokenizer/bounds.py); built on first use."""
+        return TokenBounds.of(self._hf, self.vocab_type)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Plain text -> ids; add_special_tokens adds BOS when the model wants it."""
-        return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
+        return _ids(self._plain, text, add_special_tokens)
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A raw prompt -> ids: special-token strings in it become their control tokens."""
         if add_special_tokens and self.add_bos_token and text.startswith(self.bos_token):
             # The caller wrote BOS (a template applied by hand): adding ours would start the prompt with two.
             add_special_tokens = False
-        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return _ids(self._hf, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text; ids outside the vocabulary (padded embedding rows) decode to nothing."""
@@ -142,7 +152,7 @@ class Tokenizer:
     @property
     def vocab_type(self) -> str:
         """How token strings map to bytes, from the decoder: "byte_level", "byte_fallback" (SentencePiece) or "raw"."""
-        decoder = json.dumps(json.loads(self._hf.to_str()).get("decoder") or {})
+        decoder = json.dumps(_state(self._hf.decoder) or {})  # the decoder alone: the whole JSON took 0.5 s
         if '"ByteLevel"' in decoder:
             return "byte_level"
         if '"ByteFallback"' in decoder or '"Metaspace"' in decoder or "\u2581" in decoder:
@@ -157,28 +167,31 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """Prompt ids: the template's framing tokens are special; text from the messages is plain text."""
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> RenderedChat:
+        """The chat rendered by its template, ready to encode (encode_rendered): the server sizes it in between."""
         messages = ct.normalize_messages(messages)
         if self._special_re is not None:
             marked, marked_kwargs = ct.mark_special(messages, self._special_re), ct.mark_special(kwargs, self._special_re)
             if marked != messages or marked_kwargs != kwargs:
-                return self._encode_marked(marked, add_generation_prompt, marked_kwargs)
+                segments = ct.split_marked(self._render(marked, add_generation_prompt, marked_kwargs), self._special_re)
+                self._check_framing(segments, marked, add_generation_prompt, marked_kwargs)
+                return RenderedChat(tuple(segments))
         # No special-token text anywhere in the input: one encode, exactly as transformers does it.
-        return self._hf.encode(self._render(messages, add_generation_prompt, kwargs), add_special_tokens=False).ids
+        return RenderedChat(((self._render(messages, add_generation_prompt, kwargs), False),))
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API with a plain prompt")
         return ct.render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, **kwargs)
 
-    def _encode_marked(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int]:
-        """Encode a chat whose user strings spell special tokens: those spellings become plain-text ids."""
-        assert self._special_re is not None
-        segments = ct.split_marked(self._render(messages, add_generation_prompt, kwargs), self._special_re)
-        self._check_framing(segments, messages, add_generation_prompt, kwargs)
+    def encode_rendered(self, chat: RenderedChat) -> list[int]:
+        """A rendered chat's ids: user-typed special-token spellings become plain-text ids."""
         ids: list[int] = []
-        for i, (text, from_user) in enumerate(segments):
+        for i, (text, from_user) in enumerate(chat.segments):
             tk = (self._plain if from_user else self._hf) if i == 0 else (self._plain_mid if from_user else self._hf_mid)
-            piece = tk.encode(text, add_special_tokens=False).ids
+            piece = _ids(tk, text, False)
             if from_user and any(t in self._special_ids for t in piece):
                 raise ValueError(f"cannot encode {text!r} as plain text: this vocabulary maps it to a special token")
             ids += piece
@@ -198,6 +211,27 @@ class Tokenizer:
         if framing != Counter(self._special_re.findall(bare)):
             raise ValueError("a message contains special-token text, and this chat template rewrites message text "
                              "in a way that would turn it into control tokens; remove the special-token strings")
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat rendered by its template: (text, is a special token the user typed) segments, encoded in order."""
+
+    segments: tuple[tuple[str, bool], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Its UTF-8 length: what the token bounds are read from."""
+        return sum(text_bytes(text) for text, _ in self.segments)
+
+
+def _ids(tk: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """`tk.encode(text).ids`, without holding the GIL for long texts (the batch call lets go of it; its fast form
+    skips the offsets no one here reads, and their memory: ~40 bytes a token)."""
+    if len(text) <= _GIL_FREE_CHARS:
+        return tk.encode(text, add_special_tokens=add_special_tokens).ids
+    batch = getattr(tk, "encode_batch_fast", tk.encode_batch)  # tokenizers >= 0.21
+    return batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def load_tokenizer(loaded: Any) -> Tokenizer:
