@@ -41,7 +41,8 @@ def test_parse_fault():
     assert parse_fault("step:2:4") == FaultSpec("step", 2, 4)
     assert parse_fault("thread:1") == FaultSpec("thread", 1, 1)
     assert parse_fault("hang:2") == FaultSpec("hang", 2, 1)
-    for bad in ("step", "step:0", "step:x", "thread:1:2", "hang:1:2", "boom:1", "step:1:2:3"):
+    assert parse_fault("slow:1:200") == FaultSpec("slow", 1, 1, delay_ms=200)
+    for bad in ("step", "step:0", "step:x", "thread:1:2", "hang:1:2", "boom:1", "step:1:2:3", "slow:1", "slow:1:0"):
         with pytest.raises(ValueError, match="LMSERVE_TEST_FAULT"):
             parse_fault(bad)
 
@@ -95,11 +96,14 @@ def test_failed_step_mid_decode_keeps_the_runner_rows_consistent(engine, monkeyp
 
 
 class FailingEngine:
-    """A fake engine: a request finishes in the step after it is added; the steps named in `fail` raise."""
+    """A fake engine: a request finishes in the step after it is added; the steps named in `fail` raise, those in
+    `hang` never return, and those in `slow` first run `slow_s` seconds making progress (a layer every 20 ms)."""
 
-    def __init__(self, fail: set[int], fatal: bool = False, hang: set[int] = frozenset()) -> None:
+    def __init__(self, fail: set[int], fatal: bool = False, hang: set[int] = frozenset(),
+                 slow: set[int] = frozenset(), slow_s: float = 0.0) -> None:
         self.queued: list[str] = []
         self.fail, self.fatal, self.hang, self.steps = fail, fatal, hang, 0
+        self.slow, self.slow_s, self.layers = slow, slow_s, 0
         self.last_step = None
         self.executor = types.SimpleNamespace(on_fatal=None)  # AsyncEngine hooks a rank death here
 
@@ -117,8 +121,15 @@ class FailingEngine:
     def has_unfinished(self) -> bool:
         return bool(self.queued)
 
+    def progress(self) -> int:
+        return self.layers
+
     def step(self) -> list[CompletionDelta]:
         self.steps += 1
+        end = time.monotonic() + (self.slow_s if self.steps in self.slow else 0.0)
+        while time.monotonic() < end:
+            time.sleep(0.02)
+            self.layers += 1
         if self.steps in self.hang:
             threading.Event().wait()  # never returns
         if self.steps in self.fail:
@@ -179,7 +190,66 @@ def test_a_hung_step_is_declared_dead_by_the_watchdog():
     assert [(f.fatal, f.error) for f in faults] == [(True, "EngineHungError")]
 
 
+def test_a_slow_step_that_makes_progress_is_not_hung():
+    """r2's step runs 1.5 s, five times the 0.3 s timeout, bumping its progress every 20 ms: a slow host, not a
+    hang. The watchdog lets it finish and the engine serves on."""
+    results, engine, faults = run_engine(FailingEngine(set(), slow={2}, slow_s=1.5), ["r1", "r2", "r3"],
+                                         step_timeout=0.3)
+    assert results == ["ok", "ok", "ok"] and engine.dead is None and faults == []
+
+
+def test_a_step_that_stops_making_progress_is_hung_however_long_it_progressed_before():
+    """r2's step progresses for 0.6 s (twice the timeout), then hangs: dead a timeout after its last progress."""
+    start = time.monotonic()
+    results, engine, faults = run_engine(FailingEngine(set(), hang={2}, slow={2}, slow_s=0.6), ["r1", "r2"],
+                                         step_timeout=0.3)
+    assert results == ["ok", "EngineDeadError"] and isinstance(engine.dead, EngineHungError)
+    assert [(f.fatal, f.error) for f in faults] == [(True, "EngineHungError")]
+    assert time.monotonic() - start < 0.6 + 0.3 + 3  # the progress, the timeout (+ a tenth), a 1 s join
+
+
 def test_no_watchdog_without_a_timeout():
     results, engine, _ = run_engine(FailingEngine(set()), ["r1"])
     assert results == ["ok"] and engine.dead is None
     assert "lmserve-watchdog" not in [t.name for t in threading.enumerate()]
+
+
+# -- progress inside a step, and a step budget fitted to the host -------------------------------------------------
+
+
+def test_progress_counts_every_decoder_layer_a_prefill_runs(engine):
+    before = engine.progress()
+    engine.add_request("p", list(range(5, 45)), SamplingParams(max_tokens=1, temperature=0.0))
+    run_all(engine)  # one step: the prompt's prefill samples the only token
+    assert engine.progress() - before == engine.model_config.num_layers
+
+
+def test_a_slow_fault_delays_every_layer_of_its_forward_only(engine, monkeypatch):
+    monkeypatch.setenv("LMSERVE_TEST_FAULT", "slow:1:20")
+    execute = engine.runner.execute
+    try:
+        assert install_from_env(engine) == FaultSpec("slow", 1, delay_ms=20)
+        engine.add_request("s", list(range(5, 45)), SamplingParams(max_tokens=2, temperature=0.0))
+        start = time.perf_counter()
+        engine.step()  # forward 1: every layer starts 20 ms late
+        slow = time.perf_counter() - start
+        start = time.perf_counter()
+        run_all(engine)  # forward 2 (a decode): no delay
+        assert slow >= engine.model_config.num_layers * 0.02 > time.perf_counter() - start
+    finally:
+        engine.runner.execute = execute
+
+
+def test_warm_up_fits_the_step_budget_to_what_the_host_prefills_in_step_seconds(engine):
+    from lmserve.config import SchedulerConfig
+    from lmserve.engine.step_budget import fit_step_budget, prefill_rate
+
+    rate = prefill_rate(engine)
+    assert rate is not None and rate > 10  # tokens/s of the embedded 135M model: hundreds even on a loaded core
+    tiny = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(
+        max_num_seqs=8, step_seconds=1e-4)), loaded=engine.loaded, tokenizer=engine.tokenizer)
+    assert fit_step_budget(tiny) == tiny.scheduler.budget.tokens == 32  # the floor: MIN_STEP_TOKENS
+    given = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=64), scheduler=SchedulerConfig(
+        max_num_batched_tokens=48)), loaded=engine.loaded, tokenizer=engine.tokenizer)
+    assert fit_step_budget(given) == given.scheduler.budget.tokens == 48  # --max-num-batched-tokens is kept
+    assert tiny.kv.num_free_blocks == 64 and given.kv.num_free_blocks == 64  # the probes' blocks went back

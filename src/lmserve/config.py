@@ -67,6 +67,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
+    # a served engine's warm-up lowers the step budget to what this host prefills in about this long
+    # (engine/step_budget.py); None: the budget is max_num_batched_tokens (--max-num-batched-tokens given)
+    step_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -185,10 +188,21 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_dtype=args.kv_cache_dtype,
                           hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager),
         kv_offload=KVOffloadConfig(args.kv_offload_memory, args.kv_offload_dir, args.kv_offload_disk_size),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, enable_chunked_prefill=not args.no_chunked_prefill,
+                                  **_step_budget(args.max_num_batched_tokens)),
         lora=lora_config(args), pooling=args.pooling,
     )
+
+
+# a step carries what the host prefills in about this long, unless --max-num-batched-tokens says how many tokens
+STEP_SECONDS = 1.0
+
+
+def _step_budget(max_num_batched_tokens: int | None) -> dict:
+    """--max-num-batched-tokens as given, or the default budget fitted to the host at warm-up."""
+    if max_num_batched_tokens is None:
+        return {"step_seconds": STEP_SECONDS}
+    return {"max_num_batched_tokens": max_num_batched_tokens}
 
 
 def lora_config(args: argparse.Namespace) -> LoraConfig | None:

@@ -101,7 +101,9 @@ def _add_model_args(g, several_models: bool) -> None:
 def _add_runtime_args(g) -> None:
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one engine step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default: 1024, lowered at start to what this host "
+                   "prefills in about a second)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="schedule whole prompts only (on by default)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse KV blocks of a prompt prefix seen before (reused by default)")

@@ -33,7 +33,7 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 class EngineHungError(RuntimeError):
-    """An engine step ran past the watchdog's timeout."""
+    """An engine step made no progress for the watchdog's timeout."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, step_timeout: float | None = None) -> None:
         self.engine = engine
-        # A step running longer than this means a hung engine (a deadlock, a stuck kernel): the watchdog
+        # A step making no progress for this long means a hung engine (a deadlock, a stuck kernel): the watchdog
         # declares it dead. None: no watchdog. A Python thread cannot be stopped, so dead is all we can do.
         self.step_timeout = step_timeout
         self._step_started: float | None = None  # monotonic start of the step in progress, None between steps
@@ -216,13 +216,21 @@ class AsyncEngine:
         self._notify(EngineFault(False, type(error).__name__, tuple(failed)))
 
     def _watch(self) -> None:
-        """Watchdog thread: a step past step_timeout is a hung engine; declare it dead (checked 10x a timeout)."""
+        """Watchdog thread: a step that makes no progress for step_timeout is a hung engine; declare it dead.
+
+        Checked 10x a timeout. Progress is a new step or a decoder layer run (engine.progress()): a long step on a
+        slow host bumps it every layer, a deadlock or a stuck kernel never does.
+        """
+        seen, since = None, time.monotonic()
         while not self._stop.wait(self.step_timeout / 10) and self.dead is None:
-            started = self._step_started
-            if started is not None and time.monotonic() - started > self.step_timeout:
-                log.critical("engine step running for over %g s; the engine thread is at:\n%s", self.step_timeout,
-                             _stack_of(self._thread))
-                self._die(EngineHungError(f"an engine step has run for over {self.step_timeout:g} s"))
+            started, now = self._step_started, time.monotonic()
+            mark = (started, self.engine.progress())
+            if mark != seen:
+                seen, since = mark, now
+            elif started is not None and now - since > self.step_timeout:
+                log.critical("engine step without progress for over %g s (running for %.0f s); the engine thread is "
+                             "at:\n%s", self.step_timeout, now - started, _stack_of(self._thread))
+                self._die(EngineHungError(f"an engine step has made no progress for over {self.step_timeout:g} s"))
                 return
 
     def _die(self, error: BaseException) -> None:

@@ -90,6 +90,10 @@ class LLMEngine:
         """Some request is waiting or running."""
         return self.scheduler.has_unfinished()
 
+    def progress(self) -> int:
+        """Decoder layers run since start: grows while a step makes progress (read by the hung-step watchdog)."""
+        return self.runner.progress.count
+
     def step(self) -> list[CompletionDelta]:
         """Schedule one batch, run it, apply its tokens, propose drafts; returns every completion's new tokens."""
         start = time.perf_counter()
@@ -107,6 +111,7 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)  # drafting is part of the step's time
         self.num_steps += 1
         seconds = time.perf_counter() - start
+        self.scheduler.budget.observe(seconds, result.num_prefill_tokens)  # a served engine's budget follows the host
         self.last_step = step_stats(self.scheduler, self.kv, out, result.num_decodes, result.num_prefill_tokens,
                                     seconds, spec, self.lora_slots is not None)
         if spec is not None:

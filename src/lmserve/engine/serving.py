@@ -3,8 +3,8 @@
 The server holds one `AsyncEngine` per loaded model (generate, abort, health, shutdown; step and fault listeners)
 and reads the model through that engine's `EngineFront`: tokenizer, limits, request checks, grammars, adapters,
 and `load()`, the queue and the KV pool now (engine/stats.EngineLoad). The scheduler, the KV pool and the runner
-stay behind these. `open_engine` builds a model's engine and warms it up; `serve_engine` puts a built engine
-behind its AsyncEngine, not yet started.
+stay behind these. `open_engine` builds a model's engine and warms it up (fitting its step budget to the host);
+`serve_engine` puts a built engine behind its AsyncEngine, not yet started.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.faults import install_from_env
 from lmserve.engine.front import EngineFront
 from lmserve.engine.llm_engine import LLMEngine
+from lmserve.engine.step_budget import fit_step_budget
 from lmserve.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineFront", "LLMEngine", "Opened", "open_engine", "serve_engine", "warm_up"]
@@ -42,9 +43,11 @@ def serve_engine(engine: LLMEngine, step_timeout: float | None) -> AsyncEngine:
 
 
 def warm_up(engine: LLMEngine) -> float:
-    """One tiny request through every code path before the first client; returns its seconds."""
+    """One tiny request through every code path before the first client, then the step budget fitted to this host
+    (engine/step_budget.py); returns its seconds."""
     start = time.perf_counter()
     engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
     while engine.has_unfinished():
         engine.step()
+    fit_step_budget(engine)
     return time.perf_counter() - start

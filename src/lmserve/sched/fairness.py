@@ -1,27 +1,43 @@
-"""Fairness between tenants (API key names): which waiting request to admit next, and whom to preempt for it.
+"""Fairness between tenants (API key names): in which order waiting requests join, and whom to preempt for one.
 
-With one tenant (or none: every request's tenant is "") the scheduler never calls these and stays FCFS.
-With several, admission is round-robin: the tenant admitted least recently goes first, and each tenant's
-own requests keep their queue order (a preempted request, at the front, first). FCFS alone would let a
-tenant with 20 queued requests hold every slot for as long as its requests run; round-robin gives the next
-free slot to someone else, and `fair_victim` frees one at once when a tenant holds all of them.
+With one tenant (or none: every request's tenant is "") admission is FCFS within each priority. With several,
+it is round-robin: the tenant admitted least recently goes first, and each tenant's own requests keep their
+queue order (a preempted request, at the front, first). FCFS alone would let a tenant with 20 queued requests
+hold every slot for as long as its requests run; round-robin gives the next free slot to someone else, and
+`fair_victim` frees one at once when a tenant holds all of them. How many tokens each request then computes
+is split by tokens, not slots (sched/budget.py).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 
 from lmserve.request import Request
 
 
-def next_waiting(waiting: Iterable[Request], last_admitted: dict[str, int]) -> Request:
-    """The head of the tenant admitted least recently (never admitted: first); ties go to queue order."""
-    heads: dict[str, Request] = {}
+def admission_order(waiting: Iterable[Request], last_admitted: dict[str, int]) -> Iterator[Request]:
+    """The waiting requests in the order they would be admitted: the lowest `priority` value first; within one
+    priority the head of the tenant admitted least recently (never admitted: first, in queue order).
+
+    `last_admitted`: tenant -> number of the admission it last got; read, never changed (a copy advances).
+    """
+    queues: dict[int, dict[str, deque[Request]]] = {}
     for req in waiting:
-        heads.setdefault(req.tenant, req)
-    # min() keeps the first of equal keys, and heads is in queue order
-    return min(heads.values(), key=lambda r: last_admitted.get(r.tenant, -1))
+        queues.setdefault(req.priority, {}).setdefault(req.tenant, deque()).append(req)
+    last = dict(last_admitted)
+    tick = max(last.values(), default=0)
+    for priority in sorted(queues):
+        tenants = queues[priority]
+        while tenants:
+            # min() keeps the first of equal keys: only never-admitted tenants tie, in the order they first queued
+            tenant = min(tenants, key=lambda t: last.get(t, -1))
+            queue = tenants[tenant]
+            yield queue.popleft()
+            tick += 1
+            last[tenant] = tick
+            if not queue:
+                del tenants[tenant]
 
 
 def fair_victim(candidate: Request, running: list[Request]) -> Request | None:

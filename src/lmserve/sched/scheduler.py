@@ -1,10 +1,11 @@
 """Continuous batching with no prefill/decode phases: each running request's `num_computed_tokens`
 catches up to its `num_tokens` within a per-step token budget (this gives chunked prefill), waiting
-requests join FCFS while blocks and slots last, and the newest running request is preempted
-(blocks freed, recomputed later) when the KV cache runs out. Requests of several tenants (API key
-names) join round-robin between tenants instead, and a tenant holding every slot gives one up to a
-waiting tenant (sched/fairness.py). Waiting requests of a lower `priority` go first (batch-job lines wait
-behind interactive requests); within one priority the rules above hold.
+requests join while slots and blocks last, and the newest running request is preempted (blocks freed,
+recomputed later) when the KV cache runs out. Waiting requests of a lower `priority` join first (batch-job
+lines wait behind interactive requests), then FCFS, or round-robin between tenants (API key names), and a
+tenant holding every slot gives one up to a waiting tenant (sched/fairness.py). The budget is shared fairly
+between tenants by tokens, short demands first (sched/budget.py): a long prefill takes what is left, in
+chunks, so a short request never waits for it to end.
 
 With LoRA, a waiting request is admitted only when its adapter has or can get one of the `max_loras`
 device slots this step (lora/slots.py); one that cannot waits, keeping its place, while others go ahead.
@@ -19,13 +20,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Protocol
 
-from lmserve.cache.kv_cache_manager import KVCacheManager
+from lmserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
 from lmserve.config import SchedulerConfig
 from lmserve.request import LoraRequest, Request, RequestStatus, TokenLogprobs
-from lmserve.sched.fairness import fair_victim, next_waiting
+from lmserve.sched.budget import Demand, StepBudget, split_budget
+from lmserve.sched.fairness import admission_order, fair_victim
 from lmserve.sched.output import KVTransfers, NewRequestData, ScheduledRequest, SchedulerOutput
 from lmserve.sched.stop import StopChecker
 from lmserve.structured.grammar import fill_bitmask
@@ -40,6 +43,14 @@ class StepResult(Protocol):
     logprobs: list[list[TokenLogprobs]]  # one per sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]]  # prompt logprobs computed this step
     embeddings: dict[str, list[float]]  # pooling requests whose prompt ended this step: their vectors
+
+
+@dataclass(frozen=True)
+class Joining:
+    """A waiting request that may join this step, and the tokens it would compute (those the prefix cache lacks)."""
+
+    req: Request
+    num_new_tokens: int
 
 
 class AdapterSlots(Protocol):
@@ -68,8 +79,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.last_mask_s = 0.0  # time the last grammar bitmask took to fill
-        self._tenants: set[str] = set()  # every tenant seen; with one, admission is plain FCFS
-        self._priorities: set[int] = set()  # every priority seen; with one, no request is passed over for it
+        self._tenants: set[str] = set()  # every tenant seen; with one, nobody is preempted to make room
+        self.budget = StepBudget(cfg)  # tokens of every step: max_num_batched_tokens, or fitted to the host
         self._last_admitted: dict[str, int] = {}  # tenant -> number of the admission it last got (round-robin)
         self._num_admitted = 0
 
@@ -78,37 +89,50 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self._tenants.add(req.tenant)
-        self._priorities.add(req.priority)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        """Build one step's batch: running requests first (in admission order), then waiting ones."""
+        """Build one step's batch: running requests first (in admission order), then waiting ones, each with the
+        tokens the step's budget gives it (sched/budget.py: fair between tenants, short demands first)."""
         out = SchedulerOutput(finished_ids=self._finished)
         self._finished = []
         self._make_room_for_tenant(out)
         num_fair_preempted = len(out.preempted_ids)
-        budget = self.cfg.max_num_batched_tokens
+        joining = self._joining()
+        grants = split_budget(self.budget.tokens, self._demands(joining), self.cfg.enable_chunked_prefill)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            spec = req.spec_token_ids[:budget - n] if n == req.num_tokens - req.num_computed_tokens else []
-            if spec and not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
-                                             extra=req.cache_salt, num_lookahead=len(spec)):
-                spec = []  # drafts are optional: drop them before preempting anyone for their blocks
-            if not spec and not self._allocate_or_preempt(req, n, out):
-                break  # req itself was preempted: everything after it already was
-            out.requests.append(self._scheduled(req, n, spec))
-            budget -= n + len(spec)
             i += 1
+            if grants.get(req.request_id, 0) > 0 and not self._schedule_running(req, grants[req.request_id], out):
+                break  # req itself was preempted: everything after it already was
         if len(out.preempted_ids) == num_fair_preempted:  # out of KV blocks: admitting would only preempt again
-            budget = self._admit(out, budget)
+            self._admit(out, joining, grants)
         self._grammar_rows(out)
         copies = self.kv.take_transfers()
         out.kv_transfers = KVTransfers(*copies) if copies is not None else None
         return out
+
+    def _demands(self, joining: list[Joining]) -> list[Demand]:
+        """What each running request (its known tokens and drafts) and each joining one (its uncached prompt) wants."""
+        running = [Demand(r.request_id, r.tenant, r.num_tokens - r.num_computed_tokens + len(r.spec_token_ids))
+                   for r in self.running]
+        return running + [Demand(j.req.request_id, j.req.tenant, j.num_new_tokens) for j in joining]
+
+    def _schedule_running(self, req: Request, grant: int, out: SchedulerOutput) -> bool:
+        """Schedule up to `grant` tokens of a running request, known ones before drafts; False: req was preempted."""
+        known = req.num_tokens - req.num_computed_tokens
+        n = min(known, grant)
+        spec = req.spec_token_ids[:grant - n] if n == known else []
+        if spec and not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
+                                         extra=req.cache_salt, num_lookahead=len(spec)):
+            spec = []  # drafts are optional: drop them before preempting anyone for their blocks
+        if not spec and not self._allocate_or_preempt(req, n, out):
+            return False
+        out.requests.append(self._scheduled(req, n, spec))
+        return True
 
     def _grammar_rows(self, out: SchedulerOutput) -> None:
         """Fill the step's bitmask: one row per logits row of each constrained request that samples."""
@@ -134,17 +158,6 @@ class Scheduler:
                 return False
         return True
 
-    def _next_waiting(self) -> Request:
-        """Among the waiting requests of the best (lowest) priority: FCFS with one tenant; with several, the
-        head of the tenant admitted least recently."""
-        waiting = self.waiting
-        if len(self._priorities) > 1:  # O(waiting) per admission, only once a second priority was ever seen
-            best = min(r.priority for r in waiting)
-            waiting = [r for r in waiting if r.priority == best]
-        if len(self._tenants) <= 1:
-            return waiting[0]
-        return next_waiting(waiting, self._last_admitted)
-
     def _make_room_for_tenant(self, out: SchedulerOutput) -> None:
         """All slots taken and the next waiting tenant holds two fewer than the busiest: preempt the busiest's newest.
 
@@ -152,56 +165,75 @@ class Scheduler:
         """
         if len(self._tenants) <= 1 or not self.waiting or len(self.running) < self.cfg.max_num_seqs:
             return
-        victim = fair_victim(self._next_waiting(), self.running)
+        victim = fair_victim(next(admission_order(self.waiting, self._last_admitted)), self.running)
         if victim is not None:
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        skipped: list[Request] = []  # waiting for an adapter slot: set aside, put back in place at the end
-        try:
-            return self._admit_waiting(out, budget, skipped)
-        finally:
-            self.waiting.extendleft(reversed(skipped))
+    def _joining(self) -> list[Joining]:
+        """The waiting requests that may join this step, in admission order, with their prefix-cache hits.
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list[Request]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self._next_waiting()
-            if req.lora is not None and not self.lora.acquire(req.lora, self._busy_adapters()):
-                self.waiting.remove(req)
-                skipped.append(req)
-                continue
-            tokens = req.all_token_ids
-            computed = self.kv.find_computed(req.request_id, tokens, req.cache_salt,
-                                             allow=not req.wants_prompt_logprobs and req.may_reuse_prefix)
-            n = len(tokens) - computed.num_tokens
-            if n > budget:
-                if not self.cfg.enable_chunked_prefill:
-                    break
-                n = budget
-            if not self.kv.allocate(req.request_id, tokens, computed.num_tokens, n, computed, req.cache_salt):
+        At most the free slots; a request whose adapter can get no device slot waits, keeping its place; a
+        tenant's requests only until their tokens fill a step's budget (the ones after could get none).
+        """
+        free = self.cfg.max_num_seqs - len(self.running)
+        if free <= 0 or not self.waiting:
+            return []
+        joining: list[Joining] = []
+        wanted: Counter[str] = Counter()
+        tenants = {r.tenant for r in self.waiting}
+        busy = self._busy_adapters()  # and the joining requests': a slot one of them got is not taken back
+        for req in admission_order(self.waiting, self._last_admitted):
+            if len(joining) == free or not tenants:
                 break
-            if req is self.waiting[0]:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(req)
-            self._num_admitted += 1
-            self._last_admitted[req.tenant] = self._num_admitted
-            req.num_computed_tokens = computed.num_tokens
-            req.num_cached_tokens += computed.num_tokens
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
-            if req.request_id not in self._sent:
-                self._sent[req.request_id] = [req.num_tokens, 0]
-                out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids,
-                                                       list(req.output_token_ids), req.params,
-                                                       req.stop_token_ids, req.seed))
+            if req.tenant not in tenants or (req.lora is not None and not self.lora.acquire(req.lora, busy)):
+                continue
+            if req.lora is not None:
+                busy.add(req.lora.lora_int_id)
+            joining.append(Joining(req, req.num_tokens - self._prefix_hit(req).num_tokens))
+            wanted[req.tenant] += joining[-1].num_new_tokens
+            if wanted[req.tenant] >= self.budget.tokens:
+                tenants.discard(req.tenant)
+        return joining
+
+    def _admit(self, out: SchedulerOutput, joining: list[Joining], grants: dict[str, int]) -> None:
+        """Start the joining requests the budget gave tokens, in admission order, until KV blocks run out."""
+        for j in joining:
+            req, grant = j.req, grants.get(j.req.request_id, 0)
+            if grant == 0:
+                continue
+            # looked up again: this step's allocations may have evicted cached blocks, or published new ones
+            computed = self._prefix_hit(req)
+            n = min(grant, req.num_tokens - computed.num_tokens)
+            if n < req.num_tokens - computed.num_tokens and not self.cfg.enable_chunked_prefill:
+                break  # whole prompts only, and this one does not fit: FCFS, nobody overtakes it
+            if not self.kv.allocate(req.request_id, req.all_token_ids, computed.num_tokens, n, computed,
+                                    req.cache_salt):
+                break
+            self._start(req, computed.num_tokens, out)
             out.requests.append(self._scheduled(req, n, []))
-            budget -= n
-        return budget
+
+    def _prefix_hit(self, req: Request) -> ComputedBlocks:
+        """The blocks of req's tokens the prefix cache holds (none when it needs every position's logits)."""
+        return self.kv.find_computed(req.request_id, req.all_token_ids, req.cache_salt,
+                                     allow=not req.wants_prompt_logprobs and req.may_reuse_prefix)
+
+    def _start(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
+        """Move an admitted request from the queue to the running batch; a new one's row goes out whole."""
+        self.waiting.remove(req)
+        self._num_admitted += 1
+        self._last_admitted[req.tenant] = self._num_admitted
+        req.num_computed_tokens = num_cached
+        req.num_cached_tokens += num_cached
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        if req.request_id not in self._sent:
+            self._sent[req.request_id] = [req.num_tokens, 0]
+            out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                                                   req.params, req.stop_token_ids, req.seed))
 
     def _busy_adapters(self) -> set[int]:
         """lora_int_ids of the running requests' adapters: their slots must not be reassigned."""

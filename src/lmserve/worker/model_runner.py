@@ -29,6 +29,7 @@ from lmserve.worker.inputs import StepInputs, StepLayout, build_inputs
 from lmserve.worker.kv_memory import kv_zeros
 from lmserve.worker.kv_transfer import KVTransfer
 from lmserve.worker.pooler import Pooler
+from lmserve.worker.progress import layer_progress
 
 log = logging.getLogger(__name__)
 from lmserve.worker.upload import PinnedStaging, to_device
@@ -102,6 +103,7 @@ class ModelRunner:
         # decode-only steps run every layer in one native call where the layers are ones it runs; the module loop
         # stays the reference
         self.decode_stack = apply_decode_stack(model)
+        self.progress = layer_progress(model)  # the hung-step watchdog's sign of life inside a step
 
     def kv_block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor indexed by KV block, with the dimension of that index: what a block's bytes are (the KV

@@ -1,0 +1,70 @@
+"""The step budget fitted to this host: how many tokens one engine step carries, measured at warm-up and kept up
+to date from the prefill steps the engine runs.
+
+A step's length is its tokens times the host's time per token, and a loaded 2-core host prefilled a 3,100-token
+step for over 300 s. Short requests wait for the step in progress to end, and the hung-step watchdog looks for
+progress inside a step (worker/progress.py), so a step should carry what this host prefills in about
+`SchedulerConfig.step_seconds`. Warm-up times a prefill (a 32-token prompt, then a 256-token one unless the first
+already took PROBE_S) and lowers the scheduler's budget to that. What a token costs then moves with the host's
+load and with the context a chunk attends to (on a loaded 2-core host a 1,024-token chunk took 5.4 s at position
+0 and 17 s at position 2,048), so every step whose prompt tokens fill at least half the budget refits it
+(sched/budget.StepBudget).
+
+--max-num-batched-tokens, when given, is kept as it is (engine_config leaves step_seconds None then), and so
+is the budget with chunked prefill off (a whole prompt of up to max_num_batched_tokens must fit in one step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from lmserve.engine.llm_engine import LLMEngine
+from lmserve.errors import RequestRejected
+from lmserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PROBE_TOKENS = (32, 256)
+PROBE_S = 0.1  # a probe this long is long enough to time; a longer one would only delay the server's start
+
+
+def fit_step_budget(engine: LLMEngine) -> int:
+    """Time a prefill on this host and fit the engine's step budget to it; returns the budget."""
+    budget = engine.scheduler.budget
+    if not budget.fitted:
+        return budget.tokens
+    rate = prefill_rate(engine)
+    if rate is None:  # no probe fits this engine's context or KV pool: keep the configured budget
+        return budget.tokens
+    budget.fit(rate)
+    log.info("step budget: %d tokens (this host prefilled %.0f tokens/s at start; refitted as steps run; %d at "
+             "most; --max-num-batched-tokens fixes it)", budget.tokens, rate, budget.cfg.max_num_batched_tokens)
+    return budget.tokens
+
+
+def prefill_rate(engine: LLMEngine) -> float | None:
+    """Prompt tokens per second of a prefill on this host now (None: no probe prompt fits the engine)."""
+    rate = None
+    for n in PROBE_TOKENS:
+        seconds = _prefill_seconds(engine, n)
+        if seconds is None:
+            break
+        rate = n / seconds
+        if seconds >= PROBE_S:
+            break
+    return rate
+
+
+def _prefill_seconds(engine: LLMEngine, n: int) -> float | None:
+    """Seconds to prefill an n-token prompt and sample one token (None: the engine cannot take it)."""
+    ids = [(1000 + i) % engine.model_config.vocab_size for i in range(n)]
+    try:  # its own salt: no probe reuses another's prefix blocks
+        engine.add_request(f"warm-up-{n}", ids, SamplingParams(max_tokens=1, temperature=0.0),
+                           cache_salt=f"warm-up-{n}".encode())
+    except RequestRejected:
+        return None
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return max(time.perf_counter() - start, 1e-6)
