@@ -14,7 +14,7 @@ import torch
 
 from lmserve.cache.kv_disk import HEADER, MAGIC, SECRET, SIGNED, DiskTier
 from lmserve.cache.kv_tier import namespace
-from lmserve.utils import create_private, private_dir, read_secret, write_private
+from lmserve.files import create_private, private_dir, read_secret, write_private
 
 NS = namespace({"weights": "w1", "kv_layout": "float16[2,4,2,8]@1"})
 BLOCK = 64

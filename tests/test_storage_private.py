@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from lmserve.utils import open_sqlite
+from lmserve.files import open_sqlite
 from tests.server_util import MODEL, running_server
 
 KEY_A, KEY_B, ADMIN = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef", "sk-ops-0123456789abcdef"

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from lmserve.utils import DTYPES, cpu_flags, cpu_has_fast_bf16, write_atomically
+from lmserve.utils import DTYPES, cpu_flags, cpu_has_fast_bf16
+
+from lmserve.files import write_atomically
 
 log = logging.getLogger(__name__)
 

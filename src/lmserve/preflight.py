@@ -31,8 +31,8 @@ from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.models.config import ModelConfig
 from lmserve.cpu_dtype import resolve_dtype
-from lmserve.utils import (KV_QUANT_DTYPES, available_memory, keeps_gguf, private_dir, read_secret, resolve_device,
-                           resolve_kv_dtype)
+from lmserve.files import private_dir, read_secret
+from lmserve.utils import KV_QUANT_DTYPES, available_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.model_runner import kv_bytes_per_block
 
 log = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from lmserve.utils import create_private, open_nofollow, private_dir, read_secret, temporary_name
+from lmserve.files import create_private, open_nofollow, private_dir, read_secret, temporary_name
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch
 
 from lmserve.cache.kv_disk import FORMAT_VERSION, DiskTier
 from lmserve.config import KVOffloadConfig
-from lmserve.utils import write_private
+from lmserve.files import write_private
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lmserve.errors import CheckpointError
 from lmserve.pooling_params import DEFAULT_POOLING, PoolerConfig
-from lmserve.utils import load_json_bytes
+from lmserve.files import load_json_bytes
 
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}

@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from lmserve.errors import CheckpointError
 from lmserve.loader.sharding import TPShard, shard_bounds
-from lmserve.utils import load_json_bytes, read_json_object
+from lmserve.files import load_json_bytes, read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lmserve.loader.fingerprint import start_cache_path, weights_fingerprint
-from lmserve.utils import write_atomically
+from lmserve.files import write_atomically
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from lmserve.models.config import ModelConfig
-from lmserve.utils import MAX_JSON_FILE_DEPTH, nests_deeper
+from lmserve.files import MAX_JSON_FILE_DEPTH, nests_deeper
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lmserve.loader.fingerprint import weights_fingerprint
 from lmserve.server.metrics import ServerMetrics
-from lmserve.utils import open_sqlite, user_cache_dir
+from lmserve.files import open_sqlite, user_cache_dir
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ from tokenizers import AddedToken
 from lmserve.tokenizer import chat_template as ct
 from lmserve.errors import CheckpointError
 from lmserve.tokenizer.bounds import TokenBounds, text_bytes
-from lmserve.utils import MAX_JSON_FILE_DEPTH, load_json_bytes, nests_deeper
+from lmserve.files import MAX_JSON_FILE_DEPTH, load_json_bytes, nests_deeper
 from lmserve.tokenizer.gguf_vocab import build_from_gguf, gguf_metadata
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.server.quotas import StorageQuota
-from lmserve.utils import open_sqlite, user_data_dir
+from lmserve.files import open_sqlite, user_data_dir
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS turns (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL, "

@@ -29,7 +29,7 @@ from lmserve.server.errors import APIError, error_body
 from lmserve.server.api.openai import BATCH_ENDPOINTS, Caller, answer
 from lmserve.server.protocol import load_json
 from lmserve.server.state import ServerState
-from lmserve.utils import append_private, user_data_dir
+from lmserve.files import append_private, user_data_dir
 
 log = logging.getLogger("lmserve.batch")
 

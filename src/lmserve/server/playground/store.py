@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lmserve.server.quotas import StorageQuota, check_room
-from lmserve.utils import open_sqlite, user_data_dir
+from lmserve.files import open_sqlite, user_data_dir
 
 LIST_LIMIT = 200  # newest first
 
