@@ -72,9 +72,8 @@ def extensions_and_commands() -> tuple[list, dict]:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     levels = {f"{PACKAGE}.{lv.module}": lv for lv in chosen_levels(native)}
-    print(f"setup.py: native kernels to build: {', '.join(lv.name for lv in levels.values()) or 'none'}",
-          file=sys.stderr)
     if not levels:
+        print("setup.py: native kernels to build: none", file=sys.stderr)
         return [], {}
     sources = [str(p.relative_to(ROOT)) for p in native._SOURCES]
     # -g0: python's own CFLAGS ask for debug info, 10x the library's size
@@ -108,6 +107,7 @@ def extensions_and_commands() -> tuple[list, dict]:
 
         def run(self) -> None:
             self.built = []  # the levels built or copied from the cache (a failed one is left out)
+            _say(f"native kernels to build: {', '.join(lv.name for lv in levels.values())}")
             super().run()
             stamp = Path(self.get_ext_fullpath(next(iter(levels)))).parent / "_native_build.json"
             stamp.write_text(json.dumps({lv.name: native.level_key(lv) for lv in self.built}, indent=1) + "\n")
