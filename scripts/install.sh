@@ -15,11 +15,11 @@ pip install -q --disable-pip-version-check "setuptools>=68" ninja torch==2.13.0
 # LMSERVE_WHEEL=dist/lmserve-....whl installs a built wheel (`pip wheel .`; kernels inside) instead of this checkout.
 target=(-e ".${extras}")
 [ -n "${LMSERVE_WHEEL:-}" ] && target=("${LMSERVE_WHEEL}${extras}")
-# pip -q would hide the build's progress: its "setup.py: " lines (a line per compiled unit) go to stderr as they come,
-# the rest of pip's output is kept and shown only if the install fails.
+# pip -q would hide the build's progress: its "setup.py: " lines (a line per compiled unit) go to stderr as they come
+# (from where they start: a compiler warning may precede one on its line), the rest only if the install fails.
 log="$(mktemp)"
 if ! pip install -v --disable-pip-version-check --no-build-isolation "${target[@]}" 2>&1 | tee "$log" \
-        | { grep --line-buffered -E '^ *setup\.py: ' | sed -u 's/^ *//' >&2 || true; }; then
+        | { grep --line-buffered -oE 'setup\.py: .*' >&2 || true; }; then
     tail -n 60 "$log" >&2
     rm -f "$log"
     exit 1
