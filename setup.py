@@ -1,4 +1,4 @@
-"""The native CPU kernels, compiled at install time once per instruction-set level (lmserve/layers/native.py).
+"""The native CPU kernels, compiled at install time for this machine's instruction-set level (layers/native.py).
 
 Everything else about the package is in pyproject.toml. Each level in native.LEVELS becomes an extension
 module `lmserve.layers._native_<level>`; `_native_build.json` beside them records which sources and torch each
@@ -7,8 +7,12 @@ kept in ~/.cache/lmserve/kernels (the run-time cache, same keys): a reinstall, a
 copies them instead of compiling again.
 
 Without torch in the build environment (`pip install --no-build-isolation` in a venv that lacks it), no
-extension is built and lmserve compiles at first use instead. LMSERVE_NATIVE_LEVELS=avx512-vnni,x86-64-v3 builds
-only those levels (a faster install for one machine); LMSERVE_NATIVE_LEVELS=none builds none.
+extension is built and lmserve compiles at first use instead. By default only the level this CPU runs is built
+(the other levels, where LMSERVE_NATIVE_LEVEL forces one, are compiled once at first use);
+LMSERVE_NATIVE_LEVELS=all builds every level (a wheel or an image for other machines),
+LMSERVE_NATIVE_LEVELS=avx512-vnni,x86-64-v3 the named ones, LMSERVE_NATIVE_LEVELS=none none. Each level's
+translation units compile in parallel (MAX_JOBS, else one job a core), a line on stderr as each is done (pip
+shows them with -v; scripts/install.sh shows them always).
 """
 
 from __future__ import annotations
@@ -38,9 +42,21 @@ def load_native():
     return module
 
 
+def host_flags() -> str:
+    """This CPU's /proc/cpuinfo flags ('' where unreadable: no level then, lmserve compiles at first use)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def chosen_levels(native) -> list:
     wanted = os.environ.get("LMSERVE_NATIVE_LEVELS", "").strip()
     if not wanted:
+        level = native.host_level(host_flags())
+        return [level] if level is not None else []
+    if wanted == "all":
         return list(native.LEVELS)
     names = {n.strip() for n in wanted.split(",")} - {"none"}
     unknown = names - {lv.name for lv in native.LEVELS}
@@ -56,6 +72,9 @@ def extensions_and_commands() -> tuple[list, dict]:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     levels = {f"{PACKAGE}.{lv.module}": lv for lv in chosen_levels(native)}
+    if not levels:
+        print("setup.py: native kernels to build: none", file=sys.stderr)
+        return [], {}
     sources = [str(p.relative_to(ROOT)) for p in native._SOURCES]
     # -g0: python's own CFLAGS ask for debug info, 10x the library's size
     exts = [CppExtension(name, sources, extra_compile_args=[*native.CFLAGS, *lv.march, "-g0"],
@@ -74,9 +93,11 @@ def extensions_and_commands() -> tuple[list, dict]:
                 print(f"setup.py: native kernels {level.name}: from the cache {cached}", file=sys.stderr)
                 shutil.copy2(found, target)
             else:
-                print(f"setup.py: compiling native kernels for {level.name} (1-2 minutes on 2 cores)", file=sys.stderr)
+                print(f"setup.py: compiling native kernels for {level.name} ({len(ext.sources)} units)",
+                      file=sys.stderr)
                 try:
-                    super().build_extension(ext)
+                    with native.build_progress(Path(self.build_temp), level.name, _say), native.parallel_jobs():
+                        super().build_extension(ext)
                 except Exception as e:  # noqa: BLE001 - no compiler (a CUDA image): install all the same
                     print(f"setup.py: native kernels for {level.name} not built ({type(e).__name__}: {e}); lmserve "
                           "compiles them at first use where it can, else uses the PyTorch paths", file=sys.stderr)
@@ -86,6 +107,7 @@ def extensions_and_commands() -> tuple[list, dict]:
 
         def run(self) -> None:
             self.built = []  # the levels built or copied from the cache (a failed one is left out)
+            _say(f"native kernels to build: {', '.join(lv.name for lv in levels.values())}")
             super().run()
             stamp = Path(self.get_ext_fullpath(next(iter(levels)))).parent / "_native_build.json"
             stamp.write_text(json.dumps({lv.name: native.level_key(lv) for lv in self.built}, indent=1) + "\n")
@@ -96,6 +118,10 @@ def extensions_and_commands() -> tuple[list, dict]:
             return outputs + [str(Path(outputs[0]).parent / "_native_build.json")] if outputs else outputs
 
     return exts, {"build_ext": BuildLevels.with_options(no_python_abi_suffix=False)}
+
+
+def _say(line: str) -> None:
+    print("setup.py: " + line, file=sys.stderr, flush=True)
 
 
 def _keep(built: Path, cached: Path) -> None:

@@ -8,13 +8,23 @@ extras=""
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 # torch is pinned: the 2.13.0 CPU wheel; an unpinned torch pulls a multi-GB CUDA build. It comes first: lmserve's
-# native CPU kernels are compiled against it at install time (setup.py; one build per instruction-set level, a few
-# minutes on 2 cores the first time, then copied from ~/.cache/lmserve/kernels), hence --no-build-isolation.
+# native CPU kernels are compiled against it at install time (setup.py: the build for this CPU's instruction-set
+# level, its units in parallel, about a minute on 2 cores the first time, then copied from ~/.cache/lmserve/kernels),
+# hence --no-build-isolation. LMSERVE_NATIVE_LEVELS=all builds every level (for a copy meant for other CPUs).
 pip install -q --disable-pip-version-check "setuptools>=68" ninja torch==2.13.0
 # LMSERVE_WHEEL=dist/lmserve-....whl installs a built wheel (`pip wheel .`; kernels inside) instead of this checkout.
 target=(-e ".${extras}")
 [ -n "${LMSERVE_WHEEL:-}" ] && target=("${LMSERVE_WHEEL}${extras}")
-pip install -q --disable-pip-version-check --no-build-isolation "${target[@]}"
+# pip -q would hide the build's progress: its "setup.py: " lines (a line per compiled unit) go to stderr as they come
+# (from where they start: a compiler warning may precede one on its line), the rest only if the install fails.
+log="$(mktemp)"
+if ! pip install -v --disable-pip-version-check --no-build-isolation "${target[@]}" 2>&1 | tee "$log" \
+        | { grep --line-buffered -oE 'setup\.py: .*' >&2 || true; }; then
+    tail -n 60 "$log" >&2
+    rm -f "$log"
+    exit 1
+fi
+rm -f "$log"
 # An editable install leaves lmserve's modules as source; compile them now, as a wheel install does, so that every
 # start reads .pyc files. Python only reads them where PYTHONDONTWRITEBYTECODE=1 (hosts and containers set it):
 # compiling lmserve's ~200 modules took 0.4 CPU s of every start there (issue 32). A module edited later is

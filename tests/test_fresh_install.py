@@ -1,10 +1,10 @@
 """A new user's first hour, on a fresh venv: the serve-only install, with no compiler, runs every command.
 
 One venv for the whole module (it is the expensive part): this checkout's files are copied to a temporary
-directory, `pip wheel` builds the wheel there (its native kernels built once per instruction-set level, copied
-from the kernel cache when this machine built them before), and `scripts/install.sh` installs it into a new
-venv exactly as its serve-only set-up does (torch 2.13.0 CPU, lmserve with no extras, the embedded model), with
-LMSERVE_WHEEL naming the wheel. No --system-site-packages: a dependency missing from pyproject.toml fails here.
+directory, `LMSERVE_NATIVE_LEVELS=all pip wheel` builds the wheel for distribution there (its native kernels
+built once per instruction-set level, copied from the kernel cache when this machine built them before), and
+`scripts/install.sh` installs it into a new venv exactly as its serve-only set-up does (torch 2.13.0 CPU, lmserve
+with no extras, the embedded model), with LMSERVE_WHEEL naming the wheel. No --system-site-packages: a dependency missing from pyproject.toml fails here.
 Every command then runs with no compiler to be found (PATH holds only the venv, CXX=false) and an empty kernel
 cache, so the kernels can only come from the wheel.
 """
@@ -68,7 +68,8 @@ def fresh(tmp_path_factory) -> Fresh:
         shutil.copy2(ROOT / name, src / name)
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(root / "dist"), str(src)], check=True, timeout=3000)
+                    str(root / "dist"), str(src)], check=True, timeout=3000,
+                   env={**os.environ, "LMSERVE_NATIVE_LEVELS": "all"})  # a plain install builds the host's only
     timings["pip wheel (kernels from the cache where built before)"] = time.perf_counter() - start
     [wheel] = (root / "dist").glob("lmserve-*.whl")
     start = time.perf_counter()

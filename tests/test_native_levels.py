@@ -4,6 +4,7 @@ the references (the same parity tests the best build passes, run again with that
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,13 +76,21 @@ def test_each_build_this_cpu_runs_equals_the_references(level):
     if level == "none":
         pytest.skip("this CPU runs no shipped level (below x86-64-v2, or not x86)")
     env = {**os.environ, native.ENV_LEVEL: level}
-    probe = ("from lmserve.layers import native\nm = native.native_module()\n"
-             "print(m.__name__, m.quant_packed_rows())")
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=1200,
-                         cwd=ROOT)
-    module, rows = out.stdout.split()
-    assert module == native.pick_level(cpu_flags(), level).module, out.stderr[-2000:]
-    assert int(rows) == (16 if level == "avx512-vnni" else 0)  # the packed GGUF layout: VNNI builds only
+    probe = ("import logging\nlogging.basicConfig(level=logging.DEBUG)\nfrom lmserve.layers import native\n"
+             "m = native.native_module()\nprint(m.__name__, m.quant_packed_rows())")
+    for attempt in ("first", "second"):  # a level the install did not build is compiled at its first use, once
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=1200,
+                             cwd=ROOT)
+        module, rows = out.stdout.split()
+        assert module == native.pick_level(cpu_flags(), level).module, out.stderr[-2000:]
+        assert int(rows) == (16 if level == "avx512-vnni" else 0)  # the packed GGUF layout: VNNI builds only
+        where = re.search(rf"\({level} build, (\w+)\)", out.stderr)
+        assert where is not None, out.stderr[-2000:]
+        if attempt == "second":
+            assert where.group(1) in ("prebuilt", "cached"), out.stderr[-2000:]
+        elif where.group(1) == "compiled":  # logged: a line per translation unit as it is done, then the time
+            assert f"native kernels {level}: bindings compiled" in out.stderr, out.stderr[-2000:]
+            assert "native kernels compiled in" in out.stderr, out.stderr[-2000:]
     if level == native.pick_level(cpu_flags(), os.environ.get(native.ENV_LEVEL)).name:
         return  # the build this process loads: the suite's own run of PARITY already tests it (saves ~1/3 here)
     # The kernels' parity tests only: the three that run the embedded model through them (an engine's tokens, the

@@ -1,4 +1,4 @@
-"""Every decoder layer of a decode-only step in one native call (layers/csrc/decode_stack.cpp), as a transform.
+"""Every decoder layer of a decode-only step in one native call (layers/csrc/decode_stack.h), as a transform.
 
 `apply_decode_stack(model)` replaces a finished model's `layer_loop` (models/decoder.LayerLoop, the reference) by a
 `NativeDecodeLoop` where every layer is one the native stack runs: plain or sandwich layers (Llama, Qwen, Mistral,

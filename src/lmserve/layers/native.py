@@ -4,13 +4,15 @@ One extension module (layers/csrc/): paged decode attention, the fused row-wise 
 layer (RMSNorm with the residual add, SiLU-and-mul, rotary), the skinny matmul for steps of a few
 rows (also over a bfloat16 head coded in 12 bits a weight: coded_half.cpp), and matmuls over a GGUF file's quantized codes (quant_gemm.cpp), all CPU float32.
 
-`pip install` / `pip wheel` compile it once per level in LEVELS (setup.py), so a wheel runs on any x86-64
-machine without a compiler. At run time the best level this CPU's flags allow is loaded, from:
+`pip install` compiles it for the host's level only (setup.py); `LMSERVE_NATIVE_LEVELS=all pip wheel .` (the
+Docker images) builds every level in LEVELS, so that wheel runs on any x86-64 machine without a compiler. At run
+time the best level this CPU's flags allow (or LMSERVE_NATIVE_LEVEL's) is loaded, from:
 1. the builds inside the package, if they were made from these sources for this torch (`_native_build.json`);
 2. else ~/.cache/lmserve/kernels/<level>-<key>, where an earlier build of the same level, sources and torch
    lies (setup.py fills it too, so reinstalling compiles nothing);
-3. else it is compiled there now, with torch's cpp_extension: the fallback (a checkout whose kernels were
-   edited, another torch, a non-x86 CPU), logged as such and timed apart from the model's load.
+3. else it is compiled there now, with torch's cpp_extension, once: a level the install did not build, a
+   checkout whose kernels were edited, another torch, a non-x86 CPU; logged with a line per translation unit
+   and timed apart from the model's load.
 Where none works (no compiler, or LMSERVE_NATIVE_KERNELS=0), callers use the PyTorch paths, with one log
 line. A build is made in a private directory and renamed into place, so an interrupted one never blocks a
 later start. Each level's code differs where csrc/ tests the compiler's macros (__AVX2__, __AVX512VNNI__...):
@@ -24,6 +26,9 @@ import json
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
@@ -35,8 +40,10 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "LMSERVE_NATIVE_KERNELS"
 ENV_LEVEL = "LMSERVE_NATIVE_LEVEL"  # a level's name: load that build instead of the best (each build's parity tests)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp", "coded_half.cpp",
-                                          "quant_gemm.cpp", "decode_stack.cpp", "bindings.cpp")]
+# The binding unit first: it alone includes torch's headers (csrc/kernels.h), so it is the long pole and ninja
+# starts it first; the kernel units compile beside it in seconds.
+_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp",
+                                          "coded_half.cpp", "quant_gemm.cpp")]
 # fast-math lets GCC vectorise the reductions and exp; finite-math stays off (masked -inf must compare)
 CFLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 BUILD_STAMP = Path(__file__).parent / "_native_build.json"  # written by setup.py beside the builds it made
@@ -161,7 +168,6 @@ def _compile(level: Level, root: Path, final: Path) -> None:
     """
     import shutil
     import tempfile
-    import time
 
     from torch.utils import cpp_extension
 
@@ -170,13 +176,13 @@ def _compile(level: Level, root: Path, final: Path) -> None:
     try:
         for src in [*_CSRC.glob("*.cpp"), *_CSRC.glob("*.h")]:
             shutil.copy2(src, tmp / src.name)
-        # minutes of silence otherwise (g++ -O3 on 2 cores: ~1-3 min)
-        log.info("compiling native kernels for %s (no prebuilt build for these sources and torch %s; 1-2 minutes "
-                 "on 2 cores, once) ...", level.name, torch.__version__)
+        log.info("compiling native kernels for %s (no build of it for these sources and torch %s here yet; "
+                 "once) ...", level.name, torch.__version__)
         t0 = time.perf_counter()
-        cpp_extension.load(name=level.module, sources=[str(tmp / p.name) for p in _SOURCES],
-                           extra_cflags=[*CFLAGS, *level.march], extra_ldflags=["-fopenmp"],
-                           build_directory=str(tmp), verbose=False)
+        with build_progress(tmp, level.name, log.info), parallel_jobs():
+            cpp_extension.load(name=level.module, sources=[str(tmp / p.name) for p in _SOURCES],
+                               extra_cflags=[*CFLAGS, *level.march], extra_ldflags=["-fopenmp"],
+                               build_directory=str(tmp), verbose=False)
         log.info("native kernels compiled in %.0f s", time.perf_counter() - t0)
         try:
             tmp.rename(final)
@@ -184,6 +190,69 @@ def _compile(level: Level, root: Path, final: Path) -> None:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def host_level(flags: str) -> Level | None:
+    """The level an install builds for this machine (a cpuinfo flags line); None below every level (run time
+    compiles a `host` build instead)."""
+    level = pick_level(flags)
+    return level if level in LEVELS else None
+
+
+@contextmanager
+def parallel_jobs() -> Iterator[None]:
+    """MAX_JOBS (torch's ninja runs) set to this process's cores unless set: ninja's own default, cores + 2, only
+    adds memory (each translation unit that includes torch takes ~1 GB)."""
+    had = os.environ.get("MAX_JOBS")
+    if had is None:
+        os.environ["MAX_JOBS"] = str(max(1, len(os.sched_getaffinity(0))))
+    try:
+        yield
+    finally:
+        if had is None:
+            os.environ.pop("MAX_JOBS", None)
+
+
+@contextmanager
+def build_progress(directory: Path, level: str, emit: Callable[[str], None]) -> Iterator[None]:
+    """A line per translation unit as its object file appears under `directory` (ninja, run quietly, says nothing
+    until the end), then each unit's compile time from ninja's log."""
+    start, seen = time.time(), set()
+    stop = threading.Event()
+
+    def report() -> None:
+        for obj in sorted(directory.rglob("*.o")):
+            if obj not in seen and obj.stat().st_mtime >= start:  # an earlier build's objects are not progress
+                seen.add(obj)
+                emit(f"native kernels {level}: {obj.stem} compiled ({len(seen)}/{len(_SOURCES)}, "
+                     f"{time.time() - start:.0f} s)")
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            report()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        report()
+        times = unit_times(directory)
+        if times:
+            emit(f"native kernels {level}: seconds per unit: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))
+
+
+def unit_times(directory: Path) -> dict[str, float]:
+    """Each object's compile time in seconds, slowest first, from the newest .ninja_log under `directory`."""
+    logs = sorted(directory.rglob(".ninja_log"), key=lambda p: p.stat().st_mtime)
+    times = {}
+    for line in logs[-1].read_text().splitlines()[1:] if logs else []:
+        fields = line.split("\t")  # start ms, end ms, mtime, output, hash; a later run's line replaces an earlier
+        if len(fields) == 5 and fields[3].endswith(".o"):
+            times[Path(fields[3]).stem] = (int(fields[1]) - int(fields[0])) / 1000
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def _library(directory: Path) -> Path | None:

@@ -1,6 +1,10 @@
-// Python bindings of the native ops (one extension module, built by layers/native.py).
+// Python bindings of the native ops (one extension module, built by layers/native.py). The one unit that includes
+// torch's headers (ops.h): the kernel units take raw rows (kernels.h), so they compile in seconds, in parallel.
+#include "decode_stack.h"
 #include "ops.h"
 #include "thread_pool.h"
+
+int lmserve::torch_threads() { return at::get_num_threads(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the matmuls and the attention run without the GIL, as torch's own ops do: other Python threads (a server's event

@@ -23,8 +23,7 @@
 // in order), over the same widened values, so the result is bit for bit skinny_linear's over the bfloat16 panels,
 // for any number of rows (batch invariant).
 
-#include "ops.h"
-
+#include "kernels.h"
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -44,14 +43,10 @@ constexpr int64_t kBlock = 1024;     // gemv.cpp's chain length
 // (13.2 -> 15.1 GB/s; the plain bf16 panels 14.4) on the 2-core Xeon (benchmarks/lm_head_kernels.py)
 constexpr int64_t kPrefetch = 1536;
 
-struct Coded {
-  const uint8_t* codes;    // [P, G, 96]
-  const uint8_t* tables;   // [P, 16] high bytes
-  const int64_t* exc_off;  // [P + 1]: panel p's exceptions are [exc_off[p], exc_off[p + 1])
-  const int32_t* exc_pos;  // [E] k * 16 + c, ascending within a panel
-  const float* exc_val;    // [E] the exact weights
-  int64_t K, G;
-};
+// codes [P, G, 96], tables [P, 16] high bytes, exc_off [P + 1] (panel p's exceptions are [exc_off[p],
+// exc_off[p + 1])), exc_pos [E] (k * 16 + c, ascending within a panel), exc_val [E] (the exact weights), K, G
+using Coded = lmserve::CodedHalf;
+static_assert(kPanel == lmserve::kPanelWidth && kGroupBytes == lmserve::kCodedGroupBytes);
 
 // byte position in a group of the weight at input k = 4g + v, column c (the layout above; the kernel's unpack order)
 inline int64_t position(int64_t v, int64_t c) { return 16 * (c >> 2) + 8 * (v >> 1) + 2 * (c & 3) + (v & 1); }
@@ -245,49 +240,14 @@ void coded_panels(const Coded& w, const float* x, int64_t M, int64_t P, float* y
 
 }  // namespace
 
-torch::Tensor coded_half_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor tables, torch::Tensor exc_off,
-                                torch::Tensor exc_pos, torch::Tensor exc_val, int64_t out_features,
-                                c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2,
-              "coded_half_linear: x must be [M, K] float32 on the CPU");
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 3 && codes.size(2) == kGroupBytes &&
-              codes.is_contiguous() && codes.size(1) * 4 >= x.size(1) && codes.size(1) * 4 < x.size(1) + 4,
-              "coded_half_linear: codes must be [N/16, ceil(K/4), 96] uint8");
-  const int64_t P = codes.size(0), M = x.size(0), ldy = P * kPanel;
-  TORCH_CHECK(tables.scalar_type() == torch::kUInt8 && tables.is_contiguous() && tables.numel() == P * kPanel,
-              "coded_half_linear: tables must be [N/16, 16] uint8");
-  TORCH_CHECK(exc_off.scalar_type() == torch::kInt64 && exc_off.is_contiguous() && exc_off.numel() == P + 1 &&
-              exc_pos.scalar_type() == torch::kInt32 && exc_pos.is_contiguous() &&
-              exc_val.scalar_type() == torch::kFloat && exc_val.is_contiguous() &&
-              exc_pos.numel() == exc_val.numel() && exc_off.data_ptr<int64_t>()[P] == exc_pos.numel(),
-              "coded_half_linear: bad exception lists");
-  TORCH_CHECK(out_features <= ldy, "coded_half_linear: out_features past the panels");
-  x = x.contiguous();
-  const Coded w{codes.data_ptr<uint8_t>(), tables.data_ptr<uint8_t>(), exc_off.data_ptr<int64_t>(),
-                exc_pos.data_ptr<int32_t>(), exc_val.data_ptr<float>(), x.size(1), codes.size(1)};
-  auto y = torch::empty({M, ldy}, x.options());
-  coded_panels(w, x.data_ptr<float>(), M, P, y.data_ptr<float>());
-  auto out = out_features == ldy ? y : y.narrow(1, 0, out_features);
-  if (bias.has_value()) out = out + *bias;
-  return out;
+void lmserve::coded_half_matmul(const CodedHalf& w, const float* x, int64_t M, int64_t P, float* y) {
+  coded_panels(w, x, M, P, y);
 }
 
 // Rows `ids` of the coded matrix widened to float32 [T, K]: the tied token table's look-ups (one decode step looks one
 // row up; the tensor ops of half_linear.coded_rows, its reference, take ~0.5 ms for that).
-torch::Tensor coded_half_rows(torch::Tensor ids, torch::Tensor codes, torch::Tensor tables, torch::Tensor exc_off,
-                              torch::Tensor exc_pos, torch::Tensor exc_val, int64_t K) {
-  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && codes.scalar_type() == torch::kUInt8 &&
-              codes.dim() == 3 && codes.size(2) == kGroupBytes && codes.is_contiguous() && codes.size(1) * 4 >= K &&
-              tables.is_contiguous() && exc_off.is_contiguous() && exc_pos.is_contiguous() &&
-              exc_val.is_contiguous(), "coded_half_rows: expected int64 ids [T] and coded_half_linear's tensors");
-  ids = ids.contiguous();
-  const int64_t T = ids.size(0), P = codes.size(0), G = codes.size(1);
-  const Coded w{codes.data_ptr<uint8_t>(), tables.data_ptr<uint8_t>(), exc_off.data_ptr<int64_t>(),
-                exc_pos.data_ptr<int32_t>(), exc_val.data_ptr<float>(), K, G};
-  const int64_t* id = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < P * kPanel, "coded_half_rows: id out of range");
-  auto out = torch::empty({T, K}, torch::dtype(torch::kFloat));
-  float* o = out.data_ptr<float>();
+void lmserve::coded_half_gather(const CodedHalf& w, const int64_t* id, int64_t T, float* o) {
+  const int64_t K = w.K, G = w.G;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t p = id[t] / kPanel, c = id[t] % kPanel;
     float* row = o + t * K;
@@ -296,25 +256,18 @@ torch::Tensor coded_half_rows(torch::Tensor ids, torch::Tensor codes, torch::Ten
     for (int64_t e = w.exc_off[p]; e < w.exc_off[p + 1]; ++e)
       if (w.exc_pos[e] % kPanel == c) row[w.exc_pos[e] / kPanel] = w.exc_val[e];
   }
-  return out;
 }
 
 // The coding itself (half_linear.code_panels; code_panels_reference is the same in tensor ops, ~1.5 s for SmolLM2's
 // 49152 x 576 head on 2 cores: ~12 passes over 28M weights widened to int32, against one pass here). Per panel: the
 // high bytes counted, the 16 commonest kept (more weights first, then the smaller byte: the reference's order, so
 // both give the same bytes), every weight coded in place, the ones outside the table listed as exceptions (their
-// slot: index 0 and low byte 0, as the kernel expects). Returns codes, tables, exc_off, exc_pos, exc_val.
-std::vector<torch::Tensor> code_half_panels(torch::Tensor panels) {
-  TORCH_CHECK(panels.scalar_type() == torch::kBFloat16 && panels.dim() == 3 && panels.size(2) == kPanel &&
-              panels.is_contiguous(), "code_half_panels: panels must be contiguous bfloat16 [N/16, K, 16]");
-  const int64_t P = panels.size(0), K = panels.size(1), G = (K + 3) / 4;
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  auto codes = torch::zeros({P, G, kGroupBytes}, torch::dtype(torch::kUInt8));
-  auto tables = torch::empty({P, kPanel}, torch::dtype(torch::kUInt8));
-  uint8_t* out = codes.data_ptr<uint8_t>();
-  uint8_t* table = tables.data_ptr<uint8_t>();
-  std::vector<std::vector<int32_t>> pos(P);
-  std::vector<std::vector<float>> val(P);
+// slot: index 0 and low byte 0, as the kernel expects). The caller zeroes the codes.
+void lmserve::code_half(const uint16_t* src, int64_t P, int64_t K, uint8_t* out, uint8_t* table,
+                        std::vector<std::vector<int32_t>>& pos, std::vector<std::vector<float>>& val) {
+  const int64_t G = (K + 3) / 4;
+  pos.assign(P, {});
+  val.assign(P, {});
   lmserve::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const uint16_t* w = src + p * K * kPanel;
@@ -354,15 +307,4 @@ std::vector<torch::Tensor> code_half_panels(torch::Tensor panels) {
       }
     }
   });
-  auto exc_off = torch::empty({P + 1}, torch::dtype(torch::kInt64));
-  int64_t* off = exc_off.data_ptr<int64_t>();
-  off[0] = 0;
-  for (int64_t p = 0; p < P; ++p) off[p + 1] = off[p] + static_cast<int64_t>(pos[p].size());
-  auto exc_pos = torch::empty({off[P]}, torch::dtype(torch::kInt32));
-  auto exc_val = torch::empty({off[P]}, torch::dtype(torch::kFloat));
-  for (int64_t p = 0; p < P; ++p) {
-    std::copy(pos[p].begin(), pos[p].end(), exc_pos.data_ptr<int32_t>() + off[p]);
-    std::copy(val[p].begin(), val[p].end(), exc_val.data_ptr<float>() + off[p]);
-  }
-  return {codes, tables, exc_off, exc_pos, exc_val};
 }

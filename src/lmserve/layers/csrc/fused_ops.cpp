@@ -6,8 +6,7 @@
 // order, so a row's result does not depend on what else is in the batch. The PyTorch reference path
 // (layers/fused.py) stays, and tests/test_native_ops.py compares the two.
 
-#include "ops.h"
-
+#include "kernels.h"
 #include "thread_pool.h"
 
 #include <cmath>
@@ -18,10 +17,6 @@ namespace {
 
 // Rows per parallel chunk: about 16K floats, so small batches stay on one thread (no wake-up cost).
 int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
-
-void check_float_cpu(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat, name, ": float32 CPU tensors only");
-}
 
 // out[d] = w[d] * (x[d] * r) with r = 1 / sqrt(mean(x^2) + eps): the order of HF's LlamaRMSNorm.
 inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int64_t D,
@@ -34,31 +29,9 @@ inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, f
 
 }  // namespace
 
-namespace {
-
 // out = norm(x + residual) with the sum written into residual, or norm(x) when residual is null
-torch::Tensor norm_rows(torch::Tensor x, torch::Tensor* residual, torch::Tensor weight, double eps,
-                        const char* name) {
-  check_float_cpu(x, name);
-  check_float_cpu(weight, name);
-  const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.numel() == D, name, ": weight has ", lmserve::num(weight.numel()), " elements, rows have ",
-              lmserve::num(D));
-  float* rp = nullptr;
-  if (residual != nullptr) {
-    check_float_cpu(*residual, name);
-    TORCH_CHECK(x.sizes() == residual->sizes(), name, ": x and residual differ in shape");
-    TORCH_CHECK(residual->is_contiguous(), name, ": the residual is updated in place and must be contiguous");
-    rp = residual->data_ptr<float>();
-  }
-  x = x.contiguous();
-  weight = weight.contiguous();
-  auto out = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  lmserve::parallel_for(0, x.numel() / std::max<int64_t>(D, 1), grain(D), [&](int64_t begin, int64_t end) {
+void lmserve::rms_norm_rows(const float* xp, float* rp, const float* wp, float* op, int64_t T, int64_t D, float e) {
+  lmserve::parallel_for(0, T, grain(D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * D;
       if (rp != nullptr) {
@@ -69,40 +42,21 @@ torch::Tensor norm_rows(torch::Tensor x, torch::Tensor* residual, torch::Tensor 
       norm_row(row, wp, op + t * D, D, e);
     }
   });
-  return out;
 }
 
-}  // namespace
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  return norm_rows(x, nullptr, weight, eps, "rms_norm");
-}
-
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  return norm_rows(x, &residual, weight, eps, "add_rms_norm_");
-}
-
-// The gated activations share their shape checks and row split; `row(g, u, o, I)` writes one row of act(g) * u.
+// The gated activations share their row split; `row(g, u, o, I)` writes one row of act(g) * u.
 template <typename Row>
-static torch::Tensor gated_rows(torch::Tensor gate_up, const char* name, Row row) {
-  check_float_cpu(gate_up, name);
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, name, ": expected [T, 2 * I]");
-  gate_up = gate_up.contiguous();
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+static void gated_rows(const float* gp, float* op, int64_t T, int64_t I, Row row) {
   lmserve::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) row(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I);
   });
-  return out;
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  return gated_rows(gate_up, "silu_and_mul",
-                    [](const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o, int64_t I) {
-                      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-                    });
+void lmserve::silu_and_mul_rows(const float* gate_up, float* out, int64_t T, int64_t I) {
+  gated_rows(gate_up, out, T, I,
+             [](const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o, int64_t I) {
+               for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+             });
 }
 
 // the GELU below: no fast-math or contraction, so its numbers are fixed whatever inlines them (simd_avx512.h)
@@ -195,40 +149,19 @@ std::pair<int64_t, float> argmax_logprob_row(const float* x, int64_t V) {
 
 #pragma GCC pop_options
 
-std::vector<torch::Tensor> argmax_logprob(torch::Tensor logits) {
-  check_float_cpu(logits, "argmax_logprob");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "argmax_logprob: expected [B, V] with V > 0");
-  logits = logits.contiguous();
-  const int64_t B = logits.size(0), V = logits.size(1);
-  auto ids = torch::empty({B}, logits.options().dtype(torch::kInt64));
-  auto lp = torch::empty({B}, logits.options());
-  const float* px = logits.data_ptr<float>();
-  int64_t* pi = ids.data_ptr<int64_t>();
-  float* pl = lp.data_ptr<float>();
+void lmserve::argmax_logprob_rows(const float* px, int64_t B, int64_t V, int64_t* pi, float* pl) {
   lmserve::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) std::tie(pi[b], pl[b]) = argmax_logprob_row(px + b * V, V);
   });
-  return {ids, lp};
 }
 
-torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
-  return gated_rows(gate_up, "gelu_tanh_and_mul", gelu_tanh_mul_row);
+void lmserve::gelu_tanh_and_mul_rows(const float* gate_up, float* out, int64_t T, int64_t I) {
+  gated_rows(gate_up, out, T, I, gelu_tanh_mul_row);
 }
 
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  check_float_cpu(x, "rotary_");
-  check_float_cpu(cos, "rotary_ cos");
-  check_float_cpu(sin, "rotary_ sin");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "rotary_: expected [T, heads, D] with contiguous heads (rows may be strided)");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D, "rotary_: cos/sin must be [T, 1, D]");
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t row_stride = x.stride(0);
+void lmserve::rotary_rows(float* xp, int64_t row_stride, const float* cp, const float* sp, int64_t T, int64_t H,
+                          int64_t D) {
+  const int64_t half = D / 2;
   lmserve::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict__ c = cp + t * D;

@@ -23,9 +23,12 @@
 // in pairs, each pair a pass over the whole panel: M = 5 45.6 -> 37.3 ms, M = 8 55.6 -> 41.2 ms, M = 1-2
 // unchanged (30 ms); oneDNN takes 49-59 ms at M = 5-8 (benchmarks/results/skinny_rows.md).
 
-#include "ops.h"
+#include "kernels.h"
 
 #include "thread_pool.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +40,7 @@
 namespace {
 
 constexpr int64_t kPanel = 16;    // output columns per panel: two 8-float registers
+static_assert(kPanel == lmserve::kPanelWidth);
 constexpr int64_t kBlock = 1024;  // inputs per FMA chain before its sum is added to the output
 constexpr int64_t kChunk = 64;    // inputs per pass of a row group: 4 KB of panel, read from L1 by the next group
 constexpr int64_t kSlab = 8;      // rows whose chains share one pass over a panel (acc buffer: 512 bytes)
@@ -184,48 +188,19 @@ void skinny_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t P
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
-                            c10::optional<torch::Tensor> bias) {
-  const auto wt = panels.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat &&
-              (wt == torch::kFloat || wt == torch::kBFloat16 || wt == torch::kHalf),
-              "skinny_linear: float32 CPU activations, float32 / bfloat16 / float16 panels only");
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && panels.size(1) == x.size(1),
-              "skinny_linear: expected x [M, K] and panels [N/16, K, 16]");
-  TORCH_CHECK(panels.is_contiguous() && out_features <= panels.size(0) * kPanel, "skinny_linear: bad panels");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), ldy = P * kPanel;
-  // padded to whole panels while computing; the caller sees [M, out_features]
-  auto y = torch::empty({M, ldy}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (wt == torch::kBFloat16) skinny_panels(xp, M, K, panels.data_ptr<c10::BFloat16>(), P, yp);
-  else if (wt == torch::kHalf) skinny_panels(xp, M, K, panels.data_ptr<c10::Half>(), P, yp);
-  else skinny_panels(xp, M, K, panels.data_ptr<float>(), P, yp);
-  auto out = out_features == ldy ? y : y.narrow(1, 0, out_features);
-  if (bias.has_value()) out = out + *bias;
-  return out;
+void lmserve::skinny_matmul(const float* xp, int64_t M, int64_t K, const void* panels, PanelType type, int64_t P,
+                            float* yp) {
+  if (type == PanelType::kBFloat16) skinny_panels(xp, M, K, static_cast<const c10::BFloat16*>(panels), P, yp);
+  else if (type == PanelType::kHalf) skinny_panels(xp, M, K, static_cast<const c10::Half*>(panels), P, yp);
+  else skinny_panels(xp, M, K, static_cast<const float*>(panels), P, yp);
 }
 
 // A mixture of experts' grouped projection over panels: rows [offsets[e], offsets[e + 1]) of x times expert e's
 // panels [E, N/16, K, 16], one parallel_for over every (expert, panel) pair. Each row's chains are skinny_linear's
 // for its expert alone, so the bits equal one call per expert (and oneDNN's, where the load-time check passed).
-torch::Tensor skinny_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor panels, int64_t out_features) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kFloat,
-              "skinny_linear_experts: float32 CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 4 && panels.size(3) == kPanel && panels.size(2) == x.size(1) &&
-              panels.is_contiguous(), "skinny_linear_experts: expected x [R, K] and panels [E, N/16, K, 16]");
-  const int64_t E = panels.size(0), P = panels.size(1), K = x.size(1), R = x.size(0), ldy = P * kPanel;
-  TORCH_CHECK(out_features <= ldy, "skinny_linear_experts: out_features past the panels");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == E + 1 && offsets.scalar_type() == torch::kInt64 &&
-              offsets.is_contiguous() && offsets.device().is_cpu(), "offsets: [E + 1] int64 on the CPU");
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == R, "offsets must run from 0 to the number of rows");
-  x = x.contiguous();
-  auto y = torch::empty({R, ldy}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void lmserve::skinny_experts_matmul(const float* xp, int64_t K, const int64_t* off, int64_t E, const float* pp,
+                                    int64_t P, float* yp) {
+  const int64_t ldy = P * kPanel;
   lmserve::parallel_for(0, E * P, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / P, p = i % P, r0 = off[e], M = off[e + 1] - r0;
@@ -238,5 +213,4 @@ torch::Tensor skinny_linear_experts(torch::Tensor x, torch::Tensor offsets, torc
       }
     }
   });
-  return out_features == ldy ? y : y.narrow(1, 0, out_features);
 }

@@ -9,13 +9,13 @@
 // q [B, H, D] float32 (D = 64, 128 or 256); k_cache, v_cache [num_blocks, block_size, Hkv, W] in one of kv_cache.h's
 // formats (float32, float16, or int8 / e4m3 codes with a scale per 32), each row read as its float32 values
 // (code * scale) with no dequantized copy of the cache; block_tables [B, max_blocks] int64; context_lens [B] int64
-// (>= 1). Query head h uses kv head h / (H / Hkv), as HF's repeat_kv does. write_kv_rows (below) is the one writer
+// (>= 1). Query head h uses kv head h / (H / Hkv), as HF's repeat_kv does. write_kv_slots (below) is the one writer
 // of those formats.
 // window > 0: row b attends only to its last `window` keys (sliding-window layers); softcap > 0: each score s
 // becomes softcap * tanh(s / softcap) after the scale (Gemma 2), as transformers computes them.
 
+#include "kernels.h"
 #include "kv_cache.h"
-#include "ops.h"
 #include "thread_pool.h"
 
 #include <algorithm>
@@ -26,6 +26,7 @@
 namespace {
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled in registers-sized scratch
+static_assert(kMaxGroup == lmserve::kMaxGroupHeads, "kernels.h tells the binding unit this limit");
 
 using lmserve_kv::kQuantized;
 using lmserve_kv::row_width;
@@ -295,101 +296,52 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
 #pragma GCC pop_options
 #endif
 
-// the kernel for this build (AVX-512 where compiled for it) and head size
-template <typename KV>
-void run_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, const int64_t* rows,
-                   torch::Tensor& out, int64_t B, int64_t H, int64_t D, int64_t block_size, int64_t Hkv, int64_t mb,
-                   float s, int64_t window, float softcap) {
-  const float* pq = q.data_ptr<float>();
-  const KV* pk = static_cast<const KV*>(k_cache.data_ptr());
-  const KV* pv = static_cast<const KV*>(v_cache.data_ptr());
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* cl = context_lens.data_ptr<int64_t>();
-  float* po = out.data_ptr<float>();
-#if defined(LMSERVE_ATTENTION_AVX512)
-  auto run = D == 64 ? attention_avx512<64, KV> : D == 128 ? attention_avx512<128, KV> : attention_avx512<256, KV>;
-#else
-  auto run = D == 64 ? decode_attention<64, KV> : D == 128 ? decode_attention<128, KV> : decode_attention<256, KV>;
-#endif
-  run(pq, pk, pv, bt, cl, rows, po, B, H, block_size, Hkv, mb, s, window, softcap);
-}
-
 namespace {
 
 // f(KV*{}) with the element type of a cache of `type` (kv_cache.h's formats)
 template <typename F>
-void with_kv_type(c10::ScalarType type, const F& f) {
+void with_kv_type(lmserve::KvType type, const F& f) {
   switch (type) {
-    case torch::kFloat: return f(static_cast<float*>(nullptr));
-    case torch::kHalf: return f(static_cast<c10::Half*>(nullptr));
-    case torch::kChar: return f(static_cast<int8_t*>(nullptr));
-    case torch::kFloat8_e4m3fn: return f(static_cast<lmserve_kv::Fp8*>(nullptr));
-    default: TORCH_CHECK(false, "KV cache: float32, float16, int8 or float8_e4m3fn elements, got ", type);
+    case lmserve::KvType::kFloat: return f(static_cast<float*>(nullptr));
+    case lmserve::KvType::kHalf: return f(static_cast<c10::Half*>(nullptr));
+    case lmserve::KvType::kInt8: return f(static_cast<int8_t*>(nullptr));
+    case lmserve::KvType::kFp8: return f(static_cast<lmserve_kv::Fp8*>(nullptr));
   }
 }
 
-int64_t row_width_of(c10::ScalarType type, int64_t D) {
+}  // namespace
+
+int64_t lmserve::kv_row_width(KvType type, int64_t D) {
   int64_t w = 0;
   with_kv_type(type, [&](auto* tag) { w = row_width<std::remove_pointer_t<decltype(tag)>>(D); });
   return w;
 }
 
-}  // namespace
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> table_rows, int64_t window, double softcap) {
-  const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv_type,
-              "CPU tensors only: float32 queries over a float32, float16, int8 or float8_e4m3fn cache");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong);
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256 only");
-  TORCH_CHECK(k_cache.size(3) == row_width_of(kv_type, D) && H % Hkv == 0 && H / Hkv <= kMaxGroup,
-              "unsupported head layout");
-  TORCH_CHECK(context_lens.size(0) == B);
-  const int64_t* rows = nullptr;  // row b reads block_tables[table_rows[b]] (prefill tokens share their request's)
-  if (table_rows.has_value()) {
-    TORCH_CHECK(table_rows->scalar_type() == torch::kLong && table_rows->is_contiguous() && table_rows->size(0) == B,
-                "table_rows: [B] int64");
-    rows = table_rows->data_ptr<int64_t>();
-  } else {
-    TORCH_CHECK(block_tables.size(0) == B);
-  }
-  auto out = torch::empty_like(q);
-  const float s = static_cast<float>(scale);
-  const int64_t mb = block_tables.size(1);
-  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
-  const float cap = static_cast<float>(softcap);
-  with_kv_type(kv_type, [&](auto* tag) {
+// the kernel for this build (AVX-512 where compiled for it) and head size
+void lmserve::paged_attention(KvType type, const float* q, const void* k_cache, const void* v_cache,
+                              const int64_t* block_tables, const int64_t* context_lens, const int64_t* rows,
+                              float* out, int64_t B, int64_t H, int64_t D, int64_t block_size, int64_t Hkv,
+                              int64_t mb, float scale, int64_t window, float softcap) {
+  with_kv_type(type, [&](auto* tag) {
     using KV = std::remove_pointer_t<decltype(tag)>;
-    run_attention<KV>(q, k_cache, v_cache, block_tables, context_lens, rows, out, B, H, D, block_size, Hkv, mb, s,
-                      window, cap);
+#if defined(LMSERVE_ATTENTION_AVX512)
+    auto run = D == 64 ? attention_avx512<64, KV> : D == 128 ? attention_avx512<128, KV> : attention_avx512<256, KV>;
+#else
+    auto run = D == 64 ? decode_attention<64, KV> : D == 128 ? decode_attention<128, KV> : decode_attention<256, KV>;
+#endif
+    run(q, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), block_tables, context_lens, rows, out,
+        B, H, block_size, Hkv, mb, scale, window, softcap);
   });
-  return out;
 }
 
-void write_kv_rows(const torch::Tensor& cache, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                   const int64_t* slots, int64_t T, int64_t Hkv, int64_t D) {
-  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 && cache.size(0) == 2 && cache.size(3) == Hkv &&
-              cache.size(4) == row_width_of(cache.scalar_type(), D), "KV cache: contiguous [2, blocks, block_size, ",
-              lmserve::num(Hkv), ", ", lmserve::num(row_width_of(cache.scalar_type(), D)), "]");
-  const int64_t num_slots = cache.size(1) * cache.size(2);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", lmserve::num(slots[t]), " outside the cache's ",
-                lmserve::num(num_slots));
-  with_kv_type(cache.scalar_type(), [&](auto* tag) {
+void lmserve::write_kv_slots(KvType type, void* cache, int64_t num_slots, const float* k, int64_t k_stride,
+                             const float* v, int64_t v_stride, const int64_t* slots, int64_t T, int64_t Hkv,
+                             int64_t D) {
+  with_kv_type(type, [&](auto* tag) {
     using KV = std::remove_pointer_t<decltype(tag)>;
     const int64_t W = row_width<KV>(D);
-    KV* kc = static_cast<KV*>(cache.data_ptr());
-    KV* vc = kc + cache.numel() / 2;
+    KV* kc = static_cast<KV*>(cache);
+    KV* vc = kc + num_slots * Hkv * W;
     // tokens in parallel only for a prefill's many rows: a decode step's few are cheaper than a wake-up
     lmserve::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t)
@@ -399,16 +351,4 @@ void write_kv_rows(const torch::Tensor& cache, const float* k, int64_t k_stride,
         }
     });
   });
-}
-
-void write_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
-  TORCH_CHECK(k.device().is_cpu() && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
-              k.dim() == 3 && v.sizes() == k.sizes(), "write_kv: float32 CPU k, v [T, kv_heads, head_dim]");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.numel() == k.size(0), "write_kv: [T] int64 slots");
-  k = k.contiguous();
-  v = v.contiguous();
-  slot_mapping = slot_mapping.contiguous();
-  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
-  write_kv_rows(cache, k.data_ptr<float>(), Hkv * D, v.data_ptr<float>(), Hkv * D, slot_mapping.data_ptr<int64_t>(), T,
-                Hkv, D);
 }

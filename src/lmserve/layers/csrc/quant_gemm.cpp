@@ -39,14 +39,14 @@
 // Numerics: every output is the same chain of per-block terms in the same order whatever the number of
 // rows or threads, so a row's result never depends on its batch (batch invariance).
 
-#include "ops.h"
-
+#include "kernels.h"
 #include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -622,27 +622,22 @@ int64_t scales_per_row(int kind, int64_t K) {
   return super_kind(kind) ? K / kSuper : per16_kind(kind) ? K / 16 : K / kQBlock;
 }
 
-// mins: U4 and U8 need them, kind 4 may have them (Q2_K), S8 and kind 3 have none; `shape` is the scales'
-void check_mins(int64_t kind, const c10::optional<torch::Tensor>& mins, c10::IntArrayRef shape) {
-  if (kind < 2 || kind == 5 || (kind == 4 && mins.has_value())) {
-    TORCH_CHECK(mins.has_value() && mins->sizes() == shape && mins->is_contiguous() &&
-                mins->scalar_type() == torch::kFloat32, "mins: float32 like scales (kinds 0, 1, 5; 4 where present)");
-  } else {
-    TORCH_CHECK(!mins.has_value(), "mins: none for kinds 2, 3 and 6");
-  }
-}
-
 }  // namespace
 
-torch::Tensor quantize_activations(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous [M, K] float32");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32");
-  // [M, K] int8 codes, then [M, K/32] scales and [M, K/32] scale * sums, in one byte buffer per row
-  auto out = torch::empty({M, K + 8 * (K / kQBlock)}, x.options().dtype(torch::kInt8));
-  const float* px = x.data_ptr<float>();
-  int8_t* po = out.data_ptr<int8_t>();
-  const int64_t stride = out.size(1);
+static_assert(kQBlock == lmserve::kQuantBlock && kSuper == lmserve::kQuantSuper);
+
+int64_t lmserve::quant_row_code_bytes(int64_t kind, int64_t K) { return code_bytes_per_row(static_cast<int>(kind), K); }
+int64_t lmserve::quant_row_scales(int64_t kind, int64_t K) { return scales_per_row(static_cast<int>(kind), K); }
+int64_t lmserve::quant_packed_code_bytes(int64_t kind) {
+  return super_kind(kind) ? 16 * super_block_bytes(kind) : nibble_kind(kind) ? 256 : 512;
+}
+int64_t lmserve::quant_packed_scale_blocks(int64_t kind, int64_t K) {
+  return super_kind(kind) ? K / kSuper : per16_kind(kind) ? 2 * (K / kQBlock) : K / kQBlock;
+}
+
+// [M, K] int8 codes, then [M, K/32] scales and [M, K/32] scale * sums, in one byte buffer per row
+void lmserve::quantize_rows(const float* px, int64_t M, int64_t K, int8_t* po) {
+  const int64_t stride = K + 8 * (K / kQBlock);
   lmserve::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       int8_t* row = po + m * stride;
@@ -650,10 +645,9 @@ torch::Tensor quantize_activations(torch::Tensor x) {
       quantize_row(px + m * K, K, row, d, d + K / kQBlock);
     }
   });
-  return out;
 }
 
-int64_t quant_packed_rows() {
+int64_t lmserve::quant_packed_rows() {
 #if defined(LMSERVE_QGEMM_AVX512)
   return kGroup;
 #else
@@ -661,15 +655,13 @@ int64_t quant_packed_rows() {
 #endif
 }
 
+#if defined(LMSERVE_QGEMM_AVX512)
 namespace {
 
-#if defined(LMSERVE_QGEMM_AVX512)
 // 128 * (the sum of each 16 activation codes) per row [M, K/16]: what S8's unsigned codes add to each half block
-torch::Tensor half_block_sums(const torch::Tensor& xq, int64_t K) {
-  const int64_t M = xq.size(0), stride = xq.size(1);
-  auto out = torch::empty({M, K / 16}, xq.options().dtype(torch::kInt32));
-  const int8_t* pq = xq.data_ptr<int8_t>();
-  int32_t* po = out.data_ptr<int32_t>();
+std::vector<int32_t> half_block_sums(const int8_t* pq, int64_t stride, int64_t M, int64_t K) {
+  std::vector<int32_t> out(M * (K / 16));
+  int32_t* po = out.data();
   lmserve::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t h = 0; h < K / 16; ++h) {
@@ -680,29 +672,16 @@ torch::Tensor half_block_sums(const torch::Tensor& xq, int64_t K) {
   return out;
 }
 
-torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const torch::Tensor& scales,
-                            const c10::optional<torch::Tensor>& mins, int64_t kind,
-                            const c10::optional<torch::Tensor>& bias) {
-  const int64_t M = x.size(0), K = x.size(1), G = codes.size(0), nb = K / kQBlock, N = G * kGroup;
-  const int64_t code_bytes = super_kind(kind) ? 16 * super_block_bytes(kind) : nibble_kind(kind) ? 256 : 512;
-  const int64_t scale_blocks = super_kind(kind) ? K / kSuper : per16_kind(kind) ? 2 * nb : nb;
+}  // namespace
+
+void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* ps, const float* pm, const float* pb,
+                                  const int8_t* xq, int64_t xs, int64_t M, int64_t K, int64_t G, float* py) {
+  const int64_t nb = K / kQBlock, N = G * kGroup;
+  const int64_t code_bytes = quant_packed_code_bytes(kind), scale_blocks = quant_packed_scale_blocks(kind, K);
   const bool halves = per16_kind(kind) || super_kind(kind);  // terms per 16 weights: the half blocks' sums
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == nb && codes.size(2) == code_bytes,
-              "packed codes: [N/16, K/32, ", lmserve::num(code_bytes), "] contiguous");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 3 &&
-              scales.size(0) == G && scales.size(1) == scale_blocks && scales.size(2) == kGroup,
-              "packed scales: [N/16, ", lmserve::num(scale_blocks), ", 16] float32");
-  check_mins(kind, mins, scales.sizes());
-  auto xq = quantize_activations(x);
-  const torch::Tensor xsum16 = halves ? half_block_sums(xq, K) : torch::Tensor();
-  const int32_t* px16 = halves ? xsum16.data_ptr<int32_t>() : nullptr;
-  auto y = torch::empty({M, N}, x.options());
-  const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* ps = scales.data_ptr<float>();
-  const float* pm = mins.has_value() ? mins->data_ptr<float>() : nullptr;
-  const float* pb = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* py = y.data_ptr<float>();
-  const QRows xr{xq.data_ptr<int8_t>(), xq.size(1), K};
+  const std::vector<int32_t> xsum16 = halves ? half_block_sums(xq, xs, M, K) : std::vector<int32_t>();
+  const int32_t* px16 = halves ? xsum16.data() : nullptr;
+  const QRows xr{xq, xs, K};
   const int64_t group_bytes = nb * code_bytes, scale_count = scale_blocks * kGroup;
   lmserve::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -722,54 +701,27 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& codes, const t
           for (int64_t i = 0; i < kGroup; ++i) out[m * N + i] += pb[g * kGroup + i];
     }
   });
-  return y;
 }
-#endif
-
-}  // namespace
 
 // A mixture of experts' grouped projection (what ggml_mul_mat_id does): rows [offsets[e], offsets[e + 1]) of x are
 // the tokens routed to expert e, sorted by expert; each is multiplied by its expert's packed matrix. The activations
 // are quantized once for all rows, and one parallel_for runs every (expert, group of 16 outputs) pair, so a layer
 // costs one call per projection instead of one per expert. A row's chain is packed_linear's for its expert alone
 // (group_all_rows takes the same steps for any number of rows), so the bits equal one GGUFLinear per expert.
-torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor codes, torch::Tensor scales,
-                                   c10::optional<torch::Tensor> mins, int64_t kind) {
-#if defined(LMSERVE_QGEMM_AVX512)
-  TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [R, K] float32");
-  x = x.contiguous();
-  const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), nb = K / kQBlock;
-  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", lmserve::num(K));
-  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.size(2) == nb &&
-              codes.size(3) == (kind == 0 ? 256 : 512), "codes: [E, N/16, K/32, ",
-              lmserve::num(kind == 0 ? 256 : 512), "] contiguous");
-  const int64_t G = codes.size(1), N = G * kGroup;
-  TORCH_CHECK(scales.dim() == 4 && scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
-              scales.size(0) == E && scales.size(1) == G && scales.size(2) == (kind == 2 ? 2 * nb : nb),
-              "scales: [E, N/16, ", lmserve::num(kind == 2 ? 2 * nb : nb), ", 16] float32");
-  TORCH_CHECK(kind == 2 || (mins.has_value() && mins->sizes() == scales.sizes() && mins->is_contiguous()),
-              "mins: like scales (kinds 0 and 1)");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.size(0) == E + 1 && offsets.scalar_type() == torch::kInt64 &&
-              offsets.is_contiguous() && offsets.device().is_cpu(), "offsets: [E + 1] int64 on the CPU");
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[E] == R, "offsets must run from 0 to the number of rows");
-  auto xq = quantize_activations(x);
-  const torch::Tensor xsum16 = kind == 2 ? half_block_sums(xq, K) : torch::Tensor();
-  const int32_t* px16 = kind == 2 ? xsum16.data_ptr<int32_t>() : nullptr;
-  auto y = torch::empty({R, N}, x.options());
-  const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* ps = scales.data_ptr<float>();
-  const float* pm = kind == 2 ? nullptr : mins->data_ptr<float>();
-  float* py = y.data_ptr<float>();
-  const int64_t stride = xq.size(1), group_bytes = codes.size(2) * codes.size(3), group_scales = scales.size(2) * kGroup;
+void lmserve::quant_packed_experts(int64_t kind, const uint8_t* pc, const float* ps, const float* pm,
+                                   const int8_t* xq, int64_t stride, const int64_t* off, int64_t E, int64_t K,
+                                   int64_t G, float* py) {
+  const int64_t R = off[E], nb = K / kQBlock, N = G * kGroup;
+  const std::vector<int32_t> xsum16 = kind == 2 ? half_block_sums(xq, stride, R, K) : std::vector<int32_t>();
+  const int32_t* px16 = kind == 2 ? xsum16.data() : nullptr;
+  const int64_t group_bytes = nb * (kind == 0 ? 256 : 512), group_scales = (kind == 2 ? 2 * nb : nb) * kGroup;
   lmserve::parallel_for(0, E * G, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / G, g = i % G, r0 = off[e], M = off[e + 1] - r0;
       if (M <= 0) continue;
       const int64_t wg = e * G + g;  // the group's index in the stacked [E * G] groups
       const PackedW w{pc + wg * group_bytes, ps + wg * group_scales, pm ? pm + wg * group_scales : nullptr, nb};
-      const QRows xr{xq.data_ptr<int8_t>() + r0 * stride, stride, K};
+      const QRows xr{xq + r0 * stride, stride, K};
       const int32_t* s16 = px16 ? px16 + r0 * 2 * nb : nullptr;
       float* out = py + r0 * N + g * kGroup;
       if (kind == 0) group_all_rows<0>(w, xr, s16, M, out, N);
@@ -777,42 +729,18 @@ torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch
       else group_all_rows<2>(w, xr, s16, M, out, N);
     }
   });
-  return y;
-#else
-  TORCH_CHECK(false, "quant_linear_experts needs an AVX-512 VNNI build (quant_packed_rows() == 0)");
-#endif
 }
-
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
-                           int64_t kind, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(kind >= 0 && kind <= 6, "kind: 0 (U4), 1 (U8), 2 (S8), 3 (NL4), 4 (I4), 5 (K2) or 6 (K3)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
-  x = x.contiguous();
-  TORCH_CHECK(!super_kind(kind) || x.size(1) % kSuper == 0, "K must be a multiple of 256 for kinds 5 and 6");
-  if (codes.dim() == 3) {  // the packed layout (gguf_linear.pack)
-    TORCH_CHECK(x.size(1) % kQBlock == 0, "K must be a multiple of 32, got ", lmserve::num(x.size(1)));
-#if defined(LMSERVE_QGEMM_AVX512)
-    return packed_linear(x, codes, scales, mins, kind, bias);
 #else
-    TORCH_CHECK(false, "the packed weight layout needs an AVX-512 VNNI build (quant_packed_rows() == 0)");
+// never called: the binding unit refuses the packed layout where quant_packed_rows() == 0
+void lmserve::quant_packed_matmul(int64_t, const uint8_t*, const float*, const float*, const float*, const int8_t*,
+                                  int64_t, int64_t, int64_t, int64_t, float*) {}
+void lmserve::quant_packed_experts(int64_t, const uint8_t*, const float*, const float*, const int8_t*, int64_t,
+                                   const int64_t*, int64_t, int64_t, int64_t, float*) {}
 #endif
-  }
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32, got ", lmserve::num(K));
-  TORCH_CHECK(codes.is_contiguous() && codes.size(1) == code_bytes_per_row(kind, K), "codes: [N, ",
-              lmserve::num(code_bytes_per_row(kind, K)), "] contiguous");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.size(0) == N &&
-              scales.size(1) == scales_per_row(kind, K), "scales: [N, ", lmserve::num(scales_per_row(kind, K)), "] float32");
-  check_mins(kind, mins, scales.sizes());
-  auto xq = quantize_activations(x);
-  auto y = torch::empty({M, N}, x.options());
-  const uint8_t* pc = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* ps = scales.data_ptr<float>();
-  const float* pm = mins.has_value() ? mins->data_ptr<float>() : nullptr;
-  const int8_t* pq = xq.data_ptr<int8_t>();
-  const float* pb = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* py = y.data_ptr<float>();
-  const int64_t cb = code_bytes_per_row(kind, K), sr = scales_per_row(kind, K), xs = xq.size(1), nb = K / kQBlock;
+
+void lmserve::quant_matmul(int64_t kind, const uint8_t* pc, const float* ps, const float* pm, const float* pb,
+                           const int8_t* pq, int64_t xs, int64_t M, int64_t K, int64_t N, float* py) {
+  const int64_t cb = code_bytes_per_row(kind, K), sr = scales_per_row(kind, K), nb = K / kQBlock;
   lmserve::parallel_for(0, (N + kNTile - 1) / kNTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kNTile, n1 = std::min(N, n0 + kNTile);
@@ -836,5 +764,4 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
       }
     }
   });
-  return y;
 }

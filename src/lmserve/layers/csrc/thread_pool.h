@@ -32,7 +32,7 @@
 // Nested or concurrent callers (a kernel inside a job, two Python threads) run their range inline, serially.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "kernels.h"  // torch_threads(): torch's thread count, without torch's headers
 
 #include <pthread.h>
 #include <sched.h>
@@ -258,7 +258,7 @@ class Pool {
   }
 
   MachineView machine() const {
-    const Plan plan = plan_for(watch_.cpus(), watch_.others(), at::get_num_threads());
+    const Plan plan = plan_for(watch_.cpus(), watch_.others(), torch_threads());
     return {watch_.cpus(), watch_.others(), plan.threads, plan.poll};
   }
 
@@ -443,7 +443,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   grain = std::max<int64_t>(grain, 1);
   if (end - begin <= grain) return f(begin, end);
   auto call = [](void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); };
-  pool_detail::Pool::get().run(begin, end, grain, at::get_num_threads(), call,
+  pool_detail::Pool::get().run(begin, end, grain, torch_threads(), call,
                                const_cast<void*>(static_cast<const void*>(&f)));
 }
 

@@ -23,6 +23,9 @@
 //            parts, then each part's kind
 //   floats:  scale, softcap (0: none)
 
+// Tensor code on torch's side, like ops.h: included by bindings.cpp only (the one unit that includes torch).
+#pragma once
+
 #include "ops.h"
 
 #include <cmath>
@@ -213,5 +216,5 @@ void bind_decode_stack(pybind11::module& m) {
                           const std::vector<double>&, int64_t, int64_t, int64_t, int64_t, double>())
       // without the GIL: the server's event loop runs while a step computes
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "every decoder layer of a decode-only step (see decode_stack.cpp)");
+           "every decoder layer of a decode-only step (see decode_stack.h)");
 }
