@@ -137,7 +137,7 @@ def machine() -> dict:
 
 def to_markdown(meta: dict, rows: dict, streams: int) -> str:
     """One table: each configuration idle and beside a busy neighbour, and the ratio."""
-    lines = [f"# Decode on a shared CPU: idle vs one busy neighbour\n",
+    lines = ["# Decode on a shared CPU: idle vs one busy neighbour\n",
              f"{meta['machine']['cpu']} ({meta['machine']['affinity']} cores usable; {meta['machine']['flags']}), "
              f"torch {meta['machine']['torch']}, {meta['machine']['parallel']}. "
              f"Load average (1 min) before the run {meta['loadavg_start']:.2f}, after {meta['loadavg_end']:.2f}; "

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 sys.path.insert(0, str(ROOT))
 
 import compare_report  # noqa: E402
+
 from lmserve.bench import serve as sb  # noqa: E402
 from lmserve.loader import default_model_path  # noqa: E402
 

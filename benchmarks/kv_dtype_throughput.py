@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gguf_decode import cpu  # noqa: E402
+
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lmserve.tokenizer import Tokenizer
 from lmserve.layers.attention import ContiguousAttention
 from lmserve.loader import load_model, read_model_config, resolve_model_path
 from lmserve.lora.export import round_trip
 from lmserve.lora.merge import MergeSpec, merge_to_directory
 from lmserve.lora.peft_adapter import PROJECTIONS, expected_shapes, read_peft_adapter
+from lmserve.tokenizer import Tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
            "Low-rank adaptation adds a small trainable update to each weight matrix, so that",

@@ -24,10 +24,19 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the random valid blocks
+from lmserve.layers.gguf_linear import (  # noqa: E402
+    BLOCK_BYTES,
+    I4,
+    K2,
+    QK,
+    GGUFLinear,
+    Repacked,
+    _codes_to_nibbles,
+    _super_fields,
+    reference_linear,
+    repack,
+)
 from tests.test_gguf_linear import random_blocks  # noqa: E402
-
-from lmserve.layers.gguf_linear import (I4, K2, QK, BLOCK_BYTES, GGUFLinear, Repacked, _codes_to_nibbles,  # noqa: E402
-                                        _super_fields, reference_linear, repack)
 
 
 def as_i4(w: Repacked) -> Repacked:

@@ -354,6 +354,7 @@ def main() -> None:
         args.render.with_suffix(".md").write_text(kv_markdown(r) if "kv_cache" in r else markdown(r))
         return
     from gguf_decode import cpu
+
     from lmserve.loader import default_model_path
     from lmserve.tokenizer import Tokenizer
 

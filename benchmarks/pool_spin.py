@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gguf_decode import cpu  # noqa: E402
+
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.layers.native import native_module  # noqa: E402

@@ -24,14 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 from gguf_decode import cpu  # noqa: E402
+
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.layers.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack  # noqa: E402
 from lmserve.layers.native import native_module  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
-
-import torch  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint."
 

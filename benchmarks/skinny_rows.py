@@ -20,8 +20,8 @@ import statistics
 import time
 
 import torch
-
 from compare import _cpu_name, _flags  # benchmarks/compare.py: the same machine description
+
 from lmserve.layers.linear import to_panels
 from lmserve.layers.native import native_module
 

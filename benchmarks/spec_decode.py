@@ -37,9 +37,9 @@ prefix-cache hits on repeated prompts) stay out of it. JSON to `--out`, a markdo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import hashlib
 import platform
 import shlex
 import statistics

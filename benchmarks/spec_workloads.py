@@ -159,8 +159,9 @@ class Bench:
 
     def __init__(self, tree: str, kwargs: dict, needs_spec: bool) -> None:
         start = time.perf_counter()
-        import lmserve
         import torch
+
+        import lmserve
         from lmserve import LLM, SamplingParams
 
         src = (Path(tree) / "src").resolve()

@@ -27,9 +27,9 @@ sys.path.insert(0, str(HERE.parent))
 from compare import _cpu_name, _flags  # noqa: E402  benchmarks/compare.py: the same machine description
 
 from lmserve import LLM, SamplingParams  # noqa: E402
+from lmserve.parsers.tool_grammar import tool_call_tag  # noqa: E402
 from lmserve.sampling_params import StructuredOutputsParams  # noqa: E402
 from lmserve.structured.compiler import GrammarCompiler, VocabInfo  # noqa: E402
-from lmserve.parsers.tool_grammar import tool_call_tag  # noqa: E402
 from tests.test_server_structured import ORDER, TOOLS, WEATHER  # noqa: E402
 from tests.test_structured import PERSON  # noqa: E402
 
@@ -53,7 +53,7 @@ def throughput(llm: LLM, batch: int, repeats: int) -> dict:
                for i in range(batch)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured_outputs={"json": ORDER}), use_tqdm=False)
     runs = {"constrained": [], "unconstrained": []}
-    mask_s, steps = [], 0
+    steps = 0
     for r in range(repeats):
         constrained = SamplingParams(temperature=1.0, seed=r, max_tokens=256, structured_outputs={"json": ORDER})
         t, s0 = time.perf_counter(), llm.engine.num_steps

@@ -26,8 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
 import torch
+
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # tests.tiny_models: the tests' word tokenizer over a tiny vocabulary

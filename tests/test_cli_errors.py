@@ -19,9 +19,9 @@ import httpx
 import pytest
 import torch
 
-from lmserve.server.errors import APIError
 from lmserve.server.api.params import chat_params
 from lmserve.server.config import TokenLimits
+from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest
 from tests import bad_files as bf
 from tests.conftest import write_tiny_llama

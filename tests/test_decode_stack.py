@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lmserve.layers.decode_stack import (DecodeStack, LayerWeights, NativeDecodeLoop, Shape, apply_decode_stack,
-                                         remove_decode_stack)
+from lmserve.layers.decode_stack import (
+    DecodeStack,
+    LayerWeights,
+    NativeDecodeLoop,
+    Shape,
+    apply_decode_stack,
+    remove_decode_stack,
+)
 from lmserve.layers.native import native_module
 
 needs_native = pytest.mark.skipif(native_module() is None, reason="native kernels unavailable (no compiler)")

@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from lmserve.ops.drift import (FEATURES, DriftMonitor, build_profile, categorical_psi, features, ks_2samp,
-                               numeric_psi, profile_command, script_of)
+from lmserve.ops.drift import (
+    FEATURES,
+    DriftMonitor,
+    build_profile,
+    categorical_psi,
+    features,
+    ks_2samp,
+    numeric_psi,
+    profile_command,
+    script_of,
+)
 from lmserve.ops.record import OutputRecord, RequestRecord
 from tests.server_util import MODEL, running_server
 

@@ -12,8 +12,13 @@ import pytest
 
 from lmserve.cache.kv_cache_manager import block_hash
 from lmserve.config import CacheConfig, EngineConfig
-from lmserve.engine.async_engine import (MAX_FAILED_STEPS_IN_A_ROW, AsyncEngine, EngineDeadError, EngineHungError,
-                                         StepFailedError)
+from lmserve.engine.async_engine import (
+    MAX_FAILED_STEPS_IN_A_ROW,
+    AsyncEngine,
+    EngineDeadError,
+    EngineHungError,
+    StepFailedError,
+)
 from lmserve.engine.faults import FaultSpec, InjectedFatalFault, InjectedFault, _faulty, install_from_env, parse_fault
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.request import CompletionDelta

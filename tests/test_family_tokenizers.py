@@ -71,8 +71,8 @@ def write_qwen_vocab(path) -> None:
 def write_gemma_vocab(path) -> None:
     """A SentencePiece-BPE vocabulary laid out as Gemma's GGUF files are: control tokens, turn markers, 256 byte
     pieces, runs of spaces stored as spaces (user-defined), then pieces in merge order with scores that ignore it."""
-    from tokenizers import decoders, models, normalizers, trainers
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
 
     bpe = HFTokenizer(models.BPE(byte_fallback=True))
     bpe.normalizer = normalizers.Replace(" ", "\u2581")

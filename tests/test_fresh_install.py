@@ -87,9 +87,9 @@ def fresh(tmp_path_factory) -> Fresh:
 
 
 def test_the_wheel_carries_a_build_for_each_level(fresh):
-    from lmserve.layers.native import LEVELS
-
     import zipfile
+
+    from lmserve.layers.native import LEVELS
 
     [wheel] = (fresh.root / "dist").glob("lmserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -11,8 +11,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from lmserve.layers.gguf_embedding import GGUFEmbedding
-from lmserve.layers.gguf_linear import (BLOCK_BYTES, GGUFLinear, dequantize, pack, quantize_activations,
-                                        reference_linear, repack, unpack)
+from lmserve.layers.gguf_linear import (
+    BLOCK_BYTES,
+    GGUFLinear,
+    dequantize,
+    pack,
+    quantize_activations,
+    reference_linear,
+    repack,
+    unpack,
+)
 from lmserve.layers.native import native_module
 
 # byte offsets of each type's float16 fields (ggml's block structs)
@@ -333,9 +341,8 @@ def test_a_low_bit_model_decodes_the_reference_paths_greedy_tokens(tmp_path, mon
 def test_the_loaders_type_table_is_the_gguf_packages():
     """gguf_file's tables (a start imports no `gguf`) name and size every tensor type, and name every file type, as
     the gguf package does."""
-    from gguf.constants import GGML_QUANT_SIZES
-
     from gguf import LlamaFileType
+    from gguf.constants import GGML_QUANT_SIZES
 
     from lmserve.loader.gguf_file import FILE_TYPES, GGML_TYPES
 

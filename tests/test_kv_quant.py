@@ -172,8 +172,8 @@ def test_the_triton_backend_refuses_a_quantized_cache(monkeypatch):
     under Triton's interpreter, as the tests run them)."""
     pytest.importorskip("triton")
     from lmserve.config import CacheConfig, EngineConfig
-    from lmserve.preflight import check_engine_config
     from lmserve.errors import ConfigError
+    from lmserve.preflight import check_engine_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = EngineConfig(device="cpu", attention_backend="triton", cache=CacheConfig(kv_cache_dtype="int8"))

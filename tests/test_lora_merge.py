@@ -17,8 +17,14 @@ from lmserve.lora.export import round_trip
 from lmserve.lora.merge import MergeSpec, combine
 from lmserve.lora.peft_adapter import read_peft_adapter
 from tests.conftest import save_tiny_hf
-from tests.lora_adapters import (ALL_PROJECTIONS, hf_base_model, make_peft_adapter, peft_reference, reference_logits,
-                                 tiny_llama_checkpoint)
+from tests.lora_adapters import (
+    ALL_PROJECTIONS,
+    hf_base_model,
+    make_peft_adapter,
+    peft_reference,
+    reference_logits,
+    tiny_llama_checkpoint,
+)
 from tests.test_model_parity import flat_logits
 
 TOL = 1e-4

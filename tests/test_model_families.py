@@ -11,10 +11,10 @@ import torch
 
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.tokenizer import Tokenizer
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
+from lmserve.tokenizer import Tokenizer
 from lmserve.utils import KV_QUANT_DTYPES
 from tests.test_model_parity import flat_logits
 from tests.tiny_models import ARCHS, VOCAB, build_gemma3_multimodal, build_hf, write_gguf

@@ -13,11 +13,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from lmserve.server.app import build_app
+from lmserve.server.key_file import KeySpec, key_digest
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.playground.routes import MAX_SHARE_BYTES, SHARES
 from lmserve.server.playground.store import ShareStore
 from lmserve.server.state import ServerConfig, ServerState
-from lmserve.server.key_file import KeySpec, key_digest
 
 M = "m"
 KEY_A, KEY_B = "key-of-team-a", "key-of-team-b"

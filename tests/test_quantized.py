@@ -9,8 +9,14 @@ from torch import nn
 
 from lmserve.config import CacheConfig, EngineConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.layers.quantized import (Int4Linear, Int8Linear, dequantize_int4, quantize_int4, quantize_int8,
-                                      quantize_linears)
+from lmserve.layers.quantized import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+)
 from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
 from tests.conftest import save_tiny_hf

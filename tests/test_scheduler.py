@@ -2,9 +2,8 @@
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
-from lmserve.request import BATCH_PRIORITY, Request, RequestStatus
+from lmserve.request import BATCH_PRIORITY, Request, RequestStatus, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.request import TokenLogprobs
 from lmserve.sched.scheduler import Scheduler
 from lmserve.worker.model_runner import RunnerOutput
 

@@ -9,11 +9,10 @@ import pytest
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.config import SchedulerConfig
 from lmserve.pooling_params import PoolingParams
-from lmserve.request import Request
+from lmserve.request import Request, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.sched.budget import Demand, StepBudget, fitted_budget, split_budget, water_fill
 from lmserve.sched.scheduler import Scheduler
-from lmserve.request import TokenLogprobs
 from lmserve.worker.model_runner import RunnerOutput
 
 

@@ -9,8 +9,8 @@ import base64
 
 import httpx
 import numpy as np
-import openai
 import ollama
+import openai
 import pytest
 import torch
 import torch.nn.functional as F

@@ -5,12 +5,12 @@ response cache keyed by what answered, files confined to --lora-dir)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import openai
 import pytest
+
 from tests.lora_adapters import make_peft_adapter, tiny_llama_checkpoint
 from tests.server_util import running_server
 

@@ -141,9 +141,9 @@ def test_messages_thinking_disabled_means_one_text_block(server):
 def test_messages_stream_translation_equals_the_whole_answer_on_random_splits(seed):
     """The blocks rebuilt from the SSE events of a random split equal the whole answer's blocks."""
     from lmserve.parsers.reasoning import REASONING_PARSERS
+    from lmserve.parsers.tool_formats import HERMES
     from lmserve.server.api.anthropic import Blocks, _content
     from lmserve.server.api.tools import output_parser
-    from lmserve.parsers.tool_formats import HERMES
 
     rng = random.Random(seed)
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

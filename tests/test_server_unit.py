@@ -11,11 +11,11 @@ from starlette.testclient import TestClient
 
 from lmserve.server.app import build_app
 from lmserve.server.errors import APIError
+from lmserve.server.key_file import key_specs, plain_name
 from lmserve.server.main import served_name
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.protocol import CompletionRequest, load_json, parse_body
 from lmserve.server.state import ServerConfig, ServerState
-from lmserve.server.key_file import key_specs, plain_name
 from lmserve.server.tenants import Tenants
 
 

@@ -112,7 +112,7 @@ def _first_token_counts(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor |
 @pytest.mark.parametrize("drafter", ["one-hot", "sampled"])
 def test_rejection_sampling_keeps_the_target_distribution(drafter):
     torch.manual_seed(0)
-    V, trials = 6, 60_000
+    trials = 60_000
     p = torch.tensor([[0.30, 0.05, 0.25, 0.10, 0.20, 0.10]])
     if drafter == "one-hot":
         q, drafts = None, torch.tensor([2])

@@ -8,10 +8,10 @@ import httpx
 import openai
 import pytest
 
+from lmserve.errors import ConfigError
 from lmserve.server.api.responses_store import ResponseStore
 from lmserve.server.key_file import parse_key_file
 from lmserve.server.quotas import StorageQuota, parse_quota_flags
-from lmserve.errors import ConfigError
 from tests.server_util import MODEL, running_server
 
 KEY_A, KEY_B, ADMIN = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef", "sk-ops-0123456789abcdef"

@@ -10,8 +10,8 @@ import pytest
 from lmserve.errors import ConfigError
 from lmserve.ops.record import RequestRecord
 from lmserve.server.errors import APIError
-from lmserve.server.metrics import ServerMetrics
 from lmserve.server.key_file import key_specs, parse_key_file, plain_name, read_key_file
+from lmserve.server.metrics import ServerMetrics
 from lmserve.server.tenants import Tenants, duration, metric_labels
 
 YAML = """

@@ -9,7 +9,8 @@ import threading
 import time
 
 import pytest
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from lmserve.loader import default_model_path
 from lmserve.tokenizer.bounds import TokenBounds, text_bytes

@@ -9,18 +9,20 @@ import re
 
 import pytest
 
-from lmserve.tokenizer import Tokenizer
 from lmserve.loader.default_model import default_model_path
-from lmserve.server.errors import APIError
-from lmserve.server.protocol import ChatRequest, parse_body
 from lmserve.parsers.events import ContentDelta, ToolArgumentsDelta, ToolCallStart
 from lmserve.parsers.tool_calls import ToolCall, new_call_id
 from lmserve.parsers.tool_calls import ToolCallStreamer as _Streamer
 from lmserve.parsers.tool_calls import parse_tool_calls as _parse
-from lmserve.parsers.tool_formats import HERMES, HERMES_BEGIN as CALL_BEGIN, HERMES_END as CALL_END
+from lmserve.parsers.tool_formats import HERMES
+from lmserve.parsers.tool_formats import HERMES_BEGIN as CALL_BEGIN
+from lmserve.parsers.tool_formats import HERMES_END as CALL_END
 from lmserve.parsers.tool_formats import HERMES_NAME_END as NAME_END
 from lmserve.server.api.tool_stream import chat_chunk_delta, chat_chunk_tool_calls
 from lmserve.server.api.tools import prepare_chat, template_supports_tools, tool_preamble
+from lmserve.server.errors import APIError
+from lmserve.server.protocol import ChatRequest, parse_body
+from lmserve.tokenizer import Tokenizer
 
 # The hermes format's begin string, complete (group 1: the name)
 CALL_BEGIN_RE = re.compile(re.escape(CALL_BEGIN) + "([A-Za-z0-9_-]{1,64})" + re.escape(NAME_END))

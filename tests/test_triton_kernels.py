@@ -21,8 +21,12 @@ from lmserve.layers.triton import interpreting  # noqa: E402
 from lmserve.layers.triton.decode import num_kv_splits, paged_decode  # noqa: E402
 from lmserve.layers.triton.moe import fused_moe, sort_by_expert  # noqa: E402
 from lmserve.layers.triton.prefill import paged_prefill  # noqa: E402
-from lmserve.layers.triton.reference import (attention_reference, decode_reference,  # noqa: E402
-                                             fused_moe_reference, rope_write_kv_reference)
+from lmserve.layers.triton.reference import (  # noqa: E402
+    attention_reference,
+    decode_reference,
+    fused_moe_reference,
+    rope_write_kv_reference,
+)
 from lmserve.layers.triton.rope_kv import rope_write_kv  # noqa: E402
 
 CUDA = torch.cuda.is_available()

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from lmserve.utils import DTYPES, cpu_flags, cpu_has_fast_bf16
-
 from lmserve.files import write_atomically
+from lmserve.utils import DTYPES, cpu_flags, cpu_has_fast_bf16
 
 log = logging.getLogger(__name__)
 

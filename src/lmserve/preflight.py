@@ -21,17 +21,17 @@ from lmserve.cache.kv_disk import SECRET as KV_TIER_SECRET
 from lmserve.cache.kv_groups import KVGroup, engine_groups, peak_blocks
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
 from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
-from lmserve.tokenizer.tokenizer import check_tokenizer_file
+from lmserve.cpu_dtype import resolve_dtype
 from lmserve.errors import ConfigError
+from lmserve.files import private_dir, read_secret
 from lmserve.layers.attention_backends import resolve_attention_backend
 from lmserve.layers.kv_quant import check_head_dim
 from lmserve.layers.quantized import check_scheme
-from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
+from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.models.config import ModelConfig
-from lmserve.cpu_dtype import resolve_dtype
-from lmserve.files import private_dir, read_secret
+from lmserve.tokenizer.tokenizer import check_tokenizer_file
 from lmserve.utils import KV_QUANT_DTYPES, available_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.model_runner import kv_bytes_per_block
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from lmserve.sampling_params import SamplingParams
 
-
 # Batch-job lines (`lmserve run-batch`, /v1/batches) wait behind every interactive request for a slot.
 BATCH_PRIORITY = 1
 

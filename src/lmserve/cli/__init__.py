@@ -21,8 +21,14 @@ from typing import Iterator, NamedTuple
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import lmserve  # noqa: E402
-from lmserve.cli.flags import (LOG_LEVELS, Parser, add_engine_args, add_lora_merge_args, add_sampling_args,
-                               add_serve_args)
+from lmserve.cli.flags import (
+    LOG_LEVELS,
+    Parser,
+    add_engine_args,
+    add_lora_merge_args,
+    add_sampling_args,
+    add_serve_args,
+)
 from lmserve.config import engine_config
 from lmserve.errors import CheckpointError, ConfigError
 

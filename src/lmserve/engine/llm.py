@@ -12,9 +12,16 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from lmserve.config import (CacheConfig, EngineConfig, KVOffloadConfig, LoraConfig, ParallelConfig, SchedulerConfig,
-                            SpeculativeConfig)
 from lmserve.beam_search import BeamSearch, BeamSearchOutput, advance_all, next_batch
+from lmserve.config import (
+    CacheConfig,
+    EngineConfig,
+    KVOffloadConfig,
+    LoraConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.pooling_params import PoolingParams
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs

@@ -13,10 +13,10 @@ from lmserve.config import EngineConfig
 from lmserve.engine.build import build_engine
 from lmserve.engine.front import EngineFront
 from lmserve.engine.kv_offload import attach_kv_tier
-from lmserve.errors import RequestRejected
 from lmserve.engine.output_processor import OutputProcessor
 from lmserve.engine.speculate import Speculator
 from lmserve.engine.stats import StepStats, engine_load, step_stats
+from lmserve.errors import RequestRejected
 from lmserve.loader import LoadedModel
 from lmserve.request import CompletionDelta, LoraRequest, Request, RequestStatus
 from lmserve.sampling_params import SamplingParams

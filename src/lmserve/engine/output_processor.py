@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from lmserve.engine.detokenizer import IncrementalDetokenizer
-from lmserve.tokenizer import Tokenizer
 from lmserve.request import CompletionDelta, Request
+from lmserve.tokenizer import Tokenizer
 
 
 @dataclass

@@ -16,8 +16,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_linear import (GROUP, NIBBLES, PER16, QK, S8, SUPER, TABLES, GGUFLinear, Repacked,
-                                        dequantize, is_packed, out_rows, unpack)
+from lmserve.layers.gguf_linear import (
+    GROUP,
+    NIBBLES,
+    PER16,
+    QK,
+    S8,
+    SUPER,
+    TABLES,
+    GGUFLinear,
+    Repacked,
+    dequantize,
+    is_packed,
+    out_rows,
+    unpack,
+)
 
 
 def dequantize_rows(kind: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:

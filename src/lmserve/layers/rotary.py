@@ -5,7 +5,6 @@ layers rotate with their own base)."""
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping
 from typing import Any
 

@@ -12,18 +12,26 @@ from typing import Callable, Iterator, NoReturn
 
 import torch
 
+from lmserve.errors import CheckpointError
 from lmserve.layers.linear import can_pack, pack_linears, skinny_coverage
 from lmserve.layers.native import native_module
 from lmserve.layers.parallel import apply_tensor_parallel, drop_row_biases
 from lmserve.layers.quantized import check_scheme, quantize_linears
-from lmserve.errors import CheckpointError
 from lmserve.loader.default_model import default_model_path
 from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
-from lmserve.loader.prequant import (METHODS as PREQUANT_METHODS, CheckpointTensors, PrequantScheme, auto_prequant,
-                                     dequantized_rest, keep_half_tables, keep_prequantized, read_scheme)
+from lmserve.loader.prequant import METHODS as PREQUANT_METHODS
+from lmserve.loader.prequant import (
+    CheckpointTensors,
+    PrequantScheme,
+    auto_prequant,
+    dequantized_rest,
+    keep_half_tables,
+    keep_prequantized,
+    read_scheme,
+)
 from lmserve.loader.repack_cache import cached_keep
 from lmserve.loader.safetensors_loader import iter_safetensors, read_config, weight_files
 from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmserve.errors import CheckpointError
-from lmserve.pooling_params import DEFAULT_POOLING, PoolerConfig
 from lmserve.files import load_json_bytes
+from lmserve.pooling_params import DEFAULT_POOLING, PoolerConfig
 
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}

@@ -9,8 +9,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lmserve.errors import CheckpointError
-from lmserve.loader.sharding import TPShard, shard_bounds
 from lmserve.files import load_json_bytes, read_json_object
+from lmserve.loader.sharding import TPShard, shard_bounds
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

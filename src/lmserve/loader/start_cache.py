@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lmserve.loader.fingerprint import start_cache_path, weights_fingerprint
 from lmserve.files import write_atomically
+from lmserve.loader.fingerprint import start_cache_path, weights_fingerprint
 
 log = logging.getLogger(__name__)
 

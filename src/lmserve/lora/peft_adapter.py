@@ -21,8 +21,8 @@ from typing import Any, Mapping
 
 import torch
 
-from lmserve.models.config import ModelConfig
 from lmserve.files import MAX_JSON_FILE_DEPTH, nests_deeper
+from lmserve.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

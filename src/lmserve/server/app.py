@@ -16,19 +16,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import lmserve
-from lmserve.utils import malloc_trim
 from lmserve.ops.record import RequestRecord
-from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, openai, responses, tgi
 from lmserve.server.access_log import AccessLog
+from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, openai, responses, tgi
+from lmserve.server.api.chat_plan import plan_chat
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
+from lmserve.server.key_file import ANONYMOUS
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from lmserve.server.router import Router
-from lmserve.server.api.chat_plan import plan_chat
-from lmserve.server.state import (CHARGED_KEY, KEY_NAME_KEY, LOADING_KEY, RECORD_KEY, ServerConfig, ServerState,
-                                  key_name_of, read_request, release_leases, state_of)
-from lmserve.server.key_file import ANONYMOUS
+from lmserve.server.state import (
+    CHARGED_KEY,
+    KEY_NAME_KEY,
+    LOADING_KEY,
+    RECORD_KEY,
+    ServerConfig,
+    ServerState,
+    key_name_of,
+    read_request,
+    release_leases,
+    state_of,
+)
+from lmserve.utils import malloc_trim
 
 # No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
 # serves; /metrics too with --metrics-public (see open_paths).

@@ -26,12 +26,12 @@ from lmserve.config import ENV_API_KEY
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.ops.hub import build_ops
 from lmserve.server.connections import with_deadline
+from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.args import keep_alive, model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
 from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel, one_malloc_arena
-from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
-from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 from lmserve.server.quotas import StorageQuota, parse_quota_flags
+from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 
 log = logging.getLogger("lmserve.server")
 
@@ -199,8 +199,8 @@ def _sqlite_store(store: Callable[[Path], Any], flag: str, given: str | None, de
 
 def _batches(args: argparse.Namespace, state: ServerState) -> None:
     """The batch-job runner over --batch-dir (its directories appear on the first upload)."""
-    from lmserve.server.batch.lines import default_batch_dir
     from lmserve.server.batch.jobs import BatchManager
+    from lmserve.server.batch.lines import default_batch_dir
     from lmserve.server.batch.store import BatchStore
 
     root = Path(args.batch_dir) if args.batch_dir else default_batch_dir()

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lmserve.files import open_sqlite, user_cache_dir
 from lmserve.loader.fingerprint import weights_fingerprint
 from lmserve.server.metrics import ServerMetrics
-from lmserve.files import open_sqlite, user_cache_dir
 
 if TYPE_CHECKING:
     import torch

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Union
 
 from lmserve.errors import RequestRejected
-from lmserve.ops.record import RequestRecord
 from lmserve.lora.peft_adapter import AdapterError
+from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta, LoraRequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.config import ServerConfig
@@ -27,6 +27,7 @@ from lmserve.server.response_cache import ResponseCache
 from lmserve.server.streams import MergedStreams
 from lmserve.server.tenants import Tenants
 from lmserve.structured.compiler import Compiled
+
 
 class SharedState(Protocol):
     """What a ModelState uses of the server-wide state (server/state.ServerState), typed here so that this module

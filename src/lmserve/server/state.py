@@ -21,12 +21,12 @@ from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
+from lmserve.server.models.traffic import TrafficSplit
 from lmserve.server.protocol import parse_body, parse_data
 from lmserve.server.quotas import StorageQuota
 from lmserve.server.response_cache import ResponseCache
 from lmserve.server.served import ModelState
 from lmserve.server.tenants import Tenants
-from lmserve.server.models.traffic import TrafficSplit
 
 T = TypeVar("T")
 log = logging.getLogger("lmserve.server")

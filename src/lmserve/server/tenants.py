@@ -21,6 +21,7 @@ import hmac
 import math
 import time
 from dataclasses import dataclass
+
 from lmserve.ops.record import RequestRecord
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import ANONYMOUS, KeySpec, key_digest

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
-from lmserve.tokenizer import chat_template as ct
 from lmserve.errors import CheckpointError
-from lmserve.tokenizer.bounds import TokenBounds, text_bytes
 from lmserve.files import MAX_JSON_FILE_DEPTH, load_json_bytes, nests_deeper
+from lmserve.tokenizer import chat_template as ct
+from lmserve.tokenizer.bounds import TokenBounds, text_bytes
 from lmserve.tokenizer.gguf_vocab import build_from_gguf, gguf_metadata
 
 if TYPE_CHECKING:

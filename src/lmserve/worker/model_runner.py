@@ -13,8 +13,8 @@ import torch
 from lmserve.layers.attention import AttentionContext, ContiguousAttention, GroupedAttention
 from lmserve.layers.attention_backends import attention_factory
 from lmserve.layers.decode_stack import apply_decode_stack
-from lmserve.layers.moe_kernels import apply_moe_kernels, host_synced_moe_layers
 from lmserve.layers.kv_quant import row_width
+from lmserve.layers.moe_kernels import apply_moe_kernels, host_synced_moe_layers
 from lmserve.layers.paged_attention import native_decode
 from lmserve.lora.batch import token_slots
 from lmserve.lora.slots import LoraSlots

@@ -21,15 +21,20 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from lmserve.sampling_params import SamplingParams
-from lmserve.server.api import chunks as sse
-from lmserve.server.api.anthropic_protocol import (CountTokensRequest, MessagesRequest, chat_messages,
-                                                   openai_tool_choice, openai_tools)
-from lmserve.server.api.openai import caller_of, collect
-from lmserve.server.api.params import build_params, structured_params, tool_structure
 from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent, ToolArgumentsDelta, ToolCallStart
 from lmserve.parsers.output import OutputParser
+from lmserve.sampling_params import SamplingParams
+from lmserve.server.api import chunks as sse
+from lmserve.server.api.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_messages,
+    openai_tool_choice,
+    openai_tools,
+)
 from lmserve.server.api.chat_plan import ChatPlan, plan_chat
+from lmserve.server.api.openai import caller_of, collect
+from lmserve.server.api.params import build_params, structured_params, tool_structure
 from lmserve.server.config import TokenLimits
 from lmserve.server.errors import anthropic_error_body
 from lmserve.server.router import Router

@@ -15,9 +15,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 
 from lmserve.request import LoraRequest
 from lmserve.server.api import chunks

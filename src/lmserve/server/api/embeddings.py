@@ -16,9 +16,9 @@ import time
 from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from pydantic import Field
 
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.pooling_params import PoolingParams

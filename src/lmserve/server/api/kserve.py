@@ -13,12 +13,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 
-from lmserve.server.errors import APIError
 from lmserve.server.api.openai import caller_of, start_completion
+from lmserve.server.errors import APIError
 from lmserve.server.protocol import MAX_PROMPTS, CompletionRequest, parse_body, parse_data
 from lmserve.server.router import Router
 from lmserve.server.state import LEASES_KEY, LOADING_KEY, accept, key_name_of, record_of, state_of

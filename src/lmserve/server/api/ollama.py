@@ -26,14 +26,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 import lmserve
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.ops.record import RequestRecord
+from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent
+from lmserve.parsers.output import OutputParser
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import ollama_models
-from lmserve.server.api.ollama_protocol import (ChatRequest, GenerateRequest, chat_messages, keep_alive_seconds,
-                                                sampling_params, think_kwargs)
-from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent
-from lmserve.parsers.output import OutputParser
 from lmserve.server.api.chat_plan import ChatPlan, plan_chat
+from lmserve.server.api.ollama_protocol import (
+    ChatRequest,
+    GenerateRequest,
+    chat_messages,
+    keep_alive_seconds,
+    sampling_params,
+    think_kwargs,
+)
 from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
 from lmserve.server.router import Router

@@ -16,23 +16,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.beam_search import BeamSearch, BeamSearchSequence, advance_all, next_batch
+from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.ops.record import RequestRecord
+from lmserve.parsers.output import OutputParser
 from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.server.api import cache_replay
 from lmserve.server.api import chunks as sse
-from lmserve.server.errors import APIError, error_body
+from lmserve.server.api.chat_plan import plan_chat
 from lmserve.server.api.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.api.params import beam_params, chat_params, completion_params, scores_prompt_only, tool_dicts
+from lmserve.server.api.tool_stream import chat_chunk_delta
+from lmserve.server.errors import APIError, error_body
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
 from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
-from lmserve.parsers.output import OutputParser
-from lmserve.server.api.tool_stream import chat_chunk_delta
-from lmserve.server.api.chat_plan import plan_chat
 
 router = Router()
 

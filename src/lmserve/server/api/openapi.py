@@ -21,11 +21,11 @@ import lmserve
 from lmserve.server import protocol as p
 from lmserve.server.api import ollama_protocol as ol
 from lmserve.server.api.anthropic_protocol import CountTokensRequest, MessagesRequest
-from lmserve.server.errors import is_anthropic, is_ollama, is_tgi, is_v2
-from lmserve.server.playground.routes import SHARES, ShareRequest
 from lmserve.server.api.embeddings import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
 from lmserve.server.api.kserve import V2InferRequest
 from lmserve.server.api.responses_input import ResponsesRequest
+from lmserve.server.errors import is_anthropic, is_ollama, is_tgi, is_v2
+from lmserve.server.playground.routes import SHARES, ShareRequest
 
 JSON, SSE, TEXT, HTML, NDJSON = "application/json", "text/event-stream", "text/plain", "text/html", "application/x-ndjson"
 CSS, JS = "text/css", "text/javascript"

@@ -6,12 +6,12 @@ import secrets
 
 from pydantic import BaseModel
 
-from lmserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
-from lmserve.server.errors import APIError, excerpt
-from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
-from lmserve.server.config import TokenLimits
 from lmserve.parsers.tool_formats import HERMES, ToolFormat
 from lmserve.parsers.tool_grammar import tool_call_tag
+from lmserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
+from lmserve.server.config import TokenLimits
+from lmserve.server.errors import APIError, excerpt
+from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
 from lmserve.structured.compiler import GrammarError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -33,9 +33,9 @@ from lmserve.server.api.responses_output import OutputItems, ResponseShell, outp
 from lmserve.server.api.responses_store import ResponseStore, StoredResponse
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_data
+from lmserve.server.quotas import StorageQuota
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
-from lmserve.server.quotas import StorageQuota
 from lmserve.server.state import IGNORED_FIELDS_KEY, key_name_of, quota_of, read_request, record_of, state_of
 from lmserve.server.streams import Watched, stream_failure
 

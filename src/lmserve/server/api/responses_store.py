@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmserve.server.quotas import StorageQuota
 from lmserve.files import open_sqlite, user_data_dir
+from lmserve.server.quotas import StorageQuota
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS turns (id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL, "

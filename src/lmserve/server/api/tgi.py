@@ -16,8 +16,8 @@ import lmserve
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
-from lmserve.server.errors import error_body
 from lmserve.server.api.params import tgi_params
+from lmserve.server.errors import error_body
 from lmserve.server.protocol import TGICompatRequest, TGIRequest
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState

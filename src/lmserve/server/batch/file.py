@@ -14,9 +14,9 @@ from typing import Callable
 
 from lmserve.config import EngineConfig
 from lmserve.server.batch.lines import Line, LineResult, ResultsFile, run_lines
+from lmserve.server.key_file import ANONYMOUS
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState, launch_engine
-from lmserve.server.key_file import ANONYMOUS
 
 
 @dataclass

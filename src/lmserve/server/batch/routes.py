@@ -9,19 +9,19 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from starlette.requests import Request
-from starlette.responses import FileResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+from starlette.responses import FileResponse
 
-from lmserve.server.batch.jobs import BatchManager
-from lmserve.server.batch.store import BatchJob, BatchStore, StoredFile
-from lmserve.server.errors import APIError
 from lmserve.server.api.openai import BATCH_ENDPOINTS
+from lmserve.server.batch.jobs import BatchManager
+from lmserve.server.batch.store import BatchJob, StoredFile
+from lmserve.server.errors import APIError
 from lmserve.server.protocol import BatchCreateRequest, parse_body
-from lmserve.server.router import Router
 from lmserve.server.quotas import QuotaExceeded
+from lmserve.server.router import Router
 from lmserve.server.state import key_name_of, quota_of, state_of
 
 router = Router()

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmserve.server.quotas import StorageQuota, check_room
 from lmserve.files import lmserve_dirs, private_dir, write_private
+from lmserve.server.quotas import StorageQuota, check_room
 
 _ID = re.compile(r"^(file-|batch_)[0-9a-f]{32}$")  # ids name files on disk: nothing else may reach a path
 TERMINAL = ("completed", "failed", "cancelled", "expired")

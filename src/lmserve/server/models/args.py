@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 
 from lmserve.config import engine_config
-from lmserve.preflight import check_engine_config
 from lmserve.errors import ConfigError
+from lmserve.preflight import check_engine_config
 from lmserve.server.models.pool import KeepAlive, ModelSpec
 from lmserve.server.models.traffic import TrafficSplit, parse_split, valid_name
 

@@ -15,14 +15,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar, cast
 
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from lmserve.server.errors import APIError
 from lmserve.server.playground.store import ShareStore, ShareSummary
-from lmserve.server.quotas import QuotaExceeded
 from lmserve.server.protocol import parse_body
+from lmserve.server.quotas import QuotaExceeded
 from lmserve.server.router import Router
 from lmserve.server.state import key_name_of, quota_of, state_of
 

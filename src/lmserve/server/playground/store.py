@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmserve.server.quotas import StorageQuota, check_room
 from lmserve.files import open_sqlite, user_data_dir
+from lmserve.server.quotas import StorageQuota, check_room
 
 LIST_LIMIT = 200  # newest first
 
