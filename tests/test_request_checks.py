@@ -73,11 +73,22 @@ def test_each_http_request_is_checked_once_per_prompt(served, path, body, prompt
 
 
 def test_a_rejected_request_is_checked_once_and_still_gets_400(served):
+    """8,190 new tokens pass the byte bound (the 24-byte prompt is at least 1 token: 8,191 <= 8,192) and fail the
+    exact check (its 5+ tokens do not fit): one check, one 400."""
+    client, counter = served
+    before = counter.calls
+    r = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 8190})
+    assert r.status_code == 400 and "8192" in r.json()["error"]["message"]
+    assert counter.calls - before == 1
+
+
+def test_a_request_that_cannot_fit_by_its_bytes_is_refused_before_the_check(served):
+    """9,000 new tokens cannot fit the 8,192-token context whatever the prompt: refused before tokenizing."""
     client, counter = served
     before = counter.calls
     r = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 9000})
     assert r.status_code == 400 and "8192" in r.json()["error"]["message"]
-    assert counter.calls - before == 1
+    assert counter.calls == before
 
 
 def test_each_offline_prompt_is_checked_once(engine):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.errors import RequestRejected
@@ -34,13 +36,27 @@ def fit_step_budget(engine: LLMEngine) -> int:
     budget = engine.scheduler.budget
     if not budget.fitted:
         return budget.tokens
-    rate = prefill_rate(engine)
+    with _off_the_record(engine):
+        rate = prefill_rate(engine)
     if rate is None:  # no probe fits this engine's context or KV pool: keep the configured budget
         return budget.tokens
     budget.fit(rate)
     log.info("step budget: %d tokens (this host prefilled %.0f tokens/s at start; refitted as steps run; %d at "
              "most; --max-num-batched-tokens fixes it)", budget.tokens, rate, budget.cfg.max_num_batched_tokens)
     return budget.tokens
+
+
+@contextmanager
+def _off_the_record(engine: LLMEngine) -> Iterator[None]:
+    """The probes' KV blocks reach neither the KV tier nor, once they end, the prefix cache: a probe's blocks written
+    to --kv-offload-dir would be found by the next start's probe and counted as prefix hits of a request that never
+    was (and listed among the files a key's prompts made)."""
+    tier, engine.kv.tier = engine.kv.tier, None
+    try:
+        yield
+    finally:
+        engine.kv.tier = tier
+        engine.kv.reset_prefix_cache()
 
 
 def prefill_rate(engine: LLMEngine) -> float | None:
