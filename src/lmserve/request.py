@@ -42,6 +42,32 @@ class LoraRequest:
     adapter: object = field(repr=False, compare=False, default=None)
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One client request as the engine receives it: made once by the front end, passed whole to the scheduler.
+
+    The one carrier of per-request fields from admission (server/served.py ModelState.start, or the offline
+    LLMEngine.add_request) through AsyncEngine and LLMEngine to EngineFront.requests, which builds the scheduler's
+    Requests from it (Request.completion). A new per-request field is added here, set by its producer and read by
+    its consumer; nothing in between names it.
+    """
+
+    request_id: str  # the client-visible id; completion i of n > 1 runs as f"{request_id}#{i}"
+    prompt: str | list[int]  # ids (the server tokenizes before admission), or text the front end tokenizes
+    params: SamplingParams
+    max_tokens: int | None = None  # from EngineFront.check_request; None: checked by EngineFront.requests
+    # from EngineFront.compile_grammar (a structured.compiler.Compiled, compiled off the engine thread; typed
+    # loosely because plain data sits below the structured/ feature layer); None: compiled there when needed
+    grammar: object | None = None
+    tenant: str = ""  # who asked (an API key's name): the scheduler admits round-robin across tenants
+    priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
+    lora: LoraRequest | None = None  # the adapter, already read from disk (LoraRegistry.get); None: the base model
+    cache_salt: bytes = b""  # who may share the prompt's prefix-cache blocks (b"": everyone); the adapter is added
+    # Multimodal inputs (the vision issue's seam): one entry per image of the prompt, for the runner to encode.
+    # Nothing produces or reads it yet; it is here so images add no parameter anywhere between route and runner.
+    mm_inputs: tuple[object, ...] = ()
+
+
 @dataclass
 class TokenLogprobs:
     """Logprob of one generated token and the top alternatives at its position."""
@@ -91,6 +117,16 @@ class Request:
     # (mean, CLS), so no prefix-cache hit may skip one; `embedding` is set when the prompt's last chunk has run
     may_reuse_prefix: bool = True
     embedding: list[float] | None = None
+
+    @classmethod
+    def completion(cls, source: EngineRequest, index: int, prompt_ids: list[int], max_tokens: int,
+                   stop_token_ids: frozenset[int], **computed: object) -> Request:
+        """Completion `index` of `source`: its fields copied, plus what the front end computed for this completion
+        (`computed`: grammar, cache_salt, may_reuse_prefix)."""
+        p, rid = source.params, source.request_id
+        return cls(rid if p.n == 1 else f"{rid}#{index}", list(prompt_ids), p, max_tokens, stop_token_ids,
+                   parent_id=rid, index=index, seed=None if p.seed is None else p.seed + index,  # seed + i: its own
+                   tenant=source.tenant, priority=source.priority, lora=source.lora, **computed)
 
     @property
     def num_prompt_tokens(self) -> int:

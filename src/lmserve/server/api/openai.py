@@ -203,7 +203,8 @@ async def start_beam_search(st: ModelState, req: CompletionRequest, caller: Call
     """
     params = beam_params(req, st.config.token_limits)
     admitted = await st.admit_beams(_prompts(req.prompt), params.beam_width, params.max_tokens, caller.record,
-                                    model=req.model, id_prefix="cmpl")
+                                    model=req.model, id_prefix="cmpl", priority=caller.priority,
+                                    cache_salt=req.cache_salt)
     searches = [BeamSearch(ids, params, st.front.eos_token_ids, m) for ids, m in zip(admitted.ids, admitted.max_tokens)]
     meta = {"id": admitted.request_id, "object": "text_completion", "created": int(time.time()),
             "model": _model_name(st, admitted.lora)}
@@ -211,8 +212,8 @@ async def start_beam_search(st: ModelState, req: CompletionRequest, caller: Call
     async def body() -> dict | None:
         step = 0
         while (batch := next_batch(searches))[0]:
-            streams = [st.generate(f"{admitted.request_id}-{step}-{j}", seq, p, 1, caller.record, 0,
-                                   priority=caller.priority, lora=admitted.lora, cache_salt=req.cache_salt)
+            streams = [st.generate(replace(admitted.request, request_id=f"{admitted.request_id}-{step}-{j}", prompt=seq,
+                                           params=p, max_tokens=1), caller.record)
                        for j, (seq, p) in enumerate(zip(*batch))]
             choices = await collect(caller, st, MergedStreams(streams), 1, len(streams))
             if choices is None:
