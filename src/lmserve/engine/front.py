@@ -17,7 +17,7 @@ from lmserve.engine.build import EngineParts
 from lmserve.engine.stats import EngineLoad
 from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
-from lmserve.request import EngineRequest, LoraRequest, Request
+from lmserve.request import EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
@@ -184,7 +184,7 @@ class EngineFront:
         return ReasoningGate.for_prompt(prompt_ids, start, end)
 
 
-def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:
+def _prefix_salt(lora: LoRARequest | None, salt: bytes) -> bytes:
     """The adapter first (blocks never cross adapters), then the caller's salt after a NUL: the adapter part holds
     no NUL, so no two (adapter, salt) pairs give the same bytes.
 

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Protocol, Union
 from lmserve.errors import RequestRejected
 from lmserve.lora.peft_adapter import AdapterError
 from lmserve.ops.record import RequestRecord
-from lmserve.request import CompletionDelta, EngineRequest, LoraRequest
+from lmserve.request import CompletionDelta, EngineRequest, LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.config import ServerConfig
 from lmserve.server.errors import APIError
@@ -62,7 +62,7 @@ class Started:
     request_id: str
     ids: list[list[int]]  # each prompt's token ids
     merged: MergedStreams
-    lora: LoraRequest | None  # the adapter that runs (None: the model itself)
+    lora: LoRARequest | None  # the adapter that runs (None: the model itself)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Admitted:
     request_id: str
     ids: list[list[int]]
     max_tokens: list[int]
-    lora: LoraRequest | None
+    lora: LoRARequest | None
     request: EngineRequest  # each beam step's engine request is this one with its id, prompt, params and max_tokens
 
 
@@ -97,7 +97,7 @@ class ModelState:
         """The served name of the model answering: what responses' `model` field and the metrics say."""
         return self.model.name
 
-    async def lora_for(self, name: str | None, record: RequestRecord) -> LoraRequest | None:
+    async def lora_for(self, name: str | None, record: RequestRecord) -> LoRARequest | None:
         """The adapter a request's model name picks on this model (read from disk off the event loop unless
         cached); None for the model itself or a route; any other name is a 404, as is an adapter the record's
         key may not use (TGI's adapter_id arrives here unchecked)."""

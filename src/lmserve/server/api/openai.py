@@ -19,7 +19,7 @@ from lmserve.beam_search import BeamSearch, BeamSearchSequence, advance_all, nex
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.ops.record import RequestRecord
 from lmserve.parsers.output import OutputParser
-from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
+from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import cache_replay
 from lmserve.server.api import chunks as sse
@@ -97,7 +97,7 @@ class Run:
     merged: MergedStreams
     body: Callable[[], Awaitable[dict | None]]  # collects every stream; None when the client went away first
     chunks: Callable[[], AsyncIterator[dict]]
-    lora: LoraRequest | None = None  # the adapter that runs (what the response cache may file its answer under)
+    lora: LoRARequest | None = None  # the adapter that runs (what the response cache may file its answer under)
 
 
 @router.get("/v1/models")
@@ -274,7 +274,7 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser), lora)
 
 
-def _model_name(st: ModelState, lora: LoraRequest | None) -> str:
+def _model_name(st: ModelState, lora: LoRARequest | None) -> str:
     """The `model` an answer names: the adapter's name when the request ran one, else the model that answered."""
     return lora.name if lora is not None else st.model_name
 
