@@ -60,7 +60,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     **fields: Any) -> None:
-        """Queue a request built here: `fields` are EngineRequest's other fields (tenant, lora, cache_salt...)."""
+        """Queue a request built from its id, prompt, params and `fields` (EngineRequest's other fields, by name)."""
         self.add(EngineRequest(request_id, prompt, params or SamplingParams(), **fields))
 
     def add(self, request: EngineRequest) -> None:
