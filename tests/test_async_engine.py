@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from lmserve.engine.async_engine import AbortRequest, AddRequest, AsyncEngine, Wake
-from lmserve.request import CompletionDelta
+from lmserve.engine.async_engine import AbortRequest, AsyncEngine, Wake
+from lmserve.request import CompletionDelta, EngineRequest
 from lmserve.sampling_params import SamplingParams
 
 
@@ -16,9 +16,9 @@ class FakeEngine:
     """Just enough of LLMEngine: a request finishes in the step after it is added, echoing its prompt."""
 
     def __init__(self) -> None:
-        self.added: list[AddRequest] = []
+        self.added: list[EngineRequest] = []
         self.aborted: list[str] = []
-        self.queued: list[AddRequest] = []
+        self.queued: list[EngineRequest] = []
         self.last_step = None
         self.executor = types.SimpleNamespace(on_fatal=None)  # AsyncEngine hooks a rank death here
 
@@ -26,16 +26,13 @@ class FakeEngine:
         """Nothing to stop (AsyncEngine.shutdown calls it)."""
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        raise AssertionError("AsyncEngine leaves checking to its caller or to add_request")
+        raise AssertionError("AsyncEngine leaves checking to its caller or to add")
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    max_tokens: int | None = None, grammar=None, tenant: str = "", priority: int = 0, lora=None,
-                    cache_salt: bytes = b"") -> None:
-        if request_id == "bad":
+    def add(self, request: EngineRequest) -> None:
+        if request.request_id == "bad":
             raise ValueError("refused on the engine thread")
-        msg = AddRequest(request_id, prompt, params, max_tokens, grammar, tenant)
-        self.added.append(msg)
-        self.queued.append(msg)
+        self.added.append(request)
+        self.queued.append(request)
 
     def abort(self, request_id: str) -> list[CompletionDelta]:
         self.aborted.append(request_id)
@@ -46,7 +43,7 @@ class FakeEngine:
 
     def step(self) -> list[CompletionDelta]:
         done, self.queued = self.queued, []
-        return [CompletionDelta(m.request_id, 0, m.prompt_ids, "x", None, finished=True) for m in done]
+        return [CompletionDelta(m.request_id, 0, m.prompt, "x", None, finished=True) for m in done]
 
 
 def inbox(engine: AsyncEngine) -> list:
@@ -70,7 +67,8 @@ def test_a_bare_tuple_is_not_a_message():
 
 async def _collect(engine: AsyncEngine, request_id: str, ids: list[int],
                    max_tokens: int | None = None) -> list[CompletionDelta]:
-    return [d async for d in engine.generate(request_id, ids, SamplingParams(max_tokens=1), max_tokens)]
+    return [d async for d in engine.generate(EngineRequest(request_id, ids, SamplingParams(max_tokens=1),
+                                                                          max_tokens))]
 
 
 def test_add_reaches_the_engine_thread_and_its_deltas_come_back():

@@ -21,7 +21,7 @@ from lmserve.engine.async_engine import (
 )
 from lmserve.engine.faults import FaultSpec, InjectedFatalFault, InjectedFault, _faulty, install_from_env, parse_fault
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.request import CompletionDelta
+from lmserve.request import CompletionDelta, EngineRequest
 from lmserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -115,9 +115,8 @@ class FailingEngine:
     def close(self) -> None:
         """Nothing to stop (AsyncEngine.shutdown calls it)."""
 
-    def add_request(self, request_id, prompt, params, max_tokens=None, grammar=None, tenant="", priority=0, lora=None,
-                    cache_salt=b"") -> None:
-        self.queued.append(request_id)
+    def add(self, request: EngineRequest) -> None:
+        self.queued.append(request.request_id)
 
     def abort(self, request_id: str) -> list[CompletionDelta]:
         self.queued = [r for r in self.queued if r != request_id]
@@ -149,7 +148,7 @@ class FailingEngine:
 
 async def outcome(engine: AsyncEngine, rid: str) -> str:
     try:
-        return "ok" if [d async for d in engine.generate(rid, [1], SamplingParams(max_tokens=1))] else "empty"
+        return "ok" if [d async for d in engine.generate(EngineRequest(rid, [1], SamplingParams(max_tokens=1)))] else "empty"
     except (StepFailedError, EngineDeadError) as e:
         return type(e).__name__
 

@@ -16,7 +16,7 @@ from lmserve.loader import load_model
 from lmserve.lora.layers import LoraBatch, LoraLinear, LoraSlice, lora_delta_reference
 from lmserve.lora.peft_adapter import read_peft_adapter
 from lmserve.lora.slots import LoraSlots
-from lmserve.request import LoraRequest
+from lmserve.request import LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.upload import to_device
 from tests.conftest import save_tiny_hf
@@ -99,7 +99,8 @@ def _check_against_peft(model_path, tmp_path, prompts_len=(7, 33, 19)):
     for i, (rank, targets) in enumerate(ADAPTERS):
         path = make_peft_adapter(tmp_path / f"a{i}", model_path, rank=rank, target_modules=targets, seed=i,
                                  use_rslora=i == 2)
-        assert slots.acquire(LoraRequest(f"a{i}", i + 1, read_peft_adapter(path, loaded.config, name=f"a{i}")), set())
+        adapter = read_peft_adapter(path, loaded.config, name=f"a{i}")
+        assert slots.acquire(LoRARequest(f"a{i}", i + 1, str(path), adapter), set())
         with peft_reference(model_path, path) as ref:
             refs.append(reference_logits(ref, prompts[i]))
     set_step(slots, [s for i, p in enumerate(prompts) for s in [i if i < len(ADAPTERS) else -1] * len(p)])
@@ -231,7 +232,7 @@ def test_prefix_cache_blocks_never_cross_adapters(tiny_engine_parts):
     prompt = " ".join(f"w{i}" for i in range(10, 23))  # 13 tokens: three full blocks of 4
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
-    def hits_after(rid: str, lora: LoraRequest | None) -> int:
+    def hits_after(rid: str, lora: LoRARequest | None) -> int:
         before = engine.kv.prefix_hits
         engine.add_request(rid, prompt, params, lora=lora)
         while engine.has_unfinished():

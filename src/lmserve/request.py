@@ -28,18 +28,52 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
-class LoraRequest:
-    """The LoRA adapter a request runs with: its name, the id of this registration, its weights read from disk.
+class LoRARequest:
+    """A LoRA adapter to run with, as vLLM spells it: `LoRARequest(lora_name, lora_int_id, lora_path)`.
 
-    `lora_int_id` changes when a name is unloaded and loaded again, so slots and prefix-cache blocks of the
-    old weights never serve the new ones. `adapter` is a lora.peft_adapter.PeftAdapter (typed loosely:
-    plain data sits below the lora/ feature layer); holding it keeps its tensors alive while the request
-    runs, even once the host cache has evicted it.
+    The offline LLM takes one as its user wrote it (LLM._adapter registers `lora_path` under `lora_name` on first
+    use, numbering registrations itself); a request runs with the one the adapter registry returns, its weights
+    read from disk. There `lora_int_id` changes when a name is unloaded and loaded again, so slots and
+    prefix-cache blocks of the old weights never serve the new ones. `adapter` is a lora.peft_adapter.PeftAdapter
+    (typed loosely: plain data sits below the lora/ feature layer); holding it keeps its tensors alive while the
+    request runs, even once the host cache has evicted it.
     """
 
-    name: str
+    lora_name: str
     lora_int_id: int
+    lora_path: str = ""
     adapter: object = field(repr=False, compare=False, default=None)
+
+    @property
+    def name(self) -> str:
+        """The adapter's name (vLLM's alias of lora_name): the model name requests ask for."""
+        return self.lora_name
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One client request as the engine receives it: made once by the front end, passed whole to the scheduler.
+
+    The one carrier of per-request fields from admission (server/served.py ModelState.start, or the offline
+    LLMEngine.add_request) through AsyncEngine and LLMEngine to EngineFront.requests, which builds the scheduler's
+    Requests from it (Request.completion). A new per-request field is added here, set by its producer and read by
+    its consumer; nothing in between names it.
+    """
+
+    request_id: str  # the client-visible id; completion i of n > 1 runs as f"{request_id}#{i}"
+    prompt: str | list[int]  # ids (the server tokenizes before admission), or text the front end tokenizes
+    params: SamplingParams
+    max_tokens: int | None = None  # from EngineFront.check_request; None: checked by EngineFront.requests
+    # from EngineFront.compile_grammar (a structured.compiler.Compiled, compiled off the engine thread; typed
+    # loosely because plain data sits below the structured/ feature layer); None: compiled there when needed
+    grammar: object | None = None
+    tenant: str = ""  # who asked (an API key's name): the scheduler admits round-robin across tenants
+    priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
+    lora: LoRARequest | None = None  # the adapter, already read from disk (LoraRegistry.get); None: the base model
+    cache_salt: bytes = b""  # who may share the prompt's prefix-cache blocks (b"": everyone); the adapter is added
+    # Multimodal inputs (the vision issue's seam): one entry per image of the prompt, for the runner to encode.
+    # Nothing produces or reads it yet; it is here so images add no parameter anywhere between route and runner.
+    mm_inputs: tuple[object, ...] = ()
 
 
 @dataclass
@@ -77,7 +111,7 @@ class Request:
     # adapter's id, then who may share: see LLMEngine.add_request)
     cache_salt: bytes = b""
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, summed over admissions
-    lora: LoraRequest | None = None  # None: the base model
+    lora: LoRARequest | None = None  # None: the base model
     tenant: str = ""  # who asked (an API key's name): waiting requests are admitted round-robin across tenants
     priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
     # structured outputs: this sequence's structured.Grammar (its matcher state follows output_token_ids);
@@ -91,6 +125,16 @@ class Request:
     # (mean, CLS), so no prefix-cache hit may skip one; `embedding` is set when the prompt's last chunk has run
     may_reuse_prefix: bool = True
     embedding: list[float] | None = None
+
+    @classmethod
+    def completion(cls, source: EngineRequest, index: int, prompt_ids: list[int], max_tokens: int,
+                   stop_token_ids: frozenset[int], **computed: object) -> Request:
+        """Completion `index` of `source`: its fields copied, plus what the front end computed for this completion
+        (`computed`: grammar, cache_salt, may_reuse_prefix)."""
+        p, rid = source.params, source.request_id
+        return cls(rid if p.n == 1 else f"{rid}#{index}", list(prompt_ids), p, max_tokens, stop_token_ids,
+                   parent_id=rid, index=index, seed=None if p.seed is None else p.seed + index,  # seed + i: its own
+                   tenant=source.tenant, priority=source.priority, lora=source.lora, **computed)
 
     @property
     def num_prompt_tokens(self) -> int:

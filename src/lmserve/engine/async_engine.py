@@ -15,14 +15,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Union
+from typing import AsyncIterator, Callable, Union
 
 from lmserve.engine.front import EngineFront
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.stats import StepStats
 from lmserve.errors import EngineDeadError, StepFailedError
-from lmserve.request import CompletionDelta, LoraRequest
-from lmserve.sampling_params import SamplingParams
+from lmserve.request import CompletionDelta, EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +48,7 @@ class EngineFault:
 class AddRequest:
     """Asyncio side -> engine thread: queue this request at the next step boundary."""
 
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int | None  # from EngineFront.check_request; None: add_request checks it on the engine thread
-    grammar: Any = None  # from EngineFront.compile_grammar (compiled off the engine thread); None: unconstrained
-    tenant: str = ""  # who asked (the API key's name): the scheduler admits round-robin across tenants
-    priority: int = 0  # lower is admitted first (batch-job lines wait behind interactive requests)
-    lora: LoraRequest | None = None  # the adapter, read from disk before this message was sent; None: base
-    cache_salt: bytes = b""  # who may share its prompt's prefix-cache blocks (b"": everyone)
+    request: EngineRequest
 
 
 @dataclass(frozen=True)
@@ -130,21 +121,15 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       max_tokens: int | None = None, grammar: Any = None,
-                       tenant: str = "", priority: int = 0,
-                       lora: LoraRequest | None = None, cache_salt: bytes = b"") -> AsyncIterator[CompletionDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
         """Stream the deltas of every completion of a request; closing the iterator aborts it.
 
-        `max_tokens` is what `front.check_request` returned for this request (the server checks it
-        before admitting); None has the engine thread check it, and a rejection then ends the stream.
-        `grammar` is `front.compile_grammar(params)`, compiled by the caller off the engine thread.
-        `tenant` names who asked; waiting requests of different tenants are admitted round-robin.
-        `priority`: waiting requests of a lower value are admitted first (batch-job lines use BATCH_PRIORITY).
-        `lora`: the request's adapter from `front.loras.get` (read off the engine thread); None: the base model.
-        `cache_salt`: prefix-cache blocks are shared only with requests of the same salt (b"": everyone).
+        Its `max_tokens` is what `front.check_request` returned (the server checks it before admitting); None has
+        the engine thread check it, and a rejection then ends the stream. Its `grammar` and `lora` were compiled
+        and read by the caller, off the engine thread.
         """
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
+        request_id = request.request_id
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.params.n)
         with self._lock:  # dead is set under the lock: a stream registered here is failed if the engine dies
             if self.dead is not None:
                 raise EngineDeadError("the engine has stopped")
@@ -152,8 +137,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self.num_requests_in_flight += 1
-        self._inbox.put(AddRequest(request_id, prompt_ids, params, max_tokens, grammar, tenant, priority, lora,
-                                   cache_salt))
+        self._inbox.put(AddRequest(request))
         try:
             while stream.pending > 0:
                 item = await stream.queue.get()
@@ -268,10 +252,9 @@ class AsyncEngine:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.max_tokens, msg.grammar,
-                                    tenant=msg.tenant, priority=msg.priority, lora=msg.lora, cache_salt=msg.cache_salt)
+            self.engine.add(msg.request)
         except ValueError as e:  # a request id in use, or an unchecked request refused: only its caller hears
-            self._send(msg.request_id, e)
+            self._send(msg.request.request_id, e)
 
     def _abort(self, msg: AbortRequest) -> None:
         self._publish(self.engine.abort(msg.request_id))

@@ -17,7 +17,7 @@ from lmserve.engine.build import EngineParts
 from lmserve.engine.stats import EngineLoad
 from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
-from lmserve.request import LoraRequest, Request
+from lmserve.request import EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
@@ -152,35 +152,29 @@ class EngineFront:
         except GrammarError as e:
             raise RequestRejected(f"structured_outputs.{params.structured_outputs.kind}: {e}") from None
 
-    def requests(self, request_id: str, prompt: str | list[int], params: SamplingParams, max_tokens: int | None = None,
-                 grammar: Compiled | None = None, tenant: str = "", priority: int = 0,
-                 lora: LoraRequest | None = None, cache_salt: bytes = b"") -> list[Request]:
+    def requests(self, request: EngineRequest) -> list[Request]:
         """The engine requests of one client request: its `params.n` completions, sharing the prompt.
 
-        `max_tokens` is what check_request returned (None: checked here); `grammar` what compile_grammar
-        returned (None with structured_outputs: compiled here); `lora` is already read (LoraRegistry.get);
-        `cache_salt`: who may share the prompt's prefix-cache blocks (b"": everyone).
+        Its `max_tokens` is what check_request returned (None: checked here); its `grammar` what compile_grammar
+        returned (None with structured_outputs: compiled here); its `lora` is already read (LoraRegistry.get).
         """
+        params, lora = request.params, request.lora
         if lora is not None and self.loras is None:
             raise RequestRejected("this engine runs without LoRA (--enable-lora)", "model")
-        ids = self.tokenize_prompt(prompt)
+        ids = self.tokenize_prompt(request.prompt)
+        max_tokens = request.max_tokens
         if max_tokens is None:  # the offline path (LLM, the CLI); the server checked before admitting
             max_tokens = self.check_request(ids, params)
+        grammar = request.grammar
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        salt = _prefix_salt(lora, cache_salt)
+        salt = _prefix_salt(lora, request.cache_salt)
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
-        reqs = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i  # completion i draws from seed + i
-            reqs.append(Request(request_id if params.n == 1 else f"{request_id}#{i}", list(ids), params, max_tokens,
-                                stop_ids, parent_id=request_id, index=i, seed=seed, tenant=tenant, priority=priority,
-                                grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate), lora=lora,
-                                cache_salt=salt,
-                                may_reuse_prefix=params.pooling is None or not self.pooler.needs_every_token))
-        return reqs
-
+        reuse = params.pooling is None or not self.pooler.needs_every_token
+        return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
+                                   grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate))
+                for i in range(params.n)]
 
     def _reasoning_gate(self, prompt_ids: list[int], params: SamplingParams) -> ReasoningGate | None:
         """What holds a grammar back until the reasoning ends (None: it applies from the first token)."""
@@ -190,7 +184,7 @@ class EngineFront:
         return ReasoningGate.for_prompt(prompt_ids, start, end)
 
 
-def _prefix_salt(lora: LoraRequest | None, salt: bytes) -> bytes:
+def _prefix_salt(lora: LoRARequest | None, salt: bytes) -> bytes:
     """The adapter first (blocks never cross adapters), then the caller's salt after a NUL: the adapter part holds
     no NUL, so no two (adapter, salt) pairs give the same bytes.
 

@@ -24,7 +24,7 @@ from lmserve.config import (
 )
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.pooling_params import PoolingParams
-from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
+from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import BeamSearchParams, SamplingParams
 from lmserve.utils import parse_bytes
 
@@ -51,16 +51,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then one entry per token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """vLLM's adapter handle: a PEFT directory served under `lora_name` (registered on first use; `lora_int_id` is
-    accepted for vLLM's signature, the registry numbers registrations itself)."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
 
 
 @dataclass
@@ -146,7 +136,7 @@ class LLM:
         return [s.outputs(front.tokenizer.decode) for s in searches]
 
     def _next_token_logprobs(self, seqs: list[list[int]], plist: list[SamplingParams],
-                             adapter: LoraRequest | None) -> list[list[tuple[int, float]]]:
+                             adapter: LoRARequest | None) -> list[list[tuple[int, float]]]:
         """Run each sequence as a one-token request (in one batch); each one's top (token id, logprob), best first."""
         rids = []
         for ids, p in zip(seqs, plist):
@@ -177,7 +167,7 @@ class LLM:
                                        for i in range(p.n)])
         return outs
 
-    def _adapter(self, req: LoRARequest | None) -> LoraRequest | None:
+    def _adapter(self, req: LoRARequest | None) -> LoRARequest | None:
         """The engine's adapter for vLLM's LoRARequest: registered under its name on first use, then reused."""
         if req is None:
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from typing import Any
 
 from lmserve.config import EngineConfig
 from lmserve.engine.build import build_engine
@@ -18,11 +19,10 @@ from lmserve.engine.speculate import Speculator
 from lmserve.engine.stats import StepStats, engine_load, step_stats
 from lmserve.errors import RequestRejected
 from lmserve.loader import LoadedModel
-from lmserve.request import CompletionDelta, LoraRequest, Request, RequestStatus
+from lmserve.request import CompletionDelta, EngineRequest, Request, RequestStatus
 from lmserve.sampling_params import SamplingParams
 from lmserve.sched.scheduler import Scheduler
 from lmserve.sched.stop import StopChecker
-from lmserve.structured.compiler import Compiled
 from lmserve.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestRejected", "StepStats"]
@@ -59,23 +59,19 @@ class LLMEngine:
             self.kv_tier.close()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    max_tokens: int | None = None, grammar: Compiled | None = None, tenant: str = "",
-                    priority: int = 0, lora: LoraRequest | None = None, cache_salt: bytes = b"") -> None:
-        """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks.
+                    **fields: Any) -> None:
+        """Queue a request built from its id, prompt, params and `fields` (EngineRequest's other fields, by name)."""
+        self.add(EngineRequest(request_id, prompt, params or SamplingParams(), **fields))
 
-        `max_tokens`, `grammar` and `lora` are what the front end's check_request, compile_grammar and the
-        adapter registry returned (None: checked or compiled here). `tenant` names who asked (the scheduler is
-        fair between tenants); waiting requests of a lower `priority` are admitted first; `cache_salt`: who may
-        share the prompt's prefix-cache blocks (the server's per-key salt; b"": everyone).
-        """
-        if request_id in self.children:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        reqs = self.front.requests(request_id, prompt, params or SamplingParams(), max_tokens, grammar, tenant,
-                                   priority, lora, cache_salt)
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request; its `params.n` completions run as separate sequences sharing prompt blocks."""
+        if request.request_id in self.children:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        reqs = self.front.requests(request)
         for req in reqs:
             self.scheduler.add(req)
             self.outputs.add(req)
-        self.children[request_id] = [req.request_id for req in reqs]
+        self.children[request.request_id] = [req.request_id for req in reqs]
 
     def abort(self, request_id: str) -> list[CompletionDelta]:
         """Stop a request at any point; its blocks return to the pool at once."""

@@ -157,13 +157,6 @@ def _q6_k(raw: np.ndarray, n: int, k: int) -> Repacked:
     return Repacked(S8, codes.reshape(n, k), (d * sc).reshape(n, -1), None)
 
 
-def _crumbs(qs: np.ndarray) -> np.ndarray:
-    """Q2_K/Q3_K's 64 bytes of 2-bit codes [..., 64] -> [..., 2, 4, 32]: element 128 h + 32 j + l is bits 2j of
-    byte 32 h + l."""
-    q = qs.reshape(*qs.shape[:-1], 2, 1, 32)
-    return (q >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-
-
 def _super_rows(crumbs: np.ndarray, high: np.ndarray | None, sc: np.ndarray) -> np.ndarray:
     """K2/K3 fields -> the row layout [N, K/32 * bytes]: per block of 32, byte j holds elements j, 8 + j, 16 + j,
     24 + j in its bit pairs 0, 2, 4, 6; (K3) 4 bytes whose little-endian bit e is element e's high bit; 2 scale bytes.

@@ -23,7 +23,7 @@ from typing import Callable
 from lmserve.config import LoraConfig
 from lmserve.lora.peft_adapter import AdapterError, PeftAdapter, read_peft_adapter
 from lmserve.models.config import ModelConfig
-from lmserve.request import LoraRequest
+from lmserve.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class LoraRegistry:
         with self._lock:
             return self._known.get(name)
 
-    def register(self, name: str, path: str | Path, root: str | Path | None = None) -> LoraRequest:
+    def register(self, name: str, path: str | Path, root: str | Path | None = None) -> LoRARequest:
         """Read and check the adapter (blocking: call off the engine thread), then make it known under `name`.
 
         `root`: the --lora-dir every file it reads must stay inside (read_peft_adapter), now and on re-reads."""
@@ -84,7 +84,7 @@ class LoraRegistry:
                 raise AdapterNameTaken(f"an adapter named {name!r} is already loaded")
             self._known[name] = reg
             self._cache(reg.lora_int_id, adapter)
-        return LoraRequest(name, reg.lora_int_id, adapter)
+        return LoRARequest(name, reg.lora_int_id, reg.path, adapter)
 
     def unregister(self, name: str) -> bool:
         """Forget `name` (new requests cannot use it); requests holding it finish with their own copy."""
@@ -94,7 +94,7 @@ class LoraRegistry:
                 self._cpu.pop(reg.lora_int_id, None)
             return reg is not None
 
-    def get(self, name: str) -> LoraRequest | None:
+    def get(self, name: str) -> LoRARequest | None:
         """The adapter for a request, read from disk unless cached (blocking); None for an unknown name."""
         with self._lock:
             reg = self._known.get(name)
@@ -103,7 +103,7 @@ class LoraRegistry:
             adapter = self._cpu.get(reg.lora_int_id)
             if adapter is not None:
                 self._cpu.move_to_end(reg.lora_int_id)
-                return LoraRequest(name, reg.lora_int_id, adapter)
+                return LoRARequest(name, reg.lora_int_id, reg.path, adapter)
         adapter = self._read(reg)  # outside the lock: other adapters stay servable while this one reads
         if adapter.digest != reg.digest:
             log.warning("LoRA adapter %r: the files in %s changed since it was loaded (digest %s, now %s); refused",
@@ -112,7 +112,7 @@ class LoraRegistry:
         with self._lock:
             if reg.lora_int_id not in self._cpu and self._known.get(name) is reg:
                 self._cache(reg.lora_int_id, adapter)
-        return LoraRequest(name, reg.lora_int_id, adapter)
+        return LoRARequest(name, reg.lora_int_id, reg.path, adapter)
 
     def cached_ids(self) -> list[int]:
         """lora_int_ids held in host memory, least recently used first."""

@@ -17,7 +17,7 @@ from torch import nn
 from lmserve.lora.batch import lora_segments
 from lmserve.lora.layers import LoraBatch, LoraLinear, LoraMeta, LoraSlice
 from lmserve.models.config import ModelConfig
-from lmserve.request import LoraRequest
+from lmserve.request import LoRARequest
 
 
 def target_slices(cfg: ModelConfig) -> dict[str, list[LoraSlice]]:
@@ -68,13 +68,13 @@ class LoraSlots:
                      for i in range(len(w.slices)))
         return total
 
-    def slot_of(self, lora: LoraRequest | None) -> int:
+    def slot_of(self, lora: LoRARequest | None) -> int:
         """The adapter's slot, -1 for the base model (the scheduler asked acquire first)."""
         if lora is None:
             return -1
         return self.slot_ids.index(lora.lora_int_id)
 
-    def acquire(self, lora: LoraRequest, busy: set[int]) -> bool:
+    def acquire(self, lora: LoRARequest, busy: set[int]) -> bool:
         """Give `lora` a slot (writing its weights if it has none); False when every slot serves a busy adapter."""
         if lora.lora_int_id in self.slot_ids:
             self._last_used[self.slot_ids.index(lora.lora_int_id)] = next(self._clock)
@@ -88,7 +88,7 @@ class LoraSlots:
         self._write(free[0], lora)
         return True
 
-    def _write(self, slot: int, lora: LoraRequest) -> None:
+    def _write(self, slot: int, lora: LoRARequest) -> None:
         """Zero the slot in every wrapper, then copy each module's A and B (scaling folded into B)."""
         with torch.no_grad():
             for w in self.wrappers:

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from lmserve.cache.kv_cache_manager import ComputedBlocks, KVCacheManager
 from lmserve.config import SchedulerConfig
-from lmserve.request import LoraRequest, Request, RequestStatus, TokenLogprobs
+from lmserve.request import LoRARequest, Request, RequestStatus, TokenLogprobs
 from lmserve.sched.budget import Demand, StepBudget, split_budget
 from lmserve.sched.fairness import admission_order, fair_victim
 from lmserve.sched.output import KVTransfers, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -56,9 +56,9 @@ class Joining:
 class AdapterSlots(Protocol):
     """The device slots of LoRA adapters (lora/slots.LoraSlots), as the scheduler uses them."""
 
-    def acquire(self, lora: LoraRequest, busy: set[int]) -> bool: ...
+    def acquire(self, lora: LoRARequest, busy: set[int]) -> bool: ...
 
-    def slot_of(self, lora: LoraRequest | None) -> int: ...
+    def slot_of(self, lora: LoRARequest | None) -> int: ...
 
 
 class Scheduler:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Protocol, Union
 
 from lmserve.errors import RequestRejected
 from lmserve.lora.peft_adapter import AdapterError
 from lmserve.ops.record import RequestRecord
-from lmserve.request import CompletionDelta, LoraRequest
+from lmserve.request import CompletionDelta, EngineRequest, LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.config import ServerConfig
 from lmserve.server.errors import APIError
@@ -62,7 +62,7 @@ class Started:
     request_id: str
     ids: list[list[int]]  # each prompt's token ids
     merged: MergedStreams
-    lora: LoraRequest | None  # the adapter that runs (None: the model itself)
+    lora: LoRARequest | None  # the adapter that runs (None: the model itself)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,8 @@ class Admitted:
     request_id: str
     ids: list[list[int]]
     max_tokens: list[int]
-    lora: LoraRequest | None
+    lora: LoRARequest | None
+    request: EngineRequest  # each beam step's engine request is this one with its id, prompt, params and max_tokens
 
 
 class ModelState:
@@ -96,7 +97,7 @@ class ModelState:
         """The served name of the model answering: what responses' `model` field and the metrics say."""
         return self.model.name
 
-    async def lora_for(self, name: str | None, record: RequestRecord) -> LoraRequest | None:
+    async def lora_for(self, name: str | None, record: RequestRecord) -> LoRARequest | None:
         """The adapter a request's model name picks on this model (read from disk off the event loop unless
         cached); None for the model itself or a route; any other name is a 404, as is an adapter the record's
         key may not use (TGI's adapter_id arrives here unchecked)."""
@@ -117,8 +118,7 @@ class ModelState:
         return lora
 
     async def start(self, prompts: list[Prompt], params: SamplingParams, record: RequestRecord, *, model: str | None,
-                    id_prefix: str, numbered: bool = False, priority: int = 0,
-                    cache_salt: str | None = None) -> Started:
+                    id_prefix: str, numbered: bool = False, **fields: Any) -> Started:
         """The one admission path of every API family: the key's rate -> render chats -> size and token quota by
         the prompts' byte bounds -> tokenize -> compile the grammar -> resolve the adapter (`model`: the name the
         request asked for) -> admit -> start each prompt's engine stream.
@@ -126,6 +126,7 @@ class ModelState:
         Each step's refusal is an APIError before anything reaches the engine, and the limits come before the work
         they guard; the request id is `{id_prefix}-{hex}` and lands in `record`; stream i runs as `{id}-{i}` when
         `numbered` (completions, whose prompt list may hold several) and as the id itself otherwise (one prompt).
+        `fields`: the EngineRequest fields the route sets (priority; cache_salt, the client's own: see _engine_request).
         """
         self.charge(record)
         rendered = [await self._render(p, record) for p in prompts]
@@ -138,9 +139,18 @@ class ModelState:
         max_tokens = self.admit(ids, params, record)
         rid = record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         names = [f"{rid}-{i}" for i in range(len(ids))] if numbered else [rid]
-        merged = MergedStreams([self.generate(name, p, params, n, record, i * params.n, grammar, priority, lora,
-                                              cache_salt) for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
+        base = self._engine_request(rid, params, record, grammar=grammar, lora=lora, **fields)
+        merged = MergedStreams([self.generate(replace(base, request_id=name, prompt=p, max_tokens=n), record, i * params.n)
+                                for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
+
+    def _engine_request(self, request_id: str, params: SamplingParams, record: RequestRecord,
+                        cache_salt: str | None = None, **fields: Any) -> EngineRequest:
+        """The request's EngineRequest, made once at admission: who asked, and the prompt's prefix-cache salt (per key
+        unless the request's own `cache_salt`, vLLM's field, or the key's `prefix_cache: shared` opts in)."""
+        key = record.key_name or ANONYMOUS
+        return EngineRequest(request_id, [], params, tenant=record.key_name or "",
+                             cache_salt=self.tenants.prefix_salt(key, cache_salt), **fields)
 
     def charge(self, record: RequestRecord) -> None:
         """Take the request from its key's rate bucket unless that was done before (the HTTP middleware does it for
@@ -163,10 +173,10 @@ class ModelState:
                           bounds.most + completions * (params.max_tokens or self.front.max_model_len))
 
     async def admit_beams(self, prompts: list[str | list[int]], width: int, max_tokens: int, record: RequestRecord, *,
-                          model: str | None, id_prefix: str) -> Admitted:
+                          model: str | None, id_prefix: str, **fields: Any) -> Admitted:
         """The admission path of a beam search (server/api/openai.py drives it): rate -> byte bounds -> tokenize ->
         adapter -> admit as `width` completions of `max_tokens` per prompt; each step's beams then run through
-        generate()."""
+        generate(); `fields` as start's."""
         self.charge(record)
         params = SamplingParams(n=width, max_tokens=max_tokens, temperature=0.0)
         await self._check_bounds(prompts, params, record)
@@ -179,8 +189,8 @@ class ModelState:
                            f"queues at once ({limit}); send fewer prompts or a smaller best_of", param="best_of")
         self._check_room(beams)
         limits = self.admit(ids, params, record)
-        record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        return Admitted(record.request_id, ids, limits, lora)
+        rid = record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        return Admitted(rid, ids, limits, lora, self._engine_request(rid, params, record, lora=lora, **fields))
 
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.
@@ -233,16 +243,12 @@ class ModelState:
         self.metrics.grammar_compile.labels("hit" if compiled.cached else "miss").observe(compiled.seconds)
         return compiled
 
-    def generate(self, request_id: str, ids: list[int], params: SamplingParams, max_tokens: int,
-                 record: RequestRecord, first_output: int = 0, grammar: Compiled | None = None,
-                 priority: int = 0, lora: LoraRequest | None = None,
-                 cache_salt: str | None = None) -> AsyncIterator[CompletionDelta]:
+    def generate(self, request: EngineRequest, record: RequestRecord,
+                 first_output: int = 0) -> AsyncIterator[CompletionDelta]:
         """An engine stream that counts toward the in-flight limits (the server's and the model's) until it ends.
 
-        `max_tokens` is what admit returned for these ids; `grammar` what compile_grammar returned. Its completions fill
-        record.outputs[first_output + index] (several prompts share one record). `priority`: see Request.priority.
-        `lora`: what lora_for returned (None: the base model). `cache_salt`: the request's own (vLLM's field); the
-        prompt's prefix-cache blocks are salted per key unless it, or the key's `prefix_cache: shared`, opts in.
+        `request` is what admission made (its max_tokens what admit returned for its prompt). Its completions fill
+        record.outputs[first_output + index] (several prompts share one record).
         """
         if record.engine_arrival is None:
             record.engine_arrival = time.monotonic()
@@ -251,9 +257,7 @@ class ModelState:
         model.in_flight += 1
         self.metrics.in_flight.set(shared.in_flight)
         key = record.key_name or ANONYMOUS
-        inner = self.async_engine.generate(request_id, ids, params, max_tokens, grammar, tenant=record.key_name or "",
-                                           priority=priority, lora=lora,
-                                           cache_salt=self.tenants.prefix_salt(key, cache_salt))
+        inner = self.async_engine.generate(request)
 
         async def counted():
             started, first, last = time.monotonic(), {}, {}  # per completion index

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from lmserve.request import LoraRequest
+from lmserve.request import LoRARequest
 from lmserve.server.api import chunks
 from lmserve.server.response_cache import cache_key, cacheable
 from lmserve.server.served import ModelState
@@ -63,7 +63,7 @@ async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Look
 
 
 async def store(st: ModelState, found: Lookup | None, response: Response, body: dict | None,
-                ran: LoraRequest | None = None) -> Response:
+                ran: LoRARequest | None = None) -> Response:
     """Mark `response` with the lookup's outcome; store `body` (a complete non-streamed answer) on a miss, if the
     adapter that ran (`ran`) is the one the lookup's key names."""
     if found is None:

@@ -19,7 +19,7 @@ from lmserve.beam_search import BeamSearch, BeamSearchSequence, advance_all, nex
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.ops.record import RequestRecord
 from lmserve.parsers.output import OutputParser
-from lmserve.request import CompletionDelta, LoraRequest, TokenLogprobs
+from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import cache_replay
 from lmserve.server.api import chunks as sse
@@ -97,7 +97,7 @@ class Run:
     merged: MergedStreams
     body: Callable[[], Awaitable[dict | None]]  # collects every stream; None when the client went away first
     chunks: Callable[[], AsyncIterator[dict]]
-    lora: LoraRequest | None = None  # the adapter that runs (what the response cache may file its answer under)
+    lora: LoRARequest | None = None  # the adapter that runs (what the response cache may file its answer under)
 
 
 @router.get("/v1/models")
@@ -203,7 +203,8 @@ async def start_beam_search(st: ModelState, req: CompletionRequest, caller: Call
     """
     params = beam_params(req, st.config.token_limits)
     admitted = await st.admit_beams(_prompts(req.prompt), params.beam_width, params.max_tokens, caller.record,
-                                    model=req.model, id_prefix="cmpl")
+                                    model=req.model, id_prefix="cmpl", priority=caller.priority,
+                                    cache_salt=req.cache_salt)
     searches = [BeamSearch(ids, params, st.front.eos_token_ids, m) for ids, m in zip(admitted.ids, admitted.max_tokens)]
     meta = {"id": admitted.request_id, "object": "text_completion", "created": int(time.time()),
             "model": _model_name(st, admitted.lora)}
@@ -211,8 +212,8 @@ async def start_beam_search(st: ModelState, req: CompletionRequest, caller: Call
     async def body() -> dict | None:
         step = 0
         while (batch := next_batch(searches))[0]:
-            streams = [st.generate(f"{admitted.request_id}-{step}-{j}", seq, p, 1, caller.record, 0,
-                                   priority=caller.priority, lora=admitted.lora, cache_salt=req.cache_salt)
+            streams = [st.generate(replace(admitted.request, request_id=f"{admitted.request_id}-{step}-{j}", prompt=seq,
+                                           params=p, max_tokens=1), caller.record)
                        for j, (seq, p) in enumerate(zip(*batch))]
             choices = await collect(caller, st, MergedStreams(streams), 1, len(streams))
             if choices is None:
@@ -273,7 +274,7 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser), lora)
 
 
-def _model_name(st: ModelState, lora: LoraRequest | None) -> str:
+def _model_name(st: ModelState, lora: LoRARequest | None) -> str:
     """The `model` an answer names: the adapter's name when the request ran one, else the model that answered."""
     return lora.name if lora is not None else st.model_name
 
