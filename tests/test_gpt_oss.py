@@ -191,7 +191,7 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
             want = torch.cat([gate_up[e, :, 0::2], gate_up[e, :, 1::2]], dim=1).t()
             assert torch.equal(dequantize(expert.gate_up_proj.repacked()), want)
     native = flat_logits(kept.model, batch)
-    # the runner's transform: each layer's biased experts stacked for one native call per projection over all rows,
+    # the moe_kernels step: each layer's biased experts stacked for one native call per projection over all rows,
     # the same bits as the per-expert module path, at a decode batch and alone
     if native_module() is not None and native_module().quant_packed_rows():
         assert apply_moe_kernels(kept.model, triton=False) == len(kept.model.model.layers)

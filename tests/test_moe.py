@@ -141,7 +141,7 @@ def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(q
 
     _, _, gguf = qwen3_moe
     packed = load_formatted(gguf, torch.float32, CPU, quantization="gguf")
-    apply_moe_kernels(packed.model, triton=False)  # the runner's transform: the grouped kernels where they run
+    apply_moe_kernels(packed.model, triton=False)  # the pipeline's moe_kernels step: the grouped kernels where they run
     plain = load_model(gguf, torch.float32, CPU, quantization="none").model
     assert packed.weight_format == "gguf"
     assert load_formatted(gguf, torch.float32, CPU, quantization="auto").weight_format == "gguf"
@@ -221,7 +221,7 @@ def test_served_to_the_openai_client(qwen3_moe):
     tok = Tokenizer.from_pretrained(path)
     prompt = " ".join(f"w{i}" for i in np.random.default_rng(3).integers(0, 200, 24))
     eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(num_blocks=32)), tokenizer=tok)
-    assert eng.runner.moe_layers == len(eng.runner.model.model.layers)  # the runner's grouped-experts transform
+    assert eng.runner.moe_layers == len(eng.runner.model.model.layers)  # the pipeline's moe_kernels step
     want = generate(eng, [tok.encode_prompt(prompt)], 12)
     with running_server("--model", str(path), "--dtype", "float32", "--served-model-name", "moe") as s:
         client = OpenAI(base_url=s.url + "/v1", api_key="unused")

@@ -185,7 +185,7 @@ def test_gpu_benchmark_exits_2_without_a_gpu(tmp_path):
 
 
 def test_a_moe_model_runs_its_experts_through_the_triton_kernels(tmp_path):
-    """A tiny Qwen3-MoE (8 experts, top-2) under the Triton backend: the runner's transform gives every MoE layer the
+    """A tiny Qwen3-MoE (8 experts, top-2) under the Triton backend: the moe_kernels step gives every MoE layer the
     fused Triton experts (the reference backend's runner gives them the native CPU kernels), and the greedy tokens and
     logprobs equal the reference engine's. The Triton engine's model keeps plain float linears, as on CUDA (the CPU's
     oneDNN packing is for the CPU kernels)."""

@@ -129,12 +129,13 @@ def apply_transforms(ctx: TransformContext, steps: tuple[Step, ...] = TRANSFORMS
     """Run `steps` over ctx.loaded.model in order (ctx.loaded.model becomes the result); returns ctx, with what the
     steps handed on."""
     model = ctx.loaded.model
-    done = model.__dict__.setdefault("applied_transforms", set())  # names of the steps this model has had
+    done: set[str] = model.__dict__.get("applied_transforms", set())  # names of the steps this model has had
     for step in steps:
         if step.__name__ in _ONCE and step.__name__ in done:
             continue
         model = step(model, ctx)
-        model.__dict__.setdefault("applied_transforms", done).add(step.__name__)
+        done.add(step.__name__)
+    model.__dict__["applied_transforms"] = done  # beside layer_progress's counter: a plain attribute, no submodule
     ctx.loaded.model = model
     return ctx
 
