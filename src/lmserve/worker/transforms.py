@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -140,7 +141,8 @@ def apply_transforms(ctx: TransformContext, steps: tuple[Step, ...] = TRANSFORMS
     return ctx
 
 
-def load_formatted(model, dtype: torch.dtype, device: torch.device, pack: bool = True, **kwargs) -> LoadedModel:
+def load_formatted(model: str | Path | None, dtype: torch.dtype, device: torch.device, pack: bool = True,
+                   **kwargs) -> LoadedModel:
     """load_model, then the weight steps (weight format, tensor parallelism): a model that runs as its weights will
     serve, for callers without a runner. `pack=False` keeps plain float nn.Linear; kwargs go to load_model."""
     loaded = load_model(model, dtype, device, **kwargs)
