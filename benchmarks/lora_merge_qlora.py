@@ -30,6 +30,7 @@ from lmserve.lora.export import round_trip
 from lmserve.lora.merge import MergeSpec, merge_to_directory
 from lmserve.lora.peft_adapter import PROJECTIONS, expected_shapes, read_peft_adapter
 from lmserve.tokenizer import Tokenizer
+from lmserve.worker.transforms import load_formatted
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n",
            "Low-rank adaptation adds a small trainable update to each weight matrix, so that",
@@ -108,7 +109,7 @@ def main() -> None:
     adapter = read_peft_adapter(adapter_dir, cfg, name="adapter")
     start = time.perf_counter()
 
-    ref_model = load_model(base, torch.float32, torch.device("cpu"), pack=False).model
+    ref_model = load_model(base, torch.float32, torch.device("cpu")).model
     if args.quantization:  # the reference's base is the quantized weights, dequantized (row-wise, so fused is fine)
         with torch.no_grad():
             for name, w in ref_model.named_parameters():
@@ -120,7 +121,7 @@ def main() -> None:
     del ref_model
     rows = {"base alone (no adapter), float32": compare(base_logits, ref)}
 
-    int4 = load_model(base, torch.float32, torch.device("cpu"), quantization="int4").model
+    int4 = load_formatted(base, torch.float32, torch.device("cpu"), quantization="int4").model
     add_unmerged(int4, adapter, cfg)
     rows["unmerged on the int4 kernels (bf16 activations, int8 LM head)"] = compare(logits(int4, prompts), ref)
     del int4
@@ -128,7 +129,7 @@ def main() -> None:
         out = work / f"merged-{dtype}"
         merge_to_directory(base, cfg, [adapter_dir], MergeSpec((1.0,)), out, dtype, args.quantization)
         for compute in computes:
-            model = load_model(out, getattr(torch, compute), torch.device("cpu")).model
+            model = load_formatted(out, getattr(torch, compute), torch.device("cpu")).model
             rows[f"merged export {dtype}, {compute} compute"] = compare(logits(model, prompts), ref)
             del model
     result = {"base": str(base.name), "quantization": args.quantization or "GGUF as stored", "rank": args.rank,

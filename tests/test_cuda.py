@@ -12,8 +12,8 @@ import torch
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.layers.attention import ContiguousAttention
-from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
+from lmserve.worker.transforms import load_formatted
 from tests.conftest import VOCAB, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -37,12 +37,12 @@ def test_cuda_logits_equal_cpu_logits(tiny):
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 9, 40, 200)]
-    cpu = load_model(tiny, torch.float32, torch.device("cpu"))
-    gpu = load_model(tiny, torch.float32, torch.device("cuda"))
+    cpu = load_formatted(tiny, torch.float32, torch.device("cpu"))
+    gpu = load_formatted(tiny, torch.float32, torch.device("cuda"))
     assert next(gpu.model.parameters()).device.type == "cuda"
     ref, out = logits(cpu.model, prompts, "cpu"), logits(gpu.model, prompts, "cuda")
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-4
-    bf = load_model(tiny, torch.bfloat16, torch.device("cuda"))
+    bf = load_formatted(tiny, torch.bfloat16, torch.device("cuda"))
     low = logits(bf.model, prompts, "cuda").float()
     assert (low.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.8
 
@@ -162,7 +162,7 @@ def test_cuda_int4_engine_batch_equals_alone(tiny):
     assert run(eng, prompts, params) == alone
     assert eng.kv.num_free_blocks == eng.num_blocks
     # the same int4 codes on both devices: only bf16 rounding inside the kernels differs
-    cpu = load_model(tiny, torch.float32, torch.device("cpu"), quantization="int4")
+    cpu = load_formatted(tiny, torch.float32, torch.device("cpu"), quantization="int4")
     a, b = logits(eng.loaded.model, prompts, "cuda"), logits(cpu.model, prompts, "cpu")
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item() > 0.999
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.95

@@ -146,7 +146,7 @@ TOKENIZER_EDITS = [
 def load_gguf(case: Path) -> None:
     path = case / "model.gguf"
     read_model_config(path)
-    loaded = load_model(path, torch.float32, CPU, pack=False)
+    loaded = load_model(path, torch.float32, CPU)
     Tokenizer.from_gguf(path, loaded.gguf.metadata).encode("abcd ab")
 
 
@@ -271,7 +271,7 @@ def load_hf(case: Path) -> None:
     read_model_config(case)
     check_tokenizer_file(case)
     Tokenizer.from_pretrained(case).encode("w1 w2")
-    load_model(case, torch.float32, CPU, pack=False)
+    load_model(case, torch.float32, CPU)
 
 
 def json_file_cases(filename: str, valid: bytes, rng: random.Random) -> list[Case]:

@@ -15,9 +15,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from lmserve.layers.gguf_embedding import GGUFEmbedding
 from lmserve.layers.gguf_linear import BLOCK_BYTES, S8, GGUFLinear, kernel_layout, repack
-from lmserve.loader import load_model
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_packed import auto_quantization
+from lmserve.worker.transforms import load_formatted
 from tests.test_gguf_linear import BLOCK_WEIGHTS, packs_here, random_blocks
 
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ def test_looked_up_rows_equal_the_gguf_packages_rows(kind, n):
 
 @pytest.fixture(scope="module")
 def auto_loaded(smol_path):
-    return load_model(smol_path, torch.float32, CPU, quantization="auto")
+    return load_formatted(smol_path, torch.float32, CPU, quantization="auto")
 
 
 def test_auto_keeps_the_embedded_models_blocks_and_one_table(smol_path, auto_loaded):
@@ -66,7 +66,7 @@ def test_auto_keeps_the_embedded_models_blocks_and_one_table(smol_path, auto_loa
 
 
 def test_none_is_the_float_path(smol_path):
-    loaded = load_model(smol_path, torch.float32, CPU, quantization="none")
+    loaded = load_formatted(smol_path, torch.float32, CPU, quantization="none")
     assert loaded.runtime_quantization is None and loaded.weight_format == "none"
     model = loaded.model
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
@@ -85,13 +85,13 @@ def test_auto_chooses_float_where_blocks_cannot_run(smol_path, tmp_path):
     from tests.conftest import write_tiny_llama
 
     write_tiny_llama(tmp_path / "tiny")
-    assert load_model(tmp_path / "tiny", torch.float32, CPU, quantization="auto").weight_format == "none"
+    assert load_formatted(tmp_path / "tiny", torch.float32, CPU, quantization="auto").weight_format == "none"
 
 
 def test_auto_keeps_an_f32_gguf_float(tmp_path):
     path = tmp_path / "f32.gguf"
     write_tiny_gguf(path)
-    loaded = load_model(path, torch.float32, CPU, quantization="auto")
+    loaded = load_formatted(path, torch.float32, CPU, quantization="auto")
     assert loaded.weight_format == "none"
     assert "projection" in auto_quantization(read_gguf(path), CPU, torch.float32, 1)[1]
     assert isinstance(loaded.model.model.embed_tokens, torch.nn.Embedding)

@@ -19,10 +19,10 @@ from lmserve.layers import gguf_linear
 from lmserve.layers.gguf_linear import S8, GGUFLinear, dequantize
 from lmserve.layers.moe_kernels import NativeExperts, apply_moe_kernels
 from lmserve.layers.native import native_module
-from lmserve.loader import load_model
 from lmserve.models.gpt_oss import mxfp4_dequantize
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import Tokenizer
+from lmserve.worker.transforms import load_formatted
 from tests.test_model_families import GREEDY_BATCH, assert_close, prompts, reference_greedy
 from tests.test_model_parity import flat_logits
 from tests.tiny_models import build_hf, write_gguf
@@ -38,7 +38,7 @@ def tiny(tmp_path_factory):
 
 
 def _logits(source, batch):
-    model = load_model(source, torch.float32, torch.device("cpu"), quantization="none").model
+    model = load_formatted(source, torch.float32, torch.device("cpu"), quantization="none").model
     return model, flat_logits(model, batch)
 
 
@@ -182,7 +182,7 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
     # weights exactly transformers' values, and the int8-dot kernels equal their dequantize-then-matmul reference
     # (int8 activations, as llama.cpp runs MXFP4: this tiny random model amplifies that rounding to ~5-30% of the
     # largest logit, so the comparison is with the reference, not transformers)
-    kept = load_model(gguf, torch.float32, torch.device("cpu"), quantization="auto")
+    kept = load_formatted(gguf, torch.float32, torch.device("cpu"), quantization="auto")
     assert kept.weight_format == "gguf"
     for layer, theirs_layer in zip(kept.model.model.layers, ref.model.layers):
         gate_up = theirs_layer.mlp.experts.gate_up_proj.detach()  # [E, hidden, 2I], gate and up interleaved
@@ -191,7 +191,7 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
             want = torch.cat([gate_up[e, :, 0::2], gate_up[e, :, 1::2]], dim=1).t()
             assert torch.equal(dequantize(expert.gate_up_proj.repacked()), want)
     native = flat_logits(kept.model, batch)
-    # the runner's transform: each layer's biased experts stacked for one native call per projection over all rows,
+    # the moe_kernels step: each layer's biased experts stacked for one native call per projection over all rows,
     # the same bits as the per-expert module path, at a decode batch and alone
     if native_module() is not None and native_module().quant_packed_rows():
         assert apply_moe_kernels(kept.model, triton=False) == len(kept.model.model.layers)

@@ -59,6 +59,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "sched": {"sched.output", "cache", "structured"},
     "sched.output": set(),
     "cache": set(),
+    # worker/transforms.py, the model's one transform pipeline, is worker's: it applies layers' weight formats, wrappers
+    # and kernels and lora's slots to what loader built, and the engine, a TP rank and a draft run it
     "worker": {"sched.output", "sample", "lora", "loader", "models", "layers"},
     "sample": {"structured", "layers"},  # layers: the native kernels (greedy argmax with its logprob)
     "spec": set(),

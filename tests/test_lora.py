@@ -12,12 +12,12 @@ from lmserve.config import CacheConfig, EngineConfig, LoraConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.layers.linear import PackedLinear, can_pack
 from lmserve.layers.quantized import Int4Linear, Int8Linear
-from lmserve.loader import load_model
 from lmserve.lora.layers import LoraBatch, LoraLinear, LoraSlice, lora_delta_reference
 from lmserve.lora.peft_adapter import read_peft_adapter
 from lmserve.lora.slots import LoraSlots
 from lmserve.request import LoRARequest
 from lmserve.sampling_params import SamplingParams
+from lmserve.worker.transforms import load_formatted
 from lmserve.worker.upload import to_device
 from tests.conftest import save_tiny_hf
 from tests.lora_adapters import make_peft_adapter, peft_reference, reference_logits, tiny_llama_checkpoint
@@ -90,7 +90,7 @@ ADAPTERS = ((8, ("q_proj", "v_proj")), (16, ("q_proj", "k_proj", "v_proj", "o_pr
 
 
 def _check_against_peft(model_path, tmp_path, prompts_len=(7, 33, 19)):
-    loaded = load_model(model_path, torch.float32, CPU)
+    loaded = load_formatted(model_path, torch.float32, CPU)
     slots = LoraSlots(loaded.model, loaded.config, len(ADAPTERS), 16, torch.float32, CPU)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, loaded.config.vocab_size, (n,), generator=g).tolist() for n in prompts_len]

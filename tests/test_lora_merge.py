@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from lmserve.cli import main
-from lmserve.loader import load_model, read_model_config
+from lmserve.loader import read_model_config
 from lmserve.lora.export import round_trip
 from lmserve.lora.merge import MergeSpec, combine
 from lmserve.lora.peft_adapter import read_peft_adapter
+from lmserve.worker.transforms import load_formatted
 from tests.conftest import save_tiny_hf
 from tests.lora_adapters import (
     ALL_PROJECTIONS,
@@ -58,7 +59,7 @@ def hf_logits(model_dir) -> list[torch.Tensor]:
 
 
 def lmserve_logits(model_dir) -> list[torch.Tensor]:
-    return flat_logits(load_model(model_dir, torch.float32, torch.device("cpu")).model, PROMPTS)
+    return flat_logits(load_formatted(model_dir, torch.float32, torch.device("cpu")).model, PROMPTS)
 
 
 def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:

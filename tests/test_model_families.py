@@ -12,10 +12,10 @@ import torch
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
-from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import Tokenizer
 from lmserve.utils import KV_QUANT_DTYPES
+from lmserve.worker.transforms import load_formatted
 from tests.test_model_parity import flat_logits
 from tests.tiny_models import ARCHS, VOCAB, build_gemma3_multimodal, build_hf, write_gguf
 
@@ -86,8 +86,8 @@ def test_logits_match_transformers(tiny, name, fmt):
     its original context rotate by the short factors (served with max_model_len 32), longer ones by the long."""
     path, gguf, ref = tiny(name)
     source = path if fmt == "hf" else gguf
-    loaded = load_model(source, torch.float32, torch.device("cpu"), quantization="none")
-    short = load_model(source, torch.float32, torch.device("cpu"), quantization="none", max_model_len=32) \
+    loaded = load_formatted(source, torch.float32, torch.device("cpu"), quantization="none")
+    short = load_formatted(source, torch.float32, torch.device("cpu"), quantization="none", max_model_len=32) \
         if name == "phi3" else loaded
     batch = prompts(PARITY_LENS)
     for prompt, ours, ours_short in zip(batch, flat_logits(loaded.model, batch), flat_logits(short.model, batch)):
@@ -141,8 +141,8 @@ def test_packed_gguf_keeps_mixed_layouts_quantized(tiny, tmp_path):
     _, _, ref = tiny("gemma3")
     kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "ffn_down": "Q4_1"}
     path = write_gguf("gemma3", ref, tmp_path / "mixed.gguf", lambda n: kinds.get(n.split(".")[-2], "Q8_0"))
-    packed = load_model(path, torch.float32, torch.device("cpu"), quantization="gguf").model
-    plain = load_model(path, torch.float32, torch.device("cpu"), quantization="none").model
+    packed = load_formatted(path, torch.float32, torch.device("cpu"), quantization="gguf").model
+    plain = load_formatted(path, torch.float32, torch.device("cpu"), quantization="none").model
     layer = packed.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, FusedGGUFLinear) and len(layer.self_attn.qkv_proj.parts) == 2
     assert all(type(m) is GGUFLinear for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))

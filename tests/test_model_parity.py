@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmserve.layers.attention import ContiguousAttention
-from lmserve.loader import load_model
+from lmserve.worker.transforms import load_formatted
 from tests.conftest import hf_from_gguf, save_tiny_hf
 
 TOL = 1e-4
@@ -35,7 +35,7 @@ def prompts_for(vocab: int) -> list[list[int]]:
 def test_tiny_sharded_checkpoint_matches_transformers(tmp_path, kind):
     path, ref = save_tiny_hf(tmp_path, kind)
     assert len(list(path.glob("*.safetensors"))) >= 2, "checkpoint should be sharded"
-    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    loaded = load_formatted(path, torch.float32, torch.device("cpu"))
     assert loaded.format == "safetensors"
     if kind == "llama":
         assert loaded.config.rope_type == "llama3" and not loaded.config.tie_word_embeddings
@@ -51,7 +51,7 @@ def test_tiny_sharded_checkpoint_matches_transformers(tmp_path, kind):
 @pytest.mark.slow
 def test_embedded_gguf_matches_transformers(smol_path):
     ref = hf_from_gguf(smol_path)
-    loaded = load_model(smol_path, torch.float32, torch.device("cpu"))
+    loaded = load_formatted(smol_path, torch.float32, torch.device("cpu"))
     cfg = loaded.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
     prompts = prompts_for(cfg.vocab_size)

@@ -17,6 +17,7 @@ from lmserve.layers.linear import pack_linears
 from lmserve.layers.moe import SparseMoE, reference_moe, route
 from lmserve.layers.moe_kernels import NativeExperts, StackedGGUF, StackedPanels, apply_moe_kernels
 from lmserve.loader import load_model
+from lmserve.worker.transforms import load_formatted
 from tests.test_model_families import assert_close, prompts
 from tests.test_model_parity import flat_logits
 from tests.tiny_models import build_hf, write_gguf
@@ -68,7 +69,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(qwen3_moe):
     moe = pack_linears(random_moe(32))
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
     assert rows_alone_equal_rows_in_batch(moe, x)
-    packed = load_model(qwen3_moe[2], torch.float32, CPU, quantization="gguf").model
+    packed = load_formatted(qwen3_moe[2], torch.float32, CPU, quantization="gguf").model
     layer = packed.model.layers[0].mlp
     assert isinstance(layer.experts[0].gate_up_proj, GGUFLinear)
     x = torch.randn(16, 128, generator=torch.Generator().manual_seed(5))
@@ -114,7 +115,7 @@ def test_native_grouped_gguf_experts_equal_the_module_path(qwen3_moe):
 
     if native.native_module() is None or native.native_module().quant_packed_rows() == 0:
         pytest.skip("the packed GGUF layout needs the AVX-512 VNNI build")
-    packed = load_model(qwen3_moe[2], torch.float32, CPU, quantization="gguf").model
+    packed = load_formatted(qwen3_moe[2], torch.float32, CPU, quantization="gguf").model
     layers = packed.model.layers
     assert apply_moe_kernels(packed, triton=False) == len(layers)
     for layer in layers:
@@ -139,11 +140,11 @@ def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(q
     from lmserve.layers import native
 
     _, _, gguf = qwen3_moe
-    packed = load_model(gguf, torch.float32, CPU, quantization="gguf")
-    apply_moe_kernels(packed.model, triton=False)  # the runner's transform: the grouped kernels where they run
-    plain = load_model(gguf, torch.float32, CPU, quantization="none", pack=False).model
+    packed = load_formatted(gguf, torch.float32, CPU, quantization="gguf")
+    apply_moe_kernels(packed.model, triton=False)  # the pipeline's moe_kernels step: the grouped kernels where they run
+    plain = load_model(gguf, torch.float32, CPU, quantization="none").model
     assert packed.weight_format == "gguf"
-    assert load_model(gguf, torch.float32, CPU, quantization="auto").weight_format == "gguf"
+    assert load_formatted(gguf, torch.float32, CPU, quantization="auto").weight_format == "gguf"
     for layer, ref in zip(packed.model.model.layers, plain.model.layers):
         assert not isinstance(layer.mlp.gate, GGUFLinear)
         for ours, theirs in zip(layer.mlp.experts, ref.mlp.experts):
@@ -167,7 +168,7 @@ def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(q
 def test_qwen_dense_layers_follow_sparse_step_and_mlp_only_layers(tmp_path):
     """decoder_sparse_step 2 and mlp_only_layers [3] over 4 layers: only layer 1 routes to experts; logits match."""
     path, ref = build_hf("qwen3_moe", tmp_path, num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
-    loaded = load_model(path, torch.float32, CPU)
+    loaded = load_formatted(path, torch.float32, CPU)
     assert [isinstance(layer.mlp, SparseMoE) for layer in loaded.model.model.layers] == [False, True, False, False]
     assert loaded.config.dense_layers == (0, 2, 3)
     batch = prompts((7, 19))
@@ -220,7 +221,7 @@ def test_served_to_the_openai_client(qwen3_moe):
     tok = Tokenizer.from_pretrained(path)
     prompt = " ".join(f"w{i}" for i in np.random.default_rng(3).integers(0, 200, 24))
     eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(num_blocks=32)), tokenizer=tok)
-    assert eng.runner.moe_layers == len(eng.runner.model.model.layers)  # the runner's grouped-experts transform
+    assert eng.runner.moe_layers == len(eng.runner.model.model.layers)  # the pipeline's moe_kernels step
     want = generate(eng, [tok.encode_prompt(prompt)], 12)
     with running_server("--model", str(path), "--dtype", "float32", "--served-model-name", "moe") as s:
         client = OpenAI(base_url=s.url + "/v1", api_key="unused")

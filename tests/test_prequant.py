@@ -24,6 +24,7 @@ from lmserve.layers.int_weights import IntWeights, dequantize_int, kernel_blocks
 from lmserve.loader import load_model, read_model_config
 from lmserve.loader.prequant import read_scheme
 from lmserve.loader.prequant_formats import read_awq, read_compressed_int, read_gptq
+from lmserve.worker.transforms import load_formatted
 from tests.prequant_writers import HIDDEN, LAYERS, VOCAB, pack_awq, pack_rows, write_packed, write_tiny_base
 
 CPU = torch.device("cpu")
@@ -292,7 +293,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_float_path_equals_the_librarys_dequantized_model(checkpoints, name):
     """--quantization none: every quantized layer dequantized at load, (code - zero) * scale: the plain reference."""
     ref = checkpoints[name]
-    loaded = load_model(ref.path, torch.float32, CPU, quantization="none")
+    loaded = load_formatted(ref.path, torch.float32, CPU, quantization="none")
     assert loaded.weight_format == "none" and not any(isinstance(m, GGUFLinear) for m in loaded.model.modules())
     assert rel(logits_of(loaded.model), ref.logits) <= PARITY
 
@@ -302,7 +303,7 @@ def test_int_kernels_run_the_checkpoints_own_codes(checkpoints, name):
     """--quantization auto on CPU/float32: every projection a GGUFLinear over the checkpoint's codes (no float copy of
     them), logits equal to the library's model with the kernels' int8 activation rounding; FP8 stays float."""
     ref = checkpoints[name]
-    loaded = load_model(ref.path, torch.float32, CPU, quantization="auto")
+    loaded = load_formatted(ref.path, torch.float32, CPU, quantization="auto")
     kept = [m for m in loaded.model.modules() if isinstance(m, GGUFLinear)]
     if ref.kind is None:
         assert loaded.weight_format == "none" and not kept and "fp8" in loaded.quantization
@@ -317,7 +318,7 @@ def test_int_kernels_run_the_checkpoints_own_codes(checkpoints, name):
     assert loaded.model.model.embed_tokens.weight.dtype == torch.float32
     # each kept layer against the float path's weight for it (the checkpoint dequantized: (code - zero) * scale),
     # its input rounded as the kernel rounds it: one matmul, so float32 summation order is the only difference
-    plain = load_model(ref.path, torch.float32, CPU, quantization="none", pack=False).model
+    plain = load_model(ref.path, torch.float32, CPU, quantization="none").model
     x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(3))
     for name, layer in loaded.model.named_modules():
         if isinstance(layer, GGUFLinear) and layer.in_features == HIDDEN:
@@ -415,7 +416,7 @@ def test_a_bf16_head_is_held_in_bf16(bf16_tied):
     with safe_open(str(bf16_tied.path / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
         table = f.get_tensor("model.embed_tokens.weight")
-    loaded = load_model(bf16_tied.path, torch.float32, CPU, quantization="auto")
+    loaded = load_formatted(bf16_tied.path, torch.float32, CPU, quantization="auto")
     head, embed = loaded.model.lm_head, loaded.model.model.embed_tokens
     assert isinstance(head, HalfLinear) and isinstance(embed, HalfEmbedding)
     assert head.coded is not None and embed.head_rows.__self__ is head
@@ -426,7 +427,7 @@ def test_a_bf16_head_is_held_in_bf16(bf16_tied):
     ours = logits_of(loaded.model)
     assert rel(ours, bf16_tied.rounded) <= FLIPS
     assert rel(ours, bf16_tied.logits) <= 0.1  # the int8 activation rounding itself
-    plain = load_model(bf16_tied.path, torch.float32, CPU, quantization="none").model  # float path: widened
+    plain = load_formatted(bf16_tied.path, torch.float32, CPU, quantization="none").model  # float path: widened
     assert plain.model.embed_tokens.weight.dtype == torch.float32 and rel(logits_of(plain), bf16_tied.logits) <= PARITY
 
 
@@ -437,6 +438,6 @@ def test_refused_checkpoint_fails_before_loading(checkpoints, tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"]["desc_act"] = True
     (path / "config.json").write_text(json.dumps(config))
-    for load in (read_model_config, lambda p: load_model(p, torch.float32, CPU)):
+    for load in (read_model_config, lambda p: load_formatted(p, torch.float32, CPU)):
         with pytest.raises(CheckpointError, match=r"config.json: quantization_config.desc_act = True: act-order"):
             load(path)

@@ -17,8 +17,8 @@ from lmserve.layers.quantized import (
     quantize_int8,
     quantize_linears,
 )
-from lmserve.loader import load_model
 from lmserve.sampling_params import SamplingParams
+from lmserve.worker.transforms import load_formatted
 from tests.conftest import save_tiny_hf
 from tests.test_model_parity import flat_logits
 
@@ -119,12 +119,12 @@ def test_int4_keeps_the_gguf_q4_1_codes(smol_path):
 
 @pytest.fixture(scope="module")
 def smol_fp32(smol_path):
-    return load_model(smol_path, torch.float32, torch.device("cpu"))
+    return load_formatted(smol_path, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_quantized_embedded_model_stays_close_to_float(smol_path, smol_fp32, scheme):
-    quant = load_model(smol_path, torch.float32, torch.device("cpu"), quantization=scheme)
+    quant = load_formatted(smol_path, torch.float32, torch.device("cpu"), quantization=scheme)
     assert quant.runtime_quantization == scheme
     layer = quant.model.model.layers[0]
     expected = Int4Linear if scheme == "int4" else Int8Linear
@@ -149,7 +149,7 @@ def test_quantized_embedded_model_stays_close_to_float(smol_path, smol_fp32, sch
 def test_tiny_model_keeps_unsupported_shapes_in_float(tmp_path):
     """intermediate 112 is not a multiple of the int4 group: down_proj stays a float layer, the rest is int4."""
     path, _ = save_tiny_hf(tmp_path, "qwen2")
-    loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="int4")
+    loaded = load_formatted(path, torch.float32, torch.device("cpu"), quantization="int4")
     layer = loaded.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.qkv_proj.bias is not None
     assert type(layer.mlp.down_proj) is nn.Linear
@@ -159,9 +159,9 @@ def test_tiny_model_keeps_unsupported_shapes_in_float(tmp_path):
 
 def test_unknown_scheme_and_gpu_device_are_refused(smol_path):
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
-        load_model(smol_path, torch.float32, torch.device("cpu"), quantization="int3")
+        load_formatted(smol_path, torch.float32, torch.device("cpu"), quantization="int3")
     with pytest.raises(ValueError, match="runs on CPU or CUDA, not on meta"):
-        load_model(smol_path, torch.float32, torch.device("meta"), quantization="int4")
+        load_formatted(smol_path, torch.float32, torch.device("meta"), quantization="int4")
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_linears(nn.Sequential(nn.Linear(32, 16)), "fp8")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lmserve.layers import linear, native
-from lmserve.loader import load_model
 from lmserve.utils import cpu_flags
+from lmserve.worker.transforms import load_formatted
 from tests.conftest import LAYERS, write_tiny_llama
 
 
@@ -72,7 +72,7 @@ def test_the_skinny_check_is_one_summary_line(monkeypatch, tmp_path, caplog, ref
 
         monkeypatch.setattr(linear.PackedLinear, "_skinny_matches_onednn", matches)
     with caplog.at_level(logging.DEBUG):
-        load_model(tmp_path / "tiny", torch.float32, torch.device("cpu"))
+        load_formatted(tmp_path / "tiny", torch.float32, torch.device("cpu"))
     skinny = [line for line in info_lines(caplog) if "skinny" in line]
     kept = f"; {refused} keep oneDNN (not bit-identical)" if refused else ""
     assert skinny == [f"skinny kernel: {layers - refused} of {layers} layers use it{kept}"]  # no per-layer lines

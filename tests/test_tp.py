@@ -28,9 +28,9 @@ import torch.distributed as dist
 from lmserve import LLM, SamplingParams
 from lmserve.errors import ConfigError
 from lmserve.layers.attention import ContiguousAttention
-from lmserve.loader import load_model
 from lmserve.loader.sharding import TPShard, shard_bounds
 from lmserve.worker.tp_worker import RankSpec, init_group
+from lmserve.worker.transforms import load_formatted
 from tests.conftest import save_tiny_hf, write_tiny_llama
 from tests.server_util import running_server, unhealthy_within
 
@@ -41,7 +41,7 @@ def _forward(rank: int, world: int, init_method: str, path: str) -> torch.Tensor
     """This rank's load and forward over PROMPTS; rank 0's logits (the others return nothing useful)."""
     init_group(RankSpec(rank, world, init_method, 60.0, 1, os.getppid()), torch.device("cpu"))
     try:
-        model = load_model(path, torch.float32, torch.device("cpu"), shard=TPShard(rank, world)).model
+        model = load_formatted(path, torch.float32, torch.device("cpu"), shard=TPShard(rank, world)).model
         ids = torch.tensor([t for p in PROMPTS for t in p])
         pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
         with torch.inference_mode():
@@ -79,7 +79,7 @@ def tp_logits(path: Path, world: int) -> torch.Tensor:
 
 def one_rank_logits(path: Path) -> torch.Tensor:
     """The whole model's logits over PROMPTS in this process: what rank 0 must give under tensor parallelism."""
-    whole = load_model(path, torch.float32, torch.device("cpu")).model
+    whole = load_formatted(path, torch.float32, torch.device("cpu")).model
     ids = torch.tensor([t for p in PROMPTS for t in p])
     pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
     with torch.inference_mode():

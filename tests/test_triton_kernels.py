@@ -194,7 +194,7 @@ def test_fused_moe_matches_reference(dtype):
 
 @pytest.mark.parametrize("shared", [0, 32])
 def test_triton_experts_wired_into_the_moe_layer_match_the_reference(shared):
-    """The runner's transform with the Triton backend (layers/moe_kernels.py) gives a SparseMoE the fused kernels:
+    """The moe_kernels step with the Triton backend (layers/moe_kernels.py) gives a SparseMoE the fused kernels:
     the layer (router, Triton experts, Qwen2-MoE's shared expert) equals the token-by-token reference at batch 16 and
     batch 1, and the experts' own weights are views of the stacked w13 / w2 (one copy)."""
     from lmserve.layers.moe import reference_moe

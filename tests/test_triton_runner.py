@@ -185,18 +185,18 @@ def test_gpu_benchmark_exits_2_without_a_gpu(tmp_path):
 
 
 def test_a_moe_model_runs_its_experts_through_the_triton_kernels(tmp_path):
-    """A tiny Qwen3-MoE (8 experts, top-2) under the Triton backend: the runner's transform gives every MoE layer the
+    """A tiny Qwen3-MoE (8 experts, top-2) under the Triton backend: the moe_kernels step gives every MoE layer the
     fused Triton experts (the reference backend's runner gives them the native CPU kernels), and the greedy tokens and
     logprobs equal the reference engine's. The Triton engine's model keeps plain float linears, as on CUDA (the CPU's
     oneDNN packing is for the CPU kernels)."""
     from lmserve.layers.moe_kernels import NativeExperts
     from lmserve.layers.triton.moe import TritonExperts
-    from lmserve.loader import load_model
+    from lmserve.worker.transforms import load_formatted
     from tests.tiny_models import build_hf
 
     path, _ = build_hf("qwen3_moe", tmp_path)
     ref = engine(None, "reference", model=str(path))
-    plain = load_model(path, torch.float32, torch.device("cpu"), pack=False)
+    plain = load_formatted(path, torch.float32, torch.device("cpu"), pack=False)
     cfg = EngineConfig(model=str(path), dtype="float32", attention_backend="triton",
                        cache=CacheConfig(num_blocks=96, block_size=BLOCK))
     tri = LLMEngine(cfg, loaded=plain, tokenizer=ref.tokenizer)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.loader import gguf_packed, load_model
+from lmserve.loader import gguf_packed
 from lmserve.loader.repack_cache import MAGIC
+from lmserve.worker.transforms import load_formatted
 from tests.test_gguf_linear import write_low_bit_gguf
 
 CPU = torch.device("cpu")
@@ -23,7 +24,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def load(path):
-    return load_model(path, torch.float32, CPU, quantization="gguf").model
+    return load_formatted(path, torch.float32, CPU, quantization="gguf").model
 
 
 def state(model) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from lmserve.tokenizer import Tokenizer, load_tokenizer
 from lmserve.utils import available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
 from lmserve.worker.model_runner import ModelRunner, profile_forward
+from lmserve.worker.transforms import TransformContext, apply_transforms
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,13 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     shard = TPShard(0, cfg.parallel.tensor_parallel_size) if ranks is not None else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
                                   shard=shard, max_model_len=cfg.max_model_len)
-    dtype = next(loaded.model.parameters()).dtype
+    load_dtype, dtype = dtype, next(loaded.model.parameters()).dtype  # asked for; the model's (a kept GGUF: float32)
     kv_dtype = _kv_dtype(cfg, dtype, loaded, device)
+    backend = resolve_attention_backend(cfg.attention_backend, device, dtype)
+    # the model's one transform pipeline (worker/transforms.py): weight format, tensor parallelism, LoRA, MoE kernels,
+    # decode stack, warm-up; the KV pool below is sized (on CUDA: profiled) against the model that will serve
+    done = apply_transforms(TransformContext(loaded, device, load_dtype, lora=cfg.lora,
+                                             triton=backend.name == "triton", kv_dtype=kv_dtype))
     tokenizer = tokenizer or load_tokenizer(loaded)
     model_cfg = loaded.config
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
@@ -104,17 +110,17 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     # which layers share a block table, and a block's bytes in one group's layers of this rank's KV heads
     groups, block_bytes, per_seq = kv_pool_shape(loaded.model.config, cfg, kv_dtype, max_model_len)
     num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len, per_seq)
-    lora_slots, loras = _lora(cfg, loaded, dtype, device)
-    backend = resolve_attention_backend(cfg.attention_backend, device, dtype)
+    loras = _lora_registry(cfg, done)
     pooler = pooler_config(loaded.path, cfg.pooling)
     log.info("embeddings: %s pooling (%s), L2-normalised", pooler.method, pooler.source)
     # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
     say = log.info if device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
     say("attention backend: %s (%s)", backend.name, backend.why)
     # the runner sees this rank's model: its KV cache holds only this rank's KV heads
-    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, lora_slots,
+    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, done,
                          kv_dtype=kv_dtype, attention_backend=backend.name, kv_groups=[g.layers for g in groups],
                          pooler=pooler)
+    lora_slots = done.lora_slots
     # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
     if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None:
         runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(max_model_len, block_size), capture=True)
@@ -152,22 +158,18 @@ def _kv_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: LoadedModel, device
     return kv_dtype
 
 
-def _lora(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
-          ) -> tuple[LoraSlots | None, LoraRegistry | None]:
-    """With cfg.lora: wrap the target linears (device slots) and register the adapters named at start."""
+def _lora_registry(cfg: EngineConfig, done: TransformContext) -> LoraRegistry | None:
+    """With cfg.lora: register the adapters named at start (the pipeline's lora step made the device slots)."""
     c = cfg.lora
     if c is None:
-        return None, None
-    if cfg.parallel.tensor_parallel_size > 1:
-        raise ConfigError("--enable-lora does not split adapters across tensor-parallel ranks yet; "
-                          "use --tensor-parallel-size 1")
-    slots = LoraSlots(loaded.model, loaded.config, c.max_loras, c.max_lora_rank, dtype, device)
-    registry = LoraRegistry(c, loaded.config)
+        return None
+    slots = done.lora_slots
+    registry = LoraRegistry(c, done.loaded.config)
     for name, path in c.modules:
         registry.register(name, path)
     log.info("LoRA: %d adapter(s) at start, %d device slots of %.1f MiB (rank up to %d), %d kept in host memory",
              len(c.modules), c.max_loras, slots.bytes_per_slot / 2**20, c.max_lora_rank, c.max_cpu_loras)
-    return slots, registry
+    return registry
 
 
 def _num_blocks(cfg: EngineConfig, device: torch.device, loaded: LoadedModel, block_bytes: int,

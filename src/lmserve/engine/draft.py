@@ -24,6 +24,7 @@ from lmserve.loader import LoadedModel
 from lmserve.sampling_params import SamplingParams
 from lmserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from lmserve.worker.model_runner import ModelRunner
+from lmserve.worker.transforms import TransformContext
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,16 @@ class _Draft:
 class DraftModelProposer:
     """Proposes drafts with a small model sharing the target's tokenizer."""
 
-    def __init__(self, spec: SpeculativeConfig, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None) -> None:
-        """`loaded` is the draft model, already checked by the engine to share the target's tokenizer;
-        `kv_dtype`: its KV cache's (None: its parameters' dtype)."""
+    def __init__(self, spec: SpeculativeConfig, loaded: LoadedModel, transforms: TransformContext, num_blocks: int,
+                 block_size: int, kv_dtype: torch.dtype | None = None) -> None:
+        """`loaded` is the draft model, already checked by the engine to share the target's tokenizer, and
+        `transforms` what the transform pipeline handed on over it; `kv_dtype`: its KV cache's (None: its
+        parameters' dtype)."""
         self.loaded = loaded
         param = next(loaded.model.parameters())
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, block_size, param.dtype, param.device,
-                                  kv_dtype=kv_dtype)
+                                  transforms, kv_dtype=kv_dtype)
         self.state: dict[str, _Draft] = {}
         self._new: list[NewRequestData] = []
         self._finished: list[str] = []

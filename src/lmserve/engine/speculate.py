@@ -20,6 +20,7 @@ from lmserve.spec.policy import DraftPolicy
 from lmserve.spec.stats import SpecDecodeStats
 from lmserve.tokenizer import Tokenizer, load_tokenizer
 from lmserve.utils import resolve_kv_dtype
+from lmserve.worker.transforms import TransformContext, apply_transforms
 
 
 class Proposer(Protocol):
@@ -91,7 +92,9 @@ def make_proposer(cfg: EngineConfig, tokenizer: Tokenizer, vocab_size: int, num_
     # and --kv-cache-dtype (auto: float16 for its kept blocks, as the target's)
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, next(draft.model.parameters()).dtype,
                                 draft.keeps_blocks, device)
-    return DraftModelProposer(spec, draft, num_blocks, block_size, kv_dtype)
+    # the target's pipeline (worker/transforms.py) over the draft: no LoRA, the reference attention backend
+    done = apply_transforms(TransformContext(draft, device, dtype, kv_dtype=kv_dtype))
+    return DraftModelProposer(spec, draft, done, num_blocks, block_size, kv_dtype)
 
 
 def _check_same_tokenizer(target: Tokenizer, vocab_size: int, draft: LoadedModel) -> None:

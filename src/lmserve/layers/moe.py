@@ -11,8 +11,8 @@ Every expert is a `GatedMLP`, so the weight-format transforms apply to experts a
 int8/int4, and a GGUF file's 3-D `*_exps` tensors kept in their blocks one expert slice at a time
 (loader/gguf_packed.py). Tensor parallelism splits each expert's intermediate width like the dense MLP's, and
 all-reduces the layer's combined output once (layers/parallel.py). This module is the plain path that every device
-runs; the runner's transform (layers/moe_kernels.py) gives `SparseMoE.grouped` a fast one: the native kernels'
-stacked experts on CPU, the fused Triton grouped GEMM (layers/triton/moe.py) on CUDA.
+runs; the pipeline's moe_kernels step (worker/transforms.py, layers/moe_kernels.py) gives `SparseMoE.grouped` a
+fast one: the native kernels' stacked experts on CPU, the fused Triton grouped GEMM (layers/triton/moe.py) on CUDA.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def int4_supported(linear: nn.Linear, group: int = INT4_GROUP) -> bool:
 
 def check_scheme(scheme: str, device: torch.device) -> None:
     """Refuse what this build cannot run, before anything is loaded (auto and none always run)."""
-    if scheme in ("auto", "none"):  # auto resolves to none wherever gguf cannot run (loader.load_model)
+    if scheme in ("auto", "none"):  # auto resolves to none wherever gguf cannot run (loader/model_loader.load_model)
         return
     if scheme == "gguf":  # a GGUF file's own blocks (layers/gguf_linear.py): the native CPU kernel reads them
         if device.type != "cpu":

@@ -12,12 +12,9 @@ import torch
 
 from lmserve.layers.attention import AttentionContext, ContiguousAttention, GroupedAttention
 from lmserve.layers.attention_backends import attention_factory
-from lmserve.layers.decode_stack import apply_decode_stack
 from lmserve.layers.kv_quant import row_width
-from lmserve.layers.moe_kernels import apply_moe_kernels, host_synced_moe_layers
-from lmserve.layers.paged_attention import native_decode
+from lmserve.layers.moe_kernels import host_synced_moe_layers
 from lmserve.lora.batch import token_slots
-from lmserve.lora.slots import LoraSlots
 from lmserve.models.config import ModelConfig
 from lmserve.pooling_params import PoolerConfig
 from lmserve.request import TokenLogprobs
@@ -30,9 +27,10 @@ from lmserve.worker.kv_memory import kv_zeros
 from lmserve.worker.kv_transfer import KVTransfer
 from lmserve.worker.pooler import Pooler
 from lmserve.worker.progress import layer_progress
+from lmserve.worker.transforms import TransformContext
+from lmserve.worker.upload import PinnedStaging, to_device
 
 log = logging.getLogger(__name__)
-from lmserve.worker.upload import PinnedStaging, to_device
 
 
 @dataclass
@@ -67,17 +65,21 @@ class ModelRunner:
     """Runs the model over a scheduled batch against the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, lora: LoraSlots | None = None,
+                 dtype: torch.dtype, device: torch.device, transforms: TransformContext,
                  kv_dtype: torch.dtype | None = None, attention_backend: str = "reference",
                  samples: bool = True, kv_groups: Sequence[Sequence[int]] | None = None,
                  pooler: PoolerConfig = PoolerConfig()) -> None:
-        """`attention_backend`: a resolved name (layers/attention_backends.py: triton | reference).
+        """`model` is finished: the transform pipeline (worker/transforms.py) ran over it, and `transforms` is what
+        it handed on (the LoRA slots, the MoE kernels it applied, the decode stack).
+        `attention_backend`: a resolved name (layers/attention_backends.py: triton | reference).
         `samples=False`: a tensor-parallel worker rank (forward_only), whose rows keep no sampling state.
         `kv_groups`: the layers of each KV group, all of one size (cache/kv_groups.py; None: one group of every
         layer): a block id is a page in each of `group size` tensors, which the groups share."""
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.attention = attention_factory(attention_backend)  # one AttentionContext per forward
-        self.lora = lora  # None: LoRA off
+        self.lora = transforms.lora_slots  # None: LoRA off
+        self.moe_layers = transforms.moe_layers  # layers running their experts grouped
+        self.decode_stack = transforms.decode_stack  # None: decode steps run the module loop
         groups = [tuple(g) for g in kv_groups] if kv_groups else [tuple(range(cfg.num_layers))]
         # one block past the pool's: the scratch block that padding rows of a fixed-shape decode step write to, and
         # that tables name where a window group released a block (read only under a mask)
@@ -95,14 +97,6 @@ class ModelRunner:
         self.batch = InputBatch(cfg.vocab_size, device, samples=samples, num_kv_groups=len(groups))
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)
-        # build/load the native decode kernel now (once per machine, ~30 s), not inside the first request
-        native_decode(self.kv_caches[0], torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device))
-        # transforms of the finished model (after weight formats, LoRA, parallel wrappers): MoE layers run their experts
-        # grouped in one kernel call per projection (Triton's with the Triton backend, else the native CPU kernels')
-        self.moe_layers = apply_moe_kernels(model, triton=attention_backend == "triton")
-        # decode-only steps run every layer in one native call where the layers are ones it runs; the module loop
-        # stays the reference
-        self.decode_stack = apply_decode_stack(model)
         self.progress = layer_progress(model)  # the hung-step watchdog's sign of life inside a step
 
     def kv_block_tensors(self) -> list[tuple[torch.Tensor, int]]:

@@ -28,6 +28,7 @@ from lmserve.loader import load_model
 from lmserve.loader.sharding import TPShard
 from lmserve.utils import resolve_kv_dtype
 from lmserve.worker.model_runner import ModelRunner
+from lmserve.worker.transforms import TransformContext, apply_transforms
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,13 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
     init_group(spec, device)
     loaded = load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
                         shard=TPShard(spec.rank, spec.world_size), max_model_len=cfg.max_model_len)
-    num_blocks, block_size, kv_groups = conn.recv()
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype).name  # as rank 0 resolved it
-    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, kv_dtype=kv_dtype,
-                         attention_backend=backend, samples=False, kv_groups=kv_groups)
+    # the same pipeline as rank 0's (engine/build.py; LoRA is refused with tensor parallelism), while rank 0 sizes
+    done = apply_transforms(TransformContext(loaded, device, dtype, triton=backend == "triton", kv_dtype=kv_dtype))
+    num_blocks, block_size, kv_groups = conn.recv()
+    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, done,
+                         kv_dtype=kv_dtype, attention_backend=backend, samples=False, kv_groups=kv_groups)
     conn.send("ready")
     _serve(runner, conn)
 

@@ -1,0 +1,205 @@
+"""load_model: a checkpoint (GGUF file or HF directory) -> a built model with this rank's weights in place, as
+the model code defines it. The weight formats that swap its float linears, the tensor-parallel wrappers and the
+runner's kernels are transforms of this finished model (worker/transforms.py); only the formats that must be chosen
+while it is built stay here (a GGUF file's or a pre-quantized checkpoint's kept blocks: never made float)."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from lmserve.errors import CheckpointError
+from lmserve.layers.native import native_module
+from lmserve.layers.parallel import drop_row_biases
+from lmserve.layers.quantized import check_scheme
+from lmserve.loader.checkpoint import config_from_dir, refuse_format, resolve_model_path, scheme_of
+from lmserve.loader.empty_model import empty_model
+from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
+from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
+from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
+from lmserve.loader.prequant import METHODS as PREQUANT_METHODS
+from lmserve.loader.prequant import (
+    CheckpointTensors,
+    PrequantScheme,
+    auto_prequant,
+    dequantized_rest,
+    keep_half_tables,
+    keep_prequantized,
+)
+from lmserve.loader.repack_cache import cached_keep
+from lmserve.loader.safetensors_loader import iter_safetensors, weight_files
+from lmserve.loader.sharding import TPShard, local_config, split_dim, take_shard
+from lmserve.models.config import ModelConfig
+from lmserve.models.registry import family_of
+from lmserve.models.rope import rope_specs
+
+# the package's name, as before the loader's logic left loader/__init__.py: the lines people grep for stay the same
+log = logging.getLogger("lmserve.loader")
+
+
+@dataclass
+class LoadedModel:
+    """A ready model plus what was learned while loading it."""
+
+    model: torch.nn.Module
+    config: ModelConfig
+    path: Path
+    format: str  # "gguf" | "safetensors"
+    load_seconds: float
+    peak_rss_gib: float
+    gguf: GGUFFile | None = None  # parsed header, kept for the tokenizer (GGUF only)
+    # the weight format chosen at load (--quantization auto resolved): int8 | int4 | gguf, or a pre-quantized
+    # checkpoint's method (gptq | awq | compressed-tensors) on the int kernels; None: float weights
+    runtime_quantization: str | None = None
+    shard: TPShard | None = None  # tensor parallelism: model holds this rank's part (model.config is per rank)
+    prequant: PrequantScheme | None = None  # a GPTQ / AWQ / compressed-tensors checkpoint's checked scheme
+
+    @property
+    def quantization(self) -> str:
+        """The checkpoint's weight format as stored (GGUF file type, e.g. MOSTLY_Q4_1; a pre-quantized checkpoint's
+        scheme, e.g. gptq 4-bit g128 sym), or 'none'."""
+        if self.prequant is not None:
+            return self.prequant.summary
+        if self.gguf is None or "general.file_type" not in self.gguf.metadata:
+            return "none"
+        file_type = self.gguf.metadata["general.file_type"]  # a malformed file may hold any type here
+        return FILE_TYPES.get(file_type, "unknown") if type(file_type) is int else "unknown"
+
+    @property
+    def weight_format(self) -> str:
+        """How the weights are held while serving: gguf | gptq | awq | compressed-tensors (the int kernels' blocks) |
+        int8 | int4 | none (float, as `--quantization none`)."""
+        return self.runtime_quantization or "none"
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Do the projections run on the native int kernels' blocks (a GGUF file's or a pre-quantized checkpoint's)?"""
+        return self.runtime_quantization in ("gguf",) + PREQUANT_METHODS
+
+
+def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None, revision: str | None = None,
+               shard: TPShard | None = None, max_model_len: int | None = None) -> LoadedModel:
+    """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
+
+    The model comes back untransformed: float linears stay nn.Linear until the pipeline's weight_format step
+    (worker/transforms.py) packs or quantizes them.
+    `quantization`: None or "none" keeps float weights; "int8" | "int4" is recorded for the weight_format step
+    (layers/quantized.py); "gguf" keeps a GGUF file's blocks while the model is built (loader/gguf_packed.py);
+    "auto" is "gguf" where that runs (`auto_quantization`), else "none".
+    `revision` picks the Hub revision when `model` is a Hub id.
+    `shard` loads only this tensor-parallel rank's part, the row-parallel biases on rank 0 alone (the pipeline's
+    tensor_parallel step wraps those layers: layers/parallel.py). `config` stays the whole model's; `model.config`
+    is the rank's.
+    `max_model_len`, the context the engine will serve, picks LongRoPE's factors (models/rope.py).
+    """
+    if quantization:
+        check_scheme(quantization, device)
+    quantization = None if quantization == "none" else quantization
+    path = resolve_model_path(model, revision)
+    if device.type == "cpu":  # the native kernels first: a fallback compile is logged and timed apart from the load
+        native_module()
+    start = time.perf_counter()
+    world = shard.world_size if shard is not None else 1
+    gguf = read_gguf(path) if path.suffix.lower() == ".gguf" and not path.is_dir() else None
+    prequant = scheme_of(path) if path.is_dir() else None
+    if quantization == "auto":
+        quantization, why = (auto_quantization(gguf, device, dtype, world) if prequant is None
+                             else auto_prequant(prequant, device, dtype, world))
+        log.info("--quantization auto: %s (%s)", quantization or "none", why)
+    if path.is_dir():
+        if quantization == "gguf":
+            raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
+                                  "a safetensors checkpoint (use auto, int8 or int4)")
+        cfg = replace(config_from_dir(path), max_model_len=max_model_len)
+        files, weight_map = weight_files(path)
+        if prequant is not None:
+            net = _load_prequantized(files, prequant, cfg, dtype, device, shard, keep=quantization == prequant.method)
+        else:
+            net = empty_model(local_config(cfg, world), dtype, device)
+            net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard))
+    elif gguf is not None:
+        cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
+        net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf")
+    else:
+        refuse_format(path)
+    net.eval()
+    if world > 1:  # a row-parallel layer's bias is added once, after the all-reduce: this rank's weights lack it
+        drop_row_biases(net, shard.rank)
+    if gguf is not None:
+        gguf.release_pages()  # every weight is a copy by now
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    fmt = "safetensors" if gguf is None else "gguf"
+    log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
+             f", {quantization} weights" if quantization else "", seconds, rss)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant)
+
+
+def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConfig, dtype: torch.dtype,
+                       device: torch.device, shard: TPShard | None, keep: bool) -> torch.nn.Module:
+    """Build and fill the model from a pre-quantized checkpoint; `keep`: layers that fit stay in int kernel blocks."""
+    tensors = CheckpointTensors(files)
+    consumed: set[str] = set()
+
+    def keep_blocks(net: torch.nn.Module) -> None:  # before anything is written: no float copy of a kept layer
+        consumed.update(keep_prequantized(net, tensors, scheme))
+
+    def renamed(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor, str]]:  # the family's names for it
+        return _family_tensors(iter([(name, t, "")]), cfg, None)
+
+    world = shard.world_size if shard is not None else 1
+    net = empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    if keep and device.type == "cpu" and dtype == torch.float32:  # after net.to(dtype), which would widen them
+        consumed.update(keep_half_tables(net, tensors, renamed))
+    net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard))
+    return net
+
+
+def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               shard: TPShard | None, keep: bool) -> torch.nn.Module:
+    """Build and fill the model from a GGUF file; `keep`: its quantized tensors stay in their blocks."""
+    if keep and shard is not None and shard.world_size > 1:
+        raise CheckpointError("--quantization gguf does not split across tensor-parallel ranks yet; "
+                              "use --quantization none (the ranks then dequantize the file) or one rank")
+    world = shard.world_size if shard is not None else 1
+    kept: set[str] = set()
+
+    def keep_blocks(net: torch.nn.Module) -> None:  # on the meta device: the kept tensors are never made float
+        # the repacked layers of an earlier start of this file, mapped, where the weight cache has them
+        kept.update(cached_keep(net, gguf, dtype, lambda n: keep_gguf_quantized(n, gguf, cfg, dtype)))
+
+    net = empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    factors = rope_freq_factors(gguf)
+    if factors is not None:
+        net.rotary.reset(rope_specs(net.config, factors), device)
+    weights = iter_gguf(gguf, cfg, skip=kept)  # dequantized whole (Q/K unpermuted with the whole head count)
+    net.load_weights(_family_tensors(weights, cfg, shard, whole=True))
+    return net
+
+
+# A headless checkpoint (the base model alone, as sentence-transformers and embedding models such as
+# Qwen3-Embedding save it: `layers.0...`, `embed_tokens.weight`, `norm.weight`, no LM head) names its tensors
+# without the causal LM's `model.` prefix; with tied embeddings it loads whole.
+_HEADLESS = ("layers.", "embed_tokens.", "norm.")
+
+
+def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: ModelConfig, shard: TPShard | None,
+                    whole: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Checkpoint tensors as the family's hook gives them (renamed, fused ones split: models/<family>.py), each cut
+    to this rank's part where it came whole (`whole`: every tensor; else the parts of a fused tensor, which the
+    safetensors reader could not slice by its name)."""
+    family = family_of(cfg)
+    hook = family.checkpoint_tensors
+    split = shard is not None and shard.world_size > 1
+    for name, tensor, source in family.checkpoint_stream(weights, cfg):
+        name = "model." + name if name.startswith(_HEADLESS) else name
+        for new, part in hook(name, tensor, cfg):
+            cut = split and (whole or (split_dim(name) is None and new != name))
+            yield new, take_shard(new, part, shard) if cut else part, source
