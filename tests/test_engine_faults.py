@@ -47,7 +47,10 @@ def test_parse_fault():
     assert parse_fault("thread:1") == FaultSpec("thread", 1, 1)
     assert parse_fault("hang:2") == FaultSpec("hang", 2, 1)
     assert parse_fault("slow:1:200") == FaultSpec("slow", 1, 1, delay_ms=200)
-    for bad in ("step", "step:0", "step:x", "thread:1:2", "hang:1:2", "boom:1", "step:1:2:3", "slow:1", "slow:1:0"):
+    every = parse_fault("every:3")
+    assert every == FaultSpec("every", 3, 1) and [n for n in range(1, 10) if every.hits(n)] == [3, 6, 9]
+    for bad in ("step", "step:0", "step:x", "thread:1:2", "hang:1:2", "boom:1", "step:1:2:3", "slow:1", "slow:1:0",
+                "every:0", "every:2:2"):
         with pytest.raises(ValueError, match="LMSERVE_TEST_FAULT"):
             parse_fault(bad)
 

@@ -4,6 +4,7 @@
   unset or empty   nothing is installed (production): the runner is not wrapped, no step pays anything
   "step:N"         the N-th forward after warm-up raises InjectedFault (an Exception): one failed step
   "step:N:K"       forwards N .. N+K-1 raise: K failed steps in a row
+  "every:N"        forwards N, 2N, 3N, ... raise: each of a run of requests, sent one after another, fails part-way
   "thread:N"       the N-th forward raises InjectedFatalFault (a BaseException): the engine thread dies
   "hang:N"         the N-th forward never returns (a deadlock or stuck kernel): the watchdog's case
   "slow:N:MS"      every decoder layer of the N-th forward starts MS ms late: a long step that makes progress (a
@@ -42,17 +43,19 @@ class InjectedFatalFault(BaseException):
 class FaultSpec:
     """Which forwards after warm-up fail, and how."""
 
-    kind: str  # "step" (raise an Exception), "thread" (a BaseException), "hang" (block forever) or "slow"
+    kind: str  # "step" or "every" (raise an Exception), "thread" (a BaseException), "hang" (block forever) or "slow"
     first: int  # 1-based forward count
     count: int = 1
     delay_ms: int = 0  # "slow": how late each decoder layer starts
 
     def hits(self, n: int) -> bool:
+        if self.kind == "every":
+            return n % self.first == 0
         return self.first <= n < self.first + self.count
 
 
 # kind -> how many numbers follow it (fewest, most)
-_NUMS = {"step": (1, 2), "thread": (1, 1), "hang": (1, 1), "slow": (2, 2)}
+_NUMS = {"step": (1, 2), "every": (1, 1), "thread": (1, 1), "hang": (1, 1), "slow": (2, 2)}
 
 
 def parse_fault(value: str) -> FaultSpec | None:
@@ -62,8 +65,8 @@ def parse_fault(value: str) -> FaultSpec | None:
     kind, *nums = value.split(":")
     low, high = _NUMS.get(kind, (1, 0))
     if not low <= len(nums) <= high or not all(x.isdigit() and int(x) > 0 for x in nums):
-        raise ValueError(f"{ENV_TEST_FAULT}={value!r}: expected 'step:N', 'step:N:K', 'thread:N', 'hang:N' or "
-                         "'slow:N:MS' (N, K, MS >= 1)")
+        raise ValueError(f"{ENV_TEST_FAULT}={value!r}: expected 'step:N', 'step:N:K', 'every:N', 'thread:N', "
+                         "'hang:N' or 'slow:N:MS' (N, K, MS >= 1)")
     if kind == "slow":
         return FaultSpec(kind, int(nums[0]), delay_ms=int(nums[1]))
     return FaultSpec(kind, *map(int, nums))

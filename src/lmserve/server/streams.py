@@ -1,14 +1,18 @@
-"""Driving engine streams from HTTP handlers: merge several, and abort them when the client leaves.
+"""Driving engine streams from HTTP handlers: merge several, abort them when the client leaves, and serve them.
 
 A disconnect is noticed by listening on the ASGI receive channel (not only when a write fails),
 so a client that hangs up during a long prefill frees its KV blocks within one engine step.
+
+`encoded_stream` is the one stream body of every API family: it owns the disconnect watch, the error met part-way
+and the stop; a family supplies only its `StreamEncoder` (how an event, an error and the end are written).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 
@@ -107,3 +111,37 @@ class Watched:
     def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
+
+
+@dataclass(frozen=True)
+class StreamEncoder:
+    """How one API family writes its stream: an event, an error met part-way, and what ends the stream."""
+
+    event: Callable[[Any], str]
+    # The status line (200) is gone by the time a stream fails, so each family says so in-band, in its own body:
+    # its official client raises on it.
+    error: Callable[[APIError], str]
+    end: str = ""  # written after the last event and after an error alike (OpenAI's `data: [DONE]`)
+
+
+def encoded_stream(request: Request, metrics, merged: MergedStreams, items: AsyncIterator[Any],
+                   encoder: StreamEncoder) -> AsyncIterator[str]:
+    """The body of a streamed answer: `items` through `encoder`; a disconnect aborts `merged`, a failure part-way is
+    the encoder's error, and however it ends, every stream still running is stopped (its KV blocks freed)."""
+    # Started before the response is sent: nothing between admission and the body's first event goes unwatched.
+    watch = Watched(request, merged, lambda: metrics.aborts.labels("client_disconnect").inc())
+    return _encode(request.url.path, metrics, merged, watch, items, encoder)
+
+
+async def _encode(path: str, metrics, merged: MergedStreams, watch: Watched, items: AsyncIterator[Any],
+                  encoder: StreamEncoder) -> AsyncIterator[str]:
+    try:
+        async for item in items:
+            yield encoder.event(item)
+    except Exception as e:  # noqa: BLE001 - reported in-band; stream_failure logs a bug's traceback
+        yield encoder.error(stream_failure(e, metrics, path))
+    finally:  # also on GeneratorExit / cancellation (the server closing the body of a client that left)
+        watch.close()
+        merged.stop()
+    if encoder.end:
+        yield encoder.end

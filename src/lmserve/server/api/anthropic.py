@@ -40,7 +40,7 @@ from lmserve.server.errors import anthropic_error_body
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of
-from lmserve.server.streams import MergedStreams, Watched, stream_failure
+from lmserve.server.streams import MergedStreams, StreamEncoder, encoded_stream
 
 router = Router()
 Event = tuple[str, dict]  # (SSE event name, its data); the name is the data's `type`
@@ -213,18 +213,11 @@ async def _events(merged: MergedStreams, message: dict, input_tokens: int,
     yield "message_stop", {"type": "message_stop"}
 
 
+# A failure part-way is an `error` event, as Anthropic's own; the client raises it.
+_ENCODER = StreamEncoder(lambda event: sse.named_event(*event),
+                         lambda err: sse.named_event("error", anthropic_error_body(err)))
+
+
 def _sse(request: Request, st: ModelState, merged: MergedStreams, events: AsyncIterator[Event]) -> StreamingResponse:
     """Serve `events` as named server-sent events; a failure part-way is an `error` event; a disconnect aborts."""
-    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
-
-    async def body():
-        try:
-            async for name, data in events:
-                yield sse.named_event(name, data)
-        except Exception as e:  # noqa: BLE001 - reported in-band, as Anthropic does; the client raises it
-            yield sse.named_event("error", anthropic_error_body(stream_failure(e, st.metrics, request.url.path)))
-        finally:
-            watch.close()
-            merged.stop()
-
-    return sse.response(body())
+    return sse.response(encoded_stream(request, st.metrics, merged, events, _ENCODER))

@@ -45,7 +45,7 @@ from lmserve.server.errors import APIError
 from lmserve.server.router import Router
 from lmserve.server.served import Chat, ModelState, Prompt
 from lmserve.server.state import key_name_of, read_request, record_of
-from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
+from lmserve.server.streams import MergedStreams, StreamEncoder, Watched, encoded_stream, engine_error
 
 router = Router()
 router.include(ollama_models.router)
@@ -284,21 +284,13 @@ def _logprobs(st: ModelState, req, turn: Turn, lps: list[TokenLogprobs] | None =
                          for lp in (turn.logprobs if lps is None else lps)]}
 
 
+_ENCODER = StreamEncoder(lambda line: json.dumps(line, ensure_ascii=False) + "\n",
+                         lambda err: json.dumps({"error": err.message}) + "\n")
+
+
 def _ndjson(request: Request, st: ModelState, merged: MergedStreams, lines: AsyncIterator[dict]) -> StreamingResponse:
     """One JSON object per line; a failure part-way is an `{"error": ...}` line (the client raises it)."""
-    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
-
-    async def body():
-        try:
-            async for line in lines:
-                yield json.dumps(line, ensure_ascii=False) + "\n"
-        except Exception as e:  # noqa: BLE001 - reported in-band; stream_failure logs a bug's traceback
-            yield json.dumps({"error": stream_failure(e, st.metrics, request.url.path).message}) + "\n"
-        finally:
-            watch.close()
-            merged.stop()
-
-    return StreamingResponse(body(), media_type=NDJSON)
+    return StreamingResponse(encoded_stream(request, st.metrics, merged, lines, _ENCODER), media_type=NDJSON)
 
 
 async def _chat_lines(st: ModelState, req: ChatRequest, turn: Turn, merged: MergedStreams,

@@ -32,7 +32,7 @@ from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import ServerState, key_name_of, read_data, read_request, record_of, state_of
-from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
+from lmserve.server.streams import MergedStreams, StreamEncoder, Watched, encoded_stream, engine_error
 
 router = Router()
 
@@ -364,22 +364,13 @@ async def collect(caller: Caller, st: ModelState, merged: MergedStreams, n: int,
     return None if merged.cancelled else choices
 
 
+# A failure part-way is an error event, then [DONE] (as vLLM; the openai client raises).
+_ENCODER = StreamEncoder(sse.event, lambda err: sse.event(error_body(err)), sse.DONE)
+
+
 def _sse(request: Request, st: ModelState, merged: MergedStreams, chunks: AsyncIterator[dict]) -> StreamingResponse:
     """Serve `chunks` as server-sent events ending in [DONE]; a disconnect aborts the streams."""
-    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
-
-    async def body():
-        try:
-            async for chunk in chunks:
-                yield sse.event(chunk)
-        except Exception as e:  # mid-stream failure: an error event, then [DONE] (as vLLM; the openai client raises)
-            yield sse.event(error_body(stream_failure(e, st.metrics, request.url.path)))
-        finally:
-            watch.close()
-            merged.stop()
-        yield sse.DONE
-
-    return sse.response(body())
+    return sse.response(encoded_stream(request, st.metrics, merged, chunks, _ENCODER))
 
 
 async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],

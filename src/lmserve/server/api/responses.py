@@ -37,7 +37,7 @@ from lmserve.server.quotas import StorageQuota
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import IGNORED_FIELDS_KEY, key_name_of, quota_of, read_request, record_of, state_of
-from lmserve.server.streams import Watched, stream_failure
+from lmserve.server.streams import StreamEncoder, encoded_stream
 
 router = Router()
 log = logging.getLogger(__name__)
@@ -125,43 +125,44 @@ class _Saver:
         return answer
 
 
-async def _events(request: Request, st: ModelState, run: Run, shell: ResponseShell,
-                  save: _Saver) -> AsyncIterator[str]:
+def _events(request: Request, st: ModelState, run: Run, shell: ResponseShell, save: _Saver) -> AsyncIterator[str]:
     """The typed events of a streamed response, numbered; a disconnect aborts the generation (nothing stored)."""
-    watch = Watched(request, run.merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
     numbers = itertools.count()
+    out = _output_items(shell.id)
 
-    def event(kind: str, fields: dict[str, Any]) -> str:
+    def event(typed: tuple[str, dict[str, Any]]) -> str:
+        kind, fields = typed
         return sse.typed_event({"type": kind, "sequence_number": next(numbers), **fields})
 
-    out = _output_items(shell.id)
-    for kind in ("response.created", "response.in_progress"):
-        yield event(kind, {"response": shell.object("in_progress", [])})
-    try:
-        finish, usage = None, None
-        async for chunk in run.chunks():
-            if not chunk["choices"]:  # the last chunk: usage
-                usage = chunk["usage"]
-                continue
-            finish = chunk["choices"][0]["finish_reason"] or finish
-            for kind, fields in _chat_delta(out, chunk["choices"][0]["delta"]):
-                yield event(kind, fields)
-        if run.merged.cancelled:
-            return
-        status = status_of(finish)
-        for kind, fields in out.finish(status):
-            yield event(kind, fields)
-        answer = shell.object(status, out.items, usage_of(usage, record_of(request).num_cached_tokens))
-        answer = await save(answer)
-        yield event("response.completed" if status == "completed" else "response.incomplete", {"response": answer})
-    except Exception as e:  # mid-stream failure: an error event, then response.failed (the client raises no HTTP error)
-        err = stream_failure(e, st.metrics, request.url.path)
-        yield event("error", {"code": err.code or "server_error", "message": err.message, "param": None})
+    def error(err: APIError) -> str:  # an error event, then response.failed (the client raises no HTTP error)
         failed = shell.object("failed", out.items, error={"code": "server_error", "message": err.message})
-        yield event("response.failed", {"response": failed})
-    finally:
-        watch.close()
-        run.merged.stop()
+        return (event(("error", {"code": err.code or "server_error", "message": err.message, "param": None}))
+                + event(("response.failed", {"response": failed})))
+
+    events = _typed_events(request, run, shell, out, save)
+    return encoded_stream(request, st.metrics, run.merged, events, StreamEncoder(event, error))
+
+
+async def _typed_events(request: Request, run: Run, shell: ResponseShell, out: OutputItems,
+                        save: _Saver) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    for kind in ("response.created", "response.in_progress"):
+        yield kind, {"response": shell.object("in_progress", [])}
+    finish, usage = None, None
+    async for chunk in run.chunks():
+        if not chunk["choices"]:  # the last chunk: usage
+            usage = chunk["usage"]
+            continue
+        finish = chunk["choices"][0]["finish_reason"] or finish
+        for kind, fields in _chat_delta(out, chunk["choices"][0]["delta"]):
+            yield kind, fields
+    if run.merged.cancelled:
+        return
+    status = status_of(finish)
+    for kind, fields in out.finish(status):
+        yield kind, fields
+    answer = shell.object(status, out.items, usage_of(usage, record_of(request).num_cached_tokens))
+    answer = await save(answer)
+    yield "response.completed" if status == "completed" else "response.incomplete", {"response": answer}
 
 
 def _output_items(response_id: str) -> OutputItems:

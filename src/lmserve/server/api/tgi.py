@@ -22,7 +22,7 @@ from lmserve.server.protocol import TGICompatRequest, TGIRequest
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of, state_of
-from lmserve.server.streams import MergedStreams, Watched, engine_error, stream_failure
+from lmserve.server.streams import MergedStreams, StreamEncoder, Watched, encoded_stream, engine_error
 
 router = Router()
 
@@ -119,32 +119,31 @@ async def _generate(request: Request, st: ModelState, req: TGIRequest) -> Respon
     return JSONResponse(body)
 
 
+# TGI's SSE: `data:` with no space; a failure part-way is reported in-band, as TGI does.
+_ENCODER = StreamEncoder(lambda ev: f"data:{json.dumps(ev, ensure_ascii=False)}\n\n",
+                         lambda err: f"data:{json.dumps(error_body(err, tgi=True))}\n\n")
+
+
 async def _generate_stream(request: Request, st: ModelState, req: TGIRequest) -> Response:
     params, ids, merged = await _start(request, st, req, stream=True)
-    watch = Watched(request, merged, lambda: st.metrics.aborts.labels("client_disconnect").inc())
 
     async def events():
         text, index = "", 0
-        try:
-            async for _, d in merged:
-                text += d.text + _stop_text(d)
-                lps = d.logprobs or []
-                for k, t in enumerate(d.token_ids):
-                    index += 1
-                    last = k == len(d.token_ids) - 1
-                    # A step's text belongs to its last token (the detokenizer may hold bytes back).
-                    token_text = d.text + _stop_text(d) if last else ""
-                    ev = {"index": index, "token": _token(st, t, lps[k] if k < len(lps) else None, token_text),
-                          "generated_text": None, "details": None}
-                    if d.finished and last:
-                        ev["generated_text"] = req.inputs + text if req.parameters.return_full_text else text
-                        ev["details"] = {"finish_reason": _finish_reason(d), "generated_tokens": d.num_output_tokens,
-                                         "seed": params.seed, "input_length": len(ids)}
-                    yield f"data:{json.dumps(ev, ensure_ascii=False)}\n\n"
-        except Exception as e:  # mid-stream failure: TGI reports it in-band
-            yield f"data:{json.dumps(error_body(stream_failure(e, st.metrics, request.url.path), tgi=True))}\n\n"
-        finally:
-            watch.close()
-            merged.stop()
+        async for _, d in merged:
+            text += d.text + _stop_text(d)
+            lps = d.logprobs or []
+            for k, t in enumerate(d.token_ids):
+                index += 1
+                last = k == len(d.token_ids) - 1
+                # A step's text belongs to its last token (the detokenizer may hold bytes back).
+                token_text = d.text + _stop_text(d) if last else ""
+                ev = {"index": index, "token": _token(st, t, lps[k] if k < len(lps) else None, token_text),
+                      "generated_text": None, "details": None}
+                if d.finished and last:
+                    ev["generated_text"] = req.inputs + text if req.parameters.return_full_text else text
+                    ev["details"] = {"finish_reason": _finish_reason(d), "generated_tokens": d.num_output_tokens,
+                                     "seed": params.seed, "input_length": len(ids)}
+                yield ev
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    body = encoded_stream(request, st.metrics, merged, events(), _ENCODER)
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
