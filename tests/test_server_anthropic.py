@@ -52,8 +52,10 @@ def test_stream_equals_create(client):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
-    assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens) == \
-        (whole.stop_reason, whole.usage.output_tokens, whole.usage.input_tokens)
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens  # Anthropic's split of the prompt
+    assert (final.stop_reason, final.usage.output_tokens, final.usage.input_tokens + final.usage.cache_read_input_tokens) \
+        == (whole.stop_reason, whole.usage.output_tokens, prompt)
+    assert final.usage.cache_read_input_tokens > 0 and final.usage.cache_creation_input_tokens == 0  # whole's prefix
 
 
 def test_stream_events_in_order(server):
@@ -107,7 +109,7 @@ def test_count_tokens_equals_usage(client):
     kw = dict(model=MODEL, messages=ASK, system="Be brief.", tools=[WEATHER])
     count = client.messages.count_tokens(**kw)
     m = client.messages.create(**kw, max_tokens=2, extra_body=GREEDY)
-    assert count.input_tokens == m.usage.input_tokens > 50  # the tool preamble is counted too
+    assert count.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 50  # with the tool preamble
 
 
 def test_stop_sequences(client):

@@ -195,7 +195,8 @@ def test_health_tokenize_detokenize_version(server):
     assert httpx.get(server.url + "/health").status_code == 200
     tok = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) == 2 and tok["max_model_len"] == 8192
-    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "hello world"}
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json() == \
+        {"prompt": "hello world", "content": "hello world"}
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 5
     assert httpx.get(server.url + "/version").json()["version"]

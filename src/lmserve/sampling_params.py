@@ -110,6 +110,9 @@ class SamplingParams:
     # (start, end) reasoning tags, e.g. ("<think>", "</think>"): the structured output applies only after the
     # output's end tag, unless the prompt already closed the reasoning (a reasoning parser's requests, as vLLM)
     reasoning_tags: tuple[str, str] | None = None
+    # (begin, end) of a tool call, e.g. ("<tool_call>", "</tool_call>"): a call that repeats one already in the
+    # output (same text, whitespace outside strings aside) ends the request before it (engine/repeat_stop.py)
+    repeat_stop: tuple[str, str] | None = None
     # set: a pooling (embedding) request: the prompt is prefilled and pooled, nothing is sampled (pooling_params.py)
     pooling: PoolingParams | None = None
 
@@ -161,6 +164,9 @@ class SamplingParams:
         if self.reasoning_tags is not None and (len(self.reasoning_tags) != 2 or not all(
                 isinstance(t, str) and t for t in self.reasoning_tags)):
             raise ValueError("reasoning_tags must be two non-empty strings (start, end)")
+        if self.repeat_stop is not None and (len(self.repeat_stop) != 2 or not all(
+                isinstance(t, str) and t for t in self.repeat_stop)):
+            raise ValueError("repeat_stop must be two non-empty strings (begin, end)")
         if self.pooling is not None and (self.n != 1 or self.structured_outputs is not None):
             raise ValueError("a pooling request has one output and no structured outputs")
 

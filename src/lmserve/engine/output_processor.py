@@ -3,7 +3,9 @@
 Stop strings may span token boundaries; a delta never contains any part of a stop string, so text
 that could still become the start of one is held back until it cannot. The scheduler's stop checker
 calls `check_stop_string` once per accepted token (so a stop string can end a request in the middle
-of a multi-token step); `process` then builds the step's delta from the text already decoded.
+of a multi-token step); `process` then builds the step's delta from the text already decoded. A repeated
+tool call (`params.repeat_stop`, engine/repeat_stop.py) stops a request the same way, and text that may still
+become one is held back the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from lmserve.engine.detokenizer import IncrementalDetokenizer
+from lmserve.engine.repeat_stop import RepeatedSpan
 from lmserve.request import CompletionDelta, Request
 from lmserve.tokenizer import Tokenizer
 
@@ -25,7 +28,8 @@ class _State:
     tokens_decoded: int = 0  # output tokens already fed to the detokenizer
     holdback: int = 0  # characters that may be the start of a stop string
     stops: list[str] = field(default_factory=list)
-    stop_at: int | None = None  # where the matched stop string begins in `text`
+    stop_at: int | None = None  # where the matched stop string (or repeated call) begins in `text`
+    repeat: RepeatedSpan | None = None  # the request's completed tool calls, when it has params.repeat_stop
     sent_prompt_logprobs: bool = False
 
 
@@ -40,17 +44,23 @@ class OutputProcessor:
         stops = req.params.stop
         self._states[req.request_id] = _State(
             IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens, req.prompt_token_ids),
-            holdback=max((len(s) for s in stops), default=1) - 1, stops=list(stops))
+            holdback=max((len(s) for s in stops), default=1) - 1, stops=list(stops),
+            repeat=RepeatedSpan(*req.params.repeat_stop) if req.params.repeat_stop else None)
 
     def remove(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
     def check_stop_string(self, req: Request, token: int) -> str | None:
-        """Decode up to `token` (the newest output token) and return the stop string it completes, if any."""
+        """Decode up to `token` (the newest output token) and return the stop string it completes, if any ("" for
+        a tool call that repeats an earlier one)."""
         st = self._states[req.request_id]
         prev_len = len(st.text)
         self._decode(req, st)
         matched = self._find_stop(st, prev_len, req)
+        if st.repeat is not None:
+            at = st.repeat.check(st.text)
+            if at is not None and (matched is None or at < matched[0]):
+                matched = (at, "")
         if matched is None:
             return None
         st.stop_at = matched[0]
@@ -70,7 +80,8 @@ class OutputProcessor:
         elif req.status.finished:
             end = len(st.text)
         else:
-            end = max(st.emitted, len(st.text) - st.holdback)
+            held = st.repeat.held_from(st.text) if st.repeat is not None else len(st.text)
+            end = max(st.emitted, min(len(st.text) - st.holdback, held))
         delta_text = st.text[st.emitted:end]
         st.emitted = end
         delta = CompletionDelta(

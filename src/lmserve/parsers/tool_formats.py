@@ -305,6 +305,10 @@ class ToolFormat:
     example: str  # the call form the prompt shows a model whose template has no tools support
     continuation: Any = None  # a list format's next call right after one (", {..." / ", g(")
     keeps_special_tokens: bool = False  # its marker is a special token (mistral's [TOOL_CALLS]): keep it in the text
+    # (begin, end) around each one call, when the format marks calls so (hermes, qwen3_xml): a call repeating an
+    # earlier one ends the turn (SamplingParams.repeat_stop). The list formats (mistral, pythonic) and llama3_json's
+    # bare JSON have no per-call end marker a text search can find, so they have none.
+    call_span: tuple[str, str] | None = None
 
     def find_begin(self, text: str, after_call: bool) -> tuple[int, Begin | None]:
         """(where a call begins, its match) or (where one may still begin, None); (len(text), None) if nowhere."""
@@ -363,7 +367,8 @@ HERMES = ToolFormat(
     "hermes", regex.compile(regex.escape(HERMES_BEGIN) + NAME + regex.escape(HERMES_NAME_END)),
     lambda schema: RawUntil(HERMES_END),
     lambda name, args: HERMES_BEGIN + name + HERMES_NAME_END + _json_args(args) + HERMES_END,
-    '<tool_call>\n{"name": "<function name>", "arguments": <the arguments as a JSON object>}\n</tool_call>')
+    '<tool_call>\n{"name": "<function name>", "arguments": <the arguments as a JSON object>}\n</tool_call>',
+    call_span=("<tool_call>", "</tool_call>"))
 LLAMA3_JSON = ToolFormat(
     "llama3_json", regex.compile(r"(?:<\|python_tag\|>[ \t\r\n]*)?" + _JSON_CALL % "parameters|arguments"),
     lambda schema: JSONValue(),
@@ -382,7 +387,7 @@ PYTHONIC = ToolFormat(
 QWEN3_XML = ToolFormat(
     "qwen3_xml", regex.compile(r"<tool_call>[ \t\r\n]*<function=" + NAME + ">"), XMLParameters, _write_xml,
     "<tool_call>\n<function=<function name>>\n<parameter=<argument name>>\n<value>\n</parameter>\n</function>\n"
-    "</tool_call>")
+    "</tool_call>", call_span=("<tool_call>", "</tool_call>"))
 
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_XML)}
 

@@ -1,8 +1,9 @@
 """The grammar of each tool-call format, as an xgrammar structural tag (tool_choice auto, required, named).
 
 tool_choice "auto": free text in which the format's trigger switches the grammar on for one call block (the
-name one of the tools', the arguments following its JSON schema), then free text again. "required" and a named
-function: the output is only calls (at least one). parallel_tool_calls false: at most one call. Each format's
+name one of the tools', the arguments following its JSON schema), then free text again. "required": the output is
+only calls (at least one). A named function: exactly one call of it, then only a stop token (EOS), whatever
+parallel_tool_calls says. parallel_tool_calls false: at most one call. Each format's
 text is exactly what its parser (tool_formats.py) reads:
 
     hermes       <tool_call>\\n{"name": "f", "arguments": ARGS}\\n</tool_call>, calls joined by "\\n"
@@ -31,9 +32,10 @@ MAX_WHITESPACE = 2  # consecutive whitespace inside arguments: a sampling model 
 def tool_call_tag(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], parallel: bool = True,
                   fmt: str = "hermes") -> str:
     """Structural-tag JSON for OpenAI `tools` (function dicts) under `tool_choice` ("auto", "required", named)."""
-    if isinstance(tool_choice, dict):
+    if isinstance(tool_choice, dict):  # exactly one call, then only a stop token (as vLLM's named choice)
         name = tool_choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
+        parallel = False
     functions = [t["function"] for t in tools]
     for function in functions:
         _check(function)

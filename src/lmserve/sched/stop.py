@@ -3,7 +3,8 @@ multi-token step (speculative decoding) and everything after the stopping token 
 
 Order per token, as vLLM does: a stop token id (once min_tokens is reached), the end of the request's
 grammar (structured outputs: it accepted a stop token, e.g. EOS under ignore_eos), then a stop string that
-the token's text completes, then the length limit. Stop strings need text, which the engine layer
+the token's text completes (or a repeated tool call, `params.repeat_stop`: found the same way), then the length
+limit. Stop strings need text, which the engine layer
 owns (incremental detokenization), so it is passed in as a callback and the scheduler stays below it.
 """
 
@@ -13,7 +14,8 @@ from typing import Callable
 
 from lmserve.request import Request, RequestStatus
 
-# (request, its newest output token) -> the stop string that the token's text completes, or None
+# (request, its newest output token) -> the stop string that the token's text completes, "" for a repeated call
+# (engine/repeat_stop.py; stop strings are never empty), or None
 StopStringCheck = Callable[[Request, int], "str | None"]
 
 
@@ -32,10 +34,10 @@ class StopChecker:
         if req.grammar is not None and req.grammar.terminated:
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if self.stop_string is not None and req.params.stop:
+        if self.stop_string is not None and (req.params.stop or req.params.repeat_stop):
             matched = self.stop_string(req, token)
             if matched is not None:
-                req.stop_reason = matched
+                req.stop_reason = matched or None
                 return RequestStatus.FINISHED_STOPPED
         if n_out >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH

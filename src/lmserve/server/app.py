@@ -342,12 +342,15 @@ def _misc_routes() -> Router:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        """Ids as generation would see them: `prompt` as a completions prompt, `messages` as a chat."""
+        """Ids as generation would see them: `prompt` as a completions prompt, `messages` as a chat; llama.cpp's
+        `content` (special tokens only with its `add_special`) answers in llama.cpp's shape, {"tokens": [...]}."""
         st, req = await read_request(request, TokenizeRequest)
         tok = st.front.tokenizer
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+        if sum(x is not None for x in (req.prompt, req.messages, req.content)) != 1:
+            raise APIError(400, "give exactly one of 'prompt', 'messages' or 'content'")
         try:
+            if req.content is not None:
+                return {"tokens": await asyncio.to_thread(tok.encode_prompt, req.content, req.add_special)}
             if req.messages is not None:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
                 chat = plan_chat(st, [m.model_dump(exclude_none=True) for m in req.messages], tools).chat
@@ -365,7 +368,8 @@ def _misc_routes() -> Router:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of vocabulary (valid ids are 0..{vocab - 1})", param="tokens")
-        return {"prompt": await asyncio.to_thread(st.front.tokenizer.decode, req.tokens)}
+        text = await asyncio.to_thread(st.front.tokenizer.decode, req.tokens)
+        return {"prompt": text, "content": text}  # content: llama.cpp's name (its requests look the same as ours)
 
     return router
 

@@ -23,6 +23,11 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
+# OpenAI's `code` for a prompt past the model's context (its SDKs and agent frameworks match on it); the other
+# families' bodies have no code field and keep their shape.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class APIError(Exception):
     """An error to answer with `status` and a clear message; `param` names the offending field."""
 

@@ -300,6 +300,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None  # with messages: rendered as a chat request with these tools would be
     add_special_tokens: bool = True
+    content: str | None = None  # llama.cpp's /tokenize: the text, answered as {"tokens": [...]} only
+    add_special: bool = False  # llama.cpp's flag for `content` (its default: no BOS)
 
 
 class DetokenizeRequest(_Strict):

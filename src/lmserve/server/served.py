@@ -18,7 +18,7 @@ from lmserve.ops.record import RequestRecord
 from lmserve.request import CompletionDelta, EngineRequest, LoRARequest
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.config import ServerConfig
-from lmserve.server.errors import APIError
+from lmserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError
 from lmserve.server.key_file import ANONYMOUS
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ServedModel
@@ -167,7 +167,7 @@ class ModelState:
         try:
             bounds = await asyncio.to_thread(self.front.prompt_bounds, prompts, params)
         except RequestRejected as e:
-            raise APIError(400, str(e), param=e.param, reason="context_length") from None
+            raise APIError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED, reason="context_length") from None
         completions = params.n * len(prompts)
         self.tenants.hold(record, bounds.fewest + completions * (params.max_tokens or 0),
                           bounds.most + completions * (params.max_tokens or self.front.max_model_len))
@@ -224,8 +224,9 @@ class ModelState:
         try:
             return self.front.check_request(ids, params)
         except RequestRejected as e:
-            reason = "context_length" if e.param == "prompt" else "invalid_request"
-            raise APIError(400, str(e), param=e.param, reason=reason) from None
+            too_long = e.param == "prompt"
+            raise APIError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED if too_long else None,
+                           reason="context_length" if too_long else "invalid_request") from None
 
     async def compile_grammar(self, params: SamplingParams) -> Compiled | None:
         """The request's compiled grammar (None when unconstrained), compiled off the event loop and the engine thread.

@@ -67,7 +67,8 @@ async def messages(request: Request) -> Response:
     content, calls = _content(c.text, plan.parser)
     stop_reason, stop_sequence = _stop(c.finish_reason, c.stop_reason, calls)
     return JSONResponse({**message, "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                         "usage": {"input_tokens": input_tokens, "output_tokens": len(c.token_ids)}})
+                         "usage": {**_input_usage(input_tokens, caller.record.num_cached_tokens),
+                                   "output_tokens": len(c.token_ids)}})
 
 
 @router.post("/v1/messages/count_tokens")
@@ -191,7 +192,7 @@ async def _events(merged: MergedStreams, message: dict, input_tokens: int,
     """
     yield "message_start", {"type": "message_start", "message": {
         **message, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": input_tokens, "output_tokens": 0}}}
+        "usage": {**_input_usage(input_tokens, 0), "output_tokens": 0}}}
     yield "ping", {"type": "ping"}
     blocks, streamer = Blocks(), parser.streamer() if parser is not None else None
     last = None
@@ -209,8 +210,18 @@ async def _events(merged: MergedStreams, message: dict, input_tokens: int,
     stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_reason, bool(streamer and streamer.num_calls))
     yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason,
                                                                "stop_sequence": stop_sequence},
-                            "usage": {"output_tokens": last.num_output_tokens}}
+                            "usage": {**_input_usage(input_tokens, last.num_cached_tokens),
+                                      "output_tokens": last.num_output_tokens}}
     yield "message_stop", {"type": "message_stop"}
+
+
+def _input_usage(prompt_tokens: int, cached: int) -> dict:
+    """Anthropic's input counts: input_tokens + cache_read_input_tokens + cache_creation_input_tokens is the whole
+    prompt. Reads are the prompt tokens served from the prefix cache; creation is 0, as prefix caching here is
+    automatic and free (no cache_control breakpoints, nothing written that costs more). A stream's message_start
+    cannot know the reads yet (they are found when the prompt is scheduled): it counts the whole prompt as input,
+    and message_delta gives the final counts (the SDK's stream keeps the last)."""
+    return {"input_tokens": prompt_tokens - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 # A failure part-way is an `error` event, as Anthropic's own; the client raises it.

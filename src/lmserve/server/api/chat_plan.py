@@ -6,8 +6,8 @@ plan holds the server's tool-call format (`--tool-call-parser` or the template's
 (`--reasoning-parser`, unless the request turned thinking off), the prompt (`prepare_chat`: tools offered in the
 template's way or as a preamble) and the `OutputParser` that splits the reply into reasoning, answer and calls.
 `sampling_fields()` gives what the plan adds to any family's SamplingParams: the reasoning tags (a grammar waits
-for the reasoning to end, as vLLM) and whether special tokens stay in the text (a tool format that marks calls
-with one).
+for the reasoning to end, as vLLM), whether special tokens stay in the text (a tool format that marks calls
+with one) and the call markers by which a call that repeats one already made ends the turn.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ class ChatPlan:
     tools: list[dict]  # the OpenAI tool dicts the model may call ([]: none)
 
     def sampling_fields(self) -> dict[str, Any]:
-        """SamplingParams fields this plan sets: the reasoning tags, and special tokens kept for a tool format
-        whose marker is one."""
+        """SamplingParams fields this plan sets: the reasoning tags, special tokens kept for a tool format whose
+        marker is one, and the call markers that end the turn at a repeated call."""
         return {"reasoning_tags": None if self.reasoning is None else (self.reasoning.start, self.reasoning.end),
+                "repeat_stop": self.fmt.call_span if self.tools else None,
                 "skip_special_tokens": not (self.tools and self.fmt.keeps_special_tokens)}
 
 

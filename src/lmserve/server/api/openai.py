@@ -189,10 +189,11 @@ async def start_completion(st: ModelState, req: CompletionRequest, caller: Calle
         if choices is None:
             return None
         return {**meta, "choices": [_completion_choice(st, i, c, inputs[i // params.n], shape)
-                                    for i, c in enumerate(choices)], "usage": _usage(usage_prompt, choices)}
+                                    for i, c in enumerate(choices)],
+                "usage": _usage(usage_prompt, choices, caller.record.num_cached_tokens)}
 
     return Run(merged, body, lambda: _completion_chunks(st, merged, meta, params.n, inputs, shape, usage_prompt,
-                                                        include_usage), lora)
+                                                        include_usage, caller.record), lora)
 
 
 async def start_beam_search(st: ModelState, req: CompletionRequest, caller: Caller) -> Run:
@@ -269,9 +270,11 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
             {"index": i, **_chat_message(c, parser),
              "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
             for i, c in enumerate(choices)],
-            "usage": {**_usage(len(ids), choices), **_reasoning_usage(st, parser, [c.token_ids for c in choices])}}
+            "usage": {**_usage(len(ids), choices, caller.record.num_cached_tokens),
+                      **_reasoning_usage(st, parser, [c.token_ids for c in choices])}}
 
-    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser), lora)
+    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser,
+                                                  caller.record), lora)
 
 
 def _model_name(st: ModelState, lora: LoRARequest | None) -> str:
@@ -374,7 +377,8 @@ def _sse(request: Request, st: ModelState, merged: MergedStreams, chunks: AsyncI
 
 
 async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],
-                             shape: CompletionShape, usage_prompt: int, include_usage: bool) -> AsyncIterator[dict]:
+                             shape: CompletionShape, usage_prompt: int, include_usage: bool,
+                             record: RequestRecord) -> AsyncIterator[dict]:
     """A choice's first chunk carries the echoed prompt and the prompt's logprobs, later ones only new tokens."""
     offsets, outputs = {}, {}  # offsets: characters of each choice's text sent so far
     async for p, d in merged:
@@ -389,11 +393,12 @@ async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, 
         if choice["text"] or d.finished or c.logprobs or (first and (shape.echo or shape.prompt_logprobs)):
             yield sse.completion_chunk(meta, choice)
     if include_usage:
-        yield sse.usage_chunk(meta, _usage_counts(usage_prompt, sum(outputs.values())))
+        yield sse.usage_chunk(meta, _usage_counts(usage_prompt, sum(outputs.values()), record.num_cached_tokens))
 
 
 async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params: SamplingParams,
-                       prompt_tokens: int, include_usage: bool, parser: OutputParser | None) -> AsyncIterator[dict]:
+                       prompt_tokens: int, include_usage: bool, parser: OutputParser | None,
+                       record: RequestRecord) -> AsyncIterator[dict]:
     """Content deltas; with a parser, a streamer per choice turns reasoning and call text into OpenAI deltas."""
     base = {**meta, "object": "chat.completion.chunk"}
     for i in range(params.n):  # the first delta of each choice carries the role
@@ -417,12 +422,12 @@ async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params
                     reason = "tool_calls"
             yield sse.chat_chunk(base, d.index, {}, None, reason)
     if include_usage:
-        yield sse.usage_chunk(base, {**_usage_counts(prompt_tokens, sum(outputs.values())),
+        yield sse.usage_chunk(base, {**_usage_counts(prompt_tokens, sum(outputs.values()), record.num_cached_tokens),
                                      **_reasoning_usage(st, parser, list(token_ids.values()))})
 
 
-def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
-    return _usage_counts(prompt_tokens, sum(len(c.token_ids) for c in choices))
+def _usage(prompt_tokens: int, choices: list[Choice], cached: int | None = None) -> dict:
+    return _usage_counts(prompt_tokens, sum(len(c.token_ids) for c in choices), cached)
 
 
 def _reasoning_usage(st: ModelState, parser: OutputParser | None, outputs: list[list[int]]) -> dict:
@@ -434,8 +439,11 @@ def _reasoning_usage(st: ModelState, parser: OutputParser | None, outputs: list[
                                                                   for ids in outputs)}}
 
 
-def _usage_counts(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage_counts(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached`: of the prompt tokens, those served from the prefix cache (the request record's
+    count, as the Responses API's input_tokens_details), as `prompt_tokens_details.cached_tokens`."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return usage if cached is None else {**usage, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _completion_choice(st: ModelState, index: int, c: Choice, prompt: Prompt | None, shape: CompletionShape,

@@ -69,8 +69,10 @@ class AnthropicError(_Open):
 
 
 class AnthropicUsage(_Open):
-    input_tokens: int
+    input_tokens: int  # the prompt tokens not read from the prefix cache
     output_tokens: int
+    cache_read_input_tokens: int | None = None  # the prompt tokens read from the prefix cache
+    cache_creation_input_tokens: int | None = None  # always 0: caching is automatic and costs nothing extra
 
 
 class AnthropicMessage(_Open):
@@ -92,6 +94,7 @@ class Usage(_Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # cached_tokens: prompt tokens from the prefix cache
 
 
 class CompletionChoice(_Open):
@@ -364,12 +367,13 @@ class Version(_Open):
 
 class Tokenized(_Open):
     tokens: list[int]
-    count: int
-    max_model_len: int
+    count: int | None = None  # absent when the request gave llama.cpp's `content`
+    max_model_len: int | None = None
 
 
 class Detokenized(_Open):
     prompt: str
+    content: str  # the same text, under llama.cpp's name
 
 
 class DriftReport(_Open):
