@@ -1,6 +1,7 @@
 """Start to first token of `lmserve serve`, and its peak RSS, for several flag sets (alternating runs).
 
     python benchmarks/startup.py --variants "--quantization none" "" --repeats 3
+    python benchmarks/startup.py --variants "" --send connect --trees main=/tmp/main/src,branch=src --repeats 5
 
 `--floor` adds a row for a process that only imports torch, FastAPI and uvicorn (the collector off, as in a serve)
 and exits (wall and CPU seconds; no RSS).
@@ -10,6 +11,11 @@ built: run any server once first), polls /health, and sends one streamed complet
 the server answers; the time is from `Popen` to that token's SSE chunk, with the CPU time the server process
 had used by then (steadier than the wall clock on a shared machine). Peak RSS is the process's VmHWM read
 after the token. Variants alternate run by run, so a noisy shared machine hits them alike.
+
+`--send connect` is a client that starts the server and sends at once: a streamed chat request of one token as soon
+as the port accepts a connection (a 503 is retried after 20 ms, as a client of a server that refuses while loading
+must), timed to its first content chunk. `--trees name=src,...` runs every variant under each source tree
+(PYTHONPATH=src), round by round, so a before/after pair shares the machine's load.
 
 The lmserve package the servers import is byte-compiled first, as scripts/install.sh and a wheel install leave it:
 where PYTHONDONTWRITEBYTECODE=1, a checkout without .pyc files would time compiling ~200 modules (0.4 CPU s).
@@ -65,23 +71,47 @@ def first_token(client: httpx.Client, url: str, deadline: float) -> None:
     raise TimeoutError("no token before the deadline")
 
 
-def compile_lmserve() -> None:
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, "stream": True,
+        "temperature": 0}
+
+
+def first_chat_token(client: httpx.Client, url: str, deadline: float) -> None:
+    """Send a streamed chat as soon as the port accepts (no /health poll), retrying 503s; return at its first chunk
+    with content."""
+    while time.perf_counter() < deadline:
+        try:
+            with client.stream("POST", url + "/v1/chat/completions", json=CHAT, timeout=120) as r:
+                if r.status_code == 503:
+                    r.read()
+                    time.sleep(0.02)
+                    continue
+                if r.status_code != 200:
+                    raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        return
+        except httpx.TransportError:  # not listening yet
+            time.sleep(0.005)
+    raise TimeoutError("no token before the deadline")
+
+
+def compile_lmserve(env: dict | None = None) -> None:
     """Write the .pyc files of the lmserve package the servers will import (a user's install has them)."""
     out = subprocess.run([sys.executable, "-c", "import lmserve, os; print(os.path.dirname(lmserve.__file__))"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     compileall.compile_dir(out.stdout.strip(), quiet=1)
 
 
-def one_run(flags: list[str], threads: int) -> dict:
+def one_run(flags: list[str], threads: int, send: str = "health", env: dict | None = None) -> dict:
     """One server start: seconds from Popen to the first streamed token, and peak RSS after it."""
     port = free_port()
     cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(threads),
            "--served-model-name", "default", "--log-level", "warning", *flags]
     client = httpx.Client()  # one for every poll, made before the clock starts (httpx.get makes one per call)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        first_token(client, f"http://127.0.0.1:{port}", start + 180)
+        (first_chat_token if send == "connect" else first_token)(client, f"http://127.0.0.1:{port}", start + 180)
         seconds = time.perf_counter() - start
         return {"first_token_s": seconds, "cpu_s": cpu_seconds(proc.pid), "peak_rss_gib": vm_hwm_gib(proc.pid)}
     finally:
@@ -114,15 +144,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--floor", action="store_true", help=f"also time `python -c '{FLOOR}'` alone, alternating with "
                     "the variants (the row it gives: the imports' share of a start)")
+    ap.add_argument("--send", choices=("health", "connect"), default="health",
+                    help="health: a completion once /health says 200; connect: a chat as soon as the port accepts")
+    ap.add_argument("--trees", default="", help="name=src_dir,... : run every variant under each source tree")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    compile_lmserve()
-    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    trees = {name: {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
+             for name, src in (t.split("=", 1) for t in args.trees.split(",") if t)} or {"": None}
+    for env in trees.values():
+        compile_lmserve(env)
+    cases = {(f"{tree}: " if tree else "") + v: (v, env) for tree, env in trees.items() for v in args.variants}
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
     if args.floor:
         runs[FLOOR] = []
     for _ in range(args.repeats):
-        for v in args.variants:
-            runs[v].append(one_run(v.split(), args.threads))
+        for name, (v, env) in cases.items():
+            runs[name].append(one_run(v.split(), args.threads, args.send, env) | {"load": os.getloadavg()[0]})
+            print(f"{name or '(defaults)'}: {runs[name][-1]['first_token_s']:.2f} s", flush=True)
         if args.floor:
             runs[FLOOR].append(floor_run())
     result = {v or "(defaults)": {"first_token_s_median": statistics.median(r["first_token_s"] for r in rs),

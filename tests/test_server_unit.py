@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from lmserve.server.errors import APIError
 from lmserve.server.key_file import key_specs, plain_name
 from lmserve.server.main import served_name
 from lmserve.server.metrics import ServerMetrics
+from lmserve.server.models.pool import ModelPool, ModelSpec
 from lmserve.server.protocol import CompletionRequest, load_json, parse_body
 from lmserve.server.state import ServerConfig, ServerState
 from lmserve.server.tenants import Tenants
@@ -73,10 +75,13 @@ def test_api_key_check():
 
 
 def test_health_follows_the_engine_lifecycle():
-    state = ServerState(ServerConfig("m"), ServerMetrics("m"))
+    state = ServerState(ServerConfig("m"), ServerMetrics("m"), models=ModelPool([ModelSpec("m")], load_timeout=0.3))
     client = TestClient(build_app(state))
-    assert client.get("/health").status_code == 503  # loading
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "loading" and r.json()["error"]["code"] == 503
+    start = time.monotonic()
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})  # waits out --model-load-timeout
+    assert time.monotonic() - start >= 0.3
     assert r.status_code == 503 and r.headers["Retry-After"] and "loading" in r.json()["error"]["message"]
     state.async_engine = SimpleNamespace(alive=True)
     assert client.get("/health").status_code == 200
