@@ -47,13 +47,15 @@ def test_the_probes_say_loading_before_the_app_exists():
 
 
 def test_a_request_waits_for_the_app_and_is_served_by_it():
-    gate, events = StartGate(timeout=30), []
+    gate, events, counted = StartGate(timeout=30), [], []
     with TestClient(gate) as client:
+        assert client.get("/health").status_code == 503
+
         def open_later():
             time.sleep(0.3)
             import asyncio
 
-            asyncio.run_coroutine_threadsafe(gate.open(stand_in_app(events)), gate.loop).result()
+            asyncio.run_coroutine_threadsafe(gate.open(stand_in_app(events), counted.append), gate.loop).result()
 
         opener = threading.Thread(target=open_later)
         start = time.monotonic()
@@ -63,6 +65,7 @@ def test_a_request_waits_for_the_app_and_is_served_by_it():
         opener.join()
         assert r.status_code == 200 and r.json() == {"answered": True}
         assert waited >= 0.3 and events == ["startup"]  # the app's lifespan ran before it served
+        assert counted == [503]  # the gate's own /health answer, handed to the app's metrics
     assert events == ["startup", "shutdown"]  # and ended with the gate's
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import AbstractAsyncContextManager
+from typing import Callable
 
 from starlette.responses import JSONResponse
 
@@ -44,6 +45,7 @@ class StartGate:
         self.loop: asyncio.AbstractEventLoop | None = None  # uvicorn's, known from its lifespan startup
         self._opened: asyncio.Event | None = None
         self._app_lifespan: AbstractAsyncContextManager | None = None
+        self.answered: list[int] = []  # the statuses the gate answered itself: counted in the metrics at open()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -52,6 +54,7 @@ class StartGate:
             scope.setdefault("state", {})[ARRIVED_KEY] = time.monotonic()
             early = self._probe(scope.get("path", ""))
             if early is not None:
+                self.answered.append(early.status_code)
                 return await early(scope, receive, send)
             await self._wait()
         if self.app is None:
@@ -85,6 +88,7 @@ class StartGate:
         else:
             err = APIError(503, f"the model is still loading after {self.timeout:g} s; retry shortly",
                            headers={"Retry-After": "5"}, reason="model_loading")
+            self.answered.append(err.status)
         await error_response(path, err)(scope, receive, send)
 
     async def _lifespan(self, receive, send) -> None:
@@ -100,11 +104,15 @@ class StartGate:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def open(self, app) -> None:
-        """Serve `app` (a Starlette app) from now on, its lifespan started first; run on the gate's loop."""
+    async def open(self, app, count: Callable[[int], None] = lambda status: None) -> None:
+        """Serve `app` (a Starlette app) from now on, its lifespan started first; run on the gate's loop. `count`
+        gets the status of each answer the gate gave itself (the app's metrics did not exist yet); on the loop,
+        so none is answered between the count and the hand-over."""
         lifespan = app.router.lifespan_context(app)
         await lifespan.__aenter__()
-        self._app_lifespan, self.app = lifespan, app
+        for status in self.answered:
+            count(status)
+        self._app_lifespan, self.app, self.answered = lifespan, app, []
         self._opened.set()
 
     def fail(self) -> None:

@@ -110,7 +110,8 @@ class Start:
             if self.server.should_exit:
                 return False
             time.sleep(0.01)
-        asyncio.run_coroutine_threadsafe(self.gate.open(app), self.gate.loop).result()
+        count = lambda status: self.state.metrics.status(status, not_ready=True)  # noqa: E731 - as the app counts them
+        asyncio.run_coroutine_threadsafe(self.gate.open(app, count), self.gate.loop).result()
         return True
 
     def _stop(self, held: HeldLogs) -> None:
