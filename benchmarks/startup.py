@@ -28,6 +28,7 @@ import compileall
 import json
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -75,9 +76,19 @@ CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello"}], 
         "temperature": 0}
 
 
-def first_chat_token(client: httpx.Client, url: str, deadline: float) -> None:
+def first_chat_token(client: httpx.Client, url: str, deadline: float) -> float:
     """Send a streamed chat as soon as the port accepts (no /health poll), retrying 503s; return at its first chunk
-    with content."""
+    with content. Returns when (perf_counter) the port first accepted a connection."""
+    host, port = url.removeprefix("http://").split(":")
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            break
+        except OSError:
+            if time.perf_counter() > deadline:
+                raise TimeoutError("the port never opened") from None
+            time.sleep(0.005)
+    listening = time.perf_counter()
     while time.perf_counter() < deadline:
         try:
             with client.stream("POST", url + "/v1/chat/completions", json=CHAT, timeout=120) as r:
@@ -89,7 +100,7 @@ def first_chat_token(client: httpx.Client, url: str, deadline: float) -> None:
                     raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
                 for line in r.iter_lines():
                     if line.startswith("data: {") and '"content"' in line:
-                        return
+                        return listening
         except httpx.TransportError:  # not listening yet
             time.sleep(0.005)
     raise TimeoutError("no token before the deadline")
@@ -111,9 +122,13 @@ def one_run(flags: list[str], threads: int, send: str = "health", env: dict | No
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        (first_chat_token if send == "connect" else first_token)(client, f"http://127.0.0.1:{port}", start + 180)
+        url = f"http://127.0.0.1:{port}"
+        listening = first_chat_token(client, url, start + 180) if send == "connect" else first_token(client, url,
+                                                                                                      start + 180)
         seconds = time.perf_counter() - start
-        return {"first_token_s": seconds, "cpu_s": cpu_seconds(proc.pid), "peak_rss_gib": vm_hwm_gib(proc.pid)}
+        listen_s = {"listen_s": listening - start} if listening is not None else {}
+        return {"first_token_s": seconds, "cpu_s": cpu_seconds(proc.pid), "peak_rss_gib": vm_hwm_gib(proc.pid),
+                **listen_s}
     finally:
         client.close()
         proc.terminate()
@@ -153,23 +168,26 @@ def main() -> None:
              for name, src in (t.split("=", 1) for t in args.trees.split(",") if t)} or {"": None}
     for env in trees.values():
         compile_lmserve(env)
-    cases = {(f"{tree}: " if tree else "") + v: (v, env) for tree, env in trees.items() for v in args.variants}
+    cases = {" ".join(x for x in (tree, v) if x): (v, env) for tree, env in trees.items() for v in args.variants}
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     if args.floor:
         runs[FLOOR] = []
     for _ in range(args.repeats):
         for name, (v, env) in cases.items():
             runs[name].append(one_run(v.split(), args.threads, args.send, env) | {"load": os.getloadavg()[0]})
-            print(f"{name or '(defaults)'}: {runs[name][-1]['first_token_s']:.2f} s", flush=True)
+            last = runs[name][-1]
+            print(f"{name or '(defaults)'}: {last['first_token_s']:.2f} s, listening at {last.get('listen_s', -1):.2f} s, "
+                  f"{last['cpu_s']:.2f} CPU s (load {last['load']:.1f})", flush=True)
         if args.floor:
             runs[FLOOR].append(floor_run())
     result = {v or "(defaults)": {"first_token_s_median": statistics.median(r["first_token_s"] for r in rs),
                                   "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
                                   "peak_rss_gib_median": statistics.median(r["peak_rss_gib"] for r in rs),
+                                  "listen_s_median": statistics.median(r.get("listen_s", float("nan")) for r in rs),
                                   "runs": rs} for v, rs in runs.items()}
     for name, r in result.items():
         print(f"{name:28} first token {r['first_token_s_median']:.2f} s ({r['cpu_s_median']:.2f} CPU s)   "
-              f"peak RSS {r['peak_rss_gib_median']:.2f} GiB")
+              f"peak RSS {r['peak_rss_gib_median']:.2f} GiB   listening at {r['listen_s_median']:.2f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
