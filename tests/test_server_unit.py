@@ -92,6 +92,18 @@ def test_health_follows_the_engine_lifecycle():
     assert client.get("/health").json() == {"status": "draining"}
 
 
+def test_a_failed_load_says_failed_and_answers_waiting_requests_at_once():
+    state = ServerState(ServerConfig("m"), ServerMetrics("m"), models=ModelPool([ModelSpec("m")], load_timeout=60))
+    state.load_error = "CheckpointError: missing tensors"  # as server/start._load sets it
+    client = TestClient(build_app(state))
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "failed" and "missing" not in r.text  # no file names
+    start = time.monotonic()
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert time.monotonic() - start < 5  # not the 60 s load wait
+    assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
+
+
 def test_echo_and_logprobs_ask_the_engine_for_prompt_logprobs():
     from lmserve.server.api.params import completion_params
 
