@@ -76,6 +76,7 @@ def test_api_key_check():
 
 def test_health_follows_the_engine_lifecycle():
     state = ServerState(ServerConfig("m"), ServerMetrics("m"), models=ModelPool([ModelSpec("m")], load_timeout=0.3))
+    state.starting = True  # as server/start.py has it while the start-up load runs
     client = TestClient(build_app(state))
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["status"] == "loading" and r.json()["error"]["code"] == 503
@@ -94,7 +95,7 @@ def test_health_follows_the_engine_lifecycle():
 
 def test_a_failed_load_says_failed_and_answers_waiting_requests_at_once():
     state = ServerState(ServerConfig("m"), ServerMetrics("m"), models=ModelPool([ModelSpec("m")], load_timeout=60))
-    state.load_error = "CheckpointError: missing tensors"  # as server/start._load sets it
+    state.starting, state.load_error = True, "CheckpointError: missing tensors"  # as server/start._load sets it
     client = TestClient(build_app(state))
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["status"] == "failed" and "missing" not in r.text  # no file names

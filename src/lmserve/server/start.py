@@ -95,6 +95,7 @@ class Start:
             log.exception("the server could not start")
             self.crashed = True
             return self._stop(held)
+        state.starting = True  # before the app opens: its requests wait for the load below
         self.state = self.server.state = state
         on_dead = lambda: _exit_on_dead_engine(self.server)  # noqa: E731
         state.models.loader = lambda model: load_engine(state, model.spec, on_dead)
@@ -172,7 +173,7 @@ def _load(state, server: uvicorn.Server, on_dead: Callable[[], None], load_engin
             log.error("model load failed: %s", e)  # the message says it all: no traceback
         else:
             log.exception("model load failed")
-        state.load_error = f"{type(e).__name__}: {e}"
+        state.load_error, state.starting = f"{type(e).__name__}: {e}", False
         server.should_exit = True
         return
     finally:
@@ -180,7 +181,7 @@ def _load(state, server: uvicorn.Server, on_dead: Callable[[], None], load_engin
         # `lmserve serve` turned off for the start (cli.cmd_serve) is on again
         gc.freeze()
         gc.enable()
-    state.started = True
+    state.started, state.starting = True, False  # in this order: a waiting request never sees neither
     log.info("serving %s", ", ".join(m.name for m in pool.loaded()))
 
 

@@ -79,6 +79,7 @@ class ServerState:
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
     splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
     started: bool = False  # the start-up loads are done: the server serves from here on
+    starting: bool = False  # `serve`'s start-up loads are running (server/start.py): requests wait for them
     _rng: random.Random = field(default_factory=random.Random, repr=False)  # splits of requests without a user
 
     def __post_init__(self) -> None:
@@ -130,10 +131,11 @@ class ServerState:
         """check_ready(), after waiting out the start-up load: a request sent as the server starts is answered once
         its model is up, not refused. The wait ends at the load, a failed load or a drain, or --model-load-timeout
         after the request `arrived` (monotonic; the StartGate's stamp, else now); then check_ready says why not.
+        Only while `starting`: a state whose engine its owner starts (tests, a Ray replica) answers 503 at once.
 
         Polled: the load thread sets `started`, and a 10 ms poll costs nothing beside a load of a second or more."""
         deadline = (time.monotonic() if arrived is None else arrived) + self.models.load_timeout
-        while not (self.started or self.load_error or self.draining) and time.monotonic() < deadline:
+        while self.starting and not (self.started or self.load_error or self.draining) and time.monotonic() < deadline:
             await asyncio.sleep(START_POLL_S)
         self.check_ready()
 
