@@ -1,6 +1,7 @@
 """Start to first token of `lmserve serve`, and its peak RSS, for several flag sets (alternating runs).
 
     python benchmarks/startup.py --variants "--quantization none" "" --repeats 3
+    python benchmarks/startup.py --variants "" --send connect --trees main=/tmp/main/src,branch=src --repeats 5
 
 `--floor` adds a row for a process that only imports torch, FastAPI and uvicorn (the collector off, as in a serve)
 and exits (wall and CPU seconds; no RSS).
@@ -10,6 +11,11 @@ built: run any server once first), polls /health, and sends one streamed complet
 the server answers; the time is from `Popen` to that token's SSE chunk, with the CPU time the server process
 had used by then (steadier than the wall clock on a shared machine). Peak RSS is the process's VmHWM read
 after the token. Variants alternate run by run, so a noisy shared machine hits them alike.
+
+`--send connect` is a client that starts the server and sends at once: a streamed chat request of one token as soon
+as the port accepts a connection (a 503 is retried after 20 ms, as a client of a server that refuses while loading
+must), timed to its first content chunk. `--trees name=src,...` runs every variant under each source tree
+(PYTHONPATH=src), round by round, so a before/after pair shares the machine's load.
 
 The lmserve package the servers import is byte-compiled first, as scripts/install.sh and a wheel install leave it:
 where PYTHONDONTWRITEBYTECODE=1, a checkout without .pyc files would time compiling ~200 modules (0.4 CPU s).
@@ -22,6 +28,7 @@ import compileall
 import json
 import os
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -65,25 +72,63 @@ def first_token(client: httpx.Client, url: str, deadline: float) -> None:
     raise TimeoutError("no token before the deadline")
 
 
-def compile_lmserve() -> None:
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, "stream": True,
+        "temperature": 0}
+
+
+def first_chat_token(client: httpx.Client, url: str, deadline: float) -> float:
+    """Send a streamed chat as soon as the port accepts (no /health poll), retrying 503s; return at its first chunk
+    with content. Returns when (perf_counter) the port first accepted a connection."""
+    host, port = url.removeprefix("http://").split(":")
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            break
+        except OSError:
+            if time.perf_counter() > deadline:
+                raise TimeoutError("the port never opened") from None
+            time.sleep(0.005)
+    listening = time.perf_counter()
+    while time.perf_counter() < deadline:
+        try:
+            with client.stream("POST", url + "/v1/chat/completions", json=CHAT, timeout=120) as r:
+                if r.status_code == 503:
+                    r.read()
+                    time.sleep(0.02)
+                    continue
+                if r.status_code != 200:
+                    raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        return listening
+        except httpx.TransportError:  # not listening yet
+            time.sleep(0.005)
+    raise TimeoutError("no token before the deadline")
+
+
+def compile_lmserve(env: dict | None = None) -> None:
     """Write the .pyc files of the lmserve package the servers will import (a user's install has them)."""
     out = subprocess.run([sys.executable, "-c", "import lmserve, os; print(os.path.dirname(lmserve.__file__))"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env=env)
     compileall.compile_dir(out.stdout.strip(), quiet=1)
 
 
-def one_run(flags: list[str], threads: int) -> dict:
+def one_run(flags: list[str], threads: int, send: str = "health", env: dict | None = None) -> dict:
     """One server start: seconds from Popen to the first streamed token, and peak RSS after it."""
     port = free_port()
     cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), "--num-threads", str(threads),
            "--served-model-name", "default", "--log-level", "warning", *flags]
     client = httpx.Client()  # one for every poll, made before the clock starts (httpx.get makes one per call)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        first_token(client, f"http://127.0.0.1:{port}", start + 180)
+        url = f"http://127.0.0.1:{port}"
+        listening = first_chat_token(client, url, start + 180) if send == "connect" else first_token(client, url,
+                                                                                                      start + 180)
         seconds = time.perf_counter() - start
-        return {"first_token_s": seconds, "cpu_s": cpu_seconds(proc.pid), "peak_rss_gib": vm_hwm_gib(proc.pid)}
+        listen_s = {"listen_s": listening - start} if listening is not None else {}
+        return {"first_token_s": seconds, "cpu_s": cpu_seconds(proc.pid), "peak_rss_gib": vm_hwm_gib(proc.pid),
+                **listen_s}
     finally:
         client.close()
         proc.terminate()
@@ -114,24 +159,35 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--floor", action="store_true", help=f"also time `python -c '{FLOOR}'` alone, alternating with "
                     "the variants (the row it gives: the imports' share of a start)")
+    ap.add_argument("--send", choices=("health", "connect"), default="health",
+                    help="health: a completion once /health says 200; connect: a chat as soon as the port accepts")
+    ap.add_argument("--trees", default="", help="name=src_dir,... : run every variant under each source tree")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    compile_lmserve()
-    runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+    trees = {name: {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
+             for name, src in (t.split("=", 1) for t in args.trees.split(",") if t)} or {"": None}
+    for env in trees.values():
+        compile_lmserve(env)
+    cases = {" ".join(x for x in (tree, v) if x): (v, env) for tree, env in trees.items() for v in args.variants}
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
     if args.floor:
         runs[FLOOR] = []
     for _ in range(args.repeats):
-        for v in args.variants:
-            runs[v].append(one_run(v.split(), args.threads))
+        for name, (v, env) in cases.items():
+            runs[name].append(one_run(v.split(), args.threads, args.send, env) | {"load": os.getloadavg()[0]})
+            last = runs[name][-1]
+            print(f"{name or '(defaults)'}: {last['first_token_s']:.2f} s, listening at {last.get('listen_s', -1):.2f} s, "
+                  f"{last['cpu_s']:.2f} CPU s (load {last['load']:.1f})", flush=True)
         if args.floor:
             runs[FLOOR].append(floor_run())
     result = {v or "(defaults)": {"first_token_s_median": statistics.median(r["first_token_s"] for r in rs),
                                   "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
                                   "peak_rss_gib_median": statistics.median(r["peak_rss_gib"] for r in rs),
+                                  "listen_s_median": statistics.median(r.get("listen_s", float("nan")) for r in rs),
                                   "runs": rs} for v, rs in runs.items()}
     for name, r in result.items():
         print(f"{name:28} first token {r['first_token_s_median']:.2f} s ({r['cpu_s_median']:.2f} CPU s)   "
-              f"peak RSS {r['peak_rss_gib_median']:.2f} GiB")
+              f"peak RSS {r['peak_rss_gib_median']:.2f} GiB   listening at {r['listen_s_median']:.2f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

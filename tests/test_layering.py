@@ -38,7 +38,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "cli": {"lmserve", "bench", "server.app", "server.batch", "ops", "engine", "preflight", "tokenizer", "loader", "lora",
             "parsers"},  # parsers: the --reasoning-parser / --tool-call-parser names
     "bench": {"engine", "preflight", "models", "layers"},  # `lmserve bench`: cli only registers its parser
-    # server/ by concern: app.py and main.py assemble the app (server.app); each API family in server/api/ only
+    # server/ by concern: app.py, main.py and start.py assemble the app (server.app); each API family in server/api/ only
     # translates its shapes onto the shared middle (server: admission, streaming, errors, auth, metrics, state);
     # server/batch/ runs lines through the OpenAI API's handling; server/models/ is the pool of served models.
     "server.app": {"server", "server.api", "server.batch", "server.playground", "server.models", "lmserve", "ops"},
@@ -75,6 +75,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
 }.items()}
 BY_MODULE = {"lmserve.sched.output": "sched.output", "lmserve.engine.serving": "engine.serving",
              "lmserve.server.app": "server.app", "lmserve.server.main": "server.app",
+             "lmserve.server.start": "server.app",
              **{f"lmserve.server.{sub}": f"server.{sub}" for sub in ("api", "batch", "playground", "models")}}
 
 

@@ -72,3 +72,113 @@ def test_sigint_default_handler_for_children():
     finally:
         signal.signal(signal.SIGINT, old)
     assert out == "True"
+
+
+def connect_then(port: int, proc: subprocess.Popen, timeout: float = 300) -> float:
+    """Wait until the port accepts a connection (the process still running); the monotonic time it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return time.monotonic()
+        except OSError:
+            time.sleep(0.005)
+    raise AssertionError("the port never opened")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    return out
+
+
+def test_health_says_loading_until_the_model_is_up_then_ok():
+    """The port opens before torch is imported (server/start.py): the first /health is 503 `loading`, then 200."""
+    import httpx
+
+    port = free_port()
+    proc = serve("--port", str(port))
+    try:
+        connect_then(port, proc)
+        first = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert first.status_code == 503 and first.json()["status"] == "loading", first.text
+        assert first.json()["error"] == {"code": 503, "message": "Loading model", "type": "unavailable_error"}
+        seen = [first.status_code]
+        deadline = time.monotonic() + 300
+        while seen[-1] != 200 and time.monotonic() < deadline:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+            seen.append(r.status_code)
+            assert r.status_code in (200, 503) and r.json()["status"] in ("ok", "loading"), r.text
+            time.sleep(0.02)
+        assert seen[-1] == 200 and r.json() == {"status": "ok"}
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0 and ABORT not in out and "Traceback" not in out, out
+
+
+def test_a_chat_sent_the_moment_the_port_opens_gets_its_answer():
+    """A client that starts the server and sends at once (no retries: a 503 would fail the test) is answered when the
+    model is up, with the same tokens as a chat sent once the server is ready."""
+    import openai
+
+    port = free_port()
+    proc = serve("--port", str(port))
+    try:
+        connect_then(port, proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=300)
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Name a colour."}],
+                "max_tokens": 8, "temperature": 0}
+        stream = client.chat.completions.create(**body, stream=True)
+        early = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        later = client.chat.completions.create(**body).choices[0].message.content
+        assert early and early == later
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0 and ABORT not in out, out
+
+
+def test_a_load_that_fails_answers_the_waiting_request_and_exits_1(tmp_path):
+    """A model whose header passes the checks but whose load fails (a tensor missing): the request waiting for it gets
+    503 in its family's body at once, and the process exits 1 (as before the port opened early)."""
+    import httpx
+
+    from tests import bad_files as bf
+
+    model = tmp_path / "missing-tensor.gguf"
+    model.write_bytes(bf.gguf_bytes(bf.tiny_meta(), [t for t in bf.tiny_tensors() if t[0] != "blk.0.ffn_down.weight"]))
+    port = free_port()
+    proc = serve("--port", str(port), "--model", str(model), "--kv-cache-memory", str(64 * 2**20))
+    try:
+        connect_then(port, proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"], r.text
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 1 and "model load failed" in out and ABORT not in out, out
+
+
+def test_a_refused_model_is_still_one_line_and_exit_2_after_the_port_opened(tmp_path):
+    """prepare() runs behind the open port now: a bad model is still the CLI's one line and exit 2, uvicorn's start
+    lines dropped, and a request that was waiting gets 503."""
+    import httpx
+
+    model = tmp_path / "notes.gguf"
+    model.write_text("not a model\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lmserve.cli", "serve", *BASE_ARGS, "--log-level", "info", "--port",
+                             str(port), "--model", str(model)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        connect_then(port, proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=300)
+        assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"], r.text
+    except httpx.TransportError:
+        pass  # the process was already on its way out: the exit below is what this test is about
+    finally:
+        out, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("lmserve: error:"), err
+    assert "notes.gguf" in lines[0] and "not a GGUF file" in lines[0] and "startup complete" not in out + err, err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from lmserve.server.errors import APIError
 from lmserve.server.key_file import key_specs, plain_name
 from lmserve.server.main import served_name
 from lmserve.server.metrics import ServerMetrics
+from lmserve.server.models.pool import ModelPool, ModelSpec
 from lmserve.server.protocol import CompletionRequest, load_json, parse_body
 from lmserve.server.state import ServerConfig, ServerState
 from lmserve.server.tenants import Tenants
@@ -73,10 +75,14 @@ def test_api_key_check():
 
 
 def test_health_follows_the_engine_lifecycle():
-    state = ServerState(ServerConfig("m"), ServerMetrics("m"))
+    state = ServerState(ServerConfig("m"), ServerMetrics("m"), models=ModelPool([ModelSpec("m")], load_timeout=0.3))
+    state.starting = True  # as server/start.py has it while the start-up load runs
     client = TestClient(build_app(state))
-    assert client.get("/health").status_code == 503  # loading
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "loading" and r.json()["error"]["code"] == 503
+    start = time.monotonic()
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})  # waits out --model-load-timeout
+    assert time.monotonic() - start >= 0.3
     assert r.status_code == 503 and r.headers["Retry-After"] and "loading" in r.json()["error"]["message"]
     state.async_engine = SimpleNamespace(alive=True)
     assert client.get("/health").status_code == 200
@@ -85,6 +91,18 @@ def test_health_follows_the_engine_lifecycle():
     assert client.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 503
     state.async_engine, state.draining = SimpleNamespace(alive=True), True
     assert client.get("/health").json() == {"status": "draining"}
+
+
+def test_a_failed_load_says_failed_and_answers_waiting_requests_at_once():
+    state = ServerState(ServerConfig("m"), ServerMetrics("m"), models=ModelPool([ModelSpec("m")], load_timeout=60))
+    state.starting, state.load_error = True, "CheckpointError: missing tensors"  # as server/start._load sets it
+    client = TestClient(build_app(state))
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "failed" and "missing" not in r.text  # no file names
+    start = time.monotonic()
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert time.monotonic() - start < 5  # not the 60 s load wait
+    assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
 
 
 def test_echo_and_logprobs_ask_the_engine_for_prompt_logprobs():

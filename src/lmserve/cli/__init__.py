@@ -324,9 +324,9 @@ def cmd_monitor_profile(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     # A start makes millions of objects that live as long as the process (modules, the vocabulary, the model),
     # and the cyclic collector traversed them again and again: ~0.3 s of a ~2.8 s start to first token. It is off
-    # until the first models are loaded; server/main._load then freezes them out of every later collection.
+    # until the first models are loaded; server/start._load then freezes them out of every later collection.
     gc.disable()
-    from lmserve.server.main import serve
+    from lmserve.server.start import serve  # torch-free: the port listens before torch is imported
 
     return serve(args)
 

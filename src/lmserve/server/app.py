@@ -22,6 +22,7 @@ from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, open
 from lmserve.server.api.chat_plan import plan_chat
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
+from lmserve.server.gate import health_body
 from lmserve.server.key_file import ANONYMOUS
 from lmserve.server.playground import routes as playground_routes
 from lmserve.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -315,8 +316,9 @@ def _misc_routes() -> Router:
         st = state_of(request)
         if st.ready:
             return JSONResponse({"status": "ok"})
-        reason = "draining" if st.draining else "loading" if not st.started and not st.load_error else "dead"
-        return JSONResponse({"status": reason}, status_code=503)
+        if st.draining or (st.started and st.dead):
+            return JSONResponse({"status": "draining" if st.draining else "dead"}, status_code=503)
+        return JSONResponse(health_body(loading=st.load_error is None), status_code=503)  # as the StartGate says
 
     @router.get("/version")
     async def version() -> dict:

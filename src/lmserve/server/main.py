@@ -1,35 +1,23 @@
-"""`lmserve serve`: build the state, load the model in the background, run uvicorn, drain on SIGTERM.
-
-/health answers 503 while the model loads (a failed load ends the process with exit code 1). On
-SIGTERM (or SIGINT) new requests get 503, requests in flight get `--drain-timeout` seconds to
-finish, the rest are aborted, and the process exits 0. A second signal cuts the drain short.
-"""
+"""The serve flags -> the server's state (prepare: every check that needs no weights), and loading and unloading one
+model's engine. `lmserve serve` (server/start.py) imports this module behind its already-listening port: it pulls in
+torch and the engine; a Ray Serve replica (lmserve.deploy) starts from prepare() too."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import errno
-import gc
 import logging
 import os
-import signal
-import socket
-import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
-import uvicorn
-
 from lmserve.config import ENV_API_KEY
-from lmserve.errors import CheckpointError, ConfigError
+from lmserve.errors import ConfigError
 from lmserve.ops.hub import build_ops
-from lmserve.server.connections import with_deadline
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
+from lmserve.server.listen import check_serve_args
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.args import keep_alive, model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
-from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel, one_malloc_arena
+from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel
 from lmserve.server.quotas import StorageQuota, parse_quota_flags
 from lmserve.server.state import ServerConfig, ServerState, launch_engine, start_engine  # noqa: F401 (tests)
 
@@ -47,57 +35,6 @@ def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, 
         keys += plain
     key_specs(tuple(keys), tuple(named))  # a name clash between the two is a ConfigError now, not at start
     return tuple(keys), tuple(named)
-
-
-def check_serve_args(args: argparse.Namespace) -> None:
-    """The HTTP-side flags that can never work; ConfigError naming the flag."""
-    if not 1 <= args.port <= 65535:  # here, not at bind: a Ray deploy checks these flags once, before any replica
-        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-    for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
-                             ("--max-body-bytes", args.max_body_bytes, 1),
-                             ("--max-upload-bytes", args.max_upload_bytes, 1),
-                             ("--default-max-tokens", args.default_max_tokens, 1),
-                             ("--max-tokens-limit", args.max_tokens_limit, 1)):
-        if value is not None and value < low:
-            raise ConfigError(f"{flag} must be >= {low}, got {value}")
-    for flag, value in (("--drain-timeout", args.drain_timeout), ("--engine-step-timeout", args.engine_step_timeout)):
-        if not value >= 0:
-            raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
-    if not args.request_read_timeout > 0:
-        raise ConfigError(f"--request-read-timeout must be > 0 seconds, got {args.request_read_timeout}")
-    default, limit = args.default_max_tokens, args.max_tokens_limit
-    if default is not None and limit is not None and default > limit:
-        raise ConfigError(f"--default-max-tokens {default} is above --max-tokens-limit {limit}")
-    if args.allow_runtime_lora_updating and not (args.enable_lora and args.lora_dir):
-        raise ConfigError("--allow-runtime-lora-updating needs --enable-lora and at least one --lora-dir")
-    for d in args.lora_dir:
-        if not Path(d).is_dir():
-            raise ConfigError(f"--lora-dir {d}: not a directory")
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now: a port in use or a host that is not this machine's is a ConfigError before
-    the model loads (uvicorn would find out only after it, and exit with a traceback). The port's range was
-    checked with the other flags (check_serve_args, from prepare)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as e:
-        raise ConfigError(f"--host {host}: {e.strerror}") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(f"port {port} is in use ({host}:{port}: {e.strerror}); stop what holds it or choose "
-                              "another with --port") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    return sock
 
 
 def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
@@ -238,158 +175,6 @@ def prepare(args: argparse.Namespace) -> ServerState:
     _batches(args, state)
     state.responses = _responses(args)
     return state
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/SIGINT; returns the process exit code.
-
-    prepare() and the listening socket check everything they can in the foreground (the CLI prints one line), before
-    any model loads.
-    """
-    one_malloc_arena()  # before a second thread allocates: an unloaded model's memory goes back whole
-    state = prepare(args)
-    listener = bind_listener(args.host, args.port)
-    config, metrics, pool = state.config, state.metrics, state.models
-    slow_client = metrics.rejected.labels("read_timeout").inc
-    uv_config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level,  # the app: below
-                               timeout_graceful_shutdown=5, access_log=False,  # server/access_log.py writes one
-                               ws="none",  # no WebSocket routes: skips importing a websockets stack at start
-                               http=with_deadline(config.request_read_timeout, slow_client))
-    server = DrainingServer(uv_config, state)
-    on_dead = lambda: _exit_on_dead_engine(server)  # noqa: E731
-    pool.loader = lambda model: load_engine(state, model.spec, on_dead)
-    pool.unloader = lambda model, engine: unload_engine(state, model, engine)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # a stop before uvicorn takes the signals over: it exits at once
-        signal.signal(sig, server.handle_exit)
-    loader = threading.Thread(target=_load, args=(state, server, on_dead), name="lmserve-load", daemon=True)
-    loader.start()
-    # The routes are imported and built while the first model loads: its GGUF repack and KV allocation run in native
-    # code without the GIL, beside these ~0.45 CPU s of imports (issue 32: start to first token). The app serves a
-    # loading engine (503 from /health) as it always did.
-    from lmserve.server.app import build_app
-
-    uv_config.app = build_app(state, access_log=not args.no_access_log)
-    asyncio.run(server.serve(sockets=[listener]))
-    engines = pool.engines()
-    for engine in engines:
-        engine.shutdown()
-    state.ops.close()  # after the drain: every finished request's payload line and span is flushed
-    for store in (state.playground, state.responses):
-        if store is not None:
-            store.close()
-    engine_died = any(engine.dead is not None for engine in engines)
-    code = 0 if server.started and state.load_error is None and not engine_died else 1
-    if loader.is_alive():
-        _exit_during_load(code)
-    return code
-
-
-def _exit_during_load(code: int) -> None:
-    """A signal came while the model was loading: leave now, without the interpreter's teardown.
-
-    The load thread is inside torch; a normal exit would run C++ static destructors beneath it, and libstdc++
-    aborts ("terminate called without an active exception", exit code 134). Nothing is left to flush but logs;
-    a compile of the native kernels the load started (its compiler processes) is stopped with it.
-    """
-    import psutil
-
-    log.info("stopped while the model was loading")
-    for child in psutil.Process().children(recursive=True):
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _exit_on_dead_engine(server: uvicorn.Server) -> None:
-    """A dead engine never serves again: exit (code 1) so the supervisor restarts the process.
-
-    /health already answers 503 (AsyncEngine.alive is false); in-flight requests have their 500/503
-    and get uvicorn's graceful-shutdown seconds to send it.
-    """
-    log.critical("the engine has failed for good; exiting with code 1 so a supervisor restarts the server")
-    server.should_exit = True
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn whose SIGTERM/SIGINT drain in-flight requests before it exits.
-
-    uvicorn installs handle_exit as a plain Python signal handler; overriding it also keeps uvicorn
-    from re-raising the signal at exit, so a drained server exits 0.
-    """
-
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
-        self.state = state
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
-        self._hurry = False  # a second signal: abort what is left now
-
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self._loop is None:
-            self.should_exit = True
-        elif self._drain_task is None:
-            self._loop.call_soon_threadsafe(self._start_drain)
-        else:
-            self._hurry = True
-
-    def _start_drain(self) -> None:
-        if self._drain_task is None:
-            self._drain_task = asyncio.ensure_future(self.drain())
-
-    async def drain(self) -> None:
-        """Stop admitting, wait for in-flight requests (up to the drain timeout), abort the rest, exit."""
-        st, loop = self.state, asyncio.get_running_loop()
-        st.draining = True
-        if st.batches is not None:  # a running batch job stops here and resumes after the restart
-            st.batches.stop()
-        log.info("draining %d request(s) for up to %.0f s", st.in_flight, st.config.drain_timeout)
-        deadline = loop.time() + st.config.drain_timeout
-        while st.in_flight and loop.time() < deadline and not self._hurry:
-            await asyncio.sleep(0.05)
-        engines = st.models.engines()
-        if st.in_flight and engines:
-            loads = [e.front.load() for e in engines]
-            running, waiting = sum(x.num_running for x in loads), sum(x.num_waiting for x in loads)
-            log.warning("drain: aborting %d request(s) still in flight (running %d, waiting %d)", st.in_flight,
-                        running, waiting)
-            st.metrics.aborts.labels("shutdown").inc(st.in_flight)
-            for engine in engines:
-                engine.abort_all()
-            await asyncio.sleep(0.5)  # let aborted streams send their last chunks
-        self.should_exit = True  # uvicorn then gives open responses timeout_graceful_shutdown to end
-
-
-def _load(state: ServerState, server: uvicorn.Server, on_dead: Callable[[], None]) -> None:
-    """Load the first --max-loaded-models models and start their engines (beside the already-listening server,
-    so /health says 503 meanwhile); the others load on their first request."""
-    pool = state.models
-    try:
-        for model in list(pool.models.values())[:pool.max_loaded]:
-            model.async_engine = load_engine(state, model.spec, on_dead)
-    except Exception as e:  # noqa: BLE001 - the log has the details; a server without a model exits
-        if isinstance(e, (CheckpointError, ConfigError)):  # a bad weight file, a pool smaller than estimated
-            log.error("model load failed: %s", e)  # the message says it all: no traceback
-        else:
-            log.exception("model load failed")
-        state.load_error = f"{type(e).__name__}: {e}"
-        server.should_exit = True
-        return
-    finally:
-        # what the start made lives on: kept out of later collections (shorter pauses), and the collector that
-        # `lmserve serve` turned off for the start (cli.cmd_serve) is on again
-        gc.freeze()
-        gc.enable()
-    state.started = True
-    log.info("serving %s", ", ".join(m.name for m in pool.loaded()))
 
 
 def load_engine(state: ServerState, spec: ModelSpec, on_dead: Callable[[], None]):

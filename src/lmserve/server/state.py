@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -18,6 +19,7 @@ from lmserve.ops.record import RequestRecord
 from lmserve.server.adapter_owners import AdapterOwners
 from lmserve.server.config import ServerConfig
 from lmserve.server.errors import APIError
+from lmserve.server.gate import ARRIVED_KEY
 from lmserve.server.key_file import ANONYMOUS, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
@@ -29,6 +31,7 @@ from lmserve.server.served import ModelState
 from lmserve.server.tenants import Tenants
 
 T = TypeVar("T")
+START_POLL_S = 0.01  # how often a request waiting for the start-up load looks (ServerState.wait_ready)
 log = logging.getLogger("lmserve.server")
 
 
@@ -76,6 +79,7 @@ class ServerState:
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
     splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
     started: bool = False  # the start-up loads are done: the server serves from here on
+    starting: bool = False  # `serve`'s start-up loads are running (server/start.py): requests wait for them
     _rng: random.Random = field(default_factory=random.Random, repr=False)  # splits of requests without a user
 
     def __post_init__(self) -> None:
@@ -115,10 +119,25 @@ class ServerState:
     def check_ready(self) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"}, reason="not_ready")
+        if self.load_error is not None:
+            raise APIError(503, "the model failed to load; the server is stopping", headers={"Retry-After": "30"})
         if not self.started:
-            raise APIError(503, "the model is still loading", headers={"Retry-After": "5"}, reason="not_ready")
+            raise APIError(503, "the model is still loading; retry shortly",
+                           headers={"Retry-After": "5"}, reason="not_ready")
         if self.dead:
             raise APIError(503, "the engine has stopped", headers={"Retry-After": "30"}, reason="not_ready")
+
+    async def wait_ready(self, arrived: float | None = None) -> None:
+        """check_ready(), after waiting out the start-up load: a request sent as the server starts is answered once
+        its model is up, not refused. The wait ends at the load, a failed load or a drain, or --model-load-timeout
+        after the request `arrived` (monotonic; the StartGate's stamp, else now); then check_ready says why not.
+        Only while `starting`: a state whose engine its owner starts (tests, a Ray replica) answers 503 at once.
+
+        Polled: the load thread sets `started`, and a 10 ms poll costs nothing beside a load of a second or more."""
+        deadline = (time.monotonic() if arrived is None else arrived) + self.models.load_timeout
+        while self.starting and not (self.started or self.load_error or self.draining) and time.monotonic() < deadline:
+            await asyncio.sleep(START_POLL_S)
+        self.check_ready()
 
     def max_num_seqs(self) -> int:
         """The default model's batch size limit (from its config when it is not loaded now)."""
@@ -204,6 +223,11 @@ def record_of(request: Request) -> RequestRecord:
     return record if record is not None else RequestRecord("", request.url.path)
 
 
+def arrived_at(request: Request) -> float | None:
+    """When (monotonic) the StartGate took the request: a wait for the start-up load counts from there."""
+    return request.scope.get("state", {}).get(ARRIVED_KEY)
+
+
 def key_name_of(request: Request) -> str:
     """The name of the request's API key (set by the auth middleware); "anonymous" on a server without keys."""
     return request.scope.get("state", {}).get(KEY_NAME_KEY, ANONYMOUS)
@@ -225,7 +249,7 @@ async def read_request(request: Request, model: type[T]) -> tuple[ModelState, T]
     """Every API route's prologue: the server is ready, the body parses strictly, the model is one we serve and the
     key may use, and it is loaded (waiting for its load); the model is held until the response ends."""
     st = state_of(request)
-    st.check_ready()
+    await st.wait_ready(arrived_at(request))
     ignored = request.scope.setdefault("state", {}).setdefault(IGNORED_FIELDS_KEY, [])  # access_log names them
     req = parse_body(await request.body(), model, st.config.strict_fields, ignored)
     _log_ignored(ignored, request.url.path)
@@ -238,7 +262,7 @@ async def read_data(st: ServerState, data: Any, model: type[T], record: RequestR
     """read_request for a body already parsed from JSON (a batch job's line); record.key_name is whose job it is.
 
     The caller releases what `leases` holds once the line's answer is complete."""
-    st.check_ready()
+    await st.wait_ready()
     ignored: list[str] = []
     req = parse_data(data, model, st.config.strict_fields, ignored)
     _log_ignored(ignored, record.route)

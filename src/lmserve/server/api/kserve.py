@@ -21,7 +21,7 @@ from lmserve.server.api.openai import caller_of, start_completion
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import MAX_PROMPTS, CompletionRequest, parse_body, parse_data
 from lmserve.server.router import Router
-from lmserve.server.state import LEASES_KEY, LOADING_KEY, accept, key_name_of, record_of, state_of
+from lmserve.server.state import LEASES_KEY, LOADING_KEY, accept, arrived_at, key_name_of, record_of, state_of
 
 router = Router()
 INPUT, OUTPUT, BYTES = "text_input", "text_output", "BYTES"
@@ -108,7 +108,7 @@ async def model_ready(request: Request, name: str) -> Response:
 @router.post("/v2/models/{name}/infer")
 async def infer(request: Request, name: str) -> Response:
     st = state_of(request)
-    st.check_ready()
+    await st.wait_ready(arrived_at(request))  # sent as the server starts: answered once the model is up
     req = parse_body(await request.body(), V2InferRequest)
     prompts = _prompts(req)
     params = req.parameters.model_dump(exclude_none=True) if req.parameters else {}

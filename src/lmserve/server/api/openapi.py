@@ -358,7 +358,9 @@ class V2InferResponse(_Open):
 
 
 class Health(_Open):
-    status: str
+    status: str = Field(description="ok (200); loading, draining, dead or failed (503)")
+    error: dict | None = Field(default=None, description="while loading or after a failed load: llama.cpp's "
+                               "{code, message, type} object")
 
 
 class Version(_Open):

@@ -1,0 +1,62 @@
+"""What `lmserve serve` checks and binds before anything heavy is imported: the HTTP-side flags and the listening
+socket (torch-free, so the port is open within the interpreter's first few hundred milliseconds)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+from pathlib import Path
+
+from lmserve.errors import ConfigError
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The HTTP-side flags that can never work; ConfigError naming the flag."""
+    if not 1 <= args.port <= 65535:  # here, not at bind: a Ray deploy checks these flags once, before any replica
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
+                             ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-upload-bytes", args.max_upload_bytes, 1),
+                             ("--default-max-tokens", args.default_max_tokens, 1),
+                             ("--max-tokens-limit", args.max_tokens_limit, 1)):
+        if value is not None and value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    for flag, value in (("--drain-timeout", args.drain_timeout), ("--engine-step-timeout", args.engine_step_timeout)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
+    if not args.request_read_timeout > 0:
+        raise ConfigError(f"--request-read-timeout must be > 0 seconds, got {args.request_read_timeout}")
+    default, limit = args.default_max_tokens, args.max_tokens_limit
+    if default is not None and limit is not None and default > limit:
+        raise ConfigError(f"--default-max-tokens {default} is above --max-tokens-limit {limit}")
+    if args.allow_runtime_lora_updating and not (args.enable_lora and args.lora_dir):
+        raise ConfigError("--allow-runtime-lora-updating needs --enable-lora and at least one --lora-dir")
+    for d in args.lora_dir:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--lora-dir {d}: not a directory")
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now: a port in use or a host that is not this machine's is a ConfigError before
+    the model loads (uvicorn would find out only after it, and exit with a traceback). The port's range was
+    checked with the other flags (check_serve_args, from prepare)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} is in use ({host}:{port}: {e.strerror}); stop what holds it or choose "
+                              "another with --port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
