@@ -87,22 +87,28 @@ def main() -> None:
                    "median_step_ms": statistics.median(r["median_step_ms"] for r in rs),
                    "prefill_s": statistics.median(r["prefill_s"] for r in rs),
                    "kv_bytes_per_token": rs[0]["kv_bytes_per_token"]} for d, rs in runs.items()}
-    per_round = [{d: runs[d][i]["decode_tok_s"] / runs[base][i]["decode_tok_s"] for d in dtypes}
-                 for i in range(a.rounds)]
+    # a run too short to reach a pure decode step (output_len < streams) has no decode rate: its ratio is 0
+    per_round = [{d: runs[d][i]["decode_tok_s"] / runs[base][i]["decode_tok_s"] if runs[base][i]["decode_tok_s"]
+                  else 0.0 for d in dtypes} for i in range(a.rounds)]
+    prefill_per_round = [{d: runs[d][i]["prefill_s"] / runs[base][i]["prefill_s"] for d in dtypes}
+                         for i in range(a.rounds)]
     meta = {"cpu": cpu(), "streams": a.streams, "input_len": a.input_len, "output_len": a.output_len,
             "loadavg": loads}
     Path(a.out + ".json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs,
-                                                 "ratio_per_round": per_round}, indent=2))
+                                                 "ratio_per_round": per_round,
+                                                 "prefill_ratio_per_round": prefill_per_round}, indent=2))
     lines = [f"# Decode with {a.input_len}-token prompts at {a.streams} streams, by KV cache type",
              "", f"{meta['cpu']['name']}, {meta['cpu']['cores']} cores ({' '.join(meta['cpu']['flags'])}); load average "
              f"during the runs {min(loads):.1f}-{max(loads):.1f}; {a.rounds} rounds, types interleaved; "
              f"{a.output_len} tokens out.", "",
-             f"| KV cache | bytes/token | decode tok/s (median) | median step ms | prefill s | vs {base} per round |",
-             "|---|---|---|---|---|---|"]
+             f"| KV cache | bytes/token | decode tok/s (median) | median step ms | prefill s | vs {base} per round "
+             f"| prefill time vs {base} per round |",
+             "|---|---|---|---|---|---|---|"]
     for d, s in summary.items():
         ratios = ", ".join(f"{r[d]:.2f}x" for r in per_round)
+        prefill_ratios = ", ".join(f"{r[d]:.2f}x" for r in prefill_per_round)
         lines.append(f"| {d} | {s['kv_bytes_per_token']} | {s['decode_tok_s']:.1f} | {s['median_step_ms']:.1f} | "
-                     f"{s['prefill_s']:.1f} | {ratios} |")
+                     f"{s['prefill_s']:.1f} | {ratios} | {prefill_ratios} |")
     text = "\n".join(lines) + "\n"
     Path(a.out + ".md").write_text(text)
     print(text)
