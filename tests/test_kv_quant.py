@@ -218,6 +218,26 @@ def test_int8_cache_bytes_and_the_decode_stack_over_it(int8_engine):
     assert_no_leak(eng)
 
 
+@needs_kernel
+def test_int8_prefill_tokens_equal_their_decode_rows_on_the_embedded_model(int8_engine):
+    """End to end over the int8 cache: a prompt and 12 greedy tokens; then the prompt with the first 6 of them
+    appended, prefilled in one chunk (the kernel's prefill tiles, not the decode rows that first produced them), must
+    continue with the same 6 tokens and bit-identical logprobs (chosen and top-2): every layer's K/V of those 6
+    tokens came out of the tiled prefill attention and equal what the decode rows wrote."""
+    from lmserve.sampling_params import SamplingParams
+    from tests.test_decode_stack import generate
+    from tests.test_engine import PROMPTS, assert_no_leak
+
+    eng = int8_engine
+    prompt = eng.front.tokenize_prompt(PROMPTS[10])  # 140 words: tiles of 16 rows, a part tile at the end
+    first = generate(eng, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2))["0"]
+    assert len(first) == 12
+    again = generate(eng, [prompt + [t for t, _, _ in first[:6]]],
+                     SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2))["0"]
+    assert again == first[6:]
+    assert_no_leak(eng)
+
+
 def test_reference_gather_reads_back_what_the_reference_writer_stored():
     """The PyTorch path (no compiler, other devices): rows written by write_kv_reference and gathered for a prefix hit
     are the codec's values; an int8 slot costs D + D / 16 bytes per head."""

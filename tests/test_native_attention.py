@@ -65,6 +65,36 @@ def test_float16_cache_reads_exactly_as_its_float32_values(batch, heads, kv_head
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("heads,kv_heads,dim,window,softcap", [
+    (9, 3, 64, 0, 0.0), (16, 1, 64, 0, 0.0), (8, 8, 128, 21, 0.0), (32, 2, 256, 0, 2.5), (12, 4, 128, 40, 3.0)])
+def test_prefill_tiles_equal_decode_rows_bitwise(dtype, heads, kv_heads, dim, window, softcap):
+    """Prefill rows (table_rows given) run in tiles of a request's consecutive rows, each key and value row widened
+    once per tile; every row's output is the bits the per-row path (decode rows) gives it, over every cache format:
+    chunks after cached prefixes, of lengths that are not whole tiles (G = 1..16 query heads per kv head gives tiles
+    of 48..3 rows), a one-token chunk, two chunks of one request apart in the batch, a window, a soft-cap."""
+    from lmserve.layers import kv_quant
+    from lmserve.utils import KV_QUANT_DTYPES
+
+    if dtype in ("int8", "fp8_e4m3") and dtype not in KV_QUANT_DTYPES:
+        pytest.skip(f"no {dtype} in this torch")
+    g = torch.Generator().manual_seed(dim + heads)
+    chunks = [(0, 0, 37), (1, 100, 50), (2, 5, 1), (3, 260, 19), (1, 150, 6)]  # (request, cached prefix, new tokens)
+    width = 280 // 16 + 1
+    values = torch.randn(2, 4 * width + 5, 16, kv_heads, dim, generator=g) * 2
+    cache = kv_quant.quantize(values, KV_QUANT_DTYPES[dtype]) if dtype in KV_QUANT_DTYPES else \
+        values.to(getattr(torch, dtype))
+    tables = torch.randperm(cache.shape[1], generator=g)[:4 * width].view(4, width)
+    rows = torch.tensor([r for r, _, n in chunks for _ in range(n)])
+    lens = torch.tensor([a + j + 1 for _, a, n in chunks for j in range(n)])
+    q = torch.randn(len(rows), heads, dim, generator=g)
+    tiled = kernel.paged_decode_attention(q, cache[0], cache[1], tables, lens, dim ** -0.5, rows, window, softcap)
+    per_row = kernel.paged_decode_attention(q, cache[0], cache[1], tables[rows].contiguous(), lens, dim ** -0.5, None,
+                                            window, softcap)
+    assert torch.equal(tiled, per_row)
+
+
+@needs_kernel
 def test_kernel_refuses_what_it_cannot_run():
     q, cache, tables, lens, _ = paged_case(2, 9, 3, 64, 20, seed=4)
     with pytest.raises(RuntimeError, match="float32"):

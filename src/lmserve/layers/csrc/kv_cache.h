@@ -21,6 +21,10 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace lmserve_kv {
 
 using Fp8 = c10::Float8_e4m3fn;
@@ -66,6 +70,27 @@ inline void encode_row(const float* x, KV* out, int64_t D) {
     for (int64_t d = 0; d < D; ++d) out[d] = static_cast<c10::Half>(x[d]);
   } else {
     constexpr float top = std::is_same_v<KV, int8_t> ? 127.f : 448.f;
+#if defined(__AVX512F__)
+    // int8 with AVX-512, the same numbers as the loop below: the largest |x| is exact in any order, d and 1 / d are
+    // the same scalar operations, x * inv, min/max and the conversion (round half to even: MXCSR's default, as
+    // nearbyint) are exact elementwise. The scalar loop cost a 2,000-token prefill ~4x float16's K/V write.
+    if constexpr (std::is_same_v<KV, int8_t>) {
+      for (int64_t b = 0; b < D / kBlock; ++b) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const c10::Half half_d(std::min(amax / top, 65504.f));
+        const float d = static_cast<float>(half_d);
+        const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+        const __m512 lo = _mm512_set1_ps(-top), hi = _mm512_set1_ps(top);
+        const __m512 y0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x0, inv), lo), hi);
+        const __m512 y1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x1, inv), lo), hi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y0)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y1)));
+        std::memcpy(out + D + 2 * b, &half_d, sizeof(half_d));
+      }
+      return;
+    }
+#endif
     for (int64_t b = 0; b < D / kBlock; ++b) {
       const float* xb = x + b * kBlock;
       float amax = 0.f;

@@ -19,8 +19,10 @@
 #include "thread_pool.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -292,6 +294,146 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
   });
 }
 
+// Prefill rows (table_rows given) in tiles: a chunk's tokens are rows of one request side by side in the batch, and
+// each is a decode row over nearly the same keys. attention_avx512 reads and widens every key and value row once per
+// query row: 2,000 times for a 2,000-token chunk, which over an int8 cache (codes widened and scaled) cost prefill 1.4x
+// float16's time (benchmarks/results/kv_dtype_throughput.md). Here up to kTileHeads / G consecutive rows of one
+// request form a tile, and each key (value) row is widened once per tile into an L1-sized buffer that all its query
+// heads use. The arithmetic of each row is attention_avx512's, operation for operation: a key's dot product is its
+// own fma chain and reduce4 tree (whichever 16 keys share the vector), its row's scores get the same soft-cap and
+// softmax_row, and its output accumulates p * v over the keys in ascending order from zero (held in `out` between
+// 16-row chunks instead of registers, which stores the same float32 numbers). So a token's output is the same bits
+// as decode rows give it, whatever the cache type (tests/test_native_attention.py checks tiles against rows).
+constexpr int64_t kTileHeads = 48;  // query heads per tile: G = 3 gives 16 rows; the scores stay ~G * 16 rows * L floats
+
+// out[g] += sum_t p[g * stride + t] * vals[t] (t < n) for G heads, GB at a time in registers, loaded from and
+// stored back to `out` once per call
+template <int D, int GB>
+void accumulate_values(const float* p, int64_t stride, const float* const* vals, int64_t n, float* out) {
+  __m512 acc[GB][D / 16];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_loadu_ps(out + g * D + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[D / 16];
+    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_load_ps(vals[t] + 16 * c);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * stride + t]);
+      for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + g * D + 16 * c, acc[g][c]);
+}
+
+template <int D>
+void accumulate_values_any(const float* p, int64_t stride, const float* const* vals, int64_t n, float* out, int64_t G) {
+  constexpr int kMax = D == 64 ? 4 : D == 128 ? 2 : 1;  // as weighted_values_any
+  for (int64_t g = 0; g < G; g += kMax) {
+    const float* pg = p + g * stride;
+    float* og = out + g * D;
+    switch (std::min<int64_t>(kMax, G - g)) {
+      case 1: accumulate_values<D, 1>(pg, stride, vals, n, og); break;
+      case 2: accumulate_values<D, 2>(pg, stride, vals, n, og); break;
+      case 3: accumulate_values<D, (kMax >= 3 ? 3 : 1)>(pg, stride, vals, n, og); break;
+      default: accumulate_values<D, kMax>(pg, stride, vals, n, og); break;
+    }
+  }
+}
+
+// 16 cached rows [c, c + n) of one kv head as float32 values: pointers into the cache (float32) or into `buf`,
+// widened there once (values16, as attention_avx512 widens them); the rows after these are prefetched
+template <int D, typename KV, typename RowAt>
+inline void widen16(const RowAt& row_at, int64_t c, int64_t n, int64_t next, float* buf, const float** vals) {
+  constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV));
+  for (int64_t j = c + 16; j < std::min(next, c + 32); ++j)
+    for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row_at(j)) + b, _MM_HINT_T0);
+  for (int64_t j = 0; j < n; ++j) {
+    const KV* row = row_at(c + j);
+    if constexpr (std::is_same_v<KV, float>) {
+      vals[j] = row;
+    } else {
+      for (int d = 0; d < D; d += 16) _mm512_store_ps(buf + j * D + d, values16<D>(row, d));
+      vals[j] = buf + j * D;
+    }
+  }
+}
+
+template <int D, typename KV>
+void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
+                              const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B,
+                              int64_t H, int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale,
+                              int64_t window, float softcap) {
+  const int64_t G = H / Hkv, W = row_width<KV>(D), tile_rows = std::max<int64_t>(1, kTileHeads / G);
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows): consecutive rows of one request
+  for (int64_t b = 0; b < B;) {
+    int64_t e = b + 1;
+    while (e < B && e - b < tile_rows && table_rows[e] == table_rows[b]) ++e;
+    tiles.emplace_back(b, e - b);
+    b = e;
+  }
+  const int64_t n = static_cast<int64_t>(tiles.size()) * Hkv;
+  lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> t0(tile_rows), t1(tile_rows), off(tile_rows);
+    alignas(64) float widened[16 * D];
+    alignas(64) float part[16];
+    const float* vals[16];
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention: tiles grow in length
+      const auto [b0, rows] = tiles[item / Hkv];
+      const int64_t kv_head = item % Hkv;
+      const int64_t* table = block_tables + table_rows[b0] * max_blocks;
+      int64_t lo = INT64_MAX, hi = 0, total = 0;
+      for (int64_t i = 0; i < rows; ++i) {  // row i sees keys [t0, t1), its scores at off: [G, t1 - t0]
+        t0[i] = first_key(context_lens[b0 + i], window);
+        t1[i] = context_lens[b0 + i];
+        off[i] = total;
+        total += G * (t1[i] - t0[i]);
+        lo = std::min(lo, t0[i]);
+        hi = std::max(hi, t1[i]);
+      }
+      scores.resize(total);
+      auto key_at = [&](int64_t p) { return k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W; };
+      auto value_at = [&](int64_t p) { return v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W; };
+      const __m512 sc = _mm512_set1_ps(scale);
+      for (int64_t c = lo; c < hi; c += 16) {  // scores: each 16 keys widened once for every row and head of the tile
+        const int64_t nk = std::min<int64_t>(16, hi - c);
+        widen16<D, KV>(key_at, c, nk, hi, widened, vals);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t a = std::max(c, t0[i]), e = std::min(c + nk, t1[i]);
+          if (a >= e) continue;
+          const int64_t L = t1[i] - t0[i];
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = q + ((b0 + i) * H + kv_head * G + g) * D;
+            const __m512 d = e - c == 16 ? dots16<D, true, float>(qg, vals, 16)
+                                         : dots16<D, false, float>(qg, vals, static_cast<int>(e - c));
+            _mm512_store_ps(part, _mm512_mul_ps(d, sc));
+            std::copy(part + (a - c), part + (e - c), scores.data() + off[i] + g * L + (a - t0[i]));
+          }
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t L = t1[i] - t0[i];
+        for (int64_t g = 0; g < G; ++g) {
+          soft_cap(scores.data() + off[i] + g * L, L, softcap);
+          softmax_row(scores.data() + off[i] + g * L, L);
+        }
+        std::fill_n(out + ((b0 + i) * H + kv_head * G) * D, G * D, 0.f);
+      }
+      for (int64_t c = lo; c < hi; c += 16) {  // outputs: each 16 value rows widened once for the tile
+        const int64_t nv = std::min<int64_t>(16, hi - c);
+        widen16<D, KV>(value_at, c, nv, hi, widened, vals);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t a = std::max(c, t0[i]), e = std::min(c + nv, t1[i]);
+          if (a >= e) continue;
+          accumulate_values_any<D>(scores.data() + off[i] + (a - t0[i]), t1[i] - t0[i], vals + (a - c), e - a,
+                                   out + ((b0 + i) * H + kv_head * G) * D, G);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 #pragma GCC pop_options
 #endif
@@ -326,6 +468,9 @@ void lmserve::paged_attention(KvType type, const float* q, const void* k_cache, 
     using KV = std::remove_pointer_t<decltype(tag)>;
 #if defined(LMSERVE_ATTENTION_AVX512)
     auto run = D == 64 ? attention_avx512<64, KV> : D == 128 ? attention_avx512<128, KV> : attention_avx512<256, KV>;
+    if (rows != nullptr)  // prefill rows: tiles of a request's consecutive rows, the same numbers (see above)
+      run = D == 64 ? prefill_attention_avx512<64, KV> : D == 128 ? prefill_attention_avx512<128, KV>
+                                                                  : prefill_attention_avx512<256, KV>;
 #else
     auto run = D == 64 ? decode_attention<64, KV> : D == 128 ? decode_attention<128, KV> : decode_attention<256, KV>;
 #endif
