@@ -102,10 +102,13 @@ class Grammar:
         """The output was closed early to fit max_tokens: it ended for its length."""
         return self.steer is not None and self.steer.steered
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` (drafts) the grammar accepts in a row; the matcher is left unchanged."""
-        if self.steer is not None and self.steer.steered:  # forced tokens follow: drafts would be rejected
-            return 0
+    def valid_prefix(self, tokens: list[int], tokens_left: int | None = None) -> int:
+        """How many of `tokens` (drafts) the grammar accepts in a row; the matcher is left unchanged.
+
+        With a limit steer, drafts stop before the next point where it looks (`tokens_left`: what the request may
+        still emit), so every row it would steer is a row 0, and speculation changes no output."""
+        if self.steer is not None and self.gate is None:
+            tokens = tokens[:self.steer.draft_room(tokens_left)]
         gate, n, advanced = self.gate, 0, 0
         for t in tokens:
             if gate is not None:
@@ -129,6 +132,11 @@ class Grammar:
             if forced is not None:
                 _fill_forced(bitmask, row, drafts, self.steer.plan)
                 return
+        self._fill_rows(bitmask, row, drafts)
+        if self.gate is None and self.steer is not None and self.steer.blocked:  # near the limit: nothing new opens
+            bitmask[row] &= self.steer.table.keep_mask(self.steer.blocked, bitmask.shape[1])
+
+    def _fill_rows(self, bitmask: Any, row: int, drafts: list[int]) -> None:
         gate, advanced = self.gate, 0
         for j in range(len(drafts) + 1):
             if gate is None:

@@ -24,11 +24,16 @@ from typing import Any, Sequence
 
 MARGIN = 2  # force when L <= k + MARGIN: one free token may lengthen the completion by a little (a "," or a key)
 SYNTAX_MARGIN = 5  # closing by syntax alone: one token may open a key whose name takes a few more
-EVERY_STEP_WITHIN = 8  # look at every step once L <= k + this; farther out, halve the distance between looks
+JUMP_ZONE = 24  # look at every step once L <= k + this; farther out, halve the distance between looks
+# characters that open more JSON (another item or key, a nested value): within JUMP_ZONE, tokens holding one are
+# masked out when what it would open could no longer be closed in time
+OPENERS = (",", "{", "[")
+_LEADS = ("", '"', "}", "]", '"}', '"]', "}]", "]}")  # what one token may close before an opener
 MAX_COMPLETION_CHARS = 2048  # a schema whose shortest completion is longer is not steered
 # characters the search tries, best first among equals: closers, the shortest values, then anything else
-_CANDIDATES = ('"', "}", "]", "0", ",", ":", "n", "t", "f", "{", "[", "1", "-", ".", "e", " ",
-               *"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ23456789_")
+# (whitespace last, and only when nothing else is accepted: it never closes anything)
+_CANDIDATES = ('"', "}", "]", "0", ",", ":", "n", "t", "f", "{", "[", "1", "-", ".", "e",
+               *"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ23456789_", " ", "\n")
 
 
 class TokenTable:
@@ -42,6 +47,7 @@ class TokenTable:
             if i not in skip and b and not (b.startswith(b"<|") and b.endswith(b"|>")):
                 self.ids.setdefault(bytes(b), i)
         self.max_len = min(32, max((len(b) for b in self.ids), default=1))
+        self._keep: dict[tuple[str, int], Any] = {}
 
     def encode(self, text: str) -> list[int] | None:
         """Greedy longest-match token ids of `text`; None if some byte has no token."""
@@ -56,6 +62,21 @@ class TokenTable:
             else:
                 return None
         return out
+
+    def keep_mask(self, chars: str, words: int) -> Any:
+        """[words] int32, a bitmask row with the bits of tokens holding any of `chars` cleared (cached per chars)."""
+        import numpy as np  # noqa: PLC0415
+        import torch  # noqa: PLC0415
+
+        key = (chars, words)
+        if key not in self._keep:
+            keep = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+            marks = [c.encode() for c in chars]
+            for b, t in self.ids.items():
+                if any(m in b for m in marks) and t < words * 32:
+                    keep[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+            self._keep[key] = torch.from_numpy(keep.view(np.int32))
+        return self._keep[key]
 
     def text(self, ids: Sequence[int]) -> bytes:
         """The bytes of token ids (reverse of the table; ids outside it, e.g. special tokens, give b"")."""
@@ -216,7 +237,7 @@ def _best_char(m: Any, scan: JsonScan) -> str | None:
     written (a number's ",": the grammar's next key follows), then `_CANDIDATES` order."""
     now, best, best_key = scan.owed(), None, None
     for c in _CANDIDATES:
-        if not m.fork().accept_string(c):
+        if c in " \n" and best is not None or not m.fork().accept_string(c):
             continue
         after = scan.copy().feed(c)
         key = (after.owed(), after.mode == scan.mode)
@@ -243,6 +264,7 @@ class LimitSteer:
         self._ids: list[int] = []  # accepted tokens not yet scanned (scanned at the next look, off the common path)
         self._seen = b""  # the text scanned so far
         self._scan = JsonScan()
+        self.blocked = ""  # this row: characters whose tokens are masked out (OPENERS that would overrun)
 
     def accepted(self, token: int) -> None:
         """One token the request accepted (the plan's next one while steering)."""
@@ -251,13 +273,21 @@ class LimitSteer:
         elif not self.steered:
             self._ids.append(token)
 
+    def draft_room(self, tokens_left: int | None) -> int:
+        """How many drafts may run before the next row this steer looks at (None: unknown, none)."""
+        if self.steered or self.next_look is None or tokens_left is None:
+            return 0
+        return max(0, tokens_left - 1 - self.next_look)
+
     @property
     def done(self) -> bool:
         """The forced completion has been emitted: the request ends here."""
         return self.steered and not self.plan
 
     def forced(self, matcher: Any, tokens_left: int) -> int | None:
-        """The token the next row must be (None: the grammar's own row), for a request with `tokens_left` to go."""
+        """The token the next row must be (None: the grammar's own row, less tokens holding `blocked` characters),
+        for a request with `tokens_left` to go."""
+        self.blocked = ""
         if self.plan:
             return self.plan[0]
         if self.steered or (self.next_look is not None and tokens_left > self.next_look):
@@ -279,7 +309,9 @@ class LimitSteer:
         k = len(ids) if ids is not None else None
         if k is not None and tokens_left > k + MARGIN:
             gap = tokens_left - k
-            self.next_look = tokens_left - 1 if gap <= EVERY_STEP_WITHIN else tokens_left - gap // 2
+            self.next_look = tokens_left - 1 if gap <= JUMP_ZONE else tokens_left - gap // 2
+            if gap <= JUMP_ZONE:
+                self.blocked = self._too_long_openers(matcher, tokens_left)
             return None
         if k is not None and k <= tokens_left and _accepts(matcher, ids):
             return self._force(ids, closing=False)
@@ -288,6 +320,22 @@ class LimitSteer:
             return self._look_syntax(matcher, tokens_left)
         self.next_look = -1  # nothing fits: leave the request to its limit
         return None
+
+    def _too_long_openers(self, matcher: Any, tokens_left: int) -> str:
+        """The OPENERS after which the grammar's shortest completion would not fit in the tokens left after this
+        one (after what the same token may close first)."""
+        blocked = ""
+        for c in OPENERS:
+            for lead in _LEADS:  # one token may close a string and an object, then open the next ('"}, {')
+                probe = matcher.fork()
+                if not probe.accept_string(lead + c):
+                    continue
+                rest = shortest_completion(probe, self._scan.copy().feed(lead + c))
+                ids = self.table.encode(lead + c + rest) if rest is not None else None
+                if ids is None or len(ids) + MARGIN > tokens_left:
+                    blocked += c
+                    break
+        return blocked
 
     def _look_syntax(self, matcher: Any, tokens_left: int) -> int | None:
         """Sample under the grammar until the shortest syntactic closing needs all but SYNTAX_MARGIN tokens."""
