@@ -17,7 +17,8 @@ import xgrammar as xgr
 from lmserve.config import StructuredOutputsConfig
 from lmserve.sampling_params import StructuredOutputsParams
 from lmserve.structured.compiler import GrammarCompiler, VocabInfo
-from lmserve.structured.limit import JsonScan, shortest_completion
+from lmserve.structured.json_scan import JsonScan
+from lmserve.structured.limit import shortest_completion
 from tests.server_util import MODEL
 
 SCHEMAS = {
@@ -171,6 +172,16 @@ def test_named_tool_call_arguments_parse_under_a_small_limit(client):
         assert c.message.tool_calls, (limit, c)
         jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), params)
         assert c.finish_reason == "length" and r.usage.completion_tokens <= limit  # each limit binds here
+
+
+def test_ollama_format_at_a_small_num_predict(server):
+    import ollama  # noqa: PLC0415
+
+    client = ollama.Client(host=server.url)
+    r = client.chat(model=MODEL, messages=ask("person"), format=SCHEMAS["person"],
+                    options={"num_predict": 12, "temperature": 0.8, "seed": 1})
+    assert r.done_reason == "length"
+    jsonschema.validate(json.loads(r.message.content), SCHEMAS["person"])  # 12 >= its shortest answer (10)
 
 
 @pytest.fixture(scope="module")

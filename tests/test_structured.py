@@ -225,3 +225,9 @@ def test_greedy_speculation_under_a_grammar_equals_no_speculation(offline_llm):
     assert spec.outputs[0].token_ids == base.outputs[0].token_ids
     assert spec_llm.engine.spec_stats.num_accepted_tokens > 0  # drafts did run (and some were accepted)
     jsonschema.validate(json.loads(spec.outputs[0].text), PERSON)
+    # a binding limit: the steer closes the answer at the same token with drafts as without (structured/limit.py)
+    near = SamplingParams(temperature=0, max_tokens=44, structured_outputs={"json": PERSON})
+    [base] = offline_llm.generate([ask(offline_llm, text)], near, use_tqdm=False)
+    [spec] = spec_llm.generate([ask(spec_llm, text)], near, use_tqdm=False)
+    assert spec.outputs[0].token_ids == base.outputs[0].token_ids and spec.outputs[0].finish_reason == "length"
+    jsonschema.validate(json.loads(spec.outputs[0].text), PERSON)

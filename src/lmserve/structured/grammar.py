@@ -139,6 +139,8 @@ class Grammar:
     def _fill_rows(self, bitmask: Any, row: int, drafts: list[int]) -> None:
         gate, advanced = self.gate, 0
         for j in range(len(drafts) + 1):
+            if gate is None and self.matcher.is_terminated():
+                break  # a draft was the stop token: the request ends there, later rows are never read
             if gate is None:
                 self.matcher.fill_next_token_bitmask(bitmask, row + j)
             if j == len(drafts):
