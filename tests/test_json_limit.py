@@ -83,6 +83,11 @@ def ask(name: str) -> list[dict]:
 
 # -- the JSON scanner and the shortest completion (no server) ----------------------------------------------------
 
+def test_the_scanner_skips_markup_around_json():
+    for text in ('[f(a={"x": 1})]', "}]} text", '{"a": 1}} [get(q="}")]', "<tool_call>\n{} </tool_call>"):
+        JsonScan().feed(text).closing()  # stray closers close nothing, and never raise
+
+
 @pytest.mark.parametrize("prefix, closing", [
     ('{"a": "x', '"}'), ('{"a": [1, 2', "]}"), ('{"a": tr', "ue}"), ('{"a": -', "0}"), ('{"a": 1.', "0}"),
     ('{"a": "\\', '\\"}'), ('{"a": "\\u12', '00"}'), ('{"a"', ":null}"), ('{"a": ', "null}"), ('{"a": 1, ', '"":null}'),

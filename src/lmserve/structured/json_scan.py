@@ -90,7 +90,8 @@ class JsonScan:
             self.mode, self.lit_rest = "lit", {"t": "rue", "f": "alse", "n": "ull"}[c]
 
     def _close(self) -> None:
-        self.stack.pop()
+        if self.stack:  # a closer with nothing open is markup around the JSON (a pythonic call's "}")
+            self.stack.pop()
         self.mode = "after" if self.stack else "value"
 
     @property
