@@ -21,6 +21,7 @@ from lmserve.request import EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
+from lmserve.structured.limit import STEERED_KINDS, limit_steer
 from lmserve.tokenizer import Tokenizer
 from lmserve.tokenizer.bounds import text_bytes
 from lmserve.tokenizer.tokenizer import RenderedChat
@@ -148,7 +149,10 @@ class EngineFront:
                 vocab = VocabInfo(tok.vocab_tokens(), tok.vocab_type, self.vocab_size, sorted(self.eos_token_ids))
                 self._grammars = GrammarCompiler(vocab, self.cfg.structured)
         try:
-            return self._grammars.compile(params.structured_outputs)
+            compiled = self._grammars.compile(params.structured_outputs)
+            if params.structured_outputs.kind in STEERED_KINDS:  # the limit steer's table: built here, off the
+                self._grammars.token_table()  # engine thread (~0.6 s, once)
+            return compiled
         except GrammarError as e:
             raise RequestRejected(f"structured_outputs.{params.structured_outputs.kind}: {e}") from None
 
@@ -173,7 +177,8 @@ class EngineFront:
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reuse = params.pooling is None or not self.pooler.needs_every_token
         return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
-                                   grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate))
+                                   grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate,
+                                                                                limit_steer(self._grammars, params)))
                 for i in range(params.n)]
 
     def _reasoning_gate(self, prompt_ids: list[int], params: SamplingParams) -> ReasoningGate | None:

@@ -67,7 +67,7 @@ class Speculator:
         if reqs:
             for req, drafts in zip(reqs, self.proposer.propose(reqs, limits)):
                 if req.grammar is not None:  # drafts the grammar refuses would only be rejected
-                    drafts = drafts[:req.grammar.valid_prefix(drafts)]
+                    drafts = drafts[:req.grammar.valid_prefix(drafts, req.max_tokens - len(req.output_token_ids))]
                 req.spec_token_ids = drafts
 
     def remove(self, request_id: str) -> None:

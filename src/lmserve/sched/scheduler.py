@@ -138,10 +138,11 @@ class Scheduler:
         """Fill the step's bitmask: one row per logits row of each constrained request that samples."""
         items, row = [], 0
         for s in out.requests:
-            grammar = self.requests[s.request_id].grammar
+            req = self.requests[s.request_id]
+            grammar = req.grammar
             if s.sample and grammar is not None:
                 s.grammar_row = row
-                items.append((grammar, s.spec_token_ids))
+                items.append((grammar, s.spec_token_ids, req.max_tokens - len(req.output_token_ids)))
                 row += 1 + len(s.spec_token_ids)
         if items:
             start = time.perf_counter()

@@ -10,6 +10,9 @@ With a reasoning gate (a reasoning parser on the server, as vLLM does it), the g
 reasoning ends: until the end-of-reasoning tokens ("</think>") have been generated, rows are left all-allowed
 and tokens do not reach the matcher; the token right after them is the grammar's first. Drafts may cross the
 end: the rows after it are the matcher's, token by token, as without a gate.
+
+With a `LimitSteer` (limit.py: JSON grammars), a request near max_tokens gets one-token rows that spell the
+shortest valid completion; `terminated` once it is written, and `steered` tells the stop checker why.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from lmserve.structured.limit import LimitSteer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,8 @@ def _last_index(seq: Sequence[int], sub: Sequence[int]) -> int:
 class Grammar:
     """Where one sequence is in its grammar: accept tokens, roll back, fill mask rows."""
 
-    def __init__(self, compiled: Any, stop_token_ids: Iterable[int] = (), gate: ReasoningGate | None = None) -> None:
+    def __init__(self, compiled: Any, stop_token_ids: Iterable[int] = (), gate: ReasoningGate | None = None,
+                 steer: LimitSteer | None = None) -> None:
         import xgrammar as xgr  # noqa: PLC0415 - loaded by the compiler already
 
         stops = sorted(stop_token_ids)
@@ -68,21 +74,41 @@ class Grammar:
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         self.vocab_size: int = compiled.tokenizer_info.vocab_size  # the logits width the mask covers
         self.gate = gate  # None: the grammar applies (from the first token, or since the reasoning ended)
+        self.steer = steer  # None: no steering at the token limit (not a JSON grammar)
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False if the grammar refuses it (the mask should have prevented it)."""
         if self.gate is not None:
             self.gate = self.gate.after(token_id)
             return True
+        steer = self.steer
+        if steer is not None:
+            if steer.plan and steer.plan[0] != token_id:
+                return False
+            steer.accepted(token_id)
+            if steer.closing:  # JSON syntax past what the grammar allows: the matcher stays where it was
+                return True
         return self.matcher.accept_token(int(token_id))
 
     @property
     def terminated(self) -> bool:
-        """The grammar accepted a stop token: nothing more may follow."""
-        return self.gate is None and self.matcher.is_terminated()
+        """The grammar accepted a stop token, or a forced completion is written: nothing more may follow."""
+        if self.gate is not None:
+            return False
+        return self.matcher.is_terminated() or (self.steer is not None and self.steer.done)
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` (drafts) the grammar accepts in a row; the matcher is left unchanged."""
+    @property
+    def steered(self) -> bool:
+        """The output was closed early to fit max_tokens: it ended for its length."""
+        return self.steer is not None and self.steer.steered
+
+    def valid_prefix(self, tokens: list[int], tokens_left: int | None = None) -> int:
+        """How many of `tokens` (drafts) the grammar accepts in a row; the matcher is left unchanged.
+
+        With a limit steer, drafts stop before the next point where it looks (`tokens_left`: what the request may
+        still emit), so every row it would steer is a row 0, and speculation changes no output."""
+        if self.steer is not None and self.gate is None:
+            tokens = tokens[:self.steer.draft_room(tokens_left)]
         gate, n, advanced = self.gate, 0, 0
         for t in tokens:
             if gate is not None:
@@ -96,12 +122,25 @@ class Grammar:
             self.matcher.rollback(advanced)
         return n
 
-    def fill(self, bitmask: Any, row: int, drafts: list[int]) -> None:
+    def fill(self, bitmask: Any, row: int, drafts: list[int], tokens_left: int | None = None) -> None:
         """Rows row .. row + len(drafts): the allowed tokens now and after each draft (drafts are valid).
 
-        Rows before the reasoning ends stay as allocated: every token allowed."""
+        Rows before the reasoning ends stay as allocated: every token allowed. `tokens_left`: how many tokens the
+        request may still emit (None: no limit to steer by)."""
+        if self.gate is None and self.steer is not None and tokens_left is not None:
+            forced = self.steer.forced(self.matcher, tokens_left)
+            if forced is not None:
+                _fill_forced(bitmask, row, drafts, self.steer.plan)
+                return
+        self._fill_rows(bitmask, row, drafts)
+        if self.gate is None and self.steer is not None and self.steer.blocked:  # near the limit: nothing new opens
+            bitmask[row] &= self.steer.table.keep_mask(self.steer.blocked, bitmask.shape[1])
+
+    def _fill_rows(self, bitmask: Any, row: int, drafts: list[int]) -> None:
         gate, advanced = self.gate, 0
         for j in range(len(drafts) + 1):
+            if gate is None and self.matcher.is_terminated():
+                break  # a draft was the stop token: the request ends there, later rows are never read
             if gate is None:
                 self.matcher.fill_next_token_bitmask(bitmask, row + j)
             if j == len(drafts):
@@ -118,14 +157,27 @@ class Grammar:
             self.matcher.rollback(advanced)
 
 
-def fill_bitmask(items: list[tuple[Grammar, list[int]]]) -> np.ndarray:
-    """[rows, ceil(V / 32)] int32, token t allowed iff bit t % 32 of word t // 32 is set; 1 + drafts rows each."""
+def _fill_forced(bitmask: Any, row: int, drafts: list[int], plan: list[int]) -> None:
+    """Row j allows only plan[j] while the drafts before it follow the plan (a draft off it is rejected anyway)."""
+    for j in range(len(drafts) + 1):
+        if j >= len(plan) or (j and drafts[j - 1] != plan[j - 1]):
+            break
+        t = plan[j]
+        bitmask[row + j].zero_()
+        bit = 1 << (t % 32)
+        bitmask[row + j, t // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words: bit 31 is the sign
+
+
+def fill_bitmask(items: list[tuple[Grammar, list[int], int | None]]) -> np.ndarray:
+    """[rows, ceil(V / 32)] int32, token t allowed iff bit t % 32 of word t // 32 is set; 1 + drafts rows each.
+
+    Each item: a grammar, its drafts, and how many tokens its request may still emit (None: not steered)."""
     import xgrammar as xgr  # noqa: PLC0415
 
-    rows = sum(1 + len(d) for _, d in items)
+    rows = sum(1 + len(d) for _, d, _ in items)
     bitmask = xgr.allocate_token_bitmask(rows, items[0][0].vocab_size)  # all allowed
     row = 0
-    for grammar, drafts in items:
-        grammar.fill(bitmask, row, drafts)
+    for grammar, drafts, tokens_left in items:
+        grammar.fill(bitmask, row, drafts, tokens_left)
         row += 1 + len(drafts)
     return bitmask.numpy()
