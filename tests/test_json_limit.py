@@ -168,7 +168,8 @@ def test_json_object_at_small_limits(client):
 
 def test_named_tool_call_arguments_parse_under_a_small_limit(client):
     params = TOOL["function"]["parameters"]
-    for limit in (40, 48, 64):  # the call's shortest form (hermes: tags, name, "city":"", "unit") is 36 tokens
+    bound = []
+    for limit in (37, 40, 48, 64):  # the call's shortest form (hermes: tags, name, "city":"", "unit") is 36 tokens
         r = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Weather in a very long-named town, in detail?"}],
             tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -176,7 +177,12 @@ def test_named_tool_call_arguments_parse_under_a_small_limit(client):
         c = r.choices[0]
         assert c.message.tool_calls, (limit, c)
         jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), params)
-        assert c.finish_reason == "length" and r.usage.completion_tokens <= limit  # each limit binds here
+        # a named choice makes one call and ends (tool_calls) where it fits; where the limit binds, the steered
+        # close still parses and the finish says length
+        bound.append(c.finish_reason == "length")
+        assert (c.finish_reason == "length" and r.usage.completion_tokens <= limit) or (
+            c.finish_reason == "tool_calls" and r.usage.completion_tokens < limit), (limit, c.finish_reason, r.usage)
+    assert bound[0], "the smallest limit must bind, or this test checks no steering"
 
 
 def test_ollama_format_at_a_small_num_predict(server):
