@@ -697,7 +697,27 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
   for (int c = 0; c < C; ++c) acc[c] = Lanes::zerof();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w.codes + b * kBlockBytes;
-    if (KIND == 0 || KIND == 1) {  // one dot per block: int16 sums over 8 (U4) or 4 (U8) chunks, then madd
+    if (KIND == 0) {  // one dot per block: int16 sums over all 8 chunks (<= 30480), one madd
+      VI dot[C];
+      for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+      for (int t = 0; t < 4; ++t) {
+        const VI v = Lanes::load(blk + 64 * t + off), low4 = Lanes::set1_8(0x0F);
+        const VI lo = Lanes::and_(v, low4), hi = Lanes::and_(Lanes::srli16(v, 4), low4);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xb = x.codes(m0 + c) + b * kQBlock + 4 * t;
+          dot[c] = Lanes::add16(dot[c], Lanes::add16(Lanes::maddubs(lo, Lanes::bcast4(xb)),
+                                                     Lanes::maddubs(hi, Lanes::bcast4(xb + 16))));
+        }
+      }
+      for (int c = 0; c < C; ++c) dot[c] = Lanes::madd1(dot[c]);
+      const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
+      for (int c = 0; c < C; ++c) {
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
+      }
+      continue;
+    }
+    if (KIND == 1) {  // one dot per block: int16 sums over each half's 4 chunks (<= 31496), then madd
       VI dot[C];
       for (int h = 0; h < 2; ++h) {
         VI s16[C];
