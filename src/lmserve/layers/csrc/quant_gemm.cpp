@@ -47,7 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
 
@@ -104,6 +104,12 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#elif defined(__SSE4_1__)
+    const __m128 sign = _mm_set1_ps(-0.f);
+    __m128 h = _mm_andnot_ps(sign, _mm_loadu_ps(xb));
+    for (int j = 4; j < kQBlock; j += 4) h = _mm_max_ps(h, _mm_andnot_ps(sign, _mm_loadu_ps(xb + j)));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     float amax = 0.f;
     for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -125,6 +131,16 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     for (int j = 0; j < kQBlock; j += 8)
       _mm256_store_si256(reinterpret_cast<__m256i*>(iv + j), _mm256_cvtps_epi32(_mm256_round_ps(
           _mm256_mul_ps(_mm256_loadu_ps(xb + j), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    for (int j = 0; j < kQBlock; ++j) {
+      qb[j] = static_cast<int8_t>(iv[j]);
+      sum += iv[j];
+    }
+#elif defined(__SSE4_1__)  // x86-64-v2: the same rounding (to nearest even) without the libm call
+    const __m128 vi = _mm_set1_ps(inv);
+    alignas(16) int32_t iv[kQBlock];
+    for (int j = 0; j < kQBlock; j += 4)
+      _mm_store_si128(reinterpret_cast<__m128i*>(iv + j), _mm_cvtps_epi32(_mm_round_ps(
+          _mm_mul_ps(_mm_loadu_ps(xb + j), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
     for (int j = 0; j < kQBlock; ++j) {
       qb[j] = static_cast<int8_t>(iv[j]);
       sum += iv[j];
