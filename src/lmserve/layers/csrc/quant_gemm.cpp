@@ -692,8 +692,11 @@ inline VI weight_chunk(const uint8_t* blk, int64_t off, int h, int t) {
   if (super_kind(KIND)) {  // crumbs of elements 16h + 4t .., then K3's high bit t of the half's chunk
     const VI c = Lanes::and_(Lanes::srli16(Lanes::load(blk + 64 * h + off), 2 * t), Lanes::set1_8(3));
     if (KIND == 5) return c;
-    const VI high = Lanes::and_(Lanes::srli16(Lanes::load(blk + 128 + off), 4 * h + t), Lanes::set1_8(1));
-    return Lanes::or_(c, Lanes::slli16(high, 2));
+    // high bit 4h + t moved to bit 2 in one shift (bytes' bits shifted across within 16-bit lanes are masked off)
+    const VI hv = Lanes::load(blk + 128 + off);
+    const int at = 4 * h + t;
+    const VI high = Lanes::and_(at >= 2 ? Lanes::srli16(hv, at - 2) : Lanes::slli16(hv, 2 - at), Lanes::set1_8(4));
+    return Lanes::or_(c, high);
   }
   const VI v = Lanes::load(blk + 64 * (4 * h + t) + off);
   return KIND == 2 ? Lanes::xor_(v, Lanes::set1_8(0x80)) : v;  // S8 is stored + 128
