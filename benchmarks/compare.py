@@ -305,8 +305,10 @@ def greedy_check(systems: dict, args, slos: dict, hf) -> dict:
 def machine() -> dict:
     import torch
 
+    # the kernel level lmserve ran (LMSERVE_NATIVE_LEVEL: a lower level on this CPU) and llama.cpp's build
     return {"cpu": _cpu_name(), "flags": _flags(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "lmserve_level": os.environ.get("LMSERVE_NATIVE_LEVEL", "best for this CPU"),
+            "llama_level": os.environ.get("LLAMA_LEVEL", "host")}
 
 
 def main() -> None:

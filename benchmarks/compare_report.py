@@ -81,6 +81,8 @@ def header(report: dict) -> str:
     mach = m["machine"]
     load = m.get("loadavg")
     parts = [f"Machine: {mach['cpu']}, {mach['cores']} cores, flags {mach['flags']}; torch {mach['torch']}."]
+    if "lmserve_level" in mach:  # older reports lack it: both ran the best build for the CPU
+        parts.append(f"Kernel builds: lmserve {mach['lmserve_level']}, llama.cpp {mach['llama_level']}.")
     if load:
         parts.append(f"Load average (1/5/15 min) at start {'/'.join(f'{x:.2f}' for x in load['start'])}, "
                      f"at end {'/'.join(f'{x:.2f}' for x in load['end'])}.")

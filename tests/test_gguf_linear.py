@@ -63,7 +63,7 @@ def shape_for(kind: str, n: int = 37) -> tuple[int, int]:
 
 
 def packs_here() -> bool:
-    """Whether this machine's kernel reads whole 16-row groups in the packed layout (AVX-512 VNNI builds)."""
+    """Whether this machine's kernel reads whole 16-row groups in the packed layout (every x86-64 level's build)."""
     mod = native_module()
     return mod is not None and mod.quant_packed_rows() == 16
 

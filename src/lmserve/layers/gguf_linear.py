@@ -274,7 +274,7 @@ def repack(kind: str, raw: np.ndarray, n: int, k: int) -> Repacked:
     return _simple(raw, n, k, kind)
 
 
-GROUP = 16  # output rows per group of the kernel's packed layout (quant_gemm.cpp, AVX-512 VNNI builds)
+GROUP = 16  # output rows per group of the kernel's packed layout (quant_gemm.cpp: every x86-64 level's build)
 
 
 def _chunks(kind: int) -> int:
@@ -326,7 +326,7 @@ def _unpack_super(w: Repacked) -> Repacked:
 
 
 def pack(w: Repacked) -> Repacked:
-    """The row layout -> the packed layout quant_gemm.cpp reads on AVX-512 VNNI (N a multiple of 16): per group of
+    """The row layout -> the packed layout quant_gemm.cpp reads on every x86-64 level (N a multiple of 16): per group of
     16 rows and block, 4-byte columns of the 16 rows side by side; scales and mins [N/16, blocks, 16]; S8 codes
     as unsigned bytes (code + 128); K2/K3 as `_pack_super` says. Only a regrouping of the same bytes (and S8's sign
     flip): `unpack` inverts it."""
@@ -364,8 +364,8 @@ def out_rows(w: Repacked) -> int:
 
 
 def kernel_layout(w: Repacked) -> Repacked:
-    """`w` in the layout this machine's kernel reads: packed where the build has it (AVX-512 VNNI) and N is a
-    multiple of 16, else the row layout."""
+    """`w` in the layout this machine's kernel reads: packed where the build has it (every x86-64 level's;
+    not a plain host build without SSSE3) and N is a multiple of 16, else the row layout."""
     if is_packed(w):
         return w
     mod = native_module()
@@ -415,7 +415,8 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, w: Repacked, in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
-        # the kernel's packed layout where this CPU has it (~3x the row layout's speed on AVX-512 VNNI)
+        # the kernel's packed layout where the build has it (~3x the row layout's speed on AVX-512 VNNI; on AVX2 a
+        # 16-row step reuses each unpacked weight for 4 rows: benchmarks/packed_layout.py)
         w = kernel_layout(w)
         self.kind, self.in_features, self.out_features, self.packed = w.kind, in_features, out_rows(w), is_packed(w)
         self.register_buffer("codes", torch.from_numpy(np.ascontiguousarray(w.codes)))

@@ -16,7 +16,8 @@ time the best level this CPU's flags allow (or LMSERVE_NATIVE_LEVEL's) is loaded
 Where none works (no compiler, or LMSERVE_NATIVE_KERNELS=0), callers use the PyTorch paths, with one log
 line. A build is made in a private directory and renamed into place, so an interrupted one never blocks a
 later start. Each level's code differs where csrc/ tests the compiler's macros (__AVX2__, __AVX512VNNI__...):
-the packed GGUF layout exists only in the AVX-512 VNNI build, and gguf_linear asks the loaded build for it.
+the packed GGUF layout is read with VNNI on AVX-512 and with maddubs below it, and gguf_linear asks the loaded
+build whether it has it.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ inline torch::Tensor lmserve::packed_linear(const torch::Tensor& x, const torch:
                                             const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                                             int64_t kind, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(quant_packed_rows() != 0,
-              "the packed weight layout needs an AVX-512 VNNI build (quant_packed_rows() == 0)");
+              "the packed weight layout needs a build with SSSE3/SSE4.1 or more (quant_packed_rows() == 0)");
   const int64_t M = x.size(0), K = x.size(1), G = codes.size(0), nb = K / kQuantBlock;
   const int64_t code_bytes = quant_packed_code_bytes(kind), scale_blocks = quant_packed_scale_blocks(kind, K);
   TORCH_CHECK(codes.is_contiguous() && codes.size(1) == nb && codes.size(2) == code_bytes,
@@ -58,7 +58,7 @@ inline torch::Tensor lmserve::packed_linear(const torch::Tensor& x, const torch:
 // rows [offsets[e], offsets[e + 1]) of x times expert e's packed codes (quant_gemm.cpp)
 torch::Tensor quant_linear_experts(torch::Tensor x, torch::Tensor offsets, torch::Tensor codes, torch::Tensor scales,
                                    c10::optional<torch::Tensor> mins, int64_t kind) {
-  TORCH_CHECK(quant_packed_rows() != 0, "quant_linear_experts needs an AVX-512 VNNI build (quant_packed_rows() == 0)");
+  TORCH_CHECK(quant_packed_rows() != 0, "quant_linear_experts needs the packed layout (quant_packed_rows() == 0)");
   TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [R, K] float32");
   x = x.contiguous();

@@ -24,6 +24,9 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -41,6 +44,13 @@ inline const float* as_float(const KV* row, float* buf) {
   } else if constexpr (kQuantized<KV>) {
     for (int d = 0; d < D; ++d) buf[d] = lmserve_kv::code_value(row[d]) * lmserve_kv::block_scale(row, D, d);
     return buf;
+#if defined(__F16C__)
+  } else if constexpr (std::is_same_v<KV, c10::Half>) {  // 8 at a time (c10::Half's conversion is scalar bit work:
+    // ~70% of a 16-row decode step's attention on x86-64-v3, whose float16 cache is the GGUF default)
+    for (int d = 0; d < D; d += 8)
+      _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+    return buf;
+#endif
   } else {
     for (int d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
     return buf;

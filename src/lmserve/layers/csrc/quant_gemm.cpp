@@ -47,7 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
 
@@ -104,6 +104,12 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#elif defined(__SSE4_1__)
+    const __m128 sign = _mm_set1_ps(-0.f);
+    __m128 h = _mm_andnot_ps(sign, _mm_loadu_ps(xb));
+    for (int j = 4; j < kQBlock; j += 4) h = _mm_max_ps(h, _mm_andnot_ps(sign, _mm_loadu_ps(xb + j)));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     float amax = 0.f;
     for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -125,6 +131,16 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     for (int j = 0; j < kQBlock; j += 8)
       _mm256_store_si256(reinterpret_cast<__m256i*>(iv + j), _mm256_cvtps_epi32(_mm256_round_ps(
           _mm256_mul_ps(_mm256_loadu_ps(xb + j), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    for (int j = 0; j < kQBlock; ++j) {
+      qb[j] = static_cast<int8_t>(iv[j]);
+      sum += iv[j];
+    }
+#elif defined(__SSE4_1__)  // x86-64-v2: the same rounding (to nearest even) without the libm call
+    const __m128 vi = _mm_set1_ps(inv);
+    alignas(16) int32_t iv[kQBlock];
+    for (int j = 0; j < kQBlock; j += 4)
+      _mm_store_si128(reinterpret_cast<__m128i*>(iv + j), _mm_cvtps_epi32(_mm_round_ps(
+          _mm_mul_ps(_mm_loadu_ps(xb + j), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
     for (int j = 0; j < kQBlock; ++j) {
       qb[j] = static_cast<int8_t>(iv[j]);
       sum += iv[j];
@@ -233,6 +249,22 @@ inline __m256 super_block(int kind, const uint8_t* blk, float d, float nd, __m25
 }
 #endif
 
+struct QRows {  // where the quantized input rows live: codes, then per-block scales and scale * sums
+  const int8_t* q;
+  int64_t stride, K;
+  const int8_t* codes(int64_t m) const { return q + m * stride; }
+  const float* d(int64_t m) const { return reinterpret_cast<const float*>(q + m * stride + K); }
+  const float* s(int64_t m) const { return d(m) + K / kQBlock; }
+};
+
+constexpr int64_t kGroup = 16;  // output rows per group of the packed layout (described below)
+
+struct PackedW {  // one group's codes, scales and mins in the packed layout
+  const uint8_t* codes;
+  const float *sc, *mn;
+  int64_t nb;
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define LMSERVE_QGEMM_AVX512 1
 // Two blocks (64 weights) per step in 512-bit registers, over a tile of up to 4 weight rows x 4 input rows
@@ -305,14 +337,6 @@ inline __m512 add_last_block(__m512 acc, const uint8_t* codes, const float* sc, 
   }
   return _mm512_add_ps(acc, _mm512_zextps256_ps512(p));
 }
-
-struct QRows {  // where the quantized input rows live: codes, then per-block scales and scale * sums
-  const int8_t* q;
-  int64_t stride, K;
-  const int8_t* codes(int64_t m) const { return q + m * stride; }
-  const float* d(int64_t m) const { return reinterpret_cast<const float*>(q + m * stride + K); }
-  const float* s(int64_t m) const { return d(m) + K / kQBlock; }
-};
 
 struct WRows {  // the weight rows: codes, scales and mins per row
   const uint8_t* codes;
@@ -419,14 +443,6 @@ void rows_avx512(int kind, const WRows& w, const QRows& x, int64_t M, int64_t n0
 //   scales [G, nb, 16] (per-16 kinds: [G, 2 nb, 16]), mins likewise: row i's value in lane i
 // Each output's chain: for every block b in order, acc += float(dot_b) * (scale_b * xd_b), then (U4/U8)
 // acc += min_b * xs_b (S8: the two halves' terms in order). The same chain for any number of input rows.
-constexpr int64_t kGroup = 16;
-
-struct PackedW {
-  const uint8_t* codes;
-  const float *sc, *mn;
-  int64_t nb;
-};
-
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -552,6 +568,268 @@ void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int
 }
 #endif
 
+#if !defined(LMSERVE_QGEMM_AVX512) && defined(__SSSE3__) && defined(__SSE4_1__)
+#define LMSERVE_QGEMM_NARROW 1
+// The packed layout on builds without AVX-512 VNNI (x86-64-v3: AVX2 + FMA; x86-64-v2: SSSE3/SSE4.1): a group's
+// 16 rows are read as 2 parts of 8 rows in 256-bit registers (or 4 parts of 4 in 128-bit ones): bytes
+// [4 R p, 4 R (p + 1)) of each 64-byte chunk are rows [R p, R (p + 1)). Why the same layout: one repacking at
+// load for every level, and a 16-row step reuses each unpacked weight vector for 4 input rows, where the row
+// layout's dot_row unpacked every weight again for every input row (a 16-row step cost ~8x a 1-row step on
+// x86-64-v3 against ~4x on AVX-512 VNNI).
+// Without dpbusd the byte products come from maddubs (unsigned x signed, pairs summed into int16, saturating):
+//   U4, U8, and kinds 4-6 whose values are (unsigned code - offset): codes go in unsigned; the int16 pairs are
+//     summed over up to 4 chunks before one madd to int32 (15 * 127 * 2 * 8 and 31 * 127 * 2 * 4 stay < 32767),
+//     and offset * sum(x) of each half block is taken back out in int32;
+//   S8 and IQ4_NL (signed values up to 127 in magnitude): |w| x (x with w's sign), one madd per chunk.
+// Every dot is then the exact integer the AVX-512 kernel forms, and each output's float chain is the one its
+// comment above describes, the same for any number of input rows (batch invariance within a build).
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct Lanes {  // 8 rows a part
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kRows = 8;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I set1_8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+  static I set1_32(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+  static I madd1(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I sign8(I a, I b) { return _mm256_sign_epi8(a, b); }
+  static I shuffle8(const int8_t* table, I idx) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), idx);
+  }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static I srli32(I a, int n) { return _mm256_srli_epi32(a, n); }
+  // kRows bytes (a part's scale bytes), unsigned or signed, as int32 lanes
+  static I widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+};
+#else
+struct Lanes {  // 4 rows a part (no FMA at this level: multiply, then add, in the same order everywhere)
+  using I = __m128i;
+  using F = __m128;
+  static constexpr int kRows = 4;
+  static I load(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_set1_epi32(v);
+  }
+  static I set1_8(int v) { return _mm_set1_epi8(static_cast<char>(v)); }
+  static I set1_32(int32_t v) { return _mm_set1_epi32(v); }
+  static I zero() { return _mm_setzero_si128(); }
+  static I and_(I a, I b) { return _mm_and_si128(a, b); }
+  static I or_(I a, I b) { return _mm_or_si128(a, b); }
+  static I xor_(I a, I b) { return _mm_xor_si128(a, b); }
+  static I srli16(I a, int n) { return _mm_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm_slli_epi16(a, n); }
+  static I maddubs(I u, I s) { return _mm_maddubs_epi16(u, s); }
+  static I madd1(I a) { return _mm_madd_epi16(a, _mm_set1_epi16(1)); }
+  static I add16(I a, I b) { return _mm_add_epi16(a, b); }
+  static I add32(I a, I b) { return _mm_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm_sub_epi32(a, b); }
+  static I sign8(I a, I b) { return _mm_sign_epi8(a, b); }
+  static I shuffle8(const int8_t* table, I idx) {
+    return _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(table)), idx);
+  }
+  static F loadf(const float* p) { return _mm_loadu_ps(p); }
+  static F set1f(float v) { return _mm_set1_ps(v); }
+  static F zerof() { return _mm_setzero_ps(); }
+  static F cvt(I a) { return _mm_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
+  static void store(float* p, F v) { _mm_storeu_ps(p, v); }
+  static I srli32(I a, int n) { return _mm_srli_epi32(a, n); }
+  static I widen_u8(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
+  }
+  static I widen_s8(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_cvtepi8_epi32(_mm_cvtsi32_si128(v));
+  }
+};
+#endif
+
+using VI = Lanes::I;
+using VF = Lanes::F;
+constexpr int kRowsV = Lanes::kRows;
+
+// the signed-value kinds (S8, IQ4_NL): one chunk's products for one input row, as int32 lanes
+inline VI signed_dot(VI w, VI x) { return Lanes::madd1(Lanes::maddubs(Lanes::sign8(w, w), Lanes::sign8(x, w))); }
+
+// chunk t (0..3) of half h (0: elements 0-15, 1: 16-31) of block b for this part, as bytes the kernel multiplies:
+// unsigned codes (offset kinds) or signed values (S8, IQ4_NL)
+template <int KIND>
+inline VI weight_chunk(const uint8_t* blk, int64_t off, int h, int t) {
+  if (nibble_kind(KIND)) {
+    const VI v = Lanes::load(blk + 64 * t + off);
+    const VI code = Lanes::and_(h ? Lanes::srli16(v, 4) : v, Lanes::set1_8(0x0F));
+    return KIND == 3 ? Lanes::shuffle8(kTables[0], code) : code;
+  }
+  if (super_kind(KIND)) {  // crumbs of elements 16h + 4t .., then K3's high bit t of the half's chunk
+    const VI c = Lanes::and_(Lanes::srli16(Lanes::load(blk + 64 * h + off), 2 * t), Lanes::set1_8(3));
+    if (KIND == 5) return c;
+    // high bit 4h + t moved to bit 2 in one shift (bytes' bits shifted across within 16-bit lanes are masked off)
+    const VI hv = Lanes::load(blk + 128 + off);
+    const int at = 4 * h + t;
+    const VI high = Lanes::and_(at >= 2 ? Lanes::srli16(hv, at - 2) : Lanes::slli16(hv, 2 - at), Lanes::set1_8(4));
+    return Lanes::or_(c, high);
+  }
+  const VI v = Lanes::load(blk + 64 * (4 * h + t) + off);
+  return KIND == 2 ? Lanes::xor_(v, Lanes::set1_8(0x80)) : v;  // S8 is stored + 128
+}
+
+// what each kind's unsigned codes are offset by (value = code - offset), taken back out as offset * sum(x)
+constexpr int code_offset(int kind) { return kind == 4 ? 8 : kind == 6 ? 4 : 0; }
+constexpr bool signed_kind(int kind) { return kind == 2 || kind == 3; }
+
+// Lanes::kRows outputs (part p of the group) of C input rows [m0, m0 + C), stored at out[m * ldo + R p ..]
+template <int KIND, int C>
+void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p, float* out,
+               int64_t ldo) {
+  constexpr int64_t kBlockBytes = nibble_kind(KIND) ? 256 : KIND == 5 ? 160 : KIND == 6 ? 224 : 512;
+  const int64_t nb = w.nb, off = 4 * kRowsV * p, lane = kRowsV * p;
+  VF acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = Lanes::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w.codes + b * kBlockBytes;
+    if (KIND == 0) {  // one dot per block: int16 sums over all 8 chunks (<= 30480), one madd
+      VI dot[C];
+      for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+      for (int t = 0; t < 4; ++t) {
+        const VI v = Lanes::load(blk + 64 * t + off), low4 = Lanes::set1_8(0x0F);
+        const VI lo = Lanes::and_(v, low4), hi = Lanes::and_(Lanes::srli16(v, 4), low4);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xb = x.codes(m0 + c) + b * kQBlock + 4 * t;
+          dot[c] = Lanes::add16(dot[c], Lanes::add16(Lanes::maddubs(lo, Lanes::bcast4(xb)),
+                                                     Lanes::maddubs(hi, Lanes::bcast4(xb + 16))));
+        }
+      }
+      for (int c = 0; c < C; ++c) dot[c] = Lanes::madd1(dot[c]);
+      const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
+      for (int c = 0; c < C; ++c) {
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
+      }
+      continue;
+    }
+    if (KIND == 1) {  // one dot per block: int16 sums over each half's 4 chunks (<= 31496), then madd
+      VI dot[C];
+      for (int h = 0; h < 2; ++h) {
+        VI s16[C];
+        for (int c = 0; c < C; ++c) s16[c] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            s16[c] = Lanes::add16(s16[c], Lanes::maddubs(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+        for (int c = 0; c < C; ++c) {
+          const VI s32 = Lanes::madd1(s16[c]);
+          dot[c] = h ? Lanes::add32(dot[c], s32) : s32;
+        }
+      }
+      const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
+      for (int c = 0; c < C; ++c) {
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
+      }
+      continue;
+    }
+    // per-16 and super kinds: each half's dot, scale and (where the kind has them) min
+    VF half[4];
+    const bool mins = KIND == 5 || (KIND == 4 && w.mn);
+    if (super_kind(KIND)) {
+      const uint8_t* sb = blk + (KIND == 5 ? 128 : 192) + lane;
+      const VF d = Lanes::loadf(w.sc + kGroup * (b / 8) + lane);
+      for (int k = 0; k < 2; ++k) {
+        if (KIND == 6) {
+          half[k] = Lanes::mul(d, Lanes::cvt(Lanes::widen_s8(sb + 16 * k)));
+          continue;
+        }
+        const VI q = Lanes::widen_u8(sb + 16 * k);  // scale | min << 4
+        half[k] = Lanes::mul(d, Lanes::cvt(Lanes::and_(q, Lanes::set1_32(0x0F))));
+        half[2 + k] = Lanes::mul(Lanes::loadf(w.mn + kGroup * (b / 8) + lane), Lanes::cvt(Lanes::srli32(q, 4)));
+      }
+    } else {
+      half[0] = Lanes::loadf(w.sc + 32 * b + lane), half[1] = Lanes::loadf(w.sc + 32 * b + 16 + lane);
+      if (mins) half[2] = Lanes::loadf(w.mn + 32 * b + lane), half[3] = Lanes::loadf(w.mn + 32 * b + 16 + lane);
+    }
+    for (int h = 0; h < 2; ++h) {
+      VI dot[C];
+      if (signed_kind(KIND)) {
+        for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            dot[c] = Lanes::add32(dot[c], signed_dot(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+      } else {
+        VI s16[C];
+        for (int c = 0; c < C; ++c) s16[c] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            s16[c] = Lanes::add16(s16[c], Lanes::maddubs(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+        for (int c = 0; c < C; ++c) {
+          dot[c] = Lanes::madd1(s16[c]);
+          if (code_offset(KIND))
+            dot[c] = Lanes::sub32(dot[c], Lanes::set1_32(code_offset(KIND) * xsum16[(m0 + c) * 2 * nb + 2 * b + h]));
+        }
+      }
+      for (int c = 0; c < C; ++c)
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(half[h], Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+    }
+    if (mins)  // min * xd * sum(x) per half, after both halves' dots (the AVX-512 kernel's order)
+      for (int c = 0; c < C; ++c) {
+        const float xdb = x.d(m0 + c)[b];
+        const int32_t* s = xsum16 + (m0 + c) * 2 * nb + 2 * b;
+        acc[c] = Lanes::fma(half[2], Lanes::set1f(xdb * static_cast<float>(s[0])), acc[c]);
+        acc[c] = Lanes::fma(half[3], Lanes::set1f(xdb * static_cast<float>(s[1])), acc[c]);
+      }
+  }
+  for (int c = 0; c < C; ++c) Lanes::store(out + (m0 + c) * ldo + lane, acc[c]);
+}
+
+// every input row against one group: part by part (a part's codes stay in L1), 4 input rows at a time
+template <int KIND>
+void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
+  for (int p = 0; p < kGroup / kRowsV; ++p) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) part_rows<KIND, 4>(w, x, xsum16, m, p, out, ldo);
+    switch (M - m) {
+      case 3: part_rows<KIND, 3>(w, x, xsum16, m, p, out, ldo); break;
+      case 2: part_rows<KIND, 2>(w, x, xsum16, m, p, out, ldo); break;
+      case 1: part_rows<KIND, 1>(w, x, xsum16, m, p, out, ldo); break;
+      default: break;
+    }
+  }
+}
+#endif
+
 // One output: weight row n (its codes/scales/mins) against one quantized input row.
 float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
               const float* xd, const float* xs, int64_t K) {
@@ -647,26 +925,37 @@ void lmserve::quantize_rows(const float* px, int64_t M, int64_t K, int8_t* po) {
   });
 }
 
+#if defined(LMSERVE_QGEMM_AVX512) || defined(LMSERVE_QGEMM_NARROW)
+#define LMSERVE_QGEMM_PACKED 1
+#endif
+
 int64_t lmserve::quant_packed_rows() {
-#if defined(LMSERVE_QGEMM_AVX512)
+#if defined(LMSERVE_QGEMM_PACKED)
   return kGroup;
 #else
   return 0;
 #endif
 }
 
-#if defined(LMSERVE_QGEMM_AVX512)
+#if defined(LMSERVE_QGEMM_PACKED)
 namespace {
 
-// 128 * (the sum of each 16 activation codes) per row [M, K/16]: what S8's unsigned codes add to each half block
+// The sum of each 16 activation codes per row [M, K/16], times 128 on AVX-512 (what S8's unsigned codes add to
+// each half block there) and times 1 on the narrow builds (what their offset codes and mins take)
 std::vector<int32_t> half_block_sums(const int8_t* pq, int64_t stride, int64_t M, int64_t K) {
   std::vector<int32_t> out(M * (K / 16));
   int32_t* po = out.data();
   lmserve::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t h = 0; h < K / 16; ++h) {
+#if defined(LMSERVE_QGEMM_AVX512)
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pq + m * stride + 16 * h));
         po[m * (K / 16) + h] = 128 * _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(v));
+#else
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) sum += pq[m * stride + 16 * h + j];
+        po[m * (K / 16) + h] = sum;
+#endif
       }
   });
   return out;
@@ -731,7 +1020,7 @@ void lmserve::quant_packed_experts(int64_t kind, const uint8_t* pc, const float*
   });
 }
 #else
-// never called: the binding unit refuses the packed layout where quant_packed_rows() == 0
+// never called: the binding unit refuses the packed layout where quant_packed_rows() == 0 (no SSSE3/SSE4.1)
 void lmserve::quant_packed_matmul(int64_t, const uint8_t*, const float*, const float*, const float*, const int8_t*,
                                   int64_t, int64_t, int64_t, int64_t, float*) {}
 void lmserve::quant_packed_experts(int64_t, const uint8_t*, const float*, const float*, const int8_t*, int64_t,
