@@ -70,6 +70,10 @@ class Split:
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "deepseek_r1": ReasoningParser("deepseek_r1", starts_in_prompt=True),
     "qwen3": ReasoningParser("qwen3", starts_in_prompt=False),
+    # gpt-oss (harmony): its first analysis-channel message is the reasoning; the rest (commentary calls, the
+    # final channel) is the answer, read by the harmony tool format
+    "gpt_oss": ReasoningParser("gpt_oss", starts_in_prompt=False, start="<|channel|>analysis<|message|>",
+                               end="<|end|>"),
 }
 
 

@@ -374,12 +374,20 @@ LLAMA3_JSON = ToolFormat(
     lambda schema: JSONValue(),
     lambda name, args: '{"name": "' + name + '", "parameters": ' + _json_args(args) + "}",
     '{"name": "<function name>", "parameters": <the arguments as a JSON object>}')
-MISTRAL = ToolFormat(
-    "mistral", regex.compile(r"\[TOOL_CALLS\][ \t\r\n]*\[[ \t\r\n]*" + _JSON_CALL % "arguments"),
+MISTRAL = ToolFormat(  # the JSON-list form (v3 tokenizers) and the name[ARGS] form (v11+: one marker per call)
+    "mistral", regex.compile(r"\[TOOL_CALLS\][ \t\r\n]*(?:\[[ \t\r\n]*" + _JSON_CALL % "arguments" + "|" + NAME
+                             + r"(?:\[CALL_ID\][A-Za-z0-9]{1,64})?\[ARGS\])"),
     lambda schema: JSONValue(),
     lambda name, args: '[TOOL_CALLS][{"name": "' + name + '", "arguments": ' + _json_args(args) + "}]",
     '[TOOL_CALLS][{"name": "<function name>", "arguments": <the arguments as a JSON object>}]',
     continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + _JSON_CALL % "arguments"), keeps_special_tokens=True)
+PHI4_MINI = ToolFormat(
+    "phi4_mini", regex.compile(r"<\|tool_call\|>[ \t\r\n]*\[[ \t\r\n]*" + _JSON_CALL % "arguments|parameters"),
+    lambda schema: JSONValue(),
+    lambda name, args: '<|tool_call|>[{"name": "' + name + '", "arguments": ' + _json_args(args) + "}]<|/tool_call|>",
+    '<|tool_call|>[{"name": "<function name>", "arguments": <the arguments as a JSON object>}]<|/tool_call|>',
+    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + _JSON_CALL % "arguments|parameters"),
+    keeps_special_tokens=True)
 PYTHONIC = ToolFormat(
     "pythonic", regex.compile(r"\[[ \t\r\n]*" + NAME + r"\("), lambda schema: PythonicArgs(), _write_pythonic,
     '[<function name>(<argument name>=<value>, ...)]',
@@ -389,14 +397,30 @@ QWEN3_XML = ToolFormat(
     "<tool_call>\n<function=<function name>>\n<parameter=<argument name>>\n<value>\n</parameter>\n</function>\n"
     "</tool_call>", call_span=("<tool_call>", "</tool_call>"))
 
-TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_XML)}
+GEMMA3 = ToolFormat(  # Gemma 3's documented list of Python calls, also inside a ```tool_code block
+    "gemma3", regex.compile(r"(?:```tool_code[ \t\r\n]*\[?|\[)[ \t\r\n]*" + NAME + r"\("),
+    lambda schema: PythonicArgs(), _write_pythonic, '[<function name>(<argument name>=<value>, ...)]',
+    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + NAME + r"\("))
+HARMONY_CALL = "<|channel|>commentary to=functions."
+HARMONY = ToolFormat(  # gpt-oss: a call is a commentary-channel message to functions.NAME, ended by <|call|>
+    "harmony", regex.compile(r"(?:<\|start\|>assistant[ ]*)?(?:<\|channel\|>commentary[ ]*)?to=functions\." + NAME
+                             + r"[ ]*(?:<\|channel\|>commentary[ ]*)?(?:<\|constrain\|>[ ]*)?(?:json[ ]*)?<\|message\|>"),
+    lambda schema: RawUntil("<|call|>"),
+    lambda name, args: HARMONY_CALL + name + " <|constrain|>json<|message|>" + _json_args(args) + "<|call|>",
+    HARMONY_CALL + "<function name> <|constrain|>json<|message|><the arguments as a JSON object><|call|>",
+    keeps_special_tokens=True, call_span=("to=functions.", "<|call|>"))
+
+TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_XML,
+                                                              PHI4_MINI, GEMMA3, HARMONY)}
 
 # A chat template's own tool-call markers -> its family, first match wins (Qwen3-Coder's template also writes
 # <tool_call>, Llama 4's also names <|python_tag|>). A template with none of them (SmolLM2's ChatML) gets hermes:
 # the form the tool preamble teaches.
-_TEMPLATE_MARKERS = (("qwen3_xml", "<parameter="), ("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"),
+_TEMPLATE_MARKERS = (("harmony", "<|channel|>"), ("qwen3_xml", "<parameter="), ("hermes", "<tool_call>"),
+                     ("phi4_mini", "<|tool_call|>"), ("phi4_mini", "<|tool|>"), ("mistral", "[TOOL_CALLS]"),
                      ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("),
-                     ("llama3_json", "<|python_tag|>"), ("llama3_json", '"parameters": '))
+                     ("llama3_json", "<|python_tag|>"), ("llama3_json", '"parameters": '),
+                     ("gemma3", "<start_of_turn>"))
 
 
 def detect_format(template: str | None) -> str:
