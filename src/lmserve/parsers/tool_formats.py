@@ -305,6 +305,7 @@ class ToolFormat:
     example: str  # the call form the prompt shows a model whose template has no tools support
     continuation: Any = None  # a list format's next call right after one (", {..." / ", g(")
     keeps_special_tokens: bool = False  # its marker is a special token (mistral's [TOOL_CALLS]): keep it in the text
+    markup: Any = None  # a `regex` pattern of framing that is never content (harmony's message headers and ends)
     # (begin, end) around each one call, when the format marks calls so (hermes, qwen3_xml): a call repeating an
     # earlier one ends the turn (SamplingParams.repeat_stop). The list formats (mistral, pythonic) and llama3_json's
     # bare JSON have no per-call end marker a text search can find, so they have none.
@@ -408,7 +409,9 @@ HARMONY = ToolFormat(  # gpt-oss: a call is a commentary-channel message to func
     lambda schema: RawUntil("<|call|>"),
     lambda name, args: HARMONY_CALL + name + " <|constrain|>json<|message|>" + _json_args(args) + "<|call|>",
     HARMONY_CALL + "<function name> <|constrain|>json<|message|><the arguments as a JSON object><|call|>",
-    keeps_special_tokens=True, call_span=("to=functions.", "<|call|>"))
+    keeps_special_tokens=True, call_span=("to=functions.", "<|call|>"),
+    markup=regex.compile(r"<\|start\|>assistant|<\|channel\|>(?:analysis|commentary|final)|<\|constrain\|>json"
+                         r"|<\|(?:message|end|return|call)\|>"))
 
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_XML,
                                                               PHI4_MINI, GEMMA3, HARMONY)}
