@@ -195,3 +195,68 @@ TEMPLATES = {  # a fragment of each family's published chat template -> the pars
 @pytest.mark.parametrize("family", sorted(TEMPLATES))
 def test_each_family_is_picked_from_its_template(family):
     assert detect_format(TEMPLATES[family]) == family
+
+
+# -- route level: the embedded model served with a Llama-3-style tool template ------------------------------------
+
+LLAMA3_TOOL_TEMPLATE = """{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>
+
+Given the following functions, respond with a JSON for a function call with its proper arguments that best \
+answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. \
+Do not use variables.
+
+{% for t in tools %}{{ t | tojson }}
+
+{% endfor %}<|eot_id|>{%- endif %}{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{{ m.content }}<|eot_id|>{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def llama3_templated_gguf(smol_path, tmp_path_factory):
+    """The embedded SmolLM2 GGUF with its chat template replaced by a Llama-3-style tool template (gguf's own
+    metadata tool: the tensors are copied as they are)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("llama3tpl") / "smollm2-llama3-tools.gguf"
+    template = out.with_suffix(".jinja")
+    template.write_text(LLAMA3_TOOL_TEMPLATE)
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--chat-template-file", str(template),
+                    str(smol_path), str(out)], check=True, capture_output=True, timeout=300)
+    return out
+
+
+def test_a_llama3_template_gets_the_llama3_json_parser_on_the_route(llama3_templated_gguf):
+    """Served with a Llama-3-style template, the server picks llama3_json (found from the template's markers):
+    a named tool_choice makes the grammar write {"name": ..., "parameters": ...}, seen in the reply's token
+    logprobs, and the route reads it back as the call, whole and streamed; --tool-call-parser hermes overrides it."""
+    from openai import OpenAI
+
+    from lmserve.tokenizer import Tokenizer
+    from tests.server_util import running_server
+
+    assert detect_format(Tokenizer.from_gguf(llama3_templated_gguf).chat_template) == "llama3_json"
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    ask = dict(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[weather],
+               tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, temperature=0)
+    for extra, begins in (((), '{"name": "get_weather", "parameters": '),
+                          (("--tool-call-parser", "hermes"), '<tool_call>\n{"name": "get_weather", "arguments": ')):
+        with running_server("--model", str(llama3_templated_gguf), "--served-model-name", "m", *extra) as s:
+            client = OpenAI(base_url=s.url + "/v1", api_key="unused")
+            reply = client.chat.completions.create(**ask, logprobs=True)
+            choice = reply.choices[0]
+            raw = "".join(t.token for t in choice.logprobs.content)
+            assert raw.startswith(begins), raw
+            assert choice.message.content is None and len(choice.message.tool_calls) == 1, raw
+            call = choice.message.tool_calls[0].function
+            assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+            chunks = list(client.chat.completions.create(**ask, stream=True))
+            deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+            assert "".join(d.function.arguments or "" for d in deltas) == call.arguments
