@@ -162,7 +162,8 @@ HARMONY_TURNS = [  # (gpt-oss output after the prompt's "<|start|>assistant", re
      [("get_weather", PARIS)]),
     ("<|start|>assistant to=functions.search<|channel|>commentary json<|message|>" + _json(TRICKY) + "<|call|>",
      None, None, [("search", TRICKY)]),  # the recipient before the channel, as harmony also allows
-    ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is « sunny ».<|return|>",
+    ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is « sunny »."
+     "<|return|>",
      "Easy.", "It is « sunny ».", []),
 ]
 

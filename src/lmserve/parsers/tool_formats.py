@@ -2,9 +2,12 @@
 
     hermes       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>     Hermes, Qwen2.5, Qwen3, SmolLM
     llama3_json  {"name": "f", "parameters": {...}}  (after <|python_tag|>, or not) Llama 3.1 / 3.2 JSON tools
-    mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]             Mistral / Mixtral
+    mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...], or [TOOL_CALLS]f[ARGS]{...}  Mistral
     pythonic     [f(a=1, b="x"), g()]                                             Llama 3.2 pythonic, Llama 4
     qwen3_xml    <tool_call>\\n<function=f>\\n<parameter=a>\\n1\\n</parameter>\\n</function>\\n</tool_call>   Qwen3-Coder
+    phi4_mini    <|tool_call|>[{"name": "f", "arguments": {...}}, ...]<|/tool_call|>             Phi-4-mini
+    gemma3       [f(a=1), g()], also inside a ```tool_code block                                Gemma 3
+    harmony      <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>   gpt-oss
 
 Matching is strict where the grammar writes the text (hermes: exactly the form above) and whitespace-tolerant
 where models write it themselves (JSON keys, separators); llama3_json also takes "arguments" for "parameters".
@@ -15,8 +18,9 @@ text as a string), qwen3_xml values by the tool's JSON schema type as vLLM conve
 number, boolean, object/array as JSON, "null"; unknown parameters stay strings).
 
 A reader is made per call and is fed the call's text as it grows (never anything else), so it keeps where it
-got to: reading a streamed call costs its length once, not once per delta. `detect_format` picks the default
-from the chat template's own markers.
+got to: reading a streamed call costs its length once, not once per delta. Harmony's message framing around
+content (`<|start|>assistant`, `<|channel|>final`, `<|message|>`, `<|end|>`, ...) is `markup`: never content.
+`detect_format` picks the default from the chat template's own markers.
 """
 
 from __future__ import annotations
@@ -405,7 +409,8 @@ GEMMA3 = ToolFormat(  # Gemma 3's documented list of Python calls, also inside a
 HARMONY_CALL = "<|channel|>commentary to=functions."
 HARMONY = ToolFormat(  # gpt-oss: a call is a commentary-channel message to functions.NAME, ended by <|call|>
     "harmony", regex.compile(r"(?:<\|start\|>assistant[ ]*)?(?:<\|channel\|>commentary[ ]*)?to=functions\." + NAME
-                             + r"[ ]*(?:<\|channel\|>commentary[ ]*)?(?:<\|constrain\|>[ ]*)?(?:json[ ]*)?<\|message\|>"),
+                             + r"[ ]*(?:<\|channel\|>commentary[ ]*)?(?:<\|constrain\|>[ ]*)?(?:json[ ]*)?"
+                             + r"<\|message\|>"),
     lambda schema: RawUntil("<|call|>"),
     lambda name, args: HARMONY_CALL + name + " <|constrain|>json<|message|>" + _json_args(args) + "<|call|>",
     HARMONY_CALL + "<function name> <|constrain|>json<|message|><the arguments as a JSON object><|call|>",
