@@ -241,11 +241,14 @@ def _add_server_args(g) -> None:
                    help="split a thinking model's <think>...</think> from its answer: chat replies get "
                    "reasoning_content (streamed as delta.reasoning_content), and response_format / forced tools "
                    "apply only after the reasoning ends (deepseek_r1: all text before </think>; qwen3: only what "
-                   "follows <think>; none with chat_template_kwargs enable_thinking false) (default: none)")
+                   "follows <think>; gpt_oss: harmony's analysis channel; none with chat_template_kwargs "
+                   "enable_thinking false) (default: none)")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="the tool-call format a model writes, reads back and is constrained to (tool_choice "
                    "required / named): hermes <tool_call>{json}</tool_call>, llama3_json {\"name\", \"parameters\"}, "
-                   "mistral [TOOL_CALLS][...], pythonic [f(a=1)], qwen3_xml <function=f><parameter=a>... "
+                   "mistral [TOOL_CALLS][...], pythonic [f(a=1)], qwen3_xml <function=f><parameter=a>..., phi4_mini "
+                   "<|tool_call|>[...]<|/tool_call|>, gemma3 [f(a=1)] or ```tool_code, harmony (gpt-oss) "
+                   "to=functions.f<|message|>{...}<|call|> "
                    "(default: from the chat template's markers; hermes when it has none)")
     g.add_argument("--strict-fields", action="store_true",
                    help="answer a request field this server does not know with 400 (by default it is ignored, "

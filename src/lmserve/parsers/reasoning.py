@@ -6,6 +6,7 @@ Two families, as vLLM names and splits them:
   dropped); without "</think>" (cut off, or still thinking) all of it is reasoning.
 - qwen3: reasoning only where the model writes "<think>": text before it is content, text between it and the
   first "</think>" reasoning (all the rest when "</think>" never comes), text after content.
+- gpt_oss: as qwen3, with harmony's analysis channel as the tags (`<|channel|>analysis<|message|>` ... `<|end|>`).
 Tags are matched as text (a tokenizer with `<think>` as one token decodes it to the same text). Later tags are
 plain text of the part they fall in. Nothing is stripped: "\\n\\nThe answer" after "</think>" stays as is, as
 vLLM returns it. With `enable_thinking: false` (or `thinking: false`) in chat_template_kwargs there is no
@@ -34,6 +35,7 @@ class ReasoningParser:
     starts_in_prompt: bool
     start: str = THINK_START
     end: str = THINK_END
+    keeps_special_tokens: bool = False  # its tags are special tokens (gpt-oss's harmony): keep them in the text
 
     def split(self, text: str) -> "Split":
         """(reasoning, content) of a whole generated text; each None when empty."""
@@ -70,6 +72,10 @@ class Split:
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "deepseek_r1": ReasoningParser("deepseek_r1", starts_in_prompt=True),
     "qwen3": ReasoningParser("qwen3", starts_in_prompt=False),
+    # gpt-oss (harmony): its first analysis-channel message is the reasoning; the rest (commentary calls, the
+    # final channel) is the answer, read by the harmony tool format
+    "gpt_oss": ReasoningParser("gpt_oss", starts_in_prompt=False, start="<|channel|>analysis<|message|>",
+                               end="<|end|>", keeps_special_tokens=True),
 }
 
 

@@ -39,6 +39,7 @@ class CallFormat(Protocol):
     """What the streamer needs of a tool-call format (tool_formats.ToolFormat)."""
 
     keeps_special_tokens: bool
+    markup: Any  # a `regex` pattern of framing text that is never content, or None
 
     def find_begin(self, text: str, after_call: bool) -> tuple[int, Begin | None]:
         """(where a call begins, its match) or (where one may still begin, None); (len(text), None) if nowhere.
@@ -117,9 +118,12 @@ class ToolCallStreamer:
             start = len(self._pending)  # a begin that never completed is text
         if begin is not None or start > 0:
             self._after_call = False
-        held = self._content(events, self._pending[:start], more_follows=begin is None and not final)
+        text, framed = self._pending[:start], start
+        if self.fmt.markup is not None:
+            text, framed = unframe(text, self.fmt.markup, final=begin is not None or final)
+        held = self._content(events, text, more_follows=begin is None and not final)
         if begin is None:
-            self._pending = held + self._pending[start:]
+            self._pending = held + self._pending[framed:]
             return False
         name = begin.group("name")
         events.append(ToolCallStart(self.num_calls, new_call_id(), name))
@@ -154,6 +158,18 @@ class ToolCallStreamer:
         return text[len(body):] if more_follows else ""
 
 
+def unframe(text: str, markup: Any, final: bool) -> tuple[str, int]:
+    """`text` without `markup`'s matches, up to where one that may still complete begins (len(text) if none or
+    `final`), and that place."""
+    out, pos = [], 0
+    for m in markup.finditer(text, partial=not final):
+        out.append(text[pos:m.start()])
+        if m.partial:
+            return "".join(out), m.start()
+        pos = m.end()
+    return "".join(out) + text[pos:], len(text)
+
+
 def parse_tool_calls(text: str, fmt: CallFormat,
                      schemas: dict[str, dict] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole generated text; content is None when empty."""
@@ -169,5 +185,5 @@ def parse_tool_calls(text: str, fmt: CallFormat,
     if streamer.in_call:  # cut off: not a call
         calls.pop()
     if not calls:
-        return text.strip() or None, []
+        return (unframe(text, fmt.markup, True)[0] if fmt.markup is not None else text).strip() or None, []
     return content or None, calls

@@ -2,9 +2,12 @@
 
     hermes       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>     Hermes, Qwen2.5, Qwen3, SmolLM
     llama3_json  {"name": "f", "parameters": {...}}  (after <|python_tag|>, or not) Llama 3.1 / 3.2 JSON tools
-    mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]             Mistral / Mixtral
+    mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...], or [TOOL_CALLS]f[ARGS]{...}  Mistral
     pythonic     [f(a=1, b="x"), g()]                                             Llama 3.2 pythonic, Llama 4
     qwen3_xml    <tool_call>\\n<function=f>\\n<parameter=a>\\n1\\n</parameter>\\n</function>\\n</tool_call>   Qwen3-Coder
+    phi4_mini    <|tool_call|>[{"name": "f", "arguments": {...}}, ...]<|/tool_call|>             Phi-4-mini
+    gemma3       [f(a=1), g()], also inside a ```tool_code block                                Gemma 3
+    harmony      <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>   gpt-oss
 
 Matching is strict where the grammar writes the text (hermes: exactly the form above) and whitespace-tolerant
 where models write it themselves (JSON keys, separators); llama3_json also takes "arguments" for "parameters".
@@ -15,8 +18,9 @@ text as a string), qwen3_xml values by the tool's JSON schema type as vLLM conve
 number, boolean, object/array as JSON, "null"; unknown parameters stay strings).
 
 A reader is made per call and is fed the call's text as it grows (never anything else), so it keeps where it
-got to: reading a streamed call costs its length once, not once per delta. `detect_format` picks the default
-from the chat template's own markers.
+got to: reading a streamed call costs its length once, not once per delta. Harmony's message framing around
+content (`<|start|>assistant`, `<|channel|>final`, `<|message|>`, `<|end|>`, ...) is `markup`: never content.
+`detect_format` picks the default from the chat template's own markers.
 """
 
 from __future__ import annotations
@@ -305,6 +309,7 @@ class ToolFormat:
     example: str  # the call form the prompt shows a model whose template has no tools support
     continuation: Any = None  # a list format's next call right after one (", {..." / ", g(")
     keeps_special_tokens: bool = False  # its marker is a special token (mistral's [TOOL_CALLS]): keep it in the text
+    markup: Any = None  # a `regex` pattern of framing that is never content (harmony's message headers and ends)
     # (begin, end) around each one call, when the format marks calls so (hermes, qwen3_xml): a call repeating an
     # earlier one ends the turn (SamplingParams.repeat_stop). The list formats (mistral, pythonic) and llama3_json's
     # bare JSON have no per-call end marker a text search can find, so they have none.
@@ -374,12 +379,20 @@ LLAMA3_JSON = ToolFormat(
     lambda schema: JSONValue(),
     lambda name, args: '{"name": "' + name + '", "parameters": ' + _json_args(args) + "}",
     '{"name": "<function name>", "parameters": <the arguments as a JSON object>}')
-MISTRAL = ToolFormat(
-    "mistral", regex.compile(r"\[TOOL_CALLS\][ \t\r\n]*\[[ \t\r\n]*" + _JSON_CALL % "arguments"),
+MISTRAL = ToolFormat(  # the JSON-list form (v3 tokenizers) and the name[ARGS] form (v11+: one marker per call)
+    "mistral", regex.compile(r"\[TOOL_CALLS\][ \t\r\n]*(?:\[[ \t\r\n]*" + _JSON_CALL % "arguments" + "|" + NAME
+                             + r"(?:\[CALL_ID\][A-Za-z0-9]{1,64})?\[ARGS\])"),
     lambda schema: JSONValue(),
     lambda name, args: '[TOOL_CALLS][{"name": "' + name + '", "arguments": ' + _json_args(args) + "}]",
     '[TOOL_CALLS][{"name": "<function name>", "arguments": <the arguments as a JSON object>}]',
     continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + _JSON_CALL % "arguments"), keeps_special_tokens=True)
+PHI4_MINI = ToolFormat(
+    "phi4_mini", regex.compile(r"<\|tool_call\|>[ \t\r\n]*\[[ \t\r\n]*" + _JSON_CALL % "arguments|parameters"),
+    lambda schema: JSONValue(),
+    lambda name, args: '<|tool_call|>[{"name": "' + name + '", "arguments": ' + _json_args(args) + "}]<|/tool_call|>",
+    '<|tool_call|>[{"name": "<function name>", "arguments": <the arguments as a JSON object>}]<|/tool_call|>',
+    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + _JSON_CALL % "arguments|parameters"),
+    keeps_special_tokens=True)
 PYTHONIC = ToolFormat(
     "pythonic", regex.compile(r"\[[ \t\r\n]*" + NAME + r"\("), lambda schema: PythonicArgs(), _write_pythonic,
     '[<function name>(<argument name>=<value>, ...)]',
@@ -389,14 +402,33 @@ QWEN3_XML = ToolFormat(
     "<tool_call>\n<function=<function name>>\n<parameter=<argument name>>\n<value>\n</parameter>\n</function>\n"
     "</tool_call>", call_span=("<tool_call>", "</tool_call>"))
 
-TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_XML)}
+GEMMA3 = ToolFormat(  # Gemma 3's documented list of Python calls, also inside a ```tool_code block
+    "gemma3", regex.compile(r"(?:```tool_code[ \t\r\n]*\[?|\[)[ \t\r\n]*" + NAME + r"\("),
+    lambda schema: PythonicArgs(), _write_pythonic, '[<function name>(<argument name>=<value>, ...)]',
+    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + NAME + r"\("))
+HARMONY_CALL = "<|channel|>commentary to=functions."
+HARMONY = ToolFormat(  # gpt-oss: a call is a commentary-channel message to functions.NAME, ended by <|call|>
+    "harmony", regex.compile(r"(?:<\|start\|>assistant[ ]*)?(?:<\|channel\|>commentary[ ]*)?to=functions\." + NAME
+                             + r"[ ]*(?:<\|channel\|>commentary[ ]*)?(?:<\|constrain\|>[ ]*)?(?:json[ ]*)?"
+                             + r"<\|message\|>"),
+    lambda schema: RawUntil("<|call|>"),
+    lambda name, args: HARMONY_CALL + name + " <|constrain|>json<|message|>" + _json_args(args) + "<|call|>",
+    HARMONY_CALL + "<function name> <|constrain|>json<|message|><the arguments as a JSON object><|call|>",
+    keeps_special_tokens=True, call_span=("to=functions.", "<|call|>"),
+    markup=regex.compile(r"<\|start\|>assistant|<\|channel\|>(?:analysis|commentary|final)|<\|constrain\|>json"
+                         r"|<\|(?:message|end|return|call)\|>"))
+
+TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, QWEN3_XML,
+                                                              PHI4_MINI, GEMMA3, HARMONY)}
 
 # A chat template's own tool-call markers -> its family, first match wins (Qwen3-Coder's template also writes
 # <tool_call>, Llama 4's also names <|python_tag|>). A template with none of them (SmolLM2's ChatML) gets hermes:
 # the form the tool preamble teaches.
-_TEMPLATE_MARKERS = (("qwen3_xml", "<parameter="), ("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"),
+_TEMPLATE_MARKERS = (("harmony", "<|channel|>"), ("qwen3_xml", "<parameter="), ("hermes", "<tool_call>"),
+                     ("phi4_mini", "<|tool_call|>"), ("phi4_mini", "<|tool|>"), ("mistral", "[TOOL_CALLS]"),
                      ("pythonic", "<|python_start|>"), ("pythonic", "[func_name1("),
-                     ("llama3_json", "<|python_tag|>"), ("llama3_json", '"parameters": '))
+                     ("llama3_json", "<|python_tag|>"), ("llama3_json", '"parameters": '),
+                     ("gemma3", "<start_of_turn>"))
 
 
 def detect_format(template: str | None) -> str:

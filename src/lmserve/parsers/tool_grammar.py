@@ -11,6 +11,10 @@ text is exactly what its parser (tool_formats.py) reads:
     mistral      [TOOL_CALLS][{"name": "f", "arguments": ARGS}, ...]  (auto: one block, triggered by [TOOL_CALLS])
     pythonic     [f(a=1, b="x"), g()]  (auto: one call per list, triggered by "[f(" for each tool f)
     qwen3_xml    <tool_call>\\n<function=f>\\n PARAMS \\n</function>\\n</tool_call> (xgrammar's qwen_xml parameters)
+    phi4_mini    <|tool_call|>[{"name": "f", "arguments": ARGS}, ...]<|/tool_call|>  (auto: triggered by <|tool_call|>)
+    gemma3       as pythonic (Gemma 3's documented call list)
+    harmony      <|channel|>commentary to=functions.f <|constrain|>json<|message|>ARGS<|call|>, joined by
+                 "<|start|>assistant" (auto: triggered by "<|channel|>commentary to=functions.")
 
 pythonic arguments: the schema's required properties in order, then its optional ones (each may be left out),
 each `name=value` with the value a JSON value of the property's schema (valid Python for strings, numbers,
@@ -22,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmserve.parsers.tool_formats import HERMES_BEGIN, HERMES_END, HERMES_NAME_END
+from lmserve.parsers.tool_formats import HARMONY_CALL, HERMES_BEGIN, HERMES_END, HERMES_NAME_END
 from lmserve.structured.compiler import GrammarError
 from lmserve.structured.schema import unsupported_keywords
 
@@ -100,6 +104,14 @@ def _mistral_block(functions: list[dict], parallel: bool) -> dict:
     return _tag("[TOOL_CALLS][", _separated([_mistral_tag(f) for f in functions], ", ", parallel), "]")
 
 
+def _phi4_block(functions: list[dict], parallel: bool) -> dict:
+    return _tag("<|tool_call|>[", _separated([_mistral_tag(f) for f in functions], ", ", parallel), "]<|/tool_call|>")
+
+
+def _harmony_tag(f: dict) -> dict:
+    return _tag(HARMONY_CALL + f["name"] + " <|constrain|>json<|message|>", _json(_parameters(f)), "<|call|>")
+
+
 def _pythonic_tag(f: dict, prefix: str = "", suffix: str = "") -> dict:
     return _tag(prefix + f["name"] + "(", _kwargs(_parameters(f)), ")" + suffix)
 
@@ -136,6 +148,14 @@ def _python_value(schema: Any) -> dict[str, Any]:
     return _json(schema)
 
 
+def _pythonic_auto(fs: list[dict], p: bool) -> dict:
+    return _triggered(["[" + f["name"] + "(" for f in fs], [_pythonic_tag(f, "[", "]") for f in fs], p)
+
+
+def _pythonic_required(fs: list[dict], p: bool) -> dict:
+    return _seq([_const("["), _separated([_pythonic_tag(f) for f in fs], ", ", p), _const("]")])
+
+
 _FORMATS = {
     "hermes": (lambda fs, p: _triggered([HERMES_BEGIN[:len("<tool_call>")]], [_hermes_tag(f) for f in fs], p),
                lambda fs, p: _separated([_hermes_tag(f) for f in fs], "\n", p)),
@@ -143,9 +163,11 @@ _FORMATS = {
                     lambda fs, p: _separated([_llama_tag(f) for f in fs], "; ", p)),
     "mistral": (lambda fs, p: _triggered(["[TOOL_CALLS]"], [_mistral_block(fs, p)], p),
                 lambda fs, p: _mistral_block(fs, p)),
-    "pythonic": (lambda fs, p: _triggered(["[" + f["name"] + "(" for f in fs],
-                                          [_pythonic_tag(f, "[", "]") for f in fs], p),
-                 lambda fs, p: _seq([_const("["), _separated([_pythonic_tag(f) for f in fs], ", ", p), _const("]")])),
+    "pythonic": (_pythonic_auto, _pythonic_required),
+    "gemma3": (_pythonic_auto, _pythonic_required),
+    "phi4_mini": (lambda fs, p: _triggered(["<|tool_call|>"], [_phi4_block(fs, p)], p), _phi4_block),
+    "harmony": (lambda fs, p: _triggered([HARMONY_CALL], [_harmony_tag(f) for f in fs], p),
+                lambda fs, p: _separated([_harmony_tag(f) for f in fs], "<|start|>assistant", p)),
     "qwen3_xml": (lambda fs, p: _triggered(["<tool_call>"], [_xml_tag(f) for f in fs], p),
                   lambda fs, p: _separated([_xml_tag(f) for f in fs], "\n", p)),
 }

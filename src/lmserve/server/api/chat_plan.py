@@ -33,11 +33,12 @@ class ChatPlan:
     tools: list[dict]  # the OpenAI tool dicts the model may call ([]: none)
 
     def sampling_fields(self) -> dict[str, Any]:
-        """SamplingParams fields this plan sets: the reasoning tags, special tokens kept for a tool format whose
-        marker is one, and the call markers that end the turn at a repeated call."""
+        """SamplingParams fields this plan sets: the reasoning tags, special tokens kept for a tool format (or a
+        reasoning parser) whose marker is one, and the call markers that end the turn at a repeated call."""
         return {"reasoning_tags": None if self.reasoning is None else (self.reasoning.start, self.reasoning.end),
                 "repeat_stop": self.fmt.call_span if self.tools else None,
-                "skip_special_tokens": not (self.tools and self.fmt.keeps_special_tokens)}
+                "skip_special_tokens": not ((self.tools and self.fmt.keeps_special_tokens)
+                                            or (self.reasoning is not None and self.reasoning.keeps_special_tokens))}
 
 
 def plan_chat(st: ModelState, messages: list[dict], tools: list[dict], template_kwargs: dict[str, Any] | None = None,
