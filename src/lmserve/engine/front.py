@@ -22,7 +22,7 @@ from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
 from lmserve.structured.limit import STEERED_KINDS, limit_steer
-from lmserve.structured.reasoning_budget import ReasoningBudget
+from lmserve.structured.reasoning_budget import ANSWER_SEPARATOR, ReasoningBudget
 from lmserve.tokenizer import Tokenizer
 from lmserve.tokenizer.bounds import text_bytes
 from lmserve.tokenizer.tokenizer import RenderedChat
@@ -188,8 +188,10 @@ class EngineFront:
         """One completion's reasoning budget (None: the request set none); each completion counts its own."""
         if params.reasoning_budget is None or params.reasoning_tags is None:
             return None
-        start, end = (self.tokenizer.encode(tag, add_special_tokens=False) for tag in params.reasoning_tags)
-        return ReasoningBudget.for_prompt(prompt_ids, start, end, params.reasoning_budget, self.vocab_size, stop_ids)
+        start, end, sep = (self.tokenizer.encode(text, add_special_tokens=False)
+                           for text in (*params.reasoning_tags, ANSWER_SEPARATOR))
+        return ReasoningBudget.for_prompt(prompt_ids, start, end, params.reasoning_budget, self.vocab_size, stop_ids,
+                                          sep)
 
     def _reasoning_gate(self, prompt_ids: list[int], params: SamplingParams) -> ReasoningGate | None:
         """What holds a grammar back until the reasoning ends (None: it applies from the first token)."""

@@ -4,8 +4,11 @@ As llama.cpp's `--reasoning-budget` and SGLang's thinking budget do it, in the e
 reasoning tokens (from the first generated token when the prompt left a "<think>" open, as Qwen3's and R1's
 templates do; otherwise from the moment the output writes the start tag), and when only the end tag's tokens
 still fit in the budget, each next row of the step's bitmask allows one token, the next of the end tag
-("</think>" as the tokenizer encodes it), so the reasoning closes exactly as the template would have it and the
-model goes on with its answer. The budget counts every reasoning token, the end tag's included (usage's
+("</think>" as the tokenizer encodes it) and then ANSWER_SEPARATOR, so the reasoning closes exactly as the
+template writes a closed reasoning ("</think>\n\n" in Qwen3's and R1's) and the model goes on with its answer.
+From the reasoning's start to the answer's first token the request's stop tokens are masked out: a model that
+would stop inside its reasoning (one not trained to reason, like the tests' SmolLM2) or right after it still
+answers, so a budgeted reasoning is always followed by an answer. The budget counts every reasoning token, the end tag's included (usage's
 `reasoning_tokens` counts the same span), so a closed reasoning is at most `budget` tokens long; a budget
 smaller than the end tag still writes the whole tag (the reasoning must close for an answer to follow).
 
@@ -19,28 +22,33 @@ from __future__ import annotations
 import copy
 from typing import Any, Iterable, Sequence
 
+# what Qwen3's and DeepSeek R1's templates write between "</think>" and the answer: forced after a forced end tag
+ANSWER_SEPARATOR = "\n\n"
+
 
 class ReasoningBudget:
     """One sequence's reasoning budget: where its reasoning stands, and the end-tag tokens still to force."""
 
     def __init__(self, start: Sequence[int], end: Sequence[int], budget: int, open_in_prompt: bool,
-                 vocab_size: int, stop_token_ids: Iterable[int] = ()) -> None:
+                 vocab_size: int, stop_token_ids: Iterable[int] = (), separator: Sequence[int] = ()) -> None:
         self.start, self.end, self.budget = tuple(start), tuple(end), budget
+        self.separator = tuple(separator)  # forced after a forced end tag (ANSWER_SEPARATOR's tokens)
         self.vocab_size = vocab_size  # the logits width a row covers
         self.stop_token_ids = sorted(stop_token_ids)  # masked out until the answer's first token
         self.used: int | None = 0 if open_in_prompt else None  # reasoning tokens so far; None: not begun
         self.done = False  # the end tag was written (sampled or forced)
-        self.answered = False  # a token followed the end tag: nothing more to watch
-        self.plan: list[int] = []  # end-tag tokens still to force
+        self.answered = False  # the answer's first token was written: nothing more to watch
+        self.plan: list[int] = []  # end-tag (then separator) tokens still to force
         self._recent: tuple[int, ...] = ()  # the last tokens, enough to see a tag spanning steps
         self._plan_if_spent()
 
     @classmethod
     def for_prompt(cls, prompt: Sequence[int], start: Sequence[int], end: Sequence[int], budget: int,
-                   vocab_size: int, stop_token_ids: Iterable[int] = ()) -> "ReasoningBudget":
+                   vocab_size: int, stop_token_ids: Iterable[int] = (),
+                   separator: Sequence[int] = ()) -> "ReasoningBudget":
         """The budget of a request: counting from the first token when the prompt's last tag is an open start."""
         return cls(start, end, budget, _last_index(prompt, start) > _last_index(prompt, end), vocab_size,
-                   stop_token_ids)
+                   stop_token_ids, separator)
 
     @property
     def active(self) -> bool:
@@ -59,14 +67,19 @@ class ReasoningBudget:
 
     def draft_room(self) -> int | None:
         """How many drafts may run before forcing begins (None: no limit)."""
-        if self.done or self.used is None:
+        if self.done:
+            return 0 if self.plan else None
+        if self.used is None:
             return None  # before the start tag a draft may write it: then it is counted like a sampled token
         return 0 if self.plan else max(0, self.budget - len(self.end) - self.used)
 
     def accept(self, token: int) -> None:
         """Advance by one generated token."""
         if self.done:
-            self.answered = True
+            if self.plan:  # the separator after a forced end tag
+                self.plan = self.plan[1:] if token == self.plan[0] else []
+            else:
+                self.answered = True
             return
         self._recent = (*self._recent, int(token))[-max(len(self.start), len(self.end)):]
         if self.used is None:
@@ -79,7 +92,7 @@ class ReasoningBudget:
             # a forced row allows one token; another here means the caller ran without the mask: re-plan
             self.plan = self.plan[1:] if token == self.plan[0] else []
         if _ends_with(self._recent, self.end):
-            self.done, self.plan = True, []
+            self.done = True  # what is left of a plan is the separator: a model's own end tag leaves none
             return
         self._plan_if_spent()
 
@@ -103,7 +116,7 @@ class ReasoningBudget:
     def _plan_if_spent(self) -> None:
         """Start forcing the end tag once only its tokens still fit in the budget."""
         if self.used is not None and not self.done and not self.plan and self.used + len(self.end) >= self.budget:
-            self.plan = list(self.end)
+            self.plan = [*self.end, *self.separator]
 
 
 def _word(bit: int) -> int:
