@@ -9,6 +9,7 @@ Each budget runs 10 prompts; every one must reason at most budget + 1 tokens and
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
@@ -128,3 +129,32 @@ def test_budget_is_validated_and_without_one_smollm2_reasons_until_max_tokens(se
         "model": MODEL, "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}],
         "thinking": {"type": "enabled", "budget_tokens": 0}})
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
+
+
+def test_responses_effort_bounds_the_reasoning_and_the_json_format_starts_after_it(server):
+    """Responses' reasoning.effort is chat's reasoning_effort; a json_schema format is held back until the forced
+    "</think>" (the grammar never constrains the reasoning), then the answer parses and fits the schema."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"],
+              "additionalProperties": False}
+    budget = 32
+    for prompt in PROMPTS[:3]:
+        r = client.responses.create(model=MODEL, input=prompt, temperature=0, max_output_tokens=2 * budget + 64,
+                                    reasoning={"effort": "low"}, store=False,
+                                    text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+        assert r.reasoning.effort == "low"
+        kinds = [item.type for item in r.output]
+        assert kinds == ["reasoning", "message"], r.output
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens <= min(1024, (2 * budget + 64) // 2) + 1
+        assert "answer" in json.loads(r.output_text), r.output_text
+        assert not r.output[0].content[0].text.lstrip().startswith("{"), r.output[0]  # free text, not the grammar's
+
+
+def test_minimal_effort_closes_the_reasoning_at_once(server):
+    """minimal: budget 0, so the reasoning is the forced "</think>" alone (its tokens are the reasoning's count)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    end = _count(server, "</think>")
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       temperature=0, max_tokens=32, reasoning_effort="minimal")
+    assert r.usage.completion_tokens_details.reasoning_tokens == end
+    assert not r.choices[0].message.reasoning_content and r.choices[0].message.content.strip()

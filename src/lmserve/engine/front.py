@@ -178,18 +178,20 @@ class EngineFront:
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reuse = params.pooling is None or not self.pooler.needs_every_token
         return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
-                                   reasoning_budget=self._reasoning_budget(ids, params, stop_ids),
+                                   reasoning_budget=self._reasoning_budget(ids, params, stop_ids, grammar is None),
                                    grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate,
                                                                                 limit_steer(self._grammars, params)))
                 for i in range(params.n)]
 
-    def _reasoning_budget(self, prompt_ids: list[int], params: SamplingParams,
-                          stop_ids: frozenset[int]) -> ReasoningBudget | None:
-        """One completion's reasoning budget (None: the request set none); each completion counts its own."""
+    def _reasoning_budget(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
+                          separate: bool) -> ReasoningBudget | None:
+        """One completion's reasoning budget (None: the request set none); each completion counts its own.
+        `separate`: force ANSWER_SEPARATOR after a forced end tag; not under a grammar, whose first token must be
+        its own (the grammar starts right after "</think>")."""
         if params.reasoning_budget is None or params.reasoning_tags is None:
             return None
         start, end, sep = (self.tokenizer.encode(text, add_special_tokens=False)
-                           for text in (*params.reasoning_tags, ANSWER_SEPARATOR))
+                           for text in (*params.reasoning_tags, ANSWER_SEPARATOR if separate else ""))
         return ReasoningBudget.for_prompt(prompt_ids, start, end, params.reasoning_budget, self.vocab_size, stop_ids,
                                           sep)
 
