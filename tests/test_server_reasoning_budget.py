@@ -158,3 +158,19 @@ def test_minimal_effort_closes_the_reasoning_at_once(server):
                                        temperature=0, max_tokens=32, reasoning_effort="minimal")
     assert r.usage.completion_tokens_details.reasoning_tokens == end
     assert not r.choices[0].message.reasoning_content and r.choices[0].message.content.strip()
+
+
+def test_a_forced_tool_call_starts_after_the_budgeted_thinking(server):
+    """tool_choice "any": the call's grammar waits behind the reasoning gate, the forced "</think>" opens it, and
+    the tool_use block follows the thinking block (never inside it)."""
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                             "required": ["city"]}}
+    for prompt in ("What is the weather in Paris?", "Is it raining in Oslo?"):
+        m = client.messages.create(model=MODEL, max_tokens=160, extra_body={"temperature": 0}, tools=[tool],
+                                   tool_choice={"type": "any"}, thinking={"type": "enabled", "budget_tokens": 24},
+                                   messages=[{"role": "user", "content": prompt}])
+        assert [b.type for b in m.content][:2] == ["thinking", "tool_use"], m.content
+        assert "<tool_call>" not in m.content[0].thinking and _count(server, m.content[0].thinking + "</think>") <= 25
+        assert m.content[1].name == "get_weather" and isinstance(m.content[1].input["city"], str)
