@@ -86,3 +86,7 @@ def test_rows_through_drafts_equal_rows_after_accepting_them():
                 break
         for got, want in zip(rows, ref):
             assert torch.equal(got, want), (trial, drafts)
+        # what the scheduler sends instead of a bitmask row: the stop bans, and whether any row is forced
+        forced, bans = b.rows(drafts)
+        assert forced == any(int(r.sum()) == 1 for r in rows[:len(ref)])
+        assert bans == [j for j, r in enumerate(rows[:len(ref)]) if not r[STOP] and int(r.sum()) > 1] or forced

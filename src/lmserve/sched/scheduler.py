@@ -141,7 +141,11 @@ class Scheduler:
         for s in out.requests:
             req = self.requests[s.request_id]
             grammar, budget = req.grammar, req.reasoning_budget
-            budget = budget if budget is not None and budget.active else None
+            if budget is not None and budget.active and s.sample:
+                forced, s.stop_ban_rows = budget.rows(s.spec_token_ids)
+                budget = budget if forced else None  # a bitmask row only to force; stop bans go to the sampler
+            else:
+                budget = None
             if s.sample and (grammar is not None or budget is not None):
                 s.grammar_row = row
                 items.append((grammar, s.spec_token_ids, req.max_tokens - len(req.output_token_ids), budget))

@@ -8,7 +8,8 @@ still fit in the budget, each next row of the step's bitmask allows one token, t
 template writes a closed reasoning ("</think>\n\n" in Qwen3's and R1's) and the model goes on with its answer.
 From the reasoning's start to the answer's first token the request's stop tokens are masked out: a model that
 would stop inside its reasoning (one not trained to reason, like the tests' SmolLM2) or right after it still
-answers, so a budgeted reasoning is always followed by an answer. The budget counts every reasoning token, the end tag's included (usage's
+answers, so a budgeted reasoning is always followed by an answer. Those bans ride on the sampler's ban list (as min_tokens'
+does: `ScheduledRequest.stop_ban_rows`); a bitmask row is filled only for the few steps that force a token. The budget counts every reasoning token, the end tag's included (usage's
 `reasoning_tokens` counts the same span), so a closed reasoning is at most `budget` tokens long; a budget
 smaller than the end tag still writes the whole tag (the reasoning must close for an answer to follow).
 
@@ -96,11 +97,30 @@ class ReasoningBudget:
             return
         self._plan_if_spent()
 
+    def rows(self, drafts: list[int]) -> tuple[bool, list[int]]:
+        """(whether any of the rows 0 .. len(drafts) is forced, which of them mask the stop tokens), the drafts
+        followed on a copy. Without a forced row the stop bans go to the sampler's ban list (cheap, as min_tokens'),
+        not to a bitmask row."""
+        state = self._copy()
+        forced, bans = False, []
+        for j in range(len(drafts) + 1):
+            forced = forced or state.forced is not None
+            if state.bans_stop:
+                bans.append(j)
+            if j == len(drafts) or not state.active:
+                break
+            state.accept(drafts[j])
+        return forced, bans
+
+    def _copy(self) -> "ReasoningBudget":
+        state = copy.copy(self)
+        state.plan = list(self.plan)
+        return state
+
     def fill(self, bitmask: Any, row: int, drafts: list[int]) -> None:
         """Rows row .. row + len(drafts) (on top of what a grammar filled): the forced token alone, or the stop
         tokens cleared; the drafts are followed on a copy, so each row is the state after the drafts before it."""
-        state = copy.copy(self)
-        state.plan = list(self.plan)
+        state = self._copy()
         for j in range(len(drafts) + 1):
             forced = state.forced
             if forced is not None:
