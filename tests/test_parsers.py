@@ -316,7 +316,7 @@ def test_a_gated_grammar_masks_nothing_until_the_reasoning_ends(offline_llm):
     g = Grammar(compiled, tok.eos_token_ids, ReasoningGate(tuple(end)))
     assert len(end) > 1 and g.valid_prefix(thought + end + yes) == len(thought + end + yes)
     drafts = [*end, *yes]
-    allowed = reference_allowed(torch.from_numpy(fill_bitmask([(g, drafts, None)])), vocab.vocab_size)
+    allowed = reference_allowed(torch.from_numpy(fill_bitmask([(g, drafts, None, None)])), vocab.vocab_size)
     assert [int(allowed[r].sum()) for r in range(len(end))] == [vocab.vocab_size] * len(end)  # still thinking
     assert allowed[len(end)][yes[0]] and int(allowed[len(end)].sum()) < 10  # the grammar's first row
     assert not g.terminated and all(g.accept(t) for t in thought + end)  # the matcher saw nothing so far

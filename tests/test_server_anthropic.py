@@ -157,7 +157,7 @@ def test_keys_from_x_api_key_or_bearer_and_unknown_fields(server):
         r = httpx.post(server.url + "/v1/messages", json=body, headers=headers, timeout=120)
         assert r.status_code == 200, r.text
         assert r.headers["x-ignored-fields"] == "service_tier"
-    # thinking is accepted (its budget checked as Anthropic checks it: >= 1024 and below max_tokens)
+    # thinking is accepted (its budget must be below max_tokens, as Anthropic checks it)
     thinking = {"model": MODEL, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}
     r = httpx.post(server.url + "/v1/messages/count_tokens", json=thinking, headers={"x-api-key": KEY})
     assert r.status_code == 200 and r.json()["input_tokens"] > 5

@@ -225,10 +225,12 @@ def test_bad_requests_are_400_or_404_in_openais_shape(server, body, param):
 
 def test_unknown_fields_are_ignored_and_named(server):
     body = {"model": MODEL, "input": [{"role": "user", "content": "Hi.", "extra_item_field": 1}],
-            "max_output_tokens": 2, "temperature": 0, "reasoning": {"effort": "low"}, "text": {"verbosity": "low"}}
+            "max_output_tokens": 2, "temperature": 0, "prompt_cache_key": "k", "text": {"verbosity": "low"},
+            "reasoning": {"effort": "low"}}  # known: a reasoning budget, where a reasoning parser runs
     r = httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60)
     assert r.status_code == 200, r.text
-    assert set(r.headers["x-ignored-fields"].split(", ")) == {"reasoning", "text.verbosity", "input.0.extra_item_field"}
+    assert set(r.headers["x-ignored-fields"].split(", ")) == {"prompt_cache_key", "text.verbosity",
+                                                              "input.0.extra_item_field"}
 
 
 def test_an_agents_sdk_agent_calls_its_function_tool_and_uses_the_result(server, client):

@@ -360,3 +360,25 @@ def test_drafts_are_dropped_before_anyone_is_preempted_for_them():
     req.spec_token_ids = [5, 6, 7, 8, 9]  # positions 3..8 would need blocks 0-2: the pool has 2
     out = s.schedule()
     assert out.requests[0].spec_token_ids == [] and not out.preempted_ids and kv.block_ids("a") == [0]
+
+
+def test_ngram_greedy_with_a_reasoning_budget_equals_no_speculation(engines):
+    """Drafts stop where the budget forces "</think>" (ReasoningBudget.draft_room), and rows through drafts mask as
+    step by step: the same tokens with and without speculation, the tag forced at the same place."""
+    base, ngram = engines
+    before = ngram.engine.spec_stats.num_accepted_tokens
+    think = [p + base.tokenizer.encode("<think>\n", add_special_tokens=False)
+             for p in (chat(base, f"Repeat the following text exactly:\n{PASSAGE}"), chat(base, "Name a colour."))]
+    budgets = [SamplingParams(temperature=0, max_tokens=72, reasoning_tags=("<think>", "</think>"),
+                              reasoning_budget=b) for b in (0, 9, 40)]
+    prompts = [think[i % 2] for i in range(len(budgets))]
+    want = base.generate(prompts, budgets, use_tqdm=False)
+    _compare(want, ngram.generate(prompts, budgets, use_tqdm=False))
+    end = base.tokenizer.encode("</think>", add_special_tokens=False)
+    for out, p in zip(want, budgets):
+        reasoning, tag, answer = out.outputs[0].text.partition("</think>")
+        assert tag and answer.strip(), out.outputs[0].text
+        ids = out.outputs[0].token_ids
+        closed = next(i + len(end) for i in range(len(ids)) if ids[i:i + len(end)] == end)
+        assert closed <= max(p.reasoning_budget, len(end)), (closed, p.reasoning_budget)
+    assert ngram.engine.spec_stats.num_accepted_tokens > before  # drafts ran (and were cut, not dropped)

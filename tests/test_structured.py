@@ -160,7 +160,7 @@ def test_drafts_fill_one_row_per_position_and_leave_the_matcher_where_it_was(com
     g = Grammar(compiled.grammar, tok.eos_token_ids)
     ids = tok.encode("alpha beta gamma", add_special_tokens=False)
     assert g.valid_prefix(ids + ids) == len(ids)  # after the one choice only a stop token may follow
-    mask = torch.from_numpy(fill_bitmask([(g, ids[:2], None)]))
+    mask = torch.from_numpy(fill_bitmask([(g, ids[:2], None, None)]))
     allowed = reference_allowed(mask, mask.shape[1] * 32)
     pieces = [tok.decode([t], skip_special_tokens=False) for t in range(tok.vocab_size)]
     for row in range(3):  # row r: what may follow the first r drafts = every token that is a prefix of the rest

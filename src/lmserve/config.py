@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmserve.errors import ConfigError
@@ -133,6 +134,9 @@ class EngineConfig:
     speculative: "SpeculativeConfig | None" = None
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # serve --chat-template: this Jinja text replaces the model's own chat template (None: the model's), as vLLM's
+    # flag does; a reasoning template on a model without one (the tests give SmolLM2 a Qwen3-style "<think>")
+    chat_template: str | None = None
     lora: LoraConfig | None = None  # None: LoRA off (no wrappers, no per-step cost)
     pooling: str | None = None  # last | mean | cls for embedding requests; None: the checkpoint's (loader/pooling.py)
 
@@ -190,8 +194,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_offload=KVOffloadConfig(args.kv_offload_memory, args.kv_offload_dir, args.kv_offload_disk_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, enable_chunked_prefill=not args.no_chunked_prefill,
                                   **_step_budget(args.max_num_batched_tokens)),
-        lora=lora_config(args), pooling=args.pooling,
+        lora=lora_config(args), pooling=args.pooling, chat_template=_chat_template(args),
     )
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """serve's --chat-template: a file's text, else the flag's value taken as the template itself."""
+    value = getattr(args, "chat_template_file", None)
+    if not value:
+        return None
+    path = Path(value)
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else value
+    except OSError:
+        return value
 
 
 # a step carries what the host prefills in about this long, unless --max-num-batched-tokens says how many tokens

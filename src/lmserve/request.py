@@ -117,6 +117,8 @@ class Request:
     # structured outputs: this sequence's structured.Grammar (its matcher state follows output_token_ids);
     # typed loosely because plain data sits below the structured/ feature layer
     grammar: object | None = None
+    # params.reasoning_budget: this sequence's structured.reasoning_budget.ReasoningBudget (typed loosely, as grammar)
+    reasoning_budget: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs
@@ -130,7 +132,7 @@ class Request:
     def completion(cls, source: EngineRequest, index: int, prompt_ids: list[int], max_tokens: int,
                    stop_token_ids: frozenset[int], **computed: object) -> Request:
         """Completion `index` of `source`: its fields copied, plus what the front end computed for this completion
-        (`computed`: grammar, cache_salt, may_reuse_prefix)."""
+        (`computed`: grammar, reasoning_budget, cache_salt, may_reuse_prefix)."""
         p, rid = source.params, source.request_id
         return cls(rid if p.n == 1 else f"{rid}#{index}", list(prompt_ids), p, max_tokens, stop_token_ids,
                    parent_id=rid, index=index, seed=None if p.seed is None else p.seed + index,  # seed + i: its own

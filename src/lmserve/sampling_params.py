@@ -110,6 +110,9 @@ class SamplingParams:
     # (start, end) reasoning tags, e.g. ("<think>", "</think>"): the structured output applies only after the
     # output's end tag, unless the prompt already closed the reasoning (a reasoning parser's requests, as vLLM)
     reasoning_tags: tuple[str, str] | None = None
+    # at most this many reasoning tokens (the end tag's included), then the end tag is forced and the answer
+    # follows (structured/reasoning_budget.py); needs reasoning_tags; None: the reasoning runs until max_tokens
+    reasoning_budget: int | None = None
     # (begin, end) of a tool call, e.g. ("<tool_call>", "</tool_call>"): a call that repeats one already in the
     # output (same text, whitespace outside strings aside) ends the request before it (engine/repeat_stop.py)
     repeat_stop: tuple[str, str] | None = None
@@ -164,6 +167,10 @@ class SamplingParams:
         if self.reasoning_tags is not None and (len(self.reasoning_tags) != 2 or not all(
                 isinstance(t, str) and t for t in self.reasoning_tags)):
             raise ValueError("reasoning_tags must be two non-empty strings (start, end)")
+        if self.reasoning_budget is not None and (
+                isinstance(self.reasoning_budget, bool) or not isinstance(self.reasoning_budget, int)
+                or self.reasoning_budget < 0 or self.reasoning_tags is None):
+            raise ValueError("reasoning_budget must be an integer >= 0, with reasoning_tags")
         if self.repeat_stop is not None and (len(self.repeat_stop) != 2 or not all(
                 isinstance(t, str) and t for t in self.repeat_stop)):
             raise ValueError("repeat_stop must be two non-empty strings (begin, end)")

@@ -243,6 +243,9 @@ def _add_server_args(g) -> None:
                    "apply only after the reasoning ends (deepseek_r1: all text before </think>; qwen3: only what "
                    "follows <think>; gpt_oss: harmony's analysis channel; none with chat_template_kwargs "
                    "enable_thinking false) (default: none)")
+    g.add_argument("--chat-template", dest="chat_template_file", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template text) replacing the model's own for every "
+                   "chat route (default: the model's)")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="the tool-call format a model writes, reads back and is constrained to (tool_choice "
                    "required / named): hermes <tool_call>{json}</tool_call>, llama3_json {\"name\", \"parameters\"}, "

@@ -104,6 +104,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     done = apply_transforms(TransformContext(loaded, device, load_dtype, lora=cfg.lora,
                                              triton=backend.name == "triton", kv_dtype=kv_dtype))
     tokenizer = tokenizer or load_tokenizer(loaded)
+    if cfg.chat_template is not None:  # serve --chat-template
+        tokenizer.chat_template = cfg.chat_template
     model_cfg = loaded.config
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     block_size = cfg.cache.block_size

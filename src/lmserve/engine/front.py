@@ -22,6 +22,7 @@ from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
 from lmserve.structured.limit import STEERED_KINDS, limit_steer
+from lmserve.structured.reasoning_budget import ANSWER_SEPARATOR, ReasoningBudget
 from lmserve.tokenizer import Tokenizer
 from lmserve.tokenizer.bounds import text_bytes
 from lmserve.tokenizer.tokenizer import RenderedChat
@@ -177,9 +178,22 @@ class EngineFront:
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reuse = params.pooling is None or not self.pooler.needs_every_token
         return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
+                                   reasoning_budget=self._reasoning_budget(ids, params, stop_ids, grammar is None),
                                    grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate,
                                                                                 limit_steer(self._grammars, params)))
                 for i in range(params.n)]
+
+    def _reasoning_budget(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
+                          separate: bool) -> ReasoningBudget | None:
+        """One completion's reasoning budget (None: the request set none); each completion counts its own.
+        `separate`: force ANSWER_SEPARATOR after a forced end tag; not under a grammar, whose first token must be
+        its own (the grammar starts right after "</think>")."""
+        if params.reasoning_budget is None or params.reasoning_tags is None:
+            return None
+        start, end, sep = (self.tokenizer.encode(text, add_special_tokens=False)
+                           for text in (*params.reasoning_tags, ANSWER_SEPARATOR if separate else ""))
+        return ReasoningBudget.for_prompt(prompt_ids, start, end, params.reasoning_budget, self.vocab_size, stop_ids,
+                                          sep)
 
     def _reasoning_gate(self, prompt_ids: list[int], params: SamplingParams) -> ReasoningGate | None:
         """What holds a grammar back until the reasoning ends (None: it applies from the first token)."""

@@ -68,6 +68,9 @@ class Speculator:
             for req, drafts in zip(reqs, self.proposer.propose(reqs, limits)):
                 if req.grammar is not None:  # drafts the grammar refuses would only be rejected
                     drafts = drafts[:req.grammar.valid_prefix(drafts, req.max_tokens - len(req.output_token_ids))]
+                if req.reasoning_budget is not None:  # drafts stop where the end tag's forcing begins
+                    room = req.reasoning_budget.draft_room()
+                    drafts = drafts if room is None else drafts[:room]
                 req.spec_token_ids = drafts
 
     def remove(self, request_id: str) -> None:

@@ -92,6 +92,21 @@ def parser_for(name: str | None, template_kwargs: dict[str, Any] | None = None) 
     return REASONING_PARSERS[name]
 
 
+# Reasoning effort -> reasoning budget in tokens (the end tag's included; structured/reasoning_budget.py enforces
+# it): OpenAI chat's `reasoning_effort`, Responses' `reasoning.effort`, Ollama's `think` level. "minimal" (and
+# OpenAI's "none") closes the reasoning at once. These are this server's choice: OpenAI publishes no numbers.
+EFFORT_BUDGETS: dict[str, int] = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": 16384}
+
+
+def effort_budget(effort: str | None, max_tokens: int | None) -> int | None:
+    """The reasoning budget of an effort level (None: no level, no budget), capped at half of max_tokens so that
+    an answer always has room after the reasoning (an explicit Anthropic budget_tokens is taken as given)."""
+    if effort is None:
+        return None
+    budget = EFFORT_BUDGETS[effort]
+    return budget if max_tokens is None else min(budget, max_tokens // 2)
+
+
 # The machine's states: before "<think>" (qwen3), at the start where "<think>" may still be written
 # (deepseek_r1), inside the reasoning, after it.
 _BEFORE, _OPENING, _REASONING, _AFTER = "before", "opening", "reasoning", "after"

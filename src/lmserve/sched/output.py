@@ -55,6 +55,9 @@ class ScheduledRequest:
     # structured outputs: first row of this request's mask in SchedulerOutput.grammar_bitmask (one row per
     # logits row it samples: 1 + drafts); None when unconstrained or not sampling this step
     grammar_row: int | None = None
+    # a reasoning budget (structured/reasoning_budget.py): which of this request's logits rows (0 .. drafts) mask
+    # its stop tokens, as min_tokens does (the worker's ban, not a bitmask row: nothing per step but the ids)
+    stop_ban_rows: list[int] = field(default_factory=list)
     lora_slot: int = -1  # device slot of the request's LoRA adapter; -1: the base model
     pool: bool = False  # a pooling request: its rows' hidden states are pooled, never sampled (`sample`: pool now)
 

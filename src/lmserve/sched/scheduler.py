@@ -135,18 +135,25 @@ class Scheduler:
         return True
 
     def _grammar_rows(self, out: SchedulerOutput) -> None:
-        """Fill the step's bitmask: one row per logits row of each constrained request that samples."""
-        items, row = [], 0
+        """Fill the step's bitmask: one row per logits row of each constrained request that samples (a grammar, or a
+        reasoning budget: its end tag forced, its stop tokens masked until the answer begins)."""
+        items, row, width = [], 0, None
         for s in out.requests:
             req = self.requests[s.request_id]
-            grammar = req.grammar
-            if s.sample and grammar is not None:
+            grammar, budget = req.grammar, req.reasoning_budget
+            if budget is not None and budget.active and s.sample:
+                forced, s.stop_ban_rows = budget.rows(s.spec_token_ids)
+                budget = budget if forced else None  # a bitmask row only to force; stop bans go to the sampler
+            else:
+                budget = None
+            if s.sample and (grammar is not None or budget is not None):
                 s.grammar_row = row
-                items.append((grammar, s.spec_token_ids, req.max_tokens - len(req.output_token_ids)))
+                items.append((grammar, s.spec_token_ids, req.max_tokens - len(req.output_token_ids), budget))
+                width = width if budget is None else budget.vocab_size
                 row += 1 + len(s.spec_token_ids)
         if items:
             start = time.perf_counter()
-            out.grammar_bitmask = fill_bitmask(items)
+            out.grammar_bitmask = fill_bitmask(items, width)
             self.last_mask_s = time.perf_counter() - start
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
@@ -311,6 +318,8 @@ class Scheduler:
     def _accept(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
         """Append tokens until one stops the request; the rest of a speculative run is dropped."""
         for token, lp in zip(tokens, logprobs):
+            if req.reasoning_budget is not None:
+                req.reasoning_budget.accept(token)
             if req.grammar is not None and not req.grammar.accept(token):
                 # the mask allows only tokens the grammar accepts, so this is a bug; end the request, not the engine
                 log.error("request %s: grammar refused sampled token %d; aborting it", req.request_id, token)

@@ -198,6 +198,8 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     # vLLM's extension: extra variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning effort: with --reasoning-parser, a reasoning budget (parsers/reasoning.py EFFORT_BUDGETS)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     use_beam_search: bool = False  # vLLM's field: declared so that it is refused (a 400), never silently ignored
 
     @field_validator("chat_template_kwargs")

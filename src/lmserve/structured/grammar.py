@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from lmserve.structured.limit import LimitSteer
+from lmserve.structured.reasoning_budget import ReasoningBudget
 
 log = logging.getLogger(__name__)
 
@@ -168,16 +169,24 @@ def _fill_forced(bitmask: Any, row: int, drafts: list[int], plan: list[int]) -> 
         bitmask[row + j, t // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words: bit 31 is the sign
 
 
-def fill_bitmask(items: list[tuple[Grammar, list[int], int | None]]) -> np.ndarray:
+def fill_bitmask(items: list[tuple[Grammar | None, list[int], int | None, ReasoningBudget | None]],
+                 vocab_size: int | None = None) -> np.ndarray:
     """[rows, ceil(V / 32)] int32, token t allowed iff bit t % 32 of word t // 32 is set; 1 + drafts rows each.
 
-    Each item: a grammar, its drafts, and how many tokens its request may still emit (None: not steered)."""
+    Each item: a grammar (None: none), its drafts, how many tokens its request may still emit (None: not
+    steered), and its reasoning budget (None: none), whose rows go over the grammar's (a grammar inside the
+    reasoning is gated: its rows allow every token). `vocab_size`: the logits width when no item has a grammar
+    to take it from."""
     import xgrammar as xgr  # noqa: PLC0415
 
-    rows = sum(1 + len(d) for _, d, _ in items)
-    bitmask = xgr.allocate_token_bitmask(rows, items[0][0].vocab_size)  # all allowed
+    rows = sum(1 + len(d) for _, d, _, _ in items)
+    width = next((g.vocab_size for g, _, _, _ in items if g is not None), vocab_size)
+    bitmask = xgr.allocate_token_bitmask(rows, width)  # all allowed
     row = 0
-    for grammar, drafts, tokens_left in items:
-        grammar.fill(bitmask, row, drafts, tokens_left)
+    for grammar, drafts, tokens_left, budget in items:
+        if grammar is not None:
+            grammar.fill(bitmask, row, drafts, tokens_left)
+        if budget is not None:
+            budget.fill(bitmask, row, drafts)
         row += 1 + len(drafts)
     return bitmask.numpy()

@@ -181,9 +181,10 @@ class InputBatch:
             self.counts.index_put_((pending.rows, pending.tokens),
                                    torch.ones(pending.rows.shape[0], device=self.device), accumulate=True)
 
-    def metadata(self, request_ids: list[str], drafts: list[list[int]]
+    def metadata(self, request_ids: list[str], drafts: list[list[int]], stop_bans: list[list[int]] | None = None
                  ) -> tuple[SamplingMetadata, CountsGather | None]:
-        """Sampling metadata (numpy) for these requests, one entry per logits row: 1 + len(drafts[i]) each."""
+        """Sampling metadata (numpy) for these requests, one entry per logits row: 1 + len(drafts[i]) each.
+        `stop_bans`: per request, which of its rows mask its stop tokens besides min_tokens' (a reasoning budget)."""
         rows = np.fromiter((self.index[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
         m = np.fromiter((1 + len(d) for d in drafts), dtype=np.int64, count=len(drafts))
         idx = np.repeat(rows, m)  # [N] persistent row of each logits row
@@ -194,7 +195,7 @@ class InputBatch:
             temperature=c["temperature"], greedy=greedy, all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()), **self._filters(c), min_p=_used(c["min_p"], c["min_p"] > 0),
             **self._penalty_columns(c), output_counts=None, prompt_seen=None,
-            **self._bias(idx), ban_index=self._min_tokens_ban(idx, c, step),
+            **self._bias(idx), ban_index=self._min_tokens_ban(idx, c, step, _ban_rows(m, stop_bans)),
             generators=[(i, self.generators[r]) for i, r in enumerate(idx.tolist())
                         if self.generators[r] is not None and not self.greedy[r]],
             max_num_logprobs=int(c["logprobs"].max()) if (c["logprobs"] >= 0).any() else None,
@@ -240,13 +241,23 @@ class InputBatch:
         r, t, v = (np.asarray(x) for x in zip(*entries))
         return {"bias_index": (r.astype(np.int64), t.astype(np.int64)), "bias_values": v.astype(np.float32)}
 
-    def _min_tokens_ban(self, idx: np.ndarray, c: dict[str, np.ndarray], step: np.ndarray):
+    def _min_tokens_ban(self, idx: np.ndarray, c: dict[str, np.ndarray], step: np.ndarray, extra: list[int]):
         short = np.flatnonzero(c["num_output"] + step < c["min_tokens"])
+        if extra:
+            short = np.union1d(short, np.asarray(extra, dtype=np.int64))
         entries = [(int(i), tok) for i in short for tok in self.stop_ids[int(idx[i])] if tok < self.vocab]
         if not entries:
             return None
         r, t = zip(*entries)
         return np.asarray(r, dtype=np.int64), np.asarray(t, dtype=np.int64)
+
+
+def _ban_rows(m: np.ndarray, stop_bans: list[list[int]] | None) -> list[int]:
+    """The logits rows of `stop_bans` (offsets within each request's 1 + drafts rows)."""
+    if not stop_bans or not any(stop_bans):
+        return []
+    starts = (np.cumsum(m) - m).tolist()
+    return [starts[k] + j for k, offsets in enumerate(stop_bans) for j in offsets]
 
 
 def _used(values: np.ndarray, mask: np.ndarray) -> np.ndarray | None:

@@ -125,7 +125,8 @@ class ModelRunner:
         host, layout = self._inputs(out)
         sample_ids = [out.requests[i].request_id for i in layout.sample_reqs]
         drafts = [out.requests[i].spec_token_ids for i in layout.sample_reqs]
-        meta, gather = self.batch.metadata(sample_ids, drafts) if sample_ids else (None, None)
+        bans = [out.requests[i].stop_ban_rows for i in layout.sample_reqs]
+        meta, gather = self.batch.metadata(sample_ids, drafts, bans) if sample_ids else (None, None)
         if meta is not None and out.grammar_bitmask is not None:
             meta.grammar_bitmask, meta.grammar_rows = _grammar_rows(out, layout)
         lora_meta = self._lora_meta(out, layout) if self.lora is not None else None

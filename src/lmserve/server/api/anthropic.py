@@ -32,7 +32,7 @@ from lmserve.server.api.anthropic_protocol import (
     openai_tool_choice,
     openai_tools,
 )
-from lmserve.server.api.chat_plan import ChatPlan, plan_chat
+from lmserve.server.api.chat_plan import ChatPlan, plan_chat, with_budget
 from lmserve.server.api.openai import caller_of, collect
 from lmserve.server.api.params import build_params, structured_params, tool_structure
 from lmserve.server.config import TokenLimits
@@ -92,9 +92,10 @@ def _params(req: MessagesRequest, plan: ChatPlan, limits: TokenLimits) -> Sampli
         parallel = not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use)
         spec = tool_structure(plan.tools, openai_tool_choice(req.tool_choice), parallel, plan.fmt.name)
         structured = structured_params(spec, "tools")
-    return build_params(max_tokens=limits.resolve(req.max_tokens, None, "max_tokens"), temperature=req.temperature,
-                        top_p=req.top_p if req.top_p is not None else 1.0, top_k=req.top_k or 0,
-                        stop=list(req.stop_sequences or []), structured_outputs=structured, **plan.sampling_fields())
+    params = build_params(max_tokens=limits.resolve(req.max_tokens, None, "max_tokens"), temperature=req.temperature,
+                          top_p=req.top_p if req.top_p is not None else 1.0, top_k=req.top_k or 0,
+                          stop=list(req.stop_sequences or []), structured_outputs=structured, **plan.sampling_fields())
+    return with_budget(params, plan, req.thinking.budget_tokens if req.thinking is not None else None)
 
 
 def _content(text: str, parser: OutputParser | None) -> tuple[list[dict], bool]:

@@ -5,19 +5,21 @@ templated /api/generate) translates its body into OpenAI-shaped messages and too
 plan holds the server's tool-call format (`--tool-call-parser` or the template's family), the reasoning parser
 (`--reasoning-parser`, unless the request turned thinking off), the prompt (`prepare_chat`: tools offered in the
 template's way or as a preamble) and the `OutputParser` that splits the reply into reasoning, answer and calls.
-`sampling_fields()` gives what the plan adds to any family's SamplingParams: the reasoning tags (a grammar waits
+`with_budget` adds a reasoning budget (the engine forces the end tag when it is spent). `sampling_fields()` gives what the plan adds to any family's SamplingParams: the reasoning tags (a grammar waits
 for the reasoning to end, as vLLM), whether special tokens stay in the text (a tool format that marks calls
 with one) and the call markers by which a call that repeats one already made ends the turn.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from lmserve.parsers.output import OutputParser
 from lmserve.parsers.reasoning import ReasoningParser, parser_for
 from lmserve.parsers.tool_formats import ToolFormat
+from lmserve.sampling_params import SamplingParams
 from lmserve.server.api.tools import output_parser, prepare_chat, template_supports_tools, tool_format
 from lmserve.server.served import Chat, ModelState
 
@@ -39,6 +41,14 @@ class ChatPlan:
                 "repeat_stop": self.fmt.call_span if self.tools else None,
                 "skip_special_tokens": not ((self.tools and self.fmt.keeps_special_tokens)
                                             or (self.reasoning is not None and self.reasoning.keeps_special_tokens))}
+
+
+def with_budget(params: SamplingParams, plan: ChatPlan, budget: int | None) -> SamplingParams:
+    """`params` with a reasoning budget (the request's budget_tokens or effort level), where a reasoning parser
+    names the tags the engine forces; unchanged without one (no budget asked, or no reasoning to bound)."""
+    if budget is None or plan.reasoning is None:
+        return params
+    return dataclasses.replace(params, reasoning_budget=budget)
 
 
 def plan_chat(st: ModelState, messages: list[dict], tools: list[dict], template_kwargs: dict[str, Any] | None = None,

@@ -28,10 +28,11 @@ from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.ops.record import RequestRecord
 from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent
 from lmserve.parsers.output import OutputParser
+from lmserve.parsers.reasoning import effort_budget
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import ollama_models
-from lmserve.server.api.chat_plan import ChatPlan, plan_chat
+from lmserve.server.api.chat_plan import ChatPlan, plan_chat, with_budget
 from lmserve.server.api.ollama_protocol import (
     ChatRequest,
     GenerateRequest,
@@ -117,6 +118,7 @@ async def chat(request: Request) -> Response:
     variables = template_variables(st.front.tokenizer.chat_template)
     plan = plan_chat(st, chat_messages(req.messages), tools, think_kwargs(req.think, variables), req.think is not False)
     params = sampling_params(req, st.config.token_limits, tools, plan.fmt.name, plan.sampling_fields())
+    params = with_budget(params, plan, _think_budget(req.think, params.max_tokens))
     parser = plan.parser
     turn, merged = await _start(request, st, req, plan.chat, params, start)
     if not req.stream:
@@ -143,6 +145,8 @@ async def generate(request: Request) -> Response:
         return _loaded(st, keep, {"response": ""})
     plan = None if req.raw else _generate_plan(st, req)
     params = sampling_params(req, st.config.token_limits, plan_fields=plan.sampling_fields() if plan else None)
+    if plan is not None:
+        params = with_budget(params, plan, _think_budget(req.think, params.max_tokens))
     parser = plan.parser if plan is not None else None
     turn, merged = await _start(request, st, req, await _generate_prompt(st, req, plan, record_of(request)), params,
                                 start)
@@ -248,6 +252,12 @@ def _parts(text: str, parser: OutputParser | None) -> tuple[str, str]:
         return "", text
     parsed = parser.parse(text)
     return parsed.reasoning or "", parsed.content or ""
+
+
+def _think_budget(think: bool | str | None, max_tokens: int | None) -> int | None:
+    """`think` "low" / "medium" / "high" as a reasoning budget (parsers/reasoning.py EFFORT_BUDGETS); true thinks
+    without one (as Ollama does), false does not think at all (no reasoning parser)."""
+    return effort_budget(think, max_tokens) if isinstance(think, str) else None
 
 
 def _thinking(thinking: str | None, parser: OutputParser | None) -> dict:

@@ -143,6 +143,14 @@ class TextConfig(_NullMeansDefault):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_NullMeansDefault):
+    """`reasoning`: `effort` becomes a reasoning budget (chat's reasoning_effort); summaries are not written."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the older name of summary
+
+
 class ResponsesRequest(_NullMeansDefault):
     """POST /v1/responses (OpenAI's Responses API; the fields this server runs)."""
 
@@ -153,6 +161,7 @@ class ResponsesRequest(_NullMeansDefault):
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "name": ...} (checked below)
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -286,7 +295,8 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[
     """The chat completions body this request means (parsed by the caller as a ChatRequest)."""
     body: dict[str, Any] = {"model": req.model, "messages": messages, "temperature": req.temperature,
                             "top_p": req.top_p, "stream": req.stream, "user": req.user,
-                            "max_completion_tokens": req.max_output_tokens}
+                            "max_completion_tokens": req.max_output_tokens,
+                            "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None}
     if req.stream:  # the usage chunk ends the chat stream; response.completed carries it
         body["stream_options"] = {"include_usage": True}
     if req.tools:

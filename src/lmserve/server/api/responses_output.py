@@ -158,7 +158,7 @@ class ResponseShell:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+                "previous_response_id": req.previous_response_id, "reasoning": {"effort": req.reasoning.effort if req.reasoning is not None else None, "summary": None},
                 "store": self.stored, "temperature": req.temperature, "text": format_echo(req),
                 "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": tools_echo(req),
                 "top_p": req.top_p, "truncation": "disabled", "usage": usage, "user": req.user,
