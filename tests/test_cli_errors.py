@@ -25,7 +25,7 @@ from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest
 from tests import bad_files as bf
 from tests.conftest import write_tiny_llama
-from tests.server_util import running_server
+from tests.server_util import free_port, running_server
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the snapshot's (made-up) commit hash
@@ -95,8 +95,11 @@ SERVE_CASES = [
 
 @pytest.mark.parametrize("make_args,words", [c[1:] for c in SERVE_CASES], ids=[c[0] for c in SERVE_CASES])
 def test_serve_refuses_an_ordinary_mistake_in_one_line(tmp_path, make_args, words):
-    assert_one_line_error(lmserve("serve", *make_args(tmp_path), env={"HF_HUB_CACHE": str(tmp_path / "hub")}),
-                          *words)
+    # serve binds its port before it checks the other flags (server/start.py): a free one, so a neighbour test's
+    # server on the default 8000 cannot turn this mistake's line into "port in use"
+    args = make_args(tmp_path)
+    port = [] if "--port" in args else ["--port", str(free_port())]
+    assert_one_line_error(lmserve("serve", *port, *args, env={"HF_HUB_CACHE": str(tmp_path / "hub")}), *words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
