@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from packed_layout import cpu as cpu_line  # noqa: E402  (the CPU named the same way in both results)
 
 
 def child(threads: int) -> dict:
@@ -50,17 +53,6 @@ def child(threads: int) -> dict:
                     wall.append((w1 - w0) * 1e3)
         out[str(batch)] = {"cpu_ms": statistics.median(cpu), "wall_ms": statistics.median(wall)}
     return out
-
-
-def cpu_line() -> str:
-    name, flags = "?", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and name == "?":
-            name = line.split(":", 1)[1].strip()
-        elif line.startswith("flags") and not flags:
-            flags = set(line.split(":", 1)[1].split())
-    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f in flags]
-    return f"{name}, {os.cpu_count()} cores, flags {' '.join(shown)}"
 
 
 def main() -> None:
