@@ -35,6 +35,10 @@ STARTED = "Application startup complete"
 def lmserve(*args: str, env: dict | None = None, stdin: str = "") -> subprocess.CompletedProcess:
     """Run `python -m lmserve.cli ARGS` offline (the Hub is never reached from a test)."""
     env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", **(env or {})}
+    if args and args[0] == "serve" and "--port" not in args:
+        # serve binds its port before it checks the other flags (server/start.py): a free one, so that two refused
+        # starts in neighbouring test workers never meet on the default 8000 ("port in use" instead of the mistake)
+        args = ("serve", "--port", str(free_port()), *args[1:])
     return subprocess.run([sys.executable, "-m", "lmserve.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env, input=stdin)
 
@@ -95,11 +99,8 @@ SERVE_CASES = [
 
 @pytest.mark.parametrize("make_args,words", [c[1:] for c in SERVE_CASES], ids=[c[0] for c in SERVE_CASES])
 def test_serve_refuses_an_ordinary_mistake_in_one_line(tmp_path, make_args, words):
-    # serve binds its port before it checks the other flags (server/start.py): a free one, so a neighbour test's
-    # server on the default 8000 cannot turn this mistake's line into "port in use"
-    args = make_args(tmp_path)
-    port = [] if "--port" in args else ["--port", str(free_port())]
-    assert_one_line_error(lmserve("serve", *port, *args, env={"HF_HUB_CACHE": str(tmp_path / "hub")}), *words)
+    assert_one_line_error(lmserve("serve", *make_args(tmp_path), env={"HF_HUB_CACHE": str(tmp_path / "hub")}),
+                          *words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

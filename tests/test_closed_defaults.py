@@ -16,7 +16,7 @@ import ollama
 import pytest
 
 from tests.conftest import write_tiny_llama
-from tests.server_util import BASE_ARGS, MODEL, running_server
+from tests.server_util import BASE_ARGS, MODEL, free_port, running_server
 
 P1, P2 = "plain-closed-one-0123456789", "plain-closed-two-0123456789"
 KEY_FINGERPRINT = re.compile(r"key-[0-9a-f]{8}")  # a plain key's name: 8 hex digits of its SHA-256
@@ -88,7 +88,7 @@ def test_required_keys_refuse_to_start_without_one(tmp_path, key_file):
         (tmp_path / "keys").write_text(key_file)
         flags = ["--api-key-file", str(tmp_path / "keys")]
     env = {k: v for k, v in os.environ.items() if k != "LMSERVE_API_KEY"}
-    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--require-api-key", *flags, *BASE_ARGS,
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--require-api-key", *flags, *BASE_ARGS,
                         "--log-level", "info"], capture_output=True, text=True, timeout=300, env=env)
     out = p.stdout + p.stderr
     assert p.returncode == 2, out

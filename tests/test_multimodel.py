@@ -237,7 +237,9 @@ def test_split_parsing_and_picks():
 ])
 def test_bad_model_flags_are_one_line_errors(tiny, capsys, flags, says):
     from lmserve.cli import main
+    from tests.server_util import free_port
 
-    assert main(["serve", *[f.format(tiny=tiny) for f in flags]]) == 2
+    # a free port: serve binds it before these checks, and a neighbour's refused start may hold 8000 a moment
+    assert main(["serve", "--port", str(free_port()), *[f.format(tiny=tiny) for f in flags]]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err

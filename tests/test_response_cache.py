@@ -126,7 +126,7 @@ def test_a_key_at_its_share_evicts_only_its_own_entries(tmp_path, redis_url):
 
 
 def test_bad_cache_url_is_one_line_and_exit_2():
-    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--response-cache", "memcached://x"],
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--response-cache", "memcached://x"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--response-cache must be" in p.stderr and "Traceback" not in p.stderr
 

@@ -12,7 +12,7 @@ import time
 import openai
 
 from lmserve.cache.kv_disk import HEADER, SIGNED
-from tests.server_util import running_server
+from tests.server_util import free_port, running_server
 
 KEYS = ("sk-tier-a-0123456789abcdef", "sk-tier-b-0123456789abcdef")
 WORDS = ("A long system prompt sets out the house rules: answer briefly, cite the manual, never guess a part "
@@ -61,10 +61,10 @@ def test_a_long_prompt_is_answered_from_disk_after_a_restart_for_its_key_alone(t
 
 
 def test_bad_tier_flags_are_one_line_errors():
-    bad_dir = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--kv-offload-dir", "/proc/lmserve-kv"],
+    bad_dir = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--kv-offload-dir", "/proc/lmserve-kv"],
                              capture_output=True, text=True, timeout=120)
     assert bad_dir.returncode == 2 and "--kv-offload-dir /proc/lmserve-kv: cannot write there" in bad_dir.stderr
-    bad_size = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--kv-offload-memory", "2XB"],
+    bad_size = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--kv-offload-memory", "2XB"],
                               capture_output=True, text=True, timeout=120)
     assert bad_size.returncode == 2 and "'2XB' is not a size" in bad_size.stderr
 
@@ -127,7 +127,7 @@ def test_a_kv_offload_dir_every_user_may_write_is_refused_at_start(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o1777)  # like /tmp
-    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--kv-offload-dir", str(shared)],
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--kv-offload-dir", str(shared)],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")})
     assert p.returncode == 2 and "Traceback" not in p.stderr

@@ -19,7 +19,7 @@ import ollama
 import openai
 import pytest
 
-from tests.server_util import MODEL, running_server
+from tests.server_util import MODEL, free_port, running_server
 
 GREEDY = {"temperature": 0, "num_predict": 24}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -330,7 +330,9 @@ def test_bad_keep_alive_bounds_are_one_line(flags, says, capsys):
     from lmserve.cli import main
 
     try:
-        assert main(["serve", *flags]) == 2
+        # a free port: serve binds it before it checks these flags (server/start.py), and a neighbour test's
+        # server may hold the default 8000
+        assert main(["serve", "--port", str(free_port()), *flags]) == 2
     finally:
         gc.enable()
     err = capsys.readouterr().err
@@ -357,7 +359,7 @@ def test_a_bad_keep_alive_flag_is_one_line(capsys):
     from lmserve.cli import main
 
     try:
-        assert main(["serve", "--keep-alive", "5 parsecs"]) == 2
+        assert main(["serve", "--port", str(free_port()), "--keep-alive", "5 parsecs"]) == 2
     finally:
         gc.enable()  # serve turns the collector off for its start
     err = capsys.readouterr().err

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from lmserve.server.key_file import plain_name
-from tests.server_util import BASE_ARGS, MODEL, running_server
+from tests.server_util import BASE_ARGS, MODEL, free_port, running_server
 
 C = "/v1/completions"
 KEYS = {name: f"sk-{name}-0123456789abcdef" for name in ("rpm", "tpm", "conc", "nomodel", "hashed", "open")}
@@ -181,7 +181,7 @@ def test_keys_never_appear_in_metrics_or_payload_log_but_names_do(keyed):
 def test_bad_key_file_is_one_line_and_exit_2(tmp_path):
     path = tmp_path / "keys.yaml"
     path.write_text("keys:\n  - name: a\n    key: sk-never-printed-123\n    requests_per_minit: 3\n")
-    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--api-key-file", str(path), *BASE_ARGS],
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--api-key-file", str(path), *BASE_ARGS],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1
     assert "keys[0] (a): unknown field 'requests_per_minit'" in p.stderr and "sk-never" not in p.stderr

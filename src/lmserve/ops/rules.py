@@ -51,7 +51,7 @@ REQUEST_PARAMS = frozenset({
     "adapter_id", "best_of", "cache", "cache_salt", "chat_template_kwargs", "decoder_input_details", "details", "do_sample", "echo",
     "early_stopping", "frequency_penalty", "ignore_eos", "length_penalty", "use_beam_search",
     "logit_bias", "logprobs", "max_completion_tokens", "max_new_tokens", "max_tokens", "min_p", "min_tokens",
-    "model", "n", "presence_penalty", "prompt_logprobs", "repetition_penalty", "return_full_text", "seed", "stop",
+    "model", "n", "presence_penalty", "prompt_logprobs", "reasoning_effort", "repetition_penalty", "return_full_text", "seed", "stop",
     "stop_token_ids", "stream", "stream_options", "suffix", "temperature", "top_k", "top_logprobs", "top_p", "user", "watermark",
     # structured outputs and tools (objects: rules can require, forbid or allow-list them)
     "grammar", "guided_choice", "guided_grammar", "guided_json", "guided_regex", "parallel_tool_calls",
