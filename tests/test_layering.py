@@ -36,7 +36,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "deploy": {"cli", "server.app", "server"},  # each Ray Serve replica parses `lmserve serve` flags and runs the server's app
     # lmserve: `lmserve --version` reads the facade's __version__ (cli/__init__.py; flags.py and hub.py are cli too)
     "cli": {"lmserve", "bench", "server.app", "server.batch", "ops", "engine", "preflight", "tokenizer", "loader", "lora",
-            "parsers"},  # parsers: the --reasoning-parser / --tool-call-parser names
+            "parsers", "multimodal"},  # parsers: the --reasoning-parser / --tool-call-parser names
     "bench": {"engine", "preflight", "models", "layers"},  # `lmserve bench`: cli only registers its parser
     # server/ by concern: app.py, main.py and start.py assemble the app (server.app); each API family in server/api/ only
     # translates its shapes onto the shared middle (server: admission, streaming, errors, auth, metrics, state);
@@ -44,26 +44,28 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "server.app": {"server", "server.api", "server.batch", "server.playground", "server.models", "lmserve", "ops"},
     "server.batch": {"server", "server.api", "ops"},
     "server.api": {"server", "server.playground", "lmserve", "ops", "tokenizer", "lora", "structured",
-                   "parsers"},
+                   "parsers", "multimodal"},
     "server.playground": {"server"},  # api/openapi.py (above) documents the playground's share routes
     # structured: a compiled grammar's type; loader: the response cache fingerprints the weights
-    "server": {"server.models", "ops", "engine.serving", "lora", "loader", "structured"},
+    "server": {"server.models", "ops", "engine.serving", "lora", "loader", "structured", "multimodal"},
     # flags checked as the CLI checks them; hub names resolved; the engine type of a loaded model
     "server.models": {"preflight", "loader", "engine.serving"},
     "ops": set(),  # observability reads engine data handed to it; the engine never knows it exists
     "lmserve": {"engine"},  # the facade's lazy `from lmserve import LLM`
     "engine.serving": {"engine"},  # the seam: what server/ may know of the engine (engine/serving.py)
     "engine": {"sched", "sched.output", "cache", "worker", "spec", "structured", "lora", "loader", "tokenizer",
-               "preflight", "layers"},  # layers: engine/build.py picks the attention backend the runner uses
+               "preflight", "layers", "multimodal"},  # layers: engine/build.py picks the attention backend the runner uses
     "preflight": {"cache", "worker", "lora", "loader", "models", "layers", "tokenizer"},  # checks before a load
     "sched": {"sched.output", "cache", "structured"},
     "sched.output": set(),
     "cache": set(),
     # worker/transforms.py, the model's one transform pipeline, is worker's: it applies layers' weight formats, wrappers
     # and kernels and lora's slots to what loader built, and the engine, a TP rank and a draft run it
-    "worker": {"sched.output", "sample", "lora", "loader", "models", "layers"},
+    "worker": {"sched.output", "sample", "lora", "loader", "models", "layers", "multimodal"},
     "sample": {"structured", "layers"},  # layers: the native kernels (greedy argmax with its logprob)
     "spec": set(),
+    # images decoded and checked (image_io.py) and each vision family's preprocessing: plain data and Pillow, no I/O
+    "multimodal": set(),
     "structured": set(),
     "parsers": {"structured"},  # text -> reasoning, content, tool calls; each tool format's grammar (a structural tag)
     "lora": {"loader", "models", "layers"},
