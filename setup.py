@@ -1,7 +1,7 @@
-"""The native CPU kernels, compiled at install time for this machine's instruction-set level (layers/native.py).
+"""The native CPU kernels, compiled at install time for this machine's instruction-set level (layers/kernels/native.py).
 
 Everything else about the package is in pyproject.toml. Each level in native.LEVELS becomes an extension
-module `lmserve.layers._native_<level>`; `_native_build.json` beside them records which sources and torch each
+module `lmserve.layers.kernels._native_<level>`; `_native_build.json` beside them records which sources and torch each
 was built from, so a checkout whose kernels changed since falls back to a build at run time. Builds are also
 kept in ~/.cache/lmserve/kernels (the run-time cache, same keys): a reinstall, a new venv or `pip wheel .`
 copies them instead of compiling again.
@@ -27,16 +27,16 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-PACKAGE = "lmserve.layers"
+PACKAGE = "lmserve.layers.kernels"
 
 
 def load_native():
-    """lmserve/layers/native.py alone (it needs torch, not the rest of lmserve), or None without torch."""
+    """lmserve/layers/kernels/native.py alone (it needs torch, not the rest of lmserve), or None without torch."""
     if importlib.util.find_spec("torch") is None:
         print("setup.py: torch is not installed here: no native kernels built (lmserve compiles them at first "
               "use)", file=sys.stderr)
         return None
-    spec = importlib.util.spec_from_file_location("_lmserve_native_build", ROOT / "src/lmserve/layers/native.py")
+    spec = importlib.util.spec_from_file_location("_lmserve_native_build", ROOT / "src/lmserve/layers/kernels/native.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -12,7 +12,7 @@ tok/s, prefill excluded) and one stream alone (ms per output token, TPOT).
 
 "libgomp default" is the policy torch had before lmserve chose one: GOMP_SPINCOUNT=300000 is what
 libgomp uses when neither variable is set (~3 ms of spinning at every barrier before sleeping). The native kernels
-run on lmserve's own worker pool (layers/csrc/thread_pool.h), which those variables do not steer (they still steer
+run on lmserve's own worker pool (layers/kernels/csrc/thread_pool.h), which those variables do not steer (they still steer
 torch's own ops); "spinning everywhere" also makes the pool's workers poll without ever parking and turns its
 back-off off: the idle speed that spinning threads give, the reference of the issue's targets. `--base-src` adds
 the same rows for another checkout's sources (e.g. `git archive 5b69bc7 src | tar -x -C /tmp/base`, then
@@ -59,7 +59,7 @@ import torch
 a = json.loads(sys.argv[1])
 llm = LLM(num_threads=a["threads"], kv_cache_memory=128 * 2**20, max_num_seqs=a["streams"])
 eng = llm.engine
-from lmserve.layers.native import native_module
+from lmserve.layers.kernels.native import native_module
 mod = native_module()
 pool = hasattr(mod, "pool_stats")
 if a["pool"]:

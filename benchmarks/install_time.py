@@ -12,7 +12,7 @@ average around it (other processes on a shared machine stretch the wall time, no
 install's own progress lines.
 
 --units: each kernel unit of the host's level compiled alone with the flags torch's cpp_extension uses, for each
-git ref given (its layers/csrc/ as committed), reporting g++'s CPU seconds: the compile cost, not the machine's
+git ref given (its layers/kernels/csrc/ as committed), reporting g++'s CPU seconds: the compile cost, not the machine's
 load. Results: benchmarks/results/install_time.{json,md}, naming the CPU and its flags.
 """
 
@@ -95,7 +95,7 @@ def compile_flags(level_march: tuple[str, ...]) -> list[str]:
     """g++ flags as torch's cpp_extension passes them for an extension unit of this level."""
     import torch.utils.cpp_extension as cpp
 
-    from lmserve.layers import native
+    from lmserve.layers.kernels import native
 
     includes = [f for p in [*cpp.include_paths(), sysconfig.get_paths()["include"]] for f in ("-isystem", p)]
     return ["-DTORCH_EXTENSION_NAME=_t", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-fPIC", "-std=c++20",
@@ -103,12 +103,12 @@ def compile_flags(level_march: tuple[str, ...]) -> list[str]:
 
 
 def unit_seconds(ref: str, flags: list[str]) -> dict[str, float]:
-    """g++'s CPU seconds for each .cpp of layers/csrc/ as committed at `ref`, compiled one at a time."""
+    """g++'s CPU seconds for each .cpp of layers/kernels/csrc/ as committed at `ref`, compiled one at a time."""
     with tempfile.TemporaryDirectory(prefix="lmserve-units-") as tmp:
-        archive = subprocess.run(["git", "archive", ref, "src/lmserve/layers/csrc"], cwd=ROOT, check=True,
+        archive = subprocess.run(["git", "archive", ref, "src/lmserve/layers/kernels/csrc"], cwd=ROOT, check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        csrc = Path(tmp) / "src/lmserve/layers/csrc"
+        csrc = Path(tmp) / "src/lmserve/layers/kernels/csrc"
         times = {}
         for unit in sorted(csrc.glob("*.cpp")):
             r = timed(["g++", *flags, str(unit), "-o", str(Path(tmp) / (unit.stem + ".o"))])
@@ -119,7 +119,7 @@ def unit_seconds(ref: str, flags: list[str]) -> dict[str, float]:
 
 def machine() -> dict:
     """The CPU, the level it builds, its cores and flags (the /proc/cpuinfo line)."""
-    from lmserve.layers import native
+    from lmserve.layers.kernels import native
     from lmserve.utils import cpu_flags
 
     model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--note", default="", help="a line for the report (the machine's load, what else ran)")
     ap.add_argument("--out", default="install_time", help="results file name under benchmarks/results/")
     args = ap.parse_args()
-    from lmserve.layers import native
+    from lmserve.layers.kernels import native
     from lmserve.utils import cpu_flags
 
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "note": args.note}

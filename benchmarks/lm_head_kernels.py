@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from lmserve.layers.gguf_linear import GGUFLinear, kernel_layout, repack  # noqa: E402
-from lmserve.layers.half_linear import HalfLinear  # noqa: E402
-from lmserve.layers.linear import to_panels  # noqa: E402
-from lmserve.layers.native import native_module  # noqa: E402
+from lmserve.layers.formats.gguf_linear import GGUFLinear, kernel_layout, repack  # noqa: E402
+from lmserve.layers.formats.half_linear import HalfLinear  # noqa: E402
+from lmserve.layers.formats.linear import to_panels  # noqa: E402
+from lmserve.layers.kernels.native import native_module  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lmserve.layers.attention import ContiguousAttention
+from lmserve.layers.attention.context import ContiguousAttention
 from lmserve.loader import load_model, read_model_config, resolve_model_path
 from lmserve.lora.export import round_trip
 from lmserve.lora.merge import MergeSpec, merge_to_directory

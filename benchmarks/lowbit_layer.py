@@ -1,4 +1,4 @@
-"""Q2_K / Q3_K held near their file size (K2/K3, layers/gguf_linear.py) vs the 4-bit table layout (I4) they had.
+"""Q2_K / Q3_K held near their file size (K2/K3, layers/formats/gguf_linear.py) vs the 4-bit table layout (I4) they had.
 
     PYTHONPATH=src python benchmarks/lowbit_layer.py [--rows 2048 --cols 2048 --copies 24 --passes 7] \
         > benchmarks/results/lowbit_layer.md
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the random valid blocks
-from lmserve.layers.gguf_linear import (  # noqa: E402
+from lmserve.layers.formats.gguf_linear import (  # noqa: E402
     BLOCK_BYTES,
     I4,
     K2,

@@ -79,8 +79,8 @@ def decode_round(eng, seed: int) -> tuple[list[float], list[float]]:
 
 
 def module_path(eng) -> None:
-    """Take the runner's grouped-experts transform off (layers/moe_kernels.py): the per-expert module path."""
-    from lmserve.layers.moe import SparseMoE
+    """Take the runner's grouped-experts transform off (layers/kernels/moe_kernels.py): the per-expert module path."""
+    from lmserve.layers.blocks.moe import SparseMoE
 
     for module in eng.runner.model.modules():
         if isinstance(module, SparseMoE):
@@ -128,7 +128,7 @@ def report(results: dict, load: tuple[float, float], threads: int) -> str:
              f"256, 4 layers; {BATCH} requests, {PROMPT} prompt tokens, {NEW} new, greedy; {threads} threads; median "
              f"decode step over alternated rounds. Load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
              f"({load_note(max(load))}).", "",
-             "The MoE runs its experts grouped (layers/moe_kernels.py: one native call per projection); its module "
+             "The MoE runs its experts grouped (layers/kernels/moe_kernels.py: one native call per projection); its module "
              "path (one call per expert, the reference) is timed in the same rounds.", "",
              "| format | MoE step ms (cpu) | MoE module path ms (cpu) | dense step ms (cpu) | MoE tok/s | dense tok/s | "
              "MoE / dense (wall) | MoE / dense (cpu) | grouped vs module path (wall) | target |",

@@ -36,9 +36,9 @@ def measure(kinds: list[str], n: int, cols: int, copies: int, passes: int) -> di
     """This process's level: {kind: {layout: {M: median us}}}."""
     import torch
 
-    from lmserve.layers import gguf_linear
-    from lmserve.layers.gguf_linear import GGUFLinear, reference_linear, repack
-    from lmserve.layers.native import native_module
+    from lmserve.layers.formats import gguf_linear
+    from lmserve.layers.formats.gguf_linear import GGUFLinear, reference_linear, repack
+    from lmserve.layers.kernels.native import native_module
     from tests.test_gguf_linear import BLOCK_WEIGHTS, random_blocks
 
     out = {"module": native_module().__name__, "threads": torch.get_num_threads(), "kinds": {}}
@@ -98,7 +98,7 @@ def main() -> None:
     if args.child:  # one level, in this process
         print(json.dumps(measure(kinds, args.rows, args.cols, args.copies, args.passes)))
         return
-    from lmserve.layers.native import pick_level
+    from lmserve.layers.kernels.native import pick_level
     from lmserve.utils import cpu_flags
 
     here = cpu_flags()

@@ -1,4 +1,4 @@
-"""How long the native kernels' workers should poll before they park (layers/csrc/thread_pool.h's PoolTuning).
+"""How long the native kernels' workers should poll before they park (layers/kernels/csrc/thread_pool.h's PoolTuning).
 
     PYTHONPATH=src python benchmarks/pool_spin.py [--rounds 5] [--steps 24] [--streams 1,16]
 
@@ -28,7 +28,7 @@ from gguf_decode import cpu  # noqa: E402
 
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
-from lmserve.layers.native import native_module  # noqa: E402
+from lmserve.layers.kernels.native import native_module  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

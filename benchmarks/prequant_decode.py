@@ -5,7 +5,7 @@
 One random-weight model of SmolLM2-135M's shape (its config, the embedded file's tokenizer; seeded) is quantized
 twice: by llm-compressor (W4A16, symmetric, groups of 32, the compressed-tensors format GPTQ/AWQ one-shots write;
 round-to-nearest, or `--gptq`; the tied table stays unquantized, in the bfloat16 the model is in, as llm-compressor,
-GPTQ and AWQ checkpoints leave the LM head; lmserve holds it in bfloat16: layers/half_linear.py) and by the `gguf`
+GPTQ and AWQ checkpoints leave the LM head; lmserve holds it in bfloat16: layers/formats/half_linear.py) and by the `gguf`
 package's quantizer (Q4_0 projections, the tied token table in Q8_0, as llama.cpp's quantize gives a 576-wide
 table and the embedded SmolLM2 file has it). A third variant is that GGUF with a float32 token table.
 `weight_bytes` is what each reads per decoded token (lmserve.bench.roofline); `lm_head_ms` times each LM head alone

@@ -29,8 +29,8 @@ from gguf_decode import cpu  # noqa: E402
 
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
-from lmserve.layers.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack  # noqa: E402
-from lmserve.layers.native import native_module  # noqa: E402
+from lmserve.layers.kernels.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack  # noqa: E402
+from lmserve.layers.kernels.native import native_module  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -139,7 +139,7 @@ def prefill_section(engine: LLMEngine, n: int) -> list[str]:
 
 def native_split(prof: cProfile.Profile) -> dict[str, float]:
     """Seconds in each C++ kernel (built-ins: their own time is all their time). The extension is named for its
-    build (`_native_avx512_vnni`, `_native_avx2`, ...: layers/native.py), so its name is read, not assumed."""
+    build (`_native_avx512_vnni`, `_native_avx2`, ...: layers/kernels/native.py), so its name is read, not assumed."""
     prefix = native_module().__name__ + "."
     per = {}
     for (_, _, name), row in pstats.Stats(prof).stats.items():

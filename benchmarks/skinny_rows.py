@@ -1,4 +1,4 @@
-"""Skinny kernel (layers/csrc/gemv.cpp) vs oneDNN's packed GEMM for steps of 1..8 rows, float32 CPU.
+"""Skinny kernel (layers/kernels/csrc/gemv.cpp) vs oneDNN's packed GEMM for steps of 1..8 rows, float32 CPU.
 
     PYTHONPATH=src python benchmarks/skinny_rows.py [--threads 2] [--repeats 5] > benchmarks/results/skinny_rows.md
 
@@ -10,7 +10,7 @@ the median over all calls of `--repeats` passes (120 calls through the 30 layer 
 calls), skinny and oneDNN alternating pass by pass, so bursts of other work on a shared machine move both
 sides and the median little. "per step" sums 30 x (qkv + o + gate_up + down) + lm_head: the linear
 layers' share of one forward with M rows, every row sampled (a verify step). SKINNY_MAX_ROWS in
-layers/linear.py should be the largest M up to which every shape reads faster with skinny.
+layers/formats/linear.py should be the largest M up to which every shape reads faster with skinny.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 import torch
 from compare import _cpu_name, _flags  # benchmarks/compare.py: the same machine description
 
-from lmserve.layers.linear import to_panels
-from lmserve.layers.native import native_module
+from lmserve.layers.formats.linear import to_panels
+from lmserve.layers.kernels.native import native_module
 
 LAYERS = 30
 SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072), "down_proj": (1536, 576),

@@ -31,7 +31,7 @@ from packed_layout import cpu as cpu_line  # noqa: E402  (the CPU named the same
 def child(threads: int) -> dict:
     from lmserve.config import EngineConfig
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.layers.native import native_module
+    from lmserve.layers.kernels.native import native_module
     from lmserve.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(num_threads=threads))
@@ -68,7 +68,7 @@ def main() -> None:
         print(json.dumps(child(args.threads)))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from lmserve.layers.native import pick_level
+    from lmserve.layers.kernels.native import pick_level
     from lmserve.utils import cpu_flags
 
     trees = dict(t.split("=", 1) for t in args.trees.split(","))

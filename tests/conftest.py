@@ -15,7 +15,7 @@ import torch
 torch.set_num_threads(int(os.environ.get("LMSERVE_TEST_THREADS", "2")))
 
 # Without a GPU the Triton kernels run under Triton's interpreter (CPU tensors through numpy). Triton reads the
-# switch when a kernel is decorated, i.e. when lmserve.layers.triton's modules are first imported: setting it
+# switch when a kernel is decorated, i.e. when lmserve.layers.kernels.triton's modules are first imported: setting it
 # here, before pytest imports any test module, holds whatever order the tests import in (a fixture could run
 # after another module had imported them; a subprocess per test would pay the start-up again). On a CUDA machine
 # it stays unset, so the same tests compile the kernels for the GPU and the real-shape cases run.

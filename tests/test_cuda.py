@@ -11,7 +11,7 @@ import torch
 
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.layers.attention import ContiguousAttention
+from lmserve.layers.attention.context import ContiguousAttention
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.transforms import load_formatted
 from tests.conftest import VOCAB, write_tiny_llama
@@ -128,7 +128,7 @@ def test_cuda_int4_and_int8_layers_equal_the_cpu_layers():
     """The same float weights quantized on CUDA and on CPU give the same layer output (bf16 rounding apart)."""
     from torch import nn
 
-    from lmserve.layers.quantized import Int4Linear, Int8Linear
+    from lmserve.layers.formats.quantized import Int4Linear, Int8Linear
 
     torch.manual_seed(5)
     lin = nn.Linear(256, 96)
@@ -150,7 +150,7 @@ def _cuda_copy(lin):
 
 def test_cuda_int4_engine_batch_equals_alone(tiny):
     """--quantization int4 on CUDA: greedy alone == batched, blocks returned, logits == the CPU int4 model's."""
-    from lmserve.layers.quantized import Int4Linear
+    from lmserve.layers.formats.quantized import Int4Linear
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     g = torch.Generator().manual_seed(3)
@@ -210,8 +210,8 @@ def test_cuda_moe_and_sliding_window_engines_equal_the_cpu_engine(tmp_path, name
     with CUDA's defaults (the Triton backend: the MoE's experts in the fused Triton kernels, its decode steps replayed
     from CUDA graphs; Gemma's several KV groups decode eagerly) give the CPU engine's greedy tokens, their first
     token's logprob within float tolerance, over chunked prompts longer than the window; no KV block leaks."""
-    from lmserve.layers.triton.backend import TritonPagedAttention
-    from lmserve.layers.triton.moe import TritonExperts
+    from lmserve.layers.kernels.triton.backend import TritonPagedAttention
+    from lmserve.layers.kernels.triton.moe import TritonExperts
     from tests.tiny_models import build_hf
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -15,7 +15,7 @@ import torch
 from lmserve.cache.sizing import blocks_for, gpu_kv_budget
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.layers.paged_attention import context_mask, decode_attention
+from lmserve.layers.attention.paged import context_mask, decode_attention
 from lmserve.sampling_params import SamplingParams
 from lmserve.worker.cuda_graphs import bucket_for, decode_buckets
 from tests.test_engine import PROMPTS, assert_no_leak, run

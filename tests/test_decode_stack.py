@@ -1,4 +1,4 @@
-"""The native decode stack (layers/decode_stack.py): every layer of a decode-only step in one C++ call must give
+"""The native decode stack (layers/kernels/decode_stack.py): every layer of a decode-only step in one C++ call must give
 exactly the PyTorch module loop's outputs (same kernels, same order), and stand aside where it does not apply."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lmserve.layers.decode_stack import (
+from lmserve.layers.kernels.decode_stack import (
     DecodeStack,
     LayerWeights,
     NativeDecodeLoop,
@@ -14,7 +14,7 @@ from lmserve.layers.decode_stack import (
     apply_decode_stack,
     remove_decode_stack,
 )
-from lmserve.layers.native import native_module
+from lmserve.layers.kernels.native import native_module
 
 needs_native = pytest.mark.skipif(native_module() is None, reason="native kernels unavailable (no compiler)")
 

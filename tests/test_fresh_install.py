@@ -89,13 +89,13 @@ def fresh(tmp_path_factory) -> Fresh:
 def test_the_wheel_carries_a_build_for_each_level(fresh):
     import zipfile
 
-    from lmserve.layers.native import LEVELS
+    from lmserve.layers.kernels.native import LEVELS
 
     [wheel] = (fresh.root / "dist").glob("lmserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for level in LEVELS:
         assert any(n.startswith(f"lmserve/layers/{level.module}.") and n.endswith(".so") for n in names), level
-    assert "lmserve/layers/_native_build.json" in names
+    assert "lmserve/layers/kernels/_native_build.json" in names
 
 
 def test_every_command_has_help_and_the_version(fresh):

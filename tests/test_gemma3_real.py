@@ -82,7 +82,7 @@ def test_float_path_is_transformers_on_the_dequantized_file(float_engine, hf):
     """Last-position logits within 1e-4 of the largest; 64 greedy tokens identical from a short prompt and from a
     1,500-token one (the sliding layers see only the last 512 of it while the global ones see all), prefilled in
     chunks of 256 beside the short one; every block back in the pool after."""
-    from lmserve.layers.attention import ContiguousAttention
+    from lmserve.layers.attention.context import ContiguousAttention
 
     ref, _ = hf
     tok = float_engine.tokenizer
@@ -115,8 +115,8 @@ def test_packed_default_path_loads_and_generates(packed_engine, float_engine):
     """--quantization auto keeps the file's blocks: every projection (a qkv of Q5_0 and Q8_0 parts too), the table
     and the tied head; decode steps run through the native stack (sandwich norms, QK-norm, head_dim 256, windows);
     greedy tokens follow the float path's opening (int8 activations, as llama.cpp)."""
-    from lmserve.layers.gguf_embedding import GGUFEmbedding
-    from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
+    from lmserve.layers.formats.gguf_embedding import GGUFEmbedding
+    from lmserve.layers.formats.gguf_linear import FusedGGUFLinear, GGUFLinear
 
     eng = packed_engine
     assert eng.loaded.weight_format == "gguf"

@@ -13,8 +13,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from lmserve.layers.gguf_embedding import GGUFEmbedding
-from lmserve.layers.gguf_linear import BLOCK_BYTES, S8, GGUFLinear, kernel_layout, repack
+from lmserve.layers.formats.gguf_embedding import GGUFEmbedding
+from lmserve.layers.formats.gguf_linear import BLOCK_BYTES, S8, GGUFLinear, kernel_layout, repack
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_packed import auto_quantization
 from lmserve.worker.transforms import load_formatted

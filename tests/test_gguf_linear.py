@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from lmserve.layers.gguf_embedding import GGUFEmbedding
-from lmserve.layers.gguf_linear import (
+from lmserve.layers.formats.gguf_embedding import GGUFEmbedding
+from lmserve.layers.formats.gguf_linear import (
     BLOCK_BYTES,
     GGUFLinear,
     dequantize,
@@ -21,7 +21,7 @@ from lmserve.layers.gguf_linear import (
     repack,
     unpack,
 )
-from lmserve.layers.native import native_module
+from lmserve.layers.kernels.native import native_module
 
 # byte offsets of each type's float16 fields (ggml's block structs)
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
@@ -81,7 +81,7 @@ def test_mxfp4_exponents_as_ggml_reads_them():
     """Every E8M0 byte -> the gguf package's 2 ** (e - 128), subnormal ones included, bit for bit."""
     from gguf.quants import MXFP4
 
-    from lmserve.layers.gguf_linear import e8m0_half
+    from lmserve.layers.formats.gguf_linear import e8m0_half
 
     e = np.arange(256, dtype=np.uint8)
     assert np.array_equal(e8m0_half(e).view(np.uint32), MXFP4.e8m0_to_fp32_half(e).view(np.uint32))
@@ -185,7 +185,7 @@ def test_embedded_model_from_its_own_blocks():
     alone and in a batch (batch invariance); no KV block leaks."""
     from lmserve.config import CacheConfig, EngineConfig
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.layers.attention import ContiguousAttention
+    from lmserve.layers.attention.context import ContiguousAttention
     from lmserve.sampling_params import SamplingParams
     from tests.test_engine import PROMPTS, assert_no_leak, run
 
@@ -298,8 +298,8 @@ def test_a_low_bit_model_decodes_the_reference_paths_greedy_tokens(tmp_path, mon
     dequantize-then-matmul reference, the module loop and SDPA attention)."""
     from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.layers import native
-    from lmserve.layers.gguf_linear import FusedGGUFLinear
+    from lmserve.layers.formats.gguf_linear import FusedGGUFLinear
+    from lmserve.layers.kernels import native
     from lmserve.sampling_params import SamplingParams
     from lmserve.tokenizer import Tokenizer
     from tests.tiny_models import write_word_tokenizer

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.layers import gguf_linear
-from lmserve.layers.gguf_linear import S8, GGUFLinear, dequantize
-from lmserve.layers.moe_kernels import NativeExperts, apply_moe_kernels
-from lmserve.layers.native import native_module
+from lmserve.layers.formats import gguf_linear
+from lmserve.layers.formats.gguf_linear import S8, GGUFLinear, dequantize
+from lmserve.layers.kernels.moe_kernels import NativeExperts, apply_moe_kernels
+from lmserve.layers.kernels.native import native_module
 from lmserve.models.gpt_oss import mxfp4_dequantize
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import Tokenizer
@@ -178,7 +178,7 @@ def test_mxfp4_experts_from_gguf_and_hf_checkpoint(tiny, tmp_path, monkeypatch):
             for d in eng.step():
                 out[d.request_id] += d.token_ids
         assert [out[str(i)] for i in range(3)] == want, source.name
-    # the default on CPU keeps the GGUF's MXFP4 experts in their codes (held as S8, layers/gguf_linear.py): the
+    # the default on CPU keeps the GGUF's MXFP4 experts in their codes (held as S8, layers/formats/gguf_linear.py): the
     # weights exactly transformers' values, and the int8-dot kernels equal their dequantize-then-matmul reference
     # (int8 activations, as llama.cpp runs MXFP4: this tiny random model amplifies that rounding to ~5-30% of the
     # largest logit, so the comparison is with the reference, not transformers)

@@ -1,4 +1,4 @@
-"""--kv-cache-dtype int8 / fp8_e4m3: the native writer stores exactly what the PyTorch codec (layers/kv_quant.py)
+"""--kv-cache-dtype int8 / fp8_e4m3: the native writer stores exactly what the PyTorch codec (layers/attention/kv_quant.py)
 computes, the paged attention reads those rows in place as exactly their dequantized values, the decode stack and the
 module loop stay bit-identical over a quantized cache, and a token costs 0.53x the bytes of float16."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.layers import kv_quant
-from lmserve.layers.native import native_module
-from lmserve.layers.paged_attention import decode_attention, write_kv_reference
+from lmserve.layers.attention import kv_quant
+from lmserve.layers.attention.paged import decode_attention, write_kv_reference
+from lmserve.layers.kernels.native import native_module
 from lmserve.utils import KV_QUANT_DTYPES, resolve_kv_dtype
 
 kernel = native_module()
@@ -102,8 +102,8 @@ def test_window_softcap_scale_and_head_dim_256_over_a_quantized_cache(dtype, dim
     """The model families' options over a quantized cache (a sliding window ending mid-block, a soft-cap, a custom
     scale, head_dim 256): bit for bit the kernel over the dequantized values, and close to the PyTorch reference
     (as_values over the gathered blocks; attention_ref for the soft-cap)."""
-    from lmserve.layers.attention import AttnOptions
-    from lmserve.layers.paged_attention import context_mask
+    from lmserve.layers.attention.context import AttnOptions
+    from lmserve.layers.attention.paged import context_mask
 
     q, cache, tables, lens, mask = paged_case(dtype, 6, 8, 2, dim, 70, seed=dim)
     values = kv_quant.dequantize(cache)
@@ -120,9 +120,9 @@ def test_window_softcap_scale_and_head_dim_256_over_a_quantized_cache(dtype, dim
 def test_paged_attention_with_options_over_an_int8_cache_native_equals_pytorch(opts, monkeypatch):
     """A prompt, then a chunk after its cached prefix, then a decode row, with a window (and a soft-cap and scale)
     over an int8 cache: the native path equals the PyTorch one (reference writer, as_values over gathered blocks)."""
-    from lmserve.layers import native
-    from lmserve.layers.attention import AttnOptions
-    from lmserve.layers.paged_attention import PagedAttention, PagedAttentionMetadata, PrefillChunk
+    from lmserve.layers.attention.context import AttnOptions
+    from lmserve.layers.attention.paged import PagedAttention, PagedAttentionMetadata, PrefillChunk
+    from lmserve.layers.kernels import native
 
     options, g = AttnOptions(**opts), torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(30, h, 64, generator=g) for h in (4, 2, 2))
@@ -194,7 +194,7 @@ def int8_engine():
 def test_int8_cache_bytes_and_the_decode_stack_over_it(int8_engine):
     """A token's K/V take 0.53x the bytes of float16, and decode steps through the native stack give exactly the
     module loop's tokens and logprobs over the int8 cache (the same writer and reader in both)."""
-    from lmserve.layers.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack
+    from lmserve.layers.kernels.decode_stack import NativeDecodeLoop, apply_decode_stack, remove_decode_stack
     from lmserve.sampling_params import SamplingParams
     from lmserve.worker.model_runner import kv_bytes_per_block
     from tests.test_decode_stack import generate
@@ -241,7 +241,7 @@ def test_int8_prefill_tokens_equal_their_decode_rows_on_the_embedded_model(int8_
 def test_reference_gather_reads_back_what_the_reference_writer_stored():
     """The PyTorch path (no compiler, other devices): rows written by write_kv_reference and gathered for a prefix hit
     are the codec's values; an int8 slot costs D + D / 16 bytes per head."""
-    from lmserve.layers.paged_attention import gather_context
+    from lmserve.layers.attention.paged import gather_context
 
     g = torch.Generator().manual_seed(11)
     k, v = torch.randn(20, 3, 64, generator=g), torch.randn(20, 3, 64, generator=g)
@@ -260,7 +260,7 @@ def test_int8_cache_through_the_pytorch_path(monkeypatch):
     whole prompts and after a prefix-cache hit."""
     from lmserve.config import CacheConfig, EngineConfig
     from lmserve.engine.llm_engine import LLMEngine
-    from lmserve.layers import native
+    from lmserve.layers.kernels import native
     from lmserve.sampling_params import SamplingParams
     from tests.test_decode_stack import generate
     from tests.test_engine import PROMPTS, assert_no_leak

@@ -292,7 +292,7 @@ def test_floors_of_a_small_graph():
 
 # -- the checker itself must be able to fail --------------------------------------------------------
 
-KNOWN = {"lmserve.models.config", "lmserve.layers.fused", "lmserve.layers.rotary", "lmserve.server",
+KNOWN = {"lmserve.models.config", "lmserve.layers.kernels.fused", "lmserve.layers.blocks.rotary", "lmserve.server",
          "lmserve.server.app", "lmserve.cli", "lmserve.sched.output", "lmserve.sched.scheduler",
          "lmserve.worker.model_runner", "lmserve.sample.sampler", "lmserve.engine.llm_engine",
          "lmserve.engine.serving"}
@@ -303,10 +303,10 @@ def _flagged(module: str, source: str, is_package: bool = False) -> list[str]:
 
 
 @pytest.mark.parametrize("module,source,target", [
-    ("lmserve.layers.rotary", "from lmserve.models.config import ModelConfig", "lmserve.models.config"),
+    ("lmserve.layers.blocks.rotary", "from lmserve.models.config import ModelConfig", "lmserve.models.config"),
     ("lmserve.server.main", "def f():\n    from lmserve.cli import engine_config", "lmserve.cli"),
-    ("lmserve.layers.rotary", "import lmserve.models.config", "lmserve.models.config"),
-    ("lmserve.layers.rotary", "from ..models import config", "lmserve.models.config"),
+    ("lmserve.layers.blocks.rotary", "import lmserve.models.config", "lmserve.models.config"),
+    ("lmserve.layers.blocks.rotary", "from ...models import config", "lmserve.models.config"),
     ("lmserve.request", "from lmserve import server", "lmserve.server"),
     ("lmserve.sched.output", "from lmserve.sched.scheduler import Scheduler", "lmserve.sched.scheduler"),
     # siblings the graph keeps apart (a total order of tiers let these pass)
@@ -322,10 +322,10 @@ def test_checker_flags_an_import_the_graph_forbids(module, source, target):
 
 
 @pytest.mark.parametrize("module,source", [
-    ("lmserve.models.llama", "from lmserve.layers.rotary import cos_sin"),  # down
-    ("lmserve.layers.fused", "from lmserve.layers.rotary import apply_rotary"),  # same package
-    ("lmserve.layers.fused", "from . import rotary"),
-    ("lmserve.layers.linear", "from lmserve.utils import cpu_has_fast_bf16"),  # plain data
+    ("lmserve.models.llama", "from lmserve.layers.blocks.rotary import cos_sin"),  # down
+    ("lmserve.layers.kernels.fused", "from lmserve.layers.blocks.rotary import apply_rotary"),  # same package
+    ("lmserve.layers.kernels.fused", "from . import rotary"),
+    ("lmserve.layers.formats.linear", "from lmserve.utils import cpu_has_fast_bf16"),  # plain data
     ("lmserve.worker.inputs", "from lmserve.sched.output import ScheduledRequest"),  # plain data by module
     ("lmserve.server.api.tgi", "import lmserve"),
     ("lmserve.server.state", "from lmserve.engine.serving import AsyncEngine"),  # the middle holds the engine

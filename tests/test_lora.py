@@ -10,8 +10,8 @@ from torch import nn
 
 from lmserve.config import CacheConfig, EngineConfig, LoraConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.layers.linear import PackedLinear, can_pack
-from lmserve.layers.quantized import Int4Linear, Int8Linear
+from lmserve.layers.formats.linear import PackedLinear, can_pack
+from lmserve.layers.formats.quantized import Int4Linear, Int8Linear
 from lmserve.lora.layers import LoraBatch, LoraLinear, LoraSlice, lora_delta_reference
 from lmserve.lora.peft_adapter import read_peft_adapter
 from lmserve.lora.slots import LoraSlots

@@ -11,7 +11,7 @@ import torch
 
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear
+from lmserve.layers.formats.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import Tokenizer
 from lmserve.utils import KV_QUANT_DTYPES
@@ -159,7 +159,7 @@ def test_native_decode_stack_is_the_module_loop_bitwise(tiny, tmp_path, name, kv
     NoPE layers, per-kind rotary tables, windows, soft-caps; q/k and v in different block layouts): the runner
     applies it, and tokens and logprobs are bit-identical with it removed (Phi-3's partial rotary and the mixtures
     of experts keep the loop); also over quantized KV caches (Gemma 2's windows and soft-caps, Gemma 3's QK-norm and per-kind rotary)."""
-    from lmserve.layers.decode_stack import apply_decode_stack, remove_decode_stack
+    from lmserve.layers.kernels.decode_stack import apply_decode_stack, remove_decode_stack
 
     _, _, ref = tiny(name)
     kinds = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.layers.attention import ContiguousAttention
+from lmserve.layers.attention.context import ContiguousAttention
 from lmserve.worker.transforms import load_formatted
 from tests.conftest import hf_from_gguf, save_tiny_hf
 

@@ -1,7 +1,7 @@
-"""Mixture of experts (layers/moe.py): the sorted-by-expert layer against a token-by-token reference, batch invariance
+"""Mixture of experts (layers/blocks/moe.py): the sorted-by-expert layer against a token-by-token reference, batch invariance
 on the float (oneDNN-packed) and GGUF-block paths, GGUF `*_exps` experts kept in their blocks one slice at a time
 against the dequantized float model, Qwen's dense layers (`decoder_sparse_step`, `mlp_only_layers`), tensor
-parallelism, the native grouped experts (layers/moe_kernels.py: one kernel call per projection) against the
+parallelism, the native grouped experts (layers/kernels/moe_kernels.py: one kernel call per projection) against the
 module path, and a Qwen3-MoE served to the openai client. The per-family parity (logits and greedy tokens against
 transformers, both formats, chunked prefill and prefix caching) is in tests/test_model_families.py."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_linear import GGUFLinear, dequantize
-from lmserve.layers.linear import pack_linears
-from lmserve.layers.moe import SparseMoE, reference_moe, route
-from lmserve.layers.moe_kernels import NativeExperts, StackedGGUF, StackedPanels, apply_moe_kernels
+from lmserve.layers.blocks.moe import SparseMoE, reference_moe, route
+from lmserve.layers.formats.gguf_linear import GGUFLinear, dequantize
+from lmserve.layers.formats.linear import pack_linears
+from lmserve.layers.kernels.moe_kernels import NativeExperts, StackedGGUF, StackedPanels, apply_moe_kernels
 from lmserve.loader import load_model
 from lmserve.worker.transforms import load_formatted
 from tests.test_model_families import assert_close, prompts
@@ -111,7 +111,7 @@ def test_native_grouped_float_experts_equal_the_module_path(shared):
 def test_native_grouped_gguf_experts_equal_the_module_path(qwen3_moe):
     """GGUF experts (Q4_1 gate/up, Q8_0 down) stacked in the packed layout: one `quant_linear_experts` call per
     projection reads every expert's blocks in place and gives the per-expert GGUFLinear bits, at batch 16 and 1."""
-    from lmserve.layers import native
+    from lmserve.layers.kernels import native
 
     if native.native_module() is None or native.native_module().quant_packed_rows() == 0:
         pytest.skip("the packed GGUF layout needs the AVX-512 VNNI build")
@@ -137,7 +137,7 @@ def test_gguf_experts_stay_in_their_blocks_and_match_the_dequantized_reference(q
     reference path (every expert dequantized and multiplied in float64 with the kernel's int8 activations,
     `gguf_linear.reference_linear`) on the same input, and the model's greedy choices follow the float model's
     (int8 activations, as llama.cpp: a whole model's outputs drift apart by rounding, not by a wrong expert)."""
-    from lmserve.layers import native
+    from lmserve.layers.kernels import native
 
     _, _, gguf = qwen3_moe
     packed = load_formatted(gguf, torch.float32, CPU, quantization="gguf")

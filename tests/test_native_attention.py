@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.layers import native
-from lmserve.layers.paged_attention import decode_attention, native_decode
+from lmserve.layers.attention.paged import decode_attention, native_decode
+from lmserve.layers.kernels import native
 
 kernel = native.native_module()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ compiler here: the PyTorch path is used")
@@ -73,7 +73,7 @@ def test_prefill_tiles_equal_decode_rows_bitwise(dtype, heads, kv_heads, dim, wi
     once per tile; every row's output is the bits the per-row path (decode rows) gives it, over every cache format:
     chunks after cached prefixes, of lengths that are not whole tiles (G = 1..16 query heads per kv head gives tiles
     of 48..3 rows), a one-token chunk, two chunks of one request apart in the batch, a window, a soft-cap."""
-    from lmserve.layers import kv_quant
+    from lmserve.layers.attention import kv_quant
     from lmserve.utils import KV_QUANT_DTYPES
 
     if dtype in ("int8", "fp8_e4m3") and dtype not in KV_QUANT_DTYPES:
@@ -111,8 +111,8 @@ def test_kernel_refuses_what_it_cannot_run():
 def test_window_softcap_and_scale_equal_the_reference(dim, window, softcap, scale, half):
     """A sliding window (the last W keys, windows ending mid-block), a soft-cap and a custom scale: the kernel equals
     the plain definition (attention_ref through the gather path), head dims 64/128/256, float32 or float16 cache."""
-    from lmserve.layers.attention import AttnOptions
-    from lmserve.layers.paged_attention import context_mask
+    from lmserve.layers.attention.context import AttnOptions
+    from lmserve.layers.attention.paged import context_mask
 
     q, cache, tables, lens, mask = paged_case(6, 8, 2, dim, 70, seed=dim + (window or 0))
     cache = cache.half().float() if half else cache
@@ -132,8 +132,8 @@ def test_window_softcap_and_scale_equal_the_reference(dim, window, softcap, scal
 def test_paged_attention_honours_the_options_on_every_path(dim, opts):
     """Two sequences through the paged cache, as chunks after a cached prefix and then as decode rows: each token's
     output equals ContiguousAttention over the whole sequence with the same options."""
-    from lmserve.layers.attention import AttnOptions, ContiguousAttention
-    from lmserve.layers.paged_attention import PagedAttention, PagedAttentionMetadata, PrefillChunk
+    from lmserve.layers.attention.context import AttnOptions, ContiguousAttention
+    from lmserve.layers.attention.paged import PagedAttention, PagedAttentionMetadata, PrefillChunk
 
     options = AttnOptions(**opts)
     g = torch.Generator().manual_seed(dim)
@@ -205,7 +205,7 @@ def test_engine_tokens_equal_with_and_without_the_kernel(monkeypatch):
 
 def test_sinks_join_the_softmax_denominator():
     """attention_ref with sinks: each head's sink logit takes its share of the softmax and carries no value."""
-    from lmserve.layers.attention import AttnOptions, attention_ref, visible
+    from lmserve.layers.attention.context import AttnOptions, attention_ref, visible
 
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 1, 8, generator=g), torch.randn(5, 1, 8, generator=g)

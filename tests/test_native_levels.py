@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.layers import native
+from lmserve.layers.kernels import native
 from lmserve.utils import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]

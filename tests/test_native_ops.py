@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmserve.layers import fused, native
-from lmserve.layers.rotary import apply_rotary
+from lmserve.layers.blocks.rotary import apply_rotary
+from lmserve.layers.kernels import fused, native
 
 mod = native.native_module()
 needs_kernel = pytest.mark.skipif(mod is None, reason="no C++ compiler here: the PyTorch path is used")
@@ -112,7 +112,7 @@ def test_other_dtypes_and_switch_off_use_pytorch(monkeypatch):
                                       (576, 49152, False)])
 def test_skinny_linear_gives_onednns_bits(k, n, bias):
     """Steps of up to SKINNY_MAX_ROWS rows run the skinny kernel; its rows are oneDNN's bits in a batch of 64."""
-    from lmserve.layers.linear import SKINNY_MAX_ROWS, PackedLinear
+    from lmserve.layers.formats.linear import SKINNY_MAX_ROWS, PackedLinear
 
     torch.manual_seed(k + n)
     lin = torch.nn.Linear(k, n, bias=bias)
@@ -136,7 +136,7 @@ def test_skinny_kernel_gives_onednns_bits_for_1_to_8_rows(k, n, bias):
     K is not a multiple of 16, of the kernel's 64-input chunks nor of its 1024-input chain blocks, and N
     leaves a part-filled panel.
     """
-    from lmserve.layers.linear import PackedLinear
+    from lmserve.layers.formats.linear import PackedLinear
 
     torch.manual_seed(k * n)
     layer = PackedLinear(torch.nn.Linear(k, n, bias=bias))
@@ -157,7 +157,7 @@ def test_half_panels_give_the_float_kernels_bits_and_the_reference(dtype, k, n, 
     """bfloat16 / float16 panels (an LM head held in its checkpoint's dtype): each weight is widened exactly, so every
     row equals the float32 kernel over the upcast panels bit for bit, in any batch (batch invariant: 1-8 rows, slabs
     of 8 past that), and the plain reference (one float32 matmul) up to summation order. Odd K and a part panel."""
-    from lmserve.layers.half_linear import HalfLinear, reference_half_linear
+    from lmserve.layers.formats.half_linear import HalfLinear, reference_half_linear
 
     w = (rand(n, k, seed=k) / k ** 0.5).to(dtype)
     b = rand(n, seed=n) if bias else None
@@ -194,7 +194,7 @@ def test_coded_bf16_head_is_lossless_and_gives_the_plain_panels_bits(k, n, bias)
     rows come back bit for bit, and every row count gives the plain bfloat16 panels' outputs bit for bit (the same
     chains: batch invariant), the plain reference up to summation order. K not a multiple of 4 (a part group), past
     1024 (a restarted chain), N not a multiple of 16, exceptions present."""
-    from lmserve.layers.half_linear import HalfLinear, reference_half_linear
+    from lmserve.layers.formats.half_linear import HalfLinear, reference_half_linear
 
     w, b = with_exceptions(n, k), (rand(n, seed=n) if bias else None)
     coded, plain = HalfLinear(w, b), HalfLinear(w, b, coded=False)
@@ -217,9 +217,9 @@ def test_native_coder_gives_the_reference_codings_bytes(k, n):
     """The native coder (load time) writes the tensor-op reference's coding byte for byte: tables (ties between
     equally common high bytes broken the same way), indices and low bytes in the kernel's order, the padded inputs
     of a part group, and the exception lists; also for a panel of fewer than 16 distinct high bytes."""
-    from lmserve.layers.half_linear import code_panels_reference
-    from lmserve.layers.linear import to_panels
-    from lmserve.layers.native import native_module
+    from lmserve.layers.formats.half_linear import code_panels_reference
+    from lmserve.layers.formats.linear import to_panels
+    from lmserve.layers.kernels.native import native_module
 
     for w in (with_exceptions(n, k), torch.full((n, k), 0.5).bfloat16()):
         panels = to_panels(w)
@@ -230,7 +230,7 @@ def test_native_coder_gives_the_reference_codings_bytes(k, n):
 
 def test_a_float16_head_keeps_its_plain_panels():
     """float16's high byte holds 2 mantissa bits: 16 values leave too many weights out, so no coding is made."""
-    from lmserve.layers.half_linear import HalfLinear
+    from lmserve.layers.formats.half_linear import HalfLinear
 
     layer = HalfLinear(rand(64, 96, seed=3).half())
     assert layer.coded is None and layer.half_panels.dtype == torch.float16
@@ -239,7 +239,7 @@ def test_a_float16_head_keeps_its_plain_panels():
 def test_half_embedding_rows_from_the_tied_head():
     """A tied table held once, in the head (coded or plain panels): a looked-up row is the table's row widened
     (exact, exceptions included)."""
-    from lmserve.layers.half_linear import HalfEmbedding, HalfLinear, tied_half
+    from lmserve.layers.formats.half_linear import HalfEmbedding, HalfLinear, tied_half
 
     w = with_exceptions(37, 200)
     table, head = tied_half(w)
@@ -254,7 +254,7 @@ def test_half_embedding_rows_from_the_tied_head():
 
 @needs_kernel
 def test_skinny_linear_refuses_bad_inputs():
-    from lmserve.layers.linear import to_panels
+    from lmserve.layers.formats.linear import to_panels
 
     panels = to_panels(rand(20, 8))
     assert panels.shape == (2, 8, 16) and torch.equal(panels[1, :, 4:], torch.zeros(8, 12))  # zero padded

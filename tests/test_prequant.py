@@ -1,6 +1,6 @@
 """Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors) on the packed int kernels (loader/prequant.py).
 
-Unit tests: the exact mapping of integer codes onto the kernel layouts (layers/int_weights.py), each packing read
+Unit tests: the exact mapping of integer codes onto the kernel layouts (layers/formats/int_weights.py), each packing read
 back, the refusals. Then real checkpoints made here, offline: llm-compressor one-shots (GPTQ W4A16 groups of 128,
 AWQ W4A16 with zero points in groups of 32, GPTQ W8A16, W8A8 int8, FP8 dynamic) of a tiny random Llama with
 calibration tokens made in the test, and the GPTQ (v1, v2) and AWQ packings of the same integer codes; lmserve's
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.attention import ContiguousAttention
-from lmserve.layers.gguf_linear import S8, U4, GGUFLinear, dequantize, quantize_activations, reference_linear
-from lmserve.layers.int_weights import IntWeights, dequantize_int, kernel_blocks
+from lmserve.layers.attention.context import ContiguousAttention
+from lmserve.layers.formats.gguf_linear import S8, U4, GGUFLinear, dequantize, quantize_activations, reference_linear
+from lmserve.layers.formats.int_weights import IntWeights, dequantize_int, kernel_blocks
 from lmserve.loader import load_model, read_model_config
 from lmserve.loader.prequant import read_scheme
 from lmserve.loader.prequant_formats import read_awq, read_compressed_int, read_gptq
@@ -411,7 +411,7 @@ def test_a_bf16_head_is_held_in_bf16(bf16_tied):
     widening is exact)."""
     from safetensors import safe_open
 
-    from lmserve.layers.half_linear import HalfEmbedding, HalfLinear
+    from lmserve.layers.formats.half_linear import HalfEmbedding, HalfLinear
 
     with safe_open(str(bf16_tied.path / "model.safetensors"), "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"

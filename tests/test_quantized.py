@@ -9,7 +9,7 @@ from torch import nn
 
 from lmserve.config import CacheConfig, EngineConfig
 from lmserve.engine.llm_engine import LLMEngine
-from lmserve.layers.quantized import (
+from lmserve.layers.formats.quantized import (
     Int4Linear,
     Int8Linear,
     dequantize_int4,

@@ -243,7 +243,7 @@ def test_ngram_speculative_decoding_matches(tiny, reference, name):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run; tests/test_cuda.py covers CUDA")
 def test_the_triton_kernels_read_each_groups_tables(tiny, reference):
     """The Triton backend (under its interpreter here) over the same groups: a long prompt in chunks, then decodes."""
-    from lmserve.layers.triton import triton_importable
+    from lmserve.layers.kernels.triton import triton_importable
 
     if not triton_importable():
         pytest.skip("Triton is not installed")

@@ -288,7 +288,7 @@ def test_bad_speculative_config_is_named():
 
 def test_sampled_speculation_matches_the_exact_distribution(tmp_path):
     """Tiny random model, top-k 4: the exact joint law of the first two tokens is computable."""
-    from lmserve.layers.attention import ContiguousAttention
+    from lmserve.layers.attention.context import ContiguousAttention
 
     path = tmp_path / "tiny"
     write_tiny_llama(path)

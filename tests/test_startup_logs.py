@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmserve.layers import linear, native
+from lmserve.layers.formats import linear
+from lmserve.layers.kernels import native
 from lmserve.utils import cpu_flags
 from lmserve.worker.transforms import load_formatted
 from tests.conftest import LAYERS, write_tiny_llama
@@ -39,7 +40,7 @@ def info_lines(caplog) -> list[str]:
 
 def test_a_build_is_announced_and_timed_and_a_cached_load_is_quiet(monkeypatch, tmp_path, caplog):
     builds = fake_build(monkeypatch, tmp_path)
-    with caplog.at_level(logging.DEBUG, logger="lmserve.layers.native"):
+    with caplog.at_level(logging.DEBUG, logger="lmserve.layers.kernels.native"):
         assert native._build() is not None
     assert len(builds) == 1
     lines = info_lines(caplog)
@@ -48,7 +49,7 @@ def test_a_build_is_announced_and_timed_and_a_cached_load_is_quiet(monkeypatch, 
                         f"{torch.__version__} here yet; once) ...")
     assert lines[1].startswith("native kernels compiled in ") and lines[1].endswith(" s")
     caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="lmserve.layers.native"):
+    with caplog.at_level(logging.DEBUG, logger="lmserve.layers.kernels.native"):
         assert native._build() is not None
     assert len(builds) == 1  # the second start found the build
     assert info_lines(caplog) == [] and "loaded from" in caplog.text  # DEBUG only

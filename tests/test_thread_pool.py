@@ -1,4 +1,4 @@
-"""The native kernels' own worker pool (layers/csrc/thread_pool.h): any number of threads, any chunking, concurrent
+"""The native kernels' own worker pool (layers/kernels/csrc/thread_pool.h): any number of threads, any chunking, concurrent
 callers and forked children give the single thread's bits; and a decode step's ~150 kernel calls cost no thread
 wake-ups while the workers poll (what made one stream slow under OMP_WAIT_POLICY=PASSIVE)."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from lmserve.layers import native
+from lmserve.layers.kernels import native
 
 mod = native.native_module()
 # serial: the pool's wake-up and park counts are read under a quiet machine's scheduling; a test running beside it

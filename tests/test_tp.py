@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lmserve import LLM, SamplingParams
 from lmserve.errors import ConfigError
-from lmserve.layers.attention import ContiguousAttention
+from lmserve.layers.attention.context import ContiguousAttention
 from lmserve.loader.sharding import TPShard, shard_bounds
 from lmserve.worker.tp_worker import RankSpec, init_group
 from lmserve.worker.transforms import load_formatted

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from lmserve.config import LoraConfig
-from lmserve.layers.linear import PackedLinear, can_pack
-from lmserve.layers.quantized import Int8Linear
+from lmserve.layers.formats.linear import PackedLinear, can_pack
+from lmserve.layers.formats.quantized import Int8Linear
 from lmserve.loader import load_model
 from lmserve.worker import transforms
 from lmserve.worker.transforms import TRANSFORMS, WEIGHT_STEPS, TransformContext, apply_transforms

@@ -1,4 +1,4 @@
-"""Each Triton kernel against its torch reference (layers/triton/reference.py).
+"""Each Triton kernel against its torch reference (layers/kernels/triton/reference.py).
 
 Without a GPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before
 anything imports them), at small, deliberately awkward shapes: GQA groups of 3, head_dim 24 (not a power of
@@ -15,19 +15,19 @@ import torch
 
 pytest.importorskip("triton")
 
-from lmserve.layers.attention import AttnOptions  # noqa: E402
-from lmserve.layers.rotary import cos_sin, inv_frequencies  # noqa: E402
-from lmserve.layers.triton import interpreting  # noqa: E402
-from lmserve.layers.triton.decode import num_kv_splits, paged_decode  # noqa: E402
-from lmserve.layers.triton.moe import fused_moe, sort_by_expert  # noqa: E402
-from lmserve.layers.triton.prefill import paged_prefill  # noqa: E402
-from lmserve.layers.triton.reference import (  # noqa: E402
+from lmserve.layers.attention.context import AttnOptions  # noqa: E402
+from lmserve.layers.blocks.rotary import cos_sin, inv_frequencies  # noqa: E402
+from lmserve.layers.kernels.triton import interpreting  # noqa: E402
+from lmserve.layers.kernels.triton.decode import num_kv_splits, paged_decode  # noqa: E402
+from lmserve.layers.kernels.triton.moe import fused_moe, sort_by_expert  # noqa: E402
+from lmserve.layers.kernels.triton.prefill import paged_prefill  # noqa: E402
+from lmserve.layers.kernels.triton.reference import (  # noqa: E402
     attention_reference,
     decode_reference,
     fused_moe_reference,
     rope_write_kv_reference,
 )
-from lmserve.layers.triton.rope_kv import rope_write_kv  # noqa: E402
+from lmserve.layers.kernels.triton.rope_kv import rope_write_kv  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -194,12 +194,12 @@ def test_fused_moe_matches_reference(dtype):
 
 @pytest.mark.parametrize("shared", [0, 32])
 def test_triton_experts_wired_into_the_moe_layer_match_the_reference(shared):
-    """The moe_kernels step with the Triton backend (layers/moe_kernels.py) gives a SparseMoE the fused kernels:
+    """The moe_kernels step with the Triton backend (layers/kernels/moe_kernels.py) gives a SparseMoE the fused kernels:
     the layer (router, Triton experts, Qwen2-MoE's shared expert) equals the token-by-token reference at batch 16 and
     batch 1, and the experts' own weights are views of the stacked w13 / w2 (one copy)."""
-    from lmserve.layers.moe import reference_moe
-    from lmserve.layers.moe_kernels import apply_moe_kernels
-    from lmserve.layers.triton.moe import TritonExperts
+    from lmserve.layers.blocks.moe import reference_moe
+    from lmserve.layers.kernels.moe_kernels import apply_moe_kernels
+    from lmserve.layers.kernels.triton.moe import TritonExperts
     from tests.test_moe import random_moe
 
     moe = random_moe(shared).to(DEVICE)

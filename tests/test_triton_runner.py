@@ -19,9 +19,9 @@ from lmserve.cache.sizing import blocks_for  # noqa: E402
 from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.errors import ConfigError  # noqa: E402
-from lmserve.layers.attention_backends import resolve_attention_backend  # noqa: E402
-from lmserve.layers.triton.backend import TritonPagedAttention  # noqa: E402
-from lmserve.layers.triton.decode import num_kv_splits  # noqa: E402
+from lmserve.layers.attention.backends import resolve_attention_backend  # noqa: E402
+from lmserve.layers.kernels.triton.backend import TritonPagedAttention  # noqa: E402
+from lmserve.layers.kernels.triton.decode import num_kv_splits  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import KV_HEADS, write_tiny_llama  # noqa: E402
 from tests.test_engine import assert_no_leak  # noqa: E402
@@ -189,8 +189,8 @@ def test_a_moe_model_runs_its_experts_through_the_triton_kernels(tmp_path):
     fused Triton experts (the reference backend's runner gives them the native CPU kernels), and the greedy tokens and
     logprobs equal the reference engine's. The Triton engine's model keeps plain float linears, as on CUDA (the CPU's
     oneDNN packing is for the CPU kernels)."""
-    from lmserve.layers.moe_kernels import NativeExperts
-    from lmserve.layers.triton.moe import TritonExperts
+    from lmserve.layers.kernels.moe_kernels import NativeExperts
+    from lmserve.layers.kernels.triton.moe import TritonExperts
     from lmserve.worker.transforms import load_formatted
     from tests.tiny_models import build_hf
 

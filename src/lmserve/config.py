@@ -126,7 +126,7 @@ class EngineConfig:
     # (benchmarks/results/gpu.json: 5-10x eager decode); --enforce-eager turns them off
     cuda_graphs: bool = True
     enforce_eager: bool = False  # never replay graphs, whatever cuda_graphs says (vLLM's flag)
-    # auto | triton | reference: who attends over the paged KV cache (layers/attention_backends.py)
+    # auto | triton | reference: who attends over the paged KV cache (layers/attention/backends.py)
     attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     kv_offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)

@@ -24,9 +24,9 @@ from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.cpu_dtype import resolve_dtype
 from lmserve.errors import ConfigError
 from lmserve.files import private_dir, read_secret
-from lmserve.layers.attention_backends import resolve_attention_backend
-from lmserve.layers.kv_quant import check_head_dim
-from lmserve.layers.quantized import check_scheme
+from lmserve.layers.attention.backends import resolve_attention_backend
+from lmserve.layers.attention.kv_quant import check_head_dim
+from lmserve.layers.formats.quantized import check_scheme
 from lmserve.loader import read_model_config, resolve_model_path
 from lmserve.loader.sharding import local_config
 from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter

@@ -13,7 +13,7 @@ from lmserve.files import read_json_object
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16}
-# --kv-cache-dtype's one-byte formats (codes + a scale per token and head: layers/kv_quant.py); fp8 where torch has it
+# --kv-cache-dtype's one-byte formats (codes + a scale per token and head: layers/attention/kv_quant.py); fp8 where torch has it
 KV_QUANT_DTYPES = {"int8": torch.int8}
 if hasattr(torch, "float8_e4m3fn"):
     KV_QUANT_DTYPES["fp8_e4m3"] = torch.float8_e4m3fn

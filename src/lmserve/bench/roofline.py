@@ -31,7 +31,7 @@ class Roofline:
 
 
 _WEIGHT_BUFFERS = ("packed", "codes", "scales", "mins", "half_panels")  # oneDNN-packed float weights; GGUF blocks
-# kept quantized; a bf16 / fp16 head's panels, or a bf16 head's 12-bit codes (layers/half_linear.py)
+# kept quantized; a bf16 / fp16 head's panels, or a bf16 head's 12-bit codes (layers/formats/half_linear.py)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -85,8 +85,8 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
 
 def matmul_tflops(cfg: ModelConfig, dtype: torch.dtype, tokens: int = 256, repeats: int = 3) -> float:
     """Best TFLOP/s of [tokens, hidden] x [hidden, intermediate] and back (the model's MLP shapes), over
-    the plain and the pre-packed weight formats (layers/linear.py)."""
-    from lmserve.layers.linear import PackedLinear, can_pack
+    the plain and the pre-packed weight formats (layers/formats/linear.py)."""
+    from lmserve.layers.formats.linear import PackedLinear, can_pack
 
     x = torch.randn(tokens, cfg.hidden_size, dtype=dtype)
     l1 = torch.nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)

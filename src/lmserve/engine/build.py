@@ -19,8 +19,8 @@ from lmserve.config import EngineConfig
 from lmserve.cpu_dtype import auto_dtype_why, resolve_dtype
 from lmserve.engine.speculate import Proposer, make_proposer
 from lmserve.errors import ConfigError
-from lmserve.layers.attention_backends import resolve_attention_backend
-from lmserve.layers.kv_quant import check_head_dim
+from lmserve.layers.attention.backends import resolve_attention_backend
+from lmserve.layers.attention.kv_quant import check_head_dim
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.pooling import pooler_config
 from lmserve.loader.sharding import TPShard

@@ -11,8 +11,8 @@ import torch
 from lmserve.cache.kv_groups import KVGroup
 from lmserve.cache.kv_tier import KVTier, open_kv_tier
 from lmserve.config import VERSION
-from lmserve.layers.attention_backends import resolve_attention_backend
-from lmserve.layers.native import build_key
+from lmserve.layers.attention.backends import resolve_attention_backend
+from lmserve.layers.kernels.native import build_key
 from lmserve.loader.fingerprint import weights_fingerprint
 from lmserve.preflight import check_kv_offload
 from lmserve.worker.kv_transfer import BlockCopier, KVTransfer

@@ -40,7 +40,7 @@ _NAMES = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-    # mixture of experts (layers/moe.py): the router, the stacked experts [E, rows, cols] (`*`: split per expert
+    # mixture of experts (layers/blocks/moe.py): the router, the stacked experts [E, rows, cols] (`*`: split per expert
     # by `expert_slices`), Qwen2-MoE's shared expert and its gate
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
     "blk.{i}.ffn_gate_exps.weight": "model.layers.{i}.mlp.experts.*.gate_proj.weight",

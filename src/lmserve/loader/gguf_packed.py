@@ -1,7 +1,7 @@
 """`--quantization gguf`: the model's projections, embedding and LM head read the GGUF file's own blocks.
 
 `keep_gguf_quantized` runs on the model while it is still on the meta device, before anything is
-allocated: every projection whose GGUF tensors are all of a type layers/gguf_linear.py can repack, in
+allocated: every projection whose GGUF tensors are all of a type layers/formats/gguf_linear.py can repack, in
 one kernel layout, is replaced by a GGUFLinear built from the raw blocks in the memory map (fused qkv and
 gate_up stack their parts' rows, or take a tensor the file stores fused, as Phi-3's; q and k rows are put in
 Hugging Face order as the float path does, llama.cpp interleaves them for some families). A fused
@@ -21,8 +21,16 @@ import torch
 from torch import nn
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.gguf_embedding import GGUFEmbedding, share_blocks
-from lmserve.layers.gguf_linear import BLOCK_BYTES, FusedGGUFLinear, GGUFLinear, Repacked, concat, kernel_layout, repack
+from lmserve.layers.formats.gguf_embedding import GGUFEmbedding, share_blocks
+from lmserve.layers.formats.gguf_linear import (
+    BLOCK_BYTES,
+    FusedGGUFLinear,
+    GGUFLinear,
+    Repacked,
+    concat,
+    kernel_layout,
+    repack,
+)
 from lmserve.loader.gguf_file import GGUFFile, GGUFTensor, type_name
 from lmserve.loader.gguf_loader import unpermute_qk
 from lmserve.models.config import ModelConfig
@@ -38,7 +46,7 @@ _LAYER_PARTS = {
 }
 # the same projections where the file stores them fused (Phi-3: attn_qkv; ffn_up holding gate then up)
 _FUSED_PARTS = {"self_attn.qkv_proj": (("attn_qkv", "qkv_proj"),), "mlp.gate_up_proj": (("ffn_up", "gate_up_proj"),)}
-# a mixture-of-experts layer's projections (layers/moe.py): experts stacked in one 3-D tensor each, kept one expert
+# a mixture-of-experts layer's projections (layers/blocks/moe.py): experts stacked in one 3-D tensor each, kept one expert
 # slice at a time; Qwen2-MoE's shared expert as a dense MLP's (the router stays float: routing is exact)
 _EXPERT_PARTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
 _SHARED_PARTS = {"mlp.shared_expert.gate_up_proj": (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj")),

@@ -15,9 +15,9 @@ from typing import Iterator
 import torch
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.native import native_module
-from lmserve.layers.parallel import drop_row_biases
-from lmserve.layers.quantized import check_scheme
+from lmserve.layers.formats.parallel import drop_row_biases
+from lmserve.layers.formats.quantized import check_scheme
+from lmserve.layers.kernels.native import native_module
 from lmserve.loader.checkpoint import config_from_dir, refuse_format, resolve_model_path, scheme_of
 from lmserve.loader.empty_model import empty_model
 from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
@@ -91,11 +91,11 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     The model comes back untransformed: float linears stay nn.Linear until the pipeline's weight_format step
     (worker/transforms.py) packs or quantizes them.
     `quantization`: None or "none" keeps float weights; "int8" | "int4" is recorded for the weight_format step
-    (layers/quantized.py); "gguf" keeps a GGUF file's blocks while the model is built (loader/gguf_packed.py);
+    (layers/formats/quantized.py); "gguf" keeps a GGUF file's blocks while the model is built (loader/gguf_packed.py);
     "auto" is "gguf" where that runs (`auto_quantization`), else "none".
     `revision` picks the Hub revision when `model` is a Hub id.
     `shard` loads only this tensor-parallel rank's part, the row-parallel biases on rank 0 alone (the pipeline's
-    tensor_parallel step wraps those layers: layers/parallel.py). `config` stays the whole model's; `model.config`
+    tensor_parallel step wraps those layers: layers/formats/parallel.py). `config` stays the whole model's; `model.config`
     is the rank's.
     `max_model_len`, the context the engine will serve, picks LongRoPE's factors (models/rope.py).
     """

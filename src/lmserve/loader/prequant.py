@@ -11,9 +11,9 @@ what cannot be loaded exactly (loader/prequant_formats.py says how each format i
   float at load. Sparse and transformed (rotated) checkpoints and act-order groups are refused.
 `keep_prequantized` is the weight-format transform, the way GGUF blocks are kept (loader/gguf_packed.py): before
 anything is allocated, every projection whose checkpoint tensors map exactly onto a kernel layout
-(layers/int_weights.py) becomes a GGUFLinear over those codes (fused q/k/v and gate/up stack their parts' rows);
+(layers/formats/int_weights.py) becomes a GGUFLinear over those codes (fused q/k/v and gate/up stack their parts' rows);
 no float copy of them is made. `keep_half_tables` holds the LM head and token table these checkpoints leave
-unquantized in their stored bfloat16 / float16 (layers/half_linear.py) instead of widening them to float32.
+unquantized in their stored bfloat16 / float16 (layers/formats/half_linear.py) instead of widening them to float32.
 `dequantized_rest` then feeds the loader everything else, the layers no kernel fits dequantized to float
 ((code - zero) * scale: the plain reference, also the whole model's weights for
 `--quantization none`, other devices and dtypes, and tensor parallelism).
@@ -31,9 +31,9 @@ from safetensors import safe_open
 from torch import nn
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.gguf_linear import GGUFLinear, concat
-from lmserve.layers.half_linear import HalfEmbedding, HalfLinear, tied_half
-from lmserve.layers.int_weights import IntWeights, dequantize_int, kernel_blocks
+from lmserve.layers.formats.gguf_linear import GGUFLinear, concat
+from lmserve.layers.formats.half_linear import HalfEmbedding, HalfLinear, tied_half
+from lmserve.layers.formats.int_weights import IntWeights, dequantize_int, kernel_blocks
 from lmserve.loader.prequant_formats import read_awq, read_compressed_int, read_fp8, read_gptq
 from lmserve.loader.sharding import TPShard, take_shard
 

@@ -1,4 +1,4 @@
-"""Each pre-quantized checkpoint format's tensors for one linear layer -> `IntWeights` (layers/int_weights.py).
+"""Each pre-quantized checkpoint format's tensors for one linear layer -> `IntWeights` (layers/formats/int_weights.py).
 
 The packings, for a layer with N output rows and K input columns, `bits`-bit codes, G = K / group:
 - GPTQ (AutoGPTQ / GPTQModel): `qweight` int32 [K * bits / 32, N], the codes of 32 / bits consecutive input
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.int_weights import IntWeights
+from lmserve.layers.formats.int_weights import IntWeights
 
 AWQ_ROW_OF_NIBBLE = np.argsort([0, 2, 4, 6, 1, 3, 5, 7])  # output row 8j + r sits in nibble AWQ_ROW_OF_NIBBLE[r]
 

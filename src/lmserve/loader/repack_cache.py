@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmserve.layers.gguf_embedding import GGUFEmbedding, share_blocks
-from lmserve.layers.gguf_linear import FusedGGUFLinear, GGUFLinear, Repacked
-from lmserve.layers.native import build_key
+from lmserve.layers.formats.gguf_embedding import GGUFEmbedding, share_blocks
+from lmserve.layers.formats.gguf_linear import FusedGGUFLinear, GGUFLinear, Repacked
+from lmserve.layers.kernels.native import build_key
 from lmserve.loader.fingerprint import start_cache_path
 from lmserve.loader.gguf_file import GGUFFile
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"LMSWGT01"  # the format: a change to the file layout below changes it
 _ALIGN = 64  # every array starts at a multiple of this many bytes (cache lines; the kernels' vector loads)
 # what decides the bytes of a repacked layer besides the GGUF file: the code that repacks and lays them out
-_SOURCES = ("layers/gguf_linear.py", "layers/gguf_embedding.py", "loader/gguf_packed.py", "loader/repack_cache.py")
+_SOURCES = ("layers/formats/gguf_linear.py", "layers/formats/gguf_embedding.py", "loader/gguf_packed.py", "loader/repack_cache.py")
 
 
 def cached_keep(net: nn.Module, f: GGUFFile, dtype: torch.dtype, keep: Callable[[nn.Module], set[str]]) -> set[str]:

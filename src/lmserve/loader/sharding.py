@@ -6,7 +6,7 @@ rank r holds query heads [r*H/N, (r+1)*H/N) and exactly the KV heads they read (
 straddle ranks). Its fused qkv_proj is then a smaller Linear holding [q_r; k_r; v_r]: the slice of
 each of q, k and v, stacked in the same order as the unsharded fused matrix.
 Row-parallel (split the input columns): o and down projections; their biases stay whole (added once,
-by rank 0, after the all-reduce: layers/parallel.py). gpt-oss's attention sinks are one logit per query head, so
+by rank 0, after the all-reduce: layers/formats/parallel.py). gpt-oss's attention sinks are one logit per query head, so
 they split with the heads.
 Everything else (embedding, norms, LM head, an MoE layer's router) is replicated. Experts split like the dense
 MLP: every rank holds every expert's slice of the intermediate width (column gate/up with their biases, row down), so

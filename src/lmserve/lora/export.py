@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from lmserve.errors import CheckpointError, ConfigError
-from lmserve.layers.quantized import INT4_GROUP, dequantize_int4, quantize_int4, quantize_int8
+from lmserve.layers.formats.quantized import INT4_GROUP, dequantize_int4, quantize_int4, quantize_int8
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf
 from lmserve.loader.safetensors_loader import INDEX_FILE, iter_safetensors, read_config, weight_files

@@ -85,7 +85,7 @@ class LoraLinear(nn.Module):
     @property
     def passes_through(self) -> bool:
         """No row of this step carries an adapter: the output is the base layer's alone (the decode stack then runs
-        the base, layers/decode_stack.py)."""
+        the base, layers/kernels/decode_stack.py)."""
         return self.batch.meta is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

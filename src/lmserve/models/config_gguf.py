@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.rotary import yarn_attention_factor
+from lmserve.layers.blocks.rotary import yarn_attention_factor
 from lmserve.models.config import MAX_SIZE, ModelConfig
 from lmserve.models.family import Fields, GGUFMeta
 from lmserve.models.registry import GGUF_ARCHITECTURES

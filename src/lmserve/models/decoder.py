@@ -8,8 +8,8 @@ as in Hugging Face checkpoints, except that q/k/v and gate/up are fused into one
 `load_weights` places the separate checkpoint tensors into them.
 
 Speed-ups are transforms of a finished model, never branches here: weight formats swap the linears
-(layers/linear.py, quantized.py, loader/gguf_packed.py), tensor parallelism wraps them (layers/parallel.py),
-and the native decode stack replaces `layer_loop` (layers/decode_stack.py). `LayerLoop` is the reference.
+(layers/formats/linear.py, quantized.py, loader/gguf_packed.py), tensor parallelism wraps them (layers/formats/parallel.py),
+and the native decode stack replaces `layer_loop` (layers/kernels/decode_stack.py). `LayerLoop` is the reference.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.attention import AttentionContext, AttnOptions
-from lmserve.layers.mlp import GatedMLP
-from lmserve.layers.moe import SparseMoE
-from lmserve.layers.norm import RMSNorm
-from lmserve.layers.rotary import RotaryTables
-from lmserve.layers.self_attention import AttentionSpec, SelfAttention
+from lmserve.layers.attention.context import AttentionContext, AttnOptions
+from lmserve.layers.blocks.mlp import GatedMLP
+from lmserve.layers.blocks.moe import SparseMoE
+from lmserve.layers.blocks.norm import RMSNorm
+from lmserve.layers.blocks.rotary import RotaryTables
+from lmserve.layers.blocks.self_attention import AttentionSpec, SelfAttention
 from lmserve.models.config import ModelConfig
 from lmserve.models.rope import rope_specs
 

@@ -1,7 +1,7 @@
 """gpt-oss (`GptOssForCausalLM`, GGUF `gpt-oss`): the shared CausalLM with attention sinks (a learned logit per
 head in each softmax's denominator), sliding-window (128) layers alternating with full ones, YaRN rotary, biases on
 q/k/v/o, and a mixture of experts whose router has a bias and takes a softmax over its top-k logits, and whose
-experts have biases and the clamped SwiGLU (layers/fused.py `swiglu_oai_and_mul`).
+experts have biases and the clamped SwiGLU (layers/kernels/fused.py `swiglu_oai_and_mul`).
 
 Checkpoints: HF stores the experts stacked and transposed (`experts.gate_up_proj` [E, hidden, 2I] with gate and up
 columns interleaved, `experts.down_proj` [E, I, hidden], biases [E, 2I] and [E, hidden]); the published ones hold
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.fused import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from lmserve.layers.kernels.fused import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family, Fields, GGUFMeta, Tensors, gguf_expert_fields
 

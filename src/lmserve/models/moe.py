@@ -1,5 +1,5 @@
 """Mixture-of-experts families: Mixtral, Qwen2-MoE and Qwen3-MoE. Each is the shared CausalLM whose MLP is a
-`SparseMoE` (layers/moe.py) in its sparse layers; these entries say how their config.json and GGUF metadata set
+`SparseMoE` (layers/blocks/moe.py) in its sparse layers; these entries say how their config.json and GGUF metadata set
 ModelConfig's expert fields and how their checkpoints name expert tensors.
 
 - Mixtral: every layer sparse, weights always renormalised; experts `block_sparse_moe.experts.{e}.w1/w3/w2`

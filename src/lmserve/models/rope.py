@@ -7,7 +7,7 @@ import math
 import torch
 
 from lmserve.errors import CheckpointError
-from lmserve.layers.rotary import inv_frequencies, yarn_attention_factor
+from lmserve.layers.blocks.rotary import inv_frequencies, yarn_attention_factor
 from lmserve.models.config import ModelConfig
 
 RopeSpecs = dict[str, tuple[torch.Tensor, float]]  # kind -> (inverse frequencies, attention factor)

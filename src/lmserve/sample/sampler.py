@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lmserve.layers.native import native_module
+from lmserve.layers.kernels.native import native_module
 from lmserve.sample.filters import NEG_INF, min_p_filter, top_k_only, top_k_top_p
 from lmserve.sample.metadata import SamplingMetadata
 from lmserve.sample.penalties import apply_penalties
@@ -83,7 +83,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 def argmax_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy rows: (argmax [B] int64, its log-softmax [B] float32). On the CPU one native pass pair per row
-    (layers/csrc/fused_ops.cpp): torch's argmax, max and exp-sum each read all [B, V] (~14 ms a step at 16 rows of
+    (layers/kernels/csrc/fused_ops.cpp): torch's argmax, max and exp-sum each read all [B, V] (~14 ms a step at 16 rows of
     a 262,144-token vocabulary, Gemma 3's)."""
     mod = native_module() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if mod is not None:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lmserve.layers.attention_backends import AttentionFactory
-from lmserve.layers.paged_attention import PagedAttention, PagedAttentionMetadata
+from lmserve.layers.attention.backends import AttentionFactory
+from lmserve.layers.attention.paged import PagedAttention, PagedAttentionMetadata
 from lmserve.worker.inputs import StepInputs
 
 log = logging.getLogger("lmserve")

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from lmserve.layers.paged_attention import PagedAttentionMetadata, PrefillChunk
+from lmserve.layers.attention.paged import PagedAttentionMetadata, PrefillChunk
 from lmserve.sched.output import ScheduledRequest
 from lmserve.worker.block_table import RowTable
 

@@ -10,10 +10,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from lmserve.layers.attention import AttentionContext, ContiguousAttention, GroupedAttention
-from lmserve.layers.attention_backends import attention_factory
-from lmserve.layers.kv_quant import row_width
-from lmserve.layers.moe_kernels import host_synced_moe_layers
+from lmserve.layers.attention.backends import attention_factory
+from lmserve.layers.attention.context import AttentionContext, ContiguousAttention, GroupedAttention
+from lmserve.layers.attention.kv_quant import row_width
+from lmserve.layers.kernels.moe_kernels import host_synced_moe_layers
 from lmserve.lora.batch import token_slots
 from lmserve.models.config import ModelConfig
 from lmserve.pooling_params import PoolerConfig
@@ -71,7 +71,7 @@ class ModelRunner:
                  pooler: PoolerConfig = PoolerConfig()) -> None:
         """`model` is finished: the transform pipeline (worker/transforms.py) ran over it, and `transforms` is what
         it handed on (the LoRA slots, the MoE kernels it applied, the decode stack).
-        `attention_backend`: a resolved name (layers/attention_backends.py: triton | reference).
+        `attention_backend`: a resolved name (layers/attention/backends.py: triton | reference).
         `samples=False`: a tensor-parallel worker rank (forward_only), whose rows keep no sampling state.
         `kv_groups`: the layers of each KV group, all of one size (cache/kv_groups.py; None: one group of every
         layer): a block id is a page in each of `group size` tensors, which the groups share."""

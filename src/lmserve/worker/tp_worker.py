@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 
 from lmserve.config import EngineConfig
-from lmserve.layers.attention_backends import resolve_attention_backend
+from lmserve.layers.attention.backends import resolve_attention_backend
 from lmserve.loader import load_model
 from lmserve.loader.sharding import TPShard
 from lmserve.utils import resolve_kv_dtype

@@ -21,12 +21,12 @@ from torch import nn
 
 from lmserve.config import LoraConfig
 from lmserve.errors import ConfigError
-from lmserve.layers.decode_stack import DecodeStack, apply_decode_stack
-from lmserve.layers.linear import can_pack, pack_linears, skinny_coverage
-from lmserve.layers.moe_kernels import apply_moe_kernels
-from lmserve.layers.paged_attention import native_decode
-from lmserve.layers.parallel import apply_tensor_parallel
-from lmserve.layers.quantized import quantize_linears
+from lmserve.layers.attention.paged import native_decode
+from lmserve.layers.formats.linear import can_pack, pack_linears, skinny_coverage
+from lmserve.layers.formats.parallel import apply_tensor_parallel
+from lmserve.layers.formats.quantized import quantize_linears
+from lmserve.layers.kernels.decode_stack import DecodeStack, apply_decode_stack
+from lmserve.layers.kernels.moe_kernels import apply_moe_kernels
 from lmserve.loader import LoadedModel, load_model
 from lmserve.lora.slots import LoraSlots
 
@@ -55,8 +55,8 @@ Step = Callable[[nn.Module, TransformContext], nn.Module]
 
 
 def weight_format(model: nn.Module, ctx: TransformContext) -> nn.Module:
-    """The one weight-format transform over the filled model: int8/int4 weight-only layers (layers/quantized.py),
-    else the CPU float linears packed for oneDNN (layers/linear.py). A GGUF file's or a pre-quantized checkpoint's
+    """The one weight-format transform over the filled model: int8/int4 weight-only layers (layers/formats/quantized.py),
+    else the CPU float linears packed for oneDNN (layers/formats/linear.py). A GGUF file's or a pre-quantized checkpoint's
     blocks were kept while the model was built; what stayed float among them is packed here."""
     quantization = ctx.loaded.runtime_quantization
     if quantization in ("int8", "int4"):
@@ -69,7 +69,7 @@ def weight_format(model: nn.Module, ctx: TransformContext) -> nn.Module:
 
 
 def tensor_parallel(model: nn.Module, ctx: TransformContext) -> nn.Module:
-    """A rank's row-parallel layers wrapped to all-reduce their outputs (layers/parallel.py), over any weight format;
+    """A rank's row-parallel layers wrapped to all-reduce their outputs (layers/formats/parallel.py), over any weight format;
     the loader left their biases on rank 0 alone. One rank: unchanged."""
     shard = ctx.loaded.shard
     if shard is None or shard.world_size == 1:
@@ -99,7 +99,7 @@ def moe_kernels(model: nn.Module, ctx: TransformContext) -> nn.Module:
 
 
 def decode_stack(model: nn.Module, ctx: TransformContext) -> nn.Module:
-    """Decode-only steps run every layer in one native call where the layers are ones it runs (layers/decode_stack.py);
+    """Decode-only steps run every layer in one native call where the layers are ones it runs (layers/kernels/decode_stack.py);
     the module loop stays the reference."""
     ctx.decode_stack = apply_decode_stack(model)
     return model

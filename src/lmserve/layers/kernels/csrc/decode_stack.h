@@ -1,0 +1,220 @@
+// Every decoder layer of a decode step in one call: the loop over layers moves from Python to C++.
+//
+// Why: with the projections kept in GGUF blocks, a single-stream decode step of the embedded model spends
+// ~10 ms in the matmul kernels and ~4 ms around them in Python: ~15 module calls and small torch ops per
+// layer, 30 layers. This runs the same sequence of the same native kernels (add_rms_norm_, quant_linear,
+// rotary_, the K/V slot writes, paged_decode_attention, silu_and_mul) for every layer from C++, so a
+// layer costs a few kernel launches and no interpreter.
+//
+// Numerics: each step calls exactly the kernels the PyTorch module path calls, on the same values in the
+// same order (the K/V writes go through the same writer, write_kv_rows, in any of kv_cache.h's formats; GeGLU is
+// ATen's tanh GELU, as the module path), so its outputs are
+// bit-identical to that path's (tests/test_decode_stack.py, tests/test_model_families.py), which stays the
+// reference and serves every step this cannot (prefill, LoRA, float weights, other devices).
+//
+// Layers: plain pre-norm (Llama, Qwen) or sandwich (Gemma: norms before and after attention and MLP), optional
+// RMSNorm over each q and k head (Qwen3, Gemma 3), a rotary table per layer (or none: NoPE), each layer's
+// softmax scale, sliding window and soft-cap, SwiGLU or GeGLU. A projection is one or more parts in GGUF block
+// layouts (a fused qkv whose parts the file keeps in different types), concatenated, then its bias.
+// Constructor layout per layer (decode_stack.py `DecodeStack.build` writes it):
+//   tensors: in_norm, post_norm, pre_ff_norm?, post_ff_norm?, q_norm?, k_norm?, then per projection (qkv, o,
+//            gate_up, down): bias?, and per part: codes, scales, mins?
+//   ints:    rope table (-1: none), window (0: none), act (0 SiLU, 1 tanh GELU), then per projection: number of
+//            parts, then each part's kind
+//   floats:  scale, softcap (0: none)
+
+// Tensor code on torch's side, like ops.h: included by bindings.cpp only (the one unit that includes torch).
+#pragma once
+
+#include "ops.h"
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+struct QuantPart {
+  torch::Tensor codes, scales;
+  c10::optional<torch::Tensor> mins;
+  int64_t kind;
+};
+
+struct QuantProj {
+  std::vector<QuantPart> parts;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (parts.size() == 1) {
+      const QuantPart& p = parts[0];
+      return quant_linear(x, p.codes, p.scales, p.mins, p.kind, bias);
+    }
+    std::vector<torch::Tensor> outs;  // layers/gguf_linear.FusedGGUFLinear: parts side by side, then the bias
+    for (const QuantPart& p : parts) outs.push_back(quant_linear(x, p.codes, p.scales, p.mins, p.kind, c10::nullopt));
+    torch::Tensor y = torch::cat(outs, 1);
+    return bias.has_value() ? y + *bias : y;
+  }
+};
+
+struct Layer {
+  torch::Tensor in_norm, post_norm;  // plain: input and pre-MLP norms; sandwich: input and post-attention norms
+  c10::optional<torch::Tensor> pre_ff_norm, post_ff_norm, q_norm, k_norm;
+  QuantProj qkv, o, gate_up, down;
+  int64_t rope, window, act;
+  double scale, softcap;
+};
+
+// Reads the constructor's flat lists in order.
+struct Cursor {
+  const std::vector<c10::optional<torch::Tensor>>& tensors;
+  const std::vector<int64_t>& ints;
+  const std::vector<double>& floats;
+  size_t t = 0, i = 0, f = 0;
+
+  c10::optional<torch::Tensor> tensor() {
+    TORCH_CHECK(t < tensors.size(), "DecodeStack: too few tensors");
+    return tensors[t++];
+  }
+  int64_t integer() {
+    TORCH_CHECK(i < ints.size(), "DecodeStack: too few ints");
+    return ints[i++];
+  }
+  double real() {
+    TORCH_CHECK(f < floats.size(), "DecodeStack: too few floats");
+    return floats[f++];
+  }
+  QuantProj proj(int64_t num_parts) {
+    QuantProj p;
+    p.bias = tensor();
+    for (int64_t j = 0; j < num_parts; ++j) {
+      auto codes = tensor(), scales = tensor();
+      TORCH_CHECK(codes.has_value() && scales.has_value(), "DecodeStack: a part needs codes and scales");
+      p.parts.push_back(QuantPart{*codes, *scales, tensor(), 0});
+    }
+    return p;
+  }
+};
+
+// [B, 2I] = [gate | up] -> act(gate) * up: the native SiLU- or tanh-GELU-and-mul, as the module path (layers/kernels/fused.py)
+torch::Tensor act_and_mul(const torch::Tensor& gate_up, int64_t act) {
+  return act == 0 ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+}
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  DecodeStack(const std::vector<c10::optional<torch::Tensor>>& tensors, const std::vector<int64_t>& ints,
+              const std::vector<double>& floats, int64_t num_layers, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double eps)
+      : heads_(num_heads), kv_heads_(num_kv_heads), dim_(head_dim), eps_(eps) {
+    Cursor c{tensors, ints, floats};
+    for (int64_t i = 0; i < num_layers; ++i) {
+      Layer l;
+      auto in_norm = c.tensor(), post_norm = c.tensor();
+      TORCH_CHECK(in_norm.has_value() && post_norm.has_value(), "DecodeStack: every layer has two norms");
+      l.in_norm = *in_norm;
+      l.post_norm = *post_norm;
+      l.pre_ff_norm = c.tensor();
+      l.post_ff_norm = c.tensor();
+      l.q_norm = c.tensor();
+      l.k_norm = c.tensor();
+      TORCH_CHECK(l.pre_ff_norm.has_value() == l.post_ff_norm.has_value() && l.q_norm.has_value() == l.k_norm.has_value(),
+                  "DecodeStack: sandwich and QK norms come in pairs");
+      l.rope = c.integer();
+      l.window = c.integer();
+      l.act = c.integer();
+      QuantProj* projs[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+      for (QuantProj* p : projs) {
+        const int64_t n = c.integer();
+        TORCH_CHECK(n >= 1, "DecodeStack: a projection has at least one part");
+        *p = c.proj(n);
+        for (QuantPart& part : p->parts) part.kind = c.integer();
+      }
+      l.scale = c.real();
+      l.softcap = c.real();
+      layers_.push_back(std::move(l));
+    }
+    TORCH_CHECK(c.t == tensors.size() && c.i == ints.size() && c.f == floats.size(),
+                "DecodeStack: the flat lists do not match ", lmserve::num(num_layers), " layers");
+  }
+
+  // x [B, hidden] (the embeddings, after any scale; used as the residual stream and updated in place), one cos and
+  // sin [B, 1, D] per rotary table, one cache per layer, slot_mappings [B] and block_tables [B, max_blocks]: one
+  // of each for every layer, or one per layer (each layer's KV group's: cache/kv_groups.py), context_lens [B]
+  // -> (last layer's output, residual): the final norm stays with the model.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
+                                                   const std::vector<torch::Tensor>& sin,
+                                                   const std::vector<torch::Tensor>& kv_caches,
+                                                   std::vector<torch::Tensor> slot_mappings,
+                                                   const std::vector<torch::Tensor>& block_tables,
+                                                   torch::Tensor context_lens) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodeStack: one KV cache per layer");
+    TORCH_CHECK(cos.size() == sin.size(), "DecodeStack: one sin per cos table");
+    TORCH_CHECK(slot_mappings.size() == block_tables.size() &&
+                (slot_mappings.size() == 1 || slot_mappings.size() == layers_.size()),
+                "DecodeStack: one slot mapping and block table for every layer, or one per layer");
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "DecodeStack: contiguous float32 x");
+    for (torch::Tensor& slots : slot_mappings) {
+      TORCH_CHECK(slots.scalar_type() == torch::kLong, "DecodeStack: int64 slots");
+      slots = slots.contiguous();
+    }
+    const int64_t B = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+    torch::Tensor residual = x, h;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DecodeStack: layer ", lmserve::num(i),
+                  " reads a missing rotary table");
+      h = i == 0 ? rms_norm(residual, l.in_norm, eps_) : add_rms_norm_(h, residual, l.in_norm, eps_);
+      torch::Tensor qkv = l.qkv(h);  // [B, q + 2 kv]
+      const int64_t row = qkv.stride(0);
+      const float* base = qkv.data_ptr<float>();
+      torch::Tensor q, k;
+      const float* k_rows = base + q_size;
+      int64_t k_stride = row;
+      if (!l.q_norm.has_value()) {
+        if (l.rope >= 0) rotary_(qkv.narrow(1, 0, q_size + kv_size).view({B, heads_ + kv_heads_, dim_}), cos[l.rope], sin[l.rope]);
+        q = qkv.narrow(1, 0, q_size).view({B, heads_, dim_});
+      } else {  // each head normed first (new contiguous rows), then rotated
+        q = rms_norm(qkv.narrow(1, 0, q_size).view({B, heads_, dim_}), *l.q_norm, eps_);
+        k = rms_norm(qkv.narrow(1, q_size, kv_size).view({B, kv_heads_, dim_}), *l.k_norm, eps_);
+        if (l.rope >= 0) {
+          rotary_(q, cos[l.rope], sin[l.rope]);
+          rotary_(k, cos[l.rope], sin[l.rope]);
+        }
+        k_rows = k.data_ptr<float>();
+        k_stride = kv_size;
+      }
+      const torch::Tensor& cache = kv_caches[i];
+      const size_t g = slot_mappings.size() == 1 ? 0 : i;  // this layer's slots and block table
+      // K rows (views into the qkv output, or normed K rows) and V rows, each with its own stride, into their slots
+      // in the cache's format (float32, float16 or quantized: the one writer, paged_decode_attention.cpp)
+      write_kv_rows(cache, k_rows, k_stride, base + q_size + kv_size, row, slot_mappings[g].data_ptr<int64_t>(), B,
+                    kv_heads_, dim_);
+      torch::Tensor attn = paged_decode_attention(q, cache[0], cache[1], block_tables[g], context_lens, l.scale,
+                                                  c10::nullopt, l.window, l.softcap);
+      torch::Tensor o = l.o(attn.view({B, q_size}));
+      if (l.pre_ff_norm.has_value()) {  // sandwich: residual + post_norm(block(pre_norm(residual))), twice
+        h = add_rms_norm_(rms_norm(o, l.post_norm, eps_), residual, *l.pre_ff_norm, eps_);
+        h = rms_norm(l.down(act_and_mul(l.gate_up(h), l.act)), *l.post_ff_norm, eps_);
+      } else {
+        h = add_rms_norm_(o, residual, l.post_norm, eps_);
+        h = l.down(act_and_mul(l.gate_up(h), l.act));
+      }
+    }
+    return {h, residual};
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, dim_;
+  double eps_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&,
+                          const std::vector<double>&, int64_t, int64_t, int64_t, int64_t, double>())
+      // without the GIL: the server's event loop runs while a step computes
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "every decoder layer of a decode-only step (see decode_stack.h)");
+}

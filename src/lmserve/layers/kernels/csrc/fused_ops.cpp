@@ -1,0 +1,221 @@
+// Row-wise elementwise ops of a decoder layer, fused into one pass each (CPU, float32).
+//
+// Why: at batch 1 a decode step is ~600 small PyTorch ops, and each tiny op costs 5-50 us of dispatch
+// and temporaries (F.rms_norm alone is six ops, ~100 us per call on a [1, 576] row here): ~30% of the
+// step. Each op below is one call that reads its rows once. Every row is computed alone in a fixed
+// order, so a row's result does not depend on what else is in the batch. The PyTorch reference path
+// (layers/kernels/fused.py) stays, and tests/test_native_ops.py compares the two.
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// Rows per parallel chunk: about 16K floats, so small batches stay on one thread (no wake-up cost).
+int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
+
+// out[d] = w[d] * (x[d] * r) with r = 1 / sqrt(mean(x^2) + eps): the order of HF's LlamaRMSNorm.
+inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int64_t D,
+                     float eps) {
+  float ss = 0.f;
+  for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (x[d] * r);
+}
+
+}  // namespace
+
+// out = norm(x + residual) with the sum written into residual, or norm(x) when residual is null
+void lmserve::rms_norm_rows(const float* xp, float* rp, const float* wp, float* op, int64_t T, int64_t D, float e) {
+  lmserve::parallel_for(0, T, grain(D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * D;
+      if (rp != nullptr) {
+        float* __restrict__ r = rp + t * D;
+        for (int64_t d = 0; d < D; ++d) r[d] += row[d];
+        row = r;
+      }
+      norm_row(row, wp, op + t * D, D, e);
+    }
+  });
+}
+
+// The gated activations share their row split; `row(g, u, o, I)` writes one row of act(g) * u.
+template <typename Row>
+static void gated_rows(const float* gp, float* op, int64_t T, int64_t I, Row row) {
+  lmserve::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) row(gp + t * 2 * I, gp + t * 2 * I + I, op + t * I, I);
+  });
+}
+
+void lmserve::silu_and_mul_rows(const float* gate_up, float* out, int64_t T, int64_t I) {
+  gated_rows(gate_up, out, T, I,
+             [](const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o, int64_t I) {
+               for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+             });
+}
+
+// the GELU below: no fast-math or contraction, so its numbers are fixed whatever inlines them (simd_avx512.h)
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+#include "simd_avx2.h"
+#include "simd_avx512.h"
+
+namespace {
+
+// GeGLU's tanh GELU in the form 0.5 * (1 + tanh(u)) = sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3), with
+// e = exp(-|2u|) <= 1 so neither branch overflows: sigmoid(2u) = 1 / (1 + e) for u >= 0, e / (1 + e) below.
+// Within a few ulp of ATen's gelu(approximate="tanh") (Sleef's tanh), which stays the reference (layers/kernels/fused.py).
+constexpr float kGelu2U1 = 1.5957691216057308f;           // 2 * sqrt(2 / pi)
+constexpr float kGelu2U3 = 1.5957691216057308f * 0.044715f;  // 2 * sqrt(2 / pi) * 0.044715
+
+void gelu_tanh_mul_row(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ o, int64_t I) {
+#if defined(__AVX512F__)
+  // every element through the same vector code (masked tail): a value's result never depends on its column
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 m = I - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (I - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(m, g + i), up = _mm512_maskz_loadu_ps(m, u + i);
+    const __m512 z = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(kGelu2U3),
+                                                      _mm512_set1_ps(kGelu2U1)));  // 2u
+    const __m512 neg_abs = _mm512_min_ps(z, _mm512_sub_ps(_mm512_setzero_ps(), z));
+    const __m512 e = lmserve_simd::exp_nonpositive(neg_abs);
+    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ), e,
+                                            _mm512_set1_ps(1.f));
+    const __m512 s = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_mul_ps(x, s), up));
+  }
+#else
+  for (int64_t i = 0; i < I; ++i) {
+    const float x = g[i], z = x * (x * x * kGelu2U3 + kGelu2U1), e = std::exp(-std::fabs(z));
+    o[i] = x * ((z >= 0.f ? 1.f : e) / (1.f + e)) * u[i];
+  }
+#endif
+}
+
+// Row `x` [V] -> (first index of its maximum, the log-softmax at it = -log(sum(exp(x - max)))): argmax and
+// logsumexp in two passes instead of torch's three over [B, V] (max, exp-sum, argmax; ~14 ms a step at 16 rows
+// of Gemma 3's 262,144-token vocabulary). A NaN anywhere gives torch's answer (its first index, a NaN logprob),
+// as does a max of +-inf (a NaN logprob).
+std::pair<int64_t, float> argmax_logprob_row(const float* x, int64_t V) {
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i where = _mm512_setzero_si512();
+  __mmask16 nan = 0;
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = V - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly greater: each lane keeps its first
+    best = _mm512_mask_mov_ps(best, gt, v);
+    where = _mm512_mask_mov_epi32(where, gt, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i))));
+  }
+  if (nan) {
+    int64_t i = 0;
+    while (!std::isnan(x[i])) ++i;
+    return {i, NAN};
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  // the first index among the lanes that hold the maximum (an all -inf row: index 0, as torch)
+  const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  const int64_t idx = _mm512_mask_reduce_min_epi32(at, where);
+  if (!std::isfinite(top)) return {idx, NAN};
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 t = _mm512_set1_ps(top);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = V - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, lmserve_simd::exp_nonpositive(
+                                                        _mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), t))));
+  }
+  return {idx, -std::log(_mm512_reduce_add_ps(sum))};
+#elif defined(__AVX2__) && defined(__FMA__)
+  // the same two passes, 8 lanes wide (the scalar loop below cost ~0.3 ms a row of SmolLM2's 49,152 logits)
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  __m256i where = _mm256_setzero_si256();
+  int nan = 0;
+  const __m256i lanes = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  auto load = [&](int64_t i) {  // 8 logits from i, -inf past the row's end
+    if (V - i >= 8) return _mm256_loadu_ps(x + i);
+    const __m256i m = lmserve_simd::tail_mask(V - i);
+    return _mm256_blendv_ps(ninf, _mm256_maskload_ps(x + i, m), _mm256_castsi256_ps(m));
+  };
+  for (int64_t i = 0; i < V; i += 8) {
+    const __m256 v = load(i);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strictly greater: each lane keeps its first
+    best = _mm256_blendv_ps(best, v, gt);
+    where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(
+        _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int32_t>(i)))), gt));
+  }
+  if (nan) {
+    int64_t i = 0;
+    while (!std::isnan(x[i])) ++i;
+    return {i, NAN};
+  }
+  const float top = lmserve_simd::hmax(best);
+  alignas(32) float bl[8];
+  alignas(32) int32_t wl[8];
+  _mm256_store_ps(bl, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(wl), where);
+  int64_t idx = V;  // the first index among the lanes that hold the maximum (an all -inf row: index 0, as torch)
+  for (int j = 0; j < 8; ++j)
+    if (bl[j] == top) idx = std::min<int64_t>(idx, wl[j]);
+  if (idx == V) idx = 0;
+  if (!std::isfinite(top)) return {idx, NAN};
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 t = _mm256_set1_ps(top);
+  for (int64_t i = 0; i < V; i += 8) sum = _mm256_add_ps(sum, lmserve_simd::exp_nonpositive(_mm256_sub_ps(load(i), t)));
+  return {idx, -std::log(lmserve_simd::hsum(sum))};
+#else
+  int64_t idx = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (std::isnan(x[i])) return {i, NAN};
+    if (x[i] > x[idx]) idx = i;
+  }
+  const float top = x[idx];
+  if (!std::isfinite(top)) return {idx, NAN};
+  float sum = 0.f;
+  for (int64_t i = 0; i < V; ++i) sum += std::exp(x[i] - top);
+  return {idx, -std::log(sum)};
+#endif
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+void lmserve::argmax_logprob_rows(const float* px, int64_t B, int64_t V, int64_t* pi, float* pl) {
+  lmserve::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) std::tie(pi[b], pl[b]) = argmax_logprob_row(px + b * V, V);
+  });
+}
+
+void lmserve::gelu_tanh_and_mul_rows(const float* gate_up, float* out, int64_t T, int64_t I) {
+  gated_rows(gate_up, out, T, I, gelu_tanh_mul_row);
+}
+
+void lmserve::rotary_rows(float* xp, int64_t row_stride, const float* cp, const float* sp, int64_t T, int64_t H,
+                          int64_t D) {
+  const int64_t half = D / 2;
+  lmserve::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict__ c = cp + t * D;
+      const float* __restrict__ s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* __restrict__ v = xp + t * row_stride + h * D;
+        // HF's x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = v[d], b = v[d + half];
+          v[d] = a * c[d] - b * s[d];
+          v[d + half] = b * c[d + half] + a * s[d + half];
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,115 @@
+// The KV cache's element formats, as the paged attention reads them and the K/V write stores them.
+//
+// A cache is [2, blocks, block_size, kv_heads, W]: K then V, one row of W elements per (slot, kv head).
+//   float         W = D, the values
+//   c10::Half     W = D, the values rounded to nearest even (widened exactly on read)
+//   int8_t        W = D + D / 16: D codes, then one float16 scale per 32 of them (--kv-cache-dtype int8)
+//   Float8_e4m3fn the same with e4m3 codes (--kv-cache-dtype fp8_e4m3)
+// Quantized rows are cut into blocks of 32 values, each with its own scale, as ggml's q8_0: d = float16(amax / 127)
+// and code = round_half_even(x / d) for int8; d = float16(amax / 448) and code = e4m3(x / d) for e4m3 (1 / d taken
+// once, then one multiply). A value reads back as code * d. Blocks of 32 with float16 scales cost the bytes of one
+// float32 scale per 64 and gave 0.28% against 0.42-0.58% perplexity (benchmarks/results/perplexity_kv.md).
+// layers/attention/kv_quant.py is the PyTorch reference of exactly these numbers.
+#pragma once
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace lmserve_kv {
+
+using Fp8 = c10::Float8_e4m3fn;
+
+template <typename KV>
+constexpr bool kQuantized = std::is_same_v<KV, int8_t> || std::is_same_v<KV, Fp8>;
+
+constexpr int64_t kBlock = 32;  // values per scale in a quantized row
+
+template <typename KV>
+constexpr int64_t row_width(int64_t D) {
+  return kQuantized<KV> ? D + D / kBlock * 2 : D;
+}
+
+// the scale of the block holding element c of a quantized row of D codes
+template <typename KV>
+inline float block_scale(const KV* row, int64_t D, int64_t c) {
+  c10::Half s;
+  std::memcpy(&s, row + D + 2 * (c / kBlock), sizeof(s));
+  return static_cast<float>(s);
+}
+
+template <typename KV>
+inline float code_value(KV c) {
+  return static_cast<float>(c);  // int8: exact; e4m3 and float16: exact widening (c10's conversions)
+}
+
+}  // namespace lmserve_kv
+
+// The quantizing writer computes fixed numbers that the PyTorch reference reproduces bit for bit: no fast-math
+// (it would turn amax / 127 into amax * (1 / 127)), no contraction.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+
+namespace lmserve_kv {
+
+// One (token, head) row of D floats -> W elements of the cache's format.
+template <typename KV>
+inline void encode_row(const float* x, KV* out, int64_t D) {
+  if constexpr (std::is_same_v<KV, float>) {
+    std::memcpy(out, x, D * sizeof(float));
+  } else if constexpr (std::is_same_v<KV, c10::Half>) {
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<c10::Half>(x[d]);
+  } else {
+    constexpr float top = std::is_same_v<KV, int8_t> ? 127.f : 448.f;
+#if defined(__AVX512F__)
+    // int8 with AVX-512, the same numbers as the loop below: the largest |x| is exact in any order, d and 1 / d are
+    // the same scalar operations, x * inv, min/max and the conversion (round half to even: MXCSR's default, as
+    // nearbyint) are exact elementwise. The scalar loop cost a 2,000-token prefill ~4x float16's K/V write.
+    if constexpr (std::is_same_v<KV, int8_t>) {
+      for (int64_t b = 0; b < D / kBlock; ++b) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const c10::Half half_d(std::min(amax / top, 65504.f));
+        const float d = static_cast<float>(half_d);
+        const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+        const __m512 lo = _mm512_set1_ps(-top), hi = _mm512_set1_ps(top);
+        const __m512 y0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x0, inv), lo), hi);
+        const __m512 y1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x1, inv), lo), hi);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y0)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y1)));
+        std::memcpy(out + D + 2 * b, &half_d, sizeof(half_d));
+      }
+      return;
+    }
+#endif
+    for (int64_t b = 0; b < D / kBlock; ++b) {
+      const float* xb = x + b * kBlock;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const c10::Half half_d(std::min(amax / top, 65504.f));  // float16's largest: a huge row saturates, never inf
+      const float d = static_cast<float>(half_d);
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const float y = std::clamp(xb[i] * inv, -top, top);  // d was rounded: x / d may pass top a little
+        if constexpr (std::is_same_v<KV, int8_t>) {
+          out[b * kBlock + i] = static_cast<int8_t>(std::nearbyint(y));  // half to even, as torch.round
+        } else {
+          out[b * kBlock + i] = static_cast<Fp8>(y);  // c10's rounding, the one torch's .to(float8_e4m3fn) uses
+        }
+      }
+      std::memcpy(out + D + 2 * b, &half_d, sizeof(half_d));
+    }
+  }
+}
+
+}  // namespace lmserve_kv
+#pragma GCC pop_options

@@ -1,0 +1,1056 @@
+// y = x W^T (+ b) with W kept in a GGUF file's quantized codes, float32 CPU, any number of rows.
+//
+// Why: a decode step reads every weight once, so its time is the bytes read. The embedded model's
+// Q4_1 weights are 0.75 bytes per weight in the layout below against 4 for float32 (5.3x less to
+// stream). As llama.cpp does, the activations are quantized to int8 per block of 32 (one scale per
+// block), the block dot products are integer (AVX2 maddubs, or VNNI dpbusd where the CPU has it; with
+// AVX-512 VNNI two blocks per instruction) and they are accumulated in float32. Which loop is compiled
+// follows the CPU (-march=native; the build cache is keyed by the CPU's flags, layers/kernels/native.py).
+//
+// Layouts (layers/formats/gguf_linear.py repacks each GGUF type into one of three, exactly):
+//   kind 0, U4: codes uint8 [N, K/2], two 4-bit codes a byte (ggml's order: in block b, byte j holds
+//               element 32b+j in its low and 32b+j+16 in its high nibble); scales, mins float [N, K/32]:
+//               w = scale * code + min                                   (Q4_0, Q4_1, Q4_K)
+//   kind 1, U8: codes uint8 [N, K], one code 0..31 a byte; scales, mins [N, K/32] as above (Q5_0, Q5_1, Q5_K)
+//   kind 2, S8: codes int8 [N, K]; scales float [N, K/16] (one per 16 weights), no mins:
+//               w = scale * code                                         (Q8_0, Q6_K)
+//   kinds 3, 4: codes as U4 (nibbles), each an index into a table of 16 signed bytes (kTables); scales as S8,
+//               and mins [N, K/16] where the file has them (Q2_K):
+//               w = scale * table[code] (+ min)        (3, NL4: IQ4_NL, IQ4_XS; 4, I4: code - 8, Q2_K, Q3_K)
+//               The kernels look the values up with a byte shuffle and go on as for S8.
+//   kinds 5, 6: the low-bit K-quants near their file size (K2: Q2_K, K3: Q3_K), per block of 32 weights of a row:
+//               8 bytes of 2-bit codes (byte j holds elements j, 8 + j, 16 + j, 24 + j in its bit pairs), for K3 4
+//               bytes of high bits (little-endian bit e: element e), then one byte per 16 weights as the file has
+//               it (K2: scale | min << 4, both 4-bit; K3: the signed 6-bit scale); codes uint8 [N, K/32 * (10 | 14)].
+//               scales float [N, K/256] (d), and for K2 mins [N, K/256] (-dmin):
+//               w = (d * sc) * q (+ (-dmin) * m)     (K2: q = code; K3: q = code + 4 * high - 4)
+//               The kernels expand the planes to bytes in registers, form d * sc as ggml does, and go on as for S8.
+// With x ~ xd * xq per block (xq int8, xs = xd * sum(xq)), a block contributes
+//   scale * xd * dot(code, xq) + min * xs    (per half block for kind 4's mins: min * xd * sum(xq of the half)).
+//
+// Where the CPU has AVX-512 VNNI, layers/formats/gguf_linear.py hands the kernel its weights in a fourth, packed layout
+// (gguf_linear.pack regroups them at load): 16 output rows interleaved per block, so that one dpbusd multiplies
+// 4 codes of each of the 16 rows by the same 4 activations (broadcast) and its 16 int32 lanes add up to 16
+// outputs. A block then costs 8 dpbusd (4 for S8's halves) and one float multiply-add per 16 outputs, where the
+// row layout above needs a convert, a multiply and a multiply-add per 2 blocks of 1 output plus a final
+// horizontal sum: ~3x fewer vector instructions per multiply-add, which is what bounds this kernel on AVX-512
+// cores (4x4 tiles ran at ~45 GMAC/s a core against ~150 here).
+//
+// Numerics: every output is the same chain of per-block terms in the same order whatever the number of
+// rows or threads, so a row's result never depends on its batch (batch invariance).
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__SSE4_1__)
+#include <immintrin.h>
+#endif
+
+// The extension is built with -ffast-math (for the other kernels' reductions); here it would let GCC reassociate
+// the float chain differently in each tile shape, and a row's result would depend on its batch.
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+
+#include "simd_avx512.h"
+
+namespace {
+
+constexpr int64_t kQBlock = 32;  // activation quantization block (and U4/U8 weight block)
+constexpr int64_t kNTile = 16;   // weight rows kept hot while every input row passes over them
+
+// kinds 3 and 4: the signed value of each 4-bit code (layers/gguf_linear.TABLES); |value| <= 127, so the
+// maddubs of the sign trick below never saturates
+alignas(16) constexpr int8_t kTables[2][16] = {
+    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},  // IQ4_NL's non-linear values
+    {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7}};                 // code - 8
+
+constexpr bool nibble_kind(int64_t kind) { return kind == 0 || kind == 3 || kind == 4; }  // two codes a byte
+constexpr bool per16_kind(int64_t kind) { return kind >= 2 && kind <= 4; }  // a float scale per 16 weights
+constexpr bool super_kind(int64_t kind) { return kind >= 5; }  // K2, K3: an int scale per 16 under a float per 256
+constexpr int64_t kSuper = 256;                                 // K2/K3's weights per float scale
+// K2/K3: row-layout bytes per block of 32, and the offset of its two scale bytes
+constexpr int64_t super_block_bytes(int64_t kind) { return kind == 5 ? 10 : 14; }
+constexpr int64_t super_scale_at(int64_t kind) { return kind == 5 ? 8 : 12; }
+
+// K2/K3's scale of a half block from its byte (d * sc, as ggml forms it), and K2's min ((-dmin) * m)
+inline float super_scale(int64_t kind, float d, uint8_t s) {
+  return d * static_cast<float>(kind == 5 ? (s & 0x0F) : static_cast<int8_t>(s));
+}
+inline float super_min(float nd, uint8_t s) { return nd * static_cast<float>(s >> 4); }
+
+// code j of block b in the nibble layout (byte j: element j low, element 16 + j high)
+inline int nibble(const uint8_t* codes, int64_t b, int j) {
+  return (j < 16 ? codes[b * 16 + j] : codes[b * 16 + j - 16] >> 4) & 0x0F;
+}
+
+// One row of x -> int8 codes, per-block scale, per-block scale * sum(codes). The vector loops compute the same
+// numbers as the scalar one (max of |x|, one float multiply, round half to even, an exact integer sum): the
+// scalar std::nearbyint is a libm call, which made quantizing ~20-50% of a many-row matmul's time.
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < K / kQBlock; ++b) {
+    const float* xb = x + b * kQBlock;
+    int8_t* qb = q + b * kQBlock;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+    for (int j = 8; j < kQBlock; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#elif defined(__SSE4_1__)
+    const __m128 sign = _mm_set1_ps(-0.f);
+    __m128 h = _mm_andnot_ps(sign, _mm_loadu_ps(xb));
+    for (int j = 4; j < kQBlock; j += 4) h = _mm_max_ps(h, _mm_andnot_ps(sign, _mm_loadu_ps(xb + j)));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+    float amax = 0.f;
+    for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+#endif
+    const float scale = amax / 127.f;
+    const float inv = amax > 0.f ? 1.f / scale : 0.f;
+    int sum = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 vi = _mm512_set1_ps(inv);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vi), kRound));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vi), kRound));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(i1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vi = _mm256_set1_ps(inv);
+    alignas(32) int32_t iv[kQBlock];
+    for (int j = 0; j < kQBlock; j += 8)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(iv + j), _mm256_cvtps_epi32(_mm256_round_ps(
+          _mm256_mul_ps(_mm256_loadu_ps(xb + j), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    for (int j = 0; j < kQBlock; ++j) {
+      qb[j] = static_cast<int8_t>(iv[j]);
+      sum += iv[j];
+    }
+#elif defined(__SSE4_1__)  // x86-64-v2: the same rounding (to nearest even) without the libm call
+    const __m128 vi = _mm_set1_ps(inv);
+    alignas(16) int32_t iv[kQBlock];
+    for (int j = 0; j < kQBlock; j += 4)
+      _mm_store_si128(reinterpret_cast<__m128i*>(iv + j), _mm_cvtps_epi32(_mm_round_ps(
+          _mm_mul_ps(_mm_loadu_ps(xb + j), vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    for (int j = 0; j < kQBlock; ++j) {
+      qb[j] = static_cast<int8_t>(iv[j]);
+      sum += iv[j];
+    }
+#else
+    for (int j = 0; j < kQBlock; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * inv));  // round half to even, as torch.round
+      qb[j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+#endif
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// unsigned x signed bytes, 4 adjacent products summed into each of 8 int32 lanes
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // maddubs cannot saturate here: |code| <= 127 and 2 * 127 * 127 < 32767 (U4/U8 codes are smaller still)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
+  if (kind == 0) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
+}
+
+// block b of a per-16 kind as 32 signed bytes: S8's codes, or the table's values of kinds 3 and 4
+inline __m256i load_signed(int kind, const uint8_t* codes, int64_t b) {
+  if (kind == 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * kQBlock));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kTables[kind - 3])));
+  return _mm256_shuffle_epi8(table, load_codes(0, codes, b));
+}
+
+// scale * xd * dot(w, x) of a per-16 block, and (mins: kind 4 from Q2_K) min * xd * sum(x) per half: lanes
+// 0-3 hold the first 16 weights, lanes 4-7 the second 16
+inline __m256 per16_block(int kind, const uint8_t* codes, const float* sc, const float* mn, __m256i x, float xd,
+                          int64_t b, __m256 acc) {
+  const __m256i w = load_signed(kind, codes, b);
+  // |w| x (x with w's sign): the unsigned-by-signed product that maddubs/dpbusd take
+  const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1] * xd),
+                                                               _mm_set1_ps(sc[2 * b] * xd)), acc);
+  if (mn) {
+    const __m256i sums = dot_u8s8(_mm256_set1_epi8(1), x);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set_m128(_mm_set1_ps(mn[2 * b + 1] * xd),
+                                                                    _mm_set1_ps(mn[2 * b] * xd)), acc);
+  }
+  return acc;
+}
+
+// a K2/K3 block (row layout) as 32 signed values in element order
+inline __m256i load_super(int kind, const uint8_t* blk) {
+  int64_t low;
+  std::memcpy(&low, blk, 8);
+  // 64-bit lane s: the 8 bytes shifted by 2s, so that byte j of lane s (element 8s + j) has its code in bits 0-1
+  const __m256i v = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(low), _mm256_set_epi64x(6, 4, 2, 0)),
+                                     _mm256_set1_epi8(3));
+  if (kind == 5) return v;
+  int32_t high;
+  std::memcpy(&high, blk + 8, 4);
+  // byte e <- byte e / 8 of the high bits (each 128-bit lane holds all four), then tested at bit e % 8
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(high), _mm256_set_epi64x(
+      0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+  return _mm256_sub_epi8(_mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(4))), _mm256_set1_epi8(4));
+}
+
+// (v[0] * f) * xd in lanes 0-3 and (v[1] * f) * xd in lanes 4-7: a half block's factor, as per16_block's
+inline __m256 halves(__m128i v, float f, float xd) {
+  const __m128 h = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(v), _mm_set1_ps(f)), _mm_set1_ps(xd));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(h), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+}
+
+// per16_block's terms for a K2/K3 block: its scales d * sc (and K2's mins (-dmin) * m) formed from the block's two
+// scale bytes in vector lanes (the scalar conversions cost more than the block's dot product)
+inline __m256 super_block(int kind, const uint8_t* blk, float d, float nd, __m256i x, float xd, __m256 acc) {
+  const __m256i w = load_super(kind, blk);
+  const uint8_t* sb = blk + super_scale_at(kind);
+  const __m128i bytes = _mm_cvtsi32_si128(sb[0] | (sb[1] << 8));
+  const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  if (kind == 6) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), halves(_mm_cvtepi8_epi32(bytes), d, xd), acc);
+  const __m128i q = _mm_cvtepu8_epi32(bytes);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), halves(_mm_and_si128(q, _mm_set1_epi32(0x0F)), d, xd), acc);
+  const __m256i sums = dot_u8s8(_mm256_set1_epi8(1), x);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), halves(_mm_srli_epi32(q, 4), nd, xd), acc);
+}
+#endif
+
+struct QRows {  // where the quantized input rows live: codes, then per-block scales and scale * sums
+  const int8_t* q;
+  int64_t stride, K;
+  const int8_t* codes(int64_t m) const { return q + m * stride; }
+  const float* d(int64_t m) const { return reinterpret_cast<const float*>(q + m * stride + K); }
+  const float* s(int64_t m) const { return d(m) + K / kQBlock; }
+};
+
+constexpr int64_t kGroup = 16;  // output rows per group of the packed layout (described below)
+
+struct PackedW {  // one group's codes, scales and mins in the packed layout
+  const uint8_t* codes;
+  const float *sc, *mn;
+  int64_t nb;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LMSERVE_QGEMM_AVX512 1
+// Two blocks (64 weights) per step in 512-bit registers, over a tile of up to 4 weight rows x 4 input rows
+// held in 16 accumulators: each weight pair is unpacked once for up to 4 input rows, each input pair loaded
+// once for up to 4 weight rows. The dpbusd lanes of a step hold, four bytes each: lanes 0-7 block b, 8-15
+// block b + 1. Every (row, input) output is the same chain whatever the tile's size, so the tiling (which
+// depends on the batch) never changes a result: one fma per step into its own accumulator, then the lone last
+// block (odd block counts) and the offset term added lane-wise, then a fixed tree of adds over the 16 lanes.
+
+// lanes 0-7 <- element 0, 8-15 <- element 1 (a pair's per-block values); and per 4 lanes (S8's per-16 scales)
+inline __m512i pair_idx() { return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); }
+inline __m512i quad_idx() { return _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0); }
+
+// kinds 3, 4: each table value + 128 as an unsigned byte, in all four 128-bit lanes (for a byte shuffle)
+template <int KIND>
+inline __m512i table_u8() {
+  const __m128i t = _mm_load_si128(reinterpret_cast<const __m128i*>(kTables[KIND - 3]));
+  return _mm512_broadcast_i32x4(_mm_xor_si128(t, _mm_set1_epi8(static_cast<char>(0x80))));
+}
+
+// a pair of weight blocks as unsigned bytes in the activations' order (S8, kinds 3 and 4: w + 128, corrected
+// below)
+template <int KIND>
+inline __m512i load_w(const uint8_t* codes, int64_t b) {
+  if (nibble_kind(KIND)) {  // 32 bytes of nibbles -> [lo b, hi b, lo b+1, hi b+1]
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 16));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    const __m512i idx =
+        _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+    return KIND == 0 ? idx : _mm512_shuffle_epi8(table_u8<KIND>(), idx);  // kinds 3, 4: value + 128, as S8
+  }
+  const __m512i w = _mm512_loadu_si512(codes + b * kQBlock);
+  return KIND == 2 ? _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))) : w;
+}
+
+// the weight scales of a pair, one per dpbusd lane (U4/U8: one per block; S8: one per 16 weights)
+template <int KIND>
+inline __m512 w_scale(const float* sc, int64_t b) {
+  if (per16_kind(KIND)) return _mm512_permutexvar_ps(quad_idx(), _mm512_castps128_ps512(_mm_loadu_ps(sc + 2 * b)));
+  return _mm512_permutexvar_ps(pair_idx(), _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(
+      reinterpret_cast<const double*>(sc + b)))));
+}
+
+inline __m512 x_scale(const float* xd, int64_t b) {
+  return _mm512_permutexvar_ps(pair_idx(), _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(
+      reinterpret_cast<const double*>(xd + b)))));
+}
+
+// acc + mins[b] * xs[b] lane-wise over the blocks (the U4/U8 offset term), 16 blocks at a time
+inline __m512 add_offset_term(__m512 acc, const float* mn, const float* xs, int64_t nb) {
+  int64_t b = 0;
+  for (; b + 16 <= nb; b += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mn + b), _mm512_loadu_ps(xs + b), acc);
+  if (b < nb) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (nb - b)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mn + b), _mm512_maskz_loadu_ps(m, xs + b), acc);
+  }
+  return acc;
+}
+
+// acc + the last block of an odd block count in lanes 0-7 (256 bits wide)
+template <int KIND>
+inline __m512 add_last_block(__m512 acc, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
+                             const float* xd, int64_t b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
+  __m256 p;
+  if (per16_kind(KIND)) {
+    p = per16_block(KIND, codes, sc, mn, x, xd[b], b, _mm256_setzero_ps());
+  } else {
+    p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8s8(load_codes(KIND, codes, b), x)), _mm256_set1_ps(sc[b] * xd[b]));
+  }
+  return _mm512_add_ps(acc, _mm512_zextps256_ps512(p));
+}
+
+struct WRows {  // the weight rows: codes, scales and mins per row
+  const uint8_t* codes;
+  const float *sc, *mn;
+  int64_t cb, sr;
+};
+
+// out[m * ldo + n] for n in [n0, n0 + R), m in [m0, m0 + C)
+template <int KIND, int R, int C>
+void tile(const WRows& w, const QRows& x, int64_t n0, int64_t m0, float* out, int64_t ldo) {
+  const int64_t nb = x.K / kQBlock;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b + 1 < nb; b += 2) {
+    __m512i xv[C], corr[C];
+    __m512 xs[C];
+    for (int c = 0; c < C; ++c) {
+      xv[c] = _mm512_loadu_si512(x.codes(m0 + c) + b * kQBlock);
+      xs[c] = x_scale(x.d(m0 + c), b);
+      // S8 weights (and table values) go in as w + 128: take 128 * (each lane's four activations) back out
+      if (per16_kind(KIND)) corr[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), xv[c]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = load_w<KIND>(w.codes + (n0 + r) * w.cb, b);
+      const __m512 ws = w_scale<KIND>(w.sc + (n0 + r) * w.sr, b);
+      // kind 4's mins (Q2_K), per 16: min * xd * sum(x), the sum being corr / 128
+      const bool mins = KIND == 4 && w.mn;
+      const __m512 wm = mins ? _mm512_mul_ps(w_scale<KIND>(w.mn + (n0 + r) * w.sr, b), _mm512_set1_ps(1.f / 128))
+                             : _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[c]);
+        if (per16_kind(KIND)) d = _mm512_sub_epi32(d, corr[c]);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[c]), acc[r][c]);
+        if (mins) acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(corr[c]), _mm512_mul_ps(wm, xs[c]), acc[r][c]);
+      }
+    }
+  }
+  // the lone last block and the offset term go into the lanes, then one reduction per output
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int c = 0; c < C; ++c) {
+      const int64_t m = m0 + c;
+      __m512 a = acc[r][c];
+      if (nb & 1)
+        a = add_last_block<KIND>(a, w.codes + n * w.cb, w.sc + n * w.sr, w.mn ? w.mn + n * w.sr : nullptr,
+                                 x.codes(m), x.d(m), nb - 1);
+      if (!per16_kind(KIND)) a = add_offset_term(a, w.mn + n * w.sr, x.s(m), nb);
+      sums[c] = a;
+    }
+    alignas(16) float v[4];
+    _mm_store_ps(v, lmserve_simd::reduce4(sums[0], sums[1], sums[2], sums[3]));
+    for (int c = 0; c < C; ++c) out[(m0 + c) * ldo + n] = v[c];
+  }
+}
+
+template <int KIND, int R>
+void tile_rows(const WRows& w, const QRows& x, int64_t n0, int64_t m0, int64_t C, float* out, int64_t ldo) {
+  switch (C) {
+    case 1: return tile<KIND, R, 1>(w, x, n0, m0, out, ldo);
+    case 2: return tile<KIND, R, 2>(w, x, n0, m0, out, ldo);
+    case 3: return tile<KIND, R, 3>(w, x, n0, m0, out, ldo);
+    default: return tile<KIND, R, 4>(w, x, n0, m0, out, ldo);
+  }
+}
+
+template <int KIND>
+void tile_any(const WRows& w, const QRows& x, int64_t n0, int64_t R, int64_t m0, int64_t C, float* out,
+              int64_t ldo) {
+  switch (R) {
+    case 1: return tile_rows<KIND, 1>(w, x, n0, m0, C, out, ldo);
+    case 2: return tile_rows<KIND, 2>(w, x, n0, m0, C, out, ldo);
+    case 3: return tile_rows<KIND, 3>(w, x, n0, m0, C, out, ldo);
+    default: return tile_rows<KIND, 4>(w, x, n0, m0, C, out, ldo);
+  }
+}
+
+// rows [n0, n1) of the output for every input row, in tiles of 4 x 4
+void rows_avx512(int kind, const WRows& w, const QRows& x, int64_t M, int64_t n0, int64_t n1, float* out,
+                 int64_t ldo) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const int64_t C = std::min<int64_t>(4, M - m);
+    for (int64_t n = n0; n < n1; n += 4) {
+      const int64_t R = std::min<int64_t>(4, n1 - n);
+      switch (kind) {
+        case 0: tile_any<0>(w, x, n, R, m, C, out, ldo); break;
+        case 1: tile_any<1>(w, x, n, R, m, C, out, ldo); break;
+        case 2: tile_any<2>(w, x, n, R, m, C, out, ldo); break;
+        case 3: tile_any<3>(w, x, n, R, m, C, out, ldo); break;
+        default: tile_any<4>(w, x, n, R, m, C, out, ldo);
+      }
+    }
+  }
+}
+
+// ---- the packed layout: 16 output rows per group ----
+//   codes  U4: [G, nb, 4, 64]: byte 4i + q of chunk t is row i's nibble byte 4t + q (low nibble element 4t + q,
+//              high nibble element 16 + 4t + q: the row layout's own bytes, regrouped)
+//          U8: [G, nb, 8, 64]: byte 4i + q of chunk j is row i's code 4j + q
+//          S8: like U8, each code + 128 as an unsigned byte (dpbusd multiplies unsigned by signed bytes; the
+//              128 * sum(activations) this adds is taken back out per half block)
+//          kinds 3, 4: like U4; the kernel looks each code's table value + 128 up, then goes on as for S8
+//   scales [G, nb, 16] (per-16 kinds: [G, 2 nb, 16]), mins likewise: row i's value in lane i
+// Each output's chain: for every block b in order, acc += float(dot_b) * (scale_b * xd_b), then (U4/U8)
+// acc += min_b * xs_b (S8: the two halves' terms in order). The same chain for any number of input rows.
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// K2/K3 (kinds 5, 6): block b of a group as S8's 8 vectors (value + 128, elements as the nibble kinds' wv), and
+// half[h] the 16 rows' scales d * sc of half h (K2: half[2 + h] their mins (-dmin) * m), formed from the bytes
+template <int KIND>
+inline void load_super_group(const PackedW& w, int64_t b, __m512i* wv, __m512* half) {
+  const uint8_t* p = w.codes + b * (KIND == 5 ? 160 : 224);
+  const __m512i three = _mm512_set1_epi8(3), v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
+  for (int s = 0; s < 4; ++s) {
+    wv[s] = _mm512_and_si512(_mm512_srli_epi16(v0, 2 * s), three);      // elements 4s .. 4s + 3
+    wv[4 + s] = _mm512_and_si512(_mm512_srli_epi16(v1, 2 * s), three);  // elements 16 + 4s ..
+  }
+  if (KIND == 6) {  // code + 4 * high - 4, + 128
+    const __m512i h = _mm512_loadu_si512(p + 128), one = _mm512_set1_epi8(1), bias = _mm512_set1_epi8(124);
+    for (int t = 0; t < 8; ++t) {
+      const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, t), one), 2);
+      wv[t] = _mm512_add_epi8(_mm512_or_si512(wv[t], high), bias);
+    }
+  } else {
+    for (int t = 0; t < 8; ++t) wv[t] = _mm512_or_si512(wv[t], _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  const uint8_t* sb = p + (KIND == 5 ? 128 : 192);
+  const __m512 d = _mm512_loadu_ps(w.sc + kGroup * (b / 8));
+  for (int k = 0; k < 2; ++k) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * k));
+    if (KIND == 6) {
+      half[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+      continue;
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(bytes);
+    half[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F))));
+    half[2 + k] = _mm512_mul_ps(_mm512_loadu_ps(w.mn + kGroup * (b / 8)), _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)));
+  }
+}
+
+// 16 outputs of C input rows [m0, m0 + C) over one group, stored at out[m * ldo + 0..15]
+template <int KIND, int C>
+void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, float* out, int64_t ldo) {
+  const int64_t nb = w.nb;
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[8];
+    if (nibble_kind(KIND)) {
+      const uint8_t* p = w.codes + b * 256;
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * t);
+        wv[t] = _mm512_and_si512(v, low4);                           // elements 4t .. 4t + 3
+        wv[4 + t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);  // elements 16 + 4t ..
+      }
+      if (KIND >= 3)
+        for (int j = 0; j < 8; ++j) wv[j] = _mm512_shuffle_epi8(table_u8<KIND>(), wv[j]);  // value + 128
+    } else if (!super_kind(KIND)) {
+      for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512(w.codes + b * 512 + 64 * j);
+    }
+    if (per16_kind(KIND) || super_kind(KIND)) {
+      __m512 half[4];  // the two halves' scales, then their mins where the kind has them (Q2_K: I4, K2)
+      const bool mins = KIND == 5 || (KIND == 4 && w.mn);
+      if (super_kind(KIND)) {
+        load_super_group<KIND>(w, b, wv, half);
+      } else {
+        half[0] = _mm512_loadu_ps(w.sc + 32 * b), half[1] = _mm512_loadu_ps(w.sc + 32 * b + 16);
+        if (mins) half[2] = _mm512_loadu_ps(w.mn + 32 * b), half[3] = _mm512_loadu_ps(w.mn + 32 * b + 16);
+      }
+      const __m512 s0 = half[0], s1 = half[1];
+      for (int c = 0; c < C; ++c) {
+        const int8_t* xq = x.codes(m0 + c) + b * kQBlock;
+        const int32_t* corr = xsum16 + (m0 + c) * 2 * nb + 2 * b;
+        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], bcast4(xq));
+        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[4], bcast4(xq + 16));
+        for (int j = 1; j < 4; ++j) {
+          lo = _mm512_dpbusd_epi32(lo, wv[j], bcast4(xq + 4 * j));
+          hi = _mm512_dpbusd_epi32(hi, wv[4 + j], bcast4(xq + 16 + 4 * j));
+        }
+        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(corr[0]));
+        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(corr[1]));
+        const float xdb = x.d(m0 + c)[b];
+        const __m512 xd = _mm512_set1_ps(xdb);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, xd), acc[c]);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, xd), acc[c]);
+        if (mins) {  // min * xd * sum(x) per half, the sums being corr / 128
+          acc[c] = _mm512_fmadd_ps(half[2], _mm512_set1_ps(xdb * (corr[0] * (1.f / 128))), acc[c]);
+          acc[c] = _mm512_fmadd_ps(half[3], _mm512_set1_ps(xdb * (corr[1] * (1.f / 128))), acc[c]);
+        }
+      }
+      continue;
+    }
+    const __m512 ws = _mm512_loadu_ps(w.sc + 16 * b), wm = _mm512_loadu_ps(w.mn + 16 * b);
+    for (int c = 0; c < C; ++c) {
+      const int8_t* xq = x.codes(m0 + c) + b * kQBlock;
+      // two chains of four (elements 0-15, 16-31) halve the dependent dpbusd latency; integer sums are exact
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], bcast4(xq));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[4], bcast4(xq + 16));
+      for (int j = 1; j < 4; ++j) {
+        // U4's chunk j holds elements 4j.. and 16 + 4j..; U8's chunk j elements 4j.., chunk 4 + j 16 + 4j..
+        s0 = _mm512_dpbusd_epi32(s0, wv[j], bcast4(xq + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, wv[4 + j], bcast4(xq + 16 + 4 * j));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, _mm512_set1_ps(x.d(m0 + c)[b])), acc[c]);
+      acc[c] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x.s(m0 + c)[b]), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (m0 + c) * ldo, acc[c]);
+}
+
+// every input row against one group, 4 input rows at a time (the group's codes stay in L1 meanwhile)
+template <int KIND>
+void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) group_rows<KIND, 4>(w, x, xsum16, m, out, ldo);
+  switch (M - m) {
+    case 3: return group_rows<KIND, 3>(w, x, xsum16, m, out, ldo);
+    case 2: return group_rows<KIND, 2>(w, x, xsum16, m, out, ldo);
+    case 1: return group_rows<KIND, 1>(w, x, xsum16, m, out, ldo);
+    default: return;
+  }
+}
+#endif
+
+#if !defined(LMSERVE_QGEMM_AVX512) && defined(__SSSE3__) && defined(__SSE4_1__)
+#define LMSERVE_QGEMM_NARROW 1
+// The packed layout on builds without AVX-512 VNNI (x86-64-v3: AVX2 + FMA; x86-64-v2: SSSE3/SSE4.1): a group's
+// 16 rows are read as 2 parts of 8 rows in 256-bit registers (or 4 parts of 4 in 128-bit ones): bytes
+// [4 R p, 4 R (p + 1)) of each 64-byte chunk are rows [R p, R (p + 1)). Why the same layout: one repacking at
+// load for every level, and a 16-row step reuses each unpacked weight vector for 4 input rows, where the row
+// layout's dot_row unpacked every weight again for every input row (a 16-row step cost ~8x a 1-row step on
+// x86-64-v3 against ~4x on AVX-512 VNNI).
+// Without dpbusd the byte products come from maddubs (unsigned x signed, pairs summed into int16, saturating):
+//   U4, U8, and kinds 4-6 whose values are (unsigned code - offset): codes go in unsigned; the int16 pairs are
+//     summed over up to 4 chunks before one madd to int32 (15 * 127 * 2 * 8 and 31 * 127 * 2 * 4 stay < 32767),
+//     and offset * sum(x) of each half block is taken back out in int32;
+//   S8 and IQ4_NL (signed values up to 127 in magnitude): |w| x (x with w's sign), one madd per chunk.
+// Every dot is then the exact integer the AVX-512 kernel forms, and each output's float chain is the one its
+// comment above describes, the same for any number of input rows (batch invariance within a build).
+
+#if defined(__AVX2__) && defined(__FMA__)
+struct Lanes {  // 8 rows a part
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kRows = 8;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I set1_8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+  static I set1_32(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I srli16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+  static I madd1(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I sign8(I a, I b) { return _mm256_sign_epi8(a, b); }
+  static I shuffle8(const int8_t* table, I idx) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), idx);
+  }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static I srli32(I a, int n) { return _mm256_srli_epi32(a, n); }
+  // kRows bytes (a part's scale bytes), unsigned or signed, as int32 lanes
+  static I widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I widen_s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+};
+#else
+struct Lanes {  // 4 rows a part (no FMA at this level: multiply, then add, in the same order everywhere)
+  using I = __m128i;
+  using F = __m128;
+  static constexpr int kRows = 4;
+  static I load(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_set1_epi32(v);
+  }
+  static I set1_8(int v) { return _mm_set1_epi8(static_cast<char>(v)); }
+  static I set1_32(int32_t v) { return _mm_set1_epi32(v); }
+  static I zero() { return _mm_setzero_si128(); }
+  static I and_(I a, I b) { return _mm_and_si128(a, b); }
+  static I or_(I a, I b) { return _mm_or_si128(a, b); }
+  static I xor_(I a, I b) { return _mm_xor_si128(a, b); }
+  static I srli16(I a, int n) { return _mm_srli_epi16(a, n); }
+  static I slli16(I a, int n) { return _mm_slli_epi16(a, n); }
+  static I maddubs(I u, I s) { return _mm_maddubs_epi16(u, s); }
+  static I madd1(I a) { return _mm_madd_epi16(a, _mm_set1_epi16(1)); }
+  static I add16(I a, I b) { return _mm_add_epi16(a, b); }
+  static I add32(I a, I b) { return _mm_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm_sub_epi32(a, b); }
+  static I sign8(I a, I b) { return _mm_sign_epi8(a, b); }
+  static I shuffle8(const int8_t* table, I idx) {
+    return _mm_shuffle_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(table)), idx);
+  }
+  static F loadf(const float* p) { return _mm_loadu_ps(p); }
+  static F set1f(float v) { return _mm_set1_ps(v); }
+  static F zerof() { return _mm_setzero_ps(); }
+  static F cvt(I a) { return _mm_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
+  static void store(float* p, F v) { _mm_storeu_ps(p, v); }
+  static I srli32(I a, int n) { return _mm_srli_epi32(a, n); }
+  static I widen_u8(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_cvtepu8_epi32(_mm_cvtsi32_si128(v));
+  }
+  static I widen_s8(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm_cvtepi8_epi32(_mm_cvtsi32_si128(v));
+  }
+};
+#endif
+
+using VI = Lanes::I;
+using VF = Lanes::F;
+constexpr int kRowsV = Lanes::kRows;
+
+// the signed-value kinds (S8, IQ4_NL): one chunk's products for one input row, as int32 lanes
+inline VI signed_dot(VI w, VI x) { return Lanes::madd1(Lanes::maddubs(Lanes::sign8(w, w), Lanes::sign8(x, w))); }
+
+// chunk t (0..3) of half h (0: elements 0-15, 1: 16-31) of block b for this part, as bytes the kernel multiplies:
+// unsigned codes (offset kinds) or signed values (S8, IQ4_NL)
+template <int KIND>
+inline VI weight_chunk(const uint8_t* blk, int64_t off, int h, int t) {
+  if (nibble_kind(KIND)) {
+    const VI v = Lanes::load(blk + 64 * t + off);
+    const VI code = Lanes::and_(h ? Lanes::srli16(v, 4) : v, Lanes::set1_8(0x0F));
+    return KIND == 3 ? Lanes::shuffle8(kTables[0], code) : code;
+  }
+  if (super_kind(KIND)) {  // crumbs of elements 16h + 4t .., then K3's high bit t of the half's chunk
+    const VI c = Lanes::and_(Lanes::srli16(Lanes::load(blk + 64 * h + off), 2 * t), Lanes::set1_8(3));
+    if (KIND == 5) return c;
+    // high bit 4h + t moved to bit 2 in one shift (bytes' bits shifted across within 16-bit lanes are masked off)
+    const VI hv = Lanes::load(blk + 128 + off);
+    const int at = 4 * h + t;
+    const VI high = Lanes::and_(at >= 2 ? Lanes::srli16(hv, at - 2) : Lanes::slli16(hv, 2 - at), Lanes::set1_8(4));
+    return Lanes::or_(c, high);
+  }
+  const VI v = Lanes::load(blk + 64 * (4 * h + t) + off);
+  return KIND == 2 ? Lanes::xor_(v, Lanes::set1_8(0x80)) : v;  // S8 is stored + 128
+}
+
+// what each kind's unsigned codes are offset by (value = code - offset), taken back out as offset * sum(x)
+constexpr int code_offset(int kind) { return kind == 4 ? 8 : kind == 6 ? 4 : 0; }
+constexpr bool signed_kind(int kind) { return kind == 2 || kind == 3; }
+
+// Lanes::kRows outputs (part p of the group) of C input rows [m0, m0 + C), stored at out[m * ldo + R p ..]
+template <int KIND, int C>
+void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p, float* out,
+               int64_t ldo) {
+  constexpr int64_t kBlockBytes = nibble_kind(KIND) ? 256 : KIND == 5 ? 160 : KIND == 6 ? 224 : 512;
+  const int64_t nb = w.nb, off = 4 * kRowsV * p, lane = kRowsV * p;
+  VF acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = Lanes::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w.codes + b * kBlockBytes;
+    if (KIND == 0) {  // one dot per block: int16 sums over all 8 chunks (<= 30480), one madd
+      VI dot[C];
+      for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+      for (int t = 0; t < 4; ++t) {
+        const VI v = Lanes::load(blk + 64 * t + off), low4 = Lanes::set1_8(0x0F);
+        const VI lo = Lanes::and_(v, low4), hi = Lanes::and_(Lanes::srli16(v, 4), low4);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xb = x.codes(m0 + c) + b * kQBlock + 4 * t;
+          dot[c] = Lanes::add16(dot[c], Lanes::add16(Lanes::maddubs(lo, Lanes::bcast4(xb)),
+                                                     Lanes::maddubs(hi, Lanes::bcast4(xb + 16))));
+        }
+      }
+      for (int c = 0; c < C; ++c) dot[c] = Lanes::madd1(dot[c]);
+      const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
+      for (int c = 0; c < C; ++c) {
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
+      }
+      continue;
+    }
+    if (KIND == 1) {  // one dot per block: int16 sums over each half's 4 chunks (<= 31496), then madd
+      VI dot[C];
+      for (int h = 0; h < 2; ++h) {
+        VI s16[C];
+        for (int c = 0; c < C; ++c) s16[c] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            s16[c] = Lanes::add16(s16[c], Lanes::maddubs(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+        for (int c = 0; c < C; ++c) {
+          const VI s32 = Lanes::madd1(s16[c]);
+          dot[c] = h ? Lanes::add32(dot[c], s32) : s32;
+        }
+      }
+      const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
+      for (int c = 0; c < C; ++c) {
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
+      }
+      continue;
+    }
+    // per-16 and super kinds: each half's dot, scale and (where the kind has them) min
+    VF half[4];
+    const bool mins = KIND == 5 || (KIND == 4 && w.mn);
+    if (super_kind(KIND)) {
+      const uint8_t* sb = blk + (KIND == 5 ? 128 : 192) + lane;
+      const VF d = Lanes::loadf(w.sc + kGroup * (b / 8) + lane);
+      for (int k = 0; k < 2; ++k) {
+        if (KIND == 6) {
+          half[k] = Lanes::mul(d, Lanes::cvt(Lanes::widen_s8(sb + 16 * k)));
+          continue;
+        }
+        const VI q = Lanes::widen_u8(sb + 16 * k);  // scale | min << 4
+        half[k] = Lanes::mul(d, Lanes::cvt(Lanes::and_(q, Lanes::set1_32(0x0F))));
+        half[2 + k] = Lanes::mul(Lanes::loadf(w.mn + kGroup * (b / 8) + lane), Lanes::cvt(Lanes::srli32(q, 4)));
+      }
+    } else {
+      half[0] = Lanes::loadf(w.sc + 32 * b + lane), half[1] = Lanes::loadf(w.sc + 32 * b + 16 + lane);
+      if (mins) half[2] = Lanes::loadf(w.mn + 32 * b + lane), half[3] = Lanes::loadf(w.mn + 32 * b + 16 + lane);
+    }
+    for (int h = 0; h < 2; ++h) {
+      VI dot[C];
+      if (signed_kind(KIND)) {
+        for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            dot[c] = Lanes::add32(dot[c], signed_dot(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+      } else {
+        VI s16[C];
+        for (int c = 0; c < C; ++c) s16[c] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            s16[c] = Lanes::add16(s16[c], Lanes::maddubs(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+        for (int c = 0; c < C; ++c) {
+          dot[c] = Lanes::madd1(s16[c]);
+          if (code_offset(KIND))
+            dot[c] = Lanes::sub32(dot[c], Lanes::set1_32(code_offset(KIND) * xsum16[(m0 + c) * 2 * nb + 2 * b + h]));
+        }
+      }
+      for (int c = 0; c < C; ++c)
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(half[h], Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+    }
+    if (mins)  // min * xd * sum(x) per half, after both halves' dots (the AVX-512 kernel's order)
+      for (int c = 0; c < C; ++c) {
+        const float xdb = x.d(m0 + c)[b];
+        const int32_t* s = xsum16 + (m0 + c) * 2 * nb + 2 * b;
+        acc[c] = Lanes::fma(half[2], Lanes::set1f(xdb * static_cast<float>(s[0])), acc[c]);
+        acc[c] = Lanes::fma(half[3], Lanes::set1f(xdb * static_cast<float>(s[1])), acc[c]);
+      }
+  }
+  for (int c = 0; c < C; ++c) Lanes::store(out + (m0 + c) * ldo + lane, acc[c]);
+}
+
+// every input row against one group: part by part (a part's codes stay in L1), 4 input rows at a time
+template <int KIND>
+void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
+  for (int p = 0; p < kGroup / kRowsV; ++p) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) part_rows<KIND, 4>(w, x, xsum16, m, p, out, ldo);
+    switch (M - m) {
+      case 3: part_rows<KIND, 3>(w, x, xsum16, m, p, out, ldo); break;
+      case 2: part_rows<KIND, 2>(w, x, xsum16, m, p, out, ldo); break;
+      case 1: part_rows<KIND, 1>(w, x, xsum16, m, p, out, ldo); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+// One output: weight row n (its codes/scales/mins) against one quantized input row.
+float dot_row(int kind, const uint8_t* codes, const float* sc, const float* mn, const int8_t* xq,
+              const float* xd, const float* xs, int64_t K) {
+  const int64_t nb = K / kQBlock;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  float acc_min = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kQBlock));
+    if (super_kind(kind)) {
+      const int64_t s = b / (kSuper / kQBlock);
+      acc = super_block(kind, codes + b * super_block_bytes(kind), sc[s], mn ? mn[s] : 0.f, x, xd[b], acc);
+    } else if (per16_kind(kind)) {
+      acc = per16_block(kind, codes, sc, mn, x, xd[b], b, acc);
+    } else {
+      const __m256i p = dot_u8s8(load_codes(kind, codes, b), x);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc[b] * xd[b]), acc);
+      acc_min += mn[b] * xs[b];
+    }
+  }
+  return hsum(acc) + acc_min;
+#else
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* xb = xq + b * kQBlock;
+    if (super_kind(kind)) {
+      const uint8_t* blk = codes + b * super_block_bytes(kind);
+      const uint8_t* sb = blk + super_scale_at(kind);
+      int dot[2] = {0, 0}, sum[2] = {0, 0};
+      for (int j = 0; j < kQBlock; ++j) {
+        int w = (blk[j % 8] >> (2 * (j / 8))) & 3;
+        if (kind == 6) w += 4 * ((blk[8 + j / 8] >> (j % 8)) & 1) - 4;
+        dot[j / 16] += w * xb[j];
+        sum[j / 16] += xb[j];
+      }
+      const int64_t s = b / (kSuper / kQBlock);
+      acc += super_scale(kind, sc[s], sb[0]) * xd[b] * dot[0] + super_scale(kind, sc[s], sb[1]) * xd[b] * dot[1];
+      if (kind == 5) acc += super_min(mn[s], sb[0]) * xd[b] * sum[0] + super_min(mn[s], sb[1]) * xd[b] * sum[1];
+      continue;
+    }
+    if (per16_kind(kind)) {
+      int dot[2] = {0, 0}, sum[2] = {0, 0};
+      for (int j = 0; j < kQBlock; ++j) {
+        const int w = kind == 2 ? reinterpret_cast<const int8_t*>(codes)[b * kQBlock + j]
+                                : kTables[kind - 3][nibble(codes, b, j)];
+        dot[j / 16] += w * xb[j];
+        sum[j / 16] += xb[j];
+      }
+      acc += sc[2 * b] * xd[b] * dot[0] + sc[2 * b + 1] * xd[b] * dot[1];
+      if (mn) acc += mn[2 * b] * xd[b] * sum[0] + mn[2 * b + 1] * xd[b] * sum[1];
+      continue;
+    }
+    int dot = 0;
+    for (int j = 0; j < kQBlock; ++j) {
+      const int c = kind == 0 ? nibble(codes, b, j) : codes[b * kQBlock + j];
+      dot += c * xb[j];
+    }
+    acc += sc[b] * xd[b] * dot + mn[b] * xs[b];
+  }
+  return acc;
+#endif
+}
+
+int64_t code_bytes_per_row(int kind, int64_t K) {
+  return super_kind(kind) ? K / kQBlock * super_block_bytes(kind) : nibble_kind(kind) ? K / 2 : K;
+}
+int64_t scales_per_row(int kind, int64_t K) {
+  return super_kind(kind) ? K / kSuper : per16_kind(kind) ? K / 16 : K / kQBlock;
+}
+
+}  // namespace
+
+static_assert(kQBlock == lmserve::kQuantBlock && kSuper == lmserve::kQuantSuper);
+
+int64_t lmserve::quant_row_code_bytes(int64_t kind, int64_t K) { return code_bytes_per_row(static_cast<int>(kind), K); }
+int64_t lmserve::quant_row_scales(int64_t kind, int64_t K) { return scales_per_row(static_cast<int>(kind), K); }
+int64_t lmserve::quant_packed_code_bytes(int64_t kind) {
+  return super_kind(kind) ? 16 * super_block_bytes(kind) : nibble_kind(kind) ? 256 : 512;
+}
+int64_t lmserve::quant_packed_scale_blocks(int64_t kind, int64_t K) {
+  return super_kind(kind) ? K / kSuper : per16_kind(kind) ? 2 * (K / kQBlock) : K / kQBlock;
+}
+
+// [M, K] int8 codes, then [M, K/32] scales and [M, K/32] scale * sums, in one byte buffer per row
+void lmserve::quantize_rows(const float* px, int64_t M, int64_t K, int8_t* po) {
+  const int64_t stride = K + 8 * (K / kQBlock);
+  lmserve::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* row = po + m * stride;
+      float* d = reinterpret_cast<float*>(row + K);
+      quantize_row(px + m * K, K, row, d, d + K / kQBlock);
+    }
+  });
+}
+
+#if defined(LMSERVE_QGEMM_AVX512) || defined(LMSERVE_QGEMM_NARROW)
+#define LMSERVE_QGEMM_PACKED 1
+#endif
+
+int64_t lmserve::quant_packed_rows() {
+#if defined(LMSERVE_QGEMM_PACKED)
+  return kGroup;
+#else
+  return 0;
+#endif
+}
+
+#if defined(LMSERVE_QGEMM_PACKED)
+namespace {
+
+// The sum of each 16 activation codes per row [M, K/16], times 128 on AVX-512 (what S8's unsigned codes add to
+// each half block there) and times 1 on the narrow builds (what their offset codes and mins take)
+std::vector<int32_t> half_block_sums(const int8_t* pq, int64_t stride, int64_t M, int64_t K) {
+  std::vector<int32_t> out(M * (K / 16));
+  int32_t* po = out.data();
+  lmserve::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t h = 0; h < K / 16; ++h) {
+#if defined(LMSERVE_QGEMM_AVX512)
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pq + m * stride + 16 * h));
+        po[m * (K / 16) + h] = 128 * _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(v));
+#else
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) sum += pq[m * stride + 16 * h + j];
+        po[m * (K / 16) + h] = sum;
+#endif
+      }
+  });
+  return out;
+}
+
+}  // namespace
+
+void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* ps, const float* pm, const float* pb,
+                                  const int8_t* xq, int64_t xs, int64_t M, int64_t K, int64_t G, float* py) {
+  const int64_t nb = K / kQBlock, N = G * kGroup;
+  const int64_t code_bytes = quant_packed_code_bytes(kind), scale_blocks = quant_packed_scale_blocks(kind, K);
+  const bool halves = per16_kind(kind) || super_kind(kind);  // terms per 16 weights: the half blocks' sums
+  const std::vector<int32_t> xsum16 = halves ? half_block_sums(xq, xs, M, K) : std::vector<int32_t>();
+  const int32_t* px16 = halves ? xsum16.data() : nullptr;
+  const QRows xr{xq, xs, K};
+  const int64_t group_bytes = nb * code_bytes, scale_count = scale_blocks * kGroup;
+  lmserve::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
+      float* out = py + g * kGroup;
+      switch (kind) {
+        case 0: group_all_rows<0>(w, xr, px16, M, out, N); break;
+        case 1: group_all_rows<1>(w, xr, px16, M, out, N); break;
+        case 2: group_all_rows<2>(w, xr, px16, M, out, N); break;
+        case 3: group_all_rows<3>(w, xr, px16, M, out, N); break;
+        case 4: group_all_rows<4>(w, xr, px16, M, out, N); break;
+        case 5: group_all_rows<5>(w, xr, px16, M, out, N); break;
+        default: group_all_rows<6>(w, xr, px16, M, out, N);
+      }
+      if (pb)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t i = 0; i < kGroup; ++i) out[m * N + i] += pb[g * kGroup + i];
+    }
+  });
+}
+
+// A mixture of experts' grouped projection (what ggml_mul_mat_id does): rows [offsets[e], offsets[e + 1]) of x are
+// the tokens routed to expert e, sorted by expert; each is multiplied by its expert's packed matrix. The activations
+// are quantized once for all rows, and one parallel_for runs every (expert, group of 16 outputs) pair, so a layer
+// costs one call per projection instead of one per expert. A row's chain is packed_linear's for its expert alone
+// (group_all_rows takes the same steps for any number of rows), so the bits equal one GGUFLinear per expert.
+void lmserve::quant_packed_experts(int64_t kind, const uint8_t* pc, const float* ps, const float* pm,
+                                   const int8_t* xq, int64_t stride, const int64_t* off, int64_t E, int64_t K,
+                                   int64_t G, float* py) {
+  const int64_t R = off[E], nb = K / kQBlock, N = G * kGroup;
+  const std::vector<int32_t> xsum16 = kind == 2 ? half_block_sums(xq, stride, R, K) : std::vector<int32_t>();
+  const int32_t* px16 = kind == 2 ? xsum16.data() : nullptr;
+  const int64_t group_bytes = nb * (kind == 0 ? 256 : 512), group_scales = (kind == 2 ? 2 * nb : nb) * kGroup;
+  lmserve::parallel_for(0, E * G, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / G, g = i % G, r0 = off[e], M = off[e + 1] - r0;
+      if (M <= 0) continue;
+      const int64_t wg = e * G + g;  // the group's index in the stacked [E * G] groups
+      const PackedW w{pc + wg * group_bytes, ps + wg * group_scales, pm ? pm + wg * group_scales : nullptr, nb};
+      const QRows xr{xq + r0 * stride, stride, K};
+      const int32_t* s16 = px16 ? px16 + r0 * 2 * nb : nullptr;
+      float* out = py + r0 * N + g * kGroup;
+      if (kind == 0) group_all_rows<0>(w, xr, s16, M, out, N);
+      else if (kind == 1) group_all_rows<1>(w, xr, s16, M, out, N);
+      else group_all_rows<2>(w, xr, s16, M, out, N);
+    }
+  });
+}
+#else
+// never called: the binding unit refuses the packed layout where quant_packed_rows() == 0 (no SSSE3/SSE4.1)
+void lmserve::quant_packed_matmul(int64_t, const uint8_t*, const float*, const float*, const float*, const int8_t*,
+                                  int64_t, int64_t, int64_t, int64_t, float*) {}
+void lmserve::quant_packed_experts(int64_t, const uint8_t*, const float*, const float*, const int8_t*, int64_t,
+                                   const int64_t*, int64_t, int64_t, int64_t, float*) {}
+#endif
+
+void lmserve::quant_matmul(int64_t kind, const uint8_t* pc, const float* ps, const float* pm, const float* pb,
+                           const int8_t* pq, int64_t xs, int64_t M, int64_t K, int64_t N, float* py) {
+  const int64_t cb = code_bytes_per_row(kind, K), sr = scales_per_row(kind, K), nb = K / kQBlock;
+  lmserve::parallel_for(0, (N + kNTile - 1) / kNTile, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kNTile, n1 = std::min(N, n0 + kNTile);
+#if defined(LMSERVE_QGEMM_AVX512)
+      if (!super_kind(kind)) {  // K2/K3 rows take dot_row's AVX2 loop (their packed layout is the fast one)
+        rows_avx512(static_cast<int>(kind), WRows{pc, ps, pm, cb, sr}, QRows{pq, xs, K}, M, n0, n1, py, N);
+        if (pb)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = n0; n < n1; ++n) py[m * N + n] += pb[n];
+        continue;
+      }
+#endif
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xr = pq + m * xs;
+        const float* xd = reinterpret_cast<const float*>(xr + K);
+        for (int64_t n = n0; n < n1; ++n) {
+          const float v = dot_row(static_cast<int>(kind), pc + n * cb, ps + n * sr, pm ? pm + n * sr : nullptr, xr,
+                                  xd, xd + nb, K);
+          py[m * N + n] = pb ? v + pb[n] : v;
+        }
+      }
+    }
+  });
+}

@@ -1,0 +1,202 @@
+"""Every decoder layer of a decode-only step in one native call (layers/kernels/csrc/decode_stack.h), as a transform.
+
+`apply_decode_stack(model)` replaces a finished model's `layer_loop` (models/decoder.LayerLoop, the reference) by a
+`NativeDecodeLoop` where every layer is one the native stack runs: plain or sandwich layers (Llama, Qwen, Mistral,
+SmolLM3, Gemma), QK-norm, any rotary table or none, each layer's scale, window and soft-cap, SwiGLU or GeGLU, every
+projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of parts in different layouts), head
+dims 64/128/256, over float32, float16 or quantized (int8 / fp8_e4m3) KV caches (one C++ writer and reader for all
+of them, as the module path's). The loop it replaces stays inside it and serves every step the stack cannot: prefill
+chunks, and any step whose attention is not the paged cache's decode-only step. A wrapper that can pass through
+(LoRA: `passes_through` while no row of the step carries an adapter) is seen through to its base, and a step where
+one does not pass through runs the module loop: a LoRA engine's base-only decode steps keep the stack (on a 2-core
+Zen 5 its base requests ran at 0.71x a plain engine's without it). Models with other layers (parallel wrappers, float
+or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks, a mixture of experts: layers/blocks/moe.py) keep the module
+loop. The native stack calls the same kernels in the same order, so a step's outputs
+are bit-identical either way (tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it
+off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from lmserve.layers.attention.context import GroupedAttention
+from lmserve.layers.attention.paged import PagedAttention
+from lmserve.layers.blocks.mlp import GatedMLP
+from lmserve.layers.formats.gguf_linear import FusedGGUFLinear, GGUFLinear
+from lmserve.layers.kernels.native import native_module
+
+ENV_SWITCH = "LMSERVE_DECODE_STACK"
+_ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer as the stack needs it: its norms' scales (offset + w), four projections, its attention."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor  # plain layers: the pre-MLP norm; sandwich layers: the post-attention norm
+    projections: tuple  # qkv, o, gate_up, down modules
+    pre_ff_norm: torch.Tensor | None = None  # sandwich layers (Gemma)
+    post_ff_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # QK-norm (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    rope: int = 0  # index of its cos/sin table; -1: no rotary
+    window: int = 0  # 0: the whole context
+    softcap: float = 0.0  # 0: none
+    scale: float | None = None  # None: head_dim ** -0.5
+    act: str = "silu"
+
+
+@dataclass
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+class DecodeStack:
+    """The native stack over a model's layers; `build` says None where it does not apply."""
+
+    def __init__(self, native) -> None:
+        self.native = native
+        self.steps = 0  # decode steps run through it (tests check that it really ran)
+
+    @classmethod
+    def build(cls, layers: list[LayerWeights], shape: Shape) -> DecodeStack | None:
+        """A stack when every projection keeps GGUF blocks on the CPU and the kernels exist, else None."""
+        mod = native_module() if os.environ.get(ENV_SWITCH, "1") != "0" else None
+        if mod is None or not _fits(layers, shape):
+            return None
+        tensors, ints, floats = [], [], []
+        for lw in layers:
+            tensors += [None if t is None else t.detach().contiguous()
+                        for t in (lw.in_norm, lw.post_norm, lw.pre_ff_norm, lw.post_ff_norm, lw.q_norm, lw.k_norm)]
+            ints += [lw.rope, lw.window, _ACTS[lw.act]]
+            for proj in lw.projections:
+                parts = list(proj.parts) if isinstance(proj, FusedGGUFLinear) else [proj]
+                tensors.append(None if proj.bias is None else proj.bias.detach())
+                for p in parts:
+                    tensors += [p.codes, p.scales, p.mins]
+                ints += [len(parts)] + [p.kind for p in parts]
+            # the module path's scale: opts.scale, else head_dim ** -0.5 (layers/paged_attention._scale)
+            floats += [lw.scale if lw.scale is not None else shape.head_dim ** -0.5, lw.softcap]
+        return cls(mod.DecodeStack(tensors, ints, floats, len(layers), shape.num_heads, shape.num_kv_heads,
+                                   shape.head_dim, shape.eps))
+
+    @staticmethod
+    def accepts(attn, x: torch.Tensor) -> bool:
+        """True for a decode-only step on the paged cache (every row one query token), CPU float32; with several
+        KV groups (GroupedAttention), each group's context on the paged cache."""
+        contexts = attn.contexts if isinstance(attn, GroupedAttention) else [attn]
+        if not all(isinstance(c, PagedAttention) for c in contexts) or x.device.type != "cpu" \
+                or x.dtype != torch.float32:
+            return False
+        m = contexts[0].meta
+        return not m.prefills and m.num_decodes == x.shape[0] and m.decode_context_lens is not None
+
+    def __call__(self, x: torch.Tensor, cos: list[torch.Tensor], sin: list[torch.Tensor],
+                 attn: PagedAttention | GroupedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's output, residual stream) after every layer; `x` becomes the residual stream."""
+        if isinstance(attn, GroupedAttention):  # each layer its group's slots and block tables
+            metas = [attn.contexts[g].meta for g in attn.layer_group]
+            kv_caches = attn.contexts[0].kv_caches
+        else:
+            metas, kv_caches = [attn.meta], attn.kv_caches
+        self.steps += 1
+        return self.native.forward(x.contiguous(), cos, sin, kv_caches, [m.slot_mapping for m in metas],
+                                   [m.decode_block_tables for m in metas], metas[0].decode_context_lens)
+
+
+class NativeDecodeLoop(nn.Module):
+    """A model's layer loop with decode-only steps through the native stack; every other step through
+    `reference`, the loop it replaced."""
+
+    def __init__(self, stack: DecodeStack, kinds: tuple[str, ...], reference: nn.Module,
+                 wrappers: tuple = ()) -> None:
+        super().__init__()
+        self.stack, self.kinds, self.reference = stack, kinds, reference
+        self.wrappers = wrappers  # the pass-through wrappers the stack saw through: a step runs it while all pass
+
+    def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                attn) -> tuple[torch.Tensor, torch.Tensor]:
+        if not DecodeStack.accepts(attn, x) or not all(w.passes_through for w in self.wrappers):
+            return self.reference(layers, x, rope, attn)
+        return self.stack(x, [rope[k][0] for k in self.kinds], [rope[k][1] for k in self.kinds], attn)
+
+
+def apply_decode_stack(model: nn.Module) -> DecodeStack | None:
+    """Run `model`'s decode-only steps through the native stack where it applies (returns it), else leave the
+    model as it is (None). Call it on a finished model: after weight formats, LoRA and parallel wrappers."""
+    remove_decode_stack(model)
+    cfg, kinds = model.config, tuple(model.rotary.kinds)
+    if cfg.rotated_dim != cfg.head_dim:  # partial rotary: the native rotary rotates whole heads
+        return None
+    layers = [layer_weights(layer, kinds) for layer in model.model.layers]
+    if any(lw is None for lw in layers):
+        return None
+    wrappers = tuple(p for lw in layers for p in lw.projections if _passes(p))
+    layers = [replace(lw, projections=tuple(p.base if _passes(p) else p for p in lw.projections)) for lw in layers]
+    stack = DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps))
+    if stack is not None:
+        model.layer_loop = NativeDecodeLoop(stack, kinds, model.layer_loop, wrappers)
+    return stack
+
+
+def remove_decode_stack(model: nn.Module) -> None:
+    """Put the reference loop back (benchmarks and tests compare the two)."""
+    if isinstance(model.layer_loop, NativeDecodeLoop):
+        model.layer_loop = model.layer_loop.reference
+
+
+def layer_weights(layer: nn.Module, kinds: tuple[str, ...]) -> LayerWeights | None:
+    """A decoder layer (models/decoder.py) as the stack reads it, or None where it has something the stack lacks."""
+    attn, spec = layer.self_attn, layer.self_attn.spec
+    if spec.sinks or spec.opts.sinks is not None or not isinstance(layer.mlp, GatedMLP) or layer.mlp.act not in _ACTS:
+        return None  # sinks; a mixture of experts (layers/blocks/moe.py) or a wrapped MLP
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    qk = spec.qk_norm_eps is not None
+    return LayerWeights(
+        layer.input_layernorm.scale(), layer.post_attention_layernorm.scale(), _projections(layer),
+        layer.pre_feedforward_layernorm.scale() if sandwich else None,
+        layer.post_feedforward_layernorm.scale() if sandwich else None,
+        attn.q_norm.scale() if qk else None, attn.k_norm.scale() if qk else None,
+        kinds.index(spec.rope) if spec.rope is not None else -1, spec.opts.window or 0, spec.opts.soft_cap or 0.0,
+        spec.opts.scale, layer.mlp.act)
+
+
+def _projections(layer: nn.Module) -> tuple:
+    """A decoder layer's qkv, o, gate_up and down modules, as the model holds them (wrappers included)."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _passes(proj: nn.Module) -> bool:
+    """A wrapper that can step aside for its base (LoRA's LoraLinear): the stack runs the base while it does."""
+    return hasattr(proj, "passes_through") and hasattr(proj, "base")
+
+
+def _gguf(proj: nn.Module) -> bool:
+    """Exactly GGUF block layers (no LoRA or parallel wrappers)."""
+    if type(proj) is FusedGGUFLinear:
+        return all(type(p) is GGUFLinear for p in proj.parts)
+    return type(proj) is GGUFLinear
+
+
+def _fits(layers: list[LayerWeights], shape: Shape) -> bool:
+    """GGUF projections, float32 CPU norms, a head layout the attention kernel has."""
+    if shape.head_dim not in (64, 128, 256) or shape.num_heads % shape.num_kv_heads or \
+            shape.num_heads // shape.num_kv_heads > 16:
+        return False
+    for lw in layers:
+        if not all(_gguf(p) for p in lw.projections):
+            return False
+        norms = [t for t in (lw.in_norm, lw.post_norm, lw.pre_ff_norm, lw.post_ff_norm, lw.q_norm, lw.k_norm)
+                 if t is not None]
+        if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in norms):
+            return False
+    return True
