@@ -1,0 +1,65 @@
+"""Image preprocessing (multimodal/) against transformers' PIL-backend image processors built from a config (no hub):
+pixel values within 1e-6 for 5 sizes and aspect ratios, and the same placeholder counts."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from lmserve.multimodal.image_io import ImageData
+
+TOL = 1e-6
+SIZES = [(640, 480), (480, 640), (336, 336), (1000, 217), (57, 90)]  # (width, height): landscape, portrait, exact, wide, small
+
+
+def _image(width: int, height: int) -> ImageData:
+    """A smooth gradient with noise, so that resampling filters matter."""
+    from PIL import Image
+
+    rng = np.random.default_rng(width * 7919 + height)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = np.stack([xx * 255 / width, yy * 255 / height, (xx + yy) * 127 / (width + height)], -1)
+    arr = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    return ImageData(image=Image.fromarray(arr, "RGB"), digest=hashlib.sha256(arr.tobytes()).hexdigest())
+
+
+def _close(ours: np.ndarray, ref) -> None:
+    ref = np.asarray(ref)
+    assert ours.shape == ref.shape and ours.dtype == np.float32
+    assert np.abs(ours - ref).max() < TOL
+
+
+# ---- LLaVA-1.5 (CLIP) --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", SIZES)
+def test_clip_processor_matches_transformers(size):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from lmserve.multimodal.llava import CLIPImageProcessor
+
+    conf = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
+    img = _image(*size)
+    ref = CLIPImageProcessorPil(**conf)(images=[img.image], return_tensors="np")["pixel_values"]
+    _close(CLIPImageProcessor.from_hf(conf).preprocess(img)["pixel_values"], ref)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_llava_pad_processor_matches_transformers(size):
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from lmserve.multimodal.llava import CLIPImageProcessor
+
+    conf = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224}, "do_pad": True}
+    img = _image(*size)
+    ref = LlavaImageProcessorPil(**conf)(images=[img.image], return_tensors="np")["pixel_values"]
+    _close(CLIPImageProcessor.from_hf(conf).preprocess(img)["pixel_values"], ref)
+
+
+def test_llava_placeholder_count():
+    from lmserve.multimodal.llava import num_image_tokens, placeholder_ids
+
+    assert num_image_tokens(336, 14) == 576  # llava-1.5
+    assert num_image_tokens(336, 14, "full") == 577
+    assert placeholder_ids(32000, 32, 8) == [32000] * 16

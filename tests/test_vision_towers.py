@@ -1,0 +1,56 @@
+"""Vision towers + projectors (models/vision/) against transformers float32 on tiny random configs: each family's
+per-image embeddings within 1e-4 of transformers' get_image_features for 1 and 2 images."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TOL = 1e-4
+
+
+def _close(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() < TOL
+
+
+def _pooled(out) -> list[torch.Tensor]:
+    """transformers 5 returns get_image_features as a model output whose pooler_output holds the features."""
+    feats = out.pooler_output if hasattr(out, "pooler_output") else out
+    return list(feats) if isinstance(feats, (list, tuple)) else list(feats.unbind(0))
+
+
+# ---- LLaVA-1.5 ---------------------------------------------------------------------------------------------------
+
+def _tiny_llava(feature_layer=-2, select="default"):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=255, vision_feature_layer=feature_layer,
+                      vision_feature_select_strategy=select)
+    return LlavaForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+@pytest.mark.parametrize("layer,select", [(-2, "default"), ([-3, -1], "full")])
+def test_llava_matches_transformers(n_images, layer, select):
+    from lmserve.models.vision.clip import clip_state_dict
+    from lmserve.models.vision.llava import LlavaVision, LlavaVisionConfig
+
+    hf = _tiny_llava(layer, select)
+    ours = LlavaVision(LlavaVisionConfig.from_hf(hf.config)).eval()
+    ours.vision_tower.load_state_dict(clip_state_dict(hf.model.vision_tower.state_dict()))
+    ours.multi_modal_projector.load_state_dict(hf.model.multi_modal_projector.state_dict())
+    pixels = torch.randn(n_images, 3, 32, 32)
+    with torch.no_grad():
+        ref = _pooled(hf.model.get_image_features(pixels, vision_feature_layer=layer,
+                                                  vision_feature_select_strategy=select))
+        got = ours.encode_images(pixels)
+    assert got[0].shape[0] == ours.cfg.tokens_per_image
+    _close(got, ref)
