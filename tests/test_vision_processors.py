@@ -63,3 +63,28 @@ def test_llava_placeholder_count():
     assert num_image_tokens(336, 14) == 576  # llava-1.5
     assert num_image_tokens(336, 14, "full") == 577
     assert placeholder_ids(32000, 32, 8) == [32000] * 16
+
+
+# ---- Gemma 3 -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", SIZES)
+def test_gemma3_processor_matches_transformers(size):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from lmserve.multimodal.gemma3 import Gemma3ImageProcessor
+
+    conf = {"size": {"height": 896, "width": 896}, "resample": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+            "do_pan_and_scan": False}
+    img = _image(*size)
+    ref = Gemma3ImageProcessorPil(**conf)(images=[img.image], return_tensors="np")
+    ours = Gemma3ImageProcessor.from_hf(conf).preprocess(img)
+    _close(ours["pixel_values"], ref["pixel_values"])
+    assert list(ours["num_crops"]) == list(ref["num_crops"])
+
+
+def test_gemma3_image_sequence():
+    from lmserve.multimodal.gemma3 import image_sequence, placeholder_ids
+
+    text = image_sequence(4)
+    assert text == "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
+    assert placeholder_ids(7, 8, 9, 3) == [7, 8, 8, 8, 9]

@@ -54,3 +54,53 @@ def test_llava_matches_transformers(n_images, layer, select):
         got = ours.encode_images(pixels)
     assert got[0].shape[0] == ours.cfg.tokens_per_image
     _close(got, ref)
+
+
+# ---- Gemma 3 -----------------------------------------------------------------------------------------------------
+
+def _tiny_gemma3():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=64, patch_size=4, vision_use_head=False)
+    text = Gemma3TextConfig(vocab_size=300, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=24)
+    cfg = Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16, image_token_index=299,
+                       boi_token_index=297, eoi_token_index=298)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # transformers initialises the norm weight to 0 (an identity): make it count
+        hf.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0, 0.5)
+        hf.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    return hf
+
+
+def _gemma3_ours(hf):
+    from lmserve.models.vision.gemma3 import Gemma3Vision, Gemma3VisionConfig, siglip_state_dict
+
+    ours = Gemma3Vision(Gemma3VisionConfig.from_hf(hf.config)).eval()
+    ours.vision_tower.load_state_dict(siglip_state_dict(hf.model.vision_tower.state_dict()))
+    ours.multi_modal_projector.load_state_dict(hf.model.multi_modal_projector.state_dict())
+    return ours
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_gemma3_matches_transformers(n_images):
+    hf = _tiny_gemma3()
+    ours = _gemma3_ours(hf)
+    pixels = torch.randn(n_images, 3, 64, 64)
+    with torch.no_grad():
+        ref = _pooled(hf.model.get_image_features(pixels))
+        got = ours.encode_images(pixels)
+    assert got[0].shape == (16, 48)
+    _close(got, ref)
+
+
+def test_gemma3_projector_on_siglip_features():
+    """The projector alone, fed transformers' own SiglipVisionModel output (the tower t42-core's siglip.py replaces)."""
+    hf = _tiny_gemma3()
+    ours = _gemma3_ours(hf)
+    pixels = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        feats = hf.model.vision_tower(pixel_values=pixels).last_hidden_state
+        _close(list(ours.multi_modal_projector(feats)), list(hf.model.multi_modal_projector(feats)))
