@@ -88,3 +88,26 @@ def test_gemma3_image_sequence():
     text = image_sequence(4)
     assert text == "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
     assert placeholder_ids(7, 8, 9, 3) == [7, 8, 8, 8, 9]
+
+
+# ---- Qwen2.5-VL --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("pixels", [(56 * 56, 28 * 28 * 1280), (256 * 28 * 28, 512 * 28 * 28)])
+def test_qwen2vl_processor_matches_transformers(size, pixels):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from lmserve.multimodal.qwen2_5_vl import Qwen2VLImageProcessor
+
+    conf = {"min_pixels": pixels[0], "max_pixels": pixels[1], "patch_size": 14, "temporal_patch_size": 2,
+            "merge_size": 2}
+    img = _image(*size)
+    ref = Qwen2VLImageProcessorPil(**conf)(images=[img.image], return_tensors="np")
+    proc = Qwen2VLImageProcessor.from_hf(conf)
+    ours = proc.preprocess(img)
+    _close(ours["pixel_values"], ref["pixel_values"])
+    assert ours["image_grid_thw"].tolist() == ref["image_grid_thw"].tolist()
+    grid = tuple(ours["image_grid_thw"][0])
+    assert proc.grid(img.image.height, img.image.width) == grid
+    n_patches = Qwen2VLImageProcessorPil(**conf).get_number_of_image_patches(img.image.height, img.image.width)
+    assert proc.num_image_tokens(grid) == n_patches // 4
