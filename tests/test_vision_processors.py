@@ -111,3 +111,41 @@ def test_qwen2vl_processor_matches_transformers(size, pixels):
     assert proc.grid(img.image.height, img.image.width) == grid
     n_patches = Qwen2VLImageProcessorPil(**conf).get_number_of_image_patches(img.image.height, img.image.width)
     assert proc.num_image_tokens(grid) == n_patches // 4
+
+
+def _hf_rope_index(ids: list[int], grids: list[tuple[int, int, int]], image_id: int):
+    import torch
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    cfg = Qwen2_5_VLConfig(text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1),
+                           vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                              out_hidden_size=16),
+                           image_token_id=image_id)
+    model = Qwen2_5_VLModel(cfg)
+    input_ids = torch.tensor([ids])
+    pos, delta = model.get_rope_index(input_ids, (input_ids == image_id).int(),
+                                      image_grid_thw=torch.tensor(grids) if grids else None)
+    return pos[:, 0].numpy(), int(delta[0, 0])
+
+
+@pytest.mark.parametrize("layout", ["text", "one", "two", "start", "end"])
+def test_mrope_positions_match_transformers(layout):
+    from lmserve.multimodal.qwen2_5_vl import mrope_positions
+
+    img, vs, ve = 60, 61, 62
+    grids = {"text": [], "one": [(1, 6, 8)], "two": [(1, 8, 4), (1, 12, 2)], "start": [(1, 4, 4)],
+             "end": [(1, 2, 10)]}[layout]
+    spans = [[vs, *[img] * (t * h * w // 4), ve] for t, h, w in grids]
+    text = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    if layout == "start":
+        ids = [img] * 4 + [ve, 3, 4]
+    elif layout == "end":
+        ids = [1, 2, vs] + [img] * 5
+    else:
+        ids = text[0] + sum((s + text[k + 1] for k, s in enumerate(spans)), [])
+    ref, ref_delta = _hf_rope_index(ids, grids, img)
+    ours, delta = mrope_positions(ids, img, grids)
+    assert ours.tolist() == ref.tolist()
+    assert delta == ref_delta

@@ -104,3 +104,39 @@ def test_gemma3_projector_on_siglip_features():
     with torch.no_grad():
         feats = hf.model.vision_tower(pixel_values=pixels).last_hidden_state
         _close(list(ours.multi_modal_projector(feats)), list(hf.model.multi_modal_projector(feats)))
+
+
+# ---- Qwen2.5-VL --------------------------------------------------------------------------------------------------
+
+def _tiny_qwen25_vision():
+    from transformers import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    torch.manual_seed(0)
+    # window 56px = 2x2 merge blocks, so 64x84 and 112x56 images hold several windows, some partial
+    cfg = Qwen2_5_VLVisionConfig(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48,
+                                 fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
+                                 temporal_patch_size=2)
+    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():  # RMSNorm weights start at 1: make them count
+        for name, p in hf.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.normal_(1.0, 0.3)
+    return hf
+
+
+@pytest.mark.parametrize("grids", [[(1, 6, 8)], [(1, 8, 4), (1, 4, 12)]])
+def test_qwen25_vision_matches_transformers(grids):
+    from lmserve.models.vision.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTransformer
+
+    hf = _tiny_qwen25_vision()
+    ours = Qwen25VisionTransformer(Qwen25VisionConfig.from_hf(hf.config)).eval()
+    ours.load_state_dict(hf.state_dict())
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(n, 3 * 2 * 14 * 14)
+    grid_thw = torch.tensor(grids)
+    with torch.no_grad():
+        full = hf(pixels, grid_thw=grid_thw).pooler_output
+        ref = list(full.split((grid_thw.prod(-1) // 4).tolist()))
+        got = ours.encode_images(pixels, grids)
+    _close(got, ref)

@@ -100,3 +100,34 @@ def placeholder_ids(image_pad_id: int, n_tokens: int, vision_start_id: int | Non
     template already writes `<|vision_start|><|image_pad|><|vision_end|>`; the processor repeats only the pad)."""
     pads = [image_pad_id] * n_tokens
     return pads if vision_start_id is None else [vision_start_id, *pads, vision_end_id]
+
+
+def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
+                    merge_size: int = 2) -> tuple[np.ndarray, int]:
+    """M-RoPE position ids for a prompt (transformers' Qwen2_5_VLModel.get_rope_index, images only).
+
+    Text runs count up by one on all three axes. An image's tokens (its `<|image_pad|>` run, t*h*w/merge^2 of them,
+    one grid per image in order) take (frame, row, column) of the merged grid, each offset by the position the image
+    starts at; the text after it resumes at that start + max(h, w) / merge. Returns ([3, len(input_ids)] int64 and
+    the delta: a token at index i >= len(input_ids) (generated) has position i + delta on every axis.
+    """
+    ids = np.asarray(input_ids, dtype=np.int64)
+    out = np.empty((3, len(ids)), dtype=np.int64)
+    pos, i, images = 0, 0, iter(grids)
+    while i < len(ids):
+        if ids[i] == image_token_id:
+            t, h, w = next(images)
+            lt, lh, lw = t, h // merge_size, w // merge_size
+            axes = np.meshgrid(np.arange(lt), np.arange(lh), np.arange(lw), indexing="ij")
+            out[:, i:i + lt * lh * lw] = np.stack([a.reshape(-1) for a in axes]) + pos
+            i += lt * lh * lw
+            pos += max(lh, lw)
+        else:
+            end = i + 1
+            while end < len(ids) and ids[end] != image_token_id:
+                end += 1
+            out[:, i:end] = np.arange(end - i) + pos
+            pos += end - i
+            i = end
+    delta = int(out.max()) + 1 - len(ids) if len(ids) else 0
+    return out, delta
