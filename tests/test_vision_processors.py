@@ -149,3 +149,23 @@ def test_mrope_positions_match_transformers(layout):
     ours, delta = mrope_positions(ids, img, grids)
     assert ours.tolist() == ref.tolist()
     assert delta == ref_delta
+
+
+# ---- LLaVA-NeXT (anyres) ------------------------------------------------------------------------------------------
+
+NEXT_SIZES = [(640, 480), (480, 640), (336, 336), (1000, 217), (57, 90), (900, 1100)]
+
+
+@pytest.mark.parametrize("size", NEXT_SIZES)
+def test_llava_next_processor_matches_transformers(size):
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    from lmserve.multimodal.llava_next import LlavaNextImageProcessor
+
+    conf = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336},
+            "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]}
+    img = _image(*size)
+    ref = LlavaNextImageProcessorPil(**conf)(images=[img.image], return_tensors="np")
+    ours = LlavaNextImageProcessor.from_hf(conf).preprocess(img)
+    _close(ours["pixel_values"], ref["pixel_values"])
+    assert ours["image_sizes"].tolist() == ref["image_sizes"].tolist()

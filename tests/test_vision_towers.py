@@ -140,3 +140,42 @@ def test_qwen25_vision_matches_transformers(grids):
         ref = list(full.split((grid_thw.prod(-1) // 4).tolist()))
         got = ours.encode_images(pixels, grids)
     _close(got, ref)
+
+
+# ---- LLaVA-NeXT (anyres) ------------------------------------------------------------------------------------------
+
+def _tiny_llava_next():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=255,
+                          image_grid_pinpoints=[[32, 64], [64, 32], [64, 64], [96, 32], [32, 96]])
+    return LlavaNextForConditionalGeneration(cfg).eval()
+
+
+@pytest.mark.parametrize("sizes", [[(50, 120)], [(300, 200), (64, 64)]])
+def test_llava_next_matches_transformers(sizes):
+    from lmserve.models.vision.clip import clip_state_dict
+    from lmserve.models.vision.llava import LlavaNextVision, LlavaVisionConfig
+    from lmserve.multimodal.llava_next import LlavaNextImageProcessor
+
+    hf = _tiny_llava_next()
+    ours = LlavaNextVision(LlavaVisionConfig.from_hf(hf.config)).eval()
+    ours.vision_tower.load_state_dict(clip_state_dict(hf.model.vision_tower.state_dict()))
+    ours.multi_modal_projector.load_state_dict(hf.model.multi_modal_projector.state_dict())
+    with torch.no_grad():
+        ours.image_newline.copy_(hf.model.image_newline)
+    proc = LlavaNextImageProcessor(tile=32, pinpoints=tuple(map(tuple, hf.config.image_grid_pinpoints)))
+    grids = [proc.tile_grid(h, w) for h, w in sizes]
+    views = [torch.randn(1 + r * c, 3, 32, 32) for r, c in grids]
+    most = max(v.shape[0] for v in views)  # transformers takes the batch padded to the most views
+    batch = torch.stack([torch.cat([v, v.new_zeros(most - v.shape[0], 3, 32, 32)]) for v in views])
+    with torch.no_grad():
+        ref = _pooled(hf.model.get_image_features(batch, image_sizes=torch.tensor(sizes)))
+        got = ours.encode_images(views, sizes, grids)
+    assert [g.shape[0] for g in got] == [proc.num_image_tokens(h, w, 8) for h, w in sizes]
+    _close(got, ref)

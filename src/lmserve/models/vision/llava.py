@@ -76,3 +76,40 @@ class LlavaVision(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values [images, 3, size, size] -> one [tokens_per_image, text_hidden] tensor per image."""
         return list(self.multi_modal_projector(self.image_features(pixel_values)))
+
+
+def unpad_features(features: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[hidden, rows, cols] tile features -> the rows or columns an image of height x width filled (transformers'
+    unpad_image: the padding the processor centred the image on is cut, rounded the same way)."""
+    _, rows, cols = features.shape
+    if width / height > cols / rows:
+        pad = (rows - int(round(height * (cols / width), 7))) // 2
+        return features[:, pad:rows - pad]
+    pad = (cols - int(round(width * (rows / height), 7))) // 2
+    return features[:, :, pad:cols - pad]
+
+
+class LlavaNextVision(LlavaVision):
+    """LLaVA-NeXT: LLaVA's tower and projector over a base view plus anyres tiles, packed with row newlines."""
+
+    def __init__(self, cfg: LlavaVisionConfig):
+        super().__init__(cfg)
+        self.image_newline = nn.Parameter(torch.zeros(cfg.text_hidden))
+
+    def encode_images(self, pixel_values: list[torch.Tensor], image_sizes: list[tuple[int, int]],
+                      tile_grids: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Per image: views [1 + rows*cols, 3, tile, tile] (the processor's), its (height, width) and its tile grid
+        (rows, cols) -> [base patches + unpadded rows * (cols + 1), text_hidden]."""
+        counts = [v.shape[0] for v in pixel_values]
+        feats = self.multi_modal_projector(self.image_features(torch.cat(pixel_values))).split(counts)
+        return [self._pack(f, size, grid) for f, size, grid in zip(feats, image_sizes, tile_grids)]
+
+    def _pack(self, f: torch.Tensor, size: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
+        side = self.cfg.image_size // self.cfg.patch_size
+        rows, cols = grid
+        tiles = f[1:, -side * side:]  # the "full" strategy's CLS token has no place in the tile map
+        tiles = tiles.view(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3).reshape(-1, rows * side, cols * side)
+        tiles = unpad_features(tiles, *size)  # [hidden, h', w']
+        newline = self.image_newline[:, None, None].expand(-1, tiles.shape[1], 1).to(tiles.dtype)
+        packed = torch.cat([tiles, newline], dim=-1).flatten(1).T  # [h' * (w' + 1), hidden]
+        return torch.cat([f[0], packed])
