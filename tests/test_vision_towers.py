@@ -40,13 +40,11 @@ def _tiny_llava(feature_layer=-2, select="default"):
 @pytest.mark.parametrize("n_images", [1, 2])
 @pytest.mark.parametrize("layer,select", [(-2, "default"), ([-3, -1], "full")])
 def test_llava_matches_transformers(n_images, layer, select):
-    from lmserve.models.vision.clip import clip_state_dict
     from lmserve.models.vision.llava import LlavaVision, LlavaVisionConfig
 
     hf = _tiny_llava(layer, select)
     ours = LlavaVision(LlavaVisionConfig.from_hf(hf.config)).eval()
-    ours.vision_tower.load_state_dict(clip_state_dict(hf.model.vision_tower.state_dict()))
-    ours.multi_modal_projector.load_state_dict(hf.model.multi_modal_projector.state_dict())
+    ours.load_hf_weights(hf.state_dict())  # the whole checkpoint: the text model's tensors are passed over
     pixels = torch.randn(n_images, 3, 32, 32)
     with torch.no_grad():
         ref = _pooled(hf.model.get_image_features(pixels, vision_feature_layer=layer,
@@ -76,11 +74,10 @@ def _tiny_gemma3():
 
 
 def _gemma3_ours(hf):
-    from lmserve.models.vision.gemma3 import Gemma3Vision, Gemma3VisionConfig, siglip_state_dict
+    from lmserve.models.vision.gemma3 import Gemma3Vision, Gemma3VisionConfig
 
     ours = Gemma3Vision(Gemma3VisionConfig.from_hf(hf.config)).eval()
-    ours.vision_tower.load_state_dict(siglip_state_dict(hf.model.vision_tower.state_dict()))
-    ours.multi_modal_projector.load_state_dict(hf.model.multi_modal_projector.state_dict())
+    ours.load_hf_weights(hf.state_dict())
     return ours
 
 
@@ -108,18 +105,18 @@ def test_gemma3_projector_on_siglip_features():
 
 # ---- Qwen2.5-VL --------------------------------------------------------------------------------------------------
 
-def _tiny_qwen25_vision():
-    from transformers import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+def _tiny_qwen25_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
-    # window 56px = 2x2 merge blocks, so 64x84 and 112x56 images hold several windows, some partial
-    cfg = Qwen2_5_VLVisionConfig(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48,
-                                 fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
-                                 temporal_patch_size=2)
-    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg, attn_implementation="sdpa").eval()
+    # window 56px = 2x2 merge blocks, so the grids below hold several windows, some partial; block 1 attends fully
+    vision = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48,
+                  fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    text = dict(vocab_size=256, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1)
+    hf = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval()
     with torch.no_grad():  # RMSNorm weights start at 1: make them count
-        for name, p in hf.named_parameters():
+        for name, p in hf.model.visual.named_parameters():
             if "norm" in name or "ln_q" in name:
                 p.normal_(1.0, 0.3)
     return hf
@@ -129,15 +126,13 @@ def _tiny_qwen25_vision():
 def test_qwen25_vision_matches_transformers(grids):
     from lmserve.models.vision.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTransformer
 
-    hf = _tiny_qwen25_vision()
-    ours = Qwen25VisionTransformer(Qwen25VisionConfig.from_hf(hf.config)).eval()
-    ours.load_state_dict(hf.state_dict())
+    hf = _tiny_qwen25_vl()
+    ours = Qwen25VisionTransformer(Qwen25VisionConfig.from_hf(hf.config.vision_config)).eval()
+    ours.load_hf_weights(hf.state_dict())
     n = sum(t * h * w for t, h, w in grids)
     pixels = torch.randn(n, 3 * 2 * 14 * 14)
-    grid_thw = torch.tensor(grids)
     with torch.no_grad():
-        full = hf(pixels, grid_thw=grid_thw).pooler_output
-        ref = list(full.split((grid_thw.prod(-1) // 4).tolist()))
+        ref = _pooled(hf.model.get_image_features(pixels, image_grid_thw=torch.tensor(grids)))
         got = ours.encode_images(pixels, grids)
     _close(got, ref)
 
@@ -159,16 +154,12 @@ def _tiny_llava_next():
 
 @pytest.mark.parametrize("sizes", [[(50, 120)], [(300, 200), (64, 64)]])
 def test_llava_next_matches_transformers(sizes):
-    from lmserve.models.vision.clip import clip_state_dict
     from lmserve.models.vision.llava import LlavaNextVision, LlavaVisionConfig
     from lmserve.multimodal.llava_next import LlavaNextImageProcessor
 
     hf = _tiny_llava_next()
     ours = LlavaNextVision(LlavaVisionConfig.from_hf(hf.config)).eval()
-    ours.vision_tower.load_state_dict(clip_state_dict(hf.model.vision_tower.state_dict()))
-    ours.multi_modal_projector.load_state_dict(hf.model.multi_modal_projector.state_dict())
-    with torch.no_grad():
-        ours.image_newline.copy_(hf.model.image_newline)
+    ours.load_hf_weights(hf.state_dict())
     proc = LlavaNextImageProcessor(tile=32, pinpoints=tuple(map(tuple, hf.config.image_grid_pinpoints)))
     grids = [proc.tile_grid(h, w) for h, w in sizes]
     views = [torch.randn(1 + r * c, 3, 32, 32) for r, c in grids]
@@ -179,3 +170,20 @@ def test_llava_next_matches_transformers(sizes):
         got = ours.encode_images(views, sizes, grids)
     assert [g.shape[0] for g in got] == [proc.num_image_tokens(h, w, 8) for h, w in sizes]
     _close(got, ref)
+
+
+def test_transformers4_checkpoint_names_load():
+    """Checkpoints saved by transformers 4 (llava-hf, google/gemma-3) spell the tower `vision_tower.vision_model.*`
+    with no `model.` prefix; they load to the same weights."""
+    from lmserve.models.vision.llava import LlavaVision, LlavaVisionConfig
+
+    hf = _tiny_llava()
+    v4 = {k.removeprefix("model.").replace("vision_tower.", "vision_tower.vision_model."): t
+          for k, t in hf.state_dict().items()}
+    v4["vision_tower.vision_model.embeddings.position_ids"] = torch.arange(17)[None]  # a buffer old files kept
+    a, b = (LlavaVision(LlavaVisionConfig.from_hf(hf.config)).eval() for _ in range(2))
+    a.load_hf_weights(hf.state_dict())
+    b.load_hf_weights(v4)
+    pixels = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(a.encode_images(pixels)[0], b.encode_images(pixels)[0])

@@ -45,13 +45,3 @@ class CLIPVisionTower(nn.Module):
         states = self.encoder(self.pre_layrnorm(self.embeddings(pixel_values)), keep=max(idx))
         return [states[i] for i in idx]
 
-
-def clip_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A CLIP vision checkpoint's tensors under CLIPVisionTower's names (drops `vision_model.` and the unused
-    post-layernorm and position-id buffer)."""
-    out = {}
-    for name, t in hf_state.items():
-        name = name.removeprefix("vision_model.")
-        if not name.startswith(("post_layernorm.", "embeddings.position_ids")):
-            out[name] = t
-    return out

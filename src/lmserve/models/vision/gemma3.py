@@ -17,6 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .vit import ViTConfig, ViTEncoder
+from .weights import load_vision
+
+PREFIXES = {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."}
+DROP = ("vision_tower.head.", "position_ids")  # SigLIP's pooling head: Gemma 3 reads the patch states
 
 
 @dataclass(frozen=True)
@@ -98,13 +102,7 @@ class Gemma3Vision(nn.Module):
         """pixel_values [images, 3, size, size] -> one [tokens_per_image, text_hidden] tensor per image."""
         return list(self.multi_modal_projector(self.vision_tower(pixel_values)))
 
+    def load_hf_weights(self, tensors) -> None:
+        """Load from a Gemma 3 checkpoint's tensors (name -> tensor; the text model's are ignored)."""
+        load_vision(self, tensors, PREFIXES, DROP)
 
-def siglip_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A SigLIP vision checkpoint's tensors under Gemma3VisionTower's names (drops `vision_model.`, the position-id
-    buffer and the pooling head Gemma 3 does not use)."""
-    out = {}
-    for name, t in hf_state.items():
-        name = name.removeprefix("vision_model.")
-        if not name.startswith(("head.", "embeddings.position_ids")):
-            out[name] = t
-    return out

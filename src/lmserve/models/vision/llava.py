@@ -14,6 +14,12 @@ from torch import nn
 
 from .clip import CLIPVisionTower
 from .vit import ACTIVATIONS, ViTConfig
+from .weights import load_vision
+
+# checkpoint prefix -> module prefix; CLIP's post-layernorm feeds only its pooled output, which LLaVA never reads
+PREFIXES = {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector.",
+            "image_newline": "image_newline"}
+DROP = ("post_layernorm.", "position_ids")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,10 @@ class LlavaVision(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values [images, 3, size, size] -> one [tokens_per_image, text_hidden] tensor per image."""
         return list(self.multi_modal_projector(self.image_features(pixel_values)))
+
+    def load_hf_weights(self, tensors) -> None:
+        """Load from a LLaVA(-NeXT) checkpoint's tensors (name -> tensor; the text model's are ignored)."""
+        load_vision(self, tensors, PREFIXES, DROP)
 
 
 def unpad_features(features: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .vit import ACTIVATIONS
+from .weights import load_vision
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches
 
@@ -228,3 +229,7 @@ class Qwen25VisionTransformer(nn.Module):
         """One [t*h*w / merge^2, out_hidden] tensor per image."""
         sizes = [t * h * w // self.cfg.merge_size ** 2 for t, h, w in grids]
         return list(self.forward(pixel_values, grids).split(sizes))
+
+    def load_hf_weights(self, tensors) -> None:
+        """Load from a Qwen2.5-VL checkpoint's tensors (`visual.*` or `model.visual.*`; the text model's are ignored)."""
+        load_vision(self, tensors, {"visual.": ""})
