@@ -82,11 +82,28 @@ def test_gemma3_processor_matches_transformers(size):
     assert list(ours["num_crops"]) == list(ref["num_crops"])
 
 
+@pytest.mark.parametrize("size", [*SIZES, (1600, 400), (300, 1500)])
+def test_gemma3_pan_and_scan_matches_transformers(size):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from lmserve.multimodal.gemma3 import Gemma3ImageProcessor
+
+    conf = {"size": {"height": 64, "width": 64}, "resample": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+            "do_pan_and_scan": True, "pan_and_scan_min_crop_size": 100, "pan_and_scan_max_num_crops": 3,
+            "pan_and_scan_min_ratio_to_activate": 1.2}
+    img = _image(*size)
+    ref = Gemma3ImageProcessorPil(**conf)(images=[img.image], return_tensors="np")
+    ours = Gemma3ImageProcessor.from_hf(conf).preprocess(img)
+    _close(ours["pixel_values"], ref["pixel_values"])
+    assert list(ours["num_crops"]) == list(ref["num_crops"])
+
+
 def test_gemma3_image_sequence():
-    from lmserve.multimodal.gemma3 import image_sequence, placeholder_ids
+    from lmserve.multimodal.gemma3 import image_sequence, image_text, placeholder_ids
 
     text = image_sequence(4)
     assert text == "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
+    assert image_text(0, 4) == text and image_text(2, 4).count("<start_of_image>") == 3
     assert placeholder_ids(7, 8, 9, 3) == [7, 8, 8, 8, 9]
 
 
