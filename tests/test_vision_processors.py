@@ -58,11 +58,12 @@ def test_llava_pad_processor_matches_transformers(size):
 
 
 def test_llava_placeholder_count():
-    from lmserve.multimodal.llava import num_image_tokens, placeholder_ids
+    from lmserve.multimodal.llava import num_image_tokens, placeholder_ids, placeholder_text
 
     assert num_image_tokens(336, 14) == 576  # llava-1.5
     assert num_image_tokens(336, 14, "full") == 577
     assert placeholder_ids(32000, 32, 8) == [32000] * 16
+    assert placeholder_text(32, 8) == "<image>" * 16
 
 
 # ---- Gemma 3 -----------------------------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_gemma3_image_sequence():
 def test_qwen2vl_processor_matches_transformers(size, pixels):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from lmserve.multimodal.qwen2_5_vl import Qwen2VLImageProcessor
+    from lmserve.multimodal.qwen2_5_vl import Qwen2VLImageProcessor, placeholder_text
 
     conf = {"min_pixels": pixels[0], "max_pixels": pixels[1], "patch_size": 14, "temporal_patch_size": 2,
             "merge_size": 2}
@@ -128,6 +129,7 @@ def test_qwen2vl_processor_matches_transformers(size, pixels):
     assert proc.grid(img.image.height, img.image.width) == grid
     n_patches = Qwen2VLImageProcessorPil(**conf).get_number_of_image_patches(img.image.height, img.image.width)
     assert proc.num_image_tokens(grid) == n_patches // 4
+    assert placeholder_text(proc.num_image_tokens(grid)).count("<|image_pad|>") == n_patches // 4
 
 
 def _hf_rope_index(ids: list[int], grids: list[tuple[int, int, int]], image_id: int):

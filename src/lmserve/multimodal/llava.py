@@ -75,6 +75,11 @@ def num_image_tokens(image_size: int, patch_size: int, select: str = "default") 
     return (image_size // patch_size) ** 2 + (select != "default")
 
 
+def placeholder_text(image_size: int, patch_size: int, select: str = "default", image_token: str = "<image>") -> str:
+    """The text one `<image>` in the prompt expands to (LlavaProcessor's expansion)."""
+    return image_token * num_image_tokens(image_size, patch_size, select)
+
+
 def placeholder_ids(image_token_id: int, image_size: int, patch_size: int, select: str = "default") -> list[int]:
     """The ids one `<image>` in the prompt expands to."""
     return [image_token_id] * num_image_tokens(image_size, patch_size, select)

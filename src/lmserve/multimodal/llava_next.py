@@ -102,3 +102,8 @@ class LlavaNextImageProcessor:
         rows, cols = self.tile_grid(height, width)
         uh, uw = unpadded_size(height, width, rows * side, cols * side)
         return side * side + (select != "default") + uh * (uw + 1)
+
+
+def placeholder_text(n_tokens: int, image_token: str = "<image>") -> str:
+    """The text one `<image>` expands to, n_tokens from LlavaNextImageProcessor.num_image_tokens."""
+    return image_token * n_tokens

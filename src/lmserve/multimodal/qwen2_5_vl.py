@@ -94,6 +94,12 @@ class Qwen2VLImageProcessor:
         return t * h * w // self.merge_size ** 2
 
 
+def placeholder_text(n_tokens: int) -> str:
+    """The text the chat template's one `<|image_pad|>` expands to (Qwen2VLProcessor's expansion): the vision
+    start/end around it are already in the template's text."""
+    return IMAGE_PAD * n_tokens
+
+
 def placeholder_ids(image_pad_id: int, n_tokens: int, vision_start_id: int | None = None,
                     vision_end_id: int | None = None) -> list[int]:
     """The ids an image takes: `<|image_pad|>` x n_tokens, wrapped in start/end when their ids are given (the chat
