@@ -1,5 +1,2 @@
-"""Vision towers and projectors: pure torch modules that turn preprocessed pixel values into text-model embeddings.
-
-Each family's file exposes `encode_images(...) -> list of [n_tokens, text_hidden]`, one tensor per image, in the order
-of the image placeholders; the engine places them and knows nothing else of the tower. No engine knowledge here.
-"""
+"""Vision towers: image encoders that turn a batch of frames into patch features, each pure (no engine
+knowledge), named as in Hugging Face checkpoints so a family's hook only strips a prefix."""
