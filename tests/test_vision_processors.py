@@ -11,7 +11,8 @@ import pytest
 from lmserve.multimodal.image_io import ImageData
 
 TOL = 1e-6
-SIZES = [(640, 480), (480, 640), (336, 336), (1000, 217), (57, 90)]  # (width, height): landscape, portrait, exact, wide, small
+# (width, height): landscape, portrait, exact, wide, small
+SIZES = [(640, 480), (480, 640), (336, 336), (1000, 217), (57, 90)]
 
 
 def _image(width: int, height: int) -> ImageData:

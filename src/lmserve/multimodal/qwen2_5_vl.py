@@ -23,11 +23,13 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
                  max_pixels: int = 14 * 14 * 4 * 1280) -> tuple[int, int]:
     """(height, width), each a multiple of `factor`, area within [min_pixels, max_pixels], aspect ratio near kept."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        ratio = max(height, width) / min(height, width)
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
     elif h * w < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor

@@ -85,7 +85,8 @@ class Gemma3MultiModalProjector(nn.Module):
         grid = x.transpose(1, 2).reshape(b, d, self.patches_per_side, self.patches_per_side)
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)  # [images, tokens, hidden]
         p = pooled.float()
-        normed = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.mm_soft_emb_norm.weight.float())
+        normed = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = normed * (1.0 + self.mm_soft_emb_norm.weight.float())
         return (normed.type_as(x) @ self.mm_input_projection_weight).type_as(x)
 
 

@@ -69,7 +69,7 @@ def rotary_positions(grids: list[Grid], merge: int) -> torch.Tensor:
     for t, h, w in grids:
         rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         blocks = (h // merge, merge, w // merge, merge)
-        pos = torch.stack([rows.reshape(blocks).transpose(1, 2).flatten(), cols.reshape(blocks).transpose(1, 2).flatten()], -1)
+        pos = torch.stack([a.reshape(blocks).transpose(1, 2).flatten() for a in (rows, cols)], -1)
         out.append(pos.repeat(t, 1))
     return torch.cat(out)
 
@@ -114,7 +114,8 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: lis
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over the whole head dim, halves rotated; x [tokens, heads, head_dim], cos/sin [tokens, head_dim]."""
+    """Rotary embedding over the whole head dim, halves rotated.
+    x [tokens, heads, head_dim]; cos, sin [tokens, head_dim]."""
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
@@ -171,7 +172,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.width = cfg.hidden_size * cfg.merge_size ** 2
         self.ln_q = RMSNorm(cfg.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.out_hidden_size))
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(),
+                                 nn.Linear(self.width, cfg.out_hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.width))
@@ -231,5 +233,5 @@ class Qwen25VisionTransformer(nn.Module):
         return list(self.forward(pixel_values, grids).split(sizes))
 
     def load_hf_weights(self, tensors) -> None:
-        """Load from a Qwen2.5-VL checkpoint's tensors (`visual.*` or `model.visual.*`; the text model's are ignored)."""
+        """Load from a Qwen2.5-VL checkpoint's tensors (`visual.*` or `model.visual.*`; the text's are ignored)."""
         load_vision(self, tensors, {"visual.": ""})
