@@ -13,7 +13,7 @@ Redis's memory as well with its own `maxmemory` and `maxmemory-policy volatile-l
 
 Failures degrade to misses: every call has a short socket timeout, and after a failure (Redis down, slow, full)
 the tier answers "not here" without asking for RETRY_S, then tries again; the request is computed as if the tier
-were off, and the failure is counted and logged (once per outage). Writes go through a bounded queue to one
+were off, and the failure is counted and logged (once per outage, and once when Redis is back). Writes go through a bounded queue to one
 writer thread (SET NX: a block another replica wrote first is left as it is), so the engine thread never waits
 on a write.
 """
@@ -56,6 +56,7 @@ class RedisTier:
         self.stats = SharedStats()
         self._seal: BlockSeal | None = None
         self._down_until = 0.0  # monotonic time before which the tier does not ask Redis
+        self._outage = False  # a failure was logged and no call has worked since
         self._lock = threading.Lock()
         self._written: OrderedDict[bytes, float] = OrderedDict()  # name -> when it expires, as this replica knows
         self._pending: set[bytes] = set()
@@ -75,10 +76,12 @@ class RedisTier:
         if seal is None:
             return False
         try:
-            return bool(self._redis.exists(self._key(seal.name_of(block_hash))))
+            found = bool(self._redis.exists(self._key(seal.name_of(block_hash))))
         except self._error as e:
             self._failed("lookup", e)
             return False
+        self._worked()
+        return found
 
     def wants(self, block_hash: bytes) -> bool:
         """Neither queued nor written by this replica within its TTL: worth sending."""
@@ -180,12 +183,18 @@ class RedisTier:
         return self._seal
 
     def _failed(self, what: str, e: Exception) -> None:
-        """Count a failed call; the first after a working spell is logged, and Redis is left alone for RETRY_S."""
+        """Count a failed call; the first of an outage is logged, and Redis is left alone for RETRY_S."""
         self.stats.errors += 1
-        if time.monotonic() >= self._down_until:
-            log.warning("KV shared tier: Redis %s at %s failed (%s); blocks are computed, not shared, for %.0f s",
-                        what, self.url, e, RETRY_S)
+        if not self._outage:
+            self._outage = True
+            log.warning("KV shared tier: Redis %s at %s failed (%s); blocks are computed, not shared, until it "
+                        "answers (asked again every %.0f s)", what, self.url, e, RETRY_S)
         self._down_until = time.monotonic() + RETRY_S
+
+    def _worked(self) -> None:
+        if self._outage:
+            self._outage = False
+            log.warning("KV shared tier: Redis at %s answers again; blocks are shared", self.url)
 
     def _reject(self, key: bytes, why: str) -> None:
         log.warning("KV shared tier: %s is %s; deleted, its tokens are recomputed", key.decode(), why)
