@@ -36,11 +36,12 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server():
-    """Start redis-server and wait until it answers; skipped (naming the package) where it is not installed."""
+def redis_server(port: int | None = None):
+    """Start redis-server (on `port`, default a free one) and wait until it answers; skipped (naming the package)
+    where it is not installed."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (Debian package redis-server; scripts/install.sh test installs it)")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
     server = RedisServer(proc, port)

@@ -4,9 +4,12 @@ value under a block's name is refused and recomputed; Redis going away turns loo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from lmserve.cache.kv_cache_manager import block_hash
+from lmserve.cache.kv_redis import RETRY_S
 from lmserve.engine.front import _prefix_salt
 from lmserve.engine.llm_engine import LLMEngine
 from tests.redis_server import redis_server
@@ -136,7 +139,7 @@ def test_a_corrupt_or_planted_block_is_refused_and_recomputed(tiny, cold, store,
         eng.close()
 
 
-def test_redis_going_away_mid_run_turns_the_tier_into_misses(tiny, cold):
+def test_redis_going_away_mid_run_turns_the_tier_into_misses_until_it_is_back(tiny, cold):
     with redis_server() as srv:
         a = replica(tiny, srv.url)
         run(a, PROMPT, "a")
@@ -150,6 +153,14 @@ def test_redis_going_away_mid_run_turns_the_tier_into_misses(tiny, cold):
         assert again["cached"] == full_blocks(a, PROMPT) * BS
         late = replica(tiny, srv.url)  # a replica started while Redis is down starts, and computes
         assert run(late, PROMPT, "l")["ids"] == cold["ids"]
-        for eng in (a, b, late):
-            assert_no_leak(eng)
-            eng.close()
+        with redis_server(srv.port):  # Redis back, empty: after RETRY_S the tier shares again, one secret for all
+            time.sleep(RETRY_S + 0.5)
+            c = replica(tiny, srv.url)  # a new replica first: its secret goes in, and the others adopt it
+            run(b, PROMPT, "b2", salt=b"again")
+            b.kv_tier.flush()
+            back = run(c, PROMPT, "c", salt=b"again")
+            assert back["cached"] == full_blocks(c, PROMPT) * BS and back["ids"] == cold["ids"]
+            assert run(late, PROMPT, "l2", salt=b"again")["cached"] == full_blocks(late, PROMPT) * BS
+            for eng in (a, b, late, c):
+                assert_no_leak(eng)
+                eng.close()

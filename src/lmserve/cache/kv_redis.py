@@ -13,9 +13,9 @@ Redis's memory as well with its own `maxmemory` and `maxmemory-policy volatile-l
 
 Failures degrade to misses: every call has a short socket timeout, and after a failure (Redis down, slow, full)
 the tier answers "not here" without asking for RETRY_S, then tries again; the request is computed as if the tier
-were off, and the failure is counted and logged (once per outage, and once when Redis is back). Writes go through a bounded queue to one
-writer thread (SET NX: a block another replica wrote first is left as it is), so the engine thread never waits
-on a write.
+were off, and the failure is counted (`errors`) and logged once per outage (and once when Redis answers again).
+Writes go through a bounded queue to one writer thread (SET NX: a block another replica wrote first is left as
+it is), so the engine thread never waits on a write.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ PREFIX = "lmserve:kv:"
 SECRET_KEY = PREFIX + "secret"
 TIMEOUT_S = 0.25  # one Redis call; beyond it the block is a miss (recomputing 16 tokens costs ~50 ms on 2 cores)
 RETRY_S = 5.0  # after a failure, how long the tier answers misses without asking Redis
+SECRET_CHECK_S = 30.0  # how often the secret is read again (a Redis restarted between two calls lost it)
 
 
 class RedisTier:
@@ -54,6 +55,8 @@ class RedisTier:
         self._error = redis.RedisError
         self._prefix = f"{PREFIX}{namespace.hex()[:16]}:".encode()
         self.stats = SharedStats()
+        self._secret: bytes | None = None
+        self._checked_at = 0.0  # monotonic time the secret was last read
         self._seal: BlockSeal | None = None
         self._down_until = 0.0  # monotonic time before which the tier does not ask Redis
         self._outage = False  # a failure was logged and no call has worked since
@@ -165,21 +168,29 @@ class RedisTier:
         return self._prefix + name.hex().encode()
 
     def _ready(self) -> BlockSeal | None:
-        """The seal, fetching the shared secret on first contact; None while Redis is (recently) unreachable."""
-        if self._seal is not None and time.monotonic() >= self._down_until:
-            return self._seal
+        """The seal, reading the shared secret on first contact, after an outage and every SECRET_CHECK_S; None
+        while Redis is (recently) unreachable. This replica offers its own secret first: a Redis restarted empty
+        then gets one that running replicas already sign with, and every replica adopts whatever Redis holds."""
         if time.monotonic() < self._down_until:
             return None
+        if self._seal is not None and not self._outage and time.monotonic() < self._checked_at + SECRET_CHECK_S:
+            return self._seal
         try:
-            self._redis.set(SECRET_KEY, os.urandom(32), nx=True)  # the first replica's secret is everyone's
+            self._redis.set(SECRET_KEY, self._secret or os.urandom(32), nx=True)  # the first replica's is everyone's
             secret = self._redis.get(SECRET_KEY)
         except self._error as e:
             self._failed("connect", e)
             return None
-        if secret is None or len(secret) < 32:
+        if secret is None or len(secret) != 32:
             self._failed("connect", ValueError(f"{SECRET_KEY} holds no 32-byte secret"))
             return None
-        self._seal = BlockSeal(secret, self.namespace, self.block_bytes)
+        self._checked_at = time.monotonic()
+        if secret != self._secret or self._outage:  # Redis may have lost what this replica wrote before
+            with self._lock:
+                self._written.clear()
+        if secret != self._secret:
+            self._secret, self._seal = secret, BlockSeal(secret, self.namespace, self.block_bytes)
+        self._worked()
         return self._seal
 
     def _failed(self, what: str, e: Exception) -> None:
