@@ -45,6 +45,7 @@ class CacheConfig:
 
 
 DEFAULT_KV_OFFLOAD_DISK_BYTES = 8 * 2**30
+DEFAULT_KV_SHARED_TTL_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,15 @@ class KVOffloadConfig:
     memory_bytes: int = 0  # --kv-offload-memory: the host tier's size (an LRU of evicted blocks); 0: off
     directory: str | None = None  # --kv-offload-dir: the disk tier (None: off)
     disk_bytes: int = DEFAULT_KV_OFFLOAD_DISK_BYTES  # --kv-offload-disk-size: the disk tier's size (oldest use dropped)
+    # --kv-shared: a store every replica reads (cache/kv_shared.py): redis://host:port/db, or a directory on a shared
+    # filesystem (None: off)
+    shared: str | None = None
+    shared_ttl_s: float = DEFAULT_KV_SHARED_TTL_S  # --kv-shared-ttl: a Redis block expires this long after its last use
+    shared_bytes: int = DEFAULT_KV_OFFLOAD_DISK_BYTES  # --kv-shared-size: a shared directory's size per replica
 
     @property
     def enabled(self) -> bool:
-        return self.memory_bytes > 0 or self.directory is not None
+        return self.memory_bytes > 0 or self.directory is not None or self.shared is not None
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype,
                           hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager),
-        kv_offload=KVOffloadConfig(args.kv_offload_memory, args.kv_offload_dir, args.kv_offload_disk_size),
+        kv_offload=KVOffloadConfig(args.kv_offload_memory, args.kv_offload_dir, args.kv_offload_disk_size,
+                                   args.kv_shared, args.kv_shared_ttl, args.kv_shared_size),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, enable_chunked_prefill=not args.no_chunked_prefill,
                                   **_step_budget(args.max_num_batched_tokens)),
         lora=lora_config(args), pooling=args.pooling, chat_template=_chat_template(args),

@@ -19,6 +19,7 @@ import torch
 
 from lmserve.cache.kv_disk import SECRET as KV_TIER_SECRET
 from lmserve.cache.kv_groups import KVGroup, engine_groups, peak_blocks
+from lmserve.cache.kv_shared import is_redis_url
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
 from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.cpu_dtype import resolve_dtype
@@ -234,32 +235,48 @@ def _mib(n: float) -> str:
 
 
 def check_kv_offload(cfg: EngineConfig) -> None:
-    """The KV tier holds prefix-cache blocks of one rank's whole KV: it needs prefix caching, one rank, and a
-    directory it can write."""
+    """The KV tier holds prefix-cache blocks of one rank's whole KV: it needs prefix caching, one rank, and
+    directories it can write (a shared one's Redis URL must parse; Redis itself may be down: its blocks are misses)."""
     c = cfg.kv_offload
     if not c.enabled:
         return
-    flag = "--kv-offload-dir" if c.memory_bytes == 0 else "--kv-offload-memory"
+    flag = "--kv-offload-memory" if c.memory_bytes else "--kv-offload-dir" if c.directory else "--kv-shared"
     if not cfg.cache.enable_prefix_caching:
         raise ConfigError(f"{flag} keeps prefix-cache blocks: it cannot be used with --no-prefix-caching")
     if cfg.parallel.tensor_parallel_size > 1:
         raise ConfigError(f"{flag} does not yet copy the KV of tensor-parallel ranks; use --tensor-parallel-size 1")
-    if c.directory is None:
-        return
-    d = Path(c.directory).expanduser()
+    if c.directory is not None:
+        _check_tier_dir("--kv-offload-dir", c.directory)
+    if c.shared is not None and is_redis_url(c.shared):
+        _check_redis_url(c.shared)
+    elif c.shared is not None:
+        _check_tier_dir("--kv-shared", c.shared)
+
+
+def _check_redis_url(url: str) -> None:
+    import redis  # only when asked for
+
+    try:
+        redis.Redis.from_url(url).close()
+    except ValueError as e:
+        raise ConfigError(f"--kv-shared: not a Redis URL ({e})") from None
+
+
+def _check_tier_dir(flag: str, directory: str) -> None:
+    d = Path(directory).expanduser()
     try:  # lmserve's alone: a directory others may write would let them plant or swap block files
         private_dir(d, own=True)
         read_secret(d / KV_TIER_SECRET)  # made now, or refused when others may read it
     except (PermissionError, ValueError) as e:
-        raise ConfigError(f"--kv-offload-dir {c.directory}: refused: {e.args[0]}") from None
+        raise ConfigError(f"{flag} {directory}: refused: {e.args[0]}") from None
     except OSError as e:
-        raise ConfigError(f"--kv-offload-dir {c.directory}: cannot write there ({e.strerror})") from None
+        raise ConfigError(f"{flag} {directory}: cannot write there ({e.strerror})") from None
     try:
         probe = d / f".probe.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--kv-offload-dir {c.directory}: cannot write there ({e.strerror})") from None
+        raise ConfigError(f"{flag} {directory}: cannot write there ({e.strerror})") from None
 
 
 def _check_adapters(cfg: EngineConfig, model_config: ModelConfig) -> None:

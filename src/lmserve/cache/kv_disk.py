@@ -79,19 +79,58 @@ class DiskStats:
     evicted: int = 0  # files deleted to stay within the size
 
 
+class BlockSeal:
+    """One namespace's blocks named and signed under an install's secret: the checked format every tier stores."""
+
+    def __init__(self, secret: bytes, namespace: bytes, block_bytes: int) -> None:
+        self.namespace, self.block_bytes = namespace, block_bytes
+        self._name_key = hmac.digest(secret, b"lmserve kv-tier file name", "sha256")
+        self._mac_key = hmac.digest(secret, b"lmserve kv-tier block mac", "sha256")
+
+    def name_of(self, block_hash: bytes) -> bytes:
+        """The 32-byte digest a block is stored under: unpredictable without the secret."""
+        return hmac.digest(self._name_key, self.namespace + block_hash, "sha256")
+
+    def header(self, block_hash: bytes, payload: memoryview) -> bytes:
+        """The signed header that goes before a block's bytes."""
+        signed = SIGNED.pack(MAGIC, FORMAT_VERSION, self.namespace, block_hash, len(payload))
+        return signed + self.mac(signed, payload)
+
+    def check(self, head: bytes, block_hash: bytes, n: int | None, trailing: bytes, payload: torch.Tensor) -> str:
+        """Why a block read back is not this block ('' when it is)."""
+        if len(head) < HEADER.size:
+            return "truncated header"
+        magic, version, namespace, stored_hash, length, mac = HEADER.unpack(head)
+        if magic != MAGIC or version != FORMAT_VERSION:
+            return "not a block file of this format"
+        if namespace != self.namespace or stored_hash != block_hash:
+            return "a block of another model, layout or prefix"
+        if length != self.block_bytes or n != self.block_bytes or trailing:
+            return "wrong length"
+        if not hmac.compare_digest(self.mac(head[:SIGNED.size], memoryview(payload.numpy())), mac):
+            return "not signed by this install (forged or corrupt)"
+        return ""
+
+    def mac(self, signed_header: bytes, payload: memoryview) -> bytes:
+        """HMAC-SHA256 of the header before the MAC and the payload (hashlib drops the GIL for large inputs)."""
+        m = hmac.new(self._mac_key, signed_header, hashlib.sha256)
+        m.update(payload)
+        return m.digest()
+
+
 class DiskTier:
     """Block files of one namespace: an index in memory, reads on the caller's thread, writes on its own."""
+
+    STATS = DiskStats
 
     def __init__(self, root: Path, namespace: bytes, block_bytes: int, budget_bytes: int,
                  queue_bytes: int = QUEUE_BYTES) -> None:
         self.namespace, self.block_bytes, self.budget = namespace, block_bytes, budget_bytes
         self.file_bytes = HEADER.size + block_bytes
         root = private_dir(Path(root), own=True)  # PermissionError: everyone's or another user's directory
-        secret = read_secret(root / SECRET)
-        self._name_key = hmac.digest(secret, b"lmserve kv-tier file name", "sha256")
-        self._mac_key = hmac.digest(secret, b"lmserve kv-tier block mac", "sha256")
+        self.seal = BlockSeal(read_secret(root / SECRET), namespace, block_bytes)
         self.dir = private_dir(root / namespace.hex()[:16], own=True)
-        self.stats = DiskStats()
+        self.stats = self.STATS()
         self._lock = threading.Lock()  # the index and the pending set: the engine thread reads, the writer writes
         self._index: OrderedDict[bytes, None] = OrderedDict()  # file name digest -> (), least recently used first
         self._pending: set[bytes] = set()  # file name digests queued, not yet written
@@ -110,7 +149,7 @@ class DiskTier:
 
     def name_of(self, block_hash: bytes) -> bytes:
         """The 32-byte digest a block's file is named by: unpredictable without this install's secret."""
-        return hmac.digest(self._name_key, self.namespace + block_hash, "sha256")
+        return self.seal.name_of(block_hash)
 
     def wants(self, block_hash: bytes) -> bool:
         """Neither written nor queued: worth a copy."""
@@ -134,7 +173,7 @@ class DiskTier:
         except OSError as e:  # a symlink at the name is ELOOP: refused, and the link (not its target) deleted
             self._reject(name, path, f"unreadable ({e.strerror})")
             return None
-        why = self._check(head, block_hash, n, trailing, payload)
+        why = self.seal.check(head, block_hash, n, trailing, payload)
         if why:
             self._reject(name, path, why)
             return None
@@ -177,27 +216,6 @@ class DiskTier:
             log.warning("KV disk tier: %d blocks not yet written after %.0f s; dropped", len(self._pending), timeout_s)
 
     # -- checks -----------------------------------------------------------------------------------
-
-    def _check(self, head: bytes, block_hash: bytes, n: int | None, trailing: bytes, payload: torch.Tensor) -> str:
-        """Why a file read back is not this block ('' when it is)."""
-        if len(head) < HEADER.size:
-            return "truncated header"
-        magic, version, namespace, stored_hash, length, mac = HEADER.unpack(head)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            return "not a block file of this format"
-        if namespace != self.namespace or stored_hash != block_hash:
-            return "a block of another model, layout or prefix"
-        if length != self.block_bytes or n != self.block_bytes or trailing:
-            return "wrong length"
-        if not hmac.compare_digest(self._mac(head[:SIGNED.size], memoryview(payload.numpy())), mac):
-            return "not signed by this install (forged or corrupt)"
-        return ""
-
-    def _mac(self, signed_header: bytes, payload: memoryview) -> bytes:
-        """HMAC-SHA256 of the header before the MAC and the payload (hashlib drops the GIL for large inputs)."""
-        m = hmac.new(self._mac_key, signed_header, hashlib.sha256)
-        m.update(payload)
-        return m.digest()
 
     def _reject(self, name: bytes, path: Path, why: str) -> None:
         log.warning("KV disk tier: %s is %s; deleted, its tokens are recomputed", path.name, why)
@@ -246,9 +264,8 @@ class DiskTier:
         tmp = temporary_name(path)  # unpredictable, created O_EXCL | O_NOFOLLOW: nothing planted is written through
         try:
             path.parent.mkdir(exist_ok=True, mode=0o700)
-            signed = SIGNED.pack(MAGIC, FORMAT_VERSION, self.namespace, block_hash, len(payload))
             with os.fdopen(create_private(tmp), "wb") as f:
-                f.write(signed + self._mac(signed, payload))
+                f.write(self.seal.header(block_hash, payload))
                 f.write(payload)
                 f.flush()
                 os.fdatasync(f.fileno()) if hasattr(os, "fdatasync") else os.fsync(f.fileno())

@@ -1,11 +1,14 @@
-"""The KV tier below the pool: prefix-cache blocks kept in host memory and on disk, loaded back on a prefix hit.
+"""The KV tier below the pool: prefix-cache blocks kept in host memory, on disk and in a store replicas share,
+loaded back on a prefix hit.
 
-Two tiers, each optional (config.KVOffloadConfig):
+Three tiers, each optional (config.KVOffloadConfig):
 - host (`--kv-offload-memory`): the blocks the pool evicts. When the pool hands a cached block to new
   tokens, its old KV is copied out first (before the step's forward overwrites it) into an LRU bounded in bytes.
 - disk (`--kv-offload-dir`, cache/kv_disk.py): every full prefix block, once, written after the step that
   computed it (write-through, as LMCache's disk backend does), so a long system prompt survives a restart or a
   crash, not only the blocks that happened to be evicted before a clean stop.
+- shared (`--kv-shared`, cache/kv_shared.py): the disk tier's write-through and checks on a store every replica
+  reads (Redis, or a directory on a shared filesystem), so a prompt one replica computed is a hit on the others.
 
 A prefix lookup (KVCacheManager.find_computed) walks the pool first, then the tier: a block found in the tier
 is staged here (host: the tensor itself; disk: read and checked now, on the engine thread, so a bad file is
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from lmserve.cache.kv_disk import FORMAT_VERSION, DiskTier
+from lmserve.cache.kv_shared import SharedDirTier, is_redis_url
 from lmserve.config import KVOffloadConfig
 from lmserve.files import write_private
 
@@ -90,20 +94,22 @@ class HostTier:
 class KVTier:
     """The tiers below one engine's pool: what the KV cache manager asks and what the runner's copies feed."""
 
-    def __init__(self, block_bytes: int, block_size: int, host_bytes: int = 0, disk: DiskTier | None = None) -> None:
+    def __init__(self, block_bytes: int, block_size: int, host_bytes: int = 0, disk: DiskTier | None = None,
+                 shared=None) -> None:
         self.block_bytes, self.block_size = block_bytes, block_size
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = disk
-        self.counters = {"host": TierCounters(), "disk": TierCounters()}
+        self.shared = shared  # SharedDirTier or kv_redis.RedisTier: the disk tier's interface on a shared store
+        self.counters = {"host": TierCounters(), "disk": TierCounters(), "shared": TierCounters()}
         # block key -> (bytes, tier, prompt tokens it serves), until loaded
         self._staged: dict[bytes, tuple[torch.Tensor, str, int]] = {}
 
     # -- the scheduler's side (engine thread) -----------------------------------------------------
 
     def contains(self, block_hash: bytes) -> bool:
-        """The block can be loaded from some tier (a disk file is only checked when staged)."""
-        return (self.host is not None and self.host.has(block_hash)) or (self.disk is not None
-                                                                          and self.disk.has(block_hash))
+        """The block can be loaded from some tier (a disk file or shared block is only checked when staged)."""
+        return (self.host is not None and self.host.has(block_hash)) or any(
+            store is not None and store.has(block_hash) for store in (self.disk, self.shared))
 
     def stage(self, hashes: list[bytes], counted: int | None = None) -> bool:
         """Fetch these blocks' bytes for the next step's loads; False (nothing staged) when one cannot be read.
@@ -127,10 +133,11 @@ class KVTier:
             data = self.host.get(block_hash)
             if data is not None:
                 return data, "host"
-        if self.disk is not None and self.disk.has(block_hash):
-            data = self.disk.read(block_hash)
-            if data is not None:
-                return data, "disk"
+        for tier, store in (("disk", self.disk), ("shared", self.shared)):
+            if store is not None and store.has(block_hash):
+                data = store.read(block_hash)
+                if data is not None:
+                    return data, tier
         return None
 
     def unstage_all(self) -> None:
@@ -147,8 +154,9 @@ class KVTier:
         return True
 
     def wants_persist(self, block_hash: bytes) -> bool:
-        """A newly computed block worth writing to disk: the disk tier is on and has neither it nor it queued."""
-        return self.disk is not None and self.disk.wants(block_hash)
+        """A newly computed block worth writing to disk or the shared store: one of them is on and has neither it
+        nor it queued."""
+        return any(store is not None and store.wants(block_hash) for store in (self.disk, self.shared))
 
     # -- the runner's side (the copies; engine thread) --------------------------------------------
 
@@ -170,19 +178,24 @@ class KVTier:
                 c.store_bytes += data.nbytes
 
     def persist(self, items: list[tuple[bytes, torch.Tensor]]) -> None:
-        """Newly computed blocks onto the disk writer's queue (it counts what it writes)."""
-        self.disk.submit(items)
+        """Newly computed blocks onto the disk's and the shared store's writer queues (each skips what it holds or
+        has queued, and counts what it writes)."""
+        for store in (self.disk, self.shared):
+            if store is not None:
+                store.submit(items)
 
     # -- stats and life cycle ---------------------------------------------------------------------
 
     def stats(self, tier: str) -> dict[str, int]:
-        """One tier's figures since start (host | disk): hit tokens, blocks and bytes loaded and stored, bytes held."""
+        """One tier's figures since start (host | disk | shared): hit tokens, blocks and bytes loaded and stored,
+        bytes held."""
         c = self.counters[tier]
         out = {"hit_tokens": c.hit_tokens, "loads": c.loads, "load_bytes": c.load_bytes}
         if tier == "host":
             held = self.host.used_bytes if self.host is not None else 0
             return out | {"stores": c.stores, "store_bytes": c.store_bytes, "used_bytes": held}
-        d = self.disk.stats if self.disk is not None else None
+        store = self.disk if tier == "disk" else self.shared
+        d = store.stats if store is not None else None
         return out | {"stores": d.stores if d else 0, "store_bytes": d.store_bytes if d else 0,
                       "used_bytes": d.used_bytes if d else 0}
 
@@ -192,17 +205,24 @@ class KVTier:
         if self.disk is not None:
             d = self.disk.stats
             out["disk"] = self.stats("disk") | {"rejected": d.rejected, "dropped": d.dropped, "failed": d.failed}
+        if self.shared is not None:
+            s = self.shared.stats
+            out["shared"] = self.stats("shared") | {
+                "rejected": s.rejected, "dropped": s.dropped, "failed": s.failed, "errors": s.errors,
+                "reads": s.reads, "read_ns": s.read_ns, "writes": s.writes, "write_ns": s.write_ns}
         return out
 
     def flush(self) -> None:
-        """Wait until the disk writer has written everything queued."""
-        if self.disk is not None:
-            self.disk.flush()
+        """Wait until the disk and shared writers have written everything queued."""
+        for store in (self.disk, self.shared):
+            if store is not None:
+                store.flush()
 
     def close(self) -> None:
-        """Write what is queued (bounded in time) and stop the disk writer."""
-        if self.disk is not None:
-            self.disk.close()
+        """Write what is queued (bounded in time) and stop the writers."""
+        for store in (self.disk, self.shared):
+            if store is not None:
+                store.close()
 
 
 def namespace(identity: dict[str, str]) -> bytes:
@@ -212,11 +232,11 @@ def namespace(identity: dict[str, str]) -> bytes:
 
 
 def open_kv_tier(cfg: KVOffloadConfig, identity: dict[str, str], block_bytes: int, block_size: int) -> KVTier:
-    """The tiers `cfg` asks for; the disk tier's directory is made (0700) and indexed now (PermissionError: the
-    directory is every user's or another user's, or its secret is not private)."""
+    """The tiers `cfg` asks for; the disk tier's (and a shared one's) directory is made (0700) and indexed now
+    (PermissionError: the directory is every user's or another user's, or its secret is not private)."""
     disk = None
+    ns = namespace(identity)
     if cfg.directory is not None:
-        ns = namespace(identity)
         disk = DiskTier(Path(cfg.directory).expanduser(), ns, block_bytes, cfg.disk_bytes)
         note = disk.dir / "identity.json"  # what this namespace's blocks are, for whoever looks into the directory
         if not note.exists():
@@ -224,4 +244,20 @@ def open_kv_tier(cfg: KVOffloadConfig, identity: dict[str, str], block_bytes: in
     if 0 < cfg.memory_bytes < block_bytes:
         log.warning("--kv-offload-memory %d bytes holds not one KV block (%d bytes); the host tier stays empty",
                     cfg.memory_bytes, block_bytes)
-    return KVTier(block_bytes, block_size, cfg.memory_bytes, disk)
+    return KVTier(block_bytes, block_size, cfg.memory_bytes, disk, open_shared(cfg, identity, ns, block_bytes))
+
+
+def open_shared(cfg: KVOffloadConfig, identity: dict[str, str], ns: bytes, block_bytes: int):
+    """The shared store `--kv-shared` names (None: off): a Redis URL -> kv_redis.RedisTier (blocks expire
+    `--kv-shared-ttl` after their last use), else a directory -> SharedDirTier (bounded by `--kv-shared-size`)."""
+    if cfg.shared is None:
+        return None
+    if is_redis_url(cfg.shared):
+        from lmserve.cache.kv_redis import RedisTier  # imports the redis client: only when asked for
+
+        return RedisTier(cfg.shared, ns, block_bytes, cfg.shared_ttl_s)
+    store = SharedDirTier(Path(cfg.shared).expanduser(), ns, block_bytes, cfg.shared_bytes)
+    note = store.dir / "identity.json"
+    if not note.exists():
+        write_private(note, json.dumps(identity, indent=1, sort_keys=True).encode())
+    return store

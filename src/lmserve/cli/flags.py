@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmserve.config import DEFAULT_KV_OFFLOAD_DISK_BYTES, ENV_API_KEY
+from lmserve.config import DEFAULT_KV_OFFLOAD_DISK_BYTES, DEFAULT_KV_SHARED_TTL_S, ENV_API_KEY
 from lmserve.parsers.reasoning import REASONING_PARSERS
 from lmserve.parsers.tool_formats import TOOL_FORMATS as TOOL_CALL_PARSERS
 
@@ -155,6 +155,17 @@ def _add_kv_tier_args(g) -> None:
     g.add_argument("--kv-offload-disk-size", type=size_arg, default=DEFAULT_KV_OFFLOAD_DISK_BYTES, metavar="SIZE",
                    help="most bytes --kv-offload-dir holds for this model; the least recently used blocks are "
                    "deleted beyond it (default: 8GiB)")
+    g.add_argument("--kv-shared", default=None, metavar="URL|DIR",
+                   help="a KV tier every replica shares: redis://HOST:PORT/DB (a password or ACL user in the URL), or "
+                   "a directory on a shared filesystem; each full prefix block is written there (off the engine "
+                   "thread) and any replica of the same model, tokenizer and KV layout loads it instead of computing "
+                   "it, checked on read and keyed by each API key's prefix salt; Redis down or slow: blocks are "
+                   "computed, never a failed request (default: none, off)")
+    g.add_argument("--kv-shared-ttl", type=float, default=DEFAULT_KV_SHARED_TTL_S, metavar="SECONDS",
+                   help="Redis only: a block expires this long after its last write or read (default: 3600)")
+    g.add_argument("--kv-shared-size", type=size_arg, default=DEFAULT_KV_OFFLOAD_DISK_BYTES, metavar="SIZE",
+                   help="a shared directory only: most bytes this replica keeps there; the least recently used "
+                   "blocks are deleted beyond it (default: 8GiB)")
 
 
 def size_arg(text: str) -> int:

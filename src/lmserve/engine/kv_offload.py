@@ -33,12 +33,20 @@ def attach_kv_tier(engine: EngineParts) -> KVTier | None:
     tier = open_kv_tier(cfg, kv_identity(engine, copier.layout()), copier.block_bytes, engine.block_size)
     engine.kv.attach_tier(tier)
     engine.runner.kv_transfer = KVTransfer(copier, tier)
-    disk = tier.disk
-    log.info("KV tier: host %s, disk %s (blocks of %.2f MiB)",
+    disk, shared = tier.disk, tier.shared
+    log.info("KV tier: host %s, disk %s, shared %s (blocks of %.2f MiB)",
              f"{cfg.memory_bytes / 2**30:.2f} GiB" if tier.host is not None else "off",
              f"{disk.dir} ({disk.stats.files} blocks, {disk.stats.used_bytes / 2**30:.2f} of "
-             f"{cfg.disk_bytes / 2**30:.2f} GiB)" if disk is not None else "off", copier.block_bytes / 2**20)
+             f"{cfg.disk_bytes / 2**30:.2f} GiB)" if disk is not None else "off",
+             _shared_text(shared, cfg) if shared is not None else "off", copier.block_bytes / 2**20)
     return tier
+
+
+def _shared_text(shared, cfg) -> str:
+    """How the shared tier reads in the start-up log: its store and bound."""
+    if hasattr(shared, "url"):
+        return f"Redis {shared.url} (blocks expire {cfg.shared_ttl_s:.0f} s after their last use)"
+    return f"{shared.dir} ({shared.stats.files} blocks, at most {cfg.shared_bytes / 2**30:.2f} GiB from this replica)"
 
 
 def kv_identity(engine: EngineParts, layout: str) -> dict[str, str]:

@@ -298,7 +298,7 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     if isinstance(spec, dict):
         spec = SpeculativeConfig.from_dict(spec)
     parallel = ParallelConfig(**{k: kw.pop(k) for k in list(kw) if k in ("tensor_parallel_size", "rank_timeout_s")})
-    offload = KVOffloadConfig(**{field: _size(kw.pop(k)) if field != "directory" else kw.pop(k)
+    offload = KVOffloadConfig(**{field: _size(kw.pop(k)) if field.endswith("bytes") else kw.pop(k)
                                  for k, field in _OFFLOAD_KEYS.items() if k in kw})
     return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec, parallel=parallel,
                         kv_offload=offload, lora=lora, **kw)
@@ -315,7 +315,8 @@ def _lora_config(kw: dict) -> LoraConfig | None:
 
 
 # the KV tier's flags as keyword arguments: sizes as bytes or text ("2GiB")
-_OFFLOAD_KEYS = {"kv_offload_memory": "memory_bytes", "kv_offload_dir": "directory", "kv_offload_disk_size": "disk_bytes"}
+_OFFLOAD_KEYS = {"kv_offload_memory": "memory_bytes", "kv_offload_dir": "directory", "kv_offload_disk_size": "disk_bytes",
+                 "kv_shared": "shared", "kv_shared_ttl": "shared_ttl_s", "kv_shared_size": "shared_bytes"}
 
 
 def _size(value: int | str) -> int:

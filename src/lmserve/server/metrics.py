@@ -6,7 +6,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from lmserve.sampling_params import STRUCTURED_KINDS
 
@@ -299,7 +299,7 @@ class _EngineCollector:
         yield from _kv_tier_metrics(engines)
 
 
-# The KV tier below the pool (cache/kv_tier.py), per model and tier (host | disk); engines without one export none.
+# The KV tier below the pool (cache/kv_tier.py), per model and tier (host | disk | shared); engines without one export none.
 _TIER_COUNTERS = {
     "lmserve:kv_offload_hit_tokens": ("hit_tokens", "Prompt tokens whose KV was loaded from the KV tier, not computed"),
     "lmserve:kv_offload_loads": ("loads", "KV blocks copied from the tier into the pool"),
@@ -312,6 +312,20 @@ _DISK_COUNTERS = {
                                                            "foreign or forged) and deleted"),
     "lmserve:kv_offload_disk_dropped_blocks": ("dropped", "Blocks not written: the disk writer's queue was full"),
     "lmserve:kv_offload_disk_failed_writes": ("failed", "Block writes that failed (disk full, permissions)"),
+}
+
+# The shared tier (--kv-shared: Redis or a shared directory): its hits are kv_offload_*{tier="shared"}; these are its own
+_SHARED_COUNTERS = {
+    "lmserve:kv_shared_rejected_blocks": ("rejected", "Shared blocks refused on read (corrupt, truncated, foreign or "
+                                                      "forged), deleted and recomputed"),
+    "lmserve:kv_shared_dropped_blocks": ("dropped", "Blocks not sent to the shared store: its writer's queue was full"),
+    "lmserve:kv_shared_failed_writes": ("failed", "Block writes to the shared store that failed"),
+    "lmserve:kv_shared_errors": ("errors", "Shared store calls that failed (Redis down or slow): each a miss or a "
+                                           "dropped write, never a failed request"),
+}
+_SHARED_LATENCY = {
+    "lmserve:kv_shared_read_seconds": ("reads", "read_ns", "Time to fetch one block from the shared store"),
+    "lmserve:kv_shared_write_seconds": ("writes", "write_ns", "Time to send one block to the shared store"),
 }
 
 
@@ -335,6 +349,19 @@ def _kv_tier_metrics(engines: dict):
             if tier == "disk":
                 c.add_metric([model], float(st[key]))
         yield c
+    shared = [(model, st) for model, tier, st in stats if tier == "shared"]
+    if not shared:
+        return
+    for name, (key, doc) in _SHARED_COUNTERS.items():
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        for model, st in shared:
+            c.add_metric([model], float(st[key]))
+        yield c
+    for name, (count, ns, doc) in _SHARED_LATENCY.items():
+        m = SummaryMetricFamily(name, doc, labels=["model_name"])
+        for model, st in shared:
+            m.add_metric([model], count_value=st[count], sum_value=st[ns] / 1e9)
+        yield m
 
 
 class _LoraInfo:
