@@ -18,6 +18,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
                              ("--max-body-bytes", args.max_body_bytes, 1),
                              ("--max-upload-bytes", args.max_upload_bytes, 1),
+                             ("--max-image-bytes", args.max_image_bytes, 1),
                              ("--default-max-tokens", args.default_max_tokens, 1),
                              ("--max-tokens-limit", args.max_tokens_limit, 1)):
         if value is not None and value < low:
