@@ -292,3 +292,9 @@ def test_split_images_keeps_order_and_leaves_placeholders():
 def test_images_outside_user_messages_are_refused():
     messages = [{"role": "assistant", "content": [image_url_part(data_url(PNG))]}]
     assert "user messages only" in refused(split_images, messages, MediaPolicy())
+
+
+def test_too_many_images_are_refused_before_any_is_read():
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}  # each would be its own 400
+    assert "65 images, more than the 64 allowed" in refused(
+        split_images, [{"role": "user", "content": [bad] * 65}], MediaPolicy())

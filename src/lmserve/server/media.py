@@ -267,6 +267,9 @@ async def load_images(sources: tuple[ImageSource, ...] | list[ImageSource], poli
 def split_images(messages: list[dict], policy: MediaPolicy) -> tuple[list[dict], list[ImageSource]]:
     """OpenAI-shaped messages with each `image_url` part replaced by `{"type": "image"}` (the part HF chat templates
     of vision models render as the image's placeholder), and the images' sources in prompt order."""
+    count = sum(_is_image(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+    if count > MAX_IMAGES:  # counted before any is decoded
+        raise APIError(400, f"the request holds {count} images, more than the {MAX_IMAGES} allowed", param="messages")
     sources: list[ImageSource] = []
     out = []
     for i, message in enumerate(messages):
@@ -287,9 +290,6 @@ def split_images(messages: list[dict], policy: MediaPolicy) -> tuple[list[dict],
             sources.append(image_source(url, f"messages.{i}.content.{j}", policy, detail))
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
-    if len(sources) > MAX_IMAGES:
-        raise APIError(400, f"the request holds {len(sources)} images, more than the {MAX_IMAGES} allowed",
-                       param="messages")
     return out, sources
 
 
