@@ -25,7 +25,7 @@ import ipaddress
 import socket
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -57,7 +57,7 @@ class ImageSource:
 
     param: str  # where the request put it, for the 400
     detail: str = "auto"
-    data: bytes | None = None
+    data: bytes | None = field(default=None, repr=False)  # up to --max-image-bytes: kept out of logs
     url: str | None = None
 
 
