@@ -156,9 +156,9 @@ def test_list_show_ps_and_version(client, server, smol_path):
 @pytest.mark.parametrize("call, status, says", [
     (lambda c: c.chat(model="nope", messages=QUESTION), 404, "nope"),
     (lambda c: c.show("nope"), 404, "nope"),
-    (lambda c: c.generate(model=MODEL, prompt="Hi", images=[b"\x89PNG"]), 400, "images"),
+    (lambda c: c.generate(model=MODEL, prompt="Hi", images=[b"\x89PNG"]), 400, "image could not be read"),
     (lambda c: c.chat(model=MODEL, messages=[{"role": "user", "content": "Hi", "images": [b"\x89PNG"]}]), 400,
-     "images"),
+     "image could not be read"),
     (lambda c: c.chat(model=MODEL, messages=QUESTION, options={"temperature": "hot"}), 400, "temperature"),
     (lambda c: c.chat(model=MODEL, messages=QUESTION, options={"num_predict": 0}), 400, "num_predict"),
     (lambda c: c.chat(model=MODEL, messages=QUESTION, keep_alive="5 parsecs"), 400, "keep_alive"),

@@ -201,7 +201,7 @@ def test_another_key_cannot_read_continue_or_delete_a_stored_response(client, ot
     ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input.0.type"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # accepted, not rendered: no message is left
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),

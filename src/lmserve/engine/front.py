@@ -46,6 +46,7 @@ class EngineFront:
         self.dtype, self.device = parts.dtype, parts.device
         self.vocab_size = parts.loaded.config.vocab_size
         self.hidden_size = parts.loaded.config.hidden_size  # an embedding's length
+        self.supports_images = parts.loaded.config.supports_images  # a vision tower: requests may hold images
         self.pooler = parts.pooler  # how embedding requests pool (method, and where it was read from)
         self.max_model_len = parts.max_model_len
         self.max_num_seqs = parts.cfg.scheduler.max_num_seqs

@@ -36,6 +36,9 @@ class ModelConfig:
     rope_scaling: Mapping[str, Any] | None = None  # the table of full-attention layers (of every layer without a local one)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    # A vision tower reads images (the families of issue 42 set it); False: a text model, and a request with an
+    # image is a 400 naming the model (server/api/chat_plan.py)
+    supports_images: bool = False
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
     o_bias: bool = False  # Llama's `attention_bias` also puts a bias on o_proj
     mlp_bias: bool = False

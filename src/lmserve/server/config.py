@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import KeySpec
+from lmserve.server.media import MediaPolicy
 from lmserve.server.quotas import StorageQuota
 
 
@@ -51,6 +52,7 @@ class ServerConfig:
     reasoning_parser: str | None = None  # --reasoning-parser: qwen3 | deepseek_r1 (None: replies are not split)
     tool_call_parser: str | None = None  # --tool-call-parser (None: each model's chat template's family)
     storage_quota: StorageQuota = StorageQuota()  # --storage-quota: what each key may store (a key file entry's wins)
+    media: MediaPolicy = MediaPolicy()  # --allowed-media-domains, --max-image-bytes: where images may come from
 
     @property
     def token_limits(self) -> TokenLimits:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -128,6 +128,21 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data: URL, or an http(s) URL of an --allowed-media-domains host (server/media.py checks it)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    """An image in a user message: OpenAI's {"type": "image_url", "image_url": {"url", "detail"}} (or the URL alone)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as the model wrote it
@@ -143,7 +158,7 @@ class ToolCallMessage(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None
+    content: str | list[ContentPart] | None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None  # which call a tool message answers
@@ -314,7 +329,7 @@ class DetokenizeRequest(_Strict):
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "content": "a string or a list of text parts",
+    "content": "a string or a list of text and image_url parts",
     "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }
 

@@ -40,6 +40,7 @@ from lmserve.server.api.ollama_protocol import (
     keep_alive_seconds,
     sampling_params,
     think_kwargs,
+    with_images,
 )
 from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
@@ -134,14 +135,15 @@ async def generate(request: Request) -> Response:
     start = time.monotonic()
     st, req = await read_request(request, GenerateRequest)
     keep = _keep_alive(request, st, req)
-    if req.images:
-        raise APIError(400, "images are not supported: the served models read text only", param="images")
+    if req.images and (req.raw or req.context):  # a text model says so first; images need the template's turn
+        st.check_images(len(req.images), "images")
+        raise APIError(400, "images need the chat template: not with raw or context", param="images")
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if req.template:
         raise APIError(400, "template is not supported: the model's own chat template renders the prompt",
                        param="template")
-    if not req.prompt and not req.context:
+    if not req.prompt and not req.context and not req.images:
         return _loaded(st, keep, {"response": ""})
     plan = None if req.raw else _generate_plan(st, req)
     params = sampling_params(req, st.config.token_limits, plan_fields=plan.sampling_fields() if plan else None)
@@ -166,7 +168,8 @@ def _generate_plan(st: ModelState, req: GenerateRequest) -> ChatPlan:
     """A templated generate is a chat of `system` (when given) and the prompt, with no tools."""
     system = [{"role": "system", "content": req.system}] if req.system else []
     variables = template_variables(st.front.tokenizer.chat_template)
-    return plan_chat(st, [*system, {"role": "user", "content": req.prompt}], [], think_kwargs(req.think, variables),
+    user = {"role": "user", "content": with_images(req.prompt, req.images)}
+    return plan_chat(st, [*system, user], [], think_kwargs(req.think, variables),
                      req.think is not False)
 
 
