@@ -41,9 +41,9 @@ from lmserve.server.state import (
 )
 from lmserve.utils import malloc_trim
 
-# No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
-# serves; /metrics too with --metrics-public (see open_paths).
-OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
+# No API key needed: probes carry none (a dialect's too, as KServe's v2 health probes), and they tell only whether
+# the process serves; /metrics too with --metrics-public (see open_paths).
+OPEN_PATHS = ("/health", *(path for dialect in DIALECTS for path in dialect.open_paths))
 # Requests that only read state: every other method on a keyed path takes one request from the key's rate.
 FREE_METHODS = ("GET", "HEAD", "OPTIONS")
 

@@ -32,6 +32,7 @@ class Dialect:
     error_paths: tuple[str, ...] = ()
     error_prefixes: tuple[str, ...] = ()
     error_response: Callable[[APIError], JSONResponse] | None = None
+    open_paths: tuple[str, ...] = ()  # served without an API key (probes carry none)
 
     def answers_errors_of(self, path: str) -> bool:
         return self.error_response is not None and (path in self.error_paths or path.startswith(self.error_prefixes))

@@ -18,4 +18,4 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 DIALECT = Dialect("kserve", __name__, generation_pattern=INFER_PATH, error_prefixes=("/v2/models/", "/v2/health/"),
-                  error_response=error_response)
+                  error_response=error_response, open_paths=("/v2/health/live", "/v2/health/ready"))
