@@ -1,5 +1,5 @@
-"""TGI's API (/generate, /generate_stream, its POST /, /info: routes.py; the bodies in server/protocol.py), with
-TGI's error body and its 422 for invalid input."""
+"""TGI's API (/generate, /generate_stream, its POST /, /info: routes.py; its bodies and their parameters in
+protocol.py), with TGI's error body and its 422 for invalid input."""
 
 from __future__ import annotations
 

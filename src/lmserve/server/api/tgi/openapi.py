@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmserve.server import protocol as p
 from lmserve.server.api.route_doc import JSON, SSE, Open, RouteDoc
+from lmserve.server.api.tgi.protocol import TGICompatRequest, TGIRequest
 
 TGI_ERRORS = (401, 404, 413, 422, 429, 500, 503)  # 404: an unknown parameters.adapter_id
 
@@ -31,9 +31,9 @@ class TGIInfo(Open):
 
 
 ROUTES: dict[tuple[str, str], RouteDoc] = {
-    ("post", "/generate"): RouteDoc(p.TGIRequest, TGIGenerated, TGI_ERRORS),
-    ("post", "/generate_stream"): RouteDoc(p.TGIRequest, None, TGI_ERRORS, (SSE,)),
+    ("post", "/generate"): RouteDoc(TGIRequest, TGIGenerated, TGI_ERRORS),
+    ("post", "/generate_stream"): RouteDoc(TGIRequest, None, TGI_ERRORS, (SSE,)),
     ("get", "/info"): RouteDoc(None, TGIInfo, (401,)),
-    ("post", "/"): RouteDoc(p.TGICompatRequest, TGIGenerated, TGI_ERRORS, (JSON, SSE)),
+    ("post", "/"): RouteDoc(TGICompatRequest, TGIGenerated, TGI_ERRORS, (JSON, SSE)),
 }
 ERROR_MODEL = TGIError

@@ -16,9 +16,8 @@ import lmserve
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
-from lmserve.server.api.params import tgi_params
 from lmserve.server.api.tgi import error_body
-from lmserve.server.protocol import TGICompatRequest, TGIRequest
+from lmserve.server.api.tgi.protocol import TGICompatRequest, TGIRequest, tgi_params
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of, state_of
