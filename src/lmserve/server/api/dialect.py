@@ -52,7 +52,8 @@ class Dialect:
 
     @property
     def encoder(self) -> Any:
-        """Its StreamEncoder (server/streams.py); None when it does not stream."""
+        """Its StreamEncoder (server/streams.py); None when it does not stream or builds one per stream (Responses:
+        its events are numbered per response)."""
         return getattr(self.routes, "ENCODER", None)
 
     @property

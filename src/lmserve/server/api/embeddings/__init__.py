@@ -3,4 +3,5 @@ Ollama's, by their /api/ path)."""
 
 from lmserve.server.api.dialect import Dialect
 
+# like generation routes, the Observe middleware keeps a record of each (and settles the key's usage)
 DIALECT = Dialect("embeddings", __name__, generation_paths=("/v1/embeddings", "/api/embed", "/api/embeddings"))

@@ -50,7 +50,6 @@ from lmserve.server.streams import MergedStreams, StreamEncoder, Watched, encode
 
 router = Router()
 router.include(ollama_models.router)
-GENERATION_PATHS = ("/api/chat", "/api/generate")
 # The Ollama API level these routes follow (clients gate features on it: tools, think, logprobs).
 OLLAMA_VERSION = "0.12.0"
 NDJSON = "application/x-ndjson"
