@@ -13,7 +13,7 @@ whole answer hold the same items. Each step returns the typed events it makes, i
 
 A response with neither text nor calls has one message with empty text (as chat answers content ""). A reasoning
 item holds the whole reasoning as one `reasoning_text` part and no summary (the model writes none); it is sent
-back as input on the next turn, where it is accepted and not rendered (input.py).
+back as input on the next turn, where it is accepted and not rendered (responses_input.py).
 """
 
 from __future__ import annotations
