@@ -1,4 +1,4 @@
-"""What one API dialect (server/api/<dialect>/) exports: a `Dialect`, its single line in server/api/dialects.py.
+"""What one API dialect (server/api/<dialect>/) exports: a `Dialect`, its entry in server/api/dialects.py.
 
 The app, the error bodies and the OpenAPI document iterate the registry and name no dialect. A dialect's
 `__init__.py` declares its Dialect with what must be known before torch is imported (the StartGate answers errors
