@@ -116,7 +116,7 @@ def test_tools_a_call_history_and_calls_as_objects(client):
     at any seed tried); a client's call history (arguments as objects, results by tool_name) renders and is
     answered; a call the model writes comes back with its arguments as an object, whole and streamed alike."""
     from lmserve.parsers.tool_formats import HERMES
-    from lmserve.server.api.ollama import _message
+    from lmserve.server.api.ollama.routes import _message
     from lmserve.server.api.tools import output_parser
 
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -266,7 +266,7 @@ def test_output_items_built_from_stream_pieces_equal_those_of_the_whole_answer(s
     the translation alone)."""
     import random
 
-    from lmserve.server.api.responses_output import OutputItems, output_of_chat
+    from lmserve.server.api.responses.output import OutputItems, output_of_chat
 
     rng = random.Random(seed)
     calls = [{"id": f"call_{k}", "function": {"name": "get_weather", "arguments": '{"city":"Paris %d"}' % k}}

@@ -122,7 +122,7 @@ def _playground(args: argparse.Namespace):
 def _responses(args: argparse.Namespace):
     """The store of /v1/responses answers (store: true), opened now, or None: nothing is stored (as for the
     playground, an unwritable default only warns)."""
-    from lmserve.server.api.responses_store import ResponseStore, default_db_path
+    from lmserve.server.api.responses.store import ResponseStore, default_db_path
 
     return _sqlite_store(ResponseStore, "--responses-db", args.responses_db, default_db_path(),
                          "responses are not stored")

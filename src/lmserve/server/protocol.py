@@ -1,4 +1,4 @@
-"""Request models for the OpenAI and TGI APIs.
+"""Request models for the OpenAI API (and the shared bases every dialect's bodies build on).
 
 A field no model here declares is ignored, as vLLM does (clients and SDKs of a newer API version send fields
 this server does not know): it is logged and named in the response's X-Ignored-Fields header; with
@@ -248,41 +248,6 @@ class ChatRequest(_Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"function {choice.function.name!r} is not in tools")
         return choice
-
-
-class TGIGrammar(_Strict):
-    """TGI's parameters.grammar: a JSON schema (`json`, value an object or its text) or a `regex`."""
-
-    type: Literal["json", "regex"]
-    value: dict[str, Any] | str
-
-
-class TGIParameters(_NullMeansDefault):
-    max_new_tokens: int | None = 100
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
-    do_sample: bool = False
-    details: bool = False
-    return_full_text: bool = False
-    decoder_input_details: bool = False  # the prompt's tokens and logprobs in details.prefill
-    watermark: bool = False  # only false; huggingface_hub sends it on every request
-    grammar: TGIGrammar | None = None
-    adapter_id: str | None = Field(default=None, max_length=128)  # a LoRA adapter's name (TGI/LoRAX); None: base
-
-
-class TGIRequest(_Strict):
-    inputs: str
-    parameters: TGIParameters = Field(default_factory=TGIParameters)
-
-
-class TGICompatRequest(TGIRequest):
-    """POST / (what huggingface_hub's InferenceClient calls): /generate or /generate_stream by `stream`."""
-
-    stream: bool = False
 
 
 # An adapter name is what clients send as `model`: short, printable, no spaces.

@@ -192,7 +192,7 @@ class ModelState:
 
     async def admit_beams(self, prompts: list[str | list[int]], width: int, max_tokens: int, record: RequestRecord, *,
                           model: str | None, id_prefix: str, **fields: Any) -> Admitted:
-        """The admission path of a beam search (server/api/openai.py drives it): rate -> byte bounds -> tokenize ->
+        """The admission path of a beam search (server/api/openai/routes.py drives it): rate -> byte bounds -> tokenize ->
         adapter -> admit as `width` completions of `max_tokens` per prompt; each step's beams then run through
         generate(); `fields` as start's."""
         self.charge(record)

@@ -31,8 +31,6 @@ from lmserve.server.state import read_request, record_of
 from lmserve.server.streams import Watched, engine_error
 
 router = Router()
-# like generation routes, the Observe middleware keeps a record of each (and settles the key's usage)
-PATHS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit); the server's queue limit may be lower
 
 

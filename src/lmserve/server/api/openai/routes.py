@@ -370,12 +370,12 @@ async def collect(caller: Caller, st: ModelState, merged: MergedStreams, n: int,
 
 
 # A failure part-way is an error event, then [DONE] (as vLLM; the openai client raises).
-_ENCODER = StreamEncoder(sse.event, lambda err: sse.event(error_body(err)), sse.DONE)
+ENCODER = StreamEncoder(sse.event, lambda err: sse.event(error_body(err)), sse.DONE)
 
 
 def _sse(request: Request, st: ModelState, merged: MergedStreams, chunks: AsyncIterator[dict]) -> StreamingResponse:
     """Serve `chunks` as server-sent events ending in [DONE]; a disconnect aborts the streams."""
-    return sse.response(encoded_stream(request, st.metrics, merged, chunks, _ENCODER))
+    return sse.response(encoded_stream(request, st.metrics, merged, chunks, ENCODER))
 
 
 async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],

@@ -1,9 +1,9 @@
 """Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams by default), /api/tags, /api/show, /api/ps,
 /api/version, and HEAD / ("Ollama is running"); the model routes (/api/tags, /api/show, /api/ps) are in
-ollama_models.py, included here.
+models.py, included here.
 
 Shapes only: a request is admitted through ModelState.start like every other family's, and its body's meaning
-is in ollama_protocol.py. As Ollama does it: a chat with no messages (a generate with no prompt) only loads the
+is in protocol.py. As Ollama does it: a chat with no messages (a generate with no prompt) only loads the
 model, or unloads it with `keep_alive: 0`; `keep_alive` sets how long the model stays loaded once idle
 (server/models/pool.py unloads it then, and the next request loads it again). The model is shared by every key,
 so a request's keep_alive holds only within the operator's bounds (--keep-alive-max; shorter than --keep-alive
@@ -31,9 +31,9 @@ from lmserve.parsers.output import OutputParser
 from lmserve.parsers.reasoning import effort_budget
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.server.api import ollama_models
 from lmserve.server.api.chat_plan import ChatPlan, plan_chat, with_budget
-from lmserve.server.api.ollama_protocol import (
+from lmserve.server.api.ollama import models as ollama_models
+from lmserve.server.api.ollama.protocol import (
     ChatRequest,
     GenerateRequest,
     chat_messages,
@@ -51,7 +51,6 @@ from lmserve.server.streams import MergedStreams, StreamEncoder, Watched, encode
 
 router = Router()
 router.include(ollama_models.router)
-GENERATION_PATHS = ("/api/chat", "/api/generate")
 # The Ollama API level these routes follow (clients gate features on it: tools, think, logprobs).
 OLLAMA_VERSION = "0.12.0"
 NDJSON = "application/x-ndjson"
@@ -297,13 +296,13 @@ def _logprobs(st: ModelState, req, turn: Turn, lps: list[TokenLogprobs] | None =
                          for lp in (turn.logprobs if lps is None else lps)]}
 
 
-_ENCODER = StreamEncoder(lambda line: json.dumps(line, ensure_ascii=False) + "\n",
+ENCODER = StreamEncoder(lambda line: json.dumps(line, ensure_ascii=False) + "\n",
                          lambda err: json.dumps({"error": err.message}) + "\n")
 
 
 def _ndjson(request: Request, st: ModelState, merged: MergedStreams, lines: AsyncIterator[dict]) -> StreamingResponse:
     """One JSON object per line; a failure part-way is an `{"error": ...}` line (the client raises it)."""
-    return StreamingResponse(encoded_stream(request, st.metrics, merged, lines, _ENCODER), media_type=NDJSON)
+    return StreamingResponse(encoded_stream(request, st.metrics, merged, lines, ENCODER), media_type=NDJSON)
 
 
 async def _chat_lines(st: ModelState, req: ChatRequest, turn: Turn, merged: MergedStreams,

@@ -13,7 +13,7 @@ whole answer hold the same items. Each step returns the typed events it makes, i
 
 A response with neither text nor calls has one message with empty text (as chat answers content ""). A reasoning
 item holds the whole reasoning as one `reasoning_text` part and no summary (the model writes none); it is sent
-back as input on the next turn, where it is accepted and not rendered (responses_input.py).
+back as input on the next turn, where it is accepted and not rendered (responses/input.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmserve.server.api.responses_input import ResponsesRequest, format_echo, tools_echo
+from lmserve.server.api.responses.input import ResponsesRequest, format_echo, tools_echo
 
 Event = tuple[str, dict[str, Any]]  # (type, fields): the stream numbers them
 
