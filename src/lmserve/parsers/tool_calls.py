@@ -165,8 +165,8 @@ class ToolCallStreamer:
     def _content(self, events: list[StreamEvent], text: str, more_follows: bool) -> str:
         """Emit decided content; returns the trailing whitespace to hold while more of the segment may follow."""
         if not self._segment_started:
-            text = text.lstrip(_WS)
-        body = text.rstrip(_WS)
+            text = text.lstrip()
+        body = text.rstrip()
         if body:
             sep = SEGMENT_SEP if self._content_sent and not self._segment_started else ""
             events.append(ContentDelta(body, sep))
