@@ -99,17 +99,16 @@ def _params(req: MessagesRequest, plan: ChatPlan, limits: TokenLimits) -> Sampli
 
 
 def _content(text: str, parser: OutputParser | None) -> tuple[list[dict], bool]:
-    """The answer's content blocks (a thinking block when there is reasoning, a text block when there is text, then
-    a tool_use block per call) and whether it called a tool."""
+    """The answer's content blocks (a thinking block when there is reasoning, then a text block per segment of text
+    and a tool_use block per call, in the order written) and whether it called a tool."""
     if parser is None:
         return ([{"type": "text", "text": text}] if text else []), False
     parsed = parser.parse(text)
-    content, calls = parsed.content, parsed.calls
     blocks = [_thinking_block(parsed.reasoning)] if parsed.reasoning else []
-    blocks += [{"type": "text", "text": content}] if content else []
-    blocks += [{"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
-               for call in calls]  # the grammar made the arguments a JSON object of the tool's schema
-    return blocks, bool(calls)
+    blocks += [{"type": "text", "text": part} if isinstance(part, str) else
+               {"type": "tool_use", "id": _tool_use_id(part.id), "name": part.name, "input": json.loads(part.arguments)}
+               for part in parsed.parts]  # the grammar made the arguments a JSON object of the tool's schema
+    return blocks, bool(parsed.calls)
 
 
 def _thinking_block(thinking: str) -> dict:

@@ -270,7 +270,7 @@ def _thinking(thinking: str | None, parser: OutputParser | None) -> dict:
 def _split(events: list[StreamEvent]) -> tuple[str, str]:
     """(thinking, answer text) of a streamer's events."""
     return ("".join(e.text for e in events if isinstance(e, ReasoningDelta)),
-            "".join(e.text for e in events if isinstance(e, ContentDelta)))
+            "".join(e.joined for e in events if isinstance(e, ContentDelta)))
 
 
 def _object(arguments: str) -> dict:

@@ -73,7 +73,7 @@ async def create_response(request: Request) -> Response:
     if body is None:  # the client went away first
         return Response(status_code=499)
     choice, usage = body["choices"][0], body["usage"]
-    output = output_of_chat(choice["message"], choice["finish_reason"], _output_items(shell.id))
+    output = output_of_chat(choice["message"], choice["finish_reason"], _output_items(shell.id), run.parts)
     answer = shell.object(status_of(choice["finish_reason"]), output, usage_of(usage, caller.record.num_cached_tokens))
     return JSONResponse(await saved(answer))
 
