@@ -71,8 +71,8 @@ class EngineRequest:
     priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
     lora: LoRARequest | None = None  # the adapter, already read from disk (LoraRegistry.get); None: the base model
     cache_salt: bytes = b""  # who may share the prompt's prefix-cache blocks (b"": everyone); the adapter is added
-    # Multimodal inputs (the vision issue's seam): one entry per image of the prompt, for the runner to encode.
-    # Nothing produces or reads it yet; it is here so images add no parameter anywhere between route and runner.
+    # The prompt's images (multimodal.image_io.ImageData, or PIL images from the offline API), in the order of
+    # their markers (`<image>`) in the prompt; EngineFront.requests expands them (engine/images.py).
     mm_inputs: tuple[object, ...] = ()
 
 
@@ -127,6 +127,9 @@ class Request:
     # (mean, CLS), so no prefix-cache hit may skip one; `embedding` is set when the prompt's last chunk has run
     may_reuse_prefix: bool = True
     embedding: list[float] | None = None
+    # the prompt's images (multimodal.processor.MMInput, typed loosely as plain data): pixels, digest and the
+    # prompt positions their embeddings fill; sent to the runner with the request, re-sent after a preemption
+    mm_inputs: tuple[object, ...] = ()
 
     @classmethod
     def completion(cls, source: EngineRequest, index: int, prompt_ids: list[int], max_tokens: int,

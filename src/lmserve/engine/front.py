@@ -14,9 +14,11 @@ import threading
 from typing import Callable, NamedTuple
 
 from lmserve.engine.build import EngineParts
+from lmserve.engine.images import PromptImages, image_salt
 from lmserve.engine.stats import EngineLoad
 from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
+from lmserve.multimodal.processor import processor_for
 from lmserve.request import EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
@@ -57,6 +59,7 @@ class EngineFront:
         self._num_blocks = parts.num_blocks
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._grammars_lock = threading.Lock()
+        self.images = _prompt_images(parts)  # None: a text-only model (a request with images is refused)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Prompt text -> ids (a raw prompt: "<|im_start|>" in it is the control token); ids are checked and kept."""
@@ -167,21 +170,31 @@ class EngineFront:
         if lora is not None and self.loras is None:
             raise RequestRejected("this engine runs without LoRA (--enable-lora)", "model")
         ids = self.tokenize_prompt(request.prompt)
+        ids, images = self._expand_images(ids, request.mm_inputs)
         max_tokens = request.max_tokens
-        if max_tokens is None:  # the offline path (LLM, the CLI); the server checked before admitting
+        if max_tokens is None or images:  # the offline path (LLM, the CLI), or a prompt that images lengthened
             max_tokens = self.check_request(ids, params)
         grammar = request.grammar
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        salt = _prefix_salt(lora, request.cache_salt)
+        salt = _prefix_salt(lora, _with_images(image_salt(images), request.cache_salt))
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reuse = params.pooling is None or not self.pooler.needs_every_token
         return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
+                                   mm_inputs=images,
                                    reasoning_budget=self._reasoning_budget(ids, params, stop_ids, grammar is None),
                                    grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate,
                                                                                 limit_steer(self._grammars, params)))
                 for i in range(params.n)]
+
+    def _expand_images(self, ids: list[int], images: tuple[object, ...]) -> tuple[list[int], tuple]:
+        """The prompt with each image's placeholder tokens in place of its marker, and the images as MMInputs."""
+        if not images:
+            return ids, ()
+        if self.images is None:
+            raise RequestRejected(f"this model ({self.loaded.config.architecture}) does not accept images", "messages")
+        return self.images.expand(ids, images)
 
     def _reasoning_budget(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
                           separate: bool) -> ReasoningBudget | None:
@@ -221,3 +234,16 @@ def _prefix_salt(lora: LoRARequest | None, salt: bytes) -> bytes:
 
 
 _PROCESS_NONCE = os.urandom(8).hex().encode()
+
+
+def _with_images(images: bytes, salt: bytes) -> bytes:
+    """The images' part of the salt, length-prefixed, then the caller's: no caller salt can spell another
+    prompt's images (a text-only request must never read the KV computed from an image it lacks)."""
+    return b"%d:" % len(images) + images + salt if images else salt
+
+
+def _prompt_images(parts: EngineParts) -> PromptImages | None:
+    """The served model's image preprocessing, from its directory (None: a text-only model)."""
+    path = parts.loaded.path
+    proc = processor_for(parts.loaded.config.architecture, path if path.is_dir() else None)
+    return None if proc is None else PromptImages(proc, parts.tokenizer)

@@ -51,6 +51,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then one entry per token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's field), when done
 
 
 @dataclass
@@ -70,7 +71,7 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
-Prompts = str | Sequence[str] | Sequence[list[int]]
+Prompts = str | dict | Sequence[str | dict] | Sequence[list[int]]
 Adapters = LoRARequest | Sequence[LoRARequest | None] | None
 
 
@@ -88,7 +89,9 @@ class LLM:
                  use_tqdm: bool = True, lora_request: Adapters = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) with continuous batching; results in input order.
 
-        A text prompt is raw, as in vLLM: "<|im_start|>" written in it is the control token. To keep
+        A prompt with images is vLLM's dict: {"prompt": text or "prompt_token_ids": ids, "multi_modal_data":
+        {"image": one PIL image or a list}}, each image marked in the prompt by the model's image token
+        (SmolVLM: "<image>"), in order. A text prompt is raw, as in vLLM: "<|im_start|>" written in it is the control token. To keep
         user text plain inside a chat template, use `chat` instead. `lora_request`: one adapter for every
         prompt, or one (or None) per prompt; the LLM needs `enable_lora=True`.
         """
@@ -160,9 +163,10 @@ class LLM:
         for prompt, p, adapter in zip(prompts, plist, adapters):
             rid = str(self._next_id)
             self._next_id += 1
-            ids = self.engine.front.tokenize_prompt(prompt)
-            self.engine.add_request(rid, ids, p, lora=self._adapter(adapter))
-            outs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+            text, images = _prompt_of(prompt), _images_of(prompt)
+            ids = self.engine.front.tokenize_prompt(text)
+            self.engine.add_request(rid, ids, p, lora=self._adapter(adapter), mm_inputs=images)
+            outs[rid] = RequestOutput(rid, text if isinstance(text, str) else None, ids,
                                       [CompletionOutput(i, "", [], None, None, [] if p.logprobs is not None else None)
                                        for i in range(p.n)])
         return outs
@@ -203,6 +207,8 @@ class LLM:
                     vectors[d.request_id] = d.embedding
                 if d.prompt_logprobs is not None and d.index == 0:
                     outs[d.request_id].prompt_logprobs = d.prompt_logprobs
+                if d.finished and d.index == 0:
+                    outs[d.request_id].num_cached_tokens = d.num_cached_tokens
                 _accumulate(outs[d.request_id].outputs[d.index], d)
             if progress is not None:
                 progress.update(deltas)
@@ -266,7 +272,7 @@ def show_progress_logs() -> None:
 
 def _as_list(prompts: Prompts) -> list:
     """One prompt (text or token ids) or a list of them -> a list."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
 
@@ -276,6 +282,18 @@ def _prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
     if isinstance(prompt, dict):
         return prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     return prompt
+
+
+def _images_of(prompt: str | list[int] | dict) -> tuple[object, ...]:
+    """vLLM's `multi_modal_data["image"]`: one image or a list of them, in the order of their markers."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if not data:
+        return ()
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(unknown)}")
+    images = data["image"]
+    return tuple(images) if isinstance(images, (list, tuple)) else (images,)
 
 
 def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:

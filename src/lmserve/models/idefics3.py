@@ -62,7 +62,7 @@ class Idefics3LM(CausalLM):
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """One image's frames [F, 3, S, S] -> its embeddings [F * image_seq_len, hidden], frame after frame."""
-        dtype = self.connector.modality_projection.proj.weight.dtype
+        dtype = self.vision_model.post_layernorm.weight.dtype  # a LayerNorm: no transform repacks it
         out = self.connector(self.vision_model(pixel_values.to(dtype)))  # [F, seq, hidden]
         return out.reshape(-1, out.shape[-1])
 
