@@ -18,7 +18,7 @@ from lmserve.engine.images import PromptImages, image_salt
 from lmserve.engine.stats import EngineLoad
 from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
-from lmserve.multimodal.processor import processor_for
+from lmserve.multimodal.registry import processor_for
 from lmserve.request import EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo

@@ -1,4 +1,4 @@
-"""What a vision family's preprocessing gives the engine, and how an architecture finds its processor.
+"""What a vision family's preprocessing gives the engine (multimodal/registry.py finds an architecture's).
 
 A processor (one per family: multimodal/idefics3.py) turns one decoded image into its pixel values and the text
 that replaces the image's marker (`image_token`) in the prompt. The engine front end (engine/front.py) tokenizes
@@ -9,8 +9,7 @@ digest and scatters the embeddings there (worker/mm_encoder.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -43,22 +42,3 @@ class MMInput:
     def span(self) -> tuple[int, int]:
         """[first, last + 1) of the positions: a chunk that misses this range needs no embedding of it."""
         return int(self.positions[0]), int(self.positions[-1]) + 1
-
-
-def _idefics3(path: Path) -> VisionProcessor:
-    from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
-
-    return Idefics3Processor(Idefics3Config.from_dir(path))
-
-
-# config.json architecture -> (model directory -> its processor)
-PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
-    "Idefics3ForConditionalGeneration": _idefics3,
-    "SmolVLMForConditionalGeneration": _idefics3,
-}
-
-
-def processor_for(architecture: str, path: Path | None) -> VisionProcessor | None:
-    """The processor of a vision model's architecture (None: a text-only model, or no directory to read it from)."""
-    make = PROCESSORS.get(architecture)
-    return None if make is None or path is None else make(Path(path))
