@@ -99,3 +99,19 @@ def test_image_count_must_match_the_markers(setup):
     with pytest.raises(RequestRejected, match="placeholder"):
         llm.generate([_prompt("w1 w2", IMG_A)], GREEDY, use_tqdm=False)
     assert _tokens(llm, [_prompt("w1 w2")])  # the engine still serves
+
+
+def test_preempted_image_requests_resume_from_the_encoder_cache(setup, tmp_path):
+    """A KV pool too small for three image requests at once: some are preempted and recomputed; each still gets
+    its answer alone, and no image is encoded twice (the resumed prefill reads the encoder cache)."""
+    llm, _ = setup
+    small = LLM(str(llm.engine.front.loaded.path), dtype="float32", device="cpu", num_blocks=14, block_size=16,
+                max_num_batched_tokens=24, max_num_seqs=8, enable_prefix_caching=False)
+    imgs = [image(90, 50, seed=40 + i) for i in range(3)]
+    prompts = [_prompt(f"w{40 + i} <image> w50", img) for i, img in enumerate(imgs)]
+    alone = [_tokens(llm, [p])[0] for p in prompts]
+    assert _tokens(small, prompts) == alone
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.runner.images.cache.num_encoded == len(imgs)
+    kv = small.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks  # every block came back
