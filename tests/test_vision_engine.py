@@ -115,3 +115,18 @@ def test_preempted_image_requests_resume_from_the_encoder_cache(setup, tmp_path)
     assert small.engine.runner.images.cache.num_encoded == len(imgs)
     kv = small.engine.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks  # every block came back
+
+
+def test_chat_with_image_parts(setup):
+    """LLM.chat: a PIL image part and a base64 data: URL of the same pixels give the raw prompt's answer."""
+    import base64
+
+    from tests.vision_models import image_bytes
+
+    llm, _ = setup
+    png = image_bytes(90, 50, seed=11)  # IMG_A's pixels
+    want = _tokens(llm, [_prompt("w3 w4 <image> w5 w6", IMG_A)])[0]
+    for part in ({"type": "image", "image": IMG_A},
+                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}):
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "w3 w4"}, part, {"type": "text", "text": "w5 w6"}]}]
+        assert llm.chat(msgs, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want

@@ -18,6 +18,10 @@ SPECIAL = (["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utt
            + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
 VOCAB = 256
 IMAGE_TOKEN_ID = len(WORDS)  # "<image>"
+# SmolVLM's template in miniature: text parts as they are, each image part as "<image>"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+                 "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }} "
+                 "{% elif p['type'] == 'image' %}<image> {% endif %}{% endfor %}{% endif %}{% endfor %}")
 
 
 def write_tokenizer(path: Path) -> None:
@@ -28,7 +32,8 @@ def write_tokenizer(path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL])
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                             "chat_template": CHAT_TEMPLATE}))
 
 
 def build_idefics3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:

@@ -4,6 +4,7 @@ beam_search.py, all as vLLM spells them; adapters by `lora_request=`."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import sys
 import time
@@ -23,6 +24,7 @@ from lmserve.config import (
     SpeculativeConfig,
 )
 from lmserve.engine.llm_engine import LLMEngine
+from lmserve.multimodal.image_io import load_image_bytes
 from lmserve.pooling_params import PoolingParams
 from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import BeamSearchParams, SamplingParams
@@ -191,10 +193,23 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate.
+
+        A message's content may hold image parts: {"type": "image", "image": PIL}, vLLM's {"type": "image_pil",
+        "image_pil": PIL}, or {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}; each becomes
+        the model's image token in the message text. Such a conversation is rendered, then encoded as a raw prompt
+        (special-token strings parsed, as `generate` encodes text): the offline caller writes its own messages.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
-        return self.generate(ids, params, use_tqdm)
+        prompts: list = []
+        for conv in convs:
+            conv, images = _chat_images(conv, self.engine.front.images)  # type: ignore[arg-type]
+            if images:
+                text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append(self.tokenizer.encode_chat(conv, add_generation_prompt=True))
+        return self.generate(prompts, params, use_tqdm)
 
     def _run(self, outs: dict[str, RequestOutput], use_tqdm: bool) -> dict[str, list[float]]:
         """Step until every request has finished; returns the pooling requests' vectors by request id."""
@@ -294,6 +309,38 @@ def _images_of(prompt: str | list[int] | dict) -> tuple[object, ...]:
         raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(unknown)}")
     images = data["image"]
     return tuple(images) if isinstance(images, (list, tuple)) else (images,)
+
+
+def _chat_images(messages: list[dict], vision: object | None) -> tuple[list[dict], list[object]]:
+    """The conversation with each image part as a text part of the image token, and the images in order."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image", "image_pil", "image_url"):
+                if vision is None:
+                    raise ValueError("this model does not accept images")
+                images.append(_part_image(part, kind))
+                part = {"type": "text", "text": vision.processor.image_token}
+            parts.append(part)
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def _part_image(part: dict, kind: str) -> object:
+    """One image part's image: a PIL image as given, or a `data:` URL decoded (load_image_bytes checks it)."""
+    if kind != "image_url":
+        return part[kind]
+    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+    head, sep, data = str(url).partition(",")
+    if not (head.startswith("data:") and head.endswith(";base64") and sep):
+        raise ValueError("offline chat takes images as PIL images or base64 data: URLs")
+    return load_image_bytes(base64.b64decode(data, validate=True))
 
 
 def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:
