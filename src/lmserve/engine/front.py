@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 from lmserve.engine.build import EngineParts
 from lmserve.engine.images import PromptImages, image_salt
 from lmserve.engine.stats import EngineLoad
 from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
+from lmserve.multimodal.processor import MMInput
 from lmserve.multimodal.registry import processor_for
 from lmserve.request import EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
@@ -189,9 +190,18 @@ class EngineFront:
                 for i in range(params.n)]
 
     def _expand_images(self, ids: list[int], images: tuple[object, ...]) -> tuple[list[int], tuple]:
-        """The prompt with each image's placeholder tokens in place of its marker, and the images as MMInputs."""
+        """The prompt with each image's placeholder tokens in place of its marker, and the images as MMInputs
+        (already so when the server expanded them at admission: `expand_images`)."""
         if not images:
             return ids, ()
+        if all(isinstance(m, MMInput) for m in images):
+            return ids, tuple(images)
+        return self.expand_images(ids, images)
+
+    def expand_images(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
+        """Prompt ids with its image markers -> the ids the model runs (each marker expanded) and one MMInput per
+        image; RequestRejected for a text-only model or a marker count that differs from the images'. Blocking
+        (preprocessing): the server calls it at admission, before the lengthened prompt is checked."""
         if self.images is None:
             raise RequestRejected(f"this model ({self.loaded.config.architecture}) does not accept images", "messages")
         return self.images.expand(ids, images)

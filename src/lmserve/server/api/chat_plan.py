@@ -33,6 +33,9 @@ class ChatPlan:
     reasoning: ReasoningParser | None
     parser: OutputParser | None
     tools: list[dict]  # the OpenAI tool dicts the model may call ([]: none)
+    # the messages' images (multimodal.image_io.ImageData) in the order the rendered chat holds their markers;
+    # ModelState.start expands them and hands them to the engine as EngineRequest.mm_inputs
+    images: tuple = ()
 
     def sampling_fields(self) -> dict[str, Any]:
         """SamplingParams fields this plan sets: the reasoning tags, special tokens kept for a tool format (or a

@@ -258,7 +258,8 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     params = chat_params(req, st.config.token_limits, plan.fmt, plan.sampling_fields())
     params = with_budget(params, plan, effort_budget(req.reasoning_effort, params.max_tokens))
     run = await st.start([plan.chat], params, caller.record, model=req.model,
-                         id_prefix="chatcmpl", priority=caller.priority, cache_salt=req.cache_salt)
+                         id_prefix="chatcmpl", priority=caller.priority, cache_salt=req.cache_salt,
+                         mm_inputs=plan.images)
     rid, [ids], merged, lora = run.request_id, run.ids, run.merged, run.lora
     meta = {"id": rid, "created": int(time.time()), "model": _model_name(st, lora)}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
