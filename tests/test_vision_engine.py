@@ -130,3 +130,9 @@ def test_chat_with_image_parts(setup):
                  {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}):
         msgs = [{"role": "user", "content": [{"type": "text", "text": "w3 w4"}, part, {"type": "text", "text": "w5 w6"}]}]
         assert llm.chat(msgs, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_a_text_only_model_refuses_images(offline_llm):
+    with pytest.raises(RequestRejected, match="does not accept images"):
+        offline_llm.generate([_prompt("Describe <image>", IMG_A)], GREEDY, use_tqdm=False)
+    assert offline_llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
