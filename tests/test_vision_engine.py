@@ -83,6 +83,18 @@ def test_prefix_cache_keys_on_the_image(setup):
     assert other.outputs[0].token_ids == _hf_greedy(llm, hf, d) != first.outputs[0].token_ids
 
 
+def test_text_before_the_first_image_is_shared(setup):
+    """Two blocks of text, then an image: another image reuses those two blocks (their KV cannot depend on it)
+    and nothing after them; its answer is still its own."""
+    llm, hf = setup
+    text = " ".join(f"w{60 + i}" for i in range(34)) + " <image> w23"  # the image's tokens start in block 2
+    e, f = (_prompt(text, image(50, 50, seed=s)) for s in (51, 52))
+    llm.generate([e], GREEDY, use_tqdm=False)
+    out = llm.generate([f], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 32
+    assert out.outputs[0].token_ids == _hf_greedy(llm, hf, f)
+
+
 def test_a_repeated_image_is_encoded_once(setup):
     llm, _ = setup
     cache = llm.engine.runner.images.cache

@@ -20,7 +20,7 @@ from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
 from lmserve.multimodal.processor import MMInput
 from lmserve.multimodal.registry import processor_for
-from lmserve.request import EngineRequest, LoRARequest, Request
+from lmserve.request import BlockSalt, EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
@@ -56,6 +56,7 @@ class EngineFront:
         self.num_speculative_tokens = parts.cfg.speculative.num_speculative_tokens if parts.proposer else None
         self.load = load  # () -> EngineLoad: running and waiting requests, KV blocks, now
         self._pool_tokens = parts.num_blocks * parts.block_size
+        self.block_size = parts.block_size
         self._blocks_needed = parts.kv.blocks_needed
         self._num_blocks = parts.num_blocks
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
@@ -179,7 +180,7 @@ class EngineFront:
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        salt = _prefix_salt(lora, _with_images(image_salt(images), request.cache_salt))
+        salt = self._salt(lora, request.cache_salt, images)
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reuse = params.pooling is None or not self.pooler.needs_every_token
         return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
@@ -188,6 +189,15 @@ class EngineFront:
                                    grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate,
                                                                                 limit_steer(self._grammars, params)))
                 for i in range(params.n)]
+
+    def _salt(self, lora: LoRARequest | None, caller: bytes, images: tuple) -> bytes | BlockSalt:
+        """The prompt's prefix-cache salt; with images, their digests join it from the block of the first image
+        token on (the text before it stays shareable with every request of the same adapter and caller salt)."""
+        plain = _prefix_salt(lora, caller)
+        if not images:
+            return plain
+        first = min(int(m.positions[0]) for m in images)
+        return BlockSalt(plain, _prefix_salt(lora, _with_images(image_salt(images), caller)), first // self.block_size)
 
     def _expand_images(self, ids: list[int], images: tuple[object, ...]) -> tuple[list[int], tuple]:
         """The prompt with each image's placeholder tokens in place of its marker, and the images as MMInputs
