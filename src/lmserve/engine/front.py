@@ -214,6 +214,8 @@ class EngineFront:
         (preprocessing): the server calls it at admission, before the lengthened prompt is checked."""
         if self.images is None:
             raise RequestRejected(f"this model ({self.loaded.config.architecture}) does not accept images", "messages")
+        if self.cfg.parallel.tensor_parallel_size > 1:  # the worker ranks' forward_only places no images yet
+            raise RequestRejected("images are not supported with tensor parallelism yet", "messages")
         return self.images.expand(ids, images)
 
     def _reasoning_budget(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
