@@ -148,3 +148,27 @@ def test_a_text_only_model_refuses_images(offline_llm):
     with pytest.raises(RequestRejected, match="does not accept images"):
         offline_llm.generate([_prompt("Describe <image>", IMG_A)], GREEDY, use_tqdm=False)
     assert offline_llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_image_requests_under_a_lora_adapter(setup, tmp_path):
+    """An adapter on the text model changes an image request's answer; in a batch mixing adapter and base,
+    image and text requests, each gets what it gets alone."""
+    from lmserve.request import LoRARequest
+    from tests.lora_adapters import write_random_adapter
+
+    llm, _ = setup
+    path = llm.engine.front.loaded.path
+    lora_llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=256, block_size=16,
+                   max_num_batched_tokens=24, max_num_seqs=8, enable_lora=True, max_lora_rank=8)
+    adapter = LoRARequest("a", 1, str(write_random_adapter(tmp_path / "a", llm.engine.front.loaded.config)))
+    prompts = [_prompt("w3 w4 <image> w5 w6", IMG_A), _prompt("w3 w4 <image> w5 w6", IMG_A),
+               _prompt("w1 w2 w3"), _prompt("w7 <image> w8", IMG_B)]
+    adapters = [adapter, None, adapter, adapter]
+
+    def run(ps, ads):
+        return [o.outputs[0].token_ids for o in lora_llm.generate(ps, GREEDY, use_tqdm=False, lora_request=ads)]
+
+    alone = [run([p], [a])[0] for p, a in zip(prompts, adapters)]
+    assert run(prompts, adapters) == alone
+    assert alone[0] != alone[1]  # the adapter reaches the image request
+    assert alone[1] == _tokens(llm, [prompts[1]])[0]  # base rows of a LoRA engine: the base model's answer
