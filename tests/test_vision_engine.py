@@ -172,3 +172,25 @@ def test_image_requests_under_a_lora_adapter(setup, tmp_path):
     assert run(prompts, adapters) == alone
     assert alone[0] != alone[1]  # the adapter reaches the image request
     assert alone[1] == _tokens(llm, [prompts[1]])[0]  # base rows of a LoRA engine: the base model's answer
+
+
+def test_cli_generate_with_an_image(setup, tmp_path):
+    """`lmserve generate --image PATH`: the image's answer, the same as LLM.generate's for the same pixels."""
+    import subprocess
+    import sys
+
+    from tests.vision_models import image_bytes
+
+    llm, _ = setup
+    (tmp_path / "a.png").write_bytes(image_bytes(90, 50, seed=11))  # IMG_A's pixels
+    params = SamplingParams(temperature=0.0, max_tokens=N_OUT)  # as the CLI's flags below
+    want = llm.generate([_prompt("<image>w5 w6", IMG_A)], params, use_tqdm=False)[0].outputs[0].text
+    args = ["--model", str(llm.engine.front.loaded.path), "--dtype", "float32", "--device", "cpu", "--num-threads",
+            "1", "--temperature", "0", "--max-tokens", str(N_OUT)]
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "generate", "w5 w6", "--image", str(tmp_path / "a.png"),
+                        *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.rstrip("\n") == want
+    bad = subprocess.run([sys.executable, "-m", "lmserve.cli", "generate", "w5", "--image", str(tmp_path / "none.png"),
+                          *args], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--image" in bad.stderr and "Traceback" not in bad.stderr
