@@ -306,8 +306,8 @@ def test_text_after_a_call_is_a_message_after_it_whole_and_streamed(family):
     from lmserve.parsers.events import ContentDelta
     from lmserve.parsers.output import OutputParser
     from lmserve.parsers.tool_formats import TOOL_FORMATS
-    from lmserve.server.api.responses.routes import _chat_delta
     from lmserve.server.api.responses.output import OutputItems, output_of_chat
+    from lmserve.server.api.responses.routes import _chat_delta
     from lmserve.server.api.tool_stream import chat_chunk_deltas
     from tests.test_parser_conformance import PARIS, SCHEMAS, WRITE
 

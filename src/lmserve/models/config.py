@@ -20,6 +20,28 @@ MAX_SIZE = 10_000_000  # the largest count or width a config may give (layers, h
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision tower (a ViT over image patches) and the connector that maps its output into the text model's
+    embedding space (defaults: SigLIP-so400m as SmolVLM uses it)."""
+
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_layers: int = 27
+    num_heads: int = 16
+    image_size: int = 384  # the side of one frame the tower takes (Idefics3: a tile)
+    patch_size: int = 14
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_tanh"  # the MLP's activation: gelu_tanh (gelu_pytorch_tanh) or gelu
+    scale_factor: int = 1  # the connector's pixel shuffle: scale_factor^2 patches become one embedding
+    image_token_id: int | None = None  # the placeholder token whose embeddings the image's replace
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a decoder: the shared shape, then what sets families apart (defaults: Llama)."""
 
@@ -36,9 +58,6 @@ class ModelConfig:
     rope_scaling: Mapping[str, Any] | None = None  # the table of full-attention layers (of every layer without a local one)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    # A vision tower reads images (the families of issue 42 set it); False: a text model, and a request with an
-    # image is a 400 naming the model (server/api/chat_plan.py)
-    supports_images: bool = False
     qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
     o_bias: bool = False  # Llama's `attention_bias` also puts a bias on o_proj
     mlp_bias: bool = False
@@ -68,6 +87,8 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP (Qwen's mlp_only_layers)
     moe_bias: bool = False  # the router and every expert projection have a bias (gpt-oss)
     softmax_after_topk: bool = False  # the top k router logits, then a softmax over those k (gpt-oss)
+    # a vision-language model's image encoder; None: text only, and a request with an image is a 400 naming the model
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import gemma, gpt_oss, llama, moe, phi3
+from lmserve.models import gemma, gpt_oss, idefics3, llama, moe, phi3
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -24,6 +24,8 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen2MoeForCausalLM": moe.QWEN2_MOE,
     "Qwen3MoeForCausalLM": moe.QWEN3_MOE,
     "GptOssForCausalLM": gpt_oss.GPT_OSS,
+    "Idefics3ForConditionalGeneration": idefics3.IDEFICS3,  # SmolVLM: SigLIP tower, pixel-shuffle connector, Llama
+    "SmolVLMForConditionalGeneration": idefics3.IDEFICS3,
 }
 GGUF_ARCHITECTURES: dict[str, Family] = {
     "llama": llama.LLAMA,  # also Mistral's and Mixtral's files

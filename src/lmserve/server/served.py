@@ -151,6 +151,8 @@ class ModelState:
         await self._check_bounds(rendered, params, record)
         ids = [await (self.tokenize(p, record) if isinstance(p, (str, list)) else self._encode_chat(p, record))
                for p in rendered]
+        if fields.get("mm_inputs"):  # images (ImageData, from the chat plan): expanded before the context check
+            ids, fields["mm_inputs"] = await self._expand_images(ids, fields["mm_inputs"])
         grammar = await self.compile_grammar(params)
         lora = await self.lora_for(model, record)
         # Nothing awaits from admission until the streams are counted in flight.
@@ -161,6 +163,17 @@ class ModelState:
         merged = MergedStreams([self.generate(replace(base, request_id=name, prompt=p, max_tokens=n), record, i * params.n)
                                 for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
+
+    async def _expand_images(self, ids: list[list[int]], images: tuple) -> tuple[list[list[int]], tuple]:
+        """The one prompt's image markers expanded to the model's placeholder tokens, and its images as the engine
+        takes them (engine/front.py expand_images); a 400 for a text-only model or markers that miss images."""
+        if len(ids) != 1:
+            raise APIError(400, "images go with exactly one prompt", param="messages")
+        try:
+            expanded, mm = await asyncio.to_thread(self.front.expand_images, ids[0], images)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param=e.param or "messages", reason="invalid_request") from None
+        return [expanded], mm
 
     def _engine_request(self, request_id: str, params: SamplingParams, record: RequestRecord,
                         cache_salt: str | None = None, **fields: Any) -> EngineRequest:
