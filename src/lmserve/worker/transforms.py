@@ -101,7 +101,8 @@ def moe_kernels(model: nn.Module, ctx: TransformContext) -> nn.Module:
 def decode_stack(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """Decode-only steps run every layer in one native call where the layers are ones it runs (layers/decode_stack.py);
     the module loop stays the reference."""
-    ctx.decode_stack = apply_decode_stack(model)
+    if not model.config.encoder:  # an encoder runs prompts only
+        ctx.decode_stack = apply_decode_stack(model)
     return model
 
 
