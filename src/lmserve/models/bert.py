@@ -102,8 +102,8 @@ class EncoderModel(nn.Module):
         return (before - before[starts][seq] > 0).long()
 
     def score(self, cls: torch.Tensor) -> torch.Tensor:
-        """The classification head's logits: CLS vectors [N, H] -> [N, num_labels]."""
-        return self.head_out(torch.tanh(self.head_dense(cls)))
+        """The classification head's logits: CLS vectors [N, H] (any float dtype) -> [N, num_labels]."""
+        return self.head_out(torch.tanh(self.head_dense(cls.to(self.word_embeddings.weight.dtype))))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{self.config.architecture} is an encoder: it pools, it does not generate")
