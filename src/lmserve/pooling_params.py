@@ -40,6 +40,7 @@ class PoolerConfig:
     encoder: bool = False  # an encoder (models/bert.py): pools, never generates
     num_labels: int = 0  # a classification head's outputs (0: an embedder); its vector is the head's activated scores
     max_seq_length: int | None = None  # sentence-transformers' window (sentence_bert_config.json), under the model's
+    labels: tuple[str, ...] = ()  # a classifier's label names (config.json's id2label), by index
 
     def __post_init__(self) -> None:
         if self.method not in POOLING_METHODS:

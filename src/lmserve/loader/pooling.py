@@ -29,15 +29,26 @@ ENCODER_POOLING = "cls"
 def pooler_config(model_path: Path, flag: str | None, encoder: bool = False, num_labels: int = 0) -> PoolerConfig:
     """The model's pooling: its method as `pooler_method` finds it; whether its checkpoint normalises
     (a `Normalize` module); its sentence-transformers window; for an encoder, its head's labels."""
-    if num_labels:  # a classification head reads the CLS vector, whatever else the files say
-        return PoolerConfig("cls", "the classification head", False, True, num_labels)
     root = model_path if model_path.is_dir() else model_path.parent
+    if num_labels:  # a classification head reads the CLS vector, whatever else the files say
+        return PoolerConfig("cls", "the classification head", False, True, num_labels,
+                            labels=_labels(root, num_labels))
     base = pooler_method(model_path, flag)
     if encoder and base.source.startswith("default"):
         base = PoolerConfig(ENCODER_POOLING, "default for an encoder")
     types = [m.get("type") for m in _modules(root)]
     normalize = _ST_NORMALIZE in types if types else True
     return PoolerConfig(base.method, base.source, normalize, encoder, 0, _max_seq_length(root))
+
+
+def _labels(root: Path, n: int) -> tuple[str, ...]:
+    """config.json's id2label names by index (transformers' LABEL_i where it has none)."""
+    try:
+        names = load_json_bytes((root / "config.json").read_bytes()).get("id2label") or {}
+    except (OSError, ValueError, AttributeError):
+        names = {}
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) if isinstance(names, dict) else f"LABEL_{i}"
+                 for i in range(n))
 
 
 def _modules(root: Path) -> list[dict]:

@@ -18,7 +18,7 @@ from starlette.routing import Route
 import lmserve
 from lmserve.ops.record import RequestRecord
 from lmserve.server.access_log import AccessLog
-from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, openai, responses, tgi
+from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, openai, responses, retrieval, tgi
 from lmserve.server.api.chat_plan import plan_chat
 from lmserve.server.batch import routes as batch_routes
 from lmserve.server.errors import APIError, error_response
@@ -47,7 +47,7 @@ OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
 # Requests that only read state: every other method on a keyed path takes one request from the key's rate.
 FREE_METHODS = ("GET", "HEAD", "OPTIONS")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/generate",
-                    "/generate_stream", "/", *ollama.GENERATION_PATHS, *embeddings.PATHS)
+                    "/generate_stream", "/", *ollama.GENERATION_PATHS, *embeddings.PATHS, *retrieval.PATHS)
 
 
 def is_generation(path: str) -> bool:
@@ -60,7 +60,7 @@ def build_app(state: ServerState, access_log: bool = True) -> Starlette:
     """The app over a ServerState (whose engine may still be loading); `access_log`: a log line per request."""
     routes = Router()
     for family in (openai, anthropic, responses, batch_routes, tgi, lora, playground_routes, kserve, ollama,
-                   embeddings):
+                   embeddings, retrieval):
         routes.include(family.router)
     routes.include(_misc_routes())
     app = Starlette(routes=[*routes.routes, _openapi_route(routes)], exception_handlers=_error_handlers(),

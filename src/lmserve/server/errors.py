@@ -8,6 +8,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
+TEI_PATHS = ("/embed",)  # Text Embeddings Inference: TGI's error body, its statuses as ours (a bad input is 400)
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 MAX_MESSAGE = 400  # characters of an error message (inputs are only ever quoted in short excerpts)
 
@@ -72,7 +73,8 @@ def error_response(path: str, err: APIError) -> JSONResponse:
     if is_anthropic(path):
         return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)
     status = 422 if is_tgi(path) and err.status == 400 else err.status  # TGI answers validation errors with 422
-    return JSONResponse(error_body(err, tgi=is_tgi(path)), status_code=status, headers=err.headers)
+    return JSONResponse(error_body(err, tgi=is_tgi(path) or path in TEI_PATHS), status_code=status,
+                        headers=err.headers)
 
 
 def error_body(err: APIError, tgi: bool = False) -> dict:

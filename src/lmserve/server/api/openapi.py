@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 from pydantic.json_schema import models_json_schema
 
 import lmserve
@@ -24,7 +24,8 @@ from lmserve.server.api.anthropic_protocol import CountTokensRequest, MessagesRe
 from lmserve.server.api.embeddings import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
 from lmserve.server.api.kserve import V2InferRequest
 from lmserve.server.api.responses_input import ResponsesRequest
-from lmserve.server.errors import is_anthropic, is_ollama, is_tgi, is_v2
+from lmserve.server.api.retrieval_protocol import ClassifyRequest, RerankRequest, ScoreRequest, TEIEmbedRequest
+from lmserve.server.errors import TEI_PATHS, is_anthropic, is_ollama, is_tgi, is_v2
 from lmserve.server.playground.routes import SHARES, ShareRequest
 
 JSON, SSE, TEXT, HTML, NDJSON = "application/json", "text/event-stream", "text/plain", "text/html", "application/x-ndjson"
@@ -317,6 +318,54 @@ class OllamaEmbedding(_Open):
     embedding: list[float]
 
 
+class RerankResult(_Open):
+    index: int
+    relevance_score: float
+
+
+class RerankAnswer(_Open):
+    """Jina / Cohere: results best first."""
+
+    model: str
+    results: list[RerankResult]
+
+
+class TEIRank(_Open):
+    index: int
+    score: float
+
+
+class RerankAnswers(RootModel[RerankAnswer | list[TEIRank]]):
+    """/rerank answers Jina's shape, or TEI's list where the body was TEI's (`texts`)."""
+
+
+class ScoreItem(_Open):
+    index: int
+    score: float
+
+
+class ScoreAnswer(_Open):
+    object: str
+    model: str
+    data: list[ScoreItem]
+
+
+class ClassifyItem(_Open):
+    index: int
+    label: str
+    probs: list[float]
+
+
+class ClassifyAnswer(_Open):
+    object: str
+    model: str
+    data: list[ClassifyItem]
+
+
+class TEIEmbeddings(RootModel[list[list[float]]]):
+    """TEI's /embed: one vector per input."""
+
+
 class V2Live(_Open):
     live: bool
 
@@ -500,6 +549,12 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/embeddings"): RouteDoc(EmbeddingRequest, EmbeddingList, _GEN),
     ("post", "/api/embed"): RouteDoc(OllamaEmbedRequest, OllamaEmbedded, _GEN),
     ("post", "/api/embeddings"): RouteDoc(OllamaEmbeddingsRequest, OllamaEmbedding, _GEN),
+    # retrieval (server/api/retrieval.py): rerank, score, classify, TEI's embed
+    ("post", "/v1/rerank"): RouteDoc(RerankRequest, RerankAnswer, _GEN),
+    ("post", "/rerank"): RouteDoc(RerankRequest, RerankAnswers, _GEN),
+    ("post", "/v1/score"): RouteDoc(ScoreRequest, ScoreAnswer, _GEN),
+    ("post", "/classify"): RouteDoc(ClassifyRequest, ClassifyAnswer, _GEN),
+    ("post", "/embed"): RouteDoc(TEIEmbedRequest, TEIEmbeddings, _GEN),
     ("post", "/tokenize"): RouteDoc(p.TokenizeRequest, Tokenized, (400, 401, 404, 413, 503)),
     ("post", "/detokenize"): RouteDoc(p.DetokenizeRequest, Detokenized, (400, 401, 404, 413, 503)),
     # The playground: its page and files need no key (404: the playground is off); its data routes do.
@@ -579,7 +634,7 @@ def _fill(op: dict, path: str, route: RouteDoc) -> None:
         op["requestBody"] = {"required": True, "content": {route.body_media: {"schema": _ref(route.body)}}}
     op["responses"] = {"200": {"description": "OK", "content": {m: {"schema": _answer_schema(m, route)}
                                                                   for m in route.media}}}
-    error = _ref(TGIError if is_tgi(path) else V2Error if is_v2(path) else AnthropicError if is_anthropic(path)
+    error = _ref(TGIError if is_tgi(path) or path in TEI_PATHS else V2Error if is_v2(path) else AnthropicError if is_anthropic(path)
                  else OllamaError if is_ollama(path)
                  else OpenAIError)
     for status in route.errors:
