@@ -38,7 +38,9 @@ def write_tokenizer(path: Path, kind: str) -> None:
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
             special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
-        names = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]"}
+        # a real BERT tokenizer hands the model token types (the pair's second text is type 1)
+        names = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+                 "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}
     else:
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
