@@ -30,9 +30,8 @@ import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WA
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
-from compare import _cpu_name, _flags  # noqa: E402  the same machine description as the other benchmarks
-
 import torch  # noqa: E402
+from compare import _cpu_name, _flags  # noqa: E402  the same machine description as the other benchmarks
 
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
