@@ -94,3 +94,15 @@ def test_bert_classifier_softmax_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = np.stack([ref_model(torch.tensor([x])).logits[0].softmax(-1).numpy() for x in ids])
     assert np.abs(_vectors(llm, ids) - ref).max() < 1e-4
+
+
+def test_padded_attention_equals_the_per_sequence_reference():
+    from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
+
+    torch.manual_seed(0)
+    lens = [5, 1, 17, 9, 17]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    qkv = torch.randn(sum(lens), 3, 4, 16)
+    seqs = step_sequences(positions, sum(lens))
+    assert seqs.lens == lens
+    assert torch.allclose(bidirectional(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)

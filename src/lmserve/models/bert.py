@@ -3,7 +3,8 @@
 A post-norm transformer with bidirectional attention and learned absolute positions, no KV cache. It runs in the
 engine's steps like a decoder's prompt (padding-free: the step's prompts concatenated, [T] ids and positions), on
 one condition the engine keeps (engine/build.py: no chunked prefill, no prefix reuse): every prompt runs whole in
-one step, so a sequence starts where its position is 0. Attention is per sequence over its own tokens; the
+one step, so a sequence starts where its position is 0. Attention is per sequence over its own tokens (padded to
+the step's longest inside attention alone, `bidirectional`; `bidirectional_ref` is the per-sequence reference); the
 AttentionContext (the paged cache) is not used. Token types follow BERT's pair layout: type 1 after a sequence's
 first [SEP] (a cross-encoder's second text), 0 before. XLM-R's positions start at padding_idx + 1 (fairseq's).
 A classification head (BertForSequenceClassification: pooler dense + tanh, classifier; XLM-R's
@@ -12,7 +13,7 @@ A classification head (BertForSequenceClassification: pooler dense + tanh, class
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,15 +44,52 @@ class EncoderLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(h, eps=eps)
         self.act = _ACTS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seqs: StepSequences) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).view(t, 3, self.num_heads, self.head_dim).transpose(1, 2).unbind(2)  # [T, H, D] each
-        x = self.attn_norm(x + self.o_proj(_bidirectional(q, k, v, seq_lens)))
+        qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
+        x = self.attn_norm(x + self.o_proj(bidirectional(qkv, seqs)))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))
 
 
-def _bidirectional(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-    """Each sequence attends over all of its own tokens: q/k/v [T, H, D] -> [T, H * D]."""
+class StepSequences(NamedTuple):
+    """Where the step's sequences lie: `lens` (host), and for the padded attention each token's row in a
+    [B * Lmax] layout (`rows`, [T]) and the real keys of each sequence (`keys`, [B, 1, 1, Lmax] bool)."""
+
+    lens: list[int]
+    rows: torch.Tensor
+    keys: torch.Tensor
+
+
+def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
+    """Every prompt runs whole in its step, so a sequence starts where its position is 0; the step's one host
+    read is the sequences' lengths."""
+    begin = (positions == 0).nonzero().flatten()
+    lens_t = torch.diff(begin, append=begin.new_tensor([num_tokens]))  # [B]
+    lens = lens_t.tolist()
+    longest = max(lens)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=positions.device), lens_t)  # [T]
+    keys = torch.arange(longest, device=positions.device)[None, :] < lens_t[:, None]  # [B, Lmax]
+    return StepSequences(lens, seq * longest + positions, keys[:, None, None, :])
+
+
+def bidirectional(qkv: torch.Tensor, seqs: StepSequences) -> torch.Tensor:
+    """Each sequence attends over all of its own tokens: qkv [T, 3, H, D] -> [T, H * D]. The linears stay
+    padding-free; only here are the sequences laid out padded to the longest (one attention call per layer, the
+    padding keys masked, the padding queries' rows never read)."""
+    t, _, h, d = qkv.shape
+    b, longest = len(seqs.lens), seqs.keys.shape[-1]
+    if b == 1:
+        return bidirectional_ref(qkv, seqs.lens)
+    padded = qkv.new_zeros(b * longest, 3, h, d)
+    padded[seqs.rows] = qkv
+    q, k, v = padded.view(b, longest, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, Lmax, D] each
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seqs.keys)  # [B, H, Lmax, D]
+    return out.transpose(1, 2).reshape(b * longest, h * d)[seqs.rows]
+
+
+def bidirectional_ref(qkv: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    """The reference: one attention call per sequence over its own rows, no padding at all."""
+    q, k, v = qkv.transpose(0, 1).unbind(0)  # [T, H, D] each
     outs, start = [], 0
     for n in seq_lens:
         s = slice(start, start + n)
@@ -81,14 +119,12 @@ class EncoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         starts = positions == 0  # every prompt runs whole in its step: its first token is at position 0
-        # the step's one host read: the sequences' lengths, for the per-sequence attention
-        begin = starts.nonzero().flatten()
-        seq_lens = torch.diff(begin, append=begin.new_tensor([input_ids.shape[0]])).tolist()
+        seqs = step_sequences(positions, input_ids.shape[0])
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.config.position_offset)
              + self.token_type_embeddings(self._token_types(input_ids, starts)))
         x = self.embed_norm(x)  # [T, H]
         for layer in self.blocks:
-            x = layer(x, seq_lens)
+            x = layer(x, seqs)
         return x
 
     def _token_types(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
