@@ -1,5 +1,5 @@
 """A retrieval server, black-box: the real all-MiniLM-L6-v2 as the embedder, a tiny BERT cross-encoder as the
-reranker and a tiny 3-label BERT classifier, side by side in one `lmserve serve`, asked by the official clients
+reranker, a tiny 3-label BERT classifier and the embedded chat model, side by side in one `lmserve serve`, asked by the official clients
 (openai, LangChain's OpenAIEmbeddings, ollama) and by httpx in Jina's, Cohere's, TEI's and vLLM's shapes; answers
 against sentence-transformers; bad input a 400 in each API's own error shape."""
 
@@ -25,8 +25,8 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(models):
-    args = [a for name, path in models.items() for a in ("--model", f"{name}={path}")]
+def server(models, smol_path):
+    args = [a for name, path in {**models, "chat": smol_path}.items() for a in ("--model", f"{name}={path}")]
     with running_server(*args, "--max-rerank-documents", str(MAX_DOCS), start_timeout=600) as s:
         yield s
 
@@ -45,6 +45,17 @@ def ce_predict(models, pairs: list[tuple[str, str]]) -> np.ndarray:
     from sentence_transformers import CrossEncoder
 
     return CrossEncoder(str(models["ce"]), device="cpu").predict(pairs)
+
+
+def test_the_chat_model_answers_beside_the_encoders(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    chat = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.choices[0].message.content
+    assert len(client.embeddings.create(model="minilm", input="Hi").data[0].embedding) == 384
+    r = post(server, "/v1/rerank", {"model": "chat", "query": "a", "documents": ["b"]})
+    assert r.status_code == 400 and "its tasks: generate, embed" in r.json()["error"]["message"]
 
 
 def test_openai_langchain_ollama_and_tei_embeddings_equal_sentence_transformers(server, models):
