@@ -137,3 +137,12 @@ def test_tei_errors_and_truncation(server):
     ok = post(server, "/v1/rerank", {"model": "ce", "query": "a", "documents": ["w1 " * 200],
                                      "truncate_prompt_tokens": 64})
     assert ok.status_code == 200, ok.text
+
+
+def test_more_texts_than_the_engine_can_queue_is_a_400_not_a_503(models):
+    with running_server("--model", str(models["ce"]), "--max-num-seqs", "2", "--max-queued-requests", "3") as s:
+        r = post(s, "/v1/rerank", {"query": "a", "documents": ["b"] * 6})
+        assert r.status_code == 400 and "--max-queued-requests" in r.json()["error"]["message"]
+        ok = post(s, "/v1/rerank", {"query": "a", "documents": ["b", "a dog", "c", "d", "e"]})
+        assert ok.status_code == 200 and len(ok.json()["results"]) == 5
+        s.wait_idle()

@@ -179,6 +179,11 @@ async def _ids(st: ModelState, texts: list[Text], truncate: int | bool | None, p
     the window), else a 400."""
     if not texts:
         raise APIError(400, f"{param} must not be empty", param=param)
+    # each text runs as one engine request: more than the batch and the queue hold could never be admitted at once
+    room = st.front.max_num_seqs + st.config.max_queued_requests
+    if len(texts) > room:
+        raise APIError(400, f"at most {room} texts in one request on this server (--max-num-seqs + "
+                       f"--max-queued-requests), got {len(texts)}", param=param)
     if any(not t or isinstance(t, tuple) and not all(t) for t in texts):
         raise APIError(400, "every text must be non-empty", param=param)
     tok = st.front.tokenizer
