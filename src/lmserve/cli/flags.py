@@ -270,6 +270,8 @@ def _add_server_args(g) -> None:
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond the running batch before new ones get 503")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
+    g.add_argument("--max-rerank-documents", type=int, default=1000,
+                   help="most documents (or text pairs) one rerank or score request may send; more is a 400")
     g.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
                    help="largest file accepted by POST /v1/files (a batch job's input)")
     g.add_argument("--allowed-media-domains", action="append", default=[], metavar="HOST[,HOST...]",

@@ -50,6 +50,7 @@ class EngineFront:
         self.vocab_size = parts.loaded.config.vocab_size
         self.hidden_size = parts.loaded.config.hidden_size  # an embedding's length
         self.pooler = parts.pooler  # how embedding requests pool (method, and where it was read from)
+        self.tasks = parts.pooler.tasks  # what the model answers: generate, embed, score, rerank, classify
         self.max_model_len = parts.max_model_len
         self.max_num_seqs = parts.cfg.scheduler.max_num_seqs
         self.eos_token_ids = parts.eos_token_ids
@@ -111,6 +112,8 @@ class EngineFront:
         n, limit = len(prompt_ids), self.max_model_len
         if params.pooling is not None:
             return self._check_pooling(n, params)
+        if "generate" not in self.tasks:
+            raise RequestRejected(f"this model does not generate text; it supports {', '.join(self.tasks)}", "model")
         if n >= limit:
             raise RequestRejected(f"prompt has {n} tokens, the model's context is {limit} tokens")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n

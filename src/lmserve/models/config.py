@@ -78,6 +78,12 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3's NoPE layers)
     attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
     max_model_len: int | None = None  # the served context when known at load: LongRoPE picks its factors by it
+    # encoders (models/bert.py): bidirectional, post-norm, learned positions; they pool, never generate
+    encoder: bool = False
+    type_vocab_size: int = 0  # BERT's segment embeddings (2: a pair's second text is type 1)
+    position_offset: int = 0  # XLM-R: positions start at padding_idx + 1
+    num_labels: int = 0  # a *ForSequenceClassification head's outputs; 0: none
+    sep_token_id: int | None = None  # the separator that starts a pair's second segment
     # mixture of experts (Mixtral, Qwen2/3-MoE); num_experts 0: every layer has the dense gated MLP
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k experts per token
@@ -157,7 +163,7 @@ class ModelConfig:
             raise CheckpointError(
                 f"config: rope scaling type {self.rope_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})")
-        if self.hidden_act not in ACTIVATIONS:
+        if not self.encoder and self.hidden_act not in ACTIVATIONS:  # an encoder's own (models/bert.py)
             raise CheckpointError(f"config: activation {self.hidden_act!r} is not supported "
                                   f"(supported: {', '.join(sorted(ACTIVATIONS))})")
         self._validate_layers()

@@ -17,6 +17,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
                              ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-rerank-documents", getattr(args, "max_rerank_documents", 1), 1),
                              ("--max-upload-bytes", args.max_upload_bytes, 1),
                              ("--max-image-bytes", args.max_image_bytes, 1),
                              ("--default-max-tokens", args.default_max_tokens, 1),

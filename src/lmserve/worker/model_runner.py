@@ -94,7 +94,8 @@ class ModelRunner:
         self.scratch = ScratchSlot(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
-        self.pooler = Pooler(pooler)  # pooling requests: their prompt's hidden states -> one vector
+        # pooling requests: their prompt's hidden states -> one vector (a classifier's: its head's scores)
+        self.pooler = Pooler(pooler, model.score if pooler.num_labels else None)
         self.batch = InputBatch(cfg.vocab_size, device, samples=samples, num_kv_groups=len(groups))
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)

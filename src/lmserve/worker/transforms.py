@@ -101,7 +101,8 @@ def moe_kernels(model: nn.Module, ctx: TransformContext) -> nn.Module:
 def decode_stack(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """Decode-only steps run every layer in one native call where the layers are ones it runs (layers/kernels/decode_stack.py);
     the module loop stays the reference."""
-    ctx.decode_stack = apply_decode_stack(model)
+    if not model.config.encoder:  # an encoder runs prompts only
+        ctx.decode_stack = apply_decode_stack(model)
     return model
 
 
@@ -109,6 +110,8 @@ def warm_up(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """Build or load the native decode kernel for this model's query and cache dtypes now (once per machine, ~30 s),
     not inside the first request. The model is unchanged."""
     cfg = model.config
+    if cfg.encoder:  # no KV cache, no decode
+        return model
     dtype = next(model.parameters()).dtype
     cache = torch.empty(0, cfg.head_dim, dtype=ctx.kv_dtype or dtype, device=ctx.device)  # only its dtype is read
     native_decode(cache, torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=ctx.device))

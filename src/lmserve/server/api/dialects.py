@@ -17,10 +17,11 @@ from lmserve.server.api.lora import DIALECT as lora
 from lmserve.server.api.ollama import DIALECT as ollama
 from lmserve.server.api.openai import DIALECT as openai
 from lmserve.server.api.responses import DIALECT as responses
+from lmserve.server.api.retrieval import DIALECT as retrieval
 from lmserve.server.api.tgi import DIALECT as tgi
 from lmserve.server.errors import APIError, error_body, respond
 
-DIALECTS: tuple[Dialect, ...] = (openai, anthropic, responses, tgi, lora, kserve, ollama, embeddings)
+DIALECTS: tuple[Dialect, ...] = (openai, anthropic, responses, tgi, lora, kserve, ollama, embeddings, retrieval)
 
 
 def is_generation(path: str) -> bool:
