@@ -714,7 +714,8 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
       VI dot[C];
       for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
       // Not unrolled: unrolled, GCC issued every chunk's maddubs first and spilled them to the stack (~25% of a
-      // 16-row Q4_1 matmul on x86-64-v3); S8's loop below likewise (~8%). The other kinds measured no better so.
+      // 16-row Q4_1 matmul on x86-64-v3, ~15% on x86-64-v2); S8's loop below likewise on x86-64-v3 only (~8%;
+      // x86-64-v2's ran slower so). The other kinds measured no better so.
 #pragma GCC unroll 1
       for (int t = 0; t < 4; ++t) {
         const VI v = Lanes::load(blk + 64 * t + off), low4 = Lanes::set1_8(0x0F);
@@ -778,7 +779,9 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
       VI dot[C];
       if (signed_kind(KIND)) {
         for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+#if defined(__AVX2__)
 #pragma GCC unroll 1
+#endif
         for (int t = 0; t < 4; ++t) {
           const VI wv = weight_chunk<KIND>(blk, off, h, t);
           for (int c = 0; c < C; ++c)
