@@ -65,6 +65,22 @@ def test_float16_cache_reads_exactly_as_its_float32_values(batch, heads, kv_head
 
 
 @needs_kernel
+def test_float16_cache_widens_every_half_exactly():
+    """Every float16 bit pattern but NaN (normals, subnormals, zeros, infinities) as one value row each context of
+    length 1: its softmax weight is 1, so the output is the row as widened. The builds widen 8 at a time (F16C),
+    4 at a time in integer steps (x86-64-v2), or element by element, and each must be exact."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    bits = torch.where(torch.isnan(bits), torch.zeros((), dtype=torch.float16), bits)
+    n = bits.numel() // 64  # rows of 64
+    cache = torch.zeros(2, n, 16, 1, 64, dtype=torch.float16)
+    cache[1, :, 0, 0] = bits.view(n, 64)
+    tables = torch.arange(n).view(n, 1)
+    out = kernel.paged_decode_attention(torch.randn(n, 1, 64), cache[0], cache[1], tables, torch.ones(n, dtype=torch.long),
+                                        0.125)
+    assert torch.equal(out.view(-1), bits.float())
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("heads,kv_heads,dim,window,softcap", [
     (9, 3, 64, 0, 0.0), (16, 1, 64, 0, 0.0), (8, 8, 128, 21, 0.0), (32, 2, 256, 0, 2.5), (12, 4, 128, 40, 3.0)])

@@ -163,10 +163,11 @@ std::pair<int64_t, float> argmax_logprob_row(const float* x, int64_t V) {
   alignas(32) int32_t wl[8];
   _mm256_store_ps(bl, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(wl), where);
-  int64_t idx = V;  // the first index among the lanes that hold the maximum (an all -inf row: index 0, as torch)
+  // the first index among the lanes that hold the maximum (top is one lane's value, so one matches; an all -inf
+  // row: every lane, index 0, as torch)
+  int64_t idx = V;
   for (int j = 0; j < 8; ++j)
     if (bl[j] == top) idx = std::min<int64_t>(idx, wl[j]);
-  if (idx == V) idx = 0;
   if (!std::isfinite(top)) return {idx, NAN};
   __m256 sum = _mm256_setzero_ps();
   const __m256 t = _mm256_set1_ps(top);

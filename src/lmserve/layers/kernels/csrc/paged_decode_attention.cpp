@@ -446,6 +446,142 @@ void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cac
 
 }  // namespace
 #pragma GCC pop_options
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The x86-64-v3 version (AVX2 + FMA + F16C), 1.2-1.5x faster than the loop above (16 rows over 80-500 float16
+// keys, CPU time under load): attention_avx512's structure 8 lanes wide. 8 keys' dot products (each its own fma chain) reduced at once by reduce8's fixed tree, a
+// vector exp, and the outputs accumulated 8 value rows at a time with up to 3 query heads x 32 columns in
+// registers, held in `out` between those chunks (which stores the same float32 numbers). No fast-math or FMA
+// contraction (simd_avx2.h), and each (row, kv head) is computed alone: a row's result never depends on the batch,
+// and prefill rows (table_rows given) are decode rows over their own table, the same bits.
+#define LMSERVE_ATTENTION_AVX2 1
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+#include "simd_avx2.h"
+
+namespace {
+
+// lanes [0, n) of s (n <= 8), the others -inf
+inline __m256 load_or_ninf(const float* s, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(s);
+  const __m256i m = lmserve_simd::tail_mask(n);
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(s, m), _mm256_castsi256_ps(m));
+}
+
+inline void store_n(float* s, int64_t n, __m256 v) {
+  if (n >= 8) _mm256_storeu_ps(s, v);
+  else _mm256_maskstore_ps(s, lmserve_simd::tail_mask(n), v);
+}
+
+// s[0..L) <- softmax(s): max, exp of the differences, their sum lane by lane in order then one tree, a multiply
+void softmax_row8(float* s, int64_t L) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < L; t += 8) mx = _mm256_max_ps(mx, load_or_ninf(s + t, L - t));
+  const __m256 top = _mm256_set1_ps(lmserve_simd::hmax(mx));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; t += 8) {
+    const __m256 e = lmserve_simd::exp_nonpositive(_mm256_sub_ps(load_or_ninf(s + t, L - t), top));  // 0 past L
+    store_n(s + t, L - t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / lmserve_simd::hsum(sum));
+  for (int64_t t = 0; t < L; t += 8) store_n(s + t, L - t, _mm256_mul_ps(load_or_ninf(s + t, L - t), inv));
+}
+
+// q . k for keys[0..nk) (lane j: keys[j]; lanes from nk on: 0)
+template <int D>
+inline __m256 dots8(const float* q, const float* const* keys, int nk) {
+  __m256 p[8];
+  for (int j = 0; j < 8; ++j) {
+    if (j >= nk) {
+      p[j] = _mm256_setzero_ps();
+      continue;
+    }
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(keys[j]));
+    for (int c = 8; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(keys[j] + c), acc);
+    p[j] = acc;
+  }
+  return lmserve_simd::reduce8(p);
+}
+
+// out[g][c0, c0 + 32) += sum_t p[g * L + t] * vals[t][c0, ...) for GB heads (t < n), in registers for the call
+template <int GB>
+void accumulate8(const float* p, int64_t L, const float* const* vals, int64_t n, int64_t c0, int64_t D, float* out) {
+  __m256 acc[GB][4];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_loadu_ps(out + g * D + c0 + 8 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 v[4];
+    for (int c = 0; c < 4; ++c) v[c] = _mm256_loadu_ps(vals[t] + c0 + 8 * c);
+    for (int g = 0; g < GB; ++g) {
+      const __m256 pg = _mm256_set1_ps(p[g * L + t]);
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(pg, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * D + c0 + 8 * c, acc[g][c]);
+}
+
+template <int D, typename KV>
+void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
+                    const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
+                    int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale, int64_t window, float softcap) {
+  const int64_t G = H / Hkv, n = B * Hkv, W = row_width<KV>(D);
+  constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV));
+  lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const KV*> rows;
+    alignas(32) float widened[8 * D];  // 8 cached rows as float32 values (as_float), widened once for all G heads
+    const float* vals[8];
+    auto widen8 = [&](int64_t t, int64_t nk, int64_t L) {
+      for (int64_t j = t + 8; j < std::min<int64_t>(L, t + 16); ++j)  // the next chunk's rows: scattered blocks
+        for (int64_t c = 0; c < kRowBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
+      for (int64_t j = 0; j < nk; ++j) vals[j] = as_float<D>(rows[t + j], widened + j * D);
+    };
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
+      const int64_t b = item / Hkv, kv_head = item % Hkv, t0 = first_key(context_lens[b], window);
+      const int64_t L = context_lens[b] - t0;  // keys seen, from position t0
+      const int64_t* table = block_tables + (table_rows ? table_rows[b] : b) * max_blocks;
+      const float* q_rows = q + (b * H + kv_head * G) * D;
+      scores.resize(G * L);
+      rows.resize(L);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t p = t0 + t;
+        rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
+      }
+      const __m256 sc = _mm256_set1_ps(scale);
+      for (int64_t t = 0; t < L; t += 8) {
+        const int64_t nk = std::min<int64_t>(8, L - t);
+        widen8(t, nk, L);
+        for (int64_t g = 0; g < G; ++g)
+          store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(dots8<D>(q_rows + g * D, vals, static_cast<int>(nk)), sc));
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        soft_cap(scores.data() + g * L, L, softcap);
+        softmax_row8(scores.data() + g * L, L);
+      }
+      for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
+      float* o = out + (b * H + kv_head * G) * D;
+      std::fill_n(o, G * D, 0.f);
+      for (int64_t t = 0; t < L; t += 8) {
+        const int64_t nv = std::min<int64_t>(8, L - t);
+        widen8(t, nv, L);
+        for (int64_t g = 0; g < G; g += 3)
+          for (int64_t c0 = 0; c0 < D; c0 += 32) {
+            const float* pg = scores.data() + g * L + t;
+            switch (std::min<int64_t>(3, G - g)) {
+              case 1: accumulate8<1>(pg, L, vals, nv, c0, D, o + g * D); break;
+              case 2: accumulate8<2>(pg, L, vals, nv, c0, D, o + g * D); break;
+              default: accumulate8<3>(pg, L, vals, nv, c0, D, o + g * D); break;
+            }
+          }
+      }
+    }
+  });
+}
+
+}  // namespace
+#pragma GCC pop_options
 #endif
 
 namespace {
@@ -469,7 +605,7 @@ int64_t lmserve::kv_row_width(KvType type, int64_t D) {
   return w;
 }
 
-// the kernel for this build (AVX-512 where compiled for it) and head size
+// the kernel for this build (AVX-512 or AVX2 where compiled for it) and head size
 void lmserve::paged_attention(KvType type, const float* q, const void* k_cache, const void* v_cache,
                               const int64_t* block_tables, const int64_t* context_lens, const int64_t* rows,
                               float* out, int64_t B, int64_t H, int64_t D, int64_t block_size, int64_t Hkv,
@@ -481,6 +617,8 @@ void lmserve::paged_attention(KvType type, const float* q, const void* k_cache, 
     if (rows != nullptr)  // prefill rows: tiles of a request's consecutive rows, the same numbers (see above)
       run = D == 64 ? prefill_attention_avx512<64, KV> : D == 128 ? prefill_attention_avx512<128, KV>
                                                                   : prefill_attention_avx512<256, KV>;
+#elif defined(LMSERVE_ATTENTION_AVX2)
+    auto run = D == 64 ? attention_avx2<64, KV> : D == 128 ? attention_avx2<128, KV> : attention_avx2<256, KV>;
 #else
     auto run = D == 64 ? decode_attention<64, KV> : D == 128 ? decode_attention<128, KV> : decode_attention<256, KV>;
 #endif

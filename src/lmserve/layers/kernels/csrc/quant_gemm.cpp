@@ -55,6 +55,7 @@
 // the float chain differently in each tile shape, and a row's result would depend on its batch.
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
+#include "simd_avx2.h"
 #include "simd_avx512.h"
 
 namespace {
@@ -101,9 +102,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
     for (int j = 8; j < kQBlock; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float amax = lmserve_simd::hmax(m);
 #elif defined(__SSE4_1__)
     const __m128 sign = _mm_set1_ps(-0.f);
     __m128 h = _mm_andnot_ps(sign, _mm_loadu_ps(xb));
@@ -170,12 +169,7 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using lmserve_simd::hsum;
 
 inline __m256i load_codes(int kind, const uint8_t* codes, int64_t b) {
   if (kind == 0) {
@@ -719,6 +713,10 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
     if (KIND == 0) {  // one dot per block: int16 sums over all 8 chunks (<= 30480), one madd
       VI dot[C];
       for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+      // Not unrolled: unrolled, GCC issued every chunk's maddubs first and spilled them to the stack (~25% of a
+      // 16-row Q4_1 matmul on x86-64-v3, ~15% on x86-64-v2); S8's loop below likewise on x86-64-v3 only (~8%;
+      // x86-64-v2's ran slower so). The other kinds measured no better so.
+#pragma GCC unroll 1
       for (int t = 0; t < 4; ++t) {
         const VI v = Lanes::load(blk + 64 * t + off), low4 = Lanes::set1_8(0x0F);
         const VI lo = Lanes::and_(v, low4), hi = Lanes::and_(Lanes::srli16(v, 4), low4);
@@ -781,6 +779,9 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
       VI dot[C];
       if (signed_kind(KIND)) {
         for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+#if defined(__AVX2__)
+#pragma GCC unroll 1
+#endif
         for (int t = 0; t < 4; ++t) {
           const VI wv = weight_chunk<KIND>(blk, off, h, t);
           for (int c = 0; c < C; ++c)

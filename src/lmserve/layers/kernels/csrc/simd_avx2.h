@@ -1,9 +1,9 @@
-// AVX2 helpers for the builds below AVX-512 (x86-64-v3), with the same rule as simd_avx512.h: the including file
-// compiles them without fast-math or FMA contraction, so each result is a fixed chain of operations whatever
-// inlines it.
+// 256-bit (AVX2 + FMA) helpers for every build that has them: x86-64-v3's kernels, and the 256-bit loops the
+// AVX-512 build keeps (quant_gemm.cpp's row layout). The same rule as simd_avx512.h: the including file compiles
+// them without fast-math or FMA contraction, so each result is a fixed chain of operations whatever inlines it.
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace lmserve_simd {
@@ -34,6 +34,13 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// lane j: the sum of p[j]'s 8 lanes, each by the same tree of adds whatever sits beside it (as reduce4 on AVX-512)
+inline __m256 reduce8(const __m256* p) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));  // per 128-bit half
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
 inline float hmax(__m256 v) {
