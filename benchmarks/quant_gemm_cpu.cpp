@@ -3,10 +3,10 @@
 // ~3-minute extension build. The outputs' hash is printed: two builds of the same kernel must print the same one.
 //
 //   g++ -O3 -fopenmp -ffast-math -fno-finite-math-only -march=x86-64-v3 -std=c++17 \
-//       -Isrc/lmserve/layers/csrc benchmarks/quant_gemm_cpu.cpp src/lmserve/layers/csrc/quant_gemm.cpp -o /tmp/qg
+//       -Isrc/lmserve/layers/kernels/csrc benchmarks/quant_gemm_cpu.cpp src/lmserve/layers/kernels/csrc/quant_gemm.cpp -o /tmp/qg
 //   /tmp/qg KIND N K REPS      # e.g. /tmp/qg 0 1536 576 50 (Q4_1's U4), /tmp/qg 2 8192 576 10 (Q8_0's S8)
 //
-// (the flags are layers/native.py's CFLAGS; -march picks the level: x86-64-v2, x86-64-v3, or x86-64-v4 -mavx512vnni)
+// (the flags are layers/kernels/native.py's CFLAGS; -march picks the level: x86-64-v2, x86-64-v3, or x86-64-v4 -mavx512vnni)
 #include "kernels.h"
 #include <chrono>
 #include <cstdio>
