@@ -26,9 +26,10 @@ from lmserve import LLM, SamplingParams
 from lmserve.layers.attention.context import ContiguousAttention
 from lmserve.layers.formats.pipeline import AbsentLayer, PPStage
 from lmserve.loader import read_model_config
+from lmserve.loader.sharding import TPShard
 from lmserve.worker.tp_worker import RankSpec, init_group
 from lmserve.worker.transforms import load_formatted
-from tests.conftest import write_tiny_llama
+from tests.conftest import save_tiny_hf, write_tiny_llama
 from tests.server_util import running_server, unhealthy_within
 from tests.tiny_models import build_hf
 
@@ -41,12 +42,15 @@ def _inputs():
     return ids, pos, ContiguousAttention([len(p) for p in PROMPTS])
 
 
-def _forward(rank: int, world: int, init_method: str, path: str, quantization: str | None) -> torch.Tensor:
-    """This rank's load and forward; rank 0's logits (the others return nothing)."""
+def _forward(rank: int, world: int, init_method: str, path: str, quantization: str | None,
+             tp: int = 1) -> torch.Tensor:
+    """This rank's load and forward (`tp` > 1: stages of `tp` tensor-parallel ranks each); rank 0's logits."""
     init_group(RankSpec(rank, world, init_method, 60.0, 1, os.getppid()), torch.device("cpu"))
     try:
-        stage = PPStage(rank, world, read_model_config(Path(path)).num_layers)
-        model = load_formatted(path, torch.float32, torch.device("cpu"), stage=stage, quantization=quantization).model
+        stage = PPStage(rank // tp, world // tp, read_model_config(Path(path)).num_layers, rank % tp, tp)
+        shard = TPShard(rank % tp, tp) if tp > 1 else None
+        model = load_formatted(path, torch.float32, torch.device("cpu"), stage=stage, shard=shard,
+                               quantization=quantization).model
         held = [i for i, layer in enumerate(model.model.layers) if not isinstance(layer, AbsentLayer)]
         assert held == list(stage.layers)  # only its layers were built
         with torch.inference_mode():
@@ -56,22 +60,24 @@ def _forward(rank: int, world: int, init_method: str, path: str, quantization: s
         dist.destroy_process_group()
 
 
-def _rank_main(rank: int, world: int, init_method: str, path: str, quantization: str | None) -> None:
+def _rank_main(rank: int, world: int, init_method: str, path: str, quantization: str | None, tp: int) -> None:
     torch.set_num_threads(1)
-    _forward(rank, world, init_method, path, quantization)
+    _forward(rank, world, init_method, path, quantization, tp)
     os._exit(0)  # as test_tp.py: no C++ static destructors after gloo (an error above still exits non-zero)
 
 
-def pp_logits(path, world: int, quantization: str | None = None) -> torch.Tensor:
+def pp_logits(path, pp: int, quantization: str | None = None, tp: int = 1) -> torch.Tensor:
+    world = pp * tp
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as store_dir:
         init = f"file://{store_dir}/store"
-        procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(path), quantization), daemon=True)
+        procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(path), quantization, tp),
+                             daemon=True)
                  for r in range(1, world)]
         for p in procs:
             p.start()
         try:
-            logits = _forward(0, world, init, str(path), quantization)
+            logits = _forward(0, world, init, str(path), quantization, tp)
         finally:
             for p in procs:
                 p.join(120)
@@ -143,10 +149,29 @@ def test_bad_pipeline_sizes_are_refused_with_one_line(size):
     assert len([line for line in r.stderr.splitlines() if "pipeline-parallel-size" in line]) == 1
 
 
-def test_tp_with_pp_is_refused_with_one_line():
-    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--pipeline-parallel-size", "2",
-                        "--tensor-parallel-size", "3"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "not combined yet" in r.stderr and "Traceback" not in r.stderr
+def test_tp2_x_pp2_logits_equal_one_rank(tmp_path):
+    # 4 processes: two stages (one layer each), each split across two tensor-parallel ranks (4 heads, 2 KV heads)
+    path, _ = save_tiny_hf(tmp_path, "qwen2")
+    ref = one_rank_logits(path)
+    got = pp_logits(path, 2, tp=2)
+    assert (got - ref).abs().max().item() < 1e-5
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_engine_tp2_x_pp2_greedy_equals_one_rank(tmp_path):
+    path = tmp_path / "tiny-llama"  # 8 heads, 2 KV heads
+    write_tiny_llama(path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = {}
+    for tp, pp in ((1, 1), (2, 2)):
+        llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", num_blocks=16,
+                  num_threads=1)
+        try:
+            got[tp] = [o.outputs[0].token_ids for o in llm.generate([[5, 17, 42, 99], [1, 2, 3]], params,
+                                                                    use_tqdm=False)]
+        finally:
+            llm.close()
+    assert got[1] == got[2] and all(len(t) == 6 for t in got[1])
 
 
 # -- through the server ------------------------------------------------------------------------------

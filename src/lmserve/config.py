@@ -91,7 +91,7 @@ class StructuredOutputsConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: how many ranks split each layer; pipeline parallelism: how many ranks split the layers
-    among them (one or the other for now); and how long a rank may keep the others waiting."""
+    among them (both: each stage's layers split across the tensor ranks); and how long a rank may keep the others waiting."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

@@ -149,7 +149,7 @@ def check_tensor_parallel(parallel: ParallelConfig, model_config: ModelConfig, d
 
 def check_pipeline_parallel(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
                             sized_explicitly: bool = True) -> None:
-    """Refuse a pipeline-parallel size that leaves a rank without a layer, or one combined with tensor parallelism."""
+    """Refuse a pipeline-parallel size that leaves a stage without a layer, or ranks without a GPU each."""
     n, layers = parallel.pipeline_parallel_size, model_config.num_layers
     if n < 1:
         raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {n}")
@@ -158,12 +158,10 @@ def check_pipeline_parallel(parallel: ParallelConfig, model_config: ModelConfig,
     if n > layers:
         raise ConfigError(f"--pipeline-parallel-size {n}: the model has {layers} decoder layers, so at most {layers} "
                           "ranks can each hold one")
-    if parallel.tensor_parallel_size > 1:
-        raise ConfigError(f"--pipeline-parallel-size {n} with --tensor-parallel-size {parallel.tensor_parallel_size}: "
-                          "the two are not combined yet; use one of them")
-    if device.type == "cuda" and torch.cuda.device_count() < n:
-        raise ConfigError(f"--pipeline-parallel-size {n} needs {n} GPUs (one per rank); "
-                          f"{torch.cuda.device_count()} visible")
+    world = parallel.world_size  # with --tensor-parallel-size: each stage splits its layers across that many ranks
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ConfigError(f"--pipeline-parallel-size {n} x --tensor-parallel-size {parallel.tensor_parallel_size} "
+                          f"needs {world} GPUs (one per rank); {torch.cuda.device_count()} visible")
     if device.type == "cuda" and not sized_explicitly:  # rank 0 alone cannot run the profiling step of the ring
         raise ConfigError(f"--pipeline-parallel-size {n} on CUDA: give the KV cache's size with --num-kv-blocks or "
                           "--kv-cache-memory (the pool is not profiled across pipeline ranks yet)")

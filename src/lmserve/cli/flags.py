@@ -73,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     scale.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
                        help="split the decoder layers across N ranks, one process each, each holding its layers' "
                        "weights and KV cache (torch.distributed: gloo on CPU, NCCL on CUDA, one GPU per rank); "
-                       "1 <= N <= the model's layers; not yet combined with --tensor-parallel-size")
+                       "1 <= N <= the model's layers; with --tensor-parallel-size T, N x T ranks")
 
 
 def _add_model_args(g, several_models: bool) -> None:

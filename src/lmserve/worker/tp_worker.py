@@ -79,11 +79,12 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
     torch.set_num_threads(spec.num_threads)
     device = device_for(device, spec.rank)
     init_group(spec, device)
-    pp = cfg.parallel.pipeline_parallel_size
-    # a pipeline rank: only its layers (the loader cuts the model); else a tensor-parallel rank: its shard of each
-    stage = PPStage(spec.rank, pp, read_model_config(resolve_model_path(cfg.model, cfg.revision)).num_layers) \
-        if pp > 1 else None
-    shard = TPShard(spec.rank, spec.world_size) if stage is None else None
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    # a pipeline rank holds only its stage's layers (the loader cuts the model), a tensor-parallel rank its shard of
+    # each; with both, global rank = stage * tp + tensor rank
+    stage = PPStage(spec.rank // tp, pp, read_model_config(resolve_model_path(cfg.model, cfg.revision)).num_layers,
+                    spec.rank % tp, tp) if pp > 1 else None
+    shard = TPShard(spec.rank % tp, tp) if tp > 1 else None
     loaded = load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
                         shard=shard, max_model_len=cfg.max_model_len, stage=stage)
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)

@@ -24,7 +24,7 @@ from lmserve.errors import ConfigError
 from lmserve.layers.attention.paged import native_decode
 from lmserve.layers.formats.linear import can_pack, pack_linears, skinny_coverage
 from lmserve.layers.formats.parallel import apply_tensor_parallel
-from lmserve.layers.formats.pipeline import apply_pipeline_parallel
+from lmserve.layers.formats.pipeline import apply_pipeline_parallel, stage_tp_group
 from lmserve.layers.formats.quantized import quantize_linears
 from lmserve.layers.kernels.decode_stack import DecodeStack, apply_decode_stack
 from lmserve.layers.kernels.moe_kernels import apply_moe_kernels
@@ -72,9 +72,11 @@ def weight_format(model: nn.Module, ctx: TransformContext) -> nn.Module:
 def tensor_parallel(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """A rank's row-parallel layers wrapped to all-reduce their outputs (layers/formats/parallel.py), over any weight format;
     the loader left their biases on rank 0 alone. One rank: unchanged."""
-    shard = ctx.loaded.shard
+    shard, stage = ctx.loaded.shard, ctx.loaded.stage
     if shard is None or shard.world_size == 1:
         return model
+    if stage is not None and stage.world_size > 1:  # with pipeline stages: the all-reduces stay within the stage
+        return apply_tensor_parallel(model, stage_tp_group(stage))
     return apply_tensor_parallel(model)
 
 

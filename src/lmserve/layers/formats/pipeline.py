@@ -11,7 +11,8 @@ back to rank 0, which applies the final norm and the LM head and samples as with
 sampler means logits, sampling state and sampled ids never cross a process; every rank sees the same SchedulerOutput
 (the executor pipes it to each), so each knows the step's token count and the receive buffers' shape. A peer that died
 makes its neighbour's send or receive raise (or time out: ParallelConfig.rank_timeout_s), which fails the step as a
-tensor-parallel collective does (worker/executor.py).
+tensor-parallel collective does (worker/executor.py). Combined with tensor parallelism, each stage is a tensor-parallel
+group of its own (`stage_tp_group`) and each of its processes exchanges with the same tensor rank of the next stage.
 """
 
 from __future__ import annotations
@@ -29,11 +30,19 @@ _ENDS = ("model.embed_tokens.", "model.norm.", "lm_head.")  # rank 0's alone
 
 @dataclass(frozen=True)
 class PPStage:
-    """This process's place among the pipeline ranks, and the model's layer count."""
+    """This process's place among the pipeline stages, and the model's layer count. With tensor parallelism too, each
+    stage is `tp_size` processes, global rank `rank * tp_size + tp_rank`: tensor rank t of a stage exchanges with
+    tensor rank t of the next (each holds the whole hidden state after its all-reduces)."""
 
-    rank: int
-    world_size: int
+    rank: int  # the stage
+    world_size: int  # stages
     num_layers: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def global_rank(self, stage: int) -> int:
+        """The process of `stage` that this one exchanges with."""
+        return stage * self.tp_size + self.tp_rank
 
     @property
     def layers(self) -> range:
@@ -111,16 +120,16 @@ class PipelineLoop(nn.Module):
         self.stage = stage
 
     def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope, attn) -> tuple[torch.Tensor, torch.Tensor]:
-        rank, world = self.stage.rank, self.stage.world_size
+        s = self.stage
         residual = None
-        if rank > 0:
-            x, residual = _recv(x, rank - 1)
-        for i in self.stage.layers:
+        if s.rank > 0:
+            x, residual = _recv(x, s.global_rank(s.rank - 1))
+        for i in s.layers:
             x, residual = layers[i](x, residual, rope, attn)
         # one message per hop: the two streams stacked (the residual is a tensor after any layer)
-        dist.send(torch.stack((x, residual)), (rank + 1) % world)
-        if rank == 0:
-            x, residual = _recv(x, world - 1)
+        dist.send(torch.stack((x, residual)), s.global_rank((s.rank + 1) % s.world_size))
+        if s.rank == 0:
+            x, residual = _recv(x, s.global_rank(s.world_size - 1))
         return x, residual
 
 
@@ -128,6 +137,17 @@ def _recv(like: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
     buf = torch.empty((2, *like.shape), dtype=like.dtype, device=like.device)
     dist.recv(buf, src)
     return buf[0], buf[1]
+
+
+def stage_tp_group(stage: PPStage) -> dist.ProcessGroup:
+    """The tensor-parallel group of this process's stage. Every process creates every stage's group, in the same
+    order (torch.distributed requires it), when its tensor_parallel transform runs: once per process."""
+    mine = None
+    for s in range(stage.world_size):
+        group = dist.new_group([s * stage.tp_size + t for t in range(stage.tp_size)])
+        if s == stage.rank:
+            mine = group
+    return mine
 
 
 def apply_pipeline_parallel(model: nn.Module, stage: PPStage) -> nn.Module:
