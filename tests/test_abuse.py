@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from tests.server_util import MODEL, running_server
+from tests.test_media import data_url, image_bytes, png_bomb
 
 # The canaries compare a light client's latency during a bomb with its idle latency, and the soak reads RSS growth:
 # a test running beside them in the other worker would move both (scripts/test.sh runs `serial` tests alone)
@@ -257,9 +258,15 @@ def _bomb_n_times_max_tokens(url: str) -> tuple[int, str]:
         return r.status_code, ""
 
 
-def _post(url: str, **kw) -> tuple[int, str]:
-    r = httpx.post(url + C, headers={"Content-Type": "application/json", **HEAVY}, timeout=60, **kw)
+def _post(url: str, path: str = C, **kw) -> tuple[int, str]:
+    r = httpx.post(url + path, headers={"Content-Type": "application/json", **HEAVY}, timeout=60, **kw)
     return r.status_code, r.text
+
+
+def _images(*urls: str) -> dict:
+    """A chat request of one user turn holding `urls` as image parts."""
+    return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": u}} for u in urls]}]}
 
 
 BOMBS = {
@@ -278,6 +285,11 @@ BOMBS = {
     "schema_explosion": (lambda u: _post(u, json={"model": MODEL, "prompt": "hi", "max_tokens": 4,
                                                   "response_format": {"type": "json_schema", "json_schema": {
                                                       "name": "x", "schema": _deep_schema(400)}}}), {400}),
+    # images: a PNG declaring 100000x100000 pixels (refused from its header), more images than a request may hold
+    "image_decompression_bomb": (lambda u: _post(u, "/v1/chat/completions", json=_images(data_url(png_bomb()))),
+                                 {400}),
+    "images_1000": (lambda u: _post(u, "/v1/chat/completions", json=_images(*[data_url(image_bytes())] * 1000)),
+                    {400}),
 }
 
 

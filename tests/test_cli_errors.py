@@ -92,6 +92,9 @@ SERVE_CASES = [
     ("default-over-limit", lambda t: ["--default-max-tokens", "50", "--max-tokens-limit", "10"],
      ["--default-max-tokens 50", "--max-tokens-limit 10"]),
     ("limit-zero", lambda t: ["--max-tokens-limit", "0"], ["--max-tokens-limit must be >= 1"]),
+    ("image-bytes-zero", lambda t: ["--max-image-bytes", "0"], ["--max-image-bytes must be >= 1"]),
+    ("media-domain-url", lambda t: ["--allowed-media-domains", "images.example,https://cdn.example/x"],
+     ["--allowed-media-domains 'https://cdn.example/x'", "not URLs"]),
     ("hub-id-not-cached", lambda t: ["--model", "nobody/not-cached"],
      ["nobody/not-cached", "not in the local Hugging Face cache", "hf download"]),
 ]

@@ -148,9 +148,11 @@ def test_pooling_config_comes_from_the_sentence_transformers_files_or_the_flag(t
     bad = tmp_path / "bad"
     (bad / "1_Pooling").mkdir(parents=True)
     (bad / "modules.json").write_text((st_dir / "modules.json").read_text())
-    (bad / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
-    with pytest.raises(CheckpointError, match="pooling_mode_max_tokens is not supported"):
+    (bad / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
+    with pytest.raises(CheckpointError, match="pooling_mode_weightedmean_tokens is not supported"):
         pooler_config(bad, None)
+    (bad / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    assert pooler_config(bad, None).method == "max"  # a running maximum (worker/pooler.py)
 
 
 def test_generate_takes_vllms_lora_request(tmp_path, st_dir, mean_llm):

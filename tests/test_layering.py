@@ -77,7 +77,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
 }.items()}
 BY_MODULE = {"lmserve.sched.output": "sched.output", "lmserve.engine.serving": "engine.serving",
              "lmserve.server.app": "server.app", "lmserve.server.main": "server.app",
-             "lmserve.server.start": "server.app",
+             "lmserve.server.start": "server.app", "lmserve.server.gate": "server.app",
              **{f"lmserve.server.{sub}": f"server.{sub}" for sub in ("api", "batch", "playground", "models")}}
 
 

@@ -3,8 +3,9 @@ a call inside the reasoning that must not surface, unicode and escaped quotes in
 expected calls and content, and streamed on 20 splits at token boundaries of the embedded SmolLM2 tokenizer
 (plus a character at a time) the deltas join to exactly the whole answer's calls and content.
 
-Text after the last call is not content (the rule tool_calls.py states and test_tools pins, as vLLM's whole-text
-parsers): the cases check that it neither leaks into a call nor differs between the streamed and whole reads."""
+Text before, between and after calls is content (tool_calls.py): each segment stripped, a whitespace-only one
+dropped, the segments joined by SEGMENT_SEP; `parts` keeps them in order with the calls (what Anthropic's blocks
+and the Responses API's items follow), and the streamed events give the same segments in the same order."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from lmserve.parsers.events import ContentDelta, ReasoningDelta, ToolArgumentsDelta, ToolCallStart
 from lmserve.parsers.output import OutputParser
 from lmserve.parsers.reasoning import REASONING_PARSERS
+from lmserve.parsers.tool_calls import SEGMENT_SEP
 from lmserve.parsers.tool_formats import TOOL_FORMATS, detect_format
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
@@ -51,6 +53,10 @@ WRITE = {
 THINK = {"harmony": ("<|channel|>analysis<|message|>", "<|end|><|start|>assistant"), None: ("<think>", "</think>")}
 
 
+def _joined(*segments: str) -> str:
+    return SEGMENT_SEP.join(segments)
+
+
 def _cases(family: str) -> list[tuple[str, str, str | None, list[tuple[str, dict]]]]:
     """(case, text, content, calls) for one family."""
     call, sep = WRITE[family]
@@ -61,7 +67,13 @@ def _cases(family: str) -> list[tuple[str, str, str | None, list[tuple[str, dict
         ("text before", "Let me check that.\n" + one, "Let me check that.", [("get_weather", PARIS)]),
         ("one call", one, None, [("get_weather", PARIS)]),
         ("two calls", two, None, [("get_weather", PARIS), ("search", tricky)]),
-        ("text after", "Checking. " + one + "\nThat is all.", "Checking.", [("get_weather", PARIS)]),
+        ("text after", "Checking. " + one + "\nThat is all.", "Checking." + SEGMENT_SEP + "That is all.",
+         [("get_weather", PARIS)]),
+        ("only text after", one + "\nIt is sunny in Paris.\n", "It is sunny in Paris.", [("get_weather", PARIS)]),
+        ("text between and after", "First. " + call("get_weather", PARIS) + "\nThen « search ».\n"
+         + call("search", tricky) + "\n\nDone, 20°C.", _joined("First.", "Then « search ».", "Done, 20°C."),
+         [("get_weather", PARIS), ("search", tricky)]),
+        ("whitespace after", one + "\n \n", None, [("get_weather", PARIS)]),
         ("call in reasoning", start + "maybe " + call("search", {"q": "x"}) + " no" + end + "Sunny, 20°C.",
          "Sunny, 20°C.", []),
         ("reasoning then call", start + "I need the weather." + end + one, None, [("get_weather", PARIS)]),
@@ -108,24 +120,39 @@ def token_splits(tok, text: str, rng: random.Random, count: int) -> list[list[st
     return splits
 
 
-def streamed(parser: OutputParser, pieces: list[str]) -> tuple[str | None, str | None, list[tuple[str, str]]]:
-    """(reasoning, content, calls) joined from the events of one streamed reply, checking the events' order."""
+def streamed(parser: OutputParser, pieces: list[str]) -> tuple:
+    """(reasoning, content, calls, parts) joined from the events of one streamed reply, checking the events' order;
+    parts: the content segments and (name, arguments) calls in the order the events gave them."""
     s = parser.streamer()
     events = [e for p in pieces for e in s.feed(p)] + s.finish()
-    reasoning, content, calls = "", "", []
+    reasoning, content, calls, parts = "", "", [], []
     for e in events:
         if isinstance(e, ReasoningDelta):
             reasoning += e.text
         elif isinstance(e, ContentDelta):
-            assert e.text and not calls  # content comes before the first call
-            content += e.text
+            assert e.text
+            content += e.joined
+            if parts and isinstance(parts[-1], str):
+                assert not e.sep  # a segment goes on: no separator inside it
+                parts[-1] += e.text
+            else:  # a new segment: stripped, with the separator when content came before
+                assert e.text == e.text.strip() and e.sep == (SEGMENT_SEP if len(content) > len(e.joined) else "")
+                parts.append(e.text)
         elif isinstance(e, ToolCallStart):
             assert e.index == len(calls) and e.id.startswith("call_")
             calls.append([e.name, ""])
+            parts.append(calls[-1])
         else:
             assert isinstance(e, ToolArgumentsDelta) and e.text and e.index == len(calls) - 1
             calls[-1][1] += e.text
-    return reasoning or None, content or None, [tuple(c) for c in calls]
+    return (reasoning or None, content or None, [tuple(c) for c in calls],
+            [p if isinstance(p, str) else tuple(p) for p in parts])
+
+
+def _whole(parsed) -> tuple:
+    """The same tuple from a whole answer's Parsed."""
+    return (parsed.reasoning, parsed.content, [(c.name, c.arguments) for c in parsed.calls],
+            [p if isinstance(p, str) else (p.name, p.arguments) for p in parsed.parts])
 
 
 @pytest.mark.parametrize("family,text,content,calls", CASES)
@@ -138,7 +165,12 @@ def test_each_family_streamed_on_token_splits_equals_the_whole_answer(tokenizer,
                for c in whole.calls)  # compact JSON, unicode as written
     if "maybe" in text:  # the call inside the reasoning stayed reasoning
         assert "search" in whole.reasoning and not whole.calls
-    expected = (whole.reasoning, whole.content, [(c.name, c.arguments) for c in whole.calls])
+    segments = [p for p in whole.parts if isinstance(p, str)]
+    assert SEGMENT_SEP.join(segments) == (content or "") and all(p == p.strip() and p for p in segments)
+    if content and whole.calls and text.rstrip().endswith(content.split(SEGMENT_SEP)[-1]):
+        # the text after the last call is a part after it (a block / an item of its own)
+        assert isinstance(whole.parts[-1], str) and not isinstance(whole.parts[-2], str)
+    expected = _whole(whole)
     rng = random.Random(f"{family}:{text}")
     for pieces in token_splits(tokenizer, text, rng, 20) + [list(text)]:
         assert streamed(parser, pieces) == expected, pieces
@@ -176,7 +208,7 @@ def test_harmony_channels(tokenizer, text, reasoning, content, calls):
     whole = parser.parse(text)
     assert (whole.reasoning, whole.content) == (reasoning, content)
     assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
-    expected = (whole.reasoning, whole.content, [(c.name, c.arguments) for c in whole.calls])
+    expected = _whole(whole)
     for pieces in token_splits(tokenizer, text, random.Random(text), 20) + [list(text)]:
         assert streamed(parser, pieces) == expected, pieces
 

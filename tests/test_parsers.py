@@ -112,7 +112,8 @@ FORMAT_CASES = {  # format -> [(text, content, [(name, arguments)])]
          [("f", '{"a":"x","b":[1,[2,3]],"c":{"k":null}}'), ("g", "{}")]),
         ("Calling: [f(a=-1.5, b=null, c=true)]", "Calling:", [("f", '{"a":-1.5,"b":null,"c":true}')]),
         ("[f(a=x + 1, b='s, )')]", None, [("f", '{"a":"x + 1","b":"s, )"}')]),  # not a literal: its source text
-        ("[f(1)]", None, [("f", "{}")]),  # a positional argument ends the call
+        ("[f(1)]", "1)]", [("f", "{}")]),  # a positional argument ends the call; the rest is text after it
+        ("[f(a=1)]\nIt is sunny.", "It is sunny.", [("f", '{"a":1}')]),  # the list's "]" is not text
         ("[f(a=1", "[f(a=1", []),
         ("a list [1, 2] and [x y]", "a list [1, 2] and [x y]", []),
     ],
@@ -144,8 +145,8 @@ def streamed_calls(fmt: str, pieces: list[str]) -> tuple[str | None, list[tuple[
     content, calls = "", []
     for e in events:
         if isinstance(e, ContentDelta):
-            assert e.text and not calls
-            content += e.text
+            assert e.text and (e.sep == "" or (calls and content))  # a separator only before a later segment
+            content += e.joined
         elif isinstance(e, ToolCallStart):
             assert e.index == len(calls)
             calls.append([e.name, ""])

@@ -51,6 +51,14 @@ def test_only_deterministic_requests_are_cacheable():
     assert cacheable({"temperature": 0}) and cacheable({"temperature": 0.8, "seed": 3})
     assert not cacheable({}) and not cacheable({"temperature": 0.7})  # OpenAI's default temperature is 1
     assert not cacheable({"temperature": 0, "cache": False})
+    # an image fetched by URL is not in the body (a data: URL is): OpenAI chat, Responses, Anthropic
+    url, inline = "https://images.example/cat.png", "data:image/png;base64,AAAA"
+    for image in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": url},
+                  {"type": "input_image", "image_url": url}, {"type": "image", "source": {"type": "url", "url": url}}):
+        for field in ("messages", "input"):
+            assert not cacheable({"temperature": 0, field: [{"role": "user", "content": [image]}]})
+    assert cacheable({"temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": inline}}]}]})
 
 
 def test_key_ignores_delivery_fields_and_separates_keys_models_and_routes():

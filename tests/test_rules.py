@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from lmserve.ops.record import RequestRecord
 from lmserve.ops.rules import REQUEST_PARAMS, RuleChecker, RuleViolation, parse_rules
 from lmserve.server import protocol
+from lmserve.server.api.tgi import protocol as tgi
 from tests.server_util import MODEL, running_server
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "rules.example.yaml"
@@ -56,8 +57,8 @@ def test_load_errors_name_the_rule_and_key(tmp_path, doc, match):
 def test_request_params_match_the_protocol():
     """Every parameter a client can send can be named by a rule (and nothing else is accepted as one)."""
     fields = set()
-    for model in (protocol.CompletionRequest, protocol.ChatRequest, protocol.TGIRequest, protocol.TGIParameters,
-                  protocol.TGICompatRequest):
+    for model in (protocol.CompletionRequest, protocol.ChatRequest, tgi.TGIRequest, tgi.TGIParameters,
+                  tgi.TGICompatRequest):
         fields |= set(model.model_fields)
     assert REQUEST_PARAMS == fields - {"prompt", "messages", "inputs", "parameters"}
 

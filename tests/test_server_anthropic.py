@@ -167,3 +167,49 @@ def test_keys_from_x_api_key_or_bearer_and_unknown_fields(server):
                    headers={"x-api-key": KEY + "x"})
     assert r.status_code == 401 and error_of(r) == "authentication_error"
 
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "phi4_mini", "gemma3", "harmony"])
+def test_text_after_a_call_is_a_block_after_it_whole_and_streamed(family):
+    """Text before, between and after calls: content blocks in the order written (text, tool_use, text, tool_use,
+    text), the same from the whole answer and from the stream's events on 20 random splits (the parser and the
+    translation, no server: SmolLM2 does not write text after a call)."""
+    import random
+
+    from lmserve.parsers.output import OutputParser
+    from lmserve.parsers.tool_formats import TOOL_FORMATS
+    from lmserve.server.api.anthropic.routes import Blocks, _content
+    from tests.test_parser_conformance import PARIS, SCHEMAS, WRITE
+
+    call = WRITE[family][0]
+    text = "First. " + call("get_weather", PARIS) + "\n\n" + call("search", {"q": "x"}) + "\nDone « ok ».\n"
+    parser = OutputParser(None, TOOL_FORMATS[family], SCHEMAS)
+    blocks, called = _content(text, parser)
+
+    def shape(blocks):
+        return [(b["type"], b["text"] if b["type"] == "text" else (b["name"], b["input"])) for b in blocks]
+
+    assert called and shape(blocks) == [("text", "First."), ("tool_use", ("get_weather", PARIS)),
+                                        ("tool_use", ("search", {"q": "x"})), ("text", "Done « ok ».")]
+    rng = random.Random(family)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        streamer, encoder, streamed = parser.streamer(), Blocks(), []
+        events = []
+        for piece in [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]:
+            events += encoder.feed(streamer.feed(piece))
+        events += encoder.feed(streamer.finish()) + encoder.close()
+        partial = {}
+        for kind, body in events:  # apply the events as the SDK's stream accumulator does
+            if kind == "content_block_start":
+                assert body["index"] == len(streamed)
+                streamed.append(dict(body["content_block"]))
+                partial[body["index"]] = ""
+            elif kind == "content_block_delta" and body["delta"]["type"] == "text_delta":
+                streamed[body["index"]]["text"] += body["delta"]["text"]
+            elif kind == "content_block_delta":
+                partial[body["index"]] += body["delta"]["partial_json"]
+        for i, b in enumerate(streamed):
+            if b["type"] == "tool_use":
+                b["input"] = json.loads(partial[i])
+        assert shape(streamed) == shape(blocks), cuts

@@ -116,7 +116,7 @@ def test_tools_a_call_history_and_calls_as_objects(client):
     at any seed tried); a client's call history (arguments as objects, results by tool_name) renders and is
     answered; a call the model writes comes back with its arguments as an object, whole and streamed alike."""
     from lmserve.parsers.tool_formats import HERMES
-    from lmserve.server.api.ollama import _message
+    from lmserve.server.api.ollama.routes import _message
     from lmserve.server.api.tools import output_parser
 
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -156,9 +156,9 @@ def test_list_show_ps_and_version(client, server, smol_path):
 @pytest.mark.parametrize("call, status, says", [
     (lambda c: c.chat(model="nope", messages=QUESTION), 404, "nope"),
     (lambda c: c.show("nope"), 404, "nope"),
-    (lambda c: c.generate(model=MODEL, prompt="Hi", images=[b"\x89PNG"]), 400, "images"),
+    (lambda c: c.generate(model=MODEL, prompt="Hi", images=[b"\x89PNG"]), 400, "image could not be read"),
     (lambda c: c.chat(model=MODEL, messages=[{"role": "user", "content": "Hi", "images": [b"\x89PNG"]}]), 400,
-     "images"),
+     "image could not be read"),
     (lambda c: c.chat(model=MODEL, messages=QUESTION, options={"temperature": "hot"}), 400, "temperature"),
     (lambda c: c.chat(model=MODEL, messages=QUESTION, options={"num_predict": 0}), 400, "num_predict"),
     (lambda c: c.chat(model=MODEL, messages=QUESTION, keep_alive="5 parsecs"), 400, "keep_alive"),

@@ -142,7 +142,7 @@ def test_messages_stream_translation_equals_the_whole_answer_on_random_splits(se
     """The blocks rebuilt from the SSE events of a random split equal the whole answer's blocks."""
     from lmserve.parsers.reasoning import REASONING_PARSERS
     from lmserve.parsers.tool_formats import HERMES
-    from lmserve.server.api.anthropic import Blocks, _content
+    from lmserve.server.api.anthropic.routes import Blocks, _content
     from lmserve.server.api.tools import output_parser
 
     rng = random.Random(seed)
@@ -278,7 +278,7 @@ def test_ollama_stream_lines_equal_the_whole_answer_on_random_splits(seed):
     """The NDJSON lines' thinking and content, joined, equal the whole answer's, for any split of the text."""
     from lmserve.parsers.reasoning import REASONING_PARSERS
     from lmserve.parsers.tool_formats import HERMES
-    from lmserve.server.api.ollama import _message, _split
+    from lmserve.server.api.ollama.routes import _message, _split
     from lmserve.server.api.tools import output_parser
 
     rng = random.Random(seed)

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from lmserve.errors import ConfigError
-from lmserve.server.api.responses_store import ResponseStore
+from lmserve.server.api.responses.store import ResponseStore
 from lmserve.server.key_file import parse_key_file
 from lmserve.server.quotas import StorageQuota, parse_quota_flags
 from tests.server_util import MODEL, running_server

@@ -18,7 +18,7 @@ from lmserve.parsers.tool_formats import HERMES
 from lmserve.parsers.tool_formats import HERMES_BEGIN as CALL_BEGIN
 from lmserve.parsers.tool_formats import HERMES_END as CALL_END
 from lmserve.parsers.tool_formats import HERMES_NAME_END as NAME_END
-from lmserve.server.api.tool_stream import chat_chunk_delta, chat_chunk_tool_calls
+from lmserve.server.api.tool_stream import chat_chunk_delta, chat_chunk_deltas, chat_chunk_tool_calls
 from lmserve.server.api.tools import prepare_chat, template_supports_tools, tool_preamble
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_body
@@ -238,7 +238,12 @@ PARSE_CASES = [
     (call("f", '{"a": 1}') + "\n" + call("g", '{ "b" : [1, 2] }\n'), None,
      [("f", '{"a":1}'), ("g", '{"b":[1,2]}')]),
     (call("f", NESTED), None, [("f", NESTED_COMPACT)]),  # end markers inside JSON strings cannot hold a raw newline
-    (call("f", "{}") + " trailing text " + call("g", "{}") + "after", None, [("f", "{}"), ("g", "{}")]),
+    # text between and after calls is content too: each segment stripped, joined by a blank line (SEGMENT_SEP)
+    (call("f", "{}") + " trailing text " + call("g", "{}") + "after", "trailing text\n\nafter",
+     [("f", "{}"), ("g", "{}")]),
+    ("Let me check.\n" + call("f", "{}") + "\nIt is sunny.\n", "Let me check.\n\nIt is sunny.", [("f", "{}")]),
+    (call("f", "{}") + "\nIt is sunny,\n\n  and warm. \n", "It is sunny,\n\n  and warm.", [("f", "{}")]),
+    (call("f", "{}") + "\n \n" + call("g", "{}") + "\n", None, [("f", "{}"), ("g", "{}")]),  # whitespace: none
     # cut off (max_tokens): not a call, so the text stays content
     ("Sure. " + call_begin("f") + '{"city": "Pa', "Sure. " + call_begin("f") + '{"city": "Pa', []),
     (call_begin("f") + '{"a": 1}}\n</tool_c', call_begin("f") + '{"a": 1}}\n</tool_c', []),
@@ -266,11 +271,14 @@ def streamed(pieces: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     """(content, [(name, arguments)]) from a streamer fed `pieces`; checks the events' own invariants."""
     streamer = ToolCallStreamer()
     events = [e for piece in pieces for e in streamer.feed(piece)] + streamer.finish()
-    content, calls = "", []
+    content, calls, segment_calls = "", [], None  # the number of calls when the current segment began
     for e in events:
         if isinstance(e, ContentDelta):
-            assert e.text and not calls, "content only comes before the first call"
-            content += e.text
+            new_segment = segment_calls != len(calls)
+            assert e.text and (not new_segment or e.text == e.text.strip()), "a segment is stripped"
+            assert e.sep == ("\n\n" if new_segment and content else ""), "a separator begins each later segment"
+            content += e.joined
+            segment_calls = len(calls)
         elif isinstance(e, ToolCallStart):
             assert e.index == len(calls) and re.fullmatch(r"call_[A-Za-z0-9]{24}", e.id)
             calls.append([e.name, ""])
@@ -355,7 +363,8 @@ def test_streaming_holds_back_only_what_is_undecided():
     assert streamer.feed('ris"}') == [ToolArgumentsDelta(0, 'ris"')]  # "}" may start the end string
     assert streamer.feed("}") == [ToolArgumentsDelta(0, "}")]  # the second "}" does instead
     assert streamer.feed("\n</tool_call>\n") == []
-    assert streamer.feed("ignored between calls") == []
+    assert streamer.feed("between calls ") == [ContentDelta("between calls", "\n\n")]  # a new segment
+    assert streamer.feed("\n") == []
     assert streamer.finish() == []
 
 
@@ -389,3 +398,9 @@ def test_chunk_entries():
     fragment = {"index": 2, "function": {"arguments": "x"}}
     assert chat_chunk_delta([ToolArgumentsDelta(2, "x")]) == {"tool_calls": [fragment]}
     assert chat_chunk_delta([]) == {}
+    # text after a call goes in the next chunk, so the chunks keep the order (Responses items, Anthropic blocks)
+    after = [ContentDelta("Hi"), start, ToolArgumentsDelta(0, "{}"), ContentDelta("Done", "\n\n"), other]
+    assert chat_chunk_deltas(after) == [
+        {"content": "Hi", "tool_calls": [entries[0], {"index": 0, "function": {"arguments": "{}"}}]},
+        {"content": "\n\nDone", "tool_calls": [entries[2]]}]
+    assert chat_chunk_deltas([]) == []

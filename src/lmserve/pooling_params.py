@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_METHODS = ("last", "mean", "cls")
+POOLING_METHODS = ("last", "mean", "cls", "max")
 # vLLM's default for decoder LMs: the last token is the only one that attended to the whole prompt
 DEFAULT_POOLING = "last"
 
@@ -36,6 +36,11 @@ class PoolerConfig:
 
     method: str = DEFAULT_POOLING
     source: str = "default"
+    normalize: bool = True  # the checkpoint's own output is unit length (sentence-transformers' Normalize module)
+    encoder: bool = False  # an encoder (models/bert.py): pools, never generates
+    num_labels: int = 0  # a classification head's outputs (0: an embedder); its vector is the head's activated scores
+    max_seq_length: int | None = None  # sentence-transformers' window (sentence_bert_config.json), under the model's
+    labels: tuple[str, ...] = ()  # a classifier's label names (config.json's id2label), by index
 
     def __post_init__(self) -> None:
         if self.method not in POOLING_METHODS:
@@ -43,5 +48,16 @@ class PoolerConfig:
 
     @property
     def needs_every_token(self) -> bool:
-        """Mean and CLS read hidden states a prefix-cache hit would skip: such prompts compute every token."""
-        return self.method != "last"
+        """Mean, max and CLS read hidden states a prefix-cache hit would skip: such prompts compute every token (an
+        encoder's always do: each token's state depends on the tokens after it)."""
+        return self.method != "last" or self.encoder
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """What the model answers (vLLM's task names): a decoder generates and embeds; an embedder embeds and scores
+        pairs by cosine (score, rerank); a cross-encoder (one label) scores pairs by its head; a classifier classifies."""
+        if not self.encoder:
+            return ("generate", "embed")
+        if self.num_labels == 0:
+            return ("embed", "score", "rerank")
+        return ("score", "rerank", "classify") if self.num_labels == 1 else ("classify",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from lmserve.sampling_params import SamplingParams
 
@@ -25,6 +26,19 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort")
+
+
+class BlockSalt(NamedTuple):
+    """A prompt's prefix-cache salt that changes at a block: `before` for blocks [0, from_block), `after` from
+    there on (a prompt with images: the images' digests join the salt from the block of the first image token, so
+    the text before it is shared with any request, and nothing after it is shared without the same images)."""
+
+    before: bytes
+    after: bytes
+    from_block: int
+
+    def at(self, block: int) -> bytes:
+        return self.after if block >= self.from_block else self.before
 
 
 @dataclass(frozen=True)
@@ -71,8 +85,8 @@ class EngineRequest:
     priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
     lora: LoRARequest | None = None  # the adapter, already read from disk (LoraRegistry.get); None: the base model
     cache_salt: bytes = b""  # who may share the prompt's prefix-cache blocks (b"": everyone); the adapter is added
-    # Multimodal inputs (the vision issue's seam): one entry per image of the prompt, for the runner to encode.
-    # Nothing produces or reads it yet; it is here so images add no parameter anywhere between route and runner.
+    # The prompt's images (multimodal.image_io.ImageData, or PIL images from the offline API), in the order of
+    # their markers (`<image>`) in the prompt; EngineFront.requests expands them (engine/images.py).
     mm_inputs: tuple[object, ...] = ()
 
 
@@ -109,7 +123,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
     # mixed into prefix-cache hashes: blocks are shared only between requests of the same salt (the LoRA
     # adapter's id, then who may share: see LLMEngine.add_request)
-    cache_salt: bytes = b""
+    cache_salt: bytes | BlockSalt = b""
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, summed over admissions
     lora: LoRARequest | None = None  # None: the base model
     tenant: str = ""  # who asked (an API key's name): waiting requests are admitted round-robin across tenants
@@ -127,6 +141,9 @@ class Request:
     # (mean, CLS), so no prefix-cache hit may skip one; `embedding` is set when the prompt's last chunk has run
     may_reuse_prefix: bool = True
     embedding: list[float] | None = None
+    # the prompt's images (multimodal.processor.MMInput, typed loosely as plain data): pixels, digest and the
+    # prompt positions their embeddings fill; sent to the runner with the request, re-sent after a preemption
+    mm_inputs: tuple[object, ...] = ()
 
     @classmethod
     def completion(cls, source: EngineRequest, index: int, prompt_ids: list[int], max_tokens: int,

@@ -20,6 +20,7 @@ from lmserve.cache.block_pool import Block, BlockPool
 from lmserve.cache.kv_groups import KVGroup, first_needed_block, peak_blocks
 from lmserve.cache.kv_tier import KVTier
 from lmserve.cache.sizing import blocks_for
+from lmserve.request import BlockSalt
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
@@ -113,7 +114,7 @@ class KVCacheManager:
         """The most blocks a request of `num_tokens` tokens holds at once, over every group."""
         return peak_blocks(self.groups, num_tokens, self.block_size, self.max_step_tokens)
 
-    def find_computed(self, request_id: str, token_ids: Sequence[int], extra: bytes = b"",
+    def find_computed(self, request_id: str, token_ids: Sequence[int], extra: bytes | BlockSalt = b"",
                       allow: bool = True) -> ComputedBlocks:
         """Longest cached prefix of full blocks, leaving at least one token to compute (for its logits).
 
@@ -176,7 +177,7 @@ class KVCacheManager:
         return first_needed_block(num_computed, self.groups[group].window, self.block_size)
 
     def allocate(self, request_id: str, token_ids: Sequence[int], num_computed: int, num_new: int,
-                 computed: ComputedBlocks | None = None, extra: bytes = b"", num_lookahead: int = 0) -> bool:
+                 computed: ComputedBlocks | None = None, extra: bytes | BlockSalt = b"", num_lookahead: int = 0) -> bool:
         """Make room for `num_new` known tokens plus `num_lookahead` drafts after `num_computed`.
 
         First a window group releases the blocks its window left. Returns False (and changes nothing else) if
@@ -270,16 +271,17 @@ class KVCacheManager:
         self.pool.evicted, self._loads, self._persists = [], [], []
         return copies if any(copies) else None
 
-    def _hashes(self, request_id: str, token_ids: Sequence[int], extra: bytes, num_blocks: int) -> list[bytes]:
+    def _hashes(self, request_id: str, token_ids: Sequence[int], extra: bytes | BlockSalt, num_blocks: int) -> list[bytes]:
         """Hashes of the first `num_blocks` full blocks, extended incrementally as the request grows."""
         hashes = self._req_hashes.setdefault(request_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
-            hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], extra))
+            salt = extra if isinstance(extra, bytes) else extra.at(i)
+            hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], salt))
         return hashes
 
     def _cache_full(self, request_id: str, tables: list[list[Block | None]], token_ids: Sequence[int],
-                    num_tokens: int, extra: bytes) -> None:
+                    num_tokens: int, extra: bytes | BlockSalt) -> None:
         """Register each group's blocks that will be full once this step's tokens are written."""
         if not self.enable_prefix_caching:
             return

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, NamedTuple
 
 # Before anything imports torch: by default `import torch` scans every installed package's entry points for
@@ -31,6 +32,7 @@ from lmserve.cli.flags import (
 )
 from lmserve.config import engine_config
 from lmserve.errors import CheckpointError, ConfigError
+from lmserve.multimodal.image_io import load_image_bytes
 
 
 def sampling_params(args: argparse.Namespace):
@@ -62,15 +64,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # an unreadable schema file or a bad spec: one line, not a traceback
         print(f"lmserve generate: {e}", file=sys.stderr)
         return 2
+    try:
+        images = tuple(load_image_bytes(Path(p).read_bytes()) for p in args.image or ())
+    except (OSError, ValueError) as e:  # a missing file, or one Pillow refuses (ImageError says why)
+        print(f"lmserve generate: --image: {e}", file=sys.stderr)
+        return 2
     _own_sigint()
     engine = _load_engine(args)
     if engine is None:
         return EXIT_INTERRUPTED
-    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat_template \
-        else args.prompt
     try:
-        reply = _stream(engine, "0", prompt, params)
-    except ValueError as e:  # e.g. a schema that does not compile
+        prompt = _generate_prompt(engine, args.prompt, args.chat_template, len(images))
+        reply = _stream(engine, "0", prompt, params, images)
+    except ValueError as e:  # e.g. a schema that does not compile, a model that takes no images
         print(f"lmserve generate: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C in the instant before _stream sets its own handler
@@ -214,11 +220,28 @@ class Reply(NamedTuple):
     interrupted: bool
 
 
-def _stream(engine, request_id: str, prompt, params) -> Reply:
+def _generate_prompt(engine, prompt: str, chat_template: bool, num_images: int) -> str | list[int]:
+    """generate's prompt: with images, their markers (the model's image token) go before the text unless the text
+    places them; a chat template wraps the result as one user message (rendered, then encoded as a raw prompt, so
+    the markers are the image token; without images the message text stays plain)."""
+    if num_images:
+        vision = engine.front.images
+        if vision is None:
+            raise ValueError("this model does not accept images")
+        marker = vision.processor.image_token
+        if marker not in prompt:
+            prompt = marker * num_images + prompt
+        if chat_template:
+            return engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return prompt
+    return engine.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat_template else prompt
+
+
+def _stream(engine, request_id: str, prompt, params, images: tuple = ()) -> Reply:
     """Write each delta to stdout as it is generated; Ctrl-C aborts the request (its KV blocks are freed)."""
     text = []
     with _sigint_flag() as stop:
-        engine.add_request(request_id, prompt, params)  # inside: a Ctrl-C cannot land half-way through it
+        engine.add_request(request_id, prompt, params, mm_inputs=images)  # inside: a Ctrl-C cannot land half-way through it
         while engine.has_unfinished() and not stop.is_set():
             for d in engine.step():
                 sys.stdout.write(d.text)
@@ -383,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="raw prompt: special-token strings such as <|im_start|> become control tokens")
     gen.add_argument("--chat-template", action="store_true",
                      help="wrap the prompt as a user chat message (its text then stays plain)")
+    gen.add_argument("--image", action="append", metavar="PATH",
+                     help="an image for a vision model (repeatable; PNG, JPEG, WebP or GIF); marked in the prompt by "
+                          "the model's image token (SmolVLM: <image>), else put before the text")
     add_engine_args(gen)
     add_sampling_args(gen)
     constrain = gen.add_mutually_exclusive_group()

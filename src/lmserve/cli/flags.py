@@ -274,8 +274,16 @@ def _add_server_args(g) -> None:
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond the running batch before new ones get 503")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
+    g.add_argument("--max-rerank-documents", type=int, default=1000,
+                   help="most documents (or text pairs) one rerank or score request may send; more is a 400")
     g.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
                    help="largest file accepted by POST /v1/files (a batch job's input)")
+    g.add_argument("--allowed-media-domains", action="append", default=[], metavar="HOST[,HOST...]",
+                   help="hosts whose http(s) image URLs requests may name (repeatable or comma-separated; exact "
+                   "names or IP literals; only public addresses are fetched, no redirects; default: none, so images "
+                   "come only as data: URLs or base64)")
+    g.add_argument("--max-image-bytes", type=size_arg, default=20 * 2**20, metavar="SIZE",
+                   help="largest image accepted, sent as base64 or fetched from a URL (default: 20MiB)")
     g.add_argument("--storage-quota", action="append", default=[], metavar="NAME=VALUE",
                    help="what each API key may store (repeatable; a key file entry's storage_quota wins): files=1000, "
                    "file_bytes=4GiB, shares=1000, share_bytes=100MiB, responses=10000 (then its oldest are dropped), "

@@ -36,8 +36,8 @@ from lmserve.deploy.forward import ForwardedRequest, ResponseStart, routing_key,
 from lmserve.deploy.lifespan import Lifespan
 from lmserve.deploy.router import DEFAULT_IMBALANCED_THRESHOLD, PrefixAffinityRouter
 from lmserve.errors import ConfigError
-from lmserve.server.app import build_app
-from lmserve.server.errors import APIError, error_body, error_response
+from lmserve.server.app import build_app, error_response
+from lmserve.server.errors import APIError, error_body
 from lmserve.server.main import check_serve_args, load_engine, prepare, unload_engine
 
 log = logging.getLogger("lmserve.deploy")

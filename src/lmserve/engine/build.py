@@ -111,14 +111,19 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     if cfg.chat_template is not None:  # serve --chat-template
         tokenizer.chat_template = cfg.chat_template
     model_cfg = loaded.config
+    pooler = pooler_config(loaded.path, cfg.pooling, model_cfg.encoder, model_cfg.num_labels)
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    if model_cfg.encoder:
+        max_model_len = min(max_model_len, pooler.max_seq_length or max_model_len)
+        cfg = _encoder_config(cfg, max_model_len)
+        _set_separator(loaded, tokenizer)
     block_size = cfg.cache.block_size
     # which layers share a block table, and a block's bytes in one group's layers of this rank's KV heads
     groups, block_bytes, per_seq = kv_pool_shape(loaded.model.config, cfg, kv_dtype, max_model_len)
     num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len, per_seq)
     loras = _lora_registry(cfg, done)
-    pooler = pooler_config(loaded.path, cfg.pooling)
-    log.info("embeddings: %s pooling (%s), L2-normalised", pooler.method, pooler.source)
+    log.info("pooling: %s (%s)%s; tasks: %s", pooler.method, pooler.source,
+             f", {pooler.num_labels} label(s)" if pooler.num_labels else "", ", ".join(pooler.tasks))
     # worth a line where there is a choice to see (CUDA, or a backend asked for); the CPU default is quiet
     say = log.info if device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
     say("attention backend: %s (%s)", backend.name, backend.why)
@@ -141,6 +146,22 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
                         cfg.scheduler.max_num_batched_tokens)
     return EngineParts(cfg, device, dtype, kv_dtype, loaded, tokenizer, max_model_len, eos, block_size, num_blocks,
                        block_bytes, kv, lora_slots, loras, runner, executor, pooler=pooler)
+
+
+def _encoder_config(cfg: EngineConfig, max_model_len: int) -> EngineConfig:
+    """An encoder's prompts run whole, each in one step (models/bert.py attends within the step's tokens): no
+    chunked prefill, a step budget that holds the longest prompt, and no prefix reuse (no KV is kept)."""
+    sched = replace(cfg.scheduler, enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(cfg.scheduler.max_num_batched_tokens, max_model_len))
+    return replace(cfg, scheduler=sched, cache=replace(cfg.cache, enable_prefix_caching=False))
+
+
+def _set_separator(loaded: LoadedModel, tokenizer: Tokenizer) -> None:
+    """The token that starts a pair's second segment (BERT's token types), from the tokenizer where config.json
+    names none."""
+    if loaded.model.sep_token_id is None:
+        sep = tokenizer.special_tokens.get("sep_token") or tokenizer.eos_token
+        loaded.model.sep_token_id = tokenizer.token_to_id(sep) if sep else None
 
 
 def _threads_per_rank(cfg: EngineConfig) -> int:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 from lmserve.engine.build import EngineParts
+from lmserve.engine.images import PromptImages, image_salt
 from lmserve.engine.stats import EngineLoad
 from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
-from lmserve.request import EngineRequest, LoRARequest, Request
+from lmserve.multimodal.processor import MMInput
+from lmserve.multimodal.registry import processor_for
+from lmserve.request import BlockSalt, EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
 from lmserve.structured.grammar import Grammar, ReasoningGate
@@ -47,16 +50,20 @@ class EngineFront:
         self.vocab_size = parts.loaded.config.vocab_size
         self.hidden_size = parts.loaded.config.hidden_size  # an embedding's length
         self.pooler = parts.pooler  # how embedding requests pool (method, and where it was read from)
+        self.tasks = parts.pooler.tasks  # what the model answers: generate, embed, score, rerank, classify
         self.max_model_len = parts.max_model_len
         self.max_num_seqs = parts.cfg.scheduler.max_num_seqs
         self.eos_token_ids = parts.eos_token_ids
         self.num_speculative_tokens = parts.cfg.speculative.num_speculative_tokens if parts.proposer else None
         self.load = load  # () -> EngineLoad: running and waiting requests, KV blocks, now
         self._pool_tokens = parts.num_blocks * parts.block_size
+        self.block_size = parts.block_size
         self._blocks_needed = parts.kv.blocks_needed
         self._num_blocks = parts.num_blocks
         self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self._grammars_lock = threading.Lock()
+        self.images = _prompt_images(parts)  # None: a text-only model (a request with images is refused)
+        self.supports_images = self.images is not None  # a vision tower and its preprocessing: requests may hold images
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Prompt text -> ids (a raw prompt: "<|im_start|>" in it is the control token); ids are checked and kept."""
@@ -105,6 +112,8 @@ class EngineFront:
         n, limit = len(prompt_ids), self.max_model_len
         if params.pooling is not None:
             return self._check_pooling(n, params)
+        if "generate" not in self.tasks:
+            raise RequestRejected(f"this model does not generate text; it supports {', '.join(self.tasks)}", "model")
         if n >= limit:
             raise RequestRejected(f"prompt has {n} tokens, the model's context is {limit} tokens")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
@@ -167,21 +176,51 @@ class EngineFront:
         if lora is not None and self.loras is None:
             raise RequestRejected("this engine runs without LoRA (--enable-lora)", "model")
         ids = self.tokenize_prompt(request.prompt)
+        ids, images = self._expand_images(ids, request.mm_inputs)
         max_tokens = request.max_tokens
-        if max_tokens is None:  # the offline path (LLM, the CLI); the server checked before admitting
+        if max_tokens is None or images:  # the offline path (LLM, the CLI), or a prompt that images lengthened
             max_tokens = self.check_request(ids, params)
         grammar = request.grammar
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        salt = _prefix_salt(lora, request.cache_salt)
+        salt = self._salt(lora, request.cache_salt, images)
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reuse = params.pooling is None or not self.pooler.needs_every_token
         return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
+                                   mm_inputs=images,
                                    reasoning_budget=self._reasoning_budget(ids, params, stop_ids, grammar is None),
                                    grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate,
                                                                                 limit_steer(self._grammars, params)))
                 for i in range(params.n)]
+
+    def _salt(self, lora: LoRARequest | None, caller: bytes, images: tuple) -> bytes | BlockSalt:
+        """The prompt's prefix-cache salt; with images, their digests join it from the block of the first image
+        token on (the text before it stays shareable with every request of the same adapter and caller salt)."""
+        plain = _prefix_salt(lora, caller)
+        if not images:
+            return plain
+        first = min(int(m.positions[0]) for m in images)
+        return BlockSalt(plain, _prefix_salt(lora, _with_images(image_salt(images), caller)), first // self.block_size)
+
+    def _expand_images(self, ids: list[int], images: tuple[object, ...]) -> tuple[list[int], tuple]:
+        """The prompt with each image's placeholder tokens in place of its marker, and the images as MMInputs
+        (already so when the server expanded them at admission: `expand_images`)."""
+        if not images:
+            return ids, ()
+        if all(isinstance(m, MMInput) for m in images):
+            return ids, tuple(images)
+        return self.expand_images(ids, images)
+
+    def expand_images(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
+        """Prompt ids with its image markers -> the ids the model runs (each marker expanded) and one MMInput per
+        image; RequestRejected for a text-only model or a marker count that differs from the images'. Blocking
+        (preprocessing): the server calls it at admission, before the lengthened prompt is checked."""
+        if self.images is None:
+            raise RequestRejected(f"this model ({self.loaded.config.architecture}) does not accept images", "messages")
+        if self.cfg.parallel.tensor_parallel_size > 1:  # the worker ranks' forward_only places no images yet
+            raise RequestRejected("images are not supported with tensor parallelism yet", "messages")
+        return self.images.expand(ids, images)
 
     def _reasoning_budget(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],
                           separate: bool) -> ReasoningBudget | None:
@@ -221,3 +260,16 @@ def _prefix_salt(lora: LoRARequest | None, salt: bytes) -> bytes:
 
 
 _PROCESS_NONCE = os.urandom(8).hex().encode()
+
+
+def _with_images(images: bytes, salt: bytes) -> bytes:
+    """The images' part of the salt, length-prefixed, then the caller's: no caller salt can spell another
+    prompt's images (a text-only request must never read the KV computed from an image it lacks)."""
+    return b"%d:" % len(images) + images + salt if images else salt
+
+
+def _prompt_images(parts: EngineParts) -> PromptImages | None:
+    """The served model's image preprocessing, from its directory (None: a text-only model)."""
+    path = parts.loaded.path
+    proc = processor_for(parts.loaded.config.architecture, path if path.is_dir() else None)
+    return None if proc is None else PromptImages(proc, parts.tokenizer)

@@ -4,6 +4,7 @@ beam_search.py, all as vLLM spells them; adapters by `lora_request=`."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import sys
 import time
@@ -23,6 +24,7 @@ from lmserve.config import (
     SpeculativeConfig,
 )
 from lmserve.engine.llm_engine import LLMEngine
+from lmserve.multimodal.image_io import load_image_bytes
 from lmserve.pooling_params import PoolingParams
 from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import BeamSearchParams, SamplingParams
@@ -51,6 +53,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then one entry per token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's field), when done
 
 
 @dataclass
@@ -70,7 +73,7 @@ class EmbeddingRequestOutput:
     finished: bool = True
 
 
-Prompts = str | Sequence[str] | Sequence[list[int]]
+Prompts = str | dict | Sequence[str | dict] | Sequence[list[int]]
 Adapters = LoRARequest | Sequence[LoRARequest | None] | None
 
 
@@ -88,7 +91,9 @@ class LLM:
                  use_tqdm: bool = True, lora_request: Adapters = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) with continuous batching; results in input order.
 
-        A text prompt is raw, as in vLLM: "<|im_start|>" written in it is the control token. To keep
+        A prompt with images is vLLM's dict: {"prompt": text or "prompt_token_ids": ids, "multi_modal_data":
+        {"image": one PIL image or a list}}, each image marked in the prompt by the model's image token
+        (SmolVLM: "<image>"), in order. A text prompt is raw, as in vLLM: "<|im_start|>" written in it is the control token. To keep
         user text plain inside a chat template, use `chat` instead. `lora_request`: one adapter for every
         prompt, or one (or None) per prompt; the LLM needs `enable_lora=True`.
         """
@@ -160,9 +165,10 @@ class LLM:
         for prompt, p, adapter in zip(prompts, plist, adapters):
             rid = str(self._next_id)
             self._next_id += 1
-            ids = self.engine.front.tokenize_prompt(prompt)
-            self.engine.add_request(rid, ids, p, lora=self._adapter(adapter))
-            outs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+            text, images = _prompt_of(prompt), _images_of(prompt)
+            ids = self.engine.front.tokenize_prompt(text)
+            self.engine.add_request(rid, ids, p, lora=self._adapter(adapter), mm_inputs=images)
+            outs[rid] = RequestOutput(rid, text if isinstance(text, str) else None, ids,
                                       [CompletionOutput(i, "", [], None, None, [] if p.logprobs is not None else None)
                                        for i in range(p.n)])
         return outs
@@ -187,10 +193,23 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate.
+
+        A message's content may hold image parts: {"type": "image", "image": PIL}, vLLM's {"type": "image_pil",
+        "image_pil": PIL}, or {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}; each becomes
+        the model's image token in the message text. Such a conversation is rendered, then encoded as a raw prompt
+        (special-token strings parsed, as `generate` encodes text): the offline caller writes its own messages.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]  # type: ignore[arg-type]
-        return self.generate(ids, params, use_tqdm)
+        prompts: list = []
+        for conv in convs:
+            conv, images = _chat_images(conv, self.engine.front.images)  # type: ignore[arg-type]
+            if images:
+                text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append(self.tokenizer.encode_chat(conv, add_generation_prompt=True))
+        return self.generate(prompts, params, use_tqdm)
 
     def _run(self, outs: dict[str, RequestOutput], use_tqdm: bool) -> dict[str, list[float]]:
         """Step until every request has finished; returns the pooling requests' vectors by request id."""
@@ -203,6 +222,8 @@ class LLM:
                     vectors[d.request_id] = d.embedding
                 if d.prompt_logprobs is not None and d.index == 0:
                     outs[d.request_id].prompt_logprobs = d.prompt_logprobs
+                if d.finished and d.index == 0:
+                    outs[d.request_id].num_cached_tokens = d.num_cached_tokens
                 _accumulate(outs[d.request_id].outputs[d.index], d)
             if progress is not None:
                 progress.update(deltas)
@@ -266,7 +287,7 @@ def show_progress_logs() -> None:
 
 def _as_list(prompts: Prompts) -> list:
     """One prompt (text or token ids) or a list of them -> a list."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
 
@@ -276,6 +297,50 @@ def _prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
     if isinstance(prompt, dict):
         return prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
     return prompt
+
+
+def _images_of(prompt: str | list[int] | dict) -> tuple[object, ...]:
+    """vLLM's `multi_modal_data["image"]`: one image or a list of them, in the order of their markers."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if not data:
+        return ()
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(unknown)}")
+    images = data["image"]
+    return tuple(images) if isinstance(images, (list, tuple)) else (images,)
+
+
+def _chat_images(messages: list[dict], vision: object | None) -> tuple[list[dict], list[object]]:
+    """The conversation with each image part as a text part of the image token, and the images in order."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image", "image_pil", "image_url"):
+                if vision is None:
+                    raise ValueError("this model does not accept images")
+                images.append(_part_image(part, kind))
+                part = {"type": "text", "text": vision.processor.image_token}
+            parts.append(part)
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def _part_image(part: dict, kind: str) -> object:
+    """One image part's image: a PIL image as given, or a `data:` URL decoded (load_image_bytes checks it)."""
+    if kind != "image_url":
+        return part[kind]
+    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+    head, sep, data = str(url).partition(",")
+    if not (head.startswith("data:") and head.endswith(";base64") and sep):
+        raise ValueError("offline chat takes images as PIL images or base64 data: URLs")
+    return load_image_bytes(base64.b64decode(data, validate=True))
 
 
 def _accumulate(out: CompletionOutput, d: CompletionDelta) -> None:

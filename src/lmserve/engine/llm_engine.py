@@ -35,6 +35,7 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None) -> None:
         """Load the model named by cfg, or reuse `loaded` (and `tokenizer`) to build engines of other shapes."""
         p = build_engine(cfg, loaded, tokenizer)
+        cfg = p.cfg  # an encoder's: its prompts run whole (engine/build.py)
         self.cfg, self.loaded, self.tokenizer, self.model_config = cfg, p.loaded, p.tokenizer, p.loaded.config
         self.dtype, self.kv_dtype, self.max_model_len, self.eos_token_ids = p.dtype, p.kv_dtype, p.max_model_len, \
             p.eos_token_ids

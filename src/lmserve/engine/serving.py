@@ -18,6 +18,7 @@ from lmserve.engine.faults import install_from_env
 from lmserve.engine.front import EngineFront
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.engine.step_budget import fit_step_budget
+from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineFront", "LLMEngine", "Opened", "open_engine", "serve_engine", "warm_up"]
@@ -46,7 +47,9 @@ def warm_up(engine: LLMEngine) -> float:
     """One tiny request through every code path before the first client, then the step budget fitted to this host
     (engine/step_budget.py); returns its seconds."""
     start = time.perf_counter()
-    engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0))
+    # an encoder pools its prompt (it never generates)
+    pooling = PoolingParams() if engine.model_config.encoder else None
+    engine.add_request("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0.0, pooling=pooling))
     while engine.has_unfinished():
         engine.step()
     fit_step_budget(engine)

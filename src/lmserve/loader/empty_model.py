@@ -40,7 +40,8 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             transform(net)
         _materialize(net, dtype, device)
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
-    net.rotary.reset(rope_specs(cfg), device)
+    if hasattr(net, "rotary"):  # an encoder (models/bert.py) has learned positions
+        net.rotary.reset(rope_specs(cfg), device)
     return net
 
 

@@ -1,9 +1,11 @@
 """The pooling method of an embedding checkpoint: sentence-transformers' files when present, else `--pooling`.
 
 A sentence-transformers directory lists its modules in `modules.json`; its `Pooling` module's folder (usually
-`1_Pooling/`) holds `config.json` with one `pooling_mode_*` flag set. We run the three that a causal LM's hidden
-states support: CLS (first token), mean (over the prompt) and last-token. `--pooling` overrides the files (as
-vLLM's pooler override does); without either, last-token pooling (vLLM's default for decoder LMs).
+`1_Pooling/`) holds `config.json` with one `pooling_mode_*` flag set. We run CLS (first token), mean (over the
+prompt), max (per dimension) and last-token. `--pooling` overrides the files (as vLLM's pooler override does);
+without either, last-token pooling for a decoder LM and CLS for an encoder (vLLM's defaults). A `Normalize` module
+says the checkpoint's vectors are unit length; `sentence_bert_config.json`'s max_seq_length is its window. A
+classification head pools CLS.
 """
 
 from __future__ import annotations
@@ -15,11 +17,59 @@ from lmserve.files import load_json_bytes
 from lmserve.pooling_params import DEFAULT_POOLING, PoolerConfig
 
 _ST_POOLING = "sentence_transformers.models.Pooling"
-_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
-_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last",
+          "pooling_mode_max_tokens": "max"}
+_UNSUPPORTED = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+# an encoder without sentence-transformers files pools its first token (vLLM's default for BERT-like models), as
+# does a classification head (BERT's pooler and XLM-R's head read the CLS vector)
+ENCODER_POOLING = "cls"
 
 
-def pooler_config(model_path: Path, flag: str | None) -> PoolerConfig:
+def pooler_config(model_path: Path, flag: str | None, encoder: bool = False, num_labels: int = 0) -> PoolerConfig:
+    """The model's pooling: its method as `pooler_method` finds it; whether its checkpoint normalises
+    (a `Normalize` module); its sentence-transformers window; for an encoder, its head's labels."""
+    root = model_path if model_path.is_dir() else model_path.parent
+    if num_labels:  # a classification head reads the CLS vector, whatever else the files say
+        return PoolerConfig("cls", "the classification head", False, True, num_labels,
+                            labels=_labels(root, num_labels))
+    base = pooler_method(model_path, flag)
+    if encoder and base.source.startswith("default"):
+        base = PoolerConfig(ENCODER_POOLING, "default for an encoder")
+    types = [m.get("type") for m in _modules(root)]
+    normalize = _ST_NORMALIZE in types if types else True
+    return PoolerConfig(base.method, base.source, normalize, encoder, 0, _max_seq_length(root))
+
+
+def _labels(root: Path, n: int) -> tuple[str, ...]:
+    """config.json's id2label names by index (transformers' LABEL_i where it has none)."""
+    try:
+        names = load_json_bytes((root / "config.json").read_bytes()).get("id2label") or {}
+    except (OSError, ValueError, AttributeError):
+        names = {}
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) if isinstance(names, dict) else f"LABEL_{i}"
+                 for i in range(n))
+
+
+def _modules(root: Path) -> list[dict]:
+    """modules.json's entries ([] without one, or one that is not a list of objects)."""
+    try:
+        entries = load_json_bytes((root / "modules.json").read_bytes())
+    except (OSError, ValueError):
+        return []
+    return [m for m in entries if isinstance(m, dict)] if isinstance(entries, list) else []
+
+
+def _max_seq_length(root: Path) -> int | None:
+    """sentence_bert_config.json's max_seq_length: the window sentence-transformers cuts inputs to."""
+    try:
+        n = load_json_bytes((root / "sentence_bert_config.json").read_bytes()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def pooler_method(model_path: Path, flag: str | None) -> PoolerConfig:
     """`flag` (--pooling) when given, else what the checkpoint's sentence-transformers files say, else the default."""
     if flag is not None:
         return PoolerConfig(flag, "--pooling")
@@ -42,7 +92,7 @@ def _method(cfg: dict, where: Path) -> str:
     """The one pooling_mode_* flag set (the others must be off)."""
     bad = [k for k in _UNSUPPORTED if cfg.get(k)]
     if bad:
-        raise CheckpointError(f"{where}: {bad[0]} is not supported (lmserve pools cls, mean or lasttoken); "
+        raise CheckpointError(f"{where}: {bad[0]} is not supported (lmserve pools cls, mean, max or lasttoken); "
                               "pass --pooling to choose one")
     methods = [m for key, m in _MODES.items() if cfg.get(key)]
     if len(methods) != 1:

@@ -20,6 +20,28 @@ MAX_SIZE = 10_000_000  # the largest count or width a config may give (layers, h
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision tower (a ViT over image patches) and the connector that maps its output into the text model's
+    embedding space (defaults: SigLIP-so400m as SmolVLM uses it)."""
+
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    num_layers: int = 27
+    num_heads: int = 16
+    image_size: int = 384  # the side of one frame the tower takes (Idefics3: a tile)
+    patch_size: int = 14
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_tanh"  # the MLP's activation: gelu_tanh (gelu_pytorch_tanh) or gelu
+    scale_factor: int = 1  # the connector's pixel shuffle: scale_factor^2 patches become one embedding
+    image_token_id: int | None = None  # the placeholder token whose embeddings the image's replace
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of a decoder: the shared shape, then what sets families apart (defaults: Llama)."""
 
@@ -56,6 +78,12 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3's NoPE layers)
     attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
     max_model_len: int | None = None  # the served context when known at load: LongRoPE picks its factors by it
+    # encoders (models/bert.py): bidirectional, post-norm, learned positions; they pool, never generate
+    encoder: bool = False
+    type_vocab_size: int = 0  # BERT's segment embeddings (2: a pair's second text is type 1)
+    position_offset: int = 0  # XLM-R: positions start at padding_idx + 1
+    num_labels: int = 0  # a *ForSequenceClassification head's outputs; 0: none
+    sep_token_id: int | None = None  # the separator that starts a pair's second segment
     # mixture of experts (Mixtral, Qwen2/3-MoE); num_experts 0: every layer has the dense gated MLP
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k experts per token
@@ -65,6 +93,8 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP (Qwen's mlp_only_layers)
     moe_bias: bool = False  # the router and every expert projection have a bias (gpt-oss)
     softmax_after_topk: bool = False  # the top k router logits, then a softmax over those k (gpt-oss)
+    # a vision-language model's image encoder; None: text only, and a request with an image is a 400 naming the model
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -133,7 +163,7 @@ class ModelConfig:
             raise CheckpointError(
                 f"config: rope scaling type {self.rope_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})")
-        if self.hidden_act not in ACTIVATIONS:
+        if not self.encoder and self.hidden_act not in ACTIVATIONS:  # an encoder's own (models/bert.py)
             raise CheckpointError(f"config: activation {self.hidden_act!r} is not supported "
                                   f"(supported: {', '.join(sorted(ACTIVATIONS))})")
         self._validate_layers()

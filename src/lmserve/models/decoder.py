@@ -125,6 +125,8 @@ class CausalLM(nn.Module):
     # checkpoint name fragment -> (fused parameter fragment, shard index)
     FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # sub-modules loaded name for name, never fused (a vision tower's q/k/v stay apart): models/idefics3.py
+    ENCODER_PREFIXES: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -142,11 +144,18 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden_size]."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden] (where a vision model's runner places images)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype first, as HF
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden_size]; `inputs_embeds` [T, hidden] replaces
+        embed(input_ids) (a prompt with images placed in it)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         h, residual = self.layer_loop(self.model.layers, x, self.rotary(positions, x.dtype), attn)
         return self.model.norm(h, residual)[0]
 
@@ -180,6 +189,8 @@ class CausalLM(nn.Module):
             raise CheckpointError(f"{files}: missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
     def _target(self, name: str) -> tuple[str, int | None]:
+        if self.ENCODER_PREFIXES and name.startswith(self.ENCODER_PREFIXES):
+            return name, None
         for frag, (fused, shard) in self.FUSED.items():
             if f".{frag}." in name:
                 return name.replace(f".{frag}.", f".{fused}."), shard
@@ -188,7 +199,9 @@ class CausalLM(nn.Module):
     def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int | None]]:
         out: set[tuple[str, int | None]] = set()
         for name in params:
-            if ".qkv_proj." in name:
+            if self.ENCODER_PREFIXES and name.startswith(self.ENCODER_PREFIXES):
+                out.add((name, None))
+            elif ".qkv_proj." in name:
                 out |= {(name, 0), (name, 1), (name, 2)}
             elif ".gate_up_proj." in name:
                 out |= {(name, 0), (name, 1)}

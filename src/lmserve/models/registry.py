@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import gemma, gpt_oss, llama, moe, phi3
+from lmserve.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -24,6 +24,15 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen2MoeForCausalLM": moe.QWEN2_MOE,
     "Qwen3MoeForCausalLM": moe.QWEN3_MOE,
     "GptOssForCausalLM": gpt_oss.GPT_OSS,
+    "Idefics3ForConditionalGeneration": idefics3.IDEFICS3,  # SmolVLM: SigLIP tower, pixel-shuffle connector, Llama
+    "SmolVLMForConditionalGeneration": idefics3.IDEFICS3,
+    # encoders: embedders (sentence-transformers' MiniLM, bge, e5, gte) and cross-encoders
+    "BertModel": bert.BERT,
+    "BertForSequenceClassification": bert.BERT,
+    "XLMRobertaModel": bert.XLM_ROBERTA,
+    "XLMRobertaForSequenceClassification": bert.XLM_ROBERTA,
+    "RobertaModel": bert.XLM_ROBERTA,
+    "RobertaForSequenceClassification": bert.XLM_ROBERTA,
 }
 GGUF_ARCHITECTURES: dict[str, Family] = {
     "llama": llama.LLAMA,  # also Mistral's and Mixtral's files

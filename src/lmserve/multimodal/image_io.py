@@ -30,6 +30,32 @@ class ImageData:
     detail: str = "auto"  # OpenAI's `detail` ("auto", "low", "high"): how finely a family may tile it
 
 
+def probe_image_bytes(data: bytes, *, max_pixels: int = MAX_PIXELS) -> tuple[str, int, int]:
+    """The format, width and height `data` declares, read from its header alone (no pixel decoded); ImageError
+    for what load_image_bytes would refuse before decoding: empty, not one of IMAGE_FORMATS, too many pixels."""
+    from PIL import Image
+
+    if not data:
+        raise ImageError("the image is empty")
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+            return _checked_header(img, max_pixels)
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"the image is too large to decode: {e}") from None
+    except Exception as e:  # noqa: BLE001 - Pillow raises many types for corrupt or unknown data
+        raise ImageError(f"the image could not be read (supported: {', '.join(IMAGE_FORMATS)}): "
+                         f"{type(e).__name__}") from None
+
+
+def _checked_header(img, max_pixels: int) -> tuple[str, int, int]:
+    width, height = img.size  # read from the header, before any pixel is decoded
+    if width * height > max_pixels:
+        raise ImageError(f"the image declares {width}x{height} pixels, more than the {max_pixels} allowed")
+    return img.format, width, height
+
+
 def load_image_bytes(data: bytes, *, detail: str = "auto", max_pixels: int = MAX_PIXELS) -> ImageData:
     """Decode `data` into an ImageData, or raise ImageError saying why not."""
     from PIL import Image  # Pillow loads only where images are used
@@ -38,9 +64,7 @@ def load_image_bytes(data: bytes, *, detail: str = "auto", max_pixels: int = MAX
         raise ImageError("the image is empty")
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-            width, height = img.size  # read from the header, before any pixel is decoded
-            if width * height > max_pixels:
-                raise ImageError(f"the image declares {width}x{height} pixels, more than the {max_pixels} allowed")
+            _checked_header(img, max_pixels)
             img.load()
             rgb = img.convert("RGB")
     except ImageError:

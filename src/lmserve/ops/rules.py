@@ -46,7 +46,7 @@ _MISSING = object()
 DERIVED_FIELDS = frozenset({"prompt_tokens", "total_prompt_tokens", "num_prompts", "prompt_text", "prompt_chars",
                             "messages", "model", "route"})
 # Every parameter of the OpenAI and TGI request bodies but the prompt (tests/test_rules.py keeps this in
-# step with server/protocol.py, which ops must not import).
+# step with server/protocol.py and server/api/tgi/protocol.py, which ops must not import).
 REQUEST_PARAMS = frozenset({
     "adapter_id", "best_of", "cache", "cache_salt", "chat_template_kwargs", "decoder_input_details", "details", "do_sample", "echo",
     "early_stopping", "frequency_penalty", "ignore_eos", "length_penalty", "use_beam_search",

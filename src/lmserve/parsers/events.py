@@ -8,9 +8,17 @@ from typing import Callable, Union
 
 @dataclass
 class ContentDelta:
-    """Answer text (OpenAI `delta.content`)."""
+    """Answer text (OpenAI `delta.content`); `sep` is set on the first delta of a content segment after an
+    earlier one (text after a tool call, tool_calls.py): one-string APIs put it before the text, block APIs open a
+    new block instead."""
 
     text: str
+    sep: str = ""
+
+    @property
+    def joined(self) -> str:
+        """The text as one content string continues with it."""
+        return self.sep + self.text
 
 
 @dataclass

@@ -12,17 +12,19 @@ from dataclasses import dataclass, field
 
 from lmserve.parsers.events import ContentDelta, StreamEvent
 from lmserve.parsers.reasoning import ReasoningParser, ReasoningStreamer
-from lmserve.parsers.tool_calls import ToolCall, ToolCallStreamer, parse_tool_calls
+from lmserve.parsers.tool_calls import ToolCall, ToolCallStreamer, join_content, parse_tool_parts
 from lmserve.parsers.tool_formats import ToolFormat
 
 
 @dataclass
 class Parsed:
-    """A whole reply's parts: reasoning and content None when empty, calls in order."""
+    """A whole reply's parts: reasoning and content None when empty, calls in order; `parts` the answer's content
+    segments (str) and calls in the order written (what block APIs answer; `content` is its segments joined)."""
 
     reasoning: str | None
     content: str | None
     calls: list[ToolCall] = field(default_factory=list)
+    parts: list[str | ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,9 @@ class OutputParser:
         answer = split.content if split is not None else text
         reasoning = split.reasoning if split is not None else None
         if self.tools is None:
-            return Parsed(reasoning, answer or None)
-        content, calls = parse_tool_calls(answer or "", self.tools, self.schemas)
-        return Parsed(reasoning, content, calls)
+            return Parsed(reasoning, answer or None, [], [answer] if answer else [])
+        parts = parse_tool_parts(answer or "", self.tools, self.schemas)
+        return Parsed(reasoning, join_content(parts), [p for p in parts if isinstance(p, ToolCall)], parts)
 
     def streamer(self) -> "OutputStreamer":
         """A fresh incremental parser for one streamed reply."""

@@ -310,6 +310,9 @@ class ToolFormat:
     continuation: Any = None  # a list format's next call right after one (", {..." / ", g(")
     keeps_special_tokens: bool = False  # its marker is a special token (mistral's [TOOL_CALLS]): keep it in the text
     markup: Any = None  # a `regex` pattern of framing that is never content (harmony's message headers and ends)
+    # What may close a call's list or block right after it, each literal optional (tool_calls.match_closer): framing,
+    # not content, so the text after a call starts after it.
+    closer: tuple[str, ...] = ()
     # (begin, end) around each one call, when the format marks calls so (hermes, qwen3_xml): a call repeating an
     # earlier one ends the turn (SamplingParams.repeat_stop). The list formats (mistral, pythonic) and llama3_json's
     # bare JSON have no per-call end marker a text search can find, so they have none.
@@ -378,25 +381,26 @@ LLAMA3_JSON = ToolFormat(
     "llama3_json", regex.compile(r"(?:<\|python_tag\|>[ \t\r\n]*)?" + _JSON_CALL % "parameters|arguments"),
     lambda schema: JSONValue(),
     lambda name, args: '{"name": "' + name + '", "parameters": ' + _json_args(args) + "}",
-    '{"name": "<function name>", "parameters": <the arguments as a JSON object>}')
+    '{"name": "<function name>", "parameters": <the arguments as a JSON object>}', closer=(";",))
 MISTRAL = ToolFormat(  # the JSON-list form (v3 tokenizers) and the name[ARGS] form (v11+: one marker per call)
     "mistral", regex.compile(r"\[TOOL_CALLS\][ \t\r\n]*(?:\[[ \t\r\n]*" + _JSON_CALL % "arguments" + "|" + NAME
                              + r"(?:\[CALL_ID\][A-Za-z0-9]{1,64})?\[ARGS\])"),
     lambda schema: JSONValue(),
     lambda name, args: '[TOOL_CALLS][{"name": "' + name + '", "arguments": ' + _json_args(args) + "}]",
     '[TOOL_CALLS][{"name": "<function name>", "arguments": <the arguments as a JSON object>}]',
-    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + _JSON_CALL % "arguments"), keeps_special_tokens=True)
+    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + _JSON_CALL % "arguments"), keeps_special_tokens=True,
+    closer=("]",))
 PHI4_MINI = ToolFormat(
     "phi4_mini", regex.compile(r"<\|tool_call\|>[ \t\r\n]*\[[ \t\r\n]*" + _JSON_CALL % "arguments|parameters"),
     lambda schema: JSONValue(),
     lambda name, args: '<|tool_call|>[{"name": "' + name + '", "arguments": ' + _json_args(args) + "}]<|/tool_call|>",
     '<|tool_call|>[{"name": "<function name>", "arguments": <the arguments as a JSON object>}]<|/tool_call|>',
     continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + _JSON_CALL % "arguments|parameters"),
-    keeps_special_tokens=True)
+    keeps_special_tokens=True, closer=("]", "<|/tool_call|>"))
 PYTHONIC = ToolFormat(
     "pythonic", regex.compile(r"\[[ \t\r\n]*" + NAME + r"\("), lambda schema: PythonicArgs(), _write_pythonic,
     '[<function name>(<argument name>=<value>, ...)]',
-    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + NAME + r"\("))
+    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + NAME + r"\("), closer=("]",))
 QWEN3_XML = ToolFormat(
     "qwen3_xml", regex.compile(r"<tool_call>[ \t\r\n]*<function=" + NAME + ">"), XMLParameters, _write_xml,
     "<tool_call>\n<function=<function name>>\n<parameter=<argument name>>\n<value>\n</parameter>\n</function>\n"
@@ -405,7 +409,7 @@ QWEN3_XML = ToolFormat(
 GEMMA3 = ToolFormat(  # Gemma 3's documented list of Python calls, also inside a ```tool_code block
     "gemma3", regex.compile(r"(?:```tool_code[ \t\r\n]*\[?|\[)[ \t\r\n]*" + NAME + r"\("),
     lambda schema: PythonicArgs(), _write_pythonic, '[<function name>(<argument name>=<value>, ...)]',
-    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + NAME + r"\("))
+    continuation=regex.compile(r"[ \t\r\n]*,[ \t\r\n]*" + NAME + r"\("), closer=("]", "```"))
 HARMONY_CALL = "<|channel|>commentary to=functions."
 HARMONY = ToolFormat(  # gpt-oss: a call is a commentary-channel message to functions.NAME, ended by <|call|>
     "harmony", regex.compile(r"(?:<\|start\|>assistant[ ]*)?(?:<\|channel\|>commentary[ ]*)?to=functions\." + NAME

@@ -28,6 +28,7 @@ class NewRequestData:
     params: SamplingParams
     stop_token_ids: frozenset[int]  # ids banned while fewer than min_tokens were generated
     seed: int | None  # the completion's own seed; the runner creates its generator
+    mm_inputs: tuple = ()  # the prompt's images (multimodal.processor.MMInput): the runner encodes and places them
 
 
 @dataclass

@@ -241,7 +241,7 @@ class Scheduler:
         if req.request_id not in self._sent:
             self._sent[req.request_id] = [req.num_tokens, 0]
             out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                                                   req.params, req.stop_token_ids, req.seed))
+                                                   req.params, req.stop_token_ids, req.seed, req.mm_inputs))
 
     def _busy_adapters(self) -> set[int]:
         """lora_int_ids of the running requests' adapters: their slots must not be reassigned."""

@@ -18,10 +18,10 @@ from starlette.routing import Route
 import lmserve
 from lmserve.ops.record import RequestRecord
 from lmserve.server.access_log import AccessLog
-from lmserve.server.api import anthropic, embeddings, kserve, lora, ollama, openai, responses, tgi
 from lmserve.server.api.chat_plan import plan_chat
+from lmserve.server.api.dialects import DIALECTS, error_response, is_generation
 from lmserve.server.batch import routes as batch_routes
-from lmserve.server.errors import APIError, error_response
+from lmserve.server.errors import APIError
 from lmserve.server.gate import health_body
 from lmserve.server.key_file import ANONYMOUS
 from lmserve.server.playground import routes as playground_routes
@@ -41,26 +41,19 @@ from lmserve.server.state import (
 )
 from lmserve.utils import malloc_trim
 
-# No API key needed: probes carry none (KServe's v2 health probes too), and they tell only whether the process
-# serves; /metrics too with --metrics-public (see open_paths).
-OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")
+# No API key needed: probes carry none (a dialect's too, as KServe's v2 health probes), and they tell only whether
+# the process serves; /metrics too with --metrics-public (see open_paths).
+OPEN_PATHS = ("/health", *(path for dialect in DIALECTS for path in dialect.open_paths))
 # Requests that only read state: every other method on a keyed path takes one request from the key's rate.
 FREE_METHODS = ("GET", "HEAD", "OPTIONS")
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/generate",
-                    "/generate_stream", "/", *ollama.GENERATION_PATHS, *embeddings.PATHS)
 
-
-def is_generation(path: str) -> bool:
-    """A route that generates: the Observe middleware keeps one record of it (and settles the key's usage)."""
-    return path in GENERATION_PATHS or kserve.INFER_PATH.match(path) is not None
 log = logging.getLogger("lmserve.server")
 
 
 def build_app(state: ServerState, access_log: bool = True) -> Starlette:
     """The app over a ServerState (whose engine may still be loading); `access_log`: a log line per request."""
     routes = Router()
-    for family in (openai, anthropic, responses, batch_routes, tgi, lora, playground_routes, kserve, ollama,
-                   embeddings):
+    for family in (*DIALECTS, batch_routes, playground_routes):
         routes.include(family.router)
     routes.include(_misc_routes())
     app = Starlette(routes=[*routes.routes, _openapi_route(routes)], exception_handlers=_error_handlers(),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lmserve.server.errors import APIError
 from lmserve.server.key_file import KeySpec
+from lmserve.server.media import MediaPolicy
 from lmserve.server.quotas import StorageQuota
 
 
@@ -39,6 +40,7 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without an API key (a scraper on a trusted network)
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
+    max_rerank_documents: int = 1000  # documents (text pairs) in one rerank or score request
     max_upload_bytes: int = 64 * 2**20  # POST /v1/files (a batch job's input file), held in memory while it arrives
     drain_timeout: float = 30.0
     default_max_tokens: int | None = None  # a request naming no max_tokens gets this (None: the API's own default)
@@ -51,6 +53,7 @@ class ServerConfig:
     reasoning_parser: str | None = None  # --reasoning-parser: qwen3 | deepseek_r1 (None: replies are not split)
     tool_call_parser: str | None = None  # --tool-call-parser (None: each model's chat template's family)
     storage_quota: StorageQuota = StorageQuota()  # --storage-quota: what each key may store (a key file entry's wins)
+    media: MediaPolicy = MediaPolicy()  # --allowed-media-domains, --max-image-bytes: where images may come from
 
     @property
     def token_limits(self) -> TokenLimits:

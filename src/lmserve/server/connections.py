@@ -16,6 +16,8 @@ from typing import Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+# scope["state"]: when (monotonic) the StartGate (server/gate.py) took the request; the load wait's start
+ARRIVED_KEY = "lmserve_arrived"
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)  # their side: headers not all here yet, or the body still arriving
 
 

@@ -3,7 +3,7 @@ engine and the routes are imported and the flags and models checked (server/star
 
 Why: the port listens ~0.3 s after the process starts, while `import torch` alone takes 1-2 s; a client that starts
 the server and sends at once should be answered, not refused. Torch-free on purpose: it imports Starlette's response
-and the error bodies only.
+and the error bodies only (server/api/dialects.py, torch-free too).
 
 Until `open(app)`: the readiness probes answer at once and truthfully (/health: 503 `loading`, with llama.cpp's error
 object beside vLLM/TGI's status; KServe's /v2/health/ready: 503; /v2/health/live: 200, the process is live), and
@@ -21,9 +21,10 @@ from typing import Callable
 
 from starlette.responses import JSONResponse
 
-from lmserve.server.errors import APIError, error_response
+from lmserve.server.api.dialects import error_response
+from lmserve.server.connections import ARRIVED_KEY
+from lmserve.server.errors import APIError
 
-ARRIVED_KEY = "lmserve_arrived"  # scope["state"]: when (monotonic) the gate took the request; the load wait's start
 # /health while the model loads: vLLM and TGI answer a bare 503, llama.cpp this error object; both are here.
 LOADING = {"status": "loading", "error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 FAILED = {"status": "failed", "error": {"code": 503, "message": "The model failed to load; the server is stopping "

@@ -17,7 +17,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     for flag, value, low in (("--max-queued-requests", args.max_queued_requests, 0),
                              ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--max-rerank-documents", getattr(args, "max_rerank_documents", 1), 1),
                              ("--max-upload-bytes", args.max_upload_bytes, 1),
+                             ("--max-image-bytes", args.max_image_bytes, 1),
                              ("--default-max-tokens", args.default_max_tokens, 1),
                              ("--max-tokens-limit", args.max_tokens_limit, 1)):
         if value is not None and value < low:
@@ -32,6 +34,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--default-max-tokens {default} is above --max-tokens-limit {limit}")
     if args.allow_runtime_lora_updating and not (args.enable_lora and args.lora_dir):
         raise ConfigError("--allow-runtime-lora-updating needs --enable-lora and at least one --lora-dir")
+    for host in (h.strip() for flag in args.allowed_media_domains for h in flag.split(",")):
+        if any(c in host for c in "/*@ ") or host.count(":") == 1:  # a URL, a pattern or host:port is not a host
+            raise ConfigError(f"--allowed-media-domains {host[:80]!r}: give host names or IP literals (exact, "
+                              "comma-separated), not URLs, ports or patterns")
     for d in args.lora_dir:
         if not Path(d).is_dir():
             raise ConfigError(f"--lora-dir {d}: not a directory")

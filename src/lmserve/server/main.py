@@ -15,6 +15,7 @@ from lmserve.errors import ConfigError
 from lmserve.ops.hub import build_ops
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
 from lmserve.server.listen import check_serve_args
+from lmserve.server.media import MediaPolicy
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.args import keep_alive, model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
 from lmserve.server.models.pool import ModelPool, ModelSpec, ServedModel
@@ -64,6 +65,7 @@ def server_config(args: argparse.Namespace, name: str,
     return ServerConfig(served_model_name=name, api_keys=keys, named_keys=named, cors_allowed_origins=tuple(args.cors_allowed_origins),
                         metrics_public=args.metrics_public,
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                        max_rerank_documents=args.max_rerank_documents,
                         max_upload_bytes=args.max_upload_bytes,
                         drain_timeout=args.drain_timeout, default_max_tokens=args.default_max_tokens,
                         max_tokens_limit=args.max_tokens_limit, request_read_timeout=args.request_read_timeout,
@@ -71,7 +73,15 @@ def server_config(args: argparse.Namespace, name: str,
                         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         lora_dirs=tuple(str(Path(d).resolve()) for d in args.lora_dir),
                         strict_fields=args.strict_fields, reasoning_parser=args.reasoning_parser,
-                        tool_call_parser=args.tool_call_parser, storage_quota=_storage_quota(args))
+                        tool_call_parser=args.tool_call_parser, storage_quota=_storage_quota(args),
+                        media=_media_policy(args))
+
+
+def _media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """--allowed-media-domains (repeatable, comma-separated; compared in lower case, without a trailing dot) and
+    --max-image-bytes."""
+    hosts = (h.strip().strip("[]").rstrip(".").lower() for flag in args.allowed_media_domains for h in flag.split(","))
+    return MediaPolicy(allowed_domains=tuple(h for h in hosts if h), max_image_bytes=args.max_image_bytes)
 
 
 def _storage_quota(args: argparse.Namespace) -> StorageQuota:
@@ -113,7 +123,7 @@ def _playground(args: argparse.Namespace):
 def _responses(args: argparse.Namespace):
     """The store of /v1/responses answers (store: true), opened now, or None: nothing is stored (as for the
     playground, an unwritable default only warns)."""
-    from lmserve.server.api.responses_store import ResponseStore, default_db_path
+    from lmserve.server.api.responses.store import ResponseStore, default_db_path
 
     return _sqlite_store(ResponseStore, "--responses-db", args.responses_db, default_db_path(),
                          "responses are not stored")

@@ -1,4 +1,4 @@
-"""Request models for the OpenAI and TGI APIs.
+"""Request models for the OpenAI API (and the shared bases every dialect's bodies build on).
 
 A field no model here declares is ignored, as vLLM does (clients and SDKs of a newer API version send fields
 this server does not know): it is logged and named in the response's X-Ignored-Fields header; with
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -128,6 +128,21 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data: URL, or an http(s) URL of an --allowed-media-domains host (server/media.py checks it)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    """An image in a user message: OpenAI's {"type": "image_url", "image_url": {"url", "detail"}} (or the URL alone)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str  # JSON text, as the model wrote it
@@ -143,7 +158,7 @@ class ToolCallMessage(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None
+    content: str | list[ContentPart] | None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None  # which call a tool message answers
@@ -235,41 +250,6 @@ class ChatRequest(_Sampling):
         return choice
 
 
-class TGIGrammar(_Strict):
-    """TGI's parameters.grammar: a JSON schema (`json`, value an object or its text) or a `regex`."""
-
-    type: Literal["json", "regex"]
-    value: dict[str, Any] | str
-
-
-class TGIParameters(_NullMeansDefault):
-    max_new_tokens: int | None = 100
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
-    do_sample: bool = False
-    details: bool = False
-    return_full_text: bool = False
-    decoder_input_details: bool = False  # the prompt's tokens and logprobs in details.prefill
-    watermark: bool = False  # only false; huggingface_hub sends it on every request
-    grammar: TGIGrammar | None = None
-    adapter_id: str | None = Field(default=None, max_length=128)  # a LoRA adapter's name (TGI/LoRAX); None: base
-
-
-class TGIRequest(_Strict):
-    inputs: str
-    parameters: TGIParameters = Field(default_factory=TGIParameters)
-
-
-class TGICompatRequest(TGIRequest):
-    """POST / (what huggingface_hub's InferenceClient calls): /generate or /generate_stream by `stream`."""
-
-    stream: bool = False
-
-
 # An adapter name is what clients send as `model`: short, printable, no spaces.
 LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"
 
@@ -314,7 +294,7 @@ class DetokenizeRequest(_Strict):
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "content": "a string or a list of text parts",
+    "content": "a string or a list of text and image_url parts",
     "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }
 

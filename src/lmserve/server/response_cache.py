@@ -169,10 +169,27 @@ class RedisBackend:
 
 def cacheable(body: dict[str, Any]) -> bool:
     """A request whose answer is fixed by its body: greedy or seeded, and not opted out."""
-    if body.get("cache") is False:
+    if body.get("cache") is False or _fetches_an_image(body):
         return False
     temperature = body.get("temperature", 1.0)
     return temperature == 0 or body.get("seed") is not None
+
+
+def _fetches_an_image(body: dict[str, Any]) -> bool:
+    """Whether the body names an image by http(s) URL (OpenAI's image_url, Responses' input_image, Anthropic's url
+    source): its bytes are not in the body, so the body does not fix the answer. data: URLs are in it."""
+    stack: list[Any] = [body.get("messages"), body.get("input")]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                if key in ("image_url", "url") and isinstance(v, str) and v[:8].lower().startswith(("http://", "https:/")):
+                    return True
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+    return False
 
 
 def cache_key(model: str, key_name: str, route: str, body: dict[str, Any]) -> str:

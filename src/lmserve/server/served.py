@@ -20,6 +20,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.config import ServerConfig
 from lmserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError
 from lmserve.server.key_file import ANONYMOUS
+from lmserve.server.media import ImageSource, load_images
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ServedModel
 from lmserve.server.models.traffic import TrafficSplit
@@ -45,10 +46,12 @@ class SharedState(Protocol):
 
 @dataclass(frozen=True)
 class Chat:
-    """A chat prompt: messages rendered by the model's chat template (extra variables such as `tools`)."""
+    """A chat prompt: messages rendered by the model's chat template (extra variables such as `tools`), and the
+    images its `{"type": "image"}` parts stand for, in order (checked references: start loads them)."""
 
     messages: list[dict]
     template_kwargs: dict | None = None
+    images: tuple[ImageSource, ...] = ()
 
 
 Prompt = Union[str, list[int], Chat]  # a raw prompt (special tokens parsed), token ids, or a chat
@@ -97,6 +100,17 @@ class ModelState:
         """The served name of the model answering: what responses' `model` field and the metrics say."""
         return self.model.name
 
+    @property
+    def supports_images(self) -> bool:
+        """Whether the model reads images (a vision tower); a text model's requests may hold none."""
+        return self.front.supports_images
+
+    def check_images(self, count: int, param: str = "messages") -> None:
+        """400 naming the model when a request holding `count` images asks a model without a vision tower."""
+        if count and not self.supports_images:
+            raise APIError(400, f"model {self.model_name!r} does not accept images (it has no vision tower); send "
+                           "text only, or ask a vision model", param=param, code="images_not_supported")
+
     async def lora_for(self, name: str | None, record: RequestRecord) -> LoRARequest | None:
         """The adapter a request's model name picks on this model (read from disk off the event loop unless
         cached); None for the model itself or a route; any other name is a 404, as is an adapter the record's
@@ -129,10 +143,16 @@ class ModelState:
         `fields`: the EngineRequest fields the route sets (priority; cache_salt, the client's own: see _engine_request).
         """
         self.charge(record)
+        sources = [s for p in prompts if isinstance(p, Chat) for s in p.images]
+        self.check_images(len(sources))
+        if sources:  # fetched and decoded before the template runs: a vision family's placeholders need their sizes
+            fields["mm_inputs"] = tuple(await load_images(sources, self.config.media))
         rendered = [await self._render(p, record) for p in prompts]
         await self._check_bounds(rendered, params, record)
         ids = [await (self.tokenize(p, record) if isinstance(p, (str, list)) else self._encode_chat(p, record))
                for p in rendered]
+        if fields.get("mm_inputs"):  # images (ImageData, from the chat plan): expanded before the context check
+            ids, fields["mm_inputs"] = await self._expand_images(ids, fields["mm_inputs"])
         grammar = await self.compile_grammar(params)
         lora = await self.lora_for(model, record)
         # Nothing awaits from admission until the streams are counted in flight.
@@ -143,6 +163,17 @@ class ModelState:
         merged = MergedStreams([self.generate(replace(base, request_id=name, prompt=p, max_tokens=n), record, i * params.n)
                                 for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
+
+    async def _expand_images(self, ids: list[list[int]], images: tuple) -> tuple[list[list[int]], tuple]:
+        """The one prompt's image markers expanded to the model's placeholder tokens, and its images as the engine
+        takes them (engine/front.py expand_images); a 400 for a text-only model or markers that miss images."""
+        if len(ids) != 1:
+            raise APIError(400, "images go with exactly one prompt", param="messages")
+        try:
+            expanded, mm = await asyncio.to_thread(self.front.expand_images, ids[0], images)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param=e.param or "messages", reason="invalid_request") from None
+        return [expanded], mm
 
     def _engine_request(self, request_id: str, params: SamplingParams, record: RequestRecord,
                         cache_salt: str | None = None, **fields: Any) -> EngineRequest:
@@ -174,7 +205,7 @@ class ModelState:
 
     async def admit_beams(self, prompts: list[str | list[int]], width: int, max_tokens: int, record: RequestRecord, *,
                           model: str | None, id_prefix: str, **fields: Any) -> Admitted:
-        """The admission path of a beam search (server/api/openai.py drives it): rate -> byte bounds -> tokenize ->
+        """The admission path of a beam search (server/api/openai/routes.py drives it): rate -> byte bounds -> tokenize ->
         adapter -> admit as `width` completions of `max_tokens` per prompt; each step's beams then run through
         generate(); `fields` as start's."""
         self.charge(record)

@@ -18,8 +18,8 @@ from lmserve.ops.hub import Ops
 from lmserve.ops.record import RequestRecord
 from lmserve.server.adapter_owners import AdapterOwners
 from lmserve.server.config import ServerConfig
+from lmserve.server.connections import ARRIVED_KEY
 from lmserve.server.errors import APIError
-from lmserve.server.gate import ARRIVED_KEY
 from lmserve.server.key_file import ANONYMOUS, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
@@ -44,7 +44,7 @@ class Shares(Protocol):
 
 
 class StoredResponses(Protocol):
-    """The Responses API's store (server/api/responses_store.ResponseStore) as the middle uses it: closed at exit.
+    """The Responses API's store (server/api/responses/store.ResponseStore) as the middle uses it: closed at exit.
     Typed so because the API modules sit above the middle."""
 
     def close(self) -> None: ...
@@ -75,7 +75,7 @@ class ServerState:
     response_cache: ResponseCache | None = None  # with --response-cache
     playground: Shares | None = None  # a playground/store.ShareStore; None: the playground is off (--no-playground)
     batches: BatchRunner | None = None  # a batch/jobs.BatchManager (serve has one); None: /v1/batches answers 404
-    responses: StoredResponses | None = None  # an api/responses_store.ResponseStore; None: nothing is stored
+    responses: StoredResponses | None = None  # an api/responses/store.ResponseStore; None: nothing is stored
     models: ModelPool | None = None  # None: one model named config.served_model_name, started by the caller
     splits: dict[str, TrafficSplit] = field(default_factory=dict)  # --route NAME=MODEL:WEIGHT,...
     started: bool = False  # the start-up loads are done: the server serves from here on

@@ -133,6 +133,15 @@ class Tokenizer:
             add_special_tokens = False
         return _ids(self._hf, text, add_special_tokens)
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two plain texts framed as one input by the tokenizer's pair template (a cross-encoder's query and
+        document: BERT's [CLS] a [SEP] b [SEP], XLM-R's <s> a </s></s> b </s>)."""
+        return self._plain.encode(first, second, add_special_tokens=True).ids
+
+    def token_to_id(self, piece: str) -> int | None:
+        """The id of a token string (a special token included); None when the vocabulary lacks it."""
+        return self._hf.token_to_id(piece)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text; ids outside the vocabulary (padded embedding rows) decode to nothing."""
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -377,6 +386,10 @@ def _hf_tokenizer(raw: bytes, path: Path) -> HFTokenizer:
     naming the file."""
     try:
         hf = HFTokenizer.from_buffer(raw)
+        # a training-time setting some files keep (all-MiniLM-L6-v2's: cut to 128, padded to 128): the engine checks
+        # lengths itself and never pads, so a prompt is never cut or padded behind the caller's back
+        hf.no_truncation()
+        hf.no_padding()
         hf.encode("a b", add_special_tokens=True)
         return hf
     except BaseException as e:  # noqa: BLE001 - `tokenizers` raises plain Exception, and pyo3's PanicException (a

@@ -25,6 +25,7 @@ from lmserve.worker.input_batch import InputBatch
 from lmserve.worker.inputs import StepInputs, StepLayout, build_inputs
 from lmserve.worker.kv_memory import kv_zeros
 from lmserve.worker.kv_transfer import KVTransfer
+from lmserve.worker.mm_encoder import ImageInputs
 from lmserve.worker.pooler import Pooler
 from lmserve.worker.progress import layer_progress
 from lmserve.worker.transforms import TransformContext
@@ -97,11 +98,14 @@ class ModelRunner:
         self.scratch = ScratchSlot(num_blocks, block_size)
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
-        self.pooler = Pooler(pooler)  # pooling requests: their prompt's hidden states -> one vector
+        # pooling requests: their prompt's hidden states -> one vector (a classifier's: its head's scores)
+        self.pooler = Pooler(pooler, model.score if pooler.num_labels else None)
         self.batch = InputBatch(cfg.vocab_size, device, samples=samples, num_kv_groups=len(groups))
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)
         self.progress = layer_progress(model)  # the hung-step watchdog's sign of life inside a step
+        # a vision model's running images and encoder cache (worker/mm_encoder.py); None: a text-only model
+        self.images = ImageInputs(model, device) if hasattr(model, "encode_images") else None
 
     def kv_block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor indexed by KV block, with the dimension of that index: what a block's bytes are (the KV
@@ -134,7 +138,9 @@ class ModelRunner:
         if meta is not None and out.grammar_bitmask is not None:
             meta.grammar_bitmask, meta.grammar_rows = _grammar_rows(out, layout)
         lora_meta = self._lora_meta(out, layout) if self.lora is not None else None
-        graph_step = self.graphs is not None and not layout.pool and self.graphs.fits(host, layout.num_prefill_tokens)
+        placed = self.images.placements(out.requests, layout.order) if self.images is not None else []
+        graph_step = (self.graphs is not None and not layout.pool and not placed
+                      and self.graphs.fits(host, layout.num_prefill_tokens))
         upload = sampling_rows_only(host) if graph_step else host
         inputs, meta, gather, pending, lora_meta = to_device(
             (upload, meta, gather, self.batch.take_pending(), lora_meta), self.device, self.staging)
@@ -145,6 +151,9 @@ class ModelRunner:
             self.lora.batch.meta = lora_meta  # has_lora for this step: None leaves every row on the base path
         if graph_step:
             hidden = self.graphs.run(host)
+        elif placed:
+            embeds = self.images.inputs_embeds(inputs.input_ids, placed)
+            hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs), inputs_embeds=embeds)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self._context(inputs))
         result = RunnerOutput([[] for _ in out.requests], [[] for _ in out.requests],
@@ -185,8 +194,12 @@ class ModelRunner:
         for rid in out.finished_ids:
             b.remove(rid)
         self.pooler.drop(out.finished_ids)
+        if self.images is not None:
+            self.images.drop(out.finished_ids)
         for new in out.new_requests:
             b.add(new)
+            if self.images is not None:
+                self.images.add(new.request_id, new.mm_inputs)
         b.apply(out.requests)
         return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size, b.group_blocks[1:])
 

@@ -118,7 +118,8 @@ def decode_stack(model: nn.Module, ctx: TransformContext) -> nn.Module:
     the module loop stays the reference. Not on a pipeline rank: its loop sends and receives between its layers."""
     if ctx.loaded.stage is not None and ctx.loaded.stage.world_size > 1:
         return model
-    ctx.decode_stack = apply_decode_stack(model)
+    if not model.config.encoder:  # an encoder runs prompts only
+        ctx.decode_stack = apply_decode_stack(model)
     return model
 
 
@@ -126,6 +127,8 @@ def warm_up(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """Build or load the native decode kernel for this model's query and cache dtypes now (once per machine, ~30 s),
     not inside the first request. The model is unchanged."""
     cfg = model.config
+    if cfg.encoder:  # no KV cache, no decode
+        return model
     dtype = next(model.parameters()).dtype
     cache = torch.empty(0, cfg.head_dim, dtype=ctx.kv_dtype or dtype, device=ctx.device)  # only its dtype is read
     native_decode(cache, torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=dtype, device=ctx.device))

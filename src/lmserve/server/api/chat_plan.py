@@ -5,7 +5,9 @@ templated /api/generate) translates its body into OpenAI-shaped messages and too
 plan holds the server's tool-call format (`--tool-call-parser` or the template's family), the reasoning parser
 (`--reasoning-parser`, unless the request turned thinking off), the prompt (`prepare_chat`: tools offered in the
 template's way or as a preamble) and the `OutputParser` that splits the reply into reasoning, answer and calls.
-`with_budget` adds a reasoning budget (the engine forces the end tag when it is spent). `sampling_fields()` gives what the plan adds to any family's SamplingParams: the reasoning tags (a grammar waits
+Image parts (OpenAI's `image_url`, which every family's images become) are checked
+(server/media.py) and stand in the rendered messages as `{"type": "image"}`, as HF vision templates expect; a model
+without a vision tower refuses them. `with_budget` adds a reasoning budget (the engine forces the end tag when it is spent). `sampling_fields()` gives what the plan adds to any family's SamplingParams: the reasoning tags (a grammar waits
 for the reasoning to end, as vLLM), whether special tokens stay in the text (a tool format that marks calls
 with one) and the call markers by which a call that repeats one already made ends the turn.
 """
@@ -21,6 +23,7 @@ from lmserve.parsers.reasoning import ReasoningParser, parser_for
 from lmserve.parsers.tool_formats import ToolFormat
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api.tools import output_parser, prepare_chat, template_supports_tools, tool_format
+from lmserve.server.media import ImageSource, split_images
 from lmserve.server.served import Chat, ModelState
 
 
@@ -33,6 +36,12 @@ class ChatPlan:
     reasoning: ReasoningParser | None
     parser: OutputParser | None
     tools: list[dict]  # the OpenAI tool dicts the model may call ([]: none)
+
+    @property
+    def images(self) -> tuple[ImageSource, ...]:
+        """The chat's images in prompt order, checked but not yet loaded: ModelState.start fetches and decodes them
+        into the EngineRequest's `mm_inputs` (a tuple of ImageData) before the template runs."""
+        return self.chat.images
 
     def sampling_fields(self) -> dict[str, Any]:
         """SamplingParams fields this plan sets: the reasoning tags, special tokens kept for a tool format (or a
@@ -55,10 +64,12 @@ def plan_chat(st: ModelState, messages: list[dict], tools: list[dict], template_
               thinking: bool | None = None) -> ChatPlan:
     """The plan of a chat of OpenAI-shaped `messages` offering `tools`; `template_kwargs` go to the template (after
     the tools), `thinking` False turns the reasoning parser off where the template has no switch for it."""
+    messages, images = split_images(messages, st.config.media)  # image_url parts -> {"type": "image"}
+    st.check_images(len(images))  # a text model refuses before any image is fetched or decoded
     fmt = tool_format(st)
     switches = {**(template_kwargs or {}), **({"enable_thinking": False} if thinking is False else {})}
     reasoning = parser_for(st.config.reasoning_parser, switches)
     supports = template_supports_tools(st.front.tokenizer.chat_template)
     rendered, kwargs = prepare_chat(messages, tools, supports, fmt)
-    chat = Chat(rendered, {**(template_kwargs or {}), **kwargs})
+    chat = Chat(rendered, {**(template_kwargs or {}), **kwargs}, tuple(images))
     return ChatPlan(chat, fmt, reasoning, output_parser(tools, fmt, reasoning), tools)

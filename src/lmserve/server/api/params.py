@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
-
 from pydantic import BaseModel
 
 from lmserve.parsers.tool_formats import HERMES, ToolFormat
@@ -11,7 +9,7 @@ from lmserve.parsers.tool_grammar import tool_call_tag
 from lmserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from lmserve.server.config import TokenLimits
 from lmserve.server.errors import APIError, excerpt
-from lmserve.server.protocol import ChatRequest, CompletionRequest, TGIParameters, _Sampling
+from lmserve.server.protocol import ChatRequest, CompletionRequest, _Sampling
 from lmserve.structured.compiler import GrammarError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -191,27 +189,3 @@ def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFo
                        '(unless tool_choice is "none")', param="tools")
     return build_params(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None,
                         **(plan_fields or {}), **_common(r, tools or other))
-
-
-def tgi_params(p: TGIParameters, stream: bool, limits: TokenLimits = TokenLimits()) -> SamplingParams:
-    """TGI semantics: greedy unless do_sample or a sampling knob away from neutral; a sampled request gets a seed."""
-    if p.watermark:
-        raise APIError(400, "watermark is not supported", param="watermark")
-    if p.decoder_input_details and stream:  # TGI's own rule
-        raise APIError(400, "decoder_input_details is not supported when streaming tokens",
-                       param="decoder_input_details")
-    if p.temperature is not None and p.temperature <= 0:
-        raise APIError(400, f"temperature must be strictly positive, got {p.temperature}", param="temperature")
-    # As TGI's NextTokenChooser: any warper away from its neutral value turns sampling on.
-    warpers = p.temperature not in (None, 1.0) or p.top_k not in (None, 0) or p.top_p not in (None, 1.0)
-    sampling = p.do_sample or warpers
-    seed = p.seed if p.seed is not None or not sampling else secrets.randbits(63)  # reported in details, as TGI
-    grammar = None
-    if p.grammar is not None:
-        grammar = structured_params({"json" if p.grammar.type == "json" else "regex": p.grammar.value}, "grammar")
-    max_tokens = limits.resolve(_named(p, "max_new_tokens"), _api_default(p, "max_new_tokens"), "max_new_tokens")
-    return build_params(max_tokens=max_tokens, temperature=(p.temperature or 1.0) if sampling else 0.0,
-                  top_k=p.top_k or 0, top_p=p.top_p if p.top_p is not None else 1.0,
-                  repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
-                  stop=p.stop, seed=seed, logprobs=0 if p.details or stream else None,
-                  prompt_logprobs=0 if p.details and p.decoder_input_details else None, structured_outputs=grammar)

@@ -33,10 +33,23 @@ def chat_chunk_delta(events: list[StreamEvent]) -> dict[str, Any]:
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     if reasoning:
         delta["reasoning_content"] = reasoning
-    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    content = "".join(e.joined for e in events if isinstance(e, ContentDelta))
     if content:
         delta["content"] = content
     tool_calls = chat_chunk_tool_calls(events)
     if tool_calls:
         delta["tool_calls"] = tool_calls
     return delta
+
+
+def chat_chunk_deltas(events: list[StreamEvent]) -> list[dict[str, Any]]:
+    """The non-empty deltas of these events in order: one per chunk, a new one where text follows a call's events
+    (a delta reads as its content before its calls, so text after a call goes in the next chunk; the Responses API
+    makes its message / function_call items from the chunks in order)."""
+    groups: list[list[StreamEvent]] = [[]]
+    for event in events:
+        if isinstance(event, ContentDelta) and any(isinstance(e, (ToolCallStart, ToolArgumentsDelta))
+                                                   for e in groups[-1]):
+            groups.append([])
+        groups[-1].append(event)
+    return [delta for delta in map(chat_chunk_delta, groups) if delta]

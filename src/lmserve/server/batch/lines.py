@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 from lmserve.files import append_private, user_data_dir
 from lmserve.ops.record import RequestRecord
 from lmserve.request import BATCH_PRIORITY
-from lmserve.server.api.openai import BATCH_ENDPOINTS, Caller, answer
+from lmserve.server.api.openai.routes import BATCH_ENDPOINTS, Caller, answer
 from lmserve.server.errors import APIError, error_body
 from lmserve.server.protocol import load_json
 from lmserve.server.state import ServerState

@@ -15,7 +15,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import FileResponse
 
-from lmserve.server.api.openai import BATCH_ENDPOINTS
+from lmserve.server.api.openai.routes import BATCH_ENDPOINTS
 from lmserve.server.batch.jobs import BatchManager
 from lmserve.server.batch.store import BatchJob, StoredFile
 from lmserve.server.errors import APIError

@@ -1,6 +1,6 @@
 """Anthropic's Messages API: POST /v1/messages (JSON and its typed SSE events), POST /v1/messages/count_tokens.
 
-The request becomes the OpenAI chat the rest of the server knows (api/anthropic_protocol.py), is admitted through
+The request becomes the OpenAI chat the rest of the server knows (protocol.py), is admitted through
 ModelState.start, the one admission path, and the answer is translated back: a thinking block (with
 --reasoning-parser, unless `thinking` is disabled), text and tool_use content blocks, stop_reason end_turn /
 max_tokens / stop_sequence / tool_use, usage. Tool calls use the OpenAI path's machinery
@@ -25,7 +25,8 @@ from lmserve.parsers.events import ContentDelta, ReasoningDelta, StreamEvent, To
 from lmserve.parsers.output import OutputParser
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import chunks as sse
-from lmserve.server.api.anthropic_protocol import (
+from lmserve.server.api.anthropic import error_body
+from lmserve.server.api.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
     chat_messages,
@@ -33,10 +34,9 @@ from lmserve.server.api.anthropic_protocol import (
     openai_tools,
 )
 from lmserve.server.api.chat_plan import ChatPlan, plan_chat, with_budget
-from lmserve.server.api.openai import caller_of, collect
+from lmserve.server.api.openai.routes import caller_of, collect
 from lmserve.server.api.params import build_params, structured_params, tool_structure
 from lmserve.server.config import TokenLimits
-from lmserve.server.errors import anthropic_error_body
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of
@@ -99,17 +99,16 @@ def _params(req: MessagesRequest, plan: ChatPlan, limits: TokenLimits) -> Sampli
 
 
 def _content(text: str, parser: OutputParser | None) -> tuple[list[dict], bool]:
-    """The answer's content blocks (a thinking block when there is reasoning, a text block when there is text, then
-    a tool_use block per call) and whether it called a tool."""
+    """The answer's content blocks (a thinking block when there is reasoning, then a text block per segment of text
+    and a tool_use block per call, in the order written) and whether it called a tool."""
     if parser is None:
         return ([{"type": "text", "text": text}] if text else []), False
     parsed = parser.parse(text)
-    content, calls = parsed.content, parsed.calls
     blocks = [_thinking_block(parsed.reasoning)] if parsed.reasoning else []
-    blocks += [{"type": "text", "text": content}] if content else []
-    blocks += [{"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
-               for call in calls]  # the grammar made the arguments a JSON object of the tool's schema
-    return blocks, bool(calls)
+    blocks += [{"type": "text", "text": part} if isinstance(part, str) else
+               {"type": "tool_use", "id": _tool_use_id(part.id), "name": part.name, "input": json.loads(part.arguments)}
+               for part in parsed.parts]  # the grammar made the arguments a JSON object of the tool's schema
+    return blocks, bool(parsed.calls)
 
 
 def _thinking_block(thinking: str) -> dict:
@@ -226,10 +225,10 @@ def _input_usage(prompt_tokens: int, cached: int) -> dict:
 
 
 # A failure part-way is an `error` event, as Anthropic's own; the client raises it.
-_ENCODER = StreamEncoder(lambda event: sse.named_event(*event),
-                         lambda err: sse.named_event("error", anthropic_error_body(err)))
+ENCODER = StreamEncoder(lambda event: sse.named_event(*event),
+                         lambda err: sse.named_event("error", error_body(err)))
 
 
 def _sse(request: Request, st: ModelState, merged: MergedStreams, events: AsyncIterator[Event]) -> StreamingResponse:
     """Serve `events` as named server-sent events; a failure part-way is an `error` event; a disconnect aborts."""
-    return sse.response(encoded_stream(request, st.metrics, merged, events, _ENCODER))
+    return sse.response(encoded_stream(request, st.metrics, merged, events, ENCODER))

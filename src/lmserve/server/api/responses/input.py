@@ -4,7 +4,8 @@ A Responses request becomes the chat request it means (server/api/openai.start_c
 a first system message, input items chat messages, `tools` (flat function tools) chat tools, `text.format`
 chat's response_format, `max_output_tokens` max_completion_tokens. Input items:
 
-    {"role": ..., "content": str | [parts]}                a message ("type": "message" may be given)
+    {"role": ..., "content": str | [parts]}                a message ("type": "message" may be given); an
+                                                           input_image part becomes chat's image_url part
     {"type": "function_call", "call_id", "name", "arguments"}   a call the model made earlier
     {"type": "function_call_output", "call_id", "output"}       its result
     {"type": "reasoning", "summary", "content"?}                 an earlier turn's reasoning: kept, not rendered
@@ -27,6 +28,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from lmserve.server.errors import APIError
+from lmserve.server.media import image_url_part
 from lmserve.server.protocol import TOOL_NAME_PATTERN, _NullMeansDefault, _Strict, parse_data
 
 MAX_ITEMS = 256  # input items of one request (chat's MAX_MESSAGES: each item is at most one message)
@@ -40,6 +42,23 @@ HARMLESS_INCLUDES = frozenset({"reasoning.encrypted_content", "file_search_call.
 class InputText(_Strict):
     type: Literal["input_text"]
     text: str
+
+
+class InputImage(_NullMeansDefault):
+    """An image in a user message: a data: URL or an allowed http(s) URL (server/media.py); file ids are refused."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] = "auto"
+
+    @model_validator(mode="after")
+    def _by_url(self) -> "InputImage":
+        if self.file_id is not None:
+            raise ValueError("file_id images are not supported; send image_url (a data: URL or an http(s) URL)")
+        if self.image_url is None:
+            raise ValueError("an input_image needs image_url")
+        return self
 
 
 class OutputText(_NullMeansDefault):
@@ -56,7 +75,7 @@ class Refusal(_Strict):
     refusal: str
 
 
-Part = Annotated[Union[InputText, OutputText, Refusal], Field(discriminator="type")]
+Part = Annotated[Union[InputText, InputImage, OutputText, Refusal], Field(discriminator="type")]
 
 
 class MessageItem(_NullMeansDefault):
@@ -270,13 +289,21 @@ def _text(parts: str | list[dict]) -> str:
     return "".join(p["refusal"] if p["type"] == "refusal" else p["text"] for p in parts)
 
 
+def _content(parts: list[dict]) -> str | list[dict]:
+    """A message's parts as chat content: its text, or (with an input_image) text and image_url parts in order."""
+    if not any(p["type"] == "input_image" for p in parts):
+        return _text(parts)
+    return [image_url_part(p["image_url"], p["detail"]) if p["type"] == "input_image"
+            else {"type": "text", "text": _text([p])} for p in parts]
+
+
 def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chat messages that `items` (after `instructions`, a system message) mean."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     for item in items:
         kind = item["type"]
         if kind == "message":
-            messages.append({"role": item["role"], "content": _text(item["content"])})
+            messages.append({"role": item["role"], "content": _content(item["content"])})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}

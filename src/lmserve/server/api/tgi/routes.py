@@ -16,9 +16,8 @@ import lmserve
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
-from lmserve.server.api.params import tgi_params
-from lmserve.server.errors import error_body
-from lmserve.server.protocol import TGICompatRequest, TGIRequest
+from lmserve.server.api.tgi import error_body
+from lmserve.server.api.tgi.protocol import TGICompatRequest, TGIRequest, tgi_params
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
 from lmserve.server.state import read_request, record_of, state_of
@@ -120,8 +119,8 @@ async def _generate(request: Request, st: ModelState, req: TGIRequest) -> Respon
 
 
 # TGI's SSE: `data:` with no space; a failure part-way is reported in-band, as TGI does.
-_ENCODER = StreamEncoder(lambda ev: f"data:{json.dumps(ev, ensure_ascii=False)}\n\n",
-                         lambda err: f"data:{json.dumps(error_body(err, tgi=True))}\n\n")
+ENCODER = StreamEncoder(lambda ev: f"data:{json.dumps(ev, ensure_ascii=False)}\n\n",
+                         lambda err: f"data:{json.dumps(error_body(err))}\n\n")
 
 
 async def _generate_stream(request: Request, st: ModelState, req: TGIRequest) -> Response:
@@ -145,5 +144,5 @@ async def _generate_stream(request: Request, st: ModelState, req: TGIRequest) ->
                                      "seed": params.seed, "input_length": len(ids)}
                 yield ev
 
-    body = encoded_stream(request, st.metrics, merged, events(), _ENCODER)
+    body = encoded_stream(request, st.metrics, merged, events(), ENCODER)
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -11,9 +11,12 @@ whole answer hold the same items. Each step returns the typed events it makes, i
     function call:  output_item.added, function_call_arguments.delta..., function_call_arguments.done,
                     output_item.done
 
-A response with neither text nor calls has one message with empty text (as chat answers content ""). A reasoning
+Text and calls keep the order the model wrote them: text after a call is another message item (message,
+function_call, message), as the chat stream's chunks and the chat answer's parts (openai.Run.parts) give them;
+the chat content's SEGMENT_SEP between them is not part of either message. A response with neither text nor
+calls has one message with empty text (as chat answers content ""). A reasoning
 item holds the whole reasoning as one `reasoning_text` part and no summary (the model writes none); it is sent
-back as input on the next turn, where it is accepted and not rendered (responses_input.py).
+back as input on the next turn, where it is accepted and not rendered (responses/input.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmserve.server.api.responses_input import ResponsesRequest, format_echo, tools_echo
+from lmserve.parsers.tool_calls import SEGMENT_SEP, ToolCall
+from lmserve.server.api.responses.input import ResponsesRequest, format_echo, tools_echo
 
 Event = tuple[str, dict[str, Any]]  # (type, fields): the stream numbers them
 
@@ -44,8 +48,13 @@ class OutputItems:
         return events + [("response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": delta})]
 
     def text(self, delta: str) -> list[Event]:
-        """Text of the assistant's message (opened on its first text)."""
-        events = [] if self._is_open("message") else self._start("message", self.message_id)
+        """Text of the assistant's message (opened on its first text; a later message, after a call, without the
+        separator the chat content put before it)."""
+        events = []
+        if not self._is_open("message"):
+            messages = sum(item["type"] == "message" for item in self.items)
+            delta = delta.removeprefix(SEGMENT_SEP) if messages else delta
+            events = self._start("message", self.message_id + (f"_{messages + 1}" if messages else ""))
         part = self._open["content"][0]
         part["text"] += delta
         return events + [("response.output_text.delta", {**self._where(), "content_index": 0, "delta": delta,
@@ -112,10 +121,21 @@ class OutputItems:
                                                         "item": copy.deepcopy(item)})]
 
 
-def output_of_chat(message: dict[str, Any], finish_reason: str | None, out: OutputItems) -> list[dict[str, Any]]:
-    """The output items of a whole chat answer's message (its reasoning, its content, then its tool_calls)."""
+def output_of_chat(message: dict[str, Any], finish_reason: str | None, out: OutputItems,
+                   parts: list[str | ToolCall] | None = None) -> list[dict[str, Any]]:
+    """The output items of a whole chat answer's message: its reasoning, then its text and tool_calls in the order
+    of `parts` (the chat answer's, openai.Run.parts) when it has calls, else its content then its tool_calls."""
     if message.get("reasoning_content"):
         out.reasoning(message["reasoning_content"])
+    if parts and any(isinstance(p, ToolCall) for p in parts):
+        for part in parts:
+            if isinstance(part, ToolCall):
+                out.call(part.id, part.name)
+                out.arguments(part.arguments)
+            else:
+                out.text(part)
+        out.finish(status_of(finish_reason))
+        return out.items
     if message.get("content") or not message.get("tool_calls"):
         out.text(message.get("content") or "")
     for call in message.get("tool_calls") or []:

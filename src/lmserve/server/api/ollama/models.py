@@ -17,7 +17,7 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from lmserve.server.api.ollama_protocol import LATEST, ShowRequest
+from lmserve.server.api.ollama.protocol import LATEST, ShowRequest
 from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import parse_body

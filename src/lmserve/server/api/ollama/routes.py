@@ -1,9 +1,9 @@
 """Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams by default), /api/tags, /api/show, /api/ps,
 /api/version, and HEAD / ("Ollama is running"); the model routes (/api/tags, /api/show, /api/ps) are in
-ollama_models.py, included here.
+models.py, included here.
 
 Shapes only: a request is admitted through ModelState.start like every other family's, and its body's meaning
-is in ollama_protocol.py. As Ollama does it: a chat with no messages (a generate with no prompt) only loads the
+is in protocol.py. As Ollama does it: a chat with no messages (a generate with no prompt) only loads the
 model, or unloads it with `keep_alive: 0`; `keep_alive` sets how long the model stays loaded once idle
 (server/models/pool.py unloads it then, and the next request loads it again). The model is shared by every key,
 so a request's keep_alive holds only within the operator's bounds (--keep-alive-max; shorter than --keep-alive
@@ -31,15 +31,16 @@ from lmserve.parsers.output import OutputParser
 from lmserve.parsers.reasoning import effort_budget
 from lmserve.request import CompletionDelta, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
-from lmserve.server.api import ollama_models
 from lmserve.server.api.chat_plan import ChatPlan, plan_chat, with_budget
-from lmserve.server.api.ollama_protocol import (
+from lmserve.server.api.ollama import models as ollama_models
+from lmserve.server.api.ollama.protocol import (
     ChatRequest,
     GenerateRequest,
     chat_messages,
     keep_alive_seconds,
     sampling_params,
     think_kwargs,
+    with_images,
 )
 from lmserve.server.api.tools import template_variables
 from lmserve.server.errors import APIError
@@ -50,7 +51,6 @@ from lmserve.server.streams import MergedStreams, StreamEncoder, Watched, encode
 
 router = Router()
 router.include(ollama_models.router)
-GENERATION_PATHS = ("/api/chat", "/api/generate")
 # The Ollama API level these routes follow (clients gate features on it: tools, think, logprobs).
 OLLAMA_VERSION = "0.12.0"
 NDJSON = "application/x-ndjson"
@@ -134,14 +134,15 @@ async def generate(request: Request) -> Response:
     start = time.monotonic()
     st, req = await read_request(request, GenerateRequest)
     keep = _keep_alive(request, st, req)
-    if req.images:
-        raise APIError(400, "images are not supported: the served models read text only", param="images")
+    if req.images and (req.raw or req.context):  # a text model says so first; images need the template's turn
+        st.check_images(len(req.images), "images")
+        raise APIError(400, "images need the chat template: not with raw or context", param="images")
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if req.template:
         raise APIError(400, "template is not supported: the model's own chat template renders the prompt",
                        param="template")
-    if not req.prompt and not req.context:
+    if not req.prompt and not req.context and not req.images:
         return _loaded(st, keep, {"response": ""})
     plan = None if req.raw else _generate_plan(st, req)
     params = sampling_params(req, st.config.token_limits, plan_fields=plan.sampling_fields() if plan else None)
@@ -166,7 +167,8 @@ def _generate_plan(st: ModelState, req: GenerateRequest) -> ChatPlan:
     """A templated generate is a chat of `system` (when given) and the prompt, with no tools."""
     system = [{"role": "system", "content": req.system}] if req.system else []
     variables = template_variables(st.front.tokenizer.chat_template)
-    return plan_chat(st, [*system, {"role": "user", "content": req.prompt}], [], think_kwargs(req.think, variables),
+    user = {"role": "user", "content": with_images(req.prompt, req.images)}
+    return plan_chat(st, [*system, user], [], think_kwargs(req.think, variables),
                      req.think is not False)
 
 
@@ -268,7 +270,7 @@ def _thinking(thinking: str | None, parser: OutputParser | None) -> dict:
 def _split(events: list[StreamEvent]) -> tuple[str, str]:
     """(thinking, answer text) of a streamer's events."""
     return ("".join(e.text for e in events if isinstance(e, ReasoningDelta)),
-            "".join(e.text for e in events if isinstance(e, ContentDelta)))
+            "".join(e.joined for e in events if isinstance(e, ContentDelta)))
 
 
 def _object(arguments: str) -> dict:
@@ -294,13 +296,13 @@ def _logprobs(st: ModelState, req, turn: Turn, lps: list[TokenLogprobs] | None =
                          for lp in (turn.logprobs if lps is None else lps)]}
 
 
-_ENCODER = StreamEncoder(lambda line: json.dumps(line, ensure_ascii=False) + "\n",
+ENCODER = StreamEncoder(lambda line: json.dumps(line, ensure_ascii=False) + "\n",
                          lambda err: json.dumps({"error": err.message}) + "\n")
 
 
 def _ndjson(request: Request, st: ModelState, merged: MergedStreams, lines: AsyncIterator[dict]) -> StreamingResponse:
     """One JSON object per line; a failure part-way is an `{"error": ...}` line (the client raises it)."""
-    return StreamingResponse(encoded_stream(request, st.metrics, merged, lines, _ENCODER), media_type=NDJSON)
+    return StreamingResponse(encoded_stream(request, st.metrics, merged, lines, ENCODER), media_type=NDJSON)
 
 
 async def _chat_lines(st: ModelState, req: ChatRequest, turn: Turn, merged: MergedStreams,

@@ -20,6 +20,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.api.params import build_params, structured_params, tool_structure
 from lmserve.server.config import TokenLimits
 from lmserve.server.errors import APIError
+from lmserve.server.media import image_url_part
 from lmserve.server.protocol import MAX_MESSAGES, ToolDef, _NullMeansDefault, _Strict
 from lmserve.utils import parse_duration
 
@@ -85,7 +86,7 @@ class ToolCall(_NullMeansDefault):
 class Message(_NullMeansDefault):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
-    images: list[str] | None = None  # refused: the served models read text
+    images: list[str] | None = None  # base64 images (after the text, as Ollama renders them): user messages only
     thinking: str | None = None  # an earlier reply's reasoning: not rendered back into the prompt
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None  # which function a tool message answers
@@ -199,10 +200,10 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     out: list[dict] = []
     pending: list[tuple[str, str]] = []  # (call id, function name) of calls not answered yet
     for i, m in enumerate(messages):
-        if m.images:
-            raise APIError(400, "images are not supported: the served models read text only",
+        if m.images and m.role != "user":
+            raise APIError(400, f"images are accepted in user messages only, not in a {m.role} message",
                            param=f"messages.{i}.images")
-        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        message: dict[str, Any] = {"role": m.role, "content": with_images(m.content, m.images)}
         if m.tool_calls:
             if m.role != "assistant":
                 raise APIError(400, f"tool_calls is only allowed in assistant messages, not in a {m.role} message",
@@ -215,6 +216,15 @@ def chat_messages(messages: list[Message]) -> list[dict]:
             message.update(tool_call_id=call_id, **({"name": name} if name else {}))
         out.append(message)
     return out
+
+
+def with_images(text: str, images: list[str] | None) -> str | list[dict]:
+    """A user turn's content: its text, or its text then its images as OpenAI chat parts (bare base64 as a data:
+    URL of no declared type: server/media.py reads the format from the bytes)."""
+    if not images:
+        return text
+    urls = [b64 if b64.startswith("data:") else f"data:;base64,{b64}" for b64 in images]
+    return [*([{"type": "text", "text": text}] if text else []), *(image_url_part(u) for u in urls)]
 
 
 def _call(c: ToolCall, made_up_id: str) -> dict:

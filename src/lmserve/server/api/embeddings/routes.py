@@ -31,8 +31,6 @@ from lmserve.server.state import read_request, record_of
 from lmserve.server.streams import Watched, engine_error
 
 router = Router()
-# like generation routes, the Observe middleware keeps a record of each (and settles the key's usage)
-PATHS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's limit); the server's queue limit may be lower
 
 
@@ -44,6 +42,7 @@ class EmbeddingRequest(_NullMeansDefault):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = Field(default=None, max_length=256)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM's: cut each input to this many tokens
 
 
 class OllamaEmbedRequest(_NullMeansDefault):
@@ -70,7 +69,7 @@ class OllamaEmbeddingsRequest(_NullMeansDefault):
 async def openai_embeddings(request: Request) -> Response:
     st, req = await read_request(request, EmbeddingRequest)
     inputs = [req.input] if isinstance(req.input, str) or _is_ids(req.input) else req.input
-    ids = await _tokenized(st, request, inputs, truncate=False)
+    ids = await _tokenized(st, request, inputs, truncate=req.truncate_prompt_tokens or False)
     vectors, rid = await _embed(st, request, ids, req.model, PoolingParams(_dimensions(req.dimensions)))
     if vectors is None:
         return Response(status_code=499)
@@ -106,8 +105,25 @@ async def ollama_embeddings(request: Request) -> Response:
     return JSONResponse({"embedding": vectors[0]})
 
 
-async def _tokenized(st: ModelState, request: Request, inputs: list, truncate: bool) -> list[list[int]]:
-    """Each input's token ids (checked against the vocabulary); with `truncate`, cut to the model's context."""
+def require_task(st: ModelState, task: str) -> None:
+    """A 400 naming the model's tasks when it does not answer `task` (a cross-encoder asked for embeddings)."""
+    tasks = st.front.tasks
+    if task not in tasks:
+        raise APIError(400, f"model {st.model_name!r} does not support {task}; its tasks: {', '.join(tasks)}",
+                       param="model")
+
+
+def cut_ids(st: ModelState, ids: list[int], limit: int) -> list[int]:
+    """`ids` cut to `limit` tokens: an encoder's keep their closing separator ([SEP], </s>), as its tokenizer cuts."""
+    if len(ids) <= limit:
+        return ids
+    return ids[:limit - 1] + ids[-1:] if st.front.pooler.encoder and limit > 1 else ids[:limit]
+
+
+async def _tokenized(st: ModelState, request: Request, inputs: list, truncate: bool | int) -> list[list[int]]:
+    """Each input's token ids (checked against the vocabulary); with `truncate`, cut to the model's context (an int:
+    to that many tokens, within it)."""
+    require_task(st, "embed")
     if not inputs:
         raise APIError(400, "input must not be empty", param="input")
     limit = min(MAX_INPUTS, st.front.max_num_seqs + st.config.max_queued_requests)
@@ -117,7 +133,10 @@ async def _tokenized(st: ModelState, request: Request, inputs: list, truncate: b
         raise APIError(400, "every input must be a non-empty string or token-id list", param="input")
     record = record_of(request)
     ids = [await st.tokenize(x, record) for x in inputs]
-    return [x[:st.front.max_model_len] for x in ids] if truncate else ids
+    if truncate is False:
+        return ids
+    limit = st.front.max_model_len if truncate is True else min(truncate, st.front.max_model_len)
+    return [cut_ids(st, x, limit) for x in ids]
 
 
 async def _embed(st: ModelState, request: Request, ids: list[list[int]], model: str | None,

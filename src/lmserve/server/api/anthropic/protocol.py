@@ -2,8 +2,8 @@
 
 Accepted as Anthropic's API documents them: `system` (a string or text blocks), messages of text / tool_use /
 tool_result / thinking blocks, custom `tools` with `tool_choice` auto / any / tool / none, `thinking`,
-`metadata.user_id`, `cache_control` on blocks (prefix caching here is automatic, so it changes nothing). Refused
-with a 400 naming the field: image and document blocks, server tools (`bash_20250124`, `web_search_...`), and a
+`metadata.user_id`, image blocks in user turns (base64 or url sources, checked by server/media.py), `cache_control` on blocks (prefix caching here is automatic, so it changes nothing). Refused
+with a 400 naming the field: document blocks, image blocks outside user turns, server tools (`bash_20250124`, `web_search_...`), and a
 final assistant message (Anthropic's "prefill": the chat templates here cannot continue a turn). An unknown
 top-level field is ignored and named in X-Ignored-Fields, as on the OpenAI routes.
 
@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from lmserve.server.media import image_url_part
 from lmserve.server.protocol import MAX_MESSAGES, TOOL_NAME_PATTERN, _NullMeansDefault, _Strict
 
 
@@ -47,7 +48,7 @@ class ContentBlock(_NullMeansDefault):
     thinking: str | None = None  # thinking (a past turn's: dropped, as Anthropic drops it)
     signature: str | None = None  # thinking
     data: str | None = None  # redacted_thinking
-    source: dict[str, Any] | None = None  # image, document: refused
+    source: dict[str, Any] | None = None  # image: {type: base64, media_type, data} or {type: url, url}; document: refused
     cache_control: dict[str, Any] | None = None  # accepted, changes nothing: prefix caching is automatic
     citations: list[dict[str, Any]] | None = None  # text: accepted in history
 
@@ -58,13 +59,15 @@ class ContentBlock(_NullMeansDefault):
 
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> "ContentBlock":
-        if self.type in ("image", "document"):
-            raise ValueError(f"{self.type} blocks are not supported (this server serves text models)")
-        needed = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
+        if self.type == "document":
+            raise ValueError("document blocks are not supported")
+        needed = {"image": ("source",), "text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",),
                   "thinking": ("thinking",), "redacted_thinking": ("data",)}[self.type]
         missing = [f for f in needed if getattr(self, f) is None]
         if missing:
             raise ValueError(f"a {self.type} block needs {', '.join(missing)}")
+        if self.type == "image":
+            image_url(self.source or {})  # the source's shape, checked here so the error names the block
         if self.content is not None and any(b.type != "text" for b in self.content):
             raise ValueError("a tool_result's content blocks must be text blocks")
         return self
@@ -78,6 +81,12 @@ class Message(_Strict):
     @classmethod
     def _content_text(cls, value: Any) -> Any:
         return _text_blocks(value)
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> "Message":
+        if self.role != "user" and any(b.type == "image" for b in self.content):
+            raise ValueError("image blocks are accepted in user messages only")
+        return self
 
 
 class Tool(_Strict):
@@ -220,9 +229,27 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
             continue
         out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
                 for b in blocks if b.type == "tool_result"]
-        if any(b.type == "text" for b in blocks) or not out or out[-1]["role"] != "tool":
-            out.append({"role": "user", "content": _text(blocks)})
+        if any(b.type in ("text", "image") for b in blocks) or not out or out[-1]["role"] != "tool":
+            out.append({"role": "user", "content": _user_content(blocks)})
     return out
+
+
+def image_url(source: dict[str, Any]) -> str:
+    """An image block's source as a URL: base64 data as a data: URL of its media_type, or the url itself."""
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ValueError("an image block's source must be {type: base64, media_type, data} or {type: url, url}")
+
+
+def _user_content(blocks: list[ContentBlock]) -> str | list[dict]:
+    """A user turn's text, or (with image blocks) its text and images in order as OpenAI chat parts."""
+    if not any(b.type == "image" for b in blocks):
+        return _text(blocks)
+    return [image_url_part(image_url(b.source or {})) if b.type == "image" else {"type": "text", "text": b.text}
+            for b in blocks if b.type in ("image", "text")]
 
 
 def _assistant(blocks: list[ContentBlock]) -> dict:

@@ -1,10 +1,10 @@
 """OpenAI's Responses API: POST /v1/responses (JSON or typed SSE), GET and DELETE /v1/responses/{id},
 GET /v1/responses/{id}/input_items.
 
-Only shapes are translated here: a request becomes the chat request it means (responses_input.py) and runs
+Only shapes are translated here: a request becomes the chat request it means (input.py) and runs
 through openai.start_chat, so templating, tools, structured output, admission (ModelState.start) and refusals
 are the chat route's own; the chat answer, whole or streamed, becomes output items and the Response object
-(responses_output.py). With `store` (the default) the answer is kept per API key (responses_store.py) and
+(output.py). With `store` (the default) the answer is kept per API key (store.py) and
 `previous_response_id` continues it: that response's context and output come before the new input
 (its `instructions` do not carry over, as in OpenAI's API).
 
@@ -27,10 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from lmserve.server.api import chunks as sse
-from lmserve.server.api.openai import Run, caller_of, start_chat
-from lmserve.server.api.responses_input import ResponsesRequest, chat_messages, chat_request, input_items
-from lmserve.server.api.responses_output import OutputItems, ResponseShell, output_of_chat, status_of, usage_of
-from lmserve.server.api.responses_store import ResponseStore, StoredResponse
+from lmserve.server.api.openai.routes import Run, caller_of, start_chat
+from lmserve.server.api.responses.input import ResponsesRequest, chat_messages, chat_request, input_items
+from lmserve.server.api.responses.output import OutputItems, ResponseShell, output_of_chat, status_of, usage_of
+from lmserve.server.api.responses.store import ResponseStore, StoredResponse
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import ChatRequest, parse_data
 from lmserve.server.quotas import StorageQuota
@@ -73,7 +73,7 @@ async def create_response(request: Request) -> Response:
     if body is None:  # the client went away first
         return Response(status_code=499)
     choice, usage = body["choices"][0], body["usage"]
-    output = output_of_chat(choice["message"], choice["finish_reason"], _output_items(shell.id))
+    output = output_of_chat(choice["message"], choice["finish_reason"], _output_items(shell.id), run.parts)
     answer = shell.object(status_of(choice["finish_reason"]), output, usage_of(usage, caller.record.num_cached_tokens))
     return JSONResponse(await saved(answer))
 

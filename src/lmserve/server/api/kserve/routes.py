@@ -10,14 +10,13 @@ protocol's error object; server/errors.py shapes them by path).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from lmserve.server.api.openai import caller_of, start_completion
+from lmserve.server.api.openai.routes import caller_of, start_completion
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import MAX_PROMPTS, CompletionRequest, parse_body, parse_data
 from lmserve.server.router import Router
@@ -25,7 +24,6 @@ from lmserve.server.state import LEASES_KEY, LOADING_KEY, accept, arrived_at, ke
 
 router = Router()
 INPUT, OUTPUT, BYTES = "text_input", "text_output", "BYTES"
-INFER_PATH = re.compile(r"^/v2/models/[^/]+/infer$")  # the Observe middleware records these as generation requests
 
 
 class _Strict(BaseModel):

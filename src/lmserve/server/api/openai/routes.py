@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from lmserve.beam_search import BeamSearch, BeamSearchSequence, advance_all, next_batch
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.ops.record import RequestRecord
-from lmserve.parsers.output import OutputParser
+from lmserve.parsers.output import OutputParser, Parsed
 from lmserve.parsers.reasoning import effort_budget
 from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ from lmserve.server.api import chunks as sse
 from lmserve.server.api.chat_plan import plan_chat, with_budget
 from lmserve.server.api.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.api.params import beam_params, chat_params, completion_params, scores_prompt_only, tool_dicts
-from lmserve.server.api.tool_stream import chat_chunk_delta
+from lmserve.server.api.tool_stream import chat_chunk_deltas
 from lmserve.server.errors import APIError, error_body
 from lmserve.server.protocol import MAX_PROMPTS, ChatRequest, CompletionRequest
 from lmserve.server.router import Router
@@ -99,6 +99,9 @@ class Run:
     body: Callable[[], Awaitable[dict | None]]  # collects every stream; None when the client went away first
     chunks: Callable[[], AsyncIterator[dict]]
     lora: LoRARequest | None = None  # the adapter that runs (what the response cache may file its answer under)
+    # A chat answer's first choice, content segments and calls in the order written, once `body` ran with a tool
+    # parser (the Responses API's items follow it; the chat message joins the segments into `content`).
+    parts: list = field(default_factory=list)
 
 
 @router.get("/v1/models")
@@ -268,15 +271,18 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
         choices = await collect(caller, st, merged, params.n, 1)
         if choices is None:
             return None
+        parsed = [parser.parse(c.text) if parser is not None else None for c in choices]
+        run.parts[:] = parsed[0].parts if parsed[0] is not None else []
         return {**meta, "object": "chat.completion", "choices": [
-            {"index": i, **_chat_message(c, parser),
+            {"index": i, **_chat_message(c, parser, parsed[i]),
              "logprobs": {"content": chat_logprobs(_piece(st), c.logprobs)} if req.logprobs else None}
             for i, c in enumerate(choices)],
             "usage": {**_usage(len(ids), choices, caller.record.num_cached_tokens),
                       **_reasoning_usage(st, parser, [c.token_ids for c in choices])}}
 
-    return Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser,
-                                                  caller.record), lora)
+    run = Run(merged, body, lambda: _chat_chunks(st, merged, meta, params, len(ids), include_usage, parser,
+                                                 caller.record), lora)
+    return run
 
 
 def _model_name(st: ModelState, lora: LoRARequest | None) -> str:
@@ -313,11 +319,10 @@ async def answer(st: ServerState, url: str, data: Any, caller: Caller) -> tuple[
             held.release()
 
 
-def _chat_message(c: Choice, parser: OutputParser | None) -> dict:
-    """{"message", "finish_reason"} of a chat choice; with a parser, reasoning and calls are parsed out of the text."""
-    if parser is None:
+def _chat_message(c: Choice, parser: OutputParser | None, parsed: Parsed | None) -> dict:
+    """{"message", "finish_reason"} of a chat choice; with a parser, `parsed` is its text's reasoning and calls."""
+    if parser is None or parsed is None:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-    parsed = parser.parse(c.text)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parser.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
@@ -370,12 +375,12 @@ async def collect(caller: Caller, st: ModelState, merged: MergedStreams, n: int,
 
 
 # A failure part-way is an error event, then [DONE] (as vLLM; the openai client raises).
-_ENCODER = StreamEncoder(sse.event, lambda err: sse.event(error_body(err)), sse.DONE)
+ENCODER = StreamEncoder(sse.event, lambda err: sse.event(error_body(err)), sse.DONE)
 
 
 def _sse(request: Request, st: ModelState, merged: MergedStreams, chunks: AsyncIterator[dict]) -> StreamingResponse:
     """Serve `chunks` as server-sent events ending in [DONE]; a disconnect aborts the streams."""
-    return sse.response(encoded_stream(request, st.metrics, merged, chunks, _ENCODER))
+    return sse.response(encoded_stream(request, st.metrics, merged, chunks, ENCODER))
 
 
 async def _completion_chunks(st: ModelState, merged: MergedStreams, meta: dict, n: int, prompts: list[Prompt],
@@ -411,14 +416,14 @@ async def _chat_chunks(st: ModelState, merged: MergedStreams, meta: dict, params
         outputs[d.index] = d.num_output_tokens
         token_ids[d.index] += d.token_ids if parser is not None and parser.reasoning is not None else []
         lp = {"content": chat_logprobs(_piece(st), d.logprobs or [])} if params.logprobs is not None else None
-        delta = {"content": d.text} if streamers is None else chat_chunk_delta(streamers[d.index].feed(d.text))
-        if (d.text and (delta or streamers is None)) or d.logprobs:
-            yield sse.chat_chunk(base, d.index, delta, lp)
+        deltas = [{"content": d.text}] if streamers is None else chat_chunk_deltas(streamers[d.index].feed(d.text))
+        if (d.text and (deltas or streamers is None)) or d.logprobs:
+            for k, delta in enumerate(deltas or [{}]):  # the logprobs go with the first
+                yield sse.chat_chunk(base, d.index, delta, lp if k == 0 else None)
         if d.finished:
             reason = d.finish_reason
             if streamers is not None:
-                tail = chat_chunk_delta(streamers[d.index].finish())
-                if tail:
+                for tail in chat_chunk_deltas(streamers[d.index].finish()):
                     yield sse.chat_chunk(base, d.index, tail)
                 if streamers[d.index].num_calls and reason == "stop":
                     reason = "tool_calls"

@@ -1,0 +1,133 @@
+"""Encoder throughput: all-MiniLM-L6-v2 through lmserve's engine against sentence-transformers' encode, same run.
+
+    python benchmarks/encoder_throughput.py            # 1,000 sentences, 3 alternating repeats
+    python benchmarks/encoder_throughput.py --quick    # 100 sentences, 1 repeat: checks the script
+
+The sentences are 16 to 128 tokens (whole words drawn from a fixed list, token counts checked with the model's
+tokenizer), the same for both sides:
+  lmserve   one LLMEngine over the real model (its package's model.zip, unzipped to ~/.cache/lmserve/models):
+            every sentence a pooling request, the engine's steps batching them without padding
+  st        SentenceTransformer(dir).encode(sentences, batch_size=32): batches padded to their longest
+Both run with --threads torch threads (default 2), in alternating repeats (lmserve, st, lmserve, st, ...), because
+the machine is shared and only a ratio taken back to back means anything. Throughput is sentences per second
+of wall time and of process CPU time; the CPU, its flags and the load average are printed with the results.
+Target (issue 44): lmserve >= 2x sentence-transformers. Results, on a quiet machine: benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent))
+import torch  # noqa: E402
+from compare import _cpu_name, _flags  # noqa: E402  the same machine description as the other benchmarks
+
+from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
+from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
+from lmserve.pooling_params import PoolingParams  # noqa: E402
+from lmserve.sampling_params import SamplingParams  # noqa: E402
+from tests.encoder_models import minilm_dir  # noqa: E402
+
+WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not first "
+         "one their its new after but who they two her she been other when there all during into school time may "
+         "years more most only over city some world would where later up such used many can state about national "
+         "out known university united then made").split()
+EMBED = SamplingParams(max_tokens=1, pooling=PoolingParams())
+
+
+def sentences(tokenize, n: int, seed: int = 0) -> list[str]:
+    """n sentences of 16..128 tokens (with [CLS] and [SEP]), lengths uniform."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        want = rng.randint(16, 128)
+        words = [rng.choice(WORDS) for _ in range(want - 2)]
+        text = " ".join(words)
+        while len(tokenize(text)) > want:
+            words.pop()
+            text = " ".join(words)
+        if len(tokenize(text)) >= 16:
+            out.append(text)
+    return out
+
+
+def run_lmserve(engine: LLMEngine, texts: list[str], tag: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) from adding every sentence to the last vector."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i, t in enumerate(texts):
+        engine.add_request(f"{tag}-{i}", engine.tokenizer.encode(t), EMBED)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run_st(model, texts: list[str]) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    model.encode(texts, batch_size=32)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sentences", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.quick:
+        args.sentences, args.repeats = 100, 1
+    torch.set_num_threads(args.threads)
+    from sentence_transformers import SentenceTransformer
+
+    path = minilm_dir()
+    engine = LLMEngine(_engine_config(path, args))
+    st = SentenceTransformer(str(path), device="cpu")
+    texts = sentences(engine.tokenizer.encode, args.sentences)
+    tokens = sum(len(engine.tokenizer.encode(t)) for t in texts)
+    run_lmserve(engine, texts[:32], "warm")
+    run_st(st, texts[:32])
+    load = os.getloadavg()
+    runs: dict[str, list[tuple[float, float]]] = {"lmserve": [], "st": []}
+    for r in range(args.repeats):
+        runs["lmserve"].append(run_lmserve(engine, texts, f"r{r}"))
+        runs["st"].append(run_st(st, texts))
+    result = {"cpu": _cpu_name(), "flags": _flags(), "threads": args.threads, "sentences": len(texts),
+              "tokens": tokens, "load_before": load, "load_after": os.getloadavg(),
+              **{name: {"wall_s": statistics.median(w for w, _ in v), "cpu_s": statistics.median(c for _, c in v),
+                        "sentences_per_s": len(texts) / statistics.median(w for w, _ in v)}
+                 for name, v in runs.items()}}
+    result["speedup_wall"] = result["st"]["wall_s"] / result["lmserve"]["wall_s"]
+    result["speedup_cpu"] = result["st"]["cpu_s"] / result["lmserve"]["cpu_s"]
+    print(f"CPU: {result['cpu']} ({args.threads} threads); {len(texts)} sentences, {tokens} tokens; "
+          f"load {load[0]:.1f} -> {result['load_after'][0]:.1f}")
+    for name in runs:
+        print(f"{name:8s} {result[name]['sentences_per_s']:8.1f} sentences/s  (wall {result[name]['wall_s']:.2f} s, "
+              f"CPU {result[name]['cpu_s']:.2f} s)")
+    print(f"lmserve / sentence-transformers: {result['speedup_wall']:.2f}x wall, {result['speedup_cpu']:.2f}x CPU "
+          "(target >= 2x)")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+def _engine_config(path: Path, args: argparse.Namespace) -> EngineConfig:
+    from dataclasses import replace
+
+    cfg = EngineConfig(model=str(path), num_threads=args.threads, cache=CacheConfig(enable_prefix_caching=False))
+    return replace(cfg, scheduler=replace(cfg.scheduler, max_num_seqs=256,
+                                          max_num_batched_tokens=args.max_num_batched_tokens, step_seconds=None))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""A prompt's images -> the engine's view of them: each image's marker token expanded into its placeholder tokens,
+and one MMInput per image (pixels, digest, the positions its embeddings fill). Runs in the front end
+(engine/front.py), on the caller's thread: decoding and resizing never block the engine thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+from lmserve.errors import RequestRejected
+from lmserve.multimodal.image_io import ImageData
+from lmserve.multimodal.processor import MMInput, VisionProcessor
+from lmserve.tokenizer import Tokenizer
+
+
+class PromptImages:
+    """One vision model's processor and the token ids its placeholders are made of."""
+
+    def __init__(self, processor: VisionProcessor, tokenizer: Tokenizer) -> None:
+        self.processor, self.tokenizer = processor, tokenizer
+        marker = tokenizer.encode_prompt(processor.image_token, add_special_tokens=False)
+        if len(marker) != 1:
+            raise ValueError(f"the tokenizer has no single token for {processor.image_token!r}")
+        self.image_token_id = marker[0]
+
+    def expand(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
+        """`ids` with its k-th marker token replaced by image k's placeholder ids; one MMInput per image."""
+        images = [_as_image_data(im) for im in images]
+        marks = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(marks) != len(images):
+            raise RequestRejected(f"the prompt has {len(marks)} image placeholder(s) "
+                                  f"({self.processor.image_token}) for {len(images)} image(s)")
+        out: list[int] = []
+        inputs = []
+        prev = 0
+        for mark, img in zip(marks, images):
+            out += ids[prev:mark]
+            processed = self.processor.process(img.image)
+            span = self.tokenizer.encode_prompt(processed.placeholder, add_special_tokens=False)
+            where = np.flatnonzero(np.asarray(span) == self.image_token_id) + len(out)
+            inputs.append(MMInput(img.digest, processed.pixel_values, where.astype(np.int64)))
+            out += span
+            prev = mark + 1
+        return out + ids[prev:], tuple(inputs)
+
+
+def _as_image_data(image: object) -> ImageData:
+    """ImageData as it comes; a PIL image (the offline API) named by the hash of its pixels."""
+    if isinstance(image, ImageData):
+        return image
+    if hasattr(image, "convert") and hasattr(image, "tobytes"):
+        rgb = image.convert("RGB")
+        digest = hashlib.sha256(b"%dx%d:" % rgb.size + rgb.tobytes()).hexdigest()
+        return ImageData(image=rgb, digest=digest)
+    raise RequestRejected(f"an image must be a decoded image (PIL or ImageData), got {type(image).__name__}")
+
+
+def image_salt(inputs: Sequence[MMInput]) -> bytes:
+    """What the prompt's prefix-cache blocks are salted with beside the caller's salt: the images' digests, in
+    order, so the same text with another image never shares a block and the same image does."""
+    return b"img:" + b",".join(m.digest.encode() for m in inputs) if inputs else b""

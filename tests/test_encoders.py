@@ -1,0 +1,108 @@
+"""Encoder models through the engine (models/bert.py): the real all-MiniLM-L6-v2 against sentence-transformers, tiny
+random BERT / XLM-R embedders against sentence-transformers and cross-encoders against its CrossEncoder, each prompt
+run whole and padding-free in the engine's steps."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lmserve.engine.llm import LLM
+from lmserve.pooling_params import PoolingParams
+from tests.encoder_models import SENTENCES, build_encoder, minilm_dir
+
+WORDS = ("retrieval augmented generation needs an embedder a reranker and a language model; the quick brown fox "
+         "jumps over the lazy dog while servers answer requests in batches of varying lengths").split()
+
+
+def mixed_sentences(n: int = 100, seed: int = 0) -> list[str]:
+    """n sentences of 1 to 120 words (MiniLM's window is 256 tokens), shuffled lengths."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 8, 20, 45, 80, 120]))).capitalize() + "."
+            for _ in range(n)]
+
+
+def _vectors(llm: LLM, prompts: list, params: PoolingParams | None = None) -> np.ndarray:
+    return np.array([o.outputs.embedding for o in llm.embed(prompts, pooling_params=params, use_tqdm=False)])
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    path = minilm_dir()
+    return path, LLM(str(path), max_num_seqs=64)
+
+
+def test_minilm_matches_sentence_transformers_single_and_batched(minilm):
+    from sentence_transformers import SentenceTransformer
+
+    path, llm = minilm
+    texts = mixed_sentences()
+    ref = SentenceTransformer(str(path), device="cpu").encode(texts, batch_size=32)  # unit vectors (2_Normalize)
+    batched = _vectors(llm, texts)  # the engine batches them, variable lengths in one step
+    cos = (batched * ref).sum(1) / np.linalg.norm(batched, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() > 1 - 1e-5, cos.min()
+    picks = sorted(range(len(texts)), key=lambda i: len(texts[i]))[::10]  # every length, one at a time
+    single = np.stack([_vectors(llm, [texts[i]])[0] for i in picks])
+    cos = (single * ref[picks]).sum(1) / np.linalg.norm(single, axis=1)
+    assert cos.min() > 1 - 1e-5, cos.min()
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks  # every block back
+
+
+def test_minilm_window_is_sentence_transformers_max_seq_length(minilm):
+    _, llm = minilm
+    assert llm.engine.max_model_len == 256  # sentence_bert_config.json, under the 512 positions of config.json
+    assert llm.engine.front.tasks == ("embed", "score", "rerank")
+
+
+@pytest.mark.parametrize("kind,pooling,normalize", [("bert", "mean", True), ("bert", "max", False),
+                                                    ("xlm-roberta", "cls", True)])
+def test_tiny_embedders_match_sentence_transformers(tmp_path, kind, pooling, normalize):
+    from sentence_transformers import SentenceTransformer
+
+    path = build_encoder(tmp_path, kind, pooling=pooling, normalize=normalize)
+    ref = SentenceTransformer(str(path), device="cpu").encode(SENTENCES, normalize_embeddings=True)
+    got = _vectors(LLM(str(path)), SENTENCES)
+    assert np.abs(got - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_tiny_cross_encoders_match_sentence_transformers(tmp_path, kind):
+    from sentence_transformers import CrossEncoder
+
+    path = build_encoder(tmp_path, kind, num_labels=1, pooling=None)
+    pairs = [(q, d) for q in SENTENCES[:2] for d in SENTENCES]
+    ref = CrossEncoder(str(path), device="cpu").predict(pairs)  # sigmoid of the one logit (its default activation)
+    llm = LLM(str(path))
+    assert llm.engine.front.tasks == ("score", "rerank", "classify")
+    ids = [llm.tokenizer.encode_pair(q, d) for q, d in pairs]
+    got = _vectors(llm, ids)[:, 0]
+    assert np.abs(got - ref).max() < 1e-4
+    with pytest.raises(Exception, match="does not generate"):
+        llm.generate(["a dog"], use_tqdm=False)
+
+
+def test_bert_classifier_softmax_matches_transformers(tmp_path):
+    import transformers
+
+    path = build_encoder(tmp_path, "bert", num_labels=3, pooling=None)
+    ref_model = transformers.AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    llm = LLM(str(path))
+    ids = [llm.tokenizer.encode(t) for t in SENTENCES]
+    with torch.no_grad():
+        ref = np.stack([ref_model(torch.tensor([x])).logits[0].softmax(-1).numpy() for x in ids])
+    assert np.abs(_vectors(llm, ids) - ref).max() < 1e-4
+
+
+def test_padded_attention_equals_the_per_sequence_reference():
+    from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
+
+    torch.manual_seed(0)
+    lens = [5, 1, 17, 9, 17]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    qkv = torch.randn(sum(lens), 3, 4, 16)
+    seqs = step_sequences(positions, sum(lens))
+    assert seqs.lens == lens
+    assert torch.allclose(bidirectional(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)

@@ -1,0 +1,148 @@
+"""A retrieval server, black-box: the real all-MiniLM-L6-v2 as the embedder, a tiny BERT cross-encoder as the
+reranker, a tiny 3-label BERT classifier and the embedded chat model, side by side in one `lmserve serve`, asked by the official clients
+(openai, LangChain's OpenAIEmbeddings, ollama) and by httpx in Jina's, Cohere's, TEI's and vLLM's shapes; answers
+against sentence-transformers; bad input a 400 in each API's own error shape."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.encoder_models import SENTENCES, build_encoder, minilm_dir
+from tests.server_util import running_server
+
+QUERY = "the cat sat on the mat"
+DOCS = ["a dog", "the cat sat on the mat", "it is what it is", "an apple a day keeps the w40 away"]
+MAX_DOCS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retrieval")
+    return {"minilm": minilm_dir(), "ce": build_encoder(root, "bert", num_labels=1, pooling=None),
+            "cls": build_encoder(root, "bert", num_labels=3, pooling=None)}
+
+
+@pytest.fixture(scope="module")
+def server(models, smol_path):
+    args = [a for name, path in {**models, "chat": smol_path}.items() for a in ("--model", f"{name}={path}")]
+    with running_server(*args, "--max-rerank-documents", str(MAX_DOCS), start_timeout=600) as s:
+        yield s
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def st_encode(models, texts: list[str]) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(models["minilm"]), device="cpu").encode(texts)
+
+
+def ce_predict(models, pairs: list[tuple[str, str]]) -> np.ndarray:
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(str(models["ce"]), device="cpu").predict(pairs)
+
+
+def test_the_chat_model_answers_beside_the_encoders(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    chat = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert chat.choices[0].message.content
+    assert len(client.embeddings.create(model="minilm", input="Hi").data[0].embedding) == 384
+    r = post(server, "/v1/rerank", {"model": "chat", "query": "a", "documents": ["b"]})
+    assert r.status_code == 400 and "its tasks: generate, embed" in r.json()["error"]["message"]
+
+
+def test_openai_langchain_ollama_and_tei_embeddings_equal_sentence_transformers(server, models):
+    import ollama
+    import openai
+    from langchain_openai import OpenAIEmbeddings
+
+    ref = st_encode(models, SENTENCES)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    got = {"openai": [d.embedding for d in client.embeddings.create(model="minilm", input=SENTENCES).data]}
+    lc = OpenAIEmbeddings(model="minilm", base_url=server.url + "/v1", api_key="x", check_embedding_ctx_length=False)
+    got["langchain"] = lc.embed_documents(SENTENCES)
+    got["ollama"] = ollama.Client(host=server.url).embed(model="minilm", input=SENTENCES).embeddings
+    got["tei"] = post(server, "/embed", {"model": "minilm", "inputs": SENTENCES}).json()
+    for name, vectors in got.items():
+        cos = (np.array(vectors) * ref).sum(1) / np.linalg.norm(ref, axis=1)
+        assert cos.min() > 1 - 1e-5, name
+
+
+def test_jina_and_cohere_rerank_equal_the_cross_encoder(server, models):
+    ref = ce_predict(models, [(QUERY, d) for d in DOCS])
+    best = list(np.argsort(-ref))
+    jina = post(server, "/v1/rerank", {"model": "ce", "query": QUERY, "documents": DOCS, "top_n": 2}).json()
+    assert [r["index"] for r in jina["results"]] == best[:2]
+    assert [r["document"]["text"] for r in jina["results"]] == [DOCS[i] for i in best[:2]]
+    assert np.allclose([r["relevance_score"] for r in jina["results"]], ref[best[:2]], atol=1e-4)
+    cohere = post(server, "/rerank", {"model": "ce", "query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                      "return_documents": False}).json()
+    assert [r["index"] for r in cohere["results"]] == best and "document" not in cohere["results"][0]
+    tei = post(server, "/rerank", {"model": "ce", "query": QUERY, "texts": DOCS, "raw_scores": True}).json()
+    assert [r["index"] for r in tei] == best
+    assert np.allclose([r["score"] for r in tei], np.log(ref[best] / (1 - ref[best])), atol=1e-3)
+
+
+def test_score_uses_the_head_for_a_cross_encoder_and_cosine_for_an_embedder(server, models):
+    one_to_many = post(server, "/v1/score", {"model": "ce", "text_1": QUERY, "text_2": DOCS}).json()
+    assert np.allclose([d["score"] for d in one_to_many["data"]], ce_predict(models, [(QUERY, d) for d in DOCS]),
+                       atol=1e-4)
+    pairs = post(server, "/v1/score", {"model": "minilm", "text_1": DOCS[:2], "text_2": DOCS[2:]}).json()
+    ref = st_encode(models, DOCS)
+    assert np.allclose([d["score"] for d in pairs["data"]], [ref[0] @ ref[2], ref[1] @ ref[3]], atol=1e-5)
+    rerank = post(server, "/v1/rerank", {"model": "minilm", "query": QUERY, "documents": DOCS}).json()
+    assert rerank["results"][0]["index"] == 1  # the identical text first (cosine 1)
+
+
+def test_classify_gives_each_inputs_label_probabilities(server):
+    got = post(server, "/classify", {"model": "cls", "input": SENTENCES[:2]}).json()
+    assert [d["num_classes"] for d in got["data"]] == [3, 3]
+    for d in got["data"]:
+        assert abs(sum(d["probs"]) - 1) < 1e-5 and d["label"] == f"LABEL_{int(np.argmax(d['probs']))}"
+
+
+@pytest.mark.parametrize("path,body,says", [
+    ("/v1/embeddings", {"model": "ce", "input": "a dog"}, "its tasks: score, rerank, classify"),
+    ("/classify", {"model": "minilm", "input": "a dog"}, "its tasks: embed, score, rerank"),
+    ("/v1/rerank", {"model": "cls", "query": "a", "documents": ["b"]}, "its tasks: classify"),
+    ("/v1/completions", {"model": "minilm", "prompt": "a dog", "max_tokens": 2}, "does not generate"),
+    ("/v1/rerank", {"model": "ce", "query": "a", "documents": []}, "must not be empty"),
+    ("/v1/rerank", {"model": "ce", "query": "a", "documents": ["b", ""]}, "non-empty"),
+    ("/v1/rerank", {"model": "ce", "query": "a", "documents": ["b"] * (MAX_DOCS + 1)}, "--max-rerank-documents"),
+    ("/v1/score", {"model": "ce", "text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "equally long"),
+    ("/v1/rerank", {"model": "ce", "query": "a", "documents": ["w1 " * 200]}, "past the model's window"),
+    ("/v1/embeddings", {"model": "minilm", "input": ""}, "non-empty"),
+])
+def test_bad_input_is_a_400_in_openais_shape(server, path, body, says):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+
+
+def test_tei_errors_and_truncation(server):
+    r = post(server, "/embed", {"model": "ce", "inputs": "a dog"})
+    assert r.status_code == 400 and r.json()["error_type"] == "validation"
+    long = "the cat " * 200  # past MiniLM's 256-token window
+    assert post(server, "/embed", {"model": "minilm", "inputs": long}).status_code == 400
+    cut = post(server, "/embed", {"model": "minilm", "inputs": long, "truncate": True}).json()[0]
+    again = post(server, "/v1/embeddings", {"model": "minilm", "input": long, "truncate_prompt_tokens": 256}).json()
+    assert np.allclose(cut, again["data"][0]["embedding"], atol=1e-6)
+    ok = post(server, "/v1/rerank", {"model": "ce", "query": "a", "documents": ["w1 " * 200],
+                                     "truncate_prompt_tokens": 64})
+    assert ok.status_code == 200, ok.text
+
+
+def test_more_texts_than_the_engine_can_queue_is_a_400_not_a_503(models):
+    with running_server("--model", str(models["ce"]), "--max-num-seqs", "2", "--max-queued-requests", "3") as s:
+        r = post(s, "/v1/rerank", {"query": "a", "documents": ["b"] * 6})
+        assert r.status_code == 400 and "--max-queued-requests" in r.json()["error"]["message"]
+        ok = post(s, "/v1/rerank", {"query": "a", "documents": ["b", "a dog", "c", "d", "e"]})
+        assert ok.status_code == 200 and len(ok.json()["results"]) == 5
+        s.wait_idle()

@@ -1,0 +1,82 @@
+"""A tiny random Idefics3 (SmolVLM-shaped) model made by transformers and saved as a model directory the engine
+serves: safetensors, config.json, the processor's two files and a word-level tokenizer whose image tokens
+(`<image>`, `<fake_token_around_image>`, `<global-img>`, `<row_r_col_c>`) are special, as SmolVLM's are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TILE, PATCH, SCALE = 32, 8, 2  # 4x4 patches per tile, pixel shuffle by 2: 4 embeddings per tile
+SEQ = (TILE // PATCH) ** 2 // SCALE ** 2
+LONGEST = 4 * TILE
+WORDS = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(200)]
+SPECIAL = (["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+           + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
+VOCAB = 256
+IMAGE_TOKEN_ID = len(WORDS)  # "<image>"
+# SmolVLM's template in miniature: text parts as they are, each image part as "<image>"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+                 "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }} "
+                 "{% elif p['type'] == 'image' %}<image> {% endif %}{% endfor %}{% endif %}{% endfor %}")
+
+
+def write_tokenizer(path: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(WORDS + SPECIAL)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                             "chat_template": CHAT_TEMPLATE}))
+
+
+def build_idefics3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    """(model directory, the transformers model in float32, eval mode)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=TILE, patch_size=PATCH, initializer_range=0.2),
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6),
+        scale_factor=SCALE, image_token_id=IMAGE_TOKEN_ID)
+    model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # the connector's default init is tiny: images would barely move the logits
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "connector" in name or "position_embedding" in name or "patch_embedding" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    path = root / "idefics3"
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": LONGEST},
+         "max_image_size": {"longest_edge": TILE}, "do_image_splitting": True, "resample": 1,
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}))
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": SEQ}))
+    write_tokenizer(path)
+    return path, model
+
+
+def image(w: int, h: int, seed: int):
+    """A PIL RGB test image: a gradient plus noise (seeded)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, w * h * 3).reshape(h, w, 3)[..., rng.permutation(3)]
+    return Image.fromarray(np.clip(base + rng.integers(-60, 60, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+def image_bytes(w: int, h: int, seed: int) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image(w, h, seed).save(buf, format="PNG")
+    return buf.getvalue()
