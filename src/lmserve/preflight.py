@@ -155,6 +155,8 @@ def check_pipeline_parallel(parallel: ParallelConfig, model_config: ModelConfig,
         raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {n}")
     if n == 1:
         return
+    if model_config.encoder:  # an encoder's layers are not the causal LM's layer loop
+        raise ConfigError(f"--pipeline-parallel-size {n}: encoder models are not split into pipeline stages; use 1")
     if n > layers:
         raise ConfigError(f"--pipeline-parallel-size {n}: the model has {layers} decoder layers, so at most {layers} "
                           "ranks can each hold one")
