@@ -7,6 +7,8 @@ Parity of each step against the untransformed model, here and where it already l
   transformers: test_model_parity.py::test_embedded_gguf_matches_transformers.
 - tensor_parallel: one rank is the model itself, here; two and three ranks against one:
   test_tp.py::test_tp2_logits_equal_tp1, test_tp.py::test_embedded_gguf_tp3_logits_equal_tp1.
+- pipeline_parallel: one rank is the model itself (no stage: unchanged); two ranks against one:
+  test_pp.py::test_pp2_logits_equal_one_rank.
 - lora: with no adapter in the step, bit-identical, here; with adapters against PEFT:
   test_lora.py::test_tiny_safetensors_llama_matches_peft.
 - moe_kernels: test_moe.py::test_native_grouped_float_experts_equal_the_module_path and
@@ -55,9 +57,9 @@ def greedy(model: nn.Module, prompt: list[int], steps: int = 8) -> list[int]:
 
 
 def test_the_pipeline_lists_every_step_in_order():
-    assert [s.__name__ for s in TRANSFORMS] == ["weight_format", "tensor_parallel", "lora", "moe_kernels",
-                                                "decode_stack", "warm_up"]
-    assert WEIGHT_STEPS == TRANSFORMS[:2]
+    assert [s.__name__ for s in TRANSFORMS] == ["weight_format", "tensor_parallel", "pipeline_parallel",
+                                                "lora", "moe_kernels", "decode_stack", "warm_up"]
+    assert WEIGHT_STEPS == TRANSFORMS[:3]
     assert all(getattr(transforms, s.__name__) is s for s in TRANSFORMS)  # each a named function of the module
 
 

@@ -90,9 +90,16 @@ class StructuredOutputsConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism: how many ranks split each layer, and how long a rank may keep the others waiting."""
+    """Tensor parallelism: how many ranks split each layer; pipeline parallelism: how many ranks split the layers
+    among them (both: each stage's layers split across the tensor ranks); and how long a rank may keep the others waiting."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all (rank 0 is the engine's)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
     # A collective (all-reduce) or a rank's start-up that waits longer than this means a hung rank: the step
     # raises and the engine dies (/health 503, exit 1). It also bounds how long a rank waits for the others.
     rank_timeout_s: float = 60.0
@@ -190,7 +197,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, speculative=args.speculative_config, cuda_graphs=args.cuda_graphs,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size),
         structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,

@@ -74,6 +74,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     except ValueError as e:
         raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: {e}") from None
     check_tensor_parallel(cfg.parallel, model_config, device)
+    check_pipeline_parallel(cfg.parallel, model_config, device, cfg.cache.sized_explicitly)
     if path.is_dir():
         check_tokenizer_file(path)
     cfg = replace(cfg, model=str(path), max_model_len=_max_model_len(cfg.max_model_len, model_config),
@@ -102,6 +103,7 @@ _AT_LEAST = (
     ("--max-model-len", lambda c: c.max_model_len, 1),
     ("--num-threads", lambda c: c.num_threads, 1),
     ("--tensor-parallel-size", lambda c: c.parallel.tensor_parallel_size, 1),
+    ("--pipeline-parallel-size", lambda c: c.parallel.pipeline_parallel_size, 1),
 )
 
 
@@ -143,6 +145,28 @@ def check_tensor_parallel(parallel: ParallelConfig, model_config: ModelConfig, d
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise ConfigError(f"--tensor-parallel-size {n} needs {n} GPUs (one per rank); "
                           f"{torch.cuda.device_count()} visible")
+
+
+def check_pipeline_parallel(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device,
+                            sized_explicitly: bool = True) -> None:
+    """Refuse a pipeline-parallel size that leaves a stage without a layer, or ranks without a GPU each."""
+    n, layers = parallel.pipeline_parallel_size, model_config.num_layers
+    if n < 1:
+        raise ConfigError(f"--pipeline-parallel-size must be >= 1, got {n}")
+    if n == 1:
+        return
+    if model_config.encoder:  # an encoder's layers are not the causal LM's layer loop
+        raise ConfigError(f"--pipeline-parallel-size {n}: encoder models are not split into pipeline stages; use 1")
+    if n > layers:
+        raise ConfigError(f"--pipeline-parallel-size {n}: the model has {layers} decoder layers, so at most {layers} "
+                          "ranks can each hold one")
+    world = parallel.world_size  # with --tensor-parallel-size: each stage splits its layers across that many ranks
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        raise ConfigError(f"--pipeline-parallel-size {n} x --tensor-parallel-size {parallel.tensor_parallel_size} "
+                          f"needs {world} GPUs (one per rank); {torch.cuda.device_count()} visible")
+    if device.type == "cuda" and not sized_explicitly:  # rank 0 alone cannot run the profiling step of the ring
+        raise ConfigError(f"--pipeline-parallel-size {n} on CUDA: give the KV cache's size with --num-kv-blocks or "
+                          "--kv-cache-memory (the pool is not profiled across pipeline ranks yet)")
 
 
 def _device(name: str) -> torch.device:
@@ -245,6 +269,8 @@ def check_kv_offload(cfg: EngineConfig) -> None:
         raise ConfigError(f"{flag} keeps prefix-cache blocks: it cannot be used with --no-prefix-caching")
     if cfg.parallel.tensor_parallel_size > 1:
         raise ConfigError(f"{flag} does not yet copy the KV of tensor-parallel ranks; use --tensor-parallel-size 1")
+    if cfg.parallel.pipeline_parallel_size > 1:
+        raise ConfigError(f"{flag} does not yet copy the KV of pipeline ranks; use --pipeline-parallel-size 1")
     if c.directory is not None:
         _check_tier_dir("--kv-offload-dir", c.directory)
     if c.shared is not None and is_redis_url(c.shared):

@@ -70,6 +70,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     scale.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                        help="split each layer across N ranks, one process each (torch.distributed: gloo on CPU, NCCL "
                        "on CUDA, one GPU per rank); the model's heads and KV heads must be divisible by N")
+    scale.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                       help="split the decoder layers across N ranks, one process each, each holding its layers' "
+                       "weights and KV cache (torch.distributed: gloo on CPU, NCCL on CUDA, one GPU per rank); "
+                       "1 <= N <= the model's layers; with --tensor-parallel-size T, N x T ranks")
 
 
 def _add_model_args(g, several_models: bool) -> None:

@@ -21,13 +21,14 @@ from lmserve.engine.speculate import Proposer, make_proposer
 from lmserve.errors import ConfigError
 from lmserve.layers.attention.backends import resolve_attention_backend
 from lmserve.layers.attention.kv_quant import check_head_dim
+from lmserve.layers.formats.pipeline import PPStage
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
 from lmserve.loader.pooling import pooler_config
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
 from lmserve.lora.slots import LoraSlots
 from lmserve.pooling_params import PoolerConfig
-from lmserve.preflight import check_kv_pool, check_tensor_parallel, kv_pool_shape
+from lmserve.preflight import check_kv_pool, check_pipeline_parallel, check_tensor_parallel, kv_pool_shape
 from lmserve.tokenizer import Tokenizer, load_tokenizer
 from lmserve.utils import available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
@@ -64,8 +65,8 @@ class EngineParts:
 def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
                  tokenizer: Tokenizer | None = None) -> EngineParts:
     """Load the model named by cfg, or reuse `loaded` (and `tokenizer`) to build engines of other shapes."""
-    tp = cfg.parallel.tensor_parallel_size
-    if cfg.num_threads or tp > 1:
+    world = cfg.parallel.world_size
+    if cfg.num_threads or world > 1:
         torch.set_num_threads(_threads_per_rank(cfg))
     device = resolve_device(cfg.device)
     kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device)
@@ -73,7 +74,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
     if cfg.dtype == "auto":
         log.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
                  auto_dtype_why(device, kept_gguf=kept_gguf)[1])
-    ranks = _start_ranks(cfg, dtype, device) if tp > 1 and loaded is None else None
+    ranks = _start_ranks(cfg, dtype, device) if world > 1 and loaded is None else None
     try:
         parts = _build(cfg, device, dtype, loaded, tokenizer, ranks)
         parts.proposer = make_proposer(cfg, parts.tokenizer, parts.loaded.config.vocab_size, parts.num_blocks,
@@ -93,9 +94,12 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
 def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: LoadedModel | None,
            tokenizer: Tokenizer | None, ranks: RankProcesses | None) -> EngineParts:
     """(This rank's part of) the model, then the tokenizer, KV pool, LoRA slots, runner and executor."""
-    shard = TPShard(0, cfg.parallel.tensor_parallel_size) if ranks is not None else None
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    shard = TPShard(0, tp) if ranks is not None and tp > 1 else None
+    stage = PPStage(0, pp, read_model_config(resolve_model_path(cfg.model, cfg.revision)).num_layers, 0, tp) \
+        if ranks is not None and pp > 1 else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
-                                  shard=shard, max_model_len=cfg.max_model_len)
+                                  shard=shard, max_model_len=cfg.max_model_len, stage=stage)
     load_dtype, dtype = dtype, next(loaded.model.parameters()).dtype  # asked for; the model's (a kept GGUF: float32)
     kv_dtype = _kv_dtype(cfg, dtype, loaded, device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype)
@@ -129,7 +133,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
                          pooler=pooler)
     lora_slots = done.lora_slots
     # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
-    if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None:
+    # nor a pipeline rank's sends and receives
+    if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None and stage is None:
         runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(max_model_len, block_size), capture=True)
     if ranks is None:
         executor = UniProcExecutor(runner)
@@ -163,12 +168,14 @@ def _threads_per_rank(cfg: EngineConfig) -> int:
     """--num-threads, else the cores shared out between the ranks (2 cores, TP=2: one thread each)."""
     if cfg.num_threads:
         return cfg.num_threads
-    return max(1, len(os.sched_getaffinity(0)) // cfg.parallel.tensor_parallel_size)
+    return max(1, len(os.sched_getaffinity(0)) // cfg.parallel.world_size)
 
 
 def _start_ranks(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> RankProcesses:
     """Check the model splits, then start ranks 1..N-1 (they load their shards while rank 0 loads its own)."""
-    check_tensor_parallel(cfg.parallel, read_model_config(resolve_model_path(cfg.model, cfg.revision)), device)
+    model_config = read_model_config(resolve_model_path(cfg.model, cfg.revision))
+    check_tensor_parallel(cfg.parallel, model_config, device)
+    check_pipeline_parallel(cfg.parallel, model_config, device, cfg.cache.sized_explicitly)
     return RankProcesses(cfg, dtype, device, _threads_per_rank(cfg))
 
 

@@ -85,6 +85,8 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
     tensors = {t.name: t for t in f.tensors}
     kept: set[str] = set()
     for i, layer in enumerate(net.model.layers):
+        if getattr(layer, "absent", False):  # another pipeline rank's (layers/formats/pipeline.py)
+            continue
         for path in (*_LAYER_PARTS, *_SHARED_PARTS):
             parts = _parts(tensors, i, path)
             names = [f"blk.{i}.{g}.weight" for g, _ in parts]
@@ -94,7 +96,8 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
                 _swap(layer, path, [_rows(t, h, cfg) for t, h in zip(found, hf)])
                 kept.update(names)
         kept |= _keep_experts(layer, tensors, i)
-    kept |= _keep_embedding(net, tensors, cfg, dtype)
+    if not getattr(net.model.embed_tokens, "absent", False):
+        kept |= _keep_embedding(net, tensors, cfg, dtype)
     log.info("--quantization gguf: %d GGUF tensors stay in their quantized blocks", len(kept))
     return kept
 

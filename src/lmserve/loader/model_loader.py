@@ -6,16 +6,18 @@ while it is built stay here (a GGUF file's or a pre-quantized checkpoint's kept 
 from __future__ import annotations
 
 import logging
+import re
 import resource
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from lmserve.errors import CheckpointError
 from lmserve.layers.formats.parallel import drop_row_biases
+from lmserve.layers.formats.pipeline import PPStage, cut_to_stage
 from lmserve.layers.formats.quantized import check_scheme
 from lmserve.layers.kernels.native import native_module
 from lmserve.loader.checkpoint import config_from_dir, refuse_format, resolve_model_path, scheme_of
@@ -59,6 +61,7 @@ class LoadedModel:
     runtime_quantization: str | None = None
     shard: TPShard | None = None  # tensor parallelism: model holds this rank's part (model.config is per rank)
     prequant: PrequantScheme | None = None  # a GPTQ / AWQ / compressed-tensors checkpoint's checked scheme
+    stage: PPStage | None = None  # pipeline parallelism: model holds this rank's layers (layers/formats/pipeline.py)
 
     @property
     def quantization(self) -> str:
@@ -85,7 +88,8 @@ class LoadedModel:
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, revision: str | None = None,
-               shard: TPShard | None = None, max_model_len: int | None = None) -> LoadedModel:
+               shard: TPShard | None = None, max_model_len: int | None = None,
+               stage: PPStage | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     The model comes back untransformed: float linears stay nn.Linear until the pipeline's weight_format step
@@ -97,6 +101,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     `shard` loads only this tensor-parallel rank's part, the row-parallel biases on rank 0 alone (the pipeline's
     tensor_parallel step wraps those layers: layers/formats/parallel.py). `config` stays the whole model's; `model.config`
     is the rank's.
+    `stage` builds only this pipeline rank's layers (and, on rank 0, the embedding, final norm and LM head): the
+    others are parameter-free stand-ins put in before any weight is read, and their tensors are never read.
     `max_model_len`, the context the engine will serve, picks LongRoPE's factors (models/rope.py).
     """
     if quantization:
@@ -120,13 +126,14 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         cfg = replace(config_from_dir(path), max_model_len=max_model_len)
         files, weight_map = weight_files(path)
         if prequant is not None:
-            net = _load_prequantized(files, prequant, cfg, dtype, device, shard, keep=quantization == prequant.method)
+            net = _load_prequantized(files, prequant, cfg, dtype, device, shard, keep=quantization == prequant.method,
+                                     stage=stage)
         else:
-            net = empty_model(local_config(cfg, world), dtype, device)
-            net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard))
+            net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, None))
+            net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard, stage=stage))
     elif gguf is not None:
         cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
-        net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf")
+        net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage)
     else:
         refuse_format(path)
     net.eval()
@@ -139,11 +146,12 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     fmt = "safetensors" if gguf is None else "gguf"
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant, stage)
 
 
 def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConfig, dtype: torch.dtype,
-                       device: torch.device, shard: TPShard | None, keep: bool) -> torch.nn.Module:
+                       device: torch.device, shard: TPShard | None, keep: bool,
+                       stage: PPStage | None = None) -> torch.nn.Module:
     """Build and fill the model from a pre-quantized checkpoint; `keep`: layers that fit stay in int kernel blocks."""
     tensors = CheckpointTensors(files)
     consumed: set[str] = set()
@@ -155,15 +163,15 @@ def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConf
         return _family_tensors(iter([(name, t, "")]), cfg, None)
 
     world = shard.world_size if shard is not None else 1
-    net = empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, keep_blocks if keep else None))
     if keep and device.type == "cpu" and dtype == torch.float32:  # after net.to(dtype), which would widen them
         consumed.update(keep_half_tables(net, tensors, renamed))
-    net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard))
+    net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard, stage=stage))
     return net
 
 
 def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               shard: TPShard | None, keep: bool) -> torch.nn.Module:
+               shard: TPShard | None, keep: bool, stage: PPStage | None = None) -> torch.nn.Module:
     """Build and fill the model from a GGUF file; `keep`: its quantized tensors stay in their blocks."""
     if keep and shard is not None and shard.world_size > 1:
         raise CheckpointError("--quantization gguf does not split across tensor-parallel ranks yet; "
@@ -173,14 +181,19 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
 
     def keep_blocks(net: torch.nn.Module) -> None:  # on the meta device: the kept tensors are never made float
         # the repacked layers of an earlier start of this file, mapped, where the weight cache has them
-        kept.update(cached_keep(net, gguf, dtype, lambda n: keep_gguf_quantized(n, gguf, cfg, dtype)))
+        # (a pipeline rank's cut model is not what the cache holds: its layers are built here each start)
+        def build(n: torch.nn.Module) -> set[str]:
+            return keep_gguf_quantized(n, gguf, cfg, dtype)
+        kept.update(build(net) if stage is not None else cached_keep(net, gguf, dtype, build))
 
-    net = empty_model(local_config(cfg, world), dtype, device, keep_blocks if keep else None)
+    net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, keep_blocks if keep else None))
     factors = rope_freq_factors(gguf)
     if factors is not None:
         net.rotary.reset(rope_specs(net.config, factors), device)
+    if stage is not None:  # another rank's blocks are never dequantized
+        kept |= {t.name for t in gguf.tensors if not _gguf_held(t.name, stage)}
     weights = iter_gguf(gguf, cfg, skip=kept)  # dequantized whole (Q/K unpermuted with the whole head count)
-    net.load_weights(_family_tensors(weights, cfg, shard, whole=True))
+    net.load_weights(_family_tensors(weights, cfg, shard, whole=True, stage=stage))
     return net
 
 
@@ -190,8 +203,32 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
 _HEADLESS = ("layers.", "embed_tokens.", "norm.")
 
 
+def _staged(stage: PPStage | None, then: Callable[[torch.nn.Module], None] | None
+            ) -> Callable[[torch.nn.Module], None] | None:
+    """empty_model's transform: cut to the pipeline rank's part first (no kept layer is built for another rank)."""
+    if stage is None:
+        return then
+
+    def cut(net: torch.nn.Module) -> None:
+        cut_to_stage(net, stage)
+        if then is not None:
+            then(net)
+    return cut
+
+
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def _gguf_held(name: str, stage: PPStage) -> bool:
+    """Whether a GGUF tensor is this pipeline rank's (its layers; rank 0: also the embedding, norm and head)."""
+    m = _GGUF_BLOCK.match(name)
+    if m is not None:
+        return int(m.group(1)) in stage.layers
+    return stage.rank == 0 or name not in ("token_embd.weight", "output_norm.weight", "output.weight")
+
+
 def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: ModelConfig, shard: TPShard | None,
-                    whole: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+                    whole: bool = False, stage: PPStage | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Checkpoint tensors as the family's hook gives them (renamed, fused ones split: models/<family>.py), each cut
     to this rank's part where it came whole (`whole`: every tensor; else the parts of a fused tensor, which the
     safetensors reader could not slice by its name)."""
@@ -201,5 +238,7 @@ def _family_tensors(weights: Iterator[tuple[str, torch.Tensor, str]], cfg: Model
     for name, tensor, source in family.checkpoint_stream(weights, cfg):
         name = "model." + name if name.startswith(_HEADLESS) else name
         for new, part in hook(name, tensor, cfg):
+            if stage is not None and not stage.holds(new):
+                continue
             cut = split and (whole or (split_dim(name) is None and new != name))
             yield new, take_shard(new, part, shard) if cut else part, source

@@ -1,5 +1,9 @@
 """Executors: what the engine hands each step's SchedulerOutput to.
 
+Pipeline parallelism runs through the same MultiprocExecutor: each worker gets the step over its pipe, and rank 0's
+forward sends its hidden states round the ring of ranks and gets the last rank's back (layers/formats/pipeline.py),
+so a dead or hung pipeline rank fails the step (and the engine) exactly as a tensor-parallel one does.
+
 `UniProcExecutor` runs the one ModelRunner in this process (no tensor parallelism). `MultiprocExecutor`
 runs rank 0's runner here and ranks 1..N-1 in child processes (worker/tp_worker.py): each step it
 pickles the plain-data SchedulerOutput down every worker's pipe, then runs rank 0's forward, whose
@@ -61,7 +65,7 @@ class RankProcesses:
     """Worker ranks 1..N-1, started before rank 0 loads (they load their shards meanwhile)."""
 
     def __init__(self, cfg: EngineConfig, dtype: torch.dtype, device: torch.device, num_threads: int) -> None:
-        world = cfg.parallel.tensor_parallel_size
+        world = cfg.parallel.world_size  # tensor or pipeline ranks (not both yet: preflight)
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
         self.store_dir = tempfile.mkdtemp(prefix="lmserve-tp-")  # 0700: only this user can open the store
         init_method = f"file://{self.store_dir}/store"

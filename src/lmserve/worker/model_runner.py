@@ -86,8 +86,12 @@ class ModelRunner:
         # that tables name where a window group released a block (read only under a mask)
         shape = (2, num_blocks + 1, block_size, cfg.num_kv_heads, row_width(cfg.head_dim, kv_dtype or dtype))
         # pages committed as blocks are first written (worker/kv_memory.py), not the whole pool at start
-        self.kv_tensors = [kv_zeros(shape, kv_dtype or dtype, device) for _ in groups[0]]
         where = {layer: (g, i) for g, layers in enumerate(groups) for i, layer in enumerate(layers)}
+        # a pipeline rank holds the KV of its own layers only: a slot no layer of this rank uses is never allocated
+        held = transforms.loaded.stage.layers if transforms.loaded.stage is not None else range(cfg.num_layers)
+        used = {where[i][1] for i in held}
+        self.kv_tensors = [kv_zeros(shape, kv_dtype or dtype, device) if j in used else None
+                           for j in range(len(groups[0]))]
         self.kv_caches = [self.kv_tensors[where[i][1]] for i in range(cfg.num_layers)]  # per layer (shared tensors)
         self.layer_group = [where[i][0] for i in range(cfg.num_layers)]
         self.num_kv_groups = len(groups)
@@ -106,7 +110,7 @@ class ModelRunner:
     def kv_block_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor indexed by KV block, with the dimension of that index: what a block's bytes are (the KV
         tier copies all of them; a cache with per-block scales lists those too)."""
-        return [(kv, 1) for kv in self.kv_tensors]
+        return [(kv, 1) for kv in self.kv_tensors if kv is not None]
 
     def enable_decode_graphs(self, max_rows: int, max_blocks: int, capture: bool) -> float:
         """Run decode-only steps of up to max_rows tokens at fixed shapes (captured as CUDA graphs when

@@ -1,4 +1,5 @@
-"""A tensor-parallel worker rank (ranks 1..N-1), one process each; rank 0 lives in the engine's process.
+"""A tensor-parallel or pipeline worker rank (ranks 1..N-1), one process each; rank 0 lives in the engine's process.
+A pipeline rank loads only its layers and its forward receives from the rank before it and sends to the next.
 
 The worker joins the process group, loads only its shard, builds its KV cache (its KV heads only) once
 rank 0 sends the pool size, says "ready", then runs one forward per SchedulerOutput it receives over its
@@ -24,7 +25,8 @@ import torch
 
 from lmserve.config import EngineConfig
 from lmserve.layers.attention.backends import resolve_attention_backend
-from lmserve.loader import load_model
+from lmserve.layers.formats.pipeline import PPStage
+from lmserve.loader import load_model, read_model_config, resolve_model_path
 from lmserve.loader.sharding import TPShard
 from lmserve.utils import resolve_kv_dtype
 from lmserve.worker.model_runner import ModelRunner
@@ -77,8 +79,14 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
     torch.set_num_threads(spec.num_threads)
     device = device_for(device, spec.rank)
     init_group(spec, device)
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    # a pipeline rank holds only its stage's layers (the loader cuts the model), a tensor-parallel rank its shard of
+    # each; with both, global rank = stage * tp + tensor rank
+    stage = PPStage(spec.rank // tp, pp, read_model_config(resolve_model_path(cfg.model, cfg.revision)).num_layers,
+                    spec.rank % tp, tp) if pp > 1 else None
+    shard = TPShard(spec.rank % tp, tp) if tp > 1 else None
     loaded = load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
-                        shard=TPShard(spec.rank, spec.world_size), max_model_len=cfg.max_model_len)
+                        shard=shard, max_model_len=cfg.max_model_len, stage=stage)
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype).name  # as rank 0 resolved it
     # the same pipeline as rank 0's (engine/build.py; LoRA is refused with tensor parallelism), while rank 0 sizes

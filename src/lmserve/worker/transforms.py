@@ -24,6 +24,7 @@ from lmserve.errors import ConfigError
 from lmserve.layers.attention.paged import native_decode
 from lmserve.layers.formats.linear import can_pack, pack_linears, skinny_coverage
 from lmserve.layers.formats.parallel import apply_tensor_parallel
+from lmserve.layers.formats.pipeline import apply_pipeline_parallel, stage_tp_group
 from lmserve.layers.formats.quantized import quantize_linears
 from lmserve.layers.kernels.decode_stack import DecodeStack, apply_decode_stack
 from lmserve.layers.kernels.moe_kernels import apply_moe_kernels
@@ -71,10 +72,21 @@ def weight_format(model: nn.Module, ctx: TransformContext) -> nn.Module:
 def tensor_parallel(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """A rank's row-parallel layers wrapped to all-reduce their outputs (layers/formats/parallel.py), over any weight format;
     the loader left their biases on rank 0 alone. One rank: unchanged."""
-    shard = ctx.loaded.shard
+    shard, stage = ctx.loaded.shard, ctx.loaded.stage
     if shard is None or shard.world_size == 1:
         return model
+    if stage is not None and stage.world_size > 1:  # with pipeline stages: the all-reduces stay within the stage
+        return apply_tensor_parallel(model, stage_tp_group(stage))
     return apply_tensor_parallel(model)
+
+
+def pipeline_parallel(model: nn.Module, ctx: TransformContext) -> nn.Module:
+    """A pipeline rank's layer loop replaced by its part of the send/receive ring (layers/formats/pipeline.py); the
+    loader built only its layers. No pipeline: unchanged."""
+    stage = ctx.loaded.stage
+    if stage is None or stage.world_size == 1:
+        return model
+    return apply_pipeline_parallel(model, stage)
 
 
 def lora(model: nn.Module, ctx: TransformContext) -> nn.Module:
@@ -86,6 +98,9 @@ def lora(model: nn.Module, ctx: TransformContext) -> nn.Module:
     if ctx.loaded.shard is not None and ctx.loaded.shard.world_size > 1:
         raise ConfigError("--enable-lora does not split adapters across tensor-parallel ranks yet; "
                           "use --tensor-parallel-size 1")
+    if ctx.loaded.stage is not None and ctx.loaded.stage.world_size > 1:
+        raise ConfigError("--enable-lora does not split adapters across pipeline ranks yet; "
+                          "use --pipeline-parallel-size 1")
     dtype = next(model.parameters()).dtype  # the slots follow the parameters (a kept GGUF's are float32)
     ctx.lora_slots = LoraSlots(model, ctx.loaded.config, c.max_loras, c.max_lora_rank, dtype, ctx.device)
     return model
@@ -100,7 +115,9 @@ def moe_kernels(model: nn.Module, ctx: TransformContext) -> nn.Module:
 
 def decode_stack(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """Decode-only steps run every layer in one native call where the layers are ones it runs (layers/kernels/decode_stack.py);
-    the module loop stays the reference."""
+    the module loop stays the reference. Not on a pipeline rank: its loop sends and receives between its layers."""
+    if ctx.loaded.stage is not None and ctx.loaded.stage.world_size > 1:
+        return model
     if not model.config.encoder:  # an encoder runs prompts only
         ctx.decode_stack = apply_decode_stack(model)
     return model
@@ -120,13 +137,13 @@ def warm_up(model: nn.Module, ctx: TransformContext) -> nn.Module:
 
 # The pipeline, in order. Each step runs on every model that serves: the engine's (engine/build.py), a tensor-parallel
 # worker rank's (worker/tp_worker.py) and a draft model's (engine/speculate.py).
-TRANSFORMS: tuple[Step, ...] = (weight_format, tensor_parallel, lora, moe_kernels, decode_stack, warm_up)
+TRANSFORMS: tuple[Step, ...] = (weight_format, tensor_parallel, pipeline_parallel, lora, moe_kernels, decode_stack, warm_up)
 # What a model needs to run as loaded, with no runner (tests, benchmarks): `load_formatted`.
-WEIGHT_STEPS: tuple[Step, ...] = (weight_format, tensor_parallel)
+WEIGHT_STEPS: tuple[Step, ...] = (weight_format, tensor_parallel, pipeline_parallel)
 # Steps that change how the weights are stored: a model reused for another engine (build_engine(cfg, loaded=...))
 # keeps them, where a second run would quantize or wrap twice. The others re-apply (another backend may pick other
 # kernels); LoRA wraps again, as it did before the pipeline.
-_ONCE = frozenset({"weight_format", "tensor_parallel"})
+_ONCE = frozenset({"weight_format", "tensor_parallel", "pipeline_parallel"})
 
 
 def apply_transforms(ctx: TransformContext, steps: tuple[Step, ...] = TRANSFORMS) -> TransformContext:

@@ -46,6 +46,8 @@ def drop_row_biases(model: nn.Module, rank: int) -> None:
         return
     with torch.no_grad():
         for layer in model.model.layers:
+            if getattr(layer, "absent", False):  # another pipeline rank's (layers/formats/pipeline.py)
+                continue
             mlps = list(layer.mlp.experts) if isinstance(layer.mlp, SparseMoE) else [layer.mlp]  # shared: no bias
             for proj in [layer.self_attn.o_proj, *(m.down_proj for m in mlps)]:
                 if proj.bias is not None:
@@ -56,6 +58,8 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = No
     """Wrap every layer's o_proj and down_proj (an MoE layer: the whole layer) in RowParallel (after any weight-format
     transform)."""
     for layer in model.model.layers:
+        if getattr(layer, "absent", False):  # another pipeline rank's (layers/formats/pipeline.py)
+            continue
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         if isinstance(layer.mlp, SparseMoE):
             layer.mlp = RowParallel(layer.mlp, group)

@@ -1,0 +1,156 @@
+"""Pipeline parallelism as a cut of a model and a replacement layer loop (the model file never knows it is split).
+
+Rank r of N holds a contiguous run of decoder layers (`PPStage.layers`: the first ranks take one more where they do
+not divide evenly). The scheduler's rank 0 also keeps the embedding, the final norm and the LM head; the other ranks
+hold stand-ins without parameters in their place (`cut_to_stage`, run on the empty model before any weight is read,
+so a rank never allocates, reads or dequantizes another rank's weights) and so their KV cache holds their layers only.
+
+A step is a ring over point-to-point sends (gloo on CPU, NCCL on CUDA): rank 0 embeds and runs its layers, sends the
+hidden states and the residual stream to rank 1, each rank runs its layers and sends on, and the last rank sends them
+back to rank 0, which applies the final norm and the LM head and samples as with one rank. Keeping the head with the
+sampler means logits, sampling state and sampled ids never cross a process; every rank sees the same SchedulerOutput
+(the executor pipes it to each), so each knows the step's token count and the receive buffers' shape. A peer that died
+makes its neighbour's send or receive raise (or time out: ParallelConfig.rank_timeout_s), which fails the step as a
+tensor-parallel collective does (worker/executor.py). Combined with tensor parallelism, each stage is a tensor-parallel
+group of its own (`stage_tp_group`) and each of its processes exchanges with the same tensor rank of the next stage.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_ENDS = ("model.embed_tokens.", "model.norm.", "lm_head.")  # rank 0's alone
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """This process's place among the pipeline stages, and the model's layer count. With tensor parallelism too, each
+    stage is `tp_size` processes, global rank `rank * tp_size + tp_rank`: tensor rank t of a stage exchanges with
+    tensor rank t of the next (each holds the whole hidden state after its all-reduces)."""
+
+    rank: int  # the stage
+    world_size: int  # stages
+    num_layers: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def global_rank(self, stage: int) -> int:
+        """The process of `stage` that this one exchanges with."""
+        return stage * self.tp_size + self.tp_rank
+
+    @property
+    def layers(self) -> range:
+        """This rank's decoder layers: contiguous, the first `num_layers % world_size` ranks one more."""
+        base, extra = divmod(self.num_layers, self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return range(start, start + base + (self.rank < extra))
+
+    def holds(self, name: str) -> bool:
+        """Whether a checkpoint tensor (the family's name) is this rank's to load."""
+        m = _LAYER.match(name)
+        if m is not None:
+            return int(m.group(1)) in self.layers
+        return self.rank == 0 or not name.startswith(_ENDS)
+
+
+class AbsentLayer(nn.Module):
+    """Another rank's decoder layer: no parameters; the pipeline loop never calls it."""
+
+    absent = True
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline rank ran a layer it does not hold")
+
+
+class AbsentEmbedding(nn.Module):
+    """Rank > 0's embedding: an uninitialised [T, hidden] of the model's dtype, overwritten by what rank r-1 sends."""
+
+    absent = True
+
+    def __init__(self, hidden_size: int, like: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        # carries the model's dtype and device through empty_model's materialisation and .to(dtype)
+        self.register_buffer("probe", torch.empty(0, dtype=like.dtype, device=like.device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.empty(input_ids.shape[0], self.hidden_size, dtype=self.probe.dtype, device=input_ids.device)
+
+
+class AbsentNorm(nn.Module):
+    """Rank > 0's final norm: the forward's result there is discarded (rank 0 norms what comes back)."""
+
+    absent = True
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return x, residual
+
+
+class AbsentHead(nn.Module):
+    """Rank > 0's LM head: never called (such a rank runs forward_only)."""
+
+    absent = True
+
+
+def cut_to_stage(net: nn.Module, stage: PPStage) -> None:
+    """Replace what this rank does not hold by stand-ins without parameters (net may still be on the meta device)."""
+    keep = stage.layers
+    for i in range(len(net.model.layers)):
+        if i not in keep:
+            net.model.layers[i] = AbsentLayer()
+    if stage.rank > 0:
+        like = net.model.embed_tokens.weight
+        net.model.embed_tokens = AbsentEmbedding(net.config.hidden_size, like)
+        net.model.norm = AbsentNorm()
+        net.lm_head = AbsentHead()
+
+
+class PipelineLoop(nn.Module):
+    """This rank's layers, between a receive from the previous rank and a send to the next (models/decoder.LayerLoop's
+    contract: (last layer's output, residual stream)); on rank 0 the result is what the last rank sent back."""
+
+    def __init__(self, stage: PPStage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.stage
+        residual = None
+        if s.rank > 0:
+            x, residual = _recv(x, s.global_rank(s.rank - 1))
+        for i in s.layers:
+            x, residual = layers[i](x, residual, rope, attn)
+        # one message per hop: the two streams stacked (the residual is a tensor after any layer)
+        dist.send(torch.stack((x, residual)), s.global_rank((s.rank + 1) % s.world_size))
+        if s.rank == 0:
+            x, residual = _recv(x, s.global_rank(s.world_size - 1))
+        return x, residual
+
+
+def _recv(like: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
+    buf = torch.empty((2, *like.shape), dtype=like.dtype, device=like.device)
+    dist.recv(buf, src)
+    return buf[0], buf[1]
+
+
+def stage_tp_group(stage: PPStage) -> dist.ProcessGroup:
+    """The tensor-parallel group of this process's stage. Every process creates every stage's group, in the same
+    order (torch.distributed requires it), when its tensor_parallel transform runs: once per process."""
+    mine = None
+    for s in range(stage.world_size):
+        group = dist.new_group([s * stage.tp_size + t for t in range(stage.tp_size)])
+        if s == stage.rank:
+            mine = group
+    return mine
+
+
+def apply_pipeline_parallel(model: nn.Module, stage: PPStage) -> nn.Module:
+    """The model's layer loop replaced by this rank's part of the ring."""
+    model.layer_loop = PipelineLoop(stage)
+    return model

@@ -1,0 +1,214 @@
+"""Pipeline parallelism on CPU with gloo: each rank a real process holding only its layers.
+
+The model-level tests run rank 0 in this process and rank 1 in a spawned one, each loading only its layers (the
+embedded GGUF dequantized and kept in its packed blocks, a tiny random Gemma 3 and a tiny MoE from safetensors), and
+compare rank 0's logits with one rank's. The engine test runs the whole path (paged KV cache of each rank's layers,
+chunked prefill); the server tests start `lmserve serve --pipeline-parallel-size 2` for real.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from lmserve import LLM, SamplingParams
+from lmserve.layers.attention.context import ContiguousAttention
+from lmserve.layers.formats.pipeline import AbsentLayer, PPStage
+from lmserve.loader import read_model_config
+from lmserve.loader.sharding import TPShard
+from lmserve.worker.tp_worker import RankSpec, init_group
+from lmserve.worker.transforms import load_formatted
+from tests.conftest import save_tiny_hf, write_tiny_llama
+from tests.server_util import running_server, unhealthy_within
+from tests.tiny_models import build_hf
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3]]
+
+
+def _inputs():
+    ids = torch.tensor([t for p in PROMPTS for t in p])
+    pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    return ids, pos, ContiguousAttention([len(p) for p in PROMPTS])
+
+
+def _forward(rank: int, world: int, init_method: str, path: str, quantization: str | None,
+             tp: int = 1) -> torch.Tensor:
+    """This rank's load and forward (`tp` > 1: stages of `tp` tensor-parallel ranks each); rank 0's logits."""
+    init_group(RankSpec(rank, world, init_method, 60.0, 1, os.getppid()), torch.device("cpu"))
+    try:
+        stage = PPStage(rank // tp, world // tp, read_model_config(Path(path)).num_layers, rank % tp, tp)
+        shard = TPShard(rank % tp, tp) if tp > 1 else None
+        model = load_formatted(path, torch.float32, torch.device("cpu"), stage=stage, shard=shard,
+                               quantization=quantization).model
+        held = [i for i, layer in enumerate(model.model.layers) if not isinstance(layer, AbsentLayer)]
+        assert held == list(stage.layers)  # only its layers were built
+        with torch.inference_mode():
+            hidden = model(*_inputs())
+            return model.compute_logits(hidden) if rank == 0 else torch.empty(0)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, world: int, init_method: str, path: str, quantization: str | None, tp: int) -> None:
+    torch.set_num_threads(1)
+    _forward(rank, world, init_method, path, quantization, tp)
+    os._exit(0)  # as test_tp.py: no C++ static destructors after gloo (an error above still exits non-zero)
+
+
+def pp_logits(path, pp: int, quantization: str | None = None, tp: int = 1) -> torch.Tensor:
+    world = pp * tp
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as store_dir:
+        init = f"file://{store_dir}/store"
+        procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(path), quantization, tp),
+                             daemon=True)
+                 for r in range(1, world)]
+        for p in procs:
+            p.start()
+        try:
+            logits = _forward(0, world, init, str(path), quantization, tp)
+        finally:
+            for p in procs:
+                p.join(120)
+    assert all(p.exitcode == 0 for p in procs)
+    return logits
+
+
+def one_rank_logits(path, quantization: str | None = None) -> torch.Tensor:
+    whole = load_formatted(path, torch.float32, torch.device("cpu"), quantization=quantization).model
+    with torch.inference_mode():
+        return whole.compute_logits(whole(*_inputs()))
+
+
+def test_stages_split_every_layer_once():
+    for layers in (2, 6, 30):
+        for world in range(1, layers + 1):
+            ranges = [PPStage(r, world, layers).layers for r in range(world)]
+            assert [i for r in ranges for i in r] == list(range(layers))
+            assert all(len(r) >= 1 for r in ranges) and max(map(len, ranges)) - min(map(len, ranges)) <= 1
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_moe"])
+def test_pp2_logits_equal_one_rank(tmp_path, kind):
+    # gemma3: sandwich norms, sliding and global layers, tied head; qwen3_moe: every layer's experts routed
+    path, _ = build_hf(kind, tmp_path)
+    ref = one_rank_logits(path)
+    got = pp_logits(path, 2)
+    assert got.shape == ref.shape and not torch.equal(ref, torch.zeros_like(ref))
+    assert (got - ref).abs().max().item() < 1e-5
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_embedded_gguf_pp2_logits_equal_one_rank(smol_path, quantization):
+    # None: the Q4_1 tensors dequantized, each rank only its layers'; gguf: kept in their packed blocks
+    ref = one_rank_logits(smol_path, quantization)
+    got = pp_logits(smol_path, 2, quantization)
+    assert (got - ref).abs().max().item() < 1e-5
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_engine_pp2_greedy_and_prompt_logprobs_equal_one_rank(smol_path):
+    # The engine path on each rank: the paged KV cache of its layers, chunked prefill, packed GGUF weights (auto)
+    prompts = [[5, 17, 42, 99, 3, 250, 7] * 3, [1, 2, 3]]
+    params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    results = {}
+    for pp in (1, 2):
+        llm = LLM(str(smol_path), pipeline_parallel_size=pp, dtype="float32", num_blocks=16, num_threads=1,
+                  max_num_batched_tokens=8)
+        try:
+            # rank 0's KV cache holds its 15 layers of 30 (Llama: one group, a tensor per layer)
+            assert sum(kv is not None for kv in llm.engine.runner.kv_tensors) == 30 // pp
+            results[pp] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.close()
+    for one, two in zip(results[1], results[2]):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids and len(one.outputs[0].token_ids) == 6
+        lp1 = [t.logprob for t in one.prompt_logprobs[1:]]
+        lp2 = [t.logprob for t in two.prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-5
+
+
+@pytest.mark.parametrize("size", ["0", "31"])
+def test_bad_pipeline_sizes_are_refused_with_one_line(size):
+    # the embedded model has 30 layers: 31 ranks would leave one without a layer
+    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--pipeline-parallel-size", size],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--pipeline-parallel-size" in r.stderr and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if "pipeline-parallel-size" in line]) == 1
+
+
+def test_tp2_x_pp2_logits_equal_one_rank(tmp_path):
+    # 4 processes: two stages (one layer each), each split across two tensor-parallel ranks (4 heads, 2 KV heads)
+    path, _ = save_tiny_hf(tmp_path, "qwen2")
+    ref = one_rank_logits(path)
+    got = pp_logits(path, 2, tp=2)
+    assert (got - ref).abs().max().item() < 1e-5
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_engine_tp2_x_pp2_greedy_equals_one_rank(tmp_path):
+    path = tmp_path / "tiny-llama"  # 8 heads, 2 KV heads
+    write_tiny_llama(path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = {}
+    for tp, pp in ((1, 1), (2, 2)):
+        llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32", num_blocks=16,
+                  num_threads=1)
+        try:
+            got[tp] = [o.outputs[0].token_ids for o in llm.generate([[5, 17, 42, 99], [1, 2, 3]], params,
+                                                                    use_tqdm=False)]
+        finally:
+            llm.close()
+    assert got[1] == got[2] and all(len(t) == 6 for t in got[1])
+
+
+# -- through the server ------------------------------------------------------------------------------
+
+SERVE_ARGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--num-threads", "1", "--pipeline-parallel-size", "2"]
+
+
+def _ranks(pid: int) -> list[int]:
+    """The server's worker-rank processes (its multiprocessing spawn children)."""
+    out = []
+    for child in __import__("psutil").Process(pid).children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                out.append(child.pid)
+        except Exception:  # gone meanwhile
+            continue
+    return out
+
+
+def test_killing_a_rank_mid_request_fails_it_within_5s_and_health(tmp_path):
+    path = tmp_path / "tiny-llama"
+    write_tiny_llama(path)
+    with running_server("--model", str(path), *SERVE_ARGS, env={"TMPDIR": str(tmp_path)}) as s:
+        ranks = _ranks(s.proc.pid)
+        assert len(ranks) == 1 and httpx.get(s.url + "/health").status_code == 200
+        body = {"model": "tiny-llama", "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        body = {**body, "max_tokens": 500, "ignore_eos": True, "stream": True}  # context: 512
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # the ring is running
+            os.kill(ranks[0], signal.SIGKILL)
+            killed = time.monotonic()
+            rest = list(lines)  # the stream ends (with an error event) once the engine fails the request
+            ended = time.monotonic() - killed
+        assert ended <= 5, f"the request ended {ended:.1f} s after its rank was killed"
+        assert any("error" in line for line in rest)
+        assert unhealthy_within(s.url, 5, start=killed)
+        assert s.proc.wait(timeout=20) == 1
