@@ -112,3 +112,34 @@ def minilm_dir() -> Path:
         with zipfile.ZipFile(archive) as z:
             z.extractall(target)
     return target
+
+
+def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int = 0, pooling: str | None = "mean") -> Path:
+    """A tiny random ModernBERT (3 layers: global, local with a ±4 window, global) or NomicBERT made by
+    transformers, saved with the BERT-framed tokenizer; `num_labels` > 0: ModernBertForSequenceClassification."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  max_position_embeddings=128, pad_token_id=0, initializer_range=0.2)
+    if kind == "modernbert":
+        cfg = transformers.ModernBertConfig(**common, num_hidden_layers=3, local_attention=8,
+                                            global_attn_every_n_layers=2, cls_token_id=2, sep_token_id=3,
+                                            bos_token_id=2, eos_token_id=3, norm_bias=False)
+        cls = transformers.ModernBertForSequenceClassification if num_labels else transformers.ModernBertModel
+    else:
+        cfg = transformers.NomicBertConfig(**common, num_hidden_layers=2)
+        cls = transformers.NomicBertModel
+    if num_labels:
+        cfg.num_labels = num_labels
+    model = cls(cfg).float().eval()
+    with torch.no_grad():  # norms away from 1 and 0, so that each one matters
+        for name, p in model.named_parameters():
+            if "norm" in name.lower():
+                p.add_(torch.randn_like(p) * 0.1)
+    path = root / f"{kind}-{num_labels}-{pooling}"
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, "bert")
+    if pooling is not None:
+        write_st_modules(path, pooling, True, 64)
+    return path

@@ -72,28 +72,38 @@ def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
     return StepSequences(lens, seq * longest + positions, keys[:, None, None, :])
 
 
-def bidirectional(qkv: torch.Tensor, seqs: StepSequences) -> torch.Tensor:
+def bidirectional(qkv: torch.Tensor, seqs: StepSequences, window: int | None = None) -> torch.Tensor:
     """Each sequence attends over all of its own tokens: qkv [T, 3, H, D] -> [T, H * D]. The linears stay
     padding-free; only here are the sequences laid out padded to the longest (one attention call per layer, the
-    padding keys masked, the padding queries' rows never read)."""
+    padding keys masked, the padding queries' rows never read). `window`: a token sees only the keys at most that
+    many positions away (ModernBERT's local layers)."""
     t, _, h, d = qkv.shape
     b, longest = len(seqs.lens), seqs.keys.shape[-1]
     if b == 1:
-        return bidirectional_ref(qkv, seqs.lens)
+        return bidirectional_ref(qkv, seqs.lens, window)
     padded = qkv.new_zeros(b * longest, 3, h, d)
     padded[seqs.rows] = qkv
     q, k, v = padded.view(b, longest, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, Lmax, D] each
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seqs.keys)  # [B, H, Lmax, D]
+    mask = seqs.keys if window is None else seqs.keys & _near(longest, window, qkv.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Lmax, D]
     return out.transpose(1, 2).reshape(b * longest, h * d)[seqs.rows]
 
 
-def bidirectional_ref(qkv: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+def _near(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: query i may read key j, |i - j| <= window."""
+    i = torch.arange(n, device=device)
+    return (i[:, None] - i[None, :]).abs() <= window
+
+
+def bidirectional_ref(qkv: torch.Tensor, seq_lens: list[int], window: int | None = None) -> torch.Tensor:
     """The reference: one attention call per sequence over its own rows, no padding at all."""
     q, k, v = qkv.transpose(0, 1).unbind(0)  # [T, H, D] each
     outs, start = [], 0
     for n in seq_lens:
         s = slice(start, start + n)
-        o = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1))
+        mask = None if window is None or window >= n else _near(n, window, qkv.device)
+        o = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1),
+                                           attn_mask=mask)
         outs.append(o.transpose(0, 1).reshape(n, -1))  # [n, H * D]
         start += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
