@@ -116,7 +116,9 @@ def minilm_dir() -> Path:
 
 def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int = 0, pooling: str | None = "mean") -> Path:
     """A tiny random ModernBERT (3 layers: global, local with a ±4 window, global) or NomicBERT made by
-    transformers, saved with the BERT-framed tokenizer; `num_labels` > 0: ModernBertForSequenceClassification."""
+    transformers, saved with the BERT-framed tokenizer; `num_labels` > 0: ModernBertForSequenceClassification.
+    `nomic_bert_hub`: the same NomicBERT with its config.json rewritten in nomic-ai's remote-code keys (as
+    nomic-embed-text-v1.5 ships it; transformers already saves the tensors under that code's names)."""
     import transformers
 
     torch.manual_seed(0)
@@ -142,4 +144,13 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
     write_tokenizer(path, "bert")
     if pooling is not None:
         write_st_modules(path, pooling, True, 64)
+    if kind == "nomic_bert_hub":
+        theta = cfg.rope_parameters["rope_theta"]
+        (path / "config.json").write_text(json.dumps({
+            "architectures": ["NomicBertModel"], "model_type": "nomic_bert", "activation_function": "swiglu",
+            "n_embd": 64, "n_inner": 96, "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": VOCAB,
+            "type_vocab_size": 2, "layer_norm_epsilon": cfg.layer_norm_eps, "rotary_emb_base": theta,
+            "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False, "qkv_proj_bias": False,
+            "mlp_fc1_bias": False, "mlp_fc2_bias": False, "pad_token_id": 0,
+            "auto_map": {"AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"}}))
     return path

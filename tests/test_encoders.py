@@ -108,13 +108,17 @@ def test_padded_attention_equals_the_per_sequence_reference():
     assert torch.allclose(bidirectional(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,pooling", [("modernbert", "mean"), ("modernbert", "cls"), ("nomic_bert", "mean")])
+@pytest.mark.parametrize("kind,pooling", [("modernbert", "mean"), ("modernbert", "cls"), ("nomic_bert", "mean"),
+                                          ("nomic_bert_hub", "mean")])
 def test_rotary_embedders_match_sentence_transformers(tmp_path, kind, pooling):
-    """ModernBERT (global and ±4-token local layers: the 19-token sentence crosses the window) and NomicBERT."""
+    """ModernBERT (global and ±4-token local layers: the 19-token sentence crosses the window) and NomicBERT, the
+    reference always transformers' own port (loaded before a hub-form config.json replaces transformers' one)."""
     from sentence_transformers import SentenceTransformer
 
-    path = build_rotary_encoder(tmp_path, kind, pooling=pooling)
+    path = build_rotary_encoder(tmp_path, kind.removesuffix("_hub"), pooling=pooling)
     ref = SentenceTransformer(str(path), device="cpu").encode(SENTENCES, normalize_embeddings=True)
+    if kind.endswith("_hub"):
+        path = build_rotary_encoder(tmp_path / "hub", kind, pooling=pooling)
     llm = LLM(str(path))
     got = _vectors(llm, SENTENCES)  # one step, every length
     assert np.abs(got - ref).max() < 1e-4

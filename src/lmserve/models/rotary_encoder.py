@@ -169,13 +169,18 @@ _MODERN_NAMES = {"embeddings.tok_embeddings": "word_embeddings", "embeddings.nor
                  "classifier": "head_out"}
 _MODERN_LAYER = {"attn.Wqkv": "qkv", "attn.Wo": "o_proj", "mlp.Wi": "up", "mlp.Wo": "down", "attn_norm": "attn_norm",
                  "mlp_norm": "mlp_norm"}
+# NomicBERT tensors as nomic-ai's checkpoints (and transformers' save_pretrained) name them, and as transformers'
+# port names them in memory: both -> ours; the MLP's gate (fc12 / gate_proj) and up (fc11 / up_proj) are fused
 _NOMIC_NAMES = {"embeddings.word_embeddings": "word_embeddings",
-                "embeddings.token_type_embeddings": "token_type_embeddings", "embeddings.LayerNorm": "embed_norm"}
-_NOMIC_LAYER = {"self_attn.o_proj": "o_proj", "post_attention_layernorm": "attn_norm", "mlp.down_proj": "down",
-                "post_mlp_layernorm": "mlp_norm"}
-# fused on the way in: q, k, v -> qkv; gate, up -> gate_up (each in that order)
+                "embeddings.token_type_embeddings": "token_type_embeddings", "emb_ln": "embed_norm",
+                "embeddings.LayerNorm": "embed_norm"}
+_NOMIC_LAYER = {"attn.Wqkv": "qkv", "attn.out_proj": "o_proj", "self_attn.o_proj": "o_proj", "norm1": "attn_norm",
+                "post_attention_layernorm": "attn_norm", "mlp.fc2": "down", "mlp.down_proj": "down",
+                "norm2": "mlp_norm", "post_mlp_layernorm": "mlp_norm"}
+# held back and fused on the way in: (ours, index, parts)
 _NOMIC_FUSED = {"self_attn.q_proj": ("qkv", 0, 3), "self_attn.k_proj": ("qkv", 1, 3), "self_attn.v_proj": ("qkv", 2, 3),
-                "mlp.gate_proj": ("gate_up", 0, 2), "mlp.up_proj": ("gate_up", 1, 2)}
+                "mlp.fc12": ("gate_up", 0, 2), "mlp.gate_proj": ("gate_up", 0, 2),
+                "mlp.fc11": ("gate_up", 1, 2), "mlp.up_proj": ("gate_up", 1, 2)}
 
 
 def _modern_stream(weights: Iterator[tuple[str, torch.Tensor, str]],
@@ -199,7 +204,7 @@ def _nomic_stream(weights: Iterator[tuple[str, torch.Tensor, str]],
     dropped."""
     pending: dict[str, list[torch.Tensor | None]] = {}
     for name, tensor, source in weights:
-        name = name.removeprefix("nomic_bert.")
+        name = name.removeprefix("nomic_bert.").removeprefix("bert.").removeprefix("encoder.")
         if name.startswith(("pooler.", "lm_head.", "cls.")) or name.endswith(("position_ids", "token_type_ids")):
             continue
         module, kind = name.rsplit(".", 1)
@@ -244,6 +249,28 @@ def _modern_hf(cfg: Mapping[str, Any]) -> Fields:
     return fields
 
 
+# nomic-ai's own config.json (its remote code's keys) -> transformers' NomicBertConfig keys
+_NOMIC_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps", "rotary_emb_base": "rope_theta",
+               "n_positions": "max_position_embeddings"}
+# its remote code's options that change the network, and the value this file implements
+_NOMIC_FIXED = {"prenorm": False, "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
+                "rotary_emb_interleaved": False, "rotary_emb_fraction": 1.0, "rotary_scaling_factor": None,
+                "parallel_block": False, "use_rms_norm": False, "activation_function": "swiglu"}
+
+
+def _nomic_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A config.json in nomic-ai's remote-code form read as transformers' NomicBertConfig; options this file does
+    not implement are a CheckpointError naming them."""
+    if "n_embd" not in raw:
+        return raw
+    for key, value in _NOMIC_FIXED.items():
+        if key in raw and raw[key] != value:
+            raise CheckpointError(f"config.json: NomicBERT's {key}={raw[key]!r} is not supported (only {value!r})")
+    cfg = {_NOMIC_KEYS.get(k, k): v for k, v in raw.items()}
+    return cfg | {"hidden_act": "silu"}
+
+
 def _nomic_hf(cfg: Mapping[str, Any]) -> Fields:
     if any("ForSequenceClassification" in str(a) for a in cfg.get("architectures") or []):
         raise CheckpointError("config.json: NomicBERT's classification head is not supported (embedders only)")
@@ -260,4 +287,5 @@ def _act(cfg: Mapping[str, Any], key: str, default: str) -> str:
 
 
 MODERNBERT = Family("modernbert", hf_fields=_modern_hf, checkpoint_stream=_modern_stream, model=RotaryEncoderModel)
-NOMIC_BERT = Family("nomic-bert", hf_fields=_nomic_hf, checkpoint_stream=_nomic_stream, model=RotaryEncoderModel)
+NOMIC_BERT = Family("nomic-bert", hf_fields=_nomic_hf, text_config=_nomic_config, checkpoint_stream=_nomic_stream,
+                    model=RotaryEncoderModel)
