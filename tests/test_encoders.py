@@ -96,15 +96,16 @@ def test_bert_classifier_softmax_matches_transformers(tmp_path):
     assert np.abs(_vectors(llm, ids) - ref).max() < 1e-4
 
 
-def test_padded_attention_equals_the_per_sequence_reference():
+@pytest.mark.parametrize("lens,groups", [([5, 1, 17, 9, 17], 4), ([12, 10, 14], 1), ([30, 2, 3, 40, 29], 2)])
+def test_padded_attention_equals_the_per_sequence_reference(lens, groups):
+    """Sequences padded group by group (lengths within GROUP_SPREAD of each other), in any order in the step."""
     from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
 
     torch.manual_seed(0)
-    lens = [5, 1, 17, 9, 17]
     positions = torch.cat([torch.arange(n) for n in lens])
     qkv = torch.randn(sum(lens), 3, 4, 16)
     seqs = step_sequences(positions, sum(lens))
-    assert seqs.lens == lens
+    assert seqs.lens == lens and len(seqs.groups) == groups
     assert torch.allclose(bidirectional(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)
 
 
