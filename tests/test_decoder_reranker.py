@@ -80,3 +80,12 @@ def test_served_rerank_and_score_equal_transformers(reranker):
 def _ids(first: str, second: str) -> list[int]:
     """The word tokenizer's ids: "no" 3, "yes" 4, w<i> 5 + i."""
     return [5 + int(w[1:]) for w in f"{first} {second}".split()]
+
+
+def test_a_flag_without_two_tokens_is_a_clean_error():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--classifier-from-token", "yes"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "takes two tokens" in r.stderr and "Traceback" not in r.stderr

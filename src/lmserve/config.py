@@ -215,7 +215,7 @@ def _token_pair(value: str | None) -> tuple[str, str] | None:
         return None
     parts = value.split(",")
     if len(parts) != 2 or not all(parts):
-        raise ValueError(f"--classifier-from-token takes two tokens, false then true (e.g. no,yes), got {value!r}")
+        raise ConfigError(f"--classifier-from-token takes two tokens, false then true (e.g. no,yes), got {value!r}")
     return parts[0], parts[1]
 
 
