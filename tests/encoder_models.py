@@ -118,13 +118,14 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
     """A tiny random ModernBERT (3 layers: global, local with a ±4 window, global) or NomicBERT made by
     transformers, saved with the BERT-framed tokenizer; `num_labels` > 0: ModernBertForSequenceClassification.
     `nomic_bert_hub`: the same NomicBERT with its config.json rewritten in nomic-ai's remote-code keys (as
-    nomic-embed-text-v1.5 ships it; transformers already saves the tensors under that code's names)."""
+    nomic-embed-text-v1.5 ships it; transformers already saves the tensors under that code's names);
+    `modernbert_hub`: the same ModernBERT with the released config.json's rope keys and no layer_types."""
     import transformers
 
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   max_position_embeddings=128, pad_token_id=0, initializer_range=0.2)
-    if kind == "modernbert":
+    if kind.startswith("modernbert"):
         cfg = transformers.ModernBertConfig(**common, num_hidden_layers=3, local_attention=8,
                                             global_attn_every_n_layers=2, cls_token_id=2, sep_token_id=3,
                                             bos_token_id=2, eos_token_id=3, norm_bias=False)
@@ -144,6 +145,13 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
     write_tokenizer(path, "bert")
     if pooling is not None:
         write_st_modules(path, pooling, True, 64)
+    if kind == "modernbert_hub":  # the released config.json's keys (answerdotai/ModernBERT-base), no layer_types
+        raw = json.loads((path / "config.json").read_text())
+        thetas = raw.pop("rope_parameters")
+        del raw["layer_types"]
+        raw |= {"global_rope_theta": thetas["full_attention"]["rope_theta"],
+                "local_rope_theta": thetas["sliding_attention"]["rope_theta"]}
+        (path / "config.json").write_text(json.dumps(raw))
     if kind == "nomic_bert_hub":
         theta = cfg.rope_parameters["rope_theta"]
         (path / "config.json").write_text(json.dumps({

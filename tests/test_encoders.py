@@ -109,11 +109,11 @@ def test_padded_attention_equals_the_per_sequence_reference(lens, groups):
     assert torch.allclose(bidirectional(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,pooling", [("modernbert", "mean"), ("modernbert", "cls"), ("nomic_bert", "mean"),
-                                          ("nomic_bert_hub", "mean")])
+@pytest.mark.parametrize("kind,pooling", [("modernbert", "mean"), ("modernbert", "cls"), ("modernbert_hub", "mean"),
+                                          ("nomic_bert", "mean"), ("nomic_bert_hub", "mean")])
 def test_rotary_embedders_match_sentence_transformers(tmp_path, kind, pooling):
     """ModernBERT (global and ±4-token local layers: the 19-token sentence crosses the window) and NomicBERT, the
-    reference always transformers' own port (loaded before a hub-form config.json replaces transformers' one)."""
+    reference always transformers' own (loaded before a released-form config.json replaces the one it saved)."""
     from sentence_transformers import SentenceTransformer
 
     path = build_rotary_encoder(tmp_path, kind.removesuffix("_hub"), pooling=pooling)
