@@ -112,3 +112,53 @@ def minilm_dir() -> Path:
         with zipfile.ZipFile(archive) as z:
             z.extractall(target)
     return target
+
+
+def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int = 0, pooling: str | None = "mean") -> Path:
+    """A tiny random ModernBERT (3 layers: global, local with a ±4 window, global) or NomicBERT made by
+    transformers, saved with the BERT-framed tokenizer; `num_labels` > 0: ModernBertForSequenceClassification.
+    `nomic_bert_hub`: the same NomicBERT with its config.json rewritten in nomic-ai's remote-code keys (as
+    nomic-embed-text-v1.5 ships it; transformers already saves the tensors under that code's names);
+    `modernbert_hub`: the same ModernBERT with the released config.json's rope keys and no layer_types."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  max_position_embeddings=128, pad_token_id=0, initializer_range=0.2)
+    if kind.startswith("modernbert"):
+        cfg = transformers.ModernBertConfig(**common, num_hidden_layers=3, local_attention=8,
+                                            global_attn_every_n_layers=2, cls_token_id=2, sep_token_id=3,
+                                            bos_token_id=2, eos_token_id=3, norm_bias=False)
+        cls = transformers.ModernBertForSequenceClassification if num_labels else transformers.ModernBertModel
+    else:
+        cfg = transformers.NomicBertConfig(**common, num_hidden_layers=2)
+        cls = transformers.NomicBertModel
+    if num_labels:
+        cfg.num_labels = num_labels
+    model = cls(cfg).float().eval()
+    with torch.no_grad():  # norms away from 1 and 0, so that each one matters
+        for name, p in model.named_parameters():
+            if "norm" in name.lower():
+                p.add_(torch.randn_like(p) * 0.1)
+    path = root / f"{kind}-{num_labels}-{pooling}"
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path, "bert")
+    if pooling is not None:
+        write_st_modules(path, pooling, True, 64)
+    if kind == "modernbert_hub":  # the released config.json's keys (answerdotai/ModernBERT-base), no layer_types
+        raw = json.loads((path / "config.json").read_text())
+        thetas = raw.pop("rope_parameters")
+        del raw["layer_types"]
+        raw |= {"global_rope_theta": thetas["full_attention"]["rope_theta"],
+                "local_rope_theta": thetas["sliding_attention"]["rope_theta"]}
+        (path / "config.json").write_text(json.dumps(raw))
+    if kind == "nomic_bert_hub":
+        theta = cfg.rope_parameters["rope_theta"]
+        (path / "config.json").write_text(json.dumps({
+            "architectures": ["NomicBertModel"], "model_type": "nomic_bert", "activation_function": "swiglu",
+            "n_embd": 64, "n_inner": 96, "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": VOCAB,
+            "type_vocab_size": 2, "layer_norm_epsilon": cfg.layer_norm_eps, "rotary_emb_base": theta,
+            "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False, "qkv_proj_bias": False,
+            "mlp_fc1_bias": False, "mlp_fc2_bias": False, "pad_token_id": 0,
+            "auto_map": {"AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"}}))
+    return path

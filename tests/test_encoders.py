@@ -12,7 +12,7 @@ import torch
 
 from lmserve.engine.llm import LLM
 from lmserve.pooling_params import PoolingParams
-from tests.encoder_models import SENTENCES, build_encoder, minilm_dir
+from tests.encoder_models import SENTENCES, build_encoder, build_rotary_encoder, minilm_dir
 
 WORDS = ("retrieval augmented generation needs an embedder a reranker and a language model; the quick brown fox "
          "jumps over the lazy dog while servers answer requests in batches of varying lengths").split()
@@ -96,13 +96,56 @@ def test_bert_classifier_softmax_matches_transformers(tmp_path):
     assert np.abs(_vectors(llm, ids) - ref).max() < 1e-4
 
 
-def test_padded_attention_equals_the_per_sequence_reference():
+@pytest.mark.parametrize("lens,groups", [([5, 1, 17, 9, 17], 4), ([12, 10, 14], 1), ([30, 2, 3, 40, 29], 2)])
+def test_padded_attention_equals_the_per_sequence_reference(lens, groups):
+    """Sequences padded group by group (lengths within GROUP_SPREAD of each other), in any order in the step."""
     from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
 
     torch.manual_seed(0)
-    lens = [5, 1, 17, 9, 17]
     positions = torch.cat([torch.arange(n) for n in lens])
     qkv = torch.randn(sum(lens), 3, 4, 16)
     seqs = step_sequences(positions, sum(lens))
-    assert seqs.lens == lens
+    assert seqs.lens == lens and len(seqs.groups) == groups
     assert torch.allclose(bidirectional(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,pooling", [("modernbert", "mean"), ("modernbert", "cls"), ("modernbert_hub", "mean"),
+                                          ("nomic_bert", "mean"), ("nomic_bert_hub", "mean")])
+def test_rotary_embedders_match_sentence_transformers(tmp_path, kind, pooling):
+    """ModernBERT (global and ±4-token local layers: the 19-token sentence crosses the window) and NomicBERT, the
+    reference always transformers' own (loaded before a released-form config.json replaces the one it saved)."""
+    from sentence_transformers import SentenceTransformer
+
+    path = build_rotary_encoder(tmp_path, kind.removesuffix("_hub"), pooling=pooling)
+    ref = SentenceTransformer(str(path), device="cpu").encode(SENTENCES, normalize_embeddings=True)
+    if kind.endswith("_hub"):
+        path = build_rotary_encoder(tmp_path / "hub", kind, pooling=pooling)
+    llm = LLM(str(path))
+    got = _vectors(llm, SENTENCES)  # one step, every length
+    assert np.abs(got - ref).max() < 1e-4
+    alone = _vectors(llm, SENTENCES[2:3])  # alone in its step: the unpadded reference path
+    assert np.abs(alone - ref[2:3]).max() < 1e-4
+
+
+def test_modernbert_classifier_matches_transformers(tmp_path):
+    import transformers
+
+    path = build_rotary_encoder(tmp_path, "modernbert", num_labels=3, pooling=None)
+    ref_model = transformers.AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    llm = LLM(str(path))
+    assert llm.engine.front.tasks == ("classify",)
+    ids = [llm.tokenizer.encode(t) for t in SENTENCES]
+    with torch.no_grad():
+        ref = np.stack([ref_model(torch.tensor([x])).logits[0].softmax(-1).numpy() for x in ids])
+    assert np.abs(_vectors(llm, ids) - ref).max() < 1e-4
+
+
+def test_windowed_padded_attention_equals_the_reference():
+    from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
+
+    torch.manual_seed(0)
+    lens = [5, 1, 17, 9]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    qkv = torch.randn(sum(lens), 3, 4, 16)
+    seqs = step_sequences(positions, sum(lens))
+    assert torch.allclose(bidirectional(qkv, seqs, 3), bidirectional_ref(qkv, lens, 3), atol=1e-5)

@@ -152,6 +152,9 @@ class EngineConfig:
     chat_template: str | None = None
     lora: LoraConfig | None = None  # None: LoRA off (no wrappers, no per-step cost)
     pooling: str | None = None  # last | mean | cls for embedding requests; None: the checkpoint's (loader/pooling.py)
+    # a decoder served as a reranker (Qwen3-Reranker, vLLM's `classifier_from_token`): the (false, true) tokens whose
+    # last-token logits score a pair, softmax over the two; None: the model generates and embeds
+    classifier_from_token: tuple[str, str] | None = None
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
@@ -210,7 +213,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, enable_chunked_prefill=not args.no_chunked_prefill,
                                   **_step_budget(args.max_num_batched_tokens)),
         lora=lora_config(args), pooling=args.pooling, chat_template=_chat_template(args),
+        classifier_from_token=_token_pair(getattr(args, "classifier_from_token", None)),
     )
+
+
+def _token_pair(value: str | None) -> tuple[str, str] | None:
+    """--classifier-from-token's "no,yes" -> ("no", "yes")."""
+    if value is None:
+        return None
+    parts = value.split(",")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--classifier-from-token takes two tokens, false then true (e.g. no,yes), got {value!r}")
+    return parts[0], parts[1]
 
 
 def _chat_template(args: argparse.Namespace) -> str | None:

@@ -56,8 +56,8 @@ class PoolerConfig:
     def tasks(self) -> tuple[str, ...]:
         """What the model answers (vLLM's task names): a decoder generates and embeds; an embedder embeds and scores
         pairs by cosine (score, rerank); a cross-encoder (one label) scores pairs by its head; a classifier classifies."""
-        if not self.encoder:
-            return ("generate", "embed")
+        if not self.encoder:  # a decoder; one with a token-pair head (--classifier-from-token) scores pairs too
+            return ("generate", "score", "rerank", "classify") if self.num_labels else ("generate", "embed")
         if self.num_labels == 0:
             return ("embed", "score", "rerank")
         return ("score", "rerank", "classify") if self.num_labels == 1 else ("classify",)

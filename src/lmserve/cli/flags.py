@@ -100,6 +100,11 @@ def _add_model_args(g, several_models: bool) -> None:
                    help="how embedding requests (/v1/embeddings, /api/embed, LLM.embed) pool the final hidden states; "
                    "default: the checkpoint's sentence-transformers 1_Pooling/config.json, else last (the last token, "
                    "vLLM's default for decoder LMs)")
+    g.add_argument("--classifier-from-token", default=None, metavar="FALSE,TRUE",
+                   help="serve a decoder as a reranker scored by a token pair (Qwen3-Reranker: no,yes): a pair's score "
+                   "is the softmax over the two tokens' last-token logits, taken at TRUE; the model then answers "
+                   "/v1/rerank, /rerank, /v1/score and /classify (vLLM's hf_overrides classifier_from_token); default: none, "
+                   "a decoder generates and embeds")
 
 
 def _add_runtime_args(g) -> None:

@@ -33,6 +33,7 @@ from lmserve.tokenizer import Tokenizer, load_tokenizer
 from lmserve.utils import available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
 from lmserve.worker.model_runner import ModelRunner, profile_forward
+from lmserve.worker.pooler import token_pair_head
 from lmserve.worker.transforms import TransformContext, apply_transforms
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
         tokenizer.chat_template = cfg.chat_template
     model_cfg = loaded.config
     pooler = pooler_config(loaded.path, cfg.pooling, model_cfg.encoder, model_cfg.num_labels)
+    if cfg.classifier_from_token is not None:
+        pooler = _token_pair_reranker(cfg, loaded, tokenizer, dtype)
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     if model_cfg.encoder:
         max_model_len = min(max_model_len, pooler.max_seq_length or max_model_len)
@@ -154,6 +157,23 @@ def _encoder_config(cfg: EngineConfig, max_model_len: int) -> EngineConfig:
     sched = replace(cfg.scheduler, enable_chunked_prefill=False,
                     max_num_batched_tokens=max(cfg.scheduler.max_num_batched_tokens, max_model_len))
     return replace(cfg, scheduler=sched, cache=replace(cfg.cache, enable_prefix_caching=False))
+
+
+def _token_pair_reranker(cfg: EngineConfig, loaded: LoadedModel, tokenizer: Tokenizer,
+                         dtype: torch.dtype) -> PoolerConfig:
+    """--classifier-from-token FALSE,TRUE: the decoder's last token pooled, scored by its two tokens' logits (the
+    model's `score`, read by the runner's Pooler); each must be one token of the vocabulary."""
+    if loaded.config.encoder:
+        raise ConfigError("--classifier-from-token is for a decoder; an encoder scores with its own head")
+    if cfg.parallel.tensor_parallel_size > 1:
+        raise ConfigError("--classifier-from-token needs --tensor-parallel-size 1")
+    false_tok, true_tok = cfg.classifier_from_token
+    ids = [tokenizer.token_to_id(t) for t in (false_tok, true_tok)]
+    if None in ids:
+        missing = [t for t, i in zip((false_tok, true_tok), ids) if i is None]
+        raise ConfigError(f"--classifier-from-token: {missing} not one token of the model's vocabulary")
+    loaded.model.score = token_pair_head(loaded.model.compute_logits, ids[0], ids[1], dtype)
+    return PoolerConfig("last", "--classifier-from-token", False, False, 1, labels=(true_tok,))
 
 
 def _set_separator(loaded: LoadedModel, tokenizer: Tokenizer) -> None:

@@ -84,6 +84,10 @@ class ModelConfig:
     position_offset: int = 0  # XLM-R: positions start at padding_idx + 1
     num_labels: int = 0  # a *ForSequenceClassification head's outputs; 0: none
     sep_token_id: int | None = None  # the separator that starts a pair's second segment
+    # rotary encoders (models/rotary_encoder.py); an encoder's sliding layer sees keys within ±sliding_window
+    norm_bias: bool = True  # LayerNorms have a bias (ModernBERT's norm_bias may say no)
+    classifier_bias: bool = True  # ModernBERT's head dense has a bias
+    classifier_act: str = "gelu"  # ModernBERT's head activation
     # mixture of experts (Mixtral, Qwen2/3-MoE); num_experts 0: every layer has the dense gated MLP
     num_experts: int = 0
     num_experts_per_tok: int = 0  # top-k experts per token

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
+from lmserve.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3, rotary_encoder
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -33,6 +33,9 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "XLMRobertaForSequenceClassification": bert.XLM_ROBERTA,
     "RobertaModel": bert.XLM_ROBERTA,
     "RobertaForSequenceClassification": bert.XLM_ROBERTA,
+    "ModernBertModel": rotary_encoder.MODERNBERT,
+    "ModernBertForSequenceClassification": rotary_encoder.MODERNBERT,
+    "NomicBertModel": rotary_encoder.NOMIC_BERT,
 }
 GGUF_ARCHITECTURES: dict[str, Family] = {
     "llama": llama.LLAMA,  # also Mistral's and Mixtral's files

@@ -85,3 +85,13 @@ def _cut(vec: torch.Tensor, p: PoolingParams) -> torch.Tensor:
     if p.dimensions is not None:
         vec = vec[:p.dimensions]
     return F.normalize(vec, dim=0) if p.normalize else vec
+
+
+def token_pair_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], false_id: int, true_id: int,
+                    dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A decoder's last-token logits read as a one-label classifier (Qwen3-Reranker, vLLM's classifier_from_token):
+    logit(true) - logit(false), whose sigmoid (`_finish`) is the softmax over the pair taken at `true`."""
+    def head(vec: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(vec.to(dtype)).float()  # [N, vocab]: through the model's own lm_head, any format
+        return (logits[:, true_id] - logits[:, false_id])[:, None]
+    return head
