@@ -11,8 +11,8 @@ chunks, and any step whose attention is not the paged cache's decode-only step. 
 over float32 CPU slots also hand the stack their slot tensors (`set_lora`): a decode step whose rows carry adapters
 stays in the stack, base rows and adapter rows in one call, each adapter projection adding its rows' deltas through
 the kernel the module path calls (csrc/lora_delta.cpp, a fixed order per row). Other wrappers send a step where one
-does not pass through to the module loop (a LoRA step on the stack: 8 adapters in a batch of 32 went 0.36x -> see
-benchmarks/results/lora.md of the base's tokens/s on a 2-core Zen 5). Models with other layers (parallel wrappers, float
+does not pass through to the module loop. (8 rank-16 adapters in a batch of 32, tokens per CPU second against the
+base on a loaded 2-core Zen 5, 1 thread: 0.48x with those steps in the module loop, see benchmarks/results/lora.md.) Models with other layers (parallel wrappers, float
 or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks, a mixture of experts: layers/blocks/moe.py) keep the module
 loop. The native stack calls the same kernels in the same order, so a step's outputs
 are bit-identical either way (tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it
