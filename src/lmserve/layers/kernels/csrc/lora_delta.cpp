@@ -15,55 +15,17 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kCols = 32;  // expand: output columns kept in registers over all ranks
 
 // x . a over `in` floats: lane l sums elements l, l + 16, ... in order; the lanes then fold pairwise.
-inline float fold(float* acc) {
-  for (int64_t w = kLanes / 2; w >= 1; w /= 2)
-    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
-}
-
 inline float dot_fixed(const float* x, const float* a, int64_t in) {
   float acc[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= in; j += kLanes)
     for (int64_t l = 0; l < kLanes; ++l) acc[l] += x[j + l] * a[j + l];
   for (int64_t l = 0; j + l < in; ++l) acc[l] += x[j + l] * a[j + l];
-  return fold(acc);
-}
-
-// Four dots of x against a0..a3 = a, a + in, ...: each exactly dot_fixed's order, four independent chains sharing
-// the loads of x (a lone chain waits on each multiply-add's latency).
-inline void dot4_fixed(const float* x, const float* a, int64_t in, float* out) {
-  float acc[4][kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= in; j += kLanes)
-    for (int64_t r = 0; r < 4; ++r)
-      for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += x[j + l] * a[r * in + j + l];
-  for (int64_t r = 0; r < 4; ++r) {
-    for (int64_t l = 0; j + l < in; ++l) acc[r][l] += x[j + l] * a[r * in + j + l];
-    out[r] = fold(acc[r]);
-  }
-}
-
-// y[o] += sum over k < rank of h[k * n] * b[k * out + o], the ranks added in order from 0 into a zero sum
-inline void expand_fixed(const float* h, int64_t n, const float* b, int64_t rank, int64_t out, float* y) {
-  int64_t o = 0;
-  for (; o + kCols <= out; o += kCols) {
-    float acc[kCols] = {};
-    for (int64_t k = 0; k < rank; ++k) {
-      const float hk = h[k * n];
-      const float* bk = b + k * out + o;
-      for (int64_t l = 0; l < kCols; ++l) acc[l] += hk * bk[l];
-    }
-    for (int64_t l = 0; l < kCols; ++l) y[o + l] += acc[l];
-  }
-  for (; o < out; ++o) {
-    float acc = 0.0f;
-    for (int64_t k = 0; k < rank; ++k) acc += h[k * n] * b[k * out + o];
-    y[o] += acc;
-  }
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2)
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
 }
 
 }  // namespace
@@ -80,27 +42,30 @@ void lora_delta_rows(const float* x, int64_t x_stride, float* y, int64_t y_strid
   if (rows.empty()) return;
   std::stable_sort(rows.begin(), rows.end(), [&](int64_t p, int64_t q) { return slots[p] < slots[q]; });
   rank = std::min(rank, max_rank);
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += out_sizes[i];
+  int64_t total = 0, widest = 0;
+  for (int64_t i = 0; i < n; ++i) total += out_sizes[i], widest = std::max(widest, out_sizes[i]);
   // a row's work in multiply-adds: rows run in parallel, each on one thread from start to end
   const int64_t work = rank * (n * in + total);
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(work, 1));
   parallel_for(0, static_cast<int64_t>(rows.size()), grain, [&](int64_t begin, int64_t end) {
-    // the shrink's dots four at a time, up to a multiple of 4 (A's rows past `rank` are zero for every adapter of
-    // the step; their dots are never read), so which dots share a call depends on the shapes only, not on this
-    // step's widest rank
-    const int64_t dots = std::min((rank * n + 3) / 4 * 4, max_rank * n);
-    std::vector<float> h(dots);
+    std::vector<float> h(rank * n), d(widest);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t t = rows[r], s = slots[t];
       const float* xt = x + t * x_stride;
       const float* as = a + s * max_rank * n * in;  // [max_rank, n, in]: the first `rank` ranks are contiguous
-      int64_t kn = 0;
-      for (; kn + 4 <= dots; kn += 4) dot4_fixed(xt, as + kn * in, in, &h[kn]);
-      for (; kn < dots; ++kn) h[kn] = dot_fixed(xt, as + kn * in, in);
+      for (int64_t kn = 0; kn < rank * n; ++kn) h[kn] = dot_fixed(xt, as + kn * in, in);
       float* yt = y + t * y_stride;
-      for (int64_t i = 0, off = 0; i < n; off += out_sizes[i], ++i)
-        expand_fixed(&h[i], n, b[i] + s * max_rank * out_sizes[i], rank, out_sizes[i], yt + off);
+      for (int64_t i = 0, off = 0; i < n; off += out_sizes[i], ++i) {
+        const int64_t out = out_sizes[i];
+        const float* bs = b[i] + s * max_rank * out;  // [max_rank, out_i]
+        std::fill(d.begin(), d.begin() + out, 0.0f);
+        for (int64_t k = 0; k < rank; ++k) {
+          const float hk = h[k * n + i];
+          const float* bk = bs + k * out;
+          for (int64_t o = 0; o < out; ++o) d[o] += hk * bk[o];
+        }
+        for (int64_t o = 0; o < out; ++o) yt[off + o] += d[o];
+      }
     }
   });
 }
