@@ -62,9 +62,10 @@ def test_decode_steps_through_the_stack_equal_the_module_loop_bitwise(gguf_engin
 
 
 @needs_native
-def test_a_lora_engine_runs_base_only_decode_steps_through_the_stack(tmp_path):
-    """With LoRA wrappers on every projection, a decode step where no row carries an adapter runs the stack on the
-    wrappers' bases, and one where a row does runs the module loop: both bit-identical to the module loop alone."""
+def test_a_lora_engine_runs_adapter_and_base_rows_through_the_stack(tmp_path):
+    """With LoRA wrappers on every projection, decode steps run the stack on the wrappers' bases: steps where no row
+    carries an adapter, and mixed steps (two adapters of other ranks and targets beside base rows), which add the
+    deltas inside the stack. Tokens and logprobs are bit-identical to the module loop's (the reference) alone."""
     from lmserve.config import CacheConfig, EngineConfig, LoraConfig
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.loader import default_model_path
@@ -73,30 +74,36 @@ def test_a_lora_engine_runs_base_only_decode_steps_through_the_stack(tmp_path):
     from tests.test_engine import PROMPTS, assert_no_leak
 
     smol = default_model_path()
-    adapter = make_peft_adapter(tmp_path / "a", smol, rank=8, target_modules=("q_proj", "v_proj", "down_proj"))
-    eng = LLMEngine(EngineConfig(quantization="gguf", lora=LoraConfig((("a", str(adapter)),), max_loras=1,
-                                                                      max_lora_rank=8),
+    a = make_peft_adapter(tmp_path / "a", smol, rank=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    b = make_peft_adapter(tmp_path / "b", smol, rank=16, seed=3,
+                          target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    eng = LLMEngine(EngineConfig(quantization="gguf", lora=LoraConfig((("a", str(a)), ("b", str(b))), max_loras=2,
+                                                                      max_lora_rank=16),
                                  cache=CacheConfig(num_blocks=128, enable_prefix_caching=False)))
-    model, lora = eng.loaded.model, eng.loras.get("a")
+    model = eng.loaded.model
     assert isinstance(model.layer_loop, NativeDecodeLoop) and len(model.layer_loop.wrappers) == 4 * len(
         model.model.layers)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
-    def run(with_lora: bool) -> list:
-        eng.add_request("r", PROMPTS[1], params, lora=lora if with_lora else None)
-        out = []
+    def run(loras: list[str | None]) -> dict:
+        for i, name in enumerate(loras):
+            eng.add_request(f"r{i}", PROMPTS[i], params, lora=eng.loras.get(name) if name else None)
+        out: dict = {}
         while eng.has_unfinished():
-            out += [(t.token_id, t.logprob, tuple(t.top)) for d in eng.step() for t in d.logprobs]
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend((t.token_id, t.logprob, tuple(t.top)) for t in d.logprobs)
         return out
 
     stack = eng.runner.decode_stack
-    base, steps = run(False), stack.steps
-    assert steps >= 10  # the base request's decode steps ran the stack
-    adapted = run(True)
-    assert stack.steps == steps  # the adapter's steps ran the module loop
-    assert adapted != base  # and the adapter mattered
+    mixed = ["a", None, "b", "a", None]
+    base, steps = run([None]), stack.steps
+    assert steps >= 10 and stack.lora_steps == 0  # the base request's decode steps ran the stack
+    adapted = run(["a"])
+    together = run(mixed)
+    assert stack.lora_steps >= 20 and stack.steps >= steps + 20  # the adapter steps ran the stack too
+    assert adapted["r0"] != base["r0"]  # and the adapter mattered
     remove_decode_stack(model)
-    assert run(False) == base and run(True) == adapted
+    assert run([None]) == base and run(["a"]) == adapted and run(mixed) == together
     assert_no_leak(eng)
 
 

@@ -126,15 +126,16 @@ def test_embedded_gguf_matches_peft(smol_path, tmp_path):
 # -- the engine: mixed batches, slots, prefix caching -----------------------------------------------------------
 
 @pytest.mark.slow
-def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, tmp_path):
-    """Over the float base: BLAS may sum a LoRA delta in another order when other adapters share the step
-    (lora/layers.py), a last-bit difference that a float base keeps at that size; a GGUF base's int8 activations
-    can amplify it."""
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_mixed_batch_of_four_adapters_and_base_equals_each_alone(smol_path, tmp_path, quantization):
+    """Over the float base and the GGUF blocks (whose int8 activations would amplify any last-bit difference): each
+    row's LoRA delta is summed in a fixed order whatever shares its step (csrc/lora_delta.cpp), in the module loop
+    and in the native decode stack alike."""
     specs = [(8, ("q_proj", "v_proj")), (16, ("gate_proj", "up_proj", "down_proj")), (8, ("o_proj", "k_proj")),
              (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))]
     modules = tuple((f"a{i}", str(make_peft_adapter(tmp_path / f"a{i}", smol_path, rank=r, target_modules=t,
                                                     seed=10 + i))) for i, (r, t) in enumerate(specs))
-    engine = LLMEngine(EngineConfig(model=str(smol_path), dtype="float32", quantization="none", num_threads=2,
+    engine = LLMEngine(EngineConfig(model=str(smol_path), dtype="float32", quantization=quantization, num_threads=2,
                                     cache=CacheConfig(num_blocks=128),
                                     lora=LoraConfig(modules, max_loras=4, max_cpu_loras=4, max_lora_rank=16)))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

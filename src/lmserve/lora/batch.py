@@ -39,5 +39,6 @@ def lora_segments(slots: np.ndarray, slot_ranks: list[int], max_padding: float =
     used = np.unique(slots[lora_rows])
     rank = max(max(slot_ranks[s] for s in used), 1)
     if rows.size > max_padding * lora_rows.size:
-        return LoraMeta(None, None, None, rank, False, [(int(s), groups[s]) for s in used])
-    return LoraMeta(rows, mask, rows.reshape(-1), rank, bool((mask == 0).any()))
+        return LoraMeta(None, None, None, rank, False, [(int(s), groups[s]) for s in used],
+                        slots.astype(np.int64))
+    return LoraMeta(rows, mask, rows.reshape(-1), rank, bool((mask == 0).any()), slots=slots.astype(np.int64))

@@ -20,7 +20,10 @@ adding slice by slice cost 2.4 ms over a 2.9 ms base; with these views, B rank-m
 went 186 -> 54 us) and one index_add, 0.65 ms over 2.0 ms.
 `lora_delta_reference` is the plain per-row loop the tests compare against.
 
-A LoRA row's delta is not bit-invariant to its batch: BLAS picks its summation order by the call's shape, and on a
+On the CPU in float32 the deltas go through one native kernel instead (`lora_delta_native`, csrc/lora_delta.cpp:
+float32, each row in a fixed order, rows sharing a slot together), the one the native decode stack calls, so a
+decode step with adapter rows stays in the stack and a row's delta is the same in any batch. The bmm path below
+serves other devices and dtypes (and the native kernels switched off). Its rows are not batch-invariant: BLAS picks its summation order by the call's shape, and on a
 Zen 5 host (MKL) one row came out of these bmm's with other last bits at 1, 2-4 and 5+ rows per segment and at
 another rank width (the widest rank of the step). Over a float base that stays a last-bit difference; over a GGUF
 base the int8 activations can turn it into ~0.1 of a continuation's logprob (tokens equal in the test that showed
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from lmserve.layers.kernels.native import native_module
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class LoraMeta:
     # Set instead of the padded segments when padding would more than double the rows (a prefill chunk
     # beside one-row decodes): (slot, its rows [n_s] int64) per used slot, each run on its own
     ragged: list[tuple[int, object]] | None = None
+    slots: object = None  # [T] int64: each row's slot (-1: base), for the native kernel (lora_delta_native)
 
 
 class LoraBatch:
@@ -93,7 +99,22 @@ class LoraLinear(nn.Module):
         meta = self.batch.meta
         if meta is None:
             return y
+        if lora_delta_native(self, x, y, meta):
+            return y
         return lora_delta_batched(self, x, y, meta)
+
+
+def lora_delta_native(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> bool:
+    """Add the deltas into y in place through the native kernel (CPU float32; layers/kernels/csrc/lora_delta.cpp),
+    the one the native decode stack calls: a fixed order per row, so a row's delta does not depend on its batch and
+    a decode step's outputs are the same in the stack and in this module loop. False where it does not apply."""
+    mod = native_module()
+    if mod is None or meta.slots is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 \
+            or y.dtype != torch.float32 or y.dim() != 2 or layer.lora_a.dtype != torch.float32:
+        return False
+    mod.lora_delta_(y, x if x.stride(1) == 1 else x.contiguous(), meta.slots, layer.lora_a,
+                    [layer.lora_b(i) for i in range(len(layer.slices))], meta.rank)
+    return True
 
 
 def lora_delta_batched(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> torch.Tensor:

@@ -7,9 +7,12 @@ projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of p
 dims 64/128/256, over float32, float16 or quantized (int8 / fp8_e4m3) KV caches (one C++ writer and reader for all
 of them, as the module path's). The loop it replaces stays inside it and serves every step the stack cannot: prefill
 chunks, and any step whose attention is not the paged cache's decode-only step. A wrapper that can pass through
-(LoRA: `passes_through` while no row of the step carries an adapter) is seen through to its base, and a step where
-one does not pass through runs the module loop: a LoRA engine's base-only decode steps keep the stack (on a 2-core
-Zen 5 its base requests ran at 0.71x a plain engine's without it). Models with other layers (parallel wrappers, float
+(LoRA: `passes_through` while no row of the step carries an adapter) is seen through to its base. LoRA wrappers
+over float32 CPU slots also hand the stack their slot tensors (`set_lora`): a decode step whose rows carry adapters
+stays in the stack, base rows and adapter rows in one call, each adapter projection adding its rows' deltas through
+the kernel the module path calls (csrc/lora_delta.cpp, a fixed order per row). Other wrappers send a step where one
+does not pass through to the module loop. (8 rank-16 adapters in a batch of 32, tokens per CPU second against the
+base on a loaded 2-core Zen 5, 1 thread: 0.48x with those steps in the module loop, see benchmarks/results/lora.md.) Models with other layers (parallel wrappers, float
 or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks, a mixture of experts: layers/blocks/moe.py) keep the module
 loop. The native stack calls the same kernels in the same order, so a step's outputs
 are bit-identical either way (tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it
@@ -66,6 +69,20 @@ class DecodeStack:
     def __init__(self, native) -> None:
         self.native = native
         self.steps = 0  # decode steps run through it (tests check that it really ran)
+        self.lora_steps = 0  # of which with adapter rows
+        self.lora_batch = None  # the LoRA wrappers' shared LoraBatch once attach_lora gave it their slots
+
+    def attach_lora(self, wrappers: dict[tuple[int, int], nn.Module]) -> bool:
+        """Give the stack each (layer, projection 0..3) LoRA wrapper's slot tensors; False (nothing attached) unless
+        every one keeps float32 CPU slots and they share one batch."""
+        batches = {id(w.batch) for w in wrappers.values()}
+        if not wrappers or len(batches) != 1 or not hasattr(self.native, "set_lora") or any(
+                w.lora_a.dtype != torch.float32 or w.lora_a.device.type != "cpu" for w in wrappers.values()):
+            return False
+        for (i, j), w in wrappers.items():
+            self.native.set_lora(i, j, w.lora_a, [w.lora_b(k) for k in range(len(w.slices))])
+        self.lora_batch = next(iter(wrappers.values())).batch
+        return True
 
     @classmethod
     def build(cls, layers: list[LayerWeights], shape: Shape) -> DecodeStack | None:
@@ -101,16 +118,21 @@ class DecodeStack:
         return not m.prefills and m.num_decodes == x.shape[0] and m.decode_context_lens is not None
 
     def __call__(self, x: torch.Tensor, cos: list[torch.Tensor], sin: list[torch.Tensor],
-                 attn: PagedAttention | GroupedAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's output, residual stream) after every layer; `x` becomes the residual stream."""
+                 attn: PagedAttention | GroupedAttention, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's output, residual stream) after every layer; `x` becomes the residual stream. `lora`: the
+        step's LoraMeta when rows carry adapters (attach_lora)."""
         if isinstance(attn, GroupedAttention):  # each layer its group's slots and block tables
             metas = [attn.contexts[g].meta for g in attn.layer_group]
             kv_caches = attn.contexts[0].kv_caches
         else:
             metas, kv_caches = [attn.meta], attn.kv_caches
         self.steps += 1
-        return self.native.forward(x.contiguous(), cos, sin, kv_caches, [m.slot_mapping for m in metas],
-                                   [m.decode_block_tables for m in metas], metas[0].decode_context_lens)
+        args = (x.contiguous(), cos, sin, kv_caches, [m.slot_mapping for m in metas],
+                [m.decode_block_tables for m in metas], metas[0].decode_context_lens)
+        if lora is None:
+            return self.native.forward(*args)
+        self.lora_steps += 1
+        return self.native.forward(*args, lora.slots, lora.rank)
 
 
 class NativeDecodeLoop(nn.Module):
@@ -125,9 +147,14 @@ class NativeDecodeLoop(nn.Module):
 
     def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 attn) -> tuple[torch.Tensor, torch.Tensor]:
-        if not DecodeStack.accepts(attn, x) or not all(w.passes_through for w in self.wrappers):
+        if not DecodeStack.accepts(attn, x):
             return self.reference(layers, x, rope, attn)
-        return self.stack(x, [rope[k][0] for k in self.kinds], [rope[k][1] for k in self.kinds], attn)
+        lora = None
+        if not all(w.passes_through for w in self.wrappers):
+            lora = self.stack.lora_batch.meta if self.stack.lora_batch is not None else None
+            if lora is None or lora.slots is None or lora.slots.device.type != "cpu":
+                return self.reference(layers, x, rope, attn)
+        return self.stack(x, [rope[k][0] for k in self.kinds], [rope[k][1] for k in self.kinds], attn, lora)
 
 
 def apply_decode_stack(model: nn.Module) -> DecodeStack | None:
@@ -141,9 +168,12 @@ def apply_decode_stack(model: nn.Module) -> DecodeStack | None:
     if any(lw is None for lw in layers):
         return None
     wrappers = tuple(p for lw in layers for p in lw.projections if _passes(p))
+    by_place = {(i, j): p for i, lw in enumerate(layers) for j, p in enumerate(lw.projections) if _passes(p)}
     layers = [replace(lw, projections=tuple(p.base if _passes(p) else p for p in lw.projections)) for lw in layers]
     stack = DecodeStack.build(layers, Shape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps))
     if stack is not None:
+        if by_place and all(hasattr(p, "lora_a") for p in by_place.values()):
+            stack.attach_lora(by_place)
         model.layer_loop = NativeDecodeLoop(stack, kinds, model.layer_loop, wrappers)
     return stack
 

@@ -22,10 +22,14 @@
 //   ints:    rope table (-1: none), window (0: none), act (0 SiLU, 1 tanh GELU), then per projection: number of
 //            parts, then each part's kind
 //   floats:  scale, softcap (0: none)
+// LoRA (set_lora, per layer and projection): a step whose rows carry adapter slots passes them to forward, and each
+// such projection adds its rows' deltas after its base output, as lora/layers.LoraLinear does (base + delta, through
+// the same kernel, lora_delta.cpp), so base rows and adapter rows run in one call.
 
 // Tensor code on torch's side, like ops.h: included by bindings.cpp only (the one unit that includes torch).
 #pragma once
 
+#include "lora_ops.h"
 #include "ops.h"
 
 #include <cmath>
@@ -55,12 +59,19 @@ struct QuantProj {
   }
 };
 
+// One projection's LoRA weights (lora/layers.LoraLinear's slot tensors, shared: a slot written later is seen here)
+struct LoraProj {
+  torch::Tensor a;               // [max_loras, max_rank, n, in]
+  std::vector<torch::Tensor> bs;  // n x [max_loras, max_rank, out_i], scaling folded in
+};
+
 struct Layer {
   torch::Tensor in_norm, post_norm;  // plain: input and pre-MLP norms; sandwich: input and post-attention norms
   c10::optional<torch::Tensor> pre_ff_norm, post_ff_norm, q_norm, k_norm;
   QuantProj qkv, o, gate_up, down;
   int64_t rope, window, act;
   double scale, softcap;
+  c10::optional<LoraProj> lora[4];  // qkv, o, gate_up, down: set_lora
 };
 
 // Reads the constructor's flat lists in order.
@@ -138,16 +149,26 @@ class DecodeStack {
                 "DecodeStack: the flat lists do not match ", lmserve::num(num_layers), " layers");
   }
 
+  // projection j (0 qkv, 1 o, 2 gate_up, 3 down) of layer i adds LoRA deltas from these slot tensors
+  void set_lora(int64_t i, int64_t j, torch::Tensor a, std::vector<torch::Tensor> bs) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()) && j >= 0 && j < 4, "DecodeStack: no such projection");
+    TORCH_CHECK(a.dim() == 4 && a.size(2) == static_cast<int64_t>(bs.size()), "DecodeStack: one LoRA b per slice");
+    layers_[i].lora[j] = LoraProj{std::move(a), std::move(bs)};
+  }
+
   // x [B, hidden] (the embeddings, after any scale; used as the residual stream and updated in place), one cos and
   // sin [B, 1, D] per rotary table, one cache per layer, slot_mappings [B] and block_tables [B, max_blocks]: one
   // of each for every layer, or one per layer (each layer's KV group's: cache/kv_groups.py), context_lens [B]
+  // lora_slots [B] int64 (a row's adapter slot, -1: base) or none, lora_rank the step's widest adapter rank
   // -> (last layer's output, residual): the final norm stays with the model.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
                                                    const std::vector<torch::Tensor>& sin,
                                                    const std::vector<torch::Tensor>& kv_caches,
                                                    std::vector<torch::Tensor> slot_mappings,
                                                    const std::vector<torch::Tensor>& block_tables,
-                                                   torch::Tensor context_lens) const {
+                                                   torch::Tensor context_lens,
+                                                   const c10::optional<torch::Tensor>& lora_slots = c10::nullopt,
+                                                   int64_t lora_rank = 0) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodeStack: one KV cache per layer");
     TORCH_CHECK(cos.size() == sin.size(), "DecodeStack: one sin per cos table");
     TORCH_CHECK(slot_mappings.size() == block_tables.size() &&
@@ -160,12 +181,21 @@ class DecodeStack {
     }
     const int64_t B = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     torch::Tensor residual = x, h;
+    if (lora_slots.has_value())
+      TORCH_CHECK(lora_slots->size(0) == B, "DecodeStack: one LoRA slot per row");
+    // projection j of layer l on x: its base output, then the adapter rows' deltas
+    auto project = [&](const Layer& l, int j, const QuantProj& p, const torch::Tensor& in) {
+      torch::Tensor y = p(in);
+      if (lora_slots.has_value() && l.lora[j].has_value())
+        lora_delta_(y, in, *lora_slots, l.lora[j]->a, l.lora[j]->bs, lora_rank);
+      return y;
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DecodeStack: layer ", lmserve::num(i),
                   " reads a missing rotary table");
       h = i == 0 ? rms_norm(residual, l.in_norm, eps_) : add_rms_norm_(h, residual, l.in_norm, eps_);
-      torch::Tensor qkv = l.qkv(h);  // [B, q + 2 kv]
+      torch::Tensor qkv = project(l, 0, l.qkv, h);  // [B, q + 2 kv]
       const int64_t row = qkv.stride(0);
       const float* base = qkv.data_ptr<float>();
       torch::Tensor q, k;
@@ -192,13 +222,13 @@ class DecodeStack {
                     kv_heads_, dim_);
       torch::Tensor attn = paged_decode_attention(q, cache[0], cache[1], block_tables[g], context_lens, l.scale,
                                                   c10::nullopt, l.window, l.softcap);
-      torch::Tensor o = l.o(attn.view({B, q_size}));
+      torch::Tensor o = project(l, 1, l.o, attn.view({B, q_size}));
       if (l.pre_ff_norm.has_value()) {  // sandwich: residual + post_norm(block(pre_norm(residual))), twice
         h = add_rms_norm_(rms_norm(o, l.post_norm, eps_), residual, *l.pre_ff_norm, eps_);
-        h = rms_norm(l.down(act_and_mul(l.gate_up(h), l.act)), *l.post_ff_norm, eps_);
+        h = rms_norm(project(l, 3, l.down, act_and_mul(project(l, 2, l.gate_up, h), l.act)), *l.post_ff_norm, eps_);
       } else {
         h = add_rms_norm_(o, residual, l.post_norm, eps_);
-        h = l.down(act_and_mul(l.gate_up(h), l.act));
+        h = project(l, 3, l.down, act_and_mul(project(l, 2, l.gate_up, h), l.act));
       }
     }
     return {h, residual};
@@ -214,7 +244,11 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const std::vector<c10::optional<torch::Tensor>>&, const std::vector<int64_t>&,
                           const std::vector<double>&, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("set_lora", &DecodeStack::set_lora, "LoRA slot tensors of one projection (layer, 0..3, a, [b per slice])")
       // without the GIL: the server's event loop runs while a step computes
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "every decoder layer of a decode-only step (see decode_stack.h)");
+           "every decoder layer of a decode-only step (see decode_stack.h)", pybind11::arg("x"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("kv_caches"), pybind11::arg("slot_mappings"),
+           pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("lora_slots") = pybind11::none(),
+           pybind11::arg("lora_rank") = 0);
 }
