@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.layers.attention.context import kv_quant
+from lmserve.layers.attention import kv_quant
 from lmserve.layers.attention.paged import decode_attention, write_kv_reference
 from lmserve.layers.kernels.native import native_module
 from lmserve.utils import KV_QUANT_DTYPES, resolve_kv_dtype

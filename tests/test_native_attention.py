@@ -89,7 +89,7 @@ def test_prefill_tiles_equal_decode_rows_bitwise(dtype, heads, kv_heads, dim, wi
     once per tile; every row's output is the bits the per-row path (decode rows) gives it, over every cache format:
     chunks after cached prefixes, of lengths that are not whole tiles (G = 1..16 query heads per kv head gives tiles
     of 48..3 rows), a one-token chunk, two chunks of one request apart in the batch, a window, a soft-cap."""
-    from lmserve.layers.attention.context import kv_quant
+    from lmserve.layers.attention import kv_quant
     from lmserve.utils import KV_QUANT_DTYPES
 
     if dtype in ("int8", "fp8_e4m3") and dtype not in KV_QUANT_DTYPES:

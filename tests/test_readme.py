@@ -39,6 +39,7 @@ import pytest
 
 from lmserve.loader import read_model_config
 from tests.conftest import write_hub_snapshot
+from tests.encoder_models import build_encoder, minilm_dir
 from tests.lora_adapters import write_random_adapter
 from tests.server_util import free_port
 
@@ -130,16 +131,21 @@ def env(tmp_path_factory, smol_path):
     cache = tmp_path_factory.mktemp("hub")
     write_hub_snapshot(cache, HUB_ID, SNAPSHOT)
     adapter = write_random_adapter(tmp_path_factory.mktemp("lora") / "adapter", read_model_config(smol_path))
+    # the retrieval set-up: the real all-MiniLM-L6-v2 (from its PyPI package) and a tiny random BERT cross-encoder
+    cross = build_encoder(tmp_path_factory.mktemp("cross"), num_labels=1, pooling=None)
     bindir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"], "HF_HUB_CACHE": str(cache),
             "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src"), "LMSERVE_TEST_SMOL": str(smol_path),
-            "LMSERVE_TEST_ADAPTER": str(adapter),
+            "LMSERVE_TEST_ADAPTER": str(adapter), "LMSERVE_TEST_MINILM": str(minilm_dir()),
+            "LMSERVE_TEST_CROSS": str(cross),
             "XDG_DATA_HOME": str(tmp_path_factory.mktemp("data"))}  # batch jobs' default --batch-dir
 
 
 def substitute(text: str, env: dict, port: int | None = None) -> str:
     text = text.replace("path/to/model.gguf", env["LMSERVE_TEST_SMOL"]).replace(
         "path/to/draft.gguf", env["LMSERVE_TEST_SMOL"]).replace("path/to/adapter", env["LMSERVE_TEST_ADAPTER"])
+    text = text.replace("path/to/all-MiniLM-L6-v2", env["LMSERVE_TEST_MINILM"]).replace(
+        "path/to/a-cross-encoder", env["LMSERVE_TEST_CROSS"]).replace("path/to/chat.gguf", env["LMSERVE_TEST_SMOL"])
     return text.replace("127.0.0.1:8000", f"127.0.0.1:{port}") if port else text
 
 
