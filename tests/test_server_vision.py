@@ -105,6 +105,18 @@ def test_two_images_in_one_request(oai, offline):
     assert ask(oai, "w5 w6", PNG_B, PNG_A).choices[0].message.content == swapped[0]
 
 
+def test_a_conversation_with_text_turns_and_an_image(oai, offline):
+    """String messages beside an image turn reach the template as text parts (a vision template loops over the
+    parts): the answer is the offline engine's for the same conversation."""
+    from lmserve.sampling_params import SamplingParams
+
+    msgs = [{"role": "system", "content": "w90 w91"}, {"role": "user", "content": "w92"},
+            {"role": "assistant", "content": "w93 w94"}, {"role": "user", "content": _parts("w95", PNG_B)}]
+    want = offline.chat(msgs, SamplingParams(temperature=0.0, max_tokens=N_OUT), use_tqdm=False)[0].outputs[0].text
+    r = oai.chat.completions.create(model="vlm", max_tokens=N_OUT, temperature=0, messages=msgs)
+    assert r.choices[0].message.content == want
+
+
 def test_the_same_image_again_hits_the_prefix_and_encoder_caches(server, oai):
     png = image_bytes(70, 60, seed=77)
     encoded = server.metric("lmserve:encoder_cache_images_encoded_total")
