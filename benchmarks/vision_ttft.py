@@ -12,7 +12,8 @@ asks the offline engine (engine/llm.py) for one token of three requests, each ti
   its embeddings come from the encoder cache);
 - same: the first request again (prefix cache and encoder cache).
 The target: repeat / first <= 0.3x. Without --split an image is one 512 px tile (64 tokens); with it, SmolVLM's
-default 4x4 tiles and the global view (1,088 tokens), where the tower's share is larger still.
+default splitting: the 640x480 image is 4x3 tiles and the global view (859 tokens), where the tower's share is
+larger still.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def cpu_seconds(llm, prompt: str, img) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--split", action="store_true", help="SmolVLM's default image splitting (17 tiles an image)")
+    ap.add_argument("--split", action="store_true", help="SmolVLM's default image splitting (tiles and the global view)")
     ap.add_argument("--output-dir", default=str(ROOT / "benchmarks/results"))
     args = ap.parse_args()
     import torch
@@ -116,7 +117,7 @@ def main() -> None:
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Vision TTFT: a repeated image (encoder cache), SmolVLM-256M shape, random weights", "",
              f"CPU: {result['cpu']}; 1 torch thread; CPU seconds (time.process_time), load average "
-             f"{load[0]:.1f} -> {load[1]:.1f}; image 640x480, {'split: 17 tiles' if args.split else 'one 512 px tile'}, "
+             f"{load[0]:.1f} -> {load[1]:.1f}; image 640x480, {'split: 512 px tiles and the global view' if args.split else 'one 512 px tile'}, "
              f"{tokens} prompt tokens for it.", "",
              "| round | first (s) | repeat, other text (s) | ratio | same request (s) | ratio |", "|---|---|---|---|---|---|"]
     lines += [f"| {i} | {r['first_s']:.2f} | {r['repeat_s']:.2f} | {r['repeat_s'] / r['first_s']:.3f} | "
