@@ -27,6 +27,7 @@ from lmserve.cli.flags import (
     Parser,
     add_engine_args,
     add_lora_merge_args,
+    add_media_args,
     add_sampling_args,
     add_serve_args,
 )
@@ -281,7 +282,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     from lmserve.preflight import check_engine_config
     from lmserve.server.batch import file as batch_file
     from lmserve.server.batch import lines as batch
-    from lmserve.server.main import served_name
+    from lmserve.server.main import media_policy, served_name
 
     src, dst = Path(args.input), Path(args.output)
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -298,15 +299,18 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         print(f"run-batch: all {len(lines)} requests already have results in {dst}", file=sys.stderr)
         return 0
     window = args.max_concurrency or 2 * args.max_num_seqs  # the waiting queue stays fed as sequences end
-    state = batch_file.offline_state(checked.config, served_name(args, checked.model_path), window, args.strict_fields)
+    state = batch_file.offline_state(checked.config, served_name(args, checked.model_path), window, args.strict_fields,
+                                     media_policy(args))
     before = dict(results.counts)
-    with _BatchProgress(len(todo), len(lines) - len(todo)) as bar:
+    with _BatchProgress(len(lines), len(lines) - len(todo)) as bar:
         summary = batch_file.run_file(state, todo, results, window, bar.update)
     summary.skipped = len(lines) - len(todo)
     batch_file.count_outcomes(summary, before, results)
     print(f"run-batch: {summary.requests} requests ({summary.skipped} already done), {summary.completed} "
           f"completed, {summary.failed} failed; {summary.completion_tokens} output tokens in {summary.seconds:.1f} s "
-          f"({summary.output_tok_s:.1f} tok/s); results in {dst}", file=sys.stderr)
+          f"({summary.output_tok_s:.1f} tok/s)"
+          + (f", {summary.images} images ({summary.images_s:.2f} images/s)" if summary.images else "")
+          + f"; results in {dst}", file=sys.stderr)
     if args.summary:
         import json
 
@@ -315,20 +319,24 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 class _BatchProgress:
-    """run-batch's bar on stderr: requests done (ETA from their rate) and output tokens/s so far."""
+    """run-batch's bar on stderr: lines done of the total (ETA from their rate), output tokens/s so far, and
+    images/s once a line with images is answered (an alt-text job's rate)."""
 
     def __init__(self, total: int, skipped: int) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc="Batch requests" + (f" ({skipped} done before)" if skipped else ""),
-                        unit="req", file=sys.stderr, dynamic_ncols=True)
-        self.tokens, self.failed = 0, 0
+        # counted over the whole file: a resumed run starts at the lines already done (its rate from this run's)
+        self.bar = tqdm(total=total, initial=skipped, desc="Batch requests" + (f" ({skipped} done before)" if skipped
+                        else ""), unit="req", file=sys.stderr, dynamic_ncols=True)
+        self.tokens, self.images, self.failed = 0, 0, 0
 
     def update(self, r) -> None:
         self.tokens += r.completion_tokens
+        self.images += r.images
         self.failed += r.result["error"] is not None or r.result["response"]["status_code"] != 200
         elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} failed", refresh=False)
+        images = f"{self.images / elapsed:.2f} images/s, " if self.images else ""
+        self.bar.set_postfix_str(f"{images}{self.tokens / elapsed:.1f} tok/s, {self.failed} failed", refresh=False)
         self.bar.update(1)
 
     def __enter__(self) -> "_BatchProgress":
@@ -435,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("--strict-fields", action="store_true",
                            help="a line whose body has a field this server does not know gets 400, as `serve "
                            "--strict-fields` answers it (by default the field is ignored)")
+    add_media_args(run_batch)
     add_engine_args(run_batch)
     run_batch.set_defaults(func=cmd_run_batch)
 
