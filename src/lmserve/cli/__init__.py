@@ -87,8 +87,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # The shell's convention for a command ended by Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
-CHAT_HINT = ("/exit quits, /reset clears the conversation, /system TEXT sets the system prompt (and resets); "
-             "Ctrl-C stops a reply, Ctrl-D exits")
+CHAT_HINT = ("/exit quits, /reset clears the conversation, /system TEXT sets the system prompt (and resets), "
+             "/image PATH attaches an image to your next message (a vision model); Ctrl-C stops a reply, Ctrl-D exits")
 # A turn cut short by Ctrl-C is dropped whole (question and partial reply): a truncated reply fed back
 # would condition every later reply on a sentence the model never finished, and a marker such as
 # "[interrupted]" is text it never wrote and may imitate. The question stays in readline's history (Up).
@@ -109,41 +109,73 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line is None or line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip().startswith("/"):
-            chat.command(line.strip())
+            chat.command(line.strip(), engine)
         elif line.strip():
             chat.turn(engine, line, sampling_params(args))
 
 
 class _Chat:
-    """The conversation of `lmserve chat`: messages so far and the system prompt they start from."""
+    """The conversation of `lmserve chat`: messages so far, the system prompt they start from, and its images.
+
+    An image attached with /image goes with the next user message, as the model's image token before its text; the
+    conversation's images (in prompt order) go with every later request, as its turns do.
+    """
 
     def __init__(self, system: str | None) -> None:
         self.system = system
         self.messages = self._start()
+        self.images: list = []  # the images the kept turns hold, in prompt order
+        self.attached: list = []  # /image's, for the next message
         self.turns = 0  # request ids: one per turn, never reused
 
     def _start(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
 
-    def command(self, line: str) -> None:
-        """/reset or /system TEXT (no TEXT: no system prompt); anything else prints the hint."""
+    def command(self, line: str, engine=None) -> None:
+        """/reset, /system TEXT (no TEXT: no system prompt) or /image PATH; anything else prints the hint."""
         name, _, rest = line.partition(" ")
+        if name == "/image":
+            self.attach(engine, rest.strip())
+            return
         if name == "/system":
             self.system = rest.strip() or None
         elif name != "/reset":
             print(f"unknown command {name}; {CHAT_HINT}", file=sys.stderr)
             return
-        self.messages = self._start()
+        self.messages, self.images, self.attached = self._start(), [], []
         print("[conversation cleared" + ("; system prompt set]" if name == "/system" and self.system else "]"),
               file=sys.stderr)
 
+    def attach(self, engine, path: str) -> None:
+        """/image PATH: read and check the image now (a bad file is said at once, the chat goes on)."""
+        if engine is not None and engine.front.images is None:
+            print("[this model does not accept images]", file=sys.stderr)
+            return
+        if not path:
+            print("[/image needs a file: /image PATH]", file=sys.stderr)
+            return
+        try:
+            image = load_image_bytes(Path(path).expanduser().read_bytes())
+        except (OSError, ValueError) as e:  # a missing file, or one Pillow refuses (ImageError says why)
+            print(f"[/image: {e}]", file=sys.stderr)
+            return
+        self.attached.append(image)
+        print(f"[image attached: {path}; it goes with your next message]", file=sys.stderr)
+
     def turn(self, engine, line: str, params) -> None:
-        """Ask `line`, stream the reply; keep the turn only if the reply finished."""
-        messages = [*self.messages, {"role": "user", "content": line}]
+        """Ask `line` (with the attached images), stream the reply; keep the turn only if the reply finished."""
+        attached, self.attached = self.attached, []  # a turn dropped by Ctrl-C or an error drops its images too
+        content = engine.front.images.processor.image_token * len(attached) + line if attached else line
+        messages = [*self.messages, {"role": "user", "content": content}]
+        images = (*self.images, *attached)
         self.turns += 1
         sys.stdout.write("assistant> ")
         try:
-            reply = _stream(engine, str(self.turns), engine.tokenizer.encode_chat(messages), params)
+            # with images the rendered conversation is encoded as a raw prompt, so the markers are the image token
+            # (as LLM.chat does); without, the messages' text stays plain
+            prompt = (engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True) if images
+                      else engine.tokenizer.encode_chat(messages))
+            reply = _stream(engine, str(self.turns), prompt, params, images)
         except ValueError as e:  # e.g. the conversation no longer fits the context: say so, keep chatting
             print(f"\n[{e}; /reset starts over]", file=sys.stderr)
             return
@@ -153,6 +185,7 @@ class _Chat:
             print(INTERRUPTED_NOTE, file=sys.stderr)
             return
         self.messages = [*messages, {"role": "assistant", "content": reply.text}]
+        self.images = list(images)
 
 
 def checked_engine(args: argparse.Namespace):
