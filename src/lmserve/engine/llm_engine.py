@@ -44,7 +44,7 @@ class LLMEngine:
         self.kv_tier = attach_kv_tier(p)  # host memory and disk below the pool (None: off)
         self.outputs = OutputProcessor(p.tokenizer)
         self.scheduler = Scheduler(cfg.scheduler, p.kv, StopChecker(self.outputs.check_stop_string), p.lora_slots)
-        self.front = EngineFront(p, partial(engine_load, self.scheduler, p.kv))
+        self.front = EngineFront(p, partial(engine_load, self.scheduler, p.kv, p.runner))
         self.speculator = Speculator(cfg.speculative, p.proposer) if p.proposer is not None else None
         self.spec_stats = self.speculator.stats if self.speculator is not None else None
         self.children: dict[str, list[str]] = {}  # client request id -> its n child request ids

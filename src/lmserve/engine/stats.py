@@ -4,6 +4,7 @@ EngineLoad, read at any time from other threads (the server's /metrics and drain
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.sched.output import SchedulerOutput
@@ -60,9 +61,12 @@ class EngineLoad:
     kv_usage: float
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache since start
     kv_tier: dict[str, dict[str, int]]  # the KV tier's figures by tier, host | disk (KVTier.summary; {}: no tier)
+    images_encoded: int = 0  # images run through the vision encoder since start (an encoder-cache hit runs none)
 
 
-def engine_load(sched: Scheduler, kv: KVCacheManager) -> EngineLoad:
-    """Read the scheduler's and the KV pool's counters (from any thread)."""
+def engine_load(sched: Scheduler, kv: KVCacheManager, runner: Any = None) -> EngineLoad:
+    """Read the scheduler's, the KV pool's and the encoder cache's counters (from any thread)."""
+    images = getattr(runner, "images", None)  # a vision model's ImageInputs (worker/mm_encoder.py)
     return EngineLoad(len(sched.running), len(sched.waiting), sched.num_preemptions, kv.num_free_blocks,
-                      kv.pool.num_blocks, kv.usage, kv.prefix_hits, kv.tier.summary() if kv.tier is not None else {})
+                      kv.pool.num_blocks, kv.usage, kv.prefix_hits, kv.tier.summary() if kv.tier is not None else {},
+                      images.cache.num_encoded if images is not None else 0)

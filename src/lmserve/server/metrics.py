@@ -290,6 +290,8 @@ class _EngineCollector:
             "lmserve:num_preemptions": ("Requests preempted (KV blocks ran out)", lambda e: e.num_preemptions),
             "lmserve:prefix_cache_hit_tokens": ("Prompt tokens whose KV came from the prefix cache",
                                                 lambda e: e.prefix_hit_tokens),
+            "lmserve:encoder_cache_images_encoded": ("Images run through the vision encoder (an image found in the "
+                                                     "encoder cache runs none)", lambda e: e.images_encoded),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=labels)

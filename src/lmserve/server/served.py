@@ -340,6 +340,15 @@ class ModelState:
         """Render the chat template (with extra variables such as `tools`) and tokenize, off the event loop."""
         return await self._encode_chat(await self._render(Chat(messages, template_kwargs), record), record)
 
+    async def count_chat(self, chat: Chat, record: RequestRecord) -> int:
+        """A chat's prompt tokens as start counts them: each image's placeholder tokens included (its images are
+        loaded and preprocessed, as a request's would be; a bad one is the same 400)."""
+        self.check_images(len(chat.images))
+        ids = [await self.tokenize_chat(chat.messages, record, chat.template_kwargs)]
+        if chat.images:
+            ids, _ = await self._expand_images(ids, tuple(await load_images(chat.images, self.config.media)))
+        return len(ids[0])
+
     async def _render(self, prompt: Prompt, record: RequestRecord) -> Rendered:
         """A chat rendered by its template, off the event loop (a raw prompt or ids as they are)."""
         if not isinstance(prompt, Chat):

@@ -65,10 +65,26 @@ def _text_part(part: Any) -> str:
     raise ValueError(f"message content part of type {kind!r} is not supported (only 'text')")
 
 
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "image"
+
+
+def _parts(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A message's content as OpenAI parts, as HF vision templates read it: text parts and `{"type": "image"}`
+    (the template writes the image token for it, so it is the template's, never the user's); others refused."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "image"} if _is_image_part(p) else {"type": "text", "text": _text_part(p)} for p in content]
+
+
 def normalize_messages(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the template sees them: None fields dropped, content one string, reasoning aliased."""
+    """Messages as the template sees them: None fields dropped, content one string (OpenAI parts in every message of
+    a conversation with an image: vision templates loop over the parts), reasoning aliased."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
+    images = any(isinstance(m, Mapping) and isinstance(m.get("content"), list)
+                 and any(_is_image_part(p) for p in m["content"]) for m in messages)
     out = []
     for message in messages:
         if not isinstance(message, Mapping):
@@ -76,7 +92,7 @@ def normalize_messages(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]
         # Like transformers: a None field is dropped, since many templates test presence, not value.
         msg = {k: v for k, v in message.items() if v is not None}
         if "content" in msg:
-            msg["content"] = message_text(msg)
+            msg["content"] = _parts(msg) if images and isinstance(msg["content"], (str, list)) else message_text(msg)
         reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
         if reasoning is not None:
             msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}

@@ -73,10 +73,10 @@ async def messages(request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict:
-    """The prompt's tokens as /v1/messages would render them (system, messages, tools)."""
+    """The prompt's tokens as /v1/messages would render them (system, messages, tools, each image's tokens)."""
     st, req = await read_request(request, CountTokensRequest)
     chat = _plan(st, req).chat
-    return {"input_tokens": len(await st.tokenize_chat(chat.messages, record_of(request), chat.template_kwargs))}
+    return {"input_tokens": await st.count_chat(chat, record_of(request))}
 
 
 def _plan(st: ModelState, req: CountTokensRequest) -> ChatPlan:
