@@ -133,3 +133,43 @@ def test_a_bad_image_is_its_lines_400_and_the_job_goes_on(model, tmp_path):
         assert words in error["message"] and error["param"] == "messages.0.content.0"
         assert error["type"] == "invalid_request_error"
     assert "2 completed, 4 failed" in p.stderr and "2 images" in p.stderr
+
+
+def test_batches_api_with_image_lines(model, tmp_path):
+    """The same lines through /v1/files and /v1/batches with the official client: the answered image lines in the
+    output file, each equal to the chat route's own answer; the bad image in the error file as its 400."""
+    import openai
+
+    from tests.server_util import running_server
+
+    n = 12
+    urls = ["data:image/png;base64," + base64.b64encode(png(i)).decode() for i in range(n)]
+    rows = [alt_text_line(f"img-{i}", u) for i, u in enumerate(urls)]
+    rows.append(alt_text_line("corrupt", "data:image/png;base64," + base64.b64encode(b"GIF89a-not").decode()))
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    with running_server("--model", str(model), "--served-model-name", "vlm", "--dtype", "float32", "--device", "cpu",
+                        "--batch-dir", str(tmp_path / "batches")) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        uploaded = client.files.create(file=("images.jsonl", body), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        deadline = time.time() + 300
+        while batch.status not in ("completed", "failed") and time.time() < deadline:
+            time.sleep(0.2)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        assert batch.request_counts.model_dump() == {"total": n + 1, "completed": n, "failed": 1}
+        out = client.files.content(batch.output_file_id).text.splitlines()
+        ok = {r["custom_id"]: r for r in map(json.loads, out)}
+        assert set(ok) == {f"img-{i}" for i in range(n)}
+        for i in (0, n - 1):  # as the chat route answers the same body
+            line = dict(rows[i]["body"])
+            extra = {"ignore_eos": line.pop("ignore_eos")}  # not a parameter of the client's signature
+            alone = client.chat.completions.create(**line, extra_body=extra)
+            answer = ok[f"img-{i}"]["response"]["body"]["choices"][0]["message"]["content"]
+            assert answer == alone.choices[0].message.content
+        failed = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+        assert [r["custom_id"] for r in failed] == ["corrupt"]
+        error = failed[0]["response"]["body"]["error"]
+        assert failed[0]["response"]["status_code"] == 400 and error["param"] == "messages.0.content.0"
+        s.wait_idle()  # every KV block came back
