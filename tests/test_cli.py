@@ -204,3 +204,39 @@ def test_chat_ctrl_c_at_an_empty_prompt_exits_cleanly(inherited):
         assert "Traceback" not in t.seen + t.output
     finally:
         t.close()
+
+
+def test_chat_image_command_attaches_an_image_to_the_next_message(tmp_path):
+    """`/image PATH` on a tiny random Idefics3: the next reply is the one LLM.generate gives for the rendered turn
+    with that image; a missing file is one bracketed line and the chat goes on; the image stays in the
+    conversation for the following turn; a text-only model says it takes no images."""
+    from lmserve.engine.llm import LLM
+    from tests.vision_models import build_idefics3, image, image_bytes
+
+    path = build_idefics3(tmp_path)[0]
+    (tmp_path / "a.png").write_bytes(image_bytes(90, 50, seed=11))
+    args = ["--model", str(path), "--dtype", "float32", "--device", "cpu", "--num-threads", "1", "--temperature", "0",
+            "--max-tokens", "8"]
+    p = lmserve("--log-level", "warning", "chat", *args, stdin=f"/image {tmp_path / 'none.png'}\n/image {tmp_path / 'a.png'}\nw5 w6\nw7\n/exit\n")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "[/image: " in p.stderr and "none.png" in p.stderr and "[image attached: " in p.stderr
+    replies = [r.split("\n", 1)[0].strip() for r in p.stdout.split("assistant> ")[1:]]
+    assert len(replies) == 2
+
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    tok, img = llm.tokenizer, image(90, 50, seed=11)  # a.png's pixels
+    first = [{"role": "user", "content": "<image>w5 w6"}]
+    want = llm.generate([{"prompt": tok.apply_chat_template(first), "multi_modal_data": {"image": [img]}}], greedy,
+                        use_tqdm=False)[0].outputs[0].text
+    assert replies[0] == want.strip()
+    second = [*first, {"role": "assistant", "content": want}, {"role": "user", "content": "w7"}]
+    want2 = llm.generate([{"prompt": tok.apply_chat_template(second), "multi_modal_data": {"image": [img]}}], greedy,
+                         use_tqdm=False)[0].outputs[0].text
+    assert replies[1] == want2.strip()
+
+    write_tiny_llama(tmp_path / "text")
+    text = lmserve("--log-level", "warning", "chat", "--model", str(tmp_path / "text"), "--dtype", "float32",
+                   "--num-threads", "1", "--max-tokens", "2", stdin=f"/image {tmp_path / 'a.png'}\nw5\n/exit\n")
+    assert text.returncode == 0 and "does not accept images" in text.stderr and "Traceback" not in text.stderr
+    assert text.stdout.count("assistant> ") == 1

@@ -244,3 +244,35 @@ def test_api_key_is_asked_sent_and_never_stored(browser, tmp_path):
         assert httpx.get(s.url + "/p/" + share_id).status_code == 200  # the page itself is open
     for path in db.parent.iterdir():  # the database and any journal it left
         assert KEY.encode() not in path.read_bytes(), path
+
+
+def test_image_picker_sends_a_data_url_part_and_shows_a_text_models_refusal(browser, server):
+    """The picked file goes as the user message's `image_url` part (a data: URL, in the export too); the
+    embedded model is text-only, so the server's 400 shows in the status; removed, the prompt runs as text."""
+    from tests.test_media import image_bytes
+
+    page = new_page(browser)
+    page.goto(server.url + "/")
+    page.wait_for_function("() => document.getElementById('model').options.length > 0")
+    page.locator("#image").set_input_files({"name": "cat.png", "mimeType": "image/png", "buffer": image_bytes()})
+    page.get_by_alt_text("The attached image").wait_for()  # the preview
+    page.wait_for_function("() => document.getElementById('export-code').textContent.includes('data:image/png;base64,')")
+    assert '"image_url"' in exported(page, "curl")
+    generate_until(page, "Describe this image.", "error")
+    assert "does not accept images" in page.locator("#status").text_content()
+
+    page.get_by_role("button", name="Remove image").click()
+    assert page.get_by_alt_text("The attached image").is_hidden()
+    assert "image_url" not in page.locator("#export-code").text_content()
+    generate(page, PROMPT, 4)
+    assert page.locator("#output").text_content()
+    page.get_by_label("Completion").check()
+    assert page.locator("#image").is_hidden()  # a completion prompt takes no image
+    assert not page.errors, page.errors
+
+
+def generate_until(page, prompt: str, state: str) -> None:
+    page.get_by_label("Prompt", exact=True).fill(prompt)
+    page.get_by_label("Max tokens").fill("4")
+    page.get_by_role("button", name="Generate").click()
+    page.wait_for_selector(f'#status[data-state="{state}"]', timeout=TIMEOUT_MS)

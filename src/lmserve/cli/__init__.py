@@ -27,6 +27,7 @@ from lmserve.cli.flags import (
     Parser,
     add_engine_args,
     add_lora_merge_args,
+    add_media_args,
     add_sampling_args,
     add_serve_args,
 )
@@ -86,8 +87,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # The shell's convention for a command ended by Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
-CHAT_HINT = ("/exit quits, /reset clears the conversation, /system TEXT sets the system prompt (and resets); "
-             "Ctrl-C stops a reply, Ctrl-D exits")
+CHAT_HINT = ("/exit quits, /reset clears the conversation, /system TEXT sets the system prompt (and resets), "
+             "/image PATH attaches an image to your next message (a vision model); Ctrl-C stops a reply, Ctrl-D exits")
 # A turn cut short by Ctrl-C is dropped whole (question and partial reply): a truncated reply fed back
 # would condition every later reply on a sentence the model never finished, and a marker such as
 # "[interrupted]" is text it never wrote and may imitate. The question stays in readline's history (Up).
@@ -108,41 +109,73 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line is None or line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip().startswith("/"):
-            chat.command(line.strip())
+            chat.command(line.strip(), engine)
         elif line.strip():
             chat.turn(engine, line, sampling_params(args))
 
 
 class _Chat:
-    """The conversation of `lmserve chat`: messages so far and the system prompt they start from."""
+    """The conversation of `lmserve chat`: messages so far, the system prompt they start from, and its images.
+
+    An image attached with /image goes with the next user message, as the model's image token before its text; the
+    conversation's images (in prompt order) go with every later request, as its turns do.
+    """
 
     def __init__(self, system: str | None) -> None:
         self.system = system
         self.messages = self._start()
+        self.images: list = []  # the images the kept turns hold, in prompt order
+        self.attached: list = []  # /image's, for the next message
         self.turns = 0  # request ids: one per turn, never reused
 
     def _start(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
 
-    def command(self, line: str) -> None:
-        """/reset or /system TEXT (no TEXT: no system prompt); anything else prints the hint."""
+    def command(self, line: str, engine=None) -> None:
+        """/reset, /system TEXT (no TEXT: no system prompt) or /image PATH; anything else prints the hint."""
         name, _, rest = line.partition(" ")
+        if name == "/image":
+            self.attach(engine, rest.strip())
+            return
         if name == "/system":
             self.system = rest.strip() or None
         elif name != "/reset":
             print(f"unknown command {name}; {CHAT_HINT}", file=sys.stderr)
             return
-        self.messages = self._start()
+        self.messages, self.images, self.attached = self._start(), [], []
         print("[conversation cleared" + ("; system prompt set]" if name == "/system" and self.system else "]"),
               file=sys.stderr)
 
+    def attach(self, engine, path: str) -> None:
+        """/image PATH: read and check the image now (a bad file is said at once, the chat goes on)."""
+        if engine is not None and engine.front.images is None:
+            print("[this model does not accept images]", file=sys.stderr)
+            return
+        if not path:
+            print("[/image needs a file: /image PATH]", file=sys.stderr)
+            return
+        try:
+            image = load_image_bytes(Path(path).expanduser().read_bytes())
+        except (OSError, ValueError) as e:  # a missing file, or one Pillow refuses (ImageError says why)
+            print(f"[/image: {e}]", file=sys.stderr)
+            return
+        self.attached.append(image)
+        print(f"[image attached: {path}; it goes with your next message]", file=sys.stderr)
+
     def turn(self, engine, line: str, params) -> None:
-        """Ask `line`, stream the reply; keep the turn only if the reply finished."""
-        messages = [*self.messages, {"role": "user", "content": line}]
+        """Ask `line` (with the attached images), stream the reply; keep the turn only if the reply finished."""
+        attached, self.attached = self.attached, []  # a turn dropped by Ctrl-C or an error drops its images too
+        content = engine.front.images.processor.image_token * len(attached) + line if attached else line
+        messages = [*self.messages, {"role": "user", "content": content}]
+        images = (*self.images, *attached)
         self.turns += 1
         sys.stdout.write("assistant> ")
         try:
-            reply = _stream(engine, str(self.turns), engine.tokenizer.encode_chat(messages), params)
+            # with images the rendered conversation is encoded as a raw prompt, so the markers are the image token
+            # (as LLM.chat does); without, the messages' text stays plain
+            prompt = (engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True) if images
+                      else engine.tokenizer.encode_chat(messages))
+            reply = _stream(engine, str(self.turns), prompt, params, images)
         except ValueError as e:  # e.g. the conversation no longer fits the context: say so, keep chatting
             print(f"\n[{e}; /reset starts over]", file=sys.stderr)
             return
@@ -152,6 +185,7 @@ class _Chat:
             print(INTERRUPTED_NOTE, file=sys.stderr)
             return
         self.messages = [*messages, {"role": "assistant", "content": reply.text}]
+        self.images = list(images)
 
 
 def checked_engine(args: argparse.Namespace):
@@ -281,7 +315,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     from lmserve.preflight import check_engine_config
     from lmserve.server.batch import file as batch_file
     from lmserve.server.batch import lines as batch
-    from lmserve.server.main import served_name
+    from lmserve.server.main import media_policy, served_name
 
     src, dst = Path(args.input), Path(args.output)
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -298,15 +332,18 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         print(f"run-batch: all {len(lines)} requests already have results in {dst}", file=sys.stderr)
         return 0
     window = args.max_concurrency or 2 * args.max_num_seqs  # the waiting queue stays fed as sequences end
-    state = batch_file.offline_state(checked.config, served_name(args, checked.model_path), window, args.strict_fields)
+    state = batch_file.offline_state(checked.config, served_name(args, checked.model_path), window, args.strict_fields,
+                                     media_policy(args))
     before = dict(results.counts)
-    with _BatchProgress(len(todo), len(lines) - len(todo)) as bar:
+    with _BatchProgress(len(lines), len(lines) - len(todo)) as bar:
         summary = batch_file.run_file(state, todo, results, window, bar.update)
     summary.skipped = len(lines) - len(todo)
     batch_file.count_outcomes(summary, before, results)
     print(f"run-batch: {summary.requests} requests ({summary.skipped} already done), {summary.completed} "
           f"completed, {summary.failed} failed; {summary.completion_tokens} output tokens in {summary.seconds:.1f} s "
-          f"({summary.output_tok_s:.1f} tok/s); results in {dst}", file=sys.stderr)
+          f"({summary.output_tok_s:.1f} tok/s)"
+          + (f", {summary.images} images ({summary.images_s:.2f} images/s)" if summary.images else "")
+          + f"; results in {dst}", file=sys.stderr)
     if args.summary:
         import json
 
@@ -315,20 +352,24 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 class _BatchProgress:
-    """run-batch's bar on stderr: requests done (ETA from their rate) and output tokens/s so far."""
+    """run-batch's bar on stderr: lines done of the total (ETA from their rate), output tokens/s so far, and
+    images/s once a line with images is answered (an alt-text job's rate)."""
 
     def __init__(self, total: int, skipped: int) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc="Batch requests" + (f" ({skipped} done before)" if skipped else ""),
-                        unit="req", file=sys.stderr, dynamic_ncols=True)
-        self.tokens, self.failed = 0, 0
+        # counted over the whole file: a resumed run starts at the lines already done (its rate from this run's)
+        self.bar = tqdm(total=total, initial=skipped, desc="Batch requests" + (f" ({skipped} done before)" if skipped
+                        else ""), unit="req", file=sys.stderr, dynamic_ncols=True)
+        self.tokens, self.images, self.failed = 0, 0, 0
 
     def update(self, r) -> None:
         self.tokens += r.completion_tokens
+        self.images += r.images
         self.failed += r.result["error"] is not None or r.result["response"]["status_code"] != 200
         elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:.1f} tok/s, {self.failed} failed", refresh=False)
+        images = f"{self.images / elapsed:.2f} images/s, " if self.images else ""
+        self.bar.set_postfix_str(f"{images}{self.tokens / elapsed:.1f} tok/s, {self.failed} failed", refresh=False)
         self.bar.update(1)
 
     def __enter__(self) -> "_BatchProgress":
@@ -435,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("--strict-fields", action="store_true",
                            help="a line whose body has a field this server does not know gets 400, as `serve "
                            "--strict-fields` answers it (by default the field is ignored)")
+    add_media_args(run_batch)
     add_engine_args(run_batch)
     run_batch.set_defaults(func=cmd_run_batch)
 

@@ -283,12 +283,7 @@ def _add_server_args(g) -> None:
                    help="most documents (or text pairs) one rerank or score request may send; more is a 400")
     g.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,
                    help="largest file accepted by POST /v1/files (a batch job's input)")
-    g.add_argument("--allowed-media-domains", action="append", default=[], metavar="HOST[,HOST...]",
-                   help="hosts whose http(s) image URLs requests may name (repeatable or comma-separated; exact "
-                   "names or IP literals; only public addresses are fetched, no redirects; default: none, so images "
-                   "come only as data: URLs or base64)")
-    g.add_argument("--max-image-bytes", type=size_arg, default=20 * 2**20, metavar="SIZE",
-                   help="largest image accepted, sent as base64 or fetched from a URL (default: 20MiB)")
+    add_media_args(g)
     g.add_argument("--storage-quota", action="append", default=[], metavar="NAME=VALUE",
                    help="what each API key may store (repeatable; a key file entry's storage_quota wins): files=1000, "
                    "file_bytes=4GiB, shares=1000, share_bytes=100MiB, responses=10000 (then its oldest are dropped), "
@@ -327,6 +322,16 @@ def _add_server_args(g) -> None:
                    "responses.sqlite3, i.e. ~/.local/share/lmserve/... when unset)")
     g.add_argument("--no-playground", action="store_true",
                    help="no web playground: /, /playground, /p/<id> and /playground/api/... answer 404")
+
+
+def add_media_args(g) -> None:
+    """Where images may come from: `serve` and `run-batch` (whose lines may hold image parts)."""
+    g.add_argument("--allowed-media-domains", action="append", default=[], metavar="HOST[,HOST...]",
+                   help="hosts whose http(s) image URLs requests may name (repeatable or comma-separated; exact "
+                   "names or IP literals; only public addresses are fetched, no redirects; default: none, so images "
+                   "come only as data: URLs or base64)")
+    g.add_argument("--max-image-bytes", type=size_arg, default=20 * 2**20, metavar="SIZE",
+                   help="largest image accepted, sent as base64 or fetched from a URL (default: 20MiB)")
 
 
 def _add_security_args(g) -> None:

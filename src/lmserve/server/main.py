@@ -74,10 +74,10 @@ def server_config(args: argparse.Namespace, name: str,
                         lora_dirs=tuple(str(Path(d).resolve()) for d in args.lora_dir),
                         strict_fields=args.strict_fields, reasoning_parser=args.reasoning_parser,
                         tool_call_parser=args.tool_call_parser, storage_quota=_storage_quota(args),
-                        media=_media_policy(args))
+                        media=media_policy(args))
 
 
-def _media_policy(args: argparse.Namespace) -> MediaPolicy:
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
     """--allowed-media-domains (repeatable, comma-separated; compared in lower case, without a trailing dot) and
     --max-image-bytes."""
     hosts = (h.strip().strip("[]").rstrip(".").lower() for flag in args.allowed_media_domains for h in flag.split(","))

@@ -15,6 +15,7 @@ from typing import Callable
 from lmserve.config import EngineConfig
 from lmserve.server.batch.lines import Line, LineResult, ResultsFile, run_lines
 from lmserve.server.key_file import ANONYMOUS
+from lmserve.server.media import MediaPolicy
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.state import ServerConfig, ServerState, launch_engine
 
@@ -29,21 +30,28 @@ class Summary:
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    images: int = 0  # images in the lines answered (200): an alt-text job's rate is images/s
     seconds: float = 0.0  # from the first line submitted to the last result written (model load excluded)
 
     @property
     def output_tok_s(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def images_s(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
     def to_dict(self) -> dict:
-        return {**self.__dict__, "output_tok_s": self.output_tok_s}
+        return {**self.__dict__, "output_tok_s": self.output_tok_s, "images_s": self.images_s}
 
 
-def offline_state(config: EngineConfig, served_model_name: str, window: int, strict_fields: bool = False) -> ServerState:
+def offline_state(config: EngineConfig, served_model_name: str, window: int, strict_fields: bool = False,
+                  media: MediaPolicy = MediaPolicy()) -> ServerState:
     """A ServerState with the engine loaded, warmed up and its thread started (the queue limit above `window`;
-    `strict_fields`: a line's unknown body field is a 400, as `serve --strict-fields` answers it)."""
+    `strict_fields`: a line's unknown body field is a 400, as `serve --strict-fields` answers it; `media`: where a
+    line's image parts may come from, as `serve --allowed-media-domains` says)."""
     state = ServerState(ServerConfig(served_model_name, max_queued_requests=window, engine_step_timeout=None,
-                                     strict_fields=strict_fields),
+                                     strict_fields=strict_fields, media=media),
                         ServerMetrics(served_model_name))
     launch_engine(state, config)
     return state
@@ -60,6 +68,7 @@ def run_file(state: ServerState, lines: list[Line], results: ResultsFile, window
             results.append(r.result)
             summary.prompt_tokens += r.prompt_tokens
             summary.completion_tokens += r.completion_tokens
+            summary.images += r.images
             on_result(r)
 
     try:

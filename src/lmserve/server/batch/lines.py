@@ -167,6 +167,7 @@ class LineResult:
     result: dict
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    images: int = 0  # image parts of an answered chat line (for images/s)
 
 
 async def run_line(st: ServerState, line: Line, key_name: str) -> LineResult:
@@ -191,7 +192,18 @@ async def run_line(st: ServerState, line: Line, key_name: str) -> LineResult:
     usage = (body.get("usage") or {}) if status == 200 else {}
     response = {"status_code": status, "request_id": record.request_id if status == 200 else rid, "body": body}
     return LineResult({"id": rid, "custom_id": line.custom_id, "response": response, "error": None},
-                      usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+                      usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                      count_images(line.body) if status == 200 else 0)
+
+
+def count_images(body: dict | None) -> int:
+    """The `image_url` parts of a chat body's messages (a refused line's count is never used)."""
+    messages = (body or {}).get("messages")
+    if not isinstance(messages, list):
+        return 0
+    return sum(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and sum(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+               for m in messages)
 
 
 async def run_lines(st: ServerState, lines: list[Line], key_name: str, window: int,

@@ -24,6 +24,7 @@ const state = {
   finishReason: null,
   controller: null,  // the running generation's AbortController
   exportLang: "curl",
+  image: null,  // the picked image as a data: URL (chat mode): the user message's image_url part
 };
 
 class ApiError extends Error {
@@ -114,6 +115,27 @@ function mode() {
 function setMode(value) {
   document.querySelector(`input[name="mode"][value="${value}"]`).checked = true;
   $("system-field").hidden = value !== "chat";
+  $("image-field").hidden = value !== "chat";  // a completion prompt has no image parts
+}
+
+// The picked file, read as a data: URL; the server checks it (type, size, a model that takes images).
+function pickImage() {
+  const file = $("image").files[0];
+  if (!file) return setImage(null);
+  const reader = new FileReader();
+  reader.onload = () => setImage(reader.result);
+  reader.onerror = () => { setImage(null); setStatus(`Could not read ${file.name}`, "error"); };
+  reader.readAsDataURL(file);
+}
+
+function setImage(url) {
+  state.image = url;
+  if (!url) $("image").value = "";
+  $("image-preview").hidden = !url;
+  $("image-clear").hidden = !url;
+  if (url) $("image-preview").src = url;
+  else $("image-preview").removeAttribute("src");
+  updateExport();
 }
 
 function numberParam(name) {
@@ -169,7 +191,9 @@ function apiRequest() {
   const body = { model: $("model").value };
   if (mode() === "chat") {
     const system = $("system").value;
-    body.messages = [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: $("prompt").value }];
+    const text = $("prompt").value;
+    const content = state.image ? [{ type: "image_url", image_url: { url: state.image } }, { type: "text", text }] : text;
+    body.messages = [...(system ? [{ role: "system", content: system }] : []), { role: "user", content }];
   } else {
     body.prompt = $("prompt").value;
   }
@@ -405,6 +429,8 @@ function bind() {
     $(name).addEventListener("input", () => { $(`${name}-range`).value = $(name).value; });
   }
   $("response-format").addEventListener("change", () => { $("schema-field").hidden = $("response-format").value !== "json_schema"; });
+  $("image").addEventListener("change", pickImage);
+  $("image-clear").addEventListener("click", () => setImage(null));
   $("shade").addEventListener("change", () => $("output").classList.toggle("shaded", $("shade").checked));
   document.querySelector("main").addEventListener("input", updateExport);
   document.querySelector("main").addEventListener("change", updateExport);
