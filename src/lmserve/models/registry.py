@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3
+from lmserve.models import bert, gemma, gpt_oss, idefics3, llama, llava, moe, phi3
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -26,6 +26,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GptOssForCausalLM": gpt_oss.GPT_OSS,
     "Idefics3ForConditionalGeneration": idefics3.IDEFICS3,  # SmolVLM: SigLIP tower, pixel-shuffle connector, Llama
     "SmolVLMForConditionalGeneration": idefics3.IDEFICS3,
+    "LlavaForConditionalGeneration": llava.LLAVA,  # LLaVA-1.5: CLIP tower at a middle layer, MLP projector, Llama
     # encoders: embedders (sentence-transformers' MiniLM, bge, e5, gte) and cross-encoders
     "BertModel": bert.BERT,
     "BertForSequenceClassification": bert.BERT,

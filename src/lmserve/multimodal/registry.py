@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
+from lmserve.multimodal.llava import LlavaProcessor
 from lmserve.multimodal.processor import VisionProcessor
 
 
@@ -20,6 +21,7 @@ def _idefics3(path: Path) -> VisionProcessor:
 PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
     "Idefics3ForConditionalGeneration": _idefics3,
     "SmolVLMForConditionalGeneration": _idefics3,
+    "LlavaForConditionalGeneration": LlavaProcessor.from_dir,
 }
 
 
