@@ -65,29 +65,35 @@ def build_idefics3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
     return path, model
 
 
-def build_llava(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    """A tiny random LLaVA-1.5 (CLIP tower read at layer -2, MLP projector, Llama): 16 `<image>` per image."""
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # tiny LLaVA-NeXT's tile grids (height, width)
+
+
+def build_llava(root: Path, seed: int = 0, next_: bool = False) -> tuple[Path, torch.nn.Module]:
+    """A tiny random LLaVA-1.5 (CLIP tower read at layer -2, MLP projector, Llama): 16 `<image>` per image; with
+    `next_` LLaVA-NeXT (the same over a base view and 32px anyres tiles, unpadded, row newlines)."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlavaConfig(
+    extra = {"image_grid_pinpoints": PINPOINTS} if next_ else {}
+    cfg = (transformers.LlavaNextConfig if next_ else transformers.LlavaConfig)(
         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                            num_attention_heads=2, image_size=TILE, patch_size=PATCH, projection_dim=16),
         text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6),
-        image_token_id=IMAGE_TOKEN_ID, vision_feature_layer=-2, vision_feature_select_strategy="default")
-    model = transformers.LlavaForConditionalGeneration(cfg).eval()
+        image_token_id=IMAGE_TOKEN_ID, vision_feature_layer=-2, vision_feature_select_strategy="default", **extra)
+    model = (transformers.LlavaNextForConditionalGeneration if next_ else
+             transformers.LlavaForConditionalGeneration)(cfg).eval()
     with torch.no_grad():  # the projector's default init is small: images would barely move the logits
         g = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
-            if "projector" in name or "position_embedding" in name or "patch_embedding" in name:
+            if any(k in name for k in ("projector", "position_embedding", "patch_embedding", "image_newline")):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    path = root / "llava"
+    path = root / ("llava_next" if next_ else "llava")
     model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": TILE},
-         "crop_size": {"height": TILE, "width": TILE}}))
+         "crop_size": {"height": TILE, "width": TILE}, **extra}))
     write_tokenizer(path)
     return path, model
 

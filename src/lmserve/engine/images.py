@@ -41,7 +41,8 @@ class PromptImages:
             processed = self.processor.process(img.image)
             span = self.tokenizer.encode_prompt(processed.placeholder, add_special_tokens=False)
             where = np.flatnonzero(np.asarray(span) == self.image_token_id) + len(out)
-            inputs.append(MMInput(img.digest, processed.pixel_values, where.astype(np.int64)))
+            inputs.append(MMInput(img.digest, processed.pixel_values, where.astype(np.int64),
+                                  processed.meta))
             out += span
             prev = mark + 1
         return out + ids[prev:], tuple(inputs)

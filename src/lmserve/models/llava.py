@@ -15,7 +15,7 @@ import torch
 from lmserve.models.config import ModelConfig, VisionConfig
 from lmserve.models.decoder import CausalLM
 from lmserve.models.family import Family, Fields, Tensors
-from lmserve.models.vision.llava import DROP, PREFIXES, LlavaVision, LlavaVisionConfig
+from lmserve.models.vision.llava import DROP, PREFIXES, LlavaNextVision, LlavaVision, LlavaVisionConfig
 from lmserve.models.vision.vit import ACTIVATIONS, ViTConfig
 from lmserve.models.vision.weights import vision_state
 
@@ -46,6 +46,22 @@ class LlavaLM(CausalLM):
         image in a batch; the runner wants one tensor for the image)."""
         dtype = self.vision.vision_tower.pre_layrnorm.weight.dtype  # a LayerNorm: no transform repacks it
         return torch.cat(self.vision.encode_images(pixel_values.to(dtype)))
+
+
+class LlavaNextLM(LlavaLM):
+    """LLaVA-NeXT: LLaVA's tower and projector over a base view and anyres tiles, unpadded, rows ended by
+    `image_newline` (under `vision.` too)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        CausalLM.__init__(self, cfg)
+        self.vision = LlavaNextVision(tower_config(cfg))
+
+    def encode_images(self, pixel_values: torch.Tensor, image_size: tuple[int, int] = (0, 0),
+                      tile_grid: tuple[int, int] = (1, 1)) -> torch.Tensor:
+        """One image's views [1 + rows*cols, 3, tile, tile], its (height, width) and tile grid (the processor's
+        meta) -> its embeddings [base patches + unpadded rows * (cols + 1), hidden]."""
+        dtype = self.vision.vision_tower.pre_layrnorm.weight.dtype
+        return self.vision.encode_images([pixel_values.to(dtype)], [tuple(image_size)], [tuple(tile_grid)])[0]
 
 
 def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -102,3 +118,5 @@ def _checkpoint_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Te
 
 LLAVA = Family("llava", hf_fields=_hf_fields, text_config=_text_config, checkpoint_tensors=_checkpoint_tensors,
                model=LlavaLM)
+LLAVA_NEXT = Family("llava_next", hf_fields=_hf_fields, text_config=_text_config,
+                    checkpoint_tensors=_checkpoint_tensors, model=LlavaNextLM)

@@ -27,6 +27,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Idefics3ForConditionalGeneration": idefics3.IDEFICS3,  # SmolVLM: SigLIP tower, pixel-shuffle connector, Llama
     "SmolVLMForConditionalGeneration": idefics3.IDEFICS3,
     "LlavaForConditionalGeneration": llava.LLAVA,  # LLaVA-1.5: CLIP tower at a middle layer, MLP projector, Llama
+    "LlavaNextForConditionalGeneration": llava.LLAVA_NEXT,  # LLaVA-NeXT: LLaVA over anyres tiles, row newlines
     # encoders: embedders (sentence-transformers' MiniLM, bge, e5, gte) and cross-encoders
     "BertModel": bert.BERT,
     "BertForSequenceClassification": bert.BERT,

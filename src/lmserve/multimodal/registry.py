@@ -10,6 +10,7 @@ from typing import Callable
 
 from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
 from lmserve.multimodal.llava import LlavaProcessor
+from lmserve.multimodal.llava_next import LlavaNextProcessor
 from lmserve.multimodal.processor import VisionProcessor
 
 
@@ -22,6 +23,7 @@ PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
     "Idefics3ForConditionalGeneration": _idefics3,
     "SmolVLMForConditionalGeneration": _idefics3,
     "LlavaForConditionalGeneration": LlavaProcessor.from_dir,
+    "LlavaNextForConditionalGeneration": LlavaNextProcessor.from_dir,
 }
 
 

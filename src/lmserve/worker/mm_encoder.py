@@ -37,7 +37,7 @@ class EncoderCache:
         if hit is not None:
             self._entries.move_to_end(mm.digest)
             return hit
-        emb = self.encode(torch.from_numpy(mm.pixel_values).to(self.device))
+        emb = self.encode(torch.from_numpy(mm.pixel_values).to(self.device), **(mm.meta or {}))
         self.num_encoded += 1
         if emb.shape[0] != len(mm.positions):
             raise ValueError(f"the image encodes to {emb.shape[0]} embeddings for {len(mm.positions)} placeholders")
