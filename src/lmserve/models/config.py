@@ -41,6 +41,7 @@ class VisionConfig:
     feature_select: str = "full"
     projector_act: str = "gelu"
     projector_bias: bool = True
+    tokens_per_image: int | None = None  # Gemma 3: the patch grid average-pooled to this many soft tokens
 
     @property
     def patches_per_side(self) -> int:

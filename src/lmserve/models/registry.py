@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import bert, gemma, gpt_oss, idefics3, llama, llava, moe, phi3
+from lmserve.models import bert, gemma, gemma3_vision, gpt_oss, idefics3, llama, llava, moe, phi3
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -18,7 +18,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "SmolLM3ForCausalLM": llama.SMOLLM3,
     "Gemma2ForCausalLM": gemma.GEMMA2,
     "Gemma3ForCausalLM": gemma.GEMMA3,
-    "Gemma3ForConditionalGeneration": gemma.GEMMA3_MULTIMODAL,  # its language model (no vision tower)
+    "Gemma3ForConditionalGeneration": gemma3_vision.GEMMA3_VISION,  # SigLIP pooled to soft tokens, Gemma 3 text
     "Phi3ForCausalLM": phi3.PHI3,
     "MixtralForCausalLM": moe.MIXTRAL,
     "Qwen2MoeForCausalLM": moe.QWEN2_MOE,

@@ -40,6 +40,9 @@ class MMInput:
     pixel_values: np.ndarray
     positions: np.ndarray  # int64 [num_embeddings]: prompt indices of this image's placeholder tokens
     meta: Mapping[str, Any] | None = None  # ProcessedImage.meta: encode_images' keyword arguments beside the pixels
+    # its tokens attend to each other both ways (Gemma 3): the scheduler never ends a prefill chunk inside its span
+    # and the runner gives the span to attention
+    bidirectional: bool = False
 
     @property
     def span(self) -> tuple[int, int]:

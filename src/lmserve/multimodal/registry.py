@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from lmserve.multimodal.gemma3 import Gemma3Processor
 from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
 from lmserve.multimodal.llava import LlavaProcessor
 from lmserve.multimodal.llava_next import LlavaNextProcessor
@@ -24,6 +25,7 @@ PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
     "SmolVLMForConditionalGeneration": _idefics3,
     "LlavaForConditionalGeneration": LlavaProcessor.from_dir,
     "LlavaNextForConditionalGeneration": LlavaNextProcessor.from_dir,
+    "Gemma3ForConditionalGeneration": Gemma3Processor.from_dir,
 }
 
 

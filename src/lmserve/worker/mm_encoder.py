@@ -69,6 +69,15 @@ class ImageInputs:
         for rid in request_ids:
             self._images.pop(rid, None)
 
+    def bidirectional_spans(self) -> dict[str, list[tuple[int, int]]]:
+        """request id -> the [a, b) spans of its images whose tokens attend both ways (Gemma 3); {} for others."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for rid, images in self._images.items():
+            spans = [mm.span for mm in images if mm.bidirectional]
+            if spans:
+                out[rid] = spans
+        return out
+
     def placements(self, requests: list[ScheduledRequest], order: list[int]) -> list[tuple[np.ndarray, torch.Tensor]]:
         """(flat rows, embeddings) of each image part this step's known tokens cover, `order` the flat order."""
         out, offset = [], 0
