@@ -15,7 +15,8 @@ SEQ = (TILE // PATCH) ** 2 // SCALE ** 2
 LONGEST = 4 * TILE
 WORDS = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(200)]
 SPECIAL = (["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
-           + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)])
+           + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+           + ["<start_of_image>", "<image_soft_token>", "<end_of_image>"])  # Gemma 3's
 VOCAB = 256
 IMAGE_TOKEN_ID = len(WORDS)  # "<image>"
 # SmolVLM's template in miniature: text parts as they are, each image part as "<image>"
@@ -61,6 +62,74 @@ def build_idefics3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
          "max_image_size": {"longest_edge": TILE}, "do_image_splitting": True, "resample": 1,
          "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}))
     (path / "processor_config.json").write_text(json.dumps({"image_seq_len": SEQ}))
+    write_tokenizer(path)
+    return path, model
+
+
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # tiny LLaVA-NeXT's tile grids (height, width)
+
+
+def build_llava(root: Path, seed: int = 0, next_: bool = False) -> tuple[Path, torch.nn.Module]:
+    """A tiny random LLaVA-1.5 (CLIP tower read at layer -2, MLP projector, Llama): 16 `<image>` per image; with
+    `next_` LLaVA-NeXT (the same over a base view and 32px anyres tiles, unpadded, row newlines)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    extra = {"image_grid_pinpoints": PINPOINTS} if next_ else {}
+    cfg = (transformers.LlavaNextConfig if next_ else transformers.LlavaConfig)(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                           num_attention_heads=2, image_size=TILE, patch_size=PATCH, projection_dim=16),
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6),
+        image_token_id=IMAGE_TOKEN_ID, vision_feature_layer=-2, vision_feature_select_strategy="default", **extra)
+    model = (transformers.LlavaNextForConditionalGeneration if next_ else
+             transformers.LlavaForConditionalGeneration)(cfg).eval()
+    with torch.no_grad():  # the projector's default init is small: images would barely move the logits
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("projector", "position_embedding", "patch_embedding", "image_newline")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    path = root / ("llava_next" if next_ else "llava")
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": TILE},
+         "crop_size": {"height": TILE, "width": TILE}, **extra}))
+    write_tokenizer(path)
+    return path, model
+
+
+GEMMA_TOKENS = 4  # the tiny Gemma 3's soft tokens per image: 4x4 patches average-pooled 2x2
+
+
+def build_gemma3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    """A tiny random Gemma 3 with its SigLIP tower (4 soft tokens per image; sliding and full layers)."""
+    import transformers
+
+    vocab = {w: i for i, w in enumerate(WORDS + SPECIAL)}
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3Config(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=TILE, patch_size=PATCH),
+        text_config=dict(model_type="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                         max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                         sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+        mm_tokens_per_image=GEMMA_TOKENS, image_token_id=vocab["<image_soft_token>"],
+        boi_token_id=vocab["<start_of_image>"], eoi_token_id=vocab["<end_of_image>"])
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("projector", "position_embedding", "patch_embedding")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "language_model" in name and "norm" in name:  # Gemma's (1 + w) norms start at w = 0: vary them
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    path = root / "gemma3"
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": TILE, "width": TILE},
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2}))
     write_tokenizer(path)
     return path, model
 

@@ -25,6 +25,13 @@ class PromptImages:
         if len(marker) != 1:
             raise ValueError(f"the tokenizer has no single token for {processor.image_token!r}")
         self.image_token_id = marker[0]
+        # the token the embeddings replace, where it is not the marker (Gemma 3: `<start_of_image>` expands to text
+        # holding `<image_soft_token>`s)
+        embed = getattr(processor, "embed_token", None) or processor.image_token
+        soft = tokenizer.encode_prompt(embed, add_special_tokens=False)
+        if len(soft) != 1:
+            raise ValueError(f"the tokenizer has no single token for {embed!r}")
+        self.embed_token_id = soft[0]
 
     def expand(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
         """`ids` with its k-th marker token replaced by image k's placeholder ids; one MMInput per image."""
@@ -40,8 +47,9 @@ class PromptImages:
             out += ids[prev:mark]
             processed = self.processor.process(img.image)
             span = self.tokenizer.encode_prompt(processed.placeholder, add_special_tokens=False)
-            where = np.flatnonzero(np.asarray(span) == self.image_token_id) + len(out)
-            inputs.append(MMInput(img.digest, processed.pixel_values, where.astype(np.int64)))
+            where = np.flatnonzero(np.asarray(span) == self.embed_token_id) + len(out)
+            inputs.append(MMInput(img.digest, processed.pixel_values, where.astype(np.int64),
+                                  processed.meta, getattr(self.processor, "bidirectional", False)))
             out += span
             prev = mark + 1
         return out + ids[prev:], tuple(inputs)

@@ -35,6 +35,13 @@ class VisionConfig:
     hidden_act: str = "gelu_tanh"  # the MLP's activation: gelu_tanh (gelu_pytorch_tanh) or gelu
     scale_factor: int = 1  # the connector's pixel shuffle: scale_factor^2 patches become one embedding
     image_token_id: int | None = None  # the placeholder token whose embeddings the image's replace
+    # LLaVA's: the tower's hidden states read (0 = embeddings, -1 = last layer), CLS dropped ("default") or kept
+    # ("full"), and its 2-layer projector's activation and biases
+    feature_layers: tuple[int, ...] = (-1,)
+    feature_select: str = "full"
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    tokens_per_image: int | None = None  # Gemma 3: the patch grid average-pooled to this many soft tokens
 
     @property
     def patches_per_side(self) -> int:

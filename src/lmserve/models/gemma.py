@@ -102,5 +102,4 @@ def _gemma3_gguf(m: GGUFMeta) -> Fields:
 
 GEMMA2 = Family("gemma2", hf_fields=_gemma2_hf, gguf_fields=_gemma2_gguf, gguf_names=GGUF_NAMES)
 GEMMA3 = Family("gemma3", hf_fields=_gemma3_hf, gguf_fields=_gemma3_gguf, gguf_names=GGUF_NAMES)
-GEMMA3_MULTIMODAL = Family("gemma3", hf_fields=_gemma3_hf, text_config=_text_config,
-                           checkpoint_tensors=_language_model)
+# Gemma3ForConditionalGeneration (its tower too): models/gemma3_vision.py, over _text_config and _language_model

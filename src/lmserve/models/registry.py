@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import bert, gemma, gpt_oss, idefics3, llama, moe, phi3, rotary_encoder
+from lmserve.models import bert, gemma, gemma3_vision, gpt_oss, idefics3, llama, llava, moe, phi3, rotary_encoder
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -18,7 +18,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "SmolLM3ForCausalLM": llama.SMOLLM3,
     "Gemma2ForCausalLM": gemma.GEMMA2,
     "Gemma3ForCausalLM": gemma.GEMMA3,
-    "Gemma3ForConditionalGeneration": gemma.GEMMA3_MULTIMODAL,  # its language model (no vision tower)
+    "Gemma3ForConditionalGeneration": gemma3_vision.GEMMA3_VISION,  # SigLIP pooled to soft tokens, Gemma 3 text
     "Phi3ForCausalLM": phi3.PHI3,
     "MixtralForCausalLM": moe.MIXTRAL,
     "Qwen2MoeForCausalLM": moe.QWEN2_MOE,
@@ -26,6 +26,8 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GptOssForCausalLM": gpt_oss.GPT_OSS,
     "Idefics3ForConditionalGeneration": idefics3.IDEFICS3,  # SmolVLM: SigLIP tower, pixel-shuffle connector, Llama
     "SmolVLMForConditionalGeneration": idefics3.IDEFICS3,
+    "LlavaForConditionalGeneration": llava.LLAVA,  # LLaVA-1.5: CLIP tower at a middle layer, MLP projector, Llama
+    "LlavaNextForConditionalGeneration": llava.LLAVA_NEXT,  # LLaVA-NeXT: LLaVA over anyres tiles, row newlines
     # encoders: embedders (sentence-transformers' MiniLM, bge, e5, gte) and cross-encoders
     "BertModel": bert.BERT,
     "BertForSequenceClassification": bert.BERT,

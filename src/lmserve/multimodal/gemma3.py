@@ -10,12 +10,16 @@ encoded as an image of its own (`image_text` writes the longer span).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .image_io import ImageData
+from .processor import ProcessedImage
 from .transforms import BILINEAR, HALF, rescale_normalize, resize, to_chw
 
 BOI, IMAGE, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -93,3 +97,27 @@ def image_text(num_crops: int = 0, tokens_per_image: int = 256) -> str:
 def placeholder_ids(boi_id: int, image_id: int, eoi_id: int, tokens_per_image: int = 256) -> list[int]:
     """The image span's ids: `<start_of_image>`, the soft tokens, `<end_of_image>` (the "\\n\\n" around it are text)."""
     return [boi_id, *[image_id] * tokens_per_image, eoi_id]
+
+
+@dataclass(frozen=True)
+class Gemma3Processor:
+    """Gemma 3 for the engine (multimodal/processor.py): the prompt marks an image with `<start_of_image>`
+    (`image_token`), which expands to a span whose `<image_soft_token>`s (`embed_token`) take the embeddings; the
+    soft tokens attend to each other both ways (`bidirectional`). Pan-and-scan's crops are not offered: each image
+    is its whole view (the default of every Gemma 3 checkpoint's preprocessor_config.json)."""
+
+    pixels_of: Gemma3ImageProcessor
+    tokens_per_image: int = 256
+    image_token = BOI
+    embed_token = IMAGE
+    bidirectional = True
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Gemma3Processor:
+        def read(name: str) -> dict:
+            return json.loads((path / name).read_text()) if (path / name).is_file() else {}
+        pre = read("preprocessor_config.json") | {"do_pan_and_scan": False}
+        return cls(Gemma3ImageProcessor.from_hf(pre), int(read("config.json").get("mm_tokens_per_image", 256)))
+
+    def process(self, image: Any) -> ProcessedImage:
+        return ProcessedImage(self.pixels_of.pixels(to_chw(image))[None], image_sequence(self.tokens_per_image))

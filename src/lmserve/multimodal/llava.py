@@ -7,11 +7,15 @@ Shortest edge resized (bicubic), centre-cropped, rescaled, normalised with CLIP'
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .image_io import ImageData
+from .processor import ProcessedImage
 from .transforms import (
     BICUBIC,
     CLIP_MEAN,
@@ -83,3 +87,34 @@ def placeholder_text(image_size: int, patch_size: int, select: str = "default", 
 def placeholder_ids(image_token_id: int, image_size: int, patch_size: int, select: str = "default") -> list[int]:
     """The ids one `<image>` in the prompt expands to."""
     return [image_token_id] * num_image_tokens(image_size, patch_size, select)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass(frozen=True)
+class LlavaProcessor:
+    """LLaVA-1.5 for the engine (multimodal/processor.py): an image -> [1, 3, crop, crop] pixels and one
+    `image_token` per patch embedding the tower returns."""
+
+    pixels_of: CLIPImageProcessor
+    image_size: int
+    patch_size: int
+    select: str = "default"
+    image_token: str = "<image>"
+
+    @classmethod
+    def from_dir(cls, path: Path) -> LlavaProcessor:
+        """From a model directory: preprocessor_config.json's pixels, config.json's tower geometry,
+        processor_config.json's image token (llava-hf's defaults where a file or field is absent)."""
+        cfg = _read_json(path / "config.json")
+        vision = {"image_size": 224, "patch_size": 32} | (cfg.get("vision_config") or {})
+        token = _read_json(path / "processor_config.json").get("image_token", "<image>")
+        return cls(CLIPImageProcessor.from_hf(_read_json(path / "preprocessor_config.json")),
+                   int(vision["image_size"]), int(vision["patch_size"]),
+                   cfg.get("vision_feature_select_strategy", "default"), token)
+
+    def process(self, image: Any) -> ProcessedImage:
+        return ProcessedImage(self.pixels_of.pixels(image)[None],
+                              placeholder_text(self.image_size, self.patch_size, self.select, self.image_token))

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .image_io import ImageData
-from .llava import CLIPImageProcessor
+from .llava import CLIPImageProcessor, _read_json
+from .processor import ProcessedImage
 from .transforms import BICUBIC, CLIP_MEAN, CLIP_STD, rescale_normalize, resize, to_chw
 
 PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # llava-v1.6's (height, width) grids
@@ -107,3 +110,34 @@ class LlavaNextImageProcessor:
 def placeholder_text(n_tokens: int, image_token: str = "<image>") -> str:
     """The text one `<image>` expands to, n_tokens from LlavaNextImageProcessor.num_image_tokens."""
     return image_token * n_tokens
+
+
+@dataclass(frozen=True)
+class LlavaNextProcessor:
+    """LLaVA-NeXT for the engine (multimodal/processor.py): an image -> its views [1 + rows*cols, 3, tile, tile],
+    its size and tile grid as `meta` (the model's encode_images unpads by them), and one `image_token` per
+    embedding."""
+
+    pixels_of: LlavaNextImageProcessor
+    patch_size: int
+    select: str = "default"
+    image_token: str = "<image>"
+
+    @classmethod
+    def from_dir(cls, path: Path) -> LlavaNextProcessor:
+        """From a model directory: preprocessor_config.json (its pinpoints, else config.json's), config.json's
+        patch size and selection, processor_config.json's image token."""
+        cfg, pre = _read_json(path / "config.json"), _read_json(path / "preprocessor_config.json")
+        if "image_grid_pinpoints" not in pre and "image_grid_pinpoints" in cfg:
+            pre = pre | {"image_grid_pinpoints": cfg["image_grid_pinpoints"]}
+        patch = int((cfg.get("vision_config") or {}).get("patch_size", 32))
+        token = _read_json(path / "processor_config.json").get("image_token", "<image>")
+        return cls(LlavaNextImageProcessor.from_hf(pre), patch, cfg.get("vision_feature_select_strategy", "default"),
+                   token)
+
+    def process(self, image: Any) -> ProcessedImage:
+        out = self.pixels_of.preprocess(ImageData(image=image, digest=""))
+        (h, w), grid = out["image_sizes"][0].tolist(), tuple(out["tile_grid"][0].tolist())
+        n = self.pixels_of.num_image_tokens(h, w, self.patch_size, self.select)
+        return ProcessedImage(out["pixel_values"][0], placeholder_text(n, self.image_token),
+                              {"image_size": (h, w), "tile_grid": grid})

@@ -9,7 +9,7 @@ digest and scatters the embeddings there (worker/mm_encoder.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
@@ -19,6 +19,8 @@ class ProcessedImage(NamedTuple):
 
     pixel_values: np.ndarray  # float32, the family's layout (Idefics3: [frames, 3, tile, tile])
     placeholder: str  # replaces one `image_token` in the prompt text; holds one `image_token` per embedding
+    # what else the model's encode_images takes for this image, by keyword (LLaVA-NeXT: its size and tile grid)
+    meta: Mapping[str, Any] | None = None
 
 
 class VisionProcessor(Protocol):
@@ -37,6 +39,10 @@ class MMInput:
     digest: str  # sha256 of the image's bytes: the encoder cache's key
     pixel_values: np.ndarray
     positions: np.ndarray  # int64 [num_embeddings]: prompt indices of this image's placeholder tokens
+    meta: Mapping[str, Any] | None = None  # ProcessedImage.meta: encode_images' keyword arguments beside the pixels
+    # its tokens attend to each other both ways (Gemma 3): the scheduler never ends a prefill chunk inside its span
+    # and the runner gives the span to attention
+    bidirectional: bool = False
 
     @property
     def span(self) -> tuple[int, int]:

@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from lmserve.multimodal.gemma3 import Gemma3Processor
 from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
+from lmserve.multimodal.llava import LlavaProcessor
+from lmserve.multimodal.llava_next import LlavaNextProcessor
 from lmserve.multimodal.processor import VisionProcessor
 
 
@@ -20,6 +23,9 @@ def _idefics3(path: Path) -> VisionProcessor:
 PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
     "Idefics3ForConditionalGeneration": _idefics3,
     "SmolVLMForConditionalGeneration": _idefics3,
+    "LlavaForConditionalGeneration": LlavaProcessor.from_dir,
+    "LlavaNextForConditionalGeneration": LlavaNextProcessor.from_dir,
+    "Gemma3ForConditionalGeneration": Gemma3Processor.from_dir,
 }
 
 

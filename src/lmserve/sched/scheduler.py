@@ -124,7 +124,7 @@ class Scheduler:
     def _schedule_running(self, req: Request, grant: int, out: SchedulerOutput) -> bool:
         """Schedule up to `grant` tokens of a running request, known ones before drafts; False: req was preempted."""
         known = req.num_tokens - req.num_computed_tokens
-        n = min(known, grant)
+        n = whole_spans(req.mm_inputs, req.num_computed_tokens, min(known, grant))
         spec = req.spec_token_ids[:grant - n] if n == known else []
         if spec and not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
                                          extra=req.cache_salt, num_lookahead=len(spec)):
@@ -213,7 +213,7 @@ class Scheduler:
                 continue
             # looked up again: this step's allocations may have evicted cached blocks, or published new ones
             computed = self._prefix_hit(req)
-            n = min(grant, req.num_tokens - computed.num_tokens)
+            n = whole_spans(req.mm_inputs, computed.num_tokens, min(grant, req.num_tokens - computed.num_tokens))
             if n < req.num_tokens - computed.num_tokens and not self.cfg.enable_chunked_prefill:
                 break  # whole prompts only, and this one does not fit: FCFS, nobody overtakes it
             if not self.kv.allocate(req.request_id, req.all_token_ids, computed.num_tokens, n, computed,
@@ -352,3 +352,16 @@ class Scheduler:
         if self._sent.pop(request_id, None) is not None:
             self._finished.append(request_id)
         return req
+
+
+def whole_spans(images: tuple, start: int, n: int) -> int:
+    """`n` tokens from `start`, moved so the chunk never ends inside an image whose tokens attend both ways
+    (MMInput.bidirectional, Gemma 3): cut back to the span's start, or, where the chunk begins inside or at it,
+    run to its end (a little past the step's token budget: the span's queries need all of its keys)."""
+    for mm in images:
+        if not getattr(mm, "bidirectional", False):
+            continue
+        a, b = mm.span
+        if a < start + n < b:
+            n = a - start if a > start else b - start
+    return n

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -57,11 +57,13 @@ def order_batch(reqs: list[ScheduledRequest]) -> list[int]:
 
 
 def build_inputs(scheduled: list[ScheduledRequest], index: dict[str, int], tokens: RowTable, blocks: RowTable,
-                 block_size: int, group_blocks: Sequence[RowTable] = ()) -> tuple[StepInputs, StepLayout]:
+                 block_size: int, group_blocks: Sequence[RowTable] = (),
+                 spans: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> tuple[StepInputs, StepLayout]:
     """Flat token ids, positions, slot mapping, block tables and logits rows for the scheduled requests.
 
     `index` maps a request id to its row in `tokens` (its ids, drafts after the known ones) and `blocks`;
-    `group_blocks` are the tables of the other KV groups, each with its own slots and tables in `group_attn`.
+    `group_blocks` are the tables of the other KV groups, each with its own slots and tables in `group_attn`;
+    `spans` a request's [a, b) position spans attended bidirectionally (worker/mm_encoder.py `bidirectional_spans`).
     """
     order = order_batch(scheduled)
     reqs = [scheduled[i] for i in order]
@@ -77,7 +79,7 @@ def build_inputs(scheduled: list[ScheduledRequest], index: dict[str, int], token
     num_dec_reqs = sum(1 for r in reqs if r.num_known == 1)
     num_dec = int(ends[num_dec_reqs - 1]) if num_dec_reqs else 0
     attn = _attention_metadata(reqs[num_dec_reqs:], lens[num_dec_reqs:], starts[num_dec_reqs:], tables,
-                               num_dec_reqs, slots, positions, req_idx, num_dec, block_size)
+                               num_dec_reqs, slots, positions, req_idx, num_dec, block_size, spans or {})
     group_attn = []
     for table in group_blocks:  # the same steps over another group's blocks: only slots and tables differ
         t = _tables(table, rows)
@@ -140,7 +142,8 @@ def _prompt_lp_rows(reqs: list[ScheduledRequest], ends: np.ndarray, starts: np.n
 
 def _attention_metadata(prefill_reqs: list[ScheduledRequest], lens: np.ndarray, starts: np.ndarray,
                         tables: np.ndarray, num_dec_reqs: int, slots: np.ndarray, positions: np.ndarray,
-                        req_idx: np.ndarray, num_dec: int, block_size: int) -> PagedAttentionMetadata:
+                        req_idx: np.ndarray, num_dec: int, block_size: int,
+                        spans: Mapping[str, Sequence[tuple[int, int]]]) -> PagedAttentionMetadata:
     dec_ctx = positions[:num_dec] + 1  # each decode-group token sees the keys up to its own position
     dec_blocks = int(-(-dec_ctx.max() // block_size)) if num_dec else 1
     key_pos = np.arange(dec_blocks * block_size)
@@ -153,7 +156,8 @@ def _attention_metadata(prefill_reqs: list[ScheduledRequest], lens: np.ndarray, 
         mask = None
         if c_len != q_len:  # queries sit after a cached prefix: query k may see keys <= start + k
             mask = np.arange(c_len)[None, :] <= (starts[i] + np.arange(q_len))[:, None]
-        prefills.append(PrefillChunk(q_start, q_len, c_len, tables[num_dec_reqs + i, :n_blocks].copy(), mask))
+        mine = tuple((a, b) for a, b in spans.get(r.request_id, ()) if a < c_len and b > starts[i])
+        prefills.append(PrefillChunk(q_start, q_len, c_len, tables[num_dec_reqs + i, :n_blocks].copy(), mask, mine))
         q_start += q_len
     return PagedAttentionMetadata(
         slot_mapping=slots,

@@ -37,7 +37,7 @@ class EncoderCache:
         if hit is not None:
             self._entries.move_to_end(mm.digest)
             return hit
-        emb = self.encode(torch.from_numpy(mm.pixel_values).to(self.device))
+        emb = self.encode(torch.from_numpy(mm.pixel_values).to(self.device), **(mm.meta or {}))
         self.num_encoded += 1
         if emb.shape[0] != len(mm.positions):
             raise ValueError(f"the image encodes to {emb.shape[0]} embeddings for {len(mm.positions)} placeholders")
@@ -68,6 +68,15 @@ class ImageInputs:
     def drop(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._images.pop(rid, None)
+
+    def bidirectional_spans(self) -> dict[str, list[tuple[int, int]]]:
+        """request id -> the [a, b) spans of its images whose tokens attend both ways (Gemma 3); {} for others."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for rid, images in self._images.items():
+            spans = [mm.span for mm in images if mm.bidirectional]
+            if spans:
+                out[rid] = spans
+        return out
 
     def placements(self, requests: list[ScheduledRequest], order: list[int]) -> list[tuple[np.ndarray, torch.Tensor]]:
         """(flat rows, embeddings) of each image part this step's known tokens cover, `order` the flat order."""

@@ -201,7 +201,8 @@ class ModelRunner:
             if self.images is not None:
                 self.images.add(new.request_id, new.mm_inputs)
         b.apply(out.requests)
-        return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size, b.group_blocks[1:])
+        spans = self.images.bidirectional_spans() if self.images is not None else None
+        return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size, b.group_blocks[1:], spans)
 
     def _lora_meta(self, out: SchedulerOutput, layout: StepLayout):
         """The step's rows grouped by adapter slot, in the flat order build_inputs laid the tokens out."""

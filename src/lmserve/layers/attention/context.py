@@ -58,6 +58,18 @@ def visible(num_queries: int, num_keys: int, window: int | None, device: torch.d
     return mask if window is None else mask & (keys > pos - window)
 
 
+def within_spans(spans: Sequence[tuple[int, int]], num_queries: int, num_keys: int,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """[Tq, Tk] bool: query and key lie in the same [a, b) span (the queries are the last Tq of Tk positions). An
+    image's tokens see each other both ways (Gemma 3) where this is ORed into the causal mask."""
+    qpos = torch.arange(num_keys - num_queries, num_keys, device=device)
+    keys = torch.arange(num_keys, device=device)
+    out = torch.zeros(num_queries, num_keys, dtype=torch.bool, device=device)
+    for a, b in spans:
+        out |= ((qpos >= a) & (qpos < b))[:, None] & ((keys >= a) & (keys < b))[None, :]
+    return out
+
+
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   opts: AttnOptions = DEFAULT) -> torch.Tensor:
     """The plain definition, in float32: q [..., Tq, H, D], k/v [..., Tk, Hkv, D], mask [..., Tq, Tk] (True = may
@@ -81,13 +93,20 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                opts: AttnOptions = DEFAULT) -> torch.Tensor:
+                opts: AttnOptions = DEFAULT, spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
     """Attention for one sequence: q [Tq, H, D] (the last Tq positions), k/v [Tk, Hkv, D] -> [Tq, H * D].
 
     Without a mask, Tq == Tk and attention is plainly causal; with one, `mask` [Tq, Tk] (bool, True = may
     attend) places the queries after a cached prefix. A window or soft-cap builds its own mask from the shapes.
+    `spans` (positions [a, b), e.g. an image's tokens) are attended bidirectionally within themselves: the span
+    must lie whole inside the keys (the scheduler never ends a chunk inside one).
     """
-    if not opts.plain:
+    if spans:  # (causal OR same span) AND window, as transformers' Gemma 3 composes them
+        mask = visible(q.shape[0], k.shape[0], None, q.device) | within_spans(spans, q.shape[0], k.shape[0], q.device)
+        if opts.window is not None:
+            qpos = torch.arange(k.shape[0] - q.shape[0], k.shape[0], device=q.device)[:, None]
+            mask = mask & (torch.arange(k.shape[0], device=q.device)[None, :] > qpos - opts.window)
+    elif not opts.plain:
         mask = visible(q.shape[0], k.shape[0], opts.window, q.device)
         if opts.soft_cap is not None or opts.sinks is not None:  # SDPA has neither
             return attention_ref(q, k, v, mask, opts)
@@ -100,15 +119,19 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
 @dataclass
 class ContiguousAttention:
-    """No KV cache: each sequence attends causally over its own tokens in this batch."""
+    """No KV cache: each sequence attends causally over its own tokens in this batch (and, where `spans` gives a
+    sequence's [a, b) spans, bidirectionally within each: Gemma 3's images)."""
 
     seq_lens: Sequence[int]
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions = DEFAULT) -> torch.Tensor:
         outs, start = [], 0
-        for n in self.seq_lens:
-            outs.append(causal_sdpa(q[start:start + n], k[start:start + n], v[start:start + n], opts=opts))
+        for i, n in enumerate(self.seq_lens):
+            spans = self.spans[i] if self.spans else ()
+            outs.append(causal_sdpa(q[start:start + n], k[start:start + n], v[start:start + n], opts=opts,
+                                    spans=spans))
             start += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 

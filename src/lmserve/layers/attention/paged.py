@@ -32,6 +32,8 @@ class PrefillChunk:
     context_len: int  # tokens in the cache for this sequence after this step (prefix + chunk)
     block_table: torch.Tensor  # [num_blocks_used] int64
     mask: torch.Tensor | None  # [q_len, context_len] bool, None when the chunk is the whole context
+    # [a, b) positions attended bidirectionally (Gemma 3's images), each ending within this chunk's context
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -75,6 +77,13 @@ class PagedAttention:
             outs.append(self._decode(q[:m.num_decodes], cache, opts))
         rows = q[m.num_decodes:]
         kernel = native_decode(cache, q, opts) if m.prefills and m.prefill_context_lens is not None else None
+        if kernel is not None and any(p.spans for p in m.prefills):
+            # a chunk with bidirectional spans has queries that see later keys: SDPA over its context; the others
+            # keep the native rows, so a request's bits never depend on its batch
+            for p in m.prefills:
+                outs.append(self._native_chunk(kernel, q, p, cache, opts) if not p.spans else self._sdpa_chunk(
+                    q, k, v, p, cache, opts))
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
         if kernel is not None:
             # each prompt token attends exactly as it would have as a decode row: a token's K/V and output
             # never depend on whether it was prefilled, chunked, recomputed after preemption or decoded
@@ -84,13 +93,27 @@ class PagedAttention:
             outs.append(out.reshape(rows.shape[0], -1))
             return torch.cat(outs) if len(outs) > 1 else outs[0]
         for p in m.prefills:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            if p.mask is None and not is_quantized(cache.dtype):  # no cached prefix: attend over the fresh K/V
-                outs.append(causal_sdpa(q[rows], k[rows], v[rows], opts=opts))
-            else:  # after a prefix, or over a quantized cache (prompt tokens see the values decode steps read)
-                kc, vc = gather_context(cache, p.block_table, p.context_len)
-                outs.append(causal_sdpa(q[rows], as_values(kc, q.dtype), as_values(vc, q.dtype), p.mask, opts))
+            outs.append(self._sdpa_chunk(q, k, v, p, cache, opts))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _sdpa_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PrefillChunk, cache: torch.Tensor,
+                    opts: AttnOptions) -> torch.Tensor:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        if p.mask is None and not is_quantized(cache.dtype):  # no cached prefix: attend over the fresh K/V
+            return causal_sdpa(q[rows], k[rows], v[rows], opts=opts, spans=p.spans)
+        # after a prefix, or over a quantized cache (prompt tokens see the values decode steps read)
+        kc, vc = gather_context(cache, p.block_table, p.context_len)
+        return causal_sdpa(q[rows], as_values(kc, q.dtype), as_values(vc, q.dtype), p.mask, opts, p.spans)
+
+    def _native_chunk(self, kernel, q: torch.Tensor, p: PrefillChunk, cache: torch.Tensor,
+                      opts: AttnOptions) -> torch.Tensor:
+        """One chunk's rows through the native kernel (its slice of the step's per-token prefill view)."""
+        m = self.meta
+        lo, hi = p.q_start - m.num_decodes, p.q_start - m.num_decodes + p.q_len
+        out = kernel.paged_decode_attention(q[p.q_start:p.q_start + p.q_len], cache[0], cache[1],
+                                            m.prefill_block_tables, m.prefill_context_lens[lo:hi], _scale(q, opts),
+                                            m.prefill_table_rows[lo:hi], opts.window or 0, opts.soft_cap or 0.0)
+        return out.reshape(p.q_len, -1)
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, opts: AttnOptions) -> torch.Tensor:
         """The native kernel where it applies (CPU float32, head_dim 64/128/256), else gather + SDPA."""

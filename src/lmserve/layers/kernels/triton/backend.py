@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lmserve.layers.attention.context import AttnOptions
-from lmserve.layers.attention.paged import PagedAttentionMetadata, write_kv
+from lmserve.layers.attention.paged import PagedAttention, PagedAttentionMetadata, write_kv
 from lmserve.layers.kernels.triton.decode import paged_decode
 from lmserve.layers.kernels.triton.prefill import paged_prefill
 
@@ -29,10 +29,14 @@ class TritonPagedAttention:
     def __post_init__(self) -> None:
         # the longest prefill chunk sizes the extend kernel's grid: host ints, read once per forward, not per layer
         self.max_query_len = max((p.q_len for p in self.meta.prefills), default=0)
+        # a step with bidirectional spans (Gemma 3's images): the extend kernel is causal only, the reference is not
+        self.reference = PagedAttention(self.kv_caches, self.meta) if any(p.spans for p in self.meta.prefills) else None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (decode group first, then prefill chunks) -> [T, H * D]."""
+        if self.reference is not None:
+            return self.reference.attend(layer_idx, q, k, v, opts if opts is not None else AttnOptions())
         cache, m = self.kv_caches[layer_idx], self.meta
         write_kv(cache, k, v, m.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous
