@@ -156,7 +156,45 @@ def bidirectional_ref(qkv: torch.Tensor, seq_lens: list[int], window: int | None
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-class EncoderModel(nn.Module):
+class Encoder(nn.Module):
+    """What every encoder shares (BERT and XLM-R here, ModernBERT and NomicBERT in rotary_encoder.py): pair token
+    types from the first [SEP], no logits (it pools), and an exact weight load. A subclass sets `config`,
+    `sep_token_id` and its parameters."""
+
+    config: ModelConfig
+    sep_token_id: int | None
+
+    def _token_types(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """[T]: 1 for the tokens after their sequence's first [SEP] (a pair's second text), else 0."""
+        sep = self.sep_token_id
+        if self.config.type_vocab_size < 2 or sep is None:
+            return torch.zeros_like(input_ids)
+        is_sep = (input_ids == sep).long()
+        before = is_sep.cumsum(0) - is_sep  # [SEP]s before each token, counted over the whole step
+        seq = starts.long().cumsum(0) - 1  # each token's sequence
+        return (before - before[starts][seq] > 0).long()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"{self.config.architecture} is an encoder: it pools, it does not generate")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
+        """Copy (name, tensor, source) as `checkpoint_tensors` renamed them; every parameter filled exactly once."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor, source in weights:
+            if name not in params:
+                raise CheckpointError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+            if params[name].shape != tensor.shape:
+                raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, "
+                                      f"expected {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise CheckpointError(f"checkpoint: missing {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+
+
+class EncoderModel(Encoder):
     """BERT / XLM-R over a padding-free step: forward(ids [T], positions [T], ctx) -> final hidden states [T, H]."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -184,39 +222,9 @@ class EncoderModel(nn.Module):
             x = layer(x, seqs)
         return x
 
-    def _token_types(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """[T]: 1 for the tokens after their sequence's first [SEP] (a pair's second text), else 0."""
-        sep = self.sep_token_id
-        if self.config.type_vocab_size < 2 or sep is None:
-            return torch.zeros_like(input_ids)
-        is_sep = (input_ids == sep).long()
-        before = is_sep.cumsum(0) - is_sep  # [SEP]s before each token, counted over the whole step
-        seq = starts.long().cumsum(0) - 1  # each token's sequence
-        return (before - before[starts][seq] > 0).long()
-
     def score(self, cls: torch.Tensor) -> torch.Tensor:
         """The classification head's logits: CLS vectors [N, H] (any float dtype) -> [N, num_labels]."""
         return self.head_out(torch.tanh(self.head_dense(cls.to(self.word_embeddings.weight.dtype))))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(f"{self.config.architecture} is an encoder: it pools, it does not generate")
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-        """Copy (name, tensor, source) as `checkpoint_tensors` renamed them; every parameter filled exactly once."""
-        params = dict(self.named_parameters())
-        missing = set(params)
-        for name, tensor, source in weights:
-            if name not in params:
-                raise CheckpointError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
-            if params[name].shape != tensor.shape:
-                raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, "
-                                      f"expected {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            missing.discard(name)
-        if missing:
-            raise CheckpointError(f"checkpoint: missing {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
-
 
 # HF name (prefix stripped, {i}: layer) -> ours; q/k/v are fused into `qkv` by `_checkpoint_stream`
 _NAMES = {

@@ -13,14 +13,14 @@ whole in one step, attention per sequence with `bidirectional`), with rotary pos
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmserve.errors import CheckpointError
-from lmserve.models.bert import StepSequences, bidirectional, step_sequences
+from lmserve.models.bert import Encoder, StepSequences, bidirectional, step_sequences
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family, Fields
 from lmserve.models.rope import rope_specs
@@ -93,7 +93,7 @@ class NomicBertLayer(nn.Module):
         return self.mlp_norm(x + self.down(self.act(gate) * up))
 
 
-class RotaryEncoderModel(nn.Module):
+class RotaryEncoderModel(Encoder):
     """ModernBERT / NomicBERT over a padding-free step: forward(ids [T], positions [T], ctx) -> hidden [T, H]."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -129,39 +129,10 @@ class RotaryEncoderModel(nn.Module):
             x = layer(x, positions, self._freqs, seqs)
         return self.final_norm(x) if self.final_norm is not None else x
 
-    def _token_types(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """[T]: 1 after a sequence's first [SEP] (a pair's second text), as models/bert.py's encoders."""
-        sep = self.sep_token_id
-        if self.config.type_vocab_size < 2 or sep is None:
-            return torch.zeros_like(input_ids)
-        is_sep = (input_ids == sep).long()
-        before = is_sep.cumsum(0) - is_sep
-        seq = starts.long().cumsum(0) - 1
-        return (before - before[starts][seq] > 0).long()
-
     def score(self, cls: torch.Tensor) -> torch.Tensor:
         """The classification head's logits: CLS vectors [N, H] -> [N, num_labels]."""
         act = _ACTS[self.config.classifier_act]
         return self.head_out(self.head_norm(act(self.head_dense(cls.to(self.word_embeddings.weight.dtype)))))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(f"{self.config.architecture} is an encoder: it pools, it does not generate")
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-        """Copy (name, tensor, source); every parameter filled exactly once."""
-        params = dict(self.named_parameters())
-        missing = set(params)
-        for name, tensor, source in weights:
-            if name not in params:
-                raise CheckpointError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
-            if params[name].shape != tensor.shape:
-                raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, "
-                                      f"expected {tuple(params[name].shape)}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            missing.discard(name)
-        if missing:
-            raise CheckpointError(f"checkpoint: missing {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
 
 
 _MODERN_NAMES = {"embeddings.tok_embeddings": "word_embeddings", "embeddings.norm": "embed_norm",

@@ -8,6 +8,7 @@ decompression bomb declares huge dimensions in a few bytes).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 from dataclasses import dataclass, field
@@ -33,45 +34,36 @@ class ImageData:
 def probe_image_bytes(data: bytes, *, max_pixels: int = MAX_PIXELS) -> tuple[str, int, int]:
     """The format, width and height `data` declares, read from its header alone (no pixel decoded); ImageError
     for what load_image_bytes would refuse before decoding: empty, not one of IMAGE_FORMATS, too many pixels."""
-    from PIL import Image
-
-    if not data:
-        raise ImageError("the image is empty")
-    try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-            return _checked_header(img, max_pixels)
-    except ImageError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise ImageError(f"the image is too large to decode: {e}") from None
-    except Exception as e:  # noqa: BLE001 - Pillow raises many types for corrupt or unknown data
-        raise ImageError(f"the image could not be read (supported: {', '.join(IMAGE_FORMATS)}): "
-                         f"{type(e).__name__}") from None
-
-
-def _checked_header(img, max_pixels: int) -> tuple[str, int, int]:
-    width, height = img.size  # read from the header, before any pixel is decoded
-    if width * height > max_pixels:
-        raise ImageError(f"the image declares {width}x{height} pixels, more than the {max_pixels} allowed")
-    return img.format, width, height
+    with _opened(data, max_pixels, "read") as (img, header):
+        return header
 
 
 def load_image_bytes(data: bytes, *, detail: str = "auto", max_pixels: int = MAX_PIXELS) -> ImageData:
     """Decode `data` into an ImageData, or raise ImageError saying why not."""
+    with _opened(data, max_pixels, "decoded") as (img, _):
+        img.load()
+        rgb = img.convert("RGB")
+    return ImageData(image=rgb, digest=hashlib.sha256(data).hexdigest(), detail=detail)
+
+
+@contextlib.contextmanager
+def _opened(data: bytes, max_pixels: int, verb: str):
+    """Pillow's image of `data` with its checked header (format, width, height); every failure inside, Pillow's
+    many error types included, comes out as one ImageError saying the image could not be `verb`."""
     from PIL import Image  # Pillow loads only where images are used
 
     if not data:
         raise ImageError("the image is empty")
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-            _checked_header(img, max_pixels)
-            img.load()
-            rgb = img.convert("RGB")
+            width, height = img.size  # read from the header, before any pixel is decoded
+            if width * height > max_pixels:
+                raise ImageError(f"the image declares {width}x{height} pixels, more than the {max_pixels} allowed")
+            yield img, (img.format, width, height)
     except ImageError:
         raise
     except Image.DecompressionBombError as e:
         raise ImageError(f"the image is too large to decode: {e}") from None
     except Exception as e:  # noqa: BLE001 - Pillow raises many types for corrupt or unknown data
-        raise ImageError(f"the image could not be decoded (supported: {', '.join(IMAGE_FORMATS)}): "
+        raise ImageError(f"the image could not be {verb} (supported: {', '.join(IMAGE_FORMATS)}): "
                          f"{type(e).__name__}") from None
-    return ImageData(image=rgb, digest=hashlib.sha256(data).hexdigest(), detail=detail)
