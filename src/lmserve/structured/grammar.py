@@ -12,8 +12,7 @@ and tokens do not reach the matcher; the token right after them is the grammar's
 end: the rows after it are the matcher's, token by token, as without a gate.
 
 With a `LimitSteer` (limit.py: JSON grammars), a request near max_tokens gets one-token rows that spell the
-shortest valid completion; `terminated` once it is written, and `steered` tells the stop checker why (a JSON
-answer closed early ends "length"; tool calls closed early are complete calls and end as calls do).
+shortest valid completion; `terminated` once it is written, and `steered` tells the stop checker why.
 """
 
 from __future__ import annotations
@@ -101,10 +100,8 @@ class Grammar:
 
     @property
     def steered(self) -> bool:
-        """The output was closed early to fit max_tokens: it ended for its length. Not for a tool-call grammar
-        (structural tag): its forced completion closes the open call, so the answer is complete calls and ends as
-        a call does (`tool_calls`): a named tool choice always ends with its one call."""
-        return self.steer is not None and self.steer.steered and self.steer.json_text
+        """The output was closed early to fit max_tokens: it ended for its length."""
+        return self.steer is not None and self.steer.steered
 
     def valid_prefix(self, tokens: list[int], tokens_left: int | None = None) -> int:
         """How many of `tokens` (drafts) the grammar accepts in a row; the matcher is left unchanged.

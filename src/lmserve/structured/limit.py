@@ -4,9 +4,7 @@ A JSON answer cut by max_tokens does not parse. So for JSON grammars (json_schem
 structural tags) each request's `LimitSteer` watches the tokens it has left, L, against k, the token count of the
 shortest completion from its matcher's state (close the open string, arrays and objects; the schema's required
 keys with short values). When L <= k + MARGIN it stops sampling freely: each next row allows one token, the next
-of that completion, so the output ends complete within the limit, and the request finishes with reason "length";
-a tool-call grammar's completion closes the open call instead, and complete calls end as calls do ("stop": the
-routes' `tool_calls`), so a named tool choice always ends with its one call (grammar.Grammar.steered).
+of that completion, so the output ends complete within the limit, and the request finishes with reason "length".
 
 When even the schema's shortest completion cannot fit (max_tokens below the schema's minimum, or one token took
 the answer deep into a structure), a JSON answer (json_schema, json_object) is closed by JSON syntax alone: as
