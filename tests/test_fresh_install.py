@@ -94,7 +94,7 @@ def test_the_wheel_carries_a_build_for_each_level(fresh):
     [wheel] = (fresh.root / "dist").glob("lmserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for level in LEVELS:
-        assert any(n.startswith(f"lmserve/layers/{level.module}.") and n.endswith(".so") for n in names), level
+        assert any(n.startswith(f"lmserve/layers/kernels/{level.module}.") and n.endswith(".so") for n in names), level
     assert "lmserve/layers/kernels/_native_build.json" in names
 
 

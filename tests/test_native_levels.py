@@ -78,7 +78,7 @@ def test_each_build_this_cpu_runs_equals_the_references(level):
     if level == "none":
         pytest.skip("this CPU runs no shipped level (below x86-64-v2, or not x86)")
     env = {**os.environ, native.ENV_LEVEL: level}
-    probe = ("import logging\nlogging.basicConfig(level=logging.DEBUG)\nfrom lmserve.layers import native\n"
+    probe = ("import logging\nlogging.basicConfig(level=logging.DEBUG)\nfrom lmserve.layers.kernels import native\n"
              "m = native.native_module()\nprint(m.__name__, m.quant_packed_rows())")
     for attempt in ("first", "second"):  # a level the install did not build is compiled at its first use, once
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=1200,
