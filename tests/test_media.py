@@ -120,6 +120,19 @@ def test_corrupt_pixel_data_is_refused_at_decode():
         asyncio.run(load_images([src], MediaPolicy()))
 
 
+def test_a_request_s_images_are_bounded_in_all_before_any_is_decoded():
+    """Each image below the per-image limit (64 M pixels), two together above the request's: refused from their
+    headers, so a few kilobytes of PNG cannot make the server decode gigabytes (64 such images: ~12 GB as RGB)."""
+    from lmserve.server.media import MAX_REQUEST_PIXELS
+
+    big = png_bomb(8000, 5000)  # 40 M pixels declared, a few hundred bytes sent
+    sources = [image_source(data_url(big), f"messages.0.content.{i}", MediaPolicy()) for i in range(2)]
+    with pytest.raises(APIError) as e:
+        asyncio.run(load_images(sources, MediaPolicy()))
+    assert e.value.status == 400 and e.value.param == "messages.0.content.1"
+    assert f"more than the {MAX_REQUEST_PIXELS} pixels" in e.value.message
+
+
 @pytest.mark.parametrize("ref", ["file:///etc/passwd", "ftp://example.com/a.png", "gopher://x", "/etc/passwd",
                                  "javascript:alert(1)", "C:\\\\x.png", ""])
 def test_other_schemes_are_refused(ref):

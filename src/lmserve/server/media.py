@@ -35,6 +35,10 @@ from lmserve.server.errors import APIError
 MAX_IMAGE_BYTES = 20 * 2**20  # --max-image-bytes' default: a large phone photo
 FETCH_TIMEOUT = 10.0  # seconds for one URL: resolve, connect, headers and body
 MAX_IMAGES = 64  # per request: each is decoded in memory before the model sees it
+# Over all of one request's images, checked from their headers before any is decoded: the pixels decoded at once
+# (~192 MB as RGB; without it 64 small PNGs each declaring 64 M pixels decode to ~12 GB) and the bytes fetched.
+MAX_REQUEST_PIXELS = 64_000_000
+MAX_REQUEST_BYTES = 64 * 2**20
 DETAILS = ("auto", "low", "high")
 # A data: URL's declared type, when it declares one (Ollama's bare base64 declares none): Pillow's check of the
 # bytes themselves (IMAGE_FORMATS) is what decides.
@@ -247,19 +251,37 @@ def _too_large(param: str, policy: MediaPolicy) -> APIError:
     return APIError(400, f"{param}: the image is larger than the {policy.max_image_bytes} bytes allowed", param=param)
 
 
-def _load(source: ImageSource, policy: MediaPolicy) -> ImageData:
-    data = source.data if source.data is not None else fetch_url(source.url or "", source.param, policy)
-    try:
-        return load_image_bytes(data, detail=source.detail)
-    except ImageError as e:
-        raise APIError(400, f"{source.param}: {e}", param=source.param) from None
+def _load_all(sources: tuple[ImageSource, ...] | list[ImageSource], policy: MediaPolicy) -> list[ImageData]:
+    """Every source's bytes (fetched for URLs), each header checked and the request's totals of bytes and declared
+    pixels bounded, then each image decoded: no pixel is decoded before the whole request is known to fit."""
+    raw, pixels, size = [], 0, 0
+    for source in sources:
+        data = source.data if source.data is not None else fetch_url(source.url or "", source.param, policy)
+        try:
+            _, width, height = probe_image_bytes(data)
+        except ImageError as e:
+            raise APIError(400, f"{source.param}: {e}", param=source.param) from None
+        pixels, size = pixels + width * height, size + len(data)
+        if pixels > MAX_REQUEST_PIXELS or size > MAX_REQUEST_BYTES:
+            raise APIError(400, f"{source.param}: the request's images hold {pixels} pixels and {size} bytes up to "
+                           f"here, more than the {MAX_REQUEST_PIXELS} pixels or {MAX_REQUEST_BYTES} bytes allowed "
+                           "in all", param=source.param)
+        raw.append((source, data))
+    out = []
+    for source, data in raw:
+        try:
+            out.append(load_image_bytes(data, detail=source.detail))
+        except ImageError as e:
+            raise APIError(400, f"{source.param}: {e}", param=source.param) from None
+    return out
 
 
 async def load_images(sources: tuple[ImageSource, ...] | list[ImageSource], policy: MediaPolicy) -> list[ImageData]:
-    """Each source fetched (URLs) and decoded, in order, off the event loop; APIError 400 on the first bad one."""
+    """Each source fetched (URLs) and decoded, in order, off the event loop; APIError 400 on the first bad one or
+    when the request's images together pass MAX_REQUEST_PIXELS or MAX_REQUEST_BYTES."""
     if not sources:
         return []
-    return await asyncio.to_thread(lambda: [_load(s, policy) for s in sources])
+    return await asyncio.to_thread(_load_all, sources, policy)
 
 
 # -- chat messages ---------------------------------------------------------------------------------
