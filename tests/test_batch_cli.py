@@ -26,6 +26,24 @@ def chat_line(cid: str, content: str, max_tokens: int = 8) -> dict:
                      "temperature": 0}}
 
 
+def kill_after_lines(cmd: list[str], out: Path, lines: int, timeout: float, env: dict | None = None) -> None:
+    """Run the batch job `cmd` and SIGKILL it once `out` holds at least `lines` lines (a crash part-way through);
+    it must still be running then."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= lines:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the job ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
@@ -108,19 +126,7 @@ def test_sigkill_mid_job_then_rerun_gives_every_custom_id_exactly_once(tmp_path)
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "lmserve.cli", "--log-level", "warning", "run-batch", "-i", str(src), "-o", str(out),
            "--max-num-seqs", "2", *SMALL[:4]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 3:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the job ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_after_lines(cmd, out, 3, timeout=240)
     first = results(out)
     assert 3 <= len(first) < len(ids)
     with open(out, "ab") as f:  # what a kill in the middle of a write leaves

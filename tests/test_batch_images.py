@@ -10,7 +10,6 @@ import base64
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_batch_cli import results, write_jsonl
+from tests.test_batch_cli import kill_after_lines, results, write_jsonl
 from tests.test_cli_errors import SRC
 from tests.vision_models import build_idefics3
 
@@ -70,19 +69,7 @@ def test_200_images_become_200_alt_texts_resumed_after_a_kill(model, tmp_path):
     src = write_jsonl(tmp_path / "queue.jsonl", [
         alt_text_line(cid, "data:image/png;base64," + base64.b64encode(png(i)).decode()) for i, cid in enumerate(ids)])
     out = tmp_path / "alt.jsonl"
-    proc = subprocess.Popen(cmd(model, src, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 20:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the job ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_after_lines(cmd(model, src, out), out, 20, timeout=600, env=env())
     first = results(out)  # every line whole (a torn tail is cut by the rerun; here none is read)
     assert 20 <= len(first) < N
 
