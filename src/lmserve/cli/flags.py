@@ -297,6 +297,10 @@ def _add_server_args(g) -> None:
     g.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a client must send a request's headers and body within this many seconds of starting it, "
                    "or its connection is closed (slow-loris clients)")
+    g.add_argument("--timeout-keep-alive", type=float, default=30.0, metavar="SECONDS",
+                   help="an idle kept-alive connection is closed after this many seconds (longer than the clients' "
+                   "own idle expiry, e.g. httpx's 5 s, so that a client never sends into a connection the server is "
+                   "closing)")
     g.add_argument("--engine-step-timeout", type=float, default=300.0, metavar="SECONDS",
                    help="an engine step running longer than this means a hung engine: /health turns 503 and the "
                    "process exits 1 for its supervisor to restart it (0: no watchdog)")

@@ -27,8 +27,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for flag, value in (("--drain-timeout", args.drain_timeout), ("--engine-step-timeout", args.engine_step_timeout)):
         if not value >= 0:
             raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
-    if not args.request_read_timeout > 0:
-        raise ConfigError(f"--request-read-timeout must be > 0 seconds, got {args.request_read_timeout}")
+    for flag, value in (("--request-read-timeout", args.request_read_timeout),
+                        ("--timeout-keep-alive", args.timeout_keep_alive)):
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
     default, limit = args.default_max_tokens, args.max_tokens_limit
     if default is not None and limit is not None and default > limit:
         raise ConfigError(f"--default-max-tokens {default} is above --max-tokens-limit {limit}")

@@ -48,6 +48,9 @@ def serve(args: argparse.Namespace) -> int:
     start = Start(gate)
     uv_config = uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
                                timeout_graceful_shutdown=5, access_log=False,  # server/access_log.py writes one
+                               # uvicorn's 5 s equals httpx's pool expiry: a client reusing a connection at 4.99 s
+                               # met the server closing it ("Server disconnected without sending a response")
+                               timeout_keep_alive=args.timeout_keep_alive,
                                ws="none",  # no WebSocket routes: skips importing a websockets stack at start
                                http=with_deadline(args.request_read_timeout, start.slow_client))
     held = HeldLogs(logging.getLogger("uvicorn.error"))
