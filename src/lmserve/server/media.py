@@ -3,14 +3,16 @@
 Two steps, so that the cheap refusals come before any work. `image_source` (on the event loop, no network) reads a
 reference: a `data:` URL's base64 is decoded and its header probed (format allow-list, declared size: a bomb is
 refused from its header); an `http(s)` URL must name a host in `--allowed-media-domains` (empty: none, so no URL is
-ever fetched), an IP literal must be public; `file://` and every other scheme are refused. `load_images` (off the
-event loop) fetches the URLs and decodes every image into an `ImageData`.
+ever fetched) on its scheme's default port, or a `host:port` the flag names, and an IP literal must be public;
+`file://` and every other scheme are refused. `load_images` fetches the URLs (on FETCHES, this module's own threads)
+and decodes every image (off the event loop) into an `ImageData`.
 
 A fetch resolves the host once, refuses it unless every address it resolves to is public (not private, loopback,
 link-local, multicast, reserved, unspecified, shared, nor one of those inside an IPv4-mapped, 6to4, Teredo or NAT64
 address), then connects to that checked address itself (the Host header and TLS name stay the host's), so a DNS
 answer that changes between the check and the connect (rebinding) reaches nothing. Redirects are refused, not
-followed; the body is cut at `--max-image-bytes` and the whole fetch at `MediaPolicy.timeout` seconds.
+followed; the body is cut at `--max-image-bytes` and the whole fetch (waiting for a thread and DNS included) at
+`MediaPolicy.timeout` seconds.
 
 Every refusal is an APIError 400 naming the part (`param`); the route's family shapes it.
 """
