@@ -5,7 +5,8 @@ recomputed later) when the KV cache runs out. Waiting requests of a lower `prior
 lines wait behind interactive requests), then FCFS, or round-robin between tenants (API key names), and a
 tenant holding every slot gives one up to a waiting tenant (sched/fairness.py). The budget is shared fairly
 between tenants by tokens, short demands first (sched/budget.py): a long prefill takes what is left, in
-chunks, so a short request never waits for it to end.
+chunks, so a short request never waits for it to end. A chunk that starts at an image span whose tokens attend
+both ways (Gemma 3) gets the span's whole rest first, within the budget (`_grants`, `whole_spans`).
 
 With LoRA, a waiting request is admitted only when its adapter has or can get one of the `max_loras`
 device slots this step (lora/slots.py); one that cannot waits, keeping its place, while others go ahead.

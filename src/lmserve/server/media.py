@@ -231,16 +231,20 @@ class _PinnedConnection(http.client.HTTPConnection):
         self.sock = self.pinned = sock  # kept: http.client drops `sock` once the response owns the stream
 
 
-def fetch_url(url: str, param: str, policy: MediaPolicy) -> bytes:
-    """GET an allowed image URL (blocking: run it off the event loop); its body, or APIError 400."""
+def fetch_url(url: str, param: str, policy: MediaPolicy, deadline: float | None = None) -> bytes:
+    """GET an allowed image URL (blocking: run it off the event loop); its body, or APIError 400. `deadline`
+    (time.monotonic): the request's, set when the fetch was queued (default: `policy.timeout` from now)."""
     scheme, host, port = _check_url(url, param, policy)
-    deadline = time.monotonic() + policy.timeout
+    deadline = time.monotonic() + policy.timeout if deadline is None else deadline
+    if time.monotonic() >= deadline:  # it waited for a thread past its request's deadline (already answered)
+        raise _too_slow(param, policy)
     address = _resolve(host, port, param, policy)
-    if time.monotonic() >= deadline:  # the resolver took it all (fetch_async answered the request already)
+    left = deadline - time.monotonic()
+    if left <= 0:  # the resolver took it all (fetch_async answered the request already)
         raise _too_slow(param, policy)
     parts = urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn = _PinnedConnection(host, port, address, policy.timeout, scheme == "https")
+    conn = _PinnedConnection(host, port, address, left, scheme == "https")  # connect and headers within what is left
     try:
         conn.request("GET", target, headers={"Accept": "image/*", "User-Agent": "lmserve"})
         resp = conn.getresponse()
@@ -320,7 +324,7 @@ async def fetch_async(source: ImageSource, policy: MediaPolicy) -> bytes:
     """An allowed URL's body, fetched on FETCHES: the whole of it, time waiting for a thread and DNS included, within
     `policy.timeout` (at the deadline the request gets its 400; a thread blocked in the resolver stays blocked,
     holding one of FETCHES' threads until the resolver returns, then finds its deadline passed)."""
-    future = FETCHES.submit(fetch_url, source.url or "", source.param, policy)
+    future = FETCHES.submit(fetch_url, source.url or "", source.param, policy, time.monotonic() + policy.timeout)
     try:
         return await asyncio.wait_for(asyncio.wrap_future(future), policy.timeout)
     except asyncio.TimeoutError:
