@@ -95,6 +95,10 @@ SERVE_CASES = [
     ("image-bytes-zero", lambda t: ["--max-image-bytes", "0"], ["--max-image-bytes must be >= 1"]),
     ("media-domain-url", lambda t: ["--allowed-media-domains", "images.example,https://cdn.example/x"],
      ["--allowed-media-domains 'https://cdn.example/x'", "not URLs"]),
+    ("media-domain-port", lambda t: ["--allowed-media-domains", "images.example:99999"],
+     ["--allowed-media-domains 'images.example:99999'", "port '99999'"]),
+    ("media-domain-v6-port", lambda t: ["--allowed-media-domains", "[2001:4860::8888]x"],
+     ["--allowed-media-domains '[2001:4860::8888]x'", "[address]:port"]),
     ("hub-id-not-cached", lambda t: ["--model", "nobody/not-cached"],
      ["nobody/not-cached", "not in the local Hugging Face cache", "hf download"]),
 ]

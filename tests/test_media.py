@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
+import re
 import struct
 import threading
 import time
@@ -157,6 +159,68 @@ def test_a_host_outside_the_allow_list_is_refused():
     assert "credentials" in refused(image_source, "https://u:p@images.example/a.png", "p", policy)
 
 
+@pytest.mark.parametrize("entry,url,ok", [
+    ("images.example", "http://images.example/a.png", True), ("images.example", "https://images.example/a.png", True),
+    ("images.example", "http://images.example:80/a.png", True), ("images.example", "https://images.example:443/", True),
+    ("images.example", "http://images.example:6379/", False), ("images.example", "http://images.example:443/", False),
+    ("images.example", "https://images.example:80/", False), ("images.example", "https://images.example:8443/", False),
+    ("images.example:8443", "https://images.example:8443/a.png", True),
+    ("images.example:8443", "https://images.example/a.png", False),  # a named port is that port only
+    ("images.example:8443", "http://images.example:6379/", False),
+    ("images.example:80", "http://images.example/a.png", True),
+    ("8.8.8.8", "http://8.8.8.8/a.png", True), ("8.8.8.8", "http://8.8.8.8:8080/a.png", False),
+    ("8.8.8.8:8080", "http://8.8.8.8:8080/a.png", True),
+    ("2001:4860::8888", "http://[2001:4860::8888]/a.png", True), ("2001:4860::8888", "http://[2001:4860::8888]:8080/", False),
+    ("[2001:4860::8888]:8080", "http://[2001:4860::8888]:8080/a.png", True),
+    ("[2001:4860::8888]:8080", "http://[2001:4860::8888]/a.png", False),
+])
+def test_only_the_scheme_s_default_port_unless_the_entry_names_one(entry, url, ok):
+    """`--allowed-media-domains example.com` is not every service on that host (`http://example.com:6379/` is
+    Redis): a bare entry allows the scheme's default port (80 for http, 443 for https), `host:port` that port."""
+    from lmserve.server.listen import allowed_entry
+
+    policy = MediaPolicy(allowed_domains=(allowed_entry(entry),))
+    if ok:
+        assert image_source(url, "p", policy).url == url
+    else:
+        message = refused(image_source, url, "p", policy)
+        assert "is not allowed" in message or "is not in --allowed-media-domains" in message
+
+
+def test_a_refused_port_says_how_to_allow_it():
+    message = refused(image_source, "http://images.example:6379/", "p", MediaPolicy(allowed_domains=("images.example",)))
+    assert "port 6379 of host 'images.example' is not allowed" in message
+    assert "default port (80 for http) unless it names the port (images.example:6379)" in message
+    policy = MediaPolicy(allowed_domains=("images.example:8443", "[2001:4860::8888]:8443"))
+    message = refused(image_source, "https://images.example:9443/", "p", policy)
+    assert "port 9443 of host 'images.example' is not allowed: --allowed-media-domains names images.example:8443" \
+        in message
+    assert "names [2001:4860::8888]:8443" in refused(image_source, "https://[2001:4860::8888]/", "p", policy)
+
+
+@pytest.mark.parametrize("entry,normal", [
+    ("Images.Example.", "images.example"), ("images.example:8443", "images.example:8443"), ("10.0.0.1", "10.0.0.1"),
+    ("10.0.0.1:80", "10.0.0.1:80"), ("[2001:DB8::1]", "2001:db8::1"), ("2001:db8::1", "2001:db8::1"),
+    ("[2001:db8::1]:8443", "[2001:db8::1]:8443"), ("0x7f000001", "0x7f000001"),
+])
+def test_allow_list_entries_are_read_as_host_or_host_port(entry, normal):
+    from lmserve.server.listen import allowed_entry
+
+    assert allowed_entry(entry) == normal
+
+
+@pytest.mark.parametrize("entry,words", [
+    ("https://cdn.example/x", "not URLs"), ("*.example", "patterns"), ("images.example:0", "port '0'"),
+    ("images.example:http", "port 'http'"), ("images.example:70000", "port '70000'"), (":443", "names no host"),
+    ("[2001:db8::1]x", "[address]:port"), ("[not-v6]:80", "not an IPv6 address"), ("a:b:c", "not an IPv6 address"),
+])
+def test_bad_allow_list_entries_are_refused(entry, words):
+    from lmserve.server.listen import allowed_entry
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        allowed_entry(entry)
+
+
 @pytest.mark.parametrize("host,shown,why", [
     ("10.1.2.3", "10.1.2.3", "private"), ("192.168.0.1", "192.168.0.1", "private"),
     ("169.254.169.254", "169.254.169.254", "link-local"), ("127.0.0.1", "127.0.0.1", "loopback"),
@@ -175,7 +239,7 @@ def test_private_ip_literals_are_refused_even_when_allowed(host, shown, why):
 
 
 def test_a_name_that_resolves_to_loopback_is_refused_at_fetch():
-    policy = MediaPolicy(allowed_domains=("localhost",))
+    policy = MediaPolicy(allowed_domains=("localhost:9",))
     src = image_source("http://localhost:9/a.png", "p", policy)  # no network yet: a name is resolved at fetch
     assert src.url is not None
     assert "loopback" in refused(fetch_url, src.url, "p", policy)
@@ -240,33 +304,39 @@ def local():
     httpd.server_close()
 
 
+def opened(local: str, **kw) -> MediaPolicy:
+    """OPEN, with the local server's host:port allowed (a host's other ports than 80/443 must be named)."""
+    return MediaPolicy(**{"allowed_domains": (local.split("//")[1],), "allow_private": True, "timeout": 2.0,
+                          "max_image_bytes": 64 * 1024, **kw})
+
+
 def load(url: str, policy: MediaPolicy) -> ImageData:
     return asyncio.run(load_images([image_source(url, "p", policy)], policy))[0]
 
 
 def test_the_local_server_is_refused_as_loopback(local):
-    policy = MediaPolicy(allowed_domains=("127.0.0.1",))
+    policy = MediaPolicy(allowed_domains=(local.split("//")[1],))
     assert "loopback" in refused(load, f"{local}/ok.png", policy)
 
 
 def test_a_fetch_from_an_allowed_host(local):
-    img = load(f"{local}/ok.png", OPEN)
+    img = load(f"{local}/ok.png", opened(local))
     assert img.image.size == (8, 6)
 
 
 def test_redirects_are_refused_not_followed(local):
     _Handler.hosts.clear()
-    assert "redirect (302)" in refused(load, f"{local}/redirect", OPEN)
+    assert "redirect (302)" in refused(load, f"{local}/redirect", opened(local))
     assert len(_Handler.hosts) == 1  # the target was never asked
 
 
 def test_oversize_bodies_are_refused(local):
-    assert "larger than" in refused(load, f"{local}/big.png", OPEN)  # by Content-Length
-    assert "larger than" in refused(load, f"{local}/big-unsized.png", OPEN)  # while reading
+    assert "larger than" in refused(load, f"{local}/big.png", opened(local))  # by Content-Length
+    assert "larger than" in refused(load, f"{local}/big-unsized.png", opened(local))  # while reading
 
 
 def test_the_whole_fetch_has_a_time_limit(local):
-    policy = MediaPolicy(allowed_domains=("127.0.0.1",), allow_private=True, timeout=0.5)
+    policy = opened(local, timeout=0.5)
     start = time.monotonic()
     message = refused(load, f"{local}/slow.png", policy)
     assert "longer than 0.5s" in message or "timed out" in message
@@ -274,8 +344,8 @@ def test_the_whole_fetch_has_a_time_limit(local):
 
 
 def test_a_fetched_bomb_and_errors_are_refused(local):
-    assert f"{100_000 * 100_000} pixels" in refused(load, f"{local}/bomb.png", OPEN)
-    assert "HTTP 404" in refused(load, f"{local}/missing.png", OPEN)
+    assert f"{100_000 * 100_000} pixels" in refused(load, f"{local}/bomb.png", opened(local))
+    assert "HTTP 404" in refused(load, f"{local}/missing.png", opened(local))
 
 
 def test_the_connection_goes_to_the_checked_address(local):
@@ -311,3 +381,122 @@ def test_too_many_images_are_refused_before_any_is_read():
     bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}  # each would be its own 400
     assert "65 images, more than the 64 allowed" in refused(
         split_images, [{"role": "user", "content": [bad] * 65}], MediaPolicy())
+
+
+# -- slow hosts and resolvers: each fetch ends at its deadline, and fetches never take the default executor -------
+
+@pytest.fixture
+def hung():
+    """A TCP server on 127.0.0.1 that accepts every connection, reads what comes and never answers (a host that
+    hangs): its port, and [connections open now, the most ever open at once]."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    live, lock, conns = [0, 0], threading.Lock(), []
+
+    def hold(conn) -> None:
+        with lock:
+            live[0] += 1
+            live[1] = max(live[1], live[0])
+        try:
+            while conn.recv(4096):  # b"": the client closed it
+                pass
+        except OSError:
+            pass
+        with lock:
+            live[0] -= 1
+
+    def serve() -> None:
+        while True:
+            try:
+                conn = server.accept()[0]
+            except OSError:
+                return
+            conns.append(conn)
+            threading.Thread(target=hold, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1], live
+    server.close()
+    for conn in conns:
+        conn.close()
+
+
+def _flood(urls: list[str], policy: MediaPolicy) -> tuple[list, float, list[float]]:
+    """Load each URL as its own request, all at once, while a canary runs as many short jobs on the default executor
+    as it has threads (tokenizing and decoding run there): (each request's outcome, when the canary ended, when each
+    request ended), times from the start."""
+
+    async def main():
+        start = time.monotonic()
+        ended: list[float] = []
+
+        async def one(url: str):
+            try:
+                return await load_images([image_source(url, "p", policy)], policy)
+            except APIError as e:
+                return e
+            finally:
+                ended.append(time.monotonic() - start)
+
+        async def canary() -> float:
+            n = min(32, (os.cpu_count() or 1) + 4)  # the default executor's threads (ThreadPoolExecutor's default)
+            await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.05) for _ in range(n)))
+            return time.monotonic() - start
+
+        results = asyncio.gather(*(one(u) for u in urls))
+        await asyncio.sleep(0.2)  # every fetch has started or queued
+        done = await canary()
+        return await results, done, ended
+
+    return asyncio.run(main())
+
+
+def test_a_resolver_that_never_answers_holds_only_the_fetch_threads():
+    """3x MAX_FETCHES requests for a name whose resolver never answers (the policy's resolver: a stand-in, since the
+    machine's resolver cannot be made to hang from a test): each request is a 400 at its deadline, DNS included;
+    no more than MAX_FETCHES fetches are ever inside the resolver; and meanwhile the default executor runs a full
+    burst of other work (with the fetches on it, they would hold every one of its threads)."""
+    from lmserve.server.media import FETCHES, MAX_FETCHES
+
+    release, lock = threading.Event(), threading.Lock()
+    inside, peak = [0], [0]
+
+    def resolver(host, port, **kw):
+        with lock:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        try:
+            release.wait(60)
+            raise OSError("no answer")
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    policy = MediaPolicy(allowed_domains=("slow-dns.example",), timeout=1.5, resolve=resolver)
+    try:
+        results, canary_done, ended = _flood(["http://slow-dns.example/a.png"] * (3 * MAX_FETCHES), policy)
+    finally:
+        release.set()
+    assert all(isinstance(r, APIError) and "took longer than 1.5s" in r.message for r in results), results
+    assert canary_done < 1.5 <= min(ended)  # the canary ran while every fetch still hung
+    assert max(ended) < 1.5 + 3  # queued fetches end at their deadline too, not after the ones ahead of them
+    assert peak[0] == MAX_FETCHES and len(FETCHES._threads) <= MAX_FETCHES
+    deadline = time.monotonic() + 10
+    while inside[0] and time.monotonic() < deadline:  # released: the threads come back
+        time.sleep(0.01)
+    assert inside[0] == 0
+
+
+def test_a_host_that_never_answers_holds_only_the_fetch_threads(hung):
+    """The same against a real socket that accepts and never answers (no DNS: an IP literal): each request a 400 at
+    its deadline, never more than MAX_FETCHES connections open at once, and the default executor free meanwhile."""
+    from lmserve.server.media import MAX_FETCHES
+
+    port, live = hung
+    policy = MediaPolicy(allowed_domains=(f"127.0.0.1:{port}",), allow_private=True, timeout=1.5)
+    results, canary_done, ended = _flood([f"http://127.0.0.1:{port}/a.png"] * (3 * MAX_FETCHES), policy)
+    assert all(isinstance(r, APIError) and ("took longer than 1.5s" in r.message or "timed out" in r.message)
+               for r in results), results
+    assert canary_done < 1.5 <= min(ended) and max(ended) < 1.5 + 3
+    assert live[1] == MAX_FETCHES

@@ -189,3 +189,73 @@ def test_batch_lines_alone_are_admitted_fcfs():
     assert [r.request_id for r in step(s).new_requests] == ["b0"]
     s.finish("b0", RequestStatus.FINISHED_STOPPED)
     assert [r.request_id for r in step(s).new_requests] == ["b1"]
+
+
+# -- bidirectional image spans (Gemma 3): never split, and never past the step's budget ----------------------------
+
+def image_request(rid: str, n_prompt: int, span: tuple[int, int], tenant: str, base: int = 0) -> Request:
+    import numpy as np
+
+    from lmserve.multimodal.processor import MMInput
+
+    mm = MMInput(rid, np.zeros(1, np.float32), np.arange(*span), bidirectional=True)
+    req = make(rid, n_prompt, max_tokens=3, base=base)
+    req.mm_inputs, req.tenant = (mm,), tenant
+    return req
+
+
+def run_all(s: Scheduler, limit: int = 50) -> list:
+    steps = []
+    while s.has_unfinished() and len(steps) < limit:
+        steps.append(step(s))
+    assert not s.has_unfinished()
+    return steps
+
+
+def chunks_of(steps, rid: str) -> list[tuple[int, int]]:
+    return [(r.start_pos, r.start_pos + r.num_known) for out in steps for r in out.requests if r.request_id == rid]
+
+
+def test_an_image_span_waits_for_room_and_no_step_passes_the_budget():
+    """Two tenants share a 10-token budget 5/5; the image's 8-token span [6, 14) starts a chunk when the image
+    request's share is 5: it would have run whole past the budget (13 tokens); it is granted first and whole, and the
+    text request takes what is left."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10), kv)
+    s.add(image_request("img", 24, (6, 14), "a"))
+    txt = make("txt", 30, max_tokens=3, base=100)  # a 30-token prompt: it wants its whole share every step
+    txt.tenant = "b"
+    s.add(txt)
+    steps = run_all(s)
+    assert all(sum(r.num_known + len(r.spec_token_ids) for r in out.requests) <= 10 for out in steps)
+    img = chunks_of(steps, "img")
+    assert not any(6 < end < 14 for _, end in img)  # no chunk ends inside the span
+    assert (6, 14) in img  # the span ran as one chunk
+    assert sum(r.request_id == "txt" for out in steps for r in out.requests if r.start_pos < 30) >= 4  # txt went on
+
+
+def test_two_spans_that_do_not_fit_one_step_take_turns():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10), kv)
+    s.add(image_request("i1", 12, (0, 8), "a"))
+    s.add(image_request("i2", 12, (0, 8), "b", base=50))
+    steps = run_all(s)
+    assert all(sum(r.num_known for r in out.requests) <= 10 for out in steps)
+    assert [(0, 8)] == chunks_of(steps, "i1")[:1] == chunks_of(steps, "i2")[:1]
+    first = [out for out in steps for r in out.requests if r.start_pos == 0]
+    assert first[0] is not first[1]  # 8 + 8 > 10: the second span waited a step
+
+
+def test_a_span_longer_than_the_budget_runs_alone():
+    """An 18-token span under a 10-token budget could never fit: its request runs alone for one step (others wait
+    that step), and every other step keeps the budget."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10), kv)
+    s.add(make("dec", 3, max_tokens=12, base=100))
+    step(s)  # dec is decoding
+    s.add(image_request("img", 24, (2, 20), "a"))
+    steps = run_all(s)
+    big = [out for out in steps if sum(r.num_known for r in out.requests) > 10]
+    assert [[(r.request_id, r.start_pos, r.num_known) for r in out.requests] for out in big] == [[("img", 2, 18)]]
+    assert all(sum(r.num_known for r in out.requests) <= 10 for out in steps if out not in big)
+    assert not any(2 < end < 20 for _, end in chunks_of(steps, "img"))

@@ -34,13 +34,15 @@ BAD = {  # reference -> what the refusal says
     "metadata-ip": ("http://169.254.169.254/latest/meta-data/", "link-local"),
     "loopback-hex": ("http://0x7f000001/a.png", "loopback"),
     "not-allowed": ("https://evil.example/a.png", "not in --allowed-media-domains"),
+    "other-port": ("http://images.example:6379/", "port 6379 of host 'images.example' is not allowed"),
+    "unnamed-port": ("https://cdn.example:9443/a.png", "port 9443 of host 'cdn.example' is not allowed"),
 }
 
 
 @pytest.fixture(scope="module")
 def server():
     with running_server("--allowed-media-domains", "169.254.169.254,0x7f000001",
-                        "--allowed-media-domains", "images.example") as s:
+                        "--allowed-media-domains", "images.example,cdn.example:8443,[2001:4860::8888]:8443") as s:
         yield s
         s.wait_idle()  # every KV block came back
 
@@ -152,9 +154,11 @@ def test_bad_urls_are_400s_in_each_shape(clients, send, bad):
 
 def test_an_allowed_public_url_is_not_fetched_for_a_text_model(clients):
     """images.example is allowed but does not resolve: the text model refuses before any fetch (a fetch would say
-    the host does not resolve)."""
+    the host does not resolve). So are the ports the flag names (host:port, [IPv6]:port)."""
     for send in URL_FAMILIES:
-        assert TEXT_ONLY in send(clients, "https://images.example/cat.png")
+        for url in ("https://images.example/cat.png", "https://cdn.example:8443/cat.png",
+                    "https://[2001:4860::8888]:8443/cat.png"):
+            assert TEXT_ONLY in send(clients, url)
 
 
 def test_image_shapes_each_family_accepts(server):

@@ -186,3 +186,60 @@ def test_more_images_than_the_context_holds_is_a_400_naming_it(server, oai):
         for _ in range(8)]}]}, timeout=120)
     assert r.status_code == 200 and r.json()["input_tokens"] > MAX_LEN, r.text  # counted, not run: no limit
     canary(oai)
+
+
+# -- streams with images: each family's stream joins to its non-streamed answer and ends as that API ends one ----
+
+def test_openai_chat_stream_with_an_image(oai):
+    want = ask(oai, "w11 w12", PNG_B)
+    stream = oai.chat.completions.create(model="vlm", max_tokens=N_OUT, temperature=0, stream=True,
+                                         stream_options={"include_usage": True},
+                                         messages=[{"role": "user", "content": _parts("w11 w12", PNG_B)}])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == want.choices[0].message.content and finish == [want.choices[0].finish_reason]
+    assert chunks[-1].usage.prompt_tokens == want.usage.prompt_tokens  # the images' tokens counted in the stream too
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+
+
+def test_anthropic_messages_stream_with_an_image(server):
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": base64.b64encode(PNG_B).decode()}},
+              {"type": "text", "text": "w13 w14"}]
+    kw = dict(model="vlm", max_tokens=N_OUT, messages=[{"role": "user", "content": blocks}],
+              extra_body={"temperature": 0})
+    want = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == want.content[0].text == final.content[0].text
+    assert final.stop_reason == want.stop_reason and final.stop_reason in ("max_tokens", "end_turn")
+    assert final.usage.output_tokens == want.usage.output_tokens
+
+
+def test_responses_stream_with_an_input_image(oai):
+    kw = dict(model="vlm", max_output_tokens=N_OUT, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(PNG_B)}, {"type": "input_text", "text": "w15 w16"}]}])
+    want = oai.responses.create(**kw)
+    events = list(oai.responses.create(stream=True, **kw))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    ends = [e for e in events if e.type in ("response.completed", "response.incomplete", "response.failed")]
+    assert text == want.output_text
+    assert [e.type for e in ends] == [events[-1].type] and ends[0].response.status == want.status
+    assert ends[0].response.output_text == want.output_text
+    assert ends[0].response.usage.input_tokens == want.usage.input_tokens
+
+
+def test_ollama_chat_stream_with_images(server):
+    olla = ollama.Client(host=server.url, timeout=120)
+    b64 = base64.b64encode(PNG_B).decode()
+    kw = dict(model="vlm", messages=[{"role": "user", "content": "w17 w18", "images": [b64]}],
+              options={"temperature": 0, "num_predict": N_OUT})
+    want = olla.chat(**kw)
+    chunks = list(olla.chat(stream=True, **kw))
+    assert "".join(c.message.content for c in chunks) == want.message.content
+    assert [c.done for c in chunks].count(True) == 1 and chunks[-1].done
+    assert chunks[-1].done_reason == want.done_reason and chunks[-1].prompt_eval_count == want.prompt_eval_count
+    assert chunks[-1].eval_count == want.eval_count

@@ -330,10 +330,11 @@ def _add_server_args(g) -> None:
 
 def add_media_args(g) -> None:
     """Where images may come from: `serve` and `run-batch` (whose lines may hold image parts)."""
-    g.add_argument("--allowed-media-domains", action="append", default=[], metavar="HOST[,HOST...]",
+    g.add_argument("--allowed-media-domains", action="append", default=[], metavar="HOST[:PORT][,...]",
                    help="hosts whose http(s) image URLs requests may name (repeatable or comma-separated; exact "
-                   "names or IP literals; only public addresses are fetched, no redirects; default: none, so images "
-                   "come only as data: URLs or base64)")
+                   "names or IP literals, on the scheme's default port 80/443 unless given as HOST:PORT or "
+                   "[IPv6]:PORT; only public addresses are fetched, no redirects; default: none, so images come only "
+                   "as data: URLs or base64)")
     g.add_argument("--max-image-bytes", type=size_arg, default=20 * 2**20, metavar="SIZE",
                    help="largest image accepted, sent as base64 or fetched from a URL (default: 20MiB)")
 

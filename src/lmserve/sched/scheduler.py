@@ -5,7 +5,8 @@ recomputed later) when the KV cache runs out. Waiting requests of a lower `prior
 lines wait behind interactive requests), then FCFS, or round-robin between tenants (API key names), and a
 tenant holding every slot gives one up to a waiting tenant (sched/fairness.py). The budget is shared fairly
 between tenants by tokens, short demands first (sched/budget.py): a long prefill takes what is left, in
-chunks, so a short request never waits for it to end.
+chunks, so a short request never waits for it to end. A chunk that starts at an image span whose tokens attend
+both ways (Gemma 3) gets the span's whole rest first, within the budget (`_grants`, `whole_spans`).
 
 With LoRA, a waiting request is admitted only when its adapter has or can get one of the `max_loras`
 device slots this step (lora/slots.py); one that cannot waits, keeping its place, while others go ahead.
@@ -101,7 +102,7 @@ class Scheduler:
         self._make_room_for_tenant(out)
         num_fair_preempted = len(out.preempted_ids)
         joining = self._joining()
-        grants = split_budget(self.budget.tokens, self._demands(joining), self.cfg.enable_chunked_prefill)
+        grants = self._grants(joining)
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -115,6 +116,32 @@ class Scheduler:
         out.kv_transfers = KVTransfers(*copies) if copies is not None else None
         return out
 
+    def _grants(self, joining: list[Joining]) -> dict[str, int]:
+        """request id -> tokens this step: the budget split fairly (sched/budget.py), after the image spans.
+
+        A request whose next chunk starts at (or, after a prefix-cache hit, inside) a bidirectional image span must
+        run the span's rest in one step (whole_spans). Such spans are granted first, in schedule order, while they
+        fit in what is left of the budget; one that does not fit waits for a later step (the first span of a step
+        always fits), and the rest is split as usual. A span longer than the whole budget could never fit: its request runs
+        alone for one step (vLLM's rule; a fitted budget can shrink below an image, engine/step_budget.py). So a
+        step never holds more than the budget, except that one request alone.
+        """
+        demands = self._demands(joining)
+        if not self.cfg.enable_chunked_prefill:  # whole prompts only: a chunk never ends inside a span
+            return split_budget(self.budget.tokens, demands, False)
+        starts = [(r, r.num_computed_tokens) for r in self.running]
+        starts += [(j.req, j.req.num_tokens - j.num_new_tokens) for j in joining]
+        left, spans = self.budget.tokens, {}
+        for req, start in starts:
+            need = span_rest(req.mm_inputs, start)
+            if need == 0:
+                continue
+            if need > self.budget.tokens and not spans:
+                return {req.request_id: need}  # could never fit: alone (no span comes before it this step)
+            spans[req.request_id] = need if need <= left else 0  # 0: waits for the next step
+            left -= spans[req.request_id]
+        return {**split_budget(left, [d for d in demands if d.request_id not in spans]), **spans}
+
     def _demands(self, joining: list[Joining]) -> list[Demand]:
         """What each running request (its known tokens and drafts) and each joining one (its uncached prompt) wants."""
         running = [Demand(r.request_id, r.tenant, r.num_tokens - r.num_computed_tokens + len(r.spec_token_ids))
@@ -125,6 +152,8 @@ class Scheduler:
         """Schedule up to `grant` tokens of a running request, known ones before drafts; False: req was preempted."""
         known = req.num_tokens - req.num_computed_tokens
         n = whole_spans(req.mm_inputs, req.num_computed_tokens, min(known, grant))
+        if n == 0:
+            return True  # its chunk would end inside an image span: it waits for a step with room for the span
         spec = req.spec_token_ids[:grant - n] if n == known else []
         if spec and not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
                                          extra=req.cache_salt, num_lookahead=len(spec)):
@@ -216,6 +245,8 @@ class Scheduler:
             n = whole_spans(req.mm_inputs, computed.num_tokens, min(grant, req.num_tokens - computed.num_tokens))
             if n < req.num_tokens - computed.num_tokens and not self.cfg.enable_chunked_prefill:
                 break  # whole prompts only, and this one does not fit: FCFS, nobody overtakes it
+            if n == 0:
+                continue  # its chunk would end inside an image span (the prefix hit moved): it waits
             if not self.kv.allocate(req.request_id, req.all_token_ids, computed.num_tokens, n, computed,
                                     req.cache_salt):
                 break
@@ -354,14 +385,25 @@ class Scheduler:
         return req
 
 
+def span_rest(images: tuple, start: int) -> int:
+    """Tokens from `start` to the end of the bidirectional image span that `start` is at or inside (0: none): the
+    least a chunk from `start` may hold, since the span's queries need all of its keys."""
+    for mm in images:
+        if getattr(mm, "bidirectional", False):
+            a, b = mm.span
+            if a <= start < b:
+                return b - start
+    return 0
+
+
 def whole_spans(images: tuple, start: int, n: int) -> int:
-    """`n` tokens from `start`, moved so the chunk never ends inside an image whose tokens attend both ways
-    (MMInput.bidirectional, Gemma 3): cut back to the span's start, or, where the chunk begins inside or at it,
-    run to its end (a little past the step's token budget: the span's queries need all of its keys)."""
+    """At most `n` tokens from `start`, cut so the chunk never ends inside an image whose tokens attend both ways
+    (MMInput.bidirectional, Gemma 3): back to the span's start, or to 0 where the chunk begins at or inside it
+    (the request waits: Scheduler._grants gives such a span its whole rest in some step)."""
     for mm in images:
         if not getattr(mm, "bidirectional", False):
             continue
         a, b = mm.span
         if a < start + n < b:
-            n = a - start if a > start else b - start
+            n = max(a - start, 0)
     return n

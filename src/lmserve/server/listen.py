@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import socket
 from pathlib import Path
 
@@ -37,12 +38,50 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.allow_runtime_lora_updating and not (args.enable_lora and args.lora_dir):
         raise ConfigError("--allow-runtime-lora-updating needs --enable-lora and at least one --lora-dir")
     for host in (h.strip() for flag in args.allowed_media_domains for h in flag.split(",")):
-        if any(c in host for c in "/*@ ") or host.count(":") == 1:  # a URL, a pattern or host:port is not a host
-            raise ConfigError(f"--allowed-media-domains {host[:80]!r}: give host names or IP literals (exact, "
-                              "comma-separated), not URLs, ports or patterns")
+        try:
+            if host:
+                allowed_entry(host)  # host, host:port, an IP literal, [IPv6] or [IPv6]:port
+        except ValueError as e:
+            raise ConfigError(f"--allowed-media-domains {host[:80]!r}: {e}") from None
     for d in args.lora_dir:
         if not Path(d).is_dir():
             raise ConfigError(f"--lora-dir {d}: not a directory")
+
+
+def allowed_entry(text: str) -> str:
+    """One --allowed-media-domains entry as MediaPolicy keeps it: "host", or "host:port" where the flag names the
+    port (an IPv6 literal bare, or in brackets with a port); ValueError saying what is wrong with it."""
+    text = text.strip()
+    if any(c in text for c in "/*@ ?#"):
+        raise ValueError("give host names or IP literals, optionally with :port (exact), not URLs or patterns")
+    port = None
+    if text.startswith("["):  # [v6] or [v6]:port
+        host, close, rest = text[1:].partition("]")
+        if not close or (rest and not rest.startswith(":")):
+            raise ValueError("an IPv6 literal is [address] or [address]:port")
+        port = rest[1:] if rest else None
+        _ipv6(host)
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host = text
+        if ":" in host:  # a bare IPv6 literal: no port can follow it (it would read as part of the address)
+            _ipv6(host)
+    host = host.rstrip(".").lower()
+    if not host:
+        raise ValueError("the entry names no host")
+    if port is not None:
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"port {port[:10]!r} is not a number from 1 to 65535")
+        return f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}"
+    return host
+
+
+def _ipv6(text: str) -> None:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        raise ValueError(f"{text[:60]!r} is not an IPv6 address") from None
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -14,7 +14,7 @@ from lmserve.config import ENV_API_KEY
 from lmserve.errors import ConfigError
 from lmserve.ops.hub import build_ops
 from lmserve.server.key_file import KeySpec, key_specs, read_key_file
-from lmserve.server.listen import check_serve_args
+from lmserve.server.listen import allowed_entry, check_serve_args
 from lmserve.server.media import MediaPolicy
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.args import keep_alive, model_specs, served_name, traffic_splits  # noqa: F401 - served_name: cli's
@@ -78,10 +78,14 @@ def server_config(args: argparse.Namespace, name: str,
 
 
 def media_policy(args: argparse.Namespace) -> MediaPolicy:
-    """--allowed-media-domains (repeatable, comma-separated; compared in lower case, without a trailing dot) and
-    --max-image-bytes."""
-    hosts = (h.strip().strip("[]").rstrip(".").lower() for flag in args.allowed_media_domains for h in flag.split(","))
-    return MediaPolicy(allowed_domains=tuple(h for h in hosts if h), max_image_bytes=args.max_image_bytes)
+    """--allowed-media-domains (repeatable, comma-separated; compared in lower case, without a trailing dot; an entry
+    with :port allows that port, one without it the scheme's default port) and --max-image-bytes."""
+    hosts = (h.strip() for flag in args.allowed_media_domains for h in flag.split(","))
+    try:
+        allowed = tuple(allowed_entry(h) for h in hosts if h)
+    except ValueError as e:  # serve checked them already (check_serve_args); run-batch reads them here
+        raise ConfigError(f"--allowed-media-domains: {e}") from None
+    return MediaPolicy(allowed_domains=allowed, max_image_bytes=args.max_image_bytes)
 
 
 def _storage_quota(args: argparse.Namespace) -> StorageQuota:

@@ -3,14 +3,16 @@
 Two steps, so that the cheap refusals come before any work. `image_source` (on the event loop, no network) reads a
 reference: a `data:` URL's base64 is decoded and its header probed (format allow-list, declared size: a bomb is
 refused from its header); an `http(s)` URL must name a host in `--allowed-media-domains` (empty: none, so no URL is
-ever fetched), an IP literal must be public; `file://` and every other scheme are refused. `load_images` (off the
-event loop) fetches the URLs and decodes every image into an `ImageData`.
+ever fetched) on its scheme's default port, or a `host:port` the flag names, and an IP literal must be public;
+`file://` and every other scheme are refused. `load_images` fetches the URLs (on FETCHES, this module's own threads)
+and decodes every image (off the event loop) into an `ImageData`.
 
 A fetch resolves the host once, refuses it unless every address it resolves to is public (not private, loopback,
 link-local, multicast, reserved, unspecified, shared, nor one of those inside an IPv4-mapped, 6to4, Teredo or NAT64
 address), then connects to that checked address itself (the Host header and TLS name stay the host's), so a DNS
 answer that changes between the check and the connect (rebinding) reaches nothing. Redirects are refused, not
-followed; the body is cut at `--max-image-bytes` and the whole fetch at `MediaPolicy.timeout` seconds.
+followed; the body is cut at `--max-image-bytes` and the whole fetch (waiting for a thread and DNS included) at
+`MediaPolicy.timeout` seconds.
 
 Every refusal is an APIError 400 naming the part (`param`); the route's family shapes it.
 """
@@ -20,13 +22,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import http.client
 import ipaddress
+import queue
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from lmserve.multimodal.image_io import ImageData, ImageError, load_image_bytes, probe_image_bytes
@@ -34,6 +39,9 @@ from lmserve.server.errors import APIError
 
 MAX_IMAGE_BYTES = 20 * 2**20  # --max-image-bytes' default: a large phone photo
 FETCH_TIMEOUT = 10.0  # seconds for one URL: resolve, connect, headers and body
+# URL fetches running at once in this process, on their own threads (FetchPool): a host or resolver that never
+# answers holds at most these, never a thread of the default executor that tokenizing and decoding need
+MAX_FETCHES = 8
 MAX_IMAGES = 64  # per request: each is decoded in memory before the model sees it
 # Over all of one request's images, checked from their headers before any is decoded: the pixels decoded at once
 # (~192 MB as RGB; without it 64 small PNGs each declaring 64 M pixels decode to ~12 GB) and the bytes fetched.
@@ -49,10 +57,14 @@ DATA_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image
 class MediaPolicy:
     """Where images may come from and how large: the serve flags, and a test-only switch."""
 
-    allowed_domains: tuple[str, ...] = ()  # --allowed-media-domains: exact host names or IP literals (lower case)
+    # --allowed-media-domains as server/listen.allowed_entry writes them: "host" (the scheme's default port only) or "host:port",
+    # lower case; an IPv6 literal bare ("::1") or, with a port, in brackets ("[::1]:8443")
+    allowed_domains: tuple[str, ...] = ()
     max_image_bytes: int = MAX_IMAGE_BYTES  # --max-image-bytes: one image's bytes, decoded from base64 or fetched
     timeout: float = FETCH_TIMEOUT
     allow_private: bool = False  # tests only (a local HTTP server is loopback); no flag sets it
+    # tests only (a resolver that never answers cannot be made here without changing the machine's): no flag sets it
+    resolve: Callable[..., list] = field(default=socket.getaddrinfo, repr=False)
 
 
 @dataclass(frozen=True)
@@ -119,10 +131,12 @@ def _checked_bytes(data: bytes, param: str, policy: MediaPolicy) -> bytes:
 # -- URLs ------------------------------------------------------------------------------------------
 
 def _check_url(url: str, param: str, policy: MediaPolicy) -> tuple[str, str, int]:
-    """(scheme, host, port) of an http(s) URL whose host is allowed; an IP literal host must also be public."""
+    """(scheme, host, port) of an http(s) URL whose host is allowed at that port (the scheme's default port, unless
+    the allow-list names another for the host); an IP literal host must also be public."""
     try:
         parts = urlsplit(url)
-        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+        default = 443 if parts.scheme.lower() == "https" else 80
+        port = parts.port or default
     except ValueError as e:
         raise APIError(400, f"{param}: the image URL is not valid: {e}", param=param) from None
     host = (parts.hostname or "").rstrip(".").lower()
@@ -133,8 +147,17 @@ def _check_url(url: str, param: str, policy: MediaPolicy) -> tuple[str, str, int
     if not policy.allowed_domains:
         raise APIError(400, f"{param}: this server fetches no image URLs (--allowed-media-domains is empty); send "
                        "the image as a data: URL", param=param)
-    if host not in policy.allowed_domains:
-        raise APIError(400, f"{param}: host {host[:80]!r} is not in --allowed-media-domains", param=param)
+    shown = f"[{host}]" if ":" in host else host
+    named = f"{shown}:{port}"
+    # a host's other ports are other services (Redis, an admin API): each port but the scheme's must be named
+    if named not in policy.allowed_domains and not (port == default and host in policy.allowed_domains):
+        entries = [d for d in policy.allowed_domains if d == host or d.startswith(f"{shown}:")]
+        if not entries:
+            raise APIError(400, f"{param}: host {host[:80]!r} is not in --allowed-media-domains", param=param)
+        why = (f"allows a host's default port ({default} for {parts.scheme.lower()}) unless it names the port "
+               f"({named[:90]})" if host in entries else f"names {', '.join(entries)[:200]}")
+        raise APIError(400, f"{param}: port {port} of host {host[:80]!r} is not allowed: --allowed-media-domains "
+                       f"{why}", param=param)
     literal = _ip_literal(host)
     if literal is not None:
         _check_address(literal, param, policy)
@@ -181,7 +204,7 @@ def _check_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, param: str
 def _resolve(host: str, port: int, param: str, policy: MediaPolicy) -> str:
     """The address to connect to: every address the host resolves to must be public (one bad answer refuses it)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = policy.resolve(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
         raise APIError(400, f"{param}: the image URL's host {host[:80]!r} does not resolve: {e.strerror or e}",
                        param=param) from None
@@ -208,14 +231,20 @@ class _PinnedConnection(http.client.HTTPConnection):
         self.sock = self.pinned = sock  # kept: http.client drops `sock` once the response owns the stream
 
 
-def fetch_url(url: str, param: str, policy: MediaPolicy) -> bytes:
-    """GET an allowed image URL (blocking: run it off the event loop); its body, or APIError 400."""
+def fetch_url(url: str, param: str, policy: MediaPolicy, deadline: float | None = None) -> bytes:
+    """GET an allowed image URL (blocking: run it off the event loop); its body, or APIError 400. `deadline`
+    (time.monotonic): the request's, set when the fetch was queued (default: `policy.timeout` from now)."""
     scheme, host, port = _check_url(url, param, policy)
-    deadline = time.monotonic() + policy.timeout
+    deadline = time.monotonic() + policy.timeout if deadline is None else deadline
+    if time.monotonic() >= deadline:  # it waited for a thread past its request's deadline (already answered)
+        raise _too_slow(param, policy)
     address = _resolve(host, port, param, policy)
+    left = deadline - time.monotonic()
+    if left <= 0:  # the resolver took it all (fetch_async answered the request already)
+        raise _too_slow(param, policy)
     parts = urlsplit(url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn = _PinnedConnection(host, port, address, policy.timeout, scheme == "https")
+    conn = _PinnedConnection(host, port, address, left, scheme == "https")  # connect and headers within what is left
     try:
         conn.request("GET", target, headers={"Accept": "image/*", "User-Agent": "lmserve"})
         resp = conn.getresponse()
@@ -231,7 +260,7 @@ def fetch_url(url: str, param: str, policy: MediaPolicy) -> bytes:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise APIError(400, f"{param}: the image URL took longer than {policy.timeout:g}s", param=param)
+                raise _too_slow(param, policy)
             if conn.pinned is not None:
                 conn.pinned.settimeout(left)
             chunk = resp.read1(65536)
@@ -247,26 +276,76 @@ def fetch_url(url: str, param: str, policy: MediaPolicy) -> bytes:
         conn.close()
 
 
+def _too_slow(param: str, policy: MediaPolicy) -> APIError:
+    return APIError(400, f"{param}: the image URL took longer than {policy.timeout:g}s", param=param)
+
+
+class FetchPool:
+    """`size` daemon threads that run URL fetches, and a queue of fetches waiting for one.
+
+    Why not the default executor (asyncio.to_thread) with a semaphore: a fetch blocked where no timeout reaches
+    (getaddrinfo waits on the system's resolver as long as it likes) outlives the request that gave up on it, so
+    its thread stays taken after the semaphore is released; enough slow names would take every thread the other
+    requests tokenize and decode on. Here such a fetch can hold only one of these threads. Daemon threads, unlike
+    a ThreadPoolExecutor's (joined at exit), never hold up the server's shutdown on a resolver.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        with self._lock:  # threads start as fetches come: a server that fetches nothing starts none
+            if len(self._threads) < self.size:
+                thread = threading.Thread(target=self._work, name=f"lmserve-fetch-{len(self._threads)}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():  # its request gave up while it waited: skip it
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting request, which raises it
+                future.set_exception(e)
+
+
+FETCHES = FetchPool(MAX_FETCHES)
+
+
+async def fetch_async(source: ImageSource, policy: MediaPolicy) -> bytes:
+    """An allowed URL's body, fetched on FETCHES: the whole of it, time waiting for a thread and DNS included, within
+    `policy.timeout` (at the deadline the request gets its 400; a thread blocked in the resolver stays blocked,
+    holding one of FETCHES' threads until the resolver returns, then finds its deadline passed)."""
+    future = FETCHES.submit(fetch_url, source.url or "", source.param, policy, time.monotonic() + policy.timeout)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), policy.timeout)
+    except asyncio.TimeoutError:
+        future.cancel()  # still queued: it never runs
+        raise _too_slow(source.param, policy) from None
+
+
 def _too_large(param: str, policy: MediaPolicy) -> APIError:
     return APIError(400, f"{param}: the image is larger than the {policy.max_image_bytes} bytes allowed", param=param)
 
 
-def _load_all(sources: tuple[ImageSource, ...] | list[ImageSource], policy: MediaPolicy) -> list[ImageData]:
-    """Every source's bytes (fetched for URLs), each header checked and the request's totals of bytes and declared
-    pixels bounded, then each image decoded: no pixel is decoded before the whole request is known to fit."""
-    raw, pixels, size = [], 0, 0
-    for source in sources:
-        data = source.data if source.data is not None else fetch_url(source.url or "", source.param, policy)
-        try:
-            _, width, height = probe_image_bytes(data)
-        except ImageError as e:
-            raise APIError(400, f"{source.param}: {e}", param=source.param) from None
-        pixels, size = pixels + width * height, size + len(data)
-        if pixels > MAX_REQUEST_PIXELS or size > MAX_REQUEST_BYTES:
-            raise APIError(400, f"{source.param}: the request's images hold {pixels} pixels and {size} bytes up to "
-                           f"here, more than the {MAX_REQUEST_PIXELS} pixels or {MAX_REQUEST_BYTES} bytes allowed "
-                           "in all", param=source.param)
-        raw.append((source, data))
+def _probe(source: ImageSource, data: bytes) -> int:
+    """The pixels `data`'s header declares (APIError 400 for a header that does not read)."""
+    try:
+        _, width, height = probe_image_bytes(data)
+    except ImageError as e:
+        raise APIError(400, f"{source.param}: {e}", param=source.param) from None
+    return width * height
+
+
+def _decode_all(raw: list[tuple[ImageSource, bytes]]) -> list[ImageData]:
     out = []
     for source, data in raw:
         try:
@@ -277,11 +356,23 @@ def _load_all(sources: tuple[ImageSource, ...] | list[ImageSource], policy: Medi
 
 
 async def load_images(sources: tuple[ImageSource, ...] | list[ImageSource], policy: MediaPolicy) -> list[ImageData]:
-    """Each source fetched (URLs) and decoded, in order, off the event loop; APIError 400 on the first bad one or
-    when the request's images together pass MAX_REQUEST_PIXELS or MAX_REQUEST_BYTES."""
+    """Each source's bytes (URLs fetched one after another on FETCHES, each within `policy.timeout`), each header
+    checked and the request's totals of bytes and declared pixels bounded (MAX_REQUEST_PIXELS, MAX_REQUEST_BYTES),
+    then every image decoded off the event loop: no pixel is decoded before the whole request is known to fit.
+    APIError 400 on the first bad one. One request's URLs take one fetch thread at a time, so a request with many
+    slow URLs does not hold every fetch thread."""
     if not sources:
         return []
-    return await asyncio.to_thread(_load_all, sources, policy)
+    raw, pixels, size = [], 0, 0
+    for source in sources:
+        data = source.data if source.data is not None else await fetch_async(source, policy)
+        pixels, size = pixels + _probe(source, data), size + len(data)  # a header: cheap, on the loop
+        if pixels > MAX_REQUEST_PIXELS or size > MAX_REQUEST_BYTES:
+            raise APIError(400, f"{source.param}: the request's images hold {pixels} pixels and {size} bytes up to "
+                           f"here, more than the {MAX_REQUEST_PIXELS} pixels or {MAX_REQUEST_BYTES} bytes allowed "
+                           "in all", param=source.param)
+        raw.append((source, data))
+    return await asyncio.to_thread(_decode_all, raw)
 
 
 # -- chat messages ---------------------------------------------------------------------------------
