@@ -24,7 +24,10 @@ class ProcessedImage(NamedTuple):
 
 
 class VisionProcessor(Protocol):
-    """A family's preprocessing: `image_token` marks an image in the prompt; `process` prepares one image."""
+    """A family's preprocessing: `image_token` marks an image in the prompt; `process` prepares one image.
+
+    An M-RoPE family also has `rope_positions(ids, embed_token_id, metas) -> [3, len(ids)]`: the expanded prompt's
+    positions, given its images' metas in order (multimodal/qwen2_5_vl.py)."""
 
     image_token: str
 
@@ -43,6 +46,10 @@ class MMInput:
     # its tokens attend to each other both ways (Gemma 3): the scheduler never ends a prefill chunk inside its span
     # and the runner gives the span to attention
     bidirectional: bool = False
+    # M-RoPE models (Qwen2.5-VL): int64 [3, num_embeddings], the (time, row, column) position of each of its tokens
+    # (the processor's `rope_positions`). Text after it resumes at rope.max() + 1, counting up on all three axes: the
+    # runner derives every token's position from its images alone (worker/mm_encoder.py `rope_positions`)
+    rope: np.ndarray | None = None
 
     @property
     def span(self) -> tuple[int, int]:
