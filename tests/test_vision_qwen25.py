@@ -60,6 +60,32 @@ def test_mrope_rotary_matches_transformers():
     assert not torch.equal(cos, ours(pos[0], torch.float32)["full"][0])  # the sections do take other axes
 
 
+def test_transformers4_config_reads_as_transformers5s():
+    """Released Qwen2.5-VL checkpoints (transformers 4) keep the text config at the top level, `rope_scaling` of
+    type mrope and the tower's `in_chans`; transformers 5 nests `text_config` with `rope_parameters`."""
+    from lmserve.errors import CheckpointError
+    from lmserve.models.config_hf import config_from_hf
+
+    v4 = {"architectures": [ARCH], "model_type": "qwen2_5_vl", "vocab_size": 1000, "hidden_size": 256,
+          "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+          "tie_word_embeddings": True, "image_token_id": 151655, "use_sliding_window": False, "sliding_window": 32768,
+          "vision_config": {"depth": 4, "hidden_size": 64, "intermediate_size": 96, "num_heads": 2, "in_chans": 3,
+                            "out_hidden_size": 256, "fullatt_block_indexes": [3], "window_size": 112}}
+    cfg = config_from_hf(v4)
+    assert (cfg.mrope_section, cfg.rope_type, cfg.rope_theta, cfg.tie_word_embeddings, cfg.qkv_bias) == (
+        (16, 24, 24), "default", 1e6, True, True)
+    assert (cfg.vision.num_layers, cfg.vision.fullatt_blocks, cfg.vision.image_token_id) == (4, (3,), 151655)
+    v5 = {"architectures": [ARCH], "image_token_id": 151655, "vision_config": v4["vision_config"],
+          "text_config": {k: v for k, v in v4.items() if k not in ("architectures", "vision_config", "rope_scaling",
+                                                                  "rope_theta")}
+          | {"rope_parameters": {"rope_type": "default", "type": "mrope", "mrope_section": [16, 24, 24],
+                                 "rope_theta": 1000000.0}}}
+    assert config_from_hf(v5) == cfg
+    with pytest.raises(CheckpointError, match="mrope_section"):  # the sections must cover the rotated pairs
+        config_from_hf(v4 | {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 16]}})
+
+
 def _prompt(proc, images) -> tuple[list[int], list]:
     """<s> w5 then each image's span and a word, as the template and processor write them."""
     ids, processed = [1, VOCAB["w5"]], []

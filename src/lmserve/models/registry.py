@@ -6,8 +6,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import (bert, gemma, gemma3_vision, gpt_oss, idefics3, llama, llava, moe, phi3, qwen2_5_vl,
-                            rotary_encoder)
+from lmserve.models import (
+    bert,
+    gemma,
+    gemma3_vision,
+    gpt_oss,
+    idefics3,
+    llama,
+    llava,
+    moe,
+    phi3,
+    qwen2_5_vl,
+    rotary_encoder,
+)
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 

@@ -107,9 +107,11 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, sections: tup
     Qwen2.5-VL's `mrope_section`); both halves of the head use the same choice, as in transformers. Where the
     three axes agree (every text token) this is `cos_sin` of that one position.
     """
-    axis = torch.repeat_interleave(torch.arange(len(sections), device=inv_freq.device),
-                                   torch.tensor(sections, device=inv_freq.device))  # [rotary_dim/2]
-    freqs = positions.to(torch.float32)[axis].T * inv_freq[None, :]  # [T, rotary_dim/2]
+    pos, parts, start = positions.to(torch.float32), [], 0
+    for axis, n in enumerate(sections):  # slices, no index tensor: nothing is built on the host per forward
+        parts.append(pos[axis][:, None] * inv_freq[None, start:start + n])
+        start += n
+    freqs = torch.cat(parts, dim=-1)  # [T, rotary_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     cos, sin = emb.cos(), emb.sin()
     if attention_factor != 1.0:
