@@ -215,3 +215,24 @@ def test_openai_image_url_through_the_server(models):
     ids, mm = offline.engine.front.images.expand(want.prompt_token_ids, [Image.open(io.BytesIO(png))])
     assert r.usage.prompt_tokens == len(ids) and len(mm[0].positions) == 6  # the image's 6 pad tokens counted
     assert other.choices[0].message.content != r.choices[0].message.content
+
+
+def test_cli_generate_with_an_image(models, tmp_path):
+    """`lmserve generate --image PATH` writes the image as the template would (vision start, pad, end) before the
+    text: the answer of LLM.generate for that prompt."""
+    import subprocess
+    import sys
+
+    path = models[0]
+    (tmp_path / "a.png").write_bytes(image_bytes(84, 56, seed=3))
+    from PIL import Image
+
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=16)
+    want = llm.generate([{"prompt": "<|vision_start|><|image_pad|><|vision_end|>w3 w4",
+                          "multi_modal_data": {"image": [Image.open(tmp_path / "a.png")]}}],
+                        SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "generate", "w3 w4", "--image", str(tmp_path / "a.png"),
+                        "--model", str(path), "--dtype", "float32", "--device", "cpu", "--num-threads", "1",
+                        "--temperature", "0", "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.rstrip("\n") == want

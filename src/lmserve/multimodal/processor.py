@@ -55,3 +55,10 @@ class MMInput:
     def span(self) -> tuple[int, int]:
         """[first, last + 1) of the positions: a chunk that misses this range needs no embedding of it."""
         return int(self.positions[0]), int(self.positions[-1]) + 1
+
+
+def image_text(processor: VisionProcessor) -> str:
+    """The text one image stands for in a prompt written without a chat template's image parts (`lmserve generate
+    --image`, `lmserve chat`'s /image): the processor's `image_text` where the model's template wraps the marker
+    (Qwen2.5-VL: vision start, pad, vision end), else the marker itself."""
+    return getattr(processor, "image_text", processor.image_token)

@@ -159,6 +159,7 @@ class Qwen25VLProcessor:
 
     pixels_of: Qwen2VLImageProcessor
     image_token = IMAGE_PAD
+    image_text = VISION_START + IMAGE_PAD + VISION_END  # what its chat template writes for an image part
 
     @classmethod
     def from_dir(cls, path: Path) -> Qwen25VLProcessor:
