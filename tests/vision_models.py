@@ -16,7 +16,8 @@ LONGEST = 4 * TILE
 WORDS = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(200)]
 SPECIAL = (["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
            + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
-           + ["<start_of_image>", "<image_soft_token>", "<end_of_image>"])  # Gemma 3's
+           + ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]  # Gemma 3's
+           + ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])  # Qwen2.5-VL's
 VOCAB = 256
 IMAGE_TOKEN_ID = len(WORDS)  # "<image>"
 # SmolVLM's template in miniature: text parts as they are, each image part as "<image>"
@@ -25,7 +26,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['co
                  "{% elif p['type'] == 'image' %}<image> {% endif %}{% endfor %}{% endif %}{% endfor %}")
 
 
-def write_tokenizer(path: Path) -> None:
+# Qwen2.5-VL's template in miniature: each image part as its vision span
+QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<image> ", "<|vision_start|><|image_pad|><|vision_end|> ")
+
+
+def write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> None:
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     vocab = {w: i for i, w in enumerate(WORDS + SPECIAL)}
@@ -34,7 +39,7 @@ def write_tokenizer(path: Path) -> None:
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL])
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                             "chat_template": CHAT_TEMPLATE}))
+                                                             "chat_template": chat_template}))
 
 
 def build_idefics3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
@@ -131,6 +136,43 @@ def build_gemma3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
         {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": TILE, "width": TILE},
          "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2}))
     write_tokenizer(path)
+    return path, model
+
+
+QWEN_PIXELS = (56 * 56, 112 * 112)  # the tiny Qwen2.5-VL's min and max pixels: 4 to 16 merged tokens per image
+
+
+def build_qwen25_vl(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
+    """A tiny random Qwen2.5-VL: a 2-block windowed ViT (56px windows, block 1 attends to the whole image), 2x2
+    merger, a Qwen2 text model whose 16 rotary pairs split 4/6/6 over M-RoPE's time, row and column axes."""
+    import transformers
+
+    vocab = {w: i for i, w in enumerate(WORDS + SPECIAL)}
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2_5_VLConfig(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
+                         rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+        image_token_id=vocab["<|image_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"])
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # the merger's default init is small: images would barely move the logits
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "visual" in name and ("merger.mlp" in name or "patch_embed" in name):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "visual" in name and ("norm" in name or "ln_q" in name):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+    path = root / "qwen2_5_vl"
+    model.save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": QWEN_PIXELS[0],
+         "max_pixels": QWEN_PIXELS[1], "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}))
+    write_tokenizer(path, QWEN_CHAT_TEMPLATE)
     return path, model
 
 

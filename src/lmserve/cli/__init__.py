@@ -34,6 +34,7 @@ from lmserve.cli.flags import (
 from lmserve.config import engine_config
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.multimodal.image_io import load_image_bytes
+from lmserve.multimodal.processor import image_text
 
 
 def sampling_params(args: argparse.Namespace):
@@ -165,7 +166,7 @@ class _Chat:
     def turn(self, engine, line: str, params) -> None:
         """Ask `line` (with the attached images), stream the reply; keep the turn only if the reply finished."""
         attached, self.attached = self.attached, []  # a turn dropped by Ctrl-C or an error drops its images too
-        content = engine.front.images.processor.image_token * len(attached) + line if attached else line
+        content = image_text(engine.front.images.processor) * len(attached) + line if attached else line
         messages = [*self.messages, {"role": "user", "content": content}]
         images = (*self.images, *attached)
         self.turns += 1
@@ -262,9 +263,8 @@ def _generate_prompt(engine, prompt: str, chat_template: bool, num_images: int) 
         vision = engine.front.images
         if vision is None:
             raise ValueError("this model does not accept images")
-        marker = vision.processor.image_token
-        if marker not in prompt:
-            prompt = marker * num_images + prompt
+        if vision.processor.image_token not in prompt:
+            prompt = image_text(vision.processor) * num_images + prompt
         if chat_template:
             return engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         return prompt

@@ -5,6 +5,7 @@ and one MMInput per image (pixels, digest, the positions its embeddings fill). R
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Sequence
 
@@ -41,18 +42,29 @@ class PromptImages:
             raise RequestRejected(f"the prompt has {len(marks)} image placeholder(s) "
                                   f"({self.processor.image_token}) for {len(images)} image(s)")
         out: list[int] = []
-        inputs = []
+        inputs, metas = [], []
         prev = 0
         for mark, img in zip(marks, images):
             out += ids[prev:mark]
             processed = self.processor.process(img.image)
+            metas.append(processed.meta)
             span = self.tokenizer.encode_prompt(processed.placeholder, add_special_tokens=False)
             where = np.flatnonzero(np.asarray(span) == self.embed_token_id) + len(out)
             inputs.append(MMInput(img.digest, processed.pixel_values, where.astype(np.int64),
                                   processed.meta, getattr(self.processor, "bidirectional", False)))
             out += span
             prev = mark + 1
-        return out + ids[prev:], tuple(inputs)
+        out += ids[prev:]
+        return out, self._with_rope(out, inputs, metas)
+
+
+    def _with_rope(self, ids: list[int], inputs: list[MMInput], metas: list) -> tuple[MMInput, ...]:
+        """The images, each with its tokens' M-RoPE positions where the family rotates so (MMInput.rope)."""
+        rope_positions = getattr(self.processor, "rope_positions", None)
+        if rope_positions is None or not inputs:
+            return tuple(inputs)
+        pos = rope_positions(ids, self.embed_token_id, metas)  # [3, len(ids)]
+        return tuple(dataclasses.replace(mm, rope=np.ascontiguousarray(pos[:, mm.positions])) for mm in inputs)
 
 
 def _as_image_data(image: object) -> ImageData:

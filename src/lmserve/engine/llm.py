@@ -312,7 +312,9 @@ def _images_of(prompt: str | list[int] | dict) -> tuple[object, ...]:
 
 
 def _chat_images(messages: list[dict], vision: object | None) -> tuple[list[dict], list[object]]:
-    """The conversation with each image part as a text part of the image token, and the images in order."""
+    """The conversation with each image part as `{"type": "image"}`, and the images in order: the chat template
+    writes its placeholder (Qwen2.5-VL's wraps its marker in `<|vision_start|>`/`<|vision_end|>`), as the server's
+    (server/media.py split_images) does."""
     out, images = [], []
     for m in messages:
         content = m.get("content")
@@ -326,7 +328,7 @@ def _chat_images(messages: list[dict], vision: object | None) -> tuple[list[dict
                 if vision is None:
                     raise ValueError("this model does not accept images")
                 images.append(_part_image(part, kind))
-                part = {"type": "text", "text": vision.processor.image_token}
+                part = {"type": "image"}
             parts.append(part)
         out.append({**m, "content": parts})
     return out, images

@@ -42,6 +42,11 @@ class VisionConfig:
     projector_act: str = "gelu"
     projector_bias: bool = True
     tokens_per_image: int | None = None  # Gemma 3: the patch grid average-pooled to this many soft tokens
+    # Qwen2.5-VL (scale_factor: its spatial merge): frames per patch, the attention window in pixels and the blocks
+    # that attend over the whole image instead
+    temporal_patch_size: int = 1
+    window_size: int = 0
+    fullatt_blocks: tuple[int, ...] = ()
 
     @property
     def patches_per_side(self) -> int:
@@ -83,6 +88,8 @@ class ModelConfig:
     local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma 3); None: one table
     rotary_dim: int | None = None  # rotated width of each head (partial rotary: Phi-3.5/4-mini); None: head_dim
     no_rope_layers: tuple[int, ...] = ()  # layers that attend without rotary (SmolLM3's NoPE layers)
+    # M-RoPE (Qwen2.5-VL): frequency pairs turned by the time, height and width position axes; (): one axis
+    mrope_section: tuple[int, ...] = ()
     attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator (gpt-oss)
     max_model_len: int | None = None  # the served context when known at load: LongRoPE picks its factors by it
     # encoders (models/bert.py): bidirectional, post-norm, learned positions; they pool, never generate
@@ -170,6 +177,10 @@ class ModelConfig:
             raise CheckpointError(f"config: rope_theta must be positive, got {self.rope_theta}")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise CheckpointError(f"config: rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.mrope_section and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0
+                                   or sum(self.mrope_section) != self.rotated_dim // 2):
+            raise CheckpointError(f"config: mrope_section {list(self.mrope_section)} must be 3 sections summing to "
+                                  f"half the rotated width ({self.rotated_dim // 2})")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise CheckpointError(
                 f"config: rope scaling type {self.rope_type!r} is not supported "

@@ -136,7 +136,7 @@ class CausalLM(nn.Module):
         self.tie_weights()
         # Rotary frequencies are buffers: they follow .to(device); the loader recomputes them where the model
         # was built on the meta device, and divides them by a GGUF's rope_freqs (models/rope.py).
-        self.rotary = RotaryTables(rope_specs(cfg))
+        self.rotary = RotaryTables(rope_specs(cfg), cfg.mrope_section)
         self.layer_loop: nn.Module = LayerLoop()
 
     def tie_weights(self) -> None:
@@ -154,7 +154,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden_size]; `inputs_embeds` [T, hidden] replaces
-        embed(input_ids) (a prompt with images placed in it)."""
+        embed(input_ids) (a prompt with images placed in it). An M-RoPE model (cfg.mrope_section) also takes
+        positions [3, T] (time, height, width: a step that holds image tokens)."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         h, residual = self.layer_loop(self.model.layers, x, self.rotary(positions, x.dtype), attn)
         return self.model.norm(h, residual)[0]

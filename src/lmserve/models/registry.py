@@ -6,7 +6,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from lmserve.models import bert, gemma, gemma3_vision, gpt_oss, idefics3, llama, llava, moe, phi3, rotary_encoder
+from lmserve.models import (
+    bert,
+    gemma,
+    gemma3_vision,
+    gpt_oss,
+    idefics3,
+    llama,
+    llava,
+    moe,
+    phi3,
+    qwen2_5_vl,
+    rotary_encoder,
+)
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family
 
@@ -28,6 +40,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "SmolVLMForConditionalGeneration": idefics3.IDEFICS3,
     "LlavaForConditionalGeneration": llava.LLAVA,  # LLaVA-1.5: CLIP tower at a middle layer, MLP projector, Llama
     "LlavaNextForConditionalGeneration": llava.LLAVA_NEXT,  # LLaVA-NeXT: LLaVA over anyres tiles, row newlines
+    "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.QWEN2_5_VL,  # windowed ViT, 2x2 merger, Qwen2 text with M-RoPE
     # encoders: embedders (sentence-transformers' MiniLM, bge, e5, gte) and cross-encoders
     "BertModel": bert.BERT,
     "BertForSequenceClassification": bert.BERT,

@@ -24,7 +24,10 @@ class ProcessedImage(NamedTuple):
 
 
 class VisionProcessor(Protocol):
-    """A family's preprocessing: `image_token` marks an image in the prompt; `process` prepares one image."""
+    """A family's preprocessing: `image_token` marks an image in the prompt; `process` prepares one image.
+
+    An M-RoPE family also has `rope_positions(ids, embed_token_id, metas) -> [3, len(ids)]`: the expanded prompt's
+    positions, given its images' metas in order (multimodal/qwen2_5_vl.py)."""
 
     image_token: str
 
@@ -43,8 +46,19 @@ class MMInput:
     # its tokens attend to each other both ways (Gemma 3): the scheduler never ends a prefill chunk inside its span
     # and the runner gives the span to attention
     bidirectional: bool = False
+    # M-RoPE models (Qwen2.5-VL): int64 [3, num_embeddings], the (time, row, column) position of each of its tokens
+    # (the processor's `rope_positions`). Text after it resumes at rope.max() + 1, counting up on all three axes: the
+    # runner derives every token's position from its images alone (worker/mm_encoder.py `rope_positions`)
+    rope: np.ndarray | None = None
 
     @property
     def span(self) -> tuple[int, int]:
         """[first, last + 1) of the positions: a chunk that misses this range needs no embedding of it."""
         return int(self.positions[0]), int(self.positions[-1]) + 1
+
+
+def image_text(processor: VisionProcessor) -> str:
+    """The text one image stands for in a prompt written without a chat template's image parts (`lmserve generate
+    --image`, `lmserve chat`'s /image): the processor's `image_text` where the model's template wraps the marker
+    (Qwen2.5-VL: vision start, pad, vision end), else the marker itself."""
+    return getattr(processor, "image_text", processor.image_token)

@@ -4,16 +4,22 @@ An image keeps its aspect ratio: `smart_resize` rounds each side to a multiple o
 kept within [min_pixels, max_pixels]; the normalised image is cut into 14x14 patches in merge-block order, each
 repeated over the temporal patch (2, an image being a one-frame video): pixel_values [grid_h * grid_w, 3*2*14*14],
 grid (1, grid_h, grid_w). In the prompt, `<|vision_start|>` + grid_h*grid_w/4 `<|image_pad|>` + `<|vision_end|>`.
+The text model rotates by M-RoPE: `Qwen25VLProcessor.rope_positions` gives every prompt token its (time, row,
+column) position, which the engine carries on each image (MMInput.rope).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .image_io import ImageData
+from .processor import ProcessedImage
 from .transforms import BICUBIC, CLIP_MEAN, CLIP_STD, rescale_normalize, resize, to_chw
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -83,7 +89,11 @@ class Qwen2VLImageProcessor:
 
     def preprocess(self, image: ImageData) -> dict[str, np.ndarray]:
         """{"pixel_values": float32 [patches, 1176], "image_grid_thw": int64 [1, 3]}."""
-        x = to_chw(image.image)
+        return self.preprocess_pil(image.image)
+
+    def preprocess_pil(self, image: Any) -> dict[str, np.ndarray]:
+        """`preprocess` of a decoded PIL image."""
+        x = to_chw(image)
         x = resize(x, *self.resized_size(x.shape[1], x.shape[2]), self.resample)
         x = rescale_normalize(x, self.rescale_factor, self.mean, self.std)
         _, h, w = x.shape
@@ -139,3 +149,31 @@ def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple
             i = end
     delta = int(out.max()) + 1 - len(ids) if len(ids) else 0
     return out, delta
+
+
+@dataclass(frozen=True)
+class Qwen25VLProcessor:
+    """Qwen2.5-VL for the engine (multimodal/processor.py): the chat template writes one `<|image_pad|>` per image
+    between `<|vision_start|>` and `<|vision_end|>`; it expands to one pad per merged patch, which the embeddings
+    replace. The image's grid rides on its meta (encode_images' `grid`) and gives its tokens' M-RoPE positions."""
+
+    pixels_of: Qwen2VLImageProcessor
+    image_token = IMAGE_PAD
+    image_text = VISION_START + IMAGE_PAD + VISION_END  # what its chat template writes for an image part
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Qwen25VLProcessor:
+        file = Path(path) / "preprocessor_config.json"
+        return cls(Qwen2VLImageProcessor.from_hf(json.loads(file.read_text()) if file.is_file() else {}))
+
+    def process(self, image: Any) -> ProcessedImage:
+        out = self.pixels_of.preprocess_pil(image)
+        grid = tuple(int(g) for g in out["image_grid_thw"][0])
+        return ProcessedImage(out["pixel_values"], placeholder_text(self.pixels_of.num_image_tokens(grid)),
+                              {"grid": grid})
+
+    def rope_positions(self, ids: list[int], embed_token_id: int,
+                       metas: Sequence[Mapping[str, Any] | None]) -> np.ndarray:
+        """[3, len(ids)] M-RoPE positions of an expanded prompt whose images (in order) have these metas."""
+        grids = [tuple(m["grid"]) for m in metas]
+        return mrope_positions(ids, embed_token_id, grids, self.pixels_of.merge_size)[0]

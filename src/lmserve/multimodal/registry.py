@@ -13,6 +13,7 @@ from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
 from lmserve.multimodal.llava import LlavaProcessor
 from lmserve.multimodal.llava_next import LlavaNextProcessor
 from lmserve.multimodal.processor import VisionProcessor
+from lmserve.multimodal.qwen2_5_vl import Qwen25VLProcessor
 
 
 def _idefics3(path: Path) -> VisionProcessor:
@@ -26,6 +27,7 @@ PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
     "LlavaForConditionalGeneration": LlavaProcessor.from_dir,
     "LlavaNextForConditionalGeneration": LlavaNextProcessor.from_dir,
     "Gemma3ForConditionalGeneration": Gemma3Processor.from_dir,
+    "Qwen2_5_VLForConditionalGeneration": Qwen25VLProcessor.from_dir,
 }
 
 

@@ -7,6 +7,9 @@ The image is always encoded whole and then sliced to the step's positions, so a 
 image computes exactly what one whole prefill would. The cache outlives requests: a later request with the same
 image, and a preempted request when it runs again, reuse the embeddings while they fit the budget (least
 recently used first out).
+
+M-RoPE models (Qwen2.5-VL) rotate by (time, row, column) positions: `rope_positions` gives a step's tokens theirs,
+from the images each request carries (MMInput.rope), for prefill chunks, decodes and drafts alike.
 """
 
 from __future__ import annotations
@@ -78,6 +81,24 @@ class ImageInputs:
                 out[rid] = spans
         return out
 
+    def rope_positions(self, requests: list[ScheduledRequest], order: list[int], positions: np.ndarray) -> np.ndarray:
+        """The step's rotary positions: `positions` [T] (flat order) where every token's three M-RoPE axes agree,
+        else [3, T]. A token at prompt index p of a request with images is at its image's `rope` inside one, else
+        at p shifted by the images before it: rope.max() + 1 of the last one ending at or before p, plus p's
+        distance from that end (transformers' rope_deltas, for every text and generated token after it)."""
+        with_rope = {rid for rid, images in self._images.items() if images[0].rope is not None}
+        if not with_rope:
+            return positions
+        out = np.broadcast_to(positions, (3, len(positions))).copy()  # [3, T]
+        offset = 0
+        for i in order:
+            s = requests[i]
+            if s.request_id in with_rope:
+                rows = slice(offset, offset + s.num_tokens)
+                out[:, rows] = _mrope_of(self._images[s.request_id], positions[rows])
+            offset += s.num_tokens
+        return out[0].copy() if (out[0] == out[1]).all() and (out[0] == out[2]).all() else out
+
     def placements(self, requests: list[ScheduledRequest], order: list[int]) -> list[tuple[np.ndarray, torch.Tensor]]:
         """(flat rows, embeddings) of each image part this step's known tokens cover, `order` the flat order."""
         out, offset = [], 0
@@ -99,3 +120,15 @@ class ImageInputs:
         rows = torch.from_numpy(np.concatenate([r for r, _ in placed])).to(x.device)
         x[rows] = torch.cat([e for _, e in placed]).to(x.dtype)
         return x
+
+
+def _mrope_of(images: tuple[MMInput, ...], p: np.ndarray) -> np.ndarray:
+    """[3, len(p)] M-RoPE positions of one request's tokens at prompt indices `p`, from its images (ascending)."""
+    out = np.broadcast_to(p, (3, len(p))).copy()
+    for mm in images:
+        a, b = mm.span
+        after = p >= b
+        out[:, after] = int(mm.rope.max()) + 1 + (p[after] - b)  # the later images overwrite theirs
+        inside = (p >= a) & (p < b)
+        out[:, inside] = mm.rope[:, np.searchsorted(mm.positions, p[inside])]
+    return out

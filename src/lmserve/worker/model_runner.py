@@ -201,8 +201,13 @@ class ModelRunner:
             if self.images is not None:
                 self.images.add(new.request_id, new.mm_inputs)
         b.apply(out.requests)
-        spans = self.images.bidirectional_spans() if self.images is not None else None
-        return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size, b.group_blocks[1:], spans)
+        if self.images is None:
+            return build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size, b.group_blocks[1:])
+        host, layout = build_inputs(out.requests, b.index, b.tokens, b.blocks, self.block_size, b.group_blocks[1:],
+                                    self.images.bidirectional_spans())
+        # the KV slots and attention lengths above keep the token index; only the rotary reads these positions
+        host.positions = self.images.rope_positions(out.requests, layout.order, host.positions)
+        return host, layout
 
     def _lora_meta(self, out: SchedulerOutput, layout: StepLayout):
         """The step's rows grouped by adapter slot, in the flat order build_inputs laid the tokens out."""

@@ -1,6 +1,7 @@
 """Rotary position embeddings (HF's non-interleaved layout): default, linear, llama3, YaRN and LongRoPE scaling,
-partial rotary (the first `rotary_dim` of each head), and one table per kind of layer (Gemma 3's local
-layers rotate with their own base)."""
+partial rotary (the first `rotary_dim` of each head), one table per kind of layer (Gemma 3's local
+layers rotate with their own base), and M-RoPE (Qwen2-VL / Qwen2.5-VL: three position axes, each turning its own
+section of the frequencies)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,26 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     return cos.to(dtype), sin.to(dtype)
 
 
+def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, sections: tuple[int, ...], dtype: torch.dtype,
+                  attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE's cos, sin [num_tokens, 1, rotary_dim] from positions [3, num_tokens] (time, height, width).
+
+    Frequency pair j turns with the axis whose section holds j (`sections` in pairs, summing to rotary_dim / 2,
+    Qwen2.5-VL's `mrope_section`); both halves of the head use the same choice, as in transformers. Where the
+    three axes agree (every text token) this is `cos_sin` of that one position.
+    """
+    pos, parts, start = positions.to(torch.float32), [], 0
+    for axis, n in enumerate(sections):  # slices, no index tensor: nothing is built on the host per forward
+        parts.append(pos[axis][:, None] * inv_freq[None, start:start + n])
+        start += n
+    freqs = torch.cat(parts, dim=-1)  # [T, rotary_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [num_tokens, num_heads, head_dim] by the per-token angles (the first cos.shape[-1] dims only:
     partial rotary leaves the rest of each head as it is)."""
@@ -114,11 +135,14 @@ class RotaryTables(nn.Module):
 
     `specs` maps a kind to (inverse frequencies [rotary_dim // 2], attention factor). The frequencies are
     buffers: they follow `.to(device)`, and `reset` recomputes them where a model was built on the meta device.
+    `mrope_section` (M-RoPE models): positions may come as [3, T], each axis turning its section of the pairs;
+    [T] positions (a step with no image token: every axis equal) take the plain table.
     """
 
-    def __init__(self, specs: Mapping[str, tuple[torch.Tensor, float]]) -> None:
+    def __init__(self, specs: Mapping[str, tuple[torch.Tensor, float]], mrope_section: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.kinds = tuple(specs)
+        self.mrope_section = tuple(mrope_section)
         self.factors = {kind: factor for kind, (_, factor) in specs.items()}
         for kind, (inv_freq, _) in specs.items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
@@ -129,6 +153,9 @@ class RotaryTables(nn.Module):
             setattr(self, f"inv_freq_{kind}", inv_freq.to(device))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """kind -> (cos, sin), each [T, 1, rotary_dim]."""
+        """kind -> (cos, sin), each [T, 1, rotary_dim]; positions [T], or [3, T] with `mrope_section`."""
+        if positions.dim() == 2:
+            return {kind: mrope_cos_sin(positions, getattr(self, f"inv_freq_{kind}"), self.mrope_section, dtype,
+                                        self.factors[kind]) for kind in self.kinds}
         return {kind: cos_sin(positions, getattr(self, f"inv_freq_{kind}"), dtype, self.factors[kind])
                 for kind in self.kinds}
