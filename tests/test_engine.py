@@ -176,10 +176,12 @@ def test_n_completions_share_prompt_blocks(base):
 
 
 def test_cache_salt_separates_prefix_blocks_and_the_finished_delta_counts_hits(base):
-    """Prompt blocks are shared only between requests of the same cache_salt (the server salts per API key);
-    the finished delta's num_cached_tokens is what the prefix cache served (the per-key metric counts it)."""
-    def cached_tokens(salt: bytes, rid: str) -> int:
-        base.add_request(rid, PROMPTS[10], SamplingParams(temperature=0.0, max_tokens=1), cache_salt=salt)
+    """Prompt blocks are shared only between requests of the same prefix_scope (the server scopes per API key)
+    unless both send the same cache_salt (vLLM's, any scope's); the finished delta's num_cached_tokens is what the
+    prefix cache served (the per-key metric counts it)."""
+    def cached_tokens(scope: bytes, rid: str, salt: str | None = None) -> int:
+        base.add_request(rid, PROMPTS[10], SamplingParams(temperature=0.0, max_tokens=1), prefix_scope=scope,
+                         cache_salt=salt)
         return next(d for d in _drain(base) if d.finished).num_cached_tokens
 
     hits = base.kv.prefix_hits
@@ -187,6 +189,9 @@ def test_cache_salt_separates_prefix_blocks_and_the_finished_delta_counts_hits(b
     assert cached_tokens(b"key:team-b", "s2") == 0  # nor are a's b's
     again = cached_tokens(b"key:team-a", "s3")
     assert again >= 128 and base.kv.prefix_hits - hits == again  # a's own blocks; the engine's total agrees
+    assert cached_tokens(b"key:team-a", "s4", "shared-v1") == 0  # a salt is not the scope's blocks
+    assert cached_tokens(b"key:team-b", "s5", "shared-v1") >= 128  # the same salt from another scope: shared
+    assert cached_tokens(b"key:team-b", "s6", "shared-v2") == 0
     assert_no_leak(base)
 
 

@@ -44,7 +44,7 @@ def engine(model: Path, num_blocks: int = 24, block_size: int = BS, kv_dtype: st
 
 def run(eng: LLMEngine, prompt: str, rid: str, salt: bytes = b"", params: SamplingParams = GREEDY) -> dict:
     """Greedy tokens, every logprob (chosen and top), and the prompt tokens served from the caches."""
-    eng.add_request(rid, prompt, params, cache_salt=salt)
+    eng.add_request(rid, prompt, params, prefix_scope=salt)
     out = {"ids": [], "logprobs": [], "cached": None}
     while eng.has_unfinished():
         for d in eng.step():

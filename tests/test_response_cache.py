@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from lmserve.server.protocol import ChatRequest, CompletionRequest, answer_neutral
 from lmserve.server.response_cache import CacheSettings, cache_key, cacheable, open_backend, weights_fingerprint
 from tests.server_util import MODEL, free_port, running_server
 
@@ -63,9 +64,12 @@ def test_only_deterministic_requests_are_cacheable():
 
 def test_key_ignores_delivery_fields_and_separates_keys_models_and_routes():
     body = {"prompt": "hi", "temperature": 0, "max_tokens": 4}
-    k = cache_key("m", "alice", "/v1/completions", body)
+    neutral = answer_neutral(CompletionRequest)  # the fields the protocol marks as not changing the answer
+    k = cache_key("m", "alice", "/v1/completions", body, neutral)
     assert k == cache_key("m", "alice", "/v1/completions", {"max_tokens": 4, "temperature": 0, "prompt": "hi",
-                                                            "stream": True, "user": "u", "cache": True})
+                                                            "stream": True, "user": "u", "cache": True,
+                                                            "cache_salt": "s"}, neutral)
+    assert neutral == answer_neutral(ChatRequest) and not neutral & {"temperature", "seed", "max_tokens"}
     assert len({k, cache_key("m", "bob", "/v1/completions", body), cache_key("m2", "alice", "/v1/completions", body),
                 cache_key("m", "alice", "/v1/chat/completions", body),
                 cache_key("m", "alice", "/v1/completions", {**body, "max_tokens": 5})}) == 5

@@ -11,16 +11,19 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from lmserve.ops.record import RequestRecord
-from lmserve.ops.rules import REQUEST_PARAMS, RuleChecker, RuleViolation, parse_rules
+from lmserve.ops.rules import RuleChecker, RuleViolation, parse_rules
 from lmserve.server import protocol
-from lmserve.server.api.tgi import protocol as tgi
+from lmserve.server.main import rule_params
 from tests.server_util import MODEL, running_server
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "rules.example.yaml"
 
 
+PARAMS = rule_params()  # what the server lets rules name
+
+
 def checker(*rules: dict) -> RuleChecker:
-    return RuleChecker(parse_rules({"rules": list(rules)}, "test"), CollectorRegistry())
+    return RuleChecker(parse_rules({"rules": list(rules)}, "test", PARAMS), CollectorRegistry())
 
 
 def rec(route="/v1/completions", prompt="hello", messages=None, **params) -> RequestRecord:
@@ -28,7 +31,7 @@ def rec(route="/v1/completions", prompt="hello", messages=None, **params) -> Req
 
 
 def test_example_file_loads():
-    rules = RuleChecker.load(EXAMPLE).rules
+    rules = RuleChecker.load(EXAMPLE, PARAMS).rules
     assert [r.name for r in rules][:2] == ["prompt_under_2k_tokens", "sane_temperature"]
 
 
@@ -51,22 +54,21 @@ def test_load_errors_name_the_rule_and_key(tmp_path, doc, match):
     path = tmp_path / "rules.yaml"
     path.write_text(doc)
     with pytest.raises(ValueError, match=match):
-        RuleChecker.load(path)
+        RuleChecker.load(path, PARAMS)
 
 
-def test_request_params_match_the_protocol():
-    """Every parameter a client can send can be named by a rule (and nothing else is accepted as one)."""
-    fields = set()
-    for model in (protocol.CompletionRequest, protocol.ChatRequest, tgi.TGIRequest, tgi.TGIParameters,
-                  tgi.TGICompatRequest):
-        fields |= set(model.model_fields)
-    assert REQUEST_PARAMS == fields - {"prompt", "messages", "inputs", "parameters"}
+def test_rules_may_name_every_request_parameter_but_the_prompt():
+    """Every parameter a client can send can be named by a rule (OpenAI's, vLLM's extras, TGI's flattened
+    `parameters`), and the prompt itself cannot (rules see it as the derived prompt_* fields)."""
+    assert {"temperature", "cache_salt", "guided_json", "tools", "max_new_tokens", "adapter_id"} <= PARAMS
+    assert set(protocol.ChatRequest.model_fields) - {"messages"} <= PARAMS
+    assert not PARAMS & {"prompt", "messages", "inputs", "parameters"}
 
 
 def test_json_file(tmp_path):
     path = tmp_path / "rules.json"
     path.write_text(json.dumps({"rules": [{"name": "t", "field": "temperature", "max": 1}]}))
-    c = RuleChecker.load(path)
+    c = RuleChecker.load(path, PARAMS)
     with pytest.raises(RuleViolation, match="rule 't': temperature 1.5 is above the maximum 1"):
         c.check(rec(temperature=1.5), [3])
 
@@ -104,7 +106,7 @@ def test_log_policy_counts_and_lets_through():
     registry = CollectorRegistry()
     c = RuleChecker(parse_rules({"rules": [
         {"name": "tagged", "field": "user", "required": True, "policy": "log"},
-        {"name": "short", "field": "prompt_chars", "max": 3, "message": "keep it short"}]}, "test"), registry)
+        {"name": "short", "field": "prompt_chars", "max": 3, "message": "keep it short"}]}, "test", PARAMS), registry)
     r = rec(prompt="hi")
     c.check(r, [1])
     assert r.rule_violations == ["tagged"]

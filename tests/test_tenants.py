@@ -112,10 +112,9 @@ keys:
     t = Tenants(tuple(specs))
     assert t.is_admin("ops") and not t.is_admin("team-a")
     assert Tenants(()).is_admin("anonymous")  # no keys: an open server, everyone manages everything
-    # prompt blocks: each key's own unless it shares; a request's cache_salt shares with the same salt, any key's
-    assert t.prefix_salt("team-b", None) == b"key:team-b" != t.prefix_salt("ops", None)
-    assert t.prefix_salt("team-a", None) == b"" == Tenants(()).prefix_salt("anonymous", None)
-    assert t.prefix_salt("team-b", "sys-v1") == t.prefix_salt("ops", "sys-v1") == b"salt:sys-v1"
+    # prompt blocks: each key's own unless it shares (a request's own cache_salt overrides it: tests/test_engine.py)
+    assert t.prefix_scope("team-b") == b"key:team-b" != t.prefix_scope("ops")
+    assert t.prefix_scope("team-a") == b"" == Tenants(()).prefix_scope("anonymous")
     assert not t.allows("gone", "base") and not t.is_admin("gone")  # a name no longer in the file (a saved job)
     with pytest.raises(APIError) as e:
         t.admit(record("gone"), 1)

@@ -84,7 +84,12 @@ class EngineRequest:
     tenant: str = ""  # who asked (an API key's name): the scheduler admits round-robin across tenants
     priority: int = 0  # lower is admitted first: interactive requests 0, offline batch lines BATCH_PRIORITY
     lora: LoRARequest | None = None  # the adapter, already read from disk (LoraRegistry.get); None: the base model
-    cache_salt: bytes = b""  # who may share the prompt's prefix-cache blocks (b"": everyone); the adapter is added
+    # who may share the prompt's prefix-cache blocks (b"": everyone), set at admission (server/tenants.py
+    # Tenants.prefix_scope: per API key unless it shares); EngineFront.requests adds the adapter and images
+    prefix_scope: bytes = b""
+    # vLLM's `cache_salt`: the client's own; its prompt blocks are shared with every request sending the same salt,
+    # whatever its prefix_scope (EngineFront.requests)
+    cache_salt: str | None = None
     # The prompt's images (multimodal.image_io.ImageData, or PIL images from the offline API), in the order of
     # their markers (`<image>`) in the prompt; EngineFront.requests expands them (engine/images.py).
     mm_inputs: tuple[object, ...] = ()
@@ -122,8 +127,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for prompt tokens 1.. (when asked)
     # mixed into prefix-cache hashes: blocks are shared only between requests of the same salt (the LoRA
-    # adapter's id, then who may share: see LLMEngine.add_request)
-    cache_salt: bytes | BlockSalt = b""
+    # adapter's id, then who may share, then the images: EngineFront.requests)
+    prefix_salt: bytes | BlockSalt = b""
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, summed over admissions
     lora: LoRARequest | None = None  # None: the base model
     tenant: str = ""  # who asked (an API key's name): waiting requests are admitted round-robin across tenants
@@ -149,7 +154,7 @@ class Request:
     def completion(cls, source: EngineRequest, index: int, prompt_ids: list[int], max_tokens: int,
                    stop_token_ids: frozenset[int], **computed: object) -> Request:
         """Completion `index` of `source`: its fields copied, plus what the front end computed for this completion
-        (`computed`: grammar, reasoning_budget, cache_salt, may_reuse_prefix)."""
+        (`computed`: grammar, reasoning_budget, prefix_salt, may_reuse_prefix)."""
         p, rid = source.params, source.request_id
         return cls(rid if p.n == 1 else f"{rid}#{index}", list(prompt_ids), p, max_tokens, stop_token_ids,
                    parent_id=rid, index=index, seed=None if p.seed is None else p.seed + index,  # seed + i: its own

@@ -45,13 +45,6 @@ class EngineFault:
 
 
 @dataclass(frozen=True)
-class AddRequest:
-    """Asyncio side -> engine thread: queue this request at the next step boundary."""
-
-    request: EngineRequest
-
-
-@dataclass(frozen=True)
 class AbortRequest:
     """Asyncio side -> engine thread: abort this request and free its blocks."""
 
@@ -63,7 +56,9 @@ class Wake:
     """Asyncio side -> engine thread: stop waiting on the inbox (shutdown sends it)."""
 
 
-EngineMessage = Union[AddRequest, AbortRequest, Wake]
+# Asyncio side -> engine thread; an EngineRequest itself (frozen, made once at admission) is queued at the next
+# step boundary, not wrapped.
+EngineMessage = Union[EngineRequest, AbortRequest, Wake]
 
 
 @dataclass
@@ -92,7 +87,7 @@ class AsyncEngine:
         self.fault_listeners: list[Callable[[EngineFault], None]] = []  # called on the engine thread
         self._failed_in_a_row = 0
         self.num_requests_in_flight = 0
-        self._handlers: dict[type, Callable] = {AddRequest: self._add, AbortRequest: self._abort, Wake: _ignore}
+        self._handlers: dict[type, Callable] = {EngineRequest: self._add, AbortRequest: self._abort, Wake: _ignore}
         # a tensor-parallel rank that dies while the engine is idle is fatal too (worker/executor.py's watcher)
         engine.executor.on_fatal = self._die
 
@@ -137,7 +132,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         self.num_requests_in_flight += 1
-        self._inbox.put(AddRequest(request))
+        self._inbox.put(request)
         try:
             while stream.pending > 0:
                 item = await stream.queue.get()
@@ -250,11 +245,11 @@ class AsyncEngine:
     def _handle(self, msg: EngineMessage) -> None:
         self._handlers[type(msg)](msg)
 
-    def _add(self, msg: AddRequest) -> None:
+    def _add(self, request: EngineRequest) -> None:
         try:
-            self.engine.add(msg.request)
+            self.engine.add(request)
         except ValueError as e:  # a request id in use, or an unchecked request refused: only its caller hears
-            self._send(msg.request.request_id, e)
+            self._send(request.request_id, e)
 
     def _abort(self, msg: AbortRequest) -> None:
         self._publish(self.engine.abort(msg.request_id))

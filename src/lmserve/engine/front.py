@@ -184,10 +184,13 @@ class EngineFront:
         if grammar is None and params.structured_outputs is not None:
             grammar = self.compile_grammar(params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        salt = self._salt(lora, request.cache_salt, images)
+        # the client's own salt (vLLM's cache_salt) shares with every request sending it, whatever its scope; the
+        # forms cannot collide: the server's scopes are b"" or b"key:" + a name without ':', a salt is never empty
+        scope = b"salt:" + request.cache_salt.encode("utf-8") if request.cache_salt else request.prefix_scope
+        salt = self._salt(lora, scope, images)
         gate = self._reasoning_gate(ids, params) if grammar is not None else None
         reuse = params.pooling is None or not self.pooler.needs_every_token
-        return [Request.completion(request, i, ids, max_tokens, stop_ids, cache_salt=salt, may_reuse_prefix=reuse,
+        return [Request.completion(request, i, ids, max_tokens, stop_ids, prefix_salt=salt, may_reuse_prefix=reuse,
                                    mm_inputs=images,
                                    reasoning_budget=self._reasoning_budget(ids, params, stop_ids, grammar is None),
                                    grammar=None if grammar is None else Grammar(grammar.grammar, stop_ids, gate,

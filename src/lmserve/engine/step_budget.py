@@ -77,7 +77,7 @@ def _prefill_seconds(engine: LLMEngine, n: int) -> float | None:
     ids = [(1000 + i) % engine.model_config.vocab_size for i in range(n)]
     try:  # its own salt: no probe reuses another's prefix blocks
         engine.add_request(f"warm-up-{n}", ids, SamplingParams(max_tokens=1, temperature=0.0),
-                           cache_salt=f"warm-up-{n}".encode())
+                           prefix_scope=f"warm-up-{n}".encode())
     except RequestRejected:
         return None
     start = time.perf_counter()

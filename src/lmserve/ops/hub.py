@@ -9,7 +9,7 @@ Every part is optional (off by default). The server calls, per API request:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +60,9 @@ class Ops:
                     log.exception("closing %s failed", type(part).__name__)
 
 
-def build_ops(args: Any, registry: Any) -> Ops:
-    """The parts that `lmserve serve`'s flags ask for (imported only when used)."""
+def build_ops(args: Any, registry: Any, rule_params: Callable[[], Collection[str]]) -> Ops:
+    """The parts that `lmserve serve`'s flags ask for (imported only when used); `rule_params`: the request
+    parameters a validation rule may name (the server's body models say; ops imports no server code)."""
     ops = Ops()
     if args.otlp_traces_endpoint or args.otel_console_traces:
         from lmserve.ops.tracing import RequestTracer, make_tracer_provider
@@ -78,7 +79,7 @@ def build_ops(args: Any, registry: Any) -> Ops:
     if args.validation_rules:
         from lmserve.ops.rules import RuleChecker
 
-        ops.rules = RuleChecker.load(args.validation_rules, registry=registry)
+        ops.rules = RuleChecker.load(args.validation_rules, rule_params(), registry=registry)
     if args.drift_reference or args.drift_capture:
         import json
 

@@ -34,7 +34,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -45,17 +45,6 @@ KINDS = ("min", "max", "allowed", "required", "pattern", "forbidden_pattern")
 _MISSING = object()
 DERIVED_FIELDS = frozenset({"prompt_tokens", "total_prompt_tokens", "num_prompts", "prompt_text", "prompt_chars",
                             "messages", "model", "route"})
-# Every parameter of the OpenAI and TGI request bodies but the prompt (tests/test_rules.py keeps this in
-# step with server/protocol.py and server/api/tgi/protocol.py, which ops must not import).
-REQUEST_PARAMS = frozenset({
-    "adapter_id", "best_of", "cache", "cache_salt", "chat_template_kwargs", "decoder_input_details", "details", "do_sample", "echo",
-    "early_stopping", "frequency_penalty", "ignore_eos", "length_penalty", "use_beam_search",
-    "logit_bias", "logprobs", "max_completion_tokens", "max_new_tokens", "max_tokens", "min_p", "min_tokens",
-    "model", "n", "presence_penalty", "prompt_logprobs", "reasoning_effort", "repetition_penalty", "return_full_text", "seed", "stop",
-    "stop_token_ids", "stream", "stream_options", "suffix", "temperature", "top_k", "top_logprobs", "top_p", "user", "watermark",
-    # structured outputs and tools (objects: rules can require, forbid or allow-list them)
-    "grammar", "guided_choice", "guided_grammar", "guided_json", "guided_regex", "parallel_tool_calls",
-    "response_format", "structured_outputs", "tool_choice", "tools"})
 
 
 class RuleViolation(ValueError):
@@ -112,8 +101,11 @@ class RuleChecker:
             self.violations.labels(r.name, r.policy)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, registry: CollectorRegistry | None = None) -> "RuleChecker":
-        return cls(parse_rules(read_rules_file(Path(path)), str(path)), registry)
+    def load(cls, path: str | os.PathLike, params: Collection[str],
+             registry: CollectorRegistry | None = None) -> "RuleChecker":
+        """The rules of a file; `params`: the request parameters a rule may name (the server reads them from its
+        body models: server/main.py rule_params)."""
+        return cls(parse_rules(read_rules_file(Path(path)), str(path), params), registry)
 
     def check(self, record: RequestRecord, prompt_token_counts: list[int]) -> None:
         values = request_fields(record, prompt_token_counts)
@@ -165,13 +157,14 @@ def read_rules_file(path: Path) -> Any:
                          f"{str(e).splitlines()[0][:200]}") from None
 
 
-def parse_rules(doc: Any, source: str) -> list[Rule]:
-    """Rules from the parsed file; every problem names the rule (index and name) and the key."""
+def parse_rules(doc: Any, source: str, params: Collection[str]) -> list[Rule]:
+    """Rules from the parsed file, each naming a derived field or one of `params`; every problem names the rule
+    (index and name) and the key."""
     if not isinstance(doc, dict) or not isinstance(doc.get("rules"), list):
         raise ValueError(f"validation rules {source}: expected a mapping with a 'rules' list")
     rules, names = [], set()
     for i, spec in enumerate(doc["rules"]):
-        rule = _parse_rule(spec, f"validation rules {source}: rule #{i + 1}")
+        rule = _parse_rule(spec, f"validation rules {source}: rule #{i + 1}", params)
         if rule.name in names:
             raise ValueError(f"validation rules {source}: rule #{i + 1}: duplicate name {rule.name!r}")
         names.add(rule.name)
@@ -179,7 +172,7 @@ def parse_rules(doc: Any, source: str) -> list[Rule]:
     return rules
 
 
-def _parse_rule(spec: Any, where: str) -> Rule:
+def _parse_rule(spec: Any, where: str, params: Collection[str]) -> Rule:
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: expected a mapping")
     name = spec.get("name")
@@ -192,7 +185,7 @@ def _parse_rule(spec: Any, where: str) -> Rule:
     field = spec.get("field")
     if not isinstance(field, str):
         raise ValueError(f"{where}: 'field' (a string) is required")
-    if field not in DERIVED_FIELDS | REQUEST_PARAMS:
+    if field not in DERIVED_FIELDS and field not in params:
         raise ValueError(f"{where}: unknown field {field!r}; fields are {sorted(DERIVED_FIELDS)} "
                          "or a request parameter (temperature, max_tokens, user, ...)")
     if not any(k in spec for k in KINDS):

@@ -156,7 +156,7 @@ class Scheduler:
             return True  # its chunk would end inside an image span: it waits for a step with room for the span
         spec = req.spec_token_ids[:grant - n] if n == known else []
         if spec and not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
-                                         extra=req.cache_salt, num_lookahead=len(spec)):
+                                         extra=req.prefix_salt, num_lookahead=len(spec)):
             spec = []  # drafts are optional: drop them before preempting anyone for their blocks
         if not spec and not self._allocate_or_preempt(req, n, out):
             return False
@@ -187,7 +187,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n,
-                                   extra=req.cache_salt):
+                                   extra=req.prefix_salt):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
@@ -248,14 +248,14 @@ class Scheduler:
             if n == 0:
                 continue  # its chunk would end inside an image span (the prefix hit moved): it waits
             if not self.kv.allocate(req.request_id, req.all_token_ids, computed.num_tokens, n, computed,
-                                    req.cache_salt):
+                                    req.prefix_salt):
                 break
             self._start(req, computed.num_tokens, out)
             out.requests.append(self._scheduled(req, n, []))
 
     def _prefix_hit(self, req: Request) -> ComputedBlocks:
         """The blocks of req's tokens the prefix cache holds (none when it needs every position's logits)."""
-        return self.kv.find_computed(req.request_id, req.all_token_ids, req.cache_salt,
+        return self.kv.find_computed(req.request_id, req.all_token_ids, req.prefix_salt,
                                      allow=not req.wants_prompt_logprobs and req.may_reuse_prefix)
 
     def _start(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:

@@ -180,7 +180,7 @@ def prepare(args: argparse.Namespace) -> ServerState:
     metrics = ServerMetrics(config.served_model_name)
     metrics.bind_models(names)
     try:
-        ops = build_ops(args, metrics.registry)
+        ops = build_ops(args, metrics.registry, rule_params)
     except (OSError, ValueError) as e:  # a bad rules/reference file or payload-log setting
         raise ConfigError(str(e)) from None
     pool = ModelPool(specs, args.max_loaded_models, args.model_load_timeout, keep_alive(args))
@@ -189,6 +189,16 @@ def prepare(args: argparse.Namespace) -> ServerState:
     _batches(args, state)
     state.responses = _responses(args)
     return state
+
+
+def rule_params() -> frozenset[str]:
+    """The request parameters a validation rule may name (ops/rules.py): every field of the OpenAI and TGI bodies but
+    the prompt, read from their models (a field added there is nameable at once)."""
+    from lmserve.server.api.tgi.protocol import TGICompatRequest, TGIParameters, TGIRequest
+    from lmserve.server.protocol import ChatRequest, CompletionRequest
+
+    models = (CompletionRequest, ChatRequest, TGIRequest, TGIParameters, TGICompatRequest)
+    return frozenset(f for m in models for f in m.model_fields) - {"prompt", "messages", "inputs", "parameters"}
 
 
 def load_engine(state: ServerState, spec: ModelSpec, on_dead: Callable[[], None]):

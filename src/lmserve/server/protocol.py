@@ -21,6 +21,14 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_MESSAGES = 256
 MAX_JSON_DEPTH = 128  # arrays/objects inside each other in a body: a JSON schema 60 levels deep still fits
 TOOL_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for function names
+# Marks a body field that does not change the answer (how it is delivered, who asked, a cache's own switch): the
+# response cache's key leaves it out (answer_neutral; server/api/cache_replay.py).
+ANSWER_NEUTRAL = "answer-neutral"
+
+
+def answer_neutral(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of a body model marked ANSWER_NEUTRAL."""
+    return frozenset(name for name, f in model.model_fields.items() if ANSWER_NEUTRAL in f.metadata)
 
 
 class _Strict(BaseModel):
@@ -81,14 +89,14 @@ class _Sampling(_NullMeansDefault):
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream: Annotated[bool, ANSWER_NEUTRAL] = False
+    stream_options: Annotated[StreamOptions | None, ANSWER_NEUTRAL] = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: Annotated[str | None, ANSWER_NEUTRAL] = Field(default=None, max_length=256)
     # extras
     top_k: int = 0
     min_p: float = 0.0
@@ -104,9 +112,9 @@ class _Sampling(_NullMeansDefault):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # lmserve: false skips the response cache (--response-cache) for this request
-    cache: bool | None = None
+    cache: Annotated[bool | None, ANSWER_NEUTRAL] = None
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests sending the same salt (any key's)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    cache_salt: Annotated[str | None, ANSWER_NEUTRAL] = Field(default=None, min_length=1, max_length=256)
 
 
 class CompletionRequest(_Sampling):

@@ -4,8 +4,8 @@ A request is cached only when its answer is a function of its body: greedy (temp
 sampling. The key is a SHA-256 of what answers (the served model's name and a fingerprint of its weights as
 loaded; a LoRA adapter's content digest, never just its name, so a replaced or reloaded adapter never answers
 from its predecessor's entries), the caller's API key *name* (entries are never shared across keys) and the
-body with the fields that do not change the answer (`stream`, `stream_options`, `user`, `cache`,
-`cache_salt`) left out, keys sorted. The value is the complete JSON response; a streamed request
+body with the fields that do not change the answer (those its protocol model marks: server/protocol.py
+ANSWER_NEUTRAL) left out, keys sorted. The value is the complete JSON response; a streamed request
 with a hit gets it replayed as a stream (`server/api/cache_replay.py`). Only non-streamed responses are
 stored: a stream's pieces are not kept.
 
@@ -30,7 +30,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Collection, Protocol
 
 from lmserve.files import open_sqlite, user_cache_dir
 from lmserve.loader.fingerprint import weights_fingerprint
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmserve.server")
 
-IGNORED_FIELDS = ("stream", "stream_options", "user", "cache", "cache_salt")  # they do not change the answer
 _WARN_EVERY_S = 60.0
 
 
@@ -192,10 +191,10 @@ def _fetches_an_image(body: dict[str, Any]) -> bool:
     return False
 
 
-def cache_key(model: str, key_name: str, route: str, body: dict[str, Any]) -> str:
+def cache_key(model: str, key_name: str, route: str, body: dict[str, Any], ignored: Collection[str] = ()) -> str:
     """SHA-256 over what answers (`model`: see ResponseCache.answerer), the API key's name, the route and the body
-    minus IGNORED_FIELDS."""
-    kept = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
+    minus the `ignored` fields (those that do not change the answer: server/protocol.py answer_neutral)."""
+    kept = {k: v for k, v in body.items() if k not in ignored}
     text = json.dumps([model, key_name, route, kept], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Union
 
 from lmserve.errors import RequestRejected
@@ -140,7 +140,7 @@ class ModelState:
         Each step's refusal is an APIError before anything reaches the engine, and the limits come before the work
         they guard; the request id is `{id_prefix}-{hex}` and lands in `record`; stream i runs as `{id}-{i}` when
         `numbered` (completions, whose prompt list may hold several) and as the id itself otherwise (one prompt).
-        `fields`: the EngineRequest fields the route sets (priority; cache_salt, the client's own: see _engine_request).
+        `fields`: the EngineRequest fields the route sets (its priority, the body's own: see EngineRequest).
         """
         self.charge(record)
         sources = [s for p in prompts if isinstance(p, Chat) for s in p.images]
@@ -159,8 +159,8 @@ class ModelState:
         max_tokens = self.admit(ids, params, record)
         rid = record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         names = [f"{rid}-{i}" for i in range(len(ids))] if numbered else [rid]
-        base = self._engine_request(rid, params, record, grammar=grammar, lora=lora, **fields)
-        merged = MergedStreams([self.generate(replace(base, request_id=name, prompt=p, max_tokens=n), record, i * params.n)
+        fields = self._fields(record, {**fields, "grammar": grammar, "lora": lora})
+        merged = MergedStreams([self.generate(EngineRequest(name, p, params, n, **fields), record, i * params.n)
                                 for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
 
@@ -175,13 +175,11 @@ class ModelState:
             raise APIError(400, str(e), param=e.param or "messages", reason="invalid_request") from None
         return [expanded], mm
 
-    def _engine_request(self, request_id: str, params: SamplingParams, record: RequestRecord,
-                        cache_salt: str | None = None, **fields: Any) -> EngineRequest:
-        """The request's EngineRequest, made once at admission: who asked, and the prompt's prefix-cache salt (per key
-        unless the request's own `cache_salt`, vLLM's field, or the key's `prefix_cache: shared` opts in)."""
-        key = record.key_name or ANONYMOUS
-        return EngineRequest(request_id, [], params, tenant=record.key_name or "",
-                             cache_salt=self.tenants.prefix_salt(key, cache_salt), **fields)
+    def _fields(self, record: RequestRecord, fields: dict[str, Any]) -> dict[str, Any]:
+        """The EngineRequest fields admission sets beside the route's `fields`: who asked, and who may share the
+        prompt's prefix-cache blocks (per key unless the key's `prefix_cache: shared` opts in: Tenants.prefix_scope)."""
+        return {**fields, "tenant": record.key_name or "",
+                "prefix_scope": self.tenants.prefix_scope(record.key_name or ANONYMOUS)}
 
     def charge(self, record: RequestRecord) -> None:
         """Take the request from its key's rate bucket unless that was done before (the HTTP middleware does it for
@@ -221,7 +219,8 @@ class ModelState:
         self._check_room(beams)
         limits = self.admit(ids, params, record)
         rid = record.request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        return Admitted(rid, ids, limits, lora, self._engine_request(rid, params, record, lora=lora, **fields))
+        fields = self._fields(record, {**fields, "lora": lora})
+        return Admitted(rid, ids, limits, lora, EngineRequest(rid, [], params, **fields))
 
     def admit(self, prompts: list[list[int]], params: SamplingParams, record: RequestRecord) -> list[int]:
         """Validate against the engine and the queue limit before anything reaches the engine thread.

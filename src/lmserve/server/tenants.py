@@ -133,17 +133,14 @@ class Tenants:
         u = self.usage.get(name)
         return u.spec.adapter_dirs() if u is not None else ()
 
-    def prefix_salt(self, name: str, cache_salt: str | None) -> bytes:
-        """What a request's prompt blocks are salted with (Request.cache_salt): blocks are shared only between
-        requests of the same salt.
+    def prefix_scope(self, name: str) -> bytes:
+        """Who may share a request's prompt blocks (EngineRequest.prefix_scope): blocks are shared only between
+        requests of the same scope.
 
-        A request's own `cache_salt` (vLLM's field) shares with every request that sends the same one, whatever
-        its key. Otherwise each key's blocks are its own when keys are configured, so no key can time another's
-        prompts; a `prefix_cache: shared` key, or a server without keys, uses the common pool (no salt).
-        The three forms cannot collide: key names hold no ':', and a request's salt is never empty.
+        Each key's blocks are its own when keys are configured, so no key can time another's prompts; a
+        `prefix_cache: shared` key, or a server without keys, uses the common pool (b""). Key names hold no ':', so
+        no scope is another form of salt (a request's own, which overrides it: engine/front.py EngineFront.requests).
         """
-        if cache_salt:
-            return b"salt:" + cache_salt.encode("utf-8")
         u = self.usage.get(name)
         if not self.enabled or (u is not None and u.spec.prefix_cache == "shared"):
             return b""

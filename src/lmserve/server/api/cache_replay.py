@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lmserve.request import LoRARequest
 from lmserve.server.api import chunks
+from lmserve.server.protocol import answer_neutral
 from lmserve.server.response_cache import cache_key, cacheable
 from lmserve.server.served import ModelState
 from lmserve.server.state import key_name_of, quota_of
@@ -51,7 +52,7 @@ async def lookup(request: Request, st: ModelState, req: BaseModel) -> tuple[Look
     answerer = None if digest is None else await cache.answerer(st.model_name, st.front, digest)
     if answerer is None:  # an adapter not loaded (now: the route answers 404), or weights that cannot be read
         return Lookup(None, "bypass"), None
-    key = cache_key(answerer, key_name_of(request), request.url.path, body)
+    key = cache_key(answerer, key_name_of(request), request.url.path, body, answer_neutral(type(req)))
     stored = await cache.get(key)
     if stored is None:
         return Lookup(key, "miss", digest, key_name_of(request), quota_of(request).cache_entries), None

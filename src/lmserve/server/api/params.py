@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from lmserve.parsers.reasoning import effort_budget
 from lmserve.parsers.tool_formats import HERMES, ToolFormat
 from lmserve.parsers.tool_grammar import tool_call_tag
 from lmserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -102,17 +103,20 @@ def tool_structure(tools: list[dict], choice: str | dict, parallel: bool, fmt: s
         raise APIError(400, str(e), param="tools") from None
 
 
-def _common(r: _Sampling, structured: dict | None = None) -> dict:
+def _sampling_params(r: _Sampling, structured: dict | None = None, **fields) -> SamplingParams:
+    """The body's SamplingParams: the fields completions and chat share, read from it here, and each's own
+    `fields`; `structured`: the output constraint when not the body's own (chat's tools)."""
     bias = _logit_bias(r.logit_bias)
     if r.stream_options is not None and not r.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     structured = structured if structured is not None else structured_spec(r)
-    return dict(structured_outputs=structured_params(structured, "structured_outputs"),
-                n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-                presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
-                repetition_penalty=r.repetition_penalty, logit_bias=bias, seed=r.seed, stop=stop,
-                stop_token_ids=list(r.stop_token_ids or []), min_tokens=r.min_tokens, ignore_eos=r.ignore_eos)
+    return build_params(structured_outputs=structured_params(structured, "structured_outputs"),
+                        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                        presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                        repetition_penalty=r.repetition_penalty, logit_bias=bias, seed=r.seed, stop=stop,
+                        stop_token_ids=list(r.stop_token_ids or []), min_tokens=r.min_tokens, ignore_eos=r.ignore_eos,
+                        **fields)
 
 
 # Completions fields beam search does not combine with (beams are ranked by their raw logprobs, as vLLM's): set to
@@ -162,7 +166,7 @@ def completion_params(r: CompletionRequest, limits: TokenLimits = TokenLimits())
     max_tokens = 1 if scores_prompt_only(r) else max_tokens
     # echo with logprobs covers the prompt's tokens too (OpenAI's legacy scoring); vLLM's extra asks directly.
     prompt_logprobs = r.prompt_logprobs if r.prompt_logprobs is not None else r.logprobs if r.echo else None
-    return build_params(max_tokens=max_tokens, logprobs=r.logprobs, prompt_logprobs=prompt_logprobs, **_common(r))
+    return _sampling_params(r, max_tokens=max_tokens, logprobs=r.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def scores_prompt_only(r: CompletionRequest) -> bool:
@@ -173,7 +177,8 @@ def scores_prompt_only(r: CompletionRequest) -> bool:
 def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFormat = HERMES,
                 plan_fields: dict | None = None) -> SamplingParams:
     """A chat request's SamplingParams: tools constrained in `fmt`; `plan_fields` are the chat plan's
-    (api/chat_plan.py: the reasoning tags any grammar waits for, whether special tokens stay in the text)."""
+    (api/chat_plan.py: the reasoning tags any grammar waits for, whether special tokens stay in the text); a
+    `reasoning_effort` budgets the reasoning where the plan names its tags (as chat_plan.with_budget)."""
     if r.use_beam_search:
         raise APIError(400, "use_beam_search is supported on /v1/completions (and LLM.beam_search), not on chat",
                        param="use_beam_search")
@@ -187,5 +192,8 @@ def chat_params(r: ChatRequest, limits: TokenLimits = TokenLimits(), fmt: ToolFo
     if tools is not None and other is not None:
         raise APIError(400, "response_format and structured outputs cannot be combined with tools "
                        '(unless tool_choice is "none")', param="tools")
-    return build_params(max_tokens=max_tokens, logprobs=(r.top_logprobs or 0) if r.logprobs else None,
-                        **(plan_fields or {}), **_common(r, tools or other))
+    plan_fields = plan_fields or {}
+    if plan_fields.get("reasoning_tags") is not None:
+        plan_fields = {**plan_fields, "reasoning_budget": effort_budget(r.reasoning_effort, max_tokens)}
+    return _sampling_params(r, tools or other, max_tokens=max_tokens,
+                            logprobs=(r.top_logprobs or 0) if r.logprobs else None, **plan_fields)

@@ -19,12 +19,11 @@ from lmserve.beam_search import BeamSearch, BeamSearchSequence, advance_all, nex
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.ops.record import RequestRecord
 from lmserve.parsers.output import OutputParser, Parsed
-from lmserve.parsers.reasoning import effort_budget
 from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api import cache_replay
 from lmserve.server.api import chunks as sse
-from lmserve.server.api.chat_plan import plan_chat, with_budget
+from lmserve.server.api.chat_plan import plan_chat
 from lmserve.server.api.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from lmserve.server.api.params import beam_params, chat_params, completion_params, scores_prompt_only, tool_dicts
 from lmserve.server.api.tool_stream import chat_chunk_deltas
@@ -259,7 +258,6 @@ async def start_chat(st: ModelState, req: ChatRequest, caller: Caller) -> Run:
     tools = tool_dicts(req)  # empty when there are none or tool_choice is "none": replies are plain text
     plan = plan_chat(st, [m.model_dump(exclude_none=True) for m in req.messages], tools, req.chat_template_kwargs)
     params = chat_params(req, st.config.token_limits, plan.fmt, plan.sampling_fields())
-    params = with_budget(params, plan, effort_budget(req.reasoning_effort, params.max_tokens))
     run = await st.start([plan.chat], params, caller.record, model=req.model,
                          id_prefix="chatcmpl", priority=caller.priority, cache_salt=req.cache_salt)
     rid, [ids], merged, lora = run.request_id, run.ids, run.merged, run.lora
