@@ -1,8 +1,8 @@
 """A vision-language model from llama.cpp's two files (loader/mmproj.py): the tiny random Idefics3 (SmolVLM-shaped)
 model made by transformers, converted by llama.cpp's own convert_hf_to_gguf.py to a text GGUF and an mmproj GGUF,
 loaded with `mmproj=`: the same weights as its safetensors load, logits within 1e-4 of it and of transformers with
-one and two images, 32 greedy tokens identical; the engine and `lmserve serve --mmproj` answer image requests as
-the safetensors model does; a wrong projector file is one line at start."""
+one and two images, 32 greedy tokens identical; the engine answers image requests as the safetensors model does and
+`lmserve serve --mmproj` (the GGUF's own tokenizer) as the offline engine on the same files; a wrong projector file is one line at start."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from lmserve.config import EngineConfig
 from lmserve.engine.llm import LLM
 from lmserve.engine.llm_engine import LLMEngine
+from lmserve.layers.attention.context import ContiguousAttention
 from lmserve.loader.model_loader import load_model
 from lmserve.multimodal.idefics3 import Idefics3Config
 from lmserve.sampling_params import SamplingParams
@@ -22,17 +23,18 @@ from tests.llama_convert import convert
 from tests.test_cli_errors import assert_one_line_error, lmserve
 from tests.test_vision_models import _hf_logits, _ours_logits, _prompt
 from tests.tiny_models import build_hf, write_gguf
-from tests.vision_models import IMAGE_TOKEN_ID, build_idefics3, image
+from tests.vision_models import IMAGE_TOKEN_ID, build_idefics3, image, image_bytes
 
 pytest.importorskip("transformers")
 CPU = torch.device("cpu")
+VOCAB = 272  # the tokenizer's 246 words and special tokens, then the SentencePiece pieces the words are merged from
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm-gguf")
-    path, hf = build_idefics3(root)
-    text, mmproj = convert(path, root)
+    path, hf = build_idefics3(root, vocab=VOCAB)
+    text, mmproj = convert(path, root, sentencepiece=True)
     gguf = load_model(text, torch.float32, CPU, quantization="none", mmproj=mmproj)
     st = load_model(path, torch.float32, CPU, quantization="none")
     return path, text, mmproj, hf, gguf, st
@@ -62,9 +64,20 @@ def test_logits_and_greedy_equal_the_safetensors_load(models, sizes):
     assert (got - ref).abs().max().item() <= 1e-4
     a, b = list(ids), list(ids)
     for _ in range(32):
-        a.append(int(_ours_logits(gguf.model, a, pixels)[-1].argmax()))
-        b.append(int(_ours_logits(st.model, b, pixels)[-1].argmax()))
+        a.append(int(_logits(gguf.model, a, pixels, len(ids))[-1].argmax()))
+        b.append(int(_logits(st.model, b, pixels, len(ids))[-1].argmax()))
     assert a == b and len(set(a[len(ids):])) > 1
+
+
+def _logits(model, ids: list[int], pixels, prompt_len: int) -> torch.Tensor:
+    """test_vision_models' _ours_logits, the embeddings placed in the prompt alone (a generated `<image>` token is
+    a token)."""
+    t = torch.tensor(ids)
+    x = model.embed(t)
+    x[(t == IMAGE_TOKEN_ID) & (torch.arange(len(ids)) < prompt_len)] = torch.cat(
+        [model.encode_images(torch.from_numpy(p)) for p in pixels])
+    hidden = model(t, torch.arange(len(ids)), ContiguousAttention([len(ids)]), inputs_embeds=x)
+    return model.compute_logits(hidden)
 
 
 def test_the_engine_answers_as_the_safetensors_model(models):
@@ -72,7 +85,7 @@ def test_the_engine_answers_as_the_safetensors_model(models):
     directory's processor does, and 32 greedy tokens after two images equal the safetensors engine's."""
     path, text, mmproj, _, _, _ = models
     kw = dict(dtype="float32", device="cpu", num_blocks=128, block_size=16, quantization="none")
-    tok = Tokenizer.from_pretrained(path)  # the tiny word-level vocabulary has no merges for a GGUF BPE tokenizer
+    tok = Tokenizer.from_pretrained(path)  # the directory's ids (the GGUF's SentencePiece one adds "▁" pieces)
     cfg = EngineConfig(model=str(text), mmproj=str(mmproj), dtype="float32", device="cpu", quantization="none")
     llm_g = LLM(engine=LLMEngine(cfg, tokenizer=tok))
     llm_s = LLM(str(path), **kw)
@@ -106,3 +119,47 @@ def test_a_wrong_projector_file_is_one_line_at_start(models, tmp_path):
     assert_one_line_error(lmserve("serve", "--model", str(text), "--mmproj", str(text)), "expected 'clip'")
     assert_one_line_error(lmserve("serve", "--model", str(path), "--mmproj", str(mmproj)), "text .gguf file")
     shutil.rmtree(llama_dir)
+
+
+def test_serve_with_mmproj_answers_as_the_offline_engine(models):
+    """`lmserve serve --model text.gguf --mmproj mmproj.gguf`, asked with the openai client: each image's greedy
+    answer equals LLM(text.gguf, mmproj=...)'s for the same chat encoded as the server encodes one (its template's
+    text and the user's text apart: the GGUF's SentencePiece tokenizer puts a prefix space on each), and two images
+    give two answers."""
+    import io
+
+    import openai
+    from PIL import Image
+
+    from tests.server_util import running_server
+    from tests.test_media import data_url
+
+    _, text, mmproj, *_ = models
+    offline = LLM(str(text), mmproj=str(mmproj), dtype="float32", device="cpu", num_blocks=64, block_size=16,
+                  quantization="none")
+    pngs = [image_bytes(90, 50, seed=11), image_bytes(30, 30, seed=12)]
+
+    def chat(png: bytes) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
+                                             {"type": "text", "text": "w5 w6"}]}]
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tok = offline.tokenizer
+    want = []
+    for png in pngs:
+        # as server/api/chat_plan.py renders it: the image part `{"type": "image"}`, the template writes its marker
+        conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6"}]}]
+        ids = tok.encode_rendered(tok.render_chat(conv, add_generation_prompt=True))
+        img = Image.open(io.BytesIO(png))
+        out = offline.generate([{"prompt": ids, "multi_modal_data": {"image": [img]}}], greedy, use_tqdm=False)[0]
+        want.append(out.outputs[0].text)
+    assert want[0] != want[1]
+    with running_server("--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "vlm",
+                        "--dtype", "float32", "--quantization", "none", "--max-model-len", "512") as s:
+        oai = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        for png, expected in zip(pngs, want):
+            r = oai.chat.completions.create(model="vlm", messages=chat(png), max_tokens=8, temperature=0.0,
+                                            extra_body={"ignore_eos": True})
+            assert r.choices[0].message.content == expected
+            assert r.usage.prompt_tokens > 10  # the image's placeholder tokens are counted
+        s.wait_idle()
