@@ -206,7 +206,8 @@ def vs_llama_server(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         text, mmproj = mmproj_files(Path(tmp))
         systems = {"lmserve": lambda port: ([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port),
-                                             "--model", str(text), "--mmproj", str(mmproj), "--dtype", "float32",
+                                             "--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "m",
+                                             "--dtype", "float32",
                                              "--quantization", "none", "--num-threads", str(args.threads),
                                              "--max-num-seqs", str(n), "--kv-cache-memory", str(2**30),
                                              "--max-model-len", "1024", "--log-level", "warning"],
@@ -214,7 +215,7 @@ def vs_llama_server(args) -> None:
                    "llama-server": lambda port: ([str(binary), "-m", str(text), "--mmproj", str(mmproj), "--host",
                                                   "127.0.0.1", "--port", str(port), "-t", str(args.threads), "-tb",
                                                   str(args.threads), "-np", str(n), "-c", str(n * 1024),
-                                                  "--no-webui"], {"LD_LIBRARY_PATH": str(binary.parent)})}
+                                                  "--alias", "m", "--no-webui"], {"LD_LIBRARY_PATH": str(binary.parent)})}
         if not binary.is_file():
             systems.pop("llama-server")
             print(f"{binary} not built: lmserve alone", flush=True)

@@ -163,3 +163,21 @@ def test_serve_with_mmproj_answers_as_the_offline_engine(models):
             assert r.choices[0].message.content == expected
             assert r.usage.prompt_tokens > 10  # the image's placeholder tokens are counted
         s.wait_idle()
+
+
+def test_the_projector_file_is_part_of_the_weights_fingerprint(models, tmp_path):
+    """The response cache and the KV tier key by the served weights: another projector file beside the same text
+    GGUF is other weights (its images encode differently)."""
+    from dataclasses import replace
+
+    from lmserve.loader.fingerprint import served_fingerprint, weights_fingerprint
+    from lmserve.loader.mmproj import read_mmproj
+
+    _, text, mmproj, _, gguf, _ = models
+    other = tmp_path / "other-mmproj.gguf"
+    data = bytearray(mmproj.read_bytes())
+    data[-4:] = b"\0\0\0\0"  # the last weight's bytes differ
+    other.write_bytes(bytes(data))
+    fp = served_fingerprint(gguf)
+    assert fp != weights_fingerprint(text) and fp == served_fingerprint(gguf)
+    assert served_fingerprint(replace(gguf, mmproj=read_mmproj(other, gguf.config))) != fp
