@@ -146,7 +146,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         if mmproj is not None:
             mm = _check_mmproj(mmproj, cfg, quantization, shard, stage)
             net = _load_gguf(gguf, cfg, dtype, device, shard, keep=False, stage=stage, mmproj=mm)
-            cfg = net.config
+            cfg = vision_model_config(cfg, mm)  # the vision family's (one rank: what the model was built from)
         else:
             net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage)
     else:
