@@ -14,6 +14,16 @@ asks the offline engine (engine/llm.py) for one token of three requests, each ti
 The target: repeat / first <= 0.3x. Without --split an image is one 512 px tile (64 tokens); with it, SmolVLM's
 default splitting: the 640x480 image is 4x3 tiles and the global view (859 tokens), where the tower's share is
 larger still.
+
+    python benchmarks/vision_ttft.py --vs-llama-server [--llama-server PATH] [--threads 2]
+
+lmserve against llama-server on the same two files: the same random model converted by llama.cpp's own
+convert_hf_to_gguf.py (tests/llama_convert.py) to a text GGUF and an mmproj GGUF (float32), served by
+`lmserve serve --mmproj` and `llama-server --mmproj`, one after the other in the same run, the same threads. Alt
+text: a 512x512 image and a short text, 32 tokens out (ignore_eos, greedy), streamed; every request a new image
+(no encoder or prefix cache helps). Measured: TTFT of one image alone (median of 3, wall clock) and images/s of 8
+concurrent requests. The preprocessor's longest edge is 512 (one tile): llama.cpp splits any image whose
+preprocessing size passes the tile, and SmolVLM's own 2048 makes a 512 px image 16 tiles and a global view.
 """
 
 from __future__ import annotations
@@ -81,7 +91,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--split", action="store_true", help="SmolVLM's default image splitting (tiles and the global view)")
     ap.add_argument("--output-dir", default=str(ROOT / "benchmarks/results"))
+    ap.add_argument("--vs-llama-server", action="store_true", help="lmserve against llama-server on GGUF + mmproj")
+    ap.add_argument("--llama-server", default=str(ROOT / "benchmarks/.cache/llama.cpp/build/bin/llama-server"))
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.vs_llama_server:
+        vs_llama_server(args)
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -126,6 +142,136 @@ def main() -> None:
               f"(one per round and the warm-up).", ""]
     (out / f"{name}.md").write_text("\n".join(lines))
     print(f"repeat/first {ratio:.3f}x (target 0.3x); same/first {same:.3f}x; {encoded} images encoded")
+
+
+def mmproj_files(root: Path) -> tuple[Path, Path]:
+    """The random SmolVLM-256M-shaped model as llama.cpp's converter writes it: (text GGUF, mmproj GGUF)."""
+    from tests.llama_convert import convert
+
+    path = build(root, split=False)
+    pre = json.loads((path / "preprocessor_config.json").read_text())
+    (path / "preprocessor_config.json").write_text(json.dumps({**pre, "size": {"longest_edge": 512}}))
+    return convert(path, root, sentencepiece=True)
+
+
+def _chat_body(png: bytes, stream: bool) -> dict:
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    return {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w5 w6 w7 w8"}]}],
+        "max_tokens": 32, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+
+
+def _ttft(client, url: str, png: bytes) -> float:
+    """Wall seconds from sending a streamed chat request to its first content delta."""
+    start = time.perf_counter()
+    with client.stream("POST", url + "/v1/chat/completions", json=_chat_body(png, True), timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0].get("delta") or {}
+                if delta.get("content"):
+                    return time.perf_counter() - start
+    raise RuntimeError(f"{url}: no content streamed")
+
+
+def _concurrent(client, url: str, pngs: list[bytes]) -> tuple[float, list[int]]:
+    """(wall seconds, completion tokens of each) of the requests sent at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(png: bytes) -> int:
+        r = client.post(url + "/v1/chat/completions", json=_chat_body(png, False), timeout=1200)
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(pngs)) as pool:
+        tokens = list(pool.map(one, pngs))
+    return time.perf_counter() - start, tokens
+
+
+def vs_llama_server(args) -> None:
+    """lmserve and llama-server on the same GGUF + mmproj (module docstring)."""
+    import subprocess
+
+    import httpx
+
+    from tests.server_util import free_port
+    from tests.vision_models import image_bytes
+
+    peer_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    binary = Path(args.llama_server)
+    n, rounds = 8, 3
+    with tempfile.TemporaryDirectory() as tmp:
+        text, mmproj = mmproj_files(Path(tmp))
+        systems = {"lmserve": lambda port: ([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port),
+                                             "--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "m",
+                                             "--dtype", "float32",
+                                             "--quantization", "none", "--num-threads", str(args.threads),
+                                             "--max-num-seqs", str(n), "--kv-cache-memory", str(2**30),
+                                             "--max-model-len", "1024", "--log-level", "warning"],
+                                            {"PYTHONPATH": str(ROOT / "src")}),
+                   "llama-server": lambda port: ([str(binary), "-m", str(text), "--mmproj", str(mmproj), "--host",
+                                                  "127.0.0.1", "--port", str(port), "-t", str(args.threads), "-tb",
+                                                  str(args.threads), "-np", str(n), "-c", str(n * 1024),
+                                                  "--alias", "m", "--no-webui"], {"LD_LIBRARY_PATH": str(binary.parent)})}
+        if not binary.is_file():
+            systems.pop("llama-server")
+            print(f"{binary} not built: lmserve alone", flush=True)
+        rows, seed = {}, 1000
+        load = [os.getloadavg()[0]]
+        for name, cmd_of in systems.items():
+            port = free_port()
+            cmd, env = cmd_of(port)
+            proc = subprocess.Popen(cmd, env={**peer_env, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                with httpx.Client(timeout=5) as client:
+                    for _ in range(3000):
+                        try:
+                            if client.get(url + "/health").status_code == 200:
+                                break
+                        except httpx.HTTPError:
+                            pass
+                        if proc.poll() is not None:
+                            raise RuntimeError(f"{name} exited during start")
+                        time.sleep(0.1)
+                    _ttft(client, url, image_bytes(512, 512, seed=1))  # warm-up: first-call costs out of the way
+                    ttfts = []
+                    for _ in range(rounds):
+                        seed += 1
+                        ttfts.append(_ttft(client, url, image_bytes(512, 512, seed=seed)))
+                    pngs = [image_bytes(512, 512, seed=seed + 1 + i) for i in range(n)]
+                    seed += n
+                    wall, tokens = _concurrent(client, url, pngs)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+            rows[name] = {"ttft_s": ttfts, "ttft_median_s": statistics.median(ttfts), "concurrent": n,
+                          "concurrent_wall_s": wall, "images_per_s": n / wall, "completion_tokens": tokens}
+            print(f"{name}: TTFT {statistics.median(ttfts):.2f} s (median of {rounds}), {n} concurrent: "
+                  f"{n / wall:.3f} images/s", flush=True)
+        load.append(os.getloadavg()[0])
+    result = {"cpu": _cpu_name(), "threads": args.threads, "image": "512x512 PNG, one 512 px tile (64 tokens)",
+              "max_tokens": 32, "weights": "float32 GGUF + float32 mmproj (convert_hf_to_gguf.py)",
+              "systems": rows, "loadavg_before_after": load, "clock": "wall (time.perf_counter)"}
+    if "llama-server" in rows:
+        lm, ll = rows["lmserve"], rows["llama-server"]
+        result |= {"images_per_s_ratio": lm["images_per_s"] / ll["images_per_s"],
+                   "ttft_ratio": lm["ttft_median_s"] / ll["ttft_median_s"]}
+    out = Path(args.output_dir)
+    (out / "vision_mmproj.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["# Alt text from GGUF + mmproj: lmserve against llama-server, SmolVLM-256M shape, random weights", "",
+             f"CPU: {result['cpu']}; {args.threads} threads each; wall clock; load average {load[0]:.1f} -> "
+             f"{load[1]:.1f}; {result['image']}, 32 tokens out; the same two files (llama.cpp's converter).", "",
+             "| system | TTFT, one image (s, median of 3) | 8 concurrent: wall (s) | images/s |", "|---|---|---|---|"]
+    lines += [f"| {k} | {r['ttft_median_s']:.2f} | {r['concurrent_wall_s']:.1f} | {r['images_per_s']:.3f} |"
+              for k, r in rows.items()]
+    if "llama-server" in rows:
+        lines += ["", f"lmserve / llama-server: images/s **{result['images_per_s_ratio']:.2f}x** (target >= 1.5x), "
+                  f"TTFT **{result['ttft_ratio']:.2f}x** (target <= 1.0x)."]
+    (out / "vision_mmproj.md").write_text("\n".join(lines) + "\n")
 
 
 def _cpu_name() -> str:

@@ -42,15 +42,16 @@ def write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> None:
                                                              "chat_template": chat_template}))
 
 
-def build_idefics3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    """(model directory, the transformers model in float32, eval mode)."""
+def build_idefics3(root: Path, seed: int = 0, vocab: int = VOCAB) -> tuple[Path, torch.nn.Module]:
+    """(model directory, the transformers model in float32, eval mode); `vocab`: the text model's rows (more than the
+    tokenizer's leaves room for a converted tokenizer's extra pieces: tests/llama_convert.py)."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.Idefics3Config(
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                            image_size=TILE, patch_size=PATCH, initializer_range=0.2),
-        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6),
         scale_factor=SCALE, image_token_id=IMAGE_TOKEN_ID)

@@ -127,6 +127,8 @@ class EngineConfig:
 
     model: str | None = None  # None: the embedded default model; a path, or a Hugging Face Hub id (org/name)
     revision: str | None = None  # Hub revision (branch, tag or commit) when model is a Hub id
+    # a text GGUF's multimodal projector file (llama.cpp's --mmproj): the vision tower and its preprocessing
+    mmproj: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda[:N]
     # auto: gguf for a GGUF file with quantized projections on CPU, float32, one rank, else none (loader/gguf_packed.py);
@@ -196,7 +198,7 @@ class SpeculativeConfig:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags of `cli.add_engine_args` (serve, generate, chat and bench share them)."""
     return EngineConfig(
-        model=args.model, revision=args.revision, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        model=args.model, revision=args.revision, mmproj=getattr(args, "mmproj", None), dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, speculative=args.speculative_config, cuda_graphs=args.cuda_graphs,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,

@@ -68,7 +68,7 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
         except ValueError as e:
             raise ConfigError(f"--quantization: {e}") from None
     path = model_path(cfg.model, cfg.revision)
-    model_config = read_model_config(path)
+    model_config = read_model_config(path, cfg.mmproj)
     try:
         check_head_dim(model_config.head_dim, kv_dtype)
     except ValueError as e:

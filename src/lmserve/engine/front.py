@@ -19,7 +19,7 @@ from lmserve.engine.stats import EngineLoad
 from lmserve.errors import RequestRejected
 from lmserve.lora.registry import LoraRegistry
 from lmserve.multimodal.processor import MMInput
-from lmserve.multimodal.registry import processor_for
+from lmserve.multimodal.registry import processor_for, processor_from_settings
 from lmserve.request import BlockSalt, EngineRequest, LoRARequest, Request
 from lmserve.sampling_params import SamplingParams, VocabError
 from lmserve.structured.compiler import Compiled, GrammarCompiler, GrammarError, VocabInfo
@@ -273,6 +273,9 @@ def _with_images(images: bytes, salt: bytes) -> bytes:
 
 def _prompt_images(parts: EngineParts) -> PromptImages | None:
     """The served model's image preprocessing, from its directory (None: a text-only model)."""
-    path = parts.loaded.path
-    proc = processor_for(parts.loaded.config.architecture, path if path.is_dir() else None)
+    path, mm = parts.loaded.path, parts.loaded.mmproj
+    if mm is not None:  # a text GGUF and its projector file: the settings its metadata gave (loader/mmproj.py)
+        proc = processor_from_settings(parts.loaded.config.architecture, mm.preprocessor, mm.processor)
+    else:
+        proc = processor_for(parts.loaded.config.architecture, path if path.is_dir() else None)
     return None if proc is None else PromptImages(proc, parts.tokenizer)

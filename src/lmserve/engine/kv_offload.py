@@ -13,7 +13,7 @@ from lmserve.cache.kv_tier import KVTier, open_kv_tier
 from lmserve.config import VERSION
 from lmserve.layers.attention.backends import resolve_attention_backend
 from lmserve.layers.kernels.native import build_key
-from lmserve.loader.fingerprint import weights_fingerprint
+from lmserve.loader.fingerprint import served_fingerprint
 from lmserve.preflight import check_kv_offload
 from lmserve.worker.kv_transfer import BlockCopier, KVTransfer
 
@@ -64,7 +64,7 @@ def kv_identity(engine: EngineParts, layout: str) -> dict[str, str]:
         device += ":" + torch.cuda.get_device_name(engine.device)
     vocab = hashlib.sha256("\0".join(engine.tokenizer.vocab_tokens()).encode("utf-8", "surrogatepass")).hexdigest()
     return {
-        "weights": weights_fingerprint(loaded.path), "weight_format": loaded.weight_format,
+        "weights": served_fingerprint(loaded), "weight_format": loaded.weight_format,
         "dtype": str(engine.dtype).removeprefix("torch."), "lmserve": VERSION,
         "kernels": build_key() or "torch", "torch": torch.__version__, "attention": backend, "device": device,
         "threads": str(torch.get_num_threads()), "tokenizer": vocab[:16], "kv_layout": layout,

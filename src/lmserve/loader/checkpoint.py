@@ -11,6 +11,7 @@ from lmserve.loader.default_model import default_model_path
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_loader import gguf_config
 from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
+from lmserve.loader.mmproj import read_mmproj, vision_model_config
 from lmserve.loader.prequant import PrequantScheme, read_scheme
 from lmserve.loader.safetensors_loader import read_config, weight_files
 from lmserve.models.config import ModelConfig
@@ -30,11 +31,18 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
     return path
 
 
-def read_model_config(path: Path) -> ModelConfig:
-    """The model's hyperparameters from its header alone (GGUF metadata or config.json): no weights are read.
+def read_model_config(path: Path, mmproj: str | Path | None = None) -> ModelConfig:
+    """The model's hyperparameters from its header alone (GGUF metadata or config.json): no weights are read;
+    with `mmproj` (a text GGUF's projector file) the vision family's, the projector checked against the text model.
 
     Raises the CheckpointError load_model would, so a bad checkpoint is refused before anything starts.
     """
+    if mmproj is not None:
+        if path.is_dir() or path.suffix.lower() != ".gguf":
+            raise CheckpointError(f"--mmproj goes with a text .gguf file; {path} is not one (a Hugging Face "
+                                  "directory carries its own vision tower)")
+        text = gguf_config(read_gguf(path))
+        return vision_model_config(text, read_mmproj(mmproj, text))
     if path.is_dir():
         cfg = config_from_dir(path)
         scheme_of(path)  # a refused quantization_config fails here too

@@ -28,6 +28,15 @@ def weights_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def served_fingerprint(loaded: Any) -> str:
+    """A loaded model's weights: its checkpoint's fingerprint, and its projector file's where a text GGUF is served
+    with one (--mmproj): the same text model with another projector encodes images differently, so KV blocks and
+    cached responses of one must never be read for the other."""
+    fp = weights_fingerprint(Path(loaded.path))
+    mmproj = getattr(loaded, "mmproj", None)
+    return fp if mmproj is None else f"{fp}+{weights_fingerprint(Path(mmproj.path))}"
+
+
 @functools.lru_cache(maxsize=16)
 def _file_fingerprint(path: str, name: str, size: int, mtime_ns: int, inode: int) -> str:
     h = hashlib.sha256()

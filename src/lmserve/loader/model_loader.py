@@ -5,6 +5,7 @@ while it is built stay here (a GGUF file's or a pre-quantized checkpoint's kept 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import resource
@@ -25,6 +26,7 @@ from lmserve.loader.empty_model import empty_model
 from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
+from lmserve.loader.mmproj import Mmproj, mmproj_tensors, read_mmproj, vision_model_config
 from lmserve.loader.prequant import METHODS as PREQUANT_METHODS
 from lmserve.loader.prequant import (
     CheckpointTensors,
@@ -62,6 +64,7 @@ class LoadedModel:
     shard: TPShard | None = None  # tensor parallelism: model holds this rank's part (model.config is per rank)
     prequant: PrequantScheme | None = None  # a GPTQ / AWQ / compressed-tensors checkpoint's checked scheme
     stage: PPStage | None = None  # pipeline parallelism: model holds this rank's layers (layers/formats/pipeline.py)
+    mmproj: Mmproj | None = None  # a text GGUF's multimodal projector file (--mmproj): its tower and preprocessing
 
     @property
     def quantization(self) -> str:
@@ -89,7 +92,7 @@ class LoadedModel:
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, revision: str | None = None,
                shard: TPShard | None = None, max_model_len: int | None = None,
-               stage: PPStage | None = None) -> LoadedModel:
+               stage: PPStage | None = None, mmproj: str | Path | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     The model comes back untransformed: float linears stay nn.Linear until the pipeline's weight_format step
@@ -104,6 +107,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     `stage` builds only this pipeline rank's layers (and, on rank 0, the embedding, final norm and LM head): the
     others are parameter-free stand-ins put in before any weight is read, and their tensors are never read.
     `max_model_len`, the context the engine will serve, picks LongRoPE's factors (models/rope.py).
+    `mmproj`: llama.cpp's multimodal projector file beside a text GGUF (loader/mmproj.py): the model is the vision
+    family's, its tower's weights read from that file.
     """
     if quantization:
         check_scheme(quantization, device)
@@ -115,6 +120,11 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     world = shard.world_size if shard is not None else 1
     gguf = read_gguf(path) if path.suffix.lower() == ".gguf" and not path.is_dir() else None
     prequant = scheme_of(path) if path.is_dir() else None
+    if mmproj is not None and gguf is None:
+        raise CheckpointError(f"--mmproj goes with a text .gguf file; {path} is not one (a Hugging Face directory "
+                              "carries its own vision tower)")
+    if mmproj is not None and quantization == "auto":  # the file's blocks are kept for text models only, so far
+        quantization = None
     if quantization == "auto":
         quantization, why = (auto_quantization(gguf, device, dtype, world) if prequant is None
                              else auto_prequant(prequant, device, dtype, world))
@@ -133,7 +143,12 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
             net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard, stage=stage))
     elif gguf is not None:
         cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
-        net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage)
+        if mmproj is not None:
+            mm = _check_mmproj(mmproj, cfg, quantization, shard, stage)
+            net = _load_gguf(gguf, cfg, dtype, device, shard, keep=False, stage=stage, mmproj=mm)
+            cfg = vision_model_config(cfg, mm)  # the vision family's (one rank: what the model was built from)
+        else:
+            net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage)
     else:
         refuse_format(path)
     net.eval()
@@ -146,7 +161,19 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     fmt = "safetensors" if gguf is None else "gguf"
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
-    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant, stage)
+    return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant, stage,
+                       mm if mmproj is not None else None)
+
+
+def _check_mmproj(mmproj: str | Path, cfg: ModelConfig, quantization: str | None, shard: TPShard | None,
+                  stage: PPStage | None) -> Mmproj:
+    """The mmproj file read and checked against the text model, and the settings it is served with."""
+    if quantization is not None:
+        raise CheckpointError(f"--mmproj: --quantization {quantization} is not supported with a projector file yet "
+                              "(use none)")
+    if (shard is not None and shard.world_size > 1) or stage is not None:
+        raise CheckpointError("--mmproj: tensor and pipeline parallelism are not supported with a projector file yet")
+    return read_mmproj(mmproj, cfg)
 
 
 def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConfig, dtype: torch.dtype,
@@ -171,8 +198,11 @@ def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConf
 
 
 def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               shard: TPShard | None, keep: bool, stage: PPStage | None = None) -> torch.nn.Module:
-    """Build and fill the model from a GGUF file; `keep`: its quantized tensors stay in their blocks."""
+               shard: TPShard | None, keep: bool, stage: PPStage | None = None,
+               mmproj: Mmproj | None = None) -> torch.nn.Module:
+    """Build and fill the model from a GGUF file; `keep`: its quantized tensors stay in their blocks; `mmproj`: the
+    vision family's model, the text GGUF's tensors read as for the text model (`cfg`) and the tower's from the
+    projector file."""
     if keep and shard is not None and shard.world_size > 1:
         raise CheckpointError("--quantization gguf does not split across tensor-parallel ranks yet; "
                               "use --quantization none (the ranks then dequantize the file) or one rank")
@@ -186,14 +216,17 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
             return keep_gguf_quantized(n, gguf, cfg, dtype)
         kept.update(build(net) if stage is not None else cached_keep(net, gguf, dtype, build))
 
-    net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, keep_blocks if keep else None))
+    built = cfg if mmproj is None else vision_model_config(cfg, mmproj)
+    net = empty_model(local_config(built, world), dtype, device, _staged(stage, keep_blocks if keep else None))
     factors = rope_freq_factors(gguf)
     if factors is not None:
         net.rotary.reset(rope_specs(net.config, factors), device)
     if stage is not None:  # another rank's blocks are never dequantized
         kept |= {t.name for t in gguf.tensors if not _gguf_held(t.name, stage)}
     weights = iter_gguf(gguf, cfg, skip=kept)  # dequantized whole (Q/K unpermuted with the whole head count)
-    net.load_weights(_family_tensors(weights, cfg, shard, whole=True, stage=stage))
+    if mmproj is not None:
+        weights = itertools.chain(weights, mmproj_tensors(mmproj))
+    net.load_weights(_family_tensors(weights, built, shard, whole=True, stage=stage))
     return net
 
 

@@ -31,6 +31,19 @@ PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
 }
 
 
+# architecture -> (preprocessor_config.json's dict, processor_config.json's) -> its processor: a model whose
+# settings come from elsewhere (a GGUF projector file: loader/mmproj.py writes them in these files' shape)
+FROM_SETTINGS: dict[str, Callable[[dict, dict], VisionProcessor]] = {
+    "Idefics3ForConditionalGeneration": lambda pre, proc: Idefics3Processor(Idefics3Config.from_dicts(pre, proc)),
+}
+
+
+def processor_from_settings(architecture: str, preprocessor: dict, processor: dict) -> VisionProcessor | None:
+    """The processor of an architecture from its settings' dicts (None: no vision preprocessing for it)."""
+    make = FROM_SETTINGS.get(architecture)
+    return None if make is None else make(preprocessor, processor)
+
+
 def processor_for(architecture: str, path: Path | None) -> VisionProcessor | None:
     """The processor of a vision model's architecture (None: a text-only model, or no directory to read it from)."""
     make = PROCESSORS.get(architecture)

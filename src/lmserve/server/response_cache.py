@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Protocol
 
 from lmserve.files import open_sqlite, user_cache_dir
-from lmserve.loader.fingerprint import weights_fingerprint
+from lmserve.loader.fingerprint import served_fingerprint
+from lmserve.loader.fingerprint import weights_fingerprint as weights_fingerprint  # its tests' name for it
 from lmserve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ class ResponseCache:
         if fp is None:
             loaded = engine.loaded
             try:
-                fp = f"{weights_fingerprint(Path(loaded.path))}:{loaded.weight_format}:{engine.dtype}"
+                fp = f"{served_fingerprint(loaded)}:{loaded.weight_format}:{engine.dtype}"
             except OSError as e:
                 log.warning("response cache: cannot fingerprint %s (%s); its requests bypass the cache", loaded.path, e)
                 return None
