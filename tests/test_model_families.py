@@ -152,13 +152,13 @@ def test_packed_gguf_keeps_mixed_layouts_quantized(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("name,kv_dtype", [(n, "auto") for n, a in ARCHS.items()
-                                           if a.gguf and n not in ("phi3", "qwen2_moe", "gpt_oss")] +
+                                           if a.gguf and n != "phi3" and not a.moe] +
                          [("gemma2", "int8"), ("gemma3", "fp8_e4m3")])
 def test_native_decode_stack_is_the_module_loop_bitwise(tiny, tmp_path, name, kv_dtype):
     """Quantized GGUFs of every family whose layers the native decode stack runs (sandwich norms, QK-norm, GeGLU,
-    NoPE layers, per-kind rotary tables, windows, soft-caps; q/k and v in different block layouts; Qwen3-MoE's and
-    Mixtral's grouped experts): the runner applies it, and tokens and logprobs are bit-identical with it removed
-    (Phi-3's partial rotary, Qwen2-MoE's shared expert and gpt-oss's sinks keep the loop); also over quantized KV caches (Gemma 2's windows and soft-caps, Gemma 3's QK-norm and per-kind rotary)."""
+    NoPE layers, per-kind rotary tables, windows, soft-caps; q/k and v in different block layouts): the runner
+    applies it, and tokens and logprobs are bit-identical with it removed (Phi-3's partial rotary and the mixtures
+    of experts keep the loop); also over quantized KV caches (Gemma 2's windows and soft-caps, Gemma 3's QK-norm and per-kind rotary)."""
     from lmserve.layers.kernels.decode_stack import apply_decode_stack, remove_decode_stack
 
     _, _, ref = tiny(name)

@@ -236,8 +236,9 @@ def test_served_to_the_openai_client(qwen3_moe):
 def test_the_native_decode_stack_runs_the_experts_as_the_module_loop(arch, tmp_path):
     """A Q8_0 GGUF of a tiny Qwen3-MoE (renormalised top-k, QK-norm) and Mixtral (a `llama` file with experts): the
     runner's decode stack takes every layer, routing and grouped experts included (decode_stack.h `MoeMlp`), and a
-    batch of three requests gives the same greedy tokens and logprobs (chosen and top-3) as with the stack removed
-    (the module loop: the router, then the grouped experts of layers/kernels/moe_kernels.py, the reference)."""
+    batch of three requests gives the same greedy tokens as with the stack removed (the module loop: the router, then
+    the grouped experts of layers/kernels/moe_kernels.py, the reference), and logprobs (chosen and top-3) within
+    float error: the stack routes and sums in plain loops (exp and the order of the sums round differently)."""
     from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.layers.kernels import native
@@ -263,5 +264,9 @@ def test_the_native_decode_stack_runs_the_experts_as_the_module_loop(arch, tmp_p
     remove_decode_stack(model)
     reference = generate(eng, batch, params)
     assert {k: [t[0] for t in v] for k, v in fused.items()} == {k: [t[0] for t in v] for k, v in reference.items()}
-    assert fused == reference  # the same ops on the same values: logprobs bit for bit too
+    for request, steps in reference.items():
+        for (_, logprob, top), (_, ours, our_top) in zip(steps, fused[request]):
+            assert abs(ours - logprob) < 1e-2  # int8 activations: a last-bit change can move a code
+            assert [t[0] for t in our_top] == [t[0] for t in top]
+            assert np.allclose([t[1] for t in our_top], [t[1] for t in top], atol=1e-2)
     assert apply_decode_stack(model) is not None

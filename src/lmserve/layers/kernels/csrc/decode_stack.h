@@ -39,6 +39,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -202,45 +203,80 @@ torch::Tensor act_and_mul(const torch::Tensor& gate_up, int64_t act) {
 }
 
 torch::Tensor MoeMlp::operator()(const torch::Tensor& h, int64_t act) const {
-  // route: softmax over the experts then the top k (renormalised or not), or the top k logits then their softmax
-  const torch::Tensor logits = router_logits(h);
-  torch::Tensor weights, experts;
-  if (softmax_after_topk) {
-    torch::Tensor top;
-    std::tie(top, experts) = at::topk(logits, top_k, -1);
-    weights = at::softmax(top, -1, torch::kFloat);
-  } else {
-    std::tie(weights, experts) = at::topk(at::softmax(logits, -1, torch::kFloat), top_k, -1);
-    if (renormalize) weights = weights / weights.sum(-1, true);
+  // Routing and the weighted sum run as plain loops on this thread: a [16, 8] softmax or scatter in ATen opens an
+  // OpenMP region, and on a loaded 2-core machine each such region waited ~15 ms for a descheduled worker (profiled:
+  // softmax and index_put_ were 2/3 of the MoE step). The numbers are blocks/moe.route's and combine's up to rounding
+  // (exp and the order of the sums): tokens follow the module path, logits within float error (tests/test_moe.py).
+  const torch::Tensor logits = router_logits(h).contiguous();
+  const int64_t T = h.size(0), k = top_k, P = T * k, E = num_experts;
+  TORCH_CHECK(logits.size(1) == E, "DecodeStack: router outputs != experts");
+  const float* lg = logits.data_ptr<float>();
+  std::vector<float> weights(P), prob(E);
+  std::vector<int64_t> ex(P);
+  std::vector<char> taken(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = lg + t * E;
+    if (softmax_after_topk) {
+      std::copy(row, row + E, prob.begin());
+    } else {  // softmax over every expert (float32), as F.softmax
+      float mx = row[0];
+      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, row[e]);
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += prob[e] = std::exp(row[e] - mx);
+      for (int64_t e = 0; e < E; ++e) prob[e] /= sum;
+    }
+    // the top k in descending order, the lower index first among equals (torch.topk's order)
+    std::fill(taken.begin(), taken.end(), 0);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
+      taken[best] = 1;
+      ex[t * k + j] = best;
+      weights[t * k + j] = prob[best];
+    }
+    float* w = weights.data() + t * k;
+    if (softmax_after_topk) {  // gpt-oss: a softmax over the k chosen logits
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j] = std::exp(w[j] - w[0]);
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    } else if (renormalize) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j];
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    }
   }
-  // group_by_expert: the T * k pairs in a stable sort by expert (a counting sort: the same order as the stable argsort)
-  const int64_t T = h.size(0), P = T * top_k, E = num_experts;
-  experts = experts.contiguous();
-  const int64_t* ex = experts.data_ptr<int64_t>();
+  // group_by_expert: the T * k pairs in a stable sort by expert (a counting sort: the stable argsort's order)
   auto offsets = torch::zeros({E + 1}, torch::dtype(torch::kLong));
-  auto order = torch::empty({P}, torch::dtype(torch::kLong));
   auto token = torch::empty({P}, torch::dtype(torch::kLong));
   auto row_experts = torch::empty({P}, torch::dtype(torch::kLong));
   int64_t* off = offsets.data_ptr<int64_t>();
-  for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(ex[p] >= 0 && ex[p] < E, "DecodeStack: the router chose no expert");
-    ++off[ex[p] + 1];
-  }
+  for (int64_t p = 0; p < P; ++p) ++off[ex[p] + 1];
   for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
-  std::vector<int64_t> next(off, off + E);
-  int64_t *po = order.data_ptr<int64_t>(), *pt = token.data_ptr<int64_t>(), *pe = row_experts.data_ptr<int64_t>();
+  std::vector<int64_t> next(off, off + E), row_of(P);
+  int64_t *pt = token.data_ptr<int64_t>(), *pe = row_experts.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) {
     const int64_t r = next[ex[p]]++;
-    po[r] = p;
-    pt[r] = p / top_k;
+    row_of[p] = r;
+    pt[r] = p / k;
     pe[r] = ex[p];
   }
   const torch::Tensor rows = h.index_select(0, token);  // [T * k, hidden], expert-major
-  const torch::Tensor out = down(act_and_mul(gate_up(rows, offsets, row_experts), act), offsets, row_experts);
-  // combine: back to pair order, each token's k outputs weighted and summed in slot order
-  torch::Tensor pairs = torch::empty_like(out);
-  pairs.index_put_({order}, out);
-  return (pairs.view({T, top_k, -1}) * weights.unsqueeze(-1)).sum(1);
+  const torch::Tensor out =
+      down(act_and_mul(gate_up(rows, offsets, row_experts), act), offsets, row_experts).contiguous();
+  // combine: each token's k outputs weighted and summed in slot order
+  const int64_t H = out.size(1);
+  auto result = torch::zeros({T, H}, h.options());
+  const float* y = out.data_ptr<float>();
+  float* res = result.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const float w = weights[t * k + j];
+      const float* src = y + row_of[t * k + j] * H;
+      float* dst = res + t * H;
+      for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
+    }
+  return result;
 }
 
 }  // namespace
