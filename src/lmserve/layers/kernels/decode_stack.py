@@ -17,8 +17,9 @@ does not pass through to the module loop. (8 rank-16 adapters in a batch of 32, 
 base on a loaded 2-core Zen 5, 1 thread: 0.48x with those steps in the module loop, see benchmarks/results/lora.md.) Models with other layers (parallel wrappers, float
 or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks (gpt-oss), a mixture of experts with a shared expert
 (Qwen2-MoE) or without grouped GGUF experts) keep the module loop. The native stack calls the same kernels in the same order, so a step's outputs
-are bit-identical either way (tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it
-off.
+are bit-identical either way (tests/test_decode_stack.py, test_model_families.py), except in a mixture of experts, whose
+routing and weighted sum the stack computes in plain loops (exp and the sums' order round differently: the same
+tokens, logits within float error, tests/test_moe.py); $LMSERVE_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def layer_weights(layer: nn.Module, kinds: tuple[str, ...]) -> LayerWeights | No
 
 def _moe_weights(mlp: SparseMoE) -> MoeWeights | None:
     """The stack's view of a mixture of experts whose experts the moe_kernels transform stacked as packed GGUF blocks
-    (NativeExperts over StackedGGUF), with a plain float32 router, no shared expert (Qwen2-MoE) and an activation the
+    (NativeExperts over StackedGGUF), with a float32 router (nn.Linear or PackedLinear), no shared expert (Qwen2-MoE) and an activation the
     stack has (not gpt-oss's clamped SwiGLU); else None."""
     grouped, router = mlp.grouped, mlp.gate
     if not isinstance(grouped, NativeExperts) or not isinstance(grouped.gate_up, StackedGGUF) or \
