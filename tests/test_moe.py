@@ -230,3 +230,43 @@ def test_served_to_the_openai_client(qwen3_moe):
     assert done.usage.completion_tokens == 12
     # the same 12 words (the streaming detokenizer puts the space after the prompt's last word in front)
     assert done.choices[0].text.split() == tok.decode(want[0]).split()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_native_decode_stack_runs_the_experts_as_the_module_loop(arch, tmp_path):
+    """A Q8_0 GGUF of a tiny Qwen3-MoE (renormalised top-k, QK-norm) and Mixtral (a `llama` file with experts): the
+    runner's decode stack takes every layer, routing and grouped experts included (decode_stack.h `MoeMlp`), and a
+    batch of three requests gives the same greedy tokens as with the stack removed (the module loop: the router, then
+    the grouped experts of layers/kernels/moe_kernels.py, the reference), and logprobs (chosen and top-3) within
+    float error: the stack routes and sums in plain loops (exp and the order of the sums round differently)."""
+    from lmserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from lmserve.engine.llm_engine import LLMEngine
+    from lmserve.layers.kernels import native
+    from lmserve.layers.kernels.decode_stack import apply_decode_stack, remove_decode_stack
+    from lmserve.sampling_params import SamplingParams
+    from lmserve.tokenizer import Tokenizer
+    from tests.test_decode_stack import generate
+
+    if native.native_module() is None or native.native_module().quant_packed_rows() == 0:
+        pytest.skip("the grouped GGUF experts need the packed layout")
+    path, ref = build_hf(arch, tmp_path)
+    gguf = write_gguf(arch, ref, tmp_path / "q8.gguf", lambda n: "Q8_0")
+    eng = LLMEngine(EngineConfig(model=str(gguf), quantization="gguf",
+                                 cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),  # the same cache state
+                                 scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)),
+                    tokenizer=Tokenizer.from_pretrained(path))
+    stack, model = eng.runner.decode_stack, eng.loaded.model
+    assert stack is not None and eng.runner.moe_layers == len(model.model.layers)
+    batch = prompts((5, 21, 12))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    fused = generate(eng, batch, params)
+    assert stack.steps >= 20  # the decode steps ran the stack
+    remove_decode_stack(model)
+    reference = generate(eng, batch, params)
+    assert {k: [t[0] for t in v] for k, v in fused.items()} == {k: [t[0] for t in v] for k, v in reference.items()}
+    for request, steps in reference.items():
+        for (_, logprob, top), (_, ours, our_top) in zip(steps, fused[request]):
+            assert abs(ours - logprob) < 1e-2  # int8 activations: a last-bit change can move a code
+            assert [t[0] for t in our_top] == [t[0] for t in top]
+            assert np.allclose([t[1] for t in our_top], [t[1] for t in top], atol=1e-2)
+    assert apply_decode_stack(model) is not None

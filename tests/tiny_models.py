@@ -33,7 +33,7 @@ class Arch:
     gguf_meta: Callable[[Any, Any], None] = lambda writer, cfg: None  # arch-specific keys convert_hf_to_gguf writes
     norm_shift: float = 0.0  # Gemma: llama.cpp stores 1 + w
     permute_qk: bool = False  # the converters that interleave q/k rows (LlamaModel and its subclasses)
-    moe: bool = False  # a mixture of experts (8 experts, top-2): the native decode stack does not run it
+    moe: bool = False  # a mixture of experts (8 experts, top-2)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -3,7 +3,9 @@
 `apply_decode_stack(model)` replaces a finished model's `layer_loop` (models/decoder.LayerLoop, the reference) by a
 `NativeDecodeLoop` where every layer is one the native stack runs: plain or sandwich layers (Llama, Qwen, Mistral,
 SmolLM3, Gemma), QK-norm, any rotary table or none, each layer's scale, window and soft-cap, SwiGLU or GeGLU, every
-projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of parts in different layouts), head
+projection keeping GGUF blocks on the CPU (GGUFLinear, or a FusedGGUFLinear of parts in different layouts), a mixture
+of experts in place of the MLP where the moe_kernels transform stacked its experts' GGUF blocks (Qwen3-MoE, Mixtral:
+the router, its top-k, the grouped expert GEMMs and the weighted sum in the same call, `MoeWeights`), head
 dims 64/128/256, over float32, float16 or quantized (int8 / fp8_e4m3) KV caches (one C++ writer and reader for all
 of them, as the module path's). The loop it replaces stays inside it and serves every step the stack cannot: prefill
 chunks, and any step whose attention is not the paged cache's decode-only step. A wrapper that can pass through
@@ -13,10 +15,11 @@ stays in the stack, base rows and adapter rows in one call, each adapter project
 the kernel the module path calls (csrc/lora_delta.cpp, a fixed order per row). Other wrappers send a step where one
 does not pass through to the module loop. (8 rank-16 adapters in a batch of 32, tokens per CPU second against the
 base on a loaded 2-core Zen 5, 1 thread: 0.48x with those steps in the module loop, see benchmarks/results/lora.md.) Models with other layers (parallel wrappers, float
-or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks, a mixture of experts: layers/blocks/moe.py) keep the module
-loop. The native stack calls the same kernels in the same order, so a step's outputs
-are bit-identical either way (tests/test_decode_stack.py, test_model_families.py); $LMSERVE_DECODE_STACK=0 turns it
-off.
+or int8/int4 weights, partial rotary: Phi-3.5/4-mini, sinks (gpt-oss), a mixture of experts with a shared expert
+(Qwen2-MoE) or without grouped GGUF experts) keep the module loop. The native stack calls the same kernels in the same order, so a step's outputs
+are bit-identical either way (tests/test_decode_stack.py, test_model_families.py), except in a mixture of experts, whose
+routing and weighted sum the stack computes in plain loops (exp and the sums' order round differently: the same
+tokens, logits within float error, tests/test_moe.py); $LMSERVE_DECODE_STACK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from torch import nn
 from lmserve.layers.attention.context import GroupedAttention
 from lmserve.layers.attention.paged import PagedAttention
 from lmserve.layers.blocks.mlp import GatedMLP
+from lmserve.layers.blocks.moe import SparseMoE
 from lmserve.layers.formats.gguf_linear import FusedGGUFLinear, GGUFLinear
+from lmserve.layers.formats.linear import SKINNY_MAX_ROWS, PackedLinear
+from lmserve.layers.kernels.moe_kernels import NativeExperts, StackedGGUF
 from lmserve.layers.kernels.native import native_module
 
 ENV_SWITCH = "LMSERVE_DECODE_STACK"
@@ -38,12 +44,26 @@ _ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 @dataclass
+class MoeWeights:
+    """A mixture-of-experts MLP as the stack reads it: the float router and the experts stacked in the packed GGUF
+    layout (moe_kernels.StackedGGUF), with blocks/moe.route's options."""
+
+    router: nn.Module  # nn.Linear or PackedLinear, float32
+    gate_up: nn.Module  # StackedGGUF
+    down: nn.Module
+    top_k: int
+    renormalize: bool
+    softmax_after_topk: bool
+
+
+@dataclass
 class LayerWeights:
-    """One decoder layer as the stack needs it: its norms' scales (offset + w), four projections, its attention."""
+    """One decoder layer as the stack needs it: its norms' scales (offset + w), four projections (two with a mixture
+    of experts: qkv and o), its attention."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor  # plain layers: the pre-MLP norm; sandwich layers: the post-attention norm
-    projections: tuple  # qkv, o, gate_up, down modules
+    projections: tuple  # qkv, o, gate_up, down modules (qkv, o where `moe` is set)
     pre_ff_norm: torch.Tensor | None = None  # sandwich layers (Gemma)
     post_ff_norm: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # QK-norm (Qwen3, Gemma 3)
@@ -53,6 +73,7 @@ class LayerWeights:
     softcap: float = 0.0  # 0: none
     scale: float | None = None  # None: head_dim ** -0.5
     act: str = "silu"
+    moe: MoeWeights | None = None  # in place of gate_up and down
 
 
 @dataclass
@@ -94,13 +115,23 @@ class DecodeStack:
         for lw in layers:
             tensors += [None if t is None else t.detach().contiguous()
                         for t in (lw.in_norm, lw.post_norm, lw.pre_ff_norm, lw.post_ff_norm, lw.q_norm, lw.k_norm)]
-            ints += [lw.rope, lw.window, _ACTS[lw.act]]
+            ints += [lw.rope, lw.window, _ACTS[lw.act], lw.moe is not None]
             for proj in lw.projections:
                 parts = list(proj.parts) if isinstance(proj, FusedGGUFLinear) else [proj]
                 tensors.append(None if proj.bias is None else proj.bias.detach())
                 for p in parts:
                     tensors += [p.codes, p.scales, p.mins]
                 ints += [len(parts)] + [p.kind for p in parts]
+            if lw.moe is not None:
+                m = lw.moe
+                packed = isinstance(m.router, PackedLinear)  # oneDNN's packed weight and the skinny kernel's panels
+                tensors += [m.router.packed if packed else m.router.weight.detach(),
+                            m.router.panels if packed else None,
+                            None if m.router.bias is None else m.router.bias.detach()]
+                ints += [packed, SKINNY_MAX_ROWS, m.router.out_features, m.top_k, m.renormalize, m.softmax_after_topk]
+                for experts in (m.gate_up, m.down):
+                    tensors += [experts.codes, experts.scales, experts.mins, experts.bias]
+                    ints.append(experts.kind)
             # the module path's scale: opts.scale, else head_dim ** -0.5 (layers/paged_attention._scale)
             floats += [lw.scale if lw.scale is not None else shape.head_dim ** -0.5, lw.softcap]
         return cls(mod.DecodeStack(tensors, ints, floats, len(layers), shape.num_heads, shape.num_kv_heads,
@@ -187,17 +218,38 @@ def remove_decode_stack(model: nn.Module) -> None:
 def layer_weights(layer: nn.Module, kinds: tuple[str, ...]) -> LayerWeights | None:
     """A decoder layer (models/decoder.py) as the stack reads it, or None where it has something the stack lacks."""
     attn, spec = layer.self_attn, layer.self_attn.spec
-    if spec.sinks or spec.opts.sinks is not None or not isinstance(layer.mlp, GatedMLP) or layer.mlp.act not in _ACTS:
-        return None  # sinks; a mixture of experts (layers/blocks/moe.py) or a wrapped MLP
+    if spec.sinks or spec.opts.sinks is not None:
+        return None
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    moe = _moe_weights(layer.mlp) if isinstance(layer.mlp, SparseMoE) and not sandwich else None
+    if moe is None and (not isinstance(layer.mlp, GatedMLP) or layer.mlp.act not in _ACTS):
+        return None  # a mixture of experts without grouped GGUF experts, or a wrapped MLP
+    act = layer.mlp.experts[0].act if moe is not None else layer.mlp.act
     qk = spec.qk_norm_eps is not None
+    projections = (attn.qkv_proj, attn.o_proj) if moe is not None else _projections(layer)
     return LayerWeights(
-        layer.input_layernorm.scale(), layer.post_attention_layernorm.scale(), _projections(layer),
+        layer.input_layernorm.scale(), layer.post_attention_layernorm.scale(), projections,
         layer.pre_feedforward_layernorm.scale() if sandwich else None,
         layer.post_feedforward_layernorm.scale() if sandwich else None,
         attn.q_norm.scale() if qk else None, attn.k_norm.scale() if qk else None,
         kinds.index(spec.rope) if spec.rope is not None else -1, spec.opts.window or 0, spec.opts.soft_cap or 0.0,
-        spec.opts.scale, layer.mlp.act)
+        spec.opts.scale, act, moe)
+
+
+def _moe_weights(mlp: SparseMoE) -> MoeWeights | None:
+    """The stack's view of a mixture of experts whose experts the moe_kernels transform stacked as packed GGUF blocks
+    (NativeExperts over StackedGGUF), with a float32 router (nn.Linear or PackedLinear), no shared expert (Qwen2-MoE) and an activation the
+    stack has (not gpt-oss's clamped SwiGLU); else None."""
+    grouped, router = mlp.grouped, mlp.gate
+    if not isinstance(grouped, NativeExperts) or not isinstance(grouped.gate_up, StackedGGUF) or \
+            not isinstance(grouped.down, StackedGGUF) or mlp.shared_expert is not None:
+        return None
+    weight = router.packed if type(router) is PackedLinear else router.weight if type(router) is nn.Linear else None
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    if mlp.experts[0].act not in _ACTS or grouped.gate_up.codes.shape[1] * 16 != 2 * mlp.experts[0].down_proj.in_features:
+        return None
+    return MoeWeights(router, grouped.gate_up, grouped.down, mlp.top_k, mlp.renormalize, mlp.softmax_after_topk)
 
 
 def _projections(layer: nn.Module) -> tuple:

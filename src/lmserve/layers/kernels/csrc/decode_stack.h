@@ -16,11 +16,16 @@
 // RMSNorm over each q and k head (Qwen3, Gemma 3), a rotary table per layer (or none: NoPE), each layer's
 // softmax scale, sliding window and soft-cap, SwiGLU or GeGLU. A projection is one or more parts in GGUF block
 // layouts (a fused qkv whose parts the file keeps in different types), concatenated, then its bias.
+// A mixture of experts (plain layers) replaces gate_up and down: its router (a float linear), top-k weights as
+// layers/blocks/moe.route computes them, the rows sorted by expert and each projection one grouped call over every
+// expert's stacked GGUF blocks (quant_linear_experts, as layers/kernels/moe_kernels.NativeExperts), then each token's
+// weighted sum. Why: the MoE model left the stack and ran layer by layer in Python, at 0.53x the dense model's speed.
 // Constructor layout per layer (decode_stack.py `DecodeStack.build` writes it):
 //   tensors: in_norm, post_norm, pre_ff_norm?, post_ff_norm?, q_norm?, k_norm?, then per projection (qkv, o,
-//            gate_up, down): bias?, and per part: codes, scales, mins?
-//   ints:    rope table (-1: none), window (0: none), act (0 SiLU, 1 tanh GELU), then per projection: number of
-//            parts, then each part's kind
+//            gate_up, down; qkv, o with a mixture of experts): bias?, and per part: codes, scales, mins?; then a
+//            mixture of experts' tensors (Cursor::moe)
+//   ints:    rope table (-1: none), window (0: none), act (0 SiLU, 1 tanh GELU), mixture of experts (0/1), then per
+//            projection: number of parts, then each part's kind; then a mixture of experts' ints
 //   floats:  scale, softcap (0: none)
 // LoRA (set_lora, per layer and projection): a step whose rows carry adapter slots passes them to forward, and each
 // such projection adds its rows' deltas after its base output, as lora/layers.LoraLinear does (base + delta, through
@@ -32,7 +37,11 @@
 #include "lora_ops.h"
 #include "ops.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace {
@@ -65,10 +74,61 @@ struct LoraProj {
   std::vector<torch::Tensor> bs;  // n x [max_loras, max_rank, out_i], scaling folded in
 };
 
+// One projection of every expert, stacked in the packed GGUF layout (moe_kernels.StackedGGUF): codes [E, N/16, K/32, *]
+struct ExpertProj {
+  torch::Tensor codes, scales;
+  c10::optional<torch::Tensor> mins, bias;  // bias [E, N] (gpt-oss)
+  int64_t kind = 0;
+
+  // rows [offsets[e], offsets[e + 1]) of x times expert e, then each row's expert's bias (StackedGGUF.forward)
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& offsets, const torch::Tensor& row_experts) const {
+    torch::Tensor y = quant_linear_experts(x, offsets, codes, scales, mins, kind);
+    return bias.has_value() ? y + bias->index_select(0, row_experts) : y;
+  }
+};
+
+// A mixture-of-experts MLP (layers/blocks/moe.SparseMoE with NativeExperts): a float router, then the grouped experts
+struct MoeMlp {
+  // the router as its module holds it: a plain nn.Linear's weight [E, hidden], or a PackedLinear's oneDNN-packed
+  // weight and, where it has them, its skinny-kernel panels (layers/formats/linear.py)
+  torch::Tensor router;
+  c10::optional<torch::Tensor> router_panels, router_bias;
+  bool router_packed = false;
+  int64_t skinny_rows = 0;  // layers/formats/linear.SKINNY_MAX_ROWS: the most rows PackedLinear gives its panels
+  int64_t num_experts = 0;
+  ExpertProj gate_up, down;
+  int64_t top_k = 1;
+  bool renormalize = false, softmax_after_topk = false;
+
+  // h [T, hidden] -> router logits [T, E], as the router module computes them (PackedLinear.forward: the skinny kernel
+  // for a few rows where it has panels, else oneDNN's packed linear; nn.Linear: at::linear)
+  torch::Tensor router_logits(const torch::Tensor& h) const {
+    if (!router_packed) return at::linear(h, router, router_bias);
+    if (router_panels.has_value() && h.size(0) <= skinny_rows)
+      return skinny_linear(h, *router_panels, num_experts, router_bias);
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    std::vector<c10::IValue> stack;
+    stack.emplace_back(h);
+    stack.emplace_back(router);
+    stack.emplace_back(router_bias.has_value() ? c10::IValue(*router_bias) : c10::IValue());
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())));
+    stack.emplace_back(std::string(""));
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+
+  // h [T, hidden] -> [T, hidden]: blocks/moe.route, group_by_expert, NativeExperts.forward and combine, op for op (the
+  // same ATen ops on the same values: the module path's bits)
+  torch::Tensor operator()(const torch::Tensor& h, int64_t act) const;
+};
+
 struct Layer {
   torch::Tensor in_norm, post_norm;  // plain: input and pre-MLP norms; sandwich: input and post-attention norms
   c10::optional<torch::Tensor> pre_ff_norm, post_ff_norm, q_norm, k_norm;
-  QuantProj qkv, o, gate_up, down;
+  QuantProj qkv, o, gate_up, down;  // gate_up and down: unused where moe is set
+  c10::optional<MoeMlp> moe;
   int64_t rope, window, act;
   double scale, softcap;
   c10::optional<LoraProj> lora[4];  // qkv, o, gate_up, down: set_lora
@@ -93,6 +153,38 @@ struct Cursor {
     TORCH_CHECK(f < floats.size(), "DecodeStack: too few floats");
     return floats[f++];
   }
+  ExpertProj experts() {
+    ExpertProj p;
+    auto codes = tensor(), scales = tensor();
+    TORCH_CHECK(codes.has_value() && scales.has_value(), "DecodeStack: experts need codes and scales");
+    p.codes = *codes;
+    p.scales = *scales;
+    p.mins = tensor();
+    p.bias = tensor();
+    p.kind = integer();
+    return p;
+  }
+  // tensors: router (weight, or oneDNN-packed weight), its panels?, its bias?, then gate_up and down: codes, scales,
+  // mins?, bias?; ints: router packed, its skinny rows, experts, top_k, renormalize, softmax_after_topk, gate_up's kind, down's kind
+  MoeMlp moe() {
+    MoeMlp m;
+    auto router = tensor();
+    TORCH_CHECK(router.has_value(), "DecodeStack: a mixture of experts needs its router");
+    m.router = *router;
+    m.router_panels = tensor();
+    m.router_bias = tensor();
+    m.router_packed = integer() != 0;
+    m.skinny_rows = integer();
+    m.num_experts = integer();
+    m.top_k = integer();
+    m.renormalize = integer() != 0;
+    m.softmax_after_topk = integer() != 0;
+    m.gate_up = experts();
+    m.down = experts();
+    TORCH_CHECK(m.top_k >= 1 && m.top_k <= m.num_experts && m.gate_up.codes.size(0) == m.num_experts &&
+                m.down.codes.size(0) == m.num_experts, "DecodeStack: one router output per expert, top_k <= experts");
+    return m;
+  }
   QuantProj proj(int64_t num_parts) {
     QuantProj p;
     p.bias = tensor();
@@ -108,6 +200,83 @@ struct Cursor {
 // [B, 2I] = [gate | up] -> act(gate) * up: the native SiLU- or tanh-GELU-and-mul, as the module path (layers/kernels/fused.py)
 torch::Tensor act_and_mul(const torch::Tensor& gate_up, int64_t act) {
   return act == 0 ? silu_and_mul(gate_up) : gelu_tanh_and_mul(gate_up);
+}
+
+torch::Tensor MoeMlp::operator()(const torch::Tensor& h, int64_t act) const {
+  // Routing and the weighted sum run as plain loops on this thread: a [16, 8] softmax or scatter in ATen opens an
+  // OpenMP region, and on a loaded 2-core machine each such region waited ~15 ms for a descheduled worker (profiled:
+  // softmax and index_put_ were 2/3 of the MoE step). The numbers are blocks/moe.route's and combine's up to rounding
+  // (exp and the order of the sums): tokens follow the module path, logits within float error (tests/test_moe.py).
+  const torch::Tensor logits = router_logits(h).contiguous();
+  const int64_t T = h.size(0), k = top_k, P = T * k, E = num_experts;
+  TORCH_CHECK(logits.size(1) == E, "DecodeStack: router outputs != experts");
+  const float* lg = logits.data_ptr<float>();
+  std::vector<float> weights(P), prob(E);
+  std::vector<int64_t> ex(P);
+  std::vector<char> taken(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = lg + t * E;
+    if (softmax_after_topk) {
+      std::copy(row, row + E, prob.begin());
+    } else {  // softmax over every expert (float32), as F.softmax
+      float mx = row[0];
+      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, row[e]);
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += prob[e] = std::exp(row[e] - mx);
+      for (int64_t e = 0; e < E; ++e) prob[e] /= sum;
+    }
+    // the top k in descending order, the lower index first among equals (torch.topk's order)
+    std::fill(taken.begin(), taken.end(), 0);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[e] && (best < 0 || prob[e] > prob[best])) best = e;
+      taken[best] = 1;
+      ex[t * k + j] = best;
+      weights[t * k + j] = prob[best];
+    }
+    float* w = weights.data() + t * k;
+    if (softmax_after_topk) {  // gpt-oss: a softmax over the k chosen logits
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j] = std::exp(w[j] - w[0]);
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    } else if (renormalize) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j];
+      for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+    }
+  }
+  // group_by_expert: the T * k pairs in a stable sort by expert (a counting sort: the stable argsort's order)
+  auto offsets = torch::zeros({E + 1}, torch::dtype(torch::kLong));
+  auto token = torch::empty({P}, torch::dtype(torch::kLong));
+  auto row_experts = torch::empty({P}, torch::dtype(torch::kLong));
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) ++off[ex[p] + 1];
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> next(off, off + E), row_of(P);
+  int64_t *pt = token.data_ptr<int64_t>(), *pe = row_experts.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t r = next[ex[p]]++;
+    row_of[p] = r;
+    pt[r] = p / k;
+    pe[r] = ex[p];
+  }
+  const torch::Tensor rows = h.index_select(0, token);  // [T * k, hidden], expert-major
+  const torch::Tensor out =
+      down(act_and_mul(gate_up(rows, offsets, row_experts), act), offsets, row_experts).contiguous();
+  // combine: each token's k outputs weighted and summed in slot order
+  const int64_t H = out.size(1);
+  auto result = torch::zeros({T, H}, h.options());
+  const float* y = out.data_ptr<float>();
+  float* res = result.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const float w = weights[t * k + j];
+      const float* src = y + row_of[t * k + j] * H;
+      float* dst = res + t * H;
+      for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
+    }
+  return result;
 }
 
 }  // namespace
@@ -134,13 +303,16 @@ class DecodeStack {
       l.rope = c.integer();
       l.window = c.integer();
       l.act = c.integer();
+      const bool moe = c.integer() != 0;
       QuantProj* projs[] = {&l.qkv, &l.o, &l.gate_up, &l.down};
       for (QuantProj* p : projs) {
+        if (moe && p == &l.gate_up) break;  // a mixture of experts in place of gate_up and down
         const int64_t n = c.integer();
         TORCH_CHECK(n >= 1, "DecodeStack: a projection has at least one part");
         *p = c.proj(n);
         for (QuantPart& part : p->parts) part.kind = c.integer();
       }
+      if (moe) l.moe = c.moe();
       l.scale = c.real();
       l.softcap = c.real();
       layers_.push_back(std::move(l));
@@ -226,6 +398,8 @@ class DecodeStack {
       if (l.pre_ff_norm.has_value()) {  // sandwich: residual + post_norm(block(pre_norm(residual))), twice
         h = add_rms_norm_(rms_norm(o, l.post_norm, eps_), residual, *l.pre_ff_norm, eps_);
         h = rms_norm(project(l, 3, l.down, act_and_mul(project(l, 2, l.gate_up, h), l.act)), *l.post_ff_norm, eps_);
+      } else if (l.moe.has_value()) {
+        h = (*l.moe)(add_rms_norm_(o, residual, l.post_norm, eps_), l.act);
       } else {
         h = add_rms_norm_(o, residual, l.post_norm, eps_);
         h = project(l, 3, l.down, act_and_mul(project(l, 2, l.gate_up, h), l.act));
