@@ -122,8 +122,18 @@ class SparseMoE(nn.Module):
         else:
             out = run_experts(x, self.experts, routing)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + shared_gate(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def shared_gate(logit: torch.Tensor) -> torch.Tensor:
+    """sigmoid of the shared expert's gate logits [T, 1], each row's bits the same whatever T.
+
+    torch's elementwise loops run whole vectors through Sleef and the leftover elements through the scalar libm,
+    whose last bits differ: in a [T, 1] column a row's path depended on T (16 rows: vectors on AVX2; 1 row: scalar),
+    so a token's output changed with its batch. Each row widened to 16 lanes (one AVX-512 vector, two AVX2 ones)
+    always takes the vector path."""
+    return torch.sigmoid(logit.expand(-1, 16).contiguous())[:, :1]
 
 
 def reference_moe(x: torch.Tensor, moe: SparseMoE) -> torch.Tensor:
@@ -137,5 +147,5 @@ def reference_moe(x: torch.Tensor, moe: SparseMoE) -> torch.Tensor:
         rows.append(acc)
     out = torch.stack(rows)
     if moe.shared_expert is not None:
-        out = out + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+        out = out + shared_gate(moe.shared_expert_gate(x)) * moe.shared_expert(x)
     return out
