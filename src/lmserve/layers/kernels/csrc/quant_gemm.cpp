@@ -815,9 +815,111 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
   for (int c = 0; c < C; ++c) Lanes::store(out + (m0 + c) * ldo + lane, acc[c]);
 }
 
+// Q4_1 (U4) and Q8_0 (S8), the embedded model's types, over P adjacent parts at once: part_rows's integer dots
+// and float chains exactly, but each broadcast of 4 activation bytes (and of a block's xd and xs) serves P parts'
+// maddubs instead of one. Why: part by part, a 16-row step spent as many instructions on those broadcasts and the
+// per-block epilogue as on the products (x86-64-v3: 8 rows a part, 2 parts; x86-64-v2: 4 rows a part, 4 parts).
+template <int KIND, int C, int P>
+void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out, int64_t ldo) {
+  static_assert(KIND == 0 || KIND == 2, "U4 and S8 only");
+  constexpr int64_t kBlockBytes = KIND == 0 ? 256 : 512;
+  constexpr int64_t kPartBytes = 4 * kRowsV;  // a part's bytes in each 64-byte chunk
+  const int64_t nb = w.nb, off = kPartBytes * p0, lane = kRowsV * p0;
+  VF acc[C][P];
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p) acc[c][p] = Lanes::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w.codes + b * kBlockBytes + off;
+    if (KIND == 0) {  // as part_rows: int16 sums over the 8 chunks, one madd
+      VI dot[C][P];
+      for (int c = 0; c < C; ++c)
+        for (int p = 0; p < P; ++p) dot[c][p] = Lanes::zero();
+#pragma GCC unroll 1
+      for (int t = 0; t < 4; ++t) {
+        VI lo[P], hi[P];
+        for (int p = 0; p < P; ++p) {
+          const VI v = Lanes::load(blk + 64 * t + kPartBytes * p), low4 = Lanes::set1_8(0x0F);
+          lo[p] = Lanes::and_(v, low4), hi[p] = Lanes::and_(Lanes::srli16(v, 4), low4);
+        }
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xb = x.codes(m0 + c) + b * kQBlock + 4 * t;
+          const VI x0 = Lanes::bcast4(xb), x1 = Lanes::bcast4(xb + 16);
+          for (int p = 0; p < P; ++p)
+            dot[c][p] = Lanes::add16(dot[c][p], Lanes::add16(Lanes::maddubs(lo[p], x0), Lanes::maddubs(hi[p], x1)));
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        const VF xd = Lanes::set1f(x.d(m0 + c)[b]), xs = Lanes::set1f(x.s(m0 + c)[b]);
+        for (int p = 0; p < P; ++p) {
+          const int64_t at = kGroup * b + lane + kRowsV * p;
+          const VF ws = Lanes::loadf(w.sc + at), wm = Lanes::loadf(w.mn + at);
+          acc[c][p] = Lanes::fma(Lanes::cvt(Lanes::madd1(dot[c][p])), Lanes::mul(ws, xd), acc[c][p]);
+          acc[c][p] = Lanes::fma(wm, xs, acc[c][p]);
+        }
+      }
+      continue;
+    }
+    for (int h = 0; h < 2; ++h) {  // S8: each half's dot (the sign trick, one madd a chunk), then its scale
+      VI dot[C][P];
+      for (int c = 0; c < C; ++c)
+        for (int p = 0; p < P; ++p) dot[c][p] = Lanes::zero();
+#if defined(__AVX2__)  // as part_rows's S8 loop: unrolled, GCC spilled on x86-64-v3 only
+#pragma GCC unroll 1
+#endif
+      for (int t = 0; t < 4; ++t) {
+        VI wv[P], aw[P];
+        for (int p = 0; p < P; ++p) {
+          wv[p] = Lanes::xor_(Lanes::load(blk + 64 * (4 * h + t) + kPartBytes * p), Lanes::set1_8(0x80));
+          aw[p] = Lanes::sign8(wv[p], wv[p]);
+        }
+        for (int c = 0; c < C; ++c) {
+          const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
+          for (int p = 0; p < P; ++p)
+            dot[c][p] = Lanes::add32(dot[c][p], Lanes::madd1(Lanes::maddubs(aw[p], Lanes::sign8(xv, wv[p]))));
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        const VF xd = Lanes::set1f(x.d(m0 + c)[b]);
+        for (int p = 0; p < P; ++p) {
+          const VF sc = Lanes::loadf(w.sc + 32 * b + 16 * h + lane + kRowsV * p);
+          acc[c][p] = Lanes::fma(Lanes::cvt(dot[c][p]), Lanes::mul(sc, xd), acc[c][p]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p) Lanes::store(out + (m0 + c) * ldo + lane + kRowsV * p, acc[c][p]);
+}
+
+// Input rows per tile and parts per pass, by instruction counts (valgrind) of a 1536 x 576 Q4_1 and a 1024 x 576 Q8_0
+// call at M = 1..16: x86-64-v3 (2 parts of 8 rows) both types 4 rows x both parts (-17% and -21%); x86-64-v2 (4
+// parts of 4 rows) Q4_1 2 rows x 4 parts (-22%), Q8_0 4 rows x 1 part (-6%: more parts spilled its registers).
+constexpr int parts_tile_rows(int kind) { return kind == 0 && kRowsV == 4 ? 2 : 4; }
+constexpr int parts_per_pass(int kind) { return kRowsV == 8 ? 2 : kind == 0 ? 4 : 1; }
+
+// rows [m0, m0 + rem) for rem < C, by the tile of exactly rem rows
+template <int KIND, int C, int P>
+void parts_tail(const PackedW& w, const QRows& x, int64_t m0, int64_t rem, int p, float* out, int64_t ldo) {
+  if constexpr (C > 0) {
+    if (rem == C) return parts_rows<KIND, C, P>(w, x, m0, p, out, ldo);
+    parts_tail<KIND, C - 1, P>(w, x, m0, rem, p, out, ldo);
+  }
+}
+
+template <int KIND>
+void parts_all_rows(const PackedW& w, const QRows& x, int64_t M, float* out, int64_t ldo) {
+  constexpr int C = parts_tile_rows(KIND), P = parts_per_pass(KIND);
+  for (int p = 0; p < kGroup / kRowsV; p += P) {
+    int64_t m = 0;
+    for (; m + C <= M; m += C) parts_rows<KIND, C, P>(w, x, m, p, out, ldo);
+    parts_tail<KIND, C - 1, P>(w, x, m, M - m, p, out, ldo);
+  }
+}
+
 // every input row against one group: part by part (a part's codes stay in L1), 4 input rows at a time
 template <int KIND>
 void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
+  if (KIND == 0 || KIND == 2) return parts_all_rows<KIND == 0 ? 0 : 2>(w, x, M, out, ldo);
   for (int p = 0; p < kGroup / kRowsV; ++p) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) part_rows<KIND, 4>(w, x, xsum16, m, p, out, ldo);
