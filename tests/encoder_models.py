@@ -162,3 +162,45 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
             "mlp_fc1_bias": False, "mlp_fc2_bias": False, "pad_token_id": 0,
             "auto_map": {"AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"}}))
     return path
+
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's sources as benchmarks/build_llama_server.sh unpacks them from PyPI's llama-cpp-python sdist
+    (benchmarks/.cache, git-ignored; $LLAMA_CPP_SRC overrides); skips the test where they are not there."""
+    import os
+
+    if os.environ.get("LLAMA_CPP_SRC"):
+        found = [Path(os.environ["LLAMA_CPP_SRC"])]
+    else:
+        found = sorted((Path(__file__).parent.parent / "benchmarks" / ".cache" / "sdist").glob(
+            "llama_cpp_python-*/vendor/llama.cpp"))
+    if not found or not (found[-1] / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not unpacked (run benchmarks/build_llama_server.sh, or set "
+                    "LLAMA_CPP_SRC to a llama.cpp checkout)")
+    return found[-1]
+
+
+def convert_to_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
+    """`model_dir` converted by llama.cpp's own convert_hf_to_gguf.py (`outtype` f32 | f16) to `out`, once: a file
+    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half)."""
+    import os
+    import subprocess
+    import sys
+
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
+    script = llama_cpp_source() / "convert_hf_to_gguf.py"
+    done = subprocess.run([sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")
+    tmp.replace(out)
+    return out
+
+
+def minilm_gguf(outtype: str) -> Path:
+    """The real all-MiniLM-L6-v2 converted to GGUF by llama.cpp's converter, in the test cache beside its directory."""
+    source = minilm_dir()
+    return convert_to_gguf(source, outtype, source.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{outtype}.gguf")
