@@ -328,7 +328,10 @@ def _bert_gguf(m: GGUFMeta) -> Fields:
     labels = m.get("classifier.output_labels")
     num_labels = (len(labels) if labels else 1) if "cls.output.weight" in m.names else 0
     sep = m.meta.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling of the key
-    return {"encoder": True, "type_vocab_size": int(m.meta.get("tokenizer.ggml.token_type_count", 2)),
+    types = int(m.meta.get("tokenizer.ggml.token_type_count", 2))
+    if not 0 <= types <= 1024:  # the table is built before token_types.weight is read: never a huge allocation
+        raise CheckpointError(f"GGUF metadata: tokenizer.ggml.token_type_count {types} is not a BERT's (0..1024)")
+    return {"encoder": True, "type_vocab_size": types,
             "position_offset": 0, "rms_norm_eps": float(m.get("attention.layer_norm_epsilon", 1e-12)),
             "hidden_act": "gelu", "num_labels": num_labels, "qkv_bias": True, "o_bias": True, "mlp_bias": True,
             "sep_token_id": int(sep) if sep is not None else None}

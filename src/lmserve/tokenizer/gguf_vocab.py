@@ -295,6 +295,7 @@ def _wordpiece(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     """BERT's WordPiece from llama.cpp's phantom-space spelling: "▁word" was "word", a bare "piece" was "##piece",
     control tokens ([CLS], [SEP], ...) are as they were. Texts are cleaned, split and lowercased as BERT does
     (`tokenizer.ggml.normalizer.lowercase`; accents stripped with lowercasing unless the file says otherwise)."""
+    types = types + [NORMAL] * (len(tokens) - len(types))  # a short token_type array: the rest are normal
     spelled = [t if k == CONTROL else t[1:] if t.startswith(SPIECE_SPACE) else "##" + t for t, k in zip(tokens, types)]
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
     if unk is None:
