@@ -1,7 +1,8 @@
 """Encoders from GGUF files as llama.cpp's own convert_hf_to_gguf.py writes them (models/bert.py `_bert_gguf`,
 tokenizer/gguf_vocab.py's WordPiece, loader/pooling.py `gguf_pooler`): the real all-MiniLM-L6-v2 converted to f32 and
-f16 against our load of its safetensors directory, its vocabulary against its tokenizer.json, and a BERT
-cross-encoder whose pooler the converter drops refused."""
+f16 against our load of its safetensors directory, its vocabulary against its tokenizer.json, a tiny NomicBERT
+(llama.cpp's nomic-bert) against sentence-transformers, and a BERT cross-encoder whose pooler the converter drops
+refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from lmserve.engine.llm import LLM
 from lmserve.errors import CheckpointError
 from lmserve.loader.pooling import gguf_pooler
-from tests.encoder_models import convert_to_gguf, minilm_dir, minilm_gguf
+from tests.encoder_models import SENTENCES, convert_to_gguf, minilm_dir, minilm_gguf, nomic_bert_for_converter
 from tests.test_encoders import _vectors, mixed_sentences
 
 # the largest cosine gap to the safetensors load: f32 is the same arithmetic on the same weights (measured 2e-16);
@@ -65,6 +66,16 @@ def test_minilm_gguf_vocabulary_tokenizes_as_its_tokenizer_json():
     pair = ref.encode("a query", "the document")
     assert ours.encode_pair("a query", "the document") == pair.ids
     assert ours.decode(ours.encode("Unaffable tokenization.")) == "unaffable tokenization."
+
+
+def test_nomic_bert_gguf_matches_sentence_transformers(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    path = nomic_bert_for_converter(tmp_path)
+    ref = SentenceTransformer(str(path), device="cpu").encode(SENTENCES, normalize_embeddings=True)
+    llm = LLM(str(convert_to_gguf(path, "f32", tmp_path / "nomic.gguf")))
+    assert llm.engine.front.pooler.method == "mean"
+    assert np.abs(_vectors(llm, SENTENCES) - ref).max() < 1e-4  # measured 1.6e-7, as the safetensors load
 
 
 def test_gguf_pooling_type_read_from_metadata():
