@@ -42,8 +42,8 @@ def pooler_config(model_path: Path, flag: str | None, encoder: bool = False, num
     if gguf_meta is not None and not num_labels:
         return gguf_pooler(gguf_meta, flag, encoder)
     if num_labels:  # a classification head reads the CLS vector, whatever else the files say
-        return PoolerConfig("cls", "the classification head", False, True, num_labels,
-                            labels=_labels(root, num_labels))
+        labels = _labels(root, num_labels) if gguf_meta is None else _gguf_labels(gguf_meta, num_labels)
+        return PoolerConfig("cls", "the classification head", False, True, num_labels, labels=labels)
     base = pooler_method(model_path, flag)
     if encoder and base.source.startswith("default"):
         base = PoolerConfig(ENCODER_POOLING, "default for an encoder")
@@ -65,6 +65,14 @@ def gguf_pooler(meta: Mapping[str, Any], flag: str | None, encoder: bool) -> Poo
         raise CheckpointError(f"GGUF metadata: {key} {kind!r} is not an embedder's pooling (lmserve reads "
                               "1 mean, 2 cls, 3 last); pass --pooling to choose one")
     return PoolerConfig(_GGUF_POOLING[kind], key, True, encoder)
+
+
+def _gguf_labels(meta: Mapping[str, Any], n: int) -> tuple[str, ...]:
+    """A GGUF's `{arch}.classifier.output_labels` by index (LABEL_i where it has none), never a config.json that
+    happens to lie beside the file."""
+    names = meta.get(f"{meta.get('general.architecture')}.classifier.output_labels")
+    names = list(names) if isinstance(names, (list, tuple)) and len(names) == n else []
+    return tuple(str(names[i]) if names else f"LABEL_{i}" for i in range(n))
 
 
 def _labels(root: Path, n: int) -> tuple[str, ...]:
