@@ -14,7 +14,7 @@ import pytest
 
 from lmserve.engine.llm import LLM
 from lmserve.errors import CheckpointError
-from lmserve.loader.pooling import gguf_pooler
+from lmserve.loader.pooling import gguf_pooler, pooler_config
 from tests.encoder_models import SENTENCES, convert_to_gguf, minilm_dir, minilm_gguf, nomic_bert_for_converter
 from tests.test_encoders import _vectors, mixed_sentences
 
@@ -78,7 +78,7 @@ def test_nomic_bert_gguf_matches_sentence_transformers(tmp_path):
     assert np.abs(_vectors(llm, SENTENCES) - ref).max() < 1e-4  # measured 1.6e-7, as the safetensors load
 
 
-def test_gguf_pooling_type_read_from_metadata():
+def test_gguf_pooling_type_read_from_metadata(tmp_path):
     meta = {"general.architecture": "bert"}
     assert gguf_pooler(meta | {"bert.pooling_type": 2}, None, True).method == "cls"
     assert gguf_pooler(meta | {"bert.pooling_type": 3}, None, True).method == "last"
@@ -86,6 +86,11 @@ def test_gguf_pooling_type_read_from_metadata():
     assert gguf_pooler(meta | {"bert.pooling_type": 1}, "cls", True).source == "--pooling"
     with pytest.raises(CheckpointError, match="pooling_type 4"):
         gguf_pooler(meta | {"bert.pooling_type": 4}, None, True)
+    # a classifier's labels come from the file, not from a config.json that lies beside it
+    (tmp_path / "config.json").write_text(json.dumps({"id2label": {"0": "wrong", "1": "file"}}))
+    labelled = pooler_config(tmp_path / "m.gguf", None, True, 2, meta | {"bert.classifier.output_labels": ["no", "yes"]})
+    assert labelled.labels == ("no", "yes") and labelled.method == "cls"
+    assert pooler_config(tmp_path / "m.gguf", None, True, 2, meta).labels == ("LABEL_0", "LABEL_1")
 
 
 def test_bert_cross_encoder_gguf_without_its_pooler_is_refused(tmp_path):
