@@ -1,17 +1,25 @@
-"""Encoder throughput: all-MiniLM-L6-v2 through lmserve's engine against sentence-transformers' encode, same run.
+"""Encoder throughput: all-MiniLM-L6-v2 through lmserve's engine against sentence-transformers' encode and
+llama.cpp's llama-server --embedding, same run.
 
     python benchmarks/encoder_throughput.py            # 1,000 sentences, 3 alternating repeats
     python benchmarks/encoder_throughput.py --quick    # 100 sentences, 1 repeat: checks the script
+    python benchmarks/encoder_throughput.py --llama-server none    # without the llama-server column
 
 The sentences are 16 to 128 tokens (whole words drawn from a fixed list, token counts checked with the model's
 tokenizer), the same for both sides:
   lmserve   one LLMEngine over the real model (its package's model.zip, unzipped to ~/.cache/lmserve/models):
             every sentence a pooling request, the engine's steps batching them without padding
   st        SentenceTransformer(dir).encode(sentences, batch_size=32): batches padded to their longest
-Both run with --threads torch threads (default 2), in alternating repeats (lmserve, st, lmserve, st, ...), because
+  llama     llama-server --embedding on the same model converted by llama.cpp's convert_hf_to_gguf.py (--gguf-type,
+            default f32: the same weights), its pooling from the file (mean), -t/-tb --threads, --llama-slots
+            slots, the batch and micro-batch large enough for every slot's sentence at once; every sentence sent
+            as text in one /v1/embeddings request, which it splits over its slots (continuous batching). Its side
+            includes HTTP and JSON (about 3 MB of vectors back), which the in-process columns do not pay: its CPU
+            time is the server process's alone, for that reason.
+All run with --threads threads (default 2), in alternating repeats (lmserve, st, llama, lmserve, ...), because
 the machine is shared and only a ratio taken back to back means anything. Throughput is sentences per second
 of wall time and of process CPU time; the CPU, its flags and the load average are printed with the results.
-Target (issue 44): lmserve >= 2x sentence-transformers. Results, on a quiet machine: benchmarks/results/.
+Targets (issue 44): lmserve >= 2x sentence-transformers and >= 1.0x llama-server. Results: benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -31,13 +39,13 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 import torch  # noqa: E402
-from compare import _cpu_name, _flags  # noqa: E402  the same machine description as the other benchmarks
+from compare import Proc, _cpu_name, _flags, free_port  # noqa: E402  the same machine description and server runner
 
 from lmserve.config import CacheConfig, EngineConfig  # noqa: E402
 from lmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from lmserve.pooling_params import PoolingParams  # noqa: E402
 from lmserve.sampling_params import SamplingParams  # noqa: E402
-from tests.encoder_models import minilm_dir  # noqa: E402
+from tests.encoder_models import convert_to_gguf, minilm_dir  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or had not first "
          "one their its new after but who they two her she been other when there all during into school time may "
@@ -77,6 +85,31 @@ def run_st(model, texts: list[str]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def start_llama(binary: str, gguf: Path, args: argparse.Namespace) -> Proc:
+    """llama-server --embedding on `gguf`: --llama-slots slots of 256 tokens (every sentence fits one), the batch and
+    the micro-batch one slot-full each (a non-causal model's sequence must sit in one micro-batch)."""
+    port, slots = free_port(), args.llama_slots
+    batch = max(2048, 256 * slots // 4)
+    cmd = [binary, "-m", str(gguf), "--embedding", "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-c", str(256 * slots),
+           "-b", str(batch), "-ub", str(batch), "--no-webui"]
+    return Proc("llama-server", cmd, f"http://127.0.0.1:{port}", {"LD_LIBRARY_PATH": str(Path(binary).parent)})
+
+
+def run_llama(proc: Proc, texts: list[str]) -> tuple[float, float]:
+    """(wall seconds, the server's CPU seconds) for every sentence's vector, sent in one request."""
+    import httpx
+    import psutil
+
+    server = psutil.Process(proc.p.pid)
+    cpu0, wall = sum(server.cpu_times()[:2]), time.perf_counter()
+    r = httpx.post(proc.url + "/v1/embeddings", json={"input": texts, "model": "minilm"}, timeout=3600)
+    wall = time.perf_counter() - wall
+    r.raise_for_status()
+    assert len(r.json()["data"]) == len(texts)
+    return wall, sum(server.cpu_times()[:2]) - cpu0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sentences", type=int, default=1000)
@@ -84,6 +117,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--llama-server", default=str(ROOT / ".cache" / "llama.cpp" / "build" / "bin" / "llama-server"),
+                    help="llama-server binary (benchmarks/build_llama_server.sh builds it); 'none': no such column")
+    ap.add_argument("--llama-slots", type=int, default=32, help="llama-server's -np")
+    ap.add_argument("--gguf-type", default="f32", choices=["f32", "f16"], help="the GGUF llama-server loads")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args()
     if args.quick:
@@ -96,13 +133,27 @@ def main() -> None:
     st = SentenceTransformer(str(path), device="cpu")
     texts = sentences(engine.tokenizer.encode, args.sentences)
     tokens = sum(len(engine.tokenizer.encode(t)) for t in texts)
+    llama = None
+    if args.llama_server != "none":
+        gguf = convert_to_gguf(path, args.gguf_type,
+                               path.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{args.gguf_type}.gguf")
+        llama = start_llama(args.llama_server, gguf, args)
     run_lmserve(engine, texts[:32], "warm")
     run_st(st, texts[:32])
-    load = os.getloadavg()
     runs: dict[str, list[tuple[float, float]]] = {"lmserve": [], "st": []}
-    for r in range(args.repeats):
-        runs["lmserve"].append(run_lmserve(engine, texts, f"r{r}"))
-        runs["st"].append(run_st(st, texts))
+    if llama is not None:
+        run_llama(llama, texts[:32])
+        runs["llama"] = []
+    load = os.getloadavg()
+    try:
+        for r in range(args.repeats):
+            runs["lmserve"].append(run_lmserve(engine, texts, f"r{r}"))
+            runs["st"].append(run_st(st, texts))
+            if llama is not None:
+                runs["llama"].append(run_llama(llama, texts))
+    finally:
+        if llama is not None:
+            llama.stop()
     result = {"cpu": _cpu_name(), "flags": _flags(), "threads": args.threads, "sentences": len(texts),
               "tokens": tokens, "load_before": load, "load_after": os.getloadavg(),
               **{name: {"wall_s": statistics.median(w for w, _ in v), "cpu_s": statistics.median(c for _, c in v),
@@ -110,6 +161,10 @@ def main() -> None:
                  for name, v in runs.items()}}
     result["speedup_wall"] = result["st"]["wall_s"] / result["lmserve"]["wall_s"]
     result["speedup_cpu"] = result["st"]["cpu_s"] / result["lmserve"]["cpu_s"]
+    if llama is not None:
+        result["llama_server"] = {"binary": args.llama_server, "gguf": args.gguf_type, "slots": args.llama_slots}
+        result["vs_llama_wall"] = result["llama"]["wall_s"] / result["lmserve"]["wall_s"]
+        result["vs_llama_cpu"] = result["llama"]["cpu_s"] / result["lmserve"]["cpu_s"]
     print(f"CPU: {result['cpu']} ({args.threads} threads); {len(texts)} sentences, {tokens} tokens; "
           f"load {load[0]:.1f} -> {result['load_after'][0]:.1f}")
     for name in runs:
@@ -117,6 +172,9 @@ def main() -> None:
               f"CPU {result[name]['cpu_s']:.2f} s)")
     print(f"lmserve / sentence-transformers: {result['speedup_wall']:.2f}x wall, {result['speedup_cpu']:.2f}x CPU "
           "(target >= 2x)")
+    if llama is not None:
+        print(f"lmserve / llama-server ({args.gguf_type} GGUF): {result['vs_llama_wall']:.2f}x wall, "
+              f"{result['vs_llama_cpu']:.2f}x CPU (target >= 1.0x)")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

@@ -114,16 +114,18 @@ def minilm_dir() -> Path:
     return target
 
 
-def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int = 0, pooling: str | None = "mean") -> Path:
+def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int = 0, pooling: str | None = "mean",
+                         vocab: int = VOCAB) -> Path:
     """A tiny random ModernBERT (3 layers: global, local with a ±4 window, global) or NomicBERT made by
     transformers, saved with the BERT-framed tokenizer; `num_labels` > 0: ModernBertForSequenceClassification.
     `nomic_bert_hub`: the same NomicBERT with its config.json rewritten in nomic-ai's remote-code keys (as
-    nomic-embed-text-v1.5 ships it; transformers already saves the tensors under that code's names);
+    nomic-embed-text-v1.5 ships it; transformers already saves the tensors under that code's names); `vocab`: the
+    embedding's rows (a real tokenizer's, where one replaces the word-level one);
     `modernbert_hub`: the same ModernBERT with the released config.json's rope keys and no layer_types."""
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   max_position_embeddings=128, pad_token_id=0, initializer_range=0.2)
     if kind.startswith("modernbert"):
         cfg = transformers.ModernBertConfig(**common, num_hidden_layers=3, local_attention=8,
@@ -156,9 +158,70 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
         theta = cfg.rope_parameters["rope_theta"]
         (path / "config.json").write_text(json.dumps({
             "architectures": ["NomicBertModel"], "model_type": "nomic_bert", "activation_function": "swiglu",
-            "n_embd": 64, "n_inner": 96, "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": VOCAB,
+            "n_embd": 64, "n_inner": 96, "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": vocab,
             "type_vocab_size": 2, "layer_norm_epsilon": cfg.layer_norm_eps, "rotary_emb_base": theta,
             "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False, "qkv_proj_bias": False,
             "mlp_fc1_bias": False, "mlp_fc2_bias": False, "pad_token_id": 0,
             "auto_map": {"AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"}}))
     return path
+
+
+def llama_cpp_source() -> Path:
+    """llama.cpp's sources as benchmarks/build_llama_server.sh unpacks them from PyPI's llama-cpp-python sdist
+    (benchmarks/.cache, git-ignored; $LLAMA_CPP_SRC overrides); skips the test where they are not there."""
+    import os
+
+    if os.environ.get("LLAMA_CPP_SRC"):
+        found = [Path(os.environ["LLAMA_CPP_SRC"])]
+    else:
+        found = sorted((Path(__file__).parent.parent / "benchmarks" / ".cache" / "sdist").glob(
+            "llama_cpp_python-*/vendor/llama.cpp"))
+    if not found or not (found[-1] / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not unpacked (run benchmarks/build_llama_server.sh, or set "
+                    "LLAMA_CPP_SRC to a llama.cpp checkout)")
+    return found[-1]
+
+
+def convert_to_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
+    """`model_dir` converted by llama.cpp's own convert_hf_to_gguf.py (`outtype` f32 | f16) to `out`, once: a file
+    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half)."""
+    import os
+    import subprocess
+    import sys
+
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
+    script = llama_cpp_source() / "convert_hf_to_gguf.py"
+    done = subprocess.run([sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")
+    tmp.replace(out)
+    return out
+
+
+def nomic_bert_for_converter(root: Path) -> Path:
+    """A tiny random NomicBERT as llama.cpp's converter takes one: all-MiniLM-L6-v2's WordPiece tokenizer (the
+    converter recognises its vocabulary by hashing how it tokenizes a probe text), nomic-embed-text-v1.5's window keys
+    (n_positions 8192, 2,048 trained) and its remote-code flags, plus transformers' own keys (the converter reads the
+    config through transformers, whose NomicBertConfig ignores n_embd and the like)."""
+    import shutil
+
+    path = build_rotary_encoder(root, "nomic_bert_hub", pooling="mean", vocab=30522)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm_dir() / name, path / name)
+    raw = json.loads((path / "config.json").read_text())
+    raw |= {"n_positions": 8192, "max_trained_positions": 2048, "causal": False, "rotary_emb_scale_base": None,
+            "hidden_size": raw["n_embd"], "num_hidden_layers": raw["n_layer"], "num_attention_heads": raw["n_head"],
+            "intermediate_size": raw["n_inner"], "layer_norm_eps": raw["layer_norm_epsilon"],
+            "rope_theta": raw["rotary_emb_base"]}
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def minilm_gguf(outtype: str) -> Path:
+    """The real all-MiniLM-L6-v2 converted to GGUF by llama.cpp's converter, in the test cache beside its directory."""
+    source = minilm_dir()
+    return convert_to_gguf(source, outtype, source.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{outtype}.gguf")

@@ -60,7 +60,7 @@ def test_fuzz_every_operation(tmp_path):
         s.wait_idle()
 
 
-RETRIEVAL = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/classify", "/embed")
+RETRIEVAL = ("/v1/embeddings", "/v1/rerank", "/v2/rerank", "/rerank", "/v1/score", "/classify", "/embed")
 
 
 @pytest.mark.slow

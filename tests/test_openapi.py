@@ -31,7 +31,7 @@ def test_every_route_is_documented_with_bodies_answers_and_errors():
         if (method, filled(path)) not in OPEN or "401" in op["responses"]:  # the open ones never answer 401
             error = op["responses"]["401"]["content"]["application/json"]["schema"]["$ref"]
             family = "TGIError" if path in ("/", "/generate", "/generate_stream", "/info", "/embed") \
-                else "V2Error" if path.startswith("/v2/") else "OllamaError" if path.startswith("/api/") \
+                else "V2Error" if path.startswith(("/v2/models", "/v2/health")) else "OllamaError" if path.startswith("/api/") \
                 else "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
             assert error.endswith(family), path
 

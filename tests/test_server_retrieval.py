@@ -90,6 +90,26 @@ def test_jina_and_cohere_rerank_equal_the_cross_encoder(server, models):
     assert np.allclose([r["score"] for r in tei], np.log(ref[best] / (1 - ref[best])), atol=1e-3)
 
 
+def test_langchain_cohere_rerank_and_cohere_v2_client_equal_the_cross_encoder(server, models):
+    """LangChain's CohereRerank (langchain-cohere) and cohere.ClientV2 under it, pointed at this server by base_url:
+    they post Cohere v2's body to /v2/rerank and read its answer."""
+    import cohere
+    from langchain_cohere import CohereRerank
+    from langchain_core.documents import Document
+
+    ref = ce_predict(models, [(QUERY, d) for d in DOCS])
+    best = list(np.argsort(-ref))
+    reranker = CohereRerank(model="ce", base_url=server.url, cohere_api_key="x", top_n=2)
+    got = reranker.compress_documents([Document(page_content=d, metadata={"i": i}) for i, d in enumerate(DOCS)], QUERY)
+    assert [d.metadata["i"] for d in got] == best[:2]
+    assert np.allclose([d.metadata["relevance_score"] for d in got], ref[best[:2]], atol=1e-4)
+    client = cohere.ClientV2(api_key="x", base_url=server.url)
+    answer = client.rerank(model="ce", query=QUERY, documents=DOCS)
+    assert [r.index for r in answer.results] == best
+    cut = client.rerank(model="ce", query=QUERY, documents=["the cat sat on the mat w5 w6 w7"], max_tokens_per_doc=6)
+    assert np.isclose(cut.results[0].relevance_score, ce_predict(models, [(QUERY, DOCS[1])])[0], atol=1e-4)
+
+
 def test_score_uses_the_head_for_a_cross_encoder_and_cosine_for_an_embedder(server, models):
     one_to_many = post(server, "/v1/score", {"model": "ce", "text_1": QUERY, "text_2": DOCS}).json()
     assert np.allclose([d["score"] for d in one_to_many["data"]], ce_predict(models, [(QUERY, d) for d in DOCS]),

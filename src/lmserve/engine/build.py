@@ -112,7 +112,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     if cfg.chat_template is not None:  # serve --chat-template
         tokenizer.chat_template = cfg.chat_template
     model_cfg = loaded.config
-    pooler = pooler_config(loaded.path, cfg.pooling, model_cfg.encoder, model_cfg.num_labels)
+    pooler = pooler_config(loaded.path, cfg.pooling, model_cfg.encoder, model_cfg.num_labels,
+                           loaded.gguf.metadata if loaded.gguf is not None else None)
     if cfg.classifier_from_token is not None:
         pooler = _token_pair_reranker(cfg, loaded, tokenizer, dtype)
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)

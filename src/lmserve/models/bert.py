@@ -9,6 +9,8 @@ AttentionContext (the paged cache) is not used. Token types follow BERT's pair l
 first [SEP] (a cross-encoder's second text), 0 before. XLM-R's positions start at padding_idx + 1 (fairseq's).
 A classification head (BertForSequenceClassification: pooler dense + tanh, classifier; XLM-R's
 `classifier.dense` + tanh, `classifier.out_proj`) is the same two linears, applied by `score` to the CLS vector.
+A GGUF file as llama.cpp's converter writes BERT (`general.architecture` bert) loads through `_GGUF_NAMES` onto the
+same HF names; its vocabulary is tokenizer/gguf_vocab.py's WordPiece, its pooling loader/pooling.py's `gguf_pooler`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from lmserve.errors import CheckpointError
 from lmserve.models.config import ModelConfig
-from lmserve.models.family import Family, Fields
+from lmserve.models.family import Family, Fields, GGUFMeta
 
 _ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -302,5 +304,39 @@ def _encoder_fields(cfg: Mapping[str, Any], position_offset: int) -> Fields:
             "sep_token_id": cfg.get("sep_token_id")}
 
 
-BERT = Family("bert", hf_fields=_bert_hf, checkpoint_stream=_checkpoint_stream, model=EncoderModel)
+# llama.cpp's BERT tensor names -> HF's (bare, as a BertModel saves them; `{i}`: layer); weights and biases alike
+_GGUF_NAMES = {f"{g}.{kind}": f"{h}.{kind}" for kind in ("weight", "bias") for g, h in {
+    "token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
+    "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm",
+    "blk.{i}.attn_q": "encoder.layer.{i}.attention.self.query", "blk.{i}.attn_k": "encoder.layer.{i}.attention.self.key",
+    "blk.{i}.attn_v": "encoder.layer.{i}.attention.self.value",
+    "blk.{i}.attn_output": "encoder.layer.{i}.attention.output.dense",
+    "blk.{i}.attn_output_norm": "encoder.layer.{i}.attention.output.LayerNorm",
+    "blk.{i}.ffn_up": "encoder.layer.{i}.intermediate.dense", "blk.{i}.ffn_down": "encoder.layer.{i}.output.dense",
+    "blk.{i}.layer_output_norm": "encoder.layer.{i}.output.LayerNorm",
+    "cls": "classifier.dense", "cls.output": "classifier.out_proj",  # a reranker's head (RoBERTa-style names)
+}.items()}
+
+
+def _bert_gguf(m: GGUFMeta) -> Fields:
+    """llama.cpp's BERT keys. Its converter drops BertForSequenceClassification's pooler (`bert.pooler.dense`) and
+    keeps only the classifier, so such a file cannot give the model's scores: refused, not served wrong."""
+    if "cls.output.weight" in m.names and "cls.weight" not in m.names:
+        raise CheckpointError("a BERT classifier GGUF without its pooler layer (llama.cpp's converter drops "
+                              "bert.pooler.dense, which the head reads): its scores would not be the model's; "
+                              "serve the Hugging Face directory instead")
+    labels = m.get("classifier.output_labels")
+    num_labels = (len(labels) if labels else 1) if "cls.output.weight" in m.names else 0
+    sep = m.meta.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling of the key
+    types = int(m.meta.get("tokenizer.ggml.token_type_count", 2))
+    if not 0 <= types <= 1024:  # the table is built before token_types.weight is read: never a huge allocation
+        raise CheckpointError(f"GGUF metadata: tokenizer.ggml.token_type_count {types} is not a BERT's (0..1024)")
+    return {"encoder": True, "type_vocab_size": types,
+            "position_offset": 0, "rms_norm_eps": float(m.get("attention.layer_norm_epsilon", 1e-12)),
+            "hidden_act": "gelu", "num_labels": num_labels, "qkv_bias": True, "o_bias": True, "mlp_bias": True,
+            "sep_token_id": int(sep) if sep is not None else None}
+
+
+BERT = Family("bert", hf_fields=_bert_hf, checkpoint_stream=_checkpoint_stream, model=EncoderModel,
+              gguf_fields=_bert_gguf, gguf_names=_GGUF_NAMES)
 XLM_ROBERTA = Family("xlm-roberta", hf_fields=_roberta_hf, checkpoint_stream=_checkpoint_stream, model=EncoderModel)

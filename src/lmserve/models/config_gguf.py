@@ -51,7 +51,8 @@ def common_fields(m: GGUFMeta, vocab_size: int) -> Fields:
         architecture=m.arch, vocab_size=vocab_size, hidden_size=hidden,
         intermediate_size=size(m, "feed_forward_length"), num_layers=size(m, "block_count"),
         num_heads=num_heads, num_kv_heads=size(m, "attention.head_count_kv", num_heads), head_dim=head_dim,
-        rms_norm_eps=number(m, "attention.layer_norm_rms_epsilon"),
+        # an encoder's LayerNorm writes attention.layer_norm_epsilon instead (llama.cpp's BERT)
+        rms_norm_eps=number(m, "attention.layer_norm_rms_epsilon", m.get("attention.layer_norm_epsilon")),
         rope_theta=number(m, "rope.freq_base", 10000.0), rope_scaling=_scaling(m),
         rotary_dim=rot if rot != head_dim else None,
         max_position_embeddings=size(m, "context_length"),

@@ -63,6 +63,8 @@ GGUF_ARCHITECTURES: dict[str, Family] = {
     "qwen2moe": moe.QWEN2_MOE,
     "qwen3moe": moe.QWEN3_MOE,
     "gpt-oss": gpt_oss.GPT_OSS,
+    "bert": bert.BERT,  # llama.cpp's converter: BertModel (MiniLM, bge, e5) embedders
+    "nomic-bert": rotary_encoder.NOMIC_BERT,  # nomic-embed-text v1 / v1.5
 }
 
 

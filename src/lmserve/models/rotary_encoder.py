@@ -9,6 +9,7 @@ whole in one step, attention per sequence with `bidirectional`), with rotary pos
   classification head (dense, activation, norm, classifier) reads the CLS vector (`classifier_pooling` "cls").
 - NomicBERT: BERT's post-norm layout with token-type embeddings, no position table, rotary q/k, no linear biases,
   SwiGLU. (nomic-ai's Hub checkpoints with remote code name tensors differently; transformers' port is read.)
+  Also from a GGUF as llama.cpp's converter writes it (`nomic-bert`: `_NOMIC_GGUF` onto nomic-ai's names).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from lmserve.errors import CheckpointError
 from lmserve.models.bert import Encoder, StepSequences, bidirectional, step_sequences
 from lmserve.models.config import ModelConfig
-from lmserve.models.family import Family, Fields
+from lmserve.models.family import Family, Fields, GGUFMeta
 from lmserve.models.rope import rope_specs
 
 _ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -257,6 +258,28 @@ def _act(cfg: Mapping[str, Any], key: str, default: str) -> str:
     return act
 
 
+# llama.cpp's nomic-bert tensor names -> nomic-ai's (as `_nomic_stream` reads them; `{i}`: layer)
+_NOMIC_GGUF = {f"{g}.{kind}": f"{h}.{kind}" for kind in ("weight", "bias") for g, h in {
+    "token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "emb_ln", "blk.{i}.attn_qkv": "encoder.layers.{i}.attn.Wqkv",
+    "blk.{i}.attn_output": "encoder.layers.{i}.attn.out_proj", "blk.{i}.attn_output_norm": "encoder.layers.{i}.norm1",
+    "blk.{i}.ffn_up": "encoder.layers.{i}.mlp.fc11", "blk.{i}.ffn_gate": "encoder.layers.{i}.mlp.fc12",
+    "blk.{i}.ffn_down": "encoder.layers.{i}.mlp.fc2", "blk.{i}.layer_output_norm": "encoder.layers.{i}.norm2",
+}.items()}
+
+
+def _nomic_gguf(m: GGUFMeta) -> Fields:
+    """llama.cpp's nomic-bert keys (its converter writes only the SwiGLU, bias-free, post-norm embedder that
+    `_NOMIC_FIXED` describes; the MoE variant is another architecture, nomic-bert-moe)."""
+    types = int(m.meta.get("tokenizer.ggml.token_type_count", 2))
+    if not 0 <= types <= 1024:  # the table is built before token_types.weight is read
+        raise CheckpointError(f"GGUF metadata: tokenizer.ggml.token_type_count {types} is not a BERT's (0..1024)")
+    sep = m.meta.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling of the key
+    return {"encoder": True, "type_vocab_size": types, "rms_norm_eps": float(m.get("attention.layer_norm_epsilon",
+                                                                                    1e-12)),
+            "hidden_act": "silu", "norm_bias": True, "sep_token_id": int(sep) if sep is not None else None}
+
+
 MODERNBERT = Family("modernbert", hf_fields=_modern_hf, checkpoint_stream=_modern_stream, model=RotaryEncoderModel)
 NOMIC_BERT = Family("nomic-bert", hf_fields=_nomic_hf, text_config=_nomic_config, checkpoint_stream=_nomic_stream,
-                    model=RotaryEncoderModel)
+                    model=RotaryEncoderModel, gguf_fields=_nomic_gguf, gguf_names=_NOMIC_GGUF)

@@ -1,6 +1,6 @@
 """GGUF tokenizer metadata -> a Hugging Face `tokenizers.Tokenizer`, tokenizing as llama.cpp does.
 
-Two GGUF vocabularies are supported:
+Three GGUF vocabularies are supported:
 - "gpt2": byte-level BPE (Llama 3, Qwen 2, SmolLM, ...): tokens, merges, and the pre-tokenizer
   regexes named by `tokenizer.ggml.pre` (llama.cpp's table; an unknown name is an error, since a
   wrong split silently changes every prompt).
@@ -9,6 +9,9 @@ Two GGUF vocabularies are supported:
   as llama.cpp and sentencepiece itself do. Gemma's files use the same model name, but their
   scores do not follow the merge order (the pieces' order in the file does), multi-space pieces
   are stored as real spaces, and there is no prefix space: built as transformers rebuilds them.
+- "bert": WordPiece (BERT, MiniLM, bge): llama.cpp's converter spells a word-start piece "▁piece" and a
+  continuation "piece" (the "##" dropped); the HF WordPiece vocabulary is rebuilt from that, framed as BERT
+  frames texts and pairs ([CLS] a [SEP] b [SEP], types 0 / 1).
 Token types mark control tokens (special) and user-defined ones (always matched whole).
 """
 
@@ -124,7 +127,8 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     kind = meta.get("tokenizer.ggml.model")
     if kind not in _BUILDERS:
         raise CheckpointError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level "
-                         "BPE, 'llama' SentencePiece); serve the model's Hugging Face directory instead")
+                              "BPE, 'llama' SentencePiece, 'bert' WordPiece); serve the model's Hugging Face "
+                              "directory instead")
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{source}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
     # Python loops over the 50k-260k tokens are kept to C-level calls here: each loop was 5-10 ms of every start
@@ -142,8 +146,15 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     bos, eos = ids["bos_token"], ids["eos_token"]
-    set_bos_eos(hf, (tokens[bos], bos) if add_bos and bos is not None else None,
-                (tokens[eos], eos) if add_eos and eos is not None else None)
+    if kind == "bert":
+        sep = _token_id(meta, "tokenizer.ggml.seperator_token_id", len(tokens))  # llama.cpp's spelling of the key
+        ids["sep_token"] = eos if sep is None else sep
+        special |= {"cls_token": tokens[bos]} if bos is not None else {}
+        special |= {"sep_token": tokens[ids["sep_token"]]} if ids["sep_token"] is not None else {}
+        set_bert_pairs(hf, bos, ids["sep_token"], tokens)
+    else:
+        set_bos_eos(hf, (tokens[bos], bos) if add_bos and bos is not None else None,
+                    (tokens[eos], eos) if add_eos and eos is not None else None)
     eog = {i for key in EOG_KEYS if (i := _token_id(meta, key, len(tokens))) is not None}
     return GGUFVocab(hf, special, frozenset(eog | _ids_of(tokens, EOG_TEXTS)))
 
@@ -279,6 +290,35 @@ def set_bos_eos(hf: HFTokenizer, bos: tuple[str, int] | None, eos: tuple[str, in
         special_tokens=[t for t in (bos, eos) if t is not None])
 
 
+def _wordpiece(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+               source: str) -> tuple[HFTokenizer, bool]:
+    """BERT's WordPiece from llama.cpp's phantom-space spelling: "▁word" was "word", a bare "piece" was "##piece",
+    control tokens ([CLS], [SEP], ...) are as they were. Texts are cleaned, split and lowercased as BERT does
+    (`tokenizer.ggml.normalizer.lowercase`; accents stripped with lowercasing unless the file says otherwise)."""
+    types = types + [NORMAL] * (len(tokens) - len(types))  # a short token_type array: the rest are normal
+    spelled = [t if k == CONTROL else t[1:] if t.startswith(SPIECE_SPACE) else "##" + t for t, k in zip(tokens, types)]
+    unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
+    if unk is None:
+        raise CheckpointError(f"{source}: GGUF WordPiece vocabulary names no unknown token")
+    hf = HFTokenizer(models.WordPiece(_vocab(spelled), unk_token=spelled[unk], max_input_chars_per_word=100))
+    lower = bool(meta.get("tokenizer.ggml.normalizer.lowercase", True))
+    strip = meta.get("tokenizer.ggml.normalizer.strip_accents")
+    hf.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, lowercase=lower,
+                                               strip_accents=None if strip is None else bool(strip))
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece()
+    return hf, True
+
+
+def set_bert_pairs(hf: HFTokenizer, cls: int | None, sep: int | None, tokens: list[str]) -> None:
+    """BERT's framing: [CLS] a [SEP] for one text, [CLS] a [SEP] b [SEP] for a pair (b's token type 1)."""
+    if cls is None or sep is None:
+        return
+    c, s = tokens[cls], tokens[sep]
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{c} $A {s}", pair=f"{c} $A {s} $B:1 {s}:1", special_tokens=[(c, cls), (s, sep)])
+
+
 def _bpe(source: str, **kwargs: Any) -> models.BPE:
     """`models.BPE(**kwargs)`; `tokenizers` raises a plain Exception for a merge of pieces outside the vocabulary."""
     try:
@@ -294,4 +334,5 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
 _BUILDERS: dict[str, Callable[[Mapping[str, Any], list[str], list[int], str], tuple[HFTokenizer, bool]]] = {
     "gpt2": _byte_level_bpe,
     "llama": _sentencepiece_bpe,
+    "bert": _wordpiece,
 }

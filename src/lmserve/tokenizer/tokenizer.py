@@ -138,6 +138,12 @@ class Tokenizer:
         document: BERT's [CLS] a [SEP] b [SEP], XLM-R's <s> a </s></s> b </s>)."""
         return self._plain.encode(first, second, add_special_tokens=True).ids
 
+    def cut_text(self, text: str, max_tokens: int) -> str:
+        """`text` up to the end of its `max_tokens`-th token (no special tokens counted): Cohere's
+        max_tokens_per_doc, cut where the tokenizer's offsets say, so the rest of the framing is unchanged."""
+        offsets = self._plain.encode(text, add_special_tokens=False).offsets
+        return text if len(offsets) <= max_tokens else text[:offsets[max_tokens - 1][1]]
+
     def token_to_id(self, piece: str) -> int | None:
         """The id of a token string (a special token included); None when the vocabulary lacks it."""
         return self._hf.token_to_id(piece)

@@ -1,6 +1,6 @@
-"""Retrieval (routes.py; bodies in protocol.py): rerank (Jina / Cohere on /v1/rerank and /rerank, TEI's on /rerank),
-vLLM's /v1/score and /classify, and TEI's /embed, whose errors are TEI's body (TGI's shape) with our statuses (a bad
-input is a 400, as TEI answers it, not TGI's 422)."""
+"""Retrieval (routes.py; bodies in protocol.py): rerank (Jina / Cohere on /v1/rerank, /rerank and /v2/rerank, TEI's
+on /rerank), vLLM's /v1/score and /classify, and TEI's /embed, whose errors are TEI's body (TGI's shape) with our
+statuses (a bad input is a 400, as TEI answers it, not TGI's 422)."""
 
 from __future__ import annotations
 
@@ -16,5 +16,6 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 # like generation routes, the Observe middleware keeps a record of each (and settles the key's usage)
-DIALECT = Dialect("retrieval", __name__, generation_paths=("/v1/rerank", "/rerank", "/v1/score", "/classify", "/embed"),
+DIALECT = Dialect("retrieval", __name__,
+                  generation_paths=("/v1/rerank", "/v2/rerank", "/rerank", "/v1/score", "/classify", "/embed"),
                   error_paths=("/embed",), error_response=error_response)

@@ -59,6 +59,7 @@ class TEIEmbeddings(RootModel[list[list[float]]]):
 
 ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/rerank"): RouteDoc(RerankRequest, RerankAnswer, GEN_ERRORS),
+    ("post", "/v2/rerank"): RouteDoc(RerankRequest, RerankAnswer, GEN_ERRORS),
     ("post", "/rerank"): RouteDoc(RerankRequest, RerankAnswers, GEN_ERRORS),
     ("post", "/v1/score"): RouteDoc(ScoreRequest, ScoreAnswer, GEN_ERRORS),
     ("post", "/classify"): RouteDoc(ClassifyRequest, ClassifyAnswer, GEN_ERRORS),

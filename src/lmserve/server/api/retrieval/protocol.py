@@ -1,7 +1,8 @@
 """The request bodies of the retrieval routes (server/api/retrieval.py), as their clients send them.
 
 Rerank: Jina's and Cohere's `{query, documents, top_n, return_documents}` (documents as strings or `{"text": ...}`),
-served on /v1/rerank and /rerank (as vLLM serves both); TEI's `{query, texts, raw_scores, return_text, truncate}`
+served on /v1/rerank, /rerank and Cohere v2's /v2/rerank (as vLLM serves them), Cohere v2's `max_tokens_per_doc`
+honoured; TEI's `{query, texts, raw_scores, return_text, truncate}`
 on /rerank too, told apart by its `texts`. Score: vLLM's `{text_1, text_2}`. Classify: vLLM's `{input}`. TEI's
 `/embed`: `{inputs, normalize, truncate, dimensions}`. `truncate_prompt_tokens` (vLLM) cuts each input to that
 many tokens; without it an input past the model's window is a 400.
@@ -32,6 +33,8 @@ class RerankRequest(_NullMeansDefault):
     return_documents: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     max_chunks_per_doc: int | None = None  # Cohere v1's; accepted, each document is one chunk
+    # Cohere v2's: each document cut to this many tokens before it is scored (the pair must still fit the window)
+    max_tokens_per_doc: int | None = Field(default=None, ge=1)
 
 
 class TEIRerankRequest(_NullMeansDefault):

@@ -1,4 +1,4 @@
-"""Retrieval routes: rerank (Jina / Cohere on /v1/rerank and /rerank, TEI's on /rerank), score (vLLM's /v1/score),
+"""Retrieval routes: rerank (Jina / Cohere on /v1/rerank and /rerank, Cohere v2's client on /v2/rerank, TEI's on /rerank), score (vLLM's /v1/score),
 classify (vLLM's /classify) and TEI's /embed.
 
 Each text or pair is tokenized here and run as a pooling request through the one admission path (the same
@@ -71,6 +71,14 @@ async def rerank_v1(request: Request) -> Response:
     return await _rerank(st, request, req)
 
 
+@router.post("/v2/rerank")
+@_answers_gone
+async def rerank_v2(request: Request) -> Response:
+    """Cohere's v2 client (cohere.ClientV2, LangChain's CohereRerank) posts here: the same body and answer."""
+    st, req = await read_request(request, RerankRequest)
+    return await _rerank(st, request, req)
+
+
 @router.post("/rerank")
 @_answers_gone
 async def rerank(request: Request) -> Response:
@@ -88,7 +96,11 @@ async def rerank(request: Request) -> Response:
 
 async def _rerank(st: ModelState, request: Request, req: RerankRequest) -> Response:
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    got = await _relevance(st, request, req.query, docs, req.model, req.truncate_prompt_tokens)
+    scored = docs
+    if req.max_tokens_per_doc is not None:  # Cohere v2: each document scored on its first tokens alone
+        cut, n = st.front.tokenizer.cut_text, req.max_tokens_per_doc
+        scored = await asyncio.to_thread(lambda: [cut(d, n) if d else d for d in docs])
+    got = await _relevance(st, request, req.query, scored, req.model, req.truncate_prompt_tokens)
     order = sorted(range(len(docs)), key=lambda i: -got.scores[i])[:req.top_n or None]
     results = [{"index": i, "relevance_score": got.scores[i], **({"document": {"text": docs[i]}}
                                                                  if req.return_documents else {})} for i in order]
