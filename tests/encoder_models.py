@@ -167,19 +167,11 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
 
 
 def llama_cpp_source() -> Path:
-    """llama.cpp's sources as benchmarks/build_llama_server.sh unpacks them from PyPI's llama-cpp-python sdist
-    (benchmarks/.cache, git-ignored; $LLAMA_CPP_SRC overrides); skips the test where they are not there."""
-    import os
+    """llama.cpp's converter as tests/llama_convert.py finds it (`scripts/install.sh test` fetches it; $LLAMA_CPP_SRC
+    overrides); skips the test where it is not there."""
+    from tests.llama_convert import require_converter
 
-    if os.environ.get("LLAMA_CPP_SRC"):
-        found = [Path(os.environ["LLAMA_CPP_SRC"])]
-    else:
-        found = sorted((Path(__file__).parent.parent / "benchmarks" / ".cache" / "sdist").glob(
-            "llama_cpp_python-*/vendor/llama.cpp"))
-    if not found or not (found[-1] / "convert_hf_to_gguf.py").is_file():
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py is not unpacked (run benchmarks/build_llama_server.sh, or set "
-                    "LLAMA_CPP_SRC to a llama.cpp checkout)")
-    return found[-1]
+    return require_converter()
 
 
 def convert_to_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
