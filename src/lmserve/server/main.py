@@ -192,12 +192,12 @@ def prepare(args: argparse.Namespace) -> ServerState:
 
 
 def rule_params() -> frozenset[str]:
-    """The request parameters a validation rule may name (ops/rules.py): every field of the OpenAI and TGI bodies but
-    the prompt, read from their models (a field added there is nameable at once)."""
-    from lmserve.server.api.tgi.protocol import TGICompatRequest, TGIParameters, TGIRequest
-    from lmserve.server.protocol import ChatRequest, CompletionRequest
+    """The request parameters a validation rule may name (ops/rules.py): every field of the bodies each dialect lists
+    (`Dialect.rule_models`: OpenAI's and TGI's) but the prompt, read from their models (a field added there is
+    nameable at once)."""
+    from lmserve.server.api.dialects import DIALECTS
 
-    models = (CompletionRequest, ChatRequest, TGIRequest, TGIParameters, TGICompatRequest)
+    models = [m for d in DIALECTS for m in d.rule_models]
     return frozenset(f for m in models for f in m.model_fields) - {"prompt", "messages", "inputs", "parameters"}
 
 

@@ -60,3 +60,9 @@ class Dialect:
     def openapi(self) -> Any:
         """`<package>.openapi`: `ROUTES` (its RouteDoc rows) and `ERROR_MODEL` (its error body's model, or None)."""
         return import_module(f"{self.package}.openapi")
+
+    @property
+    def rule_models(self) -> tuple[Any, ...]:
+        """The request bodies whose fields a validation rule (ops/rules.py) may name: `RULE_MODELS` in its openapi
+        module (OpenAI's and TGI's bodies; none elsewhere)."""
+        return getattr(self.openapi, "RULE_MODELS", ())

@@ -1,5 +1,5 @@
-"""The registry: every API dialect, one import and one entry each (the order is the routes' order). The app, the
-error bodies and the OpenAPI document iterate it; adding a dialect is its folder plus its lines here.
+"""The registry: every API dialect, one name each (the order is the routes' order). The app, the
+error bodies and the OpenAPI document iterate it; adding a dialect is its folder plus its name here.
 
 Torch-free, as each dialect's `__init__` is: the StartGate (server/gate.py) answers errors with it while the
 routes load.
@@ -7,21 +7,16 @@ routes load.
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from starlette.responses import JSONResponse
 
-from lmserve.server.api.anthropic import DIALECT as anthropic
 from lmserve.server.api.dialect import Dialect
-from lmserve.server.api.embeddings import DIALECT as embeddings
-from lmserve.server.api.kserve import DIALECT as kserve
-from lmserve.server.api.lora import DIALECT as lora
-from lmserve.server.api.ollama import DIALECT as ollama
-from lmserve.server.api.openai import DIALECT as openai
-from lmserve.server.api.responses import DIALECT as responses
-from lmserve.server.api.retrieval import DIALECT as retrieval
-from lmserve.server.api.tgi import DIALECT as tgi
 from lmserve.server.errors import APIError, error_body, respond
 
-DIALECTS: tuple[Dialect, ...] = (openai, anthropic, responses, tgi, lora, kserve, ollama, embeddings, retrieval)
+# Each dialect's folder under server/api/, in the routes' order: adding one is its folder and its name here.
+NAMES = ("openai", "anthropic", "responses", "tgi", "lora", "kserve", "ollama", "embeddings", "retrieval")
+DIALECTS: tuple[Dialect, ...] = tuple(import_module(f"lmserve.server.api.{name}").DIALECT for name in NAMES)
 
 
 def is_generation(path: str) -> bool:

@@ -31,5 +31,13 @@ class RouteDoc:
     body_media: str = JSON
 
 
+class TGIError(Open):
+    """The error body of Hugging Face's servers: TGI's routes (/, /generate, /generate_stream, /info) and TEI's /embed
+    (server/api/hf_body.py writes it)."""
+
+    error: str
+    error_type: str
+
+
 class Version(Open):
     version: str

@@ -76,3 +76,5 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/chat/completions"): RouteDoc(p.ChatRequest, ChatCompletion, GEN_ERRORS, (JSON, SSE)),
 }
 ERROR_MODEL = None
+# the bodies whose fields a validation rule may name (server/main.py rule_params)
+RULE_MODELS = (p.CompletionRequest, p.ChatRequest)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from lmserve.server.api.dialect import Dialect
-from lmserve.server.api.tgi import error_body as tei_error_body
+from lmserve.server.api.hf_body import error_body as tei_error_body
 from lmserve.server.errors import APIError, respond
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pydantic import RootModel
 
 from lmserve.server.api.retrieval.protocol import ClassifyRequest, RerankRequest, ScoreRequest, TEIEmbedRequest
-from lmserve.server.api.route_doc import GEN_ERRORS, Open, RouteDoc
-from lmserve.server.api.tgi.openapi import TGIError
+from lmserve.server.api.route_doc import GEN_ERRORS, Open, RouteDoc, TGIError
 
 
 class RerankResult(Open):

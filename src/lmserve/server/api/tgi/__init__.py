@@ -6,15 +6,8 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from lmserve.server.api.dialect import Dialect
+from lmserve.server.api.hf_body import error_body
 from lmserve.server.errors import APIError, respond
-
-_TYPES = {400: "validation", 422: "validation", 401: "authentication", 403: "authentication", 404: "not_found",
-          405: "validation", 413: "validation", 429: "overloaded", 503: "overloaded", 500: "generation"}
-
-
-def error_body(err: APIError) -> dict:
-    """TGI's error object; also what a stream's error event carries."""
-    return {"error": err.message, "error_type": _TYPES.get(err.status, "generation")}
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmserve.server.api.route_doc import JSON, SSE, Open, RouteDoc
-from lmserve.server.api.tgi.protocol import TGICompatRequest, TGIRequest
+from lmserve.server.api.route_doc import JSON, SSE, Open, RouteDoc, TGIError
+from lmserve.server.api.tgi.protocol import TGICompatRequest, TGIParameters, TGIRequest
 
 TGI_ERRORS = (401, 404, 413, 422, 429, 500, 503)  # 404: an unknown parameters.adapter_id
-
-
-class TGIError(Open):
-    """The error body of the TGI routes (/, /generate, /generate_stream, /info)."""
-
-    error: str
-    error_type: str
 
 
 class TGIGenerated(Open):
@@ -37,3 +30,5 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/"): RouteDoc(TGICompatRequest, TGIGenerated, TGI_ERRORS, (JSON, SSE)),
 }
 ERROR_MODEL = TGIError
+# the bodies whose fields a validation rule may name (server/main.py rule_params)
+RULE_MODELS = (TGIRequest, TGIParameters, TGICompatRequest)
