@@ -388,23 +388,28 @@ def test_too_many_images_are_refused_before_any_is_read():
 @pytest.fixture
 def hung():
     """A TCP server on 127.0.0.1 that accepts every connection, reads what comes and never answers (a host that
-    hangs): its port, and [connections open now, the most ever open at once]."""
+    hangs): its port, and [connections open now, the most ever open at once], counted at each accept."""
+    import select
     import socket
 
     server = socket.create_server(("127.0.0.1", 0))
-    live, lock, conns = [0, 0], threading.Lock(), []
+    live, conns = [0, 0], []
 
-    def hold(conn) -> None:
-        with lock:
-            live[0] += 1
-            live[1] = max(live[1], live[0])
+    def drain(conn) -> None:
         try:
             while conn.recv(4096):  # b"": the client closed it
                 pass
         except OSError:
             pass
-        with lock:
-            live[0] -= 1
+
+    def open_now() -> int:
+        """Connections whose client has not closed them, as the kernel has it now (POLLRDHUP: the client's FIN, even
+        behind unread bytes). A reading thread may see a close only after the same fetch thread's next connect."""
+        poll = select.poll()
+        for c in conns:
+            poll.register(c, select.POLLRDHUP)
+        gone = {fd for fd, ev in poll.poll(0) if ev & (select.POLLRDHUP | select.POLLHUP)}
+        return sum(c.fileno() not in gone for c in conns)
 
     def serve() -> None:
         while True:
@@ -413,7 +418,9 @@ def hung():
             except OSError:
                 return
             conns.append(conn)
-            threading.Thread(target=hold, args=(conn,), daemon=True).start()
+            live[0] = open_now()
+            live[1] = max(live[1], live[0])
+            threading.Thread(target=drain, args=(conn,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     yield server.getsockname()[1], live

@@ -34,7 +34,6 @@ from lmserve.cli.flags import (
 from lmserve.config import engine_config
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.multimodal.image_io import load_image_bytes
-from lmserve.multimodal.processor import image_text
 
 
 def sampling_params(args: argparse.Namespace):
@@ -166,6 +165,7 @@ class _Chat:
     def turn(self, engine, line: str, params) -> None:
         """Ask `line` (with the attached images), stream the reply; keep the turn only if the reply finished."""
         attached, self.attached = self.attached, []  # a turn dropped by Ctrl-C or an error drops its images too
+        from lmserve.multimodal.processor import image_text  # numpy: not on `lmserve serve`'s way to the port
         content = image_text(engine.front.images.processor) * len(attached) + line if attached else line
         messages = [*self.messages, {"role": "user", "content": content}]
         images = (*self.images, *attached)
@@ -264,6 +264,7 @@ def _generate_prompt(engine, prompt: str, chat_template: bool, num_images: int) 
         if vision is None:
             raise ValueError("this model does not accept images")
         if vision.processor.image_token not in prompt:
+            from lmserve.multimodal.processor import image_text  # numpy: not on `lmserve serve`'s way to the port
             prompt = image_text(vision.processor) * num_images + prompt
         if chat_template:
             return engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
