@@ -62,9 +62,15 @@ def lmserve_logits(model_dir) -> list[torch.Tensor]:
     return flat_logits(load_formatted(model_dir, torch.float32, torch.device("cpu")).model, PROMPTS)
 
 
-def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+def assert_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = TOL) -> None:
     for g, w in zip(got, want):
-        assert (g - w).abs().max().item() <= TOL * max(1.0, w.abs().max().item())
+        assert (g - w).abs().max().item() <= tol * max(1.0, w.abs().max().item())
+
+
+# The embedded model's 30 float32 layers against transformers: on AVX2 (Zen 3) oneDNN's kernels and ours order the
+# sums unlike MKL's, 1.6e-4 of the largest logit (1.1e-4 with the native kernels off; under 1e-4 on AVX-512). A
+# merge that drops this adapter moves them by 1.2 of the largest logit, 4,000 times the bound.
+DEEP_TOL = 3e-4
 
 
 @pytest.mark.parametrize("name", ["all8", "rs16"])
@@ -234,7 +240,7 @@ def test_embedded_gguf_export(tmp_path, smol_path):
     with peft_reference(smol_path, adapter) as model:
         want = [reference_logits(model, p) for p in PROMPTS]
     assert_close(hf_logits(out), want)
-    assert_close(lmserve_logits(out), want)
+    assert_close(lmserve_logits(out), want, DEEP_TOL)
     gguf_cfg, export_cfg = read_model_config(smol_path), read_model_config(out)
     assert export_cfg.architecture == "LlamaForCausalLM"
     assert {**vars(export_cfg), "architecture": "llama"} == vars(gguf_cfg)
