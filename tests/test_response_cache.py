@@ -11,8 +11,9 @@ import httpx
 import openai
 import pytest
 
+from lmserve.loader.fingerprint import weights_fingerprint
 from lmserve.server.protocol import ChatRequest, CompletionRequest, answer_neutral
-from lmserve.server.response_cache import CacheSettings, cache_key, cacheable, open_backend, weights_fingerprint
+from lmserve.server.response_cache import CacheSettings, cache_key, cacheable, open_backend
 from tests.server_util import MODEL, free_port, running_server
 
 KEYS = """keys:

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Collection, Protocol
 
 from lmserve.files import open_sqlite, user_cache_dir
 from lmserve.loader.fingerprint import served_fingerprint
-from lmserve.loader.fingerprint import weights_fingerprint as weights_fingerprint  # its tests' name for it
 from lmserve.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
