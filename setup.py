@@ -88,6 +88,11 @@ def extensions_and_commands() -> tuple[list, dict]:
             cached = native.cache_root() / native.level_key(level)
             target = Path(self.get_ext_fullpath(ext.name))
             target.parent.mkdir(parents=True, exist_ok=True)
+            with native.build_lock(cached):  # a start or another build making this key: wait, take its build
+                if self._build_or_reuse(ext, level, cached, target):
+                    self.built.append(level)
+
+        def _build_or_reuse(self, ext, level, cached: Path, target: Path) -> bool:
             found = native._library(cached)
             if found is not None:
                 print(f"setup.py: native kernels {level.name}: from the cache {cached}", file=sys.stderr)
@@ -101,9 +106,9 @@ def extensions_and_commands() -> tuple[list, dict]:
                 except Exception as e:  # noqa: BLE001 - no compiler (a CUDA image): install all the same
                     print(f"setup.py: native kernels for {level.name} not built ({type(e).__name__}: {e}); lmserve "
                           "compiles them at first use where it can, else uses the PyTorch paths", file=sys.stderr)
-                    return
+                    return False
                 _keep(target, cached)
-            self.built.append(level)
+            return True
 
         def run(self) -> None:
             self.built = []  # the levels built or copied from the cache (a failed one is left out)

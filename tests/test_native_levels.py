@@ -65,6 +65,41 @@ def test_a_stale_package_build_is_not_loaded(monkeypatch, tmp_path):
     assert native._bundled(level, native.level_key(level)).parent == tmp_path
 
 
+HOLD = """
+import sys, time
+from pathlib import Path
+from lmserve.layers.kernels import native
+with native.build_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+    (Path(sys.argv[1]) / "built").parent.mkdir(parents=True, exist_ok=True)
+    (Path(sys.argv[1]) / "built").write_text("x")
+"""
+
+
+def test_a_second_build_of_one_key_waits_for_the_first_and_a_killed_holder_frees_it(tmp_path):
+    """Two processes wanting the same build (a wheel beside a start, two test workers) compile it once; a build
+    killed half-way leaves no lock behind."""
+    import time
+
+    final = tmp_path / "x86-64-v2-key"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(final), "1.5"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    start = time.perf_counter()
+    with native.build_lock(final):
+        waited = time.perf_counter() - start
+        assert (final / "built").exists()  # the first's build is there when the second gets the lock
+    assert holder.wait(30) == 0 and waited > 0.5
+    (final / "built").unlink()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(final), "600"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait(30)
+    start = time.perf_counter()
+    with native.build_lock(final):
+        assert time.perf_counter() - start < 5 and not (final / "built").exists()
+
+
 RUNNABLE = [lv.name for lv in native.LEVELS if lv.needs <= set(cpu_flags().split())]
 
 

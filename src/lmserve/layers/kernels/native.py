@@ -133,8 +133,11 @@ def _build() -> ModuleType | None:
         path = _bundled(level, key) or _library(cache_root() / key)
         where = "prebuilt" if path is not None and path.parent == BUILD_STAMP.parent else "cached"
         if path is None:
-            _compile(level, cache_root(), cache_root() / key)
-            path, where = _library(cache_root() / key), "compiled"
+            with build_lock(cache_root() / key):  # another process building this key: wait, then take its build
+                path = _library(cache_root() / key)
+                if path is None:
+                    _compile(level, cache_root(), cache_root() / key)
+                    path, where = _library(cache_root() / key), "compiled"
         module = _import(path)
         _loaded_key = key
     except Exception as e:  # no compiler / ninja, or a build error: the PyTorch path still works
@@ -159,13 +162,35 @@ def _bundled(level: Level, key: str) -> Path | None:
     return found[0] if found else None
 
 
+@contextmanager
+def build_lock(final: Path) -> Iterator[None]:
+    """Hold the one build of `final` across processes (setup.py and run-time starts alike).
+
+    Two processes that need the same level at once (a wheel build beside a start, two test workers) would
+    each compile it for minutes; the second now waits and takes the first's build. An flock: the kernel drops
+    it when its holder dies, so a killed build never leaves a lock behind. Where locks cannot be taken (a
+    read-only cache), both build, as before.
+    """
+    import fcntl
+
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(final.parent / f".{final.name}.lock", "a")  # noqa: SIM115 - held for the with-block
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def _compile(level: Level, root: Path, final: Path) -> None:
     """Build in a private directory, then rename it into place.
 
     The sources are copied next to the build so its files name no checkout: every checkout and venv
     with the same sources, torch and level shares one build. A build killed half-way leaves only its own
-    temporary directory (no lock that later starts would wait on forever); two processes that build at
-    once both succeed and the first rename wins.
+    temporary directory; a second process waits on `build_lock` instead of compiling the same build again;
+    where no lock can be taken, two that build at once both succeed and the first rename wins.
     """
     import shutil
     import tempfile
