@@ -5,8 +5,8 @@
 Each run starts `lmserve serve` on the embedded model in a child process that wraps the start's functions (the list
 PHASES below, wrapped as their modules are imported, so no import moves) and writes when each began and ended, on
 which thread, with the thread's CPU seconds; the parent sends one streamed chat of one token as soon as the port
-accepts (startup.py's `--send connect` client) and prints every phase against the time since `Popen`. `import torch`
-is timed by a meta-path hook around the first import of the `torch` package. With --trees the runs alternate
+accepts (startup.py's `--send connect` client) and prints every phase against the time since `Popen`. The first
+imports of IMPORTS are timed by the same meta-path hook. With --trees the runs alternate
 between source trees (PYTHONPATH=tree), so a before/after pair shares the machine's load.
 """
 
@@ -42,6 +42,8 @@ PHASES = {
     "lmserve.cache.kv_cache_manager": ["KVCacheManager.__init__"],
 }
 
+# modules whose first import is timed whole (lmserve.server.app's includes torch's)
+IMPORTS = ("torch", "lmserve.server.start", "lmserve.server.app", "jinja2")
 OUT = sys.stderr
 
 
@@ -70,7 +72,7 @@ class _Hook(importlib.abc.MetaPathFinder):
         self.torch_done = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "torch" and not fullname.startswith("lmserve"):
+        if fullname not in IMPORTS and not fullname.startswith("lmserve"):
             return None
         sys.meta_path.remove(self)
         try:
@@ -84,8 +86,8 @@ class _Hook(importlib.abc.MetaPathFinder):
         def run(module):
             t, c = time.time(), time.thread_time()
             exec_module(module)
-            if fullname == "torch":
-                _emit(phase="import torch", start=t, end=time.time(), cpu=time.thread_time() - c,
+            if fullname in IMPORTS:
+                _emit(phase=f"import {fullname}", start=t, end=time.time(), cpu=time.thread_time() - c,
                       thread=threading.current_thread().name)
             hook.patch(module)
         spec.loader.exec_module = run
@@ -168,6 +170,11 @@ def main() -> None:
     args = ap.parse_args()
     trees = {n: {**os.environ, "PYTHONPATH": str(Path(s).resolve())}
              for n, s in (t.split("=", 1) for t in args.trees.split(",") if t)} or {"": dict(os.environ)}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.startup import compile_lmserve
+
+    for env in trees.values():  # the .pyc files an install has (this host sets PYTHONDONTWRITEBYTECODE=1)
+        compile_lmserve(env)
     runs: dict[str, list[dict]] = {n: [] for n in trees}
     for i in range(args.runs):
         for name, env in trees.items():
