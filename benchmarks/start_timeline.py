@@ -94,6 +94,9 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
     def patch(self, module) -> None:
+        """Wrap the module's PHASES, and swap wrappers in for the names it imported (cheap: one dict per import;
+        the sweep of every loaded module runs only where this module defined a phase)."""
+        made = False
         for qual in PHASES.get(module.__name__, []):
             owner, _, attr = qual.rpartition(".")
             target = getattr(module, owner) if owner else module
@@ -103,10 +106,11 @@ class _Hook(importlib.abc.MetaPathFinder):
             wrapped = _wrap(qual, fn)
             setattr(target, attr, wrapped)
             self.swapped[id(fn)] = wrapped
+            made = True
         for key, value in list(vars(module).items()):
             if id(value) in self.swapped:
                 setattr(module, key, self.swapped[id(value)])
-        for mod in list(sys.modules.values()):  # modules imported the name before it was wrapped (none, in order)
+        for mod in list(sys.modules.values()) if made else ():  # a cycle's module may hold the name already
             if getattr(mod, "__name__", "").startswith("lmserve") and mod is not module:
                 for key, value in list(getattr(mod, "__dict__", {}).items()):
                     if id(value) in self.swapped and callable(value):
