@@ -5,13 +5,12 @@ A step's length is its tokens times the host's time per token, and a loaded 2-co
 step for over 300 s. Short requests wait for the step in progress to end, and the hung-step watchdog looks for
 progress inside a step (worker/progress.py), so a step should carry what this host prefills in about
 `SchedulerConfig.step_seconds`. Warm-up times one 32-token prefill and lowers the scheduler's budget to that. It
-used to time a 256-token one after it on a fast host: ~0.5 s of every start to first token on a quiet 2-core Zen 3
-(issue 46), for a shape the first request does not run. The short probe's rate is the lower one (a step's fixed
-costs weigh more in it), so the budget starts on the safe side, and the first long prompts raise it: each chunk that
-fills the budget refits it (below). What a token costs then moves with the host's
-load and with the context a chunk attends to (on a loaded 2-core host a 1,024-token chunk took 5.4 s at position
-0 and 17 s at position 2,048), so every step whose prompt tokens fill at least half the budget refits it
-(sched/budget.StepBudget).
+used to time a 256-token one after it wherever the first took under 0.1 s, i.e. in every quiet start: ~0.75 CPU s on
+a 2-core Zen 3 (benchmarks/results/startup_zen3.md) before /health said 200, for a shape the first request does not
+run. The short probe's rate is the lower one (a step's fixed costs weigh more in it), so the budget starts on the
+safe side and the first long prompts raise it. What a token costs then moves with the host's load and with the
+context a chunk attends to (on a loaded 2-core host a 1,024-token chunk took 5.4 s at position 0 and 17 s at
+position 2,048), so every step whose prompt tokens fill at least half the budget refits it (sched/budget.StepBudget).
 
 --max-num-batched-tokens, when given, is kept as it is (engine_config leaves step_seconds None then), and so
 is the budget with chunked prefill off (a whole prompt of up to max_num_batched_tokens must fit in one step).
