@@ -4,11 +4,13 @@ to date from the prefill steps the engine runs.
 A step's length is its tokens times the host's time per token, and a loaded 2-core host prefilled a 3,100-token
 step for over 300 s. Short requests wait for the step in progress to end, and the hung-step watchdog looks for
 progress inside a step (worker/progress.py), so a step should carry what this host prefills in about
-`SchedulerConfig.step_seconds`. Warm-up times a prefill (a 32-token prompt, then a 256-token one unless the first
-already took PROBE_S) and lowers the scheduler's budget to that. What a token costs then moves with the host's
-load and with the context a chunk attends to (on a loaded 2-core host a 1,024-token chunk took 5.4 s at position
-0 and 17 s at position 2,048), so every step whose prompt tokens fill at least half the budget refits it
-(sched/budget.StepBudget).
+`SchedulerConfig.step_seconds`. Warm-up times one 32-token prefill and lowers the scheduler's budget to that. It
+used to time a 256-token one after it wherever the first took under 0.1 s, i.e. in every quiet start: ~0.75 CPU s on
+a 2-core Zen 3 (benchmarks/results/startup_zen3.md) before /health said 200, for a shape the first request does not
+run. The short probe's rate is the lower one (a step's fixed costs weigh more in it), so the budget starts on the
+safe side and the first long prompts raise it. What a token costs then moves with the host's load and with the
+context a chunk attends to (on a loaded 2-core host a 1,024-token chunk took 5.4 s at position 0 and 17 s at
+position 2,048), so every step whose prompt tokens fill at least half the budget refits it (sched/budget.StepBudget).
 
 --max-num-batched-tokens, when given, is kept as it is (engine_config leaves step_seconds None then), and so
 is the budget with chunked prefill off (a whole prompt of up to max_num_batched_tokens must fit in one step).
@@ -27,8 +29,7 @@ from lmserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PROBE_TOKENS = (32, 256)
-PROBE_S = 0.1  # a probe this long is long enough to time; a longer one would only delay the server's start
+PROBE_TOKENS = 32  # a prompt as short as a chat's first: the start runs no shape the first request does not
 
 
 def fit_step_budget(engine: LLMEngine) -> int:
@@ -60,16 +61,9 @@ def _off_the_record(engine: LLMEngine) -> Iterator[None]:
 
 
 def prefill_rate(engine: LLMEngine) -> float | None:
-    """Prompt tokens per second of a prefill on this host now (None: no probe prompt fits the engine)."""
-    rate = None
-    for n in PROBE_TOKENS:
-        seconds = _prefill_seconds(engine, n)
-        if seconds is None:
-            break
-        rate = n / seconds
-        if seconds >= PROBE_S:
-            break
-    return rate
+    """Prompt tokens per second of a prefill on this host now (None: the probe prompt does not fit the engine)."""
+    seconds = _prefill_seconds(engine, PROBE_TOKENS)
+    return None if seconds is None else PROBE_TOKENS / seconds
 
 
 def _prefill_seconds(engine: LLMEngine, n: int) -> float | None:
