@@ -41,7 +41,7 @@ from tests.server_util import free_port  # noqa: E402
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def start_app(setup: str, redis_url: str | None, tmp: str, pin: bool) -> str:
+def start_app(setup: str, redis_url: str | None, tmp: str, pin: bool, start_timeout: float) -> str:
     """Serve's URL, with the set-up's application running (and its replicas pinned, with `pin`)."""
     import ray
     from ray import serve
@@ -55,7 +55,7 @@ def start_app(setup: str, redis_url: str | None, tmp: str, pin: bool) -> str:
     args = {"num_threads": "1", "num_replicas": "2", "max_ongoing_requests": "64"}
     if setup == "pd":
         args |= {"num_replicas": "1", "prefill_replicas": "1", "pd_min_prompt_chars": "2000",
-                 "pd_timeout_s": "120"}
+                 "pd_start_timeout_s": str(start_timeout), "pd_timeout_s": "300"}
         flags += f" --kv-shared {redis_url}"
     serve.run(app(args | {"serve_args": flags}), name="lmserve", route_prefix="/")
     if pin:
@@ -140,6 +140,9 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--pin", action="store_true", help="pin each replica's threads to its own core")
     ap.add_argument("--setups", default="pd,colocated")
+    ap.add_argument("--pd-start-timeout", type=float, default=2.0,
+                    help="the app's pd_start_timeout_s (raise it on an overloaded machine, where a replica's event "
+                         "loop may take seconds to take a prompt)")
     ap.add_argument("--output", type=Path, default=ROOT / "benchmarks/results/pd_disagg")
     args = ap.parse_args()
     long_prompt = system_prompt(args.prompt_words)
@@ -149,7 +152,7 @@ def main() -> int:
         for setup in args.setups.split(","):
             tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
             try:
-                url = start_app(setup, srv.url, tmp, args.pin)
+                url = start_app(setup, srv.url, tmp, args.pin, args.pd_start_timeout)
                 results[setup] = asyncio.run(run_load(url, long_prompt, args.streams, args.interval, args.duration))
             finally:
                 stop_app()

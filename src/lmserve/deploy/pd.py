@@ -118,8 +118,11 @@ class PrefillClient:
         try:
             # a replica takes a request at once (its engine runs on its own thread): no answer in time means none
             # is running, or all are full, and decode is better off computing the prompt itself
-            if await asyncio.wait_for(stream.__anext__(), self.start_timeout_s) != ACCEPTED:
-                return "prefill_failed"
+            try:
+                if await asyncio.wait_for(stream.__anext__(), self.start_timeout_s) != ACCEPTED:
+                    return "prefill_failed"
+            except asyncio.TimeoutError:
+                return "prefill_busy"
             status = await asyncio.wait_for(stream.__anext__(), self.timeout_s)
             done = True
             # a 4xx is the request's own fault: decode answers it with the same error
