@@ -171,7 +171,7 @@ def main() -> int:
 def report(r: dict) -> str:
     a = r["args"]
     lines = [f"# P/D on Ray Serve: decode ITL while long prompts arrive (`{r['command']}`)", "",
-             f"Embedded SmolLM2-135M, 1-thread replicas on a local Ray cluster of 2 CPUs ({r['cpus']} CPUs, {r['cpu']}"
+             f"Embedded SmolLM2-135M, 1-thread replicas on a local Ray cluster of 2 CPUs (machine: {r['cpus']} CPUs, {r['cpu']}"
              f"){', each replica pinned to its own core' if a['pin'] else ', replicas not pinned'}. Load: "
              f"{a['streams']} streamed decodes of 48 tokens, restarted when done, and a {a['prompt_words']}-word prompt "
              f"(16 tokens asked) every {a['interval']} s, for {a['duration']} s. Load average "
