@@ -65,11 +65,13 @@ def start_app(setup: str, redis_url: str | None, tmp: str, pin: bool, start_time
 
 def pin_replicas() -> None:
     """Each engine replica's threads onto one core of its own (0, 1, ...)."""
-    from ray.util.state import list_actors
+    import ray
 
-    actors = sorted((a.name, a.pid) for a in list_actors(filters=[("state", "=", "ALIVE")])
-                    if a.name and a.name.startswith("SERVE_REPLICA::lmserve#LMServer"))
-    for core, (name, pid) in enumerate(actors):
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith("SERVE_REPLICA::lmserve#LMServer"))
+    for core, name in enumerate(names):
+        actor = ray.get_actor(name, namespace="serve")
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
         for tid in os.listdir(f"/proc/{pid}/task"):
             os.sched_setaffinity(int(tid), {core % os.cpu_count()})
         print(f"pinned {name} (pid {pid}) to core {core}", file=sys.stderr)
