@@ -154,8 +154,9 @@ def scaling_out_commands() -> list[list[str]]:
 
     page = ROOT / "docs" / "deployment.md"
     blocks = [b for b in readme_blocks(page.read_text()) if b.lang == "sh"
-              and b.section in ("Replicas on Ray Serve", "Kubernetes")]
-    assert len(blocks) == 2
+              and b.section in ("Replicas on Ray Serve", "Prefill and decode on separate replicas (Ray Serve)",
+                                "Kubernetes")]
+    assert len(blocks) == 3
     return [shlex.split(line) for b in blocks for line in b.text.splitlines() if line.strip()]
 
 
@@ -174,6 +175,44 @@ def test_readme_scaling_out_commands_are_real():
     for c in runs:
         assert c[2] == "lmserve.deploy.ray_serve:app"
         call_user_app_builder_with_args_if_necessary(ray_serve.app, convert_args_to_dict(tuple(c[3:])))
+    assert any("prefill_replicas=1" in c for c in runs)
     named = [w for c in commands for w in c[1:] if w.startswith(("deploy/", "Dockerfile"))]
     assert named and all((ROOT / w).exists() for w in named), named
 
+
+
+def test_prefill_requests_are_cut_to_one_token():
+    """P/D's prefill request (deploy/pd.py): the same prompt and options, one token, whole, one choice."""
+    from lmserve.deploy.pd import prefill_body
+
+    body = {"model": "m", "prompt": "long", "max_tokens": 300, "stream": True, "stream_options": {"include_usage": True},
+            "n": 3, "best_of": 4, "min_tokens": 20, "temperature": 0, "logprobs": 2}
+    assert json.loads(prefill_body("/v1/completions", json.dumps(body).encode())) == {
+        "model": "m", "prompt": "long", "max_tokens": 1, "n": 1, "temperature": 0, "logprobs": 2}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 50, "stream": True}
+    assert json.loads(prefill_body("/v1/chat/completions", json.dumps(chat).encode())) == {
+        "messages": chat["messages"], "max_tokens": 1, "n": 1}
+    tgi = {"inputs": "x", "parameters": {"max_new_tokens": 40, "best_of": 2, "temperature": 0.5}}
+    assert json.loads(prefill_body("/generate", json.dumps(tgi).encode()))["parameters"] == {
+        "max_new_tokens": 1, "temperature": 0.5}
+    assert prefill_body("/v1/completions", b"{bad") is None and prefill_body("/v1/embeddings", b"{}") is None
+
+
+def test_only_long_unpinned_generation_prompts_are_prefilled():
+    from lmserve.deploy.pd import wants_prefill
+
+    def req(prompt: str, path: str = "/v1/completions", replica: str | None = None) -> ForwardedRequest:
+        return ForwardedRequest("POST", path, b"", (), json.dumps({"prompt": prompt}).encode(), replica=replica)
+
+    assert wants_prefill(req("x" * 100), 100) and not wants_prefill(req("x" * 99), 100)
+    assert not wants_prefill(req("x" * 100, replica="r1"), 100)  # an operator's pinned request goes where it says
+    assert not wants_prefill(req("x" * 100, path="/v1/embeddings"), 100)
+
+
+def test_pd_app_needs_a_shared_tier(tmp_path):
+    rs = pytest.importorskip("lmserve.deploy.ray_serve")
+    with pytest.raises(ConfigError, match="prefill_replicas needs a KV tier the replicas share: add --kv-shared"):
+        rs.app({"prefill_replicas": "1"})
+    args = rs.RayServeArgs.from_args({"prefill_replicas": "2", "pd_min_prompt_chars": "100", "pd_timeout_s": "9"})
+    assert (args.prefill_replicas, args.pd_min_prompt_chars, args.pd_timeout_s) == (2, 100, 9.0)
+    assert rs.app({"prefill_replicas": "1", "serve_args": f"--kv-shared {tmp_path}"}) is not None

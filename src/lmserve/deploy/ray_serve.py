@@ -14,6 +14,11 @@ Every response carries `x-lmserve-replica`: the engine replica that answered (a 
 goes to the replica it names while it runs, e.g. to read its /metrics). A replica that dies
 before answering turns into a 503 with Retry-After (clients retry, Serve starts a new replica); one that
 dies in the middle of a stream ends it with an error event.
+
+With `prefill_replicas=N` (and `--kv-shared` in serve_args) the app disaggregates prefill and decode
+(deploy/pd.py): a third deployment, `LMServerPrefill`, computes long prompts into the shared KV tier, and the
+engine replicas become the decode role; the ingress falls back to colocated serving on them when the prefill
+role is missing.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 from lmserve.cli import parse_args
 from lmserve.deploy.forward import ForwardedRequest, ResponseStart, routing_key, run_asgi
 from lmserve.deploy.lifespan import Lifespan
+from lmserve.deploy.pd import ACCEPTED, PrefillClient
 from lmserve.deploy.router import DEFAULT_IMBALANCED_THRESHOLD, PrefixAffinityRouter
 from lmserve.errors import ConfigError
 from lmserve.server.app import build_app, error_response
@@ -42,7 +48,7 @@ from lmserve.server.main import check_serve_args, load_engine, prepare, unload_e
 
 log = logging.getLogger("lmserve.deploy")
 REPLICA_HEADER = b"x-lmserve-replica"
-ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT = "LMServerEngine", "OpenAIIngress"
+ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, PREFILL_DEPLOYMENT = "LMServerEngine", "OpenAIIngress", "LMServerPrefill"
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,12 @@ class RayServeArgs:
     imbalanced_threshold: int = DEFAULT_IMBALANCED_THRESHOLD
     health_check_period_s: float = 10.0
     serve_args: str = ""  # further `lmserve serve` flags, e.g. "--require-api-key --api-key-file /etc/keys.yaml"
+    # P/D (deploy/pd.py): prefill replicas (0: colocated serving only); they need --kv-shared in serve_args
+    prefill_replicas: int = 0
+    pd_min_prompt_chars: int = 4000  # prompts with this much text (~1,000 tokens) are prefilled first
+    pd_start_timeout_s: float = 2.0  # no prefill replica took the prompt in this long: decode computes it
+    pd_timeout_s: float = 60.0  # a prefill that runs longer is abandoned: decode computes the prompt
+    pd_retry_s: float = 5.0  # after a prefill failure, prompts go straight to decode for this long
 
     @classmethod
     def from_args(cls, args: dict) -> "RayServeArgs":
@@ -113,6 +125,29 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("replica %s serving %s", self.replica_id, self.state.config.served_model_name)
 
+    async def prefill(self, req: ForwardedRequest):
+        """P/D's prefill role: ACCEPTED at once, then the status of `req` (a one-token request, pd.prefill_body)
+        once every block it computed is in the shared tier, where the decode replica will look for it."""
+        yield ACCEPTED
+        status = 500
+        async for item in run_asgi(self.app, req):
+            if isinstance(item, ResponseStart):
+                status = item.status
+        if status == 200:
+            await asyncio.get_running_loop().run_in_executor(None, self._flush_kv)
+        yield status
+
+    def _flush_kv(self) -> None:
+        for engine in self.state.models.engines():
+            tier = getattr(engine.engine, "kv_tier", None)
+            if tier is not None:
+                tier.flush()
+
+    def ping(self) -> str:
+        """The ingress's health probe of the prefill role."""
+        self.check_health()
+        return self.replica_id
+
     async def forward(self, req: ForwardedRequest):
         """The response to `req`: a ResponseStart, then its body chunks as the app sends them."""
         async for item in run_asgi(self.app, req, ((REPLICA_HEADER, self.replica_id.encode()),)):
@@ -138,8 +173,10 @@ class EngineReplica:
 class Ingress:
     """Serve's HTTP entry: reads a request once, keys it by prompt prefix, streams an engine replica's answer."""
 
-    def __init__(self, engine, prefix_chars: int, max_body_bytes: int, max_upload_bytes: int) -> None:
+    def __init__(self, engine, prefix_chars: int, max_body_bytes: int, max_upload_bytes: int,
+                 prefill=None, pd: dict | None = None) -> None:
         self.engine = engine.options(method_name="forward", stream=True)
+        self.pd = PrefillClient(prefill, metrics=_pd_metrics(), **pd) if prefill is not None else None
         self.prefix_chars = prefix_chars
         self.limits = {"/v1/files": max_upload_bytes}
         self.max_body_bytes = max_body_bytes
@@ -153,6 +190,10 @@ class Ingress:
         fwd = ForwardedRequest(request.method, path, request.url.query.encode(), tuple(request.headers.raw),
                                body, client, routing_key(path, body, self.prefix_chars),
                                request.headers.get(REPLICA_HEADER.decode()))
+        if self.pd is not None:
+            if path == "/health":
+                return await self._health(fwd)
+            await self.pd.before_decode(fwd)  # a long prompt's blocks into the shared tier, or a fallback
         stream = self.engine.remote(fwd)
         try:
             start = await stream.__anext__()
@@ -167,6 +208,22 @@ class Ingress:
             raise
         return _relay(start, stream, path)
 
+    async def _health(self, fwd: ForwardedRequest) -> Response:
+        """A decode replica's /health, with the P/D figures and the roles missing: a missing prefill role leaves
+        the status as decode's (it serves, colocated); no decode replica is a 503."""
+        prefill_ok = await self.pd.available()
+        try:  # bounded: with no decode replica running, Serve would queue the call
+            status, body = await asyncio.wait_for(_whole(self.engine.remote(fwd)), 10)
+        except (RayActorError, asyncio.TimeoutError):
+            status, body = 503, b'{"status": "unavailable"}'
+        try:
+            health = json.loads(body)
+        except ValueError:
+            health = {"status": "unavailable"}
+        missing = [role for role, ok in (("prefill", prefill_ok), ("decode", status == 200)) if not ok]
+        health |= {"missing_roles": missing, "pd": self.pd.stats.as_dict()}
+        return Response(json.dumps(health), status_code=status, media_type="application/json")
+
     @staticmethod
     async def _read_body(request: Request, limit: int) -> bytes | Response:
         """The whole body, or a 413 as soon as it passes `limit` (as lmserve's own BodyLimit)."""
@@ -177,6 +234,21 @@ class Ingress:
                 return error_response(request.url.path, APIError(413, f"request body over {limit} bytes"))
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+async def _whole(stream) -> tuple[int, bytes]:
+    """A short response's status and body."""
+    start = await stream.__anext__()
+    return start.status, b"".join([chunk async for chunk in stream])
+
+
+def _pd_metrics() -> dict:
+    """The ingress's P/D counters in Ray's metrics (exported by each node's metrics agent)."""
+    from ray.serve.metrics import Counter
+
+    return {"handoffs": Counter("lmserve_pd_handoffs", description="prompts a prefill replica computed first"),
+            "fallbacks": Counter("lmserve_pd_fallbacks", tag_keys=("reason",),
+                                 description="long prompts decode computed whole: the prefill role was missing")}
 
 
 def _relay(start: ResponseStart, stream, path: str) -> StreamingResponse:
@@ -204,10 +276,10 @@ async def _chunks(stream, sse: bool, path: str):
             stream.cancel()  # the client left (or the replica failed): the replica's app sees a disconnect
 
 
-def engine_options(cfg: RayServeArgs) -> dict:
+def engine_options(cfg: RayServeArgs, name: str = ENGINE_DEPLOYMENT) -> dict:
     """Deployment options of the engine replicas: resources, routing, fixed count or autoscaling."""
     options = {
-        "name": ENGINE_DEPLOYMENT,
+        "name": name,
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "health_check_period_s": cfg.health_check_period_s,
         "ray_actor_options": {"num_cpus": cfg.num_threads, "num_gpus": cfg.num_gpus},
@@ -233,4 +305,14 @@ def app(args: dict):
     engine = serve.deployment(EngineReplica).options(**engine_options(cfg)).bind(cfg.serve_argv())
     ingress = serve.deployment(Ingress).options(name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
                                                 max_ongoing_requests=1000)  # it only waits on replicas
-    return ingress.bind(engine, cfg.prefix_chars, flags.max_body_bytes, flags.max_upload_bytes)
+    if cfg.prefill_replicas <= 0:
+        return ingress.bind(engine, cfg.prefix_chars, flags.max_body_bytes, flags.max_upload_bytes)
+    if flags.kv_shared is None:
+        raise ConfigError("prefill_replicas needs a KV tier the replicas share: add --kv-shared redis://HOST:PORT/DB "
+                          "(or a shared directory) to serve_args")
+    prefill_cfg = dataclasses.replace(cfg, num_replicas=cfg.prefill_replicas)
+    prefill = serve.deployment(EngineReplica).options(**engine_options(prefill_cfg, PREFILL_DEPLOYMENT)).bind(
+        cfg.serve_argv())
+    pd = {"min_prompt_chars": cfg.pd_min_prompt_chars, "start_timeout_s": cfg.pd_start_timeout_s,
+          "timeout_s": cfg.pd_timeout_s, "retry_s": cfg.pd_retry_s}
+    return ingress.bind(engine, cfg.prefix_chars, flags.max_body_bytes, flags.max_upload_bytes, prefill, pd)
