@@ -152,7 +152,7 @@ class Server:
             self.p.wait()
 
 
-def level(server: Server, c: int, args, seed: int) -> dict:
+def level(server: Server, c: int, args, seed: int, warm_up: bool = False) -> dict | None:
     """Run c streams at concurrency c; the medians of the full decode cycles and the client's view."""
     from lmserve.bench import serve as sb
 
@@ -163,6 +163,8 @@ def level(server: Server, c: int, args, seed: int) -> dict:
     dumped = server.take()
     summary = sb.summarize(results, wall, {}, 0.0)
     full = [r for r in dumped["records"] if r["rows"] == c and r["prefill"] == 0]
+    if warm_up:
+        return None
     if os.environ.get("STEP_HOST_DEBUG"):
         print([(r["rows"], r["prefill"]) for r in dumped["records"]], file=sys.stderr)
     if not full or summary["failed"]:
@@ -171,13 +173,19 @@ def level(server: Server, c: int, args, seed: int) -> dict:
     def med(fn) -> float:
         return statistics.median(fn(r) for r in full) * 1000
 
+    # c=1: the prompt's steps (prefill), against the client's TTFT: what besides the forward the first token waits for
+    prefill = [r for r in dumped["records"] if r["prefill"] > 0] if c == 1 else []
+    first = {"prefill_steps": len(prefill), "prefill_wall_ms": sum(r["wall"] for r in prefill) * 1000,
+             "prefill_fwd_wall_ms": sum(r["fwd_wall"] for r in prefill) * 1000,
+             "prefill_host_ms": sum(r["engine_cpu"] - r["fwd_cpu"] + r["loop_cpu"] for r in prefill) * 1000}
+
     return {"cycles": len(full), "load": dumped["load"][0],
             "engine_host_ms": med(lambda r: r["engine_cpu"] - r["fwd_cpu"]), "loop_ms": med(lambda r: r["loop_cpu"]),
             "host_ms": med(lambda r: r["engine_cpu"] - r["fwd_cpu"] + r["loop_cpu"]),
             "fwd_cpu_ms": med(lambda r: r["fwd_cpu"]), "process_cpu_ms": med(lambda r: r["process_cpu"]),
             "wall_ms": med(lambda r: r["wall"]), "fwd_wall_ms": med(lambda r: r["fwd_wall"]),
             "tpot_ms": summary["tpot_ms"]["median"], "ttft_ms": summary["ttft_ms"]["median"],
-            "output_tok_s": summary["output_throughput"]}
+            "output_tok_s": summary["output_throughput"], **(first if prefill else {})}
 
 
 def run(args) -> dict:
@@ -187,7 +195,7 @@ def run(args) -> dict:
         for name, src in trees.items():
             server = Server(src, args)
             try:
-                level(server, 2, args, 999)  # warm-up: first-shape costs, the loop's first connections
+                level(server, 2, args, 999, warm_up=True)  # warm-up: first-shape costs, the loop's first connections
                 for c in args.levels:
                     res = level(server, c, args, r)
                     runs[name][c].append(res)
