@@ -104,3 +104,36 @@ def test_the_checked_max_tokens_travels_with_the_add():
     finally:
         engine.shutdown()
     assert [(m.request_id, m.max_tokens) for m in fake.added] == [("checked", 7), ("unchecked", None)]
+
+
+class ThreeStepEngine(FakeEngine):
+    """Every queued request gets one delta a step (its prompt ids one by one) and finishes on its third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[str, int] = {}
+
+    def step(self) -> list[CompletionDelta]:
+        deltas = []
+        for m in self.queued:
+            k = self.sent[m.request_id] = self.sent.get(m.request_id, 0) + 1
+            deltas.append(CompletionDelta(m.request_id, 0, [m.prompt[k - 1]], str(k), None, finished=k == 3))
+        self.queued = [m for m in self.queued if self.sent[m.request_id] < 3]
+        return deltas
+
+
+def test_a_steps_deltas_for_many_streams_arrive_whole_and_in_order():
+    # a step hands all its deltas to the event loop in one callback: every stream still gets each of its own, in order
+    engine = AsyncEngine(ThreeStepEngine())
+    engine.start()
+
+    async def many() -> list[list[CompletionDelta]]:
+        return await asyncio.gather(*(_collect(engine, f"r{i}", [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(16)))
+
+    try:
+        streams = asyncio.run(many())
+    finally:
+        engine.shutdown()
+    for i, deltas in enumerate(streams):
+        assert [(d.request_id, d.token_ids, d.text, d.finished) for d in deltas] == [
+            (f"r{i}", [10 * i + k], str(k + 1), k == 2) for k in range(3)]

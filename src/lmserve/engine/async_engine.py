@@ -255,8 +255,21 @@ class AsyncEngine:
         self._publish(self.engine.abort(msg.request_id))
 
     def _publish(self, deltas: list[CompletionDelta]) -> None:
-        for d in deltas:
-            self._send(d.request_id, d)
+        """Hand a step's deltas to their streams: one lock and one call_soon_threadsafe per event loop, not per delta.
+
+        Each call_soon_threadsafe takes the loop's lock and writes its self-pipe; at 16-32 streams a call per delta
+        cost the engine thread that many syscalls a step and woke the loop as often (its callbacks then ran one by
+        one, each needing the GIL the engine thread wants back)."""
+        if not deltas:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        with self._lock:
+            for d in deltas:
+                stream = self._streams.get(d.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, d))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _send(self, request_id: str, item: object) -> None:
         with self._lock:
@@ -275,6 +288,12 @@ def _stack_of(thread: threading.Thread | None) -> str:
     """Where `thread` is now (for the hung-engine log line)."""
     frame = sys._current_frames().get(thread.ident) if thread is not None else None
     return "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: a step's deltas into their streams' queues, in the engine's order."""
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _ignore(msg: Wake) -> None:

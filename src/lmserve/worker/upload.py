@@ -49,6 +49,8 @@ def to_device(tree: Any, device: torch.device, staging: PinnedStaging | None = N
     """A copy of `tree` (dataclasses, lists, tuples, dicts) with every numpy array replaced by a tensor.
 
     On CUDA the arrays travel in one copy through `staging` (a fresh pinned buffer when none is given)."""
+    if torch.device(device).type != "cuda":  # each array becomes a tensor sharing its memory: one walk, no copy
+        return _walk(tree, _as_tensor)
     arrays: list[np.ndarray] = []
     _walk(tree, lambda a: arrays.append(a) or a)
     if not arrays:
@@ -71,9 +73,11 @@ def _walk(node: Any, fn: Callable[[np.ndarray], Any]) -> Any:
     return node
 
 
+def _as_tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
 def _upload(arrays: list[np.ndarray], device: torch.device, staging: PinnedStaging | None) -> list[torch.Tensor]:
-    if device.type != "cuda":
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
