@@ -263,7 +263,7 @@ def requantize(src: Path, dst: Path, kind: str) -> Path:
         data = np.asarray(t.data)
         shape = [int(d) for d in reversed(t.shape)]  # numpy order: [rows, cols]
         if t.tensor_type == gguf.GGMLQuantizationType.F32 and len(shape) == 2 and shape[-1] % block == 0:
-            writer.add_tensor(t.name, quantize(data.reshape(shape), qtype), raw_shape=shape, raw_dtype=qtype)
+            writer.add_tensor(t.name, quantize(data.reshape(shape), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, data.reshape(shape), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
