@@ -23,7 +23,10 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-WANTED = ("/vendor/llama.cpp/convert_hf_to_gguf.py", "/vendor/llama.cpp/conversion/", "/vendor/llama.cpp/gguf-py/")
+# the converter, and the legacy LLaVA-1.5 scripts (llava_surgery_v2.py, convert_image_encoder_to_gguf.py): its
+# convert_hf_to_gguf.py --mmproj refuses a CLIP tower (docs/models.md)
+WANTED = ("/vendor/llama.cpp/convert_hf_to_gguf.py", "/vendor/llama.cpp/conversion/", "/vendor/llama.cpp/gguf-py/",
+          "/vendor/llama.cpp/tools/mtmd/legacy-models/")
 CACHE = Path.home() / ".cache/lmserve/llama_cpp_src"
 
 
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--index", default="https://pypi.org/simple")
     args = ap.parse_args(argv)
-    if list(CACHE.glob(f"llama_cpp_python-{VERSION}/vendor/llama.cpp/conversion")):
+    if list(CACHE.glob(f"llama_cpp_python-{VERSION}/vendor/llama.cpp/tools/mtmd/legacy-models")):
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sdist.tar.gz"

@@ -10,6 +10,7 @@ refusing it; the vocabulary, the tensors and every other metadata key are the co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,12 +62,19 @@ def require_converter() -> Path:
 
 
 def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3ForCausalLM",
-            outtype: str = "f32", sentencepiece: bool = False) -> tuple[Path, Path]:
+            outtype: str = "f32", sentencepiece: bool = False,
+            released: dict[str, str] | None = None) -> tuple[Path, Path]:
     """(text GGUF, mmproj GGUF) of a transformers vision-language model directory. `text_architecture` goes into a
     copy's text_config.architectures, where the released checkpoints have it (SmolVLM: VLlama3ForCausalLM) and the
-    converter looks for it. `sentencepiece`: the copy gets the word-level vocabulary as a SentencePiece model
+    converter looks for it. `released`: tensor-name prefixes the copy's checkpoint is renamed by (old -> new), where
+    transformers saves a name that the released checkpoints and the converter spell otherwise. `sentencepiece`: the
+    copy gets the word-level vocabulary as a SentencePiece model
     (`write_sentencepiece`), so the text GGUF carries a tokenizer lmserve and llama.cpp both run."""
     src = require_converter()
+    text, mmproj = out_dir / f"{model_dir.name}-{outtype}.gguf", out_dir / f"mmproj-{model_dir.name}-{outtype}.gguf"
+    cache = _cache_dir(model_dir, src, text_architecture, outtype, sentencepiece, released)
+    if _from_cache(cache, (text, mmproj)):
+        return text, mmproj
     work = out_dir / (model_dir.name + "-convert")
     shutil.copytree(model_dir, work, dirs_exist_ok=True)
     cfg = json.loads((work / "config.json").read_text())
@@ -73,12 +82,125 @@ def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3For
     if sentencepiece:
         write_sentencepiece(work, int(cfg["text_config"]["vocab_size"]))
     (work / "config.json").write_text(json.dumps(cfg, indent=1))
-    text, mmproj = out_dir / f"{model_dir.name}-{outtype}.gguf", out_dir / f"mmproj-{model_dir.name}-{outtype}.gguf"
+    if released:
+        rename_tensors(work / "model.safetensors", released)
     for extra, out in (([], text), (["--mmproj"], mmproj)):
         p = subprocess.run([sys.executable, "-c", _RUN, str(src), str(work), "--outtype", outtype, "--outfile",
                             str(out), *extra], capture_output=True, text=True, timeout=600)
         assert p.returncode == 0 and out.is_file(), p.stderr[-3000:]
+    _to_cache(cache, (text, mmproj))
     return text, mmproj
+
+
+def _cache_dir(model_dir: Path, src: Path, *args: object) -> Path:
+    """~/.cache/lmserve/converted/<digest of the model directory's files, the converter's tree and the arguments>:
+    the tiny models are seeded, so the same test makes the same files and the converter (a minute on a loaded
+    2-core machine) runs once per machine."""
+    h = hashlib.sha256(repr((str(src), args)).encode())
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return Path.home() / ".cache/lmserve/converted" / h.hexdigest()[:24]
+
+
+def _from_cache(cache: Path, outs: tuple[Path, ...]) -> bool:
+    if not all((cache / o.name).is_file() for o in outs):
+        return False
+    for o in outs:
+        shutil.copyfile(cache / o.name, o)
+    return True
+
+
+def _to_cache(cache: Path, outs: tuple[Path, ...]) -> None:
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for o in outs:
+        shutil.copyfile(o, tmp / o.name)
+    shutil.rmtree(cache, ignore_errors=True)
+    tmp.rename(cache)  # whole or absent: a killed run leaves only a .tmp directory
+
+
+_LEGACY = "tools/mtmd/legacy-models"
+
+
+def convert_llava_legacy(model_dir: Path, tower, out_dir: Path) -> tuple[Path, Path]:
+    """(text GGUF, mmproj GGUF) of a transformers LLaVA-1.5 directory, as llama.cpp's docs/multimodal/llava.md
+    makes them: convert_hf_to_gguf.py --mmproj refuses a CLIP tower (its LlavaVisionModel takes Pixtral and Mistral
+    only: "Unsupported model type: clip_vision_model"), so the text GGUF comes from convert_hf_to_gguf.py and the
+    projector file from the legacy scripts the pinned sdist ships: llava_surgery_v2.py cuts `llava.projector` out of
+    the checkpoint, and convert_image_encoder_to_gguf.py writes the CLIP tower (`tower`, transformers' module, as
+    the CLIP model directory it reads: write_clip_dir) with it (`--use-f32`; it stores the patch convolution and
+    the projector's matrices in float16 whatever it is told)."""
+    src = require_converter()
+    if not (src / _LEGACY / "convert_image_encoder_to_gguf.py").is_file():
+        pytest.skip(f"llama.cpp's {_LEGACY} is not in {src} (python scripts/llama_converter.py fetches it)")
+    text = out_dir / f"{model_dir.name}-f32.gguf"
+    mmproj = out_dir / f"mmproj-{model_dir.name}-f32.gguf"
+    cache = _cache_dir(model_dir, src, "llava-legacy")
+    if _from_cache(cache, (text, mmproj)):
+        return text, mmproj
+    text, _ = _convert_text(model_dir, out_dir, src)
+    work, clip = out_dir / (model_dir.name + "-legacy"), out_dir / (model_dir.name + "-clip")
+    shutil.copytree(model_dir, work, dirs_exist_ok=True)
+    write_clip_dir(tower, clip)
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+    for cmd in (["llava_surgery_v2.py", "-m", str(work)],
+                ["convert_image_encoder_to_gguf.py", "-m", str(clip), "--use-f32",
+                 "--llava-projector", str(work / "llava.projector"), "--output-dir", str(work)]):
+        p = subprocess.run([sys.executable, str(src / _LEGACY / cmd[0]), *cmd[1:]], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    shutil.copyfile(work / "mmproj-model-f32.gguf", mmproj)
+    _to_cache(cache, (text, mmproj))
+    return text, mmproj
+
+
+def write_clip_dir(tower, path: Path) -> None:
+    """A CLIP model directory (CLIPModel with `tower`'s weights, a 1-layer text side and a processor), the shape of
+    openai/clip-vit-large-patch14-336 that the legacy script reads. Its `--clip-model-is-vision` path for a bare
+    vision tower reads `model.vision_model`, which transformers 5's CLIPVisionModel no longer has."""
+    import transformers
+
+    cfg = transformers.CLIPConfig(vision_config=tower.config.to_dict(), projection_dim=tower.config.projection_dim,
+                                  text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                   num_attention_heads=2, vocab_size=8, max_position_embeddings=8,
+                                                   bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    clip = transformers.CLIPModel(cfg)
+    clip.vision_model.load_state_dict(tower.state_dict())
+    clip.save_pretrained(path)
+    words = ["<|startoftext|>", "<|endoftext|>", "a</w>", "a"]
+    (path / "vocab.json").write_text(json.dumps({w: i for i, w in enumerate(words)}))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    size = tower.config.image_size
+    transformers.CLIPProcessor(
+        image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": size},
+                                                        crop_size={"height": size, "width": size}),
+        tokenizer=transformers.CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"))).save_pretrained(path)
+
+
+def _convert_text(model_dir: Path, out_dir: Path, src: Path) -> tuple[Path, None]:
+    """The text GGUF alone (convert_hf_to_gguf.py without --mmproj), with the SentencePiece vocabulary."""
+    work = out_dir / (model_dir.name + "-text")
+    shutil.copytree(model_dir, work, dirs_exist_ok=True)
+    cfg = json.loads((work / "config.json").read_text())
+    write_sentencepiece(work, int(cfg["text_config"]["vocab_size"]))
+    out = out_dir / f"{model_dir.name}-f32.gguf"
+    p = subprocess.run([sys.executable, "-c", _RUN, str(src), str(work), "--outtype", "f32", "--outfile", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and out.is_file(), p.stderr[-3000:]
+    return out, None
+
+
+def rename_tensors(path: Path, prefixes: dict[str, str]) -> None:
+    """Rewrite a safetensors file with each name starting with a key of `prefixes` renamed to start with its value."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    renamed = {}
+    for name, t in tensors.items():
+        old = next((p for p in prefixes if name.startswith(p)), None)
+        renamed[name if old is None else prefixes[old] + name[len(old):]] = t
+    save_file(renamed, path, metadata={"format": "pt"})
 
 
 def write_sentencepiece(path: Path, rows: int) -> None:
@@ -115,3 +237,37 @@ def write_sentencepiece(path: Path, rows: int) -> None:
         p = m.pieces.add()
         p.piece, p.type, p.score = piece, spm.ModelProto.SentencePiece.NORMAL, -2.0 - k
     (path / "tokenizer.model").write_bytes(m.SerializeToString())
+
+
+def requantize(src: Path, dst: Path, kind: str) -> Path:
+    """A copy of a float GGUF file with its matrices in `kind` blocks (Q8_0, Q4_0, ...: gguf-py's own quantizer,
+    llama-quantize's row format), as llama-quantize writes one: every 2-D weight whose rows are whole blocks (the
+    projections and the token table), the norms left float32; the metadata copied as gguf_new_metadata.py does,
+    with general.file_type set to the type's llama_ftype."""
+    import gguf
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch=arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        kind_ = field.types[0]
+        sub = field.types[-1] if kind_ == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind_, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{kind}"])
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        shape = [int(d) for d in reversed(t.shape)]  # numpy order: [rows, cols]
+        if t.tensor_type == gguf.GGMLQuantizationType.F32 and len(shape) == 2 and shape[-1] % block == 0:
+            writer.add_tensor(t.name, quantize(data.reshape(shape), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, data.reshape(shape), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -75,9 +75,10 @@ def build_idefics3(root: Path, seed: int = 0, vocab: int = VOCAB) -> tuple[Path,
 PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # tiny LLaVA-NeXT's tile grids (height, width)
 
 
-def build_llava(root: Path, seed: int = 0, next_: bool = False) -> tuple[Path, torch.nn.Module]:
+def build_llava(root: Path, seed: int = 0, next_: bool = False, rows: int = VOCAB) -> tuple[Path, torch.nn.Module]:
     """A tiny random LLaVA-1.5 (CLIP tower read at layer -2, MLP projector, Llama): 16 `<image>` per image; with
-    `next_` LLaVA-NeXT (the same over a base view and 32px anyres tiles, unpadded, row newlines)."""
+    `next_` LLaVA-NeXT (the same over a base view and 32px anyres tiles, unpadded, row newlines); `rows`: as
+    build_idefics3's `vocab`."""
     import transformers
 
     torch.manual_seed(seed)
@@ -85,7 +86,7 @@ def build_llava(root: Path, seed: int = 0, next_: bool = False) -> tuple[Path, t
     cfg = (transformers.LlavaNextConfig if next_ else transformers.LlavaConfig)(
         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                            num_attention_heads=2, image_size=TILE, patch_size=PATCH, projection_dim=16),
-        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        text_config=dict(model_type="llama", vocab_size=rows, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6),
         image_token_id=IMAGE_TOKEN_ID, vision_feature_layer=-2, vision_feature_select_strategy="default", **extra)
@@ -108,8 +109,11 @@ def build_llava(root: Path, seed: int = 0, next_: bool = False) -> tuple[Path, t
 GEMMA_TOKENS = 4  # the tiny Gemma 3's soft tokens per image: 4x4 patches average-pooled 2x2
 
 
-def build_gemma3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    """A tiny random Gemma 3 with its SigLIP tower (4 soft tokens per image; sliding and full layers)."""
+def build_gemma3(root: Path, seed: int = 0, rows: int = VOCAB, layer_types: tuple[str, ...] = (
+        "sliding_attention", "full_attention")) -> tuple[Path, torch.nn.Module]:
+    """A tiny random Gemma 3 with its SigLIP tower (4 soft tokens per image; sliding and full layers); `rows`: as
+    build_idefics3's `vocab`; `layer_types`: one per layer (a GGUF file has no pattern key: llama.cpp and
+    models/gemma.py read Gemma 3's five sliding layers, then one full)."""
     import transformers
 
     vocab = {w: i for i, w in enumerate(WORDS + SPECIAL)}
@@ -117,10 +121,11 @@ def build_gemma3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
     cfg = transformers.Gemma3Config(
         vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
                            num_hidden_layers=2, num_attention_heads=2, image_size=TILE, patch_size=PATCH),
-        text_config=dict(model_type="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                         max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-                         sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+        text_config=dict(model_type="gemma3_text", vocab_size=rows, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1,
+                         eos_token_id=2, sliding_window=16, layer_types=list(layer_types),
+                         query_pre_attn_scalar=64),  # the head size, as the released 1B-12B models have it
         mm_tokens_per_image=GEMMA_TOKENS, image_token_id=vocab["<image_soft_token>"],
         boi_token_id=vocab["<start_of_image>"], eoi_token_id=vocab["<end_of_image>"])
     model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
@@ -135,7 +140,8 @@ def build_gemma3(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
     model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": TILE, "width": TILE},
-         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2}))
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
+         "image_seq_length": GEMMA_TOKENS}))  # as the released files have it (256); llama.cpp's converter reads it
     write_tokenizer(path)
     return path, model
 

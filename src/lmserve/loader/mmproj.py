@@ -6,15 +6,18 @@ file: its metadata becomes our VisionConfig and the family's preprocessing setti
 processor files, so the family's own processor reads them), and its tensor names become the tower's HF names. The
 model files stay as they are: the text GGUF loads as for a text model, then the config is the vision family's.
 
-Supported projector types: `idefics3` (SmolVLM / Idefics3: SigLIP, pixel shuffle, one linear).
+Supported projector types: `idefics3` (SmolVLM / Idefics3: SigLIP, pixel shuffle, one linear), `gemma3` (Gemma 3:
+SigLIP average-pooled to soft tokens, RMSNorm, one matmul) and `mlp` (LLaVA-1.5 as llama.cpp's legacy script writes
+it: CLIP cut at the layer read, a 2-layer MLP). The tower's tensors take the HF checkpoint's names, so the
+family's own checkpoint mapping reads them as it reads a safetensors checkpoint.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -24,26 +27,31 @@ from lmserve.loader.gguf_file import GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import _dequantize
 from lmserve.models.config import ModelConfig, VisionConfig
 
-# SigLIP's layer tensors: llama.cpp's clip names (tools/mtmd/clip-impl.h) -> the tower's HF names
-_SIGLIP_LAYER = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                 "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1",
-                 "ffn_down": "mlp.fc2"}
-_SIGLIP_TOP = {"v.patch_embd": "vision_model.embeddings.patch_embedding",
-               "v.position_embd": "vision_model.embeddings.position_embedding", "v.post_ln": "vision_model.post_layernorm"}
+# a ViT layer's tensors: llama.cpp's clip names (tools/mtmd/clip-impl.h) -> HF's (the converter's inverse)
+_LAYER = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+# the legacy LLaVA script (convert_image_encoder_to_gguf.py) names fc1 `ffn_down` and fc2 `ffn_up`
+_LEGACY_LAYER = _LAYER | {"ffn_up": "mlp.fc2", "ffn_down": "mlp.fc1"}
+_TOP = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embeddings.position_embedding",
+        "v.post_ln": "post_layernorm", "v.pre_ln": "pre_layrnorm", "v.class_embd": "embeddings.class_embedding"}
 _BLOCK = re.compile(r"^v\.blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+Settings = tuple[VisionConfig, dict[str, Any], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Projector:
-    """What one `clip.projector_type` is in our terms: the HF architecture served, and its connector's tensors."""
+    """What one `clip.projector_type` is in our terms: the HF architecture served, where its tower's tensors go, its
+    connector's tensors, the tensor whose `width_axis` is the text model's hidden size, and how the metadata
+    becomes the tower's config and the processor's settings."""
 
     architecture: str
-    connector: dict[str, str]  # clip tensor name (without .weight/.bias) -> our name
-
-
-PROJECTORS = {
-    "idefics3": Projector("Idefics3ForConditionalGeneration", {"mm.model.fc": "connector.modality_projection.proj"}),
-}
+    tower: str  # the HF checkpoint's prefix of the tower's tensors
+    connector: dict[str, str]  # clip tensor name -> HF name
+    width: str
+    width_axis: int
+    settings: Callable[[dict[str, Any]], Settings]
+    layer: dict[str, str] = field(default_factory=lambda: _LAYER)
+    shift: dict[str, float] = field(default_factory=dict)  # clip tensor name -> what the converter added to it
 
 
 @dataclass
@@ -80,7 +88,7 @@ def read_mmproj(path: str | Path, text: ModelConfig) -> Mmproj:
         raise CheckpointError(f"--mmproj {path}: projector type {kind!r} is not supported (supported: "
                               f"{', '.join(sorted(PROJECTORS))})")
     try:
-        vision, pre, proc = _idefics3(meta)
+        vision, pre, proc = projector.settings(meta)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"--mmproj {path}: malformed metadata: {e}") from None
     out = _connector_width(f, projector)
@@ -117,18 +125,14 @@ def _triple(meta: dict[str, Any], key: str) -> tuple[float, float, float]:
     return value[0], value[1], value[2]
 
 
-def _idefics3(meta: dict[str, Any]) -> tuple[VisionConfig, dict[str, Any], dict[str, Any]]:
+def _idefics3(meta: dict[str, Any]) -> Settings:
     """SmolVLM's tower and processor settings. llama.cpp keeps SigLIP's tanh GELU as `clip.use_gelu` and always
     splits an image larger than a tile (Idefics3's default), with the rescale of 1/255 it hard-codes."""
     image, patch = _key(meta, "image_size"), _key(meta, "patch_size")
     scale = int(meta.get("clip.vision.projector.scale_factor", 2))
     if image % patch or (image // patch) % scale:
         raise ValueError(f"image_size {image} is not a whole number of {patch}-pixel patches in {scale}x{scale} blocks")
-    vision = VisionConfig(hidden_size=_key(meta, "embedding_length"), intermediate_size=_key(meta, "feed_forward_length"),
-                          num_layers=_key(meta, "block_count"), num_heads=_key(meta, "attention.head_count"),
-                          image_size=image, patch_size=patch,
-                          layer_norm_eps=_f32(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
-                          hidden_act="gelu_tanh" if meta.get("clip.use_gelu", True) else "gelu", scale_factor=scale)
+    vision = _tower(meta, "gelu_tanh" if meta.get("clip.use_gelu", True) else "gelu", scale_factor=scale)
     longest = int(meta.get("clip.vision.preproc_image_size", image))
     pre = {"size": {"longest_edge": longest}, "max_image_size": {"longest_edge": image}, "do_image_splitting": True,
            "image_mean": list(_triple(meta, "image_mean")), "image_std": list(_triple(meta, "image_std")),
@@ -136,26 +140,89 @@ def _idefics3(meta: dict[str, Any]) -> tuple[VisionConfig, dict[str, Any], dict[
     return vision, pre, {"image_seq_len": (image // patch) ** 2 // scale ** 2}
 
 
+def _tower(meta: dict[str, Any], act: str, **fields: Any) -> VisionConfig:
+    """The ViT's config from the clip.vision keys every projector type has."""
+    return VisionConfig(hidden_size=_key(meta, "embedding_length"), intermediate_size=_key(meta, "feed_forward_length"),
+                        num_layers=_key(meta, "block_count"), num_heads=_key(meta, "attention.head_count"),
+                        image_size=_key(meta, "image_size"), patch_size=_key(meta, "patch_size"),
+                        layer_norm_eps=_f32(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+                        hidden_act=act, **fields)
+
+
+def _gemma3(meta: dict[str, Any]) -> Settings:
+    """Gemma 3's SigLIP, its patch grid average-pooled by `projector.scale_factor` (llama.cpp's default 4: 64x64
+    patches to 16x16 = 256 soft tokens) and its processor: the image squashed to the tower's square, bilinear, as
+    Gemma3ImageProcessor does (pan-and-scan off, its default). `clip.use_gelu` is ggml's GELU, the tanh form
+    SigLIP's gelu_pytorch_tanh is."""
+    scale = int(meta.get("clip.vision.projector.scale_factor", 4))
+    side = _key(meta, "image_size") // _key(meta, "patch_size")
+    if scale < 1 or side % scale:
+        raise ValueError(f"a {side}x{side} patch grid is not pooled by {scale}")
+    tokens = (side // scale) ** 2
+    vision = _tower(meta, "gelu_tanh", tokens_per_image=tokens)
+    size = vision.image_size
+    pre = {"size": {"height": size, "width": size}, "resample": 2, "rescale_factor": 1 / 255,
+           "image_mean": list(_triple(meta, "image_mean")), "image_std": list(_triple(meta, "image_std"))}
+    return vision, pre, {"mm_tokens_per_image": tokens}
+
+
+def _llava(meta: dict[str, Any]) -> Settings:
+    """LLaVA-1.5 from the legacy script (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py): a CLIP tower
+    cut after the layer the projector reads (`block_count`; `feature_layer`, non-negative, where the config named
+    it), CLS dropped, a 2-layer GELU MLP. `clip.use_gelu` is the HF config's `hidden_act == "gelu"`, else CLIP's
+    quick GELU. The processor is llava-hf's CLIPImageProcessor at the tower's size (shortest edge, centre crop,
+    bicubic): the file does not say how the image was framed."""
+    layers = [int(i) for i in meta.get("clip.vision.feature_layer", [])]
+    vision = _tower(meta, "gelu" if meta.get("clip.use_gelu") else "quick_gelu",
+                    feature_layers=tuple(layers) or (-1,), feature_select="default")
+    if any(not 0 <= i <= vision.num_layers for i in layers):
+        raise ValueError(f"clip.vision.feature_layer {layers} is outside the tower's {vision.num_layers} layers")
+    size = vision.image_size
+    pre = {"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size}, "resample": 3,
+           "image_mean": list(_triple(meta, "image_mean")), "image_std": list(_triple(meta, "image_std"))}
+    return vision, pre, {"image_size": size, "patch_size": vision.patch_size}
+
+
+_HF_TOWER = "vision_tower.vision_model."  # Gemma 3's and LLaVA's checkpoints
+PROJECTORS = {
+    "idefics3": Projector("Idefics3ForConditionalGeneration", "vision_model.",
+                          {"mm.model.fc.weight": "connector.modality_projection.proj.weight"},
+                          "mm.model.fc.weight", 0, _idefics3),
+    # the converter stores the projection as HF's [vision, text] matrix and adds 1 to the Gemma RMSNorm's weight
+    "gemma3": Projector("Gemma3ForConditionalGeneration", _HF_TOWER,
+                        {"mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
+                         "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight"},
+                        "mm.input_projection.weight", 1, _gemma3, shift={"mm.soft_emb_norm.weight": 1.0}),
+    "mlp": Projector("LlavaForConditionalGeneration", _HF_TOWER,
+                     {f"mm.{i}.{k}": f"multi_modal_projector.linear_{j}.{k}"
+                      for i, j in ((0, 1), (2, 2)) for k in ("weight", "bias")},
+                     "mm.2.weight", 0, _llava, layer=_LEGACY_LAYER),
+}
+
+
 def _connector_width(f: GGUFFile, projector: Projector) -> int:
     """The connector's output width (the text model's hidden size it must equal)."""
-    last = next(iter(projector.connector))  # the final projection is listed first
-    t = next((t for t in f.tensors if t.name == last + ".weight"), None)
+    t = next((t for t in f.tensors if t.name == projector.width), None)
     if t is None or len(t.shape) != 2:
-        raise CheckpointError(f"--mmproj {f.path}: no 2-D {last}.weight tensor")
-    return int(t.shape[0])
+        raise CheckpointError(f"--mmproj {f.path}: no 2-D {projector.width} tensor")
+    return int(t.shape[projector.width_axis])
 
 
 def mmproj_tensors(mm: Mmproj) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(our name, float32 tensor, file) for every tensor of the mmproj; an unknown tensor is a CheckpointError."""
+    pr = mm.projector
     for t in mm.file.tensors:
         stem, _, kind = t.name.rpartition(".")
         m = _BLOCK.match(t.name)
-        if m is not None and m.group(2) in _SIGLIP_LAYER:
-            name = f"vision_model.encoder.layers.{m.group(1)}.{_SIGLIP_LAYER[m.group(2)]}.{kind}"
-        elif stem in _SIGLIP_TOP:
-            name = f"{_SIGLIP_TOP[stem]}.{kind}"
-        elif stem in mm.projector.connector:
-            name = f"{mm.projector.connector[stem]}.{kind}"
+        if m is not None and m.group(2) in pr.layer:
+            name = f"{pr.tower}encoder.layers.{m.group(1)}.{pr.layer[m.group(2)]}.{kind}"
+        elif t.name == "v.class_embd":  # a vector: the legacy script writes it without `.weight`
+            name = f"{pr.tower}embeddings.class_embedding"
+        elif stem in _TOP:
+            name = f"{pr.tower}{_TOP[stem]}.{kind}"
+        elif t.name in pr.connector:
+            name = pr.connector[t.name]
         else:
             raise CheckpointError(f"--mmproj {mm.path}: unexpected tensor {t.name!r}")
-        yield name, _dequantize(t, mm.path), str(mm.path)
+        tensor = _dequantize(t, mm.path)
+        yield name, tensor - pr.shift[t.name] if t.name in pr.shift else tensor, str(mm.path)

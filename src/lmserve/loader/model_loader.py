@@ -123,8 +123,6 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     if mmproj is not None and gguf is None:
         raise CheckpointError(f"--mmproj goes with a text .gguf file; {path} is not one (a Hugging Face directory "
                               "carries its own vision tower)")
-    if mmproj is not None and quantization == "auto":  # the file's blocks are kept for text models only, so far
-        quantization = None
     if quantization == "auto":
         quantization, why = (auto_quantization(gguf, device, dtype, world) if prequant is None
                              else auto_prequant(prequant, device, dtype, world))
@@ -145,7 +143,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
         if mmproj is not None:
             mm = _check_mmproj(mmproj, cfg, quantization, shard, stage)
-            net = _load_gguf(gguf, cfg, dtype, device, shard, keep=False, stage=stage, mmproj=mm)
+            net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage, mmproj=mm)
             cfg = vision_model_config(cfg, mm)  # the vision family's (one rank: what the model was built from)
         else:
             net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage)
@@ -168,9 +166,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
 def _check_mmproj(mmproj: str | Path, cfg: ModelConfig, quantization: str | None, shard: TPShard | None,
                   stage: PPStage | None) -> Mmproj:
     """The mmproj file read and checked against the text model, and the settings it is served with."""
-    if quantization is not None:
+    if quantization not in (None, "gguf"):  # int8/int4 would quantize the tower's linears too
         raise CheckpointError(f"--mmproj: --quantization {quantization} is not supported with a projector file yet "
-                              "(use none)")
+                              "(use gguf, auto or none)")
     if (shard is not None and shard.world_size > 1) or stage is not None:
         raise CheckpointError("--mmproj: tensor and pipeline parallelism are not supported with a projector file yet")
     return read_mmproj(mmproj, cfg)

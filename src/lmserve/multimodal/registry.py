@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from lmserve.multimodal.gemma3 import Gemma3Processor
+from lmserve.multimodal.gemma3 import Gemma3ImageProcessor, Gemma3Processor
 from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
-from lmserve.multimodal.llava import LlavaProcessor
+from lmserve.multimodal.llava import CLIPImageProcessor, LlavaProcessor
 from lmserve.multimodal.llava_next import LlavaNextProcessor
 from lmserve.multimodal.processor import VisionProcessor
 from lmserve.multimodal.qwen2_5_vl import Qwen25VLProcessor
@@ -35,6 +35,10 @@ PROCESSORS: dict[str, Callable[[Path], VisionProcessor]] = {
 # settings come from elsewhere (a GGUF projector file: loader/mmproj.py writes them in these files' shape)
 FROM_SETTINGS: dict[str, Callable[[dict, dict], VisionProcessor]] = {
     "Idefics3ForConditionalGeneration": lambda pre, proc: Idefics3Processor(Idefics3Config.from_dicts(pre, proc)),
+    "Gemma3ForConditionalGeneration": lambda pre, proc: Gemma3Processor(Gemma3ImageProcessor.from_hf(pre),
+                                                                        int(proc["mm_tokens_per_image"])),
+    "LlavaForConditionalGeneration": lambda pre, proc: LlavaProcessor(CLIPImageProcessor.from_hf(pre),
+                                                                      int(proc["image_size"]), int(proc["patch_size"])),
 }
 
 
