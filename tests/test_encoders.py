@@ -99,14 +99,49 @@ def test_bert_classifier_softmax_matches_transformers(tmp_path):
 @pytest.mark.parametrize("lens,groups", [([5, 1, 17, 9, 17], 4), ([12, 10, 14], 1), ([30, 2, 3, 40, 29], 2)])
 def test_padded_attention_equals_the_per_sequence_reference(lens, groups):
     """Sequences padded group by group (lengths within GROUP_SPREAD of each other), in any order in the step."""
-    from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
+    from lmserve.models.bert import bidirectional_padded, bidirectional_ref, step_sequences
 
     torch.manual_seed(0)
     positions = torch.cat([torch.arange(n) for n in lens])
     qkv = torch.randn(sum(lens), 3, 4, 16)
     seqs = step_sequences(positions, sum(lens))
     assert seqs.lens == lens and len(seqs.groups) == groups
-    assert torch.allclose(bidirectional(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)
+    assert torch.allclose(bidirectional_padded(qkv, seqs), bidirectional_ref(qkv, lens), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 0, 3, 40])
+@pytest.mark.parametrize("lens,heads,dim", [([5, 1, 17, 9, 17], 4, 16), ([128, 16, 77, 1, 250], 12, 32),
+                                            ([3], 2, 64), ([33, 7], 3, 24)])
+def test_native_encoder_attention_equals_the_per_sequence_reference(lens, heads, dim, window):
+    """csrc/encoder_attention.cpp straight from the packed rows (no padding), any head size, windowed or not; a
+    sequence's rows are the same bits whatever shares its step (batch invariance)."""
+    from lmserve.layers.kernels.fused import encoder_attention
+    from lmserve.layers.kernels.native import native_module
+    from lmserve.models.bert import bidirectional_ref, step_sequences
+
+    if native_module() is None:
+        pytest.skip("native kernels unavailable")
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    qkv = torch.randn(sum(lens), 3, heads, dim)
+    seqs = step_sequences(positions, sum(lens))
+    got = encoder_attention(qkv, seqs.starts, window)
+    assert torch.allclose(got, bidirectional_ref(qkv.double(), lens, window).float(), atol=1e-5)
+    last = lens[-1]
+    alone = encoder_attention(qkv[-last:].contiguous(), torch.tensor([0, last]), window)
+    assert torch.equal(alone, got[-last:])
+
+
+def test_native_encoder_attention_refuses_bad_bounds():
+    from lmserve.layers.kernels.native import native_module
+
+    mod = native_module()
+    if mod is None:
+        pytest.skip("native kernels unavailable")
+    qkv = torch.randn(6, 3, 2, 8)
+    for starts in ([0, 5], [0, 3, 3, 6], [1, 6]):
+        with pytest.raises(RuntimeError, match="encoder_attention"):
+            mod.encoder_attention(qkv, torch.tensor(starts), 0.3)
 
 
 @pytest.mark.parametrize("kind,pooling", [("modernbert", "mean"), ("modernbert", "cls"), ("modernbert_hub", "mean"),
@@ -141,11 +176,11 @@ def test_modernbert_classifier_matches_transformers(tmp_path):
 
 
 def test_windowed_padded_attention_equals_the_reference():
-    from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
+    from lmserve.models.bert import bidirectional_padded, bidirectional_ref, step_sequences
 
     torch.manual_seed(0)
     lens = [5, 1, 17, 9]
     positions = torch.cat([torch.arange(n) for n in lens])
     qkv = torch.randn(sum(lens), 3, 4, 16)
     seqs = step_sequences(positions, sum(lens))
-    assert torch.allclose(bidirectional(qkv, seqs, 3), bidirectional_ref(qkv, lens, 3), atol=1e-5)
+    assert torch.allclose(bidirectional_padded(qkv, seqs, 3), bidirectional_ref(qkv, lens, 3), atol=1e-5)

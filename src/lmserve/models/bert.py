@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmserve.errors import CheckpointError
+from lmserve.layers.kernels.fused import encoder_attention
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family, Fields, GGUFMeta
 
@@ -64,10 +65,12 @@ class PaddedGroup(NamedTuple):
 
 
 class StepSequences(NamedTuple):
-    """Where the step's sequences lie: `lens` (host) and the padded groups the attention runs them in."""
+    """Where the step's sequences lie: `lens` and `starts` ([B + 1] int64: 0, each sequence's end; both on the
+    host), and the padded groups the PyTorch attention runs them in."""
 
     lens: list[int]
     groups: list[PaddedGroup]
+    starts: torch.Tensor
 
 
 # a group's longest sequence is at most this many times its shortest: padding the step's sequences to one longest
@@ -83,6 +86,7 @@ def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
     device = positions.device
     begin = (positions == 0).nonzero().flatten()
     lens = torch.diff(begin, append=begin.new_tensor([num_tokens])).tolist()  # [B]
+    bounds = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)  # [B + 1], for the native attention
     order = sorted(range(len(lens)), key=lens.__getitem__)
     groups: list[list[int]] = []
     for i in order:
@@ -90,7 +94,7 @@ def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
             groups.append([])
         groups[-1].append(i)
     if len(groups) == 1:
-        return StepSequences(lens, [_group(list(range(len(lens))), lens, None, positions)])
+        return StepSequences(lens, [_group(list(range(len(lens))), lens, None, positions)], bounds)
     starts = [0]
     for n in lens[:-1]:
         starts.append(starts[-1] + n)
@@ -98,7 +102,7 @@ def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
     for g in groups:
         tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in g]).to(device)
         out.append(_group(g, lens, tokens, positions[tokens]))
-    return StepSequences(lens, out)
+    return StepSequences(lens, out, bounds)
 
 
 def _group(members: list[int], lens: list[int], tokens: torch.Tensor | None, positions: torch.Tensor) -> PaddedGroup:
@@ -114,7 +118,16 @@ def bidirectional(qkv: torch.Tensor, seqs: StepSequences, window: int | None = N
     """Each sequence attends over all of its own tokens: qkv [T, 3, H, D] -> [T, H * D]. The linears stay
     padding-free; only here are the sequences laid out padded, group by group (one attention call per group, the
     padding keys masked, the padding queries' rows never read). `window`: a token sees only the keys at most that
-    many positions away (ModernBERT's local layers)."""
+    many positions away (ModernBERT's local layers). On CPU in float32 one native call does it all, with neither
+    padding nor copies (layers/kernels/fused.py `encoder_attention`)."""
+    native = encoder_attention(qkv, seqs.starts, window)
+    if native is not None:
+        return native
+    return bidirectional_padded(qkv, seqs, window)
+
+
+def bidirectional_padded(qkv: torch.Tensor, seqs: StepSequences, window: int | None = None) -> torch.Tensor:
+    """`bidirectional` in PyTorch: the step's sequences padded group by group, one attention call per group."""
     t, _, h, d = qkv.shape
     if len(seqs.lens) == 1:
         return bidirectional_ref(qkv, seqs.lens, window)

@@ -92,3 +92,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return apply_rotary(x, cos, sin)
     mod.rotary_(x, cos, sin)
     return x
+
+
+def encoder_attention(qkv: torch.Tensor, starts: torch.Tensor, window: int | None = None) -> torch.Tensor | None:
+    """An encoder step's bidirectional attention in one native call (csrc/encoder_attention.cpp): qkv [T, 3, H, D]
+    of whole sequences, `starts` [B + 1] host int64 (0, each sequence's end) -> [T, H * D]; None where the native
+    kernels are off or the tensors are not CPU float32 (models/bert.py then runs its padded PyTorch path, and
+    `bidirectional_ref` is the reference both are tested against)."""
+    mod = _native(qkv)
+    if mod is None or not hasattr(mod, "encoder_attention"):
+        return None
+    return mod.encoder_attention(qkv, starts, qkv.shape[-1] ** -0.5, -1 if window is None else window)

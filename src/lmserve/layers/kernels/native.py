@@ -44,7 +44,8 @@ _CSRC = Path(__file__).parent / "csrc"
 # The binding unit first: it alone includes torch's headers (csrc/kernels.h), so it is the long pole and ninja
 # starts it first; the kernel units compile beside it in seconds.
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_decode_attention.cpp", "fused_ops.cpp", "gemv.cpp",
-                                          "coded_half.cpp", "quant_gemm.cpp", "lora_delta.cpp")]
+                                          "coded_half.cpp", "quant_gemm.cpp", "lora_delta.cpp",
+                                          "encoder_attention.cpp")]
 # fast-math lets GCC vectorise the reductions and exp; finite-math stays off (masked -inf must compare)
 CFLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 BUILD_STAMP = Path(__file__).parent / "_native_build.json"  # written by setup.py beside the builds it made

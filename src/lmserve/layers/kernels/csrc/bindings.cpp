@@ -14,6 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("table_rows") = pybind11::none(),
         pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
+  m.def("encoder_attention", &encoder_attention, no_gil(), "an encoder step's bidirectional attention over packed "
+        "sequences: qkv [T, 3, H, D], starts [B + 1] -> [T, H * D] (float32, CPU; window < 0: none)",
+        pybind11::arg("qkv"), pybind11::arg("starts"), pybind11::arg("scale"), pybind11::arg("window") = -1);
   m.def("write_kv", &write_kv, "store K/V [T, kv_heads, D] float32 at their slots of a [2, blocks, block_size, "
         "kv_heads, W] cache, quantizing where its format does (float32, float16, int8, float8_e4m3fn)");
   m.def("rms_norm", &rms_norm, "out = weight * (x / rms(x)) per row (float32, CPU)");

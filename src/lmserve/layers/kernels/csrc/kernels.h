@@ -31,6 +31,11 @@ void paged_attention(KvType type, const float* q, const void* k_cache, const voi
 void write_kv_slots(KvType type, void* cache, int64_t num_slots, const float* k, int64_t k_stride, const float* v,
                     int64_t v_stride, const int64_t* slots, int64_t T, int64_t Hkv, int64_t D);
 
+// encoder_attention.cpp: qkv [T, 3, H, D] of B whole sequences (sequence b: tokens starts[b] .. starts[b + 1]) ->
+// out [T, H, D], each query over its own sequence's keys (window >= 0: only those at most `window` positions away)
+void encoder_attention(const float* qkv, const int64_t* starts, int64_t B, int64_t H, int64_t D, float scale,
+                       int64_t window, float* out);
+
 // fused_ops.cpp: T rows of D (or of 2I = [gate | up])
 // out = w * rms_norm(x); with a residual: residual += x first, then out = w * rms_norm(residual)
 void rms_norm_rows(const float* x, float* residual, const float* w, float* out, int64_t T, int64_t D, float eps);

@@ -66,3 +66,22 @@ void write_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tens
   write_kv_rows(cache, k.data_ptr<float>(), Hkv * D, v.data_ptr<float>(), Hkv * D, slot_mapping.data_ptr<int64_t>(),
                 T, Hkv, D);
 }
+
+// an encoder step's bidirectional attention (encoder_attention.cpp): qkv [T, 3, H, D] float32, starts [B + 1] int64
+// (0, each sequence's end, ..., T) -> [T, H * D]
+torch::Tensor encoder_attention(torch::Tensor qkv, torch::Tensor starts, double scale, int64_t window) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == torch::kFloat && qkv.dim() == 4 && qkv.size(1) == 3,
+              "encoder_attention: float32 CPU qkv [T, 3, heads, head_dim]");
+  TORCH_CHECK(starts.scalar_type() == torch::kLong && starts.dim() == 1 && starts.size(0) >= 2,
+              "encoder_attention: starts [B + 1] int64");
+  qkv = qkv.contiguous();
+  starts = starts.contiguous();
+  const int64_t T = qkv.size(0), H = qkv.size(2), D = qkv.size(3), B = starts.size(0) - 1;
+  const int64_t* st = starts.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[B] == T, "encoder_attention: starts must run from 0 to the ", lmserve::num(T), " tokens");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(st[b + 1] > st[b], "encoder_attention: an empty sequence");
+  auto out = torch::empty({T, H * D}, qkv.options());
+  lmserve::encoder_attention(qkv.data_ptr<float>(), st, B, H, D, static_cast<float>(scale), window,
+                             out.data_ptr<float>());
+  return out;
+}
