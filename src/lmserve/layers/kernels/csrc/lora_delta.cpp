@@ -28,11 +28,27 @@
 
 namespace {
 
-// 8 floats: one ymm on x86-64-v3, two xmm on v2 (GCC splits the vector type; the lanes' numbers are the same)
+// 8 floats: one ymm on x86-64-v3; two xmm on v2, spelled out (GCC lowers a 32-byte vector type without AVX
+// through memory: the kernel ran 10x slower)
+#if defined(__AVX__)
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8*>(p); }
 inline void store8(float* p, v8 v) { *reinterpret_cast<v8*>(p) = v; }
+inline v8 splat8(float f) { return v8{} + f; }
+#else
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+struct v8 {
+  v4 lo, hi;
+};
+inline v8 operator+(v8 a, v8 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline v8 operator*(v8 a, v8 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline v8 load8(const float* p) { return {*reinterpret_cast<const v4*>(p), *reinterpret_cast<const v4*>(p + 4)}; }
+inline void store8(float* p, v8 v) {
+  *reinterpret_cast<v4*>(p) = v.lo;
+  *reinterpret_cast<v4*>(p + 4) = v.hi;
+}
+inline v8 splat8(float f) { return {v4{} + f, v4{} + f}; }
+#endif
 
 // c + a * b, one rounding where the level has FMA (always the same instruction for a given build)
 inline v8 fma8(v8 a, v8 b, v8 c) {
@@ -107,7 +123,7 @@ void expand(const float* const* hs, int64_t n, int64_t i, const float* b, int64_
     for (int64_t k = 0; k < rank; ++k) {
       const v8 b0 = load8(b + k * out + o), b1 = load8(b + k * out + o + 8);
       for (int r = 0; r < R; ++r) {
-        const v8 hk = v8{} + hs[r][k * n + i];
+        const v8 hk = splat8(hs[r][k * n + i]);
         d[r][0] = fma8(hk, b0, d[r][0]);
         d[r][1] = fma8(hk, b1, d[r][1]);
       }
