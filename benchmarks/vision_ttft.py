@@ -167,7 +167,8 @@ def _ttft(client, url: str, png: bytes) -> float:
     """Wall seconds from sending a streamed chat request to its first content delta."""
     start = time.perf_counter()
     with client.stream("POST", url + "/v1/chat/completions", json=_chat_body(png, True), timeout=600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:  # the server's own words, not only the status
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read().decode(errors='replace')[:1000]}")
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 delta = json.loads(line[6:])["choices"][0].get("delta") or {}
