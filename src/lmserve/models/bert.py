@@ -95,9 +95,7 @@ def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
         groups[-1].append(i)
     if len(groups) == 1:
         return StepSequences(lens, [_group(list(range(len(lens))), lens, None, positions)], bounds)
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
+    starts = bounds.tolist()  # each sequence's first token
     out = []
     for g in groups:
         tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in g]).to(device)
