@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from lmserve.server.app import build_app
-from lmserve.server.errors import APIError
+from lmserve.server.errors import APIError, excerpt
 from lmserve.server.key_file import key_specs, plain_name
 from lmserve.server.main import served_name
 from lmserve.server.metrics import ServerMetrics
@@ -34,6 +34,23 @@ def test_strict_json_rejects(raw, match):
 
 def test_strict_json_keeps_surrogate_pairs():
     assert load_json(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}
+
+
+def test_an_excerpt_quotes_only_the_start_of_any_input():
+    assert excerpt("abc") == "'abc'" and excerpt("x" * 100) == "'" + "x" * 39 + "...'"
+    quoted = []
+
+    class Value:
+        def __repr__(self) -> str:
+            quoted.append(1)
+            return "v"
+
+    # a bounded repr: the whole one of a refused 100k-key logit_bias (1.2 MB) held the GIL for ~90 ms
+    text = excerpt({str(i): Value() for i in range(100_000)})
+    assert text.startswith("{'0': v, '1': v") and len(text) <= 44 and len(quoted) <= 8
+    huge = {str(i): 1 for i in range(100_000)}
+    with pytest.raises(APIError, match=r"logit_bias: Dictionary should have at most 65536 items"):
+        parse_body(json.dumps({"prompt": "hi", "logit_bias": huge}).encode(), CompletionRequest)
 
 
 def test_nulls_mean_defaults_and_types_are_strict():

@@ -82,6 +82,12 @@ def test_an_unknown_field_name_with_control_or_non_ascii_characters_is_percent_e
     assert r.headers["x-ignored-fields"] == "a%0Ab%00%C3%A9"
     r = httpx.post(lenient.url + CH, json={"model": MODEL, "messages": [{"name": "\x04", "k\n": 1}]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    # an empty key (the fuzzer's next find: "x, " ends in a space, which h11 refuses too), and a header cut at 1 KiB
+    r = httpx.post(lenient.url + C, json={"model": MODEL, **GREEDY, "\x01": 1, "": 2}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == '%01, ""', r.text
+    r = httpx.post(lenient.url + C, json={"model": MODEL, **GREEDY, **{"k" * 37 + f"{i:02}": 1 for i in range(40)}},
+                   timeout=60)
+    assert r.status_code == 200 and not r.headers["x-ignored-fields"].endswith((",", " ")), r.text
 
 
 def test_known_but_unsupported_fields_keep_their_400(lenient):

@@ -20,6 +20,9 @@ from lmserve.server.errors import APIError, excerpt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_MESSAGES = 256
 MAX_JSON_DEPTH = 128  # arrays/objects inside each other in a body: a JSON schema 60 levels deep still fits
+# OpenAI takes 300; this leaves room to ban most of a 49k vocabulary (a grammar does that better) and refuses a
+# 100k-key bomb when it is parsed, before the per-key checks in Python
+MAX_LOGIT_BIAS = 2**16
 TOOL_NAME_PATTERN = r"[A-Za-z0-9_-]{1,64}"  # OpenAI's rule for function names
 # Marks a body field that does not change the answer (how it is delivered, who asked, a cache's own switch): the
 # response cache's key leaves it out (answer_neutral; server/api/cache_replay.py).
@@ -95,7 +98,7 @@ class _Sampling(_NullMeansDefault):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     user: Annotated[str | None, ANSWER_NEUTRAL] = Field(default=None, max_length=256)
     # extras
     top_k: int = 0
