@@ -151,7 +151,7 @@ def mmproj_files(root: Path) -> tuple[Path, Path]:
     path = build(root, split=False)
     pre = json.loads((path / "preprocessor_config.json").read_text())
     (path / "preprocessor_config.json").write_text(json.dumps({**pre, "size": {"longest_edge": 512}}))
-    return convert(path, root, sentencepiece=True)
+    return convert(path, root, sentencepiece=True, newlines=True)
 
 
 def _chat_body(png: bytes, stream: bool) -> dict:
@@ -177,19 +177,21 @@ def _ttft(client, url: str, png: bytes) -> float:
     raise RuntimeError(f"{url}: no content streamed")
 
 
-def _concurrent(client, url: str, pngs: list[bytes]) -> tuple[float, list[int]]:
-    """(wall seconds, completion tokens of each) of the requests sent at once."""
+def _concurrent(client, url: str, pngs: list[bytes]) -> tuple[float, list[int], list[int]]:
+    """(wall seconds, completion tokens of each, prompt tokens of each) of the requests sent at once. The prompt
+    tokens say how each server framed the image (llama.cpp's Idefics3 framing adds newline tokens)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(png: bytes) -> int:
+    def one(png: bytes) -> tuple[int, int]:
         r = client.post(url + "/v1/chat/completions", json=_chat_body(png, False), timeout=1200)
         r.raise_for_status()
-        return int(r.json()["usage"]["completion_tokens"])
+        usage = r.json()["usage"]
+        return int(usage["completion_tokens"]), int(usage["prompt_tokens"])
 
     start = time.perf_counter()
     with ThreadPoolExecutor(len(pngs)) as pool:
-        tokens = list(pool.map(one, pngs))
-    return time.perf_counter() - start, tokens
+        counts = list(pool.map(one, pngs))
+    return time.perf_counter() - start, [c for c, _ in counts], [p for _, p in counts]
 
 
 def vs_llama_server(args) -> None:
@@ -245,12 +247,13 @@ def vs_llama_server(args) -> None:
                         ttfts.append(_ttft(client, url, image_bytes(512, 512, seed=seed)))
                     pngs = [image_bytes(512, 512, seed=seed + 1 + i) for i in range(n)]
                     seed += n
-                    wall, tokens = _concurrent(client, url, pngs)
+                    wall, tokens, prompt_tokens = _concurrent(client, url, pngs)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
             rows[name] = {"ttft_s": ttfts, "ttft_median_s": statistics.median(ttfts), "concurrent": n,
-                          "concurrent_wall_s": wall, "images_per_s": n / wall, "completion_tokens": tokens}
+                          "concurrent_wall_s": wall, "images_per_s": n / wall, "completion_tokens": tokens,
+                          "prompt_tokens": prompt_tokens}
             print(f"{name}: TTFT {statistics.median(ttfts):.2f} s (median of {rounds}), {n} concurrent: "
                   f"{n / wall:.3f} images/s", flush=True)
         load.append(os.getloadavg()[0])
@@ -266,9 +269,10 @@ def vs_llama_server(args) -> None:
     lines = ["# Alt text from GGUF + mmproj: lmserve against llama-server, SmolVLM-256M shape, random weights", "",
              f"CPU: {result['cpu']}; {args.threads} threads each; wall clock; load average {load[0]:.1f} -> "
              f"{load[1]:.1f}; {result['image']}, 32 tokens out; the same two files (llama.cpp's converter).", "",
-             "| system | TTFT, one image (s, median of 3) | 8 concurrent: wall (s) | images/s |", "|---|---|---|---|"]
-    lines += [f"| {k} | {r['ttft_median_s']:.2f} | {r['concurrent_wall_s']:.1f} | {r['images_per_s']:.3f} |"
-              for k, r in rows.items()]
+             "| system | TTFT, one image (s, median of 3) | 8 concurrent: wall (s) | images/s | prompt tokens |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {k} | {r['ttft_median_s']:.2f} | {r['concurrent_wall_s']:.1f} | {r['images_per_s']:.3f} | "
+              f"{r['prompt_tokens'][0]} |" for k, r in rows.items()]
     if "llama-server" in rows:
         lines += ["", f"lmserve / llama-server: images/s **{result['images_per_s_ratio']:.2f}x** (target >= 1.5x), "
                   f"TTFT **{result['ttft_ratio']:.2f}x** (target <= 1.0x)."]

@@ -63,16 +63,19 @@ def require_converter() -> Path:
 
 def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3ForCausalLM",
             outtype: str = "f32", sentencepiece: bool = False,
-            released: dict[str, str] | None = None) -> tuple[Path, Path]:
+            released: dict[str, str] | None = None, newlines: bool = False) -> tuple[Path, Path]:
     """(text GGUF, mmproj GGUF) of a transformers vision-language model directory. `text_architecture` goes into a
     copy's text_config.architectures, where the released checkpoints have it (SmolVLM: VLlama3ForCausalLM) and the
     converter looks for it. `released`: tensor-name prefixes the copy's checkpoint is renamed by (old -> new), where
     transformers saves a name that the released checkpoints and the converter spell otherwise. `sentencepiece`: the
     copy gets the word-level vocabulary as a SentencePiece model
-    (`write_sentencepiece`), so the text GGUF carries a tokenizer lmserve and llama.cpp both run."""
+    (`write_sentencepiece`), so the text GGUF carries a tokenizer lmserve and llama.cpp both run; `newlines`: with
+    "\n" and "\n\n" pieces as well, which llama.cpp's mtmd looks up to frame an Idefics3 image (without them every
+    image request to llama-server is a 400 "Invalid token")."""
     src = require_converter()
     text, mmproj = out_dir / f"{model_dir.name}-{outtype}.gguf", out_dir / f"mmproj-{model_dir.name}-{outtype}.gguf"
-    cache = _cache_dir(model_dir, src, text_architecture, outtype, sentencepiece, released)
+    cache = _cache_dir(model_dir, src, text_architecture, outtype, sentencepiece, released,
+                       *(("newlines",) if newlines else ()))
     if _from_cache(cache, (text, mmproj)):
         return text, mmproj
     work = out_dir / (model_dir.name + "-convert")
@@ -80,7 +83,7 @@ def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3For
     cfg = json.loads((work / "config.json").read_text())
     cfg.setdefault("text_config", {})["architectures"] = [text_architecture]
     if sentencepiece:
-        write_sentencepiece(work, int(cfg["text_config"]["vocab_size"]))
+        write_sentencepiece(work, int(cfg["text_config"]["vocab_size"]), newlines)
     (work / "config.json").write_text(json.dumps(cfg, indent=1))
     if released:
         rename_tensors(work / "model.safetensors", released)
@@ -203,13 +206,13 @@ def rename_tensors(path: Path, prefixes: dict[str, str]) -> None:
     save_file(renamed, path, metadata={"format": "pt"})
 
 
-def write_sentencepiece(path: Path, rows: int) -> None:
+def write_sentencepiece(path: Path, rows: int, newlines: bool = False) -> None:
     """tokenizer.model: the directory's word-level vocabulary (tokenizer.json) as SentencePiece pieces at the same
     ids, so the converter writes a `llama` vocabulary (a word-level one has no merges, which a byte-level BPE GGUF
     needs). Words are spelled "\u2581w12" and the special tokens are control pieces; the pieces a word is merged from
     ("\u2581", "w", the digits, "\u2581w") take the rows after the vocabulary (`rows`: the model's, at least 13 more).
     A prompt of words and special tokens gets the word-level tokenizer's ids, plus a "\u2581" where a space is
-    left alone before a special token."""
+    left alone before a special token. `newlines`: "\n" and "\n\n" as user-defined pieces after those."""
     from sentencepiece import sentencepiece_model_pb2 as spm
 
     vocab = json.loads((path / "tokenizer.json").read_text())
@@ -217,7 +220,8 @@ def write_sentencepiece(path: Path, rows: int) -> None:
     special = {t["content"] for t in vocab.get("added_tokens", [])} | {"<s>", "</s>"}
     unk = vocab["model"].get("unk_token", "<pad>")
     extra = ["\u2581", "w", *"0123456789", "\u2581w"]
-    assert [i for _, i in words] == list(range(len(words))) and len(words) + len(extra) <= rows
+    user = ["\n", "\n\n"] if newlines else []
+    assert [i for _, i in words] == list(range(len(words))) and len(words) + len(extra) + len(user) <= rows
     m = spm.ModelProto()
     m.trainer_spec.model_type = spm.TrainerSpec.BPE
     m.trainer_spec.unk_id, m.trainer_spec.bos_id, m.trainer_spec.eos_id, m.trainer_spec.pad_id = (
@@ -236,6 +240,9 @@ def write_sentencepiece(path: Path, rows: int) -> None:
     for k, piece in enumerate(extra):
         p = m.pieces.add()
         p.piece, p.type, p.score = piece, spm.ModelProto.SentencePiece.NORMAL, -2.0 - k
+    for piece in user:
+        p = m.pieces.add()
+        p.piece, p.type, p.score = piece, spm.ModelProto.SentencePiece.USER_DEFINED, 0.0
     (path / "tokenizer.model").write_bytes(m.SerializeToString())
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lmserve.engine.llm import LLM
-from tests.server_util import running_server
+from tests.server_util import free_port, running_server
 from tests.tiny_models import VOCAB, build_hf
 
 QUERY = "w10 w11 w12"
@@ -86,6 +86,6 @@ def test_a_flag_without_two_tokens_is_a_clean_error():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--classifier-from-token", "yes"],
+    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--classifier-from-token", "yes"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "takes two tokens" in r.stderr and "Traceback" not in r.stderr

@@ -30,7 +30,7 @@ from lmserve.loader.sharding import TPShard
 from lmserve.worker.tp_worker import RankSpec, init_group
 from lmserve.worker.transforms import load_formatted
 from tests.conftest import save_tiny_hf, write_tiny_llama
-from tests.server_util import running_server, unhealthy_within
+from tests.server_util import free_port, running_server, unhealthy_within
 from tests.tiny_models import build_hf
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3]]
@@ -143,7 +143,7 @@ def test_engine_pp2_greedy_and_prompt_logprobs_equal_one_rank(smol_path):
 @pytest.mark.parametrize("size", ["0", "31"])
 def test_bad_pipeline_sizes_are_refused_with_one_line(size):
     # the embedded model has 30 layers: 31 ranks would leave one without a layer
-    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--pipeline-parallel-size", size],
+    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--pipeline-parallel-size", size],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--pipeline-parallel-size" in r.stderr and "Traceback" not in r.stderr
     assert len([line for line in r.stderr.splitlines() if "pipeline-parallel-size" in line]) == 1

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from lmserve.files import open_sqlite
-from tests.server_util import MODEL, running_server
+from tests.server_util import MODEL, free_port, running_server
 
 KEY_A, KEY_B, ADMIN = "sk-team-a-0123456789abcdef", "sk-team-b-0123456789abcdef", "sk-ops-0123456789abcdef"
 KEY_FILE = (f"keys:\n  - {{name: team-a, key: {KEY_A}}}\n  - {{name: team-b, key: {KEY_B}}}\n"
@@ -118,6 +118,6 @@ def test_a_store_in_a_directory_every_user_may_write_is_refused_at_start(tmp_pat
     shared.chmod(0o1777)
     value = str(shared) if flag == "--batch-dir" else str(shared / "shares.sqlite3")
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}  # the other stores' defaults: not the user's
-    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", flag, value], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), flag, value], capture_output=True, text=True,
                        timeout=120, env=env)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "writable by every user" in p.stderr, p.stderr

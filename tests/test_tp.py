@@ -32,7 +32,7 @@ from lmserve.loader.sharding import TPShard, shard_bounds
 from lmserve.worker.tp_worker import RankSpec, init_group
 from lmserve.worker.transforms import load_formatted
 from tests.conftest import save_tiny_hf, write_tiny_llama
-from tests.server_util import running_server, unhealthy_within
+from tests.server_util import free_port, running_server, unhealthy_within
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3]]
 
@@ -160,7 +160,7 @@ def test_shard_bounds_split_heads_and_keep_the_rest_whole():
 def test_heads_not_divisible_are_refused(smol_path):
     with pytest.raises(ConfigError, match=r"attention heads \(9\) are not divisible by 2.*sizes that split it: 3"):
         LLM(str(smol_path), tensor_parallel_size=2)
-    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--tensor-parallel-size", "2"],
+    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--tensor-parallel-size", "2"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not divisible by 2" in r.stderr and "Traceback" not in r.stderr
 
