@@ -64,7 +64,7 @@ struct QuantProj {
     std::vector<torch::Tensor> outs;  // layers/gguf_linear.FusedGGUFLinear: parts side by side, then the bias
     for (const QuantPart& p : parts) outs.push_back(quant_linear(x, p.codes, p.scales, p.mins, p.kind, c10::nullopt));
     torch::Tensor y = torch::cat(outs, 1);
-    return bias.has_value() ? y + *bias : y;
+    return bias.has_value() ? y.add(*bias) : y;
   }
 };
 
@@ -83,7 +83,7 @@ struct ExpertProj {
   // rows [offsets[e], offsets[e + 1]) of x times expert e, then each row's expert's bias (StackedGGUF.forward)
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& offsets, const torch::Tensor& row_experts) const {
     torch::Tensor y = quant_linear_experts(x, offsets, codes, scales, mins, kind);
-    return bias.has_value() ? y + bias->index_select(0, row_experts) : y;
+    return bias.has_value() ? y.add(bias->index_select(0, row_experts)) : y;
   }
 };
 

@@ -2,7 +2,7 @@
 //
 // Why: the kernel units used to include torch/extension.h for at::Tensor, TORCH_CHECK and at::get_num_threads,
 // and parsing it was most of each unit's compile time (~60 s of g++ per unit on 2 cores, 7 units, once per
-// instruction-set level). Now only bindings.cpp includes torch: it checks each tensor's dtype, shape and
+// instruction-set level). Now only bindings.cpp includes torch (and only the headers it uses, ops.h): it checks each tensor's dtype, shape and
 // contiguity, allocates the outputs and calls these on contiguous rows (ops.h). The kernel units include only
 // c10's header-only number types (c10/util/Half.h and the like) for conversions that must equal torch's bit for bit.
 // A kernel trusts its caller's checks; the numbers are those the kernels computed when they took tensors.
