@@ -117,7 +117,7 @@ def test_native_encoder_attention_equals_the_per_sequence_reference(lens, heads,
     sequence's rows are the same bits whatever shares its step (batch invariance)."""
     from lmserve.layers.kernels.fused import encoder_attention
     from lmserve.layers.kernels.native import native_module
-    from lmserve.models.bert import bidirectional_ref, step_sequences
+    from lmserve.models.bert import bidirectional, bidirectional_ref, step_sequences
 
     if native_module() is None:
         pytest.skip("native kernels unavailable")
@@ -125,7 +125,9 @@ def test_native_encoder_attention_equals_the_per_sequence_reference(lens, heads,
     positions = torch.cat([torch.arange(n) for n in lens])
     qkv = torch.randn(sum(lens), 3, heads, dim)
     seqs = step_sequences(positions, sum(lens))
-    got = encoder_attention(qkv, seqs.starts, window)
+    got = bidirectional(qkv, seqs, window)
+    assert torch.equal(got, encoder_attention(qkv, seqs.starts, window))
+    assert "groups" not in vars(seqs)  # the native path builds no padded groups (host work it never reads)
     assert torch.allclose(got, bidirectional_ref(qkv.double(), lens, window).float(), atol=1e-5)
     last = lens[-1]
     alone = encoder_attention(qkv[-last:].contiguous(), torch.tensor([0, last]), window)

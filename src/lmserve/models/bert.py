@@ -15,6 +15,7 @@ same HF names; its vocabulary is tokenizer/gguf_vocab.py's WordPiece, its poolin
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
@@ -64,13 +65,17 @@ class PaddedGroup(NamedTuple):
     keys: torch.Tensor
 
 
-class StepSequences(NamedTuple):
+class StepSequences:
     """Where the step's sequences lie: `lens` and `starts` ([B + 1] int64: 0, each sequence's end; both on the
-    host), and the padded groups the PyTorch attention runs them in."""
+    host), and the padded groups the PyTorch attention runs them in, made only if it asks (`groups`): the native
+    attention reads `starts` alone, and building the groups' index tensors was host work each encoder step."""
 
-    lens: list[int]
-    groups: list[PaddedGroup]
-    starts: torch.Tensor
+    def __init__(self, lens: list[int], starts: torch.Tensor, positions: torch.Tensor) -> None:
+        self.lens, self.starts, self._positions = lens, starts, positions
+
+    @functools.cached_property
+    def groups(self) -> list[PaddedGroup]:
+        return _groups(self.lens, self.starts, self._positions)
 
 
 # a group's longest sequence is at most this many times its shortest: padding the step's sequences to one longest
@@ -81,12 +86,17 @@ GROUP_SPREAD = 1.5
 
 def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
     """Every prompt runs whole in its step, so a sequence starts where its position is 0; the step's one host
-    read is the sequences' lengths. The sequences are grouped by length (sorted, a new group where a length passes
-    GROUP_SPREAD x the group's shortest)."""
-    device = positions.device
+    read is the sequences' lengths."""
     begin = (positions == 0).nonzero().flatten()
     lens = torch.diff(begin, append=begin.new_tensor([num_tokens])).tolist()  # [B]
     bounds = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)  # [B + 1], for the native attention
+    return StepSequences(lens, bounds, positions)
+
+
+def _groups(lens: list[int], bounds: torch.Tensor, positions: torch.Tensor) -> list[PaddedGroup]:
+    """The sequences grouped by length (sorted, a new group where a length passes GROUP_SPREAD x the group's
+    shortest), each laid out padded."""
+    device = positions.device
     order = sorted(range(len(lens)), key=lens.__getitem__)
     groups: list[list[int]] = []
     for i in order:
@@ -94,13 +104,13 @@ def step_sequences(positions: torch.Tensor, num_tokens: int) -> StepSequences:
             groups.append([])
         groups[-1].append(i)
     if len(groups) == 1:
-        return StepSequences(lens, [_group(list(range(len(lens))), lens, None, positions)], bounds)
+        return [_group(list(range(len(lens))), lens, None, positions)]
     starts = bounds.tolist()  # each sequence's first token
     out = []
     for g in groups:
         tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in g]).to(device)
         out.append(_group(g, lens, tokens, positions[tokens]))
-    return StepSequences(lens, out, bounds)
+    return out
 
 
 def _group(members: list[int], lens: list[int], tokens: torch.Tensor | None, positions: torch.Tensor) -> PaddedGroup:
