@@ -23,8 +23,10 @@ convert_hf_to_gguf.py (tests/llama_convert.py) to a text GGUF and an mmproj GGUF
 text: a 512x512 image and a short text, 32 tokens out (ignore_eos, greedy), streamed; every request a new image
 (no encoder or prefix cache helps). Measured: TTFT of one image alone (the wall time of
 that request cut to one token, median of 3) and images/s of 8
-concurrent requests. The preprocessor's longest edge is 512 (one tile): llama.cpp splits any image whose
-preprocessing size passes the tile, and SmolVLM's own 2048 makes a 512 px image 16 tiles and a global view.
+concurrent requests. The preprocessor is SmolVLM-256M's own (`--longest-edge 2048`): both servers scale a 512 px
+image to 2048 px, 16 tiles of 512 and a global view, 17 tower passes and 1,088 image tokens each. `--longest-edge
+512` is the light variant an earlier run used: lmserve then frames one tile, as transformers does, while llama.cpp's
+mtmd still adds an overview, so the two do different work.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--vs-llama-server", action="store_true", help="lmserve against llama-server on GGUF + mmproj")
     ap.add_argument("--llama-server", default=str(ROOT / "benchmarks/.cache/llama.cpp/build/bin/llama-server"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--longest-edge", type=int, default=2048,
+                    help="--vs-llama-server: the processor's longest edge (SmolVLM-256M's own 2048: 16 tiles + global)")
     args = ap.parse_args()
     if args.vs_llama_server:
         vs_llama_server(args)
@@ -145,13 +149,14 @@ def main() -> None:
     print(f"repeat/first {ratio:.3f}x (target 0.3x); same/first {same:.3f}x; {encoded} images encoded")
 
 
-def mmproj_files(root: Path) -> tuple[Path, Path]:
-    """The random SmolVLM-256M-shaped model as llama.cpp's converter writes it: (text GGUF, mmproj GGUF)."""
+def mmproj_files(root: Path, longest_edge: int) -> tuple[Path, Path]:
+    """The random SmolVLM-256M-shaped model as llama.cpp's converter writes it: (text GGUF, mmproj GGUF), its
+    processor scaling an image's longest edge to `longest_edge` (SmolVLM-256M's own: 2048)."""
     from tests.llama_convert import convert
 
-    path = build(root, split=False)
+    path = build(root, split=True)
     pre = json.loads((path / "preprocessor_config.json").read_text())
-    (path / "preprocessor_config.json").write_text(json.dumps({**pre, "size": {"longest_edge": 512}}))
+    (path / "preprocessor_config.json").write_text(json.dumps({**pre, "size": {"longest_edge": longest_edge}}))
     return convert(path, root, sentencepiece=True, newlines=True)
 
 
@@ -207,18 +212,19 @@ def vs_llama_server(args) -> None:
     peer_env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     binary = Path(args.llama_server)
     n, rounds = 8, 3
+    ctx = 4096 if args.longest_edge > 512 else 1024  # 17 views of 64 tokens and llama.cpp's framing fit 4096
     with tempfile.TemporaryDirectory() as tmp:
-        text, mmproj = mmproj_files(Path(tmp))
+        text, mmproj = mmproj_files(Path(tmp), args.longest_edge)
         systems = {"lmserve": lambda port: ([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port),
                                              "--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "m",
                                              "--dtype", "float32",
                                              "--quantization", "none", "--num-threads", str(args.threads),
                                              "--max-num-seqs", str(n), "--kv-cache-memory", str(2**30),
-                                             "--max-model-len", "1024", "--log-level", "warning"],
+                                             "--max-model-len", str(ctx), "--log-level", "warning"],
                                             {"PYTHONPATH": str(ROOT / "src")}),
                    "llama-server": lambda port: ([str(binary), "-m", str(text), "--mmproj", str(mmproj), "--host",
                                                   "127.0.0.1", "--port", str(port), "-t", str(args.threads), "-tb",
-                                                  str(args.threads), "-np", str(n), "-c", str(n * 1024),
+                                                  str(args.threads), "-np", str(n), "-c", str(n * ctx),
                                                   "--alias", "m", "--no-webui"], {"LD_LIBRARY_PATH": str(binary.parent)})}
         if not binary.is_file():
             systems.pop("llama-server")
@@ -258,7 +264,10 @@ def vs_llama_server(args) -> None:
             print(f"{name}: TTFT {statistics.median(ttfts):.2f} s (median of {rounds}), {n} concurrent: "
                   f"{n / wall:.3f} images/s", flush=True)
         load.append(os.getloadavg()[0])
-    result = {"cpu": _cpu_name(), "threads": args.threads, "image": "512x512 PNG, one 512 px tile (64 tokens)",
+    views = (-(-args.longest_edge // 512)) ** 2 + (args.longest_edge > 512)
+    image = f"512x512 PNG scaled to {args.longest_edge} px: {views} view{'s' * (views > 1)} of 512 px (64 tokens each)"
+    result = {"cpu": _cpu_name(), "cpu_flags": _flags(), "threads": args.threads, "image": image,
+              "longest_edge": args.longest_edge,
               "max_tokens": 32, "weights": "float32 GGUF + float32 mmproj (convert_hf_to_gguf.py)",
               "systems": rows, "loadavg_before_after": load, "clock": "wall (time.perf_counter)"}
     if "llama-server" in rows:
@@ -266,9 +275,10 @@ def vs_llama_server(args) -> None:
         result |= {"images_per_s_ratio": lm["images_per_s"] / ll["images_per_s"],
                    "ttft_ratio": lm["ttft_median_s"] / ll["ttft_median_s"]}
     out = Path(args.output_dir)
-    (out / "vision_mmproj.json").write_text(json.dumps(result, indent=1) + "\n")
+    name = "vision_mmproj" if args.longest_edge == 2048 else f"vision_mmproj_edge{args.longest_edge}"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Alt text from GGUF + mmproj: lmserve against llama-server, SmolVLM-256M shape, random weights", "",
-             f"CPU: {result['cpu']}; {args.threads} threads each; wall clock; load average {load[0]:.1f} -> "
+             f"CPU: {result['cpu']} ({result['cpu_flags']}); {args.threads} threads each; wall clock; load average {load[0]:.1f} -> "
              f"{load[1]:.1f}; {result['image']}, 32 tokens out; the same two files (llama.cpp's converter).", "",
              "| system | TTFT, one image (s, median of 3) | 8 concurrent: wall (s) | images/s | prompt tokens |",
              "|---|---|---|---|---|"]
@@ -278,10 +288,16 @@ def vs_llama_server(args) -> None:
         lines += ["", f"lmserve / llama-server: images/s **{result['images_per_s_ratio']:.2f}x** (target >= 1.5x), "
                   f"TTFT **{result['ttft_ratio']:.2f}x** (target <= 1.0x)."]
         if lm["prompt_tokens"][0] != ll["prompt_tokens"][0]:
-            lines += ["", "The prompt tokens differ: lmserve frames the image as transformers' Idefics3 processor does "
-                      "(an image within one tile is one view), llama.cpp's mtmd adds a slice and an overview (two "
-                      "tower passes) and newlines; so llama-server does more work per image here."]
-    (out / "vision_mmproj.md").write_text("\n".join(lines) + "\n")
+            lines += ["", "The prompt tokens differ: lmserve frames the image as transformers' Idefics3 processor does, "
+                      "llama.cpp's mtmd its own way (newline tokens between tiles; with one tile, an overview as well: "
+                      "a second tower pass). Compare the views above before the ratios."]
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def _flags() -> str:
+    """The CPU's vector flags (the instruction-set level both servers pick from)."""
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split()
+    return ",".join(sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))))
 
 
 def _cpu_name() -> str:
