@@ -58,13 +58,17 @@ def test_minilm_window_is_sentence_transformers_max_seq_length(minilm):
 
 
 @pytest.mark.parametrize("kind,pooling,normalize", [("bert", "mean", True), ("bert", "max", False),
-                                                    ("xlm-roberta", "cls", True)])
+                                                    ("bert", "last", True), ("xlm-roberta", "cls", True)])
 def test_tiny_embedders_match_sentence_transformers(tmp_path, kind, pooling, normalize):
+    """Each pooling mode read from 1_Pooling/config.json (`last`: pooling_mode_lasttoken, each text's closing
+    [SEP], which sits at a different row for each length in the step)."""
     from sentence_transformers import SentenceTransformer
 
     path = build_encoder(tmp_path, kind, pooling=pooling, normalize=normalize)
     ref = SentenceTransformer(str(path), device="cpu").encode(SENTENCES, normalize_embeddings=True)
-    got = _vectors(LLM(str(path)), SENTENCES)
+    llm = LLM(str(path))
+    assert llm.engine.front.pooler.method == pooling  # from the checkpoint's files, not a default
+    got = _vectors(llm, SENTENCES)
     assert np.abs(got - ref).max() < 1e-4
 
 

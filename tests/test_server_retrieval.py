@@ -1,7 +1,8 @@
 """A retrieval server, black-box: the real all-MiniLM-L6-v2 as the embedder, a tiny BERT cross-encoder as the
 reranker, a tiny 3-label BERT classifier and the embedded chat model, side by side in one `lmserve serve`, asked by the official clients
 (openai, LangChain's OpenAIEmbeddings, ollama) and by httpx in Jina's, Cohere's, TEI's and vLLM's shapes; answers
-against sentence-transformers; bad input a 400 in each API's own error shape."""
+against sentence-transformers; bad input a 400 in each API's own error shape (OpenAI's on /v1/*, /rerank, /v2/rerank
+and /classify, Ollama's on /api/embed, TEI's on /embed), checked by shape."""
 
 from __future__ import annotations
 
@@ -144,6 +145,49 @@ def test_bad_input_is_a_400_in_openais_shape(server, path, body, says):
     r = post(server, path, body)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body,names", [
+    ({"model": "minilm", "input": []}, "input"),
+    ({"model": "minilm", "input": ""}, "input"),
+    ({"model": "minilm", "input": ["a dog", ""]}, "input"),
+    ({"model": "ce", "input": "a dog"}, "tasks"),  # a cross-encoder does not embed
+    ({"model": "cls", "input": "a dog"}, "tasks"),  # nor does a classifier
+])
+def test_ollama_embed_errors_are_a_400_in_ollamas_body(server, body, names):
+    import ollama
+
+    r = post(server, "/api/embed", body)
+    assert r.status_code == 400, r.text
+    assert list(r.json()) == ["error"] and isinstance(r.json()["error"], str) and names in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as e:  # the official client reads it as Ollama's error
+        ollama.Client(host=server.url).embed(**body)
+    assert e.value.status_code == 400 and e.value.error == r.json()["error"]
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank", "/rerank"])
+@pytest.mark.parametrize("model,docs,param", [
+    ("ce", ["b"] * (MAX_DOCS + 1), "documents"),  # past --max-rerank-documents
+    ("chat", ["b"], "model"),  # a model that only embeds (a decoder's pooled states) does not rerank
+    ("cls", ["b"], "model"),  # nor does a classifier
+])
+def test_rerank_errors_are_a_400_in_the_rerank_routes_body(server, path, model, docs, param):
+    """Jina's and Cohere's routes answer errors in OpenAI's body (as vLLM's rerank routes do)."""
+    r = post(server, path, {"model": model, "query": "a", "documents": docs})
+    assert r.status_code == 400, r.text
+    assert list(r.json()) == ["error"]
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and isinstance(err["message"], str)
+
+
+def test_cohere_v2_client_reads_a_rerank_refusal_as_a_bad_request(server):
+    import cohere
+
+    client = cohere.ClientV2(api_key="x", base_url=server.url)
+    for model, docs in (("ce", ["b"] * (MAX_DOCS + 1)), ("chat", ["b"])):
+        with pytest.raises(cohere.BadRequestError) as e:
+            client.rerank(model=model, query="a", documents=docs)
+        assert e.value.status_code == 400 and isinstance(e.value.body["error"]["message"], str)
 
 
 def test_tei_errors_and_truncation(server):

@@ -1,8 +1,10 @@
-"""The OpenAPI rows of the embeddings routes, and the models of their answers."""
+"""The OpenAPI rows of the embeddings routes, and the models of their answers. Ollama's two add 403: a keep_alive
+of 0 from a key that may not unload, as on /api/chat."""
 
 from __future__ import annotations
 
 from lmserve.server.api.embeddings.routes import EmbeddingRequest, OllamaEmbeddingsRequest, OllamaEmbedRequest
+from lmserve.server.api.ollama.openapi import OLLAMA_GEN
 from lmserve.server.api.route_doc import GEN_ERRORS, Open, RouteDoc
 
 
@@ -38,7 +40,7 @@ class OllamaEmbedding(Open):
 
 ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/embeddings"): RouteDoc(EmbeddingRequest, EmbeddingList, GEN_ERRORS),
-    ("post", "/api/embed"): RouteDoc(OllamaEmbedRequest, OllamaEmbedded, GEN_ERRORS),
-    ("post", "/api/embeddings"): RouteDoc(OllamaEmbeddingsRequest, OllamaEmbedding, GEN_ERRORS),
+    ("post", "/api/embed"): RouteDoc(OllamaEmbedRequest, OllamaEmbedded, OLLAMA_GEN),
+    ("post", "/api/embeddings"): RouteDoc(OllamaEmbeddingsRequest, OllamaEmbedding, OLLAMA_GEN),
 }
 ERROR_MODEL = None

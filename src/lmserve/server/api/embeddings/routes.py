@@ -5,8 +5,9 @@ request: the engine prefills it in the same batches as generations, pools the fi
 model's checkpoint (or --pooling) says and frees its KV blocks; nothing is sampled. This module only
 translates shapes. OpenAI's vectors are unit length (`dimensions` keeps the first d components, then scales
 to unit length again), `encoding_format: base64` packs them as little-endian float32; Ollama's /api/embed is
-unit length, its legacy /api/embeddings is not (as Ollama answers). Errors on /api/* are Ollama's
-`{"error": "..."}` (server/errors.py shapes them by path).
+unit length, its legacy /api/embeddings is not (as Ollama answers); their `keep_alive` holds as on Ollama's chat
+(ollama/routes.py apply_keep_alive: within the operator's bounds, 0 from a key that may not unload a 403). Errors on
+/api/* are Ollama's `{"error": "..."}` (server/errors.py shapes them by path).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
+from lmserve.server.api.ollama.routes import apply_keep_alive
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import _NullMeansDefault
 from lmserve.server.router import Router
@@ -46,7 +48,7 @@ class EmbeddingRequest(_NullMeansDefault):
 
 
 class OllamaEmbedRequest(_NullMeansDefault):
-    """Ollama's /api/embed body; `options` and `keep_alive` are accepted (the model's own settings apply)."""
+    """Ollama's /api/embed body; `options` are accepted (the model's own settings apply), `keep_alive` holds."""
 
     model: str | None = None
     input: str | list[str]
@@ -85,6 +87,7 @@ async def ollama_embed(request: Request) -> Response:
     start = time.monotonic()
     st, req = await read_request(request, OllamaEmbedRequest)
     load_s = time.monotonic() - start  # reading the body and waiting for the model to be loaded
+    apply_keep_alive(request, st, req)  # an embedder is shared like a chat model: the same bounds
     inputs = [req.input] if isinstance(req.input, str) else req.input
     ids = await _tokenized(st, request, inputs, truncate=req.truncate)
     vectors, _ = await _embed(st, request, ids, req.model, PoolingParams(_dimensions(req.dimensions)))
@@ -98,6 +101,7 @@ async def ollama_embed(request: Request) -> Response:
 @router.post("/api/embeddings")
 async def ollama_embeddings(request: Request) -> Response:
     st, req = await read_request(request, OllamaEmbeddingsRequest)
+    apply_keep_alive(request, st, req)
     ids = await _tokenized(st, request, [req.prompt], truncate=True)
     vectors, _ = await _embed(st, request, ids, req.model, PoolingParams(normalize=False))
     if vectors is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, Union
+from typing import Any, Literal, Protocol, Union
 
 from pydantic import Field, field_validator
 
@@ -143,7 +143,13 @@ class ShowRequest(_NullMeansDefault):
     verbose: bool = False
 
 
-def keep_alive_seconds(req: _Request) -> float | None | Literal[False]:
+class KeepAliveBody(Protocol):
+    """An Ollama body with a `keep_alive`: chat and generate here, embed and embeddings in server/api/embeddings."""
+
+    keep_alive: str | float | None
+
+
+def keep_alive_seconds(req: KeepAliveBody) -> float | None | Literal[False]:
     """The request's keep_alive in seconds (None: forever); False when it gave none (the server's default holds)."""
     if req.keep_alive is None:
         return False

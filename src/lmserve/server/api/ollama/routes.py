@@ -36,6 +36,7 @@ from lmserve.server.api.ollama import models as ollama_models
 from lmserve.server.api.ollama.protocol import (
     ChatRequest,
     GenerateRequest,
+    KeepAliveBody,
     chat_messages,
     keep_alive_seconds,
     sampling_params,
@@ -111,7 +112,7 @@ async def version() -> dict:
 async def chat(request: Request) -> Response:
     start = time.monotonic()
     st, req = await read_request(request, ChatRequest)
-    keep = _keep_alive(request, st, req)
+    keep = apply_keep_alive(request, st, req)
     if not req.messages:
         return _loaded(st, keep, {"message": {"role": "assistant", "content": ""}})
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -133,7 +134,7 @@ async def chat(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     start = time.monotonic()
     st, req = await read_request(request, GenerateRequest)
-    keep = _keep_alive(request, st, req)
+    keep = apply_keep_alive(request, st, req)
     if req.images and (req.raw or req.context):  # a text model says so first; images need the template's turn
         st.check_images(len(req.images), "images")
         raise APIError(400, "images need the chat template: not with raw or context", param="images")
@@ -183,9 +184,11 @@ async def _generate_prompt(st: ModelState, req: GenerateRequest, plan: ChatPlan 
     return [*req.context, *ids]
 
 
-def _keep_alive(request: Request, st: ModelState, req: ChatRequest | GenerateRequest) -> float | None:
+def apply_keep_alive(request: Request, st: ModelState, req: KeepAliveBody) -> float | None:
     """Apply the request's keep_alive to its shared model, within the operator's bounds (pool.KeepAlive: cut to
-    --keep-alive-max; below --keep-alive only for a key that may unload); returns the value that holds.
+    --keep-alive-max; below --keep-alive only for a key that may unload); returns the value that holds. Every
+    Ollama body that names a model carries one: /api/chat, /api/generate, and /api/embed and /api/embeddings
+    (server/api/embeddings/routes.py), so an embedder expires and unloads as a chat model does.
 
     An unload (0) from a key that may not make one is a 403: the model serves every key."""
     seconds = keep_alive_seconds(req)
