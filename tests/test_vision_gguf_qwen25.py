@@ -3,7 +3,8 @@ text GGUF): the tiny random model made by transformers (tests/vision_models.py),
 convert_hf_to_gguf.py (text and `--mmproj`), loaded with `mmproj=`: the safetensors load's weights, config and
 preprocessing, logits within 1e-4 of transformers float32 and of the safetensors load with one and two images,
 32 greedy tokens identical to the safetensors load, the engine answering image prompts as the safetensors engine
-does, and a malformed file refused in one line.
+does, `lmserve serve --mmproj` (the GGUF's own tokenizer) answering as the offline engine on the same files, and a
+malformed file refused in one line.
 
 The model has what the converter keeps of a released Qwen2.5-VL and nothing it would lose: the file has no window
 size (llama.cpp hard-codes 112 px), merge size or pixel bounds, so the tiny model uses 112 px windows and the released
@@ -163,3 +164,42 @@ def test_a_malformed_file_is_one_line(models, tmp_path):
              "rope.dimension_sections [4, 6, 4, 2]")
     _, llama = build_hf("llama", tmp_path)
     _refused(write_gguf("llama", llama, tmp_path / "llama.gguf"), mmproj, "architecture qwen2vl", "'llama'")
+
+
+def test_serve_with_mmproj_answers_as_the_offline_engine(models):
+    """`lmserve serve --model text.gguf --mmproj mmproj.gguf` (the GGUF's own tokenizer and chat template), asked
+    with the openai client: each image's greedy answer and prompt token count equal LLM(text.gguf, mmproj=...)'s
+    for the same chat, and two images give two answers."""
+    import io
+
+    import openai
+    from PIL import Image
+
+    from tests.server_util import running_server
+    from tests.test_media import data_url
+    from tests.vision_models import image_bytes
+
+    _, text, mmproj, *_ = models
+    offline = LLM(str(text), mmproj=str(mmproj), dtype="float32", device="cpu", num_blocks=64, block_size=16,
+                  quantization="none")
+    pngs = [image_bytes(200, 130, seed=11), image_bytes(90, 160, seed=12)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tok, front = offline.tokenizer, offline.engine.front
+    conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6"}]}]
+    ids = tok.encode_rendered(tok.render_chat(conv, add_generation_prompt=True))  # as server/api/chat_plan.py does
+    want = []
+    for png in pngs:
+        img = Image.open(io.BytesIO(png))
+        out = offline.generate([{"prompt": ids, "multi_modal_data": {"image": [img]}}], greedy, use_tqdm=False)[0]
+        want.append((out.outputs[0].text, len(front.images.expand(ids, [img])[0])))
+    assert want[0][0] != want[1][0]
+    with running_server("--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "qwen-vl",
+                        "--dtype", "float32", "--quantization", "none", "--max-model-len", "512") as s:
+        oai = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        for png, (answer, prompt_tokens) in zip(pngs, want):
+            r = oai.chat.completions.create(
+                model="qwen-vl", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
+                                                       {"type": "text", "text": "w5 w6"}]}])
+            assert r.choices[0].message.content == answer and r.usage.prompt_tokens == prompt_tokens
+        s.wait_idle()
