@@ -246,6 +246,32 @@ def write_sentencepiece(path: Path, rows: int, newlines: bool = False) -> None:
     (path / "tokenizer.model").write_bytes(m.SerializeToString())
 
 
+def rewrite(src: Path, dst: Path, keys: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of a GGUF file with metadata `keys` set (None: removed; a value: as the file's own type of that key)
+    and the tensors named in `drop` left out: a malformed file made from a converted one."""
+    import gguf
+
+    keys = keys or {}
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch=reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or (
+                field.name in keys and keys[field.name] is None):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, keys.get(field.name, field.contents()), kind, sub_type=sub)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]),
+                              raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 def requantize(src: Path, dst: Path, kind: str) -> Path:
     """A copy of a float GGUF file with its matrices in `kind` blocks (Q8_0, Q4_0, ...: gguf-py's own quantizer,
     llama-quantize's row format), as llama-quantize writes one: every 2-D weight whose rows are whole blocks (the

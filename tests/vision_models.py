@@ -149,18 +149,22 @@ def build_gemma3(root: Path, seed: int = 0, rows: int = VOCAB, layer_types: tupl
 QWEN_PIXELS = (56 * 56, 112 * 112)  # the tiny Qwen2.5-VL's min and max pixels: 4 to 16 merged tokens per image
 
 
-def build_qwen25_vl(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    """A tiny random Qwen2.5-VL: a 2-block windowed ViT (56px windows, block 1 attends to the whole image), 2x2
-    merger, a Qwen2 text model whose 16 rotary pairs split 4/6/6 over M-RoPE's time, row and column axes."""
+def build_qwen25_vl(root: Path, seed: int = 0, rows: int = VOCAB, window: int = 56,
+                    pixels: tuple[int, int] = QWEN_PIXELS, fullatt: tuple[int, ...] = (1,)
+                    ) -> tuple[Path, torch.nn.Module]:
+    """A tiny random Qwen2.5-VL: a windowed ViT of `fullatt[-1] + 1` blocks (`window`-pixel windows; the blocks
+    `fullatt` attend to the whole image), 2x2 merger, a Qwen2 text model whose 16 rotary pairs split 4/6/6 over
+    M-RoPE's time, row and column axes; `rows`: as build_idefics3's `vocab`; `pixels`: the processor's min and max
+    pixels."""
     import transformers
 
     vocab = {w: i for i, w in enumerate(WORDS + SPECIAL)}
     torch.manual_seed(seed)
     cfg = transformers.Qwen2_5_VLConfig(
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                           fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
+        vision_config=dict(depth=fullatt[-1] + 1, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, fullatt_block_indexes=list(fullatt), window_size=window, patch_size=14, spatial_merge_size=2,
                            temporal_patch_size=2),
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        text_config=dict(vocab_size=rows, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
                          rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
@@ -177,8 +181,10 @@ def build_qwen25_vl(root: Path, seed: int = 0) -> tuple[Path, torch.nn.Module]:
     path = root / "qwen2_5_vl"
     model.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(
-        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": QWEN_PIXELS[0],
-         "max_pixels": QWEN_PIXELS[1], "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}))
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": pixels[0], "max_pixels": pixels[1],
+         "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+         # the released file's (CLIP's, the processor's default); llama.cpp's converter requires them
+         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}))
     write_tokenizer(path, QWEN_CHAT_TEMPLATE)
     return path, model
 

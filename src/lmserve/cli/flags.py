@@ -91,7 +91,7 @@ def _add_model_args(g, several_models: bool) -> None:
     g.add_argument("--mmproj", default=None, metavar="PATH",
                    help="a vision-language model as llama.cpp converts it: --model is the text .gguf, this its "
                    "multimodal projector .gguf (convert_hf_to_gguf.py --mmproj; projector types: idefics3, gemma3, "
-                   "mlp) (default: none, "
+                   "qwen2.5vl_merger, mlp) (default: none, "
                    "a text model or a Hugging Face directory with its own vision tower)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA; on a CPU float32, unless a measurement made once on the machine "

@@ -7,9 +7,11 @@ processor files, so the family's own processor reads them), and its tensor names
 model files stay as they are: the text GGUF loads as for a text model, then the config is the vision family's.
 
 Supported projector types: `idefics3` (SmolVLM / Idefics3: SigLIP, pixel shuffle, one linear), `gemma3` (Gemma 3:
-SigLIP average-pooled to soft tokens, RMSNorm, one matmul) and `mlp` (LLaVA-1.5 as llama.cpp's legacy script writes
-it: CLIP cut at the layer read, a 2-layer MLP). The tower's tensors take the HF checkpoint's names, so the
-family's own checkpoint mapping reads them as it reads a safetensors checkpoint.
+SigLIP average-pooled to soft tokens, RMSNorm, one matmul), `mlp` (LLaVA-1.5 as llama.cpp's legacy script writes
+it: CLIP cut at the layer read, a 2-layer MLP) and `qwen2.5vl_merger` (Qwen2.5-VL: the windowed ViT and its 2x2
+merger, beside the `qwen2vl` text GGUF). The tower's tensors take the HF checkpoint's names, so the family's own
+checkpoint mapping reads them as it reads a safetensors checkpoint; what the converter changed is undone here
+(Gemma 3's norm offset: `shift`; Qwen2.5-VL's split qkv and its Conv3d cut into two 2-D kernels: `join`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ _TOP = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embedd
         "v.post_ln": "post_layernorm", "v.pre_ln": "pre_layrnorm", "v.class_embd": "embeddings.class_embedding"}
 _BLOCK = re.compile(r"^v\.blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 Settings = tuple[VisionConfig, dict[str, Any], dict[str, Any]]
+Named = Iterator[tuple[str, torch.Tensor]]
+
+
+def _as_is(tensors: Named) -> Named:
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,10 @@ class Projector:
     settings: Callable[[dict[str, Any]], Settings]
     layer: dict[str, str] = field(default_factory=lambda: _LAYER)
     shift: dict[str, float] = field(default_factory=dict)  # clip tensor name -> what the converter added to it
+    blocks: str = "encoder.layers."  # the tower's prefix of layer N's tensors, before N
+    top: dict[str, str] = field(default_factory=lambda: _TOP)  # the tower's other tensors (stems), clip -> HF
+    join: Callable[[Named], Named] = _as_is  # the (HF name, tensor) stream with the converter's pieces put together
+    text_architectures: tuple[str, ...] = ()  # the text GGUF's architectures it serves beside (empty: any)
 
 
 @dataclass
@@ -87,6 +98,9 @@ def read_mmproj(path: str | Path, text: ModelConfig) -> Mmproj:
     if projector is None:
         raise CheckpointError(f"--mmproj {path}: projector type {kind!r} is not supported (supported: "
                               f"{', '.join(sorted(PROJECTORS))})")
+    if projector.text_architectures and text.architecture not in projector.text_architectures:
+        raise CheckpointError(f"--mmproj {path}: a {kind} projector goes with a text GGUF of architecture "
+                              f"{' or '.join(projector.text_architectures)}, not {text.architecture!r}")
     try:
         vision, pre, proc = projector.settings(meta)
     except (KeyError, TypeError, ValueError) as e:
@@ -183,6 +197,74 @@ def _llava(meta: dict[str, Any]) -> Settings:
     return vision, pre, {"image_size": size, "patch_size": vision.patch_size}
 
 
+# Qwen2.5-VL's processor where the file does not say (the converter writes neither): the released checkpoints'
+# preprocessor_config.json, so a released model serves as its safetensors directory does. llama.cpp itself
+# hard-codes the attention window (112 px) and the merge (2); it resizes by its own rules.
+_QWEN_PIXELS = (56 * 56, 28 * 28 * 16384)
+
+
+def _qwen25vl(meta: dict[str, Any]) -> Settings:
+    """Qwen2.5-VL's tower and Qwen2VLImageProcessor's settings. The converter keeps the full-attention blocks as
+    their period `n_wa_pattern` (it refuses fullatt_block_indexes that are not every n-th block: 7, 15, 23, 31 is
+    8), SiLU as `clip.use_silu` (else ggml's GELU, the tanh form), and the temporal patch as the two kernels it
+    cut the Conv3d into (it refuses any but 2)."""
+    layers, pattern = _key(meta, "block_count"), _key(meta, "n_wa_pattern")
+    patch = _key(meta, "patch_size")
+    merge = _key(meta, "spatial_merge_size") if "clip.vision.spatial_merge_size" in meta else 2
+    window = _key(meta, "window_size") if "clip.vision.window_size" in meta else 112
+    pixels = tuple(_key(meta, k) if f"clip.vision.{k}" in meta else d
+                   for k, d in zip(("image_min_pixels", "image_max_pixels"), _QWEN_PIXELS))
+    if window % (patch * merge):
+        raise ValueError(f"window_size {window} is not whole {merge}x{merge} blocks of {patch}-pixel patches")
+    if pixels[0] > pixels[1]:
+        raise ValueError(f"image_min_pixels {pixels[0]} > image_max_pixels {pixels[1]}")
+    # image_size (the converter's 560 where the config has none) means nothing to a dynamic-resolution tower
+    vision = VisionConfig(
+        hidden_size=_key(meta, "embedding_length"), intermediate_size=_key(meta, "feed_forward_length"),
+        num_layers=layers, num_heads=_key(meta, "attention.head_count"), patch_size=patch,
+        layer_norm_eps=_f32(meta.get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
+        hidden_act="silu" if meta.get("clip.use_silu") else "gelu_tanh", scale_factor=merge, temporal_patch_size=2,
+        window_size=window, fullatt_blocks=tuple(i for i in range(layers) if (i + 1) % pattern == 0))
+    pre = {"min_pixels": pixels[0], "max_pixels": pixels[1], "patch_size": patch, "temporal_patch_size": 2,
+           "merge_size": merge, "image_mean": list(_triple(meta, "image_mean")),
+           "image_std": list(_triple(meta, "image_std"))}
+    return vision, pre, {}
+
+
+_QKV = re.compile(r"^(visual\.blocks\.\d+\.attn\.)([qkv])\.(weight|bias)$")
+_PATCH = "visual.patch_embed.proj.weight"
+
+
+def _qwen_join(tensors: Named) -> Named:
+    """The converter's pieces put back: q, k and v (rows) into the fused qkv; the two [hidden, 3, p, p] kernels (the
+    temporal patch's frames) into the Conv3d's [hidden, 3, 2, p, p]. A fused `attn_qkv` passes as it is."""
+    held: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors:
+        m = _QKV.match(name)
+        if m is not None:
+            key, part, count = f"{m.group(1)}qkv.{m.group(3)}", "qkv".index(m.group(2)), 3
+        elif name in (_PATCH, _PATCH + ".1"):
+            key, part, count = _PATCH, int(name != _PATCH), 2
+        else:
+            yield name, t
+            continue
+        group = held.setdefault(key, {})
+        if part in group:
+            raise ValueError(f"{name} appears twice")
+        group[part] = t
+        if len(group) == count:
+            pieces = [group[i] for i in range(count)]
+            if len({p.shape for p in pieces}) != 1:
+                raise ValueError(f"the pieces of {key} differ in shape: {[tuple(p.shape) for p in pieces]}")
+            yield key, torch.stack(pieces, 2) if key == _PATCH else torch.cat(pieces)
+            del held[key]
+    if held:
+        raise ValueError(f"{', '.join(sorted(held))} incomplete: {len(next(iter(held.values())))} of its pieces")
+
+
+_QWEN_LAYER = {"ln1": "norm1", "ln2": "norm2", "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v",
+               "attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
 _HF_TOWER = "vision_tower.vision_model."  # Gemma 3's and LLaVA's checkpoints
 PROJECTORS = {
     "idefics3": Projector("Idefics3ForConditionalGeneration", "vision_model.",
@@ -197,6 +279,13 @@ PROJECTORS = {
                      {f"mm.{i}.{k}": f"multi_modal_projector.linear_{j}.{k}"
                       for i, j in ((0, 1), (2, 2)) for k in ("weight", "bias")},
                      "mm.2.weight", 0, _llava, layer=_LEGACY_LAYER),
+    "qwen2.5vl_merger": Projector("Qwen2_5_VLForConditionalGeneration", "visual.",
+                                  {f"mm.{i}.{k}": f"visual.merger.mlp.{i}.{k}" for i in (0, 2)
+                                   for k in ("weight", "bias")},
+                                  "mm.2.weight", 0, _qwen25vl, layer=_QWEN_LAYER, blocks="blocks.",
+                                  top={"v.patch_embd": "patch_embed.proj", "v.post_ln": "merger.ln_q",
+                                       "v.patch_embd.weight": "patch_embed.proj.weight"},  # + ".1": frame 2
+                                  join=_qwen_join, text_architectures=("qwen2vl",)),
 }
 
 
@@ -209,20 +298,32 @@ def _connector_width(f: GGUFFile, projector: Projector) -> int:
 
 
 def mmproj_tensors(mm: Mmproj) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(our name, float32 tensor, file) for every tensor of the mmproj; an unknown tensor is a CheckpointError."""
+    """(our name, float32 tensor, file) for every tensor of the mmproj; an unknown tensor, or pieces that do not
+    join, is a CheckpointError."""
+    try:
+        for name, tensor in mm.projector.join(_named(mm)):
+            yield name, tensor, str(mm.path)
+    except CheckpointError:
+        raise
+    except ValueError as e:  # the join's: a piece missing, twice, or of another shape
+        raise CheckpointError(f"--mmproj {mm.path}: {e}") from None
+
+
+def _named(mm: Mmproj) -> Named:
+    """(HF name, float32 tensor) of each tensor of the file, as the converter wrote it (pieces apart)."""
     pr = mm.projector
     for t in mm.file.tensors:
         stem, _, kind = t.name.rpartition(".")
         m = _BLOCK.match(t.name)
         if m is not None and m.group(2) in pr.layer:
-            name = f"{pr.tower}encoder.layers.{m.group(1)}.{pr.layer[m.group(2)]}.{kind}"
+            name = f"{pr.tower}{pr.blocks}{m.group(1)}.{pr.layer[m.group(2)]}.{kind}"
         elif t.name == "v.class_embd":  # a vector: the legacy script writes it without `.weight`
             name = f"{pr.tower}embeddings.class_embedding"
-        elif stem in _TOP:
-            name = f"{pr.tower}{_TOP[stem]}.{kind}"
+        elif stem in pr.top:
+            name = f"{pr.tower}{pr.top[stem]}.{kind}"
         elif t.name in pr.connector:
             name = pr.connector[t.name]
         else:
             raise CheckpointError(f"--mmproj {mm.path}: unexpected tensor {t.name!r}")
         tensor = _dequantize(t, mm.path)
-        yield name, tensor - pr.shift[t.name] if t.name in pr.shift else tensor, str(mm.path)
+        yield name, tensor - pr.shift[t.name] if t.name in pr.shift else tensor

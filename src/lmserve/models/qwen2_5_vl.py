@@ -6,7 +6,9 @@ tower's settings and tensor names. The positions are not the model's business: t
 token's (time, row, column) position (multimodal/qwen2_5_vl.py `mrope_positions`), the request carries them on its
 images (MMInput.rope) and the runner hands the forward [3, T] positions (worker/mm_encoder.py).
 Checkpoints of transformers 4 (text at the top level, `model.layers.*`, `visual.*`) and 5 (`text_config`,
-`model.language_model.*`, `model.visual.*`) both load.
+`model.language_model.*`, `model.visual.*`) both load. llama.cpp's text GGUF of it has the architecture `qwen2vl`
+(`QWEN2VL_TEXT`: Qwen2 with M-RoPE's sections in `rope.dimension_sections`); beside its mmproj file
+(loader/mmproj.py, projector type `qwen2.5vl_merger`) it is served as this family.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from lmserve.errors import CheckpointError
 from lmserve.models import llama
 from lmserve.models.config import ModelConfig, VisionConfig
 from lmserve.models.decoder import CausalLM
-from lmserve.models.family import Family, Fields, Tensors
+from lmserve.models.family import Family, Fields, GGUFMeta, Tensors
 from lmserve.models.vision.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTransformer
 from lmserve.models.vision.vit import ACTIVATIONS
 
@@ -114,5 +116,18 @@ def _checkpoint_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Te
     yield name, tensor  # an unexpected tensor: load_weights names it
 
 
+def _gguf_fields(m: GGUFMeta) -> Fields:
+    """llama.cpp's `qwen2vl`: Qwen2 (q/k/v biases, rotary halves rotated as HF's, so no q/k permutation) whose
+    `rope.dimension_sections` are M-RoPE's (time, row, column) pairs padded with a 4th, unused axis to 4."""
+    sections = [int(s) for s in m.require("rope.dimension_sections")]
+    if len(sections) not in (3, 4) or any(sections[3:]):
+        raise CheckpointError(f"GGUF metadata: {m.arch}.rope.dimension_sections {sections} must be 3 M-RoPE sections "
+                              "(time, row, column) and an unused 4th of 0")
+    return {"qkv_bias": True, "mrope_section": tuple(sections[:3])}
+
+
 QWEN2_5_VL = Family("qwen2_5_vl", hf_fields=_hf_fields, text_config=_text_config,
                     checkpoint_tensors=_checkpoint_tensors, model=Qwen25VLM)
+
+# the text GGUF alone (llama.cpp's `qwen2vl`): the text model, with M-RoPE; its positions are [T] without images
+QWEN2VL_TEXT = Family("qwen2vl", gguf_fields=_gguf_fields)

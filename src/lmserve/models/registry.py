@@ -55,6 +55,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
 GGUF_ARCHITECTURES: dict[str, Family] = {
     "llama": llama.LLAMA,  # also Mistral's and Mixtral's files
     "qwen2": llama.QWEN2,
+    "qwen2vl": qwen2_5_vl.QWEN2VL_TEXT,  # Qwen2(.5)-VL's text model (M-RoPE); with its mmproj file, Qwen2.5-VL
     "qwen3": llama.QWEN3,
     "smollm3": llama.SMOLLM3,
     "gemma2": gemma.GEMMA2,

@@ -13,7 +13,7 @@ from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
 from lmserve.multimodal.llava import CLIPImageProcessor, LlavaProcessor
 from lmserve.multimodal.llava_next import LlavaNextProcessor
 from lmserve.multimodal.processor import VisionProcessor
-from lmserve.multimodal.qwen2_5_vl import Qwen25VLProcessor
+from lmserve.multimodal.qwen2_5_vl import Qwen2VLImageProcessor, Qwen25VLProcessor
 
 
 def _idefics3(path: Path) -> VisionProcessor:
@@ -39,6 +39,7 @@ FROM_SETTINGS: dict[str, Callable[[dict, dict], VisionProcessor]] = {
                                                                         int(proc["mm_tokens_per_image"])),
     "LlavaForConditionalGeneration": lambda pre, proc: LlavaProcessor(CLIPImageProcessor.from_hf(pre),
                                                                       int(proc["image_size"]), int(proc["patch_size"])),
+    "Qwen2_5_VLForConditionalGeneration": lambda pre, proc: Qwen25VLProcessor(Qwen2VLImageProcessor.from_hf(pre)),
 }
 
 
