@@ -129,11 +129,11 @@ class SparseMoE(nn.Module):
 def shared_gate(logit: torch.Tensor) -> torch.Tensor:
     """sigmoid of the shared expert's gate logits [T, 1], each row's bits the same whatever T.
 
-    torch's elementwise loops run whole vectors through Sleef and the leftover elements through the scalar libm,
-    whose last bits differ: in a [T, 1] column a row's path depended on T (16 rows: vectors on AVX2; 1 row: scalar),
-    so a token's output changed with its batch. Each row widened to 16 lanes (one AVX-512 vector, two AVX2 ones)
-    always takes the vector path."""
-    return torch.sigmoid(logit.expand(-1, 16).contiguous())[:, :1]
+    torch's elementwise loops run two vectors at a time through Sleef and the leftover elements through the scalar
+    libm, whose last bits differ: in a [T, 1] column a row's path depended on T (16 rows: vectors on AVX2; 1 row:
+    scalar), so a token's output changed with its batch. Each row widened to 32 lanes (two AVX-512 vectors, four
+    AVX2 ones) always takes the vector path; 16 lanes did on AVX2 only (one AVX-512 vector is a leftover)."""
+    return torch.sigmoid(logit.expand(-1, 32).contiguous())[:, :1]
 
 
 def reference_moe(x: torch.Tensor, moe: SparseMoE) -> torch.Tensor:
