@@ -70,13 +70,15 @@ class Server:
 
 
 @contextmanager
-def running_server(*extra: str, env: dict | None = None, headers: dict | None = None, start_timeout: float = 120):
+def running_server(*extra: str, env: dict | None = None, headers: dict | None = None, start_timeout: float = 120,
+                   module: str = "lmserve.cli"):
     """Start a server, wait for /health 200, yield it, then stop it (SIGKILL if SIGTERM does not do).
 
-    Its user data dir (the playground's default share file) is a fresh temporary one unless `env` names one.
+    Its user data dir (the playground's default share file) is a fresh temporary one unless `env` names one;
+    `module`: the entry point run with `-m` (tests/serve_private_media.py wraps the CLI's).
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port), *BASE_ARGS, *extra]
+    cmd = [sys.executable, "-m", module, "serve", "--port", str(port), *BASE_ARGS, *extra]
     log = open(os.environ.get("LMSERVE_TEST_SERVER_LOG", os.devnull), "ab")
     data_home = tempfile.TemporaryDirectory(prefix="lmserve-data-")
     env = {**os.environ, "XDG_DATA_HOME": data_home.name, **(env or {})}

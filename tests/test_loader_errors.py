@@ -182,3 +182,65 @@ def test_not_a_gguf(tmp_path):
 def test_missing_path():
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load("/nonexistent/model.gguf")
+
+
+def write_llava_mmproj(path, **next_keys) -> None:
+    """A projector file as llama.cpp's legacy convert_image_encoder_to_gguf.py writes a LLaVA one (type `mlp`), with
+    the keys it adds for LLaVA-NeXT (`image_grid_pinpoints`, flattened; `mm_patch_merge_type`) where given."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_text_encoder", False)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.has_llava_projector", True)
+    w.add_string("clip.projector_type", "mlp")
+    for key, value in (("image_size", 32), ("patch_size", 8), ("embedding_length", 16), ("feed_forward_length", 32),
+                       ("block_count", 1), ("attention.head_count", 2)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    w.add_bool("clip.use_gelu", False)
+    if "pinpoints" in next_keys:
+        w.add_array("clip.vision.image_grid_pinpoints", next_keys["pinpoints"])
+    if "merge" in next_keys:
+        w.add_string("clip.vision.mm_patch_merge_type", next_keys["merge"])
+    w.add_tensor("mm.2.weight", np.zeros((16, 16), dtype=np.float32))  # square: the text model's width either way
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("next_keys,named", [
+    ({"pinpoints": [336, 672, 672, 336], "merge": "spatial_unpad"}, "image_grid_pinpoints"),
+    ({"pinpoints": [336, 672, 672, 336]}, "image_grid_pinpoints"),
+    ({"merge": "spatial_unpad"}, "mm_patch_merge_type 'spatial_unpad'"),
+])
+def test_a_llava_next_projector_file_is_refused_by_its_metadata(tmp_path, next_keys, named):
+    """LLaVA-NeXT's legacy projector file has LLaVA-1.5's type (`mlp`): its anyres keys are what refuse it, so the
+    same file without them (LLaVA-1.5, merge type `flat` or none) reads."""
+    from types import SimpleNamespace
+
+    from lmserve.loader.mmproj import read_mmproj
+
+    text = SimpleNamespace(hidden_size=16)  # read_mmproj reads only the text model's width
+    for plain in ({}, {"merge": "flat"}):
+        write_llava_mmproj(tmp_path / "llava15.gguf", **plain)
+        assert read_mmproj(tmp_path / "llava15.gguf", text).projector.architecture == "LlavaForConditionalGeneration"
+    write_llava_mmproj(tmp_path / "next.gguf", **next_keys)
+    with pytest.raises(CheckpointError) as e:
+        read_mmproj(tmp_path / "next.gguf", text)
+    message = str(e.value)
+    assert "next.gguf" in message and named in message and "LLaVA-NeXT" in message
+    assert "HF safetensors" in message and "\n" not in message
+
+
+def test_serve_refuses_a_llava_next_projector_in_one_line(tmp_path):
+    from tests.test_cli_errors import assert_one_line_error, lmserve
+    from tests.tiny_models import build_hf
+    from tests.tiny_models import write_gguf as write_text_gguf
+
+    _, llama = build_hf("llama", tmp_path)
+    text = write_text_gguf("llama", llama, tmp_path / "llama.gguf")
+    write_llava_mmproj(tmp_path / "next.gguf", pinpoints=[336, 672, 672, 336], merge="spatial_unpad")
+    assert_one_line_error(lmserve("serve", "--model", str(text), "--mmproj", str(tmp_path / "next.gguf")),
+                          "LLaVA-NeXT projector", "from its HF safetensors directory")

@@ -4,7 +4,8 @@
 Each image's greedy answer equals the offline engine's (LLM.chat) for the same pixels and text; two images give two
 answers; the same image again hits the prefix cache and is not encoded again; every family's image shape answers;
 prompt token counts include the images' placeholder tokens; the chat template writes one image marker per image
-while a user's literal `<image>` stays text; bad images are 400s, with a canary after each; at the end every KV
+while a user's literal `<image>` stays text; bad images and more images than the context holds are 400s (the latter
+in every family's shape), with a canary after each; `detail` is accepted and changes no answer; at the end every KV
 block is free.
 """
 
@@ -186,6 +187,58 @@ def test_more_images_than_the_context_holds_is_a_400_naming_it(server, oai):
         for _ in range(8)]}]}, timeout=120)
     assert r.status_code == 200 and r.json()["input_tokens"] > MAX_LEN, r.text  # counted, not run: no limit
     canary(oai)
+
+
+def test_more_images_than_the_context_holds_is_a_400_in_every_family(server, oai):
+    """The same 8 images through Responses, Anthropic and Ollama (chat and generate): each that family's 400
+    naming the context, each answered while the server stays healthy; no KV block is held after them."""
+    b64 = base64.b64encode(BIG).decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="vlm", max_output_tokens=N_OUT, input=[{"role": "user", "content": [
+            *({"type": "input_image", "image_url": data_url(BIG)} for _ in range(8)),
+            {"type": "input_text", "text": "w1"}]}])
+    assert str(MAX_LEN) in e.value.body["message"], e.value.body
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="vlm", max_tokens=N_OUT, messages=[{"role": "user", "content": [
+            *({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}} for _ in range(8)),
+            {"type": "text", "text": "w1"}]}])
+    body = e.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert str(MAX_LEN) in body["error"]["message"], body
+    olla = ollama.Client(host=server.url, timeout=120)
+    for send in (lambda: olla.chat(model="vlm", messages=[{"role": "user", "content": "w1", "images": [b64] * 8}]),
+                 lambda: olla.generate(model="vlm", prompt="w1", images=[b64] * 8)):
+        with pytest.raises(ollama.ResponseError) as e:
+            send()
+        assert e.value.status_code == 400 and str(MAX_LEN) in e.value.error, e.value.error
+    assert httpx.get(server.url + "/health").status_code == 200
+    server.wait_idle()
+    canary(oai)
+
+
+def test_detail_is_accepted_and_changes_nothing(oai):
+    """`detail` (OpenAI chat, Responses) is read and checked, and no family reads it: the processor sets the
+    resolution, so low, high and auto give the answer of no detail (vLLM also accepts and ignores it). Any other
+    value is a 400 in each."""
+    want = ask(oai, "w21 w22", PNG_A).choices[0].message.content
+    for detail in ("low", "high", "auto"):
+        r = oai.chat.completions.create(model="vlm", max_tokens=N_OUT, temperature=0, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(PNG_A), "detail": detail}},
+            {"type": "text", "text": "w21 w22"}]}])
+        assert r.choices[0].message.content == want, detail
+        r = oai.responses.create(model="vlm", max_output_tokens=N_OUT, temperature=0, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(PNG_A), "detail": detail},
+            {"type": "input_text", "text": "w21 w22"}]}])
+        assert r.output_text == want, detail
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="vlm", max_tokens=N_OUT, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(PNG_A), "detail": "ultra"}}]}])
+    assert e.value.body["param"] == "messages.0.content", e.value.body  # the part's schema (a Literal) refuses it
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="vlm", max_output_tokens=N_OUT, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(PNG_A), "detail": "ultra"}]}])
+    assert e.value.body["param"] == "input.0.content", e.value.body
 
 
 # -- streams with images: each family's stream joins to its non-streamed answer and ends as that API ends one ----

@@ -9,9 +9,11 @@ model files stay as they are: the text GGUF loads as for a text model, then the 
 Supported projector types: `idefics3` (SmolVLM / Idefics3: SigLIP, pixel shuffle, one linear), `gemma3` (Gemma 3:
 SigLIP average-pooled to soft tokens, RMSNorm, one matmul), `mlp` (LLaVA-1.5 as llama.cpp's legacy script writes
 it: CLIP cut at the layer read, a 2-layer MLP) and `qwen2.5vl_merger` (Qwen2.5-VL: the windowed ViT and its 2x2
-merger, beside the `qwen2vl` text GGUF). The tower's tensors take the HF checkpoint's names, so the family's own
-checkpoint mapping reads them as it reads a safetensors checkpoint; what the converter changed is undone here
-(Gemma 3's norm offset: `shift`; Qwen2.5-VL's split qkv and its Conv3d cut into two 2-D kernels: `join`).
+merger, beside the `qwen2vl` text GGUF). LLaVA-NeXT's files from the legacy script (type `mlp` too, with
+`clip.vision.image_grid_pinpoints`) are refused by that metadata: its anyres tiling is served from HF safetensors
+only. The tower's tensors take the HF checkpoint's names, so the family's own checkpoint mapping reads them as it
+reads a safetensors checkpoint; what the converter changed is undone here (Gemma 3's norm offset: `shift`;
+Qwen2.5-VL's split qkv and its Conv3d cut into two 2-D kernels: `join`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def read_mmproj(path: str | Path, text: ModelConfig) -> Mmproj:
     if not meta.get("clip.has_vision_encoder"):
         raise CheckpointError(f"--mmproj {path}: no vision encoder (clip.has_vision_encoder is not true)")
     kind = meta.get("clip.projector_type")
+    _refuse_llava_next(path, meta)
     projector = PROJECTORS.get(kind)
     if projector is None:
         raise CheckpointError(f"--mmproj {path}: projector type {kind!r} is not supported (supported: "
@@ -110,6 +113,21 @@ def read_mmproj(path: str | Path, text: ModelConfig) -> Mmproj:
         raise CheckpointError(f"--mmproj {path}: its projector writes {out}-wide embeddings but the text model's "
                               f"hidden size is {text.hidden_size} (an mmproj of another model?)")
     return Mmproj(f, projector, vision, pre, proc)
+
+
+def _refuse_llava_next(path: Path, meta: dict[str, Any]) -> None:
+    """LLaVA-NeXT as the legacy script writes it: type `mlp` like LLaVA-1.5, told apart only by its anyres metadata.
+    Read as LLaVA-1.5 it would load (its `image_newline` aside) and answer from one squashed view where the model
+    was trained on tiles: refused by name instead."""
+    pinpoints = meta.get("clip.vision.image_grid_pinpoints")
+    merge = str(meta.get("clip.vision.mm_patch_merge_type") or "flat")
+    if pinpoints is None and merge == "flat":  # LLaVA-1.5's files: no pinpoints, merge type absent or "flat"
+        return
+    found = ", ".join(([] if pinpoints is None else ["clip.vision.image_grid_pinpoints"])
+                      + ([] if merge == "flat" else [f"mm_patch_merge_type {merge[:20]!r}"]))
+    raise CheckpointError(f"--mmproj {path}: a LLaVA-NeXT projector ({found}) is not supported from GGUF; serve "
+                          "LLaVA-NeXT from its HF safetensors directory (projector files supported: LLaVA-1.5 'mlp', "
+                          "'idefics3', 'gemma3')")
 
 
 def vision_model_config(text: ModelConfig, mm: Mmproj) -> ModelConfig:

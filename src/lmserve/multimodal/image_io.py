@@ -28,7 +28,7 @@ class ImageData:
 
     image: object = field(repr=False, compare=False)  # PIL.Image.Image, mode RGB, fully loaded
     digest: str  # sha256 hex of the source bytes
-    detail: str = "auto"  # OpenAI's `detail` ("auto", "low", "high"): how finely a family may tile it
+    detail: str = "auto"  # OpenAI's `detail` ("auto", "low", "high"), as asked: no family reads it (docs/api.md)
 
 
 def probe_image_bytes(data: bytes, *, max_pixels: int = MAX_PIXELS) -> tuple[str, int, int]:
