@@ -33,6 +33,7 @@ from lmserve.multimodal.registry import processor_for, processor_from_settings
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import Tokenizer
 from tests.llama_convert import convert, rewrite
+from tests.test_vision_gguf_families import assert_same_expansions
 from tests.test_vision_qwen25 import ARCH, PAD, _hf_inputs, _prompt
 from tests.vision_models import build_qwen25_vl, image
 
@@ -127,14 +128,9 @@ def test_the_engine_answers_as_the_safetensors_engine(models):
                                                                                   image(60, 60, seed=7)]}}]
     fg, fs = llm_g.engine.front, llm_s.engine.front
     assert isinstance(fg.images.processor, type(processor_from_settings(ARCH, {}, {})))
-    for p in prompts:
-        imgs = p["multi_modal_data"]["image"]
-        ids_g, mm_g = fg.images.expand(fg.tokenize_prompt(p["prompt"]), imgs)
-        ids_s, mm_s = fs.images.expand(fs.tokenize_prompt(p["prompt"]), imgs)
-        assert ids_g == ids_s
-        for a, b in zip(mm_g, mm_s, strict=True):
-            assert (a.pixel_values == b.pixel_values).all() and (a.positions == b.positions).all()
-            assert np.array_equal(a.rope, b.rope)
+    assert_same_expansions(fg, fs, prompts)
+    assert all(m.rope is not None for p in prompts
+               for m in fg.images.expand(fg.tokenize_prompt(p["prompt"]), p["multi_modal_data"]["image"])[1])
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     out_g, out_s = (llm.generate(prompts, greedy, use_tqdm=False) for llm in (llm_g, llm_s))
     for g, s in zip(out_g, out_s):
