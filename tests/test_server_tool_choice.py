@@ -121,18 +121,22 @@ def test_required_never_runs_out_by_repeating_a_call(client, temperature):
 
 
 def test_parallel_tool_calls_false_gives_one_call(client, claude):
+    """One call each, at temperature 1 (seeded), where a second, different call could follow if the flag were
+    ignored. A sampled argument may run to the token limit (then the one call is cut: `length`, `max_tokens`,
+    `incomplete`; seen on Zen 5 for 1 seed in a CI run): the count of calls is what this test checks."""
     for i in range(3):
         kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=256, seed=i)
         r = client.chat.completions.create(**kw, tools=[WEATHER, TIME], tool_choice="required",
                                            parallel_tool_calls=False)
-        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+        assert r.choices[0].finish_reason in ("tool_calls", "length") and len(r.choices[0].message.tool_calls) == 1
         m = claude.messages.create(model=MODEL, max_tokens=256, messages=kw["messages"], extra_body={"seed": i},
                                    tools=[CLAUDE_WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True})
-        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
+        assert m.stop_reason in ("tool_use", "max_tokens") and [b.type for b in m.content] == ["tool_use"]
         resp = client.responses.create(model=MODEL, input=PROMPTS[i], tools=[RESPONSES_WEATHER], store=False,
                                        tool_choice="required", parallel_tool_calls=False, max_output_tokens=256,
                                        extra_body={"seed": i})
-        assert resp.status == "completed" and [o.type for o in resp.output] == ["function_call"]
+        assert [o.type for o in resp.output] == ["function_call"]
+        assert resp.status == "completed" or resp.incomplete_details.reason == "max_output_tokens", resp.status
 
 
 # -- streamed equals whole ------------------------------------------------------------------------------------------
