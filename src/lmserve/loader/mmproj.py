@@ -126,8 +126,8 @@ def _refuse_llava_next(path: Path, meta: dict[str, Any]) -> None:
     found = ", ".join(([] if pinpoints is None else ["clip.vision.image_grid_pinpoints"])
                       + ([] if merge == "flat" else [f"mm_patch_merge_type {merge[:20]!r}"]))
     raise CheckpointError(f"--mmproj {path}: a LLaVA-NeXT projector ({found}) is not supported from GGUF; serve "
-                          "LLaVA-NeXT from its HF safetensors directory (projector files supported: LLaVA-1.5 'mlp', "
-                          "'idefics3', 'gemma3')")
+                          "LLaVA-NeXT from its HF safetensors directory (projector types supported: "
+                          f"{', '.join(sorted(PROJECTORS))}; 'mlp' is LLaVA-1.5's)")
 
 
 def vision_model_config(text: ModelConfig, mm: Mmproj) -> ModelConfig:
