@@ -189,6 +189,20 @@ def test_more_images_than_the_context_holds_is_a_400_naming_it(server, oai):
     canary(oai)
 
 
+def test_past_the_context_is_refused_from_the_image_sizes_before_any_decode(server, oai):
+    """The token count comes from each image's header: 8 images whose headers declare BIG's size but whose pixel
+    data is cut short are refused for the context (nothing decoded), while one such image alone, which fits, gets
+    the decode's own 400."""
+    cut = BIG[:len(BIG) // 2]  # the header and half the pixel data: it opens, and fails to decode
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(oai, "w1", cut)
+    assert "could not be decoded" in e.value.body["message"], e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(oai, "w1", *[cut] * 8)
+    assert str(MAX_LEN) in e.value.body["message"] and e.value.body["code"] == "context_length_exceeded", e.value.body
+    canary(oai)
+
+
 def test_more_images_than_the_context_holds_is_a_400_in_every_family(server, oai):
     """The same 8 images through Responses, Anthropic and Ollama (chat and generate): each that family's 400
     naming the context, each answered while the server stays healthy; no KV block is held after them."""

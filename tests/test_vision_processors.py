@@ -189,3 +189,31 @@ def test_llava_next_processor_matches_transformers(size):
     ours = LlavaNextImageProcessor.from_hf(conf).preprocess(img)
     _close(ours["pixel_values"], ref["pixel_values"])
     assert ours["image_sizes"].tolist() == ref["image_sizes"].tolist()
+
+
+# ---- the placeholder from the size alone (the server's context check before decoding) ------------------------
+
+def _engine_processors() -> dict:
+    from lmserve.multimodal.gemma3 import Gemma3ImageProcessor, Gemma3Processor
+    from lmserve.multimodal.idefics3 import Idefics3Config, Idefics3Processor
+    from lmserve.multimodal.llava import CLIPImageProcessor, LlavaProcessor
+    from lmserve.multimodal.llava_next import LlavaNextImageProcessor, LlavaNextProcessor
+    from lmserve.multimodal.qwen2_5_vl import Qwen2VLImageProcessor, Qwen25VLProcessor
+
+    clip = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
+    return {
+        "idefics3": Idefics3Processor(Idefics3Config(longest_edge=4 * 96, tile=96, image_seq_len=4)),
+        "idefics3_one_view": Idefics3Processor(Idefics3Config(longest_edge=96, tile=96, do_image_splitting=False)),
+        "gemma3": Gemma3Processor(Gemma3ImageProcessor.from_hf({"size": {"height": 64, "width": 64}}), 16),
+        "llava": LlavaProcessor(CLIPImageProcessor.from_hf(clip), 336, 14),
+        "llava_next": LlavaNextProcessor(LlavaNextImageProcessor.from_hf(clip), 14),
+        "qwen2_5_vl": Qwen25VLProcessor(Qwen2VLImageProcessor.from_hf({"max_pixels": 64 * 28 * 28})),
+    }
+
+
+@pytest.mark.parametrize("family", list(_engine_processors()))
+@pytest.mark.parametrize("size", [*SIZES, (1, 1), (97, 95), (2000, 31), (31, 700), (1500, 1500)])
+def test_placeholder_from_the_size_equals_the_processed_images(family, size):
+    proc = _engine_processors()[family]
+    img = _image(*size)
+    assert proc.placeholder_for(*size) == proc.process(img.image).placeholder

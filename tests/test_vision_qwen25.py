@@ -210,6 +210,10 @@ def test_openai_image_url_through_the_server(models):
         other = oai.chat.completions.create(model="qwen-vl", max_tokens=8, temperature=0, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image_bytes(
                 56, 84, seed=4))}}, parts[1]]}])
+        with pytest.raises(openai.BadRequestError) as e:  # the processor's own limit: a 400 counted from the header
+            oai.chat.completions.create(model="qwen-vl", max_tokens=8, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image_bytes(600, 2, seed=5))}}, parts[1]]}])
+        assert "aspect ratio" in e.value.body["message"], e.value.body
         server.wait_idle()
     assert r.choices[0].message.content == want.outputs[0].text
     assert r.usage.completion_tokens == len(want.outputs[0].token_ids)

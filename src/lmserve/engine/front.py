@@ -215,14 +215,24 @@ class EngineFront:
             return ids, tuple(images)
         return self.expand_images(ids, images)
 
-    def expand_images(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
-        """Prompt ids with its image markers -> the ids the model runs (each marker expanded) and one MMInput per
-        image; RequestRejected for a text-only model or a marker count that differs from the images'. Blocking
-        (preprocessing): the server calls it at admission, before the lengthened prompt is checked."""
+    def check_image_tokens(self, ids: list[int], sizes: Sequence[tuple[int, int]], params: SamplingParams) -> None:
+        """check_request's length checks on the prompt as it will be with images of these (width, height)s, counted
+        from the sizes alone: the server calls it before decoding any image, so a request past the context costs
+        header reads, not decodes and resizes. Blocking (tokenizes each placeholder)."""
+        self._check_images_allowed()
+        self.check_request([0] * self.images.count(ids, sizes), params)
+
+    def _check_images_allowed(self) -> None:
         if self.images is None:
             raise RequestRejected(f"this model ({self.loaded.config.architecture}) does not accept images", "messages")
         if self.cfg.parallel.tensor_parallel_size > 1:  # the worker ranks' forward_only places no images yet
             raise RequestRejected("images are not supported with tensor parallelism yet", "messages")
+
+    def expand_images(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
+        """Prompt ids with its image markers -> the ids the model runs (each marker expanded) and one MMInput per
+        image; RequestRejected for a text-only model or a marker count that differs from the images'. Blocking
+        (preprocessing): the server calls it at admission, before the lengthened prompt is checked."""
+        self._check_images_allowed()
         return self.images.expand(ids, images)
 
     def _reasoning_budget(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int],

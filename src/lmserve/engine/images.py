@@ -34,19 +34,34 @@ class PromptImages:
             raise ValueError(f"the tokenizer has no single token for {embed!r}")
         self.embed_token_id = soft[0]
 
+    def count(self, ids: list[int], sizes: Sequence[tuple[int, int]]) -> int:
+        """The length `expand` gives `ids` with images of these (width, height)s, from the sizes alone (each
+        placeholder tokenized, no pixel touched): a request too long for the context is refused before decoding."""
+        self._check_marks(ids, len(sizes))
+        return len(ids) - len(sizes) + sum(
+            len(self.tokenizer.encode_prompt(_placeholder(self.processor, w, h), add_special_tokens=False))
+            for w, h in sizes)
+
+    def _check_marks(self, ids: list[int], n_images: int) -> list[int]:
+        marks = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(marks) != n_images:
+            raise RequestRejected(f"the prompt has {len(marks)} image placeholder(s) "
+                                  f"({self.processor.image_token}) for {n_images} image(s)", "messages")
+        return marks
+
     def expand(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
         """`ids` with its k-th marker token replaced by image k's placeholder ids; one MMInput per image."""
         images = [_as_image_data(im) for im in images]
-        marks = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(marks) != len(images):
-            raise RequestRejected(f"the prompt has {len(marks)} image placeholder(s) "
-                                  f"({self.processor.image_token}) for {len(images)} image(s)")
+        marks = self._check_marks(ids, len(images))
         out: list[int] = []
         inputs, metas = [], []
         prev = 0
         for mark, img in zip(marks, images):
             out += ids[prev:mark]
-            processed = self.processor.process(img.image)
+            try:
+                processed = self.processor.process(img.image)
+            except ValueError as e:  # a size the family's resize refuses (Qwen2.5-VL: aspect ratio past 200)
+                raise RequestRejected(f"the image cannot be prepared for this model: {e}", "messages") from None
             metas.append(processed.meta)
             span = self.tokenizer.encode_prompt(processed.placeholder, add_special_tokens=False)
             where = np.flatnonzero(np.asarray(span) == self.embed_token_id) + len(out)
@@ -65,6 +80,13 @@ class PromptImages:
             return tuple(inputs)
         pos = rope_positions(ids, self.embed_token_id, metas)  # [3, len(ids)]
         return tuple(dataclasses.replace(mm, rope=np.ascontiguousarray(pos[:, mm.positions])) for mm in inputs)
+
+
+def _placeholder(processor: VisionProcessor, width: int, height: int) -> str:
+    try:
+        return processor.placeholder_for(width, height)
+    except ValueError as e:  # as in `expand`
+        raise RequestRejected(f"the image cannot be prepared for this model: {e}", "messages") from None
 
 
 def _as_image_data(image: object) -> ImageData:

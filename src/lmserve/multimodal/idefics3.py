@@ -124,6 +124,18 @@ class Idefics3Processor:
                  for y in range(rows) for x in range(cols)]
         return tiles + [self._resize(image, c.tile, c.tile)], rows, cols
 
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """`frames`' (rows, cols) for an image of this size, by the same size arithmetic and no pixel."""
+        c = self.cfg
+        h, w = _cap(*_fit_longest(height, width, c.longest_edge))
+        if not c.do_image_splitting:
+            return 0, 0
+        h, w = _to_tile_multiples(h, w, c.tile)
+        return (0, 0) if h <= c.tile and w <= c.tile else (h // c.tile, w // c.tile)
+
+    def placeholder_for(self, width: int, height: int) -> str:
+        return self.placeholder(*self.grid(width, height))
+
     def _resize(self, image: Any, h: int, w: int) -> Any:
         return image.resize((w, h), resample=self.cfg.resample)
 

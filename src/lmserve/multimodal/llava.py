@@ -116,5 +116,7 @@ class LlavaProcessor:
                    cfg.get("vision_feature_select_strategy", "default"), token)
 
     def process(self, image: Any) -> ProcessedImage:
-        return ProcessedImage(self.pixels_of.pixels(image)[None],
-                              placeholder_text(self.image_size, self.patch_size, self.select, self.image_token))
+        return ProcessedImage(self.pixels_of.pixels(image)[None], self.placeholder_for(image.width, image.height))
+
+    def placeholder_for(self, width: int, height: int) -> str:
+        return placeholder_text(self.image_size, self.patch_size, self.select, self.image_token)  # size-blind

@@ -138,6 +138,9 @@ class LlavaNextProcessor:
     def process(self, image: Any) -> ProcessedImage:
         out = self.pixels_of.preprocess(ImageData(image=image, digest=""))
         (h, w), grid = out["image_sizes"][0].tolist(), tuple(out["tile_grid"][0].tolist())
-        n = self.pixels_of.num_image_tokens(h, w, self.patch_size, self.select)
-        return ProcessedImage(out["pixel_values"][0], placeholder_text(n, self.image_token),
+        return ProcessedImage(out["pixel_values"][0], self.placeholder_for(w, h),
                               {"image_size": (h, w), "tile_grid": grid})
+
+    def placeholder_for(self, width: int, height: int) -> str:
+        return placeholder_text(self.pixels_of.num_image_tokens(height, width, self.patch_size, self.select),
+                                self.image_token)

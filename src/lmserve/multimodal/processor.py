@@ -33,6 +33,12 @@ class VisionProcessor(Protocol):
 
     def process(self, image: Any) -> ProcessedImage: ...
 
+    def placeholder_for(self, width: int, height: int) -> str:
+        """`process(image).placeholder` for an image of this size, from the size alone: the server counts a
+        request's prompt tokens from its images' headers before decoding any (tests/test_vision_preprocess.py
+        checks it equals `process`'s for every family)."""
+        ...
+
 
 @dataclass(frozen=True)
 class MMInput:

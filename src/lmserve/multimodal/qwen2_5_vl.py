@@ -172,6 +172,9 @@ class Qwen25VLProcessor:
         return ProcessedImage(out["pixel_values"], placeholder_text(self.pixels_of.num_image_tokens(grid)),
                               {"grid": grid})
 
+    def placeholder_for(self, width: int, height: int) -> str:
+        return placeholder_text(self.pixels_of.num_image_tokens(self.pixels_of.grid(height, width)))
+
     def rope_positions(self, ids: list[int], embed_token_id: int,
                        metas: Sequence[Mapping[str, Any] | None]) -> np.ndarray:
         """[3, len(ids)] M-RoPE positions of an expanded prompt whose images (in order) have these metas."""

@@ -4,8 +4,9 @@ Two steps, so that the cheap refusals come before any work. `image_source` (on t
 reference: a `data:` URL's base64 is decoded and its header probed (format allow-list, declared size: a bomb is
 refused from its header); an `http(s)` URL must name a host in `--allowed-media-domains` (empty: none, so no URL is
 ever fetched) on its scheme's default port, or a `host:port` the flag names, and an IP literal must be public;
-`file://` and every other scheme are refused. `load_images` fetches the URLs (on FETCHES, this module's own threads)
-and decodes every image (off the event loop) into an `ImageData`.
+`file://` and every other scheme are refused. `fetch_images` fetches the URLs (on FETCHES, this module's own
+threads) and reads each header's size, so that the caller can count the image's prompt tokens before decoding;
+`decode_images` decodes them (off the event loop) into `ImageData`s; `load_images` does both.
 
 A fetch resolves the host once, refuses it unless every address it resolves to is public (not private, loopback,
 link-local, multicast, reserved, unspecified, shared, nor one of those inside an IPv4-mapped, 6to4, Teredo or NAT64
@@ -336,43 +337,62 @@ def _too_large(param: str, policy: MediaPolicy) -> APIError:
     return APIError(400, f"{param}: the image is larger than the {policy.max_image_bytes} bytes allowed", param=param)
 
 
-def _probe(source: ImageSource, data: bytes) -> int:
-    """The pixels `data`'s header declares (APIError 400 for a header that does not read)."""
+@dataclass(frozen=True)
+class FetchedImage:
+    """One image's bytes, fetched or from its data: URL, with the size its header declares (nothing decoded yet):
+    enough to count the prompt tokens it will take before any pixel is decoded (EngineFront.count_image_tokens)."""
+
+    source: ImageSource
+    data: bytes = field(repr=False)
+    width: int
+    height: int
+
+
+def _probe(source: ImageSource, data: bytes) -> FetchedImage:
+    """`data` with the size its header declares (APIError 400 for a header that does not read)."""
     try:
         _, width, height = probe_image_bytes(data)
     except ImageError as e:
         raise APIError(400, f"{source.param}: {e}", param=source.param) from None
-    return width * height
+    return FetchedImage(source, data, width, height)
 
 
-def _decode_all(raw: list[tuple[ImageSource, bytes]]) -> list[ImageData]:
+def _decode_all(raw: list[FetchedImage]) -> list[ImageData]:
     out = []
-    for source, data in raw:
+    for image in raw:
         try:
-            out.append(load_image_bytes(data, detail=source.detail))
+            out.append(load_image_bytes(image.data, detail=image.source.detail))
         except ImageError as e:
-            raise APIError(400, f"{source.param}: {e}", param=source.param) from None
+            raise APIError(400, f"{image.source.param}: {e}", param=image.source.param) from None
     return out
 
 
-async def load_images(sources: tuple[ImageSource, ...] | list[ImageSource], policy: MediaPolicy) -> list[ImageData]:
+async def fetch_images(sources: tuple[ImageSource, ...] | list[ImageSource], policy: MediaPolicy) -> list[FetchedImage]:
     """Each source's bytes (URLs fetched one after another on FETCHES, each within `policy.timeout`), each header
-    checked and the request's totals of bytes and declared pixels bounded (MAX_REQUEST_PIXELS, MAX_REQUEST_BYTES),
-    then every image decoded off the event loop: no pixel is decoded before the whole request is known to fit.
+    checked and the request's totals of bytes and declared pixels bounded (MAX_REQUEST_PIXELS, MAX_REQUEST_BYTES).
     APIError 400 on the first bad one. One request's URLs take one fetch thread at a time, so a request with many
     slow URLs does not hold every fetch thread."""
-    if not sources:
-        return []
     raw, pixels, size = [], 0, 0
     for source in sources:
         data = source.data if source.data is not None else await fetch_async(source, policy)
-        pixels, size = pixels + _probe(source, data), size + len(data)  # a header: cheap, on the loop
+        image = _probe(source, data)  # a header: cheap, on the loop
+        pixels, size = pixels + image.width * image.height, size + len(data)
         if pixels > MAX_REQUEST_PIXELS or size > MAX_REQUEST_BYTES:
             raise APIError(400, f"{source.param}: the request's images hold {pixels} pixels and {size} bytes up to "
                            f"here, more than the {MAX_REQUEST_PIXELS} pixels or {MAX_REQUEST_BYTES} bytes allowed "
                            "in all", param=source.param)
-        raw.append((source, data))
-    return await asyncio.to_thread(_decode_all, raw)
+        raw.append(image)
+    return raw
+
+
+async def decode_images(raw: list[FetchedImage]) -> list[ImageData]:
+    """Every image decoded, off the event loop (APIError 400 on the first that does not decode)."""
+    return await asyncio.to_thread(_decode_all, raw) if raw else []
+
+
+async def load_images(sources: tuple[ImageSource, ...] | list[ImageSource], policy: MediaPolicy) -> list[ImageData]:
+    """fetch_images, then decode_images: no pixel is decoded before the whole request is known to fit."""
+    return await decode_images(await fetch_images(sources, policy)) if sources else []
 
 
 # -- chat messages ---------------------------------------------------------------------------------

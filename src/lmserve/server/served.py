@@ -20,7 +20,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.server.config import ServerConfig
 from lmserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError
 from lmserve.server.key_file import ANONYMOUS
-from lmserve.server.media import ImageSource, load_images
+from lmserve.server.media import FetchedImage, ImageSource, decode_images, fetch_images, load_images
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ServedModel
 from lmserve.server.models.traffic import TrafficSplit
@@ -145,14 +145,13 @@ class ModelState:
         self.charge(record)
         sources = [s for p in prompts if isinstance(p, Chat) for s in p.images]
         self.check_images(len(sources))
-        if sources:  # fetched and decoded before the template runs: a vision family's placeholders need their sizes
-            fields["mm_inputs"] = tuple(await load_images(sources, self.config.media))
+        fetched = await fetch_images(sources, self.config.media)  # bytes and header sizes: no pixel decoded yet
         rendered = [await self._render(p, record) for p in prompts]
         await self._check_bounds(rendered, params, record)
         ids = [await (self.tokenize(p, record) if isinstance(p, (str, list)) else self._encode_chat(p, record))
                for p in rendered]
-        if fields.get("mm_inputs"):  # images (ImageData, from the chat plan): expanded before the context check
-            ids, fields["mm_inputs"] = await self._expand_images(ids, fields["mm_inputs"])
+        if fetched:  # counted from the headers' sizes, then decoded and expanded (before the context check)
+            ids, fields["mm_inputs"] = await self._with_images(ids, fetched, params)
         grammar = await self.compile_grammar(params)
         lora = await self.lora_for(model, record)
         # Nothing awaits from admission until the streams are counted in flight.
@@ -164,9 +163,24 @@ class ModelState:
                                 for i, (name, p, n) in enumerate(zip(names, ids, max_tokens))])
         return Started(rid, ids, merged, lora)
 
-    async def _expand_images(self, ids: list[list[int]], images: tuple) -> tuple[list[list[int]], tuple]:
+    async def _with_images(self, ids: list[list[int]], fetched: list[FetchedImage],
+                           params: SamplingParams) -> tuple[list[list[int]], tuple]:
         """The one prompt's image markers expanded to the model's placeholder tokens, and its images as the engine
-        takes them (engine/front.py expand_images); a 400 for a text-only model or markers that miss images."""
+        takes them (engine/front.py expand_images); a 400 for a text-only model, markers that miss images, or a
+        prompt the images would take past the context: that one counted from the images' sizes (their headers)
+        before any is decoded, so a request of many images past the context costs no decode or resize."""
+        if len(ids) != 1:
+            raise APIError(400, "images go with exactly one prompt", param="messages")
+        sizes = [(f.width, f.height) for f in fetched]
+        try:
+            await asyncio.to_thread(self.front.check_image_tokens, ids[0], sizes, params)
+        except RequestRejected as e:
+            raise _refused(e) from None
+        return await self._expand_images(ids, tuple(await decode_images(fetched)))
+
+    async def _expand_images(self, ids: list[list[int]], images: tuple) -> tuple[list[list[int]], tuple]:
+        """The one prompt's image markers expanded (engine/front.py expand_images), no context check: that is
+        admission's, or `_with_images`'."""
         if len(ids) != 1:
             raise APIError(400, "images go with exactly one prompt", param="messages")
         try:
@@ -254,9 +268,7 @@ class ModelState:
         try:
             return self.front.check_request(ids, params)
         except RequestRejected as e:
-            too_long = e.param == "prompt"
-            raise APIError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED if too_long else None,
-                           reason="context_length" if too_long else "invalid_request") from None
+            raise _refused(e) from None
 
     async def compile_grammar(self, params: SamplingParams) -> Compiled | None:
         """The request's compiled grammar (None when unconstrained), compiled off the event loop and the engine thread.
@@ -388,3 +400,10 @@ def _record_delta(record: RequestRecord, first_output: int, d: CompletionDelta) 
             record.decode_s, record.detokenize_s = max(record.decode_s, t.decode_s), max(record.detokenize_s,
                                                                                          t.detokenize_s)
             record.num_preemptions += t.num_preemptions
+
+
+def _refused(e: RequestRejected) -> APIError:
+    """check_request's refusal as an HTTP 400: one naming the prompt is a context-length error."""
+    too_long = e.param == "prompt"
+    return APIError(400, str(e), param=e.param, code=CONTEXT_LENGTH_EXCEEDED if too_long else None,
+                    reason="context_length" if too_long else "invalid_request")
