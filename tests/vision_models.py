@@ -42,9 +42,10 @@ def write_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> None:
                                                              "chat_template": chat_template}))
 
 
-def build_idefics3(root: Path, seed: int = 0, vocab: int = VOCAB) -> tuple[Path, torch.nn.Module]:
+def build_idefics3(root: Path, seed: int = 0, vocab: int = VOCAB, kv_heads: int = 1) -> tuple[Path, torch.nn.Module]:
     """(model directory, the transformers model in float32, eval mode); `vocab`: the text model's rows (more than the
-    tokenizer's leaves room for a converted tokenizer's extra pieces: tests/llama_convert.py)."""
+    tokenizer's leaves room for a converted tokenizer's extra pieces: tests/llama_convert.py); `kv_heads` 2: a text
+    model tensor parallelism splits in two."""
     import transformers
 
     torch.manual_seed(seed)
@@ -52,7 +53,7 @@ def build_idefics3(root: Path, seed: int = 0, vocab: int = VOCAB) -> tuple[Path,
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                            image_size=TILE, patch_size=PATCH, initializer_range=0.2),
         text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6),
         scale_factor=SCALE, image_token_id=IMAGE_TOKEN_ID)
     model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
@@ -110,7 +111,7 @@ GEMMA_TOKENS = 4  # the tiny Gemma 3's soft tokens per image: 4x4 patches averag
 
 
 def build_gemma3(root: Path, seed: int = 0, rows: int = VOCAB, layer_types: tuple[str, ...] = (
-        "sliding_attention", "full_attention")) -> tuple[Path, torch.nn.Module]:
+        "sliding_attention", "full_attention"), kv_heads: int = 1) -> tuple[Path, torch.nn.Module]:
     """A tiny random Gemma 3 with its SigLIP tower (4 soft tokens per image; sliding and full layers); `rows`: as
     build_idefics3's `vocab`; `layer_types`: one per layer (a GGUF file has no pattern key: llama.cpp and
     models/gemma.py read Gemma 3's five sliding layers, then one full)."""
@@ -122,7 +123,7 @@ def build_gemma3(root: Path, seed: int = 0, rows: int = VOCAB, layer_types: tupl
         vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
                            num_hidden_layers=2, num_attention_heads=2, image_size=TILE, patch_size=PATCH),
         text_config=dict(model_type="gemma3_text", vocab_size=rows, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=1,
+                         num_hidden_layers=len(layer_types), num_attention_heads=2, num_key_value_heads=kv_heads,
                          head_dim=64, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1,
                          eos_token_id=2, sliding_window=16, layer_types=list(layer_types),
                          query_pre_attn_scalar=64),  # the head size, as the released 1B-12B models have it
@@ -150,7 +151,7 @@ QWEN_PIXELS = (56 * 56, 112 * 112)  # the tiny Qwen2.5-VL's min and max pixels: 
 
 
 def build_qwen25_vl(root: Path, seed: int = 0, rows: int = VOCAB, window: int = 56,
-                    pixels: tuple[int, int] = QWEN_PIXELS, fullatt: tuple[int, ...] = (1,)
+                    pixels: tuple[int, int] = QWEN_PIXELS, fullatt: tuple[int, ...] = (1,), kv_heads: int = 1
                     ) -> tuple[Path, torch.nn.Module]:
     """A tiny random Qwen2.5-VL: a windowed ViT of `fullatt[-1] + 1` blocks (`window`-pixel windows; the blocks
     `fullatt` attend to the whole image), 2x2 merger, a Qwen2 text model whose 16 rotary pairs split 4/6/6 over
@@ -165,7 +166,7 @@ def build_qwen25_vl(root: Path, seed: int = 0, rows: int = VOCAB, window: int = 
                            out_hidden_size=64, fullatt_block_indexes=list(fullatt), window_size=window, patch_size=14, spatial_merge_size=2,
                            temporal_patch_size=2),
         text_config=dict(vocab_size=rows, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
                          rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
         image_token_id=vocab["<|image_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],

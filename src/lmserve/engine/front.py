@@ -225,8 +225,6 @@ class EngineFront:
     def _check_images_allowed(self) -> None:
         if self.images is None:
             raise RequestRejected(f"this model ({self.loaded.config.architecture}) does not accept images", "messages")
-        if self.cfg.parallel.tensor_parallel_size > 1:  # the worker ranks' forward_only places no images yet
-            raise RequestRejected("images are not supported with tensor parallelism yet", "messages")
 
     def expand_images(self, ids: list[int], images: Sequence[object]) -> tuple[list[int], tuple[MMInput, ...]]:
         """Prompt ids with its image markers -> the ids the model runs (each marker expanded) and one MMInput per

@@ -8,7 +8,9 @@ each of q, k and v, stacked in the same order as the unsharded fused matrix.
 Row-parallel (split the input columns): o and down projections; their biases stay whole (added once,
 by rank 0, after the all-reduce: layers/formats/parallel.py). gpt-oss's attention sinks are one logit per query head, so
 they split with the heads.
-Everything else (embedding, norms, LM head, an MoE layer's router) is replicated. Experts split like the dense
+Everything else (embedding, norms, LM head, an MoE layer's router) is replicated, and so is a vision model's whole
+tower and projector (_TOWER): every rank encodes the images itself and places the same embeddings, so the text
+model's collectives see the same inputs (worker/model_runner.py forward_only); a tower's own q/k/v names split nothing. Experts split like the dense
 MLP: every rank holds every expert's slice of the intermediate width (column gate/up with their biases, row down), so
 routing needs no communication and each rank's experts see the same tokens; the layer's combined output is
 all-reduced once, and each expert's down bias (gpt-oss) is added by rank 0 only.
@@ -25,6 +27,9 @@ from lmserve.models.config import ModelConfig
 _COLUMN = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
 _ROW = (".o_proj.weight", ".down_proj.weight")
 _HEADS = (".self_attn.sinks",)  # one value per query head: split like q_proj's rows
+# a vision tower's and projector's tensors under the names of HF's checkpoints (SigLIP/CLIP towers, Qwen2.5-VL's
+# `visual.`, LLaVA's projector, Idefics3's connector) and ours after the families' renames (`vision.`)
+_TOWER = ("vision_model.", "vision_tower.", "visual.", "multi_modal_projector.", "connector.", "vision.")
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
 
 def split_dim(name: str) -> int | None:
     """The dimension a checkpoint tensor (HF name) is split along: 0 column-parallel, 1 row-parallel, None whole."""
+    if name.startswith(_TOWER) or any(f".{t}" in name for t in _TOWER):
+        return None
     if any(f in name for f in _COLUMN) or name.endswith(_HEADS):
         return 0
     if any(name.endswith(f) for f in _ROW):

@@ -176,9 +176,13 @@ class ModelRunner:
 
         Its rows hold the same tokens and block tables as rank 0's (the same diffs applied), no sampling state.
         """
-        host, _ = self._inputs(out)
+        host, layout = self._inputs(out)
         inputs = to_device(host, self.device)
-        self.model(inputs.input_ids, inputs.positions, self._context(inputs))
+        # a vision model's images: each rank runs the whole tower itself (its weights are not split) and places the
+        # same embeddings rank 0 does, so the ranks' collectives see the same inputs
+        placed = self.images.placements(out.requests, layout.order) if self.images is not None else []
+        embeds = self.images.inputs_embeds(inputs.input_ids, placed) if placed else None
+        self.model(inputs.input_ids, inputs.positions, self._context(inputs), inputs_embeds=embeds)
 
     def _context(self, inputs: StepInputs) -> AttentionContext:
         """The step's attention over the paged cache; with several KV groups each layer reads its group's tables."""
