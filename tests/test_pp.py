@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -211,4 +213,53 @@ def test_killing_a_rank_mid_request_fails_it_within_5s_and_health(tmp_path):
         assert ended <= 5, f"the request ended {ended:.1f} s after its rank was killed"
         assert any("error" in line for line in rest)
         assert unhealthy_within(s.url, 5, start=killed)
+        assert s.proc.wait(timeout=20) == 1
+
+
+def _long_prompt(seed: int, words: int = 1200) -> str:
+    """~1,300 tokens of prose no other prompt shares (no prefix-cache hit)."""
+    rng = random.Random(seed)
+    vocab = "river stone cloud market lantern orchard violin harbor meadow copper signal winter garden".split()
+    return f"Story {seed}: " + " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def test_killing_a_rank_mid_prefill_and_under_a_non_streamed_request_fails_each_within_5s(smol_path, tmp_path):
+    """The embedded model over PP=2 with 32-token prefill chunks, so a long prompt's prefill spans many ring steps.
+    A streamed request's rank is killed during its prefill (before its first token: at a third of the same-length
+    prompt's TTFT, measured first), on a second server a non-streamed one's while it decodes: each request ends
+    within 5 s with an error (the stream's error event; a 5xx in OpenAI's error shape), health fails, the server
+    exits 1."""
+    args = ["--model", str(smol_path), "--num-threads", "1", "--pipeline-parallel-size", "2",
+            "--max-num-batched-tokens", "32", "--max-model-len", "2048"]
+    url = "/v1/completions"
+    with running_server(*args, env={"TMPDIR": str(tmp_path)}) as s:
+        start = time.monotonic()
+        r = httpx.post(s.url + url, json={"prompt": _long_prompt(1), "max_tokens": 1}, timeout=120)
+        ttft = time.monotonic() - start
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 1000 and ttft > 0.6, (r.text, ttft)
+        body = {"prompt": _long_prompt(2), "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", s.url + url, json=body, timeout=30) as r:
+            assert r.status_code == 200
+            time.sleep(ttft / 3)
+            os.kill(_ranks(s.proc.pid)[0], signal.SIGKILL)
+            killed = time.monotonic()
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+            ended = time.monotonic() - killed
+        assert ended <= 5, f"the request ended {ended:.1f} s after its rank was killed"
+        assert lines and "error" in lines[0] and not any('"text"' in line for line in lines), lines[:3]  # no token
+        assert unhealthy_within(s.url, 5, start=killed)
+        assert s.proc.wait(timeout=20) == 1
+    with running_server(*args, env={"TMPDIR": str(tmp_path)}) as s:
+        def kill_soon():
+            time.sleep(1.0)
+            os.kill(_ranks(s.proc.pid)[0], signal.SIGKILL)
+            killed.append(time.monotonic())
+        killed: list[float] = []
+        threading.Thread(target=kill_soon).start()
+        r = httpx.post(s.url + url, json={"prompt": "Tell me a long story.", "max_tokens": 1500,
+                                          "ignore_eos": True}, timeout=60)
+        ended = time.monotonic() - killed[0]
+        assert ended <= 5, f"the request ended {ended:.1f} s after its rank was killed"
+        assert r.status_code in (500, 503) and set(r.json()["error"]) >= {"message", "type"}, r.text
+        assert unhealthy_within(s.url, 5, start=killed[0])
         assert s.proc.wait(timeout=20) == 1
