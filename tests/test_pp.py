@@ -33,7 +33,7 @@ from lmserve.worker.tp_worker import RankSpec, init_group
 from lmserve.worker.transforms import load_formatted
 from tests.conftest import save_tiny_hf, write_tiny_llama
 from tests.server_util import free_port, running_server, unhealthy_within
-from tests.tiny_models import build_hf
+from tests.tiny_models import ARCHS, build_hf
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3]]
 
@@ -101,9 +101,10 @@ def test_stages_split_every_layer_once():
             assert all(len(r) >= 1 for r in ranges) and max(map(len, ranges)) - min(map(len, ranges)) <= 1
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", list(ARCHS))
 def test_pp2_logits_equal_one_rank(tmp_path, kind):
-    # gemma3: sandwich norms, sliding and global layers, tied head; qwen3_moe: every layer's experts routed
+    # every family tests/tiny_models.py builds, e.g. gemma3: sandwich norms, sliding and global layers, tied head;
+    # qwen3_moe: every layer's experts routed; gpt_oss: sinks, biased experts; phi3: fused qkv and gate_up split
     path, _ = build_hf(kind, tmp_path)
     ref = one_rank_logits(path)
     got = pp_logits(path, 2)
