@@ -192,14 +192,8 @@ def test_a_quantized_text_gguf_with_its_projector(models, tmp_path, kind):
     projector is the text model (logits equal, 32 greedy tokens), and with images its logits stay as near the float
     files' as quantization puts this tiny random model's (|logits| up to 7.3; measured Q8_0 mean 0.033, max 0.46;
     Q4_0 mean 0.36, max 5.0; on text alone max 0.22 and 3.3) while other images move them."""
-    from lmserve.layers.formats.gguf_linear import GGUFLinear
-
     path, text, mmproj, _, float_vlm, _ = models
-    q = requantize(text, tmp_path / f"text-{kind}.gguf", kind)
-    vlm = load_model(q, torch.float32, CPU, quantization="auto", mmproj=mmproj)
-    lm = load_model(q, torch.float32, CPU, quantization="auto")
-    assert vlm.runtime_quantization == lm.runtime_quantization == "gguf"
-    assert isinstance(vlm.model.model.layers[0].mlp.down_proj, GGUFLinear)
+    vlm, lm = quantized_pair(text, mmproj, tmp_path, kind)
     ids = [1] + [WORDS.index(f"w{k}") for k in (5, 9, 2, 7, 3)]
     a, b = list(ids), list(ids)
     for _ in range(32):
@@ -215,6 +209,18 @@ def test_a_quantized_text_gguf_with_its_projector(models, tmp_path, kind):
         assert (got - ref).abs().mean().item() <= mean and (got - ref).abs().max().item() <= most
     other = _ours_logits(vlm.model, ids, [p[:, :, ::-1].copy() for p in pixels])  # the images mirrored
     assert (other - got).abs().mean().item() > mean
+
+
+def quantized_pair(text, mmproj, tmp_path, kind: str):
+    """The text GGUF requantized to `kind`, loaded from its blocks with its float projector and without (vlm, lm)."""
+    from lmserve.layers.formats.gguf_linear import GGUFLinear
+
+    q = requantize(text, tmp_path / f"text-{kind}.gguf", kind)
+    vlm = load_model(q, torch.float32, CPU, quantization="auto", mmproj=mmproj)
+    lm = load_model(q, torch.float32, CPU, quantization="auto")
+    assert vlm.runtime_quantization == lm.runtime_quantization == "gguf"
+    assert isinstance(vlm.model.model.layers[0].mlp.down_proj, GGUFLinear)
+    return vlm, lm
 
 
 def _text_logits(model, ids: list[int]) -> torch.Tensor:

@@ -32,7 +32,8 @@ from lmserve.multimodal.qwen2_5_vl import Qwen2VLImageProcessor, mrope_positions
 from lmserve.multimodal.registry import processor_for, processor_from_settings
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import Tokenizer
-from tests.llama_convert import convert, requantize, rewrite
+from tests.llama_convert import convert, rewrite
+from tests.test_vision_gguf import quantized_pair
 from tests.test_vision_gguf_families import assert_same_expansions
 from tests.test_vision_qwen25 import ARCH, PAD, _hf_inputs, _prompt
 from tests.vision_models import build_qwen25_vl, image
@@ -212,14 +213,8 @@ def test_a_quantized_text_gguf_with_its_projector(models, tmp_path, kind):
     with the projector is the text model (logits equal, 32 greedy tokens), and with images its logits stay as near
     the float files' as quantization puts this tiny random model's (TOLERANCE: about 1.3x measured) while mirrored
     images move them."""
-    from lmserve.layers.formats.gguf_linear import GGUFLinear
-
     path, text, mmproj, _, float_vlm, _ = models
-    q = requantize(text, tmp_path / f"text-{kind}.gguf", kind)
-    vlm = load_model(q, torch.float32, CPU, quantization="auto", mmproj=mmproj)
-    lm = load_model(q, torch.float32, CPU, quantization="auto")
-    assert vlm.runtime_quantization == lm.runtime_quantization == "gguf"
-    assert isinstance(vlm.model.model.layers[0].mlp.down_proj, GGUFLinear)
+    vlm, lm = quantized_pair(text, mmproj, tmp_path, kind)
     ids = Tokenizer.from_pretrained(path).encode_prompt("w5 w9 w2 w7 w3", add_special_tokens=False)
     a, b = list(ids), list(ids)
     for _ in range(32):
