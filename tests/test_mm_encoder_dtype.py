@@ -175,3 +175,13 @@ def test_float32_pins_the_tower(idefics3):
     assert loaded.encoder_dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in loaded.model.vision_model.parameters())
     assert load_model(path, torch.float32, CPU).encoder_dtype == torch.float32  # no name: the model's dtype
+
+
+def test_the_tower_dtype_is_part_of_the_served_fingerprint(idefics3):
+    """The response cache and the KV tier key by the served weights: a bf16 tower's image KV is not a float32 one's."""
+    from lmserve.loader.fingerprint import served_fingerprint
+
+    path, _ = idefics3
+    f32, bf16 = (load_model(path, torch.float32, CPU, encoder_dtype=d) for d in ("float32", "bfloat16"))
+    assert served_fingerprint(f32) != served_fingerprint(bf16)
+    assert served_fingerprint(f32) == served_fingerprint(load_model(path, torch.float32, CPU))
