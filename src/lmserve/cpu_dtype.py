@@ -184,7 +184,7 @@ def encoder_dtype_why(name: str, device: torch.device, flags: str | None = None)
     return _cached_decision(cache_file(flags, "mm-encoder-dtype"), measure_encoder, decide_encoder)
 
 
-def _packed_seconds(shape: tuple[int, int, int], dtype: torch.dtype) -> float:
+def _packed_matmul(shape: tuple[int, int, int], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     """One matmul as a CPU tower runs its linears: oneDNN's packed weights (layers/formats/linear.py), where this
     torch has them; else torch's own."""
     m, k, n = shape
@@ -192,18 +192,27 @@ def _packed_seconds(shape: tuple[int, int, int], dtype: torch.dtype) -> float:
     x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
     mkldnn = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_reorder_linear_weight"):
-        return _best_time(lambda: torch.nn.functional.linear(x, w))
+        return lambda: torch.nn.functional.linear(x, w)
     packed = mkldnn._reorder_linear_weight(w)
-    return _best_time(lambda: mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    return lambda: mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def measure_encoder() -> dict:
-    """Seconds of ENCODER_SHAPE's matmul in each dtype, on one thread (as `measure`)."""
+def measure_encoder(reps: int = 7) -> dict:
+    """Seconds of ENCODER_SHAPE's matmul in each dtype, the best of `reps` taken in turns (f32, bf16, f32, ...) on
+    one thread, so a neighbour busy for part of the measurement slows both dtypes' worst runs, not one dtype."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {"f32": _packed_seconds(ENCODER_SHAPE, torch.float32),
-                "bf16": _packed_seconds(ENCODER_SHAPE, torch.bfloat16)}
+        fns = {"f32": _packed_matmul(ENCODER_SHAPE, torch.float32), "bf16": _packed_matmul(ENCODER_SHAPE, torch.bfloat16)}
+        best = {name: float("inf") for name in fns}
+        for name, fn in fns.items():  # warm-up: oneDNN builds its kernels
+            fn()
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t)
+        return best
     finally:
         torch.set_num_threads(threads)
 
