@@ -26,7 +26,9 @@ that request cut to one token, median of 3) and images/s of 8
 concurrent requests. The preprocessor is SmolVLM-256M's own (`--longest-edge 2048`): both servers scale a 512 px
 image to 2048 px, 16 tiles of 512 and a global view, 17 tower passes and 1,088 image tokens each. `--longest-edge
 512` is the light variant an earlier run used: lmserve then frames one tile, as transformers does, while llama.cpp's
-mtmd still adds an overview, so the two do different work.
+mtmd still adds an overview, so the two do different work. lmserve's text model is float32 and its tower runs as
+`--mm-encoder-dtype` says (default auto: bf16 on a CPU where a bf16 tower matmul measures >= 1.5x float32's;
+llama-server computes a float32 mmproj in float32); `--name` writes the results under another file name.
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def main() -> None:
     ap.add_argument("--vs-llama-server", action="store_true", help="lmserve against llama-server on GGUF + mmproj")
     ap.add_argument("--llama-server", default=str(ROOT / "benchmarks/.cache/llama.cpp/build/bin/llama-server"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mm-encoder-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="--vs-llama-server: lmserve's tower dtype (the text model stays float32)")
+    ap.add_argument("--name", default=None, help="--vs-llama-server: the results' file name, without .md/.json "
+                    "(default vision_mmproj, or vision_mmproj_edgeN)")
     ap.add_argument("--longest-edge", type=int, default=2048,
                     help="--vs-llama-server: the processor's longest edge (SmolVLM-256M's own 2048: 16 tiles + global)")
     args = ap.parse_args()
@@ -217,7 +223,7 @@ def vs_llama_server(args) -> None:
         text, mmproj = mmproj_files(Path(tmp), args.longest_edge)
         systems = {"lmserve": lambda port: ([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(port),
                                              "--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "m",
-                                             "--dtype", "float32",
+                                             "--dtype", "float32", "--mm-encoder-dtype", args.mm_encoder_dtype,
                                              "--quantization", "none", "--num-threads", str(args.threads),
                                              "--max-num-seqs", str(n), "--kv-cache-memory", str(2**30),
                                              "--max-model-len", str(ctx), "--log-level", "warning"],
@@ -269,17 +275,19 @@ def vs_llama_server(args) -> None:
     result = {"cpu": _cpu_name(), "cpu_flags": _flags(), "threads": args.threads, "image": image,
               "longest_edge": args.longest_edge,
               "max_tokens": 32, "weights": "float32 GGUF + float32 mmproj (convert_hf_to_gguf.py)",
+              "lmserve_mm_encoder_dtype": args.mm_encoder_dtype,
               "systems": rows, "loadavg_before_after": load, "clock": "wall (time.perf_counter)"}
     if "llama-server" in rows:
         lm, ll = rows["lmserve"], rows["llama-server"]
         result |= {"images_per_s_ratio": lm["images_per_s"] / ll["images_per_s"],
                    "ttft_ratio": lm["ttft_median_s"] / ll["ttft_median_s"]}
     out = Path(args.output_dir)
-    name = "vision_mmproj" if args.longest_edge == 2048 else f"vision_mmproj_edge{args.longest_edge}"
+    name = args.name or ("vision_mmproj" if args.longest_edge == 2048 else f"vision_mmproj_edge{args.longest_edge}")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Alt text from GGUF + mmproj: lmserve against llama-server, SmolVLM-256M shape, random weights", "",
              f"CPU: {result['cpu']} ({result['cpu_flags']}); {args.threads} threads each; wall clock; load average {load[0]:.1f} -> "
-             f"{load[1]:.1f}; {result['image']}, 32 tokens out; the same two files (llama.cpp's converter).", "",
+             f"{load[1]:.1f}; {result['image']}, 32 tokens out; the same two files (llama.cpp's converter); lmserve "
+             f"--dtype float32 --mm-encoder-dtype {args.mm_encoder_dtype}.", "",
              "| system | TTFT, one image (s, median of 3) | 8 concurrent: wall (s) | images/s | prompt tokens |",
              "|---|---|---|---|---|"]
     lines += [f"| {k} | {r['ttft_median_s']:.2f} | {r['concurrent_wall_s']:.1f} | {r['images_per_s']:.3f} | "

@@ -26,7 +26,7 @@ from tests.vision_models import build_idefics3
 pytest.importorskip("transformers")
 N = 200
 PROMPT = "w1 w2 w3"  # the word-level tokenizer's words stand in for "Write alt text for this image."
-SMALL = ["--dtype", "float32", "--device", "cpu", "--num-threads", "1", "--max-num-seqs", "8",
+SMALL = ["--dtype", "float32", "--mm-encoder-dtype", "float32", "--device", "cpu", "--num-threads", "1", "--max-num-seqs", "8",
          "--served-model-name", "vlm"]
 
 
@@ -134,7 +134,7 @@ def test_batches_api_with_image_lines(model, tmp_path):
     rows = [alt_text_line(f"img-{i}", u) for i, u in enumerate(urls)]
     rows.append(alt_text_line("corrupt", "data:image/png;base64," + base64.b64encode(b"GIF89a-not").decode()))
     body = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    with running_server("--model", str(model), "--served-model-name", "vlm", "--dtype", "float32", "--device", "cpu",
+    with running_server("--model", str(model), "--served-model-name", "vlm", "--dtype", "float32", "--mm-encoder-dtype", "float32", "--device", "cpu",
                         "--batch-dir", str(tmp_path / "batches")) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
         uploaded = client.files.create(file=("images.jsonl", body), purpose="batch")

@@ -67,7 +67,7 @@ def model_dir(tmp_path_factory):
 
 
 def _serve(model_dir, allowed: str, **kw):
-    return running_server("--model", str(model_dir), "--served-model-name", "vlm", "--dtype", "float32",
+    return running_server("--model", str(model_dir), "--served-model-name", "vlm", "--dtype", "float32", "--mm-encoder-dtype", "float32",
                           "--max-model-len", "512", "--allowed-media-domains", allowed, **kw)
 
 

@@ -42,12 +42,12 @@ def model_dir(tmp_path_factory):
 def offline(model_dir):
     from lmserve.engine.llm import LLM
 
-    return LLM(str(model_dir), dtype="float32", device="cpu", num_blocks=128, block_size=16, max_num_seqs=4)
+    return LLM(str(model_dir), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=128, block_size=16, max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with running_server("--model", str(model_dir), "--served-model-name", "vlm", "--dtype", "float32",
+    with running_server("--model", str(model_dir), "--served-model-name", "vlm", "--dtype", "float32", "--mm-encoder-dtype", "float32",
                         "--max-model-len", str(MAX_LEN)) as s:
         yield s
         s.wait_idle()  # every KV block came back

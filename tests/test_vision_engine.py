@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=N_OUT, ignore_eos=True)
 def setup(tmp_path_factory):
     path, hf = build_idefics3(tmp_path_factory.mktemp("vlm"))
     # 24 tokens a step: every image prompt (~60-90 tokens) is prefilled in chunks, boundaries inside image spans
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=256, block_size=16, max_num_batched_tokens=24,
+    llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=256, block_size=16, max_num_batched_tokens=24,
               max_num_seqs=8, enable_prefix_caching=True)
     return llm, hf
 
@@ -117,7 +117,7 @@ def test_preempted_image_requests_resume_from_the_encoder_cache(setup, tmp_path)
     """A KV pool too small for three image requests at once: some are preempted and recomputed; each still gets
     its answer alone, and no image is encoded twice (the resumed prefill reads the encoder cache)."""
     llm, _ = setup
-    small = LLM(str(llm.engine.front.loaded.path), dtype="float32", device="cpu", num_blocks=14, block_size=16,
+    small = LLM(str(llm.engine.front.loaded.path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=14, block_size=16,
                 max_num_batched_tokens=24, max_num_seqs=8, enable_prefix_caching=False)
     imgs = [image(90, 50, seed=40 + i) for i in range(3)]
     prompts = [_prompt(f"w{40 + i} <image> w50", img) for i, img in enumerate(imgs)]
@@ -158,7 +158,7 @@ def test_image_requests_under_a_lora_adapter(setup, tmp_path):
 
     llm, _ = setup
     path = llm.engine.front.loaded.path
-    lora_llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=256, block_size=16,
+    lora_llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=256, block_size=16,
                    max_num_batched_tokens=24, max_num_seqs=8, enable_lora=True, max_lora_rank=8)
     adapter = LoRARequest("a", 1, str(write_random_adapter(tmp_path / "a", llm.engine.front.loaded.config)))
     prompts = [_prompt("w3 w4 <image> w5 w6", IMG_A), _prompt("w3 w4 <image> w5 w6", IMG_A),
@@ -185,7 +185,7 @@ def test_cli_generate_with_an_image(setup, tmp_path):
     (tmp_path / "a.png").write_bytes(image_bytes(90, 50, seed=11))  # IMG_A's pixels
     params = SamplingParams(temperature=0.0, max_tokens=N_OUT)  # as the CLI's flags below
     want = llm.generate([_prompt("<image>w5 w6", IMG_A)], params, use_tqdm=False)[0].outputs[0].text
-    args = ["--model", str(llm.engine.front.loaded.path), "--dtype", "float32", "--device", "cpu", "--num-threads",
+    args = ["--model", str(llm.engine.front.loaded.path), "--dtype", "float32", "--mm-encoder-dtype", "float32", "--device", "cpu", "--num-threads",
             "1", "--temperature", "0", "--max-tokens", str(N_OUT)]
     p = subprocess.run([sys.executable, "-m", "lmserve.cli", "generate", "w5 w6", "--image", str(tmp_path / "a.png"),
                         *args], capture_output=True, text=True, timeout=300)

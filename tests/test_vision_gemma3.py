@@ -89,7 +89,7 @@ def test_engine_greedy_equals_transformers(models):
     """Through the engine: `<start_of_image>` expanded by the registered processor, prefilled in 5-token chunks
     (each would end inside a 4-token image span: the scheduler moves it), one- and two-image prompts batched."""
     path, hf, _, proc = models
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=16, max_num_batched_tokens=5,
+    llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=64, block_size=16, max_num_batched_tokens=5,
               max_num_seqs=4)
     prompts = [{"prompt": "w3 w4 <start_of_image> w5", "multi_modal_data": {"image": [image(60, 40, seed=5)]}},
                {"prompt": "w7 <start_of_image> w8 w9 <start_of_image> w9",

@@ -85,9 +85,9 @@ def test_the_engine_answers_as_the_safetensors_model(models):
     """LLM(text.gguf, mmproj=...): the processor built from the mmproj's metadata expands an image as the model
     directory's processor does, and 32 greedy tokens after two images equal the safetensors engine's."""
     path, text, mmproj, _, _, _ = models
-    kw = dict(dtype="float32", device="cpu", num_blocks=128, block_size=16, quantization="none")
+    kw = dict(dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=128, block_size=16, quantization="none")
     tok = Tokenizer.from_pretrained(path)  # the directory's ids (the GGUF's SentencePiece one adds "▁" pieces)
-    cfg = EngineConfig(model=str(text), mmproj=str(mmproj), dtype="float32", device="cpu", quantization="none")
+    cfg = EngineConfig(model=str(text), mmproj=str(mmproj), dtype="float32", mm_encoder_dtype="float32", device="cpu", quantization="none")
     llm_g = LLM(engine=LLMEngine(cfg, tokenizer=tok))
     llm_s = LLM(str(path), **kw)
     imgs = [image(90, 50, seed=3), image(40, 70, seed=4)]
@@ -136,7 +136,7 @@ def test_serve_with_mmproj_answers_as_the_offline_engine(models):
     from tests.test_media import data_url
 
     _, text, mmproj, *_ = models
-    offline = LLM(str(text), mmproj=str(mmproj), dtype="float32", device="cpu", num_blocks=64, block_size=16,
+    offline = LLM(str(text), mmproj=str(mmproj), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=64, block_size=16,
                   quantization="none")
     pngs = [image_bytes(90, 50, seed=11), image_bytes(30, 30, seed=12)]
 
@@ -156,7 +156,7 @@ def test_serve_with_mmproj_answers_as_the_offline_engine(models):
         want.append(out.outputs[0].text)
     assert want[0] != want[1]
     with running_server("--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "vlm",
-                        "--dtype", "float32", "--quantization", "none", "--max-model-len", "512") as s:
+                        "--dtype", "float32", "--mm-encoder-dtype", "float32", "--quantization", "none", "--max-model-len", "512") as s:
         oai = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         for png, expected in zip(pngs, want):
             r = oai.chat.completions.create(model="vlm", messages=chat(png), max_tokens=8, temperature=0.0,

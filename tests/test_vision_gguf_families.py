@@ -137,10 +137,10 @@ def test_the_engine_answers_as_the_safetensors_engine(family):
     ids and pixels as the model directory's, and 32 greedy tokens after one and two images are the safetensors
     engine's (the directory's tokenizer on both: the GGUF's SentencePiece one adds "▁" pieces)."""
     tok = Tokenizer.from_pretrained(family.path)
-    cfg = EngineConfig(model=str(family.text), mmproj=str(family.mmproj), dtype="float32", device="cpu",
+    cfg = EngineConfig(model=str(family.text), mmproj=str(family.mmproj), dtype="float32", mm_encoder_dtype="float32", device="cpu",
                        quantization="none")
     llm_g = LLM(engine=LLMEngine(cfg, tokenizer=tok))
-    llm_s = LLM(str(family.path), dtype="float32", device="cpu", num_blocks=128, block_size=16, quantization="none")
+    llm_s = LLM(str(family.path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=128, block_size=16, quantization="none")
     m = family.marker
     prompts = [{"prompt": f"w3 w4 {m} w5", "multi_modal_data": {"image": [image(60, 40, seed=5)]}},
                {"prompt": f"w7 {m} w8 {m} w9", "multi_modal_data": {"image": [image(40, 70, seed=6),

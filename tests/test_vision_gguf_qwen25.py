@@ -123,9 +123,9 @@ def test_the_engine_answers_as_the_safetensors_engine(models):
     safetensors engine's (the directory's tokenizer on both: the GGUF's SentencePiece one adds "▁" pieces)."""
     path, text, mmproj, *_ = models
     tok = Tokenizer.from_pretrained(path)
-    cfg = EngineConfig(model=str(text), mmproj=str(mmproj), dtype="float32", device="cpu", quantization="none")
+    cfg = EngineConfig(model=str(text), mmproj=str(mmproj), dtype="float32", mm_encoder_dtype="float32", device="cpu", quantization="none")
     llm_g = LLM(engine=LLMEngine(cfg, tokenizer=tok))
-    llm_s = LLM(str(path), dtype="float32", device="cpu", num_blocks=128, block_size=16, quantization="none")
+    llm_s = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=128, block_size=16, quantization="none")
     span = "<|vision_start|><|image_pad|><|vision_end|>"
     prompts = [{"prompt": f"w3 w4 {span} w5", "multi_modal_data": {"image": [image(200, 120, seed=5)]}},
                {"prompt": f"w7 {span} w8 {span} w9", "multi_modal_data": {"image": [image(90, 240, seed=6),
@@ -180,7 +180,7 @@ def test_serve_with_mmproj_answers_as_the_offline_engine(models):
     from tests.vision_models import image_bytes
 
     _, text, mmproj, *_ = models
-    offline = LLM(str(text), mmproj=str(mmproj), dtype="float32", device="cpu", num_blocks=64, block_size=16,
+    offline = LLM(str(text), mmproj=str(mmproj), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=64, block_size=16,
                   quantization="none")
     pngs = [image_bytes(200, 130, seed=11), image_bytes(90, 160, seed=12)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -194,7 +194,7 @@ def test_serve_with_mmproj_answers_as_the_offline_engine(models):
         want.append((out.outputs[0].text, len(front.images.expand(ids, [img])[0])))
     assert want[0][0] != want[1][0]
     with running_server("--model", str(text), "--mmproj", str(mmproj), "--served-model-name", "qwen-vl",
-                        "--dtype", "float32", "--quantization", "none", "--max-model-len", "512") as s:
+                        "--dtype", "float32", "--mm-encoder-dtype", "float32", "--quantization", "none", "--max-model-len", "512") as s:
         oai = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         for png, (answer, prompt_tokens) in zip(pngs, want):
             r = oai.chat.completions.create(

@@ -91,7 +91,7 @@ def test_engine_greedy_equals_transformers(models):
     """Through the engine: the `<image>` marker expanded by the registered processor, prefilled in 12-token chunks
     (boundaries inside the images), a one- and a two-image prompt batched; 32 tokens equal transformers'."""
     path, hf, _, proc = models
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=128, block_size=16, max_num_batched_tokens=12,
+    llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=128, block_size=16, max_num_batched_tokens=12,
               max_num_seqs=4)
     prompts = [{"prompt": "w3 w4 <image> w5", "multi_modal_data": {"image": [image(60, 40, seed=5)]}},
                {"prompt": "w7 <image> w8 <image> w9",

@@ -149,7 +149,7 @@ def test_engine_greedy_equals_transformers_generate(models, chunk):
     """A one- and a two-image prompt batched; with 5-token chunks every image is split across steps."""
     path, hf, _, _ = models
     extra = {"max_num_batched_tokens": chunk} if chunk else {}
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=128, block_size=16, max_num_seqs=4, **extra)
+    llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=128, block_size=16, max_num_seqs=4, **extra)
     prompts = _engine_prompts()
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for p, o in zip(prompts, outs):
@@ -165,9 +165,9 @@ def test_mixed_batch_equals_each_alone(models):
     path, hf, _, _ = models
     text = {"prompt": "w3 w9 w27 w81"}
     img = _engine_prompts()[0]
-    alone = [LLM(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=16, enable_prefix_caching=False)
+    alone = [LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=64, block_size=16, enable_prefix_caching=False)
              .generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (text, img)]
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=16, max_num_seqs=4,
+    llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=64, block_size=16, max_num_seqs=4,
               enable_prefix_caching=False)
     both = [o.outputs[0].token_ids for o in llm.generate([text, img], GREEDY, use_tqdm=False)]
     assert [list(t) for t in both] == [list(t) for t in alone]
@@ -180,7 +180,7 @@ def test_prefix_cache_hit_keeps_mrope_positions(models):
     step runs only the tail, whose positions still count from the image's compressed span; another image of
     another size gives its own answer."""
     path, hf, _, _ = models
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=128, block_size=4, max_num_seqs=1)
+    llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=128, block_size=4, max_num_seqs=1)
     first = _engine_prompts()[1]
     want = llm.generate([first], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate([first], GREEDY, use_tqdm=False)[0]
@@ -199,10 +199,10 @@ def test_openai_image_url_through_the_server(models):
     path = models[0]
     png = image_bytes(84, 56, seed=3)
     parts = [{"type": "image_url", "image_url": {"url": data_url(png)}}, {"type": "text", "text": "w3 w4"}]
-    offline = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=16)
+    offline = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=64, block_size=16)
     want = offline.chat([{"role": "user", "content": parts}], SamplingParams(temperature=0.0, max_tokens=8),
                         use_tqdm=False)[0]
-    with running_server("--model", str(path), "--served-model-name", "qwen-vl", "--dtype", "float32",
+    with running_server("--model", str(path), "--served-model-name", "qwen-vl", "--dtype", "float32", "--mm-encoder-dtype", "float32",
                         "--max-model-len", "512") as server:
         oai = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         r = oai.chat.completions.create(model="qwen-vl", max_tokens=8, temperature=0,
@@ -234,12 +234,12 @@ def test_cli_generate_with_an_image(models, tmp_path):
     (tmp_path / "a.png").write_bytes(image_bytes(84, 56, seed=3))
     from PIL import Image
 
-    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, block_size=16)
+    llm = LLM(str(path), dtype="float32", mm_encoder_dtype="float32", device="cpu", num_blocks=64, block_size=16)
     want = llm.generate([{"prompt": "<|vision_start|><|image_pad|><|vision_end|>w3 w4",
                           "multi_modal_data": {"image": [Image.open(tmp_path / "a.png")]}}],
                         SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
     p = subprocess.run([sys.executable, "-m", "lmserve.cli", "generate", "w3 w4", "--image", str(tmp_path / "a.png"),
-                        "--model", str(path), "--dtype", "float32", "--device", "cpu", "--num-threads", "1",
+                        "--model", str(path), "--dtype", "float32", "--mm-encoder-dtype", "float32", "--device", "cpu", "--num-threads", "1",
                         "--temperature", "0", "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.rstrip("\n") == want

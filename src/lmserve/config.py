@@ -130,6 +130,8 @@ class EngineConfig:
     # a text GGUF's multimodal projector file (llama.cpp's --mmproj): the vision tower and its preprocessing
     mmproj: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # a vision model's tower and projector: auto | float32 | bfloat16 (auto: cpu_dtype.py `encoder_dtype_why`)
+    mm_encoder_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda[:N]
     # auto: gguf for a GGUF file with quantized projections on CPU, float32, one rank, else none (loader/gguf_packed.py);
     # none (or None): float weights (transformers parity); int8 | int4: weight-only, applied at load; gguf: the file's blocks
@@ -198,7 +200,8 @@ class SpeculativeConfig:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags of `cli.add_engine_args` (serve, generate, chat and bench share them)."""
     return EngineConfig(
-        model=args.model, revision=args.revision, mmproj=getattr(args, "mmproj", None), dtype=args.dtype, device=args.device, quantization=args.quantization,
+        model=args.model, revision=args.revision, mmproj=getattr(args, "mmproj", None), dtype=args.dtype,
+        mm_encoder_dtype=getattr(args, "mm_encoder_dtype", "auto"), device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, seed=args.seed,
         num_threads=args.num_threads, speculative=args.speculative_config, cuda_graphs=args.cuda_graphs,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,

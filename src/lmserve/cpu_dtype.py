@@ -11,6 +11,14 @@ the first `auto` there times a prefill-shaped and a decode-shaped matmul in both
 is the same bits alone and inside batches of several sizes. bf16 is chosen only when it is invariant and clearly
 faster; the decision and its numbers are cached per CPU flags and torch version beside the native kernels
 (~/.cache/lmserve/kernels), so it is measured once a machine.
+
+A vision tower is another matter (`--mm-encoder-dtype`, `encoder_dtype_why`): dense matmuls over an image's patches
+(SmolVLM's SigLIP: 1024 rows a 512 px view), no paged attention, no decode stack, no native float32 kernel given up,
+so bf16 keeps all of its matmul speed-up (a SigLIP view of SmolVLM-256M's shape, 2 threads, Zen 5: 1.28 s float32,
+0.51 s bf16 in transformers). `auto` is bf16 on CUDA; on a CPU with AVX512_BF16 or AMX it is bf16 when a
+tower-shaped matmul, timed once a machine and cached like the text decision, runs at least MIN_ENCODER_SPEEDUP x
+float32's; float32 elsewhere (bf16 emulated on AVX2 is slower). Batch invariance is not asked of it: the runner
+encodes each image alone (worker/mm_encoder.py), so an image's embeddings never depend on other requests.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -35,6 +44,10 @@ MIN_PREFILL_SPEEDUP = 2.0
 MIN_DECODE_SPEEDUP = 1.0
 PREFILL, DECODE = (256, 1024, 1024), (1, 1024, 4096)  # (rows, in, out): a prefill chunk's and a decode step's matmul
 INVARIANCE_ROWS = (1, 3, 16, 64, 256)
+# --mm-encoder-dtype auto: one 512 px view through a SigLIP MLP's fc1 (SmolVLM-256M: 1024 patches, 768 -> 3072)
+ENCODER_SHAPE = (1024, 768, 3072)
+MIN_ENCODER_SPEEDUP = 1.5
+ENCODER_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def auto_dtype(device: torch.device, flags: str | None = None, kept_gguf: bool = False) -> torch.dtype:
@@ -63,10 +76,12 @@ def resolve_dtype(name: str, device: torch.device, kept_gguf: bool = False) -> t
     return DTYPES[name]
 
 
-def cache_file(flags: str) -> Path:
+def cache_file(flags: str, kind: str = "dtype") -> Path:
+    """Where a decision measured on this CPU (its flags) with this torch is kept: kind `dtype` (--dtype),
+    `mm-encoder-dtype` (--mm-encoder-dtype)."""
     root = Path(os.environ.get("LMSERVE_CACHE_DIR", Path.home() / ".cache" / "lmserve")) / "kernels"
     key = hashlib.sha256(f"{flags.strip()}|{torch.__version__}".encode()).hexdigest()[:16]
-    return root / f"dtype-{key}.json"
+    return root / f"{kind}-{key}.json"
 
 
 def _best_time(fn, reps: int = 5) -> float:
@@ -130,19 +145,81 @@ def measured_cpu_dtype(flags: str) -> tuple[torch.dtype, str]:
         return torch.float32, "no bf16 instructions"
     if "amx_bf16" not in flags.split():
         return torch.float32, "no AMX: bf16 without tiles lost end to end on every CPU measured (cpu_dtype.py)"
-    path = cache_file(flags)
+    return _cached_decision(cache_file(flags), measure, decide)
+
+
+def _cached_decision(path: Path, measure_fn: Callable[[], dict],
+                     decide_fn: Callable[[dict], tuple[str, str]]) -> tuple[torch.dtype, str]:
+    """A decision (dtype name, why) read from `path`, else measured and decided now and written there."""
     try:
         record = json.loads(path.read_text())
         name, why = record["dtype"], record["why"]
     except (OSError, ValueError, KeyError):
-        m = measure()
-        name, why = decide(m)
+        m = measure_fn()
+        name, why = decide_fn(m)
         try:
             # a reader never sees half a file, and two processes measuring at once both succeed
             record = {"dtype": name, "why": why, "measured": m, "torch": torch.__version__}
             write_atomically(path, json.dumps(record, indent=1).encode())
         except OSError as e:  # a read-only home: measure again next start
-            log.warning("could not cache the --dtype auto measurement in %s: %s", path, e)
+            log.warning("could not cache the dtype measurement in %s: %s", path, e)
     if name not in ("float32", "bfloat16"):
         return torch.float32, f"unreadable cache {path}"
     return getattr(torch, name), why
+
+
+def encoder_dtype_why(name: str, device: torch.device, flags: str | None = None) -> tuple[torch.dtype, str]:
+    """A --mm-encoder-dtype name -> (the vision tower's dtype, why): `auto` is bf16 on CUDA; on a CPU bf16 where
+    it has bf16 instructions and a tower-shaped matmul measured once on it is >= MIN_ENCODER_SPEEDUP x float32's;
+    float32 otherwise. `flags`: a cpuinfo flags line (default: this machine's)."""
+    if name not in ENCODER_DTYPES:
+        raise ValueError(f"unknown --mm-encoder-dtype {name!r} (choose from {', '.join(ENCODER_DTYPES)})")
+    if name != "auto":
+        return DTYPES[name], "asked for"
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA"
+    flags = cpu_flags() if flags is None else flags
+    if not cpu_has_fast_bf16(flags):
+        return torch.float32, "no bf16 instructions (AVX512_BF16 or AMX)"
+    return _cached_decision(cache_file(flags, "mm-encoder-dtype"), measure_encoder, decide_encoder)
+
+
+def _packed_matmul(shape: tuple[int, int, int], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """One matmul as a CPU tower runs its linears: oneDNN's packed weights (layers/formats/linear.py), where this
+    torch has them; else torch's own."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_reorder_linear_weight"):
+        return lambda: torch.nn.functional.linear(x, w)
+    packed = mkldnn._reorder_linear_weight(w)
+    return lambda: mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def measure_encoder(reps: int = 7) -> dict:
+    """Seconds of ENCODER_SHAPE's matmul in each dtype, the best of `reps` taken in turns (f32, bf16, f32, ...) on
+    one thread, so a neighbour busy for part of the measurement slows both dtypes' worst runs, not one dtype."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fns = {"f32": _packed_matmul(ENCODER_SHAPE, torch.float32), "bf16": _packed_matmul(ENCODER_SHAPE, torch.bfloat16)}
+        best = {name: float("inf") for name in fns}
+        for name, fn in fns.items():  # warm-up: oneDNN builds its kernels
+            fn()
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def decide_encoder(m: dict) -> tuple[str, str]:
+    """(dtype name, why) from measure_encoder()'s numbers."""
+    speedup = m["f32"] / m["bf16"]
+    if speedup < MIN_ENCODER_SPEEDUP:
+        return "float32", f"a bf16 tower matmul ran {speedup:.2f}x float32's here; bf16 needs >= {MIN_ENCODER_SPEEDUP}x"
+    return "bfloat16", f"a bf16 tower matmul ran {speedup:.2f}x float32's here"

@@ -96,6 +96,10 @@ def _add_model_args(g, several_models: bool) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA; on a CPU float32, unless a measurement made once on the machine "
                    "of an AMX CPU finds bfloat16 batch invariant and clearly faster")
+    g.add_argument("--mm-encoder-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="a vision model's image tower and projector (the text model keeps --dtype); auto: bfloat16 on "
+                   "CUDA, and on a CPU with AVX512_BF16 or AMX where a tower-shaped matmul, timed once on the "
+                   "machine, runs >= 1.5x float32's; float32 elsewhere. Embeddings reach the text model in its dtype")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
                    help="how linear weights are held: gguf (CPU): a GGUF file's own blocks through native int8-dot "
                    "kernels; none: float weights (a GGUF dequantized; transformers parity); int8, int4: weight-only "

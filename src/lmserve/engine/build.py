@@ -100,7 +100,8 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     stage = PPStage(0, pp, read_model_config(resolve_model_path(cfg.model, cfg.revision)).num_layers, 0, tp) \
         if ranks is not None and pp > 1 else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
-                                  shard=shard, max_model_len=cfg.max_model_len, stage=stage, mmproj=cfg.mmproj)
+                                  shard=shard, max_model_len=cfg.max_model_len, stage=stage, mmproj=cfg.mmproj,
+                                  encoder_dtype=cfg.mm_encoder_dtype)
     load_dtype, dtype = dtype, next(loaded.model.parameters()).dtype  # asked for; the model's (a kept GGUF: float32)
     kv_dtype = _kv_dtype(cfg, dtype, loaded, device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype)

@@ -17,7 +17,8 @@ _INITS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                transform: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+                transform: Callable[[torch.nn.Module], None] | None = None,
+                encoder_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Allocate parameters without initialising them (the checkpoint overwrites every one).
 
     `transform` runs before anything is written (swapping layers for ones that hold real tensors already,
@@ -26,6 +27,8 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     triton, 153 MiB of RSS a CPU server never uses; the layers a transform replaces were never written,
     so their pages were never committed. Elsewhere it is built on the meta device and only what is
     still there afterwards is allocated.
+    `encoder_dtype`: a vision model's tower and projector in this dtype instead (None: `dtype`), before any weight is
+    copied in, so each checkpoint tensor is rounded once, to the dtype it serves in.
     """
     if device.type == "cpu":
         with _skip_init():
@@ -39,10 +42,21 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         if transform is not None:
             transform(net)
         _materialize(net, dtype, device)
+    if encoder_dtype is not None:
+        encoder_to(net, encoder_dtype)
     # Buffers are not checkpoint tensors: recompute them on the real device, kept in float32.
     if hasattr(net, "rotary"):  # an encoder (models/bert.py) has learned positions
         net.rotary.reset(rope_specs(cfg), device)
     return net
+
+
+def encoder_to(net: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A vision model's tower and projector (the top-level modules its ENCODER_PREFIXES name) cast to `dtype`; the
+    text model is left as it is. Their encode_images casts pixels to the tower's dtype; the runner casts the
+    embeddings to the text model's where it places them (worker/mm_encoder.py)."""
+    for name, child in net.named_children():
+        if f"{name}." in getattr(net, "ENCODER_PREFIXES", ()):
+            child.to(dtype)
 
 
 @contextmanager

@@ -31,10 +31,13 @@ def weights_fingerprint(path: Path) -> str:
 def served_fingerprint(loaded: Any) -> str:
     """A loaded model's weights: its checkpoint's fingerprint, and its projector file's where a text GGUF is served
     with one (--mmproj): the same text model with another projector encodes images differently, so KV blocks and
-    cached responses of one must never be read for the other."""
+    cached responses of one must never be read for the other. A vision model's tower dtype (--mm-encoder-dtype) too:
+    a bf16 tower's embeddings are not a float32 one's, nor the KV computed from them."""
     fp = weights_fingerprint(Path(loaded.path))
     mmproj = getattr(loaded, "mmproj", None)
-    return fp if mmproj is None else f"{fp}+{weights_fingerprint(Path(mmproj.path))}"
+    fp = fp if mmproj is None else f"{fp}+{weights_fingerprint(Path(mmproj.path))}"
+    tower = getattr(loaded, "encoder_dtype", None)
+    return fp if tower is None else f"{fp}:tower={str(tower).removeprefix('torch.')}"
 
 
 @functools.lru_cache(maxsize=16)

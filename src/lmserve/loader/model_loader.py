@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from lmserve.cpu_dtype import encoder_dtype_why
 from lmserve.errors import CheckpointError
 from lmserve.layers.formats.parallel import drop_row_biases
 from lmserve.layers.formats.pipeline import PPStage, cut_to_stage
@@ -65,6 +66,7 @@ class LoadedModel:
     prequant: PrequantScheme | None = None  # a GPTQ / AWQ / compressed-tensors checkpoint's checked scheme
     stage: PPStage | None = None  # pipeline parallelism: model holds this rank's layers (layers/formats/pipeline.py)
     mmproj: Mmproj | None = None  # a text GGUF's multimodal projector file (--mmproj): its tower and preprocessing
+    encoder_dtype: torch.dtype | None = None  # a vision model's tower and projector (--mm-encoder-dtype); None: no tower
 
     @property
     def quantization(self) -> str:
@@ -92,7 +94,8 @@ class LoadedModel:
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, revision: str | None = None,
                shard: TPShard | None = None, max_model_len: int | None = None,
-               stage: PPStage | None = None, mmproj: str | Path | None = None) -> LoadedModel:
+               stage: PPStage | None = None, mmproj: str | Path | None = None,
+               encoder_dtype: str | None = None) -> LoadedModel:
     """Read config and weights, build the model on `device` in `dtype`, and log time and peak memory.
 
     The model comes back untransformed: float linears stay nn.Linear until the pipeline's weight_format step
@@ -109,6 +112,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     `max_model_len`, the context the engine will serve, picks LongRoPE's factors (models/rope.py).
     `mmproj`: llama.cpp's multimodal projector file beside a text GGUF (loader/mmproj.py): the model is the vision
     family's, its tower's weights read from that file.
+    `encoder_dtype`: a --mm-encoder-dtype name for a vision model's tower and projector (`auto` resolved by
+    cpu_dtype.py `encoder_dtype_why` and logged); None: they are built in `dtype` as the rest.
     """
     if quantization:
         check_scheme(quantization, device)
@@ -133,19 +138,23 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
                                   "a safetensors checkpoint (use auto, int8 or int4)")
         cfg = replace(config_from_dir(path), max_model_len=max_model_len)
         files, weight_map = weight_files(path)
+        tower = _tower_dtype(encoder_dtype, cfg, dtype, device)
         if prequant is not None:
             net = _load_prequantized(files, prequant, cfg, dtype, device, shard, keep=quantization == prequant.method,
-                                     stage=stage)
+                                     stage=stage, encoder_dtype=tower)
         else:
-            net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, None))
+            net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, None), tower)
             net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard, stage=stage))
     elif gguf is not None:
         cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
         if mmproj is not None:
             mm = _check_mmproj(mmproj, cfg, quantization, shard, stage)
-            net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage, mmproj=mm)
+            tower = _tower_dtype(encoder_dtype, vision_model_config(cfg, mm), dtype, device)
+            net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage, mmproj=mm,
+                             encoder_dtype=tower)
             cfg = vision_model_config(cfg, mm)  # the vision family's (one rank: what the model was built from)
         else:
+            tower = None
             net = _load_gguf(gguf, cfg, dtype, device, shard, keep=quantization == "gguf", stage=stage)
     else:
         refuse_format(path)
@@ -160,7 +169,17 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     log.info("loaded %s (%s, %s%s) in %.2f s, %.2f GiB peak RSS", path.name, fmt, str(dtype).removeprefix("torch."),
              f", {quantization} weights" if quantization else "", seconds, rss)
     return LoadedModel(net, cfg, path, fmt, seconds, rss, gguf, quantization, shard, prequant, stage,
-                       mm if mmproj is not None else None)
+                       mm if mmproj is not None else None, (tower or dtype) if cfg.vision is not None else None)
+
+
+def _tower_dtype(name: str | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """A vision model's tower dtype from its --mm-encoder-dtype name, logged like --dtype auto; None where the
+    model has no tower or no name was given (the tower then is in `dtype`)."""
+    if name is None or cfg.vision is None:
+        return None
+    tower, why = encoder_dtype_why(name, device)
+    log.info("--mm-encoder-dtype %s: %s (%s)", name, str(tower).removeprefix("torch."), why)
+    return tower
 
 
 def _check_mmproj(mmproj: str | Path, cfg: ModelConfig, quantization: str | None, shard: TPShard | None,
@@ -176,7 +195,7 @@ def _check_mmproj(mmproj: str | Path, cfg: ModelConfig, quantization: str | None
 
 def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConfig, dtype: torch.dtype,
                        device: torch.device, shard: TPShard | None, keep: bool,
-                       stage: PPStage | None = None) -> torch.nn.Module:
+                       stage: PPStage | None = None, encoder_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Build and fill the model from a pre-quantized checkpoint; `keep`: layers that fit stay in int kernel blocks."""
     tensors = CheckpointTensors(files)
     consumed: set[str] = set()
@@ -188,7 +207,8 @@ def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConf
         return _family_tensors(iter([(name, t, "")]), cfg, None)
 
     world = shard.world_size if shard is not None else 1
-    net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, keep_blocks if keep else None))
+    net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, keep_blocks if keep else None),
+                      encoder_dtype)
     if keep and device.type == "cpu" and dtype == torch.float32:  # after net.to(dtype), which would widen them
         consumed.update(keep_half_tables(net, tensors, renamed))
     net.load_weights(_family_tensors(dequantized_rest(tensors, scheme, consumed, shard), cfg, shard, stage=stage))
@@ -197,7 +217,7 @@ def _load_prequantized(files: list[Path], scheme: PrequantScheme, cfg: ModelConf
 
 def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                shard: TPShard | None, keep: bool, stage: PPStage | None = None,
-               mmproj: Mmproj | None = None) -> torch.nn.Module:
+               mmproj: Mmproj | None = None, encoder_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Build and fill the model from a GGUF file; `keep`: its quantized tensors stay in their blocks; `mmproj`: the
     vision family's model, the text GGUF's tensors read as for the text model (`cfg`) and the tower's from the
     projector file."""
@@ -215,7 +235,8 @@ def _load_gguf(gguf: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: tor
         kept.update(build(net) if stage is not None else cached_keep(net, gguf, dtype, build))
 
     built = cfg if mmproj is None else vision_model_config(cfg, mmproj)
-    net = empty_model(local_config(built, world), dtype, device, _staged(stage, keep_blocks if keep else None))
+    net = empty_model(local_config(built, world), dtype, device, _staged(stage, keep_blocks if keep else None),
+                      encoder_dtype)
     factors = rope_freq_factors(gguf)
     if factors is not None:
         net.rotary.reset(rope_specs(net.config, factors), device)

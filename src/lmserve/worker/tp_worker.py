@@ -86,7 +86,8 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
                     spec.rank % tp, tp) if pp > 1 else None
     shard = TPShard(spec.rank % tp, tp) if tp > 1 else None
     loaded = load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
-                        shard=shard, max_model_len=cfg.max_model_len, stage=stage)
+                        shard=shard, max_model_len=cfg.max_model_len, stage=stage,
+                        encoder_dtype=cfg.mm_encoder_dtype)
     kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, loaded.keeps_blocks, device)
     backend = resolve_attention_backend(cfg.attention_backend, device, dtype).name  # as rank 0 resolved it
     # the same pipeline as rank 0's (engine/build.py; LoRA is refused with tensor parallelism), while rank 0 sizes

@@ -103,11 +103,18 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear in `model` by a PackedLinear (weights are copied into packed form)."""
+def pack_linears(model: nn.Module, packable: dict[torch.dtype, bool] | None = None) -> nn.Module:
+    """Replace every nn.Linear in `model` whose dtype oneDNN packs here (`can_pack`) by a PackedLinear (weights are
+    copied into packed form); a vision tower may hold another dtype than the text model (--mm-encoder-dtype).
+    `packable`: can_pack's answer per dtype, asked once."""
+    packable = {} if packable is None else packable
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child))
+            dtype = child.weight.dtype
+            if dtype not in packable:
+                packable[dtype] = can_pack(child.weight.device, dtype)
+            if packable[dtype]:
+                setattr(model, name, PackedLinear(child))
         else:
-            pack_linears(child)
+            pack_linears(child, packable)
     return model
