@@ -487,7 +487,19 @@ void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // the next group's codes and scales, block by block during the first tile's pass (quant_packed_matmul sets them
+  // for U4 and S8 only; parts_rows below does the same on the narrow builds)
+  const bool prefetch = (KIND == 0 || KIND == 2) && w.next_codes != nullptr && m0 == 0;
   for (int64_t b = 0; b < nb; ++b) {
+    if (prefetch) {
+      constexpr int64_t kBlockBytes = KIND == 0 ? 256 : 512, kScales = KIND == 0 ? 1 : 2;  // per block: scale lines
+      for (int64_t i = 0; i < kBlockBytes; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.next_codes + b * kBlockBytes + i), _MM_HINT_T0);
+      for (int64_t i = 0; i < kScales; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(w.next_sc + kGroup * kScales * b + 16 * i), _MM_HINT_T0);
+        if (KIND == 0) _mm_prefetch(reinterpret_cast<const char*>(w.mn + (w.next_sc - w.sc) + kGroup * b), _MM_HINT_T0);
+      }
+    }
     __m512i wv[8];
     if (nibble_kind(KIND)) {
       const uint8_t* p = w.codes + b * 256;
@@ -1095,7 +1107,7 @@ void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* 
       PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
       // prefetch: S8 (the LM head's Q8_0) at any M (measured -4% at M = 16, -15% at M = 1); U4 only for a few rows, where
       // the matmul waits on memory (-15% at M = 1; at M = 16 it ran ~5% slower so)
-      if (g + 1 < G && (kind == 2 || (kind == 0 && M < 4)))
+      if (g + 1 < G && (kind == 2 || kind == 0))
         w.next_codes = w.codes + group_bytes, w.next_sc = w.sc + scale_count;
       float* out = py + g * kGroup;
       switch (kind) {
