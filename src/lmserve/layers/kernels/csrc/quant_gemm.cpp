@@ -1070,12 +1070,6 @@ int64_t lmserve::quant_packed_rows() {
 #if defined(LMSERVE_QGEMM_PACKED)
 namespace {
 
-#if defined(LMSERVE_QGEMM_AVX512)
-constexpr bool kPrefetchU4AnyM = true;
-#else
-constexpr bool kPrefetchU4AnyM = false;
-#endif
-
 // The sum of each 16 activation codes per row [M, K/16], times 128 on AVX-512 (what S8's unsigned codes add to
 // each half block there) and times 1 on the narrow builds (what their offset codes and mins take)
 std::vector<int32_t> half_block_sums(const int8_t* pq, int64_t stride, int64_t M, int64_t K) {
@@ -1111,10 +1105,11 @@ void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* 
   lmserve::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
-      // prefetch: S8 (the LM head's Q8_0) at any M (measured -4% at M = 16, -15% at M = 1); U4 on the narrow builds only
-      // for a few rows, where the matmul waits on memory (-15% at M = 1; at M = 16 it ran ~5% slower so), on AVX-512 at
-      // any M (the embedded model's matmuls -27% at M = 1 and at M = 16, single thread: group_rows had no prefetch)
-      if (g + 1 < G && (kind == 2 || (kind == 0 && (kPrefetchU4AnyM || M < 4))))
+      // prefetch the next group, U4 and S8 at any M. Measured on Zen 5 (benchmarks/quant_gemm_cpu.cpp, one thread, a
+      // 24576 x 576 U4 and a 49152 x 576 S8 matmul, CPU time): AVX-512, where group_rows had none, M = 16 -10..-25% (U4)
+      // and -23% (S8); x86-64-v3 U4 at M = 16 -15%, x86-64-v2 -4% (an earlier measurement, elsewhere, had U4 at M = 16
+      // ~5% slower so and left it to M < 4); on the narrow builds S8 -4% at M = 16, -15% at M = 1, and U4 -15% at M = 1
+      if (g + 1 < G && (kind == 2 || kind == 0))
         w.next_codes = w.codes + group_bytes, w.next_sc = w.sc + scale_count;
       float* out = py + g * kGroup;
       switch (kind) {
