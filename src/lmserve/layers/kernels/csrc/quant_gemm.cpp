@@ -1106,9 +1106,10 @@ void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* 
     for (int64_t g = g0; g < g1; ++g) {
       PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
       // prefetch the next group, U4 and S8 at any M. Measured on Zen 5 (benchmarks/quant_gemm_cpu.cpp, one thread, a
-      // 24576 x 576 U4 and a 49152 x 576 S8 matmul, CPU time): AVX-512, where group_rows had none, M = 16 -10..-25% (U4)
-      // and -23% (S8); x86-64-v3 U4 at M = 16 -3% to -15% (two runs), x86-64-v2 -4% (an earlier measurement, elsewhere, had U4 at M = 16
-      // ~5% slower so and left it to M < 4); on the narrow builds S8 -4% at M = 16, -15% at M = 1, and U4 -15% at M = 1
+      // 24576 x 576 U4 and a 49152 x 576 S8 matmul, CPU time): AVX-512, where group_rows had none, M = 16 -10..-25%
+      // (U4) and -23% (S8); x86-64-v3 U4 at M = 16 -3% to -15% (two runs), x86-64-v2 -4% (an earlier measurement,
+      // elsewhere, had U4 at M = 16 ~5% slower so and left it to M < 4); on the narrow builds S8 -4% at M = 16, -15%
+      // at M = 1, and U4 -15% at M = 1
       if (g + 1 < G && (kind == 2 || kind == 0))
         w.next_codes = w.codes + group_bytes, w.next_sc = w.sc + scale_count;
       float* out = py + g * kGroup;
