@@ -487,7 +487,19 @@ void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t
   __m512 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // the next group's codes and scales, block by block during the first tile's pass (quant_packed_matmul sets them
+  // for U4 and S8 only; parts_rows below does the same on the narrow builds)
+  const bool prefetch = (KIND == 0 || KIND == 2) && w.next_codes != nullptr && m0 == 0;
   for (int64_t b = 0; b < nb; ++b) {
+    if (prefetch) {
+      constexpr int64_t kBlockBytes = KIND == 0 ? 256 : 512, kScales = KIND == 0 ? 1 : 2;  // per block: scale lines
+      for (int64_t i = 0; i < kBlockBytes; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w.next_codes + b * kBlockBytes + i), _MM_HINT_T0);
+      for (int64_t i = 0; i < kScales; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(w.next_sc + kGroup * kScales * b + 16 * i), _MM_HINT_T0);
+        if (KIND == 0) _mm_prefetch(reinterpret_cast<const char*>(w.mn + (w.next_sc - w.sc) + kGroup * b), _MM_HINT_T0);
+      }
+    }
     __m512i wv[8];
     if (nibble_kind(KIND)) {
       const uint8_t* p = w.codes + b * 256;
@@ -1093,9 +1105,12 @@ void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* 
   lmserve::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
-      // prefetch: S8 (the LM head's Q8_0) at any M (measured -4% at M = 16, -15% at M = 1); U4 only for a few rows, where
-      // the matmul waits on memory (-15% at M = 1; at M = 16 it ran ~5% slower so)
-      if (g + 1 < G && (kind == 2 || (kind == 0 && M < 4)))
+      // prefetch the next group, U4 and S8 at any M. Measured on Zen 5 (benchmarks/quant_gemm_cpu.cpp, one thread, a
+      // 24576 x 576 U4 and a 49152 x 576 S8 matmul, CPU time): AVX-512, where group_rows had none, M = 16 -10..-25%
+      // (U4) and -23% (S8); x86-64-v3 U4 at M = 16 -3% to -15% (two runs), x86-64-v2 -4% (an earlier measurement,
+      // elsewhere, had U4 at M = 16 ~5% slower so and left it to M < 4); on the narrow builds S8 -4% at M = 16, -15%
+      // at M = 1, and U4 -15% at M = 1
+      if (g + 1 < G && (kind == 2 || kind == 0))
         w.next_codes = w.codes + group_bytes, w.next_sc = w.sc + scale_count;
       float* out = py + g * kGroup;
       switch (kind) {
