@@ -35,7 +35,7 @@ from lmserve.layers.attention.paged import PagedAttention
 from lmserve.layers.blocks.mlp import GatedMLP
 from lmserve.layers.blocks.moe import SparseMoE
 from lmserve.layers.formats.gguf_linear import FusedGGUFLinear, GGUFLinear
-from lmserve.layers.formats.linear import SKINNY_MAX_ROWS, PackedLinear
+from lmserve.layers.formats.linear import PackedLinear
 from lmserve.layers.kernels.moe_kernels import NativeExperts, StackedGGUF
 from lmserve.layers.kernels.native import native_module
 
@@ -128,7 +128,7 @@ class DecodeStack:
                 tensors += [m.router.packed if packed else m.router.weight.detach(),
                             m.router.panels if packed else None,
                             None if m.router.bias is None else m.router.bias.detach()]
-                ints += [packed, SKINNY_MAX_ROWS, m.router.out_features, m.top_k, m.renormalize, m.softmax_after_topk]
+                ints += [packed, m.router.out_features, m.top_k, m.renormalize, m.softmax_after_topk]
                 for experts in (m.gate_up, m.down):
                     tensors += [experts.codes, experts.scales, experts.mins, experts.bias]
                     ints.append(experts.kind)

@@ -94,18 +94,20 @@ struct MoeMlp {
   torch::Tensor router;
   c10::optional<torch::Tensor> router_panels, router_bias;
   bool router_packed = false;
-  int64_t skinny_rows = 0;  // layers/formats/linear.SKINNY_MAX_ROWS: the most rows PackedLinear gives its panels
   int64_t num_experts = 0;
   ExpertProj gate_up, down;
   int64_t top_k = 1;
   bool renormalize = false, softmax_after_topk = false;
 
-  // h [T, hidden] -> router logits [T, E], as the router module computes them (PackedLinear.forward: the skinny kernel
-  // for a few rows where it has panels, else oneDNN's packed linear; nn.Linear: at::linear)
+  // h [T, hidden] -> router logits [T, E]. Where the router has panels (PackedLinear keeps them where the skinny
+  // kernel gave oneDNN's bits for the rows of a 16-row call, checked at load) the skinny kernel computes them at any
+  // row count; the module path (PackedLinear.forward) takes oneDNN past 8 rows. Why: oneDNN's set-up per call (its
+  // primitive, descriptors, scratch) was ~8% of the tiny MoE's step at batch 16, for a [16 x 256] x [256 x 8] product.
+  // Each row's chain in the skinny kernel is the same at any row count. Without panels: oneDNN's packed linear;
+  // nn.Linear: at::linear.
   torch::Tensor router_logits(const torch::Tensor& h) const {
     if (!router_packed) return at::linear(h, router, router_bias);
-    if (router_panels.has_value() && h.size(0) <= skinny_rows)
-      return skinny_linear(h, *router_panels, num_experts, router_bias);
+    if (router_panels.has_value()) return skinny_linear(h, *router_panels, num_experts, router_bias);
     static const c10::OperatorHandle op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     std::vector<c10::IValue> stack;
@@ -165,7 +167,7 @@ struct Cursor {
     return p;
   }
   // tensors: router (weight, or oneDNN-packed weight), its panels?, its bias?, then gate_up and down: codes, scales,
-  // mins?, bias?; ints: router packed, its skinny rows, experts, top_k, renormalize, softmax_after_topk, gate_up's kind, down's kind
+  // mins?, bias?; ints: router packed, experts, top_k, renormalize, softmax_after_topk, gate_up's kind, down's kind
   MoeMlp moe() {
     MoeMlp m;
     auto router = tensor();
@@ -174,7 +176,6 @@ struct Cursor {
     m.router_panels = tensor();
     m.router_bias = tensor();
     m.router_packed = integer() != 0;
-    m.skinny_rows = integer();
     m.num_experts = integer();
     m.top_k = integer();
     m.renormalize = integer() != 0;

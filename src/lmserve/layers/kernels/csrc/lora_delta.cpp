@@ -19,7 +19,7 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -28,8 +28,19 @@
 
 namespace {
 
-// 8 floats: one ymm on x86-64-v3; two xmm on v2, spelled out (GCC lowers a 32-byte vector type without AVX
-// through memory: the kernel ran 10x slower)
+// 16 floats, lane l of a chunk always element l: one zmm on AVX-512, two ymm on x86-64-v3, four xmm on v2 (spelled
+// out: GCC lowers a vector type wider than the level's registers through memory, and the kernel ran 10x slower).
+// Every lane runs the same chain of operations at every level's width, so the width changes speed, not bits.
+#if defined(__AVX512F__)
+struct v16 {
+  __m512 v;
+};
+inline v16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store16(float* p, v16 a) { _mm512_storeu_ps(p, a.v); }
+inline v16 splat16(float f) { return {_mm512_set1_ps(f)}; }
+inline v16 add16(v16 a, v16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline v16 fma16(v16 a, v16 b, v16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // c + a * b, one rounding
+#else
 #if defined(__AVX__)
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8*>(p); }
@@ -60,78 +71,85 @@ inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
+struct v16 {
+  v8 lo, hi;
+};
+inline v16 load16(const float* p) { return {load8(p), load8(p + 8)}; }
+inline void store16(float* p, v16 a) {
+  store8(p, a.lo);
+  store8(p + 8, a.hi);
+}
+inline v16 splat16(float f) { return {splat8(f), splat8(f)}; }
+inline v16 add16(v16 a, v16 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline v16 fma16(v16 a, v16 b, v16 c) { return {fma8(a.lo, b.lo, c.lo), fma8(a.hi, b.hi, c.hi)}; }
+#endif
+
 constexpr int64_t kLanes = 16;
 constexpr int kTile = 4;  // rows of one adapter sharing each load of A and B
+// B rows are read 16 columns at a time across all `rank` rows (rank streams at once, more than the hardware
+// prefetcher follows): each is prefetched this many floats ahead (a few cache lines)
+constexpr int64_t kAhead = 128;
 
-// lanes (16 floats: lane l summed elements l, l + 16, ... of the full chunks) plus the tail, folded pairwise
-inline float fold(v8 lo, v8 hi, const float* x, const float* a, int64_t j, int64_t in) {
+// lanes (lane l summed elements l, l + 16, ... of the full chunks) plus the tail, folded pairwise
+inline float fold(v16 lanes, const float* x, const float* a, int64_t j, int64_t in) {
   float acc[kLanes];
-  store8(acc, lo);
-  store8(acc + 8, hi);
+  store16(acc, lanes);
   for (int64_t l = 0; j + l < in; ++l) acc[l] += x[j + l] * a[j + l];
   for (int64_t w = kLanes / 2; w >= 1; w /= 2)
     for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
   return acc[0];
 }
 
-// h[r][kn] = x_r . a[kn] for R rows and the m = rank * n rows of A: two A rows at a time, R rows each (R x 2 dots,
-// 16 lanes each, sharing the loads)
+// h[r][kn..kn + K) = x_r . a[kn..kn + K) for R rows and K rows of A (R x K dots, 16 lanes each, sharing the loads)
+template <int R, int K>
+inline void dots(const float* const* xs, const float* a, int64_t kn, int64_t in, int64_t full, float* const* h) {
+  const float* ak[K];
+  for (int q = 0; q < K; ++q) ak[q] = a + (kn + q) * in;
+  v16 acc[R][K];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < K; ++q) acc[r][q] = splat16(0.0f);
+  for (int64_t j = 0; j < full; j += kLanes) {
+    v16 p[K];
+    for (int q = 0; q < K; ++q) p[q] = load16(ak[q] + j);
+    for (int r = 0; r < R; ++r) {
+      const v16 x = load16(xs[r] + j);
+      for (int q = 0; q < K; ++q) acc[r][q] = fma16(x, p[q], acc[r][q]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < K; ++q) h[r][kn + q] = fold(acc[r][q], xs[r], ak[q], full, in);
+}
+
+// h[r][kn] = x_r . a[kn] for R rows and the m = rank * n rows of A, kA rows of A at a time (32 registers on AVX-512
+// hold 4 x 4 accumulators; 16 on the lower levels, 2 x 2 in two-register vectors)
 template <int R>
 void shrink(const float* const* xs, const float* a, int64_t m, int64_t in, float* const* h) {
   const int64_t full = in / kLanes * kLanes;
+#if defined(__AVX512F__)
+  constexpr int kA = 4;
+#else
+  constexpr int kA = 2;
+#endif
   int64_t kn = 0;
-  for (; kn + 2 <= m; kn += 2) {
-    const float* a0 = a + kn * in;
-    const float* a1 = a0 + in;
-    v8 acc[R][2][2] = {};
-    for (int64_t j = 0; j < full; j += kLanes) {
-      const v8 p0 = load8(a0 + j), p1 = load8(a0 + j + 8), q0 = load8(a1 + j), q1 = load8(a1 + j + 8);
-      for (int r = 0; r < R; ++r) {
-        const v8 x0 = load8(xs[r] + j), x1 = load8(xs[r] + j + 8);
-        acc[r][0][0] = fma8(x0, p0, acc[r][0][0]);
-        acc[r][0][1] = fma8(x1, p1, acc[r][0][1]);
-        acc[r][1][0] = fma8(x0, q0, acc[r][1][0]);
-        acc[r][1][1] = fma8(x1, q1, acc[r][1][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      h[r][kn] = fold(acc[r][0][0], acc[r][0][1], xs[r], a0, full, in);
-      h[r][kn + 1] = fold(acc[r][1][0], acc[r][1][1], xs[r], a1, full, in);
-    }
-  }
-  for (; kn < m; ++kn) {
-    const float* a0 = a + kn * in;
-    v8 acc[R][2] = {};
-    for (int64_t j = 0; j < full; j += kLanes) {
-      const v8 p0 = load8(a0 + j), p1 = load8(a0 + j + 8);
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = fma8(load8(xs[r] + j), p0, acc[r][0]);
-        acc[r][1] = fma8(load8(xs[r] + j + 8), p1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) h[r][kn] = fold(acc[r][0], acc[r][1], xs[r], a0, full, in);
-  }
+  for (; kn + kA <= m; kn += kA) dots<R, kA>(xs, a, kn, in, full, h);
+  for (; kn < m; ++kn) dots<R, 1>(xs, a, kn, in, full, h);
 }
 
 // y_r[o] += sum_k h_r[k * n + i] * b[k][o] (k in order from 0, then added to y) for R rows, 16 columns at a time
+// (wider blocks, each visit to a row of B reading more lines, measured slower on Zen 5)
 template <int R>
 void expand(const float* const* hs, int64_t n, int64_t i, const float* b, int64_t rank, int64_t out,
             float* const* ys) {
   int64_t o = 0;
   for (; o + 16 <= out; o += 16) {
-    v8 d[R][2] = {};
+    for (int64_t k = 0; k < rank; ++k) __builtin_prefetch(b + k * out + o + kAhead);
+    v16 d[R];
+    for (int r = 0; r < R; ++r) d[r] = splat16(0.0f);
     for (int64_t k = 0; k < rank; ++k) {
-      const v8 b0 = load8(b + k * out + o), b1 = load8(b + k * out + o + 8);
-      for (int r = 0; r < R; ++r) {
-        const v8 hk = splat8(hs[r][k * n + i]);
-        d[r][0] = fma8(hk, b0, d[r][0]);
-        d[r][1] = fma8(hk, b1, d[r][1]);
-      }
+      const v16 bk = load16(b + k * out + o);
+      for (int r = 0; r < R; ++r) d[r] = fma16(splat16(hs[r][k * n + i]), bk, d[r]);
     }
-    for (int r = 0; r < R; ++r) {
-      store8(ys[r] + o, load8(ys[r] + o) + d[r][0]);
-      store8(ys[r] + o + 8, load8(ys[r] + o + 8) + d[r][1]);
-    }
+    for (int r = 0; r < R; ++r) store16(ys[r] + o, add16(load16(ys[r] + o), d[r]));
   }
   for (; o < out; ++o)  // the last columns (widths not a multiple of 16), the same chain per column
     for (int r = 0; r < R; ++r) {

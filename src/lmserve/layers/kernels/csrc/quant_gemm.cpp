@@ -262,6 +262,7 @@ struct PackedW {  // one group's codes, scales and mins in the packed layout
   const uint8_t* next_codes = nullptr;
   const float* next_sc = nullptr;
 };
+constexpr int kGroupsAtOnce = 4;  // a mixture of experts' item on AVX-512: adjacent groups of one expert (groups_all_rows)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define LMSERVE_QGEMM_AVX512 1
@@ -480,26 +481,35 @@ inline void load_super_group(const PackedW& w, int64_t b, __m512i* wv, __m512* h
   }
 }
 
-// 16 outputs of C input rows [m0, m0 + C) over one group, stored at out[m * ldo + 0..15]
-template <int KIND, int C>
-void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, float* out, int64_t ldo) {
-  const int64_t nb = w.nb;
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+// 16 outputs of C input rows [m0, m0 + C) over NG groups (groups[q]: its outputs at out + 16 q), stored at
+// out[m * ldo + 16 q + 0..15]. Each output's chain is the same for any C and NG; several groups give a tile of 1-3
+// rows (a mixture of experts' few rows per expert) independent chains to overlap: one row's chain alone waits on its
+// dependent FMAs block after block (group_rows<2, 1..3> took ~3x a 4-row tile's time per row).
+template <int KIND, int C, int NG = 1>
+void group_rows(const PackedW* groups, const QRows& x, const int32_t* xsum16, int64_t m0, float* out, int64_t ldo) {
+  const int64_t nb = groups[0].nb;
+  __m512 accs[NG][C];
+  for (int q = 0; q < NG; ++q)
+    for (int c = 0; c < C; ++c) accs[q][c] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // the next group's codes and scales, block by block during the first tile's pass (quant_packed_matmul sets them
-  // for U4 and S8 only; parts_rows below does the same on the narrow builds)
-  const bool prefetch = (KIND == 0 || KIND == 2) && w.next_codes != nullptr && m0 == 0;
+  // the next group's codes and scales (after the last of the NG), block by block during the first tile's pass
+  // (quant_packed_matmul sets them for U4 and S8 only; parts_rows below does the same on the narrow builds)
+  const PackedW& last = groups[NG - 1];
+  const bool prefetch = (KIND == 0 || KIND == 2) && last.next_codes != nullptr && m0 == 0;
   for (int64_t b = 0; b < nb; ++b) {
     if (prefetch) {
       constexpr int64_t kBlockBytes = KIND == 0 ? 256 : 512, kScales = KIND == 0 ? 1 : 2;  // per block: scale lines
       for (int64_t i = 0; i < kBlockBytes; i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w.next_codes + b * kBlockBytes + i), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(last.next_codes + b * kBlockBytes + i), _MM_HINT_T0);
       for (int64_t i = 0; i < kScales; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(w.next_sc + kGroup * kScales * b + 16 * i), _MM_HINT_T0);
-        if (KIND == 0) _mm_prefetch(reinterpret_cast<const char*>(w.mn + (w.next_sc - w.sc) + kGroup * b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(last.next_sc + kGroup * kScales * b + 16 * i), _MM_HINT_T0);
+        if (KIND == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(last.mn + (last.next_sc - last.sc) + kGroup * b), _MM_HINT_T0);
       }
     }
+   for (int q = 0; q < NG; ++q) {  // group by group: each keeps its own accumulators
+    const PackedW& w = groups[q];
+    __m512* acc = accs[q];
     __m512i wv[8];
     if (nibble_kind(KIND)) {
       const uint8_t* p = w.codes + b * 256;
@@ -560,19 +570,36 @@ void group_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t
       acc[c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(ws, _mm512_set1_ps(x.d(m0 + c)[b])), acc[c]);
       acc[c] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x.s(m0 + c)[b]), acc[c]);
     }
+   }
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (m0 + c) * ldo, acc[c]);
+  for (int q = 0; q < NG; ++q)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (m0 + c) * ldo + q * kGroup, accs[q][c]);
 }
 
 // every input row against one group, 4 input rows at a time (the group's codes stay in L1 meanwhile)
 template <int KIND>
 void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) group_rows<KIND, 4>(w, x, xsum16, m, out, ldo);
+  for (; m + 4 <= M; m += 4) group_rows<KIND, 4>(&w, x, xsum16, m, out, ldo);
   switch (M - m) {
-    case 3: return group_rows<KIND, 3>(w, x, xsum16, m, out, ldo);
-    case 2: return group_rows<KIND, 2>(w, x, xsum16, m, out, ldo);
-    case 1: return group_rows<KIND, 1>(w, x, xsum16, m, out, ldo);
+    case 3: return group_rows<KIND, 3>(&w, x, xsum16, m, out, ldo);
+    case 2: return group_rows<KIND, 2>(&w, x, xsum16, m, out, ldo);
+    case 1: return group_rows<KIND, 1>(&w, x, xsum16, m, out, ldo);
+    default: return;
+  }
+}
+
+// every input row against kGroupsAtOnce adjacent groups (outputs side by side from out): whole tiles group by group,
+// then the last 1-3 rows against all of them in one tile (the same chains as group_all_rows, group by group)
+template <int KIND>
+void groups_all_rows(const PackedW* ws, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
+  const int64_t whole = M / 4 * 4;
+  for (int q = 0; q < kGroupsAtOnce; ++q)
+    for (int64_t m = 0; m < whole; m += 4) group_rows<KIND, 4>(ws + q, x, xsum16, m, out + q * kGroup, ldo);
+  switch (M - whole) {
+    case 3: return group_rows<KIND, 3, kGroupsAtOnce>(ws, x, xsum16, whole, out, ldo);
+    case 2: return group_rows<KIND, 2, kGroupsAtOnce>(ws, x, xsum16, whole, out, ldo);
+    case 1: return group_rows<KIND, 1, kGroupsAtOnce>(ws, x, xsum16, whole, out, ldo);
     default: return;
   }
 }
@@ -1141,18 +1168,35 @@ void lmserve::quant_packed_experts(int64_t kind, const uint8_t* pc, const float*
   const std::vector<int32_t> xsum16 = kind == 2 ? half_block_sums(xq, stride, R, K) : std::vector<int32_t>();
   const int32_t* px16 = kind == 2 ? xsum16.data() : nullptr;
   const int64_t group_bytes = nb * (kind == 0 ? 256 : 512), group_scales = (kind == 2 ? 2 * nb : nb) * kGroup;
-  lmserve::parallel_for(0, E * G, 1, [&](int64_t i0, int64_t i1) {
+  // an item: kGroupsAtOnce adjacent groups of one expert where G allows (its last 1-3 rows in one tile), else one
+#if defined(LMSERVE_QGEMM_AVX512)
+  const int64_t span = G % kGroupsAtOnce == 0 ? kGroupsAtOnce : 1, spans = G / span;
+#else
+  const int64_t span = 1, spans = G;  // the narrow kernels' parts already give a tile several chains
+#endif
+  lmserve::parallel_for(0, E * spans, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / G, g = i % G, r0 = off[e], M = off[e + 1] - r0;
+      const int64_t e = i / spans, g = i % spans * span, r0 = off[e], M = off[e + 1] - r0;
       if (M <= 0) continue;
-      const int64_t wg = e * G + g;  // the group's index in the stacked [E * G] groups
-      const PackedW w{pc + wg * group_bytes, ps + wg * group_scales, pm ? pm + wg * group_scales : nullptr, nb};
+      PackedW ws[kGroupsAtOnce];
+      for (int64_t q = 0; q < span; ++q) {
+        const int64_t wg = e * G + g + q;  // the group's index in the stacked [E * G] groups
+        ws[q] = PackedW{pc + wg * group_bytes, ps + wg * group_scales, pm ? pm + wg * group_scales : nullptr, nb};
+      }
       const QRows xr{xq + r0 * stride, stride, K};
       const int32_t* s16 = px16 ? px16 + r0 * 2 * nb : nullptr;
       float* out = py + r0 * N + g * kGroup;
-      if (kind == 0) group_all_rows<0>(w, xr, s16, M, out, N);
-      else if (kind == 1) group_all_rows<1>(w, xr, s16, M, out, N);
-      else group_all_rows<2>(w, xr, s16, M, out, N);
+#if defined(LMSERVE_QGEMM_AVX512)
+      if (span == kGroupsAtOnce) {
+        if (kind == 0) groups_all_rows<0>(ws, xr, s16, M, out, N);
+        else if (kind == 1) groups_all_rows<1>(ws, xr, s16, M, out, N);
+        else groups_all_rows<2>(ws, xr, s16, M, out, N);
+        continue;
+      }
+#endif
+      if (kind == 0) group_all_rows<0>(ws[0], xr, s16, M, out, N);
+      else if (kind == 1) group_all_rows<1>(ws[0], xr, s16, M, out, N);
+      else group_all_rows<2>(ws[0], xr, s16, M, out, N);
     }
   });
 }
