@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -15,6 +16,8 @@ from lmserve.errors import RequestRejected
 from lmserve.multimodal.image_io import ImageData
 from lmserve.multimodal.processor import MMInput, VisionProcessor
 from lmserve.tokenizer import Tokenizer
+
+PLACEHOLDER_SIZES = 1024  # image sizes whose placeholder length is remembered
 
 
 class PromptImages:
@@ -33,14 +36,28 @@ class PromptImages:
         if len(soft) != 1:
             raise ValueError(f"the tokenizer has no single token for {embed!r}")
         self.embed_token_id = soft[0]
+        self._lengths: dict[tuple[int, int], int] = {}  # (width, height) -> placeholder tokens (_placeholder_len)
+        self._lengths_lock = threading.Lock()
 
     def count(self, ids: list[int], sizes: Sequence[tuple[int, int]]) -> int:
         """The length `expand` gives `ids` with images of these (width, height)s, from the sizes alone (each
         placeholder tokenized, no pixel touched): a request too long for the context is refused before decoding."""
         self._check_marks(ids, len(sizes))
-        return len(ids) - len(sizes) + sum(
-            len(self.tokenizer.encode_prompt(_placeholder(self.processor, w, h), add_special_tokens=False))
-            for w, h in sizes)
+        return len(ids) - len(sizes) + sum(self._placeholder_len(w, h) for w, h in sizes)
+
+    def _placeholder_len(self, width: int, height: int) -> int:
+        """Tokens of the placeholder for an image of this size, remembered per size (LRU): a client repeating
+        images past the context costs a dict lookup per image, not a tokenization of its thousands of tokens."""
+        key = (width, height)
+        with self._lengths_lock:  # admission threads share it
+            n = self._lengths.pop(key, None)
+        if n is None:
+            n = len(self.tokenizer.encode_prompt(_placeholder(self.processor, width, height), add_special_tokens=False))
+        with self._lengths_lock:
+            self._lengths[key] = n  # the most recent last
+            if len(self._lengths) > PLACEHOLDER_SIZES:
+                del self._lengths[next(iter(self._lengths))]
+        return n
 
     def _check_marks(self, ids: list[int], n_images: int) -> list[int]:
         marks = [i for i, t in enumerate(ids) if t == self.image_token_id]
