@@ -64,9 +64,13 @@ def as_ollama(server, key: str) -> ollama.Client:
 
 
 def loaded(server) -> dict[str, float]:
-    """The loaded models by /api/ps (an admin sees all), each with the seconds until its keep-alive runs out."""
+    """The loaded models by /api/ps (an admin sees all), each with the seconds until its keep-alive runs out.
+
+    Read against the clock after the answer: the server dates `expires_at` from its own now while answering, so a
+    clock read before the call sees up to the call's latency more than the keep-alive (a CI run: 600.002 s of 600)."""
+    models = as_ollama(server, "ops").ps().models
     now = datetime.now(timezone.utc)
-    return {m.model: (m.expires_at - now).total_seconds() for m in as_ollama(server, "ops").ps().models}
+    return {m.model: (m.expires_at - now).total_seconds() for m in models}
 
 
 def wait_unloaded(server, name: str, timeout: float) -> float:
