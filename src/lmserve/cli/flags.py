@@ -288,6 +288,10 @@ def _add_server_args(g) -> None:
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests waiting beyond the running batch before new ones get 503")
     g.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted")
+    g.add_argument("--pace-refused-requests", type=float, default=10.0, metavar="PER_SECOND",
+                   help="refused requests (4xx) a second an API key may send, in bursts of twice that, while other "
+                   "keys are served; past it the key's next requests wait before their body is read, so that bad "
+                   "requests sent back to back cannot take the server from other keys (0: off)")
     g.add_argument("--max-rerank-documents", type=int, default=1000,
                    help="most documents (or text pairs) one rerank or score request may send; more is a 400")
     g.add_argument("--max-upload-bytes", type=int, default=64 * 2**20,

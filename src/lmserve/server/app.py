@@ -132,6 +132,7 @@ class AuthAndStatus:
         async def send_counted(message) -> None:
             if message["type"] == "http.response.start":
                 st.metrics.status(message["status"], st.not_ready or LOADING_KEY in scope["state"])
+                st.pacer.answered(name, message["status"], time.monotonic())
                 # Read at response start: after admission took its share, before a stream's first byte.
                 message = {**message, "headers": [*message.get("headers", []), *st.tenants.headers(name)]}
             await send(message)
@@ -143,6 +144,10 @@ class AuthAndStatus:
                 st.metrics.rejected.labels(err.reason).inc()
                 return await error_response(path, err)(scope, receive, send_counted)
             scope["state"][CHARGED_KEY] = True
+            wait = st.pacer.arrive(name, time.monotonic())
+            if wait > 0:  # its requests keep being refused while other keys are served (server/pacing.py)
+                st.metrics.key_paced.labels(name).inc()
+                await asyncio.sleep(wait)
         try:
             await self.app(scope, receive, send_counted)
         finally:  # the response has ended (a stream's last chunk sent): its model may be unloaded again

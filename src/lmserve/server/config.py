@@ -40,6 +40,7 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without an API key (a scraper on a trusted network)
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 2**20
+    pace_refused_requests: float = 10.0  # refusals a second a key may have while others are served (server/pacing.py)
     max_rerank_documents: int = 1000  # documents (text pairs) in one rerank or score request
     max_upload_bytes: int = 64 * 2**20  # POST /v1/files (a batch job's input file), held in memory while it arrives
     drain_timeout: float = 30.0

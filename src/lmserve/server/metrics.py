@@ -135,7 +135,12 @@ class ServerMetrics:
         self.key_prefix_hits = by_key(Counter("lmserve:key_prefix_cache_hit_tokens", "Prompt tokens whose KV came "
                                               "from the prefix cache, by API key name (a key's blocks are its own "
                                               "unless it opts in to sharing)", ["key_name"], registry=r))
+        self.key_paced = by_key(Counter("lmserve:key_requests_paced", "Requests that waited before their body was "
+                                        "read because their key's requests kept being refused while other keys "
+                                        "were served (--pace-refused-requests), by API key name", ["key_name"],
+                                        registry=r))
         for name in labels:
+            self.key_paced.labels(name)
             self.key_in_flight.labels(name).set_function(lambda name=name: in_flight(name))
             self.key_requests.labels(name)
             self.key_prefix_hits.labels(name)

@@ -24,6 +24,7 @@ from lmserve.server.key_file import ANONYMOUS, key_specs
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.models.pool import ModelLoadError, ModelPool, ModelSpec, ServedModel
 from lmserve.server.models.traffic import TrafficSplit
+from lmserve.server.pacing import RefusalPacer
 from lmserve.server.protocol import parse_body, parse_data
 from lmserve.server.quotas import StorageQuota
 from lmserve.server.response_cache import ResponseCache
@@ -71,6 +72,7 @@ class ServerState:
     ops: Ops = field(default_factory=Ops)  # tracing, payload log, rules, drift (each off unless configured)
     created: int = field(default_factory=lambda: int(time.time()))
     tenants: Tenants = field(init=False)  # accepted keys, per-key limits and usage
+    pacer: RefusalPacer = field(init=False)  # keys whose requests keep being refused wait while others are served
     adapter_owners: AdapterOwners = field(default_factory=AdapterOwners)  # who loaded which runtime adapter
     response_cache: ResponseCache | None = None  # with --response-cache
     playground: Shares | None = None  # a playground/store.ShareStore; None: the playground is off (--no-playground)
@@ -84,6 +86,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.tenants = Tenants(key_specs(self.config.api_keys, self.config.named_keys), self.metrics)
+        rate = self.config.pace_refused_requests
+        self.pacer = RefusalPacer(rate, 2 * rate)
         if self.models is None:  # one model whose engine the caller starts (start_engine): tests, run-batch
             self.models = ModelPool([ModelSpec(self.config.served_model_name)])
 
