@@ -217,3 +217,55 @@ def minilm_gguf(outtype: str) -> Path:
     """The real all-MiniLM-L6-v2 converted to GGUF by llama.cpp's converter, in the test cache beside its directory."""
     source = minilm_dir()
     return convert_to_gguf(source, outtype, source.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{outtype}.gguf")
+
+
+# a small corpus a real SentencePiece Unigram is trained on: words that share pieces, punctuation, accents, digits,
+# fullwidth forms and a ligature (which the trainer's default nmt_nfkc normalisation folds, through the
+# precompiled charsmap the model carries)
+UNIGRAM_CORPUS = ("the cat sat on the mat while a dog slept by the door; tokenization, retrieval and reranking are "
+                  "what an embedder does for a language model. Héllo WORLD, naïve café in Zürich costs 12.50 "
+                  "euros! Unaffable tokenizers tokenize tokens: retokenized, detokenized. Ｆｕｌｌｗｉｄｔｈ ﬁne "
+                  "œuvre. Der schnelle braune Fuchs springt über den faulen Hund. Le renard brun saute.")
+
+
+def xlm_roberta_for_converter(root: Path) -> Path:
+    """A tiny random XLMRobertaModel (mean pooling, sentence-transformers modules) with a real SentencePiece Unigram
+    trained here on `UNIGRAM_CORPUS`, saved as XLM-R ships it: sentencepiece.bpe.model (what llama.cpp's converter
+    reads), and transformers' tokenizer.json from it (fairseq's ids: <s> <pad> </s> <unk>, the pieces one up, <mask>
+    last). The embedding has the tokenizer's rows."""
+    import io
+    import random
+
+    import sentencepiece
+    import transformers
+
+    path = root / "xlm-roberta-unigram"
+    path.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    words = UNIGRAM_CORPUS.split()
+    lines = [" ".join(rng.sample(words, rng.randint(3, 12))) for _ in range(300)] + [UNIGRAM_CORPUS] * 5
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=400,
+                                             model_type="unigram", character_coverage=1.0, hard_vocab_limit=False,
+                                             minloglevel=2, num_threads=1)
+    (path / "sentencepiece.bpe.model").write_bytes(model.getvalue())
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "XLMRobertaTokenizer",
+                                                            "model_max_length": 128}))
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.save_pretrained(path)  # tokenizer.json (and the config again)
+    torch.manual_seed(0)
+    cfg = transformers.XLMRobertaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, hidden_act="gelu", initializer_range=0.2,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                        max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                                        bos_token_id=0, eos_token_id=2)
+    net = transformers.XLMRobertaModel(cfg).float().eval()
+    with torch.no_grad():  # LayerNorms and biases away from 1 and 0, so that each one matters
+        for name, p in net.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    net.save_pretrained(path, safe_serialization=True)
+    write_st_modules(path, "mean", True, 64)
+    # the whole window (128 positions): these short pieces spell a sentence in many tokens
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    return path
