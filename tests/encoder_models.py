@@ -174,9 +174,24 @@ def llama_cpp_source() -> Path:
     return require_converter()
 
 
-def convert_to_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
+# convert_hf_to_gguf.py run with one change: the byte-level BPE vocabulary is taken as the pre-tokenizer named in
+# argv[1] (a tokenizer trained here hashes to no name llama.cpp knows; tests/llama_convert.py does the same)
+_CONVERT_AS = """
+import sys
+pre, src = sys.argv.pop(1), sys.argv.pop(1)
+sys.path[:0] = [src, src + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def convert_to_gguf(model_dir: Path, outtype: str, out: Path, pre: str | None = None) -> Path:
     """`model_dir` converted by llama.cpp's own convert_hf_to_gguf.py (`outtype` f32 | f16) to `out`, once: a file
-    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half)."""
+    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half).
+    `pre`: the byte-level BPE pre-tokenizer name the converter writes (the real model's, for a tokenizer trained
+    here)."""
     import os
     import subprocess
     import sys
@@ -185,8 +200,9 @@ def convert_to_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
-    script = llama_cpp_source() / "convert_hf_to_gguf.py"
-    done = subprocess.run([sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
+    src = llama_cpp_source()
+    run = [str(src / "convert_hf_to_gguf.py")] if pre is None else ["-c", _CONVERT_AS, pre, str(src)]
+    done = subprocess.run([sys.executable, *run, str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")
@@ -267,5 +283,34 @@ def xlm_roberta_for_converter(root: Path) -> Path:
     net.save_pretrained(path, safe_serialization=True)
     write_st_modules(path, "mean", True, 64)
     # the whole window (128 positions): these short pieces spell a sentence in many tokens
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    return path
+
+
+def modernbert_for_converter(root: Path) -> Path:
+    """A tiny random ModernBertModel (global, local ±4, global; mean pooling) with a byte-level BPE trained here on
+    `UNIGRAM_CORPUS` as ModernBERT's own is made (GPT-2's split, no prefix space; [PAD] [UNK] [CLS] [SEP] [MASK] at
+    ids 0-4, framed [CLS] a [SEP] / [CLS] a [SEP] b [SEP]); the embedding has the tokenizer's rows."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    words = UNIGRAM_CORPUS.split()
+    lines = [" ".join(rng.sample(words, rng.randint(3, 12))) for _ in range(300)] + [UNIGRAM_CORPUS] * 5
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    path = build_rotary_encoder(root, "modernbert", pooling="mean", vocab=tok.get_vocab_size())
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128, "cls_token": "[CLS]",
+        "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]",
+        "model_input_names": ["input_ids", "attention_mask"]}))
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
     return path

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lmserve.engine.llm import LLM
-from tests.encoder_models import SENTENCES, convert_to_gguf, xlm_roberta_for_converter
+from tests.encoder_models import SENTENCES, convert_to_gguf, modernbert_for_converter, xlm_roberta_for_converter
 from tests.test_encoders import _vectors, mixed_sentences
 
 # texts the tiny Unigram (trained on tests/encoder_models.py's UNIGRAM_CORPUS) spells in at most 128 tokens: words it
@@ -63,4 +63,36 @@ def test_xlm_roberta_gguf_matches_sentence_transformers(xlm_roberta):
     assert llm.engine.model_config.position_offset == 0 and llm.engine.model_config.type_vocab_size == 1
     got = _vectors(llm, TEXTS)
     assert np.abs(got - ref).max() < 1e-4  # measured 1.0e-7
+    assert np.abs(got - _vectors(LLM(str(path), max_num_seqs=64), TEXTS)).max() < 1e-5  # measured 0
+
+
+@pytest.fixture(scope="module")
+def modernbert(tmp_path_factory):
+    root = tmp_path_factory.mktemp("modernbert")
+    path = modernbert_for_converter(root)
+    return path, convert_to_gguf(path, "f32", root / "modernbert-f32.gguf", pre="modern-bert")
+
+
+def test_modernbert_gguf_matches_sentence_transformers(modernbert):
+    """The window pattern (global, local, global), the ±4 local window and both rotary bases from the file's
+    metadata; sequences of up to 82 tokens, so that the window cuts. The byte-level BPE tokenizes (and frames
+    pairs) as the tokenizer.json it came from."""
+    from sentence_transformers import SentenceTransformer
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from lmserve.tokenizer.tokenizer import Tokenizer
+
+    path, gguf = modernbert
+    ours, ref = Tokenizer.from_gguf(gguf), HFTokenizer.from_file(str(path / "tokenizer.json"))
+    for text in TEXTS + ["", "x" * 150]:
+        assert ours.encode(text) == ref.encode(text).ids, text
+    assert ours.encode_pair("a query", "the document") == ref.encode("a query", "the document").ids
+    llm = LLM(str(gguf), max_num_seqs=64)
+    cfg = llm.engine.model_config
+    assert (cfg.layer_types, cfg.sliding_window, cfg.rope_theta, cfg.local_rope_theta) == (
+        ("full", "sliding", "full"), 4, 160000.0, 10000.0)
+    assert llm.engine.front.pooler.method == "mean"
+    got = _vectors(llm, TEXTS)
+    assert np.abs(got - SentenceTransformer(str(path), device="cpu").encode(TEXTS, normalize_embeddings=True)
+                  ).max() < 1e-4  # measured 1.9e-7
     assert np.abs(got - _vectors(LLM(str(path), max_num_seqs=64), TEXTS)).max() < 1e-5  # measured 0

@@ -35,6 +35,9 @@ from lmserve.loader.start_cache import cached
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5  # GGUF token_type values (6 byte)
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
+# encoders whose vocabulary is not "bert" WordPiece (XLM-R's Unigram and RoBERTa's BPE in a bert file, ModernBERT's BPE)
+# frame texts and pairs as llama.cpp's rerank prompt does
+ENCODER_ARCHS = frozenset({"bert", "modern-bert", "nomic-bert"})
 # Special-token ids by template variable name (the four transformers reads from a GGUF).
 NAMED_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
              "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
@@ -75,7 +78,7 @@ def _table(*groups: tuple[tuple[str, ...], PreTokenizer]) -> dict[str, PreTokeni
 
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = _table(
-    (("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), PreTokenizer((_GPT2,))),
+    (("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "modern-bert"), PreTokenizer((_GPT2,))),
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
      PreTokenizer((r"\p{N}", _GPT2))),  # digits split one by one first
     (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
@@ -155,12 +158,14 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
         special |= {"cls_token": tokens[bos]} if bos is not None else {}
         special |= {"sep_token": tokens[ids["sep_token"]]} if ids["sep_token"] is not None else {}
         set_bert_pairs(hf, bos, ids["sep_token"], tokens)
-    elif kind == "t5" and meta.get("tokenizer.ggml.add_sep_token") and add_bos and add_eos and None not in (bos, eos):
-        # llama.cpp frames a pair BOS a EOS SEP b EOS (its rerank prompt): XLM-R's <s> a </s></s> b </s>
+    elif meta.get("general.architecture") in ENCODER_ARCHS and add_bos and add_eos and None not in (bos, eos):
+        # an encoder's pair as llama.cpp frames it (its rerank prompt): BOS a EOS, SEP where add_sep_token, b EOS:
+        # XLM-R's <s> a </s></s> b </s>, ModernBERT's [CLS] a [SEP] b [SEP]
         sep = _token_id(meta, "tokenizer.ggml.seperator_token_id", len(tokens))  # llama.cpp's spelling of the key
         ids["sep_token"] = eos if sep is None else sep
         special |= {"cls_token": tokens[bos], "sep_token": tokens[ids["sep_token"]]}
-        set_roberta_pairs(hf, bos, eos, ids["sep_token"], tokens)
+        set_encoder_pairs(hf, bos, eos, ids["sep_token"] if meta.get("tokenizer.ggml.add_sep_token") else None,
+                          tokens)
     else:
         set_bos_eos(hf, (tokens[bos], bos) if add_bos and bos is not None else None,
                     (tokens[eos], eos) if add_eos and eos is not None else None)
@@ -299,12 +304,14 @@ def set_bos_eos(hf: HFTokenizer, bos: tuple[str, int] | None, eos: tuple[str, in
         special_tokens=[t for t in (bos, eos) if t is not None])
 
 
-def set_roberta_pairs(hf: HFTokenizer, bos: int, eos: int, sep: int, tokens: list[str]) -> None:
-    """BOS a EOS for one text, BOS a EOS SEP b EOS for a pair (XLM-R: <s> a </s></s> b </s>), as llama.cpp frames
-    them; every token type 0 (RoBERTa has one)."""
-    b, e, s = tokens[bos], tokens[eos], tokens[sep]
+def set_encoder_pairs(hf: HFTokenizer, bos: int, eos: int, sep: int | None, tokens: list[str]) -> None:
+    """BOS a EOS for one text, BOS a EOS [SEP] b EOS for a pair, as llama.cpp frames them; every token type 0 (the
+    encoders that come here have one type, or none)."""
+    b, e = tokens[bos], tokens[eos]
+    mid = f" {tokens[sep]}" if sep is not None else ""
+    named = {b: bos, e: eos} | ({tokens[sep]: sep} if sep is not None else {})
     hf.post_processor = processors.TemplateProcessing(
-        single=f"{b} $A {e}", pair=f"{b} $A {e} {s} $B {e}", special_tokens=list({b: bos, e: eos, s: sep}.items()))
+        single=f"{b} $A {e}", pair=f"{b} $A {e}{mid} $B {e}", special_tokens=list(named.items()))
 
 
 def _unigram(meta: Mapping[str, Any], tokens: list[str], types: list[int],
