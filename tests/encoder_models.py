@@ -244,8 +244,9 @@ UNIGRAM_CORPUS = ("the cat sat on the mat while a dog slept by the door; tokeniz
                   "œuvre. Der schnelle braune Fuchs springt über den faulen Hund. Le renard brun saute.")
 
 
-def xlm_roberta_for_converter(root: Path) -> Path:
-    """A tiny random XLMRobertaModel (mean pooling, sentence-transformers modules) with a real SentencePiece Unigram
+def xlm_roberta_for_converter(root: Path, num_labels: int = 0) -> Path:
+    """A tiny random XLMRobertaModel (mean pooling, sentence-transformers modules; `num_labels` > 0: an
+    XLMRobertaForSequenceClassification without them, a cross-encoder with 1) with a real SentencePiece Unigram
     trained here on `UNIGRAM_CORPUS`, saved as XLM-R ships it: sentencepiece.bpe.model (what llama.cpp's converter
     reads), and transformers' tokenizer.json from it (fairseq's ids: <s> <pad> </s> <unk>, the pieces one up, <mask>
     last). The embedding has the tokenizer's rows."""
@@ -255,7 +256,7 @@ def xlm_roberta_for_converter(root: Path) -> Path:
     import sentencepiece
     import transformers
 
-    path = root / "xlm-roberta-unigram"
+    path = root / f"xlm-roberta-unigram-{num_labels}"
     path.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     words = UNIGRAM_CORPUS.split()
@@ -274,21 +275,25 @@ def xlm_roberta_for_converter(root: Path) -> Path:
                                         num_attention_heads=4, hidden_act="gelu", initializer_range=0.2,
                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                         max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
-                                        bos_token_id=0, eos_token_id=2)
-    net = transformers.XLMRobertaModel(cfg).float().eval()
+                                        bos_token_id=0, eos_token_id=2, num_labels=max(num_labels, 1))
+    cls = transformers.XLMRobertaForSequenceClassification if num_labels else transformers.XLMRobertaModel
+    net = cls(cfg).float().eval()
     with torch.no_grad():  # LayerNorms and biases away from 1 and 0, so that each one matters
         for name, p in net.named_parameters():
             if "LayerNorm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     net.save_pretrained(path, safe_serialization=True)
+    if num_labels:
+        return path
     write_st_modules(path, "mean", True, 64)
     # the whole window (128 positions): these short pieces spell a sentence in many tokens
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
     return path
 
 
-def modernbert_for_converter(root: Path) -> Path:
-    """A tiny random ModernBertModel (global, local ±4, global; mean pooling) with a byte-level BPE trained here on
+def modernbert_for_converter(root: Path, num_labels: int = 0) -> Path:
+    """A tiny random ModernBertModel (global, local ±4, global; mean pooling; `num_labels` > 0:
+    ModernBertForSequenceClassification, CLS pooling, no sentence-transformers modules) with a byte-level BPE trained here on
     `UNIGRAM_CORPUS` as ModernBERT's own is made (GPT-2's split, no prefix space; [PAD] [UNK] [CLS] [SEP] [MASK] at
     ids 0-4, framed [CLS] a [SEP] / [CLS] a [SEP] b [SEP]); the embedding has the tokenizer's rows."""
     import random
@@ -306,7 +311,8 @@ def modernbert_for_converter(root: Path) -> Path:
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
                                                        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    path = build_rotary_encoder(root, "modernbert", pooling="mean", vocab=tok.get_vocab_size())
+    path = build_rotary_encoder(root, "modernbert", num_labels, pooling=None if num_labels else "mean",
+                                vocab=tok.get_vocab_size())
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128, "cls_token": "[CLS]",

@@ -96,3 +96,24 @@ def test_modernbert_gguf_matches_sentence_transformers(modernbert):
     assert np.abs(got - SentenceTransformer(str(path), device="cpu").encode(TEXTS, normalize_embeddings=True)
                   ).max() < 1e-4  # measured 1.9e-7
     assert np.abs(got - _vectors(LLM(str(path), max_num_seqs=64), TEXTS)).max() < 1e-5  # measured 0
+
+
+@pytest.mark.parametrize("kind", ["xlm-roberta", "modernbert"])
+def test_cross_encoder_gguf_matches_sentence_transformers(tmp_path, kind):
+    """A reranker from the file (XLM-R: bge-reranker-v2-m3's kind, the head's dense + out_proj as cls and
+    cls.output; ModernBERT: dense, norm, classifier as cls, cls.norm, cls.output, CLS-pooled): pairs framed as the
+    model's tokenizer frames them, scores as sentence-transformers' CrossEncoder gives them."""
+    from sentence_transformers import CrossEncoder
+
+    if kind == "xlm-roberta":
+        path = xlm_roberta_for_converter(tmp_path, num_labels=1)
+        gguf = convert_to_gguf(path, "f32", tmp_path / "ce.gguf")
+    else:
+        path = modernbert_for_converter(tmp_path, num_labels=1)
+        gguf = convert_to_gguf(path, "f32", tmp_path / "ce.gguf", pre="modern-bert")
+    pairs = [(q, d) for q in SENTENCES[:2] for d in TEXTS[:8]]
+    ref = CrossEncoder(str(path), device="cpu").predict(pairs)  # sigmoid of the one logit (its default activation)
+    llm = LLM(str(gguf))
+    assert llm.engine.front.tasks == ("score", "rerank", "classify")
+    got = _vectors(llm, [llm.tokenizer.encode_pair(q, d) for q, d in pairs])[:, 0]
+    assert np.abs(got - ref).max() < 1e-4

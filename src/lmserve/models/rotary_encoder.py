@@ -304,6 +304,11 @@ def _modern_gguf(m: GGUFMeta) -> Fields:
     if act not in _ACTS:
         raise CheckpointError(f"GGUF metadata: {m.arch}.hidden_activation {act!r} is not supported "
                               f"({', '.join(_ACTS)})")
+    if "cls.output.weight" in m.names and m.get("classifier.pooling_type") != 2:
+        # llama.cpp pools a head's input by the mean where the key says 1 or is absent (gte-reranker-modernbert)
+        raise CheckpointError(f"GGUF metadata: {m.arch}.classifier.pooling_type "
+                              f"{m.get('classifier.pooling_type')!r} is not supported (a classification head "
+                              "reads the CLS vector: 2)")
     sep = m.meta.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling of the key
     fields: Fields = {
         "encoder": True, "type_vocab_size": 0, "num_labels": (len(labels) if labels else 1)
