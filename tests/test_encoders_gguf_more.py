@@ -117,3 +117,20 @@ def test_cross_encoder_gguf_matches_sentence_transformers(tmp_path, kind):
     assert llm.engine.front.tasks == ("score", "rerank", "classify")
     got = _vectors(llm, [llm.tokenizer.encode_pair(q, d) for q, d in pairs])[:, 0]
     assert np.abs(got - ref).max() < 1e-4
+
+
+def test_malformed_unigram_vocabulary_refused():
+    """A 't5' vocabulary the file cannot make is a CheckpointError naming what, never a traceback."""
+    from lmserve.errors import CheckpointError
+    from lmserve.tokenizer.gguf_vocab import build_from_gguf
+
+    meta = {"general.architecture": "bert", "tokenizer.ggml.model": "t5", "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.tokens": ["<unk>", "\u2581a"], "tokenizer.ggml.scores": [0.0, -1.0],
+            "tokenizer.ggml.token_type": [2, 1], "tokenizer.ggml.remove_extra_whitespaces": True}
+    assert build_from_gguf(meta, "ok.gguf").hf.encode("a").ids == [1]
+    with pytest.raises(CheckpointError, match="precompiled charsmap"):
+        build_from_gguf(meta | {"tokenizer.ggml.precompiled_charsmap": [0, 1, 2]}, "m.gguf")
+    with pytest.raises(CheckpointError, match="no scores"):
+        build_from_gguf(meta | {"tokenizer.ggml.scores": [0.0]}, "m.gguf")
+    with pytest.raises(CheckpointError, match="names no unknown token"):
+        build_from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.unknown_token_id"}, "m.gguf")

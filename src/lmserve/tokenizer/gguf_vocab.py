@@ -338,11 +338,13 @@ def _unigram(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     # vocabulary with unused pieces scored below every normal one still lowers it: the converter's -10000 fillers.)
     outside = np.isin(kinds, (UNKNOWN, CONTROL, 6))
     score[outside] = np.maximum(score[outside], normal.min())
-    hf = HFTokenizer(models.Unigram(list(zip(tokens, score.tolist())), unk_id=unk, byte_fallback=False))
+    hf = HFTokenizer(_made(source, "a Unigram model", lambda: models.Unigram(list(zip(tokens, score.tolist())),
+                                                                              unk_id=unk, byte_fallback=False)))
     steps = []
     charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
     if charsmap is not None and len(charsmap):
-        steps.append(normalizers.Precompiled(bytes(np.asarray(charsmap, dtype=np.uint8).tobytes())))
+        blob = np.asarray(charsmap, dtype=np.uint8).tobytes()
+        steps.append(_made(source, "its precompiled charsmap", lambda: normalizers.Precompiled(blob)))
     if meta.get("tokenizer.ggml.remove_extra_whitespaces", False):
         # every run of non-space text gets one "▁" before it (with or without add_space_prefix), spaces go
         steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" +"), SPIECE_SPACE),
@@ -390,6 +392,14 @@ def _bpe(source: str, **kwargs: Any) -> models.BPE:
         return models.BPE(**kwargs)
     except Exception as e:  # noqa: BLE001 - the only type it raises
         raise CheckpointError(f"{source}: the GGUF vocabulary cannot make a BPE model ({str(e)[:200]})") from None
+
+
+def _made(source: str, what: str, make: Callable[[], Any]) -> Any:
+    """`make()`, a `tokenizers` object; the plain Exception it raises on malformed input a CheckpointError."""
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - the only type it raises
+        raise CheckpointError(f"{source}: the GGUF vocabulary cannot make {what} ({str(e)[:200]})") from None
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
