@@ -119,8 +119,9 @@ def test_cross_encoder_gguf_matches_sentence_transformers(tmp_path, kind):
     assert np.abs(got - ref).max() < 1e-4
 
 
-def test_malformed_unigram_vocabulary_refused():
-    """A 't5' vocabulary the file cannot make is a CheckpointError naming what, never a traceback."""
+def test_unigram_vocabulary_from_metadata_alone():
+    """A 't5' vocabulary the file cannot make is a CheckpointError naming what, never a traceback; absent keys
+    take llama.cpp's defaults."""
     from lmserve.errors import CheckpointError
     from lmserve.tokenizer.gguf_vocab import build_from_gguf
 
@@ -134,3 +135,9 @@ def test_malformed_unigram_vocabulary_refused():
         build_from_gguf(meta | {"tokenizer.ggml.scores": [0.0]}, "m.gguf")
     with pytest.raises(CheckpointError, match="names no unknown token"):
         build_from_gguf({k: v for k, v in meta.items() if k != "tokenizer.ggml.unknown_token_id"}, "m.gguf")
+    # keys absent: llama.cpp's UGM defaults, no BOS, an EOS, no prefix space, spaces kept one "▁" each
+    bare = build_from_gguf(meta | {"tokenizer.ggml.tokens": ["<unk>", "\u2581a", "</s>", "a"],
+                                   "tokenizer.ggml.scores": [0.0, -1.0, 0.0, -1.0],
+                                   "tokenizer.ggml.token_type": [2, 1, 3, 1], "tokenizer.ggml.eos_token_id": 2,
+                                   "tokenizer.ggml.remove_extra_whitespaces": False}, "bare.gguf")
+    assert bare.hf.encode("a").ids == [3, 2] and bare.hf.encode(" a").ids == [1, 2]

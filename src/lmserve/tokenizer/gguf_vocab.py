@@ -150,7 +150,7 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     ids = {name: _token_id(meta, key, len(tokens)) for name, key in NAMED_IDS.items()}
     special = {name: tokens[i] for name, i in ids.items() if i is not None}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", kind == "t5"))  # llama.cpp's UGM default: an EOS
     bos, eos = ids["bos_token"], ids["eos_token"]
     if kind == "bert":
         sep = _token_id(meta, "tokenizer.ggml.seperator_token_id", len(tokens))  # llama.cpp's spelling of the key
@@ -318,12 +318,11 @@ def _unigram(meta: Mapping[str, Any], tokens: list[str], types: list[int],
              source: str) -> tuple[HFTokenizer, bool]:
     """SentencePiece Unigram as llama.cpp's llm_tokenizer_ugm runs it: the Viterbi over the whole normalised text
     (no pre-tokenizer: llama.cpp splits none), an unknown code point scored the lowest normal piece's score - 10
-    and a run of them fused into one <unk>."""
+    and a run of them fused into one <unk>. Keys absent take llama.cpp's defaults (no space prefix, no merging of
+    spaces; it reads no treat_whitespace_as_suffix key)."""
     scores = meta.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
         raise CheckpointError(f"{source}: GGUF Unigram vocabulary has no scores for its {len(tokens)} tokens")
-    if meta.get("tokenizer.ggml.treat_whitespace_as_suffix"):
-        raise CheckpointError(f"{source}: GGUF Unigram vocabulary with treat_whitespace_as_suffix is not supported")
     unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
     if unk is None:
         raise CheckpointError(f"{source}: GGUF Unigram vocabulary names no unknown token")
@@ -351,10 +350,10 @@ def _unigram(meta: Mapping[str, Any], tokens: list[str], types: list[int],
                   normalizers.Prepend(SPIECE_SPACE)]
     else:  # each space a "▁"; the prefix "▁" (a text of spaces alone gets one too, which llama.cpp's does not)
         steps += [normalizers.Replace(" ", SPIECE_SPACE)]
-        steps += [normalizers.Prepend(SPIECE_SPACE)] * bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        steps += [normalizers.Prepend(SPIECE_SPACE)] * bool(meta.get("tokenizer.ggml.add_space_prefix", False))
     hf.normalizer = normalizers.Sequence(steps)
     hf.decoder = decoders.Metaspace(replacement=SPIECE_SPACE, prepend_scheme="always", split=True)
-    return hf, True
+    return hf, False  # llama.cpp's UGM defaults (T5's): no BOS, an EOS (`build_from_gguf`), no prefix space
 
 
 def _wordpiece(meta: Mapping[str, Any], tokens: list[str], types: list[int],
