@@ -174,9 +174,24 @@ def llama_cpp_source() -> Path:
     return require_converter()
 
 
-def convert_to_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
+# convert_hf_to_gguf.py run with one change: the byte-level BPE vocabulary is taken as the pre-tokenizer named in
+# argv[1] (a tokenizer trained here hashes to no name llama.cpp knows; tests/llama_convert.py does the same)
+_CONVERT_AS = """
+import sys
+pre, src = sys.argv.pop(1), sys.argv.pop(1)
+sys.path[:0] = [src, src + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def convert_to_gguf(model_dir: Path, outtype: str, out: Path, pre: str | None = None) -> Path:
     """`model_dir` converted by llama.cpp's own convert_hf_to_gguf.py (`outtype` f32 | f16) to `out`, once: a file
-    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half)."""
+    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half).
+    `pre`: the byte-level BPE pre-tokenizer name the converter writes (the real model's, for a tokenizer trained
+    here)."""
     import os
     import subprocess
     import sys
@@ -185,8 +200,9 @@ def convert_to_gguf(model_dir: Path, outtype: str, out: Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
-    script = llama_cpp_source() / "convert_hf_to_gguf.py"
-    done = subprocess.run([sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
+    src = llama_cpp_source()
+    run = [str(src / "convert_hf_to_gguf.py")] if pre is None else ["-c", _CONVERT_AS, pre, str(src)]
+    done = subprocess.run([sys.executable, *run, str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")
@@ -217,3 +233,90 @@ def minilm_gguf(outtype: str) -> Path:
     """The real all-MiniLM-L6-v2 converted to GGUF by llama.cpp's converter, in the test cache beside its directory."""
     source = minilm_dir()
     return convert_to_gguf(source, outtype, source.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{outtype}.gguf")
+
+
+# a small corpus a real SentencePiece Unigram is trained on: words that share pieces, punctuation, accents, digits,
+# fullwidth forms and a ligature (which the trainer's default nmt_nfkc normalisation folds, through the
+# precompiled charsmap the model carries)
+UNIGRAM_CORPUS = ("the cat sat on the mat while a dog slept by the door; tokenization, retrieval and reranking are "
+                  "what an embedder does for a language model. Héllo WORLD, naïve café in Zürich costs 12.50 "
+                  "euros! Unaffable tokenizers tokenize tokens: retokenized, detokenized. Ｆｕｌｌｗｉｄｔｈ ﬁne "
+                  "œuvre. Der schnelle braune Fuchs springt über den faulen Hund. Le renard brun saute.")
+
+
+def xlm_roberta_for_converter(root: Path, num_labels: int = 0) -> Path:
+    """A tiny random XLMRobertaModel (mean pooling, sentence-transformers modules; `num_labels` > 0: an
+    XLMRobertaForSequenceClassification without them, a cross-encoder with 1) with a real SentencePiece Unigram
+    trained here on `UNIGRAM_CORPUS`, saved as XLM-R ships it: sentencepiece.bpe.model (what llama.cpp's converter
+    reads), and transformers' tokenizer.json from it (fairseq's ids: <s> <pad> </s> <unk>, the pieces one up, <mask>
+    last). The embedding has the tokenizer's rows."""
+    import io
+    import random
+
+    import sentencepiece
+    import transformers
+
+    path = root / f"xlm-roberta-unigram-{num_labels}"
+    path.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    words = UNIGRAM_CORPUS.split()
+    lines = [" ".join(rng.sample(words, rng.randint(3, 12))) for _ in range(300)] + [UNIGRAM_CORPUS] * 5
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=400,
+                                             model_type="unigram", character_coverage=1.0, hard_vocab_limit=False,
+                                             minloglevel=2, num_threads=1)
+    (path / "sentencepiece.bpe.model").write_bytes(model.getvalue())
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "XLMRobertaTokenizer",
+                                                            "model_max_length": 128}))
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.save_pretrained(path)  # tokenizer.json (and the config again)
+    torch.manual_seed(0)
+    cfg = transformers.XLMRobertaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, hidden_act="gelu", initializer_range=0.2,
+                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                        max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+                                        bos_token_id=0, eos_token_id=2, num_labels=max(num_labels, 1))
+    cls = transformers.XLMRobertaForSequenceClassification if num_labels else transformers.XLMRobertaModel
+    net = cls(cfg).float().eval()
+    with torch.no_grad():  # LayerNorms and biases away from 1 and 0, so that each one matters
+        for name, p in net.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    net.save_pretrained(path, safe_serialization=True)
+    if num_labels:
+        return path
+    write_st_modules(path, "mean", True, 64)
+    # the whole window (128 positions): these short pieces spell a sentence in many tokens
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    return path
+
+
+def modernbert_for_converter(root: Path, num_labels: int = 0) -> Path:
+    """A tiny random ModernBertModel (global, local ±4, global; mean pooling; `num_labels` > 0:
+    ModernBertForSequenceClassification, CLS pooling, no sentence-transformers modules) with a byte-level BPE trained here on
+    `UNIGRAM_CORPUS` as ModernBERT's own is made (GPT-2's split, no prefix space; [PAD] [UNK] [CLS] [SEP] [MASK] at
+    ids 0-4, framed [CLS] a [SEP] / [CLS] a [SEP] b [SEP]); the embedding has the tokenizer's rows."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    words = UNIGRAM_CORPUS.split()
+    lines = [" ".join(rng.sample(words, rng.randint(3, 12))) for _ in range(300)] + [UNIGRAM_CORPUS] * 5
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    path = build_rotary_encoder(root, "modernbert", num_labels, pooling=None if num_labels else "mean",
+                                vocab=tok.get_vocab_size())
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128, "cls_token": "[CLS]",
+        "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]",
+        "model_input_names": ["input_ids", "attention_mask"]}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    return path

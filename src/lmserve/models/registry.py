@@ -66,6 +66,7 @@ GGUF_ARCHITECTURES: dict[str, Family] = {
     "gpt-oss": gpt_oss.GPT_OSS,
     "bert": bert.BERT,  # llama.cpp's converter: BertModel (MiniLM, bge, e5) embedders
     "nomic-bert": rotary_encoder.NOMIC_BERT,  # nomic-embed-text v1 / v1.5
+    "modern-bert": rotary_encoder.MODERNBERT,  # ModernBERT embedders and rerankers (gte-modernbert, granite R2)
 }
 
 

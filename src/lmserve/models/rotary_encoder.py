@@ -9,7 +9,8 @@ whole in one step, attention per sequence with `bidirectional`), with rotary pos
   classification head (dense, activation, norm, classifier) reads the CLS vector (`classifier_pooling` "cls").
 - NomicBERT: BERT's post-norm layout with token-type embeddings, no position table, rotary q/k, no linear biases,
   SwiGLU. (nomic-ai's Hub checkpoints with remote code name tensors differently; transformers' port is read.)
-  Also from a GGUF as llama.cpp's converter writes it (`nomic-bert`: `_NOMIC_GGUF` onto nomic-ai's names).
+Both load from a GGUF as llama.cpp's converter writes them: `modern-bert` (`_MODERN_GGUF` onto HF's names, the
+window pattern and rotary bases from `_modern_gguf`) and `nomic-bert` (`_NOMIC_GGUF` onto nomic-ai's names).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class RotaryEncoderModel(Encoder):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.modern = cfg.architecture.startswith("ModernBert")
+        self.modern = cfg.architecture.startswith("ModernBert") or cfg.architecture == "modern-bert"  # HF | GGUF
         self.sep_token_id = cfg.sep_token_id
         h = cfg.hidden_size
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
@@ -280,6 +281,50 @@ def _nomic_gguf(m: GGUFMeta) -> Fields:
             "hidden_act": "silu", "norm_bias": True, "sep_token_id": int(sep) if sep is not None else None}
 
 
-MODERNBERT = Family("modernbert", hf_fields=_modern_hf, checkpoint_stream=_modern_stream, model=RotaryEncoderModel)
+# llama.cpp's modern-bert tensor names -> HF's (as `_modern_stream` reads them; `{i}`: layer)
+_MODERN_GGUF = {f"{g}.{kind}": f"{h}.{kind}" for kind in ("weight", "bias") for g, h in {
+    "token_embd": "embeddings.tok_embeddings", "token_embd_norm": "embeddings.norm", "output_norm": "final_norm",
+    "blk.{i}.attn_norm": "layers.{i}.attn_norm", "blk.{i}.attn_qkv": "layers.{i}.attn.Wqkv",
+    "blk.{i}.attn_output": "layers.{i}.attn.Wo", "blk.{i}.ffn_norm": "layers.{i}.mlp_norm",
+    "blk.{i}.ffn_up": "layers.{i}.mlp.Wi", "blk.{i}.ffn_down": "layers.{i}.mlp.Wo",
+    "cls": "head.dense", "cls.norm": "head.norm", "cls.output": "classifier",
+}.items()}
+
+
+def _modern_gguf(m: GGUFMeta) -> Fields:
+    """llama.cpp's modern-bert keys, read as its loader reads them: `attention.sliding_window` is the whole local
+    span (a token sees keys within half of it on either side; absent or 0: every layer global), and layer i is
+    global where i % `sliding_window_pattern` is 0 (3 where absent); the local layers' rotary base is
+    `rope.freq_base_swa` (else the global one). Biases and a classification head are there where their tensors
+    are; the head's activation is not in the file (ModernBERT's is GELU)."""
+    n, span = int(m.require("block_count")), int(m.get("attention.sliding_window") or 0)
+    every = int(m.get("attention.sliding_window_pattern") or 3)
+    labels = m.get("classifier.output_labels")
+    act = str(m.get("hidden_activation", "gelu"))
+    if act not in _ACTS:
+        raise CheckpointError(f"GGUF metadata: {m.arch}.hidden_activation {act!r} is not supported "
+                              f"({', '.join(_ACTS)})")
+    if "cls.output.weight" in m.names and m.get("classifier.pooling_type") != 2:
+        # llama.cpp pools a head's input by the mean where the key says 1 or is absent (gte-reranker-modernbert)
+        raise CheckpointError(f"GGUF metadata: {m.arch}.classifier.pooling_type "
+                              f"{m.get('classifier.pooling_type')!r} is not supported (a classification head "
+                              "reads the CLS vector: 2)")
+    sep = m.meta.get("tokenizer.ggml.seperator_token_id")  # llama.cpp's spelling of the key
+    fields: Fields = {
+        "encoder": True, "type_vocab_size": 0, "num_labels": (len(labels) if labels else 1)
+        if "cls.output.weight" in m.names else 0, "hidden_act": act, "classifier_act": "gelu",
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", m.get("attention.layer_norm_epsilon", 1e-5))),
+        "norm_bias": "token_embd_norm.bias" in m.names, "classifier_bias": "cls.bias" in m.names,
+        "qkv_bias": "blk.0.attn_qkv.bias" in m.names, "o_bias": "blk.0.attn_output.bias" in m.names,
+        "mlp_bias": "blk.0.ffn_up.bias" in m.names, "sep_token_id": int(sep) if sep is not None else None}
+    if span > 0:
+        fields |= {"sliding_window": span // 2,
+                   "layer_types": tuple("sliding" if i % every else "full" for i in range(n)),
+                   "local_rope_theta": float(m.get("rope.freq_base_swa", m.get("rope.freq_base", 10000.0)))}
+    return fields
+
+
+MODERNBERT = Family("modernbert", hf_fields=_modern_hf, checkpoint_stream=_modern_stream, model=RotaryEncoderModel,
+                    gguf_fields=_modern_gguf, gguf_names=_MODERN_GGUF)
 NOMIC_BERT = Family("nomic-bert", hf_fields=_nomic_hf, text_config=_nomic_config, checkpoint_stream=_nomic_stream,
                     model=RotaryEncoderModel, gguf_fields=_nomic_gguf, gguf_names=_NOMIC_GGUF)

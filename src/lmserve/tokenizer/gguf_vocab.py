@@ -1,6 +1,6 @@
 """GGUF tokenizer metadata -> a Hugging Face `tokenizers.Tokenizer`, tokenizing as llama.cpp does.
 
-Three GGUF vocabularies are supported:
+Four GGUF vocabularies are supported:
 - "gpt2": byte-level BPE (Llama 3, Qwen 2, SmolLM, ...): tokens, merges, and the pre-tokenizer
   regexes named by `tokenizer.ggml.pre` (llama.cpp's table; an unknown name is an error, since a
   wrong split silently changes every prompt).
@@ -12,6 +12,9 @@ Three GGUF vocabularies are supported:
 - "bert": WordPiece (BERT, MiniLM, bge): llama.cpp's converter spells a word-start piece "▁piece" and a
   continuation "piece" (the "##" dropped); the HF WordPiece vocabulary is rebuilt from that, framed as BERT
   frames texts and pairs ([CLS] a [SEP] b [SEP], types 0 / 1).
+- "t5": SentencePiece Unigram ("UGM" in llama.cpp: XLM-RoBERTa, bge-m3): the pieces and their scores as a Unigram
+  model, normalised as llama.cpp's llm_tokenizer_ugm does (the precompiled charsmap, then spaces: each run of
+  non-space text after one "▁", extra spaces dropped), framed by the file's add_bos / add_eos / add_sep.
 Token types mark control tokens (special) and user-defined ones (always matched whole).
 """
 
@@ -29,9 +32,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from lmserve.errors import CheckpointError
 from lmserve.loader.start_cache import cached
 
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # GGUF token_type values (2 unknown, 5 unused, 6 byte)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5  # GGUF token_type values (6 byte)
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
+# encoders whose vocabulary is not "bert" WordPiece (XLM-R's Unigram and RoBERTa's BPE in a bert file, ModernBERT's BPE)
+# frame texts and pairs as llama.cpp's rerank prompt does
+ENCODER_ARCHS = frozenset({"bert", "modern-bert", "nomic-bert"})
 # Special-token ids by template variable name (the four transformers reads from a GGUF).
 NAMED_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
              "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
@@ -72,7 +78,7 @@ def _table(*groups: tuple[tuple[str, ...], PreTokenizer]) -> dict[str, PreTokeni
 
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = _table(
-    (("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), PreTokenizer((_GPT2,))),
+    (("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "modern-bert"), PreTokenizer((_GPT2,))),
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
      PreTokenizer((r"\p{N}", _GPT2))),  # digits split one by one first
     (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
@@ -127,7 +133,7 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     kind = meta.get("tokenizer.ggml.model")
     if kind not in _BUILDERS:
         raise CheckpointError(f"{source}: GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level "
-                              "BPE, 'llama' SentencePiece, 'bert' WordPiece); serve the model's Hugging Face "
+                              "BPE, 'llama' SentencePiece, 'bert' WordPiece, 't5' SentencePiece Unigram); serve the model's Hugging Face "
                               "directory instead")
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{source}: GGUF file has no tokenizer.ggml.tokens (no embedded tokenizer)")
@@ -144,7 +150,7 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
     ids = {name: _token_id(meta, key, len(tokens)) for name, key in NAMED_IDS.items()}
     special = {name: tokens[i] for name, i in ids.items() if i is not None}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", kind == "t5"))  # llama.cpp's UGM default: an EOS
     bos, eos = ids["bos_token"], ids["eos_token"]
     if kind == "bert":
         sep = _token_id(meta, "tokenizer.ggml.seperator_token_id", len(tokens))  # llama.cpp's spelling of the key
@@ -152,6 +158,14 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
         special |= {"cls_token": tokens[bos]} if bos is not None else {}
         special |= {"sep_token": tokens[ids["sep_token"]]} if ids["sep_token"] is not None else {}
         set_bert_pairs(hf, bos, ids["sep_token"], tokens)
+    elif meta.get("general.architecture") in ENCODER_ARCHS and add_bos and add_eos and None not in (bos, eos):
+        # an encoder's pair as llama.cpp frames it (its rerank prompt): BOS a EOS, SEP where add_sep_token, b EOS:
+        # XLM-R's <s> a </s></s> b </s>, ModernBERT's [CLS] a [SEP] b [SEP]
+        sep = _token_id(meta, "tokenizer.ggml.seperator_token_id", len(tokens))  # llama.cpp's spelling of the key
+        ids["sep_token"] = eos if sep is None else sep
+        special |= {"cls_token": tokens[bos], "sep_token": tokens[ids["sep_token"]]}
+        set_encoder_pairs(hf, bos, eos, ids["sep_token"] if meta.get("tokenizer.ggml.add_sep_token") else None,
+                          tokens)
     else:
         set_bos_eos(hf, (tokens[bos], bos) if add_bos and bos is not None else None,
                     (tokens[eos], eos) if add_eos and eos is not None else None)
@@ -290,6 +304,58 @@ def set_bos_eos(hf: HFTokenizer, bos: tuple[str, int] | None, eos: tuple[str, in
         special_tokens=[t for t in (bos, eos) if t is not None])
 
 
+def set_encoder_pairs(hf: HFTokenizer, bos: int, eos: int, sep: int | None, tokens: list[str]) -> None:
+    """BOS a EOS for one text, BOS a EOS [SEP] b EOS for a pair, as llama.cpp frames them; every token type 0 (the
+    encoders that come here have one type, or none)."""
+    b, e = tokens[bos], tokens[eos]
+    mid = f" {tokens[sep]}" if sep is not None else ""
+    named = {b: bos, e: eos} | ({tokens[sep]: sep} if sep is not None else {})
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{b} $A {e}", pair=f"{b} $A {e}{mid} $B {e}", special_tokens=list(named.items()))
+
+
+def _unigram(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+             source: str) -> tuple[HFTokenizer, bool]:
+    """SentencePiece Unigram as llama.cpp's llm_tokenizer_ugm runs it: the Viterbi over the whole normalised text
+    (no pre-tokenizer: llama.cpp splits none), an unknown code point scored the lowest normal piece's score - 10
+    and a run of them fused into one <unk>. Keys absent take llama.cpp's defaults (no space prefix, no merging of
+    spaces; it reads no treat_whitespace_as_suffix key)."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise CheckpointError(f"{source}: GGUF Unigram vocabulary has no scores for its {len(tokens)} tokens")
+    unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens))
+    if unk is None:
+        raise CheckpointError(f"{source}: GGUF Unigram vocabulary names no unknown token")
+    kinds = np.asarray(types + [NORMAL] * (len(tokens) - len(types)))
+    score = np.asarray(scores, dtype=np.float64)
+    normal = score[kinds == NORMAL]
+    if normal.size == 0:
+        raise CheckpointError(f"{source}: GGUF Unigram vocabulary has no normal pieces")
+    # `tokenizers` scores an unknown code point at the lowest score of its whole vocabulary - 10, llama.cpp at the
+    # lowest normal piece's - 10: the pieces llama.cpp never matches (control, unknown, byte; control ones are
+    # split off whole before the model anyway) are raised to that score so that both lowest scores agree. (A
+    # vocabulary with unused pieces scored below every normal one still lowers it: the converter's -10000 fillers.)
+    outside = np.isin(kinds, (UNKNOWN, CONTROL, 6))
+    score[outside] = np.maximum(score[outside], normal.min())
+    hf = HFTokenizer(_made(source, "a Unigram model", lambda: models.Unigram(list(zip(tokens, score.tolist())),
+                                                                              unk_id=unk, byte_fallback=False)))
+    steps = []
+    charsmap = meta.get("tokenizer.ggml.precompiled_charsmap")
+    if charsmap is not None and len(charsmap):
+        blob = np.asarray(charsmap, dtype=np.uint8).tobytes()
+        steps.append(_made(source, "its precompiled charsmap", lambda: normalizers.Precompiled(blob)))
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces", False):
+        # every run of non-space text gets one "▁" before it (with or without add_space_prefix), spaces go
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" +"), SPIECE_SPACE),
+                  normalizers.Prepend(SPIECE_SPACE)]
+    else:  # each space a "▁"; the prefix "▁" (a text of spaces alone gets one too, which llama.cpp's does not)
+        steps += [normalizers.Replace(" ", SPIECE_SPACE)]
+        steps += [normalizers.Prepend(SPIECE_SPACE)] * bool(meta.get("tokenizer.ggml.add_space_prefix", False))
+    hf.normalizer = normalizers.Sequence(steps)
+    hf.decoder = decoders.Metaspace(replacement=SPIECE_SPACE, prepend_scheme="always", split=True)
+    return hf, False  # llama.cpp's UGM defaults (T5's): no BOS, an EOS (`build_from_gguf`), no prefix space
+
+
 def _wordpiece(meta: Mapping[str, Any], tokens: list[str], types: list[int],
                source: str) -> tuple[HFTokenizer, bool]:
     """BERT's WordPiece from llama.cpp's phantom-space spelling: "▁word" was "word", a bare "piece" was "##piece",
@@ -327,6 +393,14 @@ def _bpe(source: str, **kwargs: Any) -> models.BPE:
         raise CheckpointError(f"{source}: the GGUF vocabulary cannot make a BPE model ({str(e)[:200]})") from None
 
 
+def _made(source: str, what: str, make: Callable[[], Any]) -> Any:
+    """`make()`, a `tokenizers` object; the plain Exception it raises on malformed input a CheckpointError."""
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - the only type it raises
+        raise CheckpointError(f"{source}: the GGUF vocabulary cannot make {what} ({str(e)[:200]})") from None
+
+
 def _vocab(tokens: list[str]) -> dict[str, int]:
     return dict(zip(tokens, range(len(tokens))))  # a token spelled twice maps to its last id
 
@@ -335,4 +409,5 @@ _BUILDERS: dict[str, Callable[[Mapping[str, Any], list[str], list[int], str], tu
     "gpt2": _byte_level_bpe,
     "llama": _sentencepiece_bpe,
     "bert": _wordpiece,
+    "t5": _unigram,
 }
