@@ -232,6 +232,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="each bad kind's burst lasts at least this long")
     p.add_argument("--concurrency", type=int, default=4, help="bad requests in flight at once")
     p.add_argument("--output-dir", default=str(ROOT / "benchmarks/results"))
+    p.add_argument("--lmserve-args", default="", help="extra `lmserve serve` flags for both servers, e.g. "
+                   "'--pace-refused-requests 0' (the default server paces a key whose requests keep being refused)")
+    p.add_argument("--name", default="vision_abuse", help="the results' file name, without .md/.json")
     args = p.parse_args()
 
     from tests.conftest import write_tiny_llama
@@ -252,7 +255,7 @@ def main() -> None:
         write_tiny_llama(Path(tmp) / "text")
         (Path(tmp) / "keys.yaml").write_text(KEYS)
         common = ("--api-key-file", str(Path(tmp) / "keys.yaml"), "--dtype", "float32", "--max-model-len",
-                  str(MAX_LEN), "--max-num-seqs", "8")
+                  str(MAX_LEN), "--max-num-seqs", "8", *args.lmserve_args.split())
         env = {"PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT)))}  # this tree's lmserve and tests/
         phases = {}
         with running_server("--model", f"vlm={vlm}", "--model", f"text={Path(tmp) / 'text'}", *common,
@@ -268,13 +271,13 @@ def main() -> None:
     write(args, {"cpu": cpu(), "loadavg": load, "clock": "wall (time.perf_counter)", "idle_canaries": args.idle,
                  "canaries_per_kind": args.canaries, "seconds_per_kind": args.seconds, "bad_concurrency": args.concurrency,
                  "server": "lmserve serve, tiny random Idefics3 (tests/vision_models.py) + tiny Llama, float32, "
-                           "--num-threads 2", "target_ratio": 2.0, "phases": phases})
+                           "--num-threads 2", "lmserve_args": args.lmserve_args, "target_ratio": 2.0, "phases": phases})
 
 
 def write(args, result: dict) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vision_abuse.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     c, load = result["cpu"], result["loadavg"]
     lines = ["# Bad images and URLs beside a canary on another key (tiny random Idefics3, `lmserve serve`)", "",
              f"CPU: {c['model']}, {c['logical_cpus']} logical CPUs; flags: {c['flags']}", "",
@@ -283,7 +286,9 @@ def write(args, result: dict) -> None:
              f"per-kind `load 1m` below counts this benchmark's own server and clients too); wall clock. {result['bad_concurrency']} bad "
              f"requests in flight on key a (a niced client process) for at least {result['seconds_per_kind']:g} s per kind; "
              f"at least {result['canaries_per_kind']} canaries one after another on key b (a text-only streamed completion, 2 tokens), TTFT each. Target: canary p50 <= "
-             f"{result['target_ratio']:g}x its idle p50. `python benchmarks/vision_abuse.py`.", ""]
+             f"{result['target_ratio']:g}x its idle p50. `python benchmarks/vision_abuse.py"
+             f"{' --lmserve-args ' + repr(result['lmserve_args']) if result['lmserve_args'] else ''}` (extra serve flags: "
+             f"{result['lmserve_args'] or 'none, the defaults'}).", ""]
     for name, ph in result["phases"].items():
         lines += [f"## Server: {name}", "", f"Idle canary TTFT p50 {ph['idle_p50_s'] * 1e3:.1f} ms (median of "
                   f"{len(ph['idle_ttft_s'])}; {ph['idle_after_p50_s'] * 1e3:.1f} ms again after the last kind).", "",
@@ -301,7 +306,7 @@ def write(args, result: dict) -> None:
                          f"{'yes' if r['healthy_after'] and r['blocks_free_after'] else 'NO'} | "
                          f"{r['loadavg_1m']:.2f} | {message} |")
         lines.append("")
-    (out / "vision_abuse.md").write_text("\n".join(lines))
+    (out / f"{args.name}.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

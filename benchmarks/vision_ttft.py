@@ -268,7 +268,7 @@ def vs_llama_server(args) -> None:
                           "concurrent_wall_s": wall, "images_per_s": n / wall, "completion_tokens": tokens,
                           "prompt_tokens": prompt_tokens}
             print(f"{name}: TTFT {statistics.median(ttfts):.2f} s (median of {rounds}), {n} concurrent: "
-                  f"{n / wall:.3f} images/s", flush=True)
+                  f"{n / wall:.4g} images/s ({wall:.1f} s)", flush=True)
         load.append(os.getloadavg()[0])
     views = (-(-args.longest_edge // 512)) ** 2 + (args.longest_edge > 512)
     image = f"512x512 PNG scaled to {args.longest_edge} px: {views} view{'s' * (views > 1)} of 512 px (64 tokens each)"
@@ -282,6 +282,7 @@ def vs_llama_server(args) -> None:
         result |= {"images_per_s_ratio": lm["images_per_s"] / ll["images_per_s"],
                    "ttft_ratio": lm["ttft_median_s"] / ll["ttft_median_s"]}
     out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)  # a half-hour run's results must not be lost to a missing folder
     name = args.name or ("vision_mmproj" if args.longest_edge == 2048 else f"vision_mmproj_edge{args.longest_edge}")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Alt text from GGUF + mmproj: lmserve against llama-server, SmolVLM-256M shape, random weights", "",
