@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmserve.server.tenants import Bucket
+
 ACTIVE_S = 1.0  # another key counts as being served for this long after its last request arrived
 # answers that took the server's work and gave nothing: bad input (400, 404, 413, 422, ...); not a missing key
 # (refused before any work), nor a key's own limits (429: those already pace it)
@@ -31,13 +33,12 @@ def counts_as_refused(status: int) -> bool:
 
 @dataclass
 class RefusalPacer:
-    """Per key: refusals left (may run into debt down to -burst) and when it was last filled; when each key last
-    sent a request. `rate` <= 0: off."""
+    """Per key: a bucket of refusals (tenants.Bucket, `burst` at most, `rate` a second, in debt down to -burst);
+    when each key last sent a request. `rate` <= 0: off."""
 
     rate: float = 10.0
     burst: float = 20.0
-    _left: dict[str, float] = field(default_factory=dict)
-    _filled: dict[str, float] = field(default_factory=dict)
+    _buckets: dict[str, Bucket] = field(default_factory=dict)
     _seen: dict[str, float] = field(default_factory=dict)
 
     def arrive(self, key: str, now: float) -> float:
@@ -46,15 +47,16 @@ class RefusalPacer:
         self._seen[key] = now
         if self.rate <= 0 or not others:
             return 0.0
-        left = self._refill(key, now)
-        return 0.0 if left >= 1 else (1 - left) / self.rate
+        return self._bucket(key, now).seconds_until(1)
 
     def answered(self, key: str, status: int, now: float) -> None:
         """A response of `status` starts for `key`: a refusal takes one from its bucket."""
         if self.rate > 0 and counts_as_refused(status):
-            self._left[key] = max(self._refill(key, now) - 1, -self.burst)
+            bucket = self._bucket(key, now)
+            bucket.level = max(bucket.level - 1, -self.burst)
 
-    def _refill(self, key: str, now: float) -> float:
-        left = min(self.burst, self._left.get(key, self.burst) + (now - self._filled.get(key, now)) * self.rate)
-        self._left[key], self._filled[key] = left, now
-        return left
+    def _bucket(self, key: str, now: float) -> Bucket:
+        """The key's bucket, refilled to `now` (full the first time)."""
+        bucket = self._buckets.setdefault(key, Bucket(self.burst, self.burst, now, per_second=self.rate))
+        bucket.refill(now)
+        return bucket

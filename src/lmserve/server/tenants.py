@@ -35,11 +35,12 @@ REJECT_REASONS = ("requests_per_minute", "tokens_per_minute", "concurrency", "mo
 
 @dataclass
 class Bucket:
-    """A token bucket holding at most `capacity`, refilled at capacity per minute."""
+    """A token bucket holding at most `capacity`, refilled at capacity per minute (or `per_second`, where given)."""
 
-    capacity: int
+    capacity: float
     level: float  # may go below 0 when a settled request used more than it reserved
     updated: float  # time.monotonic() of the last refill
+    per_second: float | None = None  # None: capacity per minute (a key's per-minute limits)
 
     @classmethod
     def full(cls, capacity: int | None) -> Bucket | None:
@@ -47,7 +48,7 @@ class Bucket:
 
     @property
     def rate(self) -> float:  # per second
-        return self.capacity / 60.0
+        return self.capacity / 60.0 if self.per_second is None else self.per_second
 
     def refill(self, now: float) -> None:
         self.level = min(float(self.capacity), self.level + (now - self.updated) * self.rate)
