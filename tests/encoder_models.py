@@ -188,7 +188,7 @@ convert_hf_to_gguf.main()
 
 
 def convert_to_gguf(model_dir: Path, outtype: str, out: Path, pre: str | None = None) -> Path:
-    """`model_dir` converted by llama.cpp's own convert_hf_to_gguf.py (`outtype` f32 | f16) to `out`, once: a file
+    """`model_dir` converted by llama.cpp's own convert_hf_to_gguf.py (`outtype` f32 | f16 | q8_0) to `out`, once: a file
     already there is reused (written under a temporary name and renamed, so a concurrent test never reads half).
     `pre`: the byte-level BPE pre-tokenizer name the converter writes (the real model's, for a tokenizer trained
     here)."""
@@ -207,6 +207,25 @@ def convert_to_gguf(model_dir: Path, outtype: str, out: Path, pre: str | None = 
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")
     tmp.replace(out)
+    return out
+
+
+def rounded_to_f16(path: Path) -> Path:
+    """A copy of the model directory `path` beside it with every float weight rounded to float16 (stored float32):
+    an `--outtype f16` GGUF of it holds exactly these values, in the tensors the converter writes as F16 and in the
+    ones it keeps F32 (norms, biases, position and token-type tables) alike, so the file and the reference model made
+    from this copy compute with the same weights and only the arithmetic can differ."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = path.with_name(f"{path.name}-f16")
+    if (out / "model.safetensors").is_file():
+        return out
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: t.half().float() if t.is_floating_point() else t for k, t in tensors.items()},
+              out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 

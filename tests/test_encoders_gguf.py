@@ -1,7 +1,7 @@
 """Encoders from GGUF files as llama.cpp's own convert_hf_to_gguf.py writes them (models/bert.py `_bert_gguf`,
-tokenizer/gguf_vocab.py's WordPiece, loader/pooling.py `gguf_pooler`): the real all-MiniLM-L6-v2 converted to f32 and
-f16 against our load of its safetensors directory, its vocabulary against its tokenizer.json, a tiny NomicBERT
-(llama.cpp's nomic-bert) against sentence-transformers, and a BERT cross-encoder whose pooler the converter drops
+tokenizer/gguf_vocab.py's WordPiece, loader/pooling.py `gguf_pooler`): the real all-MiniLM-L6-v2 converted to f32,
+f16 and q8_0 against our load of its safetensors directory, its vocabulary against its tokenizer.json, a tiny NomicBERT
+(llama.cpp's nomic-bert; f32, f16, q8_0) against sentence-transformers, and a BERT cross-encoder whose pooler the converter drops
 refused."""
 
 from __future__ import annotations
@@ -15,12 +15,20 @@ import pytest
 from lmserve.engine.llm import LLM
 from lmserve.errors import CheckpointError
 from lmserve.loader.pooling import gguf_pooler, pooler_config
-from tests.encoder_models import SENTENCES, convert_to_gguf, minilm_dir, minilm_gguf, nomic_bert_for_converter
+from tests.encoder_models import (
+    SENTENCES,
+    convert_to_gguf,
+    minilm_dir,
+    minilm_gguf,
+    nomic_bert_for_converter,
+    rounded_to_f16,
+)
 from tests.test_encoders import _vectors, mixed_sentences
 
 # the largest cosine gap to the safetensors load: f32 is the same arithmetic on the same weights (measured 2e-16);
-# f16 rounds every weight to 11 bits (measured 1.9e-7 at worst over these 100 sentences)
-TOLERANCE = {"f32": 1e-5, "f16": 1e-5}
+# f16 rounds every weight to 11 bits (measured 1.9e-7 at worst over these 100 sentences); q8_0 rounds the projections
+# and the embedding table to 8 bits per block of 32 (measured 3.3e-4, |difference| 4.4e-3)
+TOLERANCE = {"f32": 1e-5, "f16": 1e-5, "q8_0": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +41,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-@pytest.mark.parametrize("outtype", ["f32", "f16"])
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 def test_minilm_gguf_matches_the_safetensors_load(safetensors_vectors, outtype):
     texts, ref = safetensors_vectors
     llm = LLM(str(minilm_gguf(outtype)), max_num_seqs=64)
@@ -68,14 +76,19 @@ def test_minilm_gguf_vocabulary_tokenizes_as_its_tokenizer_json():
     assert ours.decode(ours.encode("Unaffable tokenization.")) == "unaffable tokenization."
 
 
-def test_nomic_bert_gguf_matches_sentence_transformers(tmp_path):
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
+def test_nomic_bert_gguf_matches_sentence_transformers(tmp_path, outtype):
+    """f16 is converted from `rounded_to_f16`'s copy and compared with it: the same weights, so the same tolerance
+    as f32 (measured 1.6e-7 and 1.8e-7); q8_0 against the unrounded model (measured 8.8e-3: the tiny model's
+    0.2-spread random weights, as tests/test_encoders_gguf_more.py's q8_0 XLM-R and ModernBERT)."""
     from sentence_transformers import SentenceTransformer
 
     path = nomic_bert_for_converter(tmp_path)
+    path = rounded_to_f16(path) if outtype == "f16" else path
     ref = SentenceTransformer(str(path), device="cpu").encode(SENTENCES, normalize_embeddings=True)
-    llm = LLM(str(convert_to_gguf(path, "f32", tmp_path / "nomic.gguf")))
+    llm = LLM(str(convert_to_gguf(path, outtype, tmp_path / f"nomic-{outtype}.gguf")))
     assert llm.engine.front.pooler.method == "mean"
-    assert np.abs(_vectors(llm, SENTENCES) - ref).max() < 1e-4  # measured 1.6e-7, as the safetensors load
+    assert np.abs(_vectors(llm, SENTENCES) - ref).max() < (2e-2 if outtype == "q8_0" else 1e-4)
 
 
 def test_gguf_pooling_type_read_from_metadata(tmp_path):

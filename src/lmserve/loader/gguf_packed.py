@@ -62,10 +62,16 @@ def keepable_types(f: GGUFFile) -> tuple[int, int, set[str]]:
     return len(kept), len(proj), set(kept)
 
 
-def auto_quantization(f: GGUFFile | None, device: torch.device, dtype: torch.dtype, world: int) -> tuple[str | None, str]:
-    """`--quantization auto` -> ("gguf" or None, why): keep the file's blocks where the native kernels run them."""
+def auto_quantization(f: GGUFFile | None, device: torch.device, dtype: torch.dtype, world: int,
+                      encoder: bool = False) -> tuple[str | None, str]:
+    """`--quantization auto` -> ("gguf" or None, why): keep the file's blocks where the native kernels run them.
+
+    `encoder`: the file is an encoder's (models/bert.py, models/rotary_encoder.py), whose layers are not the decoder's
+    `model.layers[i].self_attn.qkv_proj` that the swap below finds: its blocks are dequantized to float on load."""
     if f is None:
         return None, "not a GGUF file"
+    if encoder:
+        return None, "an encoder's projections are dequantized on load; only a decoder's blocks are kept"
     why_not = [what for what, bad in (("device " + str(device), device.type != "cpu"),
                                       ("dtype " + str(dtype).removeprefix("torch."), dtype != torch.float32),
                                       (f"tensor parallel size {world}", world > 1)) if bad]

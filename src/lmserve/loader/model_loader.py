@@ -128,10 +128,15 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     if mmproj is not None and gguf is None:
         raise CheckpointError(f"--mmproj goes with a text .gguf file; {path} is not one (a Hugging Face directory "
                               "carries its own vision tower)")
+    file_cfg = gguf_config(gguf) if gguf is not None else None
+    encoder = file_cfg is not None and file_cfg.encoder
     if quantization == "auto":
-        quantization, why = (auto_quantization(gguf, device, dtype, world) if prequant is None
+        quantization, why = (auto_quantization(gguf, device, dtype, world, encoder) if prequant is None
                              else auto_prequant(prequant, device, dtype, world))
         log.info("--quantization auto: %s (%s)", quantization or "none", why)
+    if quantization == "gguf" and encoder:
+        raise CheckpointError(f"{path}: --quantization gguf keeps the blocks of a decoder's projections; an "
+                              "encoder's are dequantized on load (use auto or none)")
     if path.is_dir():
         if quantization == "gguf":
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
@@ -146,7 +151,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
             net = empty_model(local_config(cfg, world), dtype, device, _staged(stage, None), tower)
             net.load_weights(_family_tensors(iter_safetensors(files, weight_map, shard), cfg, shard, stage=stage))
     elif gguf is not None:
-        cfg = replace(gguf_config(gguf), max_model_len=max_model_len)
+        cfg = replace(file_cfg, max_model_len=max_model_len)
         if mmproj is not None:
             mm = _check_mmproj(mmproj, cfg, quantization, shard, stage)
             tower = _tower_dtype(encoder_dtype, vision_model_config(cfg, mm), dtype, device)

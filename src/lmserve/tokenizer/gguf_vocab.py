@@ -157,15 +157,16 @@ def build_from_gguf(meta: Mapping[str, Any], source: str) -> GGUFVocab:
         ids["sep_token"] = eos if sep is None else sep
         special |= {"cls_token": tokens[bos]} if bos is not None else {}
         special |= {"sep_token": tokens[ids["sep_token"]]} if ids["sep_token"] is not None else {}
-        set_bert_pairs(hf, bos, ids["sep_token"], tokens)
+        if bos is not None and ids["sep_token"] is not None:  # BERT's: [CLS] a [SEP], [CLS] a [SEP] b [SEP], b type 1
+            set_pair_framing(hf, tokens, bos, ids["sep_token"], second_type=1)
     elif meta.get("general.architecture") in ENCODER_ARCHS and add_bos and add_eos and None not in (bos, eos):
         # an encoder's pair as llama.cpp frames it (its rerank prompt): BOS a EOS, SEP where add_sep_token, b EOS:
         # XLM-R's <s> a </s></s> b </s>, ModernBERT's [CLS] a [SEP] b [SEP]
         sep = _token_id(meta, "tokenizer.ggml.seperator_token_id", len(tokens))  # llama.cpp's spelling of the key
         ids["sep_token"] = eos if sep is None else sep
         special |= {"cls_token": tokens[bos], "sep_token": tokens[ids["sep_token"]]}
-        set_encoder_pairs(hf, bos, eos, ids["sep_token"] if meta.get("tokenizer.ggml.add_sep_token") else None,
-                          tokens)
+        # every token type 0: the encoders that come here have one type, or none
+        set_pair_framing(hf, tokens, bos, eos, ids["sep_token"] if meta.get("tokenizer.ggml.add_sep_token") else None)
     else:
         set_bos_eos(hf, (tokens[bos], bos) if add_bos and bos is not None else None,
                     (tokens[eos], eos) if add_eos and eos is not None else None)
@@ -304,16 +305,6 @@ def set_bos_eos(hf: HFTokenizer, bos: tuple[str, int] | None, eos: tuple[str, in
         special_tokens=[t for t in (bos, eos) if t is not None])
 
 
-def set_encoder_pairs(hf: HFTokenizer, bos: int, eos: int, sep: int | None, tokens: list[str]) -> None:
-    """BOS a EOS for one text, BOS a EOS [SEP] b EOS for a pair, as llama.cpp frames them; every token type 0 (the
-    encoders that come here have one type, or none)."""
-    b, e = tokens[bos], tokens[eos]
-    mid = f" {tokens[sep]}" if sep is not None else ""
-    named = {b: bos, e: eos} | ({tokens[sep]: sep} if sep is not None else {})
-    hf.post_processor = processors.TemplateProcessing(
-        single=f"{b} $A {e}", pair=f"{b} $A {e}{mid} $B {e}", special_tokens=list(named.items()))
-
-
 def _unigram(meta: Mapping[str, Any], tokens: list[str], types: list[int],
              source: str) -> tuple[HFTokenizer, bool]:
     """SentencePiece Unigram as llama.cpp's llm_tokenizer_ugm runs it: the Viterbi over the whole normalised text
@@ -376,13 +367,16 @@ def _wordpiece(meta: Mapping[str, Any], tokens: list[str], types: list[int],
     return hf, True
 
 
-def set_bert_pairs(hf: HFTokenizer, cls: int | None, sep: int | None, tokens: list[str]) -> None:
-    """BERT's framing: [CLS] a [SEP] for one text, [CLS] a [SEP] b [SEP] for a pair (b's token type 1)."""
-    if cls is None or sep is None:
-        return
-    c, s = tokens[cls], tokens[sep]
+def set_pair_framing(hf: HFTokenizer, tokens: list[str], start: int, end: int, mid: int | None = None,
+                     second_type: int = 0) -> None:
+    """An encoder's framing, as llama.cpp adds it: `start` a `end` for one text, `start` a `end` [`mid`] b `end` for
+    a pair, b and its `end` of token type `second_type` (everything before them type 0)."""
+    s, e = tokens[start], tokens[end]
+    between = f" {tokens[mid]}" if mid is not None else ""
+    named = {s: start, e: end} | ({tokens[mid]: mid} if mid is not None else {})
     hf.post_processor = processors.TemplateProcessing(
-        single=f"{c} $A {s}", pair=f"{c} $A {s} $B:1 {s}:1", special_tokens=[(c, cls), (s, sep)])
+        single=f"{s} $A {e}", pair=f"{s} $A {e}{between} $B:{second_type} {e}:{second_type}",
+        special_tokens=list(named.items()))
 
 
 def _bpe(source: str, **kwargs: Any) -> models.BPE:
