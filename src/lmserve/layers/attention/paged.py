@@ -13,7 +13,7 @@ PyTorch ones (the native kernel stands aside for them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,25 @@ class PagedAttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_seq_lens: torch.Tensor | None = None
 
+    def cuts(self, num_tokens: int) -> list[int]:
+        """Row offsets where the step may be cut into parts of whole sequences (`rows`): between decodes; the
+        prefill chunks stay in the last part (their per-token native view and Triton's per-request offsets are
+        built for all of them at once)."""
+        return [*range(self.num_decodes + 1), num_tokens] if self.prefills else list(range(self.num_decodes + 1))
+
+    def rows(self, lo: int, hi: int) -> PagedAttentionMetadata:
+        """This step's rows [lo, hi) as a step of its own: `lo` a decode boundary, `hi` one too or the last row."""
+        end = min(hi, self.num_decodes)
+        mask = self.decode_mask[lo:end] if self.decode_mask is not None else None
+        lens = self.decode_context_lens[lo:end] if self.decode_context_lens is not None else None
+        part = replace(self, slot_mapping=self.slot_mapping[lo:hi], num_decodes=end - lo,
+                       decode_block_tables=self.decode_block_tables[lo:end], decode_mask=mask, decode_context_lens=lens)
+        if hi <= self.num_decodes:  # decodes only
+            return replace(part, prefills=[], prefill_block_tables=None, prefill_table_rows=None,
+                           prefill_context_lens=None, prefill_query_start_loc=None, prefill_seq_lens=None)
+        # the prefill view counts from the first prefill row: unchanged; the chunks' rows move up by lo
+        return replace(part, prefills=[replace(p, q_start=p.q_start - lo) for p in self.prefills])
+
 
 @dataclass
 class PagedAttention:
@@ -66,6 +85,14 @@ class PagedAttention:
 
     kv_caches: list[torch.Tensor]
     meta: PagedAttentionMetadata
+
+    def cuts(self, num_tokens: int) -> list[int]:
+        """Where the step's rows may be cut (PagedAttentionMetadata.cuts)."""
+        return self.meta.cuts(num_tokens)
+
+    def rows(self, lo: int, hi: int) -> PagedAttention:
+        """Attention for rows [lo, hi) of the step alone (a pipeline micro-batch)."""
+        return replace(self, meta=self.meta.rows(lo, hi))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions = DEFAULT) -> torch.Tensor:
