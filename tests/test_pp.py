@@ -224,13 +224,14 @@ def test_engine_pp2_greedy_and_prompt_logprobs_equal_one_rank(smol_path):
     assert len({tuple(r.outputs[0].token_ids) for r in results[2, 2]}) > 1  # rows in the wrong order would show
 
 
-@pytest.mark.parametrize("size", ["0", "31"])
-def test_bad_pipeline_sizes_are_refused_with_one_line(size):
+@pytest.mark.parametrize("flag,size", [("--pipeline-parallel-size", "0"), ("--pipeline-parallel-size", "31"),
+                                       ("--pipeline-micro-batches", "0")])
+def test_bad_pipeline_sizes_are_refused_with_one_line(flag, size):
     # the embedded model has 30 layers: 31 ranks would leave one without a layer
-    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--pipeline-parallel-size", size],
+    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), flag, size],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--pipeline-parallel-size" in r.stderr and "Traceback" not in r.stderr
-    assert len([line for line in r.stderr.splitlines() if "pipeline-parallel-size" in line]) == 1
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if flag in line]) == 1
 
 
 def test_tp2_x_pp2_logits_equal_one_rank(tmp_path):

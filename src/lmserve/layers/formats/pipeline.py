@@ -19,7 +19,10 @@ Micro-batches (`PPStage.micro_batches`, --pipeline-micro-batches): a step's rows
 runs part 0. Every rank cuts the same step the same way (the cut depends only on the attention context's rows, which
 each rank builds from the same SchedulerOutput). The paged attention cuts between decode rows only: a step's prefill
 chunks stay together in its last part. Sends are non-blocking and every receive is posted before any compute, so two
-ranks sending to each other never wait on each other; rank 0 waits for every part's return before the head.
+ranks sending to each other never wait on each other; rank 0 waits for every part's return before the head. Only
+over gloo: NCCL runs a pair's sends and receives on one stream in the order they were posted, so receives posted
+ahead of sends would wait on each other across the two ranks; over NCCL a step travels whole (not yet overlapped), each
+receive posted where it is waited for, after this rank's send, as blocking send/recv order them.
 """
 
 from __future__ import annotations
@@ -131,12 +134,15 @@ class PipelineLoop(nn.Module):
 
     def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope, attn) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.stage
-        parts = micro_batches(attn, x.shape[0], s.micro_batches)
+        gloo = dist.get_backend() == "gloo"
+        parts = micro_batches(attn, x.shape[0], s.micro_batches if gloo else 1)
         self.split_steps += len(parts) > 1
         src = s.global_rank((s.rank - 1) % s.world_size)  # rank 0: the last rank, sending the results back
-        # every receive posted first: a rank's sends never wait on its own receives (rank 0 and rank 1 of two send
-        # to each other); a message is [2, rows, hidden]: the two streams stacked (a tensor after any layer)
+        # a message is [2, rows, hidden]: the two streams stacked (a tensor after any layer)
         inbox = [_Inbox(x[lo:hi], src, i) for i, (lo, hi) in enumerate(parts)]
+        if gloo:  # every receive posted first: a rank's sends never wait on its own receives (rank 0 and rank 1 of
+            for box in inbox:  # two send to each other)
+                box.post()
         sent = []
         for i, (lo, hi) in enumerate(parts):
             h, residual = (x[lo:hi], None) if s.rank == 0 else inbox[i].wait()
@@ -171,14 +177,20 @@ def _rows(rope: dict[str, tuple[torch.Tensor, torch.Tensor]], lo: int, hi: int):
 
 
 class _Inbox:
-    """One micro-batch's receive, posted at once (dist.irecv) and waited for when its rows are needed. A dead or hung
-    peer makes the wait raise, or time out after the group's timeout (ParallelConfig.rank_timeout_s)."""
+    """One micro-batch's receive (dist.irecv), posted ahead (`post`) or where it is waited for, when its rows are
+    needed. A dead or hung peer makes the wait raise, or time out after the group's timeout
+    (ParallelConfig.rank_timeout_s)."""
 
     def __init__(self, like: torch.Tensor, src: int, tag: int) -> None:
         self.buf = torch.empty((2, *like.shape), dtype=like.dtype, device=like.device)
-        self.work = dist.irecv(self.buf, src, tag=tag)
+        self.src, self.tag, self.work = src, tag, None
+
+    def post(self) -> None:
+        self.work = dist.irecv(self.buf, self.src, tag=self.tag)
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.work is None:
+            self.post()
         self.work.wait()
         return self.buf[0], self.buf[1]
 
