@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lmserve import LLM, SamplingParams
 from lmserve.layers.attention.context import ContiguousAttention
 from lmserve.layers.attention.paged import PagedAttention
-from lmserve.layers.formats.pipeline import AbsentLayer, PPStage, micro_batches
+from lmserve.layers.formats.pipeline import AbsentLayer, PipelineLoop, PPStage, micro_batches
 from lmserve.loader import read_model_config
 from lmserve.loader.sharding import TPShard
 from lmserve.worker.inputs import _attention_metadata
@@ -139,6 +139,56 @@ def test_micro_batches_cut_between_sequences_balanced_by_tokens():
     assert micro_batches(seqs, 16, 3) == [(0, 7), (7, 10), (10, 16)]
     assert micro_batches(ContiguousAttention([9]), 9, 2) == [(0, 9)]  # one sequence: never cut
     assert seqs.rows(7, 15).seq_lens == [3, 5]
+
+
+class _RowTimeLayer(torch.nn.Module):
+    """A layer whose cost is wall time per row (a sleep: it needs no core, so the machine's load cannot hide or fake
+    the overlap) and whose output tells the rows apart."""
+
+    def forward(self, x, residual, rope, attn):
+        time.sleep(0.01 * x.shape[0])
+        return x * 2 + 1, x if residual is None else residual + x
+
+
+def _ring(rank: int, init_method: str, micro: int) -> tuple[float, torch.Tensor]:
+    """Rank `rank` of two runs a real PipelineLoop over 8 one-token sequences, three times: (fastest s, output)."""
+    init_group(RankSpec(rank, 2, init_method, 60.0, 1, os.getppid()), torch.device("cpu"))
+    try:
+        loop = PipelineLoop(PPStage(rank, 2, 2, micro_batches=micro))
+        layers = torch.nn.ModuleList([_RowTimeLayer(), _RowTimeLayer()])
+        x, best = torch.arange(8.0)[:, None].repeat(1, 4), float("inf")
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            h, residual = loop(layers, x, {}, ContiguousAttention([1] * 8))
+            best = min(best, time.perf_counter() - start)
+        return best, h + residual
+    finally:
+        dist.destroy_process_group()
+
+
+def _ring_main(rank: int, init_method: str, micro: int) -> None:
+    _ring(rank, init_method, micro)
+    os._exit(0)
+
+
+def test_micro_batches_overlap_the_ranks():
+    # 8 rows at 10 ms a row per rank: whole, rank 1 waits for rank 0's 80 ms, 160 ms a step; in two parts rank 0
+    # runs rows 4-7 while rank 1 runs rows 0-3, 120 ms. Rows back in order: each row's result is its own
+    got = {}
+    for micro in (1, 2):
+        with tempfile.TemporaryDirectory() as store_dir:
+            peer = mp.get_context("spawn").Process(target=_ring_main, args=(1, f"file://{store_dir}/store", micro),
+                                                   daemon=True)
+            peer.start()
+            try:
+                got[micro] = _ring(0, f"file://{store_dir}/store", micro)
+            finally:
+                peer.join(60)
+            assert peer.exitcode == 0
+    x = torch.arange(8.0)[:, None].repeat(1, 4)
+    assert torch.equal(got[1][1], (x * 2 + 1) * 2 + 1 + x + x * 2 + 1) and torch.equal(got[2][1], got[1][1])
+    assert got[1][0] > 0.155 and got[2][0] < 0.8 * got[1][0], got
 
 
 def _paged_step(num_decodes: int, chunks: list[tuple[int, int]], block_size: int = 4):
