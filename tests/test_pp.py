@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from lmserve import LLM, SamplingParams
+from lmserve.layers.attention.backends import attention_factory
 from lmserve.layers.attention.context import ContiguousAttention
-from lmserve.layers.attention.paged import PagedAttention
 from lmserve.layers.formats.pipeline import AbsentLayer, PipelineLoop, PPStage, micro_batches
 from lmserve.loader import read_model_config
 from lmserve.loader.sharding import TPShard
@@ -222,18 +222,25 @@ def _paged_step(num_decodes: int, chunks: list[tuple[int, int]], block_size: int
     return to_device(meta, torch.device("cpu")), cache
 
 
-@pytest.mark.parametrize("num_decodes,chunks", [(5, []), (3, [(0, 6)]), (4, [(4, 5), (0, 3)])])
-def test_paged_rows_attend_as_the_whole_step(num_decodes, chunks):
-    # each micro-batch's rows through their own metadata (the native decode and prefill rows) equal the whole step's
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("num_decodes,chunks,parts", [(5, [], 3), (3, [(0, 6)], 2), (4, [(4, 5), (0, 3)], 3),
+                                                      (0, [(0, 4), (2, 5), (0, 3)], 3), (1, [(0, 9), (3, 2)], 3)])
+def test_paged_rows_attend_as_the_whole_step(backend, num_decodes, chunks, parts):
+    # each micro-batch's rows through their own metadata (the native decode and prefill rows; Triton's decode and
+    # extend kernels) equal the whole step's; cuts fall between decodes and between prefill chunks
     meta, cache = _paged_step(num_decodes, chunks)
     t = meta.slot_mapping.shape[0]
     q, k, v = torch.randn(t, 4, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
-    whole = PagedAttention([cache.clone()], meta).attend(0, q, k, v)
-    parts = micro_batches(PagedAttention([cache], meta), t, 3)
-    assert len(parts) >= 2 and parts[-1][1] == t  # balanced by tokens: at most 3
-    assert all(lo <= num_decodes for lo, _ in parts)  # the prefill chunks stay whole in the last part
-    split = [PagedAttention([cache], meta).rows(lo, hi).attend(0, q[lo:hi], k[lo:hi], v[lo:hi]) for lo, hi in parts]
-    assert torch.equal(torch.cat(split), whole)
+    ctx = attention_factory(backend)
+    whole = ctx([cache.clone()], meta).attend(0, q, k, v)
+    cut = micro_batches(ctx([cache], meta), t, 3)
+    starts = {0, *range(num_decodes + 1), *(num_decodes + sum(n for _, n in chunks[:i]) for i in range(len(chunks)))}
+    assert len(cut) == parts and cut[-1][1] == t and all(lo in starts for lo, _ in cut)  # whole sequences
+    split = torch.cat([ctx([cache], meta).rows(lo, hi).attend(0, q[lo:hi], k[lo:hi], v[lo:hi]) for lo, hi in cut])
+    if backend == "reference":
+        assert torch.equal(split, whole)
+    else:
+        assert (split - whole).abs().max().item() < 1e-5
 
 
 

@@ -77,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     scale.add_argument("--pipeline-micro-batches", type=int, default=2, metavar="K",
                        help="with --pipeline-parallel-size > 1: cut each step's sequences into up to K parts that follow "
                        "each other through the stages, so one rank runs a part while the next runs the one before "
-                       "(decode rows are cut; a step's prefill chunks stay in one part); 1: each step travels whole")
+                       "(cut between sequences: a prefill chunk is never cut); 1: each step travels whole")
 
 
 def _add_model_args(g, several_models: bool) -> None:

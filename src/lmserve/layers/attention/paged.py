@@ -59,23 +59,39 @@ class PagedAttentionMetadata:
     prefill_seq_lens: torch.Tensor | None = None
 
     def cuts(self, num_tokens: int) -> list[int]:
-        """Row offsets where the step may be cut into parts of whole sequences (`rows`): between decodes; the
-        prefill chunks stay in the last part (their per-token native view and Triton's per-request offsets are
-        built for all of them at once)."""
-        return [*range(self.num_decodes + 1), num_tokens] if self.prefills else list(range(self.num_decodes + 1))
+        """Row offsets where the step may be cut into parts of whole sequences (`rows`): between decodes and between
+        prefill chunks (a chunk is one sequence's rows and is never cut itself)."""
+        return [*range(self.num_decodes + 1), *(p.q_start + p.q_len for p in self.prefills)]
 
     def rows(self, lo: int, hi: int) -> PagedAttentionMetadata:
-        """This step's rows [lo, hi) as a step of its own: `lo` a decode boundary, `hi` one too or the last row."""
-        end = min(hi, self.num_decodes)
-        mask = self.decode_mask[lo:end] if self.decode_mask is not None else None
-        lens = self.decode_context_lens[lo:end] if self.decode_context_lens is not None else None
-        part = replace(self, slot_mapping=self.slot_mapping[lo:hi], num_decodes=end - lo,
-                       decode_block_tables=self.decode_block_tables[lo:end], decode_mask=mask, decode_context_lens=lens)
-        if hi <= self.num_decodes:  # decodes only
+        """This step's rows [lo, hi) as a step of its own (`lo` and `hi` from `cuts`)."""
+        d_lo, d_hi = min(lo, self.num_decodes), min(hi, self.num_decodes)
+        mask = self.decode_mask[d_lo:d_hi] if self.decode_mask is not None else None
+        lens = self.decode_context_lens[d_lo:d_hi] if self.decode_context_lens is not None else None
+        part = replace(self, slot_mapping=self.slot_mapping[lo:hi], num_decodes=d_hi - d_lo,
+                       decode_block_tables=self.decode_block_tables[d_lo:d_hi], decode_mask=mask,
+                       decode_context_lens=lens)
+        mine = [i for i, p in enumerate(self.prefills) if lo <= p.q_start and p.q_start + p.q_len <= hi]
+        if not mine:
             return replace(part, prefills=[], prefill_block_tables=None, prefill_table_rows=None,
                            prefill_context_lens=None, prefill_query_start_loc=None, prefill_seq_lens=None)
-        # the prefill view counts from the first prefill row: unchanged; the chunks' rows move up by lo
-        return replace(part, prefills=[replace(p, q_start=p.q_start - lo) for p in self.prefills])
+        return replace(part, prefills=[replace(p, q_start=p.q_start - lo) for p in self.prefills[mine[0]:mine[-1] + 1]],
+                       **self._prefill_view(mine[0], mine[-1] + 1))
+
+    def _prefill_view(self, a: int, b: int) -> dict:
+        """The per-token and per-request prefill fields of chunks [a, b) alone: their tokens counted from their first,
+        their requests' table rows from chunk a's."""
+        first = self.prefills[a].q_start - self.num_decodes  # token offsets within the step's prefill rows
+        last = self.prefills[b - 1].q_start + self.prefills[b - 1].q_len - self.num_decodes
+        out = {}
+        if self.prefill_block_tables is not None:
+            out.update(prefill_block_tables=self.prefill_block_tables[a:b],
+                       prefill_table_rows=self.prefill_table_rows[first:last] - a,
+                       prefill_context_lens=self.prefill_context_lens[first:last])
+        if self.prefill_query_start_loc is not None:
+            out.update(prefill_query_start_loc=self.prefill_query_start_loc[a:b + 1] - self.prefill_query_start_loc[a],
+                       prefill_seq_lens=self.prefill_seq_lens[a:b])
+        return out
 
 
 @dataclass

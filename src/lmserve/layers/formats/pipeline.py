@@ -17,8 +17,8 @@ group of its own (`stage_tp_group`) and each of its processes exchanges with the
 Micro-batches (`PPStage.micro_batches`, --pipeline-micro-batches): a step's rows are cut into parts of whole sequences
 (at most that many, balanced by tokens) that travel the ring one after another, so rank 0 runs part 1 while rank 1
 runs part 0. Every rank cuts the same step the same way (the cut depends only on the attention context's rows, which
-each rank builds from the same SchedulerOutput). The paged attention cuts between decode rows only: a step's prefill
-chunks stay together in its last part. Sends are non-blocking and every receive is posted before any compute, so two
+each rank builds from the same SchedulerOutput). The paged attention cuts between decode rows and between prefill
+chunks; a chunk, one sequence's rows, is never cut. Sends are non-blocking and every receive is posted before any compute, so two
 ranks sending to each other never wait on each other; rank 0 waits for every part's return before the head. Only
 over gloo: NCCL runs a pair's sends and receives on one stream in the order they were posted, so receives posted
 ahead of sends would wait on each other across the two ranks; over NCCL a step travels whole (not yet overlapped), each
