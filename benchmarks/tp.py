@@ -5,7 +5,8 @@
     python benchmarks/tp.py --quick      # to check the script: 16 tokens, 1 repeat
 
 With --pipeline the rows are one rank, PP=2 with each step whole (--pipeline-micro-batches 1) and PP=2 with each
-step cut into two micro-batches (2, the default), so rank 0 runs one half of the batch while rank 1 runs the other.
+step cut into two micro-batches (2, the default), so rank 0 runs one half of the batch while rank 1 runs the other;
+a third column, prefill, is the prompt tokens/s of B fresh 64-token prompts arriving together.
 
 The model is a random Llama written once into benchmarks/.cache/tp-llama (hidden 512, 8 layers, 8 heads and 4 KV
 heads of 64, MLP 1536, vocab 8192: ~34M parameters, 134 MB in float32; the embedded SmolLM2 has 9 heads, which 2
@@ -94,10 +95,23 @@ def measure(parallel: dict, args: argparse.Namespace) -> dict:
             outs = llm.generate([p + [200 + r] for p in prompts], params, use_tqdm=False)
             runs[f"batch{args.batch}"].append(args.tokens * len(prompts) / (time.perf_counter() - start))
             tokens = [o.outputs[0].token_ids for o in one + outs]
+            if args.pipeline:
+                runs.setdefault("prefill", []).append(prefill_rate(llm, args.batch, r))
     finally:
         llm.close()
     return {"tok_s": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in runs.items()},
             "tokens": tokens}
+
+
+def prefill_rate(llm, batch: int, r: int) -> float:
+    """Prompt tokens/s of `batch` fresh 64-token prompts arriving together (one output token each): a step of many
+    prefill chunks, where the work per weight read is large."""
+    from lmserve import SamplingParams
+
+    prompts = [[3 + (31 * i + 7 * j + 1000 * r) % (VOCAB - 3) for j in range(64)] for i in range(batch)]
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    return 64 * batch / (time.perf_counter() - start)
 
 
 def main() -> None:
