@@ -41,7 +41,9 @@ DEFAULT = AttnOptions()
 
 
 class AttentionContext(Protocol):
-    """What a model layer calls to attend; one object per forward pass, shared by all layers."""
+    """What a model layer calls to attend; one object per forward pass, shared by all layers. A context may also offer
+    `cuts(num_tokens)` (row offsets between whole sequences) and `rows(lo, hi)` (the context of those rows alone):
+    pipeline micro-batches (layers/formats/pipeline.py) cut a step only where its context does."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions = DEFAULT) -> torch.Tensor:
