@@ -1,7 +1,12 @@
-"""Tensor parallelism on this CPU: decode tokens/s with TP=1 vs TP=2 on one random-weight Llama, one run.
+"""Tensor or pipeline parallelism on this CPU: decode tokens/s with one rank vs two on one random-weight Llama.
 
     python benchmarks/tp.py [--tokens 64] [--batch 8] [--repeats 3] [--output benchmarks/results/tp]
+    python benchmarks/tp.py --pipeline --batch 16 --output benchmarks/results/pp   # PP=2, micro-batches off vs on
     python benchmarks/tp.py --quick      # to check the script: 16 tokens, 1 repeat
+
+With --pipeline the rows are one rank, PP=2 with each step whole (--pipeline-micro-batches 1) and PP=2 with each
+step cut into two micro-batches (2, the default), so rank 0 runs one half of the batch while rank 1 runs the other;
+a third column, prefill, is the prompt tokens/s of B fresh 64-token prompts arriving together.
 
 The model is a random Llama written once into benchmarks/.cache/tp-llama (hidden 512, 8 layers, 8 heads and 4 KV
 heads of 64, MLP 1536, vocab 8192: ~34M parameters, 134 MB in float32; the embedded SmolLM2 has 9 heads, which 2
@@ -9,7 +14,8 @@ does not divide). Each TP size gets a fresh engine (`LLM(tensor_parallel_size=N)
 cores shared out between its ranks (2 cores, TP=2: one thread per rank), then, after one warm-up:
   batch 1   one greedy request, `--tokens` tokens (EOS ignored): output tokens / wall seconds of generate()
   batch B   B distinct greedy prompts, `--tokens` tokens each: all output tokens / wall seconds
-Medians over `--repeats` (min-max beside them). The greedy tokens of TP=2 must equal TP=1's (the run fails if not).
+Medians over `--repeats` (min-max beside them). The greedy tokens of every two-rank row must equal one rank's (the
+run fails if not).
 Every result records the CPU (model name, SIMD flags, cores) and how busy the machine was (load average before
 and after, and the cores all processes kept busy during the run, this one and its ranks included): on a shared
 machine the numbers move with the neighbours. Writes <output>.json and <output>.md.
@@ -64,11 +70,17 @@ def busy_cores() -> tuple[float, float]:
     return time.monotonic(), (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(tp: int, args: argparse.Namespace) -> dict:
-    """Load an engine with `tp` ranks, warm it up, time batch 1 and batch B decoding."""
+# row name -> LLM's parallel arguments
+TP_ROWS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}}
+PP_ROWS = {"pp1": {}, "pp2 micro-batches 1": {"pipeline_parallel_size": 2, "pipeline_micro_batches": 1},
+           "pp2 micro-batches 2": {"pipeline_parallel_size": 2, "pipeline_micro_batches": 2}}
+
+
+def measure(parallel: dict, args: argparse.Namespace) -> dict:
+    """Load an engine with these parallel sizes, warm it up, time batch 1 and batch B decoding."""
     from lmserve import LLM, SamplingParams
 
-    llm = LLM(str(MODEL_DIR), tensor_parallel_size=tp, dtype="float32", num_blocks=256)
+    llm = LLM(str(MODEL_DIR), dtype="float32", num_blocks=256, **parallel)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     prompts = [[3 + (17 * i + j) % (VOCAB - 3) for j in range(16)] for i in range(args.batch)]
     try:
@@ -83,10 +95,23 @@ def measure(tp: int, args: argparse.Namespace) -> dict:
             outs = llm.generate([p + [200 + r] for p in prompts], params, use_tqdm=False)
             runs[f"batch{args.batch}"].append(args.tokens * len(prompts) / (time.perf_counter() - start))
             tokens = [o.outputs[0].token_ids for o in one + outs]
+            if args.pipeline:
+                runs.setdefault("prefill", []).append(prefill_rate(llm, args.batch, r))
     finally:
         llm.close()
     return {"tok_s": {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in runs.items()},
             "tokens": tokens}
+
+
+def prefill_rate(llm, batch: int, r: int) -> float:
+    """Prompt tokens/s of `batch` fresh 64-token prompts arriving together (one output token each): a step of many
+    prefill chunks, where the work per weight read is large."""
+    from lmserve import SamplingParams
+
+    prompts = [[3 + (31 * i + 7 * j + 1000 * r) % (VOCAB - 3) for j in range(64)] for i in range(batch)]
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    return 64 * batch / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -95,29 +120,33 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="16 tokens, 1 repeat: checks the script")
+    p.add_argument("--pipeline", action="store_true", help="PP=2 with micro-batches off and on instead of TP=2")
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "tp"))
     args = p.parse_args()
     if args.quick:
         args.tokens, args.repeats = 16, 1
     write_model(MODEL_DIR)
     load_before, (t0, busy0) = os.getloadavg()[0], busy_cores()
-    results = {tp: measure(tp, args) for tp in (1, 2)}
+    rows = PP_ROWS if args.pipeline else TP_ROWS
+    results = {name: measure(parallel, args) for name, parallel in rows.items()}
     t1, busy1 = busy_cores()
-    same = results[1].pop("tokens") == results[2].pop("tokens")
+    tokens = [r.pop("tokens") for r in results.values()]
+    same = all(t == tokens[0] for t in tokens[1:])
     report = {
         "machine": f"{_cpu_name()} ({platform.machine()}; {_flags()})", "cores": len(os.sched_getaffinity(0)),
         "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
         "machine_busy_cores_during_run": (busy1 - busy0) / (t1 - t0),
         "model": "random Llama: hidden 512, 8 layers, 8 heads / 4 KV heads of 64, MLP 1536, vocab 8192, float32",
+        "kind": "pipeline" if args.pipeline else "tensor", "command": " ".join(["python", *sys.argv]),
         "tokens": args.tokens, "batch": args.batch, "repeats": args.repeats,
-        "greedy_tokens_equal": same, "results": {f"tp{tp}": r["tok_s"] for tp, r in results.items()},
+        "greedy_tokens_equal": same, "results": {name: r["tok_s"] for name, r in results.items()},
     }
     out = Path(args.output)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
     if not same:
-        sys.exit("TP=2 greedy tokens differ from TP=1")
+        sys.exit("two ranks' greedy tokens differ from one rank's")
 
 
 def markdown(r: dict) -> str:
@@ -125,14 +154,17 @@ def markdown(r: dict) -> str:
     rows = [f"| {name} | " + " | ".join(f"{v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})"
                                          for v in res.values()) + " |" for name, res in r["results"].items()]
     head = "| | " + " | ".join(f"{k} tok/s" for k in next(iter(r["results"].values()))) + " |"
+    title = ("Pipeline parallelism: one rank vs PP=2, micro-batches off and on" if r.get("kind") == "pipeline"
+             else "Tensor parallelism: TP=1 vs TP=2")
     return "\n".join([
-        f"# Tensor parallelism: TP=1 vs TP=2 ({r['tokens']} tokens per request, median of {r['repeats']})", "",
+        f"# {title} ({r['tokens']} tokens per request, median of {r['repeats']})", "",
+        *([f"Command: `{r['command']}`", ""] if "command" in r else []),
         f"Machine: {r['machine']}, {r['cores']} cores. Model: {r['model']}.",
         f"Load average (1 min) {r['loadavg_1m_before']:.1f} before, {r['loadavg_1m_after']:.1f} after; all processes "
         f"kept {r['machine_busy_cores_during_run']:.2f} of {r['cores']} cores busy during the run (this run included): "
         "the machine was shared, so the numbers carry the neighbours' load.", "",
         head, "| --- |" + " --- |" * (len(rows[0].split("|")) - 3), *rows, "",
-        f"Greedy tokens TP=2 == TP=1: {r['greedy_tokens_equal']}.", ""])
+        f"Greedy tokens of two ranks == one rank's: {r['greedy_tokens_equal']}.", ""])
 
 
 if __name__ == "__main__":

@@ -18,24 +18,30 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from lmserve import LLM, SamplingParams
+from lmserve.layers.attention.backends import attention_factory
 from lmserve.layers.attention.context import ContiguousAttention
-from lmserve.layers.formats.pipeline import AbsentLayer, PPStage
+from lmserve.layers.formats.pipeline import AbsentLayer, PipelineLoop, PPStage, micro_batches
 from lmserve.loader import read_model_config
 from lmserve.loader.sharding import TPShard
+from lmserve.worker.inputs import _attention_metadata
 from lmserve.worker.tp_worker import RankSpec, init_group
 from lmserve.worker.transforms import load_formatted
+from lmserve.worker.upload import to_device
 from tests.conftest import save_tiny_hf, write_tiny_llama
 from tests.server_util import free_port, running_server, unhealthy_within
 from tests.tiny_models import ARCHS, build_hf
 
-PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3]]
+# different lengths and contents: micro-batches put back in the wrong order would move rows
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [1, 2, 3], [11, 200, 9, 9, 60]]
 
 
 def _inputs():
@@ -45,11 +51,12 @@ def _inputs():
 
 
 def _forward(rank: int, world: int, init_method: str, path: str, quantization: str | None,
-             tp: int = 1) -> torch.Tensor:
+             tp: int = 1, micro_batches: int = 2) -> torch.Tensor:
     """This rank's load and forward (`tp` > 1: stages of `tp` tensor-parallel ranks each); rank 0's logits."""
     init_group(RankSpec(rank, world, init_method, 60.0, 1, os.getppid()), torch.device("cpu"))
     try:
-        stage = PPStage(rank // tp, world // tp, read_model_config(Path(path)).num_layers, rank % tp, tp)
+        stage = PPStage(rank // tp, world // tp, read_model_config(Path(path)).num_layers, rank % tp, tp,
+                        micro_batches)
         shard = TPShard(rank % tp, tp) if tp > 1 else None
         model = load_formatted(path, torch.float32, torch.device("cpu"), stage=stage, shard=shard,
                                quantization=quantization).model
@@ -57,29 +64,31 @@ def _forward(rank: int, world: int, init_method: str, path: str, quantization: s
         assert held == list(stage.layers)  # only its layers were built
         with torch.inference_mode():
             hidden = model(*_inputs())
+            assert model.layer_loop.split_steps == (micro_batches > 1)  # the forward ran in parts (or did not)
             return model.compute_logits(hidden) if rank == 0 else torch.empty(0)
     finally:
         dist.destroy_process_group()
 
 
-def _rank_main(rank: int, world: int, init_method: str, path: str, quantization: str | None, tp: int) -> None:
+def _rank_main(rank: int, world: int, init_method: str, path: str, quantization: str | None, tp: int,
+               micro_batches: int) -> None:
     torch.set_num_threads(1)
-    _forward(rank, world, init_method, path, quantization, tp)
+    _forward(rank, world, init_method, path, quantization, tp, micro_batches)
     os._exit(0)  # as test_tp.py: no C++ static destructors after gloo (an error above still exits non-zero)
 
 
-def pp_logits(path, pp: int, quantization: str | None = None, tp: int = 1) -> torch.Tensor:
+def pp_logits(path, pp: int, quantization: str | None = None, tp: int = 1, micro_batches: int = 2) -> torch.Tensor:
     world = pp * tp
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as store_dir:
         init = f"file://{store_dir}/store"
-        procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(path), quantization, tp),
+        procs = [ctx.Process(target=_rank_main, args=(r, world, init, str(path), quantization, tp, micro_batches),
                              daemon=True)
                  for r in range(1, world)]
         for p in procs:
             p.start()
         try:
-            logits = _forward(0, world, init, str(path), quantization, tp)
+            logits = _forward(0, world, init, str(path), quantization, tp, micro_batches)
         finally:
             for p in procs:
                 p.join(120)
@@ -113,43 +122,173 @@ def test_pp2_logits_equal_one_rank(tmp_path, kind):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf"])
-def test_embedded_gguf_pp2_logits_equal_one_rank(smol_path, quantization):
-    # None: the Q4_1 tensors dequantized, each rank only its layers'; gguf: kept in their packed blocks
+@pytest.mark.parametrize("quantization,micro_batches", [(None, 2), ("gguf", 1), ("gguf", 2), ("gguf", 3)])
+def test_embedded_gguf_pp2_logits_equal_one_rank(smol_path, quantization, micro_batches):
+    # None: the Q4_1 tensors dequantized, each rank only its layers'; gguf: kept in their packed blocks. With micro-
+    # batches the three prompts travel the ring in two or three parts and come back in their rows' order
     ref = one_rank_logits(smol_path, quantization)
-    got = pp_logits(smol_path, 2, quantization)
+    got = pp_logits(smol_path, 2, quantization, micro_batches=micro_batches)
     assert (got - ref).abs().max().item() < 1e-5
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_micro_batches_cut_between_sequences_balanced_by_tokens():
+    seqs = ContiguousAttention([7, 3, 5, 1])
+    assert micro_batches(seqs, 16, 1) == [(0, 16)]
+    assert micro_batches(seqs, 16, 2) == [(0, 7), (7, 16)]  # 7 of 16 tokens is the nearest cut to 8
+    assert micro_batches(seqs, 16, 3) == [(0, 7), (7, 10), (10, 16)]
+    assert micro_batches(ContiguousAttention([9]), 9, 2) == [(0, 9)]  # one sequence: never cut
+    assert seqs.rows(7, 15).seq_lens == [3, 5]
+
+
+class _RowTimeLayer(torch.nn.Module):
+    """A layer whose cost is wall time per row (a sleep: it needs no core, so the machine's load cannot hide or fake
+    the overlap) and whose output tells the rows apart."""
+
+    def forward(self, x, residual, rope, attn):
+        time.sleep(0.01 * x.shape[0])
+        return x * 2 + 1, x if residual is None else residual + x
+
+
+def _ring(rank: int, init_method: str, micro: int) -> tuple[float, torch.Tensor]:
+    """Rank `rank` of two runs a real PipelineLoop over 8 one-token sequences, three times: (fastest s, output)."""
+    init_group(RankSpec(rank, 2, init_method, 60.0, 1, os.getppid()), torch.device("cpu"))
+    try:
+        loop = PipelineLoop(PPStage(rank, 2, 2, micro_batches=micro))
+        layers = torch.nn.ModuleList([_RowTimeLayer(), _RowTimeLayer()])
+        x, best = torch.arange(8.0)[:, None].repeat(1, 4), float("inf")
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            h, residual = loop(layers, x, {}, ContiguousAttention([1] * 8))
+            best = min(best, time.perf_counter() - start)
+        return best, h + residual
+    finally:
+        dist.destroy_process_group()
+
+
+def _ring_main(rank: int, init_method: str, micro: int) -> None:
+    _ring(rank, init_method, micro)
+    os._exit(0)
+
+
+def test_micro_batches_overlap_the_ranks():
+    # 8 rows at 10 ms a row per rank: whole, rank 1 waits for rank 0's 80 ms, 160 ms a step; in two parts rank 0
+    # runs rows 4-7 while rank 1 runs rows 0-3, 120 ms. Rows back in order: each row's result is its own
+    got = {}
+    for micro in (1, 2):
+        with tempfile.TemporaryDirectory() as store_dir:
+            peer = mp.get_context("spawn").Process(target=_ring_main, args=(1, f"file://{store_dir}/store", micro),
+                                                   daemon=True)
+            peer.start()
+            try:
+                got[micro] = _ring(0, f"file://{store_dir}/store", micro)
+            finally:
+                peer.join(60)
+            assert peer.exitcode == 0
+    x = torch.arange(8.0)[:, None].repeat(1, 4)
+    assert torch.equal(got[1][1], (x * 2 + 1) * 2 + 1 + x + x * 2 + 1) and torch.equal(got[2][1], got[1][1])
+    assert got[1][0] > 0.155 and got[2][0] < 0.8 * got[1][0], got
+
+
+def _paged_step(num_decodes: int, chunks: list[tuple[int, int]], block_size: int = 4):
+    """A real step's paged metadata (worker/inputs.py's builder) and a filled cache: decodes of growing context, then
+    prefill chunks (start, length); every sequence its own blocks."""
+    torch.manual_seed(0)
+    rows, starts, lens, tables, slots, positions, next_block = [], [], [], [], [], [], 0
+    for i in range(num_decodes):
+        ctx = 3 + 2 * i
+        positions.append(ctx - 1)
+        starts.append(ctx - 1)
+        lens.append(1)
+        rows.append(ctx)
+    for start, n in chunks:
+        positions.extend(range(start, start + n))
+        starts.append(start)
+        lens.append(n)
+        rows.append(start + n)
+    width = max(-(-r // block_size) for r in rows)
+    for r in rows:
+        need = -(-r // block_size)
+        tables.append(list(range(next_block, next_block + need)) + [0] * (width - need))
+        next_block += need
+    req_idx = [i for i, n in enumerate(lens) for _ in range(n)]
+    slots = [tables[j][p // block_size] * block_size + p % block_size for j, p in zip(req_idx, positions)]
+    meta = _attention_metadata([SimpleNamespace(request_id=str(i)) for i in range(len(chunks))],
+                               np.array(lens[num_decodes:]), np.array(starts[num_decodes:]), np.array(tables),
+                               num_decodes, np.array(slots), np.array(positions), np.array(req_idx), num_decodes,
+                               block_size, {})
+    cache = torch.randn(2, next_block, block_size, 2, 64)  # [2, blocks, block_size, kv_heads, head_dim]
+    return to_device(meta, torch.device("cpu")), cache
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("num_decodes,chunks,parts", [(5, [], 3), (3, [(0, 6)], 2), (4, [(4, 5), (0, 3)], 3),
+                                                      (0, [(0, 4), (2, 5), (0, 3)], 3), (1, [(0, 9), (3, 2)], 3)])
+def test_paged_rows_attend_as_the_whole_step(backend, num_decodes, chunks, parts):
+    # each micro-batch's rows through their own metadata (the native decode and prefill rows; Triton's decode and
+    # extend kernels) equal the whole step's; cuts fall between decodes and between prefill chunks
+    meta, cache = _paged_step(num_decodes, chunks)
+    t = meta.slot_mapping.shape[0]
+    q, k, v = torch.randn(t, 4, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
+    ctx = attention_factory(backend)
+    whole = ctx([cache.clone()], meta).attend(0, q, k, v)
+    cut = micro_batches(ctx([cache], meta), t, 3)
+    starts = {0, *range(num_decodes + 1), *(num_decodes + sum(n for _, n in chunks[:i]) for i in range(len(chunks)))}
+    assert len(cut) == parts and cut[-1][1] == t and all(lo in starts for lo, _ in cut)  # whole sequences
+    split = torch.cat([ctx([cache], meta).rows(lo, hi).attend(0, q[lo:hi], k[lo:hi], v[lo:hi]) for lo, hi in cut])
+    if backend == "reference":
+        assert torch.equal(split, whole)
+    else:
+        assert (split - whole).abs().max().item() < 1e-5
+
+
+
+def _tensors(meta):
+    from dataclasses import fields, replace
+    conv = {f.name: torch.as_tensor(getattr(meta, f.name)) for f in fields(meta)
+            if isinstance(getattr(meta, f.name), np.ndarray)}
+    return replace(meta, prefills=[replace(p, block_table=torch.as_tensor(p.block_table),
+                                           mask=None if p.mask is None else torch.as_tensor(p.mask))
+                                   for p in meta.prefills], **conv)
+
+
 def test_engine_pp2_greedy_and_prompt_logprobs_equal_one_rank(smol_path):
-    # The engine path on each rank: the paged KV cache of its layers, chunked prefill, packed GGUF weights (auto)
-    prompts = [[5, 17, 42, 99, 3, 250, 7] * 3, [1, 2, 3]]
+    # The engine path on each rank: the paged KV cache of its layers, chunked prefill, packed GGUF weights (auto);
+    # with micro-batches (default 2) and without. 8-token steps: the short prompts decode beside the long one's
+    # prefill chunks, so a step is cut between decode rows with the chunk in its last part
+    prompts = [[1, 2, 3], [7, 8], [5, 17, 42, 99, 3, 250, 7] * 3, [9, 10, 11, 12]]
     params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, ignore_eos=True)
     results = {}
-    for pp in (1, 2):
-        llm = LLM(str(smol_path), pipeline_parallel_size=pp, dtype="float32", num_blocks=16, num_threads=1,
-                  max_num_batched_tokens=8)
+    for pp, micro in ((1, 1), (2, 1), (2, 2)):
+        llm = LLM(str(smol_path), pipeline_parallel_size=pp, pipeline_micro_batches=micro, dtype="float32",
+                  num_blocks=16, num_threads=1, max_num_batched_tokens=8)
         try:
             # rank 0's KV cache holds its 15 layers of 30 (Llama: one group, a tensor per layer)
             assert sum(kv is not None for kv in llm.engine.runner.kv_tensors) == 30 // pp
-            results[pp] = llm.generate(prompts, params, use_tqdm=False)
+            results[pp, micro] = llm.generate(prompts, params, use_tqdm=False)
+            if pp > 1:
+                split = llm.engine.runner.model.layer_loop.split_steps
+                assert (split > 0) == (micro > 1), split
         finally:
             llm.close()
-    for one, two in zip(results[1], results[2]):
-        assert one.outputs[0].token_ids == two.outputs[0].token_ids and len(one.outputs[0].token_ids) == 6
-        lp1 = [t.logprob for t in one.prompt_logprobs[1:]]
-        lp2 = [t.logprob for t in two.prompt_logprobs[1:]]
-        assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-5
+    for two in (results[2, 1], results[2, 2]):
+        for one, other in zip(results[1, 1], two):
+            assert one.outputs[0].token_ids == other.outputs[0].token_ids and len(one.outputs[0].token_ids) == 6
+            lp1 = [t.logprob for t in one.prompt_logprobs[1:]]
+            lp2 = [t.logprob for t in other.prompt_logprobs[1:]]
+            assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-5
+    assert len({tuple(r.outputs[0].token_ids) for r in results[2, 2]}) > 1  # rows in the wrong order would show
 
 
-@pytest.mark.parametrize("size", ["0", "31"])
-def test_bad_pipeline_sizes_are_refused_with_one_line(size):
+@pytest.mark.parametrize("flag,size", [("--pipeline-parallel-size", "0"), ("--pipeline-parallel-size", "31"),
+                                       ("--pipeline-micro-batches", "0")])
+def test_bad_pipeline_sizes_are_refused_with_one_line(flag, size):
     # the embedded model has 30 layers: 31 ranks would leave one without a layer
-    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), "--pipeline-parallel-size", size],
+    r = subprocess.run([sys.executable, "-m", "lmserve.cli", "serve", "--port", str(free_port()), flag, size],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--pipeline-parallel-size" in r.stderr and "Traceback" not in r.stderr
-    assert len([line for line in r.stderr.splitlines() if "pipeline-parallel-size" in line]) == 1
+    assert r.returncode == 2 and flag in r.stderr and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if flag in line]) == 1
 
 
 def test_tp2_x_pp2_logits_equal_one_rank(tmp_path):

@@ -95,6 +95,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # with pipeline stages: a step's sequences cut into up to this many parts that follow each other through the
+    # stages, so the ranks overlap (layers/formats/pipeline.py); 1: each step travels whole
+    pipeline_micro_batches: int = 2
 
     @property
     def world_size(self) -> int:
@@ -206,7 +209,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads, speculative=args.speculative_config, cuda_graphs=args.cuda_graphs,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                pipeline_parallel_size=args.pipeline_parallel_size),
+                                pipeline_parallel_size=args.pipeline_parallel_size,
+                                pipeline_micro_batches=args.pipeline_micro_batches),
         structured=StructuredOutputsConfig(compile_timeout_s=args.grammar_compile_timeout),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,

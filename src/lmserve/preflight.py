@@ -104,6 +104,7 @@ _AT_LEAST = (
     ("--num-threads", lambda c: c.num_threads, 1),
     ("--tensor-parallel-size", lambda c: c.parallel.tensor_parallel_size, 1),
     ("--pipeline-parallel-size", lambda c: c.parallel.pipeline_parallel_size, 1),
+    ("--pipeline-micro-batches", lambda c: c.parallel.pipeline_micro_batches, 1),
 )
 
 

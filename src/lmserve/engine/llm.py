@@ -364,7 +364,7 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
     spec = kw.pop("speculative_config", None)
     if isinstance(spec, dict):
         spec = SpeculativeConfig.from_dict(spec)
-    parallel_keys = ("tensor_parallel_size", "pipeline_parallel_size", "rank_timeout_s")
+    parallel_keys = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches", "rank_timeout_s")
     parallel = ParallelConfig(**{k: kw.pop(k) for k in list(kw) if k in parallel_keys})
     offload = KVOffloadConfig(**{field: _size(kw.pop(k)) if field.endswith("bytes") else kw.pop(k)
                                  for k, field in _OFFLOAD_KEYS.items() if k in kw})

@@ -13,7 +13,7 @@ PyTorch ones (the native kernel stands aside for them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,41 @@ class PagedAttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_seq_lens: torch.Tensor | None = None
 
+    def cuts(self, num_tokens: int) -> list[int]:
+        """Row offsets where the step may be cut into parts of whole sequences (`rows`): between decodes and between
+        prefill chunks (a chunk is one sequence's rows and is never cut itself)."""
+        return [*range(self.num_decodes + 1), *(p.q_start + p.q_len for p in self.prefills)]
+
+    def rows(self, lo: int, hi: int) -> PagedAttentionMetadata:
+        """This step's rows [lo, hi) as a step of its own (`lo` and `hi` from `cuts`)."""
+        d_lo, d_hi = min(lo, self.num_decodes), min(hi, self.num_decodes)
+        mask = self.decode_mask[d_lo:d_hi] if self.decode_mask is not None else None
+        lens = self.decode_context_lens[d_lo:d_hi] if self.decode_context_lens is not None else None
+        part = replace(self, slot_mapping=self.slot_mapping[lo:hi], num_decodes=d_hi - d_lo,
+                       decode_block_tables=self.decode_block_tables[d_lo:d_hi], decode_mask=mask,
+                       decode_context_lens=lens)
+        mine = [i for i, p in enumerate(self.prefills) if lo <= p.q_start and p.q_start + p.q_len <= hi]
+        if not mine:
+            return replace(part, prefills=[], prefill_block_tables=None, prefill_table_rows=None,
+                           prefill_context_lens=None, prefill_query_start_loc=None, prefill_seq_lens=None)
+        return replace(part, prefills=[replace(p, q_start=p.q_start - lo) for p in self.prefills[mine[0]:mine[-1] + 1]],
+                       **self._prefill_view(mine[0], mine[-1] + 1))
+
+    def _prefill_view(self, a: int, b: int) -> dict:
+        """The per-token and per-request prefill fields of chunks [a, b) alone: their tokens counted from their first,
+        their requests' table rows from chunk a's."""
+        first = self.prefills[a].q_start - self.num_decodes  # token offsets within the step's prefill rows
+        last = self.prefills[b - 1].q_start + self.prefills[b - 1].q_len - self.num_decodes
+        out = {}
+        if self.prefill_block_tables is not None:
+            out.update(prefill_block_tables=self.prefill_block_tables[a:b],
+                       prefill_table_rows=self.prefill_table_rows[first:last] - a,
+                       prefill_context_lens=self.prefill_context_lens[first:last])
+        if self.prefill_query_start_loc is not None:
+            out.update(prefill_query_start_loc=self.prefill_query_start_loc[a:b + 1] - self.prefill_query_start_loc[a],
+                       prefill_seq_lens=self.prefill_seq_lens[a:b])
+        return out
+
 
 @dataclass
 class PagedAttention:
@@ -66,6 +101,14 @@ class PagedAttention:
 
     kv_caches: list[torch.Tensor]
     meta: PagedAttentionMetadata
+
+    def cuts(self, num_tokens: int) -> list[int]:
+        """Where the step's rows may be cut (PagedAttentionMetadata.cuts)."""
+        return self.meta.cuts(num_tokens)
+
+    def rows(self, lo: int, hi: int) -> PagedAttention:
+        """Attention for rows [lo, hi) of the step alone (a pipeline micro-batch)."""
+        return replace(self, meta=self.meta.rows(lo, hi))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions = DEFAULT) -> torch.Tensor:

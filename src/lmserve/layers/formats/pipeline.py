@@ -13,6 +13,16 @@ sampler means logits, sampling state and sampled ids never cross a process; ever
 makes its neighbour's send or receive raise (or time out: ParallelConfig.rank_timeout_s), which fails the step as a
 tensor-parallel collective does (worker/executor.py). Combined with tensor parallelism, each stage is a tensor-parallel
 group of its own (`stage_tp_group`) and each of its processes exchanges with the same tensor rank of the next stage.
+
+Micro-batches (`PPStage.micro_batches`, --pipeline-micro-batches): a step's rows are cut into parts of whole sequences
+(at most that many, balanced by tokens) that travel the ring one after another, so rank 0 runs part 1 while rank 1
+runs part 0. Every rank cuts the same step the same way (the cut depends only on the attention context's rows, which
+each rank builds from the same SchedulerOutput). The paged attention cuts between decode rows and between prefill
+chunks; a chunk, one sequence's rows, is never cut. Sends are non-blocking and every receive is posted before any compute, so two
+ranks sending to each other never wait on each other; rank 0 waits for every part's return before the head. Only
+over gloo: NCCL runs a pair's sends and receives on one stream in the order they were posted, so receives posted
+ahead of sends would wait on each other across the two ranks; over NCCL a step travels whole (not yet overlapped), each
+receive posted where it is waited for, after this rank's send, as blocking send/recv order them.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ class PPStage:
     num_layers: int
     tp_rank: int = 0
     tp_size: int = 1
+    micro_batches: int = 2  # at most this many parts per step (1: the whole step at once)
 
     def global_rank(self, stage: int) -> int:
         """The process of `stage` that this one exchanges with."""
@@ -112,31 +123,76 @@ def cut_to_stage(net: nn.Module, stage: PPStage) -> None:
 
 
 class PipelineLoop(nn.Module):
-    """This rank's layers, between a receive from the previous rank and a send to the next (models/decoder.LayerLoop's
-    contract: (last layer's output, residual stream)); on rank 0 the result is what the last rank sent back."""
+    """This rank's layers, between a receive from the previous rank and a send to the next, once per micro-batch
+    (models/decoder.LayerLoop's contract: (last layer's output, residual stream)); on rank 0 the result is what the
+    last rank sent back, the parts in their rows' order. `split_steps` counts the steps that ran in several parts."""
 
     def __init__(self, stage: PPStage) -> None:
         super().__init__()
         self.stage = stage
+        self.split_steps = 0
 
     def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope, attn) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.stage
-        residual = None
-        if s.rank > 0:
-            x, residual = _recv(x, s.global_rank(s.rank - 1))
-        for i in s.layers:
-            x, residual = layers[i](x, residual, rope, attn)
-        # one message per hop: the two streams stacked (the residual is a tensor after any layer)
-        dist.send(torch.stack((x, residual)), s.global_rank((s.rank + 1) % s.world_size))
+        gloo = dist.get_backend() == "gloo"
+        parts = micro_batches(attn, x.shape[0], s.micro_batches if gloo else 1)
+        self.split_steps += len(parts) > 1
+        src = s.global_rank((s.rank - 1) % s.world_size)  # rank 0: the last rank, sending the results back
+        # a message is [2, rows, hidden]: the two streams stacked (a tensor after any layer)
+        inbox = [_Inbox(x[lo:hi], src, i) for i, (lo, hi) in enumerate(parts)]
+        if gloo:  # every receive posted first: a rank's sends never wait on its own receives (rank 0 and rank 1 of
+            for box in inbox:  # two send to each other)
+                box.post()
+        sent = []
+        for i, (lo, hi) in enumerate(parts):
+            h, residual = (x[lo:hi], None) if s.rank == 0 else inbox[i].wait()
+            part_rope, part_attn = (rope, attn) if len(parts) == 1 else (_rows(rope, lo, hi), attn.rows(lo, hi))
+            for j in s.layers:
+                h, residual = layers[j](h, residual, part_rope, part_attn)
+            msg = torch.stack((h, residual))  # kept until its send completes
+            sent.append((msg, dist.isend(msg, s.global_rank((s.rank + 1) % s.world_size), tag=i)))
         if s.rank == 0:
-            x, residual = _recv(x, s.global_rank(s.world_size - 1))
-        return x, residual
+            back = [box.wait() for box in inbox]
+            h = torch.cat([b[0] for b in back]) if len(back) > 1 else back[0][0]
+            residual = torch.cat([b[1] for b in back]) if len(back) > 1 else back[0][1]
+        for _, work in sent:
+            work.wait()
+        return h, residual  # on a rank > 0: its last part's, discarded (AbsentNorm, forward_only)
 
 
-def _recv(like: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
-    buf = torch.empty((2, *like.shape), dtype=like.dtype, device=like.device)
-    dist.recv(buf, src)
-    return buf[0], buf[1]
+def micro_batches(attn, num_tokens: int, most: int) -> list[tuple[int, int]]:
+    """The step's rows [lo, hi) per micro-batch: at most `most`, cut where the attention context allows (`cuts`:
+    between whole sequences), each cut the allowed one nearest an equal share of the tokens; empty parts dropped."""
+    if most <= 1 or not hasattr(attn, "rows"):
+        return [(0, num_tokens)]
+    allowed = attn.cuts(num_tokens)
+    inner = {min(allowed, key=lambda c: abs(c * most - i * num_tokens)) for i in range(1, most)}
+    bounds = [0, *sorted(inner - {0, num_tokens}), num_tokens]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _rows(rope: dict[str, tuple[torch.Tensor, torch.Tensor]], lo: int, hi: int):
+    """The rotary tables of rows [lo, hi) (each (cos, sin) [T, 1, rotary_dim])."""
+    return {kind: (cos[lo:hi], sin[lo:hi]) for kind, (cos, sin) in rope.items()}
+
+
+class _Inbox:
+    """One micro-batch's receive (dist.irecv), posted ahead (`post`) or where it is waited for, when its rows are
+    needed. A dead or hung peer makes the wait raise, or time out after the group's timeout
+    (ParallelConfig.rank_timeout_s)."""
+
+    def __init__(self, like: torch.Tensor, src: int, tag: int) -> None:
+        self.buf = torch.empty((2, *like.shape), dtype=like.dtype, device=like.device)
+        self.src, self.tag, self.work = src, tag, None
+
+    def post(self) -> None:
+        self.work = dist.irecv(self.buf, self.src, tag=self.tag)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.work is None:
+            self.post()
+        self.work.wait()
+        return self.buf[0], self.buf[1]
 
 
 def stage_tp_group(stage: PPStage) -> dist.ProcessGroup:

@@ -9,7 +9,7 @@ are fixed for a batch-size bucket, so the fixed-shape decode step of worker/cuda
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,14 @@ class TritonPagedAttention:
         self.max_query_len = max((p.q_len for p in self.meta.prefills), default=0)
         # a step with bidirectional spans (Gemma 3's images): the extend kernel is causal only, the reference is not
         self.reference = PagedAttention(self.kv_caches, self.meta) if any(p.spans for p in self.meta.prefills) else None
+
+    def cuts(self, num_tokens: int) -> list[int]:
+        """Where the step's rows may be cut (PagedAttentionMetadata.cuts)."""
+        return self.meta.cuts(num_tokens)
+
+    def rows(self, lo: int, hi: int) -> TritonPagedAttention:
+        """Attention for rows [lo, hi) of the step alone (a pipeline micro-batch)."""
+        return replace(self, meta=self.meta.rows(lo, hi))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions | None = None) -> torch.Tensor:
