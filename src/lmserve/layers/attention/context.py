@@ -9,6 +9,7 @@ backend honours all of them, and `attention_ref` is the plain definition they ar
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Protocol, Sequence
 
 import torch
@@ -42,7 +43,7 @@ DEFAULT = AttnOptions()
 
 class AttentionContext(Protocol):
     """What a model layer calls to attend; one object per forward pass, shared by all layers. A context may also offer
-    `cuts(num_tokens)` (row offsets between whole sequences) and `rows(lo, hi)` (the context of those rows alone):
+    `cuts()` (row offsets between whole sequences) and `rows(lo, hi)` (the context of those rows alone):
     pipeline micro-batches (layers/formats/pipeline.py) cut a step only where its context does."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -127,16 +128,13 @@ class ContiguousAttention:
     seq_lens: Sequence[int]
     spans: Sequence[Sequence[tuple[int, int]]] | None = None
 
-    def cuts(self, num_tokens: int) -> list[int]:
+    def cuts(self) -> list[int]:
         """Row offsets between sequences (where `rows` may cut)."""
-        out = [0]
-        for n in self.seq_lens:
-            out.append(out[-1] + n)
-        return out
+        return [0, *accumulate(self.seq_lens)]
 
     def rows(self, lo: int, hi: int) -> ContiguousAttention:
         """The sequences in rows [lo, hi) (both offsets from `cuts`)."""
-        starts = self.cuts(0)
+        starts = self.cuts()
         a, b = starts.index(lo), starts.index(hi)
         return ContiguousAttention(self.seq_lens[a:b], self.spans[a:b] if self.spans else None)
 
@@ -159,12 +157,9 @@ class GroupedAttention:
     contexts: Sequence[AttentionContext]
     layer_group: Sequence[int]  # [num_layers] the group of each layer
 
-    def cuts(self, num_tokens: int) -> list[int]:
+    def cuts(self) -> list[int]:
         """Where every group's context may cut (the groups share the step's rows and their order)."""
-        common = set(self.contexts[0].cuts(num_tokens))
-        for c in self.contexts[1:]:
-            common &= set(c.cuts(num_tokens))
-        return sorted(common)
+        return sorted(set.intersection(*(set(c.cuts()) for c in self.contexts)))
 
     def rows(self, lo: int, hi: int) -> GroupedAttention:
         """Each group's attention for rows [lo, hi) alone."""

@@ -58,7 +58,7 @@ class PagedAttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
     prefill_seq_lens: torch.Tensor | None = None
 
-    def cuts(self, num_tokens: int) -> list[int]:
+    def cuts(self) -> list[int]:
         """Row offsets where the step may be cut into parts of whole sequences (`rows`): between decodes and between
         prefill chunks (a chunk is one sequence's rows and is never cut itself)."""
         return [*range(self.num_decodes + 1), *(p.q_start + p.q_len for p in self.prefills)]
@@ -94,21 +94,28 @@ class PagedAttentionMetadata:
         return out
 
 
+class PagedRows:
+    """`cuts()` and `rows()` of an attention context over the step's PagedAttentionMetadata `meta` (a dataclass):
+    a pipeline micro-batch's attention is the same context over its rows' metadata."""
+
+    meta: PagedAttentionMetadata
+
+    def cuts(self) -> list[int]:
+        """Where the step's rows may be cut (PagedAttentionMetadata.cuts)."""
+        return self.meta.cuts()
+
+    def rows(self, lo: int, hi: int):
+        """This context for rows [lo, hi) of the step alone."""
+        return replace(self, meta=self.meta.rows(lo, hi))
+
+
 @dataclass
-class PagedAttention:
+class PagedAttention(PagedRows):
     """AttentionContext over the engine's KV cache (one [2, blocks, block_size, kv_heads, W] per layer: W = head_dim,
     or head_dim + head_dim / 16 for a quantized cache's codes and scales, layers/attention/kv_quant.py)."""
 
     kv_caches: list[torch.Tensor]
     meta: PagedAttentionMetadata
-
-    def cuts(self, num_tokens: int) -> list[int]:
-        """Where the step's rows may be cut (PagedAttentionMetadata.cuts)."""
-        return self.meta.cuts(num_tokens)
-
-    def rows(self, lo: int, hi: int) -> PagedAttention:
-        """Attention for rows [lo, hi) of the step alone (a pipeline micro-batch)."""
-        return replace(self, meta=self.meta.rows(lo, hi))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions = DEFAULT) -> torch.Tensor:

@@ -152,9 +152,8 @@ class PipelineLoop(nn.Module):
             msg = torch.stack((h, residual))  # kept until its send completes
             sent.append((msg, dist.isend(msg, s.global_rank((s.rank + 1) % s.world_size), tag=i)))
         if s.rank == 0:
-            back = [box.wait() for box in inbox]
-            h = torch.cat([b[0] for b in back]) if len(back) > 1 else back[0][0]
-            residual = torch.cat([b[1] for b in back]) if len(back) > 1 else back[0][1]
+            back = [box.wait() for box in inbox]  # one part: its buffers as they are, no copy
+            h, residual = back[0] if len(back) == 1 else (torch.cat(streams) for streams in zip(*back))
         for _, work in sent:
             work.wait()
         return h, residual  # on a rank > 0: its last part's, discarded (AbsentNorm, forward_only)
@@ -165,7 +164,7 @@ def micro_batches(attn, num_tokens: int, most: int) -> list[tuple[int, int]]:
     between whole sequences), each cut the allowed one nearest an equal share of the tokens; empty parts dropped."""
     if most <= 1 or not hasattr(attn, "rows"):
         return [(0, num_tokens)]
-    allowed = attn.cuts(num_tokens)
+    allowed = attn.cuts()
     inner = {min(allowed, key=lambda c: abs(c * most - i * num_tokens)) for i in range(1, most)}
     bounds = [0, *sorted(inner - {0, num_tokens}), num_tokens]
     return list(zip(bounds, bounds[1:]))

@@ -9,18 +9,18 @@ are fixed for a batch-size bucket, so the fixed-shape decode step of worker/cuda
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from lmserve.layers.attention.context import AttnOptions
-from lmserve.layers.attention.paged import PagedAttention, PagedAttentionMetadata, write_kv
+from lmserve.layers.attention.paged import PagedAttention, PagedAttentionMetadata, PagedRows, write_kv
 from lmserve.layers.kernels.triton.decode import paged_decode
 from lmserve.layers.kernels.triton.prefill import paged_prefill
 
 
 @dataclass
-class TritonPagedAttention:
+class TritonPagedAttention(PagedRows):  # rows(): replace re-runs __post_init__ for the part
     """AttentionContext over the KV cache (one [2, blocks, block_size, kv_heads, head_dim] per layer)."""
 
     kv_caches: list[torch.Tensor]
@@ -31,14 +31,6 @@ class TritonPagedAttention:
         self.max_query_len = max((p.q_len for p in self.meta.prefills), default=0)
         # a step with bidirectional spans (Gemma 3's images): the extend kernel is causal only, the reference is not
         self.reference = PagedAttention(self.kv_caches, self.meta) if any(p.spans for p in self.meta.prefills) else None
-
-    def cuts(self, num_tokens: int) -> list[int]:
-        """Where the step's rows may be cut (PagedAttentionMetadata.cuts)."""
-        return self.meta.cuts(num_tokens)
-
-    def rows(self, lo: int, hi: int) -> TritonPagedAttention:
-        """Attention for rows [lo, hi) of the step alone (a pipeline micro-batch)."""
-        return replace(self, meta=self.meta.rows(lo, hi))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                opts: AttnOptions | None = None) -> torch.Tensor:
