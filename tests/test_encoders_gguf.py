@@ -7,6 +7,7 @@ refused."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -42,9 +43,14 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
-def test_minilm_gguf_matches_the_safetensors_load(safetensors_vectors, outtype):
+def test_minilm_gguf_matches_the_safetensors_load(safetensors_vectors, outtype, caplog):
     texts, ref = safetensors_vectors
-    llm = LLM(str(minilm_gguf(outtype)), max_num_seqs=64)
+    with caplog.at_level(logging.INFO, logger="lmserve"):
+        llm = LLM(str(minilm_gguf(outtype)), max_num_seqs=64)
+    # the start log tells what happens: an encoder's blocks are dequantized on load (q8_0 too), never kept
+    dtype_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto"))
+    assert "GGUF blocks are kept" not in dtype_line, dtype_line
+    assert "an encoder's projections are dequantized" in caplog.text
     pooler = llm.engine.front.pooler
     assert (pooler.method, pooler.source, pooler.normalize) == ("mean", "bert.pooling_type", True)
     assert llm.engine.front.tasks == ("embed", "score", "rerank")

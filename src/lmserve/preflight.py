@@ -52,7 +52,9 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """Refuse what cannot work (ConfigError, CheckpointError), warn where a value is capped; see the module doc."""
     check_ranges(cfg)
     device = _device(cfg.device)
-    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device)
+    path = model_path(cfg.model, cfg.revision)
+    model_config = read_model_config(path, cfg.mmproj)
+    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device, model_config.encoder)
     dtype = resolve_dtype(cfg.dtype, device, kept_gguf)
     try:
         kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, kept_gguf, device)
@@ -67,8 +69,6 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
             check_scheme(cfg.quantization, device)
         except ValueError as e:
             raise ConfigError(f"--quantization: {e}") from None
-    path = model_path(cfg.model, cfg.revision)
-    model_config = read_model_config(path, cfg.mmproj)
     try:
         check_head_dim(model_config.head_dim, kv_dtype)
     except ValueError as e:

@@ -70,7 +70,8 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
     if cfg.num_threads or world > 1:
         torch.set_num_threads(_threads_per_rank(cfg))
     device = resolve_device(cfg.device)
-    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device)
+    encoder = (loaded.config if loaded else read_model_config(resolve_model_path(cfg.model, cfg.revision))).encoder
+    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device, encoder)
     dtype = resolve_dtype(cfg.dtype, device, kept_gguf)
     if cfg.dtype == "auto":
         log.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
