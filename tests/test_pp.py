@@ -2,8 +2,9 @@
 
 The model-level tests run rank 0 in this process and rank 1 in a spawned one, each loading only its layers (the
 embedded GGUF dequantized and kept in its packed blocks, a tiny random Gemma 3 and a tiny MoE from safetensors), and
-compare rank 0's logits with one rank's. The engine test runs the whole path (paged KV cache of each rank's layers,
-chunked prefill); the server tests start `lmserve serve --pipeline-parallel-size 2` for real.
+compare rank 0's logits with one rank's. The engine tests run the whole path (paged KV cache of each rank's layers,
+chunked prefill, micro-batches) on the embedded GGUF, a Gemma 3 with two KV groups and a MoE; the server tests start
+`lmserve serve --pipeline-parallel-size 2` for real.
 """
 
 from __future__ import annotations
@@ -243,29 +244,17 @@ def test_paged_rows_attend_as_the_whole_step(backend, num_decodes, chunks, parts
         assert (split - whole).abs().max().item() < 1e-5
 
 
-
-def _tensors(meta):
-    from dataclasses import fields, replace
-    conv = {f.name: torch.as_tensor(getattr(meta, f.name)) for f in fields(meta)
-            if isinstance(getattr(meta, f.name), np.ndarray)}
-    return replace(meta, prefills=[replace(p, block_table=torch.as_tensor(p.block_table),
-                                           mask=None if p.mask is None else torch.as_tensor(p.mask))
-                                   for p in meta.prefills], **conv)
-
-
-def test_engine_pp2_greedy_and_prompt_logprobs_equal_one_rank(smol_path):
-    # The engine path on each rank: the paged KV cache of its layers, chunked prefill, packed GGUF weights (auto);
-    # with micro-batches (default 2) and without. 8-token steps: the short prompts decode beside the long one's
-    # prefill chunks, so a step is cut between decode rows with the chunk in its last part
-    prompts = [[1, 2, 3], [7, 8], [5, 17, 42, 99, 3, 250, 7] * 3, [9, 10, 11, 12]]
+def _engine_pp2_equals_one_rank(path, prompts: list[list[int]], inspect=lambda llm, pp: None, **kw) -> None:
+    """Greedy tokens and prompt logprobs of one rank, and of two without and with micro-batches (2), are the same;
+    `inspect(llm, pp)` looks at each engine before it runs. Steps of `max_num_batched_tokens` (in `kw`) small enough
+    that short prompts decode beside a long one's prefill chunks: micro-batched steps are cut (split_steps)."""
     params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, ignore_eos=True)
     results = {}
     for pp, micro in ((1, 1), (2, 1), (2, 2)):
-        llm = LLM(str(smol_path), pipeline_parallel_size=pp, pipeline_micro_batches=micro, dtype="float32",
-                  num_blocks=16, num_threads=1, max_num_batched_tokens=8)
+        llm = LLM(str(path), pipeline_parallel_size=pp, pipeline_micro_batches=micro, dtype="float32", num_threads=1,
+                  **kw)
         try:
-            # rank 0's KV cache holds its 15 layers of 30 (Llama: one group, a tensor per layer)
-            assert sum(kv is not None for kv in llm.engine.runner.kv_tensors) == 30 // pp
+            inspect(llm, pp)
             results[pp, micro] = llm.generate(prompts, params, use_tqdm=False)
             if pp > 1:
                 split = llm.engine.runner.model.layer_loop.split_steps
@@ -279,6 +268,60 @@ def test_engine_pp2_greedy_and_prompt_logprobs_equal_one_rank(smol_path):
             lp2 = [t.logprob for t in other.prompt_logprobs[1:]]
             assert max(abs(a - b) for a, b in zip(lp1, lp2)) < 1e-5
     assert len({tuple(r.outputs[0].token_ids) for r in results[2, 2]}) > 1  # rows in the wrong order would show
+
+
+# 8-token steps: the short prompts decode beside the long one's prefill chunks, so a step is cut between decode rows
+# with the chunk in its last part
+ENGINE_PROMPTS = [[1, 2, 3], [7, 8], [5, 17, 42, 99, 3, 250, 7] * 3, [9, 10, 11, 12]]
+
+
+def test_engine_pp2_greedy_and_prompt_logprobs_equal_one_rank(smol_path):
+    # The engine path on each rank: the paged KV cache of its layers, chunked prefill, packed GGUF weights (auto)
+    def inspect(llm, pp):
+        # rank 0's KV cache holds its 15 layers of 30 (Llama: one group, a tensor per layer)
+        assert sum(kv is not None for kv in llm.engine.runner.kv_tensors) == 30 // pp
+
+    _engine_pp2_equals_one_rank(smol_path, ENGINE_PROMPTS, inspect, num_blocks=16, max_num_batched_tokens=8)
+
+
+def test_engine_pp2_two_kv_groups_equal_one_rank(tmp_path):
+    # Gemma 3 with a 4-token window on layers 0 and 2 and full attention on 1 and 3: two KV groups of two layers
+    # (cache/kv_groups.py, the full one first), and each rank holds one layer of each, so every step's context on
+    # every rank is a GroupedAttention whose micro-batches cut each group's metadata. 4-token blocks: the 21-token
+    # prompt's window group releases the blocks its window left while the full group keeps them
+    path, _ = build_hf("gemma3", tmp_path, num_hidden_layers=4, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention"] * 2)
+    released = []
+
+    def inspect(llm, pp):
+        runner, kv = llm.engine.runner, llm.engine.kv
+        assert [g.window for g in kv.groups] == [None, 4] and runner.num_kv_groups == 2
+        # every rank builds its runner from these groups (executor.send_pool): each holds layers of both
+        assert all({runner.layer_group[i] for i in PPStage(r, pp, 4).layers} == {0, 1} for r in range(pp))
+        # a block is a page in each of the two tensors the groups share; rank 0's layers 0 and 1 use the first only
+        assert [t is not None for t in runner.kv_tensors] == [True, pp == 1]
+        free = kv.free
+
+        def counting_free(request_id):  # the window group's released entries (None) when a request ends
+            released.append(sum(b is None for t in kv.req_blocks.get(request_id, ()) for b in t))
+            free(request_id)
+        kv.free = counting_free
+
+    _engine_pp2_equals_one_rank(path, ENGINE_PROMPTS, inspect, num_blocks=32, block_size=4,
+                                max_num_batched_tokens=8)
+    # in each of the three runs the 27-token request's window group had dropped 5 of its 7 blocks (tokens 0-19)
+    assert sorted(released)[-3:] == [5, 5, 5], released
+
+
+def test_engine_pp2_moe_equals_one_rank(tmp_path):
+    # a mixture of experts (8 experts, top-2, every layer sparse; one layer a rank) through the engine's grouped
+    # expert kernels: each micro-batch routes its own rows
+    path, _ = build_hf("qwen3_moe", tmp_path)
+
+    def inspect(llm, pp):
+        assert llm.engine.runner.moe_layers == 2 // pp  # rank 0's layers only
+
+    _engine_pp2_equals_one_rank(path, ENGINE_PROMPTS, inspect, num_blocks=32, max_num_batched_tokens=8)
 
 
 @pytest.mark.parametrize("flag,size", [("--pipeline-parallel-size", "0"), ("--pipeline-parallel-size", "31"),
