@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -41,6 +41,18 @@ template <int D, typename KV>
 inline const float* as_float(const KV* row, float* buf) {
   if constexpr (std::is_same_v<KV, float>) {
     return row;
+#if defined(__AVX2__)
+  } else if constexpr (std::is_same_v<KV, int8_t>) {  // 8 at a time: int8 -> float32 is exact, then the same one
+    // multiply by the block's scale as the scalar loop below (the scalar loop was 3.6x float16's prefill attention)
+    for (int d = 0; d < D; d += lmserve_kv::kBlock) {
+      const __m256 scale = _mm256_set1_ps(lmserve_kv::block_scale(row, D, d));
+      for (int j = d; j < d + lmserve_kv::kBlock; j += 8) {
+        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j));
+        _mm256_storeu_ps(buf + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale));
+      }
+    }
+    return buf;
+#endif
   } else if constexpr (kQuantized<KV>) {
     for (int d = 0; d < D; ++d) buf[d] = lmserve_kv::code_value(row[d]) * lmserve_kv::block_scale(row, D, d);
     return buf;
@@ -64,6 +76,28 @@ inline int64_t first_key(int64_t L, int64_t window) { return window > 0 && L > w
 inline void soft_cap(float* s, int64_t n, float softcap) {
   if (softcap <= 0.f) return;
   for (int64_t t = 0; t < n; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+}
+
+// q . k, the loop GCC vectorises (fast-math): one function, so decode rows and prefill tiles compile it alike
+template <int D>
+inline float dot(const float* __restrict__ q, const float* __restrict__ k) {
+  float acc = 0.f;
+  for (int d = 0; d < D; ++d) acc += q[d] * k[d];
+  return acc;
+}
+
+// s[0..L) <- softmax(soft_cap(s))
+inline void softmax_scalar(float* __restrict__ s, int64_t L, float softcap) {
+  soft_cap(s, L, softcap);
+  float top = s[0];
+  for (int64_t t = 1; t < L; ++t) top = std::max(top, s[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < L; ++t) {
+    s[t] = std::exp(s[t] - top);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < L; ++t) s[t] *= inv;
 }
 
 template <int D, typename KV>
@@ -90,27 +124,9 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
         const int64_t p = t0 + t;
         const float* __restrict__ k = as_float<D>(
             k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W, row_buf);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* __restrict__ qg = q_rows + g * D;
-          float acc = 0.f;
-          for (int d = 0; d < D; ++d) acc += qg[d] * k[d];
-          scores[g * L + t] = acc * scale;
-        }
+        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot<D>(q_rows + g * D, k) * scale;
       }
-      // softmax over t, per query head
-      for (int64_t g = 0; g < G; ++g) {
-        float* __restrict__ s = scores.data() + g * L;
-        soft_cap(s, L, softcap);
-        float top = s[0];
-        for (int64_t t = 1; t < L; ++t) top = std::max(top, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          s[t] = std::exp(s[t] - top);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_scalar(scores.data() + g * L, L, softcap);  // over t, per query head
       // out[g] = sum_t p[g, t] * v_t
       float acc[kMaxGroup][D];
       for (int64_t g = 0; g < G; ++g)
@@ -127,6 +143,80 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       float* o = out + (b * H + kv_head * G) * D;
       for (int64_t g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) o[g * D + d] = acc[g][d];
+    }
+  });
+}
+
+// Prefill rows (table_rows given) in tiles where no vector version is compiled (x86-64-v2, other architectures): up
+// to kTileHeadsGeneric / G consecutive rows of one request share each key and value row, located and widened once
+// per tile (an int8 row's widening is most of a row's cost here). Each row's numbers are decode_attention's: the
+// same dot() per key, the same softmax_scalar, and p * v accumulated per element over its keys in ascending order
+// from zero, so a token gets a decode row's bits (tests/test_native_attention.py, run on every level).
+constexpr int64_t kTileHeadsGeneric = 48;
+
+template <int D, typename KV>
+void prefill_attention_generic(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
+                               const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B,
+                               int64_t H, int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale,
+                               int64_t window, float softcap) {
+  const int64_t G = H / Hkv, W = row_width<KV>(D), tile_rows = std::max<int64_t>(1, kTileHeadsGeneric / G);
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows): consecutive rows of one request
+  for (int64_t b = 0; b < B;) {
+    int64_t e = b + 1;
+    while (e < B && e - b < tile_rows && table_rows[e] == table_rows[b]) ++e;
+    tiles.emplace_back(b, e - b);
+    b = e;
+  }
+  const int64_t n = static_cast<int64_t>(tiles.size()) * Hkv;
+  lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    std::vector<int64_t> t0(tile_rows), t1(tile_rows), off(tile_rows);
+    float row_buf[D];
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
+      const auto [b0, rows] = tiles[item / Hkv];
+      const int64_t kv_head = item % Hkv;
+      const int64_t* table = block_tables + table_rows[b0] * max_blocks;
+      int64_t lo = INT64_MAX, hi = 0, total = 0;
+      for (int64_t i = 0; i < rows; ++i) {  // row i sees keys [t0, t1), its scores at off: [G, t1 - t0]
+        t0[i] = first_key(context_lens[b0 + i], window);
+        t1[i] = context_lens[b0 + i];
+        off[i] = total;
+        total += G * (t1[i] - t0[i]);
+        lo = std::min(lo, t0[i]);
+        hi = std::max(hi, t1[i]);
+      }
+      scores.resize(total);
+      const int64_t slot0 = kv_head * W;
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t slot = (table[p / block_size] * block_size + p % block_size) * Hkv * W + slot0;
+        const float* k_row = as_float<D>(k_cache + slot, row_buf);
+        for (int64_t i = 0; i < rows; ++i) {
+          if (p < t0[i] || p >= t1[i]) continue;
+          const int64_t L = t1[i] - t0[i];
+          for (int64_t g = 0; g < G; ++g)
+            scores[off[i] + g * L + (p - t0[i])] = dot<D>(q + ((b0 + i) * H + kv_head * G + g) * D, k_row) * scale;
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t g = 0; g < G; ++g)
+          softmax_scalar(scores.data() + off[i] + g * (t1[i] - t0[i]), t1[i] - t0[i], softcap);
+      acc.assign(rows * G * D, 0.f);
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t slot = (table[p / block_size] * block_size + p % block_size) * Hkv * W + slot0;
+        const float* __restrict__ v = as_float<D>(v_cache + slot, row_buf);
+        for (int64_t i = 0; i < rows; ++i) {
+          if (p < t0[i] || p >= t1[i]) continue;
+          const int64_t L = t1[i] - t0[i];
+          for (int64_t g = 0; g < G; ++g) {
+            const float pr = scores[off[i] + g * L + (p - t0[i])];
+            float* __restrict__ a = acc.data() + (i * G + g) * D;
+            for (int d = 0; d < D; ++d) a[d] += pr * v[d];
+          }
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i)
+        std::copy(acc.data() + i * G * D, acc.data() + (i + 1) * G * D, out + ((b0 + i) * H + kv_head * G) * D);
     }
   });
 }
@@ -580,6 +670,109 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
   });
 }
 
+// Prefill rows (table_rows given) in tiles, as prefill_attention_avx512 does on AVX-512: up to kTileHeads2 / G
+// consecutive rows of one request share each 8 key (value) rows, located and widened once per tile instead of once
+// per row. Each row's numbers are attention_avx2's, operation for operation: a key's score is its own fma chain and
+// reduce8 lane (whichever 8 keys share the vector), times the scale; its row's soft-cap and softmax_row8; its output
+// p * v accumulated over its keys in ascending order from zero, held in `out` between 8-row chunks. So a token gets
+// the bits a decode row gets (tests/test_native_attention.py), and a long prompt's attention stops re-reading,
+// re-widening and re-locating (a division per key) its whole context for every one of its rows.
+constexpr int64_t kTileHeads2 = 48;  // query heads per tile, as kTileHeads: G = 3 (SmolLM2) gives 16 rows
+
+template <int D, typename KV>
+void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* block_tables,
+                            const int64_t* context_lens, const int64_t* table_rows, float* out, int64_t B, int64_t H,
+                            int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale, int64_t window,
+                            float softcap) {
+  const int64_t G = H / Hkv, W = row_width<KV>(D), tile_rows = std::max<int64_t>(1, kTileHeads2 / G);
+  constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV));
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows): consecutive rows of one request
+  for (int64_t b = 0; b < B;) {
+    int64_t e = b + 1;
+    while (e < B && e - b < tile_rows && table_rows[e] == table_rows[b]) ++e;
+    tiles.emplace_back(b, e - b);
+    b = e;
+  }
+  const int64_t n = static_cast<int64_t>(tiles.size()) * Hkv;
+  lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> t0(tile_rows), t1(tile_rows), off(tile_rows);
+    std::vector<const KV*> at;  // the tile's key rows [lo, hi), located once
+    alignas(32) float widened[8 * D];
+    alignas(32) float part[8];
+    const float* vals[8];
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention: tiles grow in length
+      const auto [b0, rows] = tiles[item / Hkv];
+      const int64_t kv_head = item % Hkv;
+      const int64_t* table = block_tables + table_rows[b0] * max_blocks;
+      int64_t lo = INT64_MAX, hi = 0, total = 0;
+      for (int64_t i = 0; i < rows; ++i) {  // row i sees keys [t0, t1), its scores at off: [G, t1 - t0]
+        t0[i] = first_key(context_lens[b0 + i], window);
+        t1[i] = context_lens[b0 + i];
+        off[i] = total;
+        total += G * (t1[i] - t0[i]);
+        lo = std::min(lo, t0[i]);
+        hi = std::max(hi, t1[i]);
+      }
+      scores.resize(total);
+      at.resize(hi - lo);
+      for (int64_t p = lo; p < hi; ++p)
+        at[p - lo] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
+      // 8 rows from position c (key rows, or with `shift` the same slots' value rows) as float32 values in `vals`
+      auto widen = [&](int64_t c, int64_t nr, int64_t shift) {
+        for (int64_t j = c + 8; j < std::min(hi, c + 16); ++j)  // the next 8 rows: scattered across blocks
+          for (int64_t b = 0; b < kRowBytes; b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(at[j - lo] + shift) + b, _MM_HINT_T0);
+        for (int64_t j = 0; j < nr; ++j) vals[j] = as_float<D>(at[c + j - lo] + shift, widened + j * D);
+      };
+      const __m256 sc = _mm256_set1_ps(scale);
+      for (int64_t c = lo; c < hi; c += 8) {  // scores: each 8 keys widened once for every row and head of the tile
+        const int64_t nk = std::min<int64_t>(8, hi - c);
+        widen(c, nk, 0);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t a = std::max(c, t0[i]), e = std::min(c + nk, t1[i]);
+          if (a >= e) continue;
+          const int64_t L = t1[i] - t0[i];
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = q + ((b0 + i) * H + kv_head * G + g) * D;
+            _mm256_store_ps(part, _mm256_mul_ps(dots8<D>(qg, vals, static_cast<int>(e - c)), sc));
+            std::copy(part + (a - c), part + (e - c), scores.data() + off[i] + g * L + (a - t0[i]));
+          }
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t L = t1[i] - t0[i];
+        for (int64_t g = 0; g < G; ++g) {
+          soft_cap(scores.data() + off[i] + g * L, L, softcap);
+          softmax_row8(scores.data() + off[i] + g * L, L);
+        }
+        std::fill_n(out + ((b0 + i) * H + kv_head * G) * D, G * D, 0.f);
+      }
+      const int64_t shift = v_cache - k_cache;  // a slot's value row sits this far from its key row
+      for (int64_t c = lo; c < hi; c += 8) {  // outputs: each 8 value rows widened once for the tile
+        const int64_t nv = std::min<int64_t>(8, hi - c);
+        widen(c, nv, shift);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t a = std::max(c, t0[i]), e = std::min(c + nv, t1[i]);
+          if (a >= e) continue;
+          const int64_t L = t1[i] - t0[i];
+          float* o = out + ((b0 + i) * H + kv_head * G) * D;
+          for (int64_t g = 0; g < G; g += 3)
+            for (int64_t c0 = 0; c0 < D; c0 += 32) {
+              const float* pg = scores.data() + off[i] + g * L + (a - t0[i]);
+              switch (std::min<int64_t>(3, G - g)) {
+                case 1: accumulate8<1>(pg, L, vals + (a - c), e - a, c0, D, o + g * D); break;
+                case 2: accumulate8<2>(pg, L, vals + (a - c), e - a, c0, D, o + g * D); break;
+                default: accumulate8<3>(pg, L, vals + (a - c), e - a, c0, D, o + g * D); break;
+              }
+            }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 #pragma GCC pop_options
 #endif
@@ -619,8 +812,14 @@ void lmserve::paged_attention(KvType type, const float* q, const void* k_cache, 
                                                                   : prefill_attention_avx512<256, KV>;
 #elif defined(LMSERVE_ATTENTION_AVX2)
     auto run = D == 64 ? attention_avx2<64, KV> : D == 128 ? attention_avx2<128, KV> : attention_avx2<256, KV>;
+    if (rows != nullptr)  // prefill rows: tiles of a request's consecutive rows, the same numbers (see above)
+      run = D == 64 ? prefill_attention_avx2<64, KV> : D == 128 ? prefill_attention_avx2<128, KV>
+                                                                : prefill_attention_avx2<256, KV>;
 #else
     auto run = D == 64 ? decode_attention<64, KV> : D == 128 ? decode_attention<128, KV> : decode_attention<256, KV>;
+    if (rows != nullptr)  // prefill rows: tiles of a request's consecutive rows, the same numbers (see above)
+      run = D == 64 ? prefill_attention_generic<64, KV> : D == 128 ? prefill_attention_generic<128, KV>
+                                                                   : prefill_attention_generic<256, KV>;
 #endif
     run(q, static_cast<const KV*>(k_cache), static_cast<const KV*>(v_cache), block_tables, context_lens, rows, out,
         B, H, block_size, Hkv, mb, scale, window, softcap);
