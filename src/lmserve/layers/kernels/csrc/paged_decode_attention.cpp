@@ -698,8 +698,10 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
     std::vector<float> scores;
     std::vector<int64_t> t0(tile_rows), t1(tile_rows), off(tile_rows);
     std::vector<const KV*> at;  // the tile's key rows [lo, hi), located once
+    std::vector<int64_t> live(tile_rows);
     alignas(32) float widened[8 * D];
     alignas(32) float part[8];
+    alignas(32) float chains[std::max<int64_t>(kTileHeads2, kMaxGroup) * 64];  // [row, head, key] x 8 lanes
     const float* vals[8];
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention: tiles grow in length
@@ -730,14 +732,42 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
       for (int64_t c = lo; c < hi; c += 8) {  // scores: each 8 keys widened once for every row and head of the tile
         const int64_t nk = std::min<int64_t>(8, hi - c);
         widen(c, nk, 0);
-        for (int64_t i = 0; i < rows; ++i) {
+        int64_t m = 0;  // the tile's rows that see some of these keys
+        for (int64_t i = 0; i < rows; ++i)
+          if (std::max(c, t0[i]) < std::min(c + nk, t1[i])) live[m++] = i;
+        // Each (row, head, key)'s fma chain as dots8 runs it (q * k over the first 8 values, then fma over the next
+        // in order), but key-major: a key's values sit in registers 64 at a time while every head of the tile runs
+        // its chain against them, parked in `chains` between those blocks. One q load per fma, where dots8 loads
+        // q and k (Zen 1 splits each 256-bit load in two: dots8 was load-bound at half the fma rate).
+        for (int64_t j = 0; j < nk; ++j)
+          for (int d0 = 0; d0 < D; d0 += 64) {
+            __m256 kr[8];
+            for (int u = 0; u < 8; ++u) kr[u] = _mm256_loadu_ps(vals[j] + d0 + 8 * u);
+            for (int64_t r = 0; r < m; ++r)
+              for (int64_t g = 0; g < G; ++g) {
+                const float* qg = q + ((b0 + live[r]) * H + kv_head * G + g) * D + d0;
+                float* chain = chains + ((r * G + g) * 8 + j) * 8;
+                __m256 acc = d0 == 0 ? _mm256_mul_ps(_mm256_loadu_ps(qg), kr[0])
+                                     : _mm256_fmadd_ps(_mm256_loadu_ps(qg), kr[0], _mm256_load_ps(chain));
+                for (int u = 1; u < 8; ++u) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * u), kr[u], acc);
+                _mm256_store_ps(chain, acc);
+              }
+          }
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t i = live[r];
           const int64_t a = std::max(c, t0[i]), e = std::min(c + nk, t1[i]);
-          if (a >= e) continue;
           const int64_t L = t1[i] - t0[i];
           for (int64_t g = 0; g < G; ++g) {
-            const float* qg = q + ((b0 + i) * H + kv_head * G + g) * D;
-            _mm256_store_ps(part, _mm256_mul_ps(dots8<D>(qg, vals, static_cast<int>(e - c)), sc));
-            std::copy(part + (a - c), part + (e - c), scores.data() + off[i] + g * L + (a - t0[i]));
+            __m256 p[8];  // as dots8: lanes from e - c on are zero
+            for (int64_t j = 0; j < 8; ++j)
+              p[j] = j < e - c ? _mm256_load_ps(chains + ((r * G + g) * 8 + j) * 8) : _mm256_setzero_ps();
+            const __m256 d = _mm256_mul_ps(lmserve_simd::reduce8(p), sc);
+            if (a == c) {  // the row sees the chunk from its first key (always, without a window)
+              store_n(scores.data() + off[i] + g * L + (c - t0[i]), e - c, d);
+            } else {
+              _mm256_store_ps(part, d);
+              std::copy(part + (a - c), part + (e - c), scores.data() + off[i] + g * L + (a - t0[i]));
+            }
           }
         }
       }
