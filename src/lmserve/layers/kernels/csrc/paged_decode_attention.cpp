@@ -538,11 +538,12 @@ void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cac
 #pragma GCC pop_options
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // The x86-64-v3 version (AVX2 + FMA + F16C), 1.2-1.5x faster than the loop above (16 rows over 80-500 float16
-// keys, CPU time under load): attention_avx512's structure 8 lanes wide. 8 keys' dot products (each its own fma chain) reduced at once by reduce8's fixed tree, a
-// vector exp, and the outputs accumulated 8 value rows at a time with up to 3 query heads x 32 columns in
-// registers, held in `out` between those chunks (which stores the same float32 numbers). No fast-math or FMA
-// contraction (simd_avx2.h), and each (row, kv head) is computed alone: a row's result never depends on the batch,
-// and prefill rows (table_rows given) are decode rows over their own table, the same bits.
+// keys, CPU time under load): attention_avx512's structure 8 lanes wide. 8 keys' dot products (each its own fma
+// chain) reduced at once by reduce8's fixed tree, a vector exp, and the outputs accumulated 8 value rows at a time
+// with up to 3 query heads x 32 columns in registers, held in `out` between those chunks (which stores the same
+// float32 numbers). No fast-math or FMA contraction (simd_avx2.h), and each (row, kv head) is computed alone: a
+// row's result never depends on the batch; prefill rows (table_rows given) run in tiles with the same bits
+// (prefill_attention_avx2 below).
 #define LMSERVE_ATTENTION_AVX2 1
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
