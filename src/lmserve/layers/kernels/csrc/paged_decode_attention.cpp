@@ -72,6 +72,38 @@ inline const float* as_float(const KV* row, float* buf) {
 // the first key a row of context length L sees: L - window for a sliding-window layer, else 0
 inline int64_t first_key(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
 
+// A prefill call's tiles (first row, rows): runs of up to `tile_rows` consecutive rows of one request (the same
+// table row), which each level's prefill kernel attends together
+std::vector<std::pair<int64_t, int64_t>> prefill_tiles(const int64_t* table_rows, int64_t B, int64_t tile_rows) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t b = 0; b < B;) {
+    int64_t e = b + 1;
+    while (e < B && e - b < tile_rows && table_rows[e] == table_rows[b]) ++e;
+    tiles.emplace_back(b, e - b);
+    b = e;
+  }
+  return tiles;
+}
+
+// One tile's rows: row i sees keys [t0[i], t1[i]) and its G heads' scores sit at off[i] ([G, t1 - t0]); every row
+// sees keys within [lo, hi); the tile's scores take `total` floats
+struct TileRows {
+  std::vector<int64_t> t0, t1, off;
+  int64_t lo = 0, hi = 0, total = 0;
+  explicit TileRows(int64_t rows) : t0(rows), t1(rows), off(rows) {}
+  void set(const int64_t* context_lens, int64_t b0, int64_t rows, int64_t window, int64_t G) {
+    lo = INT64_MAX, hi = 0, total = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      t0[i] = first_key(context_lens[b0 + i], window);
+      t1[i] = context_lens[b0 + i];
+      off[i] = total;
+      total += G * (t1[i] - t0[i]);
+      lo = std::min(lo, t0[i]);
+      hi = std::max(hi, t1[i]);
+    }
+  }
+};
+
 // s <- softcap * tanh(s / softcap) for n scores (no-op when softcap <= 0)
 inline void soft_cap(float* s, int64_t n, float softcap) {
   if (softcap <= 0.f) return;
@@ -160,32 +192,20 @@ void prefill_attention_generic(const float* q, const KV* k_cache, const KV* v_ca
                                int64_t H, int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale,
                                int64_t window, float softcap) {
   const int64_t G = H / Hkv, W = row_width<KV>(D), tile_rows = std::max<int64_t>(1, kTileHeadsGeneric / G);
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows): consecutive rows of one request
-  for (int64_t b = 0; b < B;) {
-    int64_t e = b + 1;
-    while (e < B && e - b < tile_rows && table_rows[e] == table_rows[b]) ++e;
-    tiles.emplace_back(b, e - b);
-    b = e;
-  }
+  const auto tiles = prefill_tiles(table_rows, B, tile_rows);
   const int64_t n = static_cast<int64_t>(tiles.size()) * Hkv;
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
-    std::vector<int64_t> t0(tile_rows), t1(tile_rows), off(tile_rows);
+    TileRows span(tile_rows);
     float row_buf[D];
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
       const auto [b0, rows] = tiles[item / Hkv];
       const int64_t kv_head = item % Hkv;
       const int64_t* table = block_tables + table_rows[b0] * max_blocks;
-      int64_t lo = INT64_MAX, hi = 0, total = 0;
-      for (int64_t i = 0; i < rows; ++i) {  // row i sees keys [t0, t1), its scores at off: [G, t1 - t0]
-        t0[i] = first_key(context_lens[b0 + i], window);
-        t1[i] = context_lens[b0 + i];
-        off[i] = total;
-        total += G * (t1[i] - t0[i]);
-        lo = std::min(lo, t0[i]);
-        hi = std::max(hi, t1[i]);
-      }
+      span.set(context_lens, b0, rows, window, G);
+      const std::vector<int64_t>&t0 = span.t0, &t1 = span.t1, &off = span.off;
+      const int64_t lo = span.lo, hi = span.hi, total = span.total;
       scores.resize(total);
       const int64_t slot0 = kv_head * W;
       for (int64_t p = lo; p < hi; ++p) {
@@ -464,17 +484,11 @@ void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cac
                               int64_t H, int64_t block_size, int64_t Hkv, int64_t max_blocks, float scale,
                               int64_t window, float softcap) {
   const int64_t G = H / Hkv, W = row_width<KV>(D), tile_rows = std::max<int64_t>(1, kTileHeads / G);
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows): consecutive rows of one request
-  for (int64_t b = 0; b < B;) {
-    int64_t e = b + 1;
-    while (e < B && e - b < tile_rows && table_rows[e] == table_rows[b]) ++e;
-    tiles.emplace_back(b, e - b);
-    b = e;
-  }
+  const auto tiles = prefill_tiles(table_rows, B, tile_rows);
   const int64_t n = static_cast<int64_t>(tiles.size()) * Hkv;
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> t0(tile_rows), t1(tile_rows), off(tile_rows);
+    TileRows span(tile_rows);
     alignas(64) float widened[16 * D];
     alignas(64) float part[16];
     const float* vals[16];
@@ -483,15 +497,9 @@ void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cac
       const auto [b0, rows] = tiles[item / Hkv];
       const int64_t kv_head = item % Hkv;
       const int64_t* table = block_tables + table_rows[b0] * max_blocks;
-      int64_t lo = INT64_MAX, hi = 0, total = 0;
-      for (int64_t i = 0; i < rows; ++i) {  // row i sees keys [t0, t1), its scores at off: [G, t1 - t0]
-        t0[i] = first_key(context_lens[b0 + i], window);
-        t1[i] = context_lens[b0 + i];
-        off[i] = total;
-        total += G * (t1[i] - t0[i]);
-        lo = std::min(lo, t0[i]);
-        hi = std::max(hi, t1[i]);
-      }
+      span.set(context_lens, b0, rows, window, G);
+      const std::vector<int64_t>&t0 = span.t0, &t1 = span.t1, &off = span.off;
+      const int64_t lo = span.lo, hi = span.hi, total = span.total;
       scores.resize(total);
       auto key_at = [&](int64_t p) { return k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W; };
       auto value_at = [&](int64_t p) { return v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W; };
@@ -687,17 +695,11 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
                             float softcap) {
   const int64_t G = H / Hkv, W = row_width<KV>(D), tile_rows = std::max<int64_t>(1, kTileHeads2 / G);
   constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV));
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows): consecutive rows of one request
-  for (int64_t b = 0; b < B;) {
-    int64_t e = b + 1;
-    while (e < B && e - b < tile_rows && table_rows[e] == table_rows[b]) ++e;
-    tiles.emplace_back(b, e - b);
-    b = e;
-  }
+  const auto tiles = prefill_tiles(table_rows, B, tile_rows);
   const int64_t n = static_cast<int64_t>(tiles.size()) * Hkv;
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<int64_t> t0(tile_rows), t1(tile_rows), off(tile_rows);
+    TileRows span(tile_rows);
     std::vector<const KV*> at;  // the tile's key rows [lo, hi), located once
     std::vector<int64_t> live(tile_rows);
     alignas(32) float widened[8 * D];
@@ -709,15 +711,9 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
       const auto [b0, rows] = tiles[item / Hkv];
       const int64_t kv_head = item % Hkv;
       const int64_t* table = block_tables + table_rows[b0] * max_blocks;
-      int64_t lo = INT64_MAX, hi = 0, total = 0;
-      for (int64_t i = 0; i < rows; ++i) {  // row i sees keys [t0, t1), its scores at off: [G, t1 - t0]
-        t0[i] = first_key(context_lens[b0 + i], window);
-        t1[i] = context_lens[b0 + i];
-        off[i] = total;
-        total += G * (t1[i] - t0[i]);
-        lo = std::min(lo, t0[i]);
-        hi = std::max(hi, t1[i]);
-      }
+      span.set(context_lens, b0, rows, window, G);
+      const std::vector<int64_t>&t0 = span.t0, &t1 = span.t1, &off = span.off;
+      const int64_t lo = span.lo, hi = span.hi, total = span.total;
       scores.resize(total);
       at.resize(hi - lo);
       for (int64_t p = lo; p < hi; ++p)
