@@ -70,15 +70,20 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
     if cfg.num_threads or world > 1:
         torch.set_num_threads(_threads_per_rank(cfg))
     device = resolve_device(cfg.device)
-    encoder = (loaded.config if loaded else read_model_config(resolve_model_path(cfg.model, cfg.revision))).encoder
-    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device, encoder)
+    # the header alone, read once here: an encoder's blocks are never kept (the dtype below), ranks' splits checked
+    header = loaded.config if loaded else read_model_config(resolve_model_path(cfg.model, cfg.revision))
+    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device, header.encoder)
     dtype = resolve_dtype(cfg.dtype, device, kept_gguf)
     if cfg.dtype == "auto":
         log.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."),
                  auto_dtype_why(device, kept_gguf=kept_gguf)[1])
-    ranks = _start_ranks(cfg, dtype, device) if world > 1 and loaded is None else None
+    ranks = None
+    if world > 1 and loaded is None:  # check the model splits, then start ranks 1..N-1
+        check_tensor_parallel(cfg.parallel, header, device)
+        check_pipeline_parallel(cfg.parallel, header, device, cfg.cache.sized_explicitly)
+        ranks = RankProcesses(cfg, dtype, device, _threads_per_rank(cfg))  # they load their shards as rank 0 does
     try:
-        parts = _build(cfg, device, dtype, loaded, tokenizer, ranks)
+        parts = _build(cfg, device, dtype, loaded, tokenizer, ranks, header.num_layers)
         parts.proposer = make_proposer(cfg, parts.tokenizer, parts.loaded.config.vocab_size, parts.num_blocks,
                                        parts.block_size, parts.dtype, device)
     except BaseException:  # the worker ranks must not outlive an engine that failed to start
@@ -94,12 +99,11 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
 
 
 def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: LoadedModel | None,
-           tokenizer: Tokenizer | None, ranks: RankProcesses | None) -> EngineParts:
+           tokenizer: Tokenizer | None, ranks: RankProcesses | None, num_layers: int) -> EngineParts:
     """(This rank's part of) the model, then the tokenizer, KV pool, LoRA slots, runner and executor."""
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     shard = TPShard(0, tp) if ranks is not None and tp > 1 else None
-    stage = PPStage(0, pp, read_model_config(resolve_model_path(cfg.model, cfg.revision)).num_layers, 0, tp,
-                    cfg.parallel.pipeline_micro_batches) \
+    stage = PPStage(0, pp, num_layers, 0, tp, cfg.parallel.pipeline_micro_batches) \
         if ranks is not None and pp > 1 else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
                                   shard=shard, max_model_len=cfg.max_model_len, stage=stage, mmproj=cfg.mmproj,
@@ -193,14 +197,6 @@ def _threads_per_rank(cfg: EngineConfig) -> int:
     if cfg.num_threads:
         return cfg.num_threads
     return max(1, len(os.sched_getaffinity(0)) // cfg.parallel.world_size)
-
-
-def _start_ranks(cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> RankProcesses:
-    """Check the model splits, then start ranks 1..N-1 (they load their shards while rank 0 loads its own)."""
-    model_config = read_model_config(resolve_model_path(cfg.model, cfg.revision))
-    check_tensor_parallel(cfg.parallel, model_config, device)
-    check_pipeline_parallel(cfg.parallel, model_config, device, cfg.cache.sized_explicitly)
-    return RankProcesses(cfg, dtype, device, _threads_per_rank(cfg))
 
 
 def _kv_dtype(cfg: EngineConfig, dtype: torch.dtype, loaded: LoadedModel, device: torch.device) -> torch.dtype:
