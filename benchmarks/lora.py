@@ -3,11 +3,11 @@
     python benchmarks/lora.py                      # full run (a few minutes on 2 cores)
     python benchmarks/lora.py --quick              # tiny sizes, to check the script
 
-Measured in one process, in alternating repeats (base, lora, base, lora, ...), because the machine is
+Measured in one process, in alternating repeats (base, lora, lora_base; then turned by one), because the machine is
 shared and only a ratio taken in the same run means anything:
   base        an engine without --enable-lora: 32 greedy requests (distinct random prompts, EOS ignored)
   lora        an engine with 8 rank-16 adapters on all 7 projections (--max-loras 8): the same 32 requests,
-              request i on adapter i % 8, all in one batch (target: >= 0.75x base tokens/s)
+              request i on adapter i % 8, all in one batch (issue 46: >= 0.8x base tokens/s)
   lora_base   the LoRA engine running the 32 requests on the base model (the cost of the wrappers alone)
 Throughput is generated tokens / wall time from adding the batch to its last token (prefill included).
 Adapter load time: `read_peft_adapter` of a rank-16 all-projection adapter (PEFT safetensors written by this
@@ -126,9 +126,11 @@ def main() -> None:
     run_batch(lora_engine, prompts[:2], loras[:2], 4)
     results = {"base": [], "lora": [], "lora_base": []}
     cpu_results = {"base": [], "lora": [], "lora_base": []}
-    for _ in range(args.repeats):
-        for key, engine, which in (("base", base_engine, none), ("lora", lora_engine, loras),
-                                   ("lora_base", lora_engine, none)):
+    runs = [("base", base_engine, none), ("lora", lora_engine, loras), ("lora_base", lora_engine, none)]
+    for rep in range(args.repeats):
+        # the order turns each repeat, so that no row always follows the same one: on Zen 1 base requests on the
+        # LoRA engine read 122-141 tok/s right after the LoRA batch and 168 when first (the base engine: 164-168)
+        for key, engine, which in runs[rep % 3:] + runs[:rep % 3]:
             wall, cpu = run_batch(engine, prompts, which, args.output_len)
             results[key].append(wall)
             cpu_results[key].append(cpu)
@@ -183,7 +185,7 @@ one batch; median of {s['repeats']} repeats (min-max):
 | --enable-lora, {s['adapters']} slots | base | {m['lora_base']:.1f} ({rng('lora_base')}) | {r['lora_engine_base_vs_base']:.2f}x |
 
 Per repeat, LoRA batch / base batch run back to back: {', '.join(f'{x:.2f}' for x in r['lora_vs_base_per_repeat'])}
-(median **{r['lora_vs_base_paired_median']:.2f}x**; target >= 0.75x).
+(median **{r['lora_vs_base_paired_median']:.2f}x**; issue 46: >= 0.8x).
 
 Tokens per CPU second of the benchmark process (less sensitive to the other jobs than wall time), medians:
 base {r['median_tokens_per_cpu_s']['base']:.1f}, LoRA batch {r['median_tokens_per_cpu_s']['lora']:.1f}
