@@ -130,7 +130,7 @@ def main() -> None:
     for rep in range(args.repeats):
         # the order turns each repeat, so that no row always follows the same one: on Zen 1 base requests on the
         # LoRA engine read 122-141 tok/s right after the LoRA batch and 168 when first (the base engine: 164-168)
-        for key, engine, which in runs[rep % 3:] + runs[:rep % 3]:
+        for key, engine, which in runs[rep % len(runs):] + runs[:rep % len(runs)]:
             wall, cpu = run_batch(engine, prompts, which, args.output_len)
             results[key].append(wall)
             cpu_results[key].append(cpu)
