@@ -5,7 +5,8 @@
 
 Measured in one process, in alternating repeats (base, lora, lora_base; then turned by one), because the machine is
 shared and only a ratio taken in the same run means anything:
-  base        an engine without --enable-lora: 32 greedy requests (distinct random prompts, EOS ignored)
+  base        an engine without --enable-lora: 32 greedy requests (distinct random prompts, new each repeat,
+              so that no run reuses an earlier run's KV blocks; EOS ignored)
   lora        an engine with 8 rank-16 adapters on all 7 projections (--max-loras 8): the same 32 requests,
               request i on adapter i % 8, all in one batch (issue 46: >= 0.8x base tokens/s)
   lora_base   the LoRA engine running the 32 requests on the base model (the cost of the wrappers alone)
@@ -119,17 +120,26 @@ def main() -> None:
               enumerate(loras[:args.adapters])]
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-               for _ in range(args.requests)]
+
+    def fresh_prompts() -> list[list[int]]:
+        return [torch.randint(100, cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+                for _ in range(args.requests)]
+
     none = [None] * args.requests
-    run_batch(base_engine, prompts[:2], none[:2], 4)  # warm-up: kernels, allocator
-    run_batch(lora_engine, prompts[:2], loras[:2], 4)
+    warm = fresh_prompts()
+    run_batch(base_engine, warm[:2], none[:2], 4)  # warm-up: kernels, allocator
+    run_batch(lora_engine, warm[:2], loras[:2], 4)
     results = {"base": [], "lora": [], "lora_base": []}
     cpu_results = {"base": [], "lora": [], "lora_base": []}
     runs = [("base", base_engine, none), ("lora", lora_engine, loras), ("lora_base", lora_engine, none)]
     for rep in range(args.repeats):
-        # the order turns each repeat, so that no row always follows the same one: on Zen 1 base requests on the
-        # LoRA engine read 122-141 tok/s right after the LoRA batch and 168 when first (the base engine: 164-168)
+        # New prompts every repeat: with the same 32 each time, a run could find its prompts' KV blocks still in
+        # the prefix cache from an earlier repeat, or not (eviction), and on Zen 1 that alone moved a run between
+        # ~115 and ~165 tok/s (2,048 prompt tokens: 6-7 s computed, ~1.7 s mostly cached). The three rows of a
+        # repeat share them and still compute every prompt: two engines, and adapter rows' blocks are salted by
+        # their adapter, so the base rows on the LoRA engine never hit the LoRA rows' blocks.
+        prompts = fresh_prompts()
+        # the order turns each repeat, so that no row always follows the same one
         for key, engine, which in runs[rep % len(runs):] + runs[:rep % len(runs)]:
             wall, cpu = run_batch(engine, prompts, which, args.output_len)
             results[key].append(wall)
@@ -175,7 +185,7 @@ def _markdown(r: dict) -> str:
 flags {r['cpu_flags']}), torch {r['torch']}, {r['model']} in float32. The machine was shared during the
 run, so only the ratios taken in this same run (alternating repeats) count, not the absolute numbers.
 
-{s['requests']} greedy requests, {s['prompt_len']}-token random prompts, {s['output_len']} tokens each (EOS ignored),
+{s['requests']} greedy requests, {s['prompt_len']}-token random prompts (new each repeat), {s['output_len']} tokens each (EOS ignored),
 one batch; median of {s['repeats']} repeats (min-max):
 
 | engine | requests on | tokens/s | vs base |
