@@ -135,7 +135,7 @@ def main() -> None:
     for rep in range(args.repeats):
         # New prompts every repeat: with the same 32 each time, a run could find its prompts' KV blocks still in
         # the prefix cache from an earlier repeat, or not (eviction), and on Zen 1 that alone moved a run between
-        # ~115 and ~165 tok/s (2,048 prompt tokens: 6-7 s computed, ~1.7 s mostly cached). The three rows of a
+        # ~115 and ~190 tok/s (2,048 prompt tokens: 6-7 s computed, ~1.7 s mostly cached). The three rows of a
         # repeat share them and still compute every prompt: two engines, and adapter rows' blocks are salted by
         # their adapter, so the base rows on the LoRA engine never hit the LoRA rows' blocks.
         prompts = fresh_prompts()

@@ -140,9 +140,10 @@ inline void dots(const float* const* xs, const float* a, int64_t kn, int64_t in,
   lane_chains<R, K, v16>(xs, ak, 0, full, lanes);
 #else
   // Lanes 0-7 over the whole row, then lanes 8-15: each lane runs the same chain as in one 16-lane pass, with half
-  // the accumulators live. 4 x 2 sixteen-lane accumulators take all 16 ymm and were spilled to the stack every
-  // chunk; the second pass reads the rows again from L1 / L2. (With splat8's plain broadcast, on Zen 1, one thread,
-  // one layer's 4 projections in cache: 0.44 -> 0.35 ms on x86-64-v3, 0.74 -> 0.54 on x86-64-v2, the same bits.)
+  // the accumulators live. On x86-64-v3, 4 x 2 sixteen-lane accumulators took all 16 ymm and were spilled to the
+  // stack every chunk; half of them take 8. (x86-64-v2's 16 xmm still cannot hold all of a pass's 4 x 2 halves and
+  // its loads, but spill half as much.) The second pass reads the rows again from L1 / L2. Same bits; speed with
+  // splat8's plain broadcast: benchmarks/results/lora_delta_zen1.md.
   lane_chains<R, K, v8>(xs, ak, 0, full, lanes);
   lane_chains<R, K, v8>(xs, ak, 8, full, lanes);
 #endif
@@ -151,7 +152,7 @@ inline void dots(const float* const* xs, const float* a, int64_t kn, int64_t in,
 }
 
 // h[r][kn] = x_r . a[kn] for R rows and the m = rank * n rows of A, kA rows of A at a time (32 registers on AVX-512
-// hold 4 x 4 accumulators; on the lower levels 16 hold 4 x 2 eight-lane halves, dots running the halves in turn)
+// hold 4 x 4 accumulators; below it dots runs 4 x 2 in two passes of eight-lane halves)
 template <int R>
 void shrink(const float* const* xs, const float* a, int64_t m, int64_t in, float* const* h) {
   const int64_t full = in / kLanes * kLanes;
