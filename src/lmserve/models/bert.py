@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmserve.errors import CheckpointError
+from lmserve.layers.blocks.fused_linear import linear_act, linear_add
 from lmserve.layers.kernels.fused import encoder_attention
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family, Fields, GGUFMeta
 
-_ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+_BERT_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")  # of fused_linear's ACTS, those BERT checkpoints name
 # the base model's prefix in a task checkpoint (BertForSequenceClassification: `bert.`); a bare model has none
 _PREFIXES = ("bert.", "roberta.", "model.")
 
@@ -46,13 +46,13 @@ class EncoderLayer(nn.Module):
         self.up = nn.Linear(h, cfg.intermediate_size)
         self.down = nn.Linear(cfg.intermediate_size, h)
         self.mlp_norm = nn.LayerNorm(h, eps=eps)
-        self.act = _ACTS[cfg.hidden_act]
+        self.act = cfg.hidden_act  # a name in fused_linear's ACTS
 
     def forward(self, x: torch.Tensor, seqs: StepSequences) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(x).view(t, 3, self.num_heads, self.head_dim)
-        x = self.attn_norm(x + self.o_proj(bidirectional(qkv, seqs)))
-        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+        x = self.attn_norm(linear_add(self.o_proj, bidirectional(qkv, seqs), x))  # norm(x + o_proj(attn))
+        return self.mlp_norm(linear_add(self.down, linear_act(self.up, x, self.act), x))  # norm(x + down(act(up x)))
 
 
 class PaddedGroup(NamedTuple):
@@ -315,8 +315,8 @@ def _encoder_fields(cfg: Mapping[str, Any], position_offset: int) -> Fields:
     classifier = any(str(a).endswith("ForSequenceClassification") for a in archs)
     labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2)) if classifier else 0
     act = str(cfg.get("hidden_act", "gelu"))
-    if act not in _ACTS:
-        raise CheckpointError(f"config.json: hidden_act {act!r} is not supported ({', '.join(_ACTS)})")
+    if act not in _BERT_ACTS:
+        raise CheckpointError(f"config.json: hidden_act {act!r} is not supported ({', '.join(_BERT_ACTS)})")
     return {"encoder": True, "type_vocab_size": int(cfg.get("type_vocab_size", 2)), "position_offset": position_offset,
             "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)), "hidden_act": act, "num_labels": labels,
             "qkv_bias": True, "o_bias": True, "mlp_bias": True, "num_kv_heads": int(cfg["num_attention_heads"]),

@@ -18,18 +18,14 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmserve.errors import CheckpointError
+from lmserve.layers.blocks.fused_linear import ACTS, linear_add
 from lmserve.models.bert import Encoder, StepSequences, bidirectional, step_sequences
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family, Fields, GGUFMeta
 from lmserve.models.rope import rope_specs
-
-_ACTS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "swish": F.silu,
-         "relu": F.relu}
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -62,14 +58,14 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(h, eps=eps, bias=cfg.norm_bias)
         self.up = nn.Linear(h, 2 * cfg.intermediate_size, bias=bias)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=bias)
-        self.act = _ACTS[cfg.hidden_act]
+        self.act = ACTS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, freqs: dict[str, torch.Tensor],
                 seqs: StepSequences) -> torch.Tensor:
         qkv = self.qkv(self.attn_norm(x)).view(x.shape[0], 3, self.num_heads, self.head_dim)
-        x = x + self.o_proj(attend(qkv, positions, freqs[self.kind], seqs, self.window))
+        x = linear_add(self.o_proj, attend(qkv, positions, freqs[self.kind], seqs, self.window), x)
         inp, gate = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(self.act(inp) * gate)
+        return linear_add(self.down, self.act(inp) * gate, x)
 
 
 class NomicBertLayer(nn.Module):
@@ -85,14 +81,14 @@ class NomicBertLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.mlp_norm = nn.LayerNorm(h, eps=eps)
-        self.act = _ACTS[cfg.hidden_act]
+        self.act = ACTS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, freqs: dict[str, torch.Tensor],
                 seqs: StepSequences) -> torch.Tensor:
         qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
-        x = self.attn_norm(x + self.o_proj(attend(qkv, positions, freqs["full"], seqs)))
+        x = self.attn_norm(linear_add(self.o_proj, attend(qkv, positions, freqs["full"], seqs), x))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.mlp_norm(x + self.down(self.act(gate) * up))
+        return self.mlp_norm(linear_add(self.down, self.act(gate) * up, x))
 
 
 class RotaryEncoderModel(Encoder):
@@ -133,7 +129,7 @@ class RotaryEncoderModel(Encoder):
 
     def score(self, cls: torch.Tensor) -> torch.Tensor:
         """The classification head's logits: CLS vectors [N, H] -> [N, num_labels]."""
-        act = _ACTS[self.config.classifier_act]
+        act = ACTS[self.config.classifier_act]
         return self.head_out(self.head_norm(act(self.head_dense(cls.to(self.word_embeddings.weight.dtype)))))
 
 
@@ -254,8 +250,8 @@ def _nomic_hf(cfg: Mapping[str, Any]) -> Fields:
 
 def _act(cfg: Mapping[str, Any], key: str, default: str) -> str:
     act = str(cfg.get(key, default))
-    if act not in _ACTS:
-        raise CheckpointError(f"config.json: {key} {act!r} is not supported ({', '.join(_ACTS)})")
+    if act not in ACTS:
+        raise CheckpointError(f"config.json: {key} {act!r} is not supported ({', '.join(ACTS)})")
     return act
 
 
@@ -301,9 +297,9 @@ def _modern_gguf(m: GGUFMeta) -> Fields:
     every = int(m.get("attention.sliding_window_pattern") or 3)
     labels = m.get("classifier.output_labels")
     act = str(m.get("hidden_activation", "gelu"))
-    if act not in _ACTS:
+    if act not in ACTS:
         raise CheckpointError(f"GGUF metadata: {m.arch}.hidden_activation {act!r} is not supported "
-                              f"({', '.join(_ACTS)})")
+                              f"({', '.join(ACTS)})")
     if "cls.output.weight" in m.names and m.get("classifier.pooling_type") != 2:
         # llama.cpp pools a head's input by the mean where the key says 1 or is absent (gte-reranker-modernbert)
         raise CheckpointError(f"GGUF metadata: {m.arch}.classifier.pooling_type "

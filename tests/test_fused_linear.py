@@ -1,0 +1,89 @@
+"""layers/blocks/fused_linear.py: a packed linear with its activation or residual add fused into oneDNN's GEMM gives
+the composed reference's numbers (nn.Linear, then the activation or the add), at step sizes on both sides of the
+skinny kernel's rows, and every other weight format runs the reference itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lmserve.layers.blocks import fused_linear
+from lmserve.layers.blocks.fused_linear import ACTS, linear_act, linear_add
+from lmserve.layers.formats.linear import SKINNY_MAX_ROWS, PackedLinear, can_pack
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="oneDNN packing unavailable")
+
+
+def _layer(n_in: int, n_out: int, bias: bool = True) -> tuple[nn.Linear, PackedLinear]:
+    torch.manual_seed(n_in * 7 + n_out)
+    ref = nn.Linear(n_in, n_out, bias=bias)
+    return ref, PackedLinear(ref)
+
+
+@pytest.mark.parametrize("rows", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_linear_act_matches_reference(act: str, rows: int) -> None:
+    ref, packed = _layer(96, 160)
+    x = torch.randn(rows, 96) * 3
+    want = ACTS[act](ref(x))
+    got = linear_act(packed, x, act)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear_act(ref, x, act), want)  # a plain nn.Linear runs the reference
+
+
+@pytest.mark.parametrize("rows", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_add_matches_reference(rows: int, bias: bool) -> None:
+    ref, packed = _layer(160, 96, bias)
+    x, residual = torch.randn(rows, 160), torch.randn(rows, 96)
+    want = ref(x) + residual
+    torch.testing.assert_close(linear_add(packed, x, residual), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear_add(ref, x, residual), want)
+    strided = torch.randn(96, rows).t()  # not contiguous: the composed calls
+    torch.testing.assert_close(linear_add(packed, x, strided), ref(x) + strided, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_only_where_onednn_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps the skinny kernel takes keep the composed calls (its rows are oneDNN's bits, so a row's numbers do not
+    depend on the step's size); larger ones call the fused op, whose output is the same tensor the test reads."""
+    _, packed = _layer(96, 160)
+    calls: list[str] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *args):
+            calls.append(args[3])
+            return real(*args)
+
+        binary = real.binary
+
+    monkeypatch.setattr(fused_linear.torch.ops.mkldnn, "_linear_pointwise", Spy())
+    linear_act(packed, torch.randn(SKINNY_MAX_ROWS + 1, 96), "gelu")
+    assert calls == ["gelu"]
+    calls.clear()
+    linear_act(packed, torch.randn(2, 96), "gelu")
+    assert calls == ([] if packed.panels is not None else ["gelu"])
+    calls.clear()
+    linear_act(packed, torch.randn(20, 96), "silu")  # no post-op of oneDNN's here: the linear, then F.silu
+    assert calls == ["none"]
+
+
+def test_encoder_layer_runs_fused_and_matches() -> None:
+    """A BERT layer over packed linears (the weight-format transform's output) against the same layer unpacked."""
+    from lmserve.models.bert import EncoderLayer, step_sequences
+    from lmserve.models.config import ModelConfig
+
+    cfg = ModelConfig(architecture="BertModel", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=4, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-12, hidden_act="gelu", encoder=True)
+    torch.manual_seed(0)
+    layer = EncoderLayer(cfg).eval()
+    packed = EncoderLayer(cfg).eval()
+    packed.load_state_dict(layer.state_dict())
+    for name in ("qkv", "o_proj", "up", "down"):
+        setattr(packed, name, PackedLinear(getattr(layer, name)))
+    positions = torch.cat([torch.arange(n) for n in (5, 17, 40)])
+    seqs = step_sequences(positions, positions.numel())
+    x = torch.randn(positions.numel(), 64)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x, seqs), layer(x, seqs), rtol=1e-5, atol=1e-5)
