@@ -5,8 +5,9 @@ activation; each sublayer's output is read and written once more for the residua
 tokens those tensors are past the caches, so the extra passes run at memory speed. oneDNN's packed linear
 (layers/formats/linear.py `PackedLinear`) applies the activation or the add to each output tile while it is
 still in registers (its post-ops): all-MiniLM-L6-v2's MLP over 2,048 tokens took 27-31 ms as four calls and
-24-26 ms as two fused ones (2 threads, Zen 4; benchmarks/results/encoder_throughput_zen4.md). The composed calls, `ACTS[act](linear(x))` and `linear(x) + residual`, are
-the reference (tests/test_fused_linear.py compares them) and what every other weight format runs.
+24-26 ms as two fused ones (2 threads, Zen 4; benchmarks/results/encoder_throughput_zen4.md). The composed calls,
+`ACTS[act](linear(x))` and `linear(x) + residual`, are the reference (tests/test_fused_linear.py compares them) and
+what every other weight format runs.
 """
 
 from __future__ import annotations
