@@ -9,7 +9,8 @@ projection whose parts are in different layouts (Q4_K_M files often give v a Q6_
 Q4_K/Q5_0 q and k) becomes a FusedGGUFLinear, one GGUFLinear per run of parts in one layout; the embedding table becomes a GGUFEmbedding (rows dequantized on lookup) and a tied LM head a
 GGUFLinear over the same tensors. The loader then allocates and fills only what is left (norms, biases,
 tensors of other types such as F32/F16), so no float copy of a kept tensor is ever made.
-`auto_quantization` decides whether `--quantization auto` (the default) does this.
+A BERT encoder's (`_keep_encoder`: BERT and XLM-R files) q, k, v, output, up and down projections are kept the same
+way; its embedding tables stay float. `auto_quantization` decides whether `--quantization auto` (the default) does this.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ _PROJECTIONS = tuple(g for parts in (*_LAYER_PARTS.values(), *_SHARED_PARTS.valu
     ("attn_qkv",) + tuple(g for parts in _EXPERT_PARTS.values() for g in parts)
 
 
+# A BERT / XLM-R encoder's projections (models/bert.py `EncoderLayer`, file architecture "bert"): each module of
+# `net.blocks[i]` and the GGUF tensors stacked into it, in order. Other encoders' files (nomic-bert: attn_qkv, a
+# gated MLP; modern-bert) are dequantized on load.
+_ENCODER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",), "up": ("ffn_up",),
+                  "down": ("ffn_down",)}
+KEPT_ENCODERS = ("bert",)  # the GGUF architectures whose encoder blocks stay quantized
+
+
 def keepable_types(f: GGUFFile) -> tuple[int, int, set[str]]:
     """(projection tensors that can stay quantized, projection tensors in all, their kept types)."""
     proj = [t for t in f.tensors if t.name.startswith("blk.") and t.name.split(".")[-2] in _PROJECTIONS]
@@ -66,12 +75,12 @@ def auto_quantization(f: GGUFFile | None, device: torch.device, dtype: torch.dty
                       encoder: bool = False) -> tuple[str | None, str]:
     """`--quantization auto` -> ("gguf" or None, why): keep the file's blocks where the native kernels run them.
 
-    `encoder`: the file is an encoder's (models/bert.py, models/rotary_encoder.py), whose layers are not the decoder's
-    `model.layers[i].self_attn.qkv_proj` that the swap below finds: its blocks are dequantized to float on load."""
+    `encoder`: the file is an encoder's (models/bert.py, models/rotary_encoder.py): a BERT's (KEPT_ENCODERS) blocks are
+    kept by `_keep_encoder`, other encoders' dequantized to float on load."""
     if f is None:
         return None, "not a GGUF file"
-    if encoder:
-        return None, "an encoder's projections are dequantized on load; only a decoder's blocks are kept"
+    if encoder and f.metadata.get("general.architecture") not in KEPT_ENCODERS:
+        return None, "this encoder's projections are dequantized on load; only BERT's (and XLM-R's) blocks are kept"
     why_not = [what for what, bad in (("device " + str(device), device.type != "cpu"),
                                       ("dtype " + str(dtype).removeprefix("torch."), dtype != torch.float32),
                                       (f"tensor parallel size {world}", world > 1)) if bad]
@@ -89,6 +98,8 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
     `net` may be on the meta device: a swapped layer's bias is allocated (on CPU) for the loader to fill.
     """
     tensors = {t.name: t for t in f.tensors}
+    if cfg.encoder:
+        return _keep_encoder(net, tensors)
     kept: set[str] = set()
     for i, layer in enumerate(net.model.layers):
         if getattr(layer, "absent", False):  # another pipeline rank's (layers/formats/pipeline.py)
@@ -105,6 +116,21 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
     if not getattr(net.model.embed_tokens, "absent", False):
         kept |= _keep_embedding(net, tensors, cfg, dtype)
     log.info("--quantization gguf: %d GGUF tensors stay in their quantized blocks", len(kept))
+    return kept
+
+
+def _keep_encoder(net: nn.Module, tensors: dict[str, GGUFTensor]) -> set[str]:
+    """An encoder's projections over the file's blocks (BERT's rows need no reordering: llama.cpp's converter
+    permutes only rotary models' q and k); its embeddings, norms and biases are dequantized as before."""
+    kept: set[str] = set()
+    for i, block in enumerate(net.blocks):
+        for attr, gguf_names in _ENCODER_PARTS.items():
+            names = [f"blk.{i}.{g}.weight" for g in gguf_names]
+            found = [tensors.get(n) for n in names]
+            if all(t is not None and type_name(t) in BLOCK_BYTES and t.shape[1] % 32 == 0 for t in found):
+                _replace(block, attr, [repack(type_name(t), t.data, *t.shape) for t in found])
+                kept.update(names)
+    log.info("--quantization gguf: %d GGUF tensors of the encoder stay in their quantized blocks", len(kept))
     return kept
 
 
@@ -177,7 +203,11 @@ def _swap(layer: nn.Module, path: str, parts: list[Repacked]) -> None:
     """Replace the projection at `path` by a GGUFLinear over `parts` (stacked), or a FusedGGUFLinear where their
     layouts differ (one GGUFLinear per run of one layout)."""
     parent_name, attr = path.rsplit(".", 1)
-    parent = layer.get_submodule(parent_name)
+    _replace(layer.get_submodule(parent_name), attr, parts)
+
+
+def _replace(parent: nn.Module, attr: str, parts: list[Repacked]) -> None:
+    """`_swap` for the module `parent.attr`."""
     old = getattr(parent, attr)
     bias = old.bias if isinstance(old, nn.Linear) else None
     if bias is not None and bias.is_meta:  # filled by the loader with the file's bias (Qwen2's q/k/v)

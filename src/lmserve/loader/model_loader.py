@@ -26,7 +26,7 @@ from lmserve.loader.checkpoint import config_from_dir, refuse_format, resolve_mo
 from lmserve.loader.empty_model import empty_model
 from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
-from lmserve.loader.gguf_packed import auto_quantization, keep_gguf_quantized
+from lmserve.loader.gguf_packed import KEPT_ENCODERS, auto_quantization, keep_gguf_quantized
 from lmserve.loader.mmproj import Mmproj, mmproj_tensors, read_mmproj, vision_model_config
 from lmserve.loader.prequant import METHODS as PREQUANT_METHODS
 from lmserve.loader.prequant import (
@@ -134,9 +134,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         quantization, why = (auto_quantization(gguf, device, dtype, world, encoder) if prequant is None
                              else auto_prequant(prequant, device, dtype, world))
         log.info("--quantization auto: %s (%s)", quantization or "none", why)
-    if quantization == "gguf" and encoder:
-        raise CheckpointError(f"{path}: --quantization gguf keeps the blocks of a decoder's projections; an "
-                              "encoder's are dequantized on load (use auto or none)")
+    if quantization == "gguf" and encoder and gguf.metadata.get("general.architecture") not in KEPT_ENCODERS:
+        raise CheckpointError(f"{path}: --quantization gguf keeps the blocks of a decoder's or a BERT's "
+                              "projections; this encoder's are dequantized on load (use auto or none)")
     if path.is_dir():
         if quantization == "gguf":
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
