@@ -15,6 +15,7 @@ import pytest
 
 from lmserve.engine.llm import LLM
 from lmserve.errors import CheckpointError
+from lmserve.layers.formats.gguf_linear import GGUFLinear
 from lmserve.loader.pooling import gguf_pooler, pooler_config
 from tests.encoder_models import (
     SENTENCES,
@@ -50,12 +51,11 @@ def test_minilm_gguf_matches_the_safetensors_load(safetensors_vectors, outtype, 
     texts, ref = safetensors_vectors
     with caplog.at_level(logging.INFO, logger="lmserve"):
         llm = LLM(str(minilm_gguf(outtype)), max_num_seqs=64)
-    # the start log tells what happens: a BERT file's Q8_0 projections stay in their blocks (6 layers x q, k, v, output,
-    # up, down), f32 and f16 are read as float
-    if outtype == "q8_0":
-        assert "36 GGUF tensors of the encoder stay in their quantized blocks" in caplog.text
-    else:
-        assert "--quantization auto: none" in caplog.text
+    # a BERT file's Q8_0 projections stay in their blocks (6 layers x qkv, output, up, down; the log line or, on a
+    # weight-cache hit, the cache's), f32 and f16 are read as float
+    kept = [m for m in llm.engine.loaded.model.modules() if isinstance(m, GGUFLinear)]
+    assert llm.engine.loaded.runtime_quantization == ("gguf" if outtype == "q8_0" else None)
+    assert len(kept) == (24 if outtype == "q8_0" else 0)
     pooler = llm.engine.front.pooler
     assert (pooler.method, pooler.source, pooler.normalize) == ("mean", "bert.pooling_type", True)
     assert llm.engine.front.tasks == ("embed", "score", "rerank")
@@ -67,8 +67,11 @@ def test_minilm_gguf_matches_the_safetensors_load(safetensors_vectors, outtype, 
     assert 1 - _cosine(single, ref[picks]).min() < TOLERANCE[outtype]
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
     if outtype == "q8_0":  # --quantization none: the same file dequantized on load, float linears
-        dequantized = _vectors(LLM(str(minilm_gguf(outtype)), max_num_seqs=64, quantization="none"), texts)
-        assert 1 - _cosine(dequantized, ref).min() < DEQUANTIZED_Q8_0
+        float_llm = LLM(str(minilm_gguf(outtype)), max_num_seqs=64, quantization="none")
+        assert not any(isinstance(m, GGUFLinear) for m in float_llm.engine.loaded.model.modules())
+        assert 1 - _cosine(_vectors(float_llm, texts), ref).min() < DEQUANTIZED_Q8_0
+        with pytest.raises(CheckpointError, match="float32"):  # the kernels read float32 scales: refused, not a crash
+            LLM(str(minilm_gguf(outtype)), quantization="gguf", dtype="bfloat16")
 
 
 def test_minilm_gguf_vocabulary_tokenizes_as_its_tokenizer_json():

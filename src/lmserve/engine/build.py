@@ -23,6 +23,7 @@ from lmserve.layers.attention.backends import resolve_attention_backend
 from lmserve.layers.attention.kv_quant import check_head_dim
 from lmserve.layers.formats.pipeline import PPStage
 from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_model_path
+from lmserve.loader.gguf_packed import KEPT_ENCODERS
 from lmserve.loader.pooling import pooler_config
 from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
@@ -70,9 +71,11 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
     if cfg.num_threads or world > 1:
         torch.set_num_threads(_threads_per_rank(cfg))
     device = resolve_device(cfg.device)
-    # the header alone, read once here: an encoder's blocks are never kept (the dtype below), ranks' splits checked
+    # the header alone, read once here: only a decoder's or a BERT file's blocks are kept (the dtype below: float32
+    # where they are), ranks' splits checked
     header = loaded.config if loaded else read_model_config(resolve_model_path(cfg.model, cfg.revision))
-    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device, header.encoder)
+    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device,
+                           header.encoder and header.architecture not in KEPT_ENCODERS)
     dtype = resolve_dtype(cfg.dtype, device, kept_gguf)
     if cfg.dtype == "auto":
         log.info("--dtype auto: %s (%s)", str(dtype).removeprefix("torch."),

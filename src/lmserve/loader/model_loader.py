@@ -134,9 +134,10 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         quantization, why = (auto_quantization(gguf, device, dtype, world, encoder) if prequant is None
                              else auto_prequant(prequant, device, dtype, world))
         log.info("--quantization auto: %s (%s)", quantization or "none", why)
-    if quantization == "gguf" and encoder and gguf.metadata.get("general.architecture") not in KEPT_ENCODERS:
+    if quantization == "gguf" and encoder and (gguf.metadata.get("general.architecture") not in KEPT_ENCODERS
+                                               or dtype != torch.float32):
         raise CheckpointError(f"{path}: --quantization gguf keeps the blocks of a decoder's or a BERT's "
-                              "projections; this encoder's are dequantized on load (use auto or none)")
+                              "projections, in float32; this encoder's are dequantized on load (use auto or none)")
     if path.is_dir():
         if quantization == "gguf":
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
