@@ -115,25 +115,31 @@ def minilm_dir() -> Path:
 
 
 def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int = 0, pooling: str | None = "mean",
-                         vocab: int = VOCAB) -> Path:
+                         vocab: int = VOCAB, dims: dict[str, int] | None = None) -> Path:
     """A tiny random ModernBERT (3 layers: global, local with a ±4 window, global) or NomicBERT made by
     transformers, saved with the BERT-framed tokenizer; `num_labels` > 0: ModernBertForSequenceClassification.
     `nomic_bert_hub`: the same NomicBERT with its config.json rewritten in nomic-ai's remote-code keys (as
     nomic-embed-text-v1.5 ships it; transformers already saves the tensors under that code's names); `vocab`: the
     embedding's rows (a real tokenizer's, where one replaces the word-level one);
-    `modernbert_hub`: the same ModernBERT with the released config.json's rope keys and no layer_types."""
+    `modernbert_hub`: the same ModernBERT with the released config.json's rope keys and no layer_types.
+    `dims`: a real model's sizes instead (hidden_size, intermediate_size, num_attention_heads, num_hidden_layers,
+    max_position_embeddings; ModernBERT's local_attention, global_attn_every_n_layers): benchmarks' random models
+    (their weights' spread then as the released models' initializer gives them, 0.02)."""
     import transformers
 
     torch.manual_seed(0)
+    dims = dict(dims or {})
+    layers = dims.pop("num_hidden_layers", 3 if kind.startswith("modernbert") else 2)
+    local, every = dims.pop("local_attention", 8), dims.pop("global_attn_every_n_layers", 2)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                  max_position_embeddings=128, pad_token_id=0, initializer_range=0.2)
+                  max_position_embeddings=128, pad_token_id=0, initializer_range=0.02 if dims else 0.2) | dims
     if kind.startswith("modernbert"):
-        cfg = transformers.ModernBertConfig(**common, num_hidden_layers=3, local_attention=8,
-                                            global_attn_every_n_layers=2, cls_token_id=2, sep_token_id=3,
+        cfg = transformers.ModernBertConfig(**common, num_hidden_layers=layers, local_attention=local,
+                                            global_attn_every_n_layers=every, cls_token_id=2, sep_token_id=3,
                                             bos_token_id=2, eos_token_id=3, norm_bias=False)
         cls = transformers.ModernBertForSequenceClassification if num_labels else transformers.ModernBertModel
     else:
-        cfg = transformers.NomicBertConfig(**common, num_hidden_layers=2)
+        cfg = transformers.NomicBertConfig(**common, num_hidden_layers=layers)
         cls = transformers.NomicBertModel
     if num_labels:
         cfg.num_labels = num_labels
@@ -146,7 +152,7 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path, "bert")
     if pooling is not None:
-        write_st_modules(path, pooling, True, 64)
+        write_st_modules(path, pooling, True, cfg.hidden_size)
     if kind == "modernbert_hub":  # the released config.json's keys (answerdotai/ModernBERT-base), no layer_types
         raw = json.loads((path / "config.json").read_text())
         thetas = raw.pop("rope_parameters")
@@ -158,7 +164,8 @@ def build_rotary_encoder(root: Path, kind: str = "modernbert", num_labels: int =
         theta = cfg.rope_parameters["rope_theta"]
         (path / "config.json").write_text(json.dumps({
             "architectures": ["NomicBertModel"], "model_type": "nomic_bert", "activation_function": "swiglu",
-            "n_embd": 64, "n_inner": 96, "n_head": 4, "n_layer": 2, "n_positions": 128, "vocab_size": vocab,
+            "n_embd": cfg.hidden_size, "n_inner": cfg.intermediate_size, "n_head": cfg.num_attention_heads,
+            "n_layer": cfg.num_hidden_layers, "n_positions": cfg.max_position_embeddings, "vocab_size": vocab,
             "type_vocab_size": 2, "layer_norm_epsilon": cfg.layer_norm_eps, "rotary_emb_base": theta,
             "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False, "qkv_proj_bias": False,
             "mlp_fc1_bias": False, "mlp_fc2_bias": False, "pad_token_id": 0,
@@ -229,14 +236,14 @@ def rounded_to_f16(path: Path) -> Path:
     return out
 
 
-def nomic_bert_for_converter(root: Path) -> Path:
+def nomic_bert_for_converter(root: Path, dims: dict[str, int] | None = None) -> Path:
     """A tiny random NomicBERT as llama.cpp's converter takes one: all-MiniLM-L6-v2's WordPiece tokenizer (the
     converter recognises its vocabulary by hashing how it tokenizes a probe text), nomic-embed-text-v1.5's window keys
     (n_positions 8192, 2,048 trained) and its remote-code flags, plus transformers' own keys (the converter reads the
     config through transformers, whose NomicBertConfig ignores n_embd and the like)."""
     import shutil
 
-    path = build_rotary_encoder(root, "nomic_bert_hub", pooling="mean", vocab=30522)
+    path = build_rotary_encoder(root, "nomic_bert_hub", pooling="mean", vocab=30522, dims=dims)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(minilm_dir() / name, path / name)
     raw = json.loads((path / "config.json").read_text())
@@ -310,7 +317,7 @@ def xlm_roberta_for_converter(root: Path, num_labels: int = 0) -> Path:
     return path
 
 
-def modernbert_for_converter(root: Path, num_labels: int = 0) -> Path:
+def modernbert_for_converter(root: Path, num_labels: int = 0, dims: dict[str, int] | None = None) -> Path:
     """A tiny random ModernBertModel (global, local ±4, global; mean pooling; `num_labels` > 0:
     ModernBertForSequenceClassification, CLS pooling, no sentence-transformers modules) with a byte-level BPE trained here on
     `UNIGRAM_CORPUS` as ModernBERT's own is made (GPT-2's split, no prefix space; [PAD] [UNK] [CLS] [SEP] [MASK] at
@@ -331,7 +338,7 @@ def modernbert_for_converter(root: Path, num_labels: int = 0) -> Path:
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
                                                        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     path = build_rotary_encoder(root, "modernbert", num_labels, pooling=None if num_labels else "mean",
-                                vocab=tok.get_vocab_size())
+                                vocab=tok.get_vocab_size(), dims=dims)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128, "cls_token": "[CLS]",

@@ -66,7 +66,7 @@ def keeps_gguf(model: str | Path | None, quantization: str | None, device: torch
     """Would this model's quantized blocks be kept: a GGUF file (the embedded default is a quantized GGUF) or a local
     GPTQ / AWQ / compressed-tensors directory? Decided by name and config.json: the dtype is needed before the
     weights are read; `auto_quantization` / `auto_prequant` still check the file's types. `encoder`: an encoder whose
-    blocks are never kept (any but a BERT GGUF: loader/gguf_packed.py KEPT_ENCODERS)."""
+    blocks are never kept (an architecture outside loader/gguf_packed.py's KEPT_ENCODERS)."""
     named_gguf = model is None or str(model).lower().endswith(".gguf")
     return device.type == "cpu" and not encoder and quantization in ("auto", "gguf") and (
         named_gguf or _prequantized_dir(model))

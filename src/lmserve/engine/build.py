@@ -71,7 +71,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
     if cfg.num_threads or world > 1:
         torch.set_num_threads(_threads_per_rank(cfg))
     device = resolve_device(cfg.device)
-    # the header alone, read once here: only a decoder's or a BERT file's blocks are kept (the dtype below: float32
+    # the header alone, read once here: a decoder's or a KEPT_ENCODERS file's blocks are kept (the dtype below: float32
     # where they are), ranks' splits checked
     header = loaded.config if loaded else read_model_config(resolve_model_path(cfg.model, cfg.revision))
     kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device,

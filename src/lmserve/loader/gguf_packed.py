@@ -56,12 +56,20 @@ _PROJECTIONS = tuple(g for parts in (*_LAYER_PARTS.values(), *_SHARED_PARTS.valu
     ("attn_qkv",) + tuple(g for parts in _EXPERT_PARTS.values() for g in parts)
 
 
-# A BERT / XLM-R encoder's projections (models/bert.py `EncoderLayer`, file architecture "bert"): each module of
-# `net.blocks[i]` and the GGUF tensors stacked into it, in order. Other encoders' files (nomic-bert: attn_qkv, a
-# gated MLP; modern-bert) are dequantized on load.
-_ENCODER_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",), "up": ("ffn_up",),
-                  "down": ("ffn_down",)}
-KEPT_ENCODERS = ("bert",)  # the GGUF architectures whose encoder blocks stay quantized
+# An encoder's projections by the file's architecture: each module of `net.blocks[i]` and the GGUF tensors stacked
+# into it, in order. "bert" is BERT's and XLM-R's (models/bert.py `EncoderLayer`: separate q, k, v); nomic-bert's
+# and modern-bert's are models/rotary_encoder.py's layers: a fused attn_qkv, and NomicBERT's gate_up is fc12 (the
+# gate: ffn_gate) then fc11 (ffn_up), as its checkpoint stream stacks them; ModernBERT's ffn_up is its fused Wi
+# ([input | gate]) as the file holds it. No rows are reordered: llama.cpp's converter permutes q and k only for
+# the decoders whose rotary pairs interleave, and these three are read unpermuted by the float loader too.
+_ENCODER_PARTS = {
+    "bert": {"qkv": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",), "up": ("ffn_up",),
+             "down": ("ffn_down",)},
+    "nomic-bert": {"qkv": ("attn_qkv",), "o_proj": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+                   "down": ("ffn_down",)},
+    "modern-bert": {"qkv": ("attn_qkv",), "o_proj": ("attn_output",), "up": ("ffn_up",), "down": ("ffn_down",)},
+}
+KEPT_ENCODERS = tuple(_ENCODER_PARTS)  # the GGUF architectures whose encoder blocks stay quantized
 
 
 def keepable_types(f: GGUFFile) -> tuple[int, int, set[str]]:
@@ -75,12 +83,13 @@ def auto_quantization(f: GGUFFile | None, device: torch.device, dtype: torch.dty
                       encoder: bool = False) -> tuple[str | None, str]:
     """`--quantization auto` -> ("gguf" or None, why): keep the file's blocks where the native kernels run them.
 
-    `encoder`: the file is an encoder's (models/bert.py, models/rotary_encoder.py): a BERT's (KEPT_ENCODERS) blocks are
-    kept by `_keep_encoder`, other encoders' dequantized to float on load."""
+    `encoder`: the file is an encoder's (models/bert.py, models/rotary_encoder.py): the blocks of the architectures
+    in KEPT_ENCODERS are kept by `_keep_encoder`, another encoder's dequantized to float on load."""
     if f is None:
         return None, "not a GGUF file"
     if encoder and f.metadata.get("general.architecture") not in KEPT_ENCODERS:
-        return None, "this encoder's projections are dequantized on load; only BERT's (and XLM-R's) blocks are kept"
+        return None, (f"this encoder's projections are dequantized on load; the blocks of {', '.join(KEPT_ENCODERS)} "
+                      "files are kept")
     why_not = [what for what, bad in (("device " + str(device), device.type != "cpu"),
                                       ("dtype " + str(dtype).removeprefix("torch."), dtype != torch.float32),
                                       (f"tensor parallel size {world}", world > 1)) if bad]
@@ -99,7 +108,7 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
     """
     tensors = {t.name: t for t in f.tensors}
     if cfg.encoder:
-        return _keep_encoder(net, tensors)
+        return _keep_encoder(net, tensors, _ENCODER_PARTS[f.metadata.get("general.architecture")])
     kept: set[str] = set()
     for i, layer in enumerate(net.model.layers):
         if getattr(layer, "absent", False):  # another pipeline rank's (layers/formats/pipeline.py)
@@ -119,12 +128,12 @@ def keep_gguf_quantized(net: nn.Module, f: GGUFFile, cfg: ModelConfig, dtype: to
     return kept
 
 
-def _keep_encoder(net: nn.Module, tensors: dict[str, GGUFTensor]) -> set[str]:
-    """An encoder's projections over the file's blocks (BERT's rows need no reordering: llama.cpp's converter
-    permutes only rotary models' q and k); its embeddings, norms and biases are dequantized as before."""
+def _keep_encoder(net: nn.Module, tensors: dict[str, GGUFTensor], parts: dict[str, tuple[str, ...]]) -> set[str]:
+    """An encoder's projections (`parts`: its architecture's `_ENCODER_PARTS`) over the file's blocks, in the file's
+    row order; its embeddings, norms, biases and any classification head are dequantized as before."""
     kept: set[str] = set()
     for i, block in enumerate(net.blocks):
-        for attr, gguf_names in _ENCODER_PARTS.items():
+        for attr, gguf_names in parts.items():
             names = [f"blk.{i}.{g}.weight" for g in gguf_names]
             found = [tensors.get(n) for n in names]
             if all(t is not None and type_name(t) in BLOCK_BYTES and t.shape[1] % 32 == 0 for t in found):

@@ -136,8 +136,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         log.info("--quantization auto: %s (%s)", quantization or "none", why)
     if quantization == "gguf" and encoder and (gguf.metadata.get("general.architecture") not in KEPT_ENCODERS
                                                or dtype != torch.float32):
-        raise CheckpointError(f"{path}: --quantization gguf keeps the blocks of a decoder's or a BERT's "
-                              "projections, in float32; this encoder's are dequantized on load (use auto or none)")
+        raise CheckpointError(f"{path}: --quantization gguf keeps an encoder's blocks in float32 only, and for the "
+                              f"{', '.join(KEPT_ENCODERS)} architectures (use auto or none: dequantized on load)")
     if path.is_dir():
         if quantization == "gguf":
             raise CheckpointError(f"{path}: --quantization gguf keeps a GGUF file's quantized blocks; this is "
