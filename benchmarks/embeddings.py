@@ -24,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
+import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))

@@ -23,6 +23,9 @@ import statistics
 import time
 from pathlib import Path
 
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
 import torch
 
 WORDS = ("lmserve serves language models over HTTP with paged attention continuous batching and "

@@ -29,10 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
 import torch
 from safetensors.torch import save_file
-
-import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))

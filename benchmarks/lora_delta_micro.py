@@ -11,6 +11,9 @@ from __future__ import annotations
 import sys
 import time
 
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
 import torch
 
 from lmserve.layers.kernels.native import native_module

@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
 import torch
 from safetensors.torch import save_file
 

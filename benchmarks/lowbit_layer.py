@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the random valid blocks

@@ -19,6 +19,9 @@ import argparse
 import statistics
 import time
 
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
 import torch
 from compare import _cpu_name, _flags  # benchmarks/compare.py: the same machine description
 

@@ -26,9 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
+import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))  # tests.tiny_models: the tests' word tokenizer over a tiny vocabulary

@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
+
+# isort: split
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from lmserve.config import VERSION  # torch-free; first: it records whether torch was imported before lmserve
+
 # Before anything imports torch: libgomp reads its wait policy once, when torch loads it. Its default
 # spins ~3 ms at every barrier, so on a 2-core machine with one busy neighbour a decode step went from
 # 25 ms to 1250 ms; sleeping waiters cost about the neighbour's share (benchmarks/results/busy_neighbour.md).
-# A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins; a process that imported torch first keeps libgomp's.
+# A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins; a process that imported torch first keeps libgomp's (a CPU
+# engine then warns: config.TORCH_FIRST_SPINS).
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 # oneDNN (the CPU linear layers) caches a compiled primitive per matmul shape, and PyTorch's ideep layer
@@ -20,7 +23,6 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache, "256")
 
-from lmserve.config import VERSION  # noqa: E402
 from lmserve.pooling_params import PoolingParams  # noqa: E402
 from lmserve.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -9,6 +11,10 @@ from typing import TYPE_CHECKING
 from lmserve.errors import ConfigError
 
 VERSION = "0.1.0"  # lmserve.__version__; kept here, plain data, so that packages below the facade may read it
+# torch's OpenMP runtime (libgomp) spins at its barriers in this process: torch was imported before lmserve, whose
+# package __init__ sets OMP_WAIT_POLICY=PASSIVE for libgomp to read when torch loads it (it imports this module
+# first), and the user chose no policy. engine/build.py says so once.
+TORCH_FIRST_SPINS = "torch" in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)
 
 if TYPE_CHECKING:
     import argparse

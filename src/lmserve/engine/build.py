@@ -7,6 +7,7 @@ them); LLMEngine runs steps over them and EngineFront checks requests against th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -15,7 +16,7 @@ import torch
 
 from lmserve.cache.kv_cache_manager import KVCacheManager
 from lmserve.cache.sizing import blocks_for, gpu_kv_budget, num_kv_blocks
-from lmserve.config import EngineConfig
+from lmserve.config import TORCH_FIRST_SPINS, EngineConfig
 from lmserve.cpu_dtype import auto_dtype_why, resolve_dtype
 from lmserve.engine.speculate import Proposer, make_proposer
 from lmserve.errors import ConfigError
@@ -71,6 +72,8 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
     if cfg.num_threads or world > 1:
         torch.set_num_threads(_threads_per_rank(cfg))
     device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        _warn_spinning_threads()
     # the header alone, read once here: a decoder's or a KEPT_ENCODERS file's blocks are kept (the dtype below: float32
     # where they are), ranks' splits checked
     header = loaded.config if loaded else read_model_config(resolve_model_path(cfg.model, cfg.revision))
@@ -160,6 +163,16 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
                         cfg.scheduler.max_num_batched_tokens)
     return EngineParts(cfg, device, dtype, kv_dtype, loaded, tokenizer, max_model_len, eos, block_size, num_blocks,
                        block_bytes, kv, lora_slots, loras, runner, executor, pooler=pooler)
+
+
+@functools.cache
+def _warn_spinning_threads() -> None:
+    """Once a process: torch's OpenMP threads spin between operations here (config.TORCH_FIRST_SPINS). On a 2-core
+    Zen 4 that made a decode step 1.2-1.6x slower (benchmarks/moe_decode.py, lora.py, which imported torch first)."""
+    if TORCH_FIRST_SPINS:
+        log.warning("torch was imported before lmserve, so torch's OpenMP threads spin between operations and take "
+                    "CPU time from the model's kernels (decode steps measured 1.2-1.6x slower on 2 cores): import "
+                    "lmserve before torch, or set OMP_WAIT_POLICY=PASSIVE")
 
 
 def _encoder_config(cfg: EngineConfig, max_model_len: int) -> EngineConfig:
