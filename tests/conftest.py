@@ -9,6 +9,13 @@ import shutil
 import tempfile
 
 import pytest
+
+# before torch: libgomp reads OMP_WAIT_POLICY (which `import lmserve` sets to PASSIVE, as every lmserve command runs)
+# once, when torch loads it; else its idle threads spin between operations, beside the kernels' pool and the other
+# xdist worker on 2 cores, and every engine built in a test warns so (config.TORCH_FIRST_SPINS)
+import lmserve  # noqa: F401
+
+# isort: split
 import torch
 
 # Two cores: keep torch from oversubscribing when tests start helper processes.

@@ -51,6 +51,23 @@ def test_minilm_matches_sentence_transformers_single_and_batched(minilm):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks  # every block back
 
 
+def test_an_encoders_kv_pool_is_one_steps_accounting_and_holds_the_worst_step(minilm):
+    """No KV is kept between an encoder's steps: its pool is the blocks of one step's prompts, not the memory budget
+    (on CUDA that budget was allocated and zeroed beside any chat model on the GPU). The worst step for it: every
+    prompt one token past a block boundary (two blocks for 17 tokens), as many as the step's tokens allow."""
+    from lmserve.cache.sizing import blocks_for
+
+    path, _ = minilm
+    llm = LLM(str(path), max_num_seqs=40, max_num_batched_tokens=680, kv_cache_memory=0.9)  # a budget it ignores
+    sched = llm.engine.cfg.scheduler
+    assert llm.engine.num_blocks == blocks_for(sched.max_num_batched_tokens, llm.engine.block_size) + 40
+    ids = llm.engine.front.tokenize_prompt("a")  # [CLS] a [SEP]
+    prompts = [ids[:1] + [ids[1]] * 15 + ids[-1:] for _ in range(100)]  # 17 tokens each: 40 a step, 2 blocks each
+    vectors = _vectors(llm, prompts)
+    assert vectors.shape[0] == 100 and np.allclose(vectors, vectors[0], atol=1e-6)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks  # every block back
+
+
 def test_minilm_window_is_sentence_transformers_max_seq_length(minilm):
     _, llm = minilm
     assert llm.engine.max_model_len == 256  # sentence_bert_config.json, under the 512 positions of config.json

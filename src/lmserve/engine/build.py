@@ -98,9 +98,10 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
         raise
     if device.type == "cpu":  # after every weight (a draft model's too) is loaded
         keep_freed_memory()
-    log.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB%s), max_model_len %d", parts.num_blocks,
+    log.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB%s), max_model_len %d%s", parts.num_blocks,
              parts.block_size, str(parts.kv_dtype).removeprefix("torch."),
-             parts.num_blocks * parts.block_bytes / 2**30, " per rank" if ranks else "", parts.max_model_len)
+             parts.num_blocks * parts.block_bytes / 2**30, " per rank" if ranks else "", parts.max_model_len,
+             "; an encoder keeps none between steps: one step's prompts" if parts.loaded.config.encoder else "")
     return parts
 
 
@@ -137,7 +138,13 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     block_size = cfg.cache.block_size
     # which layers share a block table, and a block's bytes in one group's layers of this rank's KV heads
     groups, block_bytes, per_seq = kv_pool_shape(loaded.model.config, cfg, kv_dtype, max_model_len)
-    num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len, per_seq)
+    if model_cfg.encoder:
+        # nothing is kept between steps (models/bert.py attends within the step's tokens): the pool is the block
+        # accounting of one step's prompts. Sized to the memory budget, it held nothing and took it all: on CUDA the
+        # whole profiled budget, zeroed, beside a chat model on the same GPU.
+        num_blocks = blocks_for(cfg.scheduler.max_num_batched_tokens, block_size) + cfg.scheduler.max_num_seqs
+    else:
+        num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len, per_seq)
     loras = _lora_registry(cfg, done)
     log.info("pooling: %s (%s)%s; tasks: %s", pooler.method, pooler.source,
              f", {pooler.num_labels} label(s)" if pooler.num_labels else "", ", ".join(pooler.tasks))
