@@ -9,6 +9,9 @@ native bf16, where bf16 matmuls run ~100x slower), use the same prompts, generat
 (ours, theirs, ours, theirs) after a warm-up; the median of the repeats is reported with min-max.
 The report ends with this CPU's fp32 ceiling for the offline run (FLOPs of the work over the best
 measured fp32 matmul rate): no fp32 engine can beat transformers by more than that ratio here.
+Both live in this one process, which imports torch before lmserve: libgomp's default (spinning waiters), which
+transformers' users run under, for both sides; lmserve's own commands run with OMP_WAIT_POLICY=PASSIVE, so its rows
+here are conservative (the engine warns so at start).
 `--quantization int4` (the default; "none" skips it) adds lmserve on weight-only quantized weights in
 the same run: for this Q4_1 file that is the file's own 4-bit codes, with bfloat16 activations inside
 the matmuls, so its numbers are not the same numerics as the float32 rows.
@@ -23,9 +26,6 @@ import statistics
 import time
 from pathlib import Path
 
-import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
-
-# isort: split
 import torch
 
 WORDS = ("lmserve serves language models over HTTP with paged attention continuous batching and "
