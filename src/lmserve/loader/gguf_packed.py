@@ -73,8 +73,10 @@ KEPT_ENCODERS = tuple(_ENCODER_PARTS)  # the GGUF architectures whose encoder bl
 
 
 def keepable_types(f: GGUFFile) -> tuple[int, int, set[str]]:
-    """(projection tensors that can stay quantized, projection tensors in all, their kept types)."""
-    proj = [t for t in f.tensors if t.name.startswith("blk.") and t.name.split(".")[-2] in _PROJECTIONS]
+    """(projection weights that can stay quantized, projection weights in all, their kept types); biases, always
+    float, are not counted (a BERT file's were: "36 of 72")."""
+    proj = [t for t in f.tensors
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and t.name.split(".")[-2] in _PROJECTIONS]
     kept = [type_name(t) for t in proj if type_name(t) in BLOCK_BYTES]
     return len(kept), len(proj), set(kept)
 
