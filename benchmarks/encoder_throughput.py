@@ -31,6 +31,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,8 +107,6 @@ class StChild:
     here on a Zen 4)."""
 
     def __init__(self, path: Path, threads: int) -> None:
-        import subprocess
-
         self.p = subprocess.Popen([sys.executable, "-c", ST_CHILD, str(path), str(threads)], env=USER_ENV,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -121,8 +120,13 @@ class StChild:
         return wall, cpu
 
     def stop(self) -> None:
-        self.p.stdin.close()
-        self.p.wait(timeout=60)
+        """End the child (EOF on its input), killing it if it does not go; never raises."""
+        try:
+            self.p.stdin.close()
+            self.p.wait(timeout=60)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            self.p.kill()
+            self.p.wait()
 
 
 def run_st(model: StChild, texts: list[str]) -> tuple[float, float]:
@@ -180,21 +184,21 @@ def main() -> None:
         gguf = convert_to_gguf(path, args.gguf_type,
                                path.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{args.gguf_type}.gguf")
         llama = start_llama(args.llama_server, gguf, args)
-    run_lmserve(engine, texts[:32], "warm")
-    run_st(st, texts[:32])
     runs: dict[str, list[tuple[float, float]]] = {"lmserve": [], "st": []}
-    if llama is not None:
-        run_llama(llama, texts[:32])
-        runs["llama"] = []
-    load = os.getloadavg()
     try:
+        run_lmserve(engine, texts[:32], "warm")
+        run_st(st, texts[:32])
+        if llama is not None:
+            run_llama(llama, texts[:32])
+            runs["llama"] = []
+        load = os.getloadavg()
         for r in range(args.repeats):
             runs["lmserve"].append(run_lmserve(engine, texts, f"r{r}"))
             runs["st"].append(run_st(st, texts))
             if llama is not None:
                 runs["llama"].append(run_llama(llama, texts))
     finally:
-        st.stop()
+        st.stop()  # never raises: llama-server is stopped too
         if llama is not None:
             llama.stop()
     result = {"cpu": _cpu_name(), "flags": _flags(), "threads": args.threads, "sentences": len(texts),

@@ -68,6 +68,20 @@ def test_an_encoders_kv_pool_is_one_steps_accounting_and_holds_the_worst_step(mi
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks  # every block back
 
 
+def test_a_windowed_encoders_pool_holds_its_longest_input_in_every_kv_group(tmp_path):
+    """ModernBERT's local layers are a KV group of their own: a request takes its blocks in each group, so the pool is
+    one step's blocks times the groups (a review found one group's worth refusing a max_model_len input)."""
+    from lmserve.cache.sizing import blocks_for
+
+    llm = LLM(str(build_rotary_encoder(tmp_path, "modernbert")), max_num_seqs=1, max_num_batched_tokens=128)
+    groups = len(llm.engine.kv.groups)
+    assert groups > 1  # global and local layers
+    assert llm.engine.num_blocks == (blocks_for(128, llm.engine.block_size) + 1) * groups
+    longest = [2] + [7] * (llm.engine.max_model_len - 2) + [3]
+    assert len(_vectors(llm, [longest, longest[:20], longest])) == 3
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+
+
 def test_minilm_window_is_sentence_transformers_max_seq_length(minilm):
     _, llm = minilm
     assert llm.engine.max_model_len == 256  # sentence_bert_config.json, under the 512 positions of config.json

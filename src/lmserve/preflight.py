@@ -29,6 +29,7 @@ from lmserve.layers.attention.backends import resolve_attention_backend
 from lmserve.layers.attention.kv_quant import check_head_dim
 from lmserve.layers.formats.quantized import check_scheme
 from lmserve.loader import read_model_config, resolve_model_path
+from lmserve.loader.gguf_packed import KEPT_ENCODERS
 from lmserve.loader.sharding import local_config
 from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.models.config import ModelConfig
@@ -54,7 +55,9 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     device = _device(cfg.device)
     path = model_path(cfg.model, cfg.revision)
     model_config = read_model_config(path, cfg.mmproj)
-    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device, model_config.encoder)
+    # as engine/build.py decides it: an encoder of a KEPT_ENCODERS architecture keeps its blocks like a decoder
+    kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device,
+                           model_config.encoder and model_config.architecture not in KEPT_ENCODERS)
     dtype = resolve_dtype(cfg.dtype, device, kept_gguf)
     try:
         kv_dtype = resolve_kv_dtype(cfg.cache.kv_cache_dtype, dtype, kept_gguf, device)
@@ -82,6 +85,8 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     _check_prefill_budget(cfg)
     _check_adapters(cfg, model_config)
     check_kv_offload(cfg)
+    if model_config.encoder:  # no KV kept between steps: the engine sizes its pool to one step (engine/build.py)
+        return CheckedConfig(cfg, model_config, path)
     # Before the weights load, so a fractional --kv-cache-memory sees more free memory than the engine will;
     # the engine checks its real pool again (check_kv_pool) once it knows it.
     # each rank holds its share of the KV heads: on CUDA in its own GPU, on CPU all in the same host memory

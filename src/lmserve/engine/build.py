@@ -140,9 +140,13 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     groups, block_bytes, per_seq = kv_pool_shape(loaded.model.config, cfg, kv_dtype, max_model_len)
     if model_cfg.encoder:
         # nothing is kept between steps (models/bert.py attends within the step's tokens): the pool is the block
-        # accounting of one step's prompts. Sized to the memory budget, it held nothing and took it all: on CUDA the
-        # whole profiled budget, zeroed, beside a chat model on the same GPU.
-        num_blocks = blocks_for(cfg.scheduler.max_num_batched_tokens, block_size) + cfg.scheduler.max_num_seqs
+        # accounting of one step's prompts, in every KV group (ModernBERT's windowed layers make several; each
+        # request takes its blocks in each). Sized to the memory budget, it held nothing and took it all: on CUDA the
+        # whole profiled budget, zeroed, beside a chat model on the same GPU. --kv-cache-memory does not apply.
+        step = blocks_for(cfg.scheduler.max_num_batched_tokens, block_size) + cfg.scheduler.max_num_seqs
+        num_blocks = step * len(groups)
+        if cfg.cache.sized_explicitly:
+            log.info("--kv-cache-memory / --num-kv-blocks: not used by an encoder, which keeps no KV between steps")
     else:
         num_blocks = _num_blocks(cfg, device, loaded, block_bytes, max_model_len, per_seq)
     loras = _lora_registry(cfg, done)

@@ -9,8 +9,8 @@ projection whose parts are in different layouts (Q4_K_M files often give v a Q6_
 Q4_K/Q5_0 q and k) becomes a FusedGGUFLinear, one GGUFLinear per run of parts in one layout; the embedding table becomes a GGUFEmbedding (rows dequantized on lookup) and a tied LM head a
 GGUFLinear over the same tensors. The loader then allocates and fills only what is left (norms, biases,
 tensors of other types such as F32/F16), so no float copy of a kept tensor is ever made.
-A BERT encoder's (`_keep_encoder`: BERT and XLM-R files) q, k, v, output, up and down projections are kept the same
-way; its embedding tables stay float. `auto_quantization` decides whether `--quantization auto` (the default) does this.
+An encoder's projections (`_keep_encoder`: BERT and XLM-R files' q, k, v, output, up and down; NomicBERT's and
+ModernBERT's fused qkv, output, MLP in and out) are kept the same way; its embedding tables stay float. `auto_quantization` decides whether `--quantization auto` (the default) does this.
 """
 
 from __future__ import annotations
