@@ -73,7 +73,11 @@ class Proc:
         self.peak_rss = self.phase_peak = 0
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
-        self.load_s = self.wait_healthy()
+        try:
+            self.load_s = self.wait_healthy()
+        except BaseException:  # never healthy (or interrupted): no server is left behind
+            self.stop()
+            raise
 
     def wait_healthy(self, poll: float = 0.02, deadline: float = 300) -> float:
         while time.perf_counter() - self.start < deadline:

@@ -176,16 +176,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = minilm_dir()
     engine = LLMEngine(_engine_config(path, args))
-    st = StChild(path, args.threads)
     texts = sentences(engine.tokenizer.encode, args.sentences)
     tokens = sum(len(engine.tokenizer.encode(t)) for t in texts)
     llama = None
-    if args.llama_server != "none":
-        gguf = convert_to_gguf(path, args.gguf_type,
-                               path.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{args.gguf_type}.gguf")
-        llama = start_llama(args.llama_server, gguf, args)
     runs: dict[str, list[tuple[float, float]]] = {"lmserve": [], "st": []}
-    try:
+    st = StChild(path, args.threads)
+    try:  # from the child's start: whatever fails below, it is stopped (and llama-server, once started)
+        if args.llama_server != "none":
+            gguf = convert_to_gguf(path, args.gguf_type,
+                                   path.parent / "all-MiniLM-L6-v2-gguf" / f"all-MiniLM-L6-v2-{args.gguf_type}.gguf")
+            llama = start_llama(args.llama_server, gguf, args)
         run_lmserve(engine, texts[:32], "warm")
         run_st(st, texts[:32])
         if llama is not None:

@@ -12,6 +12,7 @@ import torch
 
 from lmserve.engine.llm import LLM
 from lmserve.pooling_params import PoolingParams
+from lmserve.sampling_params import SamplingParams
 from tests.encoder_models import SENTENCES, build_encoder, build_rotary_encoder, minilm_dir
 
 WORDS = ("retrieval augmented generation needs an embedder a reranker and a language model; the quick brown fox "
@@ -51,6 +52,9 @@ def test_minilm_matches_sentence_transformers_single_and_batched(minilm):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks  # every block back
 
 
+EMBED = SamplingParams(max_tokens=1, pooling=PoolingParams())
+
+
 def test_an_encoders_kv_pool_is_one_steps_accounting_and_holds_the_worst_step(minilm):
     """No KV is kept between an encoder's steps: its pool is the blocks of one step's prompts, not the memory budget
     (on CUDA that budget was allocated and zeroed beside any chat model on the GPU). The worst step for it: every
@@ -61,11 +65,25 @@ def test_an_encoders_kv_pool_is_one_steps_accounting_and_holds_the_worst_step(mi
     llm = LLM(str(path), max_num_seqs=40, max_num_batched_tokens=680, kv_cache_memory=0.9)  # a budget it ignores
     sched = llm.engine.cfg.scheduler
     assert llm.engine.num_blocks == blocks_for(sched.max_num_batched_tokens, llm.engine.block_size) + 40
+    # no KV tensor behind the accounting: the runner holds its scratch block alone (on CUDA it was the whole budget)
+    assert all(t is None or t.shape[1] == 1 for t in llm.engine.runner.kv_tensors)
     ids = llm.engine.front.tokenize_prompt("a")  # [CLS] a [SEP]
     prompts = [ids[:1] + [ids[1]] * 15 + ids[-1:] for _ in range(100)]  # 17 tokens each: 40 a step, 2 blocks each
-    vectors = _vectors(llm, prompts)
-    assert vectors.shape[0] == 100 and np.allclose(vectors, vectors[0], atol=1e-6)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"w{i}", p, EMBED)
+    batches = []
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        batches.append(llm.engine.last_step.batch_size)
+    assert batches == [40, 40, 20], batches  # the pool never holds a step back: the scheduler's limits do
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks  # every block back
+
+
+def test_kv_offload_for_an_encoder_is_refused_naming_why(minilm):
+    from lmserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="an encoder keeps no KV"):
+        LLM(str(minilm[0]), kv_offload_memory=2**26)
 
 
 def test_a_windowed_encoders_pool_holds_its_longest_input_in_every_kv_group(tmp_path):
@@ -80,6 +98,15 @@ def test_a_windowed_encoders_pool_holds_its_longest_input_in_every_kv_group(tmp_
     longest = [2] + [7] * (llm.engine.max_model_len - 2) + [3]
     assert len(_vectors(llm, [longest, longest[:20], longest])) == 3
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    # several at once (the +max_num_seqs of each group): 4 inputs of 17 tokens, 2 blocks each in each group
+    wide = LLM(str(build_rotary_encoder(tmp_path / "wide", "modernbert")), max_num_seqs=4, max_num_batched_tokens=128)
+    for i in range(8):
+        wide.engine.add_request(f"x{i}", longest[:16] + [3], EMBED)
+    batches = []
+    while wide.engine.has_unfinished():
+        wide.engine.step()
+        batches.append(wide.engine.last_step.batch_size)
+    assert batches == [4, 4], batches
 
 
 def test_minilm_window_is_sentence_transformers_max_seq_length(minilm):

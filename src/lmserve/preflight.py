@@ -84,6 +84,8 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
                   speculative=_draft(cfg))
     _check_prefill_budget(cfg)
     _check_adapters(cfg, model_config)
+    if model_config.encoder:
+        check_encoder_kv(cfg)
     check_kv_offload(cfg)
     if model_config.encoder:  # no KV kept between steps: the engine sizes its pool to one step (engine/build.py)
         return CheckedConfig(cfg, model_config, path)
@@ -262,6 +264,14 @@ def check_kv_pool(cache: CacheConfig, num_blocks: int, block_bytes: int, max_mod
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{int(n)} bytes"
+
+
+def check_encoder_kv(cfg: EngineConfig) -> None:
+    """An encoder keeps no KV between steps: a KV tier has nothing to hold (the tier's own refusal, after the engine
+    turns an encoder's prefix caching off, named --no-prefix-caching, which the user never gave)."""
+    if cfg.kv_offload.enabled:
+        raise ConfigError("--kv-offload-memory / --kv-offload-dir / --kv-shared keep prefix-cache blocks; an encoder "
+                          "keeps no KV between steps, so there is nothing to offload or share")
 
 
 def check_kv_offload(cfg: EngineConfig) -> None:

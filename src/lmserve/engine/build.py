@@ -30,7 +30,13 @@ from lmserve.loader.sharding import TPShard
 from lmserve.lora.registry import LoraRegistry
 from lmserve.lora.slots import LoraSlots
 from lmserve.pooling_params import PoolerConfig
-from lmserve.preflight import check_kv_pool, check_pipeline_parallel, check_tensor_parallel, kv_pool_shape
+from lmserve.preflight import (
+    check_encoder_kv,
+    check_kv_pool,
+    check_pipeline_parallel,
+    check_tensor_parallel,
+    kv_pool_shape,
+)
 from lmserve.tokenizer import Tokenizer, load_tokenizer
 from lmserve.utils import available_memory, keep_freed_memory, keeps_gguf, resolve_device, resolve_kv_dtype
 from lmserve.worker.executor import MultiprocExecutor, RankProcesses, UniProcExecutor
@@ -98,10 +104,13 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None,
         raise
     if device.type == "cpu":  # after every weight (a draft model's too) is loaded
         keep_freed_memory()
-    log.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB%s), max_model_len %d%s", parts.num_blocks,
-             parts.block_size, str(parts.kv_dtype).removeprefix("torch."),
-             parts.num_blocks * parts.block_bytes / 2**30, " per rank" if ranks else "", parts.max_model_len,
-             "; an encoder keeps none between steps: one step's prompts" if parts.loaded.config.encoder else "")
+    if parts.loaded.config.encoder:
+        log.info("KV cache: none (an encoder keeps no KV between steps; %d blocks of %d tokens account for one "
+                 "step's inputs), max_model_len %d", parts.num_blocks, parts.block_size, parts.max_model_len)
+    else:
+        log.info("KV cache: %d blocks of %d tokens (%s, %.2f GiB%s), max_model_len %d", parts.num_blocks,
+                 parts.block_size, str(parts.kv_dtype).removeprefix("torch."),
+                 parts.num_blocks * parts.block_bytes / 2**30, " per rank" if ranks else "", parts.max_model_len)
     return parts
 
 
@@ -132,6 +141,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
         pooler = _token_pair_reranker(cfg, loaded, tokenizer, dtype)
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
     if model_cfg.encoder:
+        check_encoder_kv(cfg)
         max_model_len = min(max_model_len, pooler.max_seq_length or max_model_len)
         cfg = _encoder_config(cfg, max_model_len)
         _set_separator(loaded, tokenizer)
@@ -156,7 +166,10 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     say = log.info if device.type == "cuda" or cfg.attention_backend != "auto" else log.debug
     say("attention backend: %s (%s)", backend.name, backend.why)
     # the runner sees this rank's model: its KV cache holds only this rank's KV heads
-    runner = ModelRunner(loaded.model, loaded.model.config, num_blocks, block_size, dtype, device, done,
+    # an encoder's model never reads or writes a KV cache: its runner holds none (the scratch block alone), where the
+    # pool's blocks, above, are only the scheduler's accounting
+    runner = ModelRunner(loaded.model, loaded.model.config, 0 if model_cfg.encoder else num_blocks, block_size, dtype,
+                         device, done,
                          kv_dtype=kv_dtype, attention_backend=backend.name, kv_groups=[g.layers for g in groups],
                          pooler=pooler)
     lora_slots = done.lora_slots
