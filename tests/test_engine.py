@@ -154,7 +154,8 @@ def test_impossible_requests_are_rejected_at_once(base):
     with pytest.raises(RequestRejected, match=r"exceeds the model's context of 8192"):
         base.add_request("x", "hello", SamplingParams(max_tokens=9000))
     tiny = engine_like(base, num_blocks=4)
-    with pytest.raises(RequestRejected, match="whole pool"):
+    with pytest.raises(RequestRejected, match=r"needs \d+ KV blocks of \d+ tokens \(over every KV group\), more than "
+                                              r"the whole pool's 4$"):  # blocks, not tokens: right for several groups
         tiny.add_request("y", PROMPTS[10], SamplingParams(max_tokens=16))
     with pytest.raises(RequestRejected, match="out of vocabulary"):
         base.add_request("z", [1, 2, 10**6], GREEDY)

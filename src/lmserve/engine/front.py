@@ -56,7 +56,6 @@ class EngineFront:
         self.eos_token_ids = parts.eos_token_ids
         self.num_speculative_tokens = parts.cfg.speculative.num_speculative_tokens if parts.proposer else None
         self.load = load  # () -> EngineLoad: running and waiting requests, KV blocks, now
-        self._pool_tokens = parts.num_blocks * parts.block_size
         self.block_size = parts.block_size
         self._blocks_needed = parts.kv.blocks_needed
         self._num_blocks = parts.num_blocks
@@ -64,6 +63,12 @@ class EngineFront:
         self._grammars_lock = threading.Lock()
         self.images = _prompt_images(parts)  # None: a text-only model (a request with images is refused)
         self.supports_images = self.images is not None  # a vision tower and its preprocessing: requests may hold images
+
+    def _pool_need(self, need: int) -> str:
+        """What a refused request needed, in blocks: a pool of several KV groups (sliding-window layers) holds its
+        blocks over all of them, so its tokens (blocks x block size) overstated what one request could use."""
+        return (f"{need} KV blocks of {self.block_size} tokens (over every KV group), more than the whole pool's "
+                f"{self._num_blocks}")
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Prompt text -> ids (a raw prompt: "<|im_start|>" in it is the control token); ids are checked and kept."""
@@ -120,9 +125,8 @@ class EngineFront:
         if n + max_tokens > limit:
             raise RequestRejected(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
                                   f"model's context of {limit} tokens")
-        if self._blocks_needed(n + max_tokens) > self._num_blocks:
-            raise RequestRejected(f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs more KV cache than the "
-                                  f"whole pool ({self._pool_tokens} tokens)")
+        if (need := self._blocks_needed(n + max_tokens)) > self._num_blocks:
+            raise RequestRejected(f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {self._pool_need(need)}")
         sched = self.cfg.scheduler
         if not sched.enable_chunked_prefill and n + max_tokens > sched.max_num_batched_tokens:
             raise RequestRejected(f"prompt + max_tokens exceeds max_num_batched_tokens "
@@ -138,9 +142,8 @@ class EngineFront:
         if n > self.max_model_len:
             raise RequestRejected(f"input has {n} tokens, the model's context is {self.max_model_len} tokens",
                                   "prompt")
-        if self._blocks_needed(n) > self._num_blocks:
-            raise RequestRejected(f"input ({n} tokens) needs more KV cache than the whole pool "
-                                  f"({self._pool_tokens} tokens)", "prompt")
+        if (need := self._blocks_needed(n)) > self._num_blocks:
+            raise RequestRejected(f"input ({n} tokens) needs {self._pool_need(need)}", "prompt")
         if not self.cfg.scheduler.enable_chunked_prefill and n > self.cfg.scheduler.max_num_batched_tokens:
             raise RequestRejected(f"input exceeds max_num_batched_tokens ({self.cfg.scheduler.max_num_batched_tokens})"
                                   " with chunked prefill off", "prompt")
