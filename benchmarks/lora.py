@@ -10,6 +10,8 @@ shared and only a ratio taken in the same run means anything:
   lora        an engine with 8 rank-16 adapters on all 7 projections (--max-loras 8): the same 32 requests,
               request i on adapter i % 8, all in one batch (issue 46: >= 0.8x base tokens/s)
   lora_base   the LoRA engine running the 32 requests on the base model (the cost of the wrappers alone)
+  lora_f32    (beside, labelled) a LoRA engine with --lora-dtype float32: the same 32 adapter requests with float32
+              slots, what every LoRA row measured before --lora-dtype auto chose float16 over the GGUF blocks
 Throughput is generated tokens / wall time from adding the batch to its last token (prefill included).
 Adapter load time: `read_peft_adapter` of a rank-16 all-projection adapter (PEFT safetensors written by this
 script with PEFT's tensor names), p50 over every adapter x --load-repeats (the files sit in the page cache after
@@ -27,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import lmserve  # noqa: F401  before torch: libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as the CLI has)
@@ -95,6 +98,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--load-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lora-dtype", default="auto", help="the LoRA engine's slots (default: auto, as a user runs it)")
     ap.add_argument("--quick", action="store_true", help="4 requests, 2 adapters, 8 tokens, 1 repeat")
     ap.add_argument("--out", default=str(ROOT / "results" / "lora.json"))
     args = ap.parse_args()
@@ -114,9 +118,12 @@ def main() -> None:
                   )
     base_engine = LLMEngine(EngineConfig(**common))
     lora_cfg = LoraConfig(tuple((f"a{i}", str(p)) for i, p in enumerate(paths)), max_loras=args.adapters,
-                          max_cpu_loras=args.adapters, max_lora_rank=args.rank)
+                          max_cpu_loras=args.adapters, max_lora_rank=args.rank, dtype=args.lora_dtype)
     lora_engine = LLMEngine(EngineConfig(**common, lora=lora_cfg), tokenizer=base_engine.tokenizer)
     loras = [lora_engine.loras.get(f"a{i % args.adapters}") for i in range(args.requests)]
+    f32_engine = LLMEngine(EngineConfig(**common, lora=replace(lora_cfg, dtype="float32")),
+                           tokenizer=base_engine.tokenizer)
+    f32_loras = [f32_engine.loras.get(f"a{i % args.adapters}") for i in range(args.requests)]
     slot_s = [_timed(lambda lr=lr, s=s: lora_engine.lora_slots._write(s, lr)) for s, lr in
               enumerate(loras[:args.adapters])]
 
@@ -130,9 +137,11 @@ def main() -> None:
     warm = fresh_prompts()
     run_batch(base_engine, warm[:2], none[:2], 4)  # warm-up: kernels, allocator
     run_batch(lora_engine, warm[:2], loras[:2], 4)
-    results = {"base": [], "lora": [], "lora_base": []}
-    cpu_results = {"base": [], "lora": [], "lora_base": []}
-    runs = [("base", base_engine, none), ("lora", lora_engine, loras), ("lora_base", lora_engine, none)]
+    run_batch(f32_engine, warm[:2], f32_loras[:2], 4)
+    results = {"base": [], "lora": [], "lora_base": [], "lora_f32": []}
+    cpu_results = {"base": [], "lora": [], "lora_base": [], "lora_f32": []}
+    runs = [("base", base_engine, none), ("lora", lora_engine, loras), ("lora_base", lora_engine, none),
+            ("lora_f32", f32_engine, f32_loras)]
     for rep in range(args.repeats):
         # New prompts every repeat: with the same 32 each time, a run could find its prompts' KV blocks still in
         # the prefix cache from an earlier repeat, or not (eviction), and on Zen 1 that alone moved a run between
@@ -152,13 +161,18 @@ def main() -> None:
     report = {
         "cpu": _cpu_name(), "cpu_flags": _flags(), "cores": os.cpu_count(), "threads": args.threads,
         "python": platform.python_version(), "torch": torch.__version__, "model": model.name,
-        "command": "python benchmarks/lora.py" + (" --quick" if args.quick else ""),
+        "command": "python benchmarks/lora.py" + (" --quick" if args.quick else "")
+                   + (f" --lora-dtype {args.lora_dtype}" if args.lora_dtype != "auto" else ""),
+        "slot_dtype": str(lora_engine.lora_slots.lora_dtype).removeprefix("torch."),
         "sizes": {k: getattr(args, k) for k in ("requests", "adapters", "rank", "prompt_len", "output_len",
                                                 "repeats", "load_repeats")},
         "tokens_per_s": results, "median_tokens_per_s": med,
         "tokens_per_cpu_s": cpu_results, "median_tokens_per_cpu_s": cpu_med,
         "lora_vs_base_cpu": cpu_med["lora"] / cpu_med["base"],
         "lora_vs_base": med["lora"] / med["base"], "lora_engine_base_vs_base": med["lora_base"] / med["base"],
+        "lora_f32_vs_base": med["lora_f32"] / med["base"],
+        "lora_f32_vs_base_per_repeat": [lo / b for lo, b in zip(results["lora_f32"], results["base"])],
+        "device_bytes_per_slot_f32": f32_engine.lora_slots.bytes_per_slot,
         "lora_vs_base_per_repeat": paired, "lora_vs_base_paired_median": statistics.median(paired),
         "adapter_load_p50_s": statistics.median(load_s), "adapter_load_all_s": load_s,
         "slot_write_p50_s": statistics.median(slot_s),
@@ -192,11 +206,13 @@ one batch; median of {s['repeats']} repeats (min-max):
 | engine | requests on | tokens/s | vs base |
 | --- | --- | --- | --- |
 | no LoRA | base | {m['base']:.1f} ({rng('base')}) | 1.00x |
-| --enable-lora, {s['adapters']} slots | {s['adapters']} distinct rank-{s['rank']} adapters (all 7 projections) | {m['lora']:.1f} ({rng('lora')}) | **{r['lora_vs_base']:.2f}x** |
+| --enable-lora, {s['adapters']} slots ({r['slot_dtype']}: --lora-dtype auto) | {s['adapters']} distinct rank-{s['rank']} adapters (all 7 projections) | {m['lora']:.1f} ({rng('lora')}) | **{r['lora_vs_base']:.2f}x** |
 | --enable-lora, {s['adapters']} slots | base | {m['lora_base']:.1f} ({rng('lora_base')}) | {r['lora_engine_base_vs_base']:.2f}x |
+| beside, labelled: --enable-lora --lora-dtype float32 | the same adapter requests | {m['lora_f32']:.1f} ({rng('lora_f32')}) | {r['lora_f32_vs_base']:.2f}x |
 
 Per repeat, LoRA batch / base batch run back to back: {', '.join(f'{x:.2f}' for x in r['lora_vs_base_per_repeat'])}
-(median **{r['lora_vs_base_paired_median']:.2f}x**; issue 46: >= 0.8x).
+(median **{r['lora_vs_base_paired_median']:.2f}x**; issue 46: >= 0.8x). With float32 slots, per repeat:
+{', '.join(f'{x:.2f}' for x in r['lora_f32_vs_base_per_repeat'])}.
 
 Tokens per CPU second of the benchmark process (less sensitive to the other jobs than wall time), medians:
 base {r['median_tokens_per_cpu_s']['base']:.1f}, LoRA batch {r['median_tokens_per_cpu_s']['lora']:.1f}
@@ -206,7 +222,8 @@ Adapter (rank {s['rank']}, all 7 projections, 30 layers): read + check from disk
 **{r['adapter_load_p50_s'] * 1000:.0f} ms** (page-cached files, {len(r['adapter_load_all_s'])} reads); writing it into a
 device slot p50 {r['slot_write_p50_s'] * 1000:.1f} ms. Added memory per adapter: host copy
 **{r['host_bytes_per_adapter'] / 2**20:.1f} MiB** (float32), device slot **{r['device_bytes_per_slot'] / 2**20:.1f} MiB**
-at --max-lora-rank {s['rank']} (slots are sized for the largest rank: 4x that at the default 64).
+({r['slot_dtype']}; {r['device_bytes_per_slot_f32'] / 2**20:.1f} MiB in float32) at --max-lora-rank {s['rank']} (slots are
+sized for the largest rank: 4x that at the default 64).
 """
 
 

@@ -4,6 +4,7 @@ exactly the PyTorch module loop's outputs (same kernels, same order), and stand 
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from lmserve.layers.kernels.decode_stack import (
@@ -81,6 +82,7 @@ def test_a_lora_engine_runs_adapter_and_base_rows_through_the_stack(tmp_path):
                                                                       max_lora_rank=16),
                                  cache=CacheConfig(num_blocks=128, enable_prefix_caching=False)))
     model = eng.loaded.model
+    assert eng.lora_slots.lora_dtype == torch.float16  # --lora-dtype auto over the GGUF blocks: the 16-bit kernel path
     assert isinstance(model.layer_loop, NativeDecodeLoop) and len(model.layer_loop.wrappers) == 4 * len(
         model.model.layers)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -12,6 +12,7 @@ from torch import nn
 from lmserve.layers.kernels.native import native_module
 from lmserve.lora.batch import lora_segments
 from lmserve.lora.layers import LoraBatch, LoraLinear, LoraSlice, lora_delta_batched, lora_delta_reference
+from lmserve.worker.transforms import lora_slot_dtype
 from lmserve.worker.upload import to_device
 
 CPU = torch.device("cpu")
@@ -93,3 +94,44 @@ def test_the_bmm_path_matches_the_reference():
         with torch.inference_mode():
             y = lora_delta_batched(layer, x, y_base.clone(), meta)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_slots_are_widened_exactly_into_the_float32_chain(dtype):
+    """--lora-dtype float16 / bfloat16: the kernel widens each slot weight exactly as it loads it and runs the float32
+    chain, so 16-bit slots give the bits of float32 slots holding the same (rounded) values, in any batch, and the
+    reference's numbers."""
+    wide, ranks = _layer(576, (64, 48, 20), zero_base=True)  # BLAS's base outputs are not batch-invariant
+    narrow = LoraLinear(wide.base, wide.slices, LoraBatch(), max_loras=4, max_rank=16, in_features=576, dtype=dtype,
+                        device=CPU)
+    with torch.no_grad():
+        narrow.lora_a.copy_(wide.lora_a)
+        wide.lora_a.copy_(narrow.lora_a.float())  # float32 slots holding the rounded values
+        for i in range(3):
+            narrow.lora_b(i).copy_(wide.lora_b(i))
+            wide.lora_b(i).copy_(narrow.lora_b(i).float())
+    assert narrow.lora_a.dtype == dtype and not torch.equal(wide.lora_a, torch.zeros_like(wide.lora_a))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 576, generator=g)
+    slots = [-1, 0, 2, 2, -1, 1, 0, 0, 3, 2, -1, 3, 1]
+    y = _run(narrow, x, slots, ranks)
+    assert torch.equal(y, _run(wide, x, slots, ranks))
+    torch.testing.assert_close(y, lora_delta_reference(narrow, x, narrow.base(x), slots), rtol=1e-5, atol=1e-4)
+    assert torch.equal(_run(narrow, x[2:3], [2], ranks)[0], y[2]), "a row's delta is the same alone"
+    meta = to_device(lora_segments(np.asarray(slots), ranks), CPU)  # the bmm path (other devices) casts the slots
+    with torch.inference_mode():
+        torch.testing.assert_close(lora_delta_batched(narrow, x, narrow.base(x), meta), y, rtol=1e-5, atol=1e-4)
+
+
+def test_lora_dtype_auto_is_float16_over_a_quantized_cpu_base_only():
+    """auto: float16 slots where the base's weights stay in quantized blocks on a CPU (float32 activations), else the
+    parameters' dtype; a name is taken as given."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for quantization in ("gguf", "int8", "int4", "gptq"):
+        assert lora_slot_dtype("auto", torch.float32, cpu, quantization) == torch.float16
+    assert lora_slot_dtype("auto", torch.float32, cpu, None) == torch.float32  # a float base: float32 everywhere
+    assert lora_slot_dtype("auto", torch.bfloat16, cpu, None) == torch.bfloat16
+    assert lora_slot_dtype("auto", torch.bfloat16, cuda, "gptq") == torch.bfloat16
+    assert lora_slot_dtype("float32", torch.float32, cpu, "gguf") == torch.float32
+    assert lora_slot_dtype("bfloat16", torch.float32, cpu, None) == torch.bfloat16

@@ -144,6 +144,7 @@ def test_lora_requests_info_metric(lora_server):
     (["--lora-modules", "x"], ["name=path"]),
     (["--max-loras", "4", "--max-cpu-loras", "2"], ["--max-cpu-loras"]),
     (["--allow-runtime-lora-updating"], ["--lora-dir"]),
+    (["--lora-dtype", "float8"], ["--lora-dtype"]),
 ])
 def test_serve_refuses_bad_lora_flags_in_one_line(flags, words):
     from tests.test_cli_errors import assert_one_line_error, lmserve

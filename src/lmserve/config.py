@@ -114,6 +114,9 @@ class ParallelConfig:
     rank_timeout_s: float = 60.0
 
 
+LORA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """Multi-LoRA serving (`--enable-lora`): adapters known at start, device slots, host cache, largest rank."""
@@ -122,10 +125,14 @@ class LoraConfig:
     max_loras: int = 4  # adapters active in one step (device slots)
     max_cpu_loras: int = 16  # adapters kept read in host memory (LRU); more are re-read from disk when used
     max_lora_rank: int = 64  # device slots are sized for this rank; a larger adapter is refused
+    # the slots' element type (worker/transforms.lora_slot_dtype): auto, float32, float16, bfloat16
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ConfigError("--max-loras and --max-lora-rank must be at least 1")
+        if self.dtype not in LORA_DTYPES:
+            raise ConfigError(f"--lora-dtype {self.dtype!r}: choose from {', '.join(LORA_DTYPES)}")
         if self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
 
@@ -277,4 +284,5 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
         if not sep or not name or not path:
             raise ConfigError(f"--lora-modules takes name=path, got {item!r}")
         modules.append((name, path))
-    return LoraConfig(tuple(modules), args.max_loras, args.max_cpu_loras, args.max_lora_rank)
+    return LoraConfig(tuple(modules), args.max_loras, args.max_cpu_loras, args.max_lora_rank,
+                      getattr(args, "lora_dtype", "auto"))

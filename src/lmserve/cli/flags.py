@@ -66,6 +66,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     lora.add_argument("--max-cpu-loras", type=int, default=16,
                       help="adapters kept read in host memory (least recently used dropped, re-read when used)")
     lora.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted; slots are sized for it")
+    lora.add_argument("--lora-dtype", default="auto", metavar="{auto,float32,float16,bfloat16}",
+                      help="the adapters' weights in their device slots (default auto: float16 over a base kept in "
+                      "quantized blocks on a CPU, e.g. a GGUF file's, where reading every adapter's float32 weights "
+                      "each step was most of their cost; else the model's dtype)")
     scale = p.add_argument_group("scale-out")
     scale.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                        help="split each layer across N ranks, one process each (torch.distributed: gloo on CPU, NCCL "

@@ -27,6 +27,7 @@ from lmserve.loader import LoadedModel, load_model, read_model_config, resolve_m
 from lmserve.loader.gguf_packed import KEPT_ENCODERS
 from lmserve.loader.pooling import pooler_config
 from lmserve.loader.sharding import TPShard
+from lmserve.lora.peft_adapter import AdapterError
 from lmserve.lora.registry import LoraRegistry
 from lmserve.lora.slots import LoraSlots
 from lmserve.pooling_params import PoolerConfig
@@ -255,10 +256,15 @@ def _lora_registry(cfg: EngineConfig, done: TransformContext) -> LoraRegistry | 
         return None
     slots = done.lora_slots
     registry = LoraRegistry(c, done.loaded.config)
+    registry.slot_dtype = slots.lora_dtype
     for name, path in c.modules:
-        registry.register(name, path)
-    log.info("LoRA: %d adapter(s) at start, %d device slots of %.1f MiB (rank up to %d), %d kept in host memory",
-             len(c.modules), c.max_loras, slots.bytes_per_slot / 2**20, c.max_lora_rank, c.max_cpu_loras)
+        try:  # preflight read them against the model; only the slots' type (--lora-dtype) is new here
+            registry.register(name, path)
+        except AdapterError as e:
+            raise ConfigError(f"--lora-modules {name}: {e}") from None
+    log.info("LoRA: %d adapter(s) at start, %d device slots of %.1f MiB (rank up to %d, %s), %d kept in host memory",
+             len(c.modules), c.max_loras, slots.bytes_per_slot / 2**20, c.max_lora_rank,
+             str(slots.lora_dtype).removeprefix("torch."), c.max_cpu_loras)
     return registry
 
 

@@ -104,13 +104,17 @@ class LoraLinear(nn.Module):
         return lora_delta_batched(self, x, y, meta)
 
 
+# the slot dtypes the native kernel reads (16-bit ones widened exactly to float32 as loaded): --lora-dtype
+NATIVE_SLOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def lora_delta_native(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> bool:
     """Add the deltas into y in place through the native kernel (CPU float32; layers/kernels/csrc/lora_delta.cpp),
     the one the native decode stack calls: a fixed order per row, so a row's delta does not depend on its batch and
     a decode step's outputs are the same in the stack and in this module loop. False where it does not apply."""
     mod = native_module()
     if mod is None or meta.slots is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 \
-            or y.dtype != torch.float32 or y.dim() != 2 or layer.lora_a.dtype != torch.float32:
+            or y.dtype != torch.float32 or y.dim() != 2 or layer.lora_a.dtype not in NATIVE_SLOT_DTYPES:
         return False
     mod.lora_delta_(y, x if x.stride(1) == 1 else x.contiguous(), meta.slots, layer.lora_a,
                     [layer.lora_b(i) for i in range(len(layer.slices))], meta.rank)
@@ -124,10 +128,10 @@ def lora_delta_batched(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta
     r, n = meta.rank, len(layer.slices)
     num_segs = meta.seg_rows.shape[0]
     a = layer.lora_a[:num_segs, :r].reshape(num_segs, r * n, -1)  # [S, r * n, in], a view: rank-major layout
-    h = torch.bmm(x[meta.seg_rows], a.transpose(1, 2))  # [S, L, r * n]; column k * n + i: slice i, rank k
+    h = torch.bmm(x[meta.seg_rows], a.transpose(1, 2).to(x.dtype))  # [S, L, r * n]; column k * n + i: slice i, rank k
     if meta.padded:
         h = h * meta.seg_mask.to(h.dtype)  # padding rows: exactly zero from here on
-    parts = [torch.bmm(h[:, :, i::n].contiguous(), layer.lora_b(i)[:num_segs, :r])  # [S, L, out_i]
+    parts = [torch.bmm(h[:, :, i::n].contiguous(), layer.lora_b(i)[:num_segs, :r].to(h.dtype))  # [S, L, out_i]
              for i in range(n)]
     d = parts[0] if n == 1 else torch.cat(parts, dim=-1)  # [S, L, out]: slices are stacked in output order
     return y.index_add_(0, meta.flat_rows, d.reshape(-1, y.shape[-1]).to(y.dtype))
@@ -137,8 +141,8 @@ def _lora_delta_ragged(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta
     """One matmul pair per used slot over its own rows: no padding rows computed."""
     r, n = meta.rank, len(layer.slices)
     for slot, rows in meta.ragged:
-        h = x[rows] @ layer.lora_a[slot, :r].reshape(r * n, -1).T  # [n_s, r * n]
-        parts = [h[:, i::n] @ layer.lora_b(i)[slot, :r] for i in range(n)]  # [n_s, out_i]
+        h = x[rows] @ layer.lora_a[slot, :r].reshape(r * n, -1).T.to(x.dtype)  # [n_s, r * n]
+        parts = [h[:, i::n] @ layer.lora_b(i)[slot, :r].to(h.dtype) for i in range(n)]  # [n_s, out_i]
         d = parts[0] if n == 1 else torch.cat(parts, dim=-1)
         y.index_add_(0, rows, d.to(y.dtype))
     return y
@@ -151,6 +155,6 @@ def lora_delta_reference(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, to
         if slot < 0:
             continue
         for i, s in enumerate(layer.slices):
-            h = x[t] @ layer.lora_a[slot, :, i].T  # [max_rank]
-            y[t, s.offset:s.offset + s.size] += (h @ layer.lora_b(i)[slot]).to(y.dtype)
+            h = x[t] @ layer.lora_a[slot, :, i].T.to(x.dtype)  # [max_rank]
+            y[t, s.offset:s.offset + s.size] += (h @ layer.lora_b(i)[slot].to(h.dtype)).to(y.dtype)
     return y

@@ -82,6 +82,10 @@ class PeftAdapter:
         """Bytes of all A and B tensors."""
         return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
 
+    def largest_slot_value(self) -> float:
+        """The largest magnitude a device slot would hold: of every A, and every B with its scaling folded in."""
+        return max(max(m.a.abs().max().item(), m.b.abs().max().item() * m.scaling) for m in self.modules.values())
+
 
 def read_peft_adapter(path: str | os.PathLike, cfg: ModelConfig, *, name: str, max_rank: int = 64,
                       root: str | os.PathLike | None = None) -> PeftAdapter:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from lmserve.config import LoraConfig
 from lmserve.lora.peft_adapter import AdapterError, PeftAdapter, read_peft_adapter
 from lmserve.models.config import ModelConfig
@@ -55,6 +57,7 @@ class LoraRegistry:
         self.num_loads = 0  # reads from disk
         self.num_evictions = 0  # adapters dropped from host memory by the LRU
         self.load_listeners: list[Callable[[float], None]] = []  # seconds of each read from disk (metrics)
+        self.slot_dtype: torch.dtype | None = None  # the device slots' (--lora-dtype resolved), set by the engine
 
     def names(self) -> list[str]:
         """Registered adapter names, in registration order."""
@@ -124,6 +127,10 @@ class LoraRegistry:
         adapter = read_peft_adapter(reg.path, self.model_config, name=reg.name, max_rank=self.cfg.max_lora_rank,
                                     root=reg.root)
         seconds = time.perf_counter() - start
+        if self.slot_dtype == torch.float16 and adapter.largest_slot_value() > torch.finfo(torch.float16).max:
+            # refused, never saturated: the adapter would answer with other weights than its file's
+            raise AdapterError(f"adapter {reg.name!r}: its weights (B times its scaling, or A) go past float16's range, "
+                               "the device slots' type (--lora-dtype); serve it with --lora-dtype float32 or bfloat16")
         with self._lock:
             self.num_loads += 1
         for listener in self.load_listeners:

@@ -36,7 +36,7 @@ class LoraSlots:
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_loras, self.max_rank, self.lora_dtype = max_loras, max_rank, dtype
         self.batch = LoraBatch()
         # (layer index, HF projection name) -> (wrapper, index of its slice)
         self.targets: dict[tuple[int, str], tuple[LoraLinear, int]] = {}

@@ -10,7 +10,7 @@ dims 64/128/256, over float32, float16 or quantized (int8 / fp8_e4m3) KV caches 
 of them, as the module path's). The loop it replaces stays inside it and serves every step the stack cannot: prefill
 chunks, and any step whose attention is not the paged cache's decode-only step. A wrapper that can pass through
 (LoRA: `passes_through` while no row of the step carries an adapter) is seen through to its base. LoRA wrappers
-over float32 CPU slots also hand the stack their slot tensors (`set_lora`): a decode step whose rows carry adapters
+over CPU slots (float32, float16 or bfloat16: --lora-dtype) also hand the stack their slot tensors (`set_lora`): a decode step whose rows carry adapters
 stays in the stack, base rows and adapter rows in one call, each adapter projection adding its rows' deltas through
 the kernel the module path calls (csrc/lora_delta.cpp, a fixed order per row). Other wrappers send a step where one
 does not pass through to the module loop. (8 rank-16 adapters in a batch of 32, tokens per CPU second against the
@@ -95,10 +95,11 @@ class DecodeStack:
 
     def attach_lora(self, wrappers: dict[tuple[int, int], nn.Module]) -> bool:
         """Give the stack each (layer, projection 0..3) LoRA wrapper's slot tensors; False (nothing attached) unless
-        every one keeps float32 CPU slots and they share one batch."""
+        every one keeps CPU slots the native kernel reads (float32, float16, bfloat16) and they share one batch."""
         batches = {id(w.batch) for w in wrappers.values()}
         if not wrappers or len(batches) != 1 or not hasattr(self.native, "set_lora") or any(
-                w.lora_a.dtype != torch.float32 or w.lora_a.device.type != "cpu" for w in wrappers.values()):
+                w.lora_a.dtype not in (torch.float32, torch.float16, torch.bfloat16) or w.lora_a.device.type != "cpu"
+                for w in wrappers.values()):
             return False
         for (i, j), w in wrappers.items():
             self.native.set_lora(i, j, w.lora_a, [w.lora_b(k) for k in range(len(w.slices))])

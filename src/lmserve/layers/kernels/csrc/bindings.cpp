@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "output rows per group of quant_linear's packed weight layout on this build (0: no packed layout)");
   bind_decode_stack(m);
   m.def("lora_delta_", &lora_delta_, no_gil(), "y [T, out] += LoRA deltas of the rows with an adapter slot, in a fixed "
-        "order (float32 CPU; lora_delta.cpp)", pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("slots"),
+        "order (float32 rows; slot weights float32, float16 or bfloat16; lora_delta.cpp)", pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("slots"),
         pybind11::arg("a"), pybind11::arg("bs"), pybind11::arg("rank"));
   m.def("pool_stats", [] {
     const lmserve::PoolStats s = lmserve::pool_stats();
