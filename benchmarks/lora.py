@@ -163,7 +163,7 @@ def main() -> None:
         "python": platform.python_version(), "torch": torch.__version__, "model": model.name,
         "command": "python benchmarks/lora.py" + (" --quick" if args.quick else "")
                    + (f" --lora-dtype {args.lora_dtype}" if args.lora_dtype != "auto" else ""),
-        "slot_dtype": str(lora_engine.lora_slots.lora_dtype).removeprefix("torch."),
+        "slot_dtype": str(lora_engine.lora_slots.lora_dtype).removeprefix("torch."), "lora_dtype": args.lora_dtype,
         "sizes": {k: getattr(args, k) for k in ("requests", "adapters", "rank", "prompt_len", "output_len",
                                                 "repeats", "load_repeats")},
         "tokens_per_s": results, "median_tokens_per_s": med,
@@ -206,7 +206,7 @@ one batch; median of {s['repeats']} repeats (min-max):
 | engine | requests on | tokens/s | vs base |
 | --- | --- | --- | --- |
 | no LoRA | base | {m['base']:.1f} ({rng('base')}) | 1.00x |
-| --enable-lora, {s['adapters']} slots ({r['slot_dtype']}: --lora-dtype auto) | {s['adapters']} distinct rank-{s['rank']} adapters (all 7 projections) | {m['lora']:.1f} ({rng('lora')}) | **{r['lora_vs_base']:.2f}x** |
+| --enable-lora, {s['adapters']} slots ({r['slot_dtype']}: --lora-dtype {r.get('lora_dtype', 'auto')}) | {s['adapters']} distinct rank-{s['rank']} adapters (all 7 projections) | {m['lora']:.1f} ({rng('lora')}) | **{r['lora_vs_base']:.2f}x** |
 | --enable-lora, {s['adapters']} slots | base | {m['lora_base']:.1f} ({rng('lora_base')}) | {r['lora_engine_base_vs_base']:.2f}x |
 | beside, labelled: --enable-lora --lora-dtype float32 | the same adapter requests | {m['lora_f32']:.1f} ({rng('lora_f32')}) | {r['lora_f32_vs_base']:.2f}x |
 

@@ -13,6 +13,7 @@ from lmserve.engine.llm_engine import LLMEngine
 from lmserve.errors import ConfigError
 from lmserve.layers.formats.linear import PackedLinear, can_pack
 from lmserve.layers.formats.quantized import Int4Linear, Int8Linear
+from lmserve.layers.kernels.native import widens_half_fast
 from lmserve.lora.layers import LoraBatch, LoraLinear, LoraSlice, lora_delta_reference
 from lmserve.lora.peft_adapter import read_peft_adapter
 from lmserve.lora.slots import LoraSlots
@@ -212,7 +213,8 @@ def test_adapters_on_a_quantized_base_keep_it_quantized(tiny_engine_parts, quant
     quant = _tiny_engine(tiny_engine_parts, 1, quantization)
     kinds = {type(m.base).__name__ for m in quant.lora_slots.wrappers}
     assert kinds == {"Int8Linear" if quantization == "int8" else "Int4Linear"}
-    assert quant.lora_slots.lora_dtype == torch.float16  # --lora-dtype auto over a quantized CPU base
+    # --lora-dtype auto over a quantized CPU base (float32 where the build widens float16 one value at a time)
+    assert quant.lora_slots.lora_dtype == (torch.float16 if widens_half_fast() else torch.float32)
     flt = _tiny_engine(tiny_engine_parts, 1)
     assert flt.lora_slots.lora_dtype == torch.float32
     q_base, q_lora, f_lora = logprobs(quant, None), logprobs(quant, "a"), logprobs(flt, "a")
@@ -229,9 +231,18 @@ def test_float16_slots_refuse_an_adapter_past_their_range(tiny_engine_parts, tmp
     huge = make_peft_adapter(tmp_path / "huge", model, rank=4, target_modules=("q_proj",), seed=5, alpha=1e9)
     parts = (model, (("huge", str(huge)),))
     with pytest.raises(ConfigError, match="--lora-modules huge: .*--lora-dtype float32"):
-        _tiny_engine(parts, 1, "int8")
+        _tiny_engine(parts, 1, "int8", lora_dtype="float16")
     engine = _tiny_engine(parts, 1, "int8", lora_dtype="float32")
     assert engine.lora_slots.lora_dtype == torch.float32 and engine.loras.get("huge") is not None
+    # a weight that is not finite is refused whatever the slots' type
+    from safetensors.torch import load_file, save_file
+
+    weights = huge / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    next(t for name, t in tensors.items() if "lora_A" in name)[0, 0] = float("nan")
+    save_file(tensors, str(weights))
+    with pytest.raises(ConfigError, match="not all finite"):
+        _tiny_engine(parts, 1, "int8", lora_dtype="float32")
 
 
 def test_request_waits_for_a_slot_while_base_and_others_go_ahead(tiny_engine_parts):

@@ -97,14 +97,15 @@ def test_the_bmm_path_matches_the_reference():
 
 
 @needs_native
+@pytest.mark.parametrize("in_features", [576, 83])  # 83: the lanes' tail (fold) reads 16-bit A one value at a time
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_16_bit_slots_are_widened_exactly_into_the_float32_chain(dtype):
+def test_16_bit_slots_are_widened_exactly_into_the_float32_chain(dtype, in_features):
     """--lora-dtype float16 / bfloat16: the kernel widens each slot weight exactly as it loads it and runs the float32
     chain, so 16-bit slots give the bits of float32 slots holding the same (rounded) values, in any batch, and the
     reference's numbers."""
-    wide, ranks = _layer(576, (64, 48, 20), zero_base=True)  # BLAS's base outputs are not batch-invariant
-    narrow = LoraLinear(wide.base, wide.slices, LoraBatch(), max_loras=4, max_rank=16, in_features=576, dtype=dtype,
-                        device=CPU)
+    wide, ranks = _layer(in_features, (64, 48, 21), zero_base=True)  # BLAS's base outputs are not batch-invariant
+    narrow = LoraLinear(wide.base, wide.slices, LoraBatch(), max_loras=4, max_rank=16, in_features=in_features,
+                        dtype=dtype, device=CPU)
     with torch.no_grad():
         narrow.lora_a.copy_(wide.lora_a)
         wide.lora_a.copy_(narrow.lora_a.float())  # float32 slots holding the rounded values
@@ -113,7 +114,7 @@ def test_16_bit_slots_are_widened_exactly_into_the_float32_chain(dtype):
             wide.lora_b(i).copy_(narrow.lora_b(i).float())
     assert narrow.lora_a.dtype == dtype and not torch.equal(wide.lora_a, torch.zeros_like(wide.lora_a))
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(13, 576, generator=g)
+    x = torch.randn(13, in_features, generator=g)
     slots = [-1, 0, 2, 2, -1, 1, 0, 0, 3, 2, -1, 3, 1]
     y = _run(narrow, x, slots, ranks)
     assert torch.equal(y, _run(wide, x, slots, ranks))
@@ -135,3 +136,6 @@ def test_lora_dtype_auto_is_float16_over_a_quantized_cpu_base_only():
     assert lora_slot_dtype("auto", torch.bfloat16, cuda, "gptq") == torch.bfloat16
     assert lora_slot_dtype("float32", torch.float32, cpu, "gguf") == torch.float32
     assert lora_slot_dtype("bfloat16", torch.float32, cpu, None) == torch.bfloat16
+    # a build that widens float16 one value at a time (x86-64-v2) or no native kernels: float32 slots stay faster
+    assert lora_slot_dtype("auto", torch.float32, cpu, "gguf", fast_half=False) == torch.float32
+    assert lora_slot_dtype("float16", torch.float32, cpu, "gguf", fast_half=False) == torch.float16

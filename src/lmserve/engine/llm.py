@@ -375,13 +375,13 @@ def _engine_config(model: str | None, kw: dict) -> EngineConfig:
 def _lora_config(kw: dict) -> LoraConfig | None:
     """vLLM's enable_lora, max_loras, max_cpu_loras, max_lora_rank, lora_dtype keywords -> LoraConfig (None: LoRA
     off)."""
-    keys = {k: kw.pop(k) for k in ("max_loras", "max_cpu_loras", "max_lora_rank") if k in kw}
-    if "lora_dtype" in kw:
-        keys["dtype"] = str(kw.pop("lora_dtype")).removeprefix("torch.")  # a name, or torch.float16 as vLLM takes
+    keys = {k: kw.pop(k) for k in ("max_loras", "max_cpu_loras", "max_lora_rank", "lora_dtype") if k in kw}
     if not kw.pop("enable_lora", False):
         if keys:
             raise ValueError(f"{', '.join(keys)} need enable_lora=True")
         return None
+    if "lora_dtype" in keys:  # a name, or torch.float16 as vLLM takes it
+        keys["dtype"] = str(keys.pop("lora_dtype")).removeprefix("torch.")
     return LoraConfig(**keys)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -127,8 +128,12 @@ class LoraRegistry:
         adapter = read_peft_adapter(reg.path, self.model_config, name=reg.name, max_rank=self.cfg.max_lora_rank,
                                     root=reg.root)
         seconds = time.perf_counter() - start
-        if self.slot_dtype == torch.float16 and adapter.largest_slot_value() > torch.finfo(torch.float16).max:
+        largest = adapter.largest_slot_value()
+        if not math.isfinite(largest):
+            raise AdapterError(f"adapter {reg.name!r}: its weights (B times its scaling, or A) are not all finite")
+        if self.slot_dtype == torch.float16 and largest > torch.finfo(torch.float16).max:
             # refused, never saturated: the adapter would answer with other weights than its file's
+            log.warning("LoRA adapter %r refused: past float16's range (--lora-dtype)", reg.name)
             raise AdapterError(f"adapter {reg.name!r}: its weights (B times its scaling, or A) go past float16's range, "
                                "the device slots' type (--lora-dtype); serve it with --lora-dtype float32 or bfloat16")
         with self._lock:

@@ -28,6 +28,7 @@ from lmserve.layers.formats.pipeline import apply_pipeline_parallel, stage_tp_gr
 from lmserve.layers.formats.quantized import quantize_linears
 from lmserve.layers.kernels.decode_stack import DecodeStack, apply_decode_stack
 from lmserve.layers.kernels.moe_kernels import apply_moe_kernels
+from lmserve.layers.kernels.native import widens_half_fast
 from lmserve.loader import LoadedModel, load_model
 from lmserve.lora.slots import LoraSlots
 from lmserve.utils import DTYPES
@@ -102,22 +103,26 @@ def lora(model: nn.Module, ctx: TransformContext) -> nn.Module:
     if ctx.loaded.stage is not None and ctx.loaded.stage.world_size > 1:
         raise ConfigError("--enable-lora does not split adapters across pipeline ranks yet; "
                           "use --pipeline-parallel-size 1")
-    dtype = lora_slot_dtype(c.dtype, next(model.parameters()).dtype, ctx.device, ctx.loaded.runtime_quantization)
+    dtype = lora_slot_dtype(c.dtype, next(model.parameters()).dtype, ctx.device, ctx.loaded.runtime_quantization,
+                            widens_half_fast())
     ctx.lora_slots = LoraSlots(model, ctx.loaded.config, c.max_loras, c.max_lora_rank, dtype, ctx.device)
     return model
 
 
-def lora_slot_dtype(name: str, param_dtype: torch.dtype, device: torch.device, quantization: str | None) -> torch.dtype:
+def lora_slot_dtype(name: str, param_dtype: torch.dtype, device: torch.device, quantization: str | None,
+                    fast_half: bool = True) -> torch.dtype:
     """--lora-dtype: a name, or auto. auto is float16 on a CPU whose base is float32 activations over weights kept in
-    quantized blocks (a GGUF file's, int8/int4, a pre-quantized checkpoint's), else the parameters' dtype (a kept
-    GGUF's are float32). Why float16 there: a decode step reads every active adapter's A and B once, and in float32
-    that was more bytes than the 4-bit base (8 rank-16 adapters on the embedded SmolLM2: ~149 MiB a step against its
-    ~100 MiB); the adapter weights keep 11 significant bits, far finer than the base's blocks. The native kernel widens
-    them exactly and sums in float32 (csrc/lora_delta.cpp). A float base keeps float32 slots: its user asked for
-    float32 everywhere."""
+    quantized blocks (a GGUF file's, int8/int4, a pre-quantized checkpoint's) and whose native kernels widen float16
+    in vector loads (`fast_half`: layers/kernels/native.widens_half_fast), else the parameters' dtype (a kept GGUF's
+    are float32). Why float16 there: a decode step reads every active adapter's A and B once, and in float32 that was
+    more bytes than the 4-bit base (8 rank-16 adapters on the embedded SmolLM2: ~149 MiB a step against its ~100 MiB);
+    a weight keeps 11 significant bits (below 6.1e-5, float16's subnormals, a fixed step of 6e-8 instead), far finer
+    than the base's blocks. The native kernel widens them exactly and sums in float32 (csrc/lora_delta.cpp). Without
+    F16C (x86-64-v2, no native kernels) it widened one value at a time, 3-5x slower than float32 slots: float32 there.
+    A float base keeps float32 slots: its user asked for float32 everywhere."""
     if name != "auto":
         return DTYPES[name]
-    if device.type == "cpu" and param_dtype == torch.float32 and quantization is not None:
+    if device.type == "cpu" and param_dtype == torch.float32 and quantization is not None and fast_half:
         return torch.float16
     return param_dtype
 
