@@ -29,13 +29,14 @@ from packed_layout import cpu as cpu_line  # noqa: E402  (the CPU named the same
 
 
 def child(threads: int) -> dict:
+    import lmserve
     from lmserve.config import EngineConfig
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.layers.kernels.native import native_module
     from lmserve.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(num_threads=threads))
-    out: dict = {"module": native_module().__name__}
+    out: dict = {"module": native_module().__name__, "lmserve": lmserve.__file__}
     for batch in (16, 1):
         cpu, wall = [], []
         for it in range(2):  # the first pass warms the shapes up
@@ -65,6 +66,9 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        # the tree under test first: importing packed_layout (for cpu_line, above) put this checkout's src/ at the
+        # front of sys.path, so until this line every --trees "A/B" ran this checkout's code in both processes
+        sys.path.insert(0, os.environ["PYTHONPATH"].split(os.pathsep)[0])
         print(json.dumps(child(args.threads)))
         return
     sys.path.insert(0, str(ROOT / "src"))
@@ -86,7 +90,10 @@ def main() -> None:
                                      capture_output=True, text=True)
                 if res.returncode:
                     sys.exit(f"{tree} {level} failed:\n{res.stderr[-3000:]}")
-                runs.setdefault((tree, level), []).append(json.loads(res.stdout.strip().splitlines()[-1]))
+                run = json.loads(res.stdout.strip().splitlines()[-1])
+                if not Path(run["lmserve"]).resolve().is_relative_to(Path(src).resolve()):
+                    sys.exit(f"{tree}: the child imported {run['lmserve']}, not {src}")
+                runs.setdefault((tree, level), []).append(run)
     lines = [f"# 16-row vs 1-row decode step per level, embedded SmolLM2 Q4_1, {args.threads} threads", "",
              f"CPU: {cpu_line()}; load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"{args.rounds} round(s), medians over rounds", "",

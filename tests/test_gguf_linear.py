@@ -113,15 +113,16 @@ def test_kernel_equals_the_dequantize_then_matmul_reference(kind, n):
     layer = GGUFLinear(w, k, torch.randn(n))
     assert layer.packed == (n == 48 and packs_here())
     assert np.array_equal(layer.repacked().codes, w.codes)  # the row layout back, whichever is held
-    x = torch.randn(17, k, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(3))
     ref = reference_linear(x, w, layer.bias)
-    for m in (1, 3, 17):
+    for m in (1, 3, 17, 37):
         out = layer(x[:m])
         torch.testing.assert_close(out, ref[:m], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    # a row's result never depends on the rows beside it (nor on its place in the packed kernel's 4-row steps)
+    # a row's result never depends on the rows beside it (nor on its place in the packed kernel's tiles: 4 rows, and
+    # 16 for S8 on AVX-512)
     full = layer(x)
-    assert all(torch.equal(layer(x[m:m + 1]), full[m:m + 1]) for m in (0, 5, 16))
-    assert torch.equal(layer(x[2:9]), full[2:9])
+    assert all(torch.equal(layer(x[m:m + 1]), full[m:m + 1]) for m in (0, 5, 16, 21, 36))
+    assert torch.equal(layer(x[2:9]), full[2:9]) and torch.equal(layer(x[3:19]), full[3:19])
 
 
 @pytest.mark.parametrize("n", [37, 48])
