@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__FMA__) || defined(__AVX512F__)
+#if defined(__SSE3__)
 #include <immintrin.h>
 #endif
 
@@ -125,13 +125,28 @@ constexpr int kTile = 4;  // rows of one adapter sharing each load of A and B
 // prefetcher follows): each is prefetched this many floats ahead (a few cache lines)
 constexpr int64_t kAhead = 128;
 
-// lanes (lane l summed elements l, l + 16, ... of the full chunks) plus the tail, folded pairwise
+// lanes (lane l summed elements l, l + 16, ... of the full chunks) plus the tail, folded pairwise: lane l + w added
+// to lane l for w = 8, 4, 2, 1. The vector levels run that tree with register halves (the same adds, the same
+// operands): the scalar tree stored and reloaded a lane per add, and a tile's folds (rank x slices x rows of them)
+// took about as long as its shrink's multiply-adds for qkv (perf, Zen 4)
 template <typename W>
 inline float fold(float* acc, const float* x, const W* a, int64_t j, int64_t in) {
   for (int64_t l = 0; j + l < in; ++l) acc[l] += x[j + l] * static_cast<float>(a[j + l]);
+#if defined(__AVX__)
+  const __m256 s8 = _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8));  // l + (l + 8)
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  // + (l + 4)
+#elif defined(__SSE3__)
+  const __m128 s4 = _mm_add_ps(_mm_add_ps(_mm_loadu_ps(acc), _mm_loadu_ps(acc + 8)),
+                               _mm_add_ps(_mm_loadu_ps(acc + 4), _mm_loadu_ps(acc + 12)));
+#endif
+#if defined(__AVX__) || defined(__SSE3__)
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // + (l + 2)
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));  // + (l + 1)
+#else
   for (int64_t w = kLanes / 2; w >= 1; w /= 2)
     for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
   return acc[0];
+#endif
 }
 
 // V's operations by overload: V is the level's 16-lane vector, or (below AVX-512) an 8-lane half of it
