@@ -702,10 +702,13 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
     TileRows span(tile_rows);
     std::vector<const KV*> at;  // the tile's key rows [lo, hi), located once
     std::vector<int64_t> live(tile_rows);
-    alignas(32) float widened[8 * D];
+    // value rows are widened kOutRows at a time for the outputs (8 for the scores): accumulate8 loads and stores its
+    // 12 accumulators once per call, and 8 rows a call made those loads and stores a fifth of its instructions
+    constexpr int64_t kOutRows = std::max<int64_t>(8, 2048 / D);
+    alignas(32) float widened[kOutRows * D];
     alignas(32) float part[8];
     alignas(32) float chains[std::max<int64_t>(kTileHeads2, kMaxGroup) * 64];  // [row, head, key] x 8 lanes
-    const float* vals[8];
+    const float* vals[kOutRows];
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention: tiles grow in length
       const auto [b0, rows] = tiles[item / Hkv];
@@ -718,12 +721,16 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
       at.resize(hi - lo);
       for (int64_t p = lo; p < hi; ++p)
         at[p - lo] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
-      // 8 rows from position c (key rows, or with `shift` the same slots' value rows) as float32 values in `vals`
+      // nr rows from position c (key rows, or with `shift` the same slots' value rows) as float32 values in `vals`,
+      // 8 at a time, each 8 prefetching the next
       auto widen = [&](int64_t c, int64_t nr, int64_t shift) {
-        for (int64_t j = c + 8; j < std::min(hi, c + 16); ++j)  // the next 8 rows: scattered across blocks
-          for (int64_t b = 0; b < kRowBytes; b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(at[j - lo] + shift) + b, _MM_HINT_T0);
-        for (int64_t j = 0; j < nr; ++j) vals[j] = as_float<D>(at[c + j - lo] + shift, widened + j * D);
+        for (int64_t j0 = 0; j0 < nr; j0 += 8) {
+          for (int64_t j = c + j0 + 8; j < std::min(hi, c + j0 + 16); ++j)  // the next 8 rows: scattered across blocks
+            for (int64_t b = 0; b < kRowBytes; b += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(at[j - lo] + shift) + b, _MM_HINT_T0);
+          for (int64_t j = j0; j < std::min(nr, j0 + 8); ++j)
+            vals[j] = as_float<D>(at[c + j - lo] + shift, widened + j * D);
+        }
       };
       const __m256 sc = _mm256_set1_ps(scale);
       for (int64_t c = lo; c < hi; c += 8) {  // scores: each 8 keys widened once for every row and head of the tile
@@ -777,8 +784,8 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
         std::fill_n(out + ((b0 + i) * H + kv_head * G) * D, G * D, 0.f);
       }
       const int64_t shift = v_cache - k_cache;  // a slot's value row sits this far from its key row
-      for (int64_t c = lo; c < hi; c += 8) {  // outputs: each 8 value rows widened once for the tile
-        const int64_t nv = std::min<int64_t>(8, hi - c);
+      for (int64_t c = lo; c < hi; c += kOutRows) {  // outputs: each kOutRows value rows widened once for the tile
+        const int64_t nv = std::min<int64_t>(kOutRows, hi - c);
         widen(c, nv, shift);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t a = std::max(c, t0[i]), e = std::min(c + nv, t1[i]);
