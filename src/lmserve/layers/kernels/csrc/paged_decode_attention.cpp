@@ -629,12 +629,16 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const KV*> rows;
-    alignas(32) float widened[8 * D];  // 8 cached rows as float32 values (as_float), widened once for all G heads
-    const float* vals[8];
-    auto widen8 = [&](int64_t t, int64_t nk, int64_t L) {
+    // cached rows as float32 values (as_float), widened once for all G heads: 8 keys at a time for the scores, and
+    // kOutRows value rows for the outputs, so accumulate8 loads and stores its accumulators once per kOutRows rows
+    // (as prefill_attention_avx2 below)
+    constexpr int64_t kOutRows = std::max<int64_t>(8, 2048 / D);
+    alignas(32) float widened[kOutRows * D];
+    const float* vals[kOutRows];
+    auto widen8 = [&](int64_t t, int64_t nk, int64_t L, int64_t at = 0) {  // rows t.. into vals[at..]
       for (int64_t j = t + 8; j < std::min<int64_t>(L, t + 16); ++j)  // the next chunk's rows: scattered blocks
         for (int64_t c = 0; c < kRowBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
-      for (int64_t j = 0; j < nk; ++j) vals[j] = as_float<D>(rows[t + j], widened + j * D);
+      for (int64_t j = 0; j < nk; ++j) vals[at + j] = as_float<D>(rows[t + j], widened + (at + j) * D);
     };
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
@@ -662,9 +666,9 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
       float* o = out + (b * H + kv_head * G) * D;
       std::fill_n(o, G * D, 0.f);
-      for (int64_t t = 0; t < L; t += 8) {
-        const int64_t nv = std::min<int64_t>(8, L - t);
-        widen8(t, nv, L);
+      for (int64_t t = 0; t < L; t += kOutRows) {
+        const int64_t nv = std::min<int64_t>(kOutRows, L - t);
+        for (int64_t j = 0; j < nv; j += 8) widen8(t + j, std::min<int64_t>(8, nv - j), L, j);
         for (int64_t g = 0; g < G; g += 3)
           for (int64_t c0 = 0; c0 < D; c0 += 32) {
             const float* pg = scores.data() + g * L + t;
