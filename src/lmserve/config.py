@@ -284,5 +284,4 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
         if not sep or not name or not path:
             raise ConfigError(f"--lora-modules takes name=path, got {item!r}")
         modules.append((name, path))
-    return LoraConfig(tuple(modules), args.max_loras, args.max_cpu_loras, args.max_lora_rank,
-                      getattr(args, "lora_dtype", "auto"))
+    return LoraConfig(tuple(modules), args.max_loras, args.max_cpu_loras, args.max_lora_rank, args.lora_dtype)

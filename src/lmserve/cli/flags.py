@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmserve.config import DEFAULT_KV_OFFLOAD_DISK_BYTES, DEFAULT_KV_SHARED_TTL_S, ENV_API_KEY
+from lmserve.config import DEFAULT_KV_OFFLOAD_DISK_BYTES, DEFAULT_KV_SHARED_TTL_S, ENV_API_KEY, LORA_DTYPES
 from lmserve.parsers.reasoning import REASONING_PARSERS
 from lmserve.parsers.tool_formats import TOOL_FORMATS as TOOL_CALL_PARSERS
 
@@ -66,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     lora.add_argument("--max-cpu-loras", type=int, default=16,
                       help="adapters kept read in host memory (least recently used dropped, re-read when used)")
     lora.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted; slots are sized for it")
-    lora.add_argument("--lora-dtype", default="auto", metavar="{auto,float32,float16,bfloat16}",
+    lora.add_argument("--lora-dtype", default="auto", metavar="{" + ",".join(LORA_DTYPES) + "}",
                       help="the adapters' weights in their device slots (default auto: float16 over a base kept in "
                       "quantized blocks on a CPU, e.g. a GGUF file's, where reading every adapter's float32 weights "
                       "each step was most of their cost; else the model's dtype)")

@@ -255,8 +255,7 @@ def _lora_registry(cfg: EngineConfig, done: TransformContext) -> LoraRegistry | 
     if c is None:
         return None
     slots = done.lora_slots
-    registry = LoraRegistry(c, done.loaded.config)
-    registry.slot_dtype = slots.lora_dtype
+    registry = LoraRegistry(c, done.loaded.config, slots.lora_dtype)
     for name, path in c.modules:
         try:  # preflight read them against the model; only the slots' type (--lora-dtype) is new here
             registry.register(name, path)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmserve.layers.kernels.native import native_module
+from lmserve.layers.kernels.native import LORA_SLOT_DTYPES, native_module
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,13 @@ class LoraLinear(nn.Module):
         return lora_delta_batched(self, x, y, meta)
 
 
-# the slot dtypes the native kernel reads (16-bit ones widened exactly to float32 as loaded): --lora-dtype
-NATIVE_SLOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def lora_delta_native(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> bool:
     """Add the deltas into y in place through the native kernel (CPU float32; layers/kernels/csrc/lora_delta.cpp),
     the one the native decode stack calls: a fixed order per row, so a row's delta does not depend on its batch and
     a decode step's outputs are the same in the stack and in this module loop. False where it does not apply."""
     mod = native_module()
     if mod is None or meta.slots is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 \
-            or y.dtype != torch.float32 or y.dim() != 2 or layer.lora_a.dtype not in NATIVE_SLOT_DTYPES:
+            or y.dtype != torch.float32 or y.dim() != 2 or layer.lora_a.dtype not in LORA_SLOT_DTYPES:
         return False
     mod.lora_delta_(y, x if x.stride(1) == 1 else x.contiguous(), meta.slots, layer.lora_a,
                     [layer.lora_b(i) for i in range(len(layer.slices))], meta.rank)

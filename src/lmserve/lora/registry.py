@@ -49,8 +49,9 @@ class Registration:
 class LoraRegistry:
     """Adapter names -> directories, and the host-memory LRU of adapters read from them."""
 
-    def __init__(self, cfg: LoraConfig, model_config: ModelConfig) -> None:
-        self.cfg, self.model_config = cfg, model_config
+    def __init__(self, cfg: LoraConfig, model_config: ModelConfig, slot_dtype: torch.dtype | None = None) -> None:
+        """`slot_dtype`: the device slots' (--lora-dtype resolved); float16 refuses adapters past its range."""
+        self.cfg, self.model_config, self.slot_dtype = cfg, model_config, slot_dtype
         self._known: dict[str, Registration] = {}
         self._cpu: OrderedDict[int, PeftAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
         self._lock = threading.Lock()
@@ -58,7 +59,6 @@ class LoraRegistry:
         self.num_loads = 0  # reads from disk
         self.num_evictions = 0  # adapters dropped from host memory by the LRU
         self.load_listeners: list[Callable[[float], None]] = []  # seconds of each read from disk (metrics)
-        self.slot_dtype: torch.dtype | None = None  # the device slots' (--lora-dtype resolved), set by the engine
 
     def names(self) -> list[str]:
         """Registered adapter names, in registration order."""

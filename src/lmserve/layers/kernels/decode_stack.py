@@ -37,7 +37,7 @@ from lmserve.layers.blocks.moe import SparseMoE
 from lmserve.layers.formats.gguf_linear import FusedGGUFLinear, GGUFLinear
 from lmserve.layers.formats.linear import PackedLinear
 from lmserve.layers.kernels.moe_kernels import NativeExperts, StackedGGUF
-from lmserve.layers.kernels.native import native_module
+from lmserve.layers.kernels.native import LORA_SLOT_DTYPES, native_module
 
 ENV_SWITCH = "LMSERVE_DECODE_STACK"
 _ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -98,8 +98,7 @@ class DecodeStack:
         every one keeps CPU slots the native kernel reads (float32, float16, bfloat16) and they share one batch."""
         batches = {id(w.batch) for w in wrappers.values()}
         if not wrappers or len(batches) != 1 or not hasattr(self.native, "set_lora") or any(
-                w.lora_a.dtype not in (torch.float32, torch.float16, torch.bfloat16) or w.lora_a.device.type != "cpu"
-                for w in wrappers.values()):
+                w.lora_a.dtype not in LORA_SLOT_DTYPES or w.lora_a.device.type != "cpu" for w in wrappers.values()):
             return False
         for (i, j), w in wrappers.items():
             self.native.set_lora(i, j, w.lora_a, [w.lora_b(k) for k in range(len(w.slices))])

@@ -297,6 +297,10 @@ def _import(path: Path) -> ModuleType:
     return module
 
 
+# the LoRA slot dtypes lora_delta_ reads (16-bit ones widened exactly to float32 as loaded): --lora-dtype
+LORA_SLOT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def widens_half_fast() -> bool:
     """The loaded build widens float16 in vector loads (F16C): x86-64-v3 and AVX-512, or a host build on a CPU with
     AVX2 and F16C. Below them csrc/lora_delta.cpp widens one value at a time, 3-5x slower than float32 slots."""

@@ -18,8 +18,6 @@ inline torch::Tensor lora_delta_(torch::Tensor y, const torch::Tensor& x, const 
   const auto wt = a.scalar_type();
   TORCH_CHECK(a.device().is_cpu() && (wt == torch::kFloat || wt == torch::kHalf || wt == torch::kBFloat16),
               "lora_delta_: a: float32, float16 or bfloat16 CPU tensors only");
-  const auto type = wt == torch::kHalf ? lmserve::PanelType::kHalf
-                    : wt == torch::kBFloat16 ? lmserve::PanelType::kBFloat16 : lmserve::PanelType::kFloat;
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.stride(1) == 1 && y.stride(1) == 1,
               "lora_delta_: x [T, in] and y [T, out] with contiguous rows");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == x.size(0) &&
@@ -43,6 +41,6 @@ inline torch::Tensor lora_delta_(torch::Tensor y, const torch::Tensor& x, const 
   for (int64_t t = 0; t < slots.size(0); ++t)
     TORCH_CHECK(s[t] < loras, "lora_delta_: slot ", lmserve::num(s[t]), " of ", lmserve::num(loras));
   lmserve::lora_delta_rows(x.data_ptr<float>(), x.stride(0), y.data_ptr<float>(), y.stride(0), s, x.size(0),
-                           a.data_ptr(), type, max_rank, a.size(2), a.size(3), b_rows.data(), out_sizes.data(), rank);
+                           a.data_ptr(), lmserve::panel_type_of(wt), max_rank, a.size(2), a.size(3), b_rows.data(), out_sizes.data(), rank);
   return y;
 }

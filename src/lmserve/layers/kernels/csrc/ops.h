@@ -53,6 +53,12 @@ inline KvType kv_type_of(c10::ScalarType type) {
   }
 }
 
+// float32 / bfloat16 / float16 weights (skinny panels, LoRA slots) as the kernels' element type; callers check the
+// dtype first
+inline PanelType panel_type_of(c10::ScalarType type) {
+  return type == torch::kBFloat16 ? PanelType::kBFloat16 : type == torch::kHalf ? PanelType::kHalf : PanelType::kFloat;
+}
+
 // [M, ldy] computed over whole panels -> the caller's [M, out_features], then + bias
 inline torch::Tensor narrow_add(torch::Tensor y, int64_t out_features, const c10::optional<torch::Tensor>& bias) {
   auto out = out_features == y.size(1) ? y : y.narrow(1, 0, out_features);

@@ -14,10 +14,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor panels, int64_t out_f
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   auto y = torch::empty({M, P * kPanel}, x.options());  // padded to whole panels while computing
-  const auto type = wt == torch::kBFloat16 ? lmserve::PanelType::kBFloat16
-                    : wt == torch::kHalf   ? lmserve::PanelType::kHalf
-                                           : lmserve::PanelType::kFloat;
-  lmserve::skinny_matmul(x.data_ptr<float>(), M, K, panels.data_ptr(), type, P, y.data_ptr<float>());
+  lmserve::skinny_matmul(x.data_ptr<float>(), M, K, panels.data_ptr(), lmserve::panel_type_of(wt), P,
+                         y.data_ptr<float>());
   return lmserve::narrow_add(y, out_features, bias);
 }
 

@@ -602,6 +602,11 @@ inline __m256 dots8(const float* q, const float* const* keys, int nk) {
   return lmserve_simd::reduce8(p);
 }
 
+// value rows the x86-64-v3 loops widen at a time for the outputs (8 for the scores): accumulate8 loads and stores its
+// accumulators once per call, and at 8 rows a call those loads and stores were a fifth of its instructions
+template <int D>
+constexpr int64_t kOutRows8 = std::max<int64_t>(8, 2048 / D);
+
 // out[g][c0, c0 + 32) += sum_t p[g * L + t] * vals[t][c0, ...) for GB heads (t < n), in registers for the call
 template <int GB>
 void accumulate8(const float* p, int64_t L, const float* const* vals, int64_t n, int64_t c0, int64_t D, float* out) {
@@ -629,16 +634,16 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const KV*> rows;
-    // cached rows as float32 values (as_float), widened once for all G heads: 8 keys at a time for the scores, and
-    // kOutRows value rows for the outputs, so accumulate8 loads and stores its accumulators once per kOutRows rows
-    // (as prefill_attention_avx2 below)
-    constexpr int64_t kOutRows = std::max<int64_t>(8, 2048 / D);
-    alignas(32) float widened[kOutRows * D];
-    const float* vals[kOutRows];
-    auto widen8 = [&](int64_t t, int64_t nk, int64_t L, int64_t at = 0) {  // rows t.. into vals[at..]
-      for (int64_t j = t + 8; j < std::min<int64_t>(L, t + 16); ++j)  // the next chunk's rows: scattered blocks
-        for (int64_t c = 0; c < kRowBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
-      for (int64_t j = 0; j < nk; ++j) vals[at + j] = as_float<D>(rows[t + j], widened + (at + j) * D);
+    // cached rows as float32 values (as_float), widened once for all G heads: 8 keys for the scores, kOutRows8 value
+    // rows for the outputs
+    alignas(32) float widened[kOutRows8<D> * D];
+    const float* vals[kOutRows8<D>];
+    auto widen = [&](int64_t t, int64_t nk, int64_t L) {  // rows t.. t + nk, 8 at a time, each 8 prefetching the next
+      for (int64_t j0 = 0; j0 < nk; j0 += 8) {
+        for (int64_t j = t + j0 + 8; j < std::min<int64_t>(L, t + j0 + 16); ++j)  // scattered blocks
+          for (int64_t c = 0; c < kRowBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
+        for (int64_t j = j0; j < std::min(nk, j0 + 8); ++j) vals[j] = as_float<D>(rows[t + j], widened + j * D);
+      }
     };
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention
@@ -655,7 +660,7 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
       const __m256 sc = _mm256_set1_ps(scale);
       for (int64_t t = 0; t < L; t += 8) {
         const int64_t nk = std::min<int64_t>(8, L - t);
-        widen8(t, nk, L);
+        widen(t, nk, L);
         for (int64_t g = 0; g < G; ++g)
           store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(dots8<D>(q_rows + g * D, vals, static_cast<int>(nk)), sc));
       }
@@ -666,9 +671,9 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
       float* o = out + (b * H + kv_head * G) * D;
       std::fill_n(o, G * D, 0.f);
-      for (int64_t t = 0; t < L; t += kOutRows) {
-        const int64_t nv = std::min<int64_t>(kOutRows, L - t);
-        for (int64_t j = 0; j < nv; j += 8) widen8(t + j, std::min<int64_t>(8, nv - j), L, j);
+      for (int64_t t = 0; t < L; t += kOutRows8<D>) {
+        const int64_t nv = std::min<int64_t>(kOutRows8<D>, L - t);
+        widen(t, nv, L);
         for (int64_t g = 0; g < G; g += 3)
           for (int64_t c0 = 0; c0 < D; c0 += 32) {
             const float* pg = scores.data() + g * L + t;
@@ -706,13 +711,10 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
     TileRows span(tile_rows);
     std::vector<const KV*> at;  // the tile's key rows [lo, hi), located once
     std::vector<int64_t> live(tile_rows);
-    // value rows are widened kOutRows at a time for the outputs (8 for the scores): accumulate8 loads and stores its
-    // 12 accumulators once per call, and 8 rows a call made those loads and stores a fifth of its instructions
-    constexpr int64_t kOutRows = std::max<int64_t>(8, 2048 / D);
-    alignas(32) float widened[kOutRows * D];
+    alignas(32) float widened[kOutRows8<D> * D];  // 8 key rows for the scores, kOutRows8 value rows for the outputs
     alignas(32) float part[8];
     alignas(32) float chains[std::max<int64_t>(kTileHeads2, kMaxGroup) * 64];  // [row, head, key] x 8 lanes
-    const float* vals[kOutRows];
+    const float* vals[kOutRows8<D>];
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention: tiles grow in length
       const auto [b0, rows] = tiles[item / Hkv];
@@ -788,8 +790,8 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
         std::fill_n(out + ((b0 + i) * H + kv_head * G) * D, G * D, 0.f);
       }
       const int64_t shift = v_cache - k_cache;  // a slot's value row sits this far from its key row
-      for (int64_t c = lo; c < hi; c += kOutRows) {  // outputs: each kOutRows value rows widened once for the tile
-        const int64_t nv = std::min<int64_t>(kOutRows, hi - c);
+      for (int64_t c = lo; c < hi; c += kOutRows8<D>) {  // outputs: each kOutRows8 value rows widened once for the tile
+        const int64_t nv = std::min<int64_t>(kOutRows8<D>, hi - c);
         widen(c, nv, shift);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t a = std::max(c, t0[i]), e = std::min(c + nv, t1[i]);
