@@ -43,7 +43,8 @@ def reference(model, ids: list[list[int]]) -> np.ndarray:
 
 def test_token_pair_scores_equal_transformers(reranker):
     path, model = reranker
-    llm = LLM(str(path), classifier_from_token=("no", "yes"))
+    # float32 as transformers' reference (CUDA's default dtype is bfloat16: 1.3e-2 apart, seen on an H200)
+    llm = LLM(str(path), dtype="float32", classifier_from_token=("no", "yes"))
     assert llm.engine.front.tasks == ("generate", "score", "rerank", "classify")
     ids = [llm.tokenizer.encode_pair(QUERY, d) for d in DOCS]
     assert ids[0] == llm.tokenizer.encode(QUERY + " " + DOCS[0], add_special_tokens=False)
@@ -62,7 +63,8 @@ def test_a_token_outside_the_vocabulary_is_refused(reranker):
 
 def test_served_rerank_and_score_equal_transformers(reranker):
     path, model = reranker
-    with running_server("--model", f"rr={path}", "--classifier-from-token", "no,yes", start_timeout=600) as s:
+    with running_server("--model", f"rr={path}", "--dtype", "float32", "--classifier-from-token", "no,yes",
+                        start_timeout=600) as s:
         ref = reference(model, [_ids(QUERY, d) for d in DOCS])
         best = list(np.argsort(-ref))
         rerank = httpx.post(s.url + "/v1/rerank", json={"model": "rr", "query": QUERY, "documents": DOCS},

@@ -61,6 +61,23 @@ def assert_no_leak(eng: LLMEngine) -> None:
     assert eng.kv_tier is None or eng.kv_tier._staged == {}
 
 
+def assert_same_tokens(got: dict, want: dict) -> None:
+    """The same greedy tokens, logprobs and alternatives. Bit for bit on the CPU, whose kernels compute each row on
+    its own. On CUDA a prompt whose prefix came from a cache computes fewer rows than the cold run, and cuBLAS picks
+    its GEMM by the row count (another order of adds): there within float32 rounding (seen on an H200: one
+    alternative's logprob 5e-7 apart after a 32-token hit)."""
+    assert got["ids"] == want["ids"]
+    if not torch.cuda.is_available():
+        assert got["logprobs"] == want["logprobs"]
+        return
+    assert [[i for i, _ in top] for _, top in got["logprobs"]] == [[i for i, _ in top] for _, top in want["logprobs"]]
+
+    def flat(run: dict) -> list[float]:
+        return [x for lp, top in run["logprobs"] for x in (lp, *(v for _, v in top))]
+
+    assert flat(got) == pytest.approx(flat(want), abs=1e-5)
+
+
 def full_blocks(eng: LLMEngine, prompt: str) -> int:
     """Blocks a prefix hit can cover: all full ones, one token left to compute."""
     return (len(eng.front.tokenize_prompt(prompt)) - 1) // eng.block_size
@@ -98,7 +115,7 @@ def evict(eng: LLMEngine, salt: bytes = b"") -> None:
 def test_blocks_evicted_to_host_memory_load_back_bit_identical(tiny, cold):
     eng = engine(tiny, memory_bytes=2**20)
     first = run(eng, PROMPT, "a")
-    assert first["ids"] == cold["ids"] and first["logprobs"] == cold["logprobs"]
+    assert_same_tokens(first, cold)
     evict(eng)
     host = eng.kv_tier.stats("host")
     assert host["stores"] >= full_blocks(eng, PROMPT) and host["used_bytes"] == host["store_bytes"]
@@ -106,7 +123,7 @@ def test_blocks_evicted_to_host_memory_load_back_bit_identical(tiny, cold):
     again = run(eng, PROMPT, "a2")
     assert again["cached"] == full_blocks(eng, PROMPT) * BS  # the whole prefix, none of it from the pool
     assert eng.kv_tier.stats("host")["hit_tokens"] - hits == again["cached"]
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]  # bit for bit: logprobs as floats
+    assert_same_tokens(again, cold)  # bit for bit on the CPU: logprobs as floats
     assert eng.kv.prefix_hits >= again["cached"]
     assert_no_leak(eng)
 
@@ -135,14 +152,14 @@ def test_quantized_kv_blocks_come_back_from_host_memory_byte_for_byte(tiny64, kv
     eng = engine(tiny64, kv_dtype=kv_dtype, memory_bytes=2**20)
     assert all(kv.dtype == KV_QUANT_DTYPES[kv_dtype] for kv in eng.runner.kv_caches)
     first = run(eng, PROMPT, "a")
-    assert first["ids"] == cold["ids"] and first["logprobs"] == cold["logprobs"]
+    assert_same_tokens(first, cold)
     saved = prompt_block_bytes(eng, PROMPT)
     evict(eng)
     again = run(eng, PROMPT, "a2")
     assert again["cached"] == full_blocks(eng, PROMPT) * BS == eng.kv_tier.stats("host")["hit_tokens"]
     reloaded = prompt_block_bytes(eng, PROMPT)
     assert len(reloaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(reloaded, saved))
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_same_tokens(again, cold)
     assert_no_leak(eng)
 
 
@@ -162,7 +179,7 @@ def test_disk_blocks_serve_a_restarted_engine_bit_identical(tiny, cold, tmp_path
     again = run(restarted, PROMPT, "a2")
     assert again["cached"] == full_blocks(restarted, PROMPT) * BS
     assert restarted.kv_tier.stats("disk")["hit_tokens"] == again["cached"]
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_same_tokens(again, cold)
     assert_no_leak(restarted)
     restarted.close()
 
@@ -203,7 +220,7 @@ def test_a_corrupt_file_is_recomputed_and_rewritten(tiny, cold, tmp_path):
     again = run(second, PROMPT, "a2")
     assert second.kv_tier.disk.stats.rejected == 1
     assert again["cached"] == 3 * BS and second.kv_tier.stats("disk")["hit_tokens"] == 3 * BS
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_same_tokens(again, cold)
     second.kv_tier.flush()  # the recomputed block went to disk again
     assert bad.exists() and second.kv_tier.disk.read(hashes[4]) is not None
     assert_no_leak(second)
@@ -294,7 +311,7 @@ def test_a_new_process_loads_the_blocks_bit_identical(tiny, tmp_path):
     first, second = child(), child()
     assert first["cached"] == 0 and first["disk_hits"] == 0
     assert second["cached"] == second["disk_hits"] == 44  # 11 full blocks of 4
-    assert second["ids"] == first["ids"] and second["logprobs"] == first["logprobs"]
+    assert_same_tokens(second, first)
 
 
 @pytest.fixture(scope="module")
@@ -328,13 +345,13 @@ def test_the_embedded_gguf_model_loads_blocks_back_bit_identical(smol_engine, tm
     again = run(eng, prompt, "a2", params=params)
     full = (len(eng.front.tokenize_prompt(prompt)) - 1) // eng.block_size * eng.block_size
     assert again["cached"] == full and eng.kv_tier.stats("host")["hit_tokens"] == full
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_same_tokens(again, cold)
     assert_no_leak(eng)
     eng.close()
     restarted = like(directory=str(tmp_path))
     from_disk = run(restarted, prompt, "a3", params=params)
     assert from_disk["cached"] == full and restarted.kv_tier.stats("disk")["hit_tokens"] == full
-    assert from_disk["ids"] == cold["ids"] and from_disk["logprobs"] == cold["logprobs"]
+    assert_same_tokens(from_disk, cold)
     assert_no_leak(restarted)
     restarted.close()
 
@@ -389,7 +406,7 @@ def test_every_kv_group_comes_back_from_host_memory(gemma):
     again = run(eng, GEMMA_PROMPT, "a2")
     host = eng.kv_tier.stats("host")
     assert again["cached"] == 36 == host["hit_tokens"] and host["loads"] == GEMMA_LOADS
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_same_tokens(again, cold)
     assert_no_leak(eng)
 
 
@@ -406,7 +423,7 @@ def test_every_kv_group_comes_back_from_disk_after_a_restart(gemma, tmp_path):
     again = run(restarted, GEMMA_PROMPT, "a2")
     disk = restarted.kv_tier.stats("disk")
     assert again["cached"] == 36 == disk["hit_tokens"] and disk["loads"] == GEMMA_LOADS
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_same_tokens(again, cold)
     assert_no_leak(restarted)
     restarted.close()
 
@@ -421,6 +438,6 @@ def test_every_kv_group_comes_back_from_disk_after_a_restart(gemma, tmp_path):
     again = run(third, GEMMA_PROMPT, "a3")
     # 8 blocks: the window from position 32 reaches blocks 6 and 7, which are whole
     assert third.kv_tier.disk.stats.rejected == 1 and again["cached"] == 32
-    assert again["ids"] == cold["ids"] and again["logprobs"] == cold["logprobs"]
+    assert_same_tokens(again, cold)
     assert_no_leak(third)
     third.close()

@@ -166,7 +166,7 @@ def test_native_decode_stack_is_the_module_loop_bitwise(tiny, tmp_path, name, kv
     path = write_gguf(name, ref, tmp_path / "q.gguf", lambda n: kinds.get(n.split(".")[-2], "Q8_0"))
     # the same cache state in both runs
     cache = CacheConfig(num_blocks=64, enable_prefix_caching=False, kv_cache_dtype=kv_dtype)
-    eng = LLMEngine(EngineConfig(model=str(path), quantization="gguf", cache=cache,
+    eng = LLMEngine(EngineConfig(model=str(path), device="cpu", quantization="gguf", cache=cache,  # a CPU stack
                                  scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)),
                     tokenizer=Tokenizer.from_pretrained(tiny(name)[0]))
     assert eng.runner.decode_stack is not None

@@ -175,8 +175,10 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
                          pooler=pooler)
     lora_slots = done.lora_slots
     # a captured graph replays fixed weights and inputs: the per-step adapter rows of LoRA are not among them
-    # nor a pipeline rank's sends and receives
-    if cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None and stage is None:
+    # nor a pipeline rank's sends and receives; an encoder has no decode steps to replay (each step is whole prompts,
+    # whose sequence bounds its forward reads on the host)
+    if (cfg.cuda_graphs and not cfg.enforce_eager and device.type == "cuda" and lora_slots is None and stage is None
+            and not model_cfg.encoder):
         runner.enable_decode_graphs(cfg.scheduler.max_num_seqs, blocks_for(max_model_len, block_size), capture=True)
     if ranks is None:
         executor = UniProcExecutor(runner)

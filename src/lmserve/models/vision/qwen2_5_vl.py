@@ -207,7 +207,8 @@ class Qwen25VisionTransformer(nn.Module):
 
     def _rotary(self, grids: list[Grid], order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [patches, head_dim] in window order: row angles then column angles, the pair repeated."""
-        freqs = rotary_positions(grids, self.cfg.merge_size)[..., None].float() * self.inv_freq  # [patches, 2, d/4]
+        # positions are made on the host: [patches, 2, d/4] on the tower's device
+        freqs = rotary_positions(grids, self.cfg.merge_size).to(self.inv_freq.device)[..., None].float() * self.inv_freq
         freqs = self._to_windows(freqs.flatten(1), order)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
@@ -220,6 +221,7 @@ class Qwen25VisionTransformer(nn.Module):
         """[patches, 3*t*p*p] -> [patches / merge^2, out_hidden], merged tokens in the processor's order."""
         window = self.cfg.window_size // self.cfg.merge_size // self.cfg.patch_size
         order, cu_windows = window_order(grids, self.cfg.merge_size, window)
+        order = order.to(pixel_values.device)  # made on the host, gathers the tower's rows
         cu_images = image_segments(grids)
         cos, sin = self._rotary(grids, order)
         x = self._to_windows(self.patch_embed(pixel_values), order)
