@@ -18,11 +18,15 @@ Micro-batches (`PPStage.micro_batches`, --pipeline-micro-batches): a step's rows
 (at most that many, balanced by tokens) that travel the ring one after another, so rank 0 runs part 1 while rank 1
 runs part 0. Every rank cuts the same step the same way (the cut depends only on the attention context's rows, which
 each rank builds from the same SchedulerOutput). The paged attention cuts between decode rows and between prefill
-chunks; a chunk, one sequence's rows, is never cut. Sends are non-blocking and every receive is posted before any compute, so two
-ranks sending to each other never wait on each other; rank 0 waits for every part's return before the head. Only
-over gloo: NCCL runs a pair's sends and receives on one stream in the order they were posted, so receives posted
-ahead of sends would wait on each other across the two ranks; over NCCL a step travels whole (not yet overlapped), each
-receive posted where it is waited for, after this rank's send, as blocking send/recv order them.
+chunks; a chunk, one sequence's rows, is never cut.
+
+The sends and receives are posted in one order on every backend (`ring_posts`), made for NCCL, which ignores tags:
+it matches a pair's sends and receives in the order they were posted and runs a process's point-to-point ops on one
+stream, one group after another. Posting every receive ahead of the sends (enough over gloo, which matches by tag)
+would leave two ranks of two each waiting in a receive for a send queued behind the other's receive. So each post
+is a group (`batch_isend_irecv`: NCCL runs its ops together) of one part's send and the neighbouring part's receive,
+and the groups of two neighbours pair up one for one (tests/test_pp.py replays the order under NCCL's rules; with
+two GPUs or more, not run here: a lent machine had one, and NCCL refuses two ranks on one device).
 """
 
 from __future__ import annotations
@@ -134,29 +138,58 @@ class PipelineLoop(nn.Module):
 
     def forward(self, layers: nn.ModuleList, x: torch.Tensor, rope, attn) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.stage
-        gloo = dist.get_backend() == "gloo"
-        parts = micro_batches(attn, x.shape[0], s.micro_batches if gloo else 1)
+        parts = micro_batches(attn, x.shape[0], s.micro_batches)
         self.split_steps += len(parts) > 1
-        src = s.global_rank((s.rank - 1) % s.world_size)  # rank 0: the last rank, sending the results back
-        # a message is [2, rows, hidden]: the two streams stacked (a tensor after any layer)
-        inbox = [_Inbox(x[lo:hi], src, i) for i, (lo, hi) in enumerate(parts)]
-        if gloo:  # every receive posted first: a rank's sends never wait on its own receives (rank 0 and rank 1 of
-            for box in inbox:  # two send to each other)
-                box.post()
-        sent = []
+        first = s.rank == 0
+        prev = s.global_rank((s.rank - 1) % s.world_size)  # rank 0: the last rank, sending the results back
+        nxt = s.global_rank((s.rank + 1) % s.world_size)
+        # a message is [2, rows, hidden]: the two streams stacked (a tensor after any layer); kept until sent
+        inbox = [torch.empty((2, hi - lo, *x.shape[1:]), dtype=x.dtype, device=x.device) for lo, hi in parts]
+        outbox: list[torch.Tensor] = []
+        received, sent = {}, []
+
+        def post(j: int) -> None:
+            send, recv = ring_posts(first, len(parts))[j]
+            ops = ([dist.P2POp(dist.isend, outbox[send], nxt, tag=send)] if send is not None else []) + \
+                  ([dist.P2POp(dist.irecv, inbox[recv], prev, tag=recv)] if recv is not None else [])
+            works = dist.batch_isend_irecv(ops)
+            if send is not None:
+                sent.append(works[0])
+            if recv is not None:
+                received[recv] = works[-1]
+
+        if not first:
+            post(0)
         for i, (lo, hi) in enumerate(parts):
-            h, residual = (x[lo:hi], None) if s.rank == 0 else inbox[i].wait()
+            if first:
+                h, residual = x[lo:hi], None
+            else:  # a dead or hung peer makes the wait raise, or time out (ParallelConfig.rank_timeout_s)
+                received[i].wait()
+                h, residual = inbox[i][0], inbox[i][1]
             part_rope, part_attn = (rope, attn) if len(parts) == 1 else (_rows(rope, lo, hi), attn.rows(lo, hi))
             for j in s.layers:
                 h, residual = layers[j](h, residual, part_rope, part_attn)
-            msg = torch.stack((h, residual))  # kept until its send completes
-            sent.append((msg, dist.isend(msg, s.global_rank((s.rank + 1) % s.world_size), tag=i)))
-        if s.rank == 0:
-            back = [box.wait() for box in inbox]  # one part: its buffers as they are, no copy
-            h, residual = back[0] if len(back) == 1 else (torch.cat(streams) for streams in zip(*back))
-        for _, work in sent:
+            outbox.append(torch.stack((h, residual)))
+            post(i if first else i + 1)
+        if first:
+            post(len(parts))
+            for work in received.values():
+                work.wait()
+            # one part: its buffers as they are, no copy
+            h, residual = (inbox[0][0], inbox[0][1]) if len(parts) == 1 else torch.cat(inbox, dim=1)
+        for work in sent:
             work.wait()
         return h, residual  # on a rank > 0: its last part's, discarded (AbsentNorm, forward_only)
+
+
+def ring_posts(first: bool, parts: int) -> list[tuple[int | None, int | None]]:
+    """The (part sent on, part received) of each of a rank's posts in one step, in order: rank 0 posts after running
+    each part (its send, and the return of the part before) and once more for the last return; a later rank posts
+    the first receive before anything, then after running each part (its send, and the next part's receive). Post j
+    of rank 0 and post j of rank 1 are each other's match, so NCCL's in-order pairing never waits in a circle."""
+    if first:
+        return [(j if j < parts else None, j - 1 if j > 0 else None) for j in range(parts + 1)]
+    return [(j - 1 if j > 0 else None, j if j < parts else None) for j in range(parts + 1)]
 
 
 def micro_batches(attn, num_tokens: int, most: int) -> list[tuple[int, int]]:
@@ -173,25 +206,6 @@ def micro_batches(attn, num_tokens: int, most: int) -> list[tuple[int, int]]:
 def _rows(rope: dict[str, tuple[torch.Tensor, torch.Tensor]], lo: int, hi: int):
     """The rotary tables of rows [lo, hi) (each (cos, sin) [T, 1, rotary_dim])."""
     return {kind: (cos[lo:hi], sin[lo:hi]) for kind, (cos, sin) in rope.items()}
-
-
-class _Inbox:
-    """One micro-batch's receive (dist.irecv), posted ahead (`post`) or where it is waited for, when its rows are
-    needed. A dead or hung peer makes the wait raise, or time out after the group's timeout
-    (ParallelConfig.rank_timeout_s)."""
-
-    def __init__(self, like: torch.Tensor, src: int, tag: int) -> None:
-        self.buf = torch.empty((2, *like.shape), dtype=like.dtype, device=like.device)
-        self.src, self.tag, self.work = src, tag, None
-
-    def post(self) -> None:
-        self.work = dist.irecv(self.buf, self.src, tag=self.tag)
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.work is None:
-            self.post()
-        self.work.wait()
-        return self.buf[0], self.buf[1]
 
 
 def stage_tp_group(stage: PPStage) -> dist.ProcessGroup:
