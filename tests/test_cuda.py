@@ -204,28 +204,33 @@ def greedy_with_logprobs(engine: LLMEngine, prompts: list[list[int]]) -> dict[st
     return out
 
 
+def family_engines(tmp_path, name: str, seed: int, lens: tuple[int, ...], num_blocks: int):
+    """(CPU engine, CUDA engine, random prompts of `lens` tokens) for tests/tiny_models.py's `name`, float32 with each
+    device's defaults (tf32 off), the prompts prefilled in 24-token chunks; the GPU's attention is Triton's."""
+    from lmserve.layers.kernels.triton.backend import TritonPagedAttention
+    from tests.tiny_models import build_hf
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = build_hf(name, tmp_path)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
+    cpu, gpu = (LLMEngine(EngineConfig(model=str(path), device=device, dtype="float32", quantization="none",
+                                       cache=CacheConfig(num_blocks=num_blocks, block_size=16),
+                                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24)))
+                for device in ("cpu", "cuda"))
+    assert gpu.runner.attention is TritonPagedAttention
+    return cpu, gpu, prompts
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "gemma3"])
 def test_cuda_moe_and_sliding_window_engines_equal_the_cpu_engine(tmp_path, name):
     """A tiny Qwen3-MoE (8 experts, top-2) and a tiny Gemma 3 (5 window layers : 1 global, window 8, in six KV groups)
     with CUDA's defaults (the Triton backend: the MoE's experts in the fused Triton kernels, its decode steps replayed
     from CUDA graphs; Gemma's several KV groups decode eagerly) give the CPU engine's greedy tokens, their first
     token's logprob within float tolerance, over chunked prompts longer than the window; no KV block leaks."""
-    from lmserve.layers.kernels.triton.backend import TritonPagedAttention
     from lmserve.layers.kernels.triton.moe import TritonExperts
-    from tests.tiny_models import build_hf
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    path, _ = build_hf(name, tmp_path)
-    g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (37, 5, 23, 30, 1)]
-
-    def engine(device: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=str(path), device=device, dtype="float32", quantization="none",
-                                      cache=CacheConfig(num_blocks=128, block_size=16),
-                                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24)))
-
-    cpu, gpu = engine("cpu"), engine("cuda")
-    assert gpu.runner.attention is TritonPagedAttention
+    cpu, gpu, prompts = family_engines(tmp_path, name, 6, (37, 5, 23, 30, 1), num_blocks=128)
     replays: list[int] = []
     if name == "qwen3_moe":
         layers = [layer.mlp for layer in gpu.runner.model.model.layers]

@@ -38,14 +38,16 @@ def engine(model: Path, num_blocks: int = 24, block_size: int = BS, kv_dtype: st
            **offload) -> LLMEngine:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_dtype)
     device = "auto" if kv_dtype == "auto" else "cpu"  # quantized and float16 KV caches: the CPU kernels' formats
-    return LLMEngine(EngineConfig(model=str(model), device=device, cache=cache, kv_offload=KVOffloadConfig(**offload),
+    # float32 where "auto" is CUDA too (CUDA's default dtype is bfloat16)
+    return LLMEngine(EngineConfig(model=str(model), device=device, dtype="float32", cache=cache,
+                                  kv_offload=KVOffloadConfig(**offload),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=step_tokens)))
 
 
 def run(eng: LLMEngine, prompt: str, rid: str, salt: bytes = b"", params: SamplingParams = GREEDY) -> dict:
     """Greedy tokens, every logprob (chosen and top), and the prompt tokens served from the caches."""
     eng.add_request(rid, prompt, params, prefix_scope=salt)
-    out = {"ids": [], "logprobs": [], "cached": None}
+    out = {"ids": [], "logprobs": [], "cached": None, "device": eng.runner.device.type}
     while eng.has_unfinished():
         for d in eng.step():
             out["ids"] += d.token_ids
@@ -67,7 +69,7 @@ def assert_same_tokens(got: dict, want: dict) -> None:
     its GEMM by the row count (another order of adds): there within float32 rounding (seen on an H200: one
     alternative's logprob 5e-7 apart after a 32-token hit)."""
     assert got["ids"] == want["ids"]
-    if not torch.cuda.is_available():
+    if "cuda" not in (got["device"], want["device"]):
         assert got["logprobs"] == want["logprobs"]
         return
     assert [[i for i, _ in top] for _, top in got["logprobs"]] == [[i for i, _ in top] for _, top in want["logprobs"]]
@@ -286,7 +288,7 @@ _CHILD = textwrap.dedent("""
     from lmserve.sampling_params import SamplingParams
 
     model, directory, prompt = sys.argv[1:4]
-    eng = LLMEngine(EngineConfig(model=model, num_threads=2, cache=CacheConfig(block_size=4, num_blocks=64),
+    eng = LLMEngine(EngineConfig(model=model, dtype="float32", num_threads=2, cache=CacheConfig(block_size=4, num_blocks=64),
                                  kv_offload=KVOffloadConfig(directory=directory)))
     eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True))
     ids, lps, cached = [], [], None
@@ -297,7 +299,7 @@ _CHILD = textwrap.dedent("""
             if d.finished:
                 cached = d.num_cached_tokens
     eng.close()
-    print(json.dumps({"ids": ids, "logprobs": lps, "cached": cached,
+    print(json.dumps({"ids": ids, "logprobs": lps, "cached": cached, "device": eng.runner.device.type,
                       "disk_hits": eng.kv_tier.stats("disk")["hit_tokens"]}))
 """)
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lmserve import LLM, SamplingParams
 from lmserve.layers.attention.backends import attention_factory
 from lmserve.layers.attention.context import ContiguousAttention
-from lmserve.layers.formats.pipeline import AbsentLayer, PipelineLoop, PPStage, micro_batches, ring_posts
+from lmserve.layers.formats.pipeline import AbsentLayer, PipelineLoop, PPStage, micro_batches
 from lmserve.loader import read_model_config
 from lmserve.loader.sharding import TPShard
 from lmserve.worker.inputs import _attention_metadata
@@ -133,6 +133,14 @@ def test_embedded_gguf_pp2_logits_equal_one_rank(smol_path, quantization, micro_
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
+def test_micro_batches_default_to_two_on_cpu_and_one_on_cuda_unless_asked():
+    from lmserve.config import ParallelConfig
+
+    assert ParallelConfig().micro_batches_on("cpu") == 2
+    assert ParallelConfig().micro_batches_on("cuda") == 1  # cut steps over NCCL have not run on two GPUs yet
+    assert ParallelConfig(pipeline_micro_batches=3).micro_batches_on("cuda") == 3
+
+
 def test_micro_batches_cut_between_sequences_balanced_by_tokens():
     seqs = ContiguousAttention([7, 3, 5, 1])
     assert micro_batches(seqs, 16, 1) == [(0, 16)]
@@ -179,19 +187,38 @@ def _ring_main(rank: int, init_method: str, micro: int) -> None:
 
 
 def _ring_programs(world: int, parts: int) -> list[list[tuple]]:
-    """Each rank's step as PipelineLoop.forward runs it: ("run", part) and ("post", [(op, part), ...]) in program
-    order, op "send" to the next rank or "recv" from the previous one."""
-    def post(first: bool, j: int) -> tuple:
-        send, recv = ring_posts(first, parts)[j]
-        return "post", [("send", p) for p in [send] if p is not None] + [("recv", p) for p in [recv] if p is not None]
+    """Each rank's step as PipelineLoop.forward really runs it, recorded with torch.distributed's posting replaced
+    (no process group): ("run", part) when the rank's first layer starts a part, ("post", [(op, part), ...]) for
+    each batch_isend_irecv, op "send" to the next rank or "recv" from the previous one."""
+    import types
+
+    from lmserve.layers.formats import pipeline
 
     programs = []
-    for rank in range(world):
-        if rank == 0:
-            prog = [a for i in range(parts) for a in (("run", i), post(True, i))] + [post(True, parts)]
-        else:
-            prog = [post(False, 0)] + [a for i in range(parts) for a in (("run", i), post(False, i + 1))]
-        programs.append(prog)
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x, residual, rope, attn):
+            prog.append(("run", len([a for a in prog if a[0] == "run"])))
+            return x, x if residual is None else residual
+
+    fake = types.SimpleNamespace(isend="send", irecv="recv", P2POp=lambda op, t, peer, tag: (op, tag),
+                                 batch_isend_irecv=lambda ops: prog.append(("post", list(ops))) or [Work()] * len(ops))
+    real = pipeline.dist
+    pipeline.dist = fake
+    try:
+        for rank in range(world):
+            prog: list[tuple] = []
+            loop = PipelineLoop(PPStage(rank, world, world, micro_batches=parts))
+            layers = torch.nn.ModuleList([Recorder() for _ in range(world)])
+            loop(layers, torch.zeros(parts, 4), {}, ContiguousAttention([1] * parts))
+            programs.append(prog)
+    finally:
+        pipeline.dist = real
+    assert all(sum(a[0] == "run" for a in prog) == parts for prog in programs)
     return programs
 
 
@@ -253,8 +280,8 @@ def _nccl_replay(programs: list[list[tuple]]) -> bool:
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("parts", [1, 2, 3, 5])
 def test_the_ring_order_never_waits_under_nccls_rules(world, parts):
-    """NCCL ignores tags and runs a process's sends and receives in posting order: the order PipelineLoop posts in
-    ends on every ring; posting every receive first (enough over gloo) waits forever. The replay keeps all of a
+    """NCCL ignores tags and runs a process's sends and receives in posting order: the order PipelineLoop.forward
+    posts in (recorded from it) ends on every ring; posting every receive first (enough over gloo) waits forever. The replay keeps all of a
     rank's groups on one stream (batch_isend_irecv over the default group), stricter than a stream per pair."""
     assert _nccl_replay(_ring_programs(world, parts))
     receives_first = [[("post", [("recv", i)]) for i in range(parts)] +

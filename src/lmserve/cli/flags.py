@@ -78,10 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                        help="split the decoder layers across N ranks, one process each, each holding its layers' "
                        "weights and KV cache (torch.distributed: gloo on CPU, NCCL on CUDA, one GPU per rank); "
                        "1 <= N <= the model's layers; with --tensor-parallel-size T, N x T ranks")
-    scale.add_argument("--pipeline-micro-batches", type=int, default=2, metavar="K",
+    scale.add_argument("--pipeline-micro-batches", type=int, default=None, metavar="K",
                        help="with --pipeline-parallel-size > 1: cut each step's sequences into up to K parts that follow "
                        "each other through the stages, so one rank runs a part while the next runs the one before "
-                       "(cut between sequences: a prefill chunk is never cut); 1: each step travels whole")
+                       "(cut between sequences: a prefill chunk is never cut); 1: each step travels whole (default: 2 "
+                       "on CPU, 1 on CUDA, where cut steps over NCCL have not run on two GPUs yet)")
 
 
 def _add_model_args(g, several_models: bool) -> None:

@@ -120,7 +120,7 @@ def _build(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, loaded: 
     """(This rank's part of) the model, then the tokenizer, KV pool, LoRA slots, runner and executor."""
     tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
     shard = TPShard(0, tp) if ranks is not None and tp > 1 else None
-    stage = PPStage(0, pp, num_layers, 0, tp, cfg.parallel.pipeline_micro_batches) \
+    stage = PPStage(0, pp, num_layers, 0, tp, cfg.parallel.micro_batches_on(device.type)) \
         if ranks is not None and pp > 1 else None
     loaded = loaded or load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
                                   shard=shard, max_model_len=cfg.max_model_len, stage=stage, mmproj=cfg.mmproj,

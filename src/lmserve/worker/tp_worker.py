@@ -83,7 +83,7 @@ def worker_main(spec: RankSpec, cfg: EngineConfig, dtype: torch.dtype, device: t
     # a pipeline rank holds only its stage's layers (the loader cuts the model), a tensor-parallel rank its shard of
     # each; with both, global rank = stage * tp + tensor rank
     stage = PPStage(spec.rank // tp, pp, read_model_config(resolve_model_path(cfg.model, cfg.revision)).num_layers,
-                    spec.rank % tp, tp, cfg.parallel.pipeline_micro_batches) if pp > 1 else None
+                    spec.rank % tp, tp, cfg.parallel.micro_batches_on(device.type)) if pp > 1 else None
     shard = TPShard(spec.rank % tp, tp) if tp > 1 else None
     loaded = load_model(cfg.model, dtype, device, quantization=cfg.quantization, revision=cfg.revision,
                         shard=shard, max_model_len=cfg.max_model_len, stage=stage,
