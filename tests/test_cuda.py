@@ -192,16 +192,26 @@ def test_cuda_graph_replay_equals_eager(tiny):
     assert eng.kv.num_free_blocks == eng.num_blocks
 
 
-def greedy_with_logprobs(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, tuple[list[int], list[float]]]:
+def greedy_with_logprobs(engine: LLMEngine, prompts: list[list[int]],
+                         loras: list | None = None) -> dict[str, tuple[list[int], list[float]]]:
+    """Each prompt's 12 greedy tokens and their logprobs, all in one batch (`loras`: each prompt's adapter or None)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, params, **({"lora": loras[i]} if loras else {}))
     out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(prompts))}
     while engine.has_unfinished():
         for d in engine.step():
             out[d.request_id][0].extend(d.token_ids)
             out[d.request_id][1].extend(lp.logprob for lp in d.logprobs)
     return out
+
+
+def assert_agree(ref: dict, got: dict, tol: float = 1e-3) -> None:
+    """GPU against CPU, {id: (tokens, logprobs)}: the same greedy tokens (a float32 near-tie may turn once) and each
+    first token's logprob within `tol`."""
+    assert sum(got[k][0] == ref[k][0] for k in ref) >= len(ref) - 1, (ref, got)
+    for k in ref:
+        assert got[k][1][0] == pytest.approx(ref[k][1][0], abs=tol), k
 
 
 def family_engines(tmp_path, name: str, seed: int, lens: tuple[int, ...], num_blocks: int):
@@ -241,9 +251,6 @@ def test_cuda_moe_and_sliding_window_engines_equal_the_cpu_engine(tmp_path, name
         graphs.run = lambda inputs: replays.append(len(inputs.input_ids)) or real(inputs)
     else:
         assert len(gpu.kv.groups) == 6 and gpu.runner.graphs is None
-    ref, out = greedy_with_logprobs(cpu, prompts), greedy_with_logprobs(gpu, prompts)
-    assert sum(out[k][0] == ref[k][0] for k in ref) >= len(prompts) - 1  # a float32 near-tie may differ once
-    for k in ref:
-        assert out[k][1][0] == pytest.approx(ref[k][1][0], abs=1e-3), k
+    assert_agree(greedy_with_logprobs(cpu, prompts), greedy_with_logprobs(gpu, prompts))
     assert replays or name != "qwen3_moe"
     assert gpu.kv.req_blocks == {} and gpu.kv.num_free_blocks == gpu.num_blocks

@@ -16,7 +16,7 @@ from lmserve.config import CacheConfig, EngineConfig, LoraConfig
 from lmserve.engine.llm import LLM
 from lmserve.engine.llm_engine import LLMEngine
 from lmserve.sampling_params import SamplingParams
-from tests.test_cuda import family_engines
+from tests.test_cuda import assert_agree, family_engines, greedy_with_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytest.importorskip("transformers")
@@ -25,30 +25,12 @@ pytest.importorskip("transformers")
 FAMILIES = ["llama", "qwen3", "mistral", "gemma2", "phi3", "smollm3", "mixtral", "qwen2_moe", "gpt_oss"]
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]], lora=None) -> dict[str, tuple[list[int], float]]:
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params, **({"lora": lora[i]} if lora else {}))
-    out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for d in engine.step():
-            out[d.request_id][0].extend(d.token_ids)
-            out[d.request_id][1].extend(lp.logprob for lp in d.logprobs)
-    return {k: (ids, lps[0]) for k, (ids, lps) in out.items()}
-
-
-def _agree(ref: dict, got: dict, tol: float = 1e-3) -> None:
-    assert sum(got[k][0] == ref[k][0] for k in ref) >= len(ref) - 1, (ref, got)
-    for k in ref:
-        assert got[k][1] == pytest.approx(ref[k][1], abs=tol), k
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_on_cuda_equals_the_cpu_engine(tmp_path, name):
     cpu, gpu, prompts = family_engines(tmp_path, name, 7, (41, 6, 19, 1, 30), num_blocks=96)
-    ref, out = _greedy(cpu, prompts), _greedy(gpu, prompts)
-    _agree(ref, out)
-    alone = {str(i): _greedy(gpu, [p])["0"][0] for i, p in enumerate(prompts)}
+    ref, out = greedy_with_logprobs(cpu, prompts), greedy_with_logprobs(gpu, prompts)
+    assert_agree(ref, out)
+    alone = {str(i): greedy_with_logprobs(gpu, [p])["0"][0] for i, p in enumerate(prompts)}
     assert alone == {k: v[0] for k, v in out.items()}, "a request's tokens in a batch == alone"
     assert gpu.kv.req_blocks == {} and gpu.kv.num_free_blocks == gpu.num_blocks
 
@@ -72,8 +54,8 @@ def test_vision_family_on_cuda_equals_the_cpu_engine(tmp_path, name):
                {"prompt": f"w7 {tag} w8 {tag} w9", "multi_modal_data": {"image": [b, a]}}]
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
 
-    def tokens(llm: LLM, batch: list[dict]) -> dict[str, tuple[list[int], float]]:
-        return {str(i): (o.outputs[0].token_ids, o.outputs[0].logprobs[0].logprob)
+    def tokens(llm: LLM, batch: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+        return {str(i): (o.outputs[0].token_ids, [t.logprob for t in o.outputs[0].logprobs])
                 for i, o in enumerate(llm.generate(batch, greedy, use_tqdm=False))}
 
     kw = dict(dtype="float32", mm_encoder_dtype="float32", num_blocks=128, block_size=16,
@@ -81,7 +63,7 @@ def test_vision_family_on_cuda_equals_the_cpu_engine(tmp_path, name):
     ref = tokens(LLM(str(path), device="cpu", **kw), prompts)
     gpu = LLM(str(path), device="cuda", **kw)
     got = tokens(gpu, prompts)
-    _agree(ref, got)  # each prompt's first token's logprob: an image spliced wrongly moves it far
+    assert_agree(ref, got)  # each prompt's first token's logprob: an image spliced wrongly moves it far
     assert [tokens(gpu, [p])["0"][0] for p in prompts] == [v[0] for v in got.values()]
     kv = gpu.engine.kv
     assert kv.num_free_blocks == gpu.engine.num_blocks
@@ -126,11 +108,11 @@ def test_multi_lora_batch_on_cuda_equals_the_cpu(tmp_path):
     prompts.insert(2, prompts[0])  # the first prompt again, on the base model
     names = ["a", "b", None, "b"]
     cpu, gpu = engine("cpu"), engine("cuda")
-    ref = _greedy(cpu, prompts, [cpu.loras.get(n) if n else None for n in names])
-    got = _greedy(gpu, prompts, [gpu.loras.get(n) if n else None for n in names])
-    _agree(ref, got)
+    ref = greedy_with_logprobs(cpu, prompts, [cpu.loras.get(n) if n else None for n in names])
+    got = greedy_with_logprobs(gpu, prompts, [gpu.loras.get(n) if n else None for n in names])
+    assert_agree(ref, got)
     assert ref["0"][0] != ref["2"][0], "the adapter must change the answer"
-    alone = _greedy(gpu, [prompts[0]], [gpu.loras.get("a")])["0"]
+    alone = greedy_with_logprobs(gpu, [prompts[0]], [gpu.loras.get("a")])["0"]
     assert alone[0] == got["0"][0]
     assert gpu.kv.num_free_blocks == gpu.num_blocks
 

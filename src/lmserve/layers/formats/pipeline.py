@@ -147,9 +147,10 @@ class PipelineLoop(nn.Module):
         inbox = [torch.empty((2, hi - lo, *x.shape[1:]), dtype=x.dtype, device=x.device) for lo, hi in parts]
         outbox: list[torch.Tensor] = []
         received, sent = {}, []
+        posts = ring_posts(first, len(parts))
 
         def post(j: int) -> None:
-            send, recv = ring_posts(first, len(parts))[j]
+            send, recv = posts[j]
             ops = ([dist.P2POp(dist.isend, outbox[send], nxt, tag=send)] if send is not None else []) + \
                   ([dist.P2POp(dist.irecv, inbox[recv], prev, tag=recv)] if recv is not None else [])
             works = dist.batch_isend_irecv(ops)
