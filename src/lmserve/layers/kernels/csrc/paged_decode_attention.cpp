@@ -69,6 +69,18 @@ inline const float* as_float(const KV* row, float* buf) {
   }
 }
 
+// How many rows ahead the decode kernels fetch a row's scattered K/V rows, into L2 (locality 2: prefetcht1 on x86),
+// the first ones before the loop that reads them. A 16-row step at ~300 keys streams ~110 MB of float16 K/V from
+// DRAM (SmolLM2-135M); fetching the next 8-16 rows into L1 drew ~12 GB/s of a 2-core Zen 4's ~31 (a stream's),
+// this ~19 (benchmarks/decode_attention.py)
+constexpr int64_t kRowsAhead = 32;
+
+template <typename KV>
+inline void fetch_rows(const KV* const* rows, int64_t from, int64_t to, int64_t row_bytes) {
+  for (int64_t j = from; j < to; ++j)
+    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + c, 0, 2);
+}
+
 // the first key a row of context length L sees: L - window for a sliding-window layer, else 0
 inline int64_t first_key(int64_t L, int64_t window) { return window > 0 && L > window ? L - window : 0; }
 
@@ -332,9 +344,8 @@ void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* o
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    if (t + 8 < L)  // a value row 8 ahead: the rows are scattered across blocks and heads
-      for (int64_t c = 0; c < row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)); c += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8]) + c, _MM_HINT_T0);
+    if (t + kRowsAhead < L)  // rows are scattered across blocks and heads
+      fetch_rows(vrows, t + kRowsAhead, t + kRowsAhead + 1, row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)));
     __m512 v[D / 16];
     for (int c = 0; c < D / 16; ++c) v[c] = values16<D>(vrows[t], 16 * c);
     for (int g = 0; g < GB; ++g) {
@@ -383,13 +394,13 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
         const int64_t p = t0 + t;
         rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
       }
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);
       const __m512 sc = _mm512_set1_ps(scale);
       alignas(64) float widened[16 * D];  // a chunk's keys as float32 values, widened once for all G query heads
       const float* keys[16];
       for (int64_t t = 0; t < L; t += 16) {
         const int nk = static_cast<int>(std::min<int64_t>(16, L - t));
-        for (int64_t j = t + 16; j < std::min<int64_t>(L, t + 32); ++j)  // the next chunk's keys: scattered rows
-          for (int64_t c = 0; c < kRowBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
+        fetch_rows(rows.data(), std::min(L, t + kRowsAhead), std::min(L, t + kRowsAhead + 16), kRowBytes);
         for (int j = 0; j < nk; ++j) {
           if constexpr (std::is_same_v<KV, float>) {
             keys[j] = rows[t + j];
@@ -404,11 +415,12 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
           _mm512_mask_storeu_ps(scores.data() + g * L + t, lanes(nk), _mm512_mul_ps(d, sc));
         }
       }
+      for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);  // behind the softmax
       for (int64_t g = 0; g < G; ++g) {
         soft_cap(scores.data() + g * L, L, softcap);
         softmax_row(scores.data() + g * L, L);
       }
-      for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
       weighted_values_any<D, KV>(scores.data(), L, rows.data(), out + (b * H + kv_head * G) * D, G);
     }
   });
@@ -638,10 +650,10 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
     // rows for the outputs
     alignas(32) float widened[kOutRows8<D> * D];
     const float* vals[kOutRows8<D>];
-    auto widen = [&](int64_t t, int64_t nk, int64_t L) {  // rows t.. t + nk, 8 at a time, each 8 prefetching the next
+    auto widen = [&](int64_t t, int64_t nk, int64_t L) {  // rows t.. t + nk, 8 at a time, each 8 fetching 8 more
       for (int64_t j0 = 0; j0 < nk; j0 += 8) {
-        for (int64_t j = t + j0 + 8; j < std::min<int64_t>(L, t + j0 + 16); ++j)  // scattered blocks
-          for (int64_t c = 0; c < kRowBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + c, _MM_HINT_T0);
+        const int64_t ahead = t + j0 + kRowsAhead;  // scattered blocks
+        fetch_rows(rows.data(), std::min(L, ahead), std::min(L, ahead + 8), kRowBytes);
         for (int64_t j = j0; j < std::min(nk, j0 + 8); ++j) vals[j] = as_float<D>(rows[t + j], widened + j * D);
       }
     };
@@ -657,6 +669,7 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
         const int64_t p = t0 + t;
         rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
       }
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);
       const __m256 sc = _mm256_set1_ps(scale);
       for (int64_t t = 0; t < L; t += 8) {
         const int64_t nk = std::min<int64_t>(8, L - t);
@@ -664,11 +677,12 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
         for (int64_t g = 0; g < G; ++g)
           store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(dots8<D>(q_rows + g * D, vals, static_cast<int>(nk)), sc));
       }
+      for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);  // behind the softmax
       for (int64_t g = 0; g < G; ++g) {
         soft_cap(scores.data() + g * L, L, softcap);
         softmax_row8(scores.data() + g * L, L);
       }
-      for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
       float* o = out + (b * H + kv_head * G) * D;
       std::fill_n(o, G * D, 0.f);
       for (int64_t t = 0; t < L; t += kOutRows8<D>) {
