@@ -1,14 +1,20 @@
 """The native decode attention of one 16-row step over every layer, per instruction-set level and source tree.
 
     python benchmarks/decode_attention.py [--contexts 64,300,600] [--rows 16] [--levels avx512-vnni,x86-64-v3]
+        [--layout scattered] [--shape smollm2] [--repeats 15] [--threads 2]
         [--trees main=/path/to/other/src,branch=src] [--rounds 2] [--out benchmarks/results/decode_attention.md]
 
-SmolLM2-135M's attention shapes (30 layers, 9 query heads over 3 KV heads of 64, 16-token blocks, a float16
-cache): each layer has its own cache, as in the engine, so a step at 300 keys streams ~110 MB of K/V, more than
-the last-level cache holds, as compare.py's c=16 decode steps do (256 prompt tokens + up to 96 out). Each
-sequence's blocks are contiguous, as after its prefill. One call per layer, `--repeats` steps; the median step's
-wall ms and the K/V bytes it read per second. Each (tree, level) runs in its own process with
-LMSERVE_NATIVE_LEVEL and PYTHONPATH=tree (its own kernel build); trees and levels alternate in rounds.
+Shapes (`--shape`): smollm2 = SmolLM2-135M (30 layers, 9 query heads over 3 KV heads of 64), gemma3 = Gemma 3 270M
+(18 layers, 4 over 1 KV head of 256); a float16 cache of 16-token blocks. Each layer has its own cache, as in the
+engine, so a SmolLM2 step at 300 keys reads ~110 MB of K/V, more than a 32 MB last-level cache holds, as
+compare.py's c=16 decode steps do (256 prompt tokens + up to 96 out); at 64 keys it reads ~24 MB, which such a
+cache may hold. `--layout contiguous`: each sequence's blocks one after another, as right after its prefill;
+`scattered`: the blocks in a random order, as after the pool has been used a while. One kernel call per layer,
+`--repeats` steps, the median step's wall ms, and the K/V bytes the kernel reads (not the DRAM traffic) per
+second of it. For scale, each child also times a plain 256 MB float16 sum on its threads (the host's streaming
+rate). Each (tree, level) runs in its own process with LMSERVE_NATIVE_LEVEL and PYTHONPATH=tree (its own kernel
+build); within a round the levels alternate, and the trees' order flips every round. A level this CPU cannot run
+is skipped and named.
 """
 
 from __future__ import annotations
@@ -27,38 +33,50 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from packed_layout import cpu as cpu_line  # noqa: E402  (the CPU named the same way in every result)
 
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+SHAPES = {"smollm2": (30, 9, 3, 64), "gemma3": (18, 4, 1, 256)}  # layers, heads, KV heads, head dim
+BLOCK = 16
 
 
-def child(rows: int, contexts: list[int], repeats: int, threads: int) -> dict:
+def child(args: argparse.Namespace) -> dict:
     import lmserve  # noqa: I001  (before torch: the server's OpenMP wait policy)
     import torch
     from lmserve.layers.kernels.native import native_module
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     kernel = native_module()
-    out: dict = {"module": kernel.__name__, "lmserve": lmserve.__file__}
-    for ctx in contexts:
+    layers, heads, kv_heads, dim = SHAPES[args.shape]
+    big = torch.ones(128 * 2**20, dtype=torch.float16)
+    big.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    out: dict = {"module": kernel.__name__, "lmserve": lmserve.__file__,
+                 "stream_gb_s": 5 * big.numel() * 2 / (time.perf_counter() - t) / 1e9}
+    del big
+    rows = args.rows
+    for ctx in (int(c) for c in args.contexts.split(",")):
         per_seq = -(-ctx // BLOCK)
         gen = torch.Generator().manual_seed(0)
-        caches = [torch.randn(2, rows * per_seq, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).half()
-                  for _ in range(LAYERS)]
-        tables = torch.arange(rows * per_seq).view(rows, per_seq)
+        caches = [torch.randn(2, rows * per_seq, BLOCK, kv_heads, dim, generator=gen).half() for _ in range(layers)]
+        order = torch.arange(rows * per_seq) if args.layout == "contiguous" else torch.randperm(rows * per_seq,
+                                                                                                generator=gen)
+        tables = order.view(rows, per_seq)
         lens = torch.full((rows,), ctx, dtype=torch.long)
-        q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen)
+        q = torch.randn(rows, heads, dim, generator=gen)
 
-        def step(caches: list = caches) -> None:
+        def step(caches: list = caches, tables: torch.Tensor = tables, lens: torch.Tensor = lens,
+                 q: torch.Tensor = q) -> None:
             for c in caches:
-                kernel.paged_decode_attention(q, c[0], c[1], tables, lens, HEAD_DIM ** -0.5)
+                kernel.paged_decode_attention(q, c[0], c[1], tables, lens, dim ** -0.5)
 
         step()
         times = []
-        for _ in range(repeats):
+        for _ in range(args.repeats):
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)
         ms = statistics.median(times) * 1e3
-        kv_bytes = rows * ctx * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS
+        kv_bytes = rows * ctx * kv_heads * dim * 2 * 2 * layers
         out[str(ctx)] = {"ms": ms, "gb_s": kv_bytes / ms / 1e6, "mb": kv_bytes / 1e6}
     return out
 
@@ -68,6 +86,8 @@ def main() -> None:
     ap.add_argument("--levels", default="avx512-vnni,x86-64-v3,x86-64-v2")
     ap.add_argument("--contexts", default="64,300,600")
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--layout", choices=("contiguous", "scattered"), default="scattered")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trees", default=f"this={ROOT / 'src'}", help="name=src-dir,... (compare two checkouts)")
@@ -78,36 +98,44 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:
         sys.path.insert(0, os.environ["PYTHONPATH"].split(os.pathsep)[0])  # the tree under test, before this checkout
-        print(json.dumps(child(args.rows, contexts, args.repeats, args.threads)))
+        print(json.dumps(child(args)))
         return
     sys.path.insert(0, str(ROOT / "src"))
     from lmserve.layers.kernels.native import pick_level
     from lmserve.utils import cpu_flags
 
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
+    levels, skipped = [], []
+    for level in args.levels.split(","):
+        try:
+            pick_level(cpu_flags(), level)
+            levels.append(level)
+        except ValueError:
+            skipped.append(level)
     runs: dict[tuple[str, str], list[dict]] = {}
     load0 = os.getloadavg()[0]
-    for _ in range(args.rounds):
-        for level in args.levels.split(","):
-            try:
-                pick_level(cpu_flags(), level)
-            except ValueError:
-                continue
-            for tree, src in trees.items():
+    flags = [f"--{k}={getattr(args, k)}" for k in ("contexts", "rows", "shape", "layout", "repeats", "threads")]
+    for r in range(args.rounds):
+        for level in levels:
+            for tree, src in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
                 env = dict(os.environ, LMSERVE_NATIVE_LEVEL=level, PYTHONPATH=src)
-                res = subprocess.run([sys.executable, __file__, "--child", "--rows", str(args.rows), "--contexts",
-                                      args.contexts, "--repeats", str(args.repeats), "--threads", str(args.threads)],
-                                     env=env, capture_output=True, text=True)
+                res = subprocess.run([sys.executable, __file__, "--child", *flags], env=env, capture_output=True,
+                                     text=True)
                 if res.returncode:
                     sys.exit(f"{tree} {level} failed:\n{res.stderr[-3000:]}")
                 run = json.loads(res.stdout.strip().splitlines()[-1])
                 if not Path(run["lmserve"]).resolve().is_relative_to(Path(src).resolve()):
                     sys.exit(f"{tree}: the child imported {run['lmserve']}, not {src}")
                 runs.setdefault((tree, level), []).append(run)
-    lines = [f"# Decode attention, {args.rows} rows x {LAYERS} layers (SmolLM2-135M shapes, float16 cache), "
-             f"{args.threads} threads", "",
+    layers, heads, kv_heads, dim = SHAPES[args.shape]
+    streams = [r["stream_gb_s"] for rs in runs.values() for r in rs]
+    lines = [f"# Decode attention, {args.rows} rows x {layers} layers ({args.shape}: {heads} heads over {kv_heads} KV "
+             f"heads of {dim}, float16 cache, {args.layout} blocks), {args.threads} threads", "",
+             f"`python benchmarks/decode_attention.py {' '.join(sys.argv[1:])}`", "",
              f"CPU: {cpu_line()}; load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
-             f"{args.rounds} round(s), medians over rounds; ms per step (all layers), K/V GB/s read", "",
+             f"{args.rounds} round(s), medians over rounds; ms per step (all layers), GB/s of K/V the kernel reads; "
+             f"a plain float16 sum streams {statistics.median(streams):.1f} GB/s here (median of the children)"
+             + (f"; skipped (this CPU lacks them): {', '.join(skipped)}" if skipped else ""), "",
              "| tree | level | " + " | ".join(f"{c} keys: ms, GB/s" for c in contexts) + " |",
              "|---|---|" + "---|" * len(contexts)]
     table = {}
@@ -120,8 +148,9 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps({"cpu": cpu_line(), "rows": args.rows,
-                                                                   "threads": args.threads, "runs": table}, indent=1))
+        Path(args.out).with_suffix(".json").write_text(json.dumps(
+            {"cpu": cpu_line(), "argv": sys.argv[1:], "trees": trees, "runs": table,
+             "stream_gb_s": statistics.median(streams)}, indent=1))
 
 
 if __name__ == "__main__":

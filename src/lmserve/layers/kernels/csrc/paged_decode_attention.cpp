@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -69,16 +70,23 @@ inline const float* as_float(const KV* row, float* buf) {
   }
 }
 
-// How many rows ahead the decode kernels fetch a row's scattered K/V rows, into L2 (locality 2: prefetcht1 on x86),
-// the first ones before the loop that reads them. A 16-row step at ~300 keys streams ~110 MB of float16 K/V from
-// DRAM (SmolLM2-135M); fetching the next 8-16 rows into L1 drew ~12 GB/s of a 2-core Zen 4's ~31 (a stream's),
-// this ~19 (benchmarks/decode_attention.py)
-constexpr int64_t kRowsAhead = 32;
+// How far ahead the decode kernels fetch a row's scattered K/V rows: into L2 (locality 2: prefetcht1 on x86), the
+// first ones before the loop that reads them. At c=16 a step's attention reads more K/V than the last-level cache
+// holds (~110 MB at ~300 keys, SmolLM2-135M); fetching the next 8-16 rows into L1 read it at ~11 GB/s on a 2-core
+// Zen 4 whose two threads stream ~34, at any L1 distance tried; 4 KB ahead into L2 reads ~17-21
+// (benchmarks/decode_attention.py; Zen 1-3 unmeasured)
+constexpr int64_t kBytesAhead = 4096;
+template <int64_t RowBytes>
+constexpr int64_t kRowsAhead = std::max<int64_t>(8, kBytesAhead / RowBytes);  // 32 float16 rows of 64
 
+// every cache line of rows [from, to): a row need not start on a line (an int8 row of 64 is 68 bytes)
 template <typename KV>
 inline void fetch_rows(const KV* const* rows, int64_t from, int64_t to, int64_t row_bytes) {
-  for (int64_t j = from; j < to; ++j)
-    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + c, 0, 2);
+  for (int64_t j = from; j < to; ++j) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(rows[j]);
+    for (uintptr_t line = start & ~uintptr_t{63}; line < start + row_bytes; line += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+  }
 }
 
 // the first key a row of context length L sees: L - window for a sliding-window layer, else 0
@@ -344,8 +352,8 @@ void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* o
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    if (t + kRowsAhead < L)  // rows are scattered across blocks and heads
-      fetch_rows(vrows, t + kRowsAhead, t + kRowsAhead + 1, row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)));
+    constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)), kAhead = kRowsAhead<kRowBytes>;
+    if (t + kAhead < L) fetch_rows(vrows, t + kAhead, t + kAhead + 1, kRowBytes);  // scattered across blocks and heads
     __m512 v[D / 16];
     for (int c = 0; c < D / 16; ++c) v[c] = values16<D>(vrows[t], 16 * c);
     for (int g = 0; g < GB; ++g) {
@@ -394,13 +402,14 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
         const int64_t p = t0 + t;
         rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
       }
-      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead<kRowBytes>), kRowBytes);
       const __m512 sc = _mm512_set1_ps(scale);
       alignas(64) float widened[16 * D];  // a chunk's keys as float32 values, widened once for all G query heads
       const float* keys[16];
       for (int64_t t = 0; t < L; t += 16) {
         const int nk = static_cast<int>(std::min<int64_t>(16, L - t));
-        fetch_rows(rows.data(), std::min(L, t + kRowsAhead), std::min(L, t + kRowsAhead + 16), kRowBytes);
+        const int64_t ahead = t + kRowsAhead<kRowBytes>;  // a later chunk's keys
+        fetch_rows(rows.data(), std::min(L, ahead), std::min(L, ahead + 16), kRowBytes);
         for (int j = 0; j < nk; ++j) {
           if constexpr (std::is_same_v<KV, float>) {
             keys[j] = rows[t + j];
@@ -416,7 +425,7 @@ void attention_avx512(const float* q, const KV* k_cache, const KV* v_cache, cons
         }
       }
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
-      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);  // behind the softmax
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead<kRowBytes>), kRowBytes);  // behind the softmax
       for (int64_t g = 0; g < G; ++g) {
         soft_cap(scores.data() + g * L, L, softcap);
         softmax_row(scores.data() + g * L, L);
@@ -652,7 +661,7 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
     const float* vals[kOutRows8<D>];
     auto widen = [&](int64_t t, int64_t nk, int64_t L) {  // rows t.. t + nk, 8 at a time, each 8 fetching 8 more
       for (int64_t j0 = 0; j0 < nk; j0 += 8) {
-        const int64_t ahead = t + j0 + kRowsAhead;  // scattered blocks
+        const int64_t ahead = t + j0 + kRowsAhead<kRowBytes>;  // scattered blocks
         fetch_rows(rows.data(), std::min(L, ahead), std::min(L, ahead + 8), kRowBytes);
         for (int64_t j = j0; j < std::min(nk, j0 + 8); ++j) vals[j] = as_float<D>(rows[t + j], widened + j * D);
       }
@@ -669,7 +678,7 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
         const int64_t p = t0 + t;
         rows[t] = k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W;
       }
-      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead<kRowBytes>), kRowBytes);
       const __m256 sc = _mm256_set1_ps(scale);
       for (int64_t t = 0; t < L; t += 8) {
         const int64_t nk = std::min<int64_t>(8, L - t);
@@ -678,7 +687,7 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
           store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(dots8<D>(q_rows + g * D, vals, static_cast<int>(nk)), sc));
       }
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
-      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead), kRowBytes);  // behind the softmax
+      fetch_rows(rows.data(), 0, std::min(L, kRowsAhead<kRowBytes>), kRowBytes);  // behind the softmax
       for (int64_t g = 0; g < G; ++g) {
         soft_cap(scores.data() + g * L, L, softcap);
         softmax_row8(scores.data() + g * L, L);
