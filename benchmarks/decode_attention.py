@@ -12,9 +12,9 @@ cache may hold. `--layout contiguous`: each sequence's blocks one after another,
 `scattered`: the blocks in a random order, as after the pool has been used a while. One kernel call per layer,
 `--repeats` steps, the median step's wall ms, and the K/V bytes the kernel reads (not the DRAM traffic) per
 second of it. For scale, each child also times a plain 256 MB float16 sum on its threads (the host's streaming
-rate). Each (tree, level) runs in its own process with LMSERVE_NATIVE_LEVEL and PYTHONPATH=tree (its own kernel
-build); within a round the levels alternate, and the trees' order flips every round. A level this CPU cannot run
-is skipped and named.
+rate). Each (tree, level) runs in its own process with LMSERVE_NATIVE_LEVEL and PYTHONPATH=tree, so it loads its
+own kernel build (benchmarks/tree_levels.py): within a round the levels alternate, and the trees' order flips every
+round. A level this CPU cannot run is skipped and named.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,32 +100,13 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from lmserve.layers.kernels.native import pick_level
-    from lmserve.utils import cpu_flags
+    from tree_levels import run_children, runnable
 
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
-    levels, skipped = [], []
-    for level in args.levels.split(","):
-        try:
-            pick_level(cpu_flags(), level)
-            levels.append(level)
-        except ValueError:
-            skipped.append(level)
-    runs: dict[tuple[str, str], list[dict]] = {}
+    levels, skipped = runnable(args.levels)
     load0 = os.getloadavg()[0]
     flags = [f"--{k}={getattr(args, k)}" for k in ("contexts", "rows", "shape", "layout", "repeats", "threads")]
-    for r in range(args.rounds):
-        for level in levels:
-            for tree, src in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
-                env = dict(os.environ, LMSERVE_NATIVE_LEVEL=level, PYTHONPATH=src)
-                res = subprocess.run([sys.executable, __file__, "--child", *flags], env=env, capture_output=True,
-                                     text=True)
-                if res.returncode:
-                    sys.exit(f"{tree} {level} failed:\n{res.stderr[-3000:]}")
-                run = json.loads(res.stdout.strip().splitlines()[-1])
-                if not Path(run["lmserve"]).resolve().is_relative_to(Path(src).resolve()):
-                    sys.exit(f"{tree}: the child imported {run['lmserve']}, not {src}")
-                runs.setdefault((tree, level), []).append(run)
+    runs = run_children(__file__, flags, trees, levels, args.rounds)
     layers, heads, kv_heads, dim = SHAPES[args.shape]
     streams = [r["stream_gb_s"] for rs in runs.values() for r in rs]
     lines = [f"# Decode attention, {args.rows} rows x {layers} layers ({args.shape}: {heads} heads over {kv_heads} KV "

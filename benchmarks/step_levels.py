@@ -8,7 +8,8 @@ greedy requests of 32 prompt tokens decoding 40 tokens (EOS ignored), then 1 req
 milliseconds are the medians over its steady decode steps (the first 4 and the last 2 left out). The CPU time
 (this process, every thread) is what a step costs and holds up on a busy host, where the wall time also holds the
 waits for a free core; on quiet cores the wall ratio is the one a user sees. `--threads` is the engine's
-(default 2: lmserve's default on these 2-core machines). Levels and trees alternate in rounds (`--rounds`).
+(default 2: lmserve's default on these 2-core machines). Levels and trees alternate in rounds (`--rounds`;
+benchmarks/tree_levels.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,28 +72,11 @@ def main() -> None:
         print(json.dumps(child(args.threads)))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from lmserve.layers.kernels.native import pick_level
-    from lmserve.utils import cpu_flags
+    from tree_levels import run_children, runnable
 
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
-    runs: dict[tuple[str, str], list[dict]] = {}
     load0 = os.getloadavg()[0]
-    for _ in range(args.rounds):
-        for level in args.levels.split(","):
-            try:
-                pick_level(cpu_flags(), level)
-            except ValueError:
-                continue
-            for tree, src in trees.items():
-                env = dict(os.environ, LMSERVE_NATIVE_LEVEL=level, PYTHONPATH=src)
-                res = subprocess.run([sys.executable, __file__, "--child", "--threads", str(args.threads)], env=env,
-                                     capture_output=True, text=True)
-                if res.returncode:
-                    sys.exit(f"{tree} {level} failed:\n{res.stderr[-3000:]}")
-                run = json.loads(res.stdout.strip().splitlines()[-1])
-                if not Path(run["lmserve"]).resolve().is_relative_to(Path(src).resolve()):
-                    sys.exit(f"{tree}: the child imported {run['lmserve']}, not {src}")
-                runs.setdefault((tree, level), []).append(run)
+    runs = run_children(__file__, ["--threads", str(args.threads)], trees, runnable(args.levels)[0], args.rounds)
     lines = [f"# 16-row vs 1-row decode step per level, embedded SmolLM2 Q4_1, {args.threads} threads", "",
              f"CPU: {cpu_line()}; load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"{args.rounds} round(s), medians over rounds", "",
