@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from packed_layout import cpu as cpu_line  # noqa: E402  (the CPU named the same way in every result)
+from tree_levels import add_tree_args, run_children, runnable  # noqa: E402
 
 SHAPES = {"smollm2": (30, 9, 3, 64), "gemma3": (18, 4, 1, 256)}  # layers, heads, KV heads, head dim
 BLOCK = 16
@@ -82,17 +83,12 @@ def child(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--levels", default="avx512-vnni,x86-64-v3,x86-64-v2")
     ap.add_argument("--contexts", default="64,300,600")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     ap.add_argument("--layout", choices=("contiguous", "scattered"), default="scattered")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--trees", default=f"this={ROOT / 'src'}", help="name=src-dir,... (compare two checkouts)")
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--out")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_tree_args(ap, "avx512-vnni,x86-64-v3,x86-64-v2")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:
@@ -100,8 +96,6 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from tree_levels import run_children, runnable
-
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
     levels, skipped = runnable(args.levels)
     load0 = os.getloadavg()[0]

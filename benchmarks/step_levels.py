@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from packed_layout import cpu as cpu_line  # noqa: E402  (the CPU named the same way in both results)
+from tree_levels import add_tree_args, run_children, runnable  # noqa: E402
 
 
 def child(threads: int) -> dict:
@@ -58,12 +59,7 @@ def child(threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--levels", default="x86-64-v3,x86-64-v2,avx512-vnni")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--trees", default=f"this={ROOT / 'src'}", help="name=src-dir,... (compare two checkouts)")
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--out")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_tree_args(ap, "x86-64-v3,x86-64-v2,avx512-vnni")
     args = ap.parse_args()
     if args.child:
         # the tree under test first: importing packed_layout (for cpu_line, above) put this checkout's src/ at the
@@ -72,8 +68,6 @@ def main() -> None:
         print(json.dumps(child(args.threads)))
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from tree_levels import run_children, runnable
-
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
     load0 = os.getloadavg()[0]
     runs = run_children(__file__, ["--threads", str(args.threads)], trees, runnable(args.levels)[0], args.rounds)

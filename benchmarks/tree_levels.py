@@ -8,11 +8,24 @@ every round, so a neighbour's load and any warm-up lands on both alike.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_tree_args(ap: argparse.ArgumentParser, levels: str) -> None:
+    """The options every such benchmark takes: levels, threads, trees, rounds, out, and the hidden --child."""
+    ap.add_argument("--levels", default=levels)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trees", default=f"this={ROOT / 'src'}", help="name=src-dir,... (compare two checkouts)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
 
 def runnable(levels: str) -> tuple[list[str], list[str]]:
