@@ -64,8 +64,7 @@ def child(args: argparse.Namespace) -> dict:
         lens = torch.full((rows,), ctx, dtype=torch.long)
         q = torch.randn(rows, heads, dim, generator=gen)
 
-        def step(caches: list = caches, tables: torch.Tensor = tables, lens: torch.Tensor = lens,
-                 q: torch.Tensor = q) -> None:
+        def step() -> None:
             for c in caches:
                 kernel.paged_decode_attention(q, c[0], c[1], tables, lens, dim ** -0.5)
 

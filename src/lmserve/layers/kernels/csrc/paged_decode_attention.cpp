@@ -365,8 +365,8 @@ void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* o
   __m512 acc[GB][D / 16];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
+  constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)), kAhead = kRowsAhead<kRowBytes>;
   for (int64_t t = 0; t < L; ++t) {
-    constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)), kAhead = kRowsAhead<kRowBytes>;
     if (t + kAhead < L) fetch_rows(vrows, t + kAhead, t + kAhead + 1, kRowBytes);  // scattered across blocks and heads
     __m512 v[D / 16];
     for (int c = 0; c < D / 16; ++c) v[c] = values16<D>(vrows[t], 16 * c);
