@@ -662,6 +662,8 @@ struct Lanes {  // 8 rows a part
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void storei(int32_t* p, I v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+  static I loadi(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
   static I srli32(I a, int n) { return _mm256_srli_epi32(a, n); }
   // kRows bytes (a part's scale bytes), unsigned or signed, as int32 lanes
   static I widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
@@ -702,6 +704,8 @@ struct Lanes {  // 4 rows a part (no FMA at this level: multiply, then add, in t
   static F mul(F a, F b) { return _mm_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
   static void store(float* p, F v) { _mm_storeu_ps(p, v); }
+  static void storei(int32_t* p, I v) { _mm_store_si128(reinterpret_cast<__m128i*>(p), v); }
+  static I loadi(const int32_t* p) { return _mm_load_si128(reinterpret_cast<const __m128i*>(p)); }
   static I srli32(I a, int n) { return _mm_srli_epi32(a, n); }
   static I widen_u8(const uint8_t* p) {
     int32_t v;
@@ -868,81 +872,99 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
 // and float chains exactly, but each broadcast of 4 activation bytes (and of a block's xd and xs) serves P parts'
 // maddubs instead of one. Why: part by part, a 16-row step spent as many instructions on those broadcasts and the
 // per-block epilogue as on the products (x86-64-v3: 8 rows a part, 2 parts; x86-64-v2: 4 rows a part, 4 parts).
+// Two passes over each run of up to kRun blocks: the integer dots of every block (U4) or half block (S8) into a
+// small buffer, then their float chain. Why: a tile's C x P dots and C x P float accumulators do not fit the 16
+// vector registers together, and GCC spilled both inside the product loop, storing each accumulator twice a
+// block; apart, each pass holds what it uses (x86-64-v3, one thread, benchmarks/quant_gemm_cpu.cpp at M = 16:
+// U4 1536 x 576 +6%, S8 8192 x 576 +4%).
 template <int KIND, int C, int P>
 void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out, int64_t ldo) {
   static_assert(KIND == 0 || KIND == 2, "U4 and S8 only");
+  constexpr int kRun = 8, kHalves = KIND == 0 ? 1 : 2;  // U4: one dot a block; S8: one a half (its scales)
   constexpr int64_t kBlockBytes = KIND == 0 ? 256 : 512;
   constexpr int64_t kPartBytes = 4 * kRowsV;  // a part's bytes in each 64-byte chunk
   const int64_t nb = w.nb, off = kPartBytes * p0, lane = kRowsV * p0;
+  const int8_t* xc[C];
+  const float *xd[C], *xs[C];
+  for (int c = 0; c < C; ++c) xc[c] = x.codes(m0 + c), xd[c] = x.d(m0 + c), xs[c] = x.s(m0 + c);
+  alignas(32) int32_t dots[kRun][kHalves][C][P][kRowsV];
   VF acc[C][P];
   for (int c = 0; c < C; ++c)
     for (int p = 0; p < P; ++p) acc[c][p] = Lanes::zerof();
   const bool prefetch = w.next_codes != nullptr && m0 == 0 && p0 == 0;  // once per group: its first tile's pass
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w.codes + b * kBlockBytes + off;
-    if (prefetch) {
-      for (int64_t i = 0; i < kBlockBytes; i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w.next_codes + b * kBlockBytes + i), _MM_HINT_T0);
-      // scales (and U4's mins): 16 floats a block (S8: 32), one or two lines
-      for (int64_t i = 0; i < (KIND == 0 ? 1 : 2); ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(w.next_sc + kGroup * (KIND == 0 ? 1 : 2) * b + 16 * i), _MM_HINT_T0);
-        if (KIND == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(w.mn + (w.next_sc - w.sc) + kGroup * b), _MM_HINT_T0);
+  for (int64_t b0 = 0; b0 < nb; b0 += kRun) {
+    const int run = static_cast<int>(std::min<int64_t>(kRun, nb - b0));
+    for (int r = 0; r < run; ++r) {  // the integer pass
+      const int64_t b = b0 + r;
+      const uint8_t* blk = w.codes + b * kBlockBytes + off;
+      if (prefetch) {
+        for (int64_t i = 0; i < kBlockBytes; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w.next_codes + b * kBlockBytes + i), _MM_HINT_T0);
+        // scales (and U4's mins): 16 floats a block (S8: 32), one or two lines
+        for (int64_t i = 0; i < kHalves; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(w.next_sc + kGroup * kHalves * b + 16 * i), _MM_HINT_T0);
+          if (KIND == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(w.mn + (w.next_sc - w.sc) + kGroup * b), _MM_HINT_T0);
+        }
       }
-    }
-    if (KIND == 0) {  // as part_rows: int16 sums over the 8 chunks, one madd
-      VI dot[C][P];
-      for (int c = 0; c < C; ++c)
-        for (int p = 0; p < P; ++p) dot[c][p] = Lanes::zero();
+      for (int h = 0; h < kHalves; ++h) {
+        VI dot[C][P];
+        for (int c = 0; c < C; ++c)
+          for (int p = 0; p < P; ++p) dot[c][p] = Lanes::zero();
+        // Not unrolled: unrolled, GCC issued every chunk's maddubs first and spilled them to the stack (~25% of a
+        // 16-row Q4_1 matmul on x86-64-v3, ~15% on x86-64-v2); S8's loop likewise on x86-64-v3 only (~8%;
+        // x86-64-v2's ran slower so)
+        if constexpr (KIND == 0) {  // int16 sums over the 8 chunks (<= 30480), one madd
 #pragma GCC unroll 1
-      for (int t = 0; t < 4; ++t) {
-        VI lo[P], hi[P];
-        for (int p = 0; p < P; ++p) {
-          const VI v = Lanes::load(blk + 64 * t + kPartBytes * p), low4 = Lanes::set1_8(0x0F);
-          lo[p] = Lanes::and_(v, low4), hi[p] = Lanes::and_(Lanes::srli16(v, 4), low4);
-        }
-        for (int c = 0; c < C; ++c) {
-          const int8_t* xb = x.codes(m0 + c) + b * kQBlock + 4 * t;
-          const VI x0 = Lanes::bcast4(xb), x1 = Lanes::bcast4(xb + 16);
-          for (int p = 0; p < P; ++p)
-            dot[c][p] = Lanes::add16(dot[c][p], Lanes::add16(Lanes::maddubs(lo[p], x0), Lanes::maddubs(hi[p], x1)));
-        }
-      }
-      for (int c = 0; c < C; ++c) {
-        const VF xd = Lanes::set1f(x.d(m0 + c)[b]), xs = Lanes::set1f(x.s(m0 + c)[b]);
-        for (int p = 0; p < P; ++p) {
-          const int64_t at = kGroup * b + lane + kRowsV * p;
-          const VF ws = Lanes::loadf(w.sc + at), wm = Lanes::loadf(w.mn + at);
-          acc[c][p] = Lanes::fma(Lanes::cvt(Lanes::madd1(dot[c][p])), Lanes::mul(ws, xd), acc[c][p]);
-          acc[c][p] = Lanes::fma(wm, xs, acc[c][p]);
-        }
-      }
-      continue;
-    }
-    for (int h = 0; h < 2; ++h) {  // S8: each half's dot (the sign trick, one madd a chunk), then its scale
-      VI dot[C][P];
-      for (int c = 0; c < C; ++c)
-        for (int p = 0; p < P; ++p) dot[c][p] = Lanes::zero();
-#if defined(__AVX2__)  // as part_rows's S8 loop: unrolled, GCC spilled on x86-64-v3 only
+          for (int t = 0; t < 4; ++t) {
+            VI lo[P], hi[P];
+            for (int p = 0; p < P; ++p) {
+              const VI v = Lanes::load(blk + 64 * t + kPartBytes * p), low4 = Lanes::set1_8(0x0F);
+              lo[p] = Lanes::and_(v, low4), hi[p] = Lanes::and_(Lanes::srli16(v, 4), low4);
+            }
+            for (int c = 0; c < C; ++c) {
+              const int8_t* xb = xc[c] + b * kQBlock + 4 * t;
+              const VI x0 = Lanes::bcast4(xb), x1 = Lanes::bcast4(xb + 16);
+              for (int p = 0; p < P; ++p)
+                dot[c][p] = Lanes::add16(dot[c][p], Lanes::add16(Lanes::maddubs(lo[p], x0), Lanes::maddubs(hi[p], x1)));
+            }
+          }
+        } else {  // the sign trick, one madd a chunk
+#if defined(__AVX2__)
 #pragma GCC unroll 1
 #endif
-      for (int t = 0; t < 4; ++t) {
-        VI wv[P], aw[P];
+          for (int t = 0; t < 4; ++t) {
+            VI wv[P], aw[P];
+            for (int p = 0; p < P; ++p) {
+              wv[p] = Lanes::xor_(Lanes::load(blk + 64 * (4 * h + t) + kPartBytes * p), Lanes::set1_8(0x80));
+              aw[p] = Lanes::sign8(wv[p], wv[p]);
+            }
+            for (int c = 0; c < C; ++c) {
+              const VI xv = Lanes::bcast4(xc[c] + b * kQBlock + 16 * h + 4 * t);
+              for (int p = 0; p < P; ++p)
+                dot[c][p] = Lanes::add32(dot[c][p], Lanes::madd1(Lanes::maddubs(aw[p], Lanes::sign8(xv, wv[p]))));
+            }
+          }
+        }
+        for (int c = 0; c < C; ++c)
+          for (int p = 0; p < P; ++p) Lanes::storei(dots[r][h][c][p], KIND == 0 ? Lanes::madd1(dot[c][p]) : dot[c][p]);
+      }
+    }
+    for (int r = 0; r < run; ++r) {  // the float pass: each output's chain, block by block
+      const int64_t b = b0 + r;
+      for (int h = 0; h < kHalves; ++h) {
+        VF ws[P], wm[P];
         for (int p = 0; p < P; ++p) {
-          wv[p] = Lanes::xor_(Lanes::load(blk + 64 * (4 * h + t) + kPartBytes * p), Lanes::set1_8(0x80));
-          aw[p] = Lanes::sign8(wv[p], wv[p]);
+          const int64_t at = (KIND == 0 ? kGroup * b : 32 * b + 16 * h) + lane + kRowsV * p;
+          ws[p] = Lanes::loadf(w.sc + at);
+          if (KIND == 0) wm[p] = Lanes::loadf(w.mn + at);
         }
         for (int c = 0; c < C; ++c) {
-          const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
-          for (int p = 0; p < P; ++p)
-            dot[c][p] = Lanes::add32(dot[c][p], Lanes::madd1(Lanes::maddubs(aw[p], Lanes::sign8(xv, wv[p]))));
-        }
-      }
-      for (int c = 0; c < C; ++c) {
-        const VF xd = Lanes::set1f(x.d(m0 + c)[b]);
-        for (int p = 0; p < P; ++p) {
-          const VF sc = Lanes::loadf(w.sc + 32 * b + 16 * h + lane + kRowsV * p);
-          acc[c][p] = Lanes::fma(Lanes::cvt(dot[c][p]), Lanes::mul(sc, xd), acc[c][p]);
+          const VF d = Lanes::set1f(xd[c][b]);
+          for (int p = 0; p < P; ++p) {
+            acc[c][p] = Lanes::fma(Lanes::cvt(Lanes::loadi(dots[r][h][c][p])), Lanes::mul(ws[p], d), acc[c][p]);
+            if (KIND == 0) acc[c][p] = Lanes::fma(wm[p], Lanes::set1f(xs[c][b]), acc[c][p]);
+          }
         }
       }
     }
