@@ -1,12 +1,14 @@
 // How many of each 256-bit instruction the narrow builds' int8 kernels use (x86-64-v3: quant_gemm.cpp's parts_rows)
 // this core issues per cycle, alone and paired with maddubs: which ones share maddubs's pipes. Why: the x86-64-v3
-// 16-row decode step is ~70% int8 products, and their floor is set by these rates (docs/performance.md, "Per
+// 16-row decode step is ~76% int8 products, and their floor is set by these rates (docs/performance.md, "Per
 // instruction-set level"); rerun it on each CPU family before tuning those kernels there.
 //
 //   gcc -O2 benchmarks/vector_pipes.c -o /tmp/vector_pipes && /tmp/vector_pipes
 //
-// The clock is measured first (a chain of dependent adds, one a cycle); each test then runs 8 independent
-// instructions (4 + 4 for a pair) per loop iteration, so latency does not bound them. x86-64 with AVX2 only.
+// The clock is measured first (a chain of dependent adds, one a cycle; a core that folds immediate adds at rename
+// would read fast, so check it against the CPU's rated clock); each test then runs 8 independent instructions
+// (4 + 4 for a pair) per loop iteration. vfmadd231ps also reads its destination: 8 chains of 4-cycle latency, so
+// its row reads at most 2 a cycle whatever the pipes. x86-64 with AVX2 and FMA only.
 #include <stdio.h>
 #include <time.h>
 
@@ -51,5 +53,7 @@ int main(void) {
   RATE("vpmaddubsw + vpand", "vpmaddubsw", "vpand");
   RATE("vpmaddubsw + vpxor", "vpmaddubsw", "vpxor");
   RATE("vpmaddubsw + vpsubb", "vpmaddubsw", "vpsubb");
+  RATE("vpmaddubsw + vfmadd231ps", "vpmaddubsw", "vfmadd231ps");
+  RATE("vpmaddubsw + vmulps", "vpmaddubsw", "vmulps");
   return 0;
 }

@@ -125,9 +125,11 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(i1));
     sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
 #elif defined(__AVX2__) && defined(__FMA__)
-    // the codes are within [-127, 127], so the saturating packs are plain narrowings; packs work within 128-bit
-    // lanes, and the permute puts the 4-code groups back in element order. Why vector: the scalar narrowing and
-    // sum took ~2.5% of a 16-row x86-64-v3 decode step, on one thread (a 16-row call runs inline)
+    // a finite block's codes are within [-127, 127], so the saturating packs are plain narrowings (a block with inf
+    // or NaN, or a subnormal scale, gets -128 where cvtps gives INT_MIN, as the AVX-512 path; its numbers are
+    // garbage either way); packs work within 128-bit lanes, and the permute puts the 4-code groups back in element
+    // order. Why vector: the scalar narrowing and sum took ~2.5% of a 16-row x86-64-v3 decode step's samples, on one
+    // thread (a 16-row call runs inline); 16 x 576 rows, one thread: 2.82 -> 2.34 us (x86-64-v2 4.63 -> 3.28)
     const __m256 vi = _mm256_set1_ps(inv);
     __m256i iv[4];
     for (int j = 0; j < 4; ++j)
@@ -884,8 +886,9 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
 // Two passes over each run of up to kRun blocks: the integer dots of every block (U4) or half block (S8) into a
 // small buffer, then their float chain. Why: a tile's C x P dots and C x P float accumulators do not fit the 16
 // vector registers together, and GCC spilled both inside the product loop, storing each accumulator twice a
-// block; apart, each pass holds what it uses (x86-64-v3, one thread, benchmarks/quant_gemm_cpu.cpp at M = 16:
-// U4 1536 x 576 +6%, S8 8192 x 576 +4%).
+// block; apart, the float pass holds no dots and the product loop no accumulators (one thread,
+// benchmarks/quant_gemm_cpu.cpp at M = 16: x86-64-v3 U4 1536 x 576 +6%, S8 8192 x 576 +3.5%; x86-64-v2 U4 -2.4%,
+// S8 +5%; M = 1 unchanged; benchmarks/results/step_levels_zen4_twopass.md).
 template <int KIND, int C, int P>
 void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out, int64_t ldo) {
   static_assert(KIND == 0 || KIND == 2, "U4 and S8 only");
