@@ -90,7 +90,8 @@ inline void fetch_rows(const KV* const* rows, int64_t from, int64_t to, int64_t 
 }
 
 // rows[t] = the cached row of key position t0 + t (t < L) of one KV head: one division per block instead of one per
-// key (a 16-row SmolLM2 step at ~300 keys locates ~430k rows; the step's time moved by less than this host's noise)
+// key (a 16-row SmolLM2 step at ~300 keys locates ~430k rows; the step's time moved by less than this host's noise).
+// Every kernel here locates its rows with it (a value row is the same slot in v_cache), so one place computes them.
 template <typename KV>
 inline void locate_rows(const KV** rows, const KV* cache, const int64_t* table, int64_t t0, int64_t L,
                         int64_t block_size, int64_t Hkv, int64_t kv_head, int64_t W) {
@@ -174,6 +175,7 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
   const int64_t G = H / Hkv, n = B * Hkv, W = row_width<KV>(D);
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const KV*> rows;  // the item's key rows (a value row: the same slot in v_cache)
     for (int64_t k = begin; k < end; ++k) {
       // Items in zigzag order (first, last, second, second last, ...): a prefill's rows grow in length, and the
       // contiguous chunks parallel_for hands out would otherwise leave the longest ones for last (with 2 threads
@@ -184,12 +186,12 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       const int64_t* table = block_tables + (table_rows ? table_rows[b] : b) * max_blocks;
       const float* q_rows = q + (b * H + kv_head * G) * D;
       scores.resize(G * L);
+      rows.resize(L);
+      locate_rows(rows.data(), k_cache, table, t0, L, block_size, Hkv, kv_head, W);
       // scores[g, t] = q_g . k_(t0 + t) * scale
       float row_buf[D];
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t p = t0 + t;
-        const float* __restrict__ k = as_float<D>(
-            k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W, row_buf);
+        const float* __restrict__ k = as_float<D>(rows[t], row_buf);
         for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot<D>(q_rows + g * D, k) * scale;
       }
       for (int64_t g = 0; g < G; ++g) softmax_scalar(scores.data() + g * L, L, softcap);  // over t, per query head
@@ -198,9 +200,7 @@ void decode_attention(const float* q, const KV* k_cache, const KV* v_cache, cons
       for (int64_t g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
       for (int64_t t = 0; t < L; ++t) {
-        const int64_t p = t0 + t;
-        const float* __restrict__ v = as_float<D>(
-            v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W, row_buf);
+        const float* __restrict__ v = as_float<D>(v_cache + (rows[t] - k_cache), row_buf);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           for (int d = 0; d < D; ++d) acc[g][d] += p * v[d];
@@ -230,6 +230,7 @@ void prefill_attention_generic(const float* q, const KV* k_cache, const KV* v_ca
   const int64_t n = static_cast<int64_t>(tiles.size()) * Hkv;
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc;
+    std::vector<const KV*> at;  // the tile's key rows [lo, hi), located once (a value row: the same slot in v_cache)
     TileRows span(tile_rows);
     float row_buf[D];
     for (int64_t k = begin; k < end; ++k) {
@@ -241,10 +242,10 @@ void prefill_attention_generic(const float* q, const KV* k_cache, const KV* v_ca
       const std::vector<int64_t>&t0 = span.t0, &t1 = span.t1, &off = span.off;
       const int64_t lo = span.lo, hi = span.hi, total = span.total;
       scores.resize(total);
-      const int64_t slot0 = kv_head * W;
+      at.resize(hi - lo);
+      locate_rows(at.data(), k_cache, table, lo, hi - lo, block_size, Hkv, kv_head, W);
       for (int64_t p = lo; p < hi; ++p) {
-        const int64_t slot = (table[p / block_size] * block_size + p % block_size) * Hkv * W + slot0;
-        const float* k_row = as_float<D>(k_cache + slot, row_buf);
+        const float* k_row = as_float<D>(at[p - lo], row_buf);
         for (int64_t i = 0; i < rows; ++i) {
           if (p < t0[i] || p >= t1[i]) continue;
           const int64_t L = t1[i] - t0[i];
@@ -257,8 +258,7 @@ void prefill_attention_generic(const float* q, const KV* k_cache, const KV* v_ca
           softmax_scalar(scores.data() + off[i] + g * (t1[i] - t0[i]), t1[i] - t0[i], softcap);
       acc.assign(rows * G * D, 0.f);
       for (int64_t p = lo; p < hi; ++p) {
-        const int64_t slot = (table[p / block_size] * block_size + p % block_size) * Hkv * W + slot0;
-        const float* __restrict__ v = as_float<D>(v_cache + slot, row_buf);
+        const float* __restrict__ v = as_float<D>(v_cache + (at[p - lo] - k_cache), row_buf);
         for (int64_t i = 0; i < rows; ++i) {
           if (p < t0[i] || p >= t1[i]) continue;
           const int64_t L = t1[i] - t0[i];
@@ -521,6 +521,7 @@ void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cac
   lmserve::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     TileRows span(tile_rows);
+    std::vector<const KV*> at;  // the tile's key rows [lo, hi), located once (a value row: the same slot in v_cache)
     alignas(64) float widened[16 * D];
     alignas(64) float part[16];
     const float* vals[16];
@@ -533,8 +534,10 @@ void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cac
       const std::vector<int64_t>&t0 = span.t0, &t1 = span.t1, &off = span.off;
       const int64_t lo = span.lo, hi = span.hi, total = span.total;
       scores.resize(total);
-      auto key_at = [&](int64_t p) { return k_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W; };
-      auto value_at = [&](int64_t p) { return v_cache + ((table[p / block_size] * block_size + p % block_size) * Hkv + kv_head) * W; };
+      at.resize(hi - lo);
+      locate_rows(at.data(), k_cache, table, lo, hi - lo, block_size, Hkv, kv_head, W);
+      auto key_at = [&](int64_t p) { return at[p - lo]; };
+      auto value_at = [&](int64_t p) { return v_cache + (at[p - lo] - k_cache); };
       const __m512 sc = _mm512_set1_ps(scale);
       for (int64_t c = lo; c < hi; c += 16) {  // scores: each 16 keys widened once for every row and head of the tile
         const int64_t nk = std::min<int64_t>(16, hi - c);
