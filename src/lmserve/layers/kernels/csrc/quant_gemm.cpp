@@ -88,6 +88,14 @@ inline int nibble(const uint8_t* codes, int64_t b, int j) {
   return (j < 16 ? codes[b * 16 + j] : codes[b * 16 + j - 16] >> 4) & 0x0F;
 }
 
+#if defined(__SSE4_1__)
+// the sum of 4 int32 lanes (exact)
+inline int32_t hsum4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+#endif
+
 // One row of x -> int8 codes, per-block scale, per-block scale * sum(codes). The vector loops compute the same
 // numbers as the scalar one (max of |x|, one float multiply, round half to even, an exact integer sum): the
 // scalar std::nearbyint is a libm call, which made quantizing ~20-50% of a many-row matmul's time.
@@ -139,9 +147,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
                         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+    sum = hsum4(_mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1)));
 #elif defined(__SSE4_1__)  // x86-64-v2: the same rounding (to nearest even) without the libm call, packed as above
     const __m128 vi = _mm_set1_ps(inv);
     __m128i iv[8];
@@ -151,10 +157,8 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
     for (int j = 0; j < 2; ++j)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * j),
                        _mm_packs_epi16(_mm_packs_epi32(iv[4 * j], iv[4 * j + 1]), _mm_packs_epi32(iv[4 * j + 2], iv[4 * j + 3])));
-    __m128i s4 = _mm_add_epi32(_mm_add_epi32(_mm_add_epi32(iv[0], iv[1]), _mm_add_epi32(iv[2], iv[3])),
-                               _mm_add_epi32(_mm_add_epi32(iv[4], iv[5]), _mm_add_epi32(iv[6], iv[7])));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+    sum = hsum4(_mm_add_epi32(_mm_add_epi32(_mm_add_epi32(iv[0], iv[1]), _mm_add_epi32(iv[2], iv[3])),
+                              _mm_add_epi32(_mm_add_epi32(iv[4], iv[5]), _mm_add_epi32(iv[6], iv[7]))));
 #else
     for (int j = 0; j < kQBlock; ++j) {
       const int v = static_cast<int>(std::nearbyint(xb[j] * inv));  // round half to even, as torch.round
