@@ -722,6 +722,44 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
   });
 }
 
+// A tile's scores, (row, head) pairs x keys: chains[(p * 8 + j) * 8 ..] <- the 8 lanes of q[p] . k[j]'s fma chain,
+// NP pairs x NK keys in registers for the whole row (D / 8 steps; 12 accumulators, 3 key vectors and a query vector
+// fill AVX2's 16 registers). Each step loads NP + NK vectors for NP * NK fmas, 7 for 12, where the key-major loop
+// before it loaded a query vector per fma and parked each chain in memory every 64 values: Zen 1 splits a 256-bit
+// load in two, so that loop issued more load halves than fma halves. On Zen 1 (benchmarks/prefill_attention.py, one
+// thread, 2,000 tokens, before/after alternating): SmolLM2's shape -3..-12%, Gemma 3's -13..-19%; 4 x 3 and 3 x 4
+// measured alike, 3 x 3 and 2 x 4 slower.
+constexpr int64_t kPairs = 4, kKeys = 3;
+
+template <int D, int NP, int NK>
+inline void score_tile(const float* const* q, const float* const* k, float* chains) {
+  __m256 acc[NP][NK];
+  for (int p = 0; p < NP; ++p) {
+    const __m256 qv = _mm256_loadu_ps(q[p]);
+    for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_mul_ps(qv, _mm256_loadu_ps(k[j]));
+  }
+  for (int c = 8; c < D; c += 8) {
+    __m256 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k[j] + c);
+    for (int p = 0; p < NP; ++p) {
+      const __m256 qv = _mm256_loadu_ps(q[p] + c);
+      for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_fmadd_ps(qv, kv[j], acc[p][j]);
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int j = 0; j < NK; ++j) _mm256_store_ps(chains + (p * 8 + j) * 8, acc[p][j]);
+}
+
+// score_tile<D, np, nk> for np <= NP, nk <= NK: a tile's last pairs and keys take the smaller shapes
+template <int D, int NP, int NK>
+inline void score_block(int64_t np, int64_t nk, const float* const* q, const float* const* k, float* chains) {
+  if constexpr (NP > 1)
+    if (np < NP) return score_block<D, NP - 1, NK>(np, nk, q, k, chains);
+  if constexpr (NK > 1)
+    if (nk < NK) return score_block<D, NP, NK - 1>(np, nk, q, k, chains);
+  score_tile<D, NP, NK>(q, k, chains);
+}
+
 // Prefill rows (table_rows given) in tiles, as prefill_attention_avx512 does on AVX-512: up to kTileHeads2 / G
 // consecutive rows of one request share each 8 key (value) rows, located and widened once per tile instead of once
 // per row. Each row's numbers are attention_avx2's, operation for operation: a key's score is its own fma chain and
@@ -748,6 +786,7 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
     alignas(32) float widened[kOutRows8<D> * D];  // 8 key rows for the scores, kOutRows8 value rows for the outputs
     alignas(32) float part[8];
     alignas(32) float chains[std::max<int64_t>(kTileHeads2, kMaxGroup) * 64];  // [row, head, key] x 8 lanes
+    const float* qs[std::max<int64_t>(kTileHeads2, kMaxGroup)];  // the live (row, head) pairs' query rows
     const float* vals[kOutRows8<D>];
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = k % 2 == 0 ? k / 2 : n - 1 - k / 2;  // zigzag, as decode_attention: tiles grow in length
@@ -779,23 +818,14 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
         for (int64_t i = 0; i < rows; ++i)
           if (std::max(c, t0[i]) < std::min(c + nk, t1[i])) live[m++] = i;
         // Each (row, head, key)'s fma chain as dots8 runs it (q * k over the first 8 values, then fma over the next
-        // in order), but key-major: a key's values sit in registers 64 at a time while every head of the tile runs
-        // its chain against them, parked in `chains` between those blocks. One q load per fma, where dots8 loads
-        // q and k (Zen 1 splits each 256-bit load in two: dots8 was load-bound at half the fma rate).
-        for (int64_t j = 0; j < nk; ++j)
-          for (int d0 = 0; d0 < D; d0 += 64) {
-            __m256 kr[8];
-            for (int u = 0; u < 8; ++u) kr[u] = _mm256_loadu_ps(vals[j] + d0 + 8 * u);
-            for (int64_t r = 0; r < m; ++r)
-              for (int64_t g = 0; g < G; ++g) {
-                const float* qg = q + ((b0 + live[r]) * H + kv_head * G + g) * D + d0;
-                float* chain = chains + ((r * G + g) * 8 + j) * 8;
-                __m256 acc = d0 == 0 ? _mm256_mul_ps(_mm256_loadu_ps(qg), kr[0])
-                                     : _mm256_fmadd_ps(_mm256_loadu_ps(qg), kr[0], _mm256_load_ps(chain));
-                for (int u = 1; u < 8; ++u) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * u), kr[u], acc);
-                _mm256_store_ps(chain, acc);
-              }
-          }
+        // in order), NP (row, head) pairs x NK keys at a time with the whole chain in registers (score_block).
+        const int64_t pairs = m * G;
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t g = 0; g < G; ++g) qs[r * G + g] = q + ((b0 + live[r]) * H + kv_head * G + g) * D;
+        for (int64_t p0 = 0; p0 < pairs; p0 += kPairs)
+          for (int64_t j0 = 0; j0 < nk; j0 += kKeys)
+            score_block<D, kPairs, kKeys>(std::min<int64_t>(kPairs, pairs - p0), std::min<int64_t>(kKeys, nk - j0),
+                                          qs + p0, vals + j0, chains + (p0 * 8 + j0) * 8);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = live[r];
           const int64_t a = std::max(c, t0[i]), e = std::min(c + nk, t1[i]);
