@@ -621,20 +621,45 @@ void softmax_row8(float* s, int64_t L) {
   for (int64_t t = 0; t < L; t += 8) store_n(s + t, L - t, _mm256_mul_ps(load_or_ninf(s + t, L - t), inv));
 }
 
-// q . k for keys[0..nk) (lane j: keys[j]; lanes from nk on: 0)
-template <int D>
-inline __m256 dots8(const float* q, const float* const* keys, int nk) {
-  __m256 p[8];
-  for (int j = 0; j < 8; ++j) {
-    if (j >= nk) {
-      p[j] = _mm256_setzero_ps();
-      continue;
-    }
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(keys[j]));
-    for (int c = 8; c < D; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(keys[j] + c), acc);
-    p[j] = acc;
+// Scores, (row, head) pairs x keys: chains[(p * 8 + j) * 8 ..] <- the 8 lanes of q[p] . k[j]'s fma chain (q * k over
+// the first 8 values, then fma over the next in order; reduce8 sums the lanes), NP pairs x NK keys in registers for
+// the whole row (D / 8 steps; 12 accumulators, 3 key vectors and a query vector fill AVX2's 16 registers). Decode rows
+// (attention_avx2: a row's G heads) and prefill tiles (its rows' heads) both run it, so their chains are the same.
+// Each step loads NP + NK vectors for NP * NK fmas, 7 for 12. Before it, decode loaded a query and a key vector per
+// fma (dots8) and prefill a query vector per fma with each chain parked in memory every 64 values: Zen 1 splits a
+// 256-bit load in two, so both loops issued more load halves than fma halves. Measured on Zen 1 (one thread,
+// before/after alternating): prefill (benchmarks/prefill_attention.py, 2,000 tokens) SmolLM2's shape -3..-12%, Gemma
+// 3's -13..-19%, where 4 x 3 and 3 x 4 measured alike, 3 x 3 and 2 x 4 slower; decode (benchmarks/decode_attention.py,
+// 16 rows at 300 keys, 2 threads) Gemma 3 -23..-28%, SmolLM2 unchanged (dots8 held its 8 query vectors in registers).
+constexpr int64_t kPairs = 4, kKeys = 3;
+
+template <int D, int NP, int NK>
+inline void score_tile(const float* const* q, const float* const* k, float* chains) {
+  __m256 acc[NP][NK];
+  for (int p = 0; p < NP; ++p) {
+    const __m256 qv = _mm256_loadu_ps(q[p]);
+    for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_mul_ps(qv, _mm256_loadu_ps(k[j]));
   }
-  return lmserve_simd::reduce8(p);
+  for (int c = 8; c < D; c += 8) {
+    __m256 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k[j] + c);
+    for (int p = 0; p < NP; ++p) {
+      const __m256 qv = _mm256_loadu_ps(q[p] + c);
+      for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_fmadd_ps(qv, kv[j], acc[p][j]);
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int j = 0; j < NK; ++j) _mm256_store_ps(chains + (p * 8 + j) * 8, acc[p][j]);
+}
+
+// score_tile<D, np, nk> for np <= NP, nk <= NK: a tile's last pairs and keys take the smaller shapes
+template <int D, int NP, int NK>
+inline void score_block(int64_t np, int64_t nk, const float* const* q, const float* const* k, float* chains) {
+  if constexpr (NP > 1)
+    if (np < NP) return score_block<D, NP - 1, NK>(np, nk, q, k, chains);
+  if constexpr (NK > 1)
+    if (nk < NK) return score_block<D, NP, NK - 1>(np, nk, q, k, chains);
+  score_tile<D, NP, NK>(q, k, chains);
 }
 
 // value rows the x86-64-v3 loops widen at a time for the outputs (8 for the scores): accumulate8 loads and stores its
@@ -673,6 +698,8 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
     // rows for the outputs
     alignas(32) float widened[kOutRows8<D> * D];
     const float* vals[kOutRows8<D>];
+    alignas(32) float chains[kMaxGroup * 64];  // [head, key] x 8 lanes
+    const float* qs[kMaxGroup];
     auto widen = [&](int64_t t, int64_t nk, int64_t L) {  // rows t.. t + nk, 8 at a time, each 8 fetching 8 more
       for (int64_t j0 = 0; j0 < nk; j0 += 8) {
         const int64_t ahead = t + j0 + kRowsAhead<kRowBytes>;  // scattered blocks
@@ -691,11 +718,20 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
       locate_rows(rows.data(), k_cache, table, t0, L, block_size, Hkv, kv_head, W);
       fetch_rows(rows.data(), 0, std::min(L, kRowsAhead<kRowBytes>), kRowBytes);
       const __m256 sc = _mm256_set1_ps(scale);
+      for (int64_t g = 0; g < G; ++g) qs[g] = q_rows + g * D;
       for (int64_t t = 0; t < L; t += 8) {
         const int64_t nk = std::min<int64_t>(8, L - t);
         widen(t, nk, L);
-        for (int64_t g = 0; g < G; ++g)
-          store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(dots8<D>(q_rows + g * D, vals, static_cast<int>(nk)), sc));
+        for (int64_t p0 = 0; p0 < G; p0 += kPairs)
+          for (int64_t j0 = 0; j0 < nk; j0 += kKeys)
+            score_block<D, kPairs, kKeys>(std::min<int64_t>(kPairs, G - p0), std::min<int64_t>(kKeys, nk - j0),
+                                          qs + p0, vals + j0, chains + (p0 * 8 + j0) * 8);
+        for (int64_t g = 0; g < G; ++g) {
+          __m256 p[8];  // lanes from nk on: 0
+          for (int64_t j = 0; j < 8; ++j)
+            p[j] = j < nk ? _mm256_load_ps(chains + (g * 8 + j) * 8) : _mm256_setzero_ps();
+          store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(lmserve_simd::reduce8(p), sc));
+        }
       }
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
       fetch_rows(rows.data(), 0, std::min(L, kRowsAhead<kRowBytes>), kRowBytes);  // behind the softmax
@@ -720,44 +756,6 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
       }
     }
   });
-}
-
-// A tile's scores, (row, head) pairs x keys: chains[(p * 8 + j) * 8 ..] <- the 8 lanes of q[p] . k[j]'s fma chain,
-// NP pairs x NK keys in registers for the whole row (D / 8 steps; 12 accumulators, 3 key vectors and a query vector
-// fill AVX2's 16 registers). Each step loads NP + NK vectors for NP * NK fmas, 7 for 12, where the key-major loop
-// before it loaded a query vector per fma and parked each chain in memory every 64 values: Zen 1 splits a 256-bit
-// load in two, so that loop issued more load halves than fma halves. On Zen 1 (benchmarks/prefill_attention.py, one
-// thread, 2,000 tokens, before/after alternating): SmolLM2's shape -3..-12%, Gemma 3's -13..-19%; 4 x 3 and 3 x 4
-// measured alike, 3 x 3 and 2 x 4 slower.
-constexpr int64_t kPairs = 4, kKeys = 3;
-
-template <int D, int NP, int NK>
-inline void score_tile(const float* const* q, const float* const* k, float* chains) {
-  __m256 acc[NP][NK];
-  for (int p = 0; p < NP; ++p) {
-    const __m256 qv = _mm256_loadu_ps(q[p]);
-    for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_mul_ps(qv, _mm256_loadu_ps(k[j]));
-  }
-  for (int c = 8; c < D; c += 8) {
-    __m256 kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k[j] + c);
-    for (int p = 0; p < NP; ++p) {
-      const __m256 qv = _mm256_loadu_ps(q[p] + c);
-      for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_fmadd_ps(qv, kv[j], acc[p][j]);
-    }
-  }
-  for (int p = 0; p < NP; ++p)
-    for (int j = 0; j < NK; ++j) _mm256_store_ps(chains + (p * 8 + j) * 8, acc[p][j]);
-}
-
-// score_tile<D, np, nk> for np <= NP, nk <= NK: a tile's last pairs and keys take the smaller shapes
-template <int D, int NP, int NK>
-inline void score_block(int64_t np, int64_t nk, const float* const* q, const float* const* k, float* chains) {
-  if constexpr (NP > 1)
-    if (np < NP) return score_block<D, NP - 1, NK>(np, nk, q, k, chains);
-  if constexpr (NK > 1)
-    if (nk < NK) return score_block<D, NP, NK - 1>(np, nk, q, k, chains);
-  score_tile<D, NP, NK>(q, k, chains);
 }
 
 // Prefill rows (table_rows given) in tiles, as prefill_attention_avx512 does on AVX-512: up to kTileHeads2 / G
@@ -817,8 +815,7 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
         int64_t m = 0;  // the tile's rows that see some of these keys
         for (int64_t i = 0; i < rows; ++i)
           if (std::max(c, t0[i]) < std::min(c + nk, t1[i])) live[m++] = i;
-        // Each (row, head, key)'s fma chain as dots8 runs it (q * k over the first 8 values, then fma over the next
-        // in order), NP (row, head) pairs x NK keys at a time with the whole chain in registers (score_block).
+        // Each (row, head, key)'s fma chain as attention_avx2 runs it, kPairs x kKeys at a time (score_block)
         const int64_t pairs = m * G;
         for (int64_t r = 0; r < m; ++r)
           for (int64_t g = 0; g < G; ++g) qs[r * G + g] = q + ((b0 + live[r]) * H + kv_head * G + g) * D;
@@ -831,7 +828,7 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
           const int64_t a = std::max(c, t0[i]), e = std::min(c + nk, t1[i]);
           const int64_t L = t1[i] - t0[i];
           for (int64_t g = 0; g < G; ++g) {
-            __m256 p[8];  // as dots8: lanes from e - c on are zero
+            __m256 p[8];  // as attention_avx2: lanes from e - c on are zero
             for (int64_t j = 0; j < 8; ++j)
               p[j] = j < e - c ? _mm256_load_ps(chains + ((r * G + g) * 8 + j) * 8) : _mm256_setzero_ps();
             const __m256 d = _mm256_mul_ps(lmserve_simd::reduce8(p), sc);
