@@ -74,7 +74,8 @@ inline const float* as_float(const KV* row, float* buf) {
 // first ones before the loop that reads them. At c=16 a step's attention reads more K/V than the last-level cache
 // holds (~110 MB at ~300 keys, SmolLM2-135M); fetching the next 8-16 rows into L1 read it at ~11 GB/s on a 2-core
 // Zen 4 whose two threads stream ~34, at any L1 distance tried; 4 KB ahead into L2 reads ~17-21
-// (benchmarks/decode_attention.py; Zen 1-3 unmeasured)
+// (benchmarks/decode_attention.py). On Zen 1 neutral: its kernel reads 4-5 GB/s of the 14.7 its threads stream, bound
+// by arithmetic (decode_attention_zen1.md); Zen 2-3 unmeasured
 constexpr int64_t kBytesAhead = 4096;
 template <int64_t RowBytes>
 constexpr int64_t kRowsAhead = std::max<int64_t>(8, kBytesAhead / RowBytes);  // 32 float16 rows of 64
