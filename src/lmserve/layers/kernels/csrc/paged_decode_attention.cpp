@@ -583,11 +583,11 @@ void prefill_attention_avx512(const float* q, const KV* k_cache, const KV* v_cac
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // The x86-64-v3 version (AVX2 + FMA + F16C), 1.2-1.5x faster than the loop above (16 rows over 80-500 float16
 // keys, CPU time under load): attention_avx512's structure 8 lanes wide. 8 keys' dot products (each its own fma
-// chain) reduced at once by reduce8's fixed tree, a vector exp, and the outputs accumulated 8 value rows at a time
-// with up to 3 query heads x 32 columns in registers, held in `out` between those chunks (which stores the same
-// float32 numbers). No fast-math or FMA contraction (simd_avx2.h), and each (row, kv head) is computed alone: a
-// row's result never depends on the batch; prefill rows (table_rows given) run in tiles with the same bits
-// (prefill_attention_avx2 below).
+// chain, score_tile) reduced at once by reduce8's fixed tree, a vector exp, and the outputs accumulated kOutRows8
+// value rows at a time with up to 3 query heads x 32 columns in registers, held in `out` between those chunks
+// (which stores the same float32 numbers). No fast-math or FMA contraction (simd_avx2.h), and each (row, kv head)
+// is computed alone: a row's result never depends on the batch; prefill rows (table_rows given) run in tiles with
+// the same bits (prefill_attention_avx2 below).
 #define LMSERVE_ATTENTION_AVX2 1
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
@@ -637,9 +637,13 @@ constexpr int64_t kPairs = 4, kKeys = 3;
 template <int D, int NP, int NK>
 inline void score_tile(const float* const* q, const float* const* k, float* chains) {
   __m256 acc[NP][NK];
-  for (int p = 0; p < NP; ++p) {
-    const __m256 qv = _mm256_loadu_ps(q[p]);
-    for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_mul_ps(qv, _mm256_loadu_ps(k[j]));
+  {
+    __m256 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k[j]);
+    for (int p = 0; p < NP; ++p) {
+      const __m256 qv = _mm256_loadu_ps(q[p]);
+      for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_mul_ps(qv, kv[j]);
+    }
   }
   for (int c = 8; c < D; c += 8) {
     __m256 kv[NK];
@@ -653,7 +657,7 @@ inline void score_tile(const float* const* q, const float* const* k, float* chai
     for (int j = 0; j < NK; ++j) _mm256_store_ps(chains + (p * 8 + j) * 8, acc[p][j]);
 }
 
-// score_tile<D, np, nk> for np <= NP, nk <= NK: a tile's last pairs and keys take the smaller shapes
+// score_tile<D, np, nk> for 1 <= np <= NP, 1 <= nk <= NK: a tile's last pairs and keys take the smaller shapes
 template <int D, int NP, int NK>
 inline void score_block(int64_t np, int64_t nk, const float* const* q, const float* const* k, float* chains) {
   if constexpr (NP > 1)
