@@ -234,10 +234,13 @@ def test_cancellation_soak_leaks_no_blocks_no_counters_and_little_memory(tmp_pat
     report("cancellation_soak", requests=SOAK_STREAMS, modes=seen, seconds=round(seconds, 1),
            rss_mb=[round(r, 1) for r in rss], growth_per_round_mb=[round(g, 1) for g in growth],
            prefix_hit_tokens=hits, aborted=aborted)
-    # each mode at least 3/4 of its share (150 of 200 before); client-disconnect aborts (the warm-up's included) at
-    # the rate the 1,000-stream soak asked for (300 of its 1,100 streams; it saw 388); the prefix-hit bound as before
+    # each mode at least 3/4 of its share (150 of 200 before); client-disconnect aborts (the warm-up's included) on at
+    # least a fifth of the streams, the prefix-hit bound as before. How many disconnects the engine sees as aborts
+    # depends on the CPU's speed: a stream left 0-4 ms after sending may not be a request yet, one left at its finish
+    # may be done. The 1,000-stream soak saw 388 of 1,100 and asked for 300; a CI on a 2-core first-generation Zen
+    # (2.1 GHz) saw 187 of these 700 (26.7%). A disconnect that no longer aborted would leave ~0.
     assert min(seen.values()) >= 0.75 * SOAK_STREAMS / len(MODES) and hits > 10_000
-    assert aborted >= 300 / 1100 * (SOAK_WARM_UP + SOAK_STREAMS), aborted
+    assert aborted >= (SOAK_WARM_UP + SOAK_STREAMS) / 5, aborted
     assert not (steady and late), rss
 
 
@@ -339,8 +342,9 @@ def test_a_resource_bomb_is_refused_or_bounded_and_the_canary_stays_fast(keyed, 
     assert {status for status, _, _ in results} <= expected, results[0]
     assert all("Traceback" not in text for _, _, text in results)
     # bounded: the slowest is a regex or schema refused at the 5 s compile bound, plus the compile process's
-    # cold start (~3 s) on the first one: 7.7 and 8.4 s measured on a 2-core Xeon, so 10 s left no margin
-    assert max(seconds for _, seconds, _ in results) < 15
+    # cold start (~3 s) on the first one: 7.7 and 8.4 s measured on a 2-core Xeon, so 10 s left no margin; a CI on a
+    # 2-core first-generation Zen (2.1 GHz) read 20.0 s for the regex bomb, beside the canary's requests
+    assert max(seconds for _, seconds, _ in results) < 30
     assert during < 3 * idle + 0.5, (idle, during)  # other clients unaffected (a 2-core box: some contention)
     assert_nothing_leaked(keyed)
 
