@@ -667,6 +667,22 @@ inline void score_block(int64_t np, int64_t nk, const float* const* q, const flo
   score_tile<D, NP, NK>(q, k, chains);
 }
 
+// every pair's chains against keys k[0, nk) (nk <= 8), kPairs x kKeys at a time
+template <int D>
+inline void score_pairs(int64_t pairs, int64_t nk, const float* const* q, const float* const* k, float* chains) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairs)
+    for (int64_t j0 = 0; j0 < nk; j0 += kKeys)
+      score_block<D, kPairs, kKeys>(std::min(kPairs, pairs - p0), std::min(kKeys, nk - j0), q + p0, k + j0,
+                                    chains + (p0 * 8 + j0) * 8);
+}
+
+// one pair's scores for keys [0, n) from its 8 chains (lanes from n on: 0)
+inline __m256 pair_scores(const float* chains, int64_t n) {
+  __m256 p[8];
+  for (int64_t j = 0; j < 8; ++j) p[j] = j < n ? _mm256_load_ps(chains + j * 8) : _mm256_setzero_ps();
+  return lmserve_simd::reduce8(p);
+}
+
 // value rows the x86-64-v3 loops widen at a time for the outputs (8 for the scores): accumulate8 loads and stores its
 // accumulators once per call, and at 8 rows a call those loads and stores were a fifth of its instructions
 template <int D>
@@ -727,16 +743,9 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
       for (int64_t t = 0; t < L; t += 8) {
         const int64_t nk = std::min<int64_t>(8, L - t);
         widen(t, nk, L);
-        for (int64_t p0 = 0; p0 < G; p0 += kPairs)
-          for (int64_t j0 = 0; j0 < nk; j0 += kKeys)
-            score_block<D, kPairs, kKeys>(std::min<int64_t>(kPairs, G - p0), std::min<int64_t>(kKeys, nk - j0),
-                                          qs + p0, vals + j0, chains + (p0 * 8 + j0) * 8);
-        for (int64_t g = 0; g < G; ++g) {
-          __m256 p[8];  // lanes from nk on: 0
-          for (int64_t j = 0; j < 8; ++j)
-            p[j] = j < nk ? _mm256_load_ps(chains + (g * 8 + j) * 8) : _mm256_setzero_ps();
-          store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(lmserve_simd::reduce8(p), sc));
-        }
+        score_pairs<D>(G, nk, qs, vals, chains);
+        for (int64_t g = 0; g < G; ++g)
+          store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(pair_scores(chains + g * 64, nk), sc));
       }
       for (int64_t t = 0; t < L; ++t) rows[t] = v_cache + (rows[t] - k_cache);  // the same slot's value row
       fetch_rows(rows.data(), 0, std::min(L, kRowsAhead<kRowBytes>), kRowBytes);  // behind the softmax
@@ -820,23 +829,16 @@ void prefill_attention_avx2(const float* q, const KV* k_cache, const KV* v_cache
         int64_t m = 0;  // the tile's rows that see some of these keys
         for (int64_t i = 0; i < rows; ++i)
           if (std::max(c, t0[i]) < std::min(c + nk, t1[i])) live[m++] = i;
-        // Each (row, head, key)'s fma chain as attention_avx2 runs it, kPairs x kKeys at a time (score_block)
-        const int64_t pairs = m * G;
+        // Each (row, head, key)'s fma chain as attention_avx2 runs it (score_pairs)
         for (int64_t r = 0; r < m; ++r)
           for (int64_t g = 0; g < G; ++g) qs[r * G + g] = q + ((b0 + live[r]) * H + kv_head * G + g) * D;
-        for (int64_t p0 = 0; p0 < pairs; p0 += kPairs)
-          for (int64_t j0 = 0; j0 < nk; j0 += kKeys)
-            score_block<D, kPairs, kKeys>(std::min<int64_t>(kPairs, pairs - p0), std::min<int64_t>(kKeys, nk - j0),
-                                          qs + p0, vals + j0, chains + (p0 * 8 + j0) * 8);
+        score_pairs<D>(m * G, nk, qs, vals, chains);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = live[r];
           const int64_t a = std::max(c, t0[i]), e = std::min(c + nk, t1[i]);
           const int64_t L = t1[i] - t0[i];
           for (int64_t g = 0; g < G; ++g) {
-            __m256 p[8];  // as attention_avx2: lanes from e - c on are zero
-            for (int64_t j = 0; j < 8; ++j)
-              p[j] = j < e - c ? _mm256_load_ps(chains + ((r * G + g) * 8 + j) * 8) : _mm256_setzero_ps();
-            const __m256 d = _mm256_mul_ps(lmserve_simd::reduce8(p), sc);
+            const __m256 d = _mm256_mul_ps(pair_scores(chains + (r * G + g) * 64, e - c), sc);
             if (a == c) {  // the row sees the chunk from its first key (always, without a window)
               store_n(scores.data() + off[i] + g * L + (c - t0[i]), e - c, d);
             } else {
