@@ -924,15 +924,14 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
         }
       }
       for (int h = 0; h < kHalves; ++h) {
-        VI dot[C][P];
-        for (int c = 0; c < C; ++c)
-          for (int p = 0; p < P; ++p) dot[c][p] = Lanes::zero();
+        VI dot[C][P];  // set by chunk 0
         // Not unrolled: unrolled, GCC issued every chunk's maddubs first and spilled them to the stack (~25% of a
         // 16-row Q4_1 matmul on x86-64-v3, ~15% on x86-64-v2); S8's loop likewise on x86-64-v3 only (~8%;
         // x86-64-v2's ran slower so)
         if constexpr (KIND == 0) {  // int16 sums over the 8 chunks (<= 30480), one madd
-#pragma GCC unroll 1
-          for (int t = 0; t < 4; ++t) {
+          // chunk t's two products per (row, part); chunk 0's become the dot itself (no add to a zero: exact either
+          // way, one vpaddw in eight fewer, which Zen 1 issues at ~1 256-bit instruction a cycle beside vpmaddubsw)
+          auto chunk = [&](int t, bool first) {
             VI lo[P], hi[P];
             for (int p = 0; p < P; ++p) {
               const VI v = Lanes::load(blk + 64 * t + kPartBytes * p), low4 = Lanes::set1_8(0x0F);
@@ -941,15 +940,17 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
             for (int c = 0; c < C; ++c) {
               const int8_t* xb = xc[c] + b * kQBlock + 4 * t;
               const VI x0 = Lanes::bcast4(xb), x1 = Lanes::bcast4(xb + 16);
-              for (int p = 0; p < P; ++p)
-                dot[c][p] = Lanes::add16(dot[c][p], Lanes::add16(Lanes::maddubs(lo[p], x0), Lanes::maddubs(hi[p], x1)));
+              for (int p = 0; p < P; ++p) {
+                const VI two = Lanes::add16(Lanes::maddubs(lo[p], x0), Lanes::maddubs(hi[p], x1));
+                dot[c][p] = first ? two : Lanes::add16(dot[c][p], two);
+              }
             }
-          }
-        } else {  // the sign trick, one madd a chunk
-#if defined(__AVX2__)
+          };
+          chunk(0, true);
 #pragma GCC unroll 1
-#endif
-          for (int t = 0; t < 4; ++t) {
+          for (int t = 1; t < 4; ++t) chunk(t, false);
+        } else {  // the sign trick, one madd a chunk
+          auto chunk = [&](int t, bool first) {  // as U4's: chunk 0's products become the dot
             VI wv[P], aw[P];
             for (int p = 0; p < P; ++p) {
               wv[p] = Lanes::xor_(Lanes::load(blk + 64 * (4 * h + t) + kPartBytes * p), Lanes::set1_8(0x80));
@@ -957,10 +958,17 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
             }
             for (int c = 0; c < C; ++c) {
               const VI xv = Lanes::bcast4(xc[c] + b * kQBlock + 16 * h + 4 * t);
-              for (int p = 0; p < P; ++p)
-                dot[c][p] = Lanes::add32(dot[c][p], Lanes::madd1(Lanes::maddubs(aw[p], Lanes::sign8(xv, wv[p]))));
+              for (int p = 0; p < P; ++p) {
+                const VI prod = Lanes::madd1(Lanes::maddubs(aw[p], Lanes::sign8(xv, wv[p])));
+                dot[c][p] = first ? prod : Lanes::add32(dot[c][p], prod);
+              }
             }
-          }
+          };
+          chunk(0, true);
+#if defined(__AVX2__)
+#pragma GCC unroll 1
+#endif
+          for (int t = 1; t < 4; ++t) chunk(t, false);
         }
         for (int c = 0; c < C; ++c)
           for (int p = 0; p < P; ++p) Lanes::storei(dots[r][h][c][p], KIND == 0 ? Lanes::madd1(dot[c][p]) : dot[c][p]);
