@@ -196,24 +196,32 @@ convert_hf_to_gguf.main()
 
 def convert_to_gguf(model_dir: Path, outtype: str, out: Path, pre: str | None = None) -> Path:
     """`model_dir` converted by llama.cpp's own convert_hf_to_gguf.py (`outtype` f32 | f16 | q8_0) to `out`, once: a file
-    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half).
+    already there is reused (written under a temporary name and renamed, so a concurrent test never reads half), and
+    so is this machine's earlier conversion of the same files (tests/llama_convert.py's cache: each conversion is a
+    process that imports torch and transformers, ~5 s on a 2-core first-generation Zen, and the suite makes ~20).
     `pre`: the byte-level BPE pre-tokenizer name the converter writes (the real model's, for a tokenizer trained
     here)."""
     import os
     import subprocess
     import sys
 
+    from tests.llama_convert import cache_dir, from_cache, to_cache
+
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
     src = llama_cpp_source()
+    cache = cache_dir(model_dir, src, "convert_to_gguf", outtype, pre)
+    if from_cache(cache, (out,)):
+        return out
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.part")
     run = [str(src / "convert_hf_to_gguf.py")] if pre is None else ["-c", _CONVERT_AS, pre, str(src)]
     done = subprocess.run([sys.executable, *run, str(model_dir), "--outtype", outtype, "--outfile", str(tmp)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")
     tmp.replace(out)
+    to_cache(cache, (out,))
     return out
 
 

@@ -74,9 +74,9 @@ def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3For
     image request to llama-server is a 400 "Invalid token")."""
     src = require_converter()
     text, mmproj = out_dir / f"{model_dir.name}-{outtype}.gguf", out_dir / f"mmproj-{model_dir.name}-{outtype}.gguf"
-    cache = _cache_dir(model_dir, src, text_architecture, outtype, sentencepiece, released,
+    cache = cache_dir(model_dir, src, text_architecture, outtype, sentencepiece, released,
                        *(("newlines",) if newlines else ()))
-    if _from_cache(cache, (text, mmproj)):
+    if from_cache(cache, (text, mmproj)):
         return text, mmproj
     work = out_dir / (model_dir.name + "-convert")
     shutil.copytree(model_dir, work, dirs_exist_ok=True)
@@ -91,30 +91,35 @@ def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3For
         p = subprocess.run([sys.executable, "-c", _RUN, str(src), str(work), "--outtype", outtype, "--outfile",
                             str(out), *extra], capture_output=True, text=True, timeout=600)
         assert p.returncode == 0 and out.is_file(), p.stderr[-3000:]
-    _to_cache(cache, (text, mmproj))
+    to_cache(cache, (text, mmproj))
     return text, mmproj
 
 
-def _cache_dir(model_dir: Path, src: Path, *args: object) -> Path:
+def cache_dir(model_dir: Path, src: Path, *args: object) -> Path:
     """~/.cache/lmserve/converted/<digest of the model directory's files, the converter's tree and the arguments>:
     the tiny models are seeded, so the same test makes the same files and the converter (a minute on a loaded
-    2-core machine) runs once per machine."""
+    2-core machine) runs once per machine. Files in subdirectories count by their relative path (a
+    sentence-transformers directory's 1_Pooling/config.json), so a flat directory's digest is what it always was."""
     h = hashlib.sha256(repr((str(src), args)).encode())
-    for f in sorted(model_dir.iterdir()):
+    for f in sorted(model_dir.rglob("*")):
         if f.is_file():
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+            h.update(str(f.relative_to(model_dir)).encode() + b"\0" + f.read_bytes())
     return Path.home() / ".cache/lmserve/converted" / h.hexdigest()[:24]
 
 
-def _from_cache(cache: Path, outs: tuple[Path, ...]) -> bool:
+def from_cache(cache: Path, outs: tuple[Path, ...]) -> bool:
+    """The cached files copied to `outs`, each under a temporary name and renamed (a test in the other worker that
+    finds one there never reads half of it); False where the cache lacks one."""
     if not all((cache / o.name).is_file() for o in outs):
         return False
     for o in outs:
-        shutil.copyfile(cache / o.name, o)
+        tmp = o.with_name(f"{o.name}.{os.getpid()}.part")
+        shutil.copyfile(cache / o.name, tmp)
+        tmp.replace(o)
     return True
 
 
-def _to_cache(cache: Path, outs: tuple[Path, ...]) -> None:
+def to_cache(cache: Path, outs: tuple[Path, ...]) -> None:
     tmp = cache.with_suffix(f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     for o in outs:
@@ -139,8 +144,8 @@ def convert_llava_legacy(model_dir: Path, tower, out_dir: Path) -> tuple[Path, P
         pytest.skip(f"llama.cpp's {_LEGACY} is not in {src} (python scripts/llama_converter.py fetches it)")
     text = out_dir / f"{model_dir.name}-f32.gguf"
     mmproj = out_dir / f"mmproj-{model_dir.name}-f32.gguf"
-    cache = _cache_dir(model_dir, src, "llava-legacy")
-    if _from_cache(cache, (text, mmproj)):
+    cache = cache_dir(model_dir, src, "llava-legacy")
+    if from_cache(cache, (text, mmproj)):
         return text, mmproj
     text, _ = _convert_text(model_dir, out_dir, src)
     work, clip = out_dir / (model_dir.name + "-legacy"), out_dir / (model_dir.name + "-clip")
@@ -154,7 +159,7 @@ def convert_llava_legacy(model_dir: Path, tower, out_dir: Path) -> tuple[Path, P
                            timeout=600, env=env)
         assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     shutil.copyfile(work / "mmproj-model-f32.gguf", mmproj)
-    _to_cache(cache, (text, mmproj))
+    to_cache(cache, (text, mmproj))
     return text, mmproj
 
 
