@@ -35,7 +35,9 @@ PHASES = {
     "lmserve.server.state": ["launch_engine", "start_engine"],
     "lmserve.engine.serving": ["open_engine", "warm_up"],
     "lmserve.engine.build": ["build_engine", "_num_blocks"],
-    "lmserve.loader": ["load_model"],
+    # the function's own module, not the package: the package resolves its re-exports on first use (PEP 562),
+    # and reading load_model there as the package is imported would import model_loader, and torch, early
+    "lmserve.loader.model_loader": ["load_model"],
     "lmserve.worker.transforms": ["apply_transforms"],
     "lmserve.tokenizer": ["load_tokenizer"],
     "lmserve.worker.model_runner": ["ModelRunner.__init__"],

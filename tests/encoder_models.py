@@ -211,7 +211,7 @@ def convert_to_gguf(model_dir: Path, outtype: str, out: Path, pre: str | None = 
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     src = llama_cpp_source()
-    cache = cache_dir(model_dir, src, "convert_to_gguf", outtype, pre)
+    cache = cache_dir(model_dir, src, _CONVERT_AS if pre else "convert_hf_to_gguf.py", outtype, pre)
     if from_cache(cache, (out,)):
         return out
     tmp = out.with_name(f"{out.name}.{os.getpid()}.part")

@@ -10,6 +10,7 @@ refusing it; the vocabulary, the tensors and every other metadata key are the co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -74,8 +75,8 @@ def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3For
     image request to llama-server is a 400 "Invalid token")."""
     src = require_converter()
     text, mmproj = out_dir / f"{model_dir.name}-{outtype}.gguf", out_dir / f"mmproj-{model_dir.name}-{outtype}.gguf"
-    cache = cache_dir(model_dir, src, text_architecture, outtype, sentencepiece, released,
-                       *(("newlines",) if newlines else ()))
+    cache = cache_dir(model_dir, src, _RUN, text_architecture, outtype, sentencepiece, released,
+                      *(("newlines",) if newlines else ()))
     if from_cache(cache, (text, mmproj)):
         return text, mmproj
     work = out_dir / (model_dir.name + "-convert")
@@ -95,12 +96,24 @@ def convert(model_dir: Path, out_dir: Path, text_architecture: str = "VLlama3For
     return text, mmproj
 
 
+@functools.lru_cache(maxsize=None)
+def _converter_digest(src: Path) -> str:
+    """The converter's own code (convert_hf_to_gguf.py and conversion/): a tree updated in place is a new key."""
+    h = hashlib.sha256()
+    for f in [src / "convert_hf_to_gguf.py", *sorted((src / "conversion").rglob("*.py"))]:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def cache_dir(model_dir: Path, src: Path, *args: object) -> Path:
-    """~/.cache/lmserve/converted/<digest of the model directory's files, the converter's tree and the arguments>:
-    the tiny models are seeded, so the same test makes the same files and the converter (a minute on a loaded
-    2-core machine) runs once per machine. Files in subdirectories count by their relative path (a
-    sentence-transformers directory's 1_Pooling/config.json), so a flat directory's digest is what it always was."""
-    h = hashlib.sha256(repr((str(src), args)).encode())
+    """~/.cache/lmserve/converted/<digest of the model directory's files, the converter's path and code, the
+    installed transformers (the converter reads tokenizers through it) and the arguments (callers pass the script
+    they run the converter with)>: the tiny models are seeded, so the same test makes the same files and the
+    converter (a minute on a loaded 2-core machine) runs once per machine. Files in subdirectories count by their
+    relative path (a sentence-transformers directory's 1_Pooling/config.json)."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256(repr((str(src), _converter_digest(src), version("transformers"), args)).encode())
     for f in sorted(model_dir.rglob("*")):
         if f.is_file():
             h.update(str(f.relative_to(model_dir)).encode() + b"\0" + f.read_bytes())
@@ -114,18 +127,28 @@ def from_cache(cache: Path, outs: tuple[Path, ...]) -> bool:
         return False
     for o in outs:
         tmp = o.with_name(f"{o.name}.{os.getpid()}.part")
-        shutil.copyfile(cache / o.name, tmp)
+        try:
+            shutil.copyfile(cache / o.name, tmp)
+        except FileNotFoundError:  # removed by hand meanwhile: convert again
+            return False
         tmp.replace(o)
     return True
 
 
 def to_cache(cache: Path, outs: tuple[Path, ...]) -> None:
+    """`outs` kept under `cache`, whole or not at all (a killed run leaves only a .tmp directory). An entry already
+    there stays: its digest fixes its contents, so it is another process's copy of the same files, and replacing it
+    would pull it from under a reader."""
+    if cache.is_dir():
+        return
     tmp = cache.with_suffix(f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     for o in outs:
         shutil.copyfile(o, tmp / o.name)
-    shutil.rmtree(cache, ignore_errors=True)
-    tmp.rename(cache)  # whole or absent: a killed run leaves only a .tmp directory
+    try:
+        tmp.rename(cache)
+    except OSError:  # another process renamed its copy in first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 _LEGACY = "tools/mtmd/legacy-models"
