@@ -4,7 +4,7 @@
 The logic lives in named modules; this file only re-exports what callers name, each on first use (PEP 562). Why
 lazily: importing any submodule runs this file first, and an eager `model_loader` import here pulled torch into
 the torch-free ones (hf_hub, default_model, gguf_file), so `lmserve list` and `lmserve pull` imported torch for
-nothing (3.4-3.7 s of each on a first-generation Zen, against ~0.5 s without it)."""
+nothing (3.4-3.7 s of each on a first-generation Zen, against ~0.7 s for the whole command without it)."""
 
 from __future__ import annotations
 
