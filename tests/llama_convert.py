@@ -127,10 +127,7 @@ def from_cache(cache: Path, outs: tuple[Path, ...]) -> bool:
         return False
     for o in outs:
         tmp = o.with_name(f"{o.name}.{os.getpid()}.part")
-        try:
-            shutil.copyfile(cache / o.name, tmp)
-        except FileNotFoundError:  # removed by hand meanwhile: convert again
-            return False
+        shutil.copyfile(cache / o.name, tmp)  # an entry is never removed once there (to_cache)
         tmp.replace(o)
     return True
 
