@@ -43,6 +43,15 @@ def lmserve(*args: str, env: dict | None = None, stdin: str = "") -> subprocess.
                           timeout=300, env=env, input=stdin)
 
 
+def lmserve_serve_early(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """`lmserve serve ARGS` with Python's import times on: (the run, its import lines taken out of stderr; the
+    modules it imported)."""
+    p = lmserve("serve", *args, env={**(env or {}), "PYTHONPROFILEIMPORTTIME": "1"})
+    times = [line for line in p.stderr.splitlines() if line.startswith("import time:")]
+    p.stderr = "\n".join(line for line in p.stderr.splitlines() if not line.startswith("import time:"))
+    return p, {line.rsplit("|", 1)[-1].strip() for line in times}
+
+
 def assert_one_line_error(p: subprocess.CompletedProcess, *words: str) -> None:
     """Exit 2; stderr is one line, `lmserve: error: ...`, naming the problem; nothing started."""
     lines = p.stderr.strip().splitlines()
@@ -104,10 +113,27 @@ SERVE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("make_args,words", [c[1:] for c in SERVE_CASES], ids=[c[0] for c in SERVE_CASES])
-def test_serve_refuses_an_ordinary_mistake_in_one_line(tmp_path, make_args, words):
-    assert_one_line_error(lmserve("serve", *make_args(tmp_path), env={"HF_HUB_CACHE": str(tmp_path / "hub")}),
-                          *words)
+# The mistakes found without torch (a flag's number, the model's path, its header file, the key file): `lmserve serve`
+# refuses them before it imports torch (server/start.py check_before_torch), with the line prepare() would give.
+BEFORE_TORCH = {"not-a-model", "text-renamed-gguf", "missing-path", "max-model-len", "max-num-seqs", "batched-tokens",
+                "kv-zero", "gpu-util", "hub-id-not-cached", "gguf-alignment-zero", "gguf-alignment-string",
+                "gguf-alignment-three", "gguf-nested-arrays", "nested-config", "key-file-missing"}
+# and the HTTP side's flags, checked before the port is bound (server/listen.py check_serve_args)
+BEFORE_LISTEN = {"port", "default-over-limit", "limit-zero", "image-bytes-zero", "media-domain-url", "media-domain-port",
+                 "media-domain-v6-port"}
+
+
+def refuse(name: str, args: list[str], words: list[str], env: dict | None = None) -> None:
+    """`lmserve serve ARGS` is refused in one line naming `words`; without importing torch where `name` is one of
+    BEFORE_TORCH or BEFORE_LISTEN, and after importing it otherwise (the lists are exact both ways)."""
+    p, imported = lmserve_serve_early(*args, env=env)
+    assert_one_line_error(p, *words)
+    assert ("torch" in imported) == (name not in BEFORE_TORCH | BEFORE_LISTEN), name
+
+
+@pytest.mark.parametrize("name,make_args,words", SERVE_CASES, ids=[c[0] for c in SERVE_CASES])
+def test_serve_refuses_an_ordinary_mistake_in_one_line(tmp_path, name, make_args, words):
+    refuse(name, make_args(tmp_path), words, env={"HF_HUB_CACHE": str(tmp_path / "hub")})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -234,6 +260,48 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("make_args,words", [c[1:] for c in MALFORMED], ids=[c[0] for c in MALFORMED])
-def test_serve_refuses_the_probes_malformed_files_in_one_line(tiny, tmp_path, make_args, words):
-    assert_one_line_error(lmserve("serve", *make_args(tmp_path, tiny)), *words)
+@pytest.mark.parametrize("name,make_args,words", MALFORMED, ids=[c[0] for c in MALFORMED])
+def test_serve_refuses_the_probes_malformed_files_in_one_line(tiny, tmp_path, name, make_args, words):
+    refuse(name, make_args(tmp_path, tiny), words)
+
+
+def test_a_missing_key_file_is_refused_before_torch(tmp_path):
+    refuse("key-file-missing", ["--api-key-file", str(tmp_path / "keys.yaml")], ["--api-key-file", "keys.yaml"])
+
+
+EARLY = [c for c in SERVE_CASES if c[0] in BEFORE_TORCH and c[0] != "hub-id-not-cached"]  # (the Hub's env is the
+# process's: its cache path is read when huggingface_hub is imported)
+
+
+@pytest.mark.parametrize("name,make_args,words", EARLY + [(n, lambda t, m=m: m(t, t / "tiny"), w) for n, m, w in
+                                                          MALFORMED if n in BEFORE_TORCH],
+                         ids=[c[0] for c in EARLY] + [c[0] for c in MALFORMED if c[0] in BEFORE_TORCH])
+def test_the_checks_before_torch_refuse_as_prepare_does(tiny, tmp_path, name, make_args, words):
+    """What check_before_torch refuses, prepare() (every check, torch's included) refuses with the same words: the
+    early checks are prepare()'s own first ones, in its order."""
+    from lmserve.cli import parse_args
+    from lmserve.errors import CheckpointError, ConfigError
+    from lmserve.server.main import prepare
+    from lmserve.server.start import check_before_torch
+
+    shutil.copytree(tiny, tmp_path / "tiny")
+    args = parse_args(["serve", *make_args(tmp_path)])
+    with pytest.raises((ConfigError, CheckpointError)) as early:
+        check_before_torch(args)
+    with pytest.raises((ConfigError, CheckpointError)) as full:
+        prepare(args)
+    assert str(early.value) == str(full.value) and all(w in str(early.value) for w in words)
+
+
+def test_the_checks_before_torch_pass_what_only_torch_refuses(tiny):
+    """A pool too small for one request (known from the header's sizes, checked after torch) passes the early
+    checks and prepare() refuses it."""
+    from lmserve.cli import parse_args
+    from lmserve.errors import ConfigError
+    from lmserve.server.main import prepare
+    from lmserve.server.start import check_before_torch
+
+    args = parse_args(["serve", "--model", str(tiny), "--kv-cache-memory", "1000"])
+    check_before_torch(args)
+    with pytest.raises(ConfigError, match="not even one block"):
+        prepare(args)

@@ -10,7 +10,7 @@ import torch
 
 from lmserve.cache.kv_disk import HEADER, SECRET, DiskTier
 from lmserve.cache.kv_tier import HostTier, KVTier, namespace
-from lmserve.utils import parse_bytes
+from lmserve.units import parse_bytes
 from lmserve.worker.kv_transfer import BlockCopier
 
 NS = namespace({"weights": "w1", "kv_layout": "float16[2,4,2,8]@1"})

@@ -29,8 +29,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Plain data and helpers that every node may import; they import only each other (no cycle among them either).
 # beam_search: the search state over one prompt, no I/O (as vLLM's top-level vllm/beam_search.py); the offline LLM
 # and the server's completions route both drive it.
-PLAIN = frozenset({"config", "request", "sampling_params", "pooling_params", "utils", "files", "cpu_dtype", "errors",
-                   "beam_search"})
+PLAIN = frozenset({"config", "request", "sampling_params", "pooling_params", "utils", "units", "files", "cpu_dtype",
+                   "errors", "beam_search"})
 
 MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "deploy": {"cli", "server.app", "server"},  # each Ray Serve replica parses `lmserve serve` flags and runs the server's app

@@ -367,7 +367,7 @@ def test_a_bad_keep_alive_flag_is_one_line(capsys):
 
 
 def test_parse_duration():
-    from lmserve.utils import parse_duration
+    from lmserve.units import parse_duration
 
     assert [parse_duration(v) for v in ("5m", "1h30m", "250ms", "300", "0", 0, 2.5, "+5s")] == \
         [300, 5400, 0.25, 300, 0, 0, 2.5, 5]

@@ -292,3 +292,33 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
             raise ConfigError(f"--lora-modules takes name=path, got {item!r}")
         modules.append((name, path))
     return LoraConfig(tuple(modules), args.max_loras, args.max_cpu_loras, args.max_lora_rank, args.lora_dtype)
+
+
+# (flag, value getter, lowest allowed); None values mean "not given" and are not checked.
+_AT_LEAST = (
+    ("--max-num-seqs", lambda c: c.scheduler.max_num_seqs, 1),
+    ("--max-num-batched-tokens", lambda c: c.scheduler.max_num_batched_tokens, 1),
+    ("--block-size", lambda c: c.cache.block_size, 1),
+    ("--num-kv-blocks", lambda c: c.cache.num_blocks, 1),
+    ("--max-model-len", lambda c: c.max_model_len, 1),
+    ("--num-threads", lambda c: c.num_threads, 1),
+    ("--tensor-parallel-size", lambda c: c.parallel.tensor_parallel_size, 1),
+    ("--pipeline-parallel-size", lambda c: c.parallel.pipeline_parallel_size, 1),
+    ("--pipeline-micro-batches", lambda c: c.parallel.pipeline_micro_batches, 1),
+)
+
+
+def check_ranges(cfg: EngineConfig) -> None:
+    """Numbers that can never work: a zero batch, a negative context, an empty KV cache."""
+    for flag, get, low in _AT_LEAST:
+        value = get(cfg)
+        if value is not None and value < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {value}")
+    kv = cfg.cache.kv_cache_memory
+    if kv is not None and not kv > 0:  # `not >` also refuses NaN
+        raise ConfigError(f"--kv-cache-memory must be > 0 (bytes if > 1, else a fraction of free memory), got {kv}")
+    util = cfg.cache.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+    if not cfg.structured.compile_timeout_s > 0:
+        raise ConfigError(f"--grammar-compile-timeout must be > 0 seconds, got {cfg.structured.compile_timeout_s}")

@@ -21,15 +21,16 @@ from lmserve.cache.kv_disk import SECRET as KV_TIER_SECRET
 from lmserve.cache.kv_groups import KVGroup, engine_groups, peak_blocks
 from lmserve.cache.kv_shared import is_redis_url
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
-from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
+from lmserve.config import CacheConfig, EngineConfig, ParallelConfig, check_ranges
 from lmserve.cpu_dtype import resolve_dtype
 from lmserve.errors import ConfigError
 from lmserve.files import private_dir, read_secret
 from lmserve.layers.attention.backends import resolve_attention_backend
 from lmserve.layers.attention.kv_quant import check_head_dim
 from lmserve.layers.formats.quantized import check_scheme
-from lmserve.loader import read_model_config, resolve_model_path
+from lmserve.loader import read_model_config
 from lmserve.loader.gguf_packed import KEPT_ENCODERS
+from lmserve.loader.header import check_model_files, model_path
 from lmserve.loader.sharding import local_config
 from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.models.config import ModelConfig
@@ -51,9 +52,10 @@ class CheckedConfig:
 
 def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """Refuse what cannot work (ConfigError, CheckpointError), warn where a value is capped; see the module doc."""
+    # first and in this order, the checks `lmserve serve` runs before importing torch (server/models/args.py)
     check_ranges(cfg)
+    path = check_model_files(cfg.model, cfg.revision, cfg.mmproj)
     device = _device(cfg.device)
-    path = model_path(cfg.model, cfg.revision)
     model_config = read_model_config(path, cfg.mmproj)
     # as engine/build.py decides it: an encoder of a KEPT_ENCODERS architecture keeps its blocks like a decoder
     kept_gguf = keeps_gguf(cfg.model, cfg.quantization, device,
@@ -99,36 +101,6 @@ def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
                            shape.blocks_per_seq)
     check_kv_pool(cfg.cache, blocks, shape.block_bytes, cfg.max_model_len, available, need=shape.blocks_per_seq)
     return CheckedConfig(cfg, model_config, path)
-
-
-# (flag, value getter, lowest allowed); None values mean "not given" and are not checked.
-_AT_LEAST = (
-    ("--max-num-seqs", lambda c: c.scheduler.max_num_seqs, 1),
-    ("--max-num-batched-tokens", lambda c: c.scheduler.max_num_batched_tokens, 1),
-    ("--block-size", lambda c: c.cache.block_size, 1),
-    ("--num-kv-blocks", lambda c: c.cache.num_blocks, 1),
-    ("--max-model-len", lambda c: c.max_model_len, 1),
-    ("--num-threads", lambda c: c.num_threads, 1),
-    ("--tensor-parallel-size", lambda c: c.parallel.tensor_parallel_size, 1),
-    ("--pipeline-parallel-size", lambda c: c.parallel.pipeline_parallel_size, 1),
-    ("--pipeline-micro-batches", lambda c: c.parallel.pipeline_micro_batches, 1),
-)
-
-
-def check_ranges(cfg: EngineConfig) -> None:
-    """Numbers that can never work: a zero batch, a negative context, an empty KV cache."""
-    for flag, get, low in _AT_LEAST:
-        value = get(cfg)
-        if value is not None and value < low:
-            raise ConfigError(f"{flag} must be >= {low}, got {value}")
-    kv = cfg.cache.kv_cache_memory
-    if kv is not None and not kv > 0:  # `not >` also refuses NaN
-        raise ConfigError(f"--kv-cache-memory must be > 0 (bytes if > 1, else a fraction of free memory), got {kv}")
-    util = cfg.cache.gpu_memory_utilization
-    if not 0 < util <= 1:
-        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
-    if not cfg.structured.compile_timeout_s > 0:
-        raise ConfigError(f"--grammar-compile-timeout must be > 0 seconds, got {cfg.structured.compile_timeout_s}")
 
 
 def check_tensor_parallel(parallel: ParallelConfig, model_config: ModelConfig, device: torch.device) -> None:
@@ -182,14 +154,6 @@ def _device(name: str) -> torch.device:
         return resolve_device(name)
     except (ValueError, RuntimeError) as e:  # torch.device("gpu") is a RuntimeError
         raise ConfigError(f"--device {name}: {e} (choose auto, cpu, cuda or cuda:N)") from None
-
-
-def model_path(model: str | None, revision: str | None) -> Path:
-    """A local path for --model: the embedded default, a path that exists, or a Hub id's snapshot."""
-    try:
-        return resolve_model_path(model, revision)
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _max_model_len(requested: int | None, model_config: ModelConfig) -> int:

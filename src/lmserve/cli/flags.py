@@ -197,7 +197,7 @@ def _add_kv_tier_args(g) -> None:
 
 def size_arg(text: str) -> int:
     """A size flag (2GiB, 512MiB, bytes) -> bytes (argparse reports a ValueError as a usage error)."""
-    from lmserve.utils import parse_bytes
+    from lmserve.units import parse_bytes
 
     try:
         return parse_bytes(text)

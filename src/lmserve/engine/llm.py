@@ -28,7 +28,7 @@ from lmserve.multimodal.image_io import load_image_bytes
 from lmserve.pooling_params import PoolingParams
 from lmserve.request import CompletionDelta, LoRARequest, TokenLogprobs
 from lmserve.sampling_params import BeamSearchParams, SamplingParams
-from lmserve.utils import parse_bytes
+from lmserve.units import parse_bytes
 
 
 @dataclass

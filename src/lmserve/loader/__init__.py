@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 from lmserve.errors import CheckpointError
 
-_HOMES = {"read_model_config": "checkpoint", "resolve_model_path": "checkpoint", "default_model_path": "default_model",
+_HOMES = {"read_model_config": "checkpoint", "resolve_model_path": "header", "default_model_path": "default_model",
           "LoadedModel": "model_loader", "load_model": "model_loader"}
 
 if TYPE_CHECKING:
-    from lmserve.loader.checkpoint import read_model_config, resolve_model_path
+    from lmserve.loader.checkpoint import read_model_config
     from lmserve.loader.default_model import default_model_path
+    from lmserve.loader.header import resolve_model_path
     from lmserve.loader.model_loader import LoadedModel, load_model
 
 

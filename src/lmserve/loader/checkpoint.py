@@ -4,31 +4,15 @@ scheme, checked before any weight is read (a bad checkpoint is refused before an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
 
 from lmserve.errors import CheckpointError
-from lmserve.loader.default_model import default_model_path
-from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_loader import gguf_config
-from lmserve.loader.hf_hub import download_snapshot, looks_like_hub_id
+from lmserve.loader.header import read_config, read_header
 from lmserve.loader.mmproj import read_mmproj, vision_model_config
 from lmserve.loader.prequant import PrequantScheme, read_scheme
-from lmserve.loader.safetensors_loader import read_config, weight_files
+from lmserve.loader.safetensors_loader import weight_files
 from lmserve.models.config import ModelConfig
 from lmserve.models.config_hf import config_from_hf
-
-
-def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
-    """None -> the embedded default; a path that exists -> itself; `org/name` -> its Hugging Face Hub snapshot."""
-    if model is None:
-        return default_model_path()
-    if isinstance(model, str) and looks_like_hub_id(model):
-        return download_snapshot(model, revision)
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist (pass a .gguf file, a Hugging Face directory "
-                                "or a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
-    return path
 
 
 def read_model_config(path: Path, mmproj: str | Path | None = None) -> ModelConfig:
@@ -37,28 +21,16 @@ def read_model_config(path: Path, mmproj: str | Path | None = None) -> ModelConf
 
     Raises the CheckpointError load_model would, so a bad checkpoint is refused before anything starts.
     """
+    header = read_header(path, mmproj)  # the file's own checks, which `lmserve serve` ran before importing torch
     if mmproj is not None:
-        if path.is_dir() or path.suffix.lower() != ".gguf":
-            raise CheckpointError(f"--mmproj goes with a text .gguf file; {path} is not one (a Hugging Face "
-                                  "directory carries its own vision tower)")
-        text = gguf_config(read_gguf(path))
+        text = gguf_config(header)
         return vision_model_config(text, read_mmproj(mmproj, text))
-    if path.is_dir():
-        cfg = config_from_dir(path)
+    if isinstance(header, dict):  # a Hugging Face directory's config.json
+        cfg = config_from_hf_file(path, header)
         scheme_of(path)  # a refused quantization_config fails here too
         weight_files(path)  # a directory without weights fails here, not after the server is up
         return cfg
-    if path.suffix.lower() == ".gguf":
-        return gguf_config(read_gguf(path))
-    refuse_format(path)
-
-
-def refuse_format(path: Path) -> NoReturn:
-    """Neither a GGUF file nor a Hugging Face directory: say what is loaded instead (never a pickle)."""
-    if path.suffix.lower() in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
-        raise CheckpointError(f"{path}: pickle checkpoints are not loaded (unpickling can run arbitrary code); "
-                              "convert the model to safetensors")
-    raise CheckpointError(f"{path}: expected a .gguf file or a Hugging Face directory with config.json")
+    return gguf_config(header)
 
 
 def scheme_of(path: Path) -> PrequantScheme | None:
@@ -71,7 +43,11 @@ def scheme_of(path: Path) -> PrequantScheme | None:
 
 def config_from_dir(path: Path) -> ModelConfig:
     """A Hugging Face directory's normalised ModelConfig, refusals naming config.json."""
-    raw = read_config(path)  # its errors name the file already
+    return config_from_hf_file(path, read_config(path))  # read_config's errors name the file already
+
+
+def config_from_hf_file(path: Path, raw: dict) -> ModelConfig:
+    """config_from_hf over the directory's parsed config.json, refusals naming the file."""
     try:
         return config_from_hf(raw)
     except CheckpointError as e:

@@ -22,11 +22,12 @@ from lmserve.layers.formats.parallel import drop_row_biases
 from lmserve.layers.formats.pipeline import PPStage, cut_to_stage
 from lmserve.layers.formats.quantized import check_scheme
 from lmserve.layers.kernels.native import native_module
-from lmserve.loader.checkpoint import config_from_dir, refuse_format, resolve_model_path, scheme_of
+from lmserve.loader.checkpoint import config_from_dir, scheme_of
 from lmserve.loader.empty_model import empty_model
 from lmserve.loader.gguf_file import FILE_TYPES, GGUFFile, read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf, rope_freq_factors
 from lmserve.loader.gguf_packed import KEPT_ENCODERS, auto_quantization, keep_gguf_quantized
+from lmserve.loader.header import refuse_format, resolve_model_path
 from lmserve.loader.mmproj import Mmproj, mmproj_tensors, read_mmproj, vision_model_config
 from lmserve.loader.prequant import METHODS as PREQUANT_METHODS
 from lmserve.loader.prequant import (

@@ -9,22 +9,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lmserve.errors import CheckpointError
-from lmserve.files import load_json_bytes, read_json_object
+from lmserve.files import load_json_bytes
+from lmserve.loader.header import PICKLE_SUFFIXES
 from lmserve.loader.sharding import TPShard, shard_bounds
 
 INDEX_FILE = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-def read_config(directory: Path) -> dict:
-    """Parse config.json, with errors that name it."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face model directory or a .gguf file)")
-    try:
-        return read_json_object(path)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from None
 
 
 def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:

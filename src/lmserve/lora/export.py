@@ -25,7 +25,8 @@ from lmserve.errors import CheckpointError, ConfigError
 from lmserve.layers.formats.quantized import INT4_GROUP, dequantize_int4, quantize_int4, quantize_int8
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_loader import gguf_config, iter_gguf
-from lmserve.loader.safetensors_loader import INDEX_FILE, iter_safetensors, read_config, weight_files
+from lmserve.loader.header import read_config
+from lmserve.loader.safetensors_loader import INDEX_FILE, iter_safetensors, weight_files
 from lmserve.lora.peft_adapter import LoraModule
 from lmserve.models.config import ModelConfig
 

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from lmserve.errors import ConfigError
-from lmserve.loader.safetensors_loader import read_config
+from lmserve.loader.header import read_config
 from lmserve.lora.export import DTYPES, ExportResult, export_merged
 from lmserve.lora.peft_adapter import PROJECTIONS, AdapterError, LoraModule, PeftAdapter, read_peft_adapter
 from lmserve.models.config import ModelConfig

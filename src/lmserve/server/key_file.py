@@ -17,14 +17,17 @@ default a key's own `<name>` subdirectory only, and every one for an admin key.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from lmserve.config import ENV_API_KEY
 from lmserve.errors import ConfigError
 from lmserve.server.quotas import parse_key_quota
 
@@ -228,3 +231,29 @@ def key_specs(plain_keys: tuple[str, ...], named: tuple[KeySpec, ...]) -> tuple[
             raise ConfigError(f"two plain API keys share the name {spec.name!r}; change one of them")
         plain[spec.name] = spec
     return named + tuple(plain.values())
+
+
+def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
+    """(plain keys, named keys): --api-key (repeatable), $LMSERVE_API_KEY (comma-separated), and --api-key-file:
+    a YAML/JSON file of named keys with limits, or one plain key per line."""
+    keys = list(args.api_key or [])
+    keys += [k.strip() for k in os.environ.get(ENV_API_KEY, "").split(",") if k.strip()]
+    named: list[KeySpec] = []
+    if args.api_key_file:
+        plain, named = read_key_file(args.api_key_file)
+        keys += plain
+    key_specs(tuple(keys), tuple(named))  # a name clash between the two is a ConfigError now, not at start
+    return tuple(keys), tuple(named)
+
+
+def read_api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
+    """api_keys(), with an unreadable key file as a ConfigError (a malformed one already is one), and none at all
+    a ConfigError under --require-api-key."""
+    try:
+        keys = api_keys(args)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--api-key-file: {e}") from None
+    if args.require_api_key and not key_specs(*keys):
+        raise ConfigError(f"--require-api-key: no API key was given (--api-key, ${ENV_API_KEY} or a non-empty "
+                          "--api-key-file); refusing to serve an open API")
+    return keys

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable
 
-from lmserve.config import ENV_API_KEY
 from lmserve.errors import ConfigError
 from lmserve.ops.hub import build_ops
-from lmserve.server.key_file import KeySpec, key_specs, read_key_file
+from lmserve.server.key_file import KeySpec, read_api_keys
 from lmserve.server.listen import allowed_entry, check_serve_args
 from lmserve.server.media import MediaPolicy
 from lmserve.server.metrics import ServerMetrics
@@ -25,37 +23,11 @@ from lmserve.server.state import ServerConfig, ServerState, launch_engine, start
 log = logging.getLogger("lmserve.server")
 
 
-def api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
-    """(plain keys, named keys): --api-key (repeatable), $LMSERVE_API_KEY (comma-separated), and --api-key-file:
-    a YAML/JSON file of named keys with limits, or one plain key per line."""
-    keys = list(args.api_key or [])
-    keys += [k.strip() for k in os.environ.get(ENV_API_KEY, "").split(",") if k.strip()]
-    named: list[KeySpec] = []
-    if args.api_key_file:
-        plain, named = read_key_file(args.api_key_file)
-        keys += plain
-    key_specs(tuple(keys), tuple(named))  # a name clash between the two is a ConfigError now, not at start
-    return tuple(keys), tuple(named)
-
-
 def check_default_max_tokens(default: int | None, max_model_len: int) -> None:
     """A default that fills the whole context would turn every request that names no max_tokens into a 400."""
     if default is not None and default >= max_model_len:
         raise ConfigError(f"--default-max-tokens {default} leaves no room for a prompt in the context of "
                           f"{max_model_len} tokens (max_model_len)")
-
-
-def read_api_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[KeySpec, ...]]:
-    """api_keys(), with an unreadable key file as a ConfigError (a malformed one already is one), and none at all
-    a ConfigError under --require-api-key."""
-    try:
-        keys = api_keys(args)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--api-key-file: {e}") from None
-    if args.require_api_key and not key_specs(*keys):
-        raise ConfigError(f"--require-api-key: no API key was given (--api-key, ${ENV_API_KEY} or a non-empty "
-                          "--api-key-file); refusing to serve an open API")
-    return keys
 
 
 def server_config(args: argparse.Namespace, name: str,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from lmserve.utils import parse_bytes
+from lmserve.units import parse_bytes
 
 # The quotas measured in bytes take sizes as people write them (2GiB); the others are counts.
 BYTE_QUOTAS = ("file_bytes", "share_bytes", "response_bytes")

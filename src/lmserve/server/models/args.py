@@ -2,7 +2,8 @@
 `--keep-alive`, `--keep-alive-max`, `--allow-unload`.
 
 Every model is checked at start (its header read, its KV pool sized by the same arithmetic as the engine) before
-anything loads; a mistake is one ConfigError naming the flag.
+anything loads; a mistake is one ConfigError naming the flag. No torch at import: `lmserve serve` runs the checks
+that need none (check_model_flags) before it imports torch.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import argparse
 import re
 from pathlib import Path
 
-from lmserve.config import engine_config
+from lmserve.config import EngineConfig, check_ranges, engine_config
 from lmserve.errors import ConfigError
-from lmserve.preflight import check_engine_config
+from lmserve.loader.header import check_model_files
 from lmserve.server.models.pool import KeepAlive, ModelSpec
 from lmserve.server.models.traffic import TrafficSplit, parse_split, valid_name
 
@@ -43,22 +44,23 @@ def split_entry(text: str | None) -> tuple[str | None, str | None]:
     return None, text
 
 
-def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
-    """One checked ModelSpec per --model (the embedded model when none is given); the first is the default.
+def check_model_flags(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
+    """The model flags' checks that need no torch, every --model in turn (its numbers, its path, its header file),
+    then the names and the pool's own flags: (served name, engine config) per model, the first the default.
 
-    `--kv-cache-memory` and every other engine flag apply to each model alone: each has its own KV pool of that
-    size (a fraction is of the memory available when that model loads).
+    model_specs begins with these, and `lmserve serve` runs them alone before it imports torch (server/start.py),
+    so the same mistake is the same line either way, in well under a second instead of after torch's import.
     """
     entries = [split_entry(e) for e in (args.model or [None])]
     if len(entries) > 1 and args.served_model_name:
         raise ConfigError("--served-model-name names the one model; with several --model, use --model NAME=PATH")
-    specs = []
+    models = []
     for name, path in entries:
         one = argparse.Namespace(**{**vars(args), "model": path})
-        checked = check_engine_config(engine_config(one))
-        specs.append(ModelSpec(name or served_name(one, checked.model_path), checked.config,
-                               checked.config.max_model_len, checked.model_config))
-    names = [s.name for s in specs]
+        cfg = engine_config(one)
+        check_ranges(cfg)
+        models.append((name or served_name(one, check_model_files(cfg.model, cfg.revision, cfg.mmproj)), cfg))
+    names = [n for n, _ in models]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"--model: the served name {twice[0]!r} is given twice (use --model NAME=PATH)")
@@ -66,6 +68,21 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
         raise ConfigError(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
     if not args.model_load_timeout > 0:
         raise ConfigError(f"--model-load-timeout must be > 0 seconds, got {args.model_load_timeout}")
+    return models
+
+
+def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
+    """One checked ModelSpec per --model (the embedded model when none is given); the first is the default.
+
+    `--kv-cache-memory` and every other engine flag apply to each model alone: each has its own KV pool of that
+    size (a fraction is of the memory available when that model loads).
+    """
+    from lmserve.preflight import check_engine_config  # torch: only after check_model_flags (see there)
+
+    specs = []
+    for name, cfg in check_model_flags(args):
+        checked = check_engine_config(cfg)
+        specs.append(ModelSpec(name, checked.config, checked.config.max_model_len, checked.model_config))
     return specs
 
 
@@ -82,7 +99,7 @@ def keep_alive(args: argparse.Namespace) -> KeepAlive:
 
 def _duration(args: argparse.Namespace, name: str) -> float | None:
     """A duration flag in seconds (None: never unload); ConfigError naming the flag."""
-    from lmserve.utils import parse_duration
+    from lmserve.units import parse_duration
 
     text = getattr(args, name, None)  # a Namespace built by hand (Ray, tests) may lack it
     if text is None:

@@ -22,7 +22,7 @@ from lmserve.server.config import TokenLimits
 from lmserve.server.errors import APIError
 from lmserve.server.media import image_url_part
 from lmserve.server.protocol import MAX_MESSAGES, ToolDef, _NullMeansDefault, _Strict
-from lmserve.utils import parse_duration
+from lmserve.units import parse_duration
 
 log = logging.getLogger("lmserve.server")
 
