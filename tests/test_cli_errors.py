@@ -43,10 +43,10 @@ def lmserve(*args: str, env: dict | None = None, stdin: str = "") -> subprocess.
                           timeout=300, env=env, input=stdin)
 
 
-def lmserve_serve_early(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """`lmserve serve ARGS` with Python's import times on: (the run, its import lines taken out of stderr; the
-    modules it imported)."""
-    p = lmserve("serve", *args, env={**(env or {}), "PYTHONPROFILEIMPORTTIME": "1"})
+def lmserve_imports(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """`lmserve ARGS` with Python's import times on: (the run, its import lines taken out of stderr; the modules it
+    imported)."""
+    p = lmserve(*args, env={**(env or {}), "PYTHONPROFILEIMPORTTIME": "1"})
     times = [line for line in p.stderr.splitlines() if line.startswith("import time:")]
     p.stderr = "\n".join(line for line in p.stderr.splitlines() if not line.startswith("import time:"))
     return p, {line.rsplit("|", 1)[-1].strip() for line in times}
@@ -126,7 +126,7 @@ BEFORE_LISTEN = {"port", "default-over-limit", "limit-zero", "image-bytes-zero",
 def refuse(name: str, args: list[str], words: list[str], env: dict | None = None) -> None:
     """`lmserve serve ARGS` is refused in one line naming `words`; without importing torch where `name` is one of
     BEFORE_TORCH or BEFORE_LISTEN, and after importing it otherwise (the lists are exact both ways)."""
-    p, imported = lmserve_serve_early(*args, env=env)
+    p, imported = lmserve_imports("serve", *args, env=env)
     assert_one_line_error(p, *words)
     assert ("torch" in imported) == (name not in BEFORE_TORCH | BEFORE_LISTEN), name
 
@@ -143,7 +143,9 @@ def test_device_cuda_without_cuda():
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
 def test_generate_and_chat_refuse_a_file_that_is_not_a_model(tmp_path, command):
-    assert_one_line_error(lmserve(*command, "--model", _junk(tmp_path, "model.gguf")), "not a GGUF file")
+    p, imported = lmserve_imports(*command, "--model", _junk(tmp_path, "model.gguf"))
+    assert_one_line_error(p, "not a GGUF file")
+    assert "torch" not in imported  # the file is read before torch is imported (cli.checked_engine)
 
 
 def test_serve_refuses_a_directory_without_a_tokenizer(tiny, tmp_path):

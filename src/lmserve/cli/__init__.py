@@ -31,8 +31,9 @@ from lmserve.cli.flags import (
     add_sampling_args,
     add_serve_args,
 )
-from lmserve.config import engine_config
+from lmserve.config import check_ranges, engine_config
 from lmserve.errors import CheckpointError, ConfigError
+from lmserve.loader.header import check_model_files
 from lmserve.multimodal.image_io import load_image_bytes
 
 
@@ -191,10 +192,13 @@ class _Chat:
 
 def checked_engine(args: argparse.Namespace):
     """The engine for the engine flags, after the preflight checks (a bad flag or model fails before loading)."""
+    cfg = engine_config(args)
+    check_ranges(cfg)  # check_engine_config's first checks, which need no torch: a mistyped path is refused at once
+    check_model_files(cfg.model, cfg.revision, cfg.mmproj)
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.preflight import check_engine_config
 
-    return LLMEngine(check_engine_config(engine_config(args)).config)
+    return LLMEngine(check_engine_config(cfg).config)
 
 
 def _own_sigint() -> None:
