@@ -114,10 +114,11 @@ SERVE_CASES = [
 
 
 # The mistakes found without torch (a flag's number, the model's path, its header file, the key file): `lmserve serve`
-# refuses them before it imports torch (server/start.py check_before_torch), with the line prepare() would give.
+# refuses them before it imports torch (server/first_checks.py), with the line prepare() would give.
 BEFORE_TORCH = {"not-a-model", "text-renamed-gguf", "missing-path", "max-model-len", "max-num-seqs", "batched-tokens",
                 "kv-zero", "gpu-util", "hub-id-not-cached", "gguf-alignment-zero", "gguf-alignment-string",
-                "gguf-alignment-three", "gguf-nested-arrays", "nested-config", "key-file-missing"}
+                "gguf-alignment-three", "gguf-nested-arrays", "nested-config", "key-file-missing",
+                "named-missing-path", "key-file-and-model"}
 # and the HTTP side's flags, checked before the port is bound (server/listen.py check_serve_args)
 BEFORE_LISTEN = {"port", "default-over-limit", "limit-zero", "image-bytes-zero", "media-domain-url", "media-domain-port",
                  "media-domain-v6-port"}
@@ -267,43 +268,75 @@ def test_serve_refuses_the_probes_malformed_files_in_one_line(tiny, tmp_path, na
     refuse(name, make_args(tmp_path, tiny), words)
 
 
-def test_a_missing_key_file_is_refused_before_torch(tmp_path):
-    refuse("key-file-missing", ["--api-key-file", str(tmp_path / "keys.yaml")], ["--api-key-file", "keys.yaml"])
+# mistakes outside the tables above that are refused before torch, each with its args and words
+KEY_AND_MODEL = {
+    "key-file-missing": (lambda t: ["--api-key-file", str(t / "keys.yaml")], ["--api-key-file", "keys.yaml"]),
+    "named-missing-path": (lambda t: ["--model", f"x={t / 'nowhere' / 'm.gguf'}"], ["m.gguf", "does not exist"]),
+    # two mistakes: the key file is read first (prepare's order), so it is the one named
+    "key-file-and-model": (lambda t: ["--api-key-file", str(t / "keys.yaml"), "--model", str(t / "nowhere.gguf")],
+                           ["--api-key-file", "keys.yaml"]),
+}
+
+
+@pytest.mark.parametrize("name", KEY_AND_MODEL)
+def test_a_bad_key_file_or_named_model_is_refused_before_torch(tmp_path, name):
+    make_args, words = KEY_AND_MODEL[name]
+    refuse(name, make_args(tmp_path), words)
 
 
 EARLY = [c for c in SERVE_CASES if c[0] in BEFORE_TORCH and c[0] != "hub-id-not-cached"]  # (the Hub's env is the
 # process's: its cache path is read when huggingface_hub is imported)
+EARLY += [(n, lambda t, m=m: m(t, t / "tiny"), w) for n, m, w in MALFORMED if n in BEFORE_TORCH]
+EARLY += [(n, m, w) for n, (m, w) in KEY_AND_MODEL.items()]
 
 
-@pytest.mark.parametrize("name,make_args,words", EARLY + [(n, lambda t, m=m: m(t, t / "tiny"), w) for n, m, w in
-                                                          MALFORMED if n in BEFORE_TORCH],
-                         ids=[c[0] for c in EARLY] + [c[0] for c in MALFORMED if c[0] in BEFORE_TORCH])
-def test_the_checks_before_torch_refuse_as_prepare_does(tiny, tmp_path, name, make_args, words):
-    """What check_before_torch refuses, prepare() (every check, torch's included) refuses with the same words: the
-    early checks are prepare()'s own first ones, in its order."""
+@pytest.mark.parametrize("name,make_args,words", EARLY, ids=[c[0] for c in EARLY])
+def test_the_first_checks_refuse_as_prepare_does(tiny, tmp_path, name, make_args, words):
+    """What first_checks refuses (the checks `serve` runs before importing torch), prepare() refuses with the same
+    words when it runs every check itself: nothing it checks comes before them."""
     from lmserve.cli import parse_args
     from lmserve.errors import CheckpointError, ConfigError
+    from lmserve.server.first_checks import first_checks
     from lmserve.server.main import prepare
-    from lmserve.server.start import check_before_torch
 
     shutil.copytree(tiny, tmp_path / "tiny")
     args = parse_args(["serve", *make_args(tmp_path)])
     with pytest.raises((ConfigError, CheckpointError)) as early:
-        check_before_torch(args)
+        first_checks(args)
     with pytest.raises((ConfigError, CheckpointError)) as full:
         prepare(args)
     assert str(early.value) == str(full.value) and all(w in str(early.value) for w in words)
 
 
-def test_the_checks_before_torch_pass_what_only_torch_refuses(tiny):
-    """A pool too small for one request (known from the header's sizes, checked after torch) passes the early
+def test_the_first_checks_pass_what_only_torch_refuses(tiny):
+    """A pool too small for one request (known from the header's sizes, checked after torch) passes the first
     checks and prepare() refuses it."""
     from lmserve.cli import parse_args
     from lmserve.errors import ConfigError
+    from lmserve.server.first_checks import first_checks
     from lmserve.server.main import prepare
-    from lmserve.server.start import check_before_torch
 
     args = parse_args(["serve", "--model", str(tiny), "--kv-cache-memory", "1000"])
-    check_before_torch(args)
+    first = first_checks(args)
+    assert [name for name, _ in first.models] == ["tiny"]
     with pytest.raises(ConfigError, match="not even one block"):
-        prepare(args)
+        prepare(args, first)
+
+
+def test_a_key_file_that_is_a_pipe_is_read_once_and_its_key_required(tiny, tmp_path):
+    """`--api-key-file <(...)` is a pipe: read twice (the first checks, then prepare), the second read found it
+    empty and the server ran with an open API. A FIFO written once stands in for it."""
+    import threading
+
+    fifo = tmp_path / "keys"
+    os.mkfifo(fifo)
+
+    def write_once() -> None:
+        with open(fifo, "w") as f:  # blocks until the server opens it for reading
+            f.write("sk-fifo-secret\n")
+
+    threading.Thread(target=write_once, daemon=True).start()
+    with running_server("--model", str(tiny), "--api-key-file", str(fifo), start_timeout=180) as s:
+        assert httpx.get(s.url + "/v1/models", timeout=30).status_code == 401
+        ok = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer sk-fifo-secret"}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny", ok.text

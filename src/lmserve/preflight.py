@@ -1,10 +1,11 @@
-"""Checks that need no weights, run before anything loads or listens: each mistake is one ConfigError.
+"""Checks that need no weights, run before anything loads: each mistake is one ConfigError.
 
 `check_engine_config` resolves the model (a path or a Hub id), reads only its header (GGUF metadata or
 config.json), and checks the device, the capacities and the KV pool, so `lmserve serve` refuses a bad
-setting before uvicorn starts and `generate`, `chat` and `bench` before the weights load. It returns
-the config with its derived values filled in (model: a local path; max_model_len: within the model's
-context), which the engine then builds from. Model errors stay CheckpointError (they name the file).
+setting before its app opens and `generate`, `chat` and `bench` before the weights load (its first checks,
+the ranges and the model's files, need no torch: loader/header.py). It returns the config with its derived
+values filled in (model: a local path; max_model_len: within the model's context), which the engine then
+builds from. Model errors stay CheckpointError (they name the file).
 """
 
 from __future__ import annotations

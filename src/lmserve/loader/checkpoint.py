@@ -1,5 +1,5 @@
-"""Which checkpoint, and what its header says: a model name -> a path, a path -> its ModelConfig and quantization
-scheme, checked before any weight is read (a bad checkpoint is refused before anything starts)."""
+"""What a checkpoint's header says: a path -> its ModelConfig and quantization scheme, checked before any weight is
+read (a bad checkpoint is refused before anything starts). Which file, and reading it: loader/header.py."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ as parsed from the file (a GGUF file's metadata, a directory's config.json), ref
 
 `lmserve serve` runs these before it imports torch (preflight.py and server/models/args.py: `check_model_files`), so a mistyped path
 or a file that is not a model is one line in well under a second, where importing torch alone takes seconds on a
-small CPU; loader/checkpoint.py then reads the ModelConfig from the same header (a GGUF file's parse is kept: a
-second read costs nothing).
+small CPU; loader/checkpoint.py then reads the ModelConfig from the same header (gguf_file.py keeps the last GGUF
+file's parse, so a one-model start still parses its file once).
 """
 
 from __future__ import annotations

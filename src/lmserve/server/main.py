@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from lmserve.errors import ConfigError
 from lmserve.ops.hub import build_ops
-from lmserve.server.key_file import KeySpec, read_api_keys
+from lmserve.server.first_checks import FirstChecks, first_checks
+from lmserve.server.key_file import KeySpec
 from lmserve.server.listen import allowed_entry, check_serve_args
 from lmserve.server.media import MediaPolicy
 from lmserve.server.metrics import ServerMetrics
@@ -136,15 +137,16 @@ def _batches(args: argparse.Namespace, state: ServerState) -> None:
     state.batches = BatchManager(BatchStore(root), state)
 
 
-def prepare(args: argparse.Namespace) -> ServerState:
+def prepare(args: argparse.Namespace, first: FirstChecks | None = None) -> ServerState:
     """The server's state (its models configured, none loaded yet) from the serve flags.
 
     Everything that can be checked without weights is checked here: a bad flag or model raises
     ConfigError / CheckpointError. `serve` and each Ray Serve replica (lmserve.deploy) start from it.
+    `first`: what first_checks(args) gave, when the caller ran them already (`serve`, before importing torch).
     """
     check_serve_args(args)
-    keys = read_api_keys(args)  # a bad key file fails first, before the engine checks warn about anything
-    specs = model_specs(args)
+    keys, models = first if first is not None else first_checks(args)
+    specs = model_specs(models)
     for spec in specs:
         check_default_max_tokens(args.default_max_tokens, spec.max_model_len)
     names = [s.name for s in specs]

@@ -3,7 +3,7 @@
 The order, and why: the HTTP-side flags are checked and the port bound at once (a port in use is still one line and
 exit 2 before anything loads), and uvicorn serves a StartGate (server/gate.py) ~0.3 s after the process starts. This
 module imports nothing of torch or the engine: the load thread runs the checks that need neither
-(check_before_torch: the key file, each model's path and header file), then imports them (`import torch` is 1-4 s
+(server/first_checks.py: the key file, each model's path and header file), then imports them (`import torch` is 1-4 s
 of a start), prepare()s the state (every other flag, what the model's header says, the KV pool's size), opens the
 real app behind the gate and loads the first models. Meanwhile /health answers 503 `loading`, and a request waits for
 the model (up to --model-load-timeout) instead of being refused.
@@ -32,10 +32,9 @@ import uvicorn
 
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.server.connections import with_deadline
+from lmserve.server.first_checks import first_checks
 from lmserve.server.gate import StartGate
-from lmserve.server.key_file import read_api_keys
 from lmserve.server.listen import bind_listener, check_serve_args
-from lmserve.server.models.args import check_model_flags
 from lmserve.server.models.pool import one_malloc_arena
 
 log = logging.getLogger("lmserve.server")
@@ -89,11 +88,11 @@ class Start:
     def run(self, args: argparse.Namespace, held: HeldLogs) -> None:
         """The load thread: import the engine and the routes, prepare the state, open the app, load the models."""
         try:
-            check_before_torch(args)
+            first = first_checks(args)  # before torch: a mistake here is refused at once
             from lmserve.server.app import build_app  # torch, the engine and every route: here, behind the port
             from lmserve.server.main import load_engine, prepare, unload_engine
 
-            state = prepare(args)
+            state = prepare(args, first)
             app = build_app(state, access_log=not args.no_access_log)
         except (ConfigError, CheckpointError) as e:
             self.refused = e
@@ -141,18 +140,6 @@ class Start:
                 store.close()
         engine_died = any(engine.dead is not None for engine in engines)
         return 0 if server.started and state.load_error is None and not engine_died else 1
-
-
-def check_before_torch(args: argparse.Namespace) -> None:
-    """prepare()'s first checks (server/main.py), those that need no torch, in its order: the key file, then each
-    model flag's numbers, path and header file, the served names (server/models/args.py `check_model_flags`).
-
-    Why: a mistyped path or a file that is not a model was refused only after `import torch` and the engine's
-    imports (4-9 s on a first-generation Zen); now in about the time Python takes to start. prepare() runs them
-    again before the rest, so a mistake is the same line either way (tests/test_cli_errors.py compares the two).
-    """
-    read_api_keys(args)
-    check_model_flags(args)
 
 
 class HeldLogs(logging.Filter):

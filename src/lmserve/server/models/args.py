@@ -3,13 +3,14 @@
 
 Every model is checked at start (its header read, its KV pool sized by the same arithmetic as the engine) before
 anything loads; a mistake is one ConfigError naming the flag. No torch at import: `lmserve serve` runs the checks
-that need none (check_model_flags) before it imports torch.
+that need none (check_model_flags) before it imports torch (server/first_checks.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from lmserve.config import EngineConfig, check_ranges, engine_config
@@ -46,10 +47,9 @@ def split_entry(text: str | None) -> tuple[str | None, str | None]:
 
 def check_model_flags(args: argparse.Namespace) -> list[tuple[str, EngineConfig]]:
     """The model flags' checks that need no torch, every --model in turn (its numbers, its path, its header file),
-    then the names and the pool's own flags: (served name, engine config) per model, the first the default.
-
-    model_specs begins with these, and `lmserve serve` runs them alone before it imports torch (server/start.py),
-    so the same mistake is the same line either way, in well under a second instead of after torch's import.
+    then the names and the pool's own flags: (served name, engine config with the model as a local path) per model,
+    the first the default. They run before torch is imported (server/first_checks.py); model_specs goes on from
+    their result.
     """
     entries = [split_entry(e) for e in (args.model or [None])]
     if len(entries) > 1 and args.served_model_name:
@@ -59,7 +59,8 @@ def check_model_flags(args: argparse.Namespace) -> list[tuple[str, EngineConfig]
         one = argparse.Namespace(**{**vars(args), "model": path})
         cfg = engine_config(one)
         check_ranges(cfg)
-        models.append((name or served_name(one, check_model_files(cfg.model, cfg.revision, cfg.mmproj)), cfg))
+        local = check_model_files(cfg.model, cfg.revision, cfg.mmproj)  # a Hub id is resolved here, once
+        models.append((name or served_name(one, local), replace(cfg, model=str(local))))
     names = [n for n, _ in models]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -71,8 +72,9 @@ def check_model_flags(args: argparse.Namespace) -> list[tuple[str, EngineConfig]
     return models
 
 
-def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
-    """One checked ModelSpec per --model (the embedded model when none is given); the first is the default.
+def model_specs(models: list[tuple[str, EngineConfig]]) -> list[ModelSpec]:
+    """One checked ModelSpec per model of check_model_flags (the embedded model when no --model is given); the
+    first is the default.
 
     `--kv-cache-memory` and every other engine flag apply to each model alone: each has its own KV pool of that
     size (a fraction is of the memory available when that model loads).
@@ -80,7 +82,7 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
     from lmserve.preflight import check_engine_config  # torch: only after check_model_flags (see there)
 
     specs = []
-    for name, cfg in check_model_flags(args):
+    for name, cfg in models:
         checked = check_engine_config(cfg)
         specs.append(ModelSpec(name, checked.config, checked.config.max_model_len, checked.model_config))
     return specs
