@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -194,7 +195,7 @@ def checked_engine(args: argparse.Namespace):
     """The engine for the engine flags, after the preflight checks (a bad flag or model fails before loading)."""
     cfg = engine_config(args)
     check_ranges(cfg)  # check_engine_config's first checks, which need no torch: a mistyped path is refused at once
-    check_model_files(cfg.model, cfg.revision, cfg.mmproj)
+    cfg = replace(cfg, model=str(check_model_files(cfg.model, cfg.revision, cfg.mmproj)))  # a Hub id resolved once
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.preflight import check_engine_config
 

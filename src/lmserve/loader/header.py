@@ -1,10 +1,11 @@
 """Which checkpoint, and whether its files can be read, without torch: a model name -> a path, a path -> its header
 as parsed from the file (a GGUF file's metadata, a directory's config.json), refused as a load would refuse it.
 
-`lmserve serve` runs these before it imports torch (preflight.py and server/models/args.py: `check_model_files`), so a mistyped path
-or a file that is not a model is one line in well under a second, where importing torch alone takes seconds on a
-small CPU; loader/checkpoint.py then reads the ModelConfig from the same header (gguf_file.py keeps the last GGUF
-file's parse, so a one-model start still parses its file once).
+`check_model_files` is the first of preflight.py's model checks, and `lmserve serve`, `generate` and `chat` run it
+before they import torch (server/models/args.py, cli/__init__.py `checked_engine`), so a mistyped path or a file
+that is not a model is one line in well under a second, where importing torch alone takes seconds on a small CPU.
+loader/checkpoint.py then reads the ModelConfig from the same header (gguf_file.py keeps the last GGUF file's parse,
+so a one-model start still parses its file once).
 """
 
 from __future__ import annotations
