@@ -53,7 +53,7 @@ class CheckedConfig:
 
 def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """Refuse what cannot work (ConfigError, CheckpointError), warn where a value is capped; see the module doc."""
-    # first and in this order, the checks `lmserve serve` runs before importing torch (server/models/args.py)
+    # first and in this order, the checks that serve, generate and chat run before importing torch (loader/header.py)
     check_ranges(cfg)
     path = check_model_files(cfg.model, cfg.revision, cfg.mmproj)
     device = _device(cfg.device)
