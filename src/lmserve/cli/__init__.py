@@ -34,7 +34,6 @@ from lmserve.cli.flags import (
 )
 from lmserve.config import check_ranges, engine_config
 from lmserve.errors import CheckpointError, ConfigError
-from lmserve.loader.header import check_model_files
 from lmserve.multimodal.image_io import load_image_bytes
 
 
@@ -193,6 +192,8 @@ class _Chat:
 
 def checked_engine(args: argparse.Namespace):
     """The engine for the engine flags, after the preflight checks (a bad flag or model fails before loading)."""
+    from lmserve.loader.header import check_model_files  # numpy: not for the commands that do not load a model
+
     cfg = engine_config(args)
     check_ranges(cfg)  # check_engine_config's first checks, which need no torch: a mistyped path is refused at once
     cfg = replace(cfg, model=str(check_model_files(cfg.model, cfg.revision, cfg.mmproj)))  # a Hub id resolved once

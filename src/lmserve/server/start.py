@@ -32,7 +32,6 @@ import uvicorn
 
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.server.connections import with_deadline
-from lmserve.server.first_checks import first_checks
 from lmserve.server.gate import StartGate
 from lmserve.server.listen import bind_listener, check_serve_args
 from lmserve.server.models.pool import one_malloc_arena
@@ -88,6 +87,9 @@ class Start:
     def run(self, args: argparse.Namespace, held: HeldLogs) -> None:
         """The load thread: import the engine and the routes, prepare the state, open the app, load the models."""
         try:
+            # here, not at the top: the GGUF header's reader imports numpy, kept out of the time to listen
+            from lmserve.server.first_checks import first_checks
+
             first = first_checks(args)  # before torch: a mistake here is refused at once
             from lmserve.server.app import build_app  # torch, the engine and every route: here, behind the port
             from lmserve.server.main import load_engine, prepare, unload_engine
