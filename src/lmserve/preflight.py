@@ -3,7 +3,7 @@
 `check_engine_config` resolves the model (a path or a Hub id), reads only its header (GGUF metadata or
 config.json), and checks the device, the capacities and the KV pool, so `lmserve serve` refuses a bad
 setting before its app opens and `generate`, `chat` and `bench` before the weights load (its first checks,
-the ranges and the model's files, need no torch: loader/header.py). It returns the config with its derived
+the ranges and the model's files, need no torch: loader/header.py `check_before_torch`). It returns the config with its derived
 values filled in (model: a local path; max_model_len: within the model's context), which the engine then
 builds from. Model errors stay CheckpointError (they name the file).
 """
@@ -22,7 +22,7 @@ from lmserve.cache.kv_disk import SECRET as KV_TIER_SECRET
 from lmserve.cache.kv_groups import KVGroup, engine_groups, peak_blocks
 from lmserve.cache.kv_shared import is_redis_url
 from lmserve.cache.sizing import blocks_for, kv_budget_bytes, num_kv_blocks
-from lmserve.config import CacheConfig, EngineConfig, ParallelConfig, check_ranges
+from lmserve.config import CacheConfig, EngineConfig, ParallelConfig
 from lmserve.cpu_dtype import resolve_dtype
 from lmserve.errors import ConfigError
 from lmserve.files import private_dir, read_secret
@@ -31,7 +31,7 @@ from lmserve.layers.attention.kv_quant import check_head_dim
 from lmserve.layers.formats.quantized import check_scheme
 from lmserve.loader import read_model_config
 from lmserve.loader.gguf_packed import KEPT_ENCODERS
-from lmserve.loader.header import check_model_files, model_path
+from lmserve.loader.header import check_before_torch, model_path
 from lmserve.loader.sharding import local_config
 from lmserve.lora.peft_adapter import AdapterError, read_peft_adapter
 from lmserve.models.config import ModelConfig
@@ -53,9 +53,8 @@ class CheckedConfig:
 
 def check_engine_config(cfg: EngineConfig) -> CheckedConfig:
     """Refuse what cannot work (ConfigError, CheckpointError), warn where a value is capped; see the module doc."""
-    # first and in this order, the checks that serve, generate and chat run before importing torch (loader/header.py)
-    check_ranges(cfg)
-    path = check_model_files(cfg.model, cfg.revision, cfg.mmproj)
+    cfg = check_before_torch(cfg)  # first: what serve, generate and chat check before importing torch
+    path = Path(cfg.model)
     device = _device(cfg.device)
     model_config = read_model_config(path, cfg.mmproj)
     # as engine/build.py decides it: an encoder of a KEPT_ENCODERS architecture keeps its blocks like a decoder

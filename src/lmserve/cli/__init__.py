@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -32,7 +31,7 @@ from lmserve.cli.flags import (
     add_sampling_args,
     add_serve_args,
 )
-from lmserve.config import check_ranges, engine_config
+from lmserve.config import engine_config
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.multimodal.image_io import load_image_bytes
 
@@ -192,11 +191,9 @@ class _Chat:
 
 def checked_engine(args: argparse.Namespace):
     """The engine for the engine flags, after the preflight checks (a bad flag or model fails before loading)."""
-    from lmserve.loader.header import check_model_files  # numpy: not for the commands that do not load a model
+    from lmserve.loader.header import check_before_torch  # numpy: not for the commands that do not load a model
 
-    cfg = engine_config(args)
-    check_ranges(cfg)  # check_engine_config's first checks, which need no torch: a mistyped path is refused at once
-    cfg = replace(cfg, model=str(check_model_files(cfg.model, cfg.revision, cfg.mmproj)))  # a Hub id resolved once
+    cfg = check_before_torch(engine_config(args))  # a mistyped path is refused before torch is imported
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.preflight import check_engine_config
 

@@ -1,7 +1,7 @@
 """Which checkpoint, and whether its files can be read, without torch: a model name -> a path, a path -> its header
 as parsed from the file (a GGUF file's metadata, a directory's config.json), refused as a load would refuse it.
 
-`check_model_files` is the first of preflight.py's model checks, and `lmserve serve`, `generate` and `chat` run it
+`check_before_torch` is the first of preflight.py's checks, and `lmserve serve`, `generate` and `chat` run it
 before they import torch (server/models/args.py, cli/__init__.py `checked_engine`), so a mistyped path or a file
 that is not a model is one line in well under a second, where importing torch alone takes seconds on a small CPU.
 loader/checkpoint.py then reads the ModelConfig from the same header (gguf_file.py keeps the last GGUF file's parse,
@@ -10,9 +10,11 @@ so a one-model start still parses its file once).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
+from lmserve.config import EngineConfig, check_ranges
 from lmserve.errors import CheckpointError, ConfigError
 from lmserve.files import read_json_object
 from lmserve.loader.default_model import default_model_path
@@ -49,6 +51,14 @@ def check_model_files(model: str | None, revision: str | None, mmproj: str | Pat
     path = model_path(model, revision)
     read_header(path, mmproj)
     return path
+
+
+def check_before_torch(cfg: EngineConfig) -> EngineConfig:
+    """check_engine_config's first checks, the ones that need no torch, in its order: the flags' numbers
+    (config.check_ranges), then the model's path and header file. Returns `cfg` with the model as a local path
+    (a Hub id is resolved once)."""
+    check_ranges(cfg)
+    return replace(cfg, model=str(check_model_files(cfg.model, cfg.revision, cfg.mmproj)))
 
 
 def read_header(path: Path, mmproj: str | Path | None = None) -> GGUFFile | dict:

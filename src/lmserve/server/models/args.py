@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import replace
 from pathlib import Path
 
-from lmserve.config import EngineConfig, check_ranges, engine_config
+from lmserve.config import EngineConfig, engine_config
 from lmserve.errors import ConfigError
-from lmserve.loader.header import check_model_files
+from lmserve.loader.header import check_before_torch
 from lmserve.server.models.pool import KeepAlive, ModelSpec
 from lmserve.server.models.traffic import TrafficSplit, parse_split, valid_name
 
@@ -57,10 +56,8 @@ def check_model_flags(args: argparse.Namespace) -> list[tuple[str, EngineConfig]
     models = []
     for name, path in entries:
         one = argparse.Namespace(**{**vars(args), "model": path})
-        cfg = engine_config(one)
-        check_ranges(cfg)
-        local = check_model_files(cfg.model, cfg.revision, cfg.mmproj)  # a Hub id is resolved here, once
-        models.append((name or served_name(one, local), replace(cfg, model=str(local))))
+        cfg = check_before_torch(engine_config(one))  # the model as a local path: a Hub id resolved here, once
+        models.append((name or served_name(one, Path(cfg.model)), cfg))
     names = [n for n, _ in models]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
