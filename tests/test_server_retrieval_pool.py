@@ -171,3 +171,23 @@ def test_ollama_embed_keep_alive_holds_within_the_operators_bounds(pooled):
     legacy = post(pooled, "rag", "/api/embeddings", {"model": "emb", "prompt": "a dog", "keep_alive": "10m"})
     assert legacy.status_code == 200 and legacy.json()["embedding"], legacy.text  # loaded again, kept 10 minutes
     assert 590 < loaded(pooled)["emb"] <= 600
+
+
+def test_an_embedding_beside_a_decoding_chat_model_goes_first_and_the_metrics_say_so(pooled):
+    """worker/cpu_gate.py through the server: each one-sentence embedding's step holds the gate, and the chat
+    model's decode steps, running meanwhile, pause for some of them (the two models' counters)."""
+    assert post(pooled, "rag", "/v1/embeddings", {"model": "emb", "input": "a dog"}).status_code == 200  # loaded
+    holds, paused = count(pooled, "lmserve:cpu_gate_holds_total", "emb"), None
+    body = {"model": "chat", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", pooled.url + "/v1/completions", json=body, headers=auth("chat-only"), timeout=300) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # decoding now
+        paused = count(pooled, "lmserve:cpu_gate_paused_seconds_total", "chat")
+        for i in range(10):
+            e = post(pooled, "rag", "/v1/embeddings", {"model": "emb", "input": f"the cat sat on the mat {i}"})
+            assert e.status_code == 200, e.text
+        still_decoding = next(line for line in lines if line.startswith("data:"))
+        assert '"finish_reason":null' in still_decoding.replace(" ", "")  # the embeddings came while it decoded
+    assert count(pooled, "lmserve:cpu_gate_holds_total", "emb") == holds + 10
+    assert count(pooled, "lmserve:cpu_gate_paused_seconds_total", "chat") > paused
+    assert count(pooled, "lmserve:cpu_gate_holds_total", "chat") == 0  # a generative model never holds it

@@ -62,11 +62,15 @@ class EngineLoad:
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache since start
     kv_tier: dict[str, dict[str, int]]  # the KV tier's figures by tier, host | disk (KVTier.summary; {}: no tier)
     images_encoded: int = 0  # images run through the vision encoder since start (an encoder-cache hit runs none)
+    gate_holds: int = 0  # an encoder's steps that went first on the CPU since start (worker/cpu_gate.py)
+    gate_paused_s: float = 0.0  # what a generative model's steps waited for them
 
 
 def engine_load(sched: Scheduler, kv: KVCacheManager, runner: Any = None) -> EngineLoad:
     """Read the scheduler's, the KV pool's and the encoder cache's counters (from any thread)."""
     images = getattr(runner, "images", None)  # a vision model's ImageInputs (worker/mm_encoder.py)
+    gate = getattr(runner, "gate", None)  # worker/cpu_gate.py CpuGate
     return EngineLoad(len(sched.running), len(sched.waiting), sched.num_preemptions, kv.num_free_blocks,
                       kv.pool.num_blocks, kv.usage, kv.prefix_hits, kv.tier.summary() if kv.tier is not None else {},
-                      images.cache.num_encoded if images is not None else 0)
+                      images.cache.num_encoded if images is not None else 0,
+                      gate.num_holds if gate is not None else 0, gate.paused_s if gate is not None else 0.0)

@@ -297,6 +297,10 @@ class _EngineCollector:
                                                 lambda e: e.prefix_hit_tokens),
             "lmserve:encoder_cache_images_encoded": ("Images run through the vision encoder (an image found in the "
                                                      "encoder cache runs none)", lambda e: e.images_encoded),
+            "lmserve:cpu_gate_holds": ("An encoder's short steps that went first on the CPU: the other models' steps "
+                                       "paused for them", lambda e: e.gate_holds),
+            "lmserve:cpu_gate_paused_seconds": ("Time this model's steps paused for another model's short encoder "
+                                                "steps (CPU; at most 50 ms a step)", lambda e: e.gate_paused_s),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc, labels=labels)

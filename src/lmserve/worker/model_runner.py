@@ -20,6 +20,7 @@ from lmserve.pooling_params import PoolerConfig
 from lmserve.request import TokenLogprobs
 from lmserve.sample import Sampler, SamplerOutput
 from lmserve.sched.output import SchedulerOutput
+from lmserve.worker.cpu_gate import CpuGate
 from lmserve.worker.cuda_graphs import DecodeGraphs, ScratchSlot, sampling_rows_only
 from lmserve.worker.input_batch import InputBatch
 from lmserve.worker.inputs import StepInputs, StepLayout, build_inputs
@@ -104,6 +105,8 @@ class ModelRunner:
         self.staging = PinnedStaging()  # CUDA: the one pinned buffer every step's inputs travel through
         self.kv_transfer: KVTransfer | None = None  # the KV tier's copies (engine/kv_offload.py sets it)
         self.progress = layer_progress(model)  # the hung-step watchdog's sign of life inside a step
+        # on a CPU, an encoder's short steps go first and a generative model's steps pause for them (cpu_gate.py)
+        self.gate = CpuGate(model, cfg.encoder, device)
         # a vision model's running images and encoder cache (worker/mm_encoder.py); None: a text-only model
         self.images = ImageInputs(model, device) if hasattr(model, "encode_images") else None
 
@@ -130,6 +133,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One forward over the whole batch; only rows that sample or score prompt tokens reach the LM head."""
+        # the whole step, inputs to outputs: an encoder's short one holds the gate, a generative one pauses for it
+        with self.gate.step(sum(r.num_tokens for r in out.requests)):
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         host, layout = self._inputs(out)
         sample_ids = [out.requests[i].request_id for i in layout.sample_reqs]
         drafts = [out.requests[i].spec_token_ids for i in layout.sample_reqs]
@@ -164,6 +172,7 @@ class ModelRunner:
             result.prompt_logprobs = self._prompt_logprobs(out, hidden[inputs.prompt_lp_indices], layout)
         if sample_ids:
             self.batch.attach_counts(meta, gather)
+            self.gate.pause()  # the LM head is a layer's time or more: an encoder step that began meanwhile goes first
             sampled = self.sampler(self.model.compute_logits(hidden[inputs.logits_indices]), meta)  # [N]
             self._collect(out, layout, sampled, result)
         if out.kv_transfers is not None:

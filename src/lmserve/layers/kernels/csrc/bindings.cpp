@@ -1,5 +1,6 @@
 // Python bindings of the native ops (one extension module, built by layers/kernels/native.py). The one unit that includes
 // torch's headers (ops.h): the kernel units take raw rows (kernels.h), so they compile in seconds, in parallel.
+#include "cpu_gate.h"
 #include "decode_stack.h"
 #include "ops.h"
 #include "thread_pool.h"
@@ -64,6 +65,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "set the pool's waits and policy (benchmarks/pool_spin.py measures them)", pybind11::arg("worker_poll_us"),
         pybind11::arg("pure_spin_us"), pybind11::arg("caller_spin_us"), pybind11::arg("chunks_per_thread"),
         pybind11::arg("adaptive"));
+  // the gate between a server's models on a CPU (cpu_gate.h; worker/cpu_gate.py holds and passes it)
+  m.def("gate_hold", &lmserve::gate_hold, "an encoder's short step begins: generative steps pause at their next layer");
+  m.def("gate_release", &lmserve::gate_release, "that step has ended (the last release wakes the paused steps)");
+  m.def("gate_begin_step", &lmserve::gate_begin_step, no_gil(), pybind11::arg("allowance_us"),
+        "a generative step begins on this thread: it may pause allowance_us in all; pauses now if the gate is held "
+        "(returns the microseconds waited)");
+  m.def("gate_pause", &lmserve::gate_pause, no_gil(),
+        "wait while the gate is held, within this thread's step allowance (returns the microseconds waited)");
+  m.def("gate_step_waited", &lmserve::gate_step_waited, "microseconds this thread's current or last step waited");
+  m.def("gate_stats", [] {
+    const lmserve::GateStats s = lmserve::gate_stats();
+    return std::map<std::string, int64_t>{{"holds", s.holds}, {"pauses", s.pauses}, {"paused_us", s.paused_us}};
+  }, "counters of the gate since the process started (cpu_gate.h)");
   m.def("skinny_linear", &skinny_linear, no_gil(), "y = x W^T (+ b) for a few rows, W in [N/16, K, 16] panels (float32, CPU)");
   m.def("coded_half_linear", &coded_half_linear, no_gil(),
         "skinny_linear over a bfloat16 matrix coded in 12 bits a weight: panel tables of high bytes + exceptions");

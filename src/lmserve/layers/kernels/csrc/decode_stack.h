@@ -34,6 +34,7 @@
 // Tensor code on torch's side, like ops.h: included by bindings.cpp only (the one unit that includes torch).
 #pragma once
 
+#include "cpu_gate.h"
 #include "lora_ops.h"
 #include "ops.h"
 
@@ -364,6 +365,7 @@ class DecodeStack {
       return y;
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
+      lmserve::gate_pause();  // an encoder's short step goes first (cpu_gate.h): one load while nobody holds the gate
       const Layer& l = layers_[i];
       TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "DecodeStack: layer ", lmserve::num(i),
                   " reads a missing rotary table");
