@@ -25,20 +25,31 @@ def gate():
 def test_without_a_holder_a_step_never_waits(gate):
     assert gate.gate_begin_step(10_000_000) == 0
     assert gate.gate_pause() == 0
+    assert gate.gate_end_step() == 0
+
+
+def test_after_its_step_a_thread_never_waits(gate):
+    gate.gate_begin_step(10_000_000)
+    gate.gate_end_step()
+    gate.gate_hold()
+    try:
+        assert gate.gate_pause() == 0  # outside a step (a warm-up's forward, a probe): no allowance left
+    finally:
+        gate.gate_release()
 
 
 def test_a_step_waits_while_the_gate_is_held_and_goes_on_at_its_release(gate):
     waited = []
     gate.gate_hold()
     try:
-        t = threading.Thread(target=lambda: waited.append(gate.gate_begin_step(60_000_000)))
+        t = threading.Thread(target=lambda: waited.append((gate.gate_begin_step(60_000_000), gate.gate_end_step())))
         t.start()
         t.join(0.5)
         assert t.is_alive(), "the step went on while the gate was held"
     finally:
         gate.gate_release()
     t.join(10)
-    assert not t.is_alive() and waited[0] >= 400_000
+    assert not t.is_alive() and waited[0][0] >= 200_000 and waited[0][1] == waited[0][0]
 
 
 def test_a_step_waits_at_most_its_allowance_in_all(gate):
@@ -47,6 +58,7 @@ def test_a_step_waits_at_most_its_allowance_in_all(gate):
     def step():
         waits.append(gate.gate_begin_step(50_000))
         waits.append(gate.gate_pause())  # the allowance is spent: no second wait in the same step
+        waits.append(gate.gate_end_step())
 
     gate.gate_hold()
     try:
@@ -56,7 +68,21 @@ def test_a_step_waits_at_most_its_allowance_in_all(gate):
         assert not t.is_alive(), "a held gate kept the step past its allowance"
     finally:
         gate.gate_release()
-    assert waits[0] >= 50_000 and waits[1] == 0
+    assert waits[0] >= 50_000 and waits[1] == 0 and waits[2] == waits[0]
+
+
+class Counted:
+    """The native decode stack, its calls counted (one a decode step that ran in it)."""
+
+    def __init__(self, inner, calls: list[int]) -> None:
+        self.inner, self.calls = inner, calls
+
+    def __call__(self, *args, **kwargs):
+        self.calls[0] += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
 
 def test_a_generative_step_pauses_at_a_layer_for_a_hold_that_began_inside_it_and_gives_the_same_tokens(offline_llm):
@@ -69,21 +95,36 @@ def test_a_generative_step_pauses_at_a_layer_for_a_hold_that_began_inside_it_and
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "Once upon a time"]
     reference = [o.outputs[0].token_ids for o in offline_llm.generate(prompts, params, use_tqdm=False)]
-    mod = native_module()
-    hooks = [model.model.embed_tokens.register_forward_hook(lambda *a: mod.gate_hold()),
-             model.model.norm.register_forward_pre_hook(lambda *a: mod.gate_release())]
-    before = cpu_gate.gate_stats()
+    mod, held, stack_steps = native_module(), [0], [0]
+
+    def hold(*args):
+        held[0] += 1
+        mod.gate_hold()
+
+    def release(*args):
+        held[0] -= 1
+        mod.gate_release()
+
+    loop = next(m for m in model.modules() if getattr(m, "stack", None) is engine.runner.decode_stack)
+    loop.stack = Counted(loop.stack, stack_steps)
+    hooks = [model.model.embed_tokens.register_forward_hook(hold), model.model.norm.register_forward_pre_hook(release)]
+    before, paused_s = cpu_gate.gate_stats(), engine.runner.gate.paused_s
     try:
         paused = [o.outputs[0].token_ids for o in offline_llm.generate(prompts, params, use_tqdm=False)]
     finally:
+        loop.stack = loop.stack.inner
         for h in hooks:
             h.remove()
+        for _ in range(held[0]):  # a step that raised between the two hooks: never leave the gate held
+            mod.gate_release()
     after = cpu_gate.gate_stats()
     assert paused == reference
     steps = after["holds"] - before["holds"]
-    assert steps >= 8  # one prompt step (maybe two), then a decode step a token
+    assert steps >= 8 and stack_steps[0] >= 7  # a prompt step, then decode steps in the native stack, one a token
     assert after["pauses"] - before["pauses"] == steps
-    assert after["paused_us"] - before["paused_us"] >= steps * cpu_gate.PAUSE_PER_STEP_MS * 1000
+    waited = after["paused_us"] - before["paused_us"]
+    assert waited >= steps * cpu_gate.PAUSE_PER_STEP_MS * 1000
+    assert engine.runner.gate.paused_s - paused_s == pytest.approx(waited / 1e6)  # the engine's own count
 
 
 def test_an_encoders_short_steps_hold_the_gate_and_its_long_ones_do_not(tmp_path):

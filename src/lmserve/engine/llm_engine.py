@@ -100,6 +100,7 @@ class LLMEngine:
             return []
         self._step_out = out
         self._step_parents = list(dict.fromkeys(self.scheduler.requests[s.request_id].parent_id for s in out.requests))
+        self.runner.gate.begin_step()  # on a CPU, waits (bounded) while another model's short encoder step runs
         result = self.executor.execute(out)
         changed = self.scheduler.update(out, result)
         spec = self.speculator.record(out, result.sampled_token_ids) if self.speculator is not None else None
@@ -108,11 +109,12 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)  # drafting is part of the step's time
         self.num_steps += 1
         seconds = time.perf_counter() - start
-        self.scheduler.budget.observe(seconds, result.num_prefill_tokens)  # a served engine's budget follows the host
+        busy = seconds - self.runner.gate.end_step()  # the host's speed is what the step computed, not what it waited
+        self.scheduler.budget.observe(busy, result.num_prefill_tokens)  # a served engine's budget follows the host
         self.last_step = step_stats(self.scheduler, self.kv, out, result.num_decodes, result.num_prefill_tokens,
                                     seconds, spec, self.lora_slots is not None)
         if spec is not None:
-            self.speculator.record_step(result.num_decodes, seconds, result.num_prefill_tokens > 0)
+            self.speculator.record_step(result.num_decodes, busy, result.num_prefill_tokens > 0)
         self._step_out = None
         return deltas
 

@@ -67,7 +67,7 @@ class EngineLoad:
 
 
 def engine_load(sched: Scheduler, kv: KVCacheManager, runner: Any = None) -> EngineLoad:
-    """Read the scheduler's, the KV pool's and the encoder cache's counters (from any thread)."""
+    """Read the scheduler's, the KV pool's, the encoder cache's and the CPU gate's counters (from any thread)."""
     images = getattr(runner, "images", None)  # a vision model's ImageInputs (worker/mm_encoder.py)
     gate = getattr(runner, "gate", None)  # worker/cpu_gate.py CpuGate
     return EngineLoad(len(sched.running), len(sched.waiting), sched.num_preemptions, kv.num_free_blocks,

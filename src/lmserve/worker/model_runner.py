@@ -133,7 +133,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One forward over the whole batch; only rows that sample or score prompt tokens reach the LM head."""
-        # the whole step, inputs to outputs: an encoder's short one holds the gate, a generative one pauses for it
+        # the whole step, inputs to outputs: an encoder's short one holds the gate, a generative one waits while it
+        # is held (within its engine step's allowance: LLMEngine.step begins and ends it)
         with self.gate.step(sum(r.num_tokens for r in out.requests)):
             return self._execute(out)
 

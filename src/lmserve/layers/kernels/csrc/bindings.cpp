@@ -71,9 +71,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_begin_step", &lmserve::gate_begin_step, no_gil(), pybind11::arg("allowance_us"),
         "a generative step begins on this thread: it may pause allowance_us in all; pauses now if the gate is held "
         "(returns the microseconds waited)");
+  m.def("gate_end_step", &lmserve::gate_end_step, "the step has ended: no pause on this thread until the next "
+        "begins (returns the microseconds the step waited)");
   m.def("gate_pause", &lmserve::gate_pause, no_gil(),
         "wait while the gate is held, within this thread's step allowance (returns the microseconds waited)");
-  m.def("gate_step_waited", &lmserve::gate_step_waited, "microseconds this thread's current or last step waited");
   m.def("gate_stats", [] {
     const lmserve::GateStats s = lmserve::gate_stats();
     return std::map<std::string, int64_t>{{"holds", s.holds}, {"pauses", s.pauses}, {"paused_us", s.paused_us}};

@@ -7,8 +7,8 @@
 // at its start, at every layer of the module loop (a forward pre-hook) and of the native decode stack (below). A
 // paused step then costs the encoder one layer's time (~1-4 ms) instead of half the machine.
 //
-// A pause is bounded: each step of a generative model may wait for at most the allowance its runner gives it at the
-// step's start, in all, so a stream of embeddings slows decoding but never stops it. The wait is a futex on the
+// A pause is bounded: each step of a generative model may wait for at most the allowance its engine gives it at the
+// step's start, in all (its draft model's steps included), so a stream of embeddings slows decoding but never stops it. The wait is a futex on the
 // count of holders, woken by the last release; elsewhere a short nap. Which thread waits never changes a result: a
 // paused step resumes the same computation.
 #pragma once
@@ -91,15 +91,18 @@ inline int64_t gate_pause() {
   return waited;
 }
 
-// A new step on this thread: it may wait `allowance_us` in all; it pauses first if the gate is held.
-inline int64_t gate_begin_step(int64_t allowance_us) {
-  gate_detail::allowance_us = allowance_us;
+// A new step on this thread: it may wait `allowance` microseconds in all; it pauses first if the gate is held.
+inline int64_t gate_begin_step(int64_t allowance) {
+  gate_detail::allowance_us = allowance;
   gate_detail::step_waited_us = 0;
   return gate_pause();
 }
 
-// What this thread's current (or last) step has waited, in microseconds.
-inline int64_t gate_step_waited() { return gate_detail::step_waited_us; }
+// The step has ended: no wait on this thread until the next begins; returns the microseconds the step waited.
+inline int64_t gate_end_step() {
+  gate_detail::allowance_us = 0;
+  return gate_detail::step_waited_us;
+}
 
 inline GateStats gate_stats() {
   using namespace gate_detail;
