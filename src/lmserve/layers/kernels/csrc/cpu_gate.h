@@ -8,9 +8,9 @@
 // paused step then costs the encoder one layer's time (~1-4 ms) instead of half the machine.
 //
 // A pause is bounded: each step of a generative model may wait for at most the allowance its engine gives it at the
-// step's start, in all (its draft model's steps included), so a stream of embeddings slows decoding but never stops it. The wait is a futex on the
-// count of holders, woken by the last release; elsewhere a short nap. Which thread waits never changes a result: a
-// paused step resumes the same computation.
+// step's start, in all (its draft model's steps included), so a stream of embeddings slows decoding but never stops
+// it. The wait is a futex on the count of holders, woken by the last release; elsewhere a short nap. Which thread
+// waits never changes a result: a paused step resumes the same computation.
 #pragma once
 
 #include <atomic>
