@@ -3,6 +3,7 @@
 
     python benchmarks/retrieval_mixed.py             # 40 embeddings idle, 40 under load
     python benchmarks/retrieval_mixed.py --quick     # 8 and 8: checks the script
+    python benchmarks/retrieval_mixed.py --gap-ms 100  # each embedding 100 ms after the last answer
 
 Under load: 8 streaming /v1/completions (ignore_eos, long max_tokens) are started and the measurement begins once
 every stream has sent its first token, so the embeddings share the engine with eight decoding sequences; each
@@ -37,8 +38,8 @@ SENTENCE = "Retrieval augmented generation needs a fast embedder next to the cha
 STREAMS = 8
 
 
-def embed_latencies(url: str, n: int) -> list[float]:
-    """n sequential one-sentence embeddings: each request's wall time in ms."""
+def embed_latencies(url: str, n: int, gap_ms: float = 0.0) -> list[float]:
+    """n sequential one-sentence embeddings, `gap_ms` apart (after each answer): each request's wall time in ms."""
     out = []
     with httpx.Client(base_url=url, timeout=60) as c:
         for _ in range(n):
@@ -46,6 +47,7 @@ def embed_latencies(url: str, n: int) -> list[float]:
             r = c.post("/v1/embeddings", json={"model": "emb", "input": SENTENCE})
             out.append((time.perf_counter() - t0) * 1000)
             r.raise_for_status()
+            time.sleep(gap_ms / 1000)
     return out
 
 
@@ -78,6 +80,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="the server's torch threads")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="a pause after each answer before the next embedding (0: back to back, the row's default; "
+                         "e.g. 100: queries arriving one at a time, as a RAG front end sends them)")
     args = ap.parse_args()
     n = 8 if args.quick else 40
     cores = len(os.sched_getaffinity(0))
@@ -85,17 +90,17 @@ def main() -> None:
     with running_server("--model", f"emb={minilm_dir()}", "--model", f"chat={default_model_path()}",
                         "--num-threads", str(args.threads), start_timeout=900) as s:
         embed_latencies(s.url, 3)  # warm: first requests pay one-time costs
-        idle = embed_latencies(s.url, n)
+        idle = embed_latencies(s.url, n, args.gap_ms)
         started, stop = threading.Barrier(STREAMS + 1), threading.Event()
         threads = chat_streams(s.url, started, stop)
         started.wait(timeout=300)
-        loaded = embed_latencies(s.url, n)
+        loaded = embed_latencies(s.url, n, args.gap_ms)
         stop.set()
         for t in threads:
             t.join(timeout=30)
     load_after = os.getloadavg()[0]
     print(f"CPU: {_cpu_name()} ({cores} cores available, server threads {args.threads})")
-    print(f"load average (1 min): {load_before:.1f} before, {load_after:.1f} after")
+    print(f"load average (1 min): {load_before:.1f} before, {load_after:.1f} after; embeddings {args.gap_ms:g} ms apart")
     print(summary("embedding, idle", idle))
     print(summary(f"embedding, {STREAMS} chat streams", loaded))
     if max(load_before, load_after) > cores:
