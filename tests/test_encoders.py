@@ -52,6 +52,20 @@ def test_minilm_matches_sentence_transformers_single_and_batched(minilm):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks  # every block back
 
 
+def test_an_encoders_short_steps_run_the_skinny_kernel_where_onednn_is_avx2(minilm):
+    """The weight-format transform widens an encoder's skinny steps (layers/formats/linear.py `widen_skinny_steps`):
+    the single sentences above ran there, and their vectors matched sentence-transformers'."""
+    from lmserve.layers.formats.linear import ENCODER_SKINNY_ROWS, SKINNY_MAX_ROWS, PackedLinear
+    from lmserve.utils import cpu_flags
+
+    _, llm = minilm
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
+    if not layers:
+        pytest.skip("no layer runs the skinny kernel here (no native kernels, or oneDNN sums in another order)")
+    wide = "avx512f" not in cpu_flags().split()
+    assert {m.skinny_rows for m in layers} == {ENCODER_SKINNY_ROWS if wide else SKINNY_MAX_ROWS}
+
+
 EMBED = SamplingParams(max_tokens=1, pooling=PoolingParams())
 
 

@@ -83,6 +83,27 @@ def test_rows_do_not_depend_on_the_step_size(op: str) -> None:
         assert torch.equal(run(x[:m], residual[:m]), whole[:m]), m
 
 
+@pytest.mark.parametrize("op", ["gelu", "add"])
+def test_an_encoders_short_steps_keep_their_bits_on_the_skinny_kernel(op: str) -> None:
+    """An encoder's packed linears take steps of up to ENCODER_SKINNY_ROWS rows on the skinny kernel (slabs of 8,
+    composed with the activation or add) where the CPU has no AVX-512; a row's bits are still those of a 300-row
+    step (oneDNN, fused where exact), and an AVX-512 CPU keeps the decoders' limit."""
+    from lmserve.layers.formats.linear import ENCODER_SKINNY_ROWS, widen_skinny_steps
+
+    _, packed = _layer(96, 96)
+    net = nn.Sequential(packed)
+    assert widen_skinny_steps(net, "flags : fma avx2 avx512f") == 0 and packed.skinny_rows == SKINNY_MAX_ROWS
+    assert widen_skinny_steps(net, "flags : fma avx2") == (packed.panels is not None)
+    if packed.panels is None:
+        pytest.skip("this CPU's oneDNN sums in another order: the layer keeps oneDNN only")
+    assert packed.skinny_rows == ENCODER_SKINNY_ROWS
+    x, residual = torch.randn(300, 96), torch.randn(300, 96)
+    run = (lambda a, r: linear_add(packed, a, r)) if op == "add" else (lambda a, r: linear_act(packed, a, op))
+    whole = run(x, residual)
+    for m in (1, 9, 17, 37, ENCODER_SKINNY_ROWS, ENCODER_SKINNY_ROWS + 1):
+        assert torch.equal(run(x[:m], residual[:m]), whole[:m]), m
+
+
 def test_encoder_layer_runs_fused_and_matches() -> None:
     """A BERT layer over packed linears (the weight-format transform's output) against the same layer unpacked."""
     from lmserve.models.bert import EncoderLayer, step_sequences

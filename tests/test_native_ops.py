@@ -32,6 +32,28 @@ def test_rms_norm_and_residual_add_equal_the_reference(rows, dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows,dim,affine", [(1, 384, "both"), (18, 384, "both"), (2049, 768, "both"), (3, 17, "both"),
+                                            (5, 1024, "weight"), (4, 9, "none")])
+def test_layer_norm_equals_the_reference(rows, dim, affine):
+    """As close to float64's as F.layer_norm is (rows far from zero mean: the variance is taken about the mean), and
+    each row's bits whatever else is in the call; the LayerNorm block runs it and loads nn.LayerNorm's names."""
+    from lmserve.layers.blocks.norm import LayerNorm
+
+    x = rand(rows, dim, seed=20) + 50.0
+    w = rand(dim, seed=21) if affine != "none" else None
+    b = rand(dim, seed=22) if affine == "both" else None
+    out = fused.layer_norm(x, w, b, 1e-12)
+    exact = F.layer_norm(x.double(), (dim,), None if w is None else w.double(), None if b is None else b.double(), 1e-12)
+    aten = F.layer_norm(x, (dim,), w, b, 1e-12)
+    assert (out.double() - exact).abs().max() <= 2 * (aten.double() - exact).abs().max() + 1e-6
+    assert torch.equal(mod.layer_norm(x[-1:], w, b, 1e-12)[0], out[-1])
+    block = LayerNorm(dim, eps=1e-12, elementwise_affine=affine != "none", bias=affine == "both")
+    if affine != "none":
+        block.load_state_dict({"weight": w, **({"bias": b} if b is not None else {})})
+    assert torch.equal(block(x.view(1, rows, dim)), out.view(1, rows, dim))
+
+
+@needs_kernel
 def test_residual_is_updated_in_place():
     x, res, w = rand(4, 64, seed=4), rand(4, 64, seed=5), rand(64, seed=6)
     before = res.clone()
@@ -93,6 +115,10 @@ def test_native_ops_refuse_what_they_cannot_run():
         mod.silu_and_mul(rand(2, 7))
     with pytest.raises(RuntimeError, match="contiguous"):
         mod.add_rms_norm_(rand(2, 8), rand(8, 2).t(), rand(8), 1e-5)
+    with pytest.raises(RuntimeError, match="bias has 7 elements"):
+        mod.layer_norm(rand(2, 8), rand(8), rand(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        mod.layer_norm(rand(2, 8).double(), None, None, 1e-5)
 
 
 def test_other_dtypes_and_switch_off_use_pytorch(monkeypatch):
@@ -106,6 +132,10 @@ def test_other_dtypes_and_switch_off_use_pytorch(monkeypatch):
     gu = rand(2, 16)
     assert torch.equal(fused.silu_and_mul(gu), F.silu(gu[:, :8]) * gu[:, 8:])
     assert torch.equal(fused.gelu_tanh_and_mul(gu), F.gelu(gu[:, :8], approximate="tanh") * gu[:, 8:])
+    w, b = rand(64, seed=1), rand(64, seed=2)
+    assert torch.equal(fused.layer_norm(x32, w, b, 1e-5), F.layer_norm(x32, (64,), w, b, 1e-5))
+    assert torch.equal(fused.layer_norm(x.float().double(), w.double(), None, 1e-5),
+                       F.layer_norm(x.float().double(), (64,), w.double(), None, 1e-5))
 
 
 @needs_kernel

@@ -24,6 +24,7 @@ from torch import nn
 
 from lmserve.errors import CheckpointError
 from lmserve.layers.blocks.fused_linear import linear_act, linear_add
+from lmserve.layers.blocks.norm import LayerNorm
 from lmserve.layers.kernels.fused import encoder_attention
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family, Fields, GGUFMeta
@@ -42,10 +43,10 @@ class EncoderLayer(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(h, 3 * cfg.num_heads * cfg.head_dim)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h)
-        self.attn_norm = nn.LayerNorm(h, eps=eps)
+        self.attn_norm = LayerNorm(h, eps=eps)
         self.up = nn.Linear(h, cfg.intermediate_size)
         self.down = nn.Linear(cfg.intermediate_size, h)
-        self.mlp_norm = nn.LayerNorm(h, eps=eps)
+        self.mlp_norm = LayerNorm(h, eps=eps)
         self.act = cfg.hidden_act  # a name in fused_linear's ACTS
 
     def forward(self, x: torch.Tensor, seqs: StepSequences) -> torch.Tensor:
@@ -229,7 +230,7 @@ class EncoderModel(Encoder):
         # the table's rows: the served window after XLM-R's offset rows
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings + cfg.position_offset, h)
         self.token_type_embeddings = nn.Embedding(max(cfg.type_vocab_size, 1), h)
-        self.embed_norm = nn.LayerNorm(h, eps=cfg.rms_norm_eps)
+        self.embed_norm = LayerNorm(h, eps=cfg.rms_norm_eps)
         self.blocks = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))  # not `layers`: no decoder stack
         if cfg.num_labels:  # the classification head: dense + tanh on the CLS vector, then the label logits
             self.head_dense = nn.Linear(h, h)

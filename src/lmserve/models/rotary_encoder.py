@@ -22,6 +22,7 @@ from torch import nn
 
 from lmserve.errors import CheckpointError
 from lmserve.layers.blocks.fused_linear import ACTS, linear_add
+from lmserve.layers.blocks.norm import LayerNorm
 from lmserve.models.bert import Encoder, StepSequences, bidirectional, step_sequences
 from lmserve.models.config import ModelConfig
 from lmserve.models.family import Family, Fields, GGUFMeta
@@ -52,10 +53,10 @@ class ModernBertLayer(nn.Module):
         h, eps, bias = cfg.hidden_size, cfg.rms_norm_eps, cfg.mlp_bias
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.window, self.kind = cfg.window(i), cfg.rope_kind(i) or "full"
-        self.attn_norm = nn.LayerNorm(h, eps=eps, bias=cfg.norm_bias) if i else nn.Identity()
+        self.attn_norm = LayerNorm(h, eps=eps, bias=cfg.norm_bias) if i else nn.Identity()
         self.qkv = nn.Linear(h, 3 * h, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h, h, bias=cfg.o_bias)
-        self.mlp_norm = nn.LayerNorm(h, eps=eps, bias=cfg.norm_bias)
+        self.mlp_norm = LayerNorm(h, eps=eps, bias=cfg.norm_bias)
         self.up = nn.Linear(h, 2 * cfg.intermediate_size, bias=bias)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=bias)
         self.act = ACTS[cfg.hidden_act]
@@ -77,10 +78,10 @@ class NomicBertLayer(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(h, 3 * cfg.num_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
-        self.attn_norm = nn.LayerNorm(h, eps=eps)
+        self.attn_norm = LayerNorm(h, eps=eps)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
-        self.mlp_norm = nn.LayerNorm(h, eps=eps)
+        self.mlp_norm = LayerNorm(h, eps=eps)
         self.act = ACTS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, freqs: dict[str, torch.Tensor],
@@ -103,13 +104,13 @@ class RotaryEncoderModel(Encoder):
         self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
         if cfg.type_vocab_size:
             self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
-        self.embed_norm = nn.LayerNorm(h, eps=cfg.rms_norm_eps, bias=cfg.norm_bias)
+        self.embed_norm = LayerNorm(h, eps=cfg.rms_norm_eps, bias=cfg.norm_bias)
         layer = ModernBertLayer if self.modern else NomicBertLayer
         self.blocks = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = nn.LayerNorm(h, eps=cfg.rms_norm_eps, bias=cfg.norm_bias) if self.modern else None
+        self.final_norm = LayerNorm(h, eps=cfg.rms_norm_eps, bias=cfg.norm_bias) if self.modern else None
         if cfg.num_labels:  # ModernBERT's head: dense, activation, norm; then the classifier
             self.head_dense = nn.Linear(h, h, bias=cfg.classifier_bias)
-            self.head_norm = nn.LayerNorm(h, eps=cfg.rms_norm_eps, bias=cfg.norm_bias)
+            self.head_norm = LayerNorm(h, eps=cfg.rms_norm_eps, bias=cfg.norm_bias)
             self.head_out = nn.Linear(h, cfg.num_labels)
         # the tables' inverse frequencies (float32) are computed at the first step on the step's device, not
         # loaded: a model built on the meta device (loader/empty_model.py) has nothing to materialise

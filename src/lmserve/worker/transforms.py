@@ -22,7 +22,7 @@ from torch import nn
 from lmserve.config import LoraConfig
 from lmserve.errors import ConfigError
 from lmserve.layers.attention.paged import native_decode
-from lmserve.layers.formats.linear import can_pack, pack_linears, skinny_coverage
+from lmserve.layers.formats.linear import can_pack, pack_linears, skinny_coverage, widen_skinny_steps
 from lmserve.layers.formats.parallel import apply_tensor_parallel
 from lmserve.layers.formats.pipeline import apply_pipeline_parallel, stage_tp_group
 from lmserve.layers.formats.quantized import quantize_linears
@@ -60,7 +60,8 @@ Step = Callable[[nn.Module, TransformContext], nn.Module]
 def weight_format(model: nn.Module, ctx: TransformContext) -> nn.Module:
     """The one weight-format transform over the filled model: int8/int4 weight-only layers (layers/formats/quantized.py),
     else the CPU float linears packed for oneDNN (layers/formats/linear.py). A GGUF file's or a pre-quantized checkpoint's
-    blocks were kept while the model was built; what stayed float among them is packed here."""
+    blocks were kept while the model was built; what stayed float among them is packed here. An encoder's packed
+    linears take the skinny kernel for steps of up to ENCODER_SKINNY_ROWS tokens (layers/formats/linear.py)."""
     quantization = ctx.loaded.runtime_quantization
     if quantization in ("int8", "int4"):
         quantize_linears(model, quantization)
@@ -68,6 +69,8 @@ def weight_format(model: nn.Module, ctx: TransformContext) -> nn.Module:
         pack_linears(model)
         if quantization is None:
             _log_skinny_coverage(model)
+        if ctx.loaded.config.encoder:
+            widen_skinny_steps(model)
     return model
 
 

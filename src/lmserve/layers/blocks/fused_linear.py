@@ -37,7 +37,7 @@ def _fusable(linear: nn.Module, x: torch.Tensor, op: str) -> bool:
         return False
     if linear.panels is None:
         return True
-    return x.shape[0] > SKINNY_MAX_ROWS and _exact(linear, op)
+    return x.shape[0] > linear.skinny_rows and _exact(linear, op)
 
 
 def _exact(linear: PackedLinear, op: str) -> bool:

@@ -1,11 +1,11 @@
-"""RMSNorm, fused with the residual add that comes before it (layers/kernels/fused.py)."""
+"""RMSNorm, fused with the residual add that comes before it, and LayerNorm (both run by layers/kernels/fused.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from lmserve.layers.kernels.fused import rms_norm, rms_norm_ref
+from lmserve.layers.kernels.fused import layer_norm, rms_norm, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -26,3 +26,13 @@ class RMSNorm(nn.Module):
             residual = x if residual is None else residual + x
             return rms_norm_ref(residual.float(), self.weight.float() + self.offset, self.eps).to(x.dtype), residual
         return rms_norm(x, self.scale(), self.eps, residual)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (the same parameters and names), computed by layers/kernels/fused.py `layer_norm`: one native call
+    on CPU float32, F.layer_norm elsewhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalized_shape != (x.shape[-1],):
+            return super().forward(x)
+        return layer_norm(x, self.weight, self.bias, self.eps)

@@ -27,6 +27,14 @@ log = logging.getLogger(__name__)
 # shapes it beats oneDNN at every M = 1..8 (1.1-1.7x per layer; all linear layers of a forward 31-40 ms
 # against 39-59 ms; benchmarks/results/skinny_rows.md). Past 8 rows it rereads each panel per 8 rows.
 SKINNY_MAX_ROWS = 8
+# An encoder's step of up to 64 tokens (a query, a short passage) runs it too, where oneDNN's GEMM is AVX2's (no
+# AVX-512 here; the skinny kernel has no 512-bit code, so there oneDNN's wider GEMM keeps these steps, unmeasured).
+# all-MiniLM-L6-v2's 24 linears, weights cold as in a served step: 16 rows 7.2 ms against oneDNN's 10.4, 64 rows
+# 26.2 against 28.7, about even at 96, slower from 128 (Zen 1, 2 threads). The larger gain is after a pause: each
+# oneDNN call opens an OpenMP region whose sleeping thread must be woken, one sentence's embedding 100 ms after the
+# last took 25.2 ms against 17.5 back to back; on the skinny kernel's own pool 17.4 (benchmarks/results/
+# encoder_short_steps_zen1.md).
+ENCODER_SKINNY_ROWS = 64
 PANEL = 16  # output columns per panel, as in gemv.cpp
 # Row counts checked at load: gemv.cpp runs rows in groups of 4 and then one group of 3, 2 or 1, so
 # 1 (1), 3 (3), 6 (4 + 2) and 8 (4 + 4) exercise every group size.
@@ -44,6 +52,7 @@ class PackedLinear(nn.Module):
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.register_buffer("panels", None)  # [N/16, K, 16] for the skinny kernel, where it matches oneDNN
+        self.skinny_rows = SKINNY_MAX_ROWS  # steps of at most this many rows run it (an encoder's: widen_skinny_steps)
         self.skinny_checked = weight.dtype == torch.float32 and native_module() is not None
         if self.skinny_checked:
             panels = to_panels(weight)
@@ -51,7 +60,7 @@ class PackedLinear(nn.Module):
                 self.panels = panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS:
+        if self.panels is not None and x.dim() == 2 and x.shape[0] <= self.skinny_rows:
             mod = native_module()  # None when switched off after load (tests)
             if mod is not None:
                 return mod.skinny_linear(x, self.panels, self.out_features, self.bias)
@@ -90,6 +99,20 @@ def skinny_coverage(model: nn.Module) -> SkinnyCoverage:
     """Count the PackedLinear layers of `model` that run the skinny kernel for small steps."""
     checked = [m for m in model.modules() if isinstance(m, PackedLinear) and m.skinny_checked]
     return SkinnyCoverage(sum(m.panels is not None for m in checked), len(checked))
+
+
+def widen_skinny_steps(model: nn.Module, flags: str | None = None) -> int:
+    """An encoder's short steps on the skinny kernel (ENCODER_SKINNY_ROWS rows) where the CPU has no AVX-512; every
+    row keeps oneDNN's bits (the load-time check: the kernel runs a step in slabs of at most 8 rows, each the
+    arithmetic of a checked small step). Returns the layers widened."""
+    from lmserve.utils import cpu_flags
+
+    if "avx512f" in (cpu_flags() if flags is None else flags).split():
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
+    for m in layers:
+        m.skinny_rows = ENCODER_SKINNY_ROWS
+    return len(layers)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "kv_heads, W] cache, quantizing where its format does (float32, float16, int8, float8_e4m3fn)");
   m.def("rms_norm", &rms_norm, "out = weight * (x / rms(x)) per row (float32, CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; returns rms_norm(residual) (float32, CPU)");
+  m.def("layer_norm", &layer_norm, "(x - mean) / sqrt(var + eps) * weight + bias per row (float32, CPU; weight, bias "
+        "optional)", pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
   m.def("argmax_logprob", &argmax_logprob, no_gil(),

@@ -28,7 +28,39 @@ inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, f
   for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (x[d] * r);
 }
 
+// the sum of f(x[d]) over d in [0, D) in a fixed order: eight running lanes (d mod 8, which the compiler may keep in
+// one vector register), then the tail, then the lanes pairwise
+template <typename F>
+inline float lane_sum(const float* __restrict__ x, int64_t D, F f) {
+  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    for (int j = 0; j < 8; ++j) s[j] += f(x[d + j]);
+  float tail = 0.f;
+  for (; d < D; ++d) tail += f(x[d]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail;
+}
+
 }  // namespace
+
+// LayerNorm: out = (x - mean) / sqrt(var + eps) * w + b per row (w, b: null for none), the variance over the
+// deviations from the row's mean (two passes: no cancellation when the mean is large against the spread)
+void lmserve::layer_norm_rows(const float* xp, const float* wp, const float* bp, float* op, int64_t T, int64_t D,
+                              float e) {
+  lmserve::parallel_for(0, T, grain(D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict__ x = xp + t * D;
+      float* __restrict__ out = op + t * D;
+      const float mean = lane_sum(x, D, [](float v) { return v; }) / static_cast<float>(D);
+      const float var = lane_sum(x, D, [mean](float v) { return (v - mean) * (v - mean); }) / static_cast<float>(D);
+      const float rstd = 1.f / std::sqrt(var + e);
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = (x[d] - mean) * rstd;
+        out[d] = (wp != nullptr ? y * wp[d] : y) + (bp != nullptr ? bp[d] : 0.f);
+      }
+    }
+  });
+}
 
 // out = norm(x + residual) with the sum written into residual, or norm(x) when residual is null
 void lmserve::rms_norm_rows(const float* xp, float* rp, const float* wp, float* op, int64_t T, int64_t D, float e) {

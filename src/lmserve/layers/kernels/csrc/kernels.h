@@ -39,6 +39,8 @@ void encoder_attention(const float* qkv, const int64_t* starts, int64_t B, int64
 // fused_ops.cpp: T rows of D (or of 2I = [gate | up])
 // out = w * rms_norm(x); with a residual: residual += x first, then out = w * rms_norm(residual)
 void rms_norm_rows(const float* x, float* residual, const float* w, float* out, int64_t T, int64_t D, float eps);
+// out = (x - mean) / sqrt(var + eps) * w + b, LayerNorm (w, b: null for none)
+void layer_norm_rows(const float* x, const float* w, const float* b, float* out, int64_t T, int64_t D, float eps);
 void silu_and_mul_rows(const float* gate_up, float* out, int64_t T, int64_t I);
 void gelu_tanh_and_mul_rows(const float* gate_up, float* out, int64_t T, int64_t I);
 void argmax_logprob_rows(const float* logits, int64_t B, int64_t V, int64_t* ids, float* logprobs);

@@ -45,6 +45,28 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
   return lmserve::norm_rows(x, &residual, weight, eps, "add_rms_norm_");
 }
 
+torch::Tensor layer_norm(torch::Tensor x, c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> bias,
+                         double eps) {
+  lmserve::check_float_cpu(x, "layer_norm");
+  const int64_t D = x.size(-1);
+  const float* affine[2] = {nullptr, nullptr};
+  c10::optional<torch::Tensor>* params[2] = {&weight, &bias};
+  for (int i = 0; i < 2; ++i) {
+    if (!params[i]->has_value()) continue;
+    torch::Tensor p = (*params[i])->contiguous();
+    lmserve::check_float_cpu(p, "layer_norm");
+    TORCH_CHECK(p.numel() == D, "layer_norm: ", i == 0 ? "weight" : "bias", " has ", lmserve::num(p.numel()),
+                " elements, rows have ", lmserve::num(D));
+    *params[i] = p;
+    affine[i] = p.data_ptr<float>();
+  }
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  lmserve::layer_norm_rows(x.data_ptr<float>(), affine[0], affine[1], out.data_ptr<float>(),
+                           x.numel() / std::max<int64_t>(D, 1), D, static_cast<float>(eps));
+  return out;
+}
+
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return lmserve::gated(gate_up, "silu_and_mul", lmserve::silu_and_mul_rows);
 }
