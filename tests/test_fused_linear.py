@@ -86,13 +86,14 @@ def test_rows_do_not_depend_on_the_step_size(op: str) -> None:
 @pytest.mark.parametrize("op", ["gelu", "add"])
 def test_an_encoders_short_steps_keep_their_bits_on_the_skinny_kernel(op: str) -> None:
     """An encoder's packed linears take steps of up to ENCODER_SKINNY_ROWS rows on the skinny kernel (slabs of 8,
-    composed with the activation or add) where the CPU has no AVX-512; a row's bits are still those of a 300-row
-    step (oneDNN, fused where exact), and an AVX-512 CPU keeps the decoders' limit."""
+    composed with the activation or add) on an AVX2 CPU without AVX-512; a row's bits are still those of a 300-row
+    step (oneDNN, fused where exact), and other CPUs keep the decoders' limit."""
     from lmserve.layers.formats.linear import ENCODER_SKINNY_ROWS, widen_skinny_steps
 
     _, packed = _layer(96, 96)
     net = nn.Sequential(packed)
     assert widen_skinny_steps(net, "flags : fma avx2 avx512f") == 0 and packed.skinny_rows == SKINNY_MAX_ROWS
+    assert widen_skinny_steps(net, "Features : fp asimd") == 0 and packed.skinny_rows == SKINNY_MAX_ROWS
     assert widen_skinny_steps(net, "flags : fma avx2") == (packed.panels is not None)
     if packed.panels is None:
         pytest.skip("this CPU's oneDNN sums in another order: the layer keeps oneDNN only")

@@ -46,11 +46,13 @@ def test_layer_norm_equals_the_reference(rows, dim, affine):
     exact = F.layer_norm(x.double(), (dim,), None if w is None else w.double(), None if b is None else b.double(), 1e-12)
     aten = F.layer_norm(x, (dim,), w, b, 1e-12)
     assert (out.double() - exact).abs().max() <= 2 * (aten.double() - exact).abs().max() + 1e-6
-    assert torch.equal(mod.layer_norm(x[-1:], w, b, 1e-12)[0], out[-1])
+    assert torch.equal(mod.layer_norm(x[-1:].clone(), w, b, 1e-12)[0], out[-1])  # its own buffer, alone
     block = LayerNorm(dim, eps=1e-12, elementwise_affine=affine != "none", bias=affine == "both")
     if affine != "none":
         block.load_state_dict({"weight": w, **({"bias": b} if b is not None else {})})
     assert torch.equal(block(x.view(1, rows, dim)), out.view(1, rows, dim))
+    half = block.to(torch.bfloat16)  # not float32: ATen's own
+    assert torch.equal(half(x.bfloat16()), F.layer_norm(x.bfloat16(), (dim,), half.weight, half.bias, 1e-12))
 
 
 @needs_kernel

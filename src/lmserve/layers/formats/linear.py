@@ -5,9 +5,9 @@ CPUs (measured here on AMD EPYC: 13 GB/s for a batch-1 GEMV against 27 GB/s of m
 oneDNN's pre-packed weights use JIT AVX2/AVX-512 kernels on any x86 CPU: 1.7x faster at batch 1,
 3x at batch 4, 1.3x at batch 32+. The plain `nn.Linear` stays the reference path.
 
-Steps with at most SKINNY_MAX_ROWS rows (decoding one to a few sequences) read their weights from a
-second copy in panel layout through the native skinny kernel (layers/kernels/csrc/gemv.cpp), which streams
-them faster than oneDNN. It is used only for layers where it gives oneDNN's exact bits (checked at
+Steps with at most SKINNY_MAX_ROWS rows (decoding one to a few sequences; an encoder's steps of up to
+ENCODER_SKINNY_ROWS tokens on AVX2 CPUs) read their weights from a second copy in panel layout through the
+native skinny kernel (layers/kernels/csrc/gemv.cpp), which streams them faster than oneDNN. It is used only for layers where it gives oneDNN's exact bits (checked at
 load), so a sequence's tokens never depend on which of the two ran its step.
 """
 
@@ -102,12 +102,13 @@ def skinny_coverage(model: nn.Module) -> SkinnyCoverage:
 
 
 def widen_skinny_steps(model: nn.Module, flags: str | None = None) -> int:
-    """An encoder's short steps on the skinny kernel (ENCODER_SKINNY_ROWS rows) where the CPU has no AVX-512; every
+    """An encoder's short steps on the skinny kernel (ENCODER_SKINNY_ROWS rows) on an AVX2 CPU without AVX-512; every
     row keeps oneDNN's bits (the load-time check: the kernel runs a step in slabs of at most 8 rows, each the
     arithmetic of a checked small step). Returns the layers widened."""
     from lmserve.utils import cpu_flags
 
-    if "avx512f" in (cpu_flags() if flags is None else flags).split():
+    have = (cpu_flags() if flags is None else flags).split()
+    if "avx2" not in have or "avx512f" in have:  # measured where oneDNN's GEMM and the kernel are both AVX2's
         return 0
     layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
     for m in layers:

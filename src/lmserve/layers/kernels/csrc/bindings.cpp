@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "kv_heads, W] cache, quantizing where its format does (float32, float16, int8, float8_e4m3fn)");
   m.def("rms_norm", &rms_norm, "out = weight * (x / rms(x)) per row (float32, CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x in place; returns rms_norm(residual) (float32, CPU)");
-  m.def("layer_norm", &layer_norm, "(x - mean) / sqrt(var + eps) * weight + bias per row (float32, CPU; weight, bias "
+  // an encoder's bulk step (2,048 rows) takes ~0.4 ms a call: another engine's thread (a chat model's) goes on
+  m.def("layer_norm", &layer_norm, no_gil(), "(x - mean) / sqrt(var + eps) * weight + bias per row (float32, CPU; weight, bias "
         "optional)", pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] per row (float32, CPU)");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up for gate_up = [gate | up] per row (float32, CPU)");

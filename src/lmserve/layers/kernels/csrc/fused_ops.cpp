@@ -28,8 +28,9 @@ inline void norm_row(const float* __restrict__ x, const float* __restrict__ w, f
   for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (x[d] * r);
 }
 
-// the sum of f(x[d]) over d in [0, D) in a fixed order: eight running lanes (d mod 8, which the compiler may keep in
-// one vector register), then the tail, then the lanes pairwise
+// the sum of f(x[d]) over d in [0, D): eight running lanes (d mod 8, one vector register), then the tail, then the
+// lanes pairwise. Under the build's fast-math GCC may reorder it, but the same build runs every row by the same code
+// whatever the row's batch, so a row's bits never depend on what else is in the call.
 template <typename F>
 inline float lane_sum(const float* __restrict__ x, int64_t D, F f) {
   float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
