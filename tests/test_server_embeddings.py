@@ -116,3 +116,20 @@ def test_bad_input_is_a_400_in_each_familys_shape_and_leaks_no_block(server, cli
 def test_unknown_fields_are_ignored_and_named_as_for_chat(server):
     r = httpx.post(server.url + "/v1/embeddings", json={"model": NAME, "input": "w1", "novel_field": 1})
     assert r.status_code == 200 and "novel_field" in r.headers.get("x-ignored-fields", "")
+
+
+def test_vector_responses_carry_the_same_numbers_as_the_standard_encoder():
+    """server/api/vectors.py renders with orjson: the same float64 values as starlette's JSONResponse (its text may
+    differ, 1e-05 against 1e-5), and a NaN, which starlette's encoder refuses, as null."""
+    import json
+
+    from starlette.responses import JSONResponse
+
+    from lmserve.server.api.vectors import VectorsResponse
+
+    rng = np.random.default_rng(0)
+    vec = [float(v) for v in rng.standard_normal(384).astype(np.float32) * 10.0 ** rng.integers(-8, 4, 384)]
+    body = {"object": "list", "data": [{"index": 0, "embedding": vec}], "usage": {"prompt_tokens": 3}, "name": "é"}
+    assert json.loads(VectorsResponse(body).body) == json.loads(JSONResponse(body).body) == body
+    assert VectorsResponse(body).headers["content-type"] == "application/json"
+    assert json.loads(VectorsResponse({"embedding": [float("nan"), 1.0]}).body) == {"embedding": [None, 1.0]}

@@ -19,12 +19,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from lmserve.errors import EngineDeadError, StepFailedError
 from lmserve.pooling_params import PoolingParams
 from lmserve.sampling_params import SamplingParams
 from lmserve.server.api.ollama.routes import apply_keep_alive
+from lmserve.server.api.vectors import VectorsResponse
 from lmserve.server.errors import APIError
 from lmserve.server.protocol import _NullMeansDefault
 from lmserve.server.router import Router
@@ -78,8 +79,8 @@ async def openai_embeddings(request: Request) -> Response:
     n = sum(map(len, ids))
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
-    return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": st.model_name,
-                         "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}})
+    return VectorsResponse({"id": rid, "object": "list", "created": int(time.time()), "model": st.model_name,
+                            "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}})
 
 
 @router.post("/api/embed")
@@ -93,9 +94,9 @@ async def ollama_embed(request: Request) -> Response:
     vectors, _ = await _embed(st, request, ids, req.model, PoolingParams(_dimensions(req.dimensions)))
     if vectors is None:
         return Response(status_code=499)
-    return JSONResponse({"model": req.model or st.model_name, "embeddings": vectors,
-                         "total_duration": _ns(time.monotonic() - start), "load_duration": _ns(load_s),
-                         "prompt_eval_count": sum(map(len, ids))})
+    return VectorsResponse({"model": req.model or st.model_name, "embeddings": vectors,
+                            "total_duration": _ns(time.monotonic() - start), "load_duration": _ns(load_s),
+                            "prompt_eval_count": sum(map(len, ids))})
 
 
 @router.post("/api/embeddings")
@@ -106,7 +107,7 @@ async def ollama_embeddings(request: Request) -> Response:
     vectors, _ = await _embed(st, request, ids, req.model, PoolingParams(normalize=False))
     if vectors is None:
         return Response(status_code=499)
-    return JSONResponse({"embedding": vectors[0]})
+    return VectorsResponse({"embedding": vectors[0]})
 
 
 def require_task(st: ModelState, task: str) -> None:

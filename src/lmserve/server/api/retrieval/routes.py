@@ -31,6 +31,7 @@ from lmserve.server.api.retrieval.protocol import (
     TEIEmbedRequest,
     TEIRerankRequest,
 )
+from lmserve.server.api.vectors import VectorsResponse
 from lmserve.server.errors import APIError
 from lmserve.server.router import Router
 from lmserve.server.served import ModelState
@@ -144,8 +145,8 @@ async def classify(request: Request) -> Response:
     labels = st.front.pooler.labels
     data = [{"index": i, "label": labels[max(range(len(p)), key=p.__getitem__)], "probs": p, "num_classes": len(p)}
             for i, p in enumerate(probs)]
-    return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": st.model_name,
-                         "data": data, "usage": _usage(sum(map(len, ids)))})
+    return VectorsResponse({"id": rid, "object": "list", "created": int(time.time()), "model": st.model_name,
+                            "data": data, "usage": _usage(sum(map(len, ids)))})
 
 
 @router.post("/embed")
@@ -156,7 +157,7 @@ async def tei_embed(request: Request) -> Response:
     inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
     ids = await _ids(st, inputs, True if req.truncate else None, "inputs")
     vectors, _ = await _pooled(st, request, ids, req.model, PoolingParams(req.dimensions, req.normalize))
-    return JSONResponse(vectors)
+    return VectorsResponse(vectors)
 
 
 async def _relevance(st: ModelState, request: Request, query: str, docs: list[str], model: str | None,
