@@ -136,3 +136,24 @@ def test_an_encoders_short_steps_hold_the_gate_and_its_long_ones_do_not(tmp_path
     assert sum(len(llm.engine.front.tokenize_prompt(s)) for s in long) > cpu_gate.URGENT_TOKENS
     llm.embed(long, use_tqdm=False)  # one step of ~620 tokens: bulk work shares the cores
     assert cpu_gate.gate_stats()["holds"] == before + 1
+
+
+def test_a_failed_steps_allowance_ends_with_it(offline_llm, monkeypatch):
+    """After step() raised, fail_step ends the gate's step on the engine's thread: a hold that comes later never
+    pauses that thread (before, the failed step's unspent allowance was left to any check until the next step)."""
+    engine = offline_llm.engine
+
+    def boom(out):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.executor, "execute", boom)
+    engine.add_request("failing", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.fail_step() == ["failing"]
+    mod = native_module()
+    mod.gate_hold()
+    try:
+        assert mod.gate_pause() == 0  # no step on this thread: no wait (would be the allowance, 50 ms, before)
+    finally:
+        mod.gate_release()

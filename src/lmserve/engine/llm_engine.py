@@ -128,6 +128,7 @@ class LLMEngine:
         """
         out, parents = self._step_out, self._step_parents or list(self.children)
         self._step_out, self._step_parents = None, []
+        self.runner.gate.end_step()  # the failed step's allowance ends with it (its wait still counts as paused)
         if out is not None:
             self.scheduler.resend_finished(out.finished_ids)  # the failed step may not have dropped their rows
         for parent in parents:
