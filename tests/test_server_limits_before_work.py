@@ -3,7 +3,8 @@ row, every route that does work called past the key's rate, and a prompt past th
 
 The key's request is taken before the body is parsed or tokenized, so a prompt refused for its length still
 counts; a prompt's size and token quota are checked by its byte bounds (tokenizer/bounds.py) before it is
-tokenized; tokenizing never holds the event loop; the heap goes back after a large request.
+tokenized; tokenizing a long prompt never holds the event loop (a short one is done there: cheaper than a thread
+hop); the heap goes back after a large request.
 """
 
 from __future__ import annotations
@@ -160,3 +161,33 @@ def test_a_prompt_past_the_token_quota_by_its_bytes_is_refused_before_tokenizing
     ok = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                     headers=auth("tpm"), timeout=120)
     assert ok.status_code == 200 and int(ok.headers["x-ratelimit-remaining-tokens"]) >= 2000 - 10
+
+
+def test_a_short_prompt_is_tokenized_on_the_event_loop_and_a_long_one_in_a_thread():
+    """served.py `_small`: a prompt of at most INLINE_CHARS characters (or INLINE_IDS ids) is tokenized where the
+    route runs, a longer one in a worker thread; the ids are the same either way."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lmserve.server.served import INLINE_CHARS, INLINE_IDS, ModelState
+
+    threads: list[int] = []
+
+    def tokenize_prompt(prompt):
+        threads.append(threading.get_ident())
+        return [len(w) for w in prompt.split()] if isinstance(prompt, str) else list(prompt)
+
+    state = SimpleNamespace(front=SimpleNamespace(tokenize_prompt=tokenize_prompt))
+    record = SimpleNamespace(tokenize_s=0.0)
+    short, long = "ab " * (INLINE_CHARS // 3), "ab " * (INLINE_CHARS // 3 + 1)
+
+    async def run():
+        loop_thread = threading.get_ident()
+        got = [await ModelState.tokenize(state, p, record) for p in (short, long, [1] * INLINE_IDS,
+                                                                       [1] * (INLINE_IDS + 1))]
+        return loop_thread, got
+
+    loop_thread, got = asyncio.run(run())
+    assert got == [[2] * (INLINE_CHARS // 3), [2] * (INLINE_CHARS // 3 + 1), [1] * INLINE_IDS, [1] * (INLINE_IDS + 1)]
+    assert [t == loop_thread for t in threads] == [True, False, True, False]
+    assert record.tokenize_s > 0

@@ -122,6 +122,11 @@ class Tokenizer:
         """How many tokens a text of n UTF-8 bytes can become (tokenizer/bounds.py); built on first use."""
         return TokenBounds.of(self._hf, self.vocab_type)
 
+    @property
+    def bounds_built(self) -> bool:
+        """`bounds` was built: reading it costs nothing (the first read builds it from the vocabulary)."""
+        return "bounds" in self.__dict__
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Plain text -> ids; add_special_tokens adds BOS when the model wants it."""
         return _ids(self._plain, text, add_special_tokens)
