@@ -59,6 +59,7 @@ def test_a_step_waits_at_most_its_allowance_in_all(gate):
         waits.append(gate.gate_begin_step(50_000))
         waits.append(gate.gate_pause())  # the allowance is spent: no second wait in the same step
         waits.append(gate.gate_end_step())
+        waits.append(gate.gate_end_step())  # a failed step's end after its own: its wait is not counted again
 
     gate.gate_hold()
     try:
@@ -68,7 +69,7 @@ def test_a_step_waits_at_most_its_allowance_in_all(gate):
         assert not t.is_alive(), "a held gate kept the step past its allowance"
     finally:
         gate.gate_release()
-    assert waits[0] >= 50_000 and waits[1] == 0 and waits[2] == waits[0]
+    assert waits[0] >= 50_000 and waits[1] == 0 and waits[2] == waits[0] and waits[3] == 0
 
 
 class Counted:
@@ -150,7 +151,9 @@ def test_a_failed_steps_allowance_ends_with_it(offline_llm, monkeypatch):
     engine.add_request("failing", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
+    paused_s = engine.runner.gate.paused_s
     assert engine.fail_step() == ["failing"]
+    assert engine.runner.gate.paused_s == paused_s  # it waited nothing; nothing of an earlier step counted again
     mod = native_module()
     mod.gate_hold()
     try:

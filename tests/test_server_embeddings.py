@@ -120,7 +120,7 @@ def test_unknown_fields_are_ignored_and_named_as_for_chat(server):
 
 def test_vector_responses_carry_the_same_numbers_as_the_standard_encoder():
     """server/api/vectors.py renders with orjson: the same float64 values as starlette's JSONResponse (its text may
-    differ, 1e-05 against 1e-5), and a NaN, which starlette's encoder refuses, as null."""
+    differ, 1e-05 against 1e-5), and a NaN or an infinity refused as starlette's encoder refuses it."""
     import json
 
     from starlette.responses import JSONResponse
@@ -132,4 +132,10 @@ def test_vector_responses_carry_the_same_numbers_as_the_standard_encoder():
     body = {"object": "list", "data": [{"index": 0, "embedding": vec}], "usage": {"prompt_tokens": 3}, "name": "é"}
     assert json.loads(VectorsResponse(body).body) == json.loads(JSONResponse(body).body) == body
     assert VectorsResponse(body).headers["content-type"] == "application/json"
-    assert json.loads(VectorsResponse({"embedding": [float("nan"), 1.0]}).body) == {"embedding": [None, 1.0]}
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for body in ({"embedding": [1.0, bad]}, {"data": [{"probs": [bad]}]}, [[0.5, 1, bad]], {"score": bad}):
+            with pytest.raises(ValueError, match="not JSON compliant"):
+                JSONResponse(body)
+            with pytest.raises(ValueError, match="not JSON compliant"):
+                VectorsResponse(body)
+    assert json.loads(VectorsResponse([[1e308, 1e308], [0.5, 1, "x"]]).body) == [[1e308, 1e308], [0.5, 1, "x"]]

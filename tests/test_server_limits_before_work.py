@@ -163,31 +163,43 @@ def test_a_prompt_past_the_token_quota_by_its_bytes_is_refused_before_tokenizing
     assert ok.status_code == 200 and int(ok.headers["x-ratelimit-remaining-tokens"]) >= 2000 - 10
 
 
-def test_a_short_prompt_is_tokenized_on_the_event_loop_and_a_long_one_in_a_thread():
-    """served.py `_small`: a prompt of at most INLINE_CHARS characters (or INLINE_IDS ids) is tokenized where the
-    route runs, a longer one in a worker thread; the ids are the same either way."""
+
+def test_a_requests_first_short_prompts_are_tokenized_on_the_event_loop_and_the_rest_in_a_thread():
+    """served.py INLINE_WORK: a request's prompts are tokenized (ids checked) where the route runs while their work
+    stays within the request's budget, in a worker thread past it, and a long one always in a thread; the ids are
+    the real tokenizer's either way."""
     import asyncio
     from types import SimpleNamespace
 
-    from lmserve.server.served import INLINE_CHARS, INLINE_IDS, ModelState
+    from lmserve.ops.record import RequestRecord
+    from lmserve.server.served import INLINE_WORK, ModelState
+    from lmserve.tokenizer.tokenizer import Tokenizer
+    from tests.encoder_models import minilm_dir
 
+    tok = Tokenizer.from_pretrained(minilm_dir())
     threads: list[int] = []
 
     def tokenize_prompt(prompt):
         threads.append(threading.get_ident())
-        return [len(w) for w in prompt.split()] if isinstance(prompt, str) else list(prompt)
+        return tok.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
 
     state = SimpleNamespace(front=SimpleNamespace(tokenize_prompt=tokenize_prompt))
-    record = SimpleNamespace(tokenize_s=0.0)
-    short, long = "ab " * (INLINE_CHARS // 3), "ab " * (INLINE_CHARS // 3 + 1)
+    sentence = "Retrieval augmented generation needs a fast embedder next to the chat model."  # 77 characters
+    many = [sentence] * (INLINE_WORK // len(sentence) + 2)  # one request: the budget runs out after three
 
     async def run():
-        loop_thread = threading.get_ident()
-        got = [await ModelState.tokenize(state, p, record) for p in (short, long, [1] * INLINE_IDS,
-                                                                       [1] * (INLINE_IDS + 1))]
-        return loop_thread, got
+        loop_thread, first = threading.get_ident(), RequestRecord("a", "/v1/embeddings")
+        got = [await ModelState.tokenize(state, p, first) for p in many]
+        got.append(await ModelState.tokenize(state, sentence * 4, RequestRecord("b", "/v1/embeddings")))  # too long
+        got.append(await ModelState.tokenize(state, list(range(2 * INLINE_WORK)), RequestRecord("c", "/tokenize")))
+        got.append(await ModelState.tokenize(state, list(range(2 * INLINE_WORK + 2)), RequestRecord("d", "/tokenize")))
+        return loop_thread, first, got
 
-    loop_thread, got = asyncio.run(run())
-    assert got == [[2] * (INLINE_CHARS // 3), [2] * (INLINE_CHARS // 3 + 1), [1] * INLINE_IDS, [1] * (INLINE_IDS + 1)]
-    assert [t == loop_thread for t in threads] == [True, False, True, False]
-    assert record.tokenize_s > 0
+    loop_thread, first, got = asyncio.run(run())
+    on_loop = INLINE_WORK // len(sentence)
+    assert [t == loop_thread for t in threads] == [True] * on_loop + [False] * (len(many) - on_loop) + [False, True,
+                                                                                                        False]
+    assert got[:len(many)] == [tok.encode_prompt(sentence)] * len(many) and got[len(many)] == tok.encode_prompt(
+        sentence * 4)
+    assert first.inline_work == on_loop * len(sentence) and first.tokenize_s > 0
+    assert not tok.bounds_built and tok.bounds is not None and tok.bounds_built  # built on first use, then free

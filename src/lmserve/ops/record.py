@@ -45,6 +45,7 @@ class RequestRecord:
     stream: bool = False
     trace_id: str | None = None  # hex, when tracing is on
     tokenize_s: float = 0.0
+    inline_work: int = 0  # characters (ids count half) tokenized on the event loop for it: server/served.py caps it
     engine_arrival: float | None = None  # monotonic: when the first prompt entered the engine
     ttft_s: float | None = None  # arrival -> first token, as the server sent it
     e2e_s: float | None = None  # arrival -> response end

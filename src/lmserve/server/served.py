@@ -29,18 +29,19 @@ from lmserve.server.streams import MergedStreams
 from lmserve.server.tenants import Tenants
 from lmserve.structured.compiler import Compiled
 
-# A prompt this small is tokenized and checked on the event loop, not in a thread (asyncio.to_thread): a hop there
-# and back took 130-320 us on a 2-vCPU Zen 1 VM, more than tokenizing 256 characters (~150 us) or checking 512
-# ids, and a one-sentence embedding made three of them. Longer prompts still go off the loop (a 4 MiB text's work
-# would stall every other request).
-INLINE_CHARS, INLINE_IDS = 256, 512
+# A request's first prompts, up to INLINE_WORK characters in all (an id counts half: checking one costs about half a
+# character's tokenizing), are tokenized and checked on the event loop rather than in a thread (asyncio.to_thread):
+# a hop there and back took 130-320 us on a 2-vCPU Zen 1 VM, more than tokenizing 256 characters (~150 us), and a
+# one-sentence embedding made three. The rest, and every longer prompt, goes off the loop: a 4 MiB text, or 300
+# short inputs in one request, would stall every other request.
+INLINE_WORK = 256
 
 
-def _small(prompt: object) -> bool:
-    """A raw prompt or ids short enough to handle on the event loop (a rendered chat never is)."""
+def _work(prompt: object) -> int | None:
+    """What tokenizing or checking `prompt` costs, in characters; None for a rendered chat (never inline)."""
     if isinstance(prompt, str):
-        return len(prompt) <= INLINE_CHARS
-    return isinstance(prompt, list) and len(prompt) <= INLINE_IDS
+        return len(prompt)
+    return (len(prompt) + 1) // 2 if isinstance(prompt, list) else None
 
 
 class SharedState(Protocol):
@@ -221,7 +222,8 @@ class ModelState:
         and the key's token quota by the prompts' bounds (Tenants.hold). Off the event loop: counting a 4 MiB
         text's UTF-8 bytes copies it."""
         try:
-            if all(map(_small, prompts)) and self.front.tokenizer.bounds_built:  # no build: a few lookups
+            works = [_work(p) for p in prompts]  # counting bytes: far cheaper than tokenizing, not charged
+            if None not in works and sum(works) <= INLINE_WORK and self.front.tokenizer.bounds_built:
                 bounds = self.front.prompt_bounds(prompts, params)
             else:
                 bounds = await asyncio.to_thread(self.front.prompt_bounds, prompts, params)
@@ -353,11 +355,13 @@ class ModelState:
             m.on_finished(d, started, first.get(d.index), now)
 
     async def tokenize(self, prompt: str | list[int], record: RequestRecord) -> list[int]:
-        """Tokenize a raw prompt (special tokens parsed) or check ids, off the event loop unless small (long prompts
-        stall it)."""
+        """Tokenize a raw prompt (special tokens parsed) or check ids, off the event loop unless the request's small
+        work so far allows (INLINE_WORK: long prompts stall it)."""
         start = time.monotonic()
         try:
-            if _small(prompt):
+            work = _work(prompt)
+            if work is not None and record.inline_work + work <= INLINE_WORK:
+                record.inline_work += work
                 return self.front.tokenize_prompt(prompt)
             return await asyncio.to_thread(self.front.tokenize_prompt, prompt)
         except RequestRejected as e:

@@ -7,8 +7,9 @@ oneDNN's pre-packed weights use JIT AVX2/AVX-512 kernels on any x86 CPU: 1.7x fa
 
 Steps with at most SKINNY_MAX_ROWS rows (decoding one to a few sequences; an encoder's steps of up to
 ENCODER_SKINNY_ROWS tokens on AVX2 CPUs) read their weights from a second copy in panel layout through the
-native skinny kernel (layers/kernels/csrc/gemv.cpp), which streams them faster than oneDNN. It is used only for layers where it gives oneDNN's exact bits (checked at
-load), so a sequence's tokens never depend on which of the two ran its step.
+native skinny kernel (layers/kernels/csrc/gemv.cpp), which streams them faster than oneDNN. It is used only
+for layers where it gives oneDNN's exact bits (checked at load), so a sequence's tokens never depend on
+which of the two ran its step.
 """
 
 from __future__ import annotations

@@ -98,10 +98,13 @@ inline int64_t gate_begin_step(int64_t allowance) {
   return gate_pause();
 }
 
-// The step has ended: no wait on this thread until the next begins; returns the microseconds the step waited.
+// The step has ended: no wait on this thread until the next begins; returns the microseconds the step waited (once:
+// a failed step's end after its own, or before a next begin, reads 0, so no wait is counted twice).
 inline int64_t gate_end_step() {
   gate_detail::allowance_us = 0;
-  return gate_detail::step_waited_us;
+  const int64_t waited = gate_detail::step_waited_us;
+  gate_detail::step_waited_us = 0;
+  return waited;
 }
 
 inline GateStats gate_stats() {
