@@ -49,10 +49,11 @@ def main() -> None:
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
     norms = [m for m in model.modules() if isinstance(m, LayerNorm)]
     shipped = {m.skinny_rows for m in linears}
+    as_shipped = max(shipped, default=SKINNY_MAX_ROWS)  # one limit for every layer (widen_skinny_steps)
 
     def mode(name: str) -> None:
         for m in linears:
-            m.skinny_rows = shipped.copy().pop() if name == "default" else SKINNY_MAX_ROWS
+            m.skinny_rows = as_shipped if name == "default" else SKINNY_MAX_ROWS
         for m in norms:  # ATen's: nn.LayerNorm's own forward on the same parameters
             if name == "aten":
                 m.forward = super(LayerNorm, m).forward

@@ -219,8 +219,8 @@ class ModelState:
     async def _check_bounds(self, prompts: list[Rendered], params: SamplingParams,
                             record: RequestRecord) -> None:
         """Before tokenizing: 400 when a prompt cannot fit the context even at the fewest tokens its bytes can be,
-        and the key's token quota by the prompts' bounds (Tenants.hold). Off the event loop: counting a 4 MiB
-        text's UTF-8 bytes copies it."""
+        and the key's token quota by the prompts' bounds (Tenants.hold). Off the event loop unless the prompts are
+        small (INLINE_WORK) and the bounds built: counting a 4 MiB text's UTF-8 bytes copies it."""
         try:
             works = [_work(p) for p in prompts]  # counting bytes: far cheaper than tokenizing, not charged
             if None not in works and sum(works) <= INLINE_WORK and self.front.tokenizer.bounds_built:
