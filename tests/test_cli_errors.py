@@ -142,11 +142,28 @@ def test_device_cuda_without_cuda():
     assert_one_line_error(lmserve("serve", "--device", "cuda"), "--device cuda", "CUDA is not available")
 
 
-@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
-def test_generate_and_chat_refuse_a_file_that_is_not_a_model(tmp_path, command):
+LOADING_COMMANDS = {"generate": ["generate", "hi"], "chat": ["chat"], "run-batch": ["run-batch", "-i", "{in}", "-o",
+                    "{out}"], **{f"bench-{k}": ["bench", k] for k in ("latency", "throughput", "roofline", "startup")}}
+
+
+@pytest.mark.parametrize("command", LOADING_COMMANDS.values(), ids=LOADING_COMMANDS)
+def test_every_loading_command_refuses_a_file_that_is_not_a_model_before_torch(tmp_path, command):
+    """The commands that load a model read its file before importing torch (cli.checked_engine, run-batch's own
+    order, bench/cli.py `_checked`): a typo is one line at once."""
+    (tmp_path / "in.jsonl").write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
+    command = [c.format(**{"in": tmp_path / "in.jsonl", "out": tmp_path / "out.jsonl"}) for c in command]
     p, imported = lmserve_imports(*command, "--model", _junk(tmp_path, "model.gguf"))
     assert_one_line_error(p, "not a GGUF file")
-    assert "torch" not in imported  # the file is read before torch is imported (cli.checked_engine)
+    assert "torch" not in imported
+
+
+@pytest.mark.parametrize("input_name,output_name,words", [("missing.jsonl", "out.jsonl", ["missing.jsonl", "does not exist"]),
+                                                        ("in.jsonl", "in.jsonl", ["must not be the input file"])])
+def test_run_batch_refuses_its_paths_before_torch(tmp_path, input_name, output_name, words):
+    (tmp_path / "in.jsonl").write_text("")
+    p, imported = lmserve_imports("run-batch", "-i", str(tmp_path / input_name), "-o", str(tmp_path / output_name))
+    assert_one_line_error(p, *words)
+    assert "torch" not in imported
 
 
 def test_serve_refuses_a_directory_without_a_tokenizer(tiny, tmp_path):

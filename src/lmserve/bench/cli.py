@@ -142,19 +142,28 @@ def _first_model(base_url: str, api_key: str | None) -> str:
     return r.json()["data"][0]["id"]
 
 
-def _engine(args: argparse.Namespace):
+def _checked(args: argparse.Namespace):
+    """The engine flags' config after the checks that need no torch (their numbers, the model's path and header):
+    a typo is one line at once, not after `import torch` (seconds on a small CPU) that every bench kind pulls in."""
     from lmserve.config import engine_config
+    from lmserve.loader.header import check_before_torch
+
+    return check_before_torch(engine_config(args))
+
+
+def _engine(cfg):
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.preflight import check_engine_config
 
-    return LLMEngine(check_engine_config(engine_config(args)).config)
+    return LLMEngine(check_engine_config(cfg).config)
 
 
 def cmd_bench_roofline(args: argparse.Namespace) -> int:
+    cfg = _checked(args)
     from lmserve.bench.offline import roofline_for
     from lmserve.bench.roofline import format_roofline
 
-    engine = _engine(args)
+    engine = _engine(cfg)
     _status("measuring this machine's bandwidth and matmul ceilings")
     roof = roofline_for(engine)
     if not args.json:
@@ -164,9 +173,10 @@ def cmd_bench_roofline(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
+    cfg = _checked(args)
     from lmserve.bench.offline import latency_case
 
-    engine, roof, before = _prepare(args, max(args.batch_sizes))
+    engine, roof, before = _prepare(cfg, max(args.batch_sizes))
     iters = args.num_iters + 1  # and the warm-up
     total = sum(b * args.output_len * iters for b in args.batch_sizes)
     with _progress(total, "latency") as bar:
@@ -181,11 +191,12 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    cfg = _checked(args)
     from lmserve.bench.offline import throughput_case
     from lmserve.engine.llm_engine import LLMEngine
 
     sizes = args.batch_sizes or [args.max_num_seqs]
-    engine, roof, before = _prepare(args, sizes[0])
+    engine, roof, before = _prepare(cfg, sizes[0])
     rows = []
     with _progress(len(sizes) * args.num_prompts * args.output_len, "throughput") as bar:
         for b in sizes:
@@ -198,19 +209,19 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare(args: argparse.Namespace, max_batch: int):
-    """Load the engine (room for `max_batch` sequences) and measure the roofline, saying so on stderr."""
+def _prepare(cfg, max_batch: int):
+    """Load the engine of `cfg` (_checked's; room for `max_batch` sequences) and measure the roofline, saying so
+    on stderr."""
     from dataclasses import replace
 
     from lmserve.bench.offline import roofline_for
     from lmserve.bench.report import cpu_sample
-    from lmserve.config import engine_config
     from lmserve.engine.llm_engine import LLMEngine
     from lmserve.preflight import check_engine_config
 
     before = cpu_sample()
     _status("loading the model")
-    cfg = check_engine_config(engine_config(args)).config
+    cfg = check_engine_config(cfg).config
     cfg = replace(cfg, scheduler=replace(cfg.scheduler, max_num_seqs=max(max_batch, cfg.scheduler.max_num_seqs)))
     engine = LLMEngine(cfg)
     _status("measuring this machine's bandwidth and matmul ceilings")
@@ -252,6 +263,7 @@ def _report(kind: str, rows: list[dict], engine, roof, before, args: argparse.Na
 
 
 def cmd_bench_startup(args: argparse.Namespace) -> int:
+    _checked(args)  # the child process takes the flag as given (a Hub id resolves there as a user's start does)
     from lmserve.bench.offline import startup
 
     _status("starting a fresh process up to its first token")

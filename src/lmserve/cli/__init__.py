@@ -314,24 +314,30 @@ def _sigint_flag() -> Iterator[threading.Event]:
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
     """Run an OpenAI Batch API input file into a results file; a rerun resumes where a killed run stopped."""
-    from pathlib import Path
+    from lmserve.loader.header import check_before_torch  # numpy: not for the commands that do not load a model
 
+    src, dst = Path(args.input), Path(args.output)
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not src.is_file():
+        raise ConfigError(f"input file {str(src)!r} does not exist")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ConfigError("the output file must not be the input file")
+    # the flags' numbers and the model's path and header: a typo is one line at once, not after `import torch`
+    # (seconds on a small CPU), which the batch modules below pull in through the routes
+    cfg = check_before_torch(engine_config(args))
     from lmserve.preflight import check_engine_config
     from lmserve.server.batch import file as batch_file
     from lmserve.server.batch import lines as batch
     from lmserve.server.main import media_policy, served_name
 
-    src, dst = Path(args.input), Path(args.output)
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     try:
-        batch_file.check_paths(src, dst)
         lines = batch.read_input(src)  # duplicate custom_ids are refused here, before the model loads
         results = batch.ResultsFile(dst)  # cuts a torn last line; knows the custom_ids already answered
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from None
     todo = batch.pending_lines(lines, results.done)
-    checked = check_engine_config(engine_config(args))
+    checked = check_engine_config(cfg)
     if not todo:
         print(f"run-batch: all {len(lines)} requests already have results in {dst}", file=sys.stderr)
         return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from lmserve.config import EngineConfig
@@ -84,11 +83,3 @@ def count_outcomes(summary: Summary, before: dict[str, int], results: ResultsFil
     """completed/failed of this run: the results file's counts less what it held before."""
     summary.completed = results.counts["completed"] - before["completed"]
     summary.failed = results.counts["failed"] - before["failed"]
-
-
-def check_paths(input_path: Path, output_path: Path) -> None:
-    """The input readable, the output not the input: a ValueError saying which."""
-    if not input_path.is_file():
-        raise ValueError(f"input file {str(input_path)!r} does not exist")
-    if output_path.exists() and output_path.resolve() == input_path.resolve():
-        raise ValueError("the output file must not be the input file")
