@@ -768,14 +768,22 @@ inline VI weight_chunk(const uint8_t* blk, int64_t off, int h, int t) {
 constexpr int code_offset(int kind) { return kind == 4 ? 8 : kind == 6 ? 4 : 0; }
 constexpr bool signed_kind(int kind) { return kind == 2 || kind == 3; }
 
-// Lanes::kRows outputs (part p of the group) of C input rows [m0, m0 + C), stored at out[m * ldo + R p ..]
-template <int KIND, int C>
-void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p, float* out,
+// Lanes::kRows outputs of each of the P parts [p0, p0 + P) of the group, for C input rows [m0, m0 + C), stored at
+// out[m * ldo + R p ..]. P > 1 only changes which instructions are shared: each broadcast of 4 activation bytes and
+// each block's activation terms (xd, the offset's sum) serve P parts' products, and every output's integer dot and
+// float chain are the ones it has with P = 1 (so the same bits at any P).
+template <int KIND, int C, int P = 1>
+void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p0, float* out,
                int64_t ldo) {
   constexpr int64_t kBlockBytes = nibble_kind(KIND) ? 256 : KIND == 5 ? 160 : KIND == 6 ? 224 : 512;
-  const int64_t nb = w.nb, off = 4 * kRowsV * p, lane = kRowsV * p;
-  VF acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = Lanes::zerof();
+  if constexpr (P > 1 && (KIND == 0 || KIND == 1)) {  // one dot a block: no shared terms worth a second path
+    for (int p = 0; p < P; ++p) part_rows<KIND, C, 1>(w, x, xsum16, m0, p0 + p, out, ldo);
+    return;
+  }
+  const int64_t nb = w.nb, off = 4 * kRowsV * p0, lane = kRowsV * p0;
+  VF acc[C][P];
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p) acc[c][p] = Lanes::zerof();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w.codes + b * kBlockBytes;
     if (KIND == 0) {  // one dot per block: int16 sums over all 8 chunks (<= 30480), one madd
@@ -797,8 +805,8 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
       for (int c = 0; c < C; ++c) dot[c] = Lanes::madd1(dot[c]);
       const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
       for (int c = 0; c < C; ++c) {
-        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
-        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
+        acc[c][0] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c][0]);
+        acc[c][0] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c][0]);
       }
       continue;
     }
@@ -819,68 +827,89 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
       }
       const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
       for (int c = 0; c < C; ++c) {
-        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
-        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
+        acc[c][0] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c][0]);
+        acc[c][0] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c][0]);
       }
       continue;
     }
-    // per-16 and super kinds: each half's dot, scale and (where the kind has them) min
-    VF half[4];
+    // per-16 and super kinds: each half's dot, scale and (where the kind has them) min, part by part
+    VF half[P][4];
     const bool mins = KIND == 5 || (KIND == 4 && w.mn);
-    if (super_kind(KIND)) {
-      const uint8_t* sb = blk + (KIND == 5 ? 128 : 192) + lane;
-      const VF d = Lanes::loadf(w.sc + kGroup * (b / 8) + lane);
-      for (int k = 0; k < 2; ++k) {
-        if (KIND == 6) {
-          half[k] = Lanes::mul(d, Lanes::cvt(Lanes::widen_s8(sb + 16 * k)));
-          continue;
+    for (int p = 0; p < P; ++p) {
+      const int64_t lp = lane + kRowsV * p;
+      if (super_kind(KIND)) {
+        const uint8_t* sb = blk + (KIND == 5 ? 128 : 192) + lp;
+        const VF d = Lanes::loadf(w.sc + kGroup * (b / 8) + lp);
+        for (int k = 0; k < 2; ++k) {
+          if (KIND == 6) {
+            half[p][k] = Lanes::mul(d, Lanes::cvt(Lanes::widen_s8(sb + 16 * k)));
+            continue;
+          }
+          const VI q = Lanes::widen_u8(sb + 16 * k);  // scale | min << 4
+          half[p][k] = Lanes::mul(d, Lanes::cvt(Lanes::and_(q, Lanes::set1_32(0x0F))));
+          half[p][2 + k] = Lanes::mul(Lanes::loadf(w.mn + kGroup * (b / 8) + lp), Lanes::cvt(Lanes::srli32(q, 4)));
         }
-        const VI q = Lanes::widen_u8(sb + 16 * k);  // scale | min << 4
-        half[k] = Lanes::mul(d, Lanes::cvt(Lanes::and_(q, Lanes::set1_32(0x0F))));
-        half[2 + k] = Lanes::mul(Lanes::loadf(w.mn + kGroup * (b / 8) + lane), Lanes::cvt(Lanes::srli32(q, 4)));
+      } else {
+        half[p][0] = Lanes::loadf(w.sc + 32 * b + lp), half[p][1] = Lanes::loadf(w.sc + 32 * b + 16 + lp);
+        if (mins) half[p][2] = Lanes::loadf(w.mn + 32 * b + lp), half[p][3] = Lanes::loadf(w.mn + 32 * b + 16 + lp);
       }
-    } else {
-      half[0] = Lanes::loadf(w.sc + 32 * b + lane), half[1] = Lanes::loadf(w.sc + 32 * b + 16 + lane);
-      if (mins) half[2] = Lanes::loadf(w.mn + 32 * b + lane), half[3] = Lanes::loadf(w.mn + 32 * b + 16 + lane);
     }
     for (int h = 0; h < 2; ++h) {
-      VI dot[C];
+      VI dot[C][P];
       if (signed_kind(KIND)) {
-        for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+        for (int c = 0; c < C; ++c)
+          for (int p = 0; p < P; ++p) dot[c][p] = Lanes::zero();
 #if defined(__AVX2__)
 #pragma GCC unroll 1
 #endif
         for (int t = 0; t < 4; ++t) {
-          const VI wv = weight_chunk<KIND>(blk, off, h, t);
-          for (int c = 0; c < C; ++c)
-            dot[c] = Lanes::add32(dot[c], signed_dot(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+          VI wv[P];
+          for (int p = 0; p < P; ++p) wv[p] = weight_chunk<KIND>(blk, off + 4 * kRowsV * p, h, t);
+          for (int c = 0; c < C; ++c) {
+            const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
+            for (int p = 0; p < P; ++p) dot[c][p] = Lanes::add32(dot[c][p], signed_dot(wv[p], xv));
+          }
         }
       } else {
-        VI s16[C];
-        for (int c = 0; c < C; ++c) s16[c] = Lanes::zero();
+        VI s16[C][P];
+        for (int c = 0; c < C; ++c)
+          for (int p = 0; p < P; ++p) s16[c][p] = Lanes::zero();
         for (int t = 0; t < 4; ++t) {
-          const VI wv = weight_chunk<KIND>(blk, off, h, t);
-          for (int c = 0; c < C; ++c)
-            s16[c] = Lanes::add16(s16[c], Lanes::maddubs(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+          VI wv[P];
+          for (int p = 0; p < P; ++p) wv[p] = weight_chunk<KIND>(blk, off + 4 * kRowsV * p, h, t);
+          for (int c = 0; c < C; ++c) {
+            const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
+            for (int p = 0; p < P; ++p) s16[c][p] = Lanes::add16(s16[c][p], Lanes::maddubs(wv[p], xv));
+          }
         }
         for (int c = 0; c < C; ++c) {
-          dot[c] = Lanes::madd1(s16[c]);
-          if (code_offset(KIND))
-            dot[c] = Lanes::sub32(dot[c], Lanes::set1_32(code_offset(KIND) * xsum16[(m0 + c) * 2 * nb + 2 * b + h]));
+          const VI offset = code_offset(KIND) ? Lanes::set1_32(code_offset(KIND) * xsum16[(m0 + c) * 2 * nb + 2 * b + h])
+                                              : Lanes::zero();
+          for (int p = 0; p < P; ++p) {
+            dot[c][p] = Lanes::madd1(s16[c][p]);
+            if (code_offset(KIND)) dot[c][p] = Lanes::sub32(dot[c][p], offset);
+          }
         }
       }
-      for (int c = 0; c < C; ++c)
-        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(half[h], Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+      for (int c = 0; c < C; ++c) {
+        const VF xd = Lanes::set1f(x.d(m0 + c)[b]);
+        for (int p = 0; p < P; ++p)
+          acc[c][p] = Lanes::fma(Lanes::cvt(dot[c][p]), Lanes::mul(half[p][h], xd), acc[c][p]);
+      }
     }
     if (mins)  // min * xd * sum(x) per half, after both halves' dots (the AVX-512 kernel's order)
       for (int c = 0; c < C; ++c) {
         const float xdb = x.d(m0 + c)[b];
         const int32_t* s = xsum16 + (m0 + c) * 2 * nb + 2 * b;
-        acc[c] = Lanes::fma(half[2], Lanes::set1f(xdb * static_cast<float>(s[0])), acc[c]);
-        acc[c] = Lanes::fma(half[3], Lanes::set1f(xdb * static_cast<float>(s[1])), acc[c]);
+        const VF s0 = Lanes::set1f(xdb * static_cast<float>(s[0])), s1 = Lanes::set1f(xdb * static_cast<float>(s[1]));
+        for (int p = 0; p < P; ++p) {
+          acc[c][p] = Lanes::fma(half[p][2], s0, acc[c][p]);
+          acc[c][p] = Lanes::fma(half[p][3], s1, acc[c][p]);
+        }
       }
   }
-  for (int c = 0; c < C; ++c) Lanes::store(out + (m0 + c) * ldo + lane, acc[c]);
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p) Lanes::store(out + (m0 + c) * ldo + lane + kRowsV * p, acc[c][p]);
 }
 
 // Q4_1 (U4) and Q8_0 (S8), the embedded model's types, over P adjacent parts at once: part_rows's integer dots
@@ -1026,6 +1055,16 @@ void parts_all_rows(const PackedW& w, const QRows& x, int64_t M, float* out, int
 template <int KIND>
 void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
   if (KIND == 0 || KIND == 2) return parts_all_rows<KIND == 0 ? 0 : 2>(w, x, M, out, ldo);
+  // K2 and K3 at 1 or 2 input rows (decode) take 2 parts a pass: unpacking their crumbs and high bits already costs
+  // more instructions than a 4-bit chunk, and on Zen 1 a 1-row step is bound by the vector-integer instructions
+  // issued, so each broadcast and block term shared by two parts is time (benchmarks/lowbit_layer.py)
+  if (super_kind(KIND) && M <= 2) {
+    for (int p = 0; p < kGroup / kRowsV; p += 2) {
+      if (M == 2) part_rows<KIND, 2, 2>(w, x, xsum16, 0, p, out, ldo);
+      else part_rows<KIND, 1, 2>(w, x, xsum16, 0, p, out, ldo);
+    }
+    return;
+  }
   for (int p = 0; p < kGroup / kRowsV; ++p) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) part_rows<KIND, 4>(w, x, xsum16, m, p, out, ldo);
