@@ -768,22 +768,14 @@ inline VI weight_chunk(const uint8_t* blk, int64_t off, int h, int t) {
 constexpr int code_offset(int kind) { return kind == 4 ? 8 : kind == 6 ? 4 : 0; }
 constexpr bool signed_kind(int kind) { return kind == 2 || kind == 3; }
 
-// Lanes::kRows outputs of each of the P parts [p0, p0 + P) of the group, for C input rows [m0, m0 + C), stored at
-// out[m * ldo + R p ..]. P > 1 only changes which instructions are shared: each broadcast of 4 activation bytes and
-// each block's activation terms (xd, the offset's sum) serve P parts' products, and every output's integer dot and
-// float chain are the ones it has with P = 1 (so the same bits at any P).
-template <int KIND, int C, int P = 1>
-void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p0, float* out,
+// Lanes::kRows outputs (part p of the group) of C input rows [m0, m0 + C), stored at out[m * ldo + R p ..]
+template <int KIND, int C>
+void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p, float* out,
                int64_t ldo) {
   constexpr int64_t kBlockBytes = nibble_kind(KIND) ? 256 : KIND == 5 ? 160 : KIND == 6 ? 224 : 512;
-  if constexpr (P > 1 && (KIND == 0 || KIND == 1)) {  // one dot a block: no shared terms worth a second path
-    for (int p = 0; p < P; ++p) part_rows<KIND, C, 1>(w, x, xsum16, m0, p0 + p, out, ldo);
-    return;
-  }
-  const int64_t nb = w.nb, off = 4 * kRowsV * p0, lane = kRowsV * p0;
-  VF acc[C][P];
-  for (int c = 0; c < C; ++c)
-    for (int p = 0; p < P; ++p) acc[c][p] = Lanes::zerof();
+  const int64_t nb = w.nb, off = 4 * kRowsV * p, lane = kRowsV * p;
+  VF acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = Lanes::zerof();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w.codes + b * kBlockBytes;
     if (KIND == 0) {  // one dot per block: int16 sums over all 8 chunks (<= 30480), one madd
@@ -805,8 +797,8 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
       for (int c = 0; c < C; ++c) dot[c] = Lanes::madd1(dot[c]);
       const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
       for (int c = 0; c < C; ++c) {
-        acc[c][0] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c][0]);
-        acc[c][0] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c][0]);
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
       }
       continue;
     }
@@ -827,14 +819,121 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
       }
       const VF ws = Lanes::loadf(w.sc + kGroup * b + lane), wm = Lanes::loadf(w.mn + kGroup * b + lane);
       for (int c = 0; c < C; ++c) {
-        acc[c][0] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c][0]);
-        acc[c][0] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c][0]);
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(ws, Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+        acc[c] = Lanes::fma(wm, Lanes::set1f(x.s(m0 + c)[b]), acc[c]);
       }
       continue;
     }
-    // per-16 and super kinds: each half's dot, scale and (where the kind has them) min, part by part
-    VF half[P][4];
+    // per-16 and super kinds: each half's dot, scale and (where the kind has them) min
+    VF half[4];
     const bool mins = KIND == 5 || (KIND == 4 && w.mn);
+    if (super_kind(KIND)) {
+      const uint8_t* sb = blk + (KIND == 5 ? 128 : 192) + lane;
+      const VF d = Lanes::loadf(w.sc + kGroup * (b / 8) + lane);
+      for (int k = 0; k < 2; ++k) {
+        if (KIND == 6) {
+          half[k] = Lanes::mul(d, Lanes::cvt(Lanes::widen_s8(sb + 16 * k)));
+          continue;
+        }
+        const VI q = Lanes::widen_u8(sb + 16 * k);  // scale | min << 4
+        half[k] = Lanes::mul(d, Lanes::cvt(Lanes::and_(q, Lanes::set1_32(0x0F))));
+        half[2 + k] = Lanes::mul(Lanes::loadf(w.mn + kGroup * (b / 8) + lane), Lanes::cvt(Lanes::srli32(q, 4)));
+      }
+    } else {
+      half[0] = Lanes::loadf(w.sc + 32 * b + lane), half[1] = Lanes::loadf(w.sc + 32 * b + 16 + lane);
+      if (mins) half[2] = Lanes::loadf(w.mn + 32 * b + lane), half[3] = Lanes::loadf(w.mn + 32 * b + 16 + lane);
+    }
+    for (int h = 0; h < 2; ++h) {
+      VI dot[C];
+      if (signed_kind(KIND)) {
+        for (int c = 0; c < C; ++c) dot[c] = Lanes::zero();
+#if defined(__AVX2__)
+#pragma GCC unroll 1
+#endif
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            dot[c] = Lanes::add32(dot[c], signed_dot(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+      } else {
+        VI s16[C];
+        for (int c = 0; c < C; ++c) s16[c] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          const VI wv = weight_chunk<KIND>(blk, off, h, t);
+          for (int c = 0; c < C; ++c)
+            s16[c] = Lanes::add16(s16[c], Lanes::maddubs(wv, Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t)));
+        }
+        for (int c = 0; c < C; ++c) {
+          dot[c] = Lanes::madd1(s16[c]);
+          if (code_offset(KIND))
+            dot[c] = Lanes::sub32(dot[c], Lanes::set1_32(code_offset(KIND) * xsum16[(m0 + c) * 2 * nb + 2 * b + h]));
+        }
+      }
+      for (int c = 0; c < C; ++c)
+        acc[c] = Lanes::fma(Lanes::cvt(dot[c]), Lanes::mul(half[h], Lanes::set1f(x.d(m0 + c)[b])), acc[c]);
+    }
+    if (mins)  // min * xd * sum(x) per half, after both halves' dots (the AVX-512 kernel's order)
+      for (int c = 0; c < C; ++c) {
+        const float xdb = x.d(m0 + c)[b];
+        const int32_t* s = xsum16 + (m0 + c) * 2 * nb + 2 * b;
+        acc[c] = Lanes::fma(half[2], Lanes::set1f(xdb * static_cast<float>(s[0])), acc[c]);
+        acc[c] = Lanes::fma(half[3], Lanes::set1f(xdb * static_cast<float>(s[1])), acc[c]);
+      }
+  }
+  for (int c = 0; c < C; ++c) Lanes::store(out + (m0 + c) * ldo + lane, acc[c]);
+}
+
+// part_rows over P adjacent parts [p0, p0 + P) at once, for U8, NL4, K2 and K3 at 1 or 2 input rows (a decode step):
+// each broadcast of 4 activation bytes and each block's activation terms (xd, xs, the offset's sum) serve P parts'
+// products, and every output's integer dot and float chain are part_rows's (so the same bits at any M). Apart from
+// part_rows, not a P = 1 case of it: written with P, GCC compiled part_rows's own tiles ~3-10% slower (one thread,
+// quant_gemm_cpu.cpp, NL4 and I4 at M = 16).
+template <int KIND, int C, int P>
+void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p0, float* out,
+                       int64_t ldo) {
+  constexpr int64_t kBlockBytes = nibble_kind(KIND) ? 256 : KIND == 5 ? 160 : KIND == 6 ? 224 : 512;
+  static_assert(KIND == 1 || KIND == 3 || super_kind(KIND), "U4 and S8 take parts_rows, I4 part_rows");
+  const int64_t nb = w.nb, off = 4 * kRowsV * p0, lane = kRowsV * p0;
+  VF acc[C][P];
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p) acc[c][p] = Lanes::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w.codes + b * kBlockBytes;
+    if (KIND == 1) {  // one dot per block: int16 sums over each half's 4 chunks (<= 31496), then madd
+      VI dot[C][P];
+      for (int h = 0; h < 2; ++h) {
+        VI s16[C][P];
+        for (int c = 0; c < C; ++c)
+          for (int p = 0; p < P; ++p) s16[c][p] = Lanes::zero();
+        for (int t = 0; t < 4; ++t) {
+          VI wv[P];
+          for (int p = 0; p < P; ++p) wv[p] = weight_chunk<KIND>(blk, off + 4 * kRowsV * p, h, t);
+          for (int c = 0; c < C; ++c) {
+            const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
+            for (int p = 0; p < P; ++p) s16[c][p] = Lanes::add16(s16[c][p], Lanes::maddubs(wv[p], xv));
+          }
+        }
+        for (int c = 0; c < C; ++c)
+          for (int p = 0; p < P; ++p) {
+            const VI s32 = Lanes::madd1(s16[c][p]);
+            dot[c][p] = h ? Lanes::add32(dot[c][p], s32) : s32;
+          }
+      }
+      VF ws[P], wm[P];
+      for (int p = 0; p < P; ++p)
+        ws[p] = Lanes::loadf(w.sc + kGroup * b + lane + kRowsV * p), wm[p] = Lanes::loadf(w.mn + kGroup * b + lane + kRowsV * p);
+      for (int c = 0; c < C; ++c) {
+        const VF xd = Lanes::set1f(x.d(m0 + c)[b]), xs = Lanes::set1f(x.s(m0 + c)[b]);
+        for (int p = 0; p < P; ++p) {
+          acc[c][p] = Lanes::fma(Lanes::cvt(dot[c][p]), Lanes::mul(ws[p], xd), acc[c][p]);
+          acc[c][p] = Lanes::fma(wm[p], xs, acc[c][p]);
+        }
+      }
+      continue;
+    }
+    // NL4, K2, K3: each half's dot and scale (and K2's min), part by part
+    VF half[P][4];
+    constexpr bool mins = KIND == 5;
     for (int p = 0; p < P; ++p) {
       const int64_t lp = lane + kRowsV * p;
       if (super_kind(KIND)) {
@@ -1055,15 +1154,20 @@ void parts_all_rows(const PackedW& w, const QRows& x, int64_t M, float* out, int
 template <int KIND>
 void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t M, float* out, int64_t ldo) {
   if (KIND == 0 || KIND == 2) return parts_all_rows<KIND == 0 ? 0 : 2>(w, x, M, out, ldo);
-  // K2 and K3 at 1 or 2 input rows (decode) take 2 parts a pass: unpacking their crumbs and high bits already costs
-  // more instructions than a 4-bit chunk, and on Zen 1 a 1-row step is bound by the vector-integer instructions
-  // issued, so each broadcast and block term shared by two parts is time (benchmarks/lowbit_layer.py)
-  if (super_kind(KIND) && M <= 2) {
-    for (int p = 0; p < kGroup / kRowsV; p += 2) {
-      if (M == 2) part_rows<KIND, 2, 2>(w, x, xsum16, 0, p, out, ldo);
-      else part_rows<KIND, 1, 2>(w, x, xsum16, 0, p, out, ldo);
+  // At 1 or 2 input rows (decode) U8, NL4, K2 and K3 take 2 parts a pass: on Zen 1 a 1-row step is bound by the
+  // vector-integer instructions issued, so each broadcast and block term shared by two parts is time (K2/K3's crumbs
+  // and high bits cost more to unpack than a 4-bit chunk). One thread, benchmarks/quant_gemm_cpu.cpp, 2048 x 2048,
+  // x86-64-v3 on Zen 1: U8 M = 1 -10..-42%, NL4 -18..-25%, K2 -8%, K3 even (and -7% in lowbit_layer.py's two-thread
+  // layer with its weights from memory); x86-64-v2: U8 -15..-48%, the others even; M = 16 unchanged.
+  // I4 stays part by part: lowbit_layer.py's baseline, as Q2_K and Q3_K ran before their own layouts
+  if constexpr (KIND == 1 || KIND == 3 || super_kind(KIND)) {
+    if (M <= 2) {
+      for (int p = 0; p < kGroup / kRowsV; p += 2) {
+        if (M == 2) parts_shared_rows<KIND, 2, 2>(w, x, xsum16, 0, p, out, ldo);
+        else parts_shared_rows<KIND, 1, 2>(w, x, xsum16, 0, p, out, ldo);
+      }
+      return;
     }
-    return;
   }
   for (int p = 0; p < kGroup / kRowsV; ++p) {
     int64_t m = 0;
