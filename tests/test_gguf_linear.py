@@ -119,7 +119,7 @@ def test_kernel_equals_the_dequantize_then_matmul_reference(kind, n):
         out = layer(x[:m])
         torch.testing.assert_close(out, ref[:m], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     # a row's result never depends on the rows beside it (nor on its place in the packed kernel's tiles: 4 rows, and
-    # 16 for S8 on AVX-512; K2/K3 at 1 or 2 rows take 2 parts a pass on the narrow builds)
+    # 16 for S8 on AVX-512; U8, NL4, K2 and K3 at 1 or 2 rows take 2 parts a pass on the narrow builds)
     full = layer(x)
     assert all(torch.equal(layer(x[m:m + 1]), full[m:m + 1]) for m in (0, 5, 16, 21, 36))
     assert torch.equal(layer(x[2:9]), full[2:9]) and torch.equal(layer(x[3:19]), full[3:19])
@@ -158,13 +158,18 @@ def test_native_activation_codes_equal_the_reference_bit_for_bit():
 
 
 @needs_native
-def test_zero_rows_and_a_zero_block_of_activations():
-    w = repack("Q4_1", random_blocks("Q4_1", 16, 64, seed=4), 16, 64)
-    layer = GGUFLinear(w, 64, None)
-    x = torch.randn(2, 64)
-    x[0, :32] = 0  # a block whose scale is 0: its codes are 0, not NaN
-    torch.testing.assert_close(layer(x), reference_linear(x, w, None), rtol=1e-5, atol=1e-4)
-    assert layer(torch.zeros(0, 64)).shape == (0, 16)
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_zero_rows_and_a_zero_block_of_activations(kind):
+    """Every kind (each takes its own tiles at 0, 1 and 2 rows): no rows give an empty result, and a block whose
+    activation scale is 0 gives codes of 0, not NaN."""
+    n, k = shape_for(kind, 48)
+    w = repack(kind, random_blocks(kind, n, k, seed=4), n, k)
+    layer = GGUFLinear(w, k, None)
+    x = torch.randn(2, k)
+    x[0, :32] = 0
+    ref = reference_linear(x, w, None)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert layer(torch.zeros(0, k)).shape == (0, n)
 
 
 def test_refused_where_it_cannot_run(tmp_path):

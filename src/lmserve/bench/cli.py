@@ -263,11 +263,13 @@ def _report(kind: str, rows: list[dict], engine, roof, before, args: argparse.Na
 
 
 def cmd_bench_startup(args: argparse.Namespace) -> int:
-    _checked(args)  # the child process takes the flag as given (a Hub id resolves there as a user's start does)
+    # the child starts from the checked local path (a Hub id resolved here, at --revision), as `serve` loads once
+    # its first checks have resolved the flag
+    cfg = _checked(args)
     from lmserve.bench.offline import startup
 
     _status("starting a fresh process up to its first token")
-    phases = startup(args.model, args.num_threads or 2)
+    phases = startup(cfg.model, args.num_threads or 2)
     if not args.json:
         print("startup phases (seconds):")
         for name, value in phases.items():

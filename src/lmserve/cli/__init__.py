@@ -319,10 +319,13 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     src, dst = Path(args.input), Path(args.output)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    if not src.is_file():
-        raise ConfigError(f"input file {str(src)!r} does not exist")
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise ConfigError("the output file must not be the input file")
+    try:
+        if not src.is_file():
+            raise ConfigError(f"input file {str(src)!r} does not exist")
+        if dst.exists() and dst.resolve() == src.resolve():
+            raise ConfigError("the output file must not be the input file")
+    except OSError as e:  # e.g. a directory on the way that this user cannot enter
+        raise ConfigError(str(e)) from None
     # the flags' numbers and the model's path and header: a typo is one line at once, not after `import torch`
     # (seconds on a small CPU), which the batch modules below pull in through the routes
     cfg = check_before_torch(engine_config(args))

@@ -1161,7 +1161,7 @@ void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int
   // layer with its weights from memory); x86-64-v2: U8 -15..-48%, the others even; M = 16 unchanged.
   // I4 stays part by part: lowbit_layer.py's baseline, as Q2_K and Q3_K ran before their own layouts
   if constexpr (KIND == 1 || KIND == 3 || super_kind(KIND)) {
-    if (M <= 2) {
+    if (M == 1 || M == 2) {  // (M = 0: nothing to compute, as below)
       for (int p = 0; p < kGroup / kRowsV; p += 2) {
         if (M == 2) parts_shared_rows<KIND, 2, 2>(w, x, xsum16, 0, p, out, ldo);
         else parts_shared_rows<KIND, 1, 2>(w, x, xsum16, 0, p, out, ldo);
