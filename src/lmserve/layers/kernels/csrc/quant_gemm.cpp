@@ -883,6 +883,22 @@ void part_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t 
   for (int c = 0; c < C; ++c) Lanes::store(out + (m0 + c) * ldo + lane, acc[c]);
 }
 
+// Half h of block b for parts_shared_rows's unsigned-code kinds (U8, K2, K3): each row's int16 sums over the half's
+// 4 chunks, each chunk of every part against the row's one broadcast of 4 activation bytes
+template <int KIND, int C, int P>
+inline void half_sums(const uint8_t* blk, int64_t off, const QRows& x, int64_t m0, int64_t b, int h, VI (&s16)[C][P]) {
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < P; ++p) s16[c][p] = Lanes::zero();
+  for (int t = 0; t < 4; ++t) {
+    VI wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = weight_chunk<KIND>(blk, off + 4 * kRowsV * p, h, t);
+    for (int c = 0; c < C; ++c) {
+      const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
+      for (int p = 0; p < P; ++p) s16[c][p] = Lanes::add16(s16[c][p], Lanes::maddubs(wv[p], xv));
+    }
+  }
+}
+
 // part_rows over P adjacent parts [p0, p0 + P) at once, for U8, NL4, K2 and K3 at 1 or 2 input rows (a decode step):
 // each broadcast of 4 activation bytes and each block's activation terms (xd, xs, the offset's sum) serve P parts'
 // products, and every output's integer dot and float chain are part_rows's (so the same bits at any M). Apart from
@@ -903,16 +919,7 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
       VI dot[C][P];
       for (int h = 0; h < 2; ++h) {
         VI s16[C][P];
-        for (int c = 0; c < C; ++c)
-          for (int p = 0; p < P; ++p) s16[c][p] = Lanes::zero();
-        for (int t = 0; t < 4; ++t) {
-          VI wv[P];
-          for (int p = 0; p < P; ++p) wv[p] = weight_chunk<KIND>(blk, off + 4 * kRowsV * p, h, t);
-          for (int c = 0; c < C; ++c) {
-            const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
-            for (int p = 0; p < P; ++p) s16[c][p] = Lanes::add16(s16[c][p], Lanes::maddubs(wv[p], xv));
-          }
-        }
+        half_sums<KIND, C, P>(blk, off, x, m0, b, h, s16);
         for (int c = 0; c < C; ++c)
           for (int p = 0; p < P; ++p) {
             const VI s32 = Lanes::madd1(s16[c][p]);
@@ -971,16 +978,7 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
         }
       } else {
         VI s16[C][P];
-        for (int c = 0; c < C; ++c)
-          for (int p = 0; p < P; ++p) s16[c][p] = Lanes::zero();
-        for (int t = 0; t < 4; ++t) {
-          VI wv[P];
-          for (int p = 0; p < P; ++p) wv[p] = weight_chunk<KIND>(blk, off + 4 * kRowsV * p, h, t);
-          for (int c = 0; c < C; ++c) {
-            const VI xv = Lanes::bcast4(x.codes(m0 + c) + b * kQBlock + 16 * h + 4 * t);
-            for (int p = 0; p < P; ++p) s16[c][p] = Lanes::add16(s16[c][p], Lanes::maddubs(wv[p], xv));
-          }
-        }
+        half_sums<KIND, C, P>(blk, off, x, m0, b, h, s16);
         for (int c = 0; c < C; ++c) {
           const VI offset = code_offset(KIND) ? Lanes::set1_32(code_offset(KIND) * xsum16[(m0 + c) * 2 * nb + 2 * b + h])
                                               : Lanes::zero();
