@@ -1155,8 +1155,8 @@ void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int
   // At 1 or 2 input rows (decode) U8, NL4, K2 and K3 take 2 parts a pass: on Zen 1 a 1-row step is bound by the
   // vector-integer instructions issued, so each broadcast and block term shared by two parts is time (K2/K3's crumbs
   // and high bits cost more to unpack than a 4-bit chunk). One thread, benchmarks/quant_gemm_cpu.cpp, 2048 x 2048,
-  // x86-64-v3 on Zen 1: U8 M = 1 -10..-42%, NL4 -18..-25%, K2 -8%, K3 even (and -7% in lowbit_layer.py's two-thread
-  // layer with its weights from memory); x86-64-v2: U8 -15..-48%, the others even; M = 16 unchanged.
+  // x86-64-v3 on Zen 1, M = 1: U8 -10..-42%, NL4 -14..-25%, K2 -8%, K3 even (-4..-11% in lowbit_layer.py's
+  // two-thread layer, its weights from memory); x86-64-v2: U8 -15..-48%, the others even; M = 16 unchanged.
   // I4 stays part by part: lowbit_layer.py's baseline, as Q2_K and Q3_K ran before their own layouts
   if constexpr (KIND == 1 || KIND == 3 || super_kind(KIND)) {
     if (M == 1 || M == 2) {  // (M = 0: nothing to compute, as below)
