@@ -37,7 +37,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     # lmserve: `lmserve --version` reads the facade's __version__ (cli/__init__.py; flags.py and hub.py are cli too)
     "cli": {"lmserve", "bench", "server.app", "server.batch", "ops", "engine", "preflight", "tokenizer", "loader", "lora",
             "parsers", "multimodal"},  # parsers: the --reasoning-parser / --tool-call-parser names
-    "bench": {"engine", "preflight", "models", "layers"},  # `lmserve bench`: cli only registers its parser
+    "bench": {"engine", "preflight", "loader", "models", "layers"},  # `lmserve bench`: cli only registers its parser
     # server/ by concern: app.py, main.py and start.py assemble the app (server.app); each API family in server/api/ only
     # translates its shapes onto the shared middle (server: admission, streaming, errors, auth, metrics, state);
     # server/batch/ runs lines through the OpenAI API's handling; server/models/ is the pool of served models.
