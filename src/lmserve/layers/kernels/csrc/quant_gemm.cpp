@@ -955,9 +955,8 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
           half[p][k] = Lanes::mul(d, Lanes::cvt(Lanes::and_(q, Lanes::set1_32(0x0F))));
           half[p][2 + k] = Lanes::mul(Lanes::loadf(w.mn + kGroup * (b / 8) + lp), Lanes::cvt(Lanes::srli32(q, 4)));
         }
-      } else {
+      } else {  // NL4: a float scale per 16, no mins
         half[p][0] = Lanes::loadf(w.sc + 32 * b + lp), half[p][1] = Lanes::loadf(w.sc + 32 * b + 16 + lp);
-        if (mins) half[p][2] = Lanes::loadf(w.mn + 32 * b + lp), half[p][3] = Lanes::loadf(w.mn + 32 * b + 16 + lp);
       }
     }
     for (int h = 0; h < 2; ++h) {
