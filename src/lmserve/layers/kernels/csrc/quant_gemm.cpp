@@ -1018,6 +1018,65 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
 // block; apart, the float pass holds no dots and the product loop no accumulators (one thread,
 // benchmarks/quant_gemm_cpu.cpp at M = 16: x86-64-v3 U4 1536 x 576 +6%, S8 8192 x 576 +3.5%; x86-64-v2 U4 -2.4%,
 // S8 +5%; M = 1 unchanged; benchmarks/results/step_levels_zen4_twopass.md).
+#if defined(__AVX2__) && defined(__x86_64__) && !defined(LMSERVE_NO_ASM)
+#define LMSERVE_U4_ASM 1
+// U4's integer pass for one block of the 4-row, 2-part tile (x86-64-v3), in assembly: dots[c][p][8] <- madd1 of the
+// block's int16 sums, each product and sum as parts_rows's loop below forms them. Why: GCC allots that loop's 8
+// int16 sums, 4 unpacked weight vectors, the nibble mask and 2 broadcasts to the 16 registers with 6 register moves
+// and 10 stack stores and loads a chunk (60 instructions around its 16 maddubs); written here, each chunk is its 48:
+// 2 loads, 6 to unpack, 8 broadcasts, 16 maddubs and 16 adds, the sums in ymm0-7. The int16 adds are exact (no sum
+// passes 30480), so adding each product into its sum rather than both products first gives the same integers:
+// the bits of every other tile shape (tests/test_gguf_linear.py checks 1-row calls against 4-row tiles).
+// Measured (benchmarks/quant_gemm_cpu.cpp, one thread, 1536 x 576; the hashes equal with -DLMSERVE_NO_ASM): see
+// benchmarks/results/u4_asm_zen4.md.
+#define U4_WEIGHTS(t)                                                                              \
+  "vmovdqu " #t "*64(%[w]), %%ymm9\n\t" "vpsrlw $4, %%ymm9, %%ymm10\n\t"                           \
+  "vpand %%ymm8, %%ymm9, %%ymm9\n\t" "vpand %%ymm8, %%ymm10, %%ymm10\n\t"                          \
+  "vmovdqu " #t "*64+32(%[w]), %%ymm11\n\t" "vpsrlw $4, %%ymm11, %%ymm12\n\t"                      \
+  "vpand %%ymm8, %%ymm11, %%ymm11\n\t" "vpand %%ymm8, %%ymm12, %%ymm12\n\t"
+// row X's 4 codes of chunk t against the low nibbles (ymm13) and 16 further on against the high ones (ymm14)
+#define U4_ROW(t, X) "vpbroadcastd " #t "*4(%[" #X "]), %%ymm13\n\t" "vpbroadcastd 16+" #t "*4(%[" #X "]), %%ymm14\n\t"
+// chunk 0 sets the row's sums a (part 0) and b (part 1); the later chunks add into them
+#define U4_SET(a, b)                                                                               \
+  "vpmaddubsw %%ymm13, %%ymm9, %%ymm" #a "\n\t" "vpmaddubsw %%ymm14, %%ymm10, %%ymm15\n\t"          \
+  "vpaddw %%ymm15, %%ymm" #a ", %%ymm" #a "\n\t"                                                   \
+  "vpmaddubsw %%ymm13, %%ymm11, %%ymm" #b "\n\t" "vpmaddubsw %%ymm14, %%ymm12, %%ymm15\n\t"         \
+  "vpaddw %%ymm15, %%ymm" #b ", %%ymm" #b "\n\t"
+#define U4_ADD(a, b)                                                                               \
+  "vpmaddubsw %%ymm13, %%ymm9, %%ymm15\n\t" "vpaddw %%ymm15, %%ymm" #a ", %%ymm" #a "\n\t"         \
+  "vpmaddubsw %%ymm14, %%ymm10, %%ymm15\n\t" "vpaddw %%ymm15, %%ymm" #a ", %%ymm" #a "\n\t"        \
+  "vpmaddubsw %%ymm13, %%ymm11, %%ymm15\n\t" "vpaddw %%ymm15, %%ymm" #b ", %%ymm" #b "\n\t"        \
+  "vpmaddubsw %%ymm14, %%ymm12, %%ymm15\n\t" "vpaddw %%ymm15, %%ymm" #b ", %%ymm" #b "\n\t"
+#define U4_CHUNK(t, SUM) \
+  U4_WEIGHTS(t) U4_ROW(t, x0) SUM(0, 1) U4_ROW(t, x1) SUM(2, 3) U4_ROW(t, x2) SUM(4, 5) U4_ROW(t, x3) SUM(6, 7)
+#define U4_STORE(r, at) "vpmaddwd %%ymm8, %%ymm" #r ", %%ymm" #r "\n\t" "vmovdqa %%ymm" #r ", " #at "(%[d])\n\t"
+alignas(32) constexpr uint8_t kLow4x32[32] = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
+                                              15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+alignas(32) constexpr int16_t kOnes16x16[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+// blk: the block's 256 code bytes (both parts); x0..x3: the 4 rows' 32 codes of the block; dots: 32-byte aligned
+inline void u4_block_4x2(const uint8_t* blk, const int8_t* x0, const int8_t* x1, const int8_t* x2, const int8_t* x3,
+                         int32_t* dots) {
+  __asm__ volatile(
+      "vmovdqa %[low4], %%ymm8\n\t"
+      U4_CHUNK(0, U4_SET) U4_CHUNK(1, U4_ADD) U4_CHUNK(2, U4_ADD) U4_CHUNK(3, U4_ADD)
+      "vmovdqa %[ones], %%ymm8\n\t"
+      U4_STORE(0, 0) U4_STORE(1, 32) U4_STORE(2, 64) U4_STORE(3, 96)
+      U4_STORE(4, 128) U4_STORE(5, 160) U4_STORE(6, 192) U4_STORE(7, 224)
+      :
+      : [w] "r"(blk), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [d] "r"(dots),
+        [low4] "m"(kLow4x32), [ones] "m"(kOnes16x16)
+      : "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+        "xmm12", "xmm13", "xmm14", "xmm15");
+}
+#undef U4_WEIGHTS
+#undef U4_ROW
+#undef U4_SET
+#undef U4_ADD
+#undef U4_CHUNK
+#undef U4_STORE
+#endif
+
 template <int KIND, int C, int P>
 void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out, int64_t ldo) {
   static_assert(KIND == 0 || KIND == 2, "U4 and S8 only");
@@ -1048,6 +1107,13 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
             _mm_prefetch(reinterpret_cast<const char*>(w.mn + (w.next_sc - w.sc) + kGroup * b), _MM_HINT_T0);
         }
       }
+#if defined(LMSERVE_U4_ASM)
+      if constexpr (KIND == 0 && C == 4 && P == 2 && kRowsV == 8) {  // the whole tile (p0 = 0): u4_block_4x2
+        const int64_t at = b * kQBlock;
+        u4_block_4x2(blk, xc[0] + at, xc[1] + at, xc[2] + at, xc[3] + at, dots[r][0][0][0]);
+        continue;
+      }
+#endif
       for (int h = 0; h < kHalves; ++h) {
         VI dot[C][P];  // set by chunk 0
         // Not unrolled: unrolled, GCC issued every chunk's maddubs first and spilled them to the stack (~25% of a
