@@ -78,11 +78,11 @@ def sentences(tokenize, n: int, seed: int = 0) -> list[str]:
 
 
 def linear_flops(cfg, tokens: int) -> float:
-    """FLOPs of the encoder's linears over `tokens` tokens: q, k, v and o, and the two MLP matrices (no gate), 2 a
-    weight; attention and norms left out, so the ceiling below bounds from above."""
-    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
-        + 2 * cfg.hidden_size * cfg.intermediate_size
-    return 2.0 * cfg.num_layers * per_layer * tokens
+    """FLOPs of the encoder's linears over `tokens` tokens (q, k, v and o, and the two MLP matrices: `lmserve bench
+    roofline`'s count at no context); attention and norms left out, so the ceiling below bounds from above."""
+    from lmserve.bench.roofline import flops_per_token
+
+    return flops_per_token(cfg) * tokens
 
 
 def fp32_rate(cfg, tokens: int) -> float:

@@ -71,3 +71,25 @@ def test_format_table_aligns_columns_and_prints_nan_as_dash():
 def test_load_note_only_when_others_used_the_cpu(others, noted):
     note = load_note({"other_processes_cores": others, "cores": 2, "loadavg_1m_at_end": 1.0})
     assert (note is not None) == noted
+
+
+def test_roofline_counts_each_architectures_own_matrices():
+    """FLOPs a token: BERT's MLP has two matrices and no LM head (all-MiniLM-L6-v2's shapes: 21.2 MFLOP, the count
+    benchmarks/encoder_throughput.py's float32 ceiling divides by); a decoder's is gated and has its head; an MoE layer
+    runs its top-k experts, not all of them."""
+    from lmserve.bench.roofline import flops_per_token
+    from lmserve.models.config import ModelConfig
+
+    def cfg(**kw):
+        base = dict(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=256,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+        return ModelConfig(**{**base, **kw})
+
+    minilm = cfg(architecture="BertModel", vocab_size=30522, hidden_size=384, intermediate_size=1536, num_layers=6,
+                 num_heads=12, num_kv_heads=12, head_dim=32, hidden_act="gelu", encoder=True)
+    assert flops_per_token(minilm) == 2 * 6 * (4 * 384 * 384 + 2 * 384 * 1536) == 21_233_664
+    attention = 2 * 64 * 64 + 64 * 32 * 2  # q and o (4 heads of 16), k and v (2 heads)
+    assert flops_per_token(cfg()) == 2 * (2 * (attention + 3 * 64 * 256) + 64 * 1000)
+    assert flops_per_token(cfg(), context=10) == flops_per_token(cfg()) + 2 * 2 * (2 * 4 * 16 * 10)
+    moe = cfg(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert flops_per_token(moe) == 2 * (2 * (attention + 3 * 64 * 32 * 2 + 64 * 8) + 64 * 1000)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lmserve.models.config import ModelConfig
+from lmserve.models.registry import family_of
 
 
 @dataclass
@@ -64,11 +65,24 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
-    """Matmul FLOPs for one token: 2 per weight of every projection and the LM head, plus attention."""
-    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
-        + 3 * cfg.hidden_size * cfg.intermediate_size
+    """Matmul FLOPs for one token, 2 per weight it multiplies: q, k, v and o; the MLP's three matrices where it is gated
+    (two in BERT and XLM-R, whose MLP is up, GELU, down); an MoE layer's top-k experts, shared expert and router
+    instead; the LM head, which an encoder has not (it pools; a classifier head runs once a sequence); plus
+    attention over `context` keys."""
+    h = cfg.hidden_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
+    mlp_matrices = 2 if cfg.encoder and family_of(cfg).name in ("bert", "xlm-roberta") else 3
+    mlp = 0
+    for i in range(cfg.num_layers):
+        if cfg.is_moe_layer(i):
+            shared = cfg.shared_expert_intermediate_size
+            mlp += 3 * h * cfg.expert_size * cfg.num_experts_per_tok + h * cfg.num_experts \
+                + (3 * h * shared + h if shared else 0)
+        else:
+            mlp += mlp_matrices * h * cfg.intermediate_size
+    head = 0 if cfg.encoder else h * cfg.vocab_size
     attn = 2 * cfg.num_heads * cfg.head_dim * context  # q.k and p.v over the context
-    return 2.0 * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size) + 2.0 * cfg.num_layers * attn
+    return 2.0 * (cfg.num_layers * per_layer + mlp + head) + 2.0 * cfg.num_layers * attn
 
 
 def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
