@@ -1022,8 +1022,8 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
 #define LMSERVE_U4_ASM 1
 // U4's integer pass for one block of the 4-row, 2-part tile (x86-64-v3), in assembly: dots[c][p][8] <- madd1 of the
 // block's int16 sums, each product and sum as parts_rows's loop below forms them. Why: GCC allots that loop's 8
-// int16 sums, 4 unpacked weight vectors, the nibble mask and 2 broadcasts to the 16 registers with 6 register moves
-// and 10 stack stores and loads a chunk (60 instructions around its 16 maddubs); written here, each chunk is its 48:
+// int16 sums, 4 unpacked weight vectors, the nibble mask and 2 broadcasts to the 16 registers with 6 register moves,
+// 5 stack stores and 3 stack loads a chunk (60 instructions around its 16 maddubs); written here, a chunk is its 48:
 // 2 loads, 6 to unpack, 8 broadcasts, 16 maddubs and 16 adds, the sums in ymm0-7. The int16 adds are exact (no sum
 // passes 30480), so adding each product into its sum rather than both products first gives the same integers:
 // the bits of every other tile shape (tests/test_gguf_linear.py checks 1-row calls against 4-row tiles).
