@@ -93,3 +93,11 @@ def test_roofline_counts_each_architectures_own_matrices():
     assert flops_per_token(cfg(), context=10) == flops_per_token(cfg()) + 2 * 2 * (2 * 4 * 16 * 10)
     moe = cfg(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     assert flops_per_token(moe) == 2 * (2 * (attention + 3 * 64 * 32 * 2 + 64 * 8) + 64 * 1000)
+    # Qwen2-MoE: a dense first layer; a shared expert (and its gate, hidden -> 1) beside the routed ones
+    shared = cfg(architecture="Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64, dense_layers=(0,))
+    assert flops_per_token(shared) == 2 * (2 * attention + 3 * 64 * 256 + 3 * 64 * 32 * 2 + 64 * 4 + 3 * 64 * 64 + 64
+                                           + 64 * 1000)
+    # ModernBERT: an encoder (no LM head) whose MLP is gated (one hidden -> 2 x intermediate matrix, then down)
+    modern = cfg(architecture="ModernBertModel", num_kv_heads=4, hidden_act="gelu", encoder=True)
+    assert flops_per_token(modern) == 2 * 2 * (4 * 64 * 64 + 3 * 64 * 256)

@@ -140,3 +140,27 @@ def test_each_build_this_cpu_runs_equals_the_references(level):
                        env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-4000:]
     assert " passed" in p.stdout, p.stdout[-1000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_flags().split()), reason="runs the x86-64-v3 build: needs AVX2")
+def test_the_u4_assembly_equals_the_intrinsics_it_replaces(tmp_path):
+    """quant_gemm.cpp's U4 tile in inline assembly (x86-64-v3) against the same source built with -DLMSERVE_NO_ASM
+    (the intrinsics loop): benchmarks/quant_gemm_cpu.cpp's output hashes, every kind at M = 1 and 16 (U4's 16 rows run
+    four assembly tiles), on two shapes (K a multiple of 256: the K-quants). Compiled straight from the kernel sources (no torch headers): ~10 s each."""
+    csrc = ROOT / "src" / "lmserve" / "layers" / "kernels" / "csrc"
+    flags = [*native.CFLAGS, "-march=x86-64-v3", "-std=c++17", f"-I{csrc}"]
+    builds = {name: tmp_path / name for name in ("asm", "no_asm")}
+    compiles = [subprocess.Popen(["g++", *flags, *(["-DLMSERVE_NO_ASM"] if name == "no_asm" else []),
+                                  str(ROOT / "benchmarks" / "quant_gemm_cpu.cpp"), str(csrc / "quant_gemm.cpp"),
+                                  "-o", str(exe)], stderr=subprocess.PIPE, text=True)
+                for name, exe in builds.items()]
+    for c in compiles:
+        assert c.wait(timeout=600) == 0, c.stderr.read()[-2000:]
+    hashes = {}
+    for name, exe in builds.items():
+        lines = [subprocess.run([str(exe), str(kind), *shape, "1"], capture_output=True, text=True, check=True,
+                                timeout=120).stdout for kind in range(7) for shape in (("1536", "768"), ("48", "256"))]
+        hashes[name] = [line.split("check")[-1].strip() for line in lines]
+    assert hashes["asm"] == hashes["no_asm"]
+    assert len(set(hashes["asm"])) == len(hashes["asm"])  # every kind and shape its own outputs

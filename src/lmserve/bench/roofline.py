@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from lmserve.models import bert
 from lmserve.models.config import ModelConfig
 from lmserve.models.registry import family_of
 
@@ -71,7 +72,7 @@ def flops_per_token(cfg: ModelConfig, context: int = 0) -> float:
     attention over `context` keys."""
     h = cfg.hidden_size
     per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
-    mlp_matrices = 2 if cfg.encoder and family_of(cfg).name in ("bert", "xlm-roberta") else 3
+    mlp_matrices = 2 if family_of(cfg).model is bert.EncoderModel else 3  # BERT's layers: up, GELU, down
     mlp = 0
     for i in range(cfg.num_layers):
         if cfg.is_moe_layer(i):

@@ -1024,8 +1024,8 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
 // block's int16 sums, each product and sum as parts_rows's loop below forms them. Why: GCC allots that loop's 8
 // int16 sums, 4 unpacked weight vectors, the nibble mask and 2 broadcasts to the 16 registers with 6 register moves,
 // 5 stack stores and 3 stack loads a chunk (60 instructions around its 16 maddubs); written here, a chunk is its 48:
-// 2 loads, 6 to unpack, 8 broadcasts, 16 maddubs and 16 adds, the sums in ymm0-7. The int16 adds are exact (no sum
-// passes 30480), so adding each product into its sum rather than both products first gives the same integers:
+// 2 loads, 6 to unpack, 8 broadcasts, 16 maddubs and 16 adds, the sums in ymm0-7. int16 adds wrap (and no sum passes
+// 30480), so adding each product into its sum rather than both products first gives the same integers:
 // the bits of every other tile shape (tests/test_gguf_linear.py checks 1-row calls against 4-row tiles).
 // Measured (benchmarks/quant_gemm_cpu.cpp, one thread, 1536 x 576; the hashes equal with -DLMSERVE_NO_ASM): see
 // benchmarks/results/u4_asm_zen4.md.
@@ -1109,6 +1109,7 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
       }
 #if defined(LMSERVE_U4_ASM)
       if constexpr (KIND == 0 && C == 4 && P == 2 && kRowsV == 8) {  // the whole tile (p0 = 0): u4_block_4x2
+        static_assert(kGroup / kRowsV == P, "one pass covers the group's parts, so p0 is 0");
         const int64_t at = b * kQBlock;
         u4_block_4x2(blk, xc[0] + at, xc[1] + at, xc[2] + at, xc[3] + at, dots[r][0][0][0]);
         continue;
