@@ -1008,7 +1008,8 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
     for (int p = 0; p < P; ++p) Lanes::store(out + (m0 + c) * ldo + lane + kRowsV * p, acc[c][p]);
 }
 
-// Q4_1 (U4) and Q8_0 (S8), the embedded model's types, over P adjacent parts at once: part_rows's integer dots
+// Q4_1 (U4) and Q8_0 (S8), the embedded model's types, over P adjacent parts at once (and U8, Q5_*, at 4 rows x 2
+// parts on x86-64-v3, its integer pass in assembly: u8_block_4x2): part_rows's integer dots
 // and float chains exactly, but each broadcast of 4 activation bytes (and of a block's xd and xs) serves P parts'
 // maddubs instead of one. Why: part by part, a 16-row step spent as many instructions on those broadcasts and the
 // per-block epilogue as on the products (x86-64-v3: 8 rows a part, 2 parts; x86-64-v2: 4 rows a part, 4 parts).
@@ -1069,6 +1070,46 @@ inline void u4_block_4x2(const uint8_t* blk, const int8_t* x0, const int8_t* x1,
       : "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
         "xmm12", "xmm13", "xmm14", "xmm15");
 }
+// U8's integer pass for one block of a 4-row, 2-part tile (x86-64-v3: Q5_0, Q5_1, Q5_K; parts_rows<1, 4, 2>):
+// dots[c][p][8] <- each half's int16 sums over its 4 chunks (<= 31496), madd1'd, the two halves added: the integers
+// of part_rows<1, C>, which took one part at a time, so two parts a pass share each broadcast (and GCC's code for that
+// loop held its sums on the stack: 75 stack accesses around 32 maddubs). Sums in ymm0-7 (row c, part p: 2c + p), the
+// parts' codes ymm9-10, a broadcast ymm11; half 0's dots wait in `dots` for half 1's. One thread, 1536 x 576:
+// 88-89 -> 108-110 GMAC/s at M = 16-256 (benchmarks/results/u4_asm_zen4.md).
+#define U8_SET(a, b)                                                                               \
+  "vpmaddubsw %%ymm11, %%ymm9, %%ymm" #a "\n\t" "vpmaddubsw %%ymm11, %%ymm10, %%ymm" #b "\n\t"
+#define U8_ADD(a, b)                                                                               \
+  "vpmaddubsw %%ymm11, %%ymm9, %%ymm12\n\t" "vpaddw %%ymm12, %%ymm" #a ", %%ymm" #a "\n\t"         \
+  "vpmaddubsw %%ymm11, %%ymm10, %%ymm12\n\t" "vpaddw %%ymm12, %%ymm" #b ", %%ymm" #b "\n\t"
+#define U8_ROW(o, X, a, b, SUM) "vpbroadcastd " #o "(%[" #X "]), %%ymm11\n\t" SUM(a, b)
+#define U8_CHUNK(wo, xo, SUM)                                                                      \
+  "vmovdqu " #wo "(%[w]), %%ymm9\n\t" "vmovdqu " #wo "+32(%[w]), %%ymm10\n\t"                      \
+  U8_ROW(xo, x0, 0, 1, SUM) U8_ROW(xo, x1, 2, 3, SUM) U8_ROW(xo, x2, 4, 5, SUM) U8_ROW(xo, x3, 6, 7, SUM)
+#define U8_MADD(r) "vpmaddwd %%ymm8, %%ymm" #r ", %%ymm" #r "\n\t"
+#define U8_FIRST(r, at) U8_MADD(r) "vmovdqa %%ymm" #r ", " #at "(%[d])\n\t"
+#define U8_SECOND(r, at) U8_MADD(r) "vpaddd " #at "(%[d]), %%ymm" #r ", %%ymm" #r "\n\t" "vmovdqa %%ymm" #r ", " #at "(%[d])\n\t"
+inline void u8_block_4x2(const uint8_t* blk, const int8_t* x0, const int8_t* x1, const int8_t* x2, const int8_t* x3,
+                         int32_t* dots) {
+  __asm__ volatile(
+      "vmovdqa %[ones], %%ymm8\n\t"
+      U8_CHUNK(0, 0, U8_SET) U8_CHUNK(64, 4, U8_ADD) U8_CHUNK(128, 8, U8_ADD) U8_CHUNK(192, 12, U8_ADD)
+      U8_FIRST(0, 0) U8_FIRST(1, 32) U8_FIRST(2, 64) U8_FIRST(3, 96)
+      U8_FIRST(4, 128) U8_FIRST(5, 160) U8_FIRST(6, 192) U8_FIRST(7, 224)
+      U8_CHUNK(256, 16, U8_SET) U8_CHUNK(320, 20, U8_ADD) U8_CHUNK(384, 24, U8_ADD) U8_CHUNK(448, 28, U8_ADD)
+      U8_SECOND(0, 0) U8_SECOND(1, 32) U8_SECOND(2, 64) U8_SECOND(3, 96)
+      U8_SECOND(4, 128) U8_SECOND(5, 160) U8_SECOND(6, 192) U8_SECOND(7, 224)
+      :
+      : [w] "r"(blk), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3), [d] "r"(dots), [ones] "m"(kOnes16x16)
+      : "memory", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",
+        "xmm12");
+}
+#undef U8_SET
+#undef U8_ADD
+#undef U8_ROW
+#undef U8_CHUNK
+#undef U8_MADD
+#undef U8_FIRST
+#undef U8_SECOND
 #undef U4_WEIGHTS
 #undef U4_ROW
 #undef U4_SET
@@ -1079,8 +1120,8 @@ inline void u4_block_4x2(const uint8_t* blk, const int8_t* x0, const int8_t* x1,
 
 template <int KIND, int C, int P>
 void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out, int64_t ldo) {
-  static_assert(KIND == 0 || KIND == 2, "U4 and S8 only");
-  constexpr int kRun = 8, kHalves = KIND == 0 ? 1 : 2;  // U4: one dot a block; S8: one a half (its scales)
+  static_assert(KIND == 0 || KIND == 1 || KIND == 2, "U4, U8 and S8 only");
+  constexpr int kRun = 8, kHalves = KIND == 2 ? 2 : 1;  // U4, U8: one dot a block; S8: one a half (its scales)
   constexpr int64_t kBlockBytes = KIND == 0 ? 256 : 512;
   constexpr int64_t kPartBytes = 4 * kRowsV;  // a part's bytes in each 64-byte chunk
   const int64_t nb = w.nb, off = kPartBytes * p0, lane = kRowsV * p0;
@@ -1114,7 +1155,13 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
         u4_block_4x2(blk, xc[0] + at, xc[1] + at, xc[2] + at, xc[3] + at, dots[r][0][0][0]);
         continue;
       }
+      if constexpr (KIND == 1) {  // U8 takes parts_rows only here: 4 rows x 2 parts (group_all_rows)
+        const int64_t at = b * kQBlock;
+        u8_block_4x2(blk, xc[0] + at, xc[1] + at, xc[2] + at, xc[3] + at, dots[r][0][0][0]);
+        continue;
+      }
 #endif
+      if constexpr (KIND != 1)
       for (int h = 0; h < kHalves; ++h) {
         VI dot[C][P];  // set by chunk 0
         // Not unrolled: unrolled, GCC issued every chunk's maddubs first and spilled them to the stack (~25% of a
@@ -1171,15 +1218,15 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
       for (int h = 0; h < kHalves; ++h) {
         VF ws[P], wm[P];
         for (int p = 0; p < P; ++p) {
-          const int64_t at = (KIND == 0 ? kGroup * b : 32 * b + 16 * h) + lane + kRowsV * p;
+          const int64_t at = (KIND != 2 ? kGroup * b : 32 * b + 16 * h) + lane + kRowsV * p;
           ws[p] = Lanes::loadf(w.sc + at);
-          if (KIND == 0) wm[p] = Lanes::loadf(w.mn + at);
+          if (KIND != 2) wm[p] = Lanes::loadf(w.mn + at);
         }
         for (int c = 0; c < C; ++c) {
           const VF d = Lanes::set1f(xd[c][b]);
           for (int p = 0; p < P; ++p) {
             acc[c][p] = Lanes::fma(Lanes::cvt(Lanes::loadi(dots[r][h][c][p])), Lanes::mul(ws[p], d), acc[c][p]);
-            if (KIND == 0) acc[c][p] = Lanes::fma(wm[p], Lanes::set1f(xs[c][b]), acc[c][p]);
+            if (KIND != 2) acc[c][p] = Lanes::fma(wm[p], Lanes::set1f(xs[c][b]), acc[c][p]);
           }
         }
       }
@@ -1233,8 +1280,13 @@ void group_all_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int
       return;
     }
   }
+  int64_t m4 = 0;  // rows before m4 are done: on x86-64-v3 U8's 4-row tiles take both parts a pass (u8_block_4x2)
+#if defined(LMSERVE_U4_ASM)
+  if constexpr (KIND == 1 && kRowsV == 8)
+    for (; m4 + 4 <= M; m4 += 4) parts_rows<1, 4, 2>(w, x, m4, 0, out, ldo);
+#endif
   for (int p = 0; p < kGroup / kRowsV; ++p) {
-    int64_t m = 0;
+    int64_t m = m4;
     for (; m + 4 <= M; m += 4) part_rows<KIND, 4>(w, x, xsum16, m, p, out, ldo);
     switch (M - m) {
       case 3: part_rows<KIND, 3>(w, x, xsum16, m, p, out, ldo); break;
