@@ -908,7 +908,7 @@ template <int KIND, int C, int P>
 void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p0, float* out,
                        int64_t ldo) {
   constexpr int64_t kBlockBytes = nibble_kind(KIND) ? 256 : KIND == 5 ? 160 : KIND == 6 ? 224 : 512;
-  static_assert(KIND == 1 || KIND == 3 || super_kind(KIND), "U4 and S8 take parts_rows, I4 part_rows");
+  static_assert(KIND == 1 || KIND == 3 || super_kind(KIND), "U4 and S8 take parts_rows (U8 too at 4 rows on x86-64-v3), I4 part_rows");
   const int64_t nb = w.nb, off = 4 * kRowsV * p0, lane = kRowsV * p0;
   VF acc[C][P];
   for (int c = 0; c < C; ++c)
@@ -1013,7 +1013,7 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
 // and float chains exactly, but each broadcast of 4 activation bytes (and of a block's xd and xs) serves P parts'
 // maddubs instead of one. Why: part by part, a 16-row step spent as many instructions on those broadcasts and the
 // per-block epilogue as on the products (x86-64-v3: 8 rows a part, 2 parts; x86-64-v2: 4 rows a part, 4 parts).
-// Two passes over each run of up to kRun blocks: the integer dots of every block (U4) or half block (S8) into a
+// Two passes over each run of up to kRun blocks: the integer dots of every block (U4, U8) or half block (S8) into a
 // small buffer, then their float chain. Why: a tile's C x P dots and C x P float accumulators do not fit the 16
 // vector registers together, and GCC spilled both inside the product loop, storing each accumulator twice a
 // block; apart, the float pass holds no dots and the product loop no accumulators (one thread,
@@ -1021,6 +1021,7 @@ void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, 
 // S8 +5%; M = 1 unchanged; benchmarks/results/step_levels_zen4_twopass.md).
 #if defined(__AVX2__) && defined(__x86_64__) && !defined(LMSERVE_NO_ASM)
 #define LMSERVE_U4_ASM 1
+constexpr bool kIntPassAsm = true;  // u4_block_4x2 and u8_block_4x2 below
 // U4's integer pass for one block of the 4-row, 2-part tile (x86-64-v3), in assembly: dots[c][p][8] <- madd1 of the
 // block's int16 sums, each product and sum as parts_rows's loop below forms them. Why: GCC allots that loop's 8
 // int16 sums, 4 unpacked weight vectors, the nibble mask and 2 broadcasts to the 16 registers with 6 register moves,
@@ -1118,9 +1119,15 @@ inline void u8_block_4x2(const uint8_t* blk, const int8_t* x0, const int8_t* x1,
 #undef U4_STORE
 #endif
 
+#if !defined(LMSERVE_U4_ASM)
+constexpr bool kIntPassAsm = false;
+#endif
+
 template <int KIND, int C, int P>
 void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out, int64_t ldo) {
   static_assert(KIND == 0 || KIND == 1 || KIND == 2, "U4, U8 and S8 only");
+  static_assert(KIND != 1 || (kIntPassAsm && C == 4 && P == 2 && kRowsV == 8),
+                "U8 takes parts_rows only as u8_block_4x2's tile (x86-64-v3, 4 rows, both parts: p0 = 0)");
   constexpr int kRun = 8, kHalves = KIND == 2 ? 2 : 1;  // U4, U8: one dot a block; S8: one a half (its scales)
   constexpr int64_t kBlockBytes = KIND == 0 ? 256 : 512;
   constexpr int64_t kPartBytes = 4 * kRowsV;  // a part's bytes in each 64-byte chunk
