@@ -144,10 +144,11 @@ def test_each_build_this_cpu_runs_equals_the_references(level):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not {"avx2", "fma"} <= set(cpu_flags().split()), reason="runs the x86-64-v3 build: needs AVX2")
-def test_the_u4_assembly_equals_the_intrinsics_it_replaces(tmp_path):
-    """quant_gemm.cpp's U4 tile in inline assembly (x86-64-v3) against the same source built with -DLMSERVE_NO_ASM
-    (the intrinsics loop): benchmarks/quant_gemm_cpu.cpp's output hashes, every kind at M = 1 and 16 (U4's 16 rows run
-    four assembly tiles), on two shapes (K a multiple of 256: the K-quants). Compiled straight from the kernel sources (no torch headers): ~10 s each."""
+def test_the_assembly_tiles_equal_the_intrinsics_they_replace(tmp_path):
+    """quant_gemm.cpp's U4 and U8 4-row tiles with their integer pass in inline assembly (x86-64-v3) against the same
+    source built with -DLMSERVE_NO_ASM (the intrinsics): benchmarks/quant_gemm_cpu.cpp's output hashes, every kind at
+    M = 1 and 16 (16 rows run four assembly tiles), on two shapes (K a multiple of 256: the K-quants). Compiled
+    straight from the kernel sources (no torch headers): ~10 s each."""
     csrc = ROOT / "src" / "lmserve" / "layers" / "kernels" / "csrc"
     flags = [*native.CFLAGS, "-march=x86-64-v3", "-std=c++17", f"-I{csrc}"]
     builds = {name: tmp_path / name for name in ("asm", "no_asm")}
