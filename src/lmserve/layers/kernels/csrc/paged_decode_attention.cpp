@@ -369,14 +369,16 @@ void weighted_values(const float* p, int64_t L, const KV* const* vrows, float* o
   constexpr int64_t kRowBytes = row_width<KV>(D) * static_cast<int64_t>(sizeof(KV)), kAhead = kRowsAhead<kRowBytes>;
   for (int64_t t = 0; t < L; ++t) {
     if (t + kAhead < L) fetch_rows(vrows, t + kAhead, t + kAhead + 1, kRowBytes);  // scattered across blocks and heads
-    __m512 pg[GB];
-    for (int g = 0; g < GB; ++g) pg[g] = _mm512_set1_ps(p[g * L + t]);
     if constexpr (std::is_same_v<KV, lmserve_kv::Fp8>) {  // its widening's constants take registers: the row first
       __m512 v[D / 16];
       for (int c = 0; c < D / 16; ++c) v[c] = values16<D>(vrows[t], 16 * c);
-      for (int g = 0; g < GB; ++g)
-        for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_fmadd_ps(pg[g], v[c], acc[g][c]);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g * L + t]);
+        for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_fmadd_ps(pg, v[c], acc[g][c]);
+      }
     } else {
+      __m512 pg[GB];
+      for (int g = 0; g < GB; ++g) pg[g] = _mm512_set1_ps(p[g * L + t]);
       for (int c = 0; c < D / 16; ++c) {  // a column at a time, as accumulate8 (below) and why
         const __m512 v = values16<D>(vrows[t], 16 * c);
         for (int g = 0; g < GB; ++g) acc[g][c] = _mm512_fmadd_ps(pg[g], v, acc[g][c]);
