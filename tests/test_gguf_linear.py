@@ -124,6 +124,12 @@ def test_kernel_equals_the_dequantize_then_matmul_reference(kind, n):
     assert all(torch.equal(layer(x[m:m + 1]), full[m:m + 1]) for m in (0, 5, 16, 21, 36))
     assert torch.equal(layer(x[2:9]), full[2:9]) and torch.equal(layer(x[3:19]), full[3:19])
     assert torch.equal(layer(x[5:7]), full[5:7])
+    # nor on the packed kernel's passes of 128 rows (a prefill's): rows on both sides of a pass's edge, alone and
+    # in a call that starts mid-pass
+    long = torch.randn(300, k, generator=torch.Generator().manual_seed(4))
+    whole = layer(long)
+    assert all(torch.equal(layer(long[m:m + 1]), whole[m:m + 1]) for m in (0, 127, 128, 255, 256, 299))
+    assert torch.equal(layer(long[100:290]), whole[100:290])
 
 
 @pytest.mark.parametrize("n", [37, 48])

@@ -1436,6 +1436,36 @@ std::vector<int32_t> half_block_sums(const int8_t* pq, int64_t stride, int64_t M
   return out;
 }
 
+constexpr int64_t kRowChunk = 128;  // rows a pass of quant_packed_matmul (see there)
+
+// quant_packed_matmul's group g (outputs [16 g, 16 g + 16)) for rows [0, M) of x
+void packed_group(int64_t kind, const uint8_t* pc, const float* ps, const float* pm, const float* pb, const QRows& xr,
+                  const int32_t* px16, int64_t M, int64_t K, int64_t G, int64_t g, float* py, int64_t group_bytes,
+                  int64_t scale_count) {
+  const int64_t nb = K / kQBlock, N = G * kGroup;
+  PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
+  // prefetch the next group, U4 and S8 at any M. Measured on Zen 5 (benchmarks/quant_gemm_cpu.cpp, one thread, a
+  // 24576 x 576 U4 and a 49152 x 576 S8 matmul, CPU time): AVX-512, where group_rows had none, M = 16 -10..-25%
+  // (U4) and -23% (S8); x86-64-v3 U4 at M = 16 -3% to -15% (two runs), x86-64-v2 -4% (an earlier measurement,
+  // elsewhere, had U4 at M = 16 ~5% slower so and left it to M < 4); on the narrow builds S8 -4% at M = 16, -15%
+  // at M = 1, and U4 -15% at M = 1
+  if (g + 1 < G && (kind == 2 || kind == 0))
+    w.next_codes = w.codes + group_bytes, w.next_sc = w.sc + scale_count;
+  float* out = py + g * kGroup;
+  switch (kind) {
+    case 0: group_all_rows<0>(w, xr, px16, M, out, N); break;
+    case 1: group_all_rows<1>(w, xr, px16, M, out, N); break;
+    case 2: group_all_rows<2>(w, xr, px16, M, out, N); break;
+    case 3: group_all_rows<3>(w, xr, px16, M, out, N); break;
+    case 4: group_all_rows<4>(w, xr, px16, M, out, N); break;
+    case 5: group_all_rows<5>(w, xr, px16, M, out, N); break;
+    default: group_all_rows<6>(w, xr, px16, M, out, N);
+  }
+  if (pb)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < kGroup; ++i) out[m * N + i] += pb[g * kGroup + i];
+}
+
 }  // namespace
 
 void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* ps, const float* pm, const float* pb,
@@ -1445,31 +1475,21 @@ void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* 
   const bool halves = per16_kind(kind) || super_kind(kind);  // terms per 16 weights: the half blocks' sums
   const std::vector<int32_t> xsum16 = halves ? half_block_sums(xq, xs, M, K) : std::vector<int32_t>();
   const int32_t* px16 = halves ? xsum16.data() : nullptr;
-  const QRows xr{xq, xs, K};
   const int64_t group_bytes = nb * code_bytes, scale_count = scale_blocks * kGroup;
-  lmserve::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      PackedW w{pc + g * group_bytes, ps + g * scale_count, pm ? pm + g * scale_count : nullptr, nb};
-      // prefetch the next group, U4 and S8 at any M. Measured on Zen 5 (benchmarks/quant_gemm_cpu.cpp, one thread, a
-      // 24576 x 576 U4 and a 49152 x 576 S8 matmul, CPU time): AVX-512, where group_rows had none, M = 16 -10..-25%
-      // (U4) and -23% (S8); x86-64-v3 U4 at M = 16 -3% to -15% (two runs), x86-64-v2 -4% (an earlier measurement,
-      // elsewhere, had U4 at M = 16 ~5% slower so and left it to M < 4); on the narrow builds S8 -4% at M = 16, -15%
-      // at M = 1, and U4 -15% at M = 1
-      if (g + 1 < G && (kind == 2 || kind == 0))
-        w.next_codes = w.codes + group_bytes, w.next_sc = w.sc + scale_count;
-      float* out = py + g * kGroup;
-      switch (kind) {
-        case 0: group_all_rows<0>(w, xr, px16, M, out, N); break;
-        case 1: group_all_rows<1>(w, xr, px16, M, out, N); break;
-        case 2: group_all_rows<2>(w, xr, px16, M, out, N); break;
-        case 3: group_all_rows<3>(w, xr, px16, M, out, N); break;
-        case 4: group_all_rows<4>(w, xr, px16, M, out, N); break;
-        case 5: group_all_rows<5>(w, xr, px16, M, out, N); break;
-        default: group_all_rows<6>(w, xr, px16, M, out, N);
-      }
-      if (pb)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t i = 0; i < kGroup; ++i) out[m * N + i] += pb[g * kGroup + i];
+  // A prefill's rows in passes of kRowChunk, every group in each. Why: a group reads all the call's rows, and 1,024
+  // rows of 576 (1,536) int8 inputs are ~0.7 (1.7) MB, past a Zen 3 (512 KB) or Zen 4 (1 MB) L2, so every group
+  // streamed them from L3; 128 rows stay in L2 beside the group's weights. A row's chain does not depend on which
+  // rows share the call (group_all_rows), so the bits are the same. Measured (Zen 4, one thread, the
+  // quant_gemm_cpu.cpp kernel alone at M = 1024 / 2048, 576 x 1536 and 1536 x 576 U4): x86-64-v3 110 -> 115-118
+  // and 95-110 -> 112-119 GMAC/s, against 116-118 at M = 256; AVX-512 +2..+10%.
+  // One parallel region over (pass, group) items, pass-major: both threads work through the same pass's rows (a
+  // region per pass cost a prefill more in waits than the passes saved).
+  const int64_t passes = (M + kRowChunk - 1) / kRowChunk;
+  lmserve::parallel_for(0, passes * G, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r0 = i / G * kRowChunk, g = i % G;
+      packed_group(kind, pc, ps, pm, pb, QRows{xq + r0 * xs, xs, K}, px16 ? px16 + r0 * (K / 16) : nullptr,
+                   std::min(kRowChunk, M - r0), K, G, g, py + r0 * N, group_bytes, scale_count);
     }
   });
 }
