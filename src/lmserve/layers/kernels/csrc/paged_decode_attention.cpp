@@ -643,12 +643,16 @@ void softmax_row8(float* s, int64_t L) {
 // 16 rows at 300 keys, 2 threads) Gemma 3 -23..-28%, SmolLM2 unchanged (dots8 held its 8 query vectors in registers).
 constexpr int64_t kPairs = 4, kKeys = 3;
 
-template <int D, int NP, int NK>
-inline void score_tile(const float* const* q, const float* const* k, float* chains) {
+// 8 values of a cached row as float32: a widened row, or float16 straight from the cache (exact either way)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <int D, int NP, int NK, typename KT = float>
+inline void score_tile(const float* const* q, const KT* const* k, float* chains) {
   __m256 acc[NP][NK];
   {
     __m256 kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k[j]);
+    for (int j = 0; j < NK; ++j) kv[j] = load8(k[j]);
     for (int p = 0; p < NP; ++p) {
       const __m256 qv = _mm256_loadu_ps(q[p]);
       for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_mul_ps(qv, kv[j]);
@@ -656,7 +660,7 @@ inline void score_tile(const float* const* q, const float* const* k, float* chai
   }
   for (int c = 8; c < D; c += 8) {
     __m256 kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = _mm256_loadu_ps(k[j] + c);
+    for (int j = 0; j < NK; ++j) kv[j] = load8(k[j] + c);
     for (int p = 0; p < NP; ++p) {
       const __m256 qv = _mm256_loadu_ps(q[p] + c);
       for (int j = 0; j < NK; ++j) acc[p][j] = _mm256_fmadd_ps(qv, kv[j], acc[p][j]);
@@ -667,18 +671,18 @@ inline void score_tile(const float* const* q, const float* const* k, float* chai
 }
 
 // score_tile<D, np, nk> for 1 <= np <= NP, 1 <= nk <= NK: a tile's last pairs and keys take the smaller shapes
-template <int D, int NP, int NK>
-inline void score_block(int64_t np, int64_t nk, const float* const* q, const float* const* k, float* chains) {
+template <int D, int NP, int NK, typename KT>
+inline void score_block(int64_t np, int64_t nk, const float* const* q, const KT* const* k, float* chains) {
   if constexpr (NP > 1)
     if (np < NP) return score_block<D, NP - 1, NK>(np, nk, q, k, chains);
   if constexpr (NK > 1)
     if (nk < NK) return score_block<D, NP, NK - 1>(np, nk, q, k, chains);
-  score_tile<D, NP, NK>(q, k, chains);
+  score_tile<D, NP, NK, KT>(q, k, chains);
 }
 
 // every pair's chains against keys k[0, nk) (nk <= 8), kPairs x kKeys at a time
-template <int D>
-inline void score_pairs(int64_t pairs, int64_t nk, const float* const* q, const float* const* k, float* chains) {
+template <int D, typename KT = float>
+inline void score_pairs(int64_t pairs, int64_t nk, const float* const* q, const KT* const* k, float* chains) {
   for (int64_t p0 = 0; p0 < pairs; p0 += kPairs)
     for (int64_t j0 = 0; j0 < nk; j0 += kKeys)
       score_block<D, kPairs, kKeys>(std::min(kPairs, pairs - p0), std::min(kKeys, nk - j0), q + p0, k + j0,
@@ -703,8 +707,8 @@ constexpr int64_t kOutRows8 = std::max<int64_t>(8, 2048 / D);
 // load-fma every key in that sum's chain (71% of this loop's samples, perf, Zen 4). The same fmas in the same order
 // per sum, so the same bits; x86-64-v3 on Zen 4: prefill attention (benchmarks/prefill_attention.py, SmolLM2's
 // shape) -25..-35%, decode attention (decode_attention.py, 16 rows) -11..-15%.
-template <int GB>
-void accumulate8(const float* p, int64_t L, const float* const* vals, int64_t n, int64_t c0, int64_t D, float* out) {
+template <int GB, typename VT = float>
+void accumulate8(const float* p, int64_t L, const VT* const* vals, int64_t n, int64_t c0, int64_t D, float* out) {
   __m256 acc[GB][4];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_loadu_ps(out + g * D + c0 + 8 * c);
@@ -712,7 +716,7 @@ void accumulate8(const float* p, int64_t L, const float* const* vals, int64_t n,
     __m256 pg[GB];
     for (int g = 0; g < GB; ++g) pg[g] = _mm256_set1_ps(p[g * L + t]);
     for (int c = 0; c < 4; ++c) {
-      const __m256 v = _mm256_loadu_ps(vals[t] + c0 + 8 * c);
+      const __m256 v = load8(vals[t] + c0 + 8 * c);
       for (int g = 0; g < GB; ++g) acc[g][c] = _mm256_fmadd_ps(pg[g], v, acc[g][c]);
     }
   }
@@ -730,16 +734,22 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
     std::vector<float> scores;
     std::vector<const KV*> rows;
     // cached rows as float32 values (as_float), widened once for all G heads: 8 keys for the scores, kOutRows8 value
-    // rows for the outputs
+    // rows for the outputs. A float16 cache's rows are read where they lie, each vector converted as it is loaded
+    // (load8): a decode row's G heads use a key once, so widening it into `widened` first only added a store and a
+    // load per vector (same float32 values: the conversion is exact).
+    using VT = std::conditional_t<std::is_same_v<KV, c10::Half>, c10::Half, float>;
     alignas(32) float widened[kOutRows8<D> * D];
-    const float* vals[kOutRows8<D>];
+    const VT* vals[kOutRows8<D>];
     alignas(32) float chains[kMaxGroup * 64];  // [head, key] x 8 lanes
     const float* qs[kMaxGroup];
     auto widen = [&](int64_t t, int64_t nk, int64_t L) {  // rows t.. t + nk, 8 at a time, each 8 fetching 8 more
       for (int64_t j0 = 0; j0 < nk; j0 += 8) {
         const int64_t ahead = t + j0 + kRowsAhead<kRowBytes>;  // scattered blocks
         fetch_rows(rows.data(), std::min(L, ahead), std::min(L, ahead + 8), kRowBytes);
-        for (int64_t j = j0; j < std::min(nk, j0 + 8); ++j) vals[j] = as_float<D>(rows[t + j], widened + j * D);
+        for (int64_t j = j0; j < std::min(nk, j0 + 8); ++j) {
+          if constexpr (std::is_same_v<VT, c10::Half>) vals[j] = rows[t + j];
+          else vals[j] = as_float<D>(rows[t + j], widened + j * D);
+        }
       }
     };
     for (int64_t k = begin; k < end; ++k) {
@@ -757,7 +767,7 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
       for (int64_t t = 0; t < L; t += 8) {
         const int64_t nk = std::min<int64_t>(8, L - t);
         widen(t, nk, L);
-        score_pairs<D>(G, nk, qs, vals, chains);
+        score_pairs<D, VT>(G, nk, qs, vals, chains);
         for (int64_t g = 0; g < G; ++g)
           store_n(scores.data() + g * L + t, nk, _mm256_mul_ps(pair_scores(chains + g * 64, nk), sc));
       }
@@ -776,9 +786,9 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
           for (int64_t c0 = 0; c0 < D; c0 += 32) {
             const float* pg = scores.data() + g * L + t;
             switch (std::min<int64_t>(3, G - g)) {
-              case 1: accumulate8<1>(pg, L, vals, nv, c0, D, o + g * D); break;
-              case 2: accumulate8<2>(pg, L, vals, nv, c0, D, o + g * D); break;
-              default: accumulate8<3>(pg, L, vals, nv, c0, D, o + g * D); break;
+              case 1: accumulate8<1, VT>(pg, L, vals, nv, c0, D, o + g * D); break;
+              case 2: accumulate8<2, VT>(pg, L, vals, nv, c0, D, o + g * D); break;
+              default: accumulate8<3, VT>(pg, L, vals, nv, c0, D, o + g * D); break;
             }
           }
       }
