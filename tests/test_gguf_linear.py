@@ -130,6 +130,7 @@ def test_kernel_equals_the_dequantize_then_matmul_reference(kind, n):
     whole = layer(long)
     assert all(torch.equal(layer(long[m:m + 1]), whole[m:m + 1]) for m in (0, 127, 128, 255, 256, 299))
     assert torch.equal(layer(long[100:290]), whole[100:290])
+    assert torch.equal(layer(long[:129]), whole[:129]) and torch.equal(layer(long[:258]), whole[:258])  # 1-2-row passes
 
 
 @pytest.mark.parametrize("n", [37, 48])

@@ -735,8 +735,9 @@ void attention_avx2(const float* q, const KV* k_cache, const KV* v_cache, const 
     std::vector<const KV*> rows;
     // cached rows as float32 values (as_float), widened once for all G heads: 8 keys for the scores, kOutRows8 value
     // rows for the outputs. A float16 cache's rows are read where they lie, each vector converted as it is loaded
-    // (load8): a decode row's G heads use a key once, so widening it into `widened` first only added a store and a
-    // load per vector (same float32 values: the conversion is exact).
+    // (load8): a decode row converts a key once per 4 heads (score_pairs' tile) and a value once per 3 (accumulate8),
+    // once in all for SmolLM2's 3, so widening into `widened` first only added a store and a load per vector (same
+    // float32 values: the conversion is exact).
     using VT = std::conditional_t<std::is_same_v<KV, c10::Half>, c10::Half, float>;
     alignas(32) float widened[kOutRows8<D> * D];
     const VT* vals[kOutRows8<D>];

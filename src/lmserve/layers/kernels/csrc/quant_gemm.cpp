@@ -1477,13 +1477,14 @@ void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* 
   const int32_t* px16 = halves ? xsum16.data() : nullptr;
   const int64_t group_bytes = nb * code_bytes, scale_count = scale_blocks * kGroup;
   // A prefill's rows in passes of kRowChunk, every group in each. Why: a group reads all the call's rows, and 1,024
-  // rows of 576 (1,536) int8 inputs are ~0.7 (1.7) MB, past a Zen 3 (512 KB) or Zen 4 (1 MB) L2, so every group
+  // rows of 576 (1,536) int8 inputs and their scales are ~0.7 (2) MB, past a Zen 3 (512 KB) or Zen 4 (1 MB) L2, so every group
   // streamed them from L3; 128 rows stay in L2 beside the group's weights. A row's chain does not depend on which
   // rows share the call (group_all_rows), so the bits are the same. Measured (Zen 4, one thread, the
   // quant_gemm_cpu.cpp kernel alone at M = 1024 / 2048, 576 x 1536 and 1536 x 576 U4): x86-64-v3 110 -> 115-118
   // and 95-110 -> 112-119 GMAC/s, against 116-118 at M = 256; AVX-512 +2..+10%.
-  // One parallel region over (pass, group) items, pass-major: both threads work through the same pass's rows (a
-  // region per pass cost a prefill more in waits than the passes saved).
+  // One parallel region over (pass, group) items, pass-major: the pool hands out runs of items in order, so each
+  // thread works through one pass's groups at a time while the pass's rows sit in its L2 (a region per pass cost a
+  // prefill more in waits than the passes saved).
   const int64_t passes = (M + kRowChunk - 1) / kRowChunk;
   lmserve::parallel_for(0, passes * G, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
