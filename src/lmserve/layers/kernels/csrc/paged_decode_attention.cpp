@@ -645,7 +645,9 @@ constexpr int64_t kPairs = 4, kKeys = 3;
 
 // 8 values of a cached row as float32: a widened row, or float16 straight from the cache (exact either way)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 template <int D, int NP, int NK, typename KT = float>
 inline void score_tile(const float* const* q, const KT* const* k, float* chains) {

@@ -908,7 +908,8 @@ template <int KIND, int C, int P>
 void parts_shared_rows(const PackedW& w, const QRows& x, const int32_t* xsum16, int64_t m0, int p0, float* out,
                        int64_t ldo) {
   constexpr int64_t kBlockBytes = nibble_kind(KIND) ? 256 : KIND == 5 ? 160 : KIND == 6 ? 224 : 512;
-  static_assert(KIND == 1 || KIND == 3 || super_kind(KIND), "U4 and S8 take parts_rows (U8 too at 4 rows on x86-64-v3), I4 part_rows");
+  static_assert(KIND == 1 || KIND == 3 || super_kind(KIND),
+                "U4 and S8 take parts_rows (U8 too at 4 rows on x86-64-v3), I4 part_rows");
   const int64_t nb = w.nb, off = 4 * kRowsV * p0, lane = kRowsV * p0;
   VF acc[C][P];
   for (int c = 0; c < C; ++c)
@@ -1088,7 +1089,8 @@ inline void u4_block_4x2(const uint8_t* blk, const int8_t* x0, const int8_t* x1,
   U8_ROW(xo, x0, 0, 1, SUM) U8_ROW(xo, x1, 2, 3, SUM) U8_ROW(xo, x2, 4, 5, SUM) U8_ROW(xo, x3, 6, 7, SUM)
 #define U8_MADD(r) "vpmaddwd %%ymm8, %%ymm" #r ", %%ymm" #r "\n\t"
 #define U8_FIRST(r, at) U8_MADD(r) "vmovdqa %%ymm" #r ", " #at "(%[d])\n\t"
-#define U8_SECOND(r, at) U8_MADD(r) "vpaddd " #at "(%[d]), %%ymm" #r ", %%ymm" #r "\n\t" "vmovdqa %%ymm" #r ", " #at "(%[d])\n\t"
+#define U8_SECOND(r, at) \
+  U8_MADD(r) "vpaddd " #at "(%[d]), %%ymm" #r ", %%ymm" #r "\n\t" "vmovdqa %%ymm" #r ", " #at "(%[d])\n\t"
 inline void u8_block_4x2(const uint8_t* blk, const int8_t* x0, const int8_t* x1, const int8_t* x2, const int8_t* x3,
                          int32_t* dots) {
   __asm__ volatile(
@@ -1477,14 +1479,14 @@ void lmserve::quant_packed_matmul(int64_t kind, const uint8_t* pc, const float* 
   const int32_t* px16 = halves ? xsum16.data() : nullptr;
   const int64_t group_bytes = nb * code_bytes, scale_count = scale_blocks * kGroup;
   // A prefill's rows in passes of kRowChunk, every group in each. Why: a group reads all the call's rows, and 1,024
-  // rows of 576 (1,536) int8 inputs and their scales are ~0.7 (2) MB, past a Zen 3 (512 KB) or Zen 4 (1 MB) L2, so every group
-  // streamed them from L3; 128 rows stay in L2 beside the group's weights. A row's chain does not depend on which
-  // rows share the call (group_all_rows), so the bits are the same. Measured (Zen 4, one thread, the
+  // rows of 576 (1,536) int8 inputs and their scales are ~0.7 (2) MB, past a Zen 3 (512 KB) or Zen 4 (1 MB) L2, so
+  // every group streamed them from L3; 128 rows stay in L2 beside the group's weights. A row's chain does not depend
+  // on which rows share the call (group_all_rows), so the bits are the same. Measured (Zen 4, one thread, the
   // quant_gemm_cpu.cpp kernel alone at M = 1024 / 2048, 576 x 1536 and 1536 x 576 U4): x86-64-v3 110 -> 115-118
-  // and 95-110 -> 112-119 GMAC/s, against 116-118 at M = 256; AVX-512 +2..+10%.
-  // One parallel region over (pass, group) items, pass-major: the pool hands out runs of items in order, so each
-  // thread works through one pass's groups at a time while the pass's rows sit in its L2 (a region per pass cost a
-  // prefill more in waits than the passes saved).
+  // and 95-110 -> 112-119 GMAC/s, against 116-118 at M = 256; AVX-512 +2..+10%
+  // (benchmarks/results/quant_gemm_passes_zen4.md). One parallel region over (pass, group) items, pass-major: the
+  // pool hands out runs of items in order, so each thread works through one pass's groups at a time while the
+  // pass's rows sit in its L2 (a region per pass cost a prefill more in waits than the passes saved).
   const int64_t passes = (M + kRowChunk - 1) / kRowChunk;
   lmserve::parallel_for(0, passes * G, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
