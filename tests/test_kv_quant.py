@@ -47,6 +47,12 @@ def test_native_writer_equals_the_reference_bitwise(dtype, kv_heads, dim, tokens
     k = torch.randn(tokens, kv_heads, dim, generator=g) * 3
     v = torch.randn(tokens, kv_heads, dim, generator=g) / 7
     k[0, 0, :5] = torch.tensor([448.0, -1e-9, 0.0, 1e-30, -2.5])  # extremes and values below e4m3's range
+    if dtype == torch.float16:  # float16's edges: overflow, its largest, subnormals, ties to even, NaN payloads
+        edges = torch.tensor([65520.0, -65504.0, 65519.0, 2.0 ** -24, 3 * 2.0 ** -26, 1 + 2.0 ** -11,
+                              1 + 3 * 2.0 ** -11, float("inf"), -float("inf"), 5.96e-8])
+        k[0, 0, 5:15] = edges
+        k[0, 0, 15:18] = torch.tensor([0x7FC12345, -0x3FEDCC, 0x7FA00000], dtype=torch.int32).view(torch.float32)
+        v[-1, -1, -len(edges):] = edges  # the last row's tail: the last 8-value vector of a row
     slots = torch.randperm(8 * 16, generator=g)[:tokens]
     native, ref = empty_cache(8, kv_heads, dim, dtype), empty_cache(8, kv_heads, dim, dtype)
     kernel.write_kv(native, k, v, slots)

@@ -21,7 +21,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -67,7 +67,17 @@ inline void encode_row(const float* x, KV* out, int64_t D) {
   if constexpr (std::is_same_v<KV, float>) {
     std::memcpy(out, x, D * sizeof(float));
   } else if constexpr (std::is_same_v<KV, c10::Half>) {
-    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<c10::Half>(x[d]);
+    int64_t d = 0;
+#if defined(__F16C__)
+    // 8 at a time. With F16C, c10::Half's constructor is this instruction (vcvtps2ph, round to nearest even) on one
+    // value, but built here as an out-of-line call per value: ~1.5% of an x86-64-v3 prefill step, ~1% of a 16-row
+    // decode step. Same bits, NaN payloads included; the tail takes the same instruction one value at a time.
+    for (; d + 8 <= D; d += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+    for (; d < D; ++d) out[d] = c10::Half(_cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT), c10::Half::from_bits());
+#endif
+    for (; d < D; ++d) out[d] = static_cast<c10::Half>(x[d]);
   } else {
     constexpr float top = std::is_same_v<KV, int8_t> ? 127.f : 448.f;
 #if defined(__AVX512F__)
