@@ -57,6 +57,10 @@ def test_native_writer_equals_the_reference_bitwise(dtype, kv_heads, dim, tokens
     native, ref = empty_cache(8, kv_heads, dim, dtype), empty_cache(8, kv_heads, dim, dtype)
     kernel.write_kv(native, k, v, slots)
     write_kv_reference(ref, k, v, slots)
+    if dtype == torch.float16:  # a NaN's payload bits follow the conversion's CPU path (F16C keeps them): NaN is NaN
+        nan = ref.isnan()
+        assert torch.equal(native.isnan(), nan) and torch.equal(native.signbit()[nan], ref.signbit()[nan])
+        native[nan], ref[nan] = 0, 0
     assert torch.equal(native.view(torch.uint8), ref.view(torch.uint8))
 
 

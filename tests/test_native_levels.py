@@ -19,9 +19,9 @@ V2 = "fpu sse sse2 ssse3 sse4_1 sse4_2 popcnt cx16"
 V3 = V2 + " avx avx2 fma bmi1 bmi2 f16c movbe abm xsave"
 V4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
 # The kernels' parity tests against their plain references (attention, fused ops, skinny matmul, GGUF int8 dots,
-# LoRA deltas)
+# LoRA deltas, the K/V cache writers: each level has its own vector path for them)
 PARITY = ["tests/test_native_ops.py", "tests/test_native_attention.py", "tests/test_gguf_linear.py",
-          "tests/test_lora_native.py"]
+          "tests/test_lora_native.py", "tests/test_kv_quant.py"]
 
 
 @pytest.mark.parametrize("flags,level", [

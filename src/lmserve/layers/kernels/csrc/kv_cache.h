@@ -71,7 +71,7 @@ inline void encode_row(const float* x, KV* out, int64_t D) {
 #if defined(__F16C__)
     // 8 at a time. With F16C, c10::Half's constructor is this instruction (vcvtps2ph, round to nearest even) on one
     // value, but built here as an out-of-line call per value: ~1.5% of an x86-64-v3 prefill step, ~1% of a 16-row
-    // decode step. Same bits, NaN payloads included; the tail takes the same instruction one value at a time.
+    // decode step. Same bits; the tail takes the same instruction one value at a time.
     for (; d + 8 <= D; d += 8)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
                        _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
