@@ -167,3 +167,26 @@ def test_off_writes_no_header_entry(tmp_path, monkeypatch):
     write_tiny(tmp_path / "tiny.gguf")
     gguf_file._parse(tmp_path / "tiny.gguf")
     assert not list(tmp_path.rglob("*.header"))
+
+
+def test_a_multi_model_start_parses_each_file_once(tmp_path, monkeypatch):
+    """read_gguf keeps its last RECENT_FILES parses: checking N files and then loading each (a multi-model start)
+    parses each once; a file changed since is parsed again, and the oldest parse is dropped past the bound."""
+    monkeypatch.setattr(gguf_file, "_recent", type(gguf_file._recent)())
+    parses = []
+    real = gguf_file._parse
+    monkeypatch.setattr(gguf_file, "_parse", lambda p: parses.append(p.name) or real(p))
+    paths = [tmp_path / f"m{i}.gguf" for i in range(3)]
+    for p in paths:
+        write_tiny(p)
+    checked = [gguf_file.read_gguf(p) for p in paths]
+    loaded = [gguf_file.read_gguf(p) for p in paths]
+    assert parses == ["m0.gguf", "m1.gguf", "m2.gguf"] and all(a is b for a, b in zip(checked, loaded))
+    write_tiny(paths[0])  # rewritten: a new inode or mtime, so a new parse
+    assert gguf_file.read_gguf(paths[0]) is not checked[0] and parses[-1] == "m0.gguf"
+    more = [tmp_path / f"n{i}.gguf" for i in range(gguf_file.RECENT_FILES)]
+    for p in more:
+        write_tiny(p)
+        gguf_file.read_gguf(p)
+    gguf_file.read_gguf(paths[1])  # pushed out by the RECENT_FILES newer ones
+    assert parses[-1] == "m1.gguf" and len(gguf_file._recent) == gguf_file.RECENT_FILES

@@ -13,6 +13,7 @@ import math
 import mmap
 import struct
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,29 +183,34 @@ def joined_strings(buf: memoryview, starts: list[int], end: int) -> list[str] | 
         return None
 
 
-_last_read: tuple[tuple, GGUFFile] | None = None  # (path, size, mtime, inode) -> its parse
-_last_lock = threading.Lock()
+_recent: OrderedDict[tuple, GGUFFile] = OrderedDict()  # (path, size, mtime, inode) -> its parse, last used last
+_recent_lock = threading.Lock()
+RECENT_FILES = 8  # parses kept: a multi-model start checks every file, then loads each (all of them within 8)
 
 
 def read_gguf(path: Path) -> GGUFFile:
     """Parse a GGUF file's header and map its tensors.
 
-    The last file parsed is kept while its size, mtime and inode stay the same: a start reads one file for
-    the checks before loading (the config) and again to load it, and parsing SmolLM2's 100k-string header
-    took 0.17 s of every start. Callers only read a GGUFFile (its tensors view a read-only map).
+    The last RECENT_FILES files parsed are kept while their size, mtime and inode stay the same: a start reads each
+    file for the checks before loading (the config) and again to load it, and parsing SmolLM2's 100k-string header
+    took 0.17 s of every start. Keeping only the last one made a multi-model start (every model checked, then each
+    loaded) read every file but the last twice (31-65 ms a model from the start cache). Callers only read a GGUFFile
+    (its tensors view a read-only map).
     """
-    global _last_read
     try:
         st = Path(path).stat()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open ({e})") from None
     key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    with _last_lock:
-        if _last_read is not None and _last_read[0] == key:
-            return _last_read[1]
+    with _recent_lock:
+        if key in _recent:
+            _recent.move_to_end(key)
+            return _recent[key]
     parsed = _parse(path)
-    with _last_lock:
-        _last_read = (key, parsed)
+    with _recent_lock:
+        _recent[key] = parsed
+        while len(_recent) > RECENT_FILES:
+            _recent.popitem(last=False)
     return parsed
 
 

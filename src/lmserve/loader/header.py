@@ -4,8 +4,8 @@ as parsed from the file (a GGUF file's metadata, a directory's config.json), ref
 `check_before_torch` is the first of preflight.py's checks, and `lmserve serve`, `generate` and `chat` run it
 before they import torch (server/models/args.py, cli/__init__.py `checked_engine`), so a mistyped path or a file
 that is not a model is one line in well under a second, where importing torch alone takes seconds on a small CPU.
-loader/checkpoint.py then reads the ModelConfig from the same header (gguf_file.py keeps the last GGUF file's parse,
-so a one-model start still parses its file once).
+loader/checkpoint.py then reads the ModelConfig from the same header (gguf_file.py keeps its last 8 GGUF parses,
+so a start, one model or several, parses each of its files once).
 """
 
 from __future__ import annotations
