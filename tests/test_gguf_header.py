@@ -7,6 +7,7 @@ entry is parsed again and rewritten, never served; LMSERVE_WEIGHT_CACHE=0 writes
 
 from __future__ import annotations
 
+import os
 import struct
 
 import gguf
@@ -182,11 +183,17 @@ def test_a_multi_model_start_parses_each_file_once(tmp_path, monkeypatch):
     checked = [gguf_file.read_gguf(p) for p in paths]
     loaded = [gguf_file.read_gguf(p) for p in paths]
     assert parses == ["m0.gguf", "m1.gguf", "m2.gguf"] and all(a is b for a, b in zip(checked, loaded))
-    write_tiny(paths[0])  # rewritten: a new inode or mtime, so a new parse
+    write_tiny(paths[0])  # rewritten in place: the same inode and size, so a later mtime (set: clocks are coarse)
+    st = paths[0].stat()
+    os.utime(paths[0], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert gguf_file.read_gguf(paths[0]) is not checked[0] and parses[-1] == "m0.gguf"
-    more = [tmp_path / f"n{i}.gguf" for i in range(gguf_file.RECENT_FILES)]
-    for p in more:
+    more = [tmp_path / f"n{i}.gguf" for i in range(gguf_file.RECENT_FILES - 1)]
+    for i, p in enumerate(more):
         write_tiny(p)
         gguf_file.read_gguf(p)
+        if i == 2:
+            gguf_file.read_gguf(paths[2])  # used again: the least recently used goes first, not the first parsed
+    n = len(parses)
+    gguf_file.read_gguf(paths[2])  # kept: read among the newer ones
     gguf_file.read_gguf(paths[1])  # pushed out by the RECENT_FILES newer ones
-    assert parses[-1] == "m1.gguf" and len(gguf_file._recent) == gguf_file.RECENT_FILES
+    assert parses[n:] == ["m1.gguf"] and len(gguf_file._recent) == gguf_file.RECENT_FILES

@@ -41,23 +41,29 @@ def test_codec_round_trip_error_is_bounded_per_row(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", FORMATS + [torch.float16, torch.float32])
-@pytest.mark.parametrize("kv_heads,dim,tokens", [(3, 64, 5), (2, 128, 37), (1, 64, 1)])
+@pytest.mark.parametrize("kv_heads,dim,tokens", [(3, 64, 5), (2, 128, 37), (1, 64, 1), (2, 68, 3)])
 def test_native_writer_equals_the_reference_bitwise(dtype, kv_heads, dim, tokens):
+    if dim % 32 and dtype in FORMATS:
+        pytest.skip("a quantized row is whole blocks of 32 (engine/build.py checks the head size)")
     g = torch.Generator().manual_seed(tokens)
     k = torch.randn(tokens, kv_heads, dim, generator=g) * 3
     v = torch.randn(tokens, kv_heads, dim, generator=g) / 7
     k[0, 0, :5] = torch.tensor([448.0, -1e-9, 0.0, 1e-30, -2.5])  # extremes and values below e4m3's range
-    if dtype == torch.float16:  # float16's edges: overflow, its largest, subnormals, ties to even, NaN payloads
-        edges = torch.tensor([65520.0, -65504.0, 65519.0, 2.0 ** -24, 3 * 2.0 ** -26, 1 + 2.0 ** -11,
-                              1 + 3 * 2.0 ** -11, float("inf"), -float("inf"), 5.96e-8])
-        k[0, 0, 5:15] = edges
-        k[0, 0, 15:18] = torch.tensor([0x7FC12345, -0x3FEDCC, 0x7FA00000], dtype=torch.int32).view(torch.float32)
-        v[-1, -1, -len(edges):] = edges  # the last row's tail: the last 8-value vector of a row
+    if dtype == torch.float16:  # float16's edges: overflow, its largest, subnormals and their ties, ties, NaN payloads
+        edges = torch.tensor([65520.0, -65504.0, 65519.0, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25, 3 * 2.0 ** -26,
+                              1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, float("inf"), -float("inf"), 5.96e-8])
+        k[0, 0, 5:5 + len(edges)] = edges
+        nans = torch.tensor([0x7FC12345, -0x3FEDCC, 0x7FA00000], dtype=torch.int32).view(torch.float32)
+        k[0, 0, 5 + len(edges):8 + len(edges)] = nans
+        v[-1, -1, -len(edges):] = edges  # a row's last values: at dim 68 its last 4 go one by one (the tail)
+        v[-1, -1, -3:] = nans
     slots = torch.randperm(8 * 16, generator=g)[:tokens]
     native, ref = empty_cache(8, kv_heads, dim, dtype), empty_cache(8, kv_heads, dim, dtype)
     kernel.write_kv(native, k, v, slots)
     write_kv_reference(ref, k, v, slots)
-    if dtype == torch.float16:  # a NaN's payload bits follow the conversion's CPU path (F16C keeps them): NaN is NaN
+    if dtype == torch.float16 and "x86_64_v2" in kernel.__name__:
+        # no F16C there: c10's bit work writes sign | 0x7E00 for every NaN, where torch's own vector conversion (the
+        # reference) keeps the payload's top bits; elsewhere the writer uses the same instruction, so the same bits
         nan = ref.isnan()
         assert torch.equal(native.isnan(), nan) and torch.equal(native.signbit()[nan], ref.signbit()[nan])
         native[nan], ref[nan] = 0, 0

@@ -101,7 +101,8 @@ inline void encode_row(const float* x, KV* out, int64_t D) {
       return;
     }
 #elif defined(__AVX2__)
-    // The same for x86-64-v3, 8 lanes: the scalar loop's std::nearbyint was a call per value there.
+    // The same for x86-64-v3, 8 lanes: the scalar loop's std::nearbyint was a call per value there. A NaN value
+    // is left out of amax (as std::max leaves it) and written as -127, as the AVX-512 path writes it.
     if constexpr (std::is_same_v<KV, int8_t>) {
       const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane interleave, undone
