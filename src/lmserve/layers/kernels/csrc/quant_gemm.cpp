@@ -1149,9 +1149,10 @@ void parts_rows(const PackedW& w, const QRows& x, int64_t m0, int p0, float* out
       const uint8_t* blk = w.codes + b * kBlockBytes + off;
       // The next group's weights go to L2 (T1), not L1: at 16 rows a group's tiles keep ~16 KB of L1 busy with its
       // own weights and the rows' codes (16 x 576 = 9 KB of inputs, 4.6 KB of Q4_1 codes, 2.3 KB of scales and
-      // mins; more at K = 1,536), and the next group's lines pulled into L1 pushed those out. Measured (Zen 4, x86-64-v3, quant_gemm_cpu.cpp,
-      // one thread, weights past L3 as a decode step streams them, alternating builds): U4 65536 x 576 at M = 16
-      // 87-91 -> 98-101 GMAC/s, 24576 x 1536 even; S8 49152 x 576 (the LM head's shape) 46-47 -> 48-52; M = 1 even.
+      // mins; more at K = 1,536), and the next group's lines pulled into L1 pushed those out. Measured (Zen 4,
+      // x86-64-v3, quant_gemm_cpu.cpp, one thread, weights past L3 as a decode step streams them, alternating
+      // builds): U4 65536 x 576 at M = 16 87-91 -> 98-101 GMAC/s, 24576 x 1536 even; S8 49152 x 576 (the LM
+      // head's shape) 46-47 -> 48-52; M = 1 even. AVX-512's group_rows keeps T0 (T1 measured 1-3% slower there).
       if (prefetch) {
         for (int64_t i = 0; i < kBlockBytes; i += 64)
           _mm_prefetch(reinterpret_cast<const char*>(w.next_codes + b * kBlockBytes + i), _MM_HINT_T1);
