@@ -21,7 +21,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -76,33 +76,17 @@ inline void encode_row(const float* x, KV* out, int64_t D) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
                        _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
     for (; d < D; ++d) out[d] = c10::Half(_cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT), c10::Half::from_bits());
-#endif
+#else
     for (; d < D; ++d) out[d] = static_cast<c10::Half>(x[d]);
+#endif
   } else {
     constexpr float top = std::is_same_v<KV, int8_t> ? 127.f : 448.f;
-#if defined(__AVX512F__)
-    // int8 with AVX-512, the same numbers as the loop below: the largest |x| is exact in any order, d and 1 / d are
-    // the same scalar operations, x * inv, min/max and the conversion (round half to even: MXCSR's default, as
-    // nearbyint) are exact elementwise. The scalar loop cost a 2,000-token prefill ~4x float16's K/V write.
-    if constexpr (std::is_same_v<KV, int8_t>) {
-      for (int64_t b = 0; b < D / kBlock; ++b) {
-        const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const c10::Half half_d(std::min(amax / top, 65504.f));
-        const float d = static_cast<float>(half_d);
-        const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-        const __m512 lo = _mm512_set1_ps(-top), hi = _mm512_set1_ps(top);
-        const __m512 y0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x0, inv), lo), hi);
-        const __m512 y1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x1, inv), lo), hi);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y0)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kBlock + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y1)));
-        std::memcpy(out + D + 2 * b, &half_d, sizeof(half_d));
-      }
-      return;
-    }
-#elif defined(__AVX2__)
-    // The same for x86-64-v3, 8 lanes: the scalar loop's std::nearbyint was a call per value there. A NaN value
-    // is left out of amax (as std::max leaves it) and written as -127, as the AVX-512 path writes it.
+#if defined(__AVX2__)
+    // int8 in 8 lanes, on every build with AVX2 (AVX-512's too), the same numbers as the loop below: the largest |x|
+    // is exact in any order, d and 1 / d are the same scalar operations, x * inv, min/max and the conversion (round
+    // half to even: MXCSR's default, as nearbyint) are exact elementwise. The scalar loop cost a 2,000-token prefill
+    // ~4x float16's K/V write, and at x86-64-v3 it called std::nearbyint per value. A NaN value is left out of amax
+    // (as std::max leaves it) and written as -127.
     if constexpr (std::is_same_v<KV, int8_t>) {
       const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs' lane interleave, undone
