@@ -4,10 +4,12 @@ question (the rate half is benchmarks/int16_gemm_cpu.cpp; the results are in ben
     python benchmarks/encoder_int_linears.py [--bits 12,13,14,15,16] [--out benchmarks/results/encoder_int_linears.json]
 
 Every nn.Linear of the reference model (sentence-transformers' SentenceTransformer and CrossEncoder, as the parity
-tests run them) is replaced, for the run, by one whose input is rounded per token and whose weight is rounded per
-output channel to symmetric b-bit codes (|q| <= 2^(b-1) - 1, the codes an int16 GEMM would multiply), the products
-summed exactly (float64). That is what an int16 kernel computes up to its float32 epilogue, so the numbers are the
-floor of any such kernel's error. Measured against the same model in float32, with the parity tests' metrics:
+tests run them; the pooler's and the classifier head's too) is replaced, for the run, by one whose input is rounded
+per token and whose weight is rounded per output channel to symmetric b-bit codes (|q| <= 2^(b-1) - 1, the codes an
+int16 GEMM would multiply), the products summed exactly (float64). That is what such a kernel computes up to its
+float32 epilogue, per-token and per-channel scales being the finest a plain GEMM keeps. Most of the parity tests'
+models (not the `last`-token and ModernBERT `cls` poolings, nor the classifiers), with their metrics, against the same
+model in float32:
   all-MiniLM-L6-v2 (the real model)   the worst 1 - cosine over tests/test_encoders.py's 100 mixed sentences (row: 1e-5)
   tiny random BERT / XLM-R embedders,  the largest absolute difference of the outputs tests/test_encoders.py compares
   cross-encoders, ModernBERT, NomicBERT (row: 1e-4)

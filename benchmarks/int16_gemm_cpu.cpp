@@ -8,9 +8,9 @@
 //   g++ -O3 -fopenmp -std=c++17 -march=x86-64-v3 -DROWS=4 -DVECS=2 benchmarks/int16_gemm_cpu.cpp -o /tmp/i16
 //
 // -march=x86-64-v4 lets the compiler keep the tile in AVX-512's 32 vector registers (still 256-bit instructions);
-// x86-64-v3 has 16, hence its smaller tile. Threads: OMP_NUM_THREADS (default 2). Each int16 sum is flushed to a
-// float32 one every kFlush pairs, so no int32 overflows: 13-bit codes (|q| <= 4095) give at most
-// 2 x 64 x 4095^2 < 2^31 per flush.
+// x86-64-v3 has 16, hence its smaller tile. Threads: OMP_NUM_THREADS (default 2). -DBITS=b sets the codes' width
+// (default 13). Each int32 sum is flushed to a float32 one every kFlush pairs, the most that cannot overflow:
+// kFlush x 2 x (2^(b-1) - 1)^2 <= 2^31 - 1, so 64 pairs at 13 bits, 16 at 14, 4 at 15 and 1 at 16.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -29,7 +29,13 @@
 #ifndef VECS
 #define VECS 4  // 8-wide output vectors a tile
 #endif
-constexpr int MR = ROWS, NV = VECS, NR = 8 * NV, kFlush = 64, kBits = 13, kChunkTiles = 64;
+#ifndef BITS
+#define BITS 13
+#endif
+constexpr int MR = ROWS, NV = VECS, NR = 8 * NV, kBits = BITS, kChunkTiles = 64;
+constexpr int64_t kMaxCode = (int64_t{1} << (kBits - 1)) - 1;
+constexpr int64_t kFlush = ((int64_t{1} << 31) - 1) / (2 * kMaxCode * kMaxCode);
+static_assert(kBits >= 2 && kBits <= 16 && kFlush >= 1, "codes of 2 to 16 bits");
 
 // out[MR, NR] for MR rows of x (codes in pairs, as int32) against one panel of w ([K/2][NR] pairs)
 void tile_i16(const int32_t* x, int64_t ldx, const int32_t* w, int64_t Kp, float* out, int64_t ldo, const float* sx,
@@ -79,7 +85,7 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* out
 float quantize(const float* r, int64_t n, int16_t* q) {
   float a = 0.f;
   for (int64_t i = 0; i < n; ++i) a = std::max(a, std::fabs(r[i]));
-  const float s = a / ((1 << (kBits - 1)) - 1);
+  const float s = a / static_cast<float>(kMaxCode);
   for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int16_t>(std::nearbyint(r[i] / s));
   return s;
 }
@@ -97,6 +103,10 @@ double best_seconds(int reps, F f) {
 
 void run(int64_t M, int64_t N, int64_t K, int reps) {
   M -= M % MR;
+  if (N % NR != 0 || K % 2 != 0) {
+    std::fprintf(stderr, "N must be a multiple of %d and K even\n", NR);
+    std::exit(1);
+  }
   const int64_t Kp = K / 2, panels = N / NR, tiles = M / MR, chunks = (tiles + kChunkTiles - 1) / kChunkTiles;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
@@ -106,6 +116,8 @@ void run(int64_t M, int64_t N, int64_t K, int reps) {
   std::vector<int16_t> xq(M * K), wq(N * K);
   for (int64_t m = 0; m < M; ++m) sx[m] = quantize(&xf[m * K], K, &xq[m * K]);
   for (int64_t n = 0; n < N; ++n) sw[n] = quantize(&wf[n * K], K, &wq[n * K]);
+  std::vector<int32_t> xp(M * Kp);  // each row's codes in pairs, as the int32 the tile broadcasts
+  std::memcpy(xp.data(), xq.data(), xp.size() * sizeof(int32_t));
   std::vector<int32_t> wp(N * Kp);  // [panel][k pair][NR]: each output's two codes of a pair in one int32
   std::vector<float> wpf(N * K);    // [panel][k][NR]
   for (int64_t p = 0; p < panels; ++p)
@@ -124,7 +136,7 @@ void run(int64_t M, int64_t N, int64_t K, int reps) {
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t p = 0; p < panels; ++p)
         for (int64_t t = c * kChunkTiles; t < std::min(tiles, (c + 1) * kChunkTiles); ++t)
-          tile_i16(reinterpret_cast<const int32_t*>(&xq[t * MR * K]), Kp, &wp[p * Kp * NR], Kp,
+          tile_i16(&xp[t * MR * Kp], Kp, &wp[p * Kp * NR], Kp,
                    &out[t * MR * N + p * NR], N, &sx[t * MR], &sw[p * NR]);
   });
   const double tf = best_seconds(reps, [&] {
@@ -143,7 +155,8 @@ void run(int64_t M, int64_t N, int64_t K, int reps) {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 20;
-  std::printf("tile %d rows x %d outputs, %d-bit codes, flush every %d pairs\n\n", MR, NR, kBits, kFlush);
+  std::printf("tile %d rows x %d outputs, %d-bit codes, flush every %ld pairs\n\n", MR, NR, kBits,
+              static_cast<long>(kFlush));
   std::printf("| M x N x K | float32 GFLOP/s | int16 GFLOP/s (equivalent) | int16 / float32 | relative error |\n");
   std::printf("|---|---|---|---|---|\n");
   // MiniLM: a 2,048-token step through q/k/v/o (384 x 384), the MLP's up (1,536 x 384) and down (384 x 1,536)
