@@ -130,21 +130,21 @@ void run(int64_t M, int64_t N, int64_t K, int reps) {
           std::memcpy(&wp[(p * Kp + k / 2) * NR + j], pair, 4);
         }
       }
-  // rows in chunks of kChunkTiles tiles (their codes stay in L2 while every panel passes), chunk x panel in parallel
-  const double ti = best_seconds(reps, [&] {
+  // rows in chunks of kChunkTiles tiles (their codes stay in L2 while every panel passes), chunk x panel in parallel;
+  // the best of `reps` sweeps of tile(t, p) over every (row tile t, panel p)
+  auto sweep = [&](auto tile) {
+    return best_seconds(reps, [&] {
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t p = 0; p < panels; ++p)
-        for (int64_t t = c * kChunkTiles; t < std::min(tiles, (c + 1) * kChunkTiles); ++t)
-          tile_i16(&xp[t * MR * Kp], Kp, &wp[p * Kp * NR], Kp,
-                   &out[t * MR * N + p * NR], N, &sx[t * MR], &sw[p * NR]);
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t p = 0; p < panels; ++p)
+          for (int64_t t = c * kChunkTiles; t < std::min(tiles, (c + 1) * kChunkTiles); ++t) tile(t, p);
+    });
+  };
+  const double ti = sweep([&](int64_t t, int64_t p) {
+    tile_i16(&xp[t * MR * Kp], Kp, &wp[p * Kp * NR], Kp, &out[t * MR * N + p * NR], N, &sx[t * MR], &sw[p * NR]);
   });
-  const double tf = best_seconds(reps, [&] {
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t p = 0; p < panels; ++p)
-        for (int64_t t = c * kChunkTiles; t < std::min(tiles, (c + 1) * kChunkTiles); ++t)
-          tile_f32(&xf[t * MR * K], K, &wpf[p * K * NR], K, &ref[t * MR * N + p * NR], N);
+  const double tf = sweep([&](int64_t t, int64_t p) {
+    tile_f32(&xf[t * MR * K], K, &wpf[p * K * NR], K, &ref[t * MR * N + p * NR], N);
   });
   double err = 0, norm = 0;
   for (int64_t i = 0; i < M * N; ++i) err += (out[i] - ref[i]) * (out[i] - ref[i]), norm += ref[i] * ref[i];

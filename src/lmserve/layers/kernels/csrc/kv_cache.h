@@ -61,6 +61,19 @@ inline float code_value(KV c) {
 
 namespace lmserve_kv {
 
+// A quantized block's scale from its largest |x| (`top`: the largest code), and the multiplier its values take
+// before rounding: one place for the vector and scalar writers below, which must give the same bytes
+struct BlockScale {
+  c10::Half d;  // stored; at most float16's largest, so a huge row saturates, never inf
+  float inv;    // 1 / d, or 0 for an all-zero block
+};
+
+inline BlockScale block_scale_of(float amax, float top) {
+  const c10::Half d(std::min(amax / top, 65504.f));
+  const float df = static_cast<float>(d);
+  return {d, df > 0.f ? 1.f / df : 0.f};
+}
+
 // One (token, head) row of D floats -> W elements of the cache's format.
 template <typename KV>
 inline void encode_row(const float* x, KV* out, int64_t D) {
@@ -100,16 +113,15 @@ inline void encode_row(const float* x, KV* out, int64_t D) {
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-        const c10::Half half_d(std::min(amax / top, 65504.f));
-        const float d = static_cast<float>(half_d);
-        const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+        const BlockScale scale = block_scale_of(amax, top);
+        const __m256 inv = _mm256_set1_ps(scale.inv);
         const __m256 lo = _mm256_set1_ps(-top), hi = _mm256_set1_ps(top);
         __m256i q[4];
         for (int i = 0; i < 4; ++i)
           q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(xs[i], inv), lo), hi));
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
-        std::memcpy(out + D + 2 * b, &half_d, sizeof(half_d));
+        std::memcpy(out + D + 2 * b, &scale.d, sizeof(scale.d));
       }
       return;
     }
@@ -118,18 +130,16 @@ inline void encode_row(const float* x, KV* out, int64_t D) {
       const float* xb = x + b * kBlock;
       float amax = 0.f;
       for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const c10::Half half_d(std::min(amax / top, 65504.f));  // float16's largest: a huge row saturates, never inf
-      const float d = static_cast<float>(half_d);
-      const float inv = d > 0.f ? 1.f / d : 0.f;
+      const BlockScale scale = block_scale_of(amax, top);
       for (int64_t i = 0; i < kBlock; ++i) {
-        const float y = std::clamp(xb[i] * inv, -top, top);  // d was rounded: x / d may pass top a little
+        const float y = std::clamp(xb[i] * scale.inv, -top, top);  // d was rounded: x / d may pass top a little
         if constexpr (std::is_same_v<KV, int8_t>) {
           out[b * kBlock + i] = static_cast<int8_t>(std::nearbyint(y));  // half to even, as torch.round
         } else {
           out[b * kBlock + i] = static_cast<Fp8>(y);  // c10's rounding, the one torch's .to(float8_e4m3fn) uses
         }
       }
-      std::memcpy(out + D + 2 * b, &half_d, sizeof(half_d));
+      std::memcpy(out + D + 2 * b, &scale.d, sizeof(scale.d));
     }
   }
 }
