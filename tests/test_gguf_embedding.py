@@ -13,8 +13,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from lmserve.layers.formats.gguf_embedding import GGUFEmbedding
-from lmserve.layers.formats.gguf_linear import BLOCK_BYTES, S8, GGUFLinear, kernel_layout, repack
+from lmserve.layers.formats.gguf_embedding import NATIVE_ROWS, GGUFEmbedding, dequantize_rows
+from lmserve.layers.formats.gguf_linear import BLOCK_BYTES, S8, SUPER, GGUFLinear, kernel_layout, repack
+from lmserve.layers.kernels.native import native_module
 from lmserve.loader.gguf_file import read_gguf
 from lmserve.loader.gguf_packed import auto_quantization
 from lmserve.worker.transforms import load_formatted
@@ -38,6 +39,28 @@ def test_looked_up_rows_equal_the_gguf_packages_rows(kind, n):
     out = emb(ids)
     assert out.shape == (2, 3, k) and out.dtype == torch.float32
     np.testing.assert_array_equal(out.numpy(), table[ids.numpy()])
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_BYTES))
+def test_the_native_lookup_equals_its_reference(kind):
+    """A packed table's rows through the one native call (U4, U8 and S8 kinds) equal the torch reference's (the
+    words gathered by advanced indexing, then dequantize_rows) bit for bit, on every level (test_native_levels);
+    an id outside the table is refused, not read."""
+    if not packs_here():
+        pytest.skip("this build has no packed layout")
+    n, k = 64, 512 if BLOCK_WEIGHTS[kind] == 256 else 96
+    emb = GGUFEmbedding(kernel_layout(repack(kind, random_blocks(kind, n, k, seed=11), n, k)))
+    if emb.kind in SUPER:
+        pytest.skip("K2/K3 tables are looked up through their unpacked groups (_super_rows)")
+    ids = torch.tensor([5, 0, 63, 5, 17, 40, 33, 16, 15, 1, 2, 3, 4, 6, 7, 8, 9, 62, 48, 31])  # 20: two chunks
+    reference = dequantize_rows(emb.kind, *emb._rows(ids))
+    assert torch.equal(emb(ids), reference)
+    if emb.kind not in NATIVE_ROWS:
+        return
+    rows = native_module().packed_table_rows(emb.codes, emb.scales, emb.mins, ids, emb.kind)
+    assert torch.equal(rows, reference)  # the native call itself, not only whichever path forward took
+    with pytest.raises(RuntimeError, match="outside the table"):
+        native_module().packed_table_rows(emb.codes, emb.scales, emb.mins, torch.tensor([n]), emb.kind)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ V4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
 # The kernels' parity tests against their plain references (attention, fused ops, skinny matmul, GGUF int8 dots,
 # LoRA deltas, the K/V cache writers: each level has its own vector path for them)
 PARITY = ["tests/test_native_ops.py", "tests/test_native_attention.py", "tests/test_gguf_linear.py",
-          "tests/test_lora_native.py", "tests/test_kv_quant.py"]
+          "tests/test_lora_native.py", "tests/test_kv_quant.py",
+          "tests/test_gguf_embedding.py::test_the_native_lookup_equals_its_reference"]
 
 
 @pytest.mark.parametrize("flags,level", [

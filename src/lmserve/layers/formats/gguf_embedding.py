@@ -24,6 +24,8 @@ from lmserve.layers.formats.gguf_linear import (
     S8,
     SUPER,
     TABLES,
+    U4,
+    U8,
     GGUFLinear,
     Repacked,
     dequantize,
@@ -31,6 +33,9 @@ from lmserve.layers.formats.gguf_linear import (
     out_rows,
     unpack,
 )
+from lmserve.layers.kernels.native import native_module
+
+NATIVE_ROWS = (U4, U8, S8)  # the packed kinds whose lookup runs natively (the others: _rows, then dequantize_rows)
 
 
 def dequantize_rows(kind: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
@@ -69,9 +74,13 @@ class GGUFEmbedding(nn.Module):
         if self.kind in SUPER:  # K2/K3: the rows' bit planes and scale bytes through gguf_linear.dequantize
             rows = dequantize(self._super_rows(ids))
             return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
-        codes, scales, mins = self._rows(ids) if self.packed else (
-            self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids])
-        rows = dequantize_rows(self.kind, codes, scales, mins)
+        mod = native_module() if self.packed and self.kind in NATIVE_ROWS and ids.device.type == "cpu" else None
+        if mod is not None:  # the same rows in one native call (quant_gemm.cpp packed_table_rows: why there)
+            rows = mod.packed_table_rows(self.codes, self.scales, self.mins, ids.long(), self.kind)
+        else:
+            codes, scales, mins = self._rows(ids) if self.packed else (
+                self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids])
+            rows = dequantize_rows(self.kind, codes, scales, mins)
         return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -33,6 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, no_gil(),
         "[M, K] float32 -> [M, K + 8K/32] int8: codes, then per-32 scales and scale * sums as float32");
   m.def("quant_linear", &quant_linear, no_gil(), "y = x W^T (+ b), W in GGUF-derived int codes (U4, U8, S8), float32 CPU");
+  m.def("packed_table_rows", &packed_table_rows, no_gil(), "rows ids of a packed U4, U8 or S8 table as float32 [n, K] "
+        "(an embedding lookup)", pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("mins"),
+        pybind11::arg("ids"), pybind11::arg("kind"));
   m.def("quant_packed_rows", &quant_packed_rows,
         "output rows per group of quant_linear's packed weight layout on this build (0: no packed layout)");
   bind_decode_stack(m);

@@ -92,5 +92,8 @@ void quant_packed_matmul(int64_t kind, const uint8_t* codes, const float* scales
 void quant_packed_experts(int64_t kind, const uint8_t* codes, const float* scales, const float* mins,
                           const int8_t* xq, int64_t xq_stride, const int64_t* offsets, int64_t E, int64_t K,
                           int64_t G, float* y);
+// rows ids[0, n) of a packed table of kind 0-2 (an embedding lookup) as float32 [n, K]: code * scale (+ min)
+void packed_table_rows(int64_t kind, const uint8_t* codes, const float* scales, const float* mins,
+                       const int64_t* ids, int64_t n, int64_t K, float* out);
 
 }  // namespace lmserve

@@ -34,6 +34,33 @@ torch::Tensor quantize_activations(torch::Tensor x) {
 
 int64_t quant_packed_rows() { return lmserve::quant_packed_rows(); }
 
+// rows `ids` [n] of a packed table (codes [G, K/32, *], scales and mins [G, blocks, 16]) of kind 0 (U4), 1 (U8) or
+// 2 (S8) as float32 [n, K]: an embedding lookup (layers/formats/gguf_embedding.py), dequantized as its reference
+torch::Tensor packed_table_rows(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                                torch::Tensor ids, int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 (U4), 1 (U8) or 2 (S8)");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
+              codes.size(2) == lmserve::quant_packed_code_bytes(kind),
+              "codes: [G, K/32, ", lmserve::num(lmserve::quant_packed_code_bytes(kind)), "] contiguous uint8");
+  const int64_t G = codes.size(0), K = codes.size(1) * lmserve::kQuantBlock;
+  const int64_t blocks = lmserve::quant_packed_scale_blocks(kind, K);
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 3 &&
+              scales.size(0) == G && scales.size(1) == blocks && scales.size(2) == 16,
+              "scales: [G, ", lmserve::num(blocks), ", 16] float32");
+  lmserve::check_mins(kind, mins, scales.sizes());
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.device().is_cpu(), "ids: [n] int64 (CPU)");
+  ids = ids.contiguous();
+  const int64_t n = ids.size(0);
+  const int64_t* pi = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(pi[i] >= 0 && pi[i] < G * 16, "id ", lmserve::num(pi[i]), " is outside the table's ",
+                lmserve::num(G * 16), " rows");
+  auto out = torch::empty({n, K}, scales.options());
+  lmserve::packed_table_rows(kind, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                             lmserve::data_or_null(mins), pi, n, K, out.data_ptr<float>());
+  return out;
+}
+
 inline torch::Tensor lmserve::packed_linear(const torch::Tensor& x, const torch::Tensor& codes,
                                             const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                                             int64_t kind, const c10::optional<torch::Tensor>& bias) {
