@@ -61,6 +61,9 @@ def test_the_native_lookup_equals_its_reference(kind):
     assert torch.equal(rows, reference)  # the native call itself, not only whichever path forward took
     with pytest.raises(RuntimeError, match="outside the table"):
         native_module().packed_table_rows(emb.codes, emb.scales, emb.mins, torch.tensor([n]), emb.kind)
+    empty = None if emb.mins is None else emb.mins[:0]
+    with pytest.raises(RuntimeError, match="an empty table"):  # refused before any division by its width
+        native_module().packed_table_rows(emb.codes[:0], emb.scales[:0], empty, torch.tensor([0]), emb.kind)
 
 
 @pytest.fixture(scope="module")

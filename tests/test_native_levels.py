@@ -105,7 +105,7 @@ RUNNABLE = [lv.name for lv in native.LEVELS if lv.needs <= set(cpu_flags().split
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # three parity files in a child process; ~7 min a level at load average ~15
+@pytest.mark.timeout(2400)  # the PARITY tests in a child process; ~7 min a level at load average ~15
 @pytest.mark.skipif(os.environ.get(native.ENV_SWITCH) == "0", reason="native kernels switched off")
 @pytest.mark.parametrize("level", RUNNABLE or ["none"])
 def test_each_build_this_cpu_runs_equals_the_references(level):

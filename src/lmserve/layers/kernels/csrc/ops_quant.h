@@ -42,6 +42,9 @@ torch::Tensor packed_table_rows(torch::Tensor codes, torch::Tensor scales, c10::
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == torch::kUInt8 &&
               codes.size(2) == lmserve::quant_packed_code_bytes(kind),
               "codes: [G, K/32, ", lmserve::num(lmserve::quant_packed_code_bytes(kind)), "] contiguous uint8");
+  TORCH_CHECK(codes.size(0) > 0 && codes.size(1) > 0, "codes: an empty table");
+  TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() && (!mins.has_value() || mins->device().is_cpu()),
+              "codes, scales and mins: CPU tensors");
   const int64_t G = codes.size(0), K = codes.size(1) * lmserve::kQuantBlock;
   const int64_t blocks = lmserve::quant_packed_scale_blocks(kind, K);
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 3 &&

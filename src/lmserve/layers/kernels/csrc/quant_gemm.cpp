@@ -1400,9 +1400,10 @@ int64_t lmserve::quant_packed_scale_blocks(int64_t kind, int64_t K) {
 // lane l are the 4-byte words at b * code_bytes + 64 j + 4 l) and dequantized as layers/formats/gguf_embedding.py's
 // reference (dequantize_rows) does: code * scale, then + min, two roundings (this unit has no FMA contraction). Why
 // native: a row's words sit 64 bytes apart, one cache line each (144 lines a row of SmolLM2's Q8_0 table, which a
-// decode step's weights have pushed out of cache), and torch's advanced indexing took ~0.2 ms for 16 rows (~1% of a
-// 16-row x86-64-v3 decode step, 3% of a 1-row one) on one thread; here every line of a row is requested before any
-// is read, so the misses overlap.
+// decode step's weights have pushed out of cache), and torch's advanced indexing took 0.29 ms for 16 rows and 0.18
+// for 1 in an engine's steps (~1% of a 16-row x86-64-v3 decode step, 3% of a 1-row one) on one thread; here every
+// line of a row is requested before any is read, so the misses overlap: 0.10 and 0.06 ms
+// (benchmarks/results/step_host_zen4_stop75.md).
 void lmserve::packed_table_rows(int64_t kind, const uint8_t* codes, const float* scales, const float* mins,
                                 const int64_t* ids, int64_t n, int64_t K, float* out) {
   const int64_t nb = K / kQBlock, cb = quant_packed_code_bytes(kind), words = cb / 64;
