@@ -8,6 +8,7 @@ the runner's input building, upload, sampling metadata, sampler and download, th
 tables and final norm, the layer loop, the LM head, the output processor). The wrappers nest (the layers are inside
 the runner's step), so the parts are not a partition; they show what each costs a step, in the engine's own
 sequence, where caches hold what a real step leaves in them. With --trees each tree runs in its own process, in turn.
+The CPU's model name and its vector flags are printed with the results: numbers from another machine mean little.
 """
 
 from __future__ import annotations
@@ -22,6 +23,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+
+
+def machine() -> str:
+    """'<model name>, <n> cores, flags <the vector flags it has>' from /proc/cpuinfo (lmserve.utils reads the flags)."""
+    from lmserve.utils import cpu_flags
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown CPU")
+    except OSError:
+        name = "unknown CPU"
+    have = set(cpu_flags().split())
+    return f"{name}, {os.cpu_count()} cores, flags {' '.join(f for f in FLAGS if f in have)}"
 
 
 def run(rows: int, steps: int) -> dict:
@@ -71,7 +86,7 @@ def run(rows: int, steps: int) -> dict:
         engine.step()
     step_ms = (time.perf_counter() - start) / steps * 1e3
     return {"rows": rows, "step_ms": step_ms, "parts_ms": {k: v / steps * 1e3 for k, v in spent.items()},
-            "load": os.getloadavg()[0]}
+            "load": os.getloadavg()[0], "machine": machine()}
 
 
 def main() -> None:
@@ -87,7 +102,7 @@ def main() -> None:
             if args.json:
                 print(json.dumps(out), flush=True)
                 continue
-            print(f"\n{rows} row(s): step {out['step_ms']:.2f} ms (load {out['load']:.1f})")
+            print(f"\n{rows} row(s): step {out['step_ms']:.2f} ms (load {out['load']:.1f}; {out['machine']})")
             for key, ms in sorted(out["parts_ms"].items(), key=lambda kv: -kv[1]):
                 print(f"  {key:28s} {ms:7.3f} ms")
         return
@@ -99,6 +114,7 @@ def main() -> None:
         lines = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
         results[name] = [json.loads(line) for line in lines if line.startswith("{")]
     keys = sorted({k for rs in results.values() for r in rs for k in r["parts_ms"]})
+    print(next(iter(results.values()))[0]["machine"])
     for i, rows in enumerate(int(r) for r in args.rows.split(",")):
         print(f"\n{rows} row(s), ms a step | " + " | ".join(trees))
         print(f"  {'whole step':28s} " + " ".join(f"{results[n][i]['step_ms']:8.3f}" for n in trees))
